@@ -1,1 +1,399 @@
-//! placeholder
+//! Configuration of the gpusnap CRIU plugin.
+//!
+//! Podman and CRI-O start CRIU without passing the caller's environment, so the main channel is a
+//! TOML file: [`DEFAULT_PATH`], or the file named by the environment variable `GPUSNAP_CONFIG`.
+//! A missing default file means "all defaults"; a missing file named by `GPUSNAP_CONFIG` is an
+//! error. Every key can then be overridden by an environment variable `GPUSNAP_<KEY>` (the key
+//! uppercased, e.g. `GPUSNAP_WRITER_THREADS=8`); the environment beats the file.
+//!
+//! Strictness is on purpose: an unknown key in the file, an unknown `GPUSNAP_*` variable (other
+//! than `GPUSNAP_CONFIG` and [`NON_CONFIG_ENV`]), a value of the wrong type or out of range are
+//! all errors that say where the value came from and what is allowed. A typo must not silently
+//! checkpoint with settings the user did not ask for.
+//!
+//! `config/gpusnap.conf.example` documents every key.
+//!
+//! This crate only parses and validates; it does not act on any value.
+
+mod device_map;
+mod error;
+mod keys;
+
+#[cfg(test)]
+mod tests;
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+pub use device_map::normalise_uuid;
+pub use error::{ConfigError, Origin};
+
+/// The configuration file read when `GPUSNAP_CONFIG` is not set.
+pub const DEFAULT_PATH: &str = "/etc/criu/gpusnap.conf";
+
+/// The environment variable that names another configuration file.
+pub const CONFIG_ENV: &str = "GPUSNAP_CONFIG";
+
+/// `GPUSNAP_*` environment variables that are not configuration keys but are read elsewhere
+/// (by the agent, the test harness, or the image writer), so they are not rejected as unknown:
+///
+/// - `GPUSNAP_AGENT_EAGER`, `GPUSNAP_AGENT_LIB`: read by the in-process agent;
+/// - `GPUSNAP_CRIU`, `GPUSNAP_CRIU_ROOT`, `GPUSNAP_SKIP_CRIU_TESTS`: read by the CRIU test suite;
+/// - `GPUSNAP_FSYNC`: read by the image writer.
+pub const NON_CONFIG_ENV: &[&str] = &[
+    "GPUSNAP_AGENT_EAGER",
+    "GPUSNAP_AGENT_LIB",
+    "GPUSNAP_CRIU",
+    "GPUSNAP_CRIU_ROOT",
+    "GPUSNAP_SKIP_CRIU_TESTS",
+    "GPUSNAP_FSYNC",
+];
+
+const ENV_PREFIX: &str = "GPUSNAP_";
+
+/// Whether and how the plugin checkpoints GPU state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Mode {
+    /// The split path when the process has the gpusnap agent loaded, transparent otherwise.
+    #[default]
+    Auto,
+    /// Never use the agent, even where it is loaded.
+    Transparent,
+    /// The plugin is disabled: it declines every hook.
+    Off,
+}
+
+impl Mode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Auto => "auto",
+            Mode::Transparent => "transparent",
+            Mode::Off => "off",
+        }
+    }
+}
+
+/// Compression of GPU memory in the image.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Compress {
+    #[default]
+    Off,
+    Zstd,
+}
+
+impl Compress {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Compress::Off => "off",
+            Compress::Zstd => "zstd",
+        }
+    }
+}
+
+/// The plugin's own log level, when it should differ from CRIU's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum LogLevel {
+    Error,
+    Warn,
+    Info,
+    Debug,
+}
+
+impl LogLevel {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LogLevel::Error => "error",
+            LogLevel::Warn => "warn",
+            LogLevel::Info => "info",
+            LogLevel::Debug => "debug",
+        }
+    }
+
+    pub fn to_level_filter(self) -> log::LevelFilter {
+        match self {
+            LogLevel::Error => log::LevelFilter::Error,
+            LogLevel::Warn => log::LevelFilter::Warn,
+            LogLevel::Info => log::LevelFilter::Info,
+            LogLevel::Debug => log::LevelFilter::Debug,
+        }
+    }
+}
+
+/// The effective configuration. Field names are the keys of the file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    pub mode: Mode,
+    /// Image writer threads; 0 means one per CPU, at most 16 (see
+    /// [`Config::effective_writer_threads`]).
+    pub writer_threads: u32,
+    /// Image reader threads; 0 means one per CPU, at most 16.
+    pub reader_threads: u32,
+    /// Size of one pinned staging buffer, in MiB.
+    pub staging_slot_mib: u32,
+    /// Number of staging buffers.
+    pub staging_slots: u32,
+    /// Concurrent device↔host copy streams per GPU.
+    pub copy_streams: u32,
+    pub compress: Compress,
+    /// Check every checksum of the image before the GPU is touched on restore.
+    pub verify_before_restore: bool,
+    /// How long to wait for the in-process agent to answer, in milliseconds.
+    pub agent_timeout_ms: u64,
+    /// Timeout of the GPU lock step in milliseconds; 0 means CRIU's own timeout.
+    pub lock_timeout_ms: u64,
+    /// (old GPU UUID, new GPU UUID) pairs, each as 32 lowercase hex digits.
+    pub device_map: Vec<(String, String)>,
+    /// `None`: follow CRIU's log level.
+    pub log_level: Option<LogLevel>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            mode: Mode::Auto,
+            writer_threads: 0,
+            reader_threads: 0,
+            staging_slot_mib: 32,
+            staging_slots: 16,
+            copy_streams: 4,
+            compress: Compress::Off,
+            verify_before_restore: true,
+            agent_timeout_ms: 30_000,
+            lock_timeout_ms: 0,
+            device_map: Vec::new(),
+            log_level: None,
+        }
+    }
+}
+
+/// Threads used when a thread count is 0: the number of CPUs this process may run on, at most 16.
+fn auto_threads() -> usize {
+    std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
+        .min(16)
+}
+
+fn resolve_threads(configured: u32) -> usize {
+    match configured {
+        0 => auto_threads(),
+        n => n as usize,
+    }
+}
+
+impl Config {
+    /// `writer_threads`, with 0 resolved to the number of CPUs (at most 16).
+    pub fn effective_writer_threads(&self) -> usize {
+        resolve_threads(self.writer_threads)
+    }
+
+    /// `reader_threads`, with 0 resolved to the number of CPUs (at most 16).
+    pub fn effective_reader_threads(&self) -> usize {
+        resolve_threads(self.reader_threads)
+    }
+
+    /// Size of one staging buffer in bytes.
+    pub fn staging_slot_bytes(&self) -> usize {
+        self.staging_slot_mib as usize * 1024 * 1024
+    }
+
+    pub fn agent_timeout(&self) -> Duration {
+        Duration::from_millis(self.agent_timeout_ms)
+    }
+
+    /// `None` means "use CRIU's own timeout".
+    pub fn lock_timeout(&self) -> Option<Duration> {
+        (self.lock_timeout_ms != 0).then(|| Duration::from_millis(self.lock_timeout_ms))
+    }
+
+    /// The new GPU UUID (32 lowercase hex digits) that stands in for `old`, if mapped. `old` may
+    /// be written in either accepted form.
+    pub fn mapped_device(&self, old: &str) -> Option<&str> {
+        let old = normalise_uuid(old).ok()?;
+        self.device_map
+            .iter()
+            .find(|(o, _)| *o == old)
+            .map(|(_, n)| n.as_str())
+    }
+
+    /// One line with every effective value, for the plugin's log at init.
+    pub fn describe(&self) -> String {
+        let threads = |configured: u32, effective: usize| match configured {
+            0 => format!("{effective} (auto)"),
+            n => n.to_string(),
+        };
+        let mut s = format!(
+            "mode={} writer_threads={} reader_threads={} staging_slot_mib={} staging_slots={} \
+             copy_streams={} compress={} verify_before_restore={} agent_timeout_ms={} \
+             lock_timeout_ms={}",
+            self.mode.as_str(),
+            threads(self.writer_threads, self.effective_writer_threads()),
+            threads(self.reader_threads, self.effective_reader_threads()),
+            self.staging_slot_mib,
+            self.staging_slots,
+            self.copy_streams,
+            self.compress.as_str(),
+            self.verify_before_restore,
+            self.agent_timeout_ms,
+            match self.lock_timeout_ms {
+                0 => "0 (criu)".to_owned(),
+                n => n.to_string(),
+            },
+        );
+        s.push_str(" device_map=");
+        if self.device_map.is_empty() {
+            s.push_str("none");
+        } else {
+            for (i, (old, new)) in self.device_map.iter().enumerate() {
+                let sep = if i == 0 { "" } else { "," };
+                let _ = write!(s, "{sep}{old}={new}");
+            }
+        }
+        let _ = write!(
+            s,
+            " log_level={}",
+            self.log_level.map_or("criu", LogLevel::as_str)
+        );
+        s
+    }
+}
+
+/// The file to read and whether it must exist, given the value of `GPUSNAP_CONFIG` (if set).
+/// An empty `GPUSNAP_CONFIG` is taken as set: it names no file, and reading it fails.
+/// `GPUSNAP_CONFIG=/dev/null` is the way to ignore the default file.
+pub fn config_path(gpusnap_config: Option<&str>) -> (PathBuf, bool) {
+    match gpusnap_config {
+        Some(p) => (PathBuf::from(p), true),
+        None => (PathBuf::from(DEFAULT_PATH), false),
+    }
+}
+
+/// Loads the configuration from the real file ([`DEFAULT_PATH`] or `GPUSNAP_CONFIG`) and the real
+/// environment.
+pub fn load() -> Result<Config, ConfigError> {
+    let mut env = Vec::new();
+    for (name, value) in std::env::vars_os() {
+        let Some(name) = name.to_str() else { continue };
+        if !name.starts_with(ENV_PREFIX) {
+            continue;
+        }
+        let Some(value) = value.to_str() else {
+            return Err(ConfigError::NotUnicode {
+                var: name.to_owned(),
+            });
+        };
+        env.push((name.to_owned(), value.to_owned()));
+    }
+    let named = env
+        .iter()
+        .rev()
+        .find(|(k, _)| k == CONFIG_ENV)
+        .map(|(_, v)| v.as_str());
+    let (path, required) = config_path(named);
+    load_from(Some(&path), required, &env)
+}
+
+/// Loads the configuration from `file` (if any) and then applies `env`, a list of environment
+/// variables (other variables than `GPUSNAP_*` are ignored; `GPUSNAP_CONFIG` is not read here).
+///
+/// If `file` does not exist, that is an error when `file_required`, and means "defaults"
+/// otherwise. Any other failure to read it is always an error. Later entries of `env` win over
+/// earlier ones with the same name.
+pub fn load_from(
+    file: Option<&Path>,
+    file_required: bool,
+    env: &[(String, String)],
+) -> Result<Config, ConfigError> {
+    let mut config = Config::default();
+    if let Some(path) = file {
+        apply_file(&mut config, path, file_required)?;
+    }
+    apply_env(&mut config, env)?;
+    Ok(config)
+}
+
+fn apply_file(config: &mut Config, path: &Path, required: bool) -> Result<(), ConfigError> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound && !required => return Ok(()),
+        Err(source) => {
+            return Err(ConfigError::Read {
+                path: path.to_owned(),
+                source,
+            });
+        }
+    };
+    let table: toml::Table = text
+        .parse()
+        .map_err(|e: toml::de::Error| ConfigError::Parse {
+            path: path.to_owned(),
+            message: one_line_parse_error(&text, &e),
+        })?;
+    for (name, value) in &table {
+        let Some(key) = keys::find(name) else {
+            return Err(ConfigError::UnknownKey {
+                path: path.to_owned(),
+                key: name.clone(),
+                valid: keys::names(),
+            });
+        };
+        let origin = Origin::File {
+            path: path.to_owned(),
+            key: name.clone(),
+        };
+        (key.set)(config, keys::Raw::Toml(value), &origin)?;
+    }
+    Ok(())
+}
+
+/// `line L, column C: message`, so the error fits on one line of CRIU's log.
+fn one_line_parse_error(text: &str, e: &toml::de::Error) -> String {
+    let message = e.message().trim_end();
+    let Some(span) = e.span() else {
+        return message.to_owned();
+    };
+    let before = text.get(..span.start).unwrap_or(text);
+    let line = before.matches('\n').count() + 1;
+    let column = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
+    format!("line {line}, column {column}: {message}")
+}
+
+fn apply_env(config: &mut Config, env: &[(String, String)]) -> Result<(), ConfigError> {
+    for (var, value) in env {
+        let Some(suffix) = var.strip_prefix(ENV_PREFIX) else {
+            continue;
+        };
+        if var == CONFIG_ENV || NON_CONFIG_ENV.contains(&var.as_str()) {
+            continue;
+        }
+        // The variable must be exactly the uppercased key: GPUSNAP_writer_threads is a typo.
+        let key = keys::KEYS
+            .iter()
+            .find(|k| k.name.to_ascii_uppercase() == suffix);
+        let Some(key) = key else {
+            return Err(ConfigError::UnknownEnv {
+                var: var.clone(),
+                valid: valid_env_names(),
+            });
+        };
+        let origin = Origin::Env { var: var.clone() };
+        (key.set)(config, keys::Raw::Env(value), &origin)?;
+    }
+    Ok(())
+}
+
+fn valid_env_names() -> String {
+    let mut names: Vec<String> = keys::KEYS
+        .iter()
+        .map(|k| format!("{ENV_PREFIX}{}", k.name.to_ascii_uppercase()))
+        .collect();
+    names.push(CONFIG_ENV.to_owned());
+    names.extend(NON_CONFIG_ENV.iter().map(|s| (*s).to_owned()));
+    names.join(", ")
+}
+
+/// The names of all configuration keys, in the order of the example file.
+pub fn key_names() -> impl Iterator<Item = &'static str> {
+    keys::KEYS.iter().map(|k| k.name)
+}

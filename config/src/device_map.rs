@@ -1,0 +1,57 @@
+//! Parsing of `device_map`: which GPU of the restore machine stands in for which GPU of the dump.
+
+/// Parses `"OLD=NEW,OLD=NEW"` into normalised pairs (32 lowercase hex digits each).
+///
+/// Each UUID is either `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx` (as `nvidia-smi -L` prints it)
+/// or the same 32 hex digits without prefix and dashes. Whitespace around entries is ignored, and
+/// so are empty entries (a trailing comma). The map must be one-to-one: an old UUID listed twice
+/// is ambiguous, and two old GPUs onto one new GPU cannot be restored.
+///
+/// On error, returns a message for [`crate::ConfigError::Invalid`]'s `allowed` part.
+pub fn parse(text: &str) -> Result<Vec<(String, String)>, String> {
+    let mut pairs: Vec<(String, String)> = Vec::new();
+    for entry in text.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+        let Some((old, new)) = entry.split_once('=') else {
+            return Err(format!(
+                "OLD=NEW pairs separated by commas; `{entry}` has no `=`"
+            ));
+        };
+        let old = normalise_uuid(old.trim())?;
+        let new = normalise_uuid(new.trim())?;
+        if pairs.iter().any(|(o, _)| *o == old) {
+            return Err(format!("each old GPU once; GPU {old} is mapped twice"));
+        }
+        if pairs.iter().any(|(_, n)| *n == new) {
+            return Err(format!(
+                "a one-to-one map; two old GPUs are mapped onto GPU {new}"
+            ));
+        }
+        pairs.push((old, new));
+    }
+    Ok(pairs)
+}
+
+/// Returns the 32 lowercase hex digits of a GPU UUID written in either accepted form.
+pub fn normalise_uuid(uuid: &str) -> Result<String, String> {
+    const GROUPS: [usize; 5] = [8, 4, 4, 4, 12];
+    let bad = || {
+        format!(
+            "GPU UUIDs as GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx or 32 hex digits; got `{uuid}`"
+        )
+    };
+    let hex = if let Some(rest) = uuid.strip_prefix("GPU-") {
+        let groups: Vec<&str> = rest.split('-').collect();
+        let shape_ok = groups.len() == GROUPS.len()
+            && groups.iter().zip(GROUPS).all(|(g, len)| g.len() == len);
+        if !shape_ok {
+            return Err(bad());
+        }
+        groups.concat()
+    } else {
+        uuid.to_owned()
+    };
+    if hex.len() != 32 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(bad());
+    }
+    Ok(hex.to_ascii_lowercase())
+}

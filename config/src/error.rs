@@ -1,0 +1,64 @@
+//! The one error type of this crate: every message names where the bad value came from.
+
+use std::fmt;
+use std::path::PathBuf;
+
+/// Where a value came from: a key in a configuration file, or an environment variable.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Origin {
+    /// `key` in the TOML file at `path`.
+    File { path: PathBuf, key: String },
+    /// The environment variable `var`.
+    Env { var: String },
+}
+
+impl fmt::Display for Origin {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Origin::File { path, key } => write!(f, "key `{key}` in {}", path.display()),
+            Origin::Env { var } => write!(f, "environment variable {var}"),
+        }
+    }
+}
+
+/// Why the configuration could not be loaded. The plugin refuses to start on any of these rather
+/// than run with a configuration the user did not ask for.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file named by `GPUSNAP_CONFIG` does not exist, or an existing file could not be read.
+    #[error("cannot read configuration file {}: {source}", path.display())]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// The file is not valid TOML.
+    #[error("configuration file {} is not valid TOML: {message}", path.display())]
+    Parse { path: PathBuf, message: String },
+
+    /// The file has a key this version does not know.
+    #[error("unknown key `{key}` in {}; valid keys: {valid}", path.display())]
+    UnknownKey {
+        path: PathBuf,
+        key: String,
+        valid: String,
+    },
+
+    /// A `GPUSNAP_*` environment variable that is neither a configuration key nor on the
+    /// allowlist of non-configuration variables.
+    #[error("unknown environment variable {var}; valid: {valid}")]
+    UnknownEnv { var: String, valid: String },
+
+    /// A `GPUSNAP_*` environment variable whose value is not UTF-8.
+    #[error("environment variable {var} is not valid UTF-8")]
+    NotUnicode { var: String },
+
+    /// A value of the wrong type or outside its range.
+    #[error("invalid value {value} for {origin}: expected {allowed}")]
+    Invalid {
+        origin: Origin,
+        value: String,
+        allowed: String,
+    },
+}

@@ -1,0 +1,209 @@
+//! The table of configuration keys: one entry per key, each with the setter that validates a raw
+//! value (from the file or from the environment) into [`Config`].
+
+use crate::error::{ConfigError, Origin};
+use crate::{Compress, Config, LogLevel, Mode, device_map};
+
+/// A value before validation.
+#[derive(Clone, Copy)]
+pub(crate) enum Raw<'a> {
+    Toml(&'a toml::Value),
+    Env(&'a str),
+}
+
+impl Raw<'_> {
+    fn shown(&self) -> String {
+        match self {
+            Raw::Toml(v) => v.to_string(),
+            Raw::Env(s) => format!("{s:?}"),
+        }
+    }
+}
+
+type Setter = fn(&mut Config, Raw<'_>, &Origin) -> Result<(), ConfigError>;
+
+/// One configuration key.
+pub(crate) struct Key {
+    pub name: &'static str,
+    pub set: Setter,
+}
+
+const THREADS: &str = "0 (one per CPU, at most 16) or an integer in 1..=64";
+
+pub(crate) const KEYS: &[Key] = &[
+    Key {
+        name: "mode",
+        set: |c, r, o| {
+            c.mode = match string(r, o, MODES)? {
+                "auto" => Mode::Auto,
+                "transparent" => Mode::Transparent,
+                "off" => Mode::Off,
+                _ => return Err(invalid(r, o, MODES)),
+            };
+            Ok(())
+        },
+    },
+    Key {
+        name: "writer_threads",
+        set: |c, r, o| {
+            c.writer_threads = int(r, o, 0, 64, THREADS)?;
+            Ok(())
+        },
+    },
+    Key {
+        name: "reader_threads",
+        set: |c, r, o| {
+            c.reader_threads = int(r, o, 0, 64, THREADS)?;
+            Ok(())
+        },
+    },
+    Key {
+        name: "staging_slot_mib",
+        set: |c, r, o| {
+            c.staging_slot_mib = int(r, o, 1, 1024, "an integer in 1..=1024")?;
+            Ok(())
+        },
+    },
+    Key {
+        name: "staging_slots",
+        set: |c, r, o| {
+            c.staging_slots = int(r, o, 2, 256, "an integer in 2..=256")?;
+            Ok(())
+        },
+    },
+    Key {
+        name: "copy_streams",
+        set: |c, r, o| {
+            c.copy_streams = int(r, o, 1, 16, "an integer in 1..=16")?;
+            Ok(())
+        },
+    },
+    Key {
+        name: "compress",
+        set: |c, r, o| {
+            c.compress = match string(r, o, COMPRESS)? {
+                "off" => Compress::Off,
+                "zstd" => Compress::Zstd,
+                _ => return Err(invalid(r, o, COMPRESS)),
+            };
+            Ok(())
+        },
+    },
+    Key {
+        name: "verify_before_restore",
+        set: |c, r, o| {
+            c.verify_before_restore = boolean(r, o)?;
+            Ok(())
+        },
+    },
+    Key {
+        name: "agent_timeout_ms",
+        set: |c, r, o| {
+            c.agent_timeout_ms = int(r, o, 100, 600_000, "milliseconds in 100..=600000")?;
+            Ok(())
+        },
+    },
+    Key {
+        name: "lock_timeout_ms",
+        set: |c, r, o| {
+            c.lock_timeout_ms = int(
+                r,
+                o,
+                0,
+                3_600_000,
+                "0 (CRIU's own timeout) or milliseconds in 1..=3600000",
+            )?;
+            Ok(())
+        },
+    },
+    Key {
+        name: "device_map",
+        set: |c, r, o| {
+            let text = string(
+                r,
+                o,
+                "a string of OLD=NEW GPU UUID pairs separated by commas",
+            )?;
+            c.device_map = device_map::parse(text).map_err(|allowed| invalid(r, o, &allowed))?;
+            Ok(())
+        },
+    },
+    Key {
+        name: "log_level",
+        set: |c, r, o| {
+            c.log_level = match string(r, o, LOG_LEVELS)? {
+                "" => None,
+                "error" => Some(LogLevel::Error),
+                "warn" => Some(LogLevel::Warn),
+                "info" => Some(LogLevel::Info),
+                "debug" => Some(LogLevel::Debug),
+                _ => return Err(invalid(r, o, LOG_LEVELS)),
+            };
+            Ok(())
+        },
+    },
+];
+
+const MODES: &str = "one of \"auto\", \"transparent\", \"off\"";
+const COMPRESS: &str = "one of \"off\", \"zstd\"";
+const LOG_LEVELS: &str =
+    "one of \"error\", \"warn\", \"info\", \"debug\", or \"\" to follow CRIU's log level";
+
+pub(crate) fn find(name: &str) -> Option<&'static Key> {
+    KEYS.iter().find(|k| k.name == name)
+}
+
+/// The key names, comma separated, for error messages.
+pub(crate) fn names() -> String {
+    KEYS.iter().map(|k| k.name).collect::<Vec<_>>().join(", ")
+}
+
+fn invalid(raw: Raw<'_>, origin: &Origin, allowed: &str) -> ConfigError {
+    ConfigError::Invalid {
+        origin: origin.clone(),
+        value: raw.shown(),
+        allowed: allowed.to_owned(),
+    }
+}
+
+fn int<T: TryFrom<u64>>(
+    raw: Raw<'_>,
+    origin: &Origin,
+    min: u64,
+    max: u64,
+    allowed: &str,
+) -> Result<T, ConfigError> {
+    let value = match raw {
+        Raw::Toml(toml::Value::Integer(i)) => u64::try_from(*i).ok(),
+        Raw::Toml(_) => None,
+        Raw::Env(s) => s.trim().parse::<u64>().ok(),
+    };
+    value
+        .filter(|v| (min..=max).contains(v))
+        .and_then(|v| T::try_from(v).ok())
+        .ok_or_else(|| invalid(raw, origin, allowed))
+}
+
+fn boolean(raw: Raw<'_>, origin: &Origin) -> Result<bool, ConfigError> {
+    let value = match raw {
+        Raw::Toml(toml::Value::Boolean(b)) => Some(*b),
+        Raw::Toml(_) => None,
+        Raw::Env(s) => match s.trim().to_ascii_lowercase().as_str() {
+            "true" | "1" | "yes" | "on" => Some(true),
+            "false" | "0" | "no" | "off" => Some(false),
+            _ => None,
+        },
+    };
+    value.ok_or_else(|| match raw {
+        Raw::Toml(_) => invalid(raw, origin, "true or false"),
+        Raw::Env(_) => invalid(raw, origin, "true/false, 1/0, yes/no or on/off"),
+    })
+}
+
+fn string<'a>(raw: Raw<'a>, origin: &Origin, allowed: &str) -> Result<&'a str, ConfigError> {
+    match raw {
+        Raw::Toml(toml::Value::String(s)) => Ok(s.as_str()),
+        Raw::Toml(_) => Err(invalid(raw, origin, allowed)),
+        Raw::Env(s) => Ok(s.trim()),
+    }
+}

@@ -1,0 +1,427 @@
+use super::*;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// A file in a fresh temporary directory, removed on drop.
+struct TempFile {
+    dir: PathBuf,
+    path: PathBuf,
+}
+
+impl TempFile {
+    fn new(contents: &str) -> TempFile {
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "gpusnap-config-test-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("gpusnap.conf");
+        std::fs::write(&path, contents).unwrap();
+        TempFile { dir, path }
+    }
+}
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+    pairs
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect()
+}
+
+fn from_file(contents: &str) -> Result<Config, ConfigError> {
+    let f = TempFile::new(contents);
+    load_from(Some(&f.path), true, &[])
+}
+
+fn from_env(pairs: &[(&str, &str)]) -> Result<Config, ConfigError> {
+    load_from(None, false, &env(pairs))
+}
+
+const UUID_A: &str = "GPU-0a1b2c3d-0000-1111-2222-333344445555";
+const HEX_A: &str = "0a1b2c3d000011112222333344445555";
+const UUID_B: &str = "GPU-9F8E7D6C-AAAA-BBBB-CCCC-DDDDEEEEFFFF";
+const HEX_B: &str = "9f8e7d6caaaabbbbccccddddeeeeffff";
+
+#[test]
+fn defaults() {
+    let c = Config::default();
+    assert_eq!(c.mode, Mode::Auto);
+    assert_eq!((c.writer_threads, c.reader_threads), (0, 0));
+    assert_eq!((c.staging_slot_mib, c.staging_slots), (32, 16));
+    assert_eq!(c.copy_streams, 4);
+    assert_eq!(c.compress, Compress::Off);
+    assert!(c.verify_before_restore);
+    assert_eq!(c.agent_timeout_ms, 30_000);
+    assert_eq!(c.lock_timeout_ms, 0);
+    assert_eq!(c.lock_timeout(), None);
+    assert!(c.device_map.is_empty());
+    assert_eq!(c.log_level, None);
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    assert_eq!(c.effective_writer_threads(), cpus.min(16));
+    assert_eq!(c.effective_reader_threads(), cpus.min(16));
+    assert_eq!(c.staging_slot_bytes(), 32 << 20);
+}
+
+#[test]
+fn no_file_and_no_env_gives_defaults() {
+    assert_eq!(load_from(None, false, &[]).unwrap(), Config::default());
+}
+
+#[test]
+fn missing_default_file_is_fine() {
+    let missing = std::env::temp_dir().join("gpusnap-config-test-does-not-exist.conf");
+    assert_eq!(
+        load_from(Some(&missing), false, &[]).unwrap(),
+        Config::default()
+    );
+}
+
+#[test]
+fn missing_named_file_is_an_error() {
+    let missing = std::env::temp_dir().join("gpusnap-config-test-does-not-exist.conf");
+    let err = load_from(Some(&missing), true, &[]).unwrap_err();
+    assert!(matches!(err, ConfigError::Read { .. }), "{err}");
+    assert!(err.to_string().contains("does-not-exist"), "{err}");
+}
+
+#[test]
+fn config_path_follows_gpusnap_config() {
+    assert_eq!(config_path(None), (PathBuf::from(DEFAULT_PATH), false));
+    assert_eq!(
+        config_path(Some("/x/y.conf")),
+        (PathBuf::from("/x/y.conf"), true)
+    );
+}
+
+#[test]
+fn parses_every_key_from_file() {
+    let c = from_file(&format!(
+        r#"
+mode = "transparent"
+writer_threads = 8
+reader_threads = 64
+staging_slot_mib = 1024
+staging_slots = 2
+copy_streams = 16
+compress = "zstd"
+verify_before_restore = false
+agent_timeout_ms = 100
+lock_timeout_ms = 3600000
+device_map = "{UUID_A}={UUID_B}"
+log_level = "debug"
+"#
+    ))
+    .unwrap();
+    let expected = Config {
+        mode: Mode::Transparent,
+        writer_threads: 8,
+        reader_threads: 64,
+        staging_slot_mib: 1024,
+        staging_slots: 2,
+        copy_streams: 16,
+        compress: Compress::Zstd,
+        verify_before_restore: false,
+        agent_timeout_ms: 100,
+        lock_timeout_ms: 3_600_000,
+        device_map: vec![(HEX_A.to_owned(), HEX_B.to_owned())],
+        log_level: Some(LogLevel::Debug),
+    };
+    assert_eq!(c, expected);
+    assert_eq!(c.effective_writer_threads(), 8);
+    assert_eq!(c.lock_timeout(), Some(Duration::from_secs(3600)));
+    assert_eq!(c.mapped_device(UUID_A), Some(HEX_B));
+    assert_eq!(c.mapped_device(HEX_B), None);
+}
+
+#[test]
+fn example_file_has_every_key_with_its_default() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("gpusnap.conf.example");
+    let text = std::fs::read_to_string(&path).unwrap();
+    for key in key_names() {
+        assert!(
+            text.lines().any(|l| l.starts_with(&format!("{key} = "))),
+            "{key} missing from the example"
+        );
+    }
+    assert_eq!(
+        load_from(Some(&path), true, &[]).unwrap(),
+        Config::default()
+    );
+}
+
+#[test]
+fn env_overrides_file() {
+    let f = TempFile::new("writer_threads = 4\ncompress = \"zstd\"\nmode = \"off\"\n");
+    let c = load_from(
+        Some(&f.path),
+        true,
+        &env(&[
+            ("GPUSNAP_WRITER_THREADS", "12"),
+            ("GPUSNAP_MODE", "auto"),
+            ("PATH", "/usr/bin"),
+        ]),
+    )
+    .unwrap();
+    assert_eq!(c.writer_threads, 12);
+    assert_eq!(c.mode, Mode::Auto);
+    assert_eq!(
+        c.compress,
+        Compress::Zstd,
+        "file value kept where env is silent"
+    );
+}
+
+#[test]
+fn later_env_entry_wins() {
+    let c = from_env(&[("GPUSNAP_COPY_STREAMS", "2"), ("GPUSNAP_COPY_STREAMS", "3")]).unwrap();
+    assert_eq!(c.copy_streams, 3);
+}
+
+#[test]
+fn env_value_forms() {
+    let c = from_env(&[
+        ("GPUSNAP_VERIFY_BEFORE_RESTORE", "no"),
+        ("GPUSNAP_STAGING_SLOTS", " 64 "),
+        ("GPUSNAP_LOG_LEVEL", "warn"),
+        ("GPUSNAP_DEVICE_MAP", &format!("{HEX_A}={UUID_B},")),
+    ])
+    .unwrap();
+    assert!(!c.verify_before_restore);
+    assert_eq!(c.staging_slots, 64);
+    assert_eq!(c.log_level, Some(LogLevel::Warn));
+    assert_eq!(c.device_map, vec![(HEX_A.to_owned(), HEX_B.to_owned())]);
+    for yes in ["1", "true", "YES", "on"] {
+        let c = from_env(&[("GPUSNAP_VERIFY_BEFORE_RESTORE", yes)]).unwrap();
+        assert!(c.verify_before_restore, "{yes}");
+    }
+}
+
+#[test]
+fn allowlisted_and_config_env_vars_are_ignored() {
+    let mut pairs = vec![("GPUSNAP_CONFIG", "/nonexistent")];
+    pairs.extend(NON_CONFIG_ENV.iter().map(|v| (*v, "1")));
+    assert_eq!(from_env(&pairs).unwrap(), Config::default());
+}
+
+#[test]
+fn unknown_key_in_file() {
+    let err = from_file("writer_thread = 4\n").unwrap_err();
+    let ConfigError::UnknownKey { key, valid, .. } = &err else {
+        panic!("{err}");
+    };
+    assert_eq!(key, "writer_thread");
+    assert!(valid.contains("writer_threads"), "{valid}");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("gpusnap.conf") && msg.contains("writer_thread`"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn tables_in_file() {
+    let err = from_file("[mode]\nx = 1\n").unwrap_err();
+    assert!(matches!(err, ConfigError::Invalid { .. }), "{err}");
+    let err = from_file("[extra]\nx = 1\n").unwrap_err();
+    assert!(matches!(err, ConfigError::UnknownKey { .. }), "{err}");
+}
+
+#[test]
+fn unknown_env_var() {
+    let err = from_env(&[("GPUSNAP_WRITER_THREAD", "4")]).unwrap_err();
+    let ConfigError::UnknownEnv { var, valid } = &err else {
+        panic!("{err}");
+    };
+    assert_eq!(var, "GPUSNAP_WRITER_THREAD");
+    assert!(valid.contains("GPUSNAP_WRITER_THREADS"), "{valid}");
+    assert!(valid.contains("GPUSNAP_FSYNC"), "{valid}");
+    // The variable must be the key uppercased exactly.
+    let err = from_env(&[("GPUSNAP_writer_threads", "4")]).unwrap_err();
+    assert!(matches!(err, ConfigError::UnknownEnv { .. }), "{err}");
+}
+
+#[test]
+fn invalid_toml() {
+    let err = from_file("# comment\nmode = \n").unwrap_err();
+    assert!(matches!(err, ConfigError::Parse { .. }), "{err}");
+    let msg = err.to_string();
+    assert!(msg.contains("line 2, column 8: "), "{msg}");
+    assert!(!msg.contains('\n'), "{msg}");
+}
+
+fn assert_invalid(err: ConfigError, where_: &str, allowed_part: &str) {
+    let msg = err.to_string();
+    assert!(matches!(err, ConfigError::Invalid { .. }), "{msg}");
+    assert!(msg.contains(where_), "{msg} should name {where_}");
+    assert!(
+        msg.contains(allowed_part),
+        "{msg} should say {allowed_part}"
+    );
+}
+
+#[test]
+fn out_of_range_values() {
+    let cases: &[(&str, &str, &str)] = &[
+        ("writer_threads", "65", "1..=64"),
+        ("reader_threads", "-1", "1..=64"),
+        ("staging_slot_mib", "0", "1..=1024"),
+        ("staging_slot_mib", "1025", "1..=1024"),
+        ("staging_slots", "1", "2..=256"),
+        ("staging_slots", "257", "2..=256"),
+        ("copy_streams", "0", "1..=16"),
+        ("copy_streams", "17", "1..=16"),
+        ("agent_timeout_ms", "99", "100..=600000"),
+        ("agent_timeout_ms", "600001", "100..=600000"),
+        ("lock_timeout_ms", "3600001", "1..=3600000"),
+    ];
+    for (key, value, allowed) in cases {
+        let err = from_file(&format!("{key} = {value}\n")).unwrap_err();
+        assert_invalid(err, &format!("key `{key}` in "), allowed);
+        let var = format!("GPUSNAP_{}", key.to_uppercase());
+        let err = from_env(&[(&var, value)]).unwrap_err();
+        assert_invalid(err, &format!("environment variable {var}"), allowed);
+    }
+    // The edges are accepted.
+    let c = from_env(&[
+        ("GPUSNAP_WRITER_THREADS", "64"),
+        ("GPUSNAP_READER_THREADS", "1"),
+        ("GPUSNAP_AGENT_TIMEOUT_MS", "600000"),
+    ])
+    .unwrap();
+    assert_eq!((c.writer_threads, c.reader_threads), (64, 1));
+}
+
+#[test]
+fn wrong_types() {
+    assert_invalid(
+        from_file("writer_threads = \"8\"\n").unwrap_err(),
+        "writer_threads",
+        "1..=64",
+    );
+    assert_invalid(
+        from_file("verify_before_restore = \"yes\"\n").unwrap_err(),
+        "verify_before_restore",
+        "true or false",
+    );
+    assert_invalid(
+        from_env(&[("GPUSNAP_VERIFY_BEFORE_RESTORE", "maybe")]).unwrap_err(),
+        "GPUSNAP_VERIFY_BEFORE_RESTORE",
+        "yes/no",
+    );
+    assert_invalid(
+        from_file("mode = 1\n").unwrap_err(),
+        "mode",
+        "\"transparent\"",
+    );
+    assert_invalid(
+        from_env(&[("GPUSNAP_WRITER_THREADS", "8x")]).unwrap_err(),
+        "GPUSNAP_WRITER_THREADS",
+        "1..=64",
+    );
+}
+
+#[test]
+fn bad_enum_values() {
+    assert_invalid(
+        from_file("mode = \"split\"\n").unwrap_err(),
+        "key `mode`",
+        "\"auto\", \"transparent\", \"off\"",
+    );
+    assert_invalid(
+        from_env(&[("GPUSNAP_COMPRESS", "lz4")]).unwrap_err(),
+        "GPUSNAP_COMPRESS",
+        "\"off\", \"zstd\"",
+    );
+    assert_invalid(
+        from_file("log_level = \"trace\"\n").unwrap_err(),
+        "key `log_level`",
+        "\"debug\"",
+    );
+    // Enum values are case-sensitive, as TOML keys are.
+    assert!(from_env(&[("GPUSNAP_MODE", "Auto")]).is_err());
+}
+
+#[test]
+fn device_map_parsing() {
+    let two = format!(" {UUID_A} = {HEX_B} , {HEX_B}={UUID_A} ");
+    assert_eq!(
+        device_map::parse(&two).unwrap(),
+        vec![
+            (HEX_A.to_owned(), HEX_B.to_owned()),
+            (HEX_B.to_owned(), HEX_A.to_owned())
+        ]
+    );
+    assert_eq!(device_map::parse("").unwrap(), vec![]);
+    assert_eq!(device_map::parse(" , ").unwrap(), vec![]);
+
+    let bad = [
+        UUID_A.to_owned(),                     // no '='
+        format!("{UUID_A}={UUID_B}={UUID_B}"), // two '='
+        format!("{UUID_A}="),                  // empty new
+        "GPU-0a1b2c3d-0000-1111-2222-33334444555=0a1b2c3d000011112222333344445555".to_owned(),
+        "GPU-0a1b2c3d00001111-2222-333344445555=0a1b2c3d000011112222333344445555".to_owned(),
+        "0a1b2c3d-0000-1111-2222-333344445555=0a1b2c3d000011112222333344445556".to_owned(),
+        "MIG-0a1b2c3d-0000-1111-2222-333344445555=0a1b2c3d000011112222333344445556".to_owned(),
+        "0a1b2c3d00001111222233334444555g=0a1b2c3d000011112222333344445556".to_owned(),
+        format!("{UUID_A}={UUID_B},{HEX_A}={HEX_A}"), // old mapped twice
+        format!("{UUID_A}={UUID_B},{HEX_B}={HEX_B}"), // two onto one
+    ];
+    for text in &bad {
+        assert!(device_map::parse(text).is_err(), "accepted {text:?}");
+    }
+
+    let err = from_file("device_map = \"GPU-1234=GPU-5678\"\n").unwrap_err();
+    assert_invalid(err, "key `device_map`", "GPU-xxxxxxxx-xxxx");
+    let err = from_file("device_map = [\"a\"]\n").unwrap_err();
+    assert_invalid(err, "key `device_map`", "OLD=NEW");
+}
+
+#[test]
+fn normalise_uuid_forms() {
+    assert_eq!(normalise_uuid(UUID_A).unwrap(), HEX_A);
+    assert_eq!(normalise_uuid(UUID_B).unwrap(), HEX_B);
+    assert_eq!(normalise_uuid(&HEX_B.to_uppercase()).unwrap(), HEX_B);
+    assert!(normalise_uuid("").is_err());
+    assert!(normalise_uuid("GPU-").is_err());
+}
+
+#[test]
+fn log_level_can_be_cleared_from_env() {
+    let f = TempFile::new("log_level = \"info\"\n");
+    let c = load_from(Some(&f.path), true, &env(&[("GPUSNAP_LOG_LEVEL", "")])).unwrap();
+    assert_eq!(c.log_level, None);
+    assert_eq!(LogLevel::Info.to_level_filter(), log::LevelFilter::Info);
+}
+
+#[test]
+fn describe_lists_every_key_on_one_line() {
+    let mut c = Config::default();
+    let line = c.describe();
+    assert!(!line.contains('\n'));
+    for key in key_names() {
+        assert!(line.contains(&format!("{key}=")), "{key} missing in {line}");
+    }
+    assert!(line.contains("mode=auto"), "{line}");
+    assert!(line.contains("(auto)"), "{line}");
+    assert!(line.contains("lock_timeout_ms=0 (criu)"), "{line}");
+    assert!(line.contains("device_map=none"), "{line}");
+    assert!(line.ends_with("log_level=criu"), "{line}");
+
+    c.writer_threads = 3;
+    c.device_map = vec![(HEX_A.to_owned(), HEX_B.to_owned())];
+    c.log_level = Some(LogLevel::Warn);
+    let line = c.describe();
+    assert!(line.contains("writer_threads=3 "), "{line}");
+    assert!(
+        line.contains(&format!("device_map={HEX_A}={HEX_B}")),
+        "{line}"
+    );
+    assert!(line.ends_with("log_level=warn"), "{line}");
+}

@@ -1,1 +1,24 @@
-//! placeholder
+//! End-to-end tests of gpusnap with a real CRIU.
+//!
+//! The tests (in `tests/`) run `scripts/criu dump` and `restore` (the private CRIU 4.1.1 root
+//! built by `scripts/install-criu.sh`) on small workloads (`src/bin/`) with the freshly built
+//! `libgpusnap.so` in the plugin directory, and check what users would check: CRIU succeeds,
+//! the restored processes carry on with their memory intact, and gpusnap's log lines and
+//! image files are as documented.
+//!
+//! They need root. Without it (or if CRIU cannot be installed) they fail with an explanation;
+//! `GPUSNAP_SKIP_CRIU_TESTS=1` skips them explicitly.
+//!
+//! This library is the harness: [`harness::harness`] sets up once per test binary,
+//! [`harness::WorkDir`] is one test's plugin and image directories, [`harness::Workload`]
+//! the processes under test. [`workload`] is shared with the workload binaries.
+
+pub mod counter_log;
+pub mod criu;
+pub mod harness;
+pub mod procs;
+pub mod workload;
+
+pub use counter_log::CounterLog;
+pub use criu::CriuRun;
+pub use harness::{Harness, WorkDir, Workload, harness};

@@ -1,0 +1,152 @@
+//! Running `scripts/criu` and reading what it logged.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitStatus, Stdio};
+use std::thread::sleep;
+use std::time::{Duration, Instant};
+
+/// How long one `criu dump` or `criu restore` may take before the test gives up.
+pub const CRIU_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// The outcome of one criu invocation.
+#[derive(Debug)]
+pub struct CriuRun {
+    /// The command line, for messages.
+    pub cmdline: String,
+    pub status: ExitStatus,
+    /// criu's stdout and stderr, interleaved.
+    pub output: String,
+    pub log_path: PathBuf,
+    /// The whole `-o` log (`-v4`).
+    pub log: String,
+}
+
+impl CriuRun {
+    /// Runs `criu <args>`; `log_path` is where the `-o` argument in `args` makes it log.
+    pub fn run(criu: &Path, args: &[String], log_path: &Path) -> Result<CriuRun, String> {
+        let cmdline = format!("{} {}", criu.display(), args.join(" "));
+        let out_path = log_path.with_extension("stdio");
+        let out =
+            fs::File::create(&out_path).map_err(|e| format!("{}: {e}", out_path.display()))?;
+        let err = out.try_clone().map_err(|e| e.to_string())?;
+        let mut child = Command::new(criu)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .spawn()
+            .map_err(|e| format!("cannot run {cmdline}: {e}"))?;
+        let deadline = Instant::now() + CRIU_TIMEOUT;
+        let status = loop {
+            match child.try_wait() {
+                Ok(Some(st)) => break st,
+                Ok(None) if Instant::now() < deadline => sleep(Duration::from_millis(10)),
+                Ok(None) => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    return Err(format!("{cmdline}: timed out after {CRIU_TIMEOUT:?}"));
+                }
+                Err(e) => return Err(format!("{cmdline}: wait: {e}")),
+            }
+        };
+        let output = fs::read_to_string(&out_path).unwrap_or_default();
+        let log = fs::read_to_string(log_path).unwrap_or_default();
+        Ok(CriuRun {
+            cmdline,
+            status,
+            output,
+            log_path: log_path.to_owned(),
+            log,
+        })
+    }
+
+    /// Exit status 0 and CRIU's own success line ("Dumping finished successfully" /
+    /// "Restore finished successfully").
+    pub fn succeeded(&self) -> bool {
+        self.status.success() && self.log.contains("finished successfully")
+    }
+
+    /// Panics with the interesting part of the log unless the run succeeded.
+    pub fn assert_ok(&self) {
+        assert!(
+            self.succeeded(),
+            "criu failed ({}): {}\n{}",
+            self.status,
+            self.cmdline,
+            self.diagnostics()
+        );
+    }
+
+    /// The lines logged by gpusnap: the message (after CRIU's `(ss.uuuuuu)` timestamp and
+    /// the optional `pid: ` prefix of restored tasks) starts with `gpusnap:`.
+    pub fn gpusnap_lines(&self) -> Vec<&str> {
+        self.log.lines().filter(|l| is_gpusnap_line(l)).collect()
+    }
+
+    /// Error lines plus the last lines of the log, stdout/stderr, and gpusnap's lines.
+    pub fn diagnostics(&self) -> String {
+        let errors: Vec<&str> = self
+            .log
+            .lines()
+            .filter(|l| l.contains("Error") || l.contains("Warn"))
+            .take(30)
+            .collect();
+        let lines: Vec<&str> = self.log.lines().collect();
+        let tail = &lines[lines.len().saturating_sub(25)..];
+        format!(
+            "--- log {} ---\nerrors/warnings:\n  {}\ngpusnap lines:\n  {}\nlast lines:\n  {}\n--- criu stdout/stderr ---\n{}",
+            self.log_path.display(),
+            errors.join("\n  "),
+            self.gpusnap_lines().join("\n  "),
+            tail.join("\n  "),
+            self.output.trim_end(),
+        )
+    }
+}
+
+/// Strips CRIU's `(00.012345) ` timestamp and an optional `  1234: ` task prefix.
+fn message(line: &str) -> &str {
+    let mut m = line;
+    if m.starts_with('(')
+        && let Some(i) = m.find(") ")
+    {
+        m = &m[i + 2..];
+    }
+    let t = m.trim_start();
+    if let Some(i) = t.find(": ")
+        && i > 0
+        && t[..i].bytes().all(|b| b.is_ascii_digit())
+    {
+        return t[i + 2..].trim_start();
+    }
+    t
+}
+
+/// True if a CRIU log line was written by gpusnap (its message starts with `gpusnap:`).
+pub fn is_gpusnap_line(line: &str) -> bool {
+    message(line).starts_with("gpusnap:")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn recognises_gpusnap_lines() {
+        assert!(is_gpusnap_line(
+            "(00.029002) gpusnap: gpusnap 0.1.0 loaded (stage dump)"
+        ));
+        assert!(is_gpusnap_line("(00.029002)   4242: gpusnap: restoring"));
+        assert!(is_gpusnap_line("gpusnap: message level"));
+        assert!(!is_gpusnap_line(
+            "(00.028983) Plugin \"gpusnap\" (version 512 hooks 12)"
+        ));
+        assert!(!is_gpusnap_line(
+            "(00.029572) plugin: `gpusnap' hook 10 -> 0x7f"
+        ));
+        assert!(!is_gpusnap_line(
+            "(00.001) Opened /x/gpusnap: y/plugins/gpusnap.so"
+        ));
+    }
+}

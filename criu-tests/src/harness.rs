@@ -1,0 +1,409 @@
+//! The shared test environment: root check, CRIU root, plugin build, per-test work dirs.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use crate::counter_log::CounterLog;
+use crate::criu::CriuRun;
+use crate::procs;
+
+/// Set to `1` to skip the CRIU tests (they print that they were skipped).
+pub const SKIP_ENV: &str = "GPUSNAP_SKIP_CRIU_TESTS";
+
+/// Use this prebuilt plugin instead of building `gpusnap-plugin` (e.g. on a GPU host
+/// without a toolchain, or to test the harness with another plugin).
+pub const PLUGIN_SO_ENV: &str = "GPUSNAP_TEST_PLUGIN_SO";
+
+/// Use this prebuilt agent instead of building `gpusnap-agent`.
+pub const AGENT_SO_ENV: &str = "GPUSNAP_TEST_AGENT_SO";
+
+/// How long to wait for workloads to make progress or for pids to become free.
+pub const WAIT: Duration = Duration::from_secs(20);
+
+/// Everything the tests need, set up once per test binary.
+#[derive(Debug)]
+pub struct Harness {
+    /// Repository root.
+    pub repo: PathBuf,
+    /// `target/<profile>` of the running test binary.
+    pub profile_dir: PathBuf,
+    /// `scripts/criu`.
+    pub criu: PathBuf,
+    /// The freshly built `libgpusnap.so`.
+    pub plugin_so: PathBuf,
+    agent: OnceLock<Result<PathBuf, String>>,
+}
+
+static HARNESS: OnceLock<Result<Harness, String>> = OnceLock::new();
+
+/// The harness, or `None` if `GPUSNAP_SKIP_CRIU_TESTS=1` (the test should return early).
+///
+/// Panics with an explanation if CRIU cannot be used (not root, install failure, plugin build
+/// failure): a CRIU test must never pass silently without running CRIU.
+pub fn harness(test: &str) -> Option<&'static Harness> {
+    if std::env::var(SKIP_ENV).is_ok_and(|v| v == "1") {
+        eprintln!("criu-tests: SKIPPED {test}: {SKIP_ENV}=1");
+        return None;
+    }
+    match HARNESS.get_or_init(Harness::init) {
+        Ok(h) => Some(h),
+        Err(e) => panic!(
+            "criu-tests: cannot run CRIU tests: {e}\n(set {SKIP_ENV}=1 to skip them explicitly)"
+        ),
+    }
+}
+
+impl Harness {
+    fn init() -> Result<Harness, String> {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            return Err(
+                "they must run as root (criu dump/restore needs CAP_SYS_ADMIN and ptrace)".into(),
+            );
+        }
+        let repo = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .parent()
+            .ok_or("criu-tests has no parent directory")?
+            .to_owned();
+        let criu = repo.join("scripts/criu");
+        let install = repo.join("scripts/install-criu.sh");
+        if !criu.is_file() || !install.is_file() {
+            return Err(format!(
+                "{} or {} missing",
+                criu.display(),
+                install.display()
+            ));
+        }
+        let exe = std::env::current_exe().map_err(|e| format!("current_exe: {e}"))?;
+        // <target>/<profile>/deps/<test binary>
+        let profile_dir = exe
+            .parent()
+            .and_then(Path::parent)
+            .ok_or_else(|| format!("unexpected test binary location {}", exe.display()))?
+            .to_owned();
+
+        // Fast (a version check) when the root is already there.
+        run_checked(&mut Command::new(&install), "scripts/install-criu.sh")?;
+        let v = run_checked(
+            Command::new(&criu).arg("--version"),
+            "scripts/criu --version",
+        )?;
+        eprintln!("criu-tests: using {}: {}", criu.display(), v.trim());
+
+        let plugin_so = prebuilt(PLUGIN_SO_ENV)
+            .unwrap_or_else(|| cargo_build(&profile_dir, "gpusnap-plugin", "libgpusnap.so"))?;
+        procs::become_subreaper().map_err(|e| format!("PR_SET_CHILD_SUBREAPER: {e}"))?;
+        Ok(Harness {
+            repo,
+            profile_dir,
+            criu,
+            plugin_so,
+            agent: OnceLock::new(),
+        })
+    }
+
+    /// Builds (once) and returns the in-process agent `libgpusnap_agent.so`.
+    pub fn agent_so(&self) -> Result<&Path, String> {
+        self.agent
+            .get_or_init(|| {
+                prebuilt(AGENT_SO_ENV).unwrap_or_else(|| {
+                    cargo_build(&self.profile_dir, "gpusnap-agent", "libgpusnap_agent.so")
+                })
+            })
+            .as_deref()
+            .map_err(Clone::clone)
+    }
+
+    /// A fresh work directory for one test, with `plugins/gpusnap.so` in it.
+    pub fn workdir(&'static self, test: &str) -> WorkDir {
+        static SEQ: AtomicU32 = AtomicU32::new(0);
+        let n = SEQ.fetch_add(1, Ordering::Relaxed);
+        let path = self
+            .profile_dir
+            .join("criu-tests")
+            .join(format!("{test}-{}-{n}", std::process::id()));
+        let _ = fs::remove_dir_all(&path);
+        let plugins = path.join("plugins");
+        let images = path.join("images");
+        for d in [&plugins, &images] {
+            fs::create_dir_all(d).unwrap_or_else(|e| panic!("mkdir {}: {e}", d.display()));
+        }
+        let so = plugins.join("gpusnap.so");
+        fs::copy(&self.plugin_so, &so).unwrap_or_else(|e| {
+            panic!("copy {} -> {}: {e}", self.plugin_so.display(), so.display())
+        });
+        WorkDir {
+            h: self,
+            path,
+            plugins,
+            images,
+        }
+    }
+}
+
+/// The file named by env var `var`, if set: `Some(Err)` if it is not a file.
+fn prebuilt(var: &str) -> Option<Result<PathBuf, String>> {
+    let p = PathBuf::from(std::env::var_os(var)?);
+    eprintln!("criu-tests: {var}={} (not building it)", p.display());
+    Some(match fs::canonicalize(&p) {
+        Ok(p) if p.is_file() => Ok(p),
+        _ => Err(format!("{var}={}: no such file", p.display())),
+    })
+}
+
+/// Runs a command to completion; its output is returned, or included in the error.
+fn run_checked(cmd: &mut Command, what: &str) -> Result<String, String> {
+    let out = cmd
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("{what}: {e}"))?;
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    if out.status.success() {
+        Ok(text)
+    } else {
+        Err(format!("{what} failed ({}):\n{text}", out.status))
+    }
+}
+
+/// `$CARGO build -p <package>` in the same profile and target dir as this test binary.
+fn cargo_build(profile_dir: &Path, package: &str, artifact: &str) -> Result<PathBuf, String> {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let profile = match profile_dir.file_name().and_then(|n| n.to_str()) {
+        Some("debug") => "dev".to_owned(),
+        Some(p) => p.to_owned(),
+        None => return Err(format!("bad profile dir {}", profile_dir.display())),
+    };
+    let target_dir = profile_dir.parent().ok_or("profile dir has no parent")?;
+    let mut cmd = Command::new(cargo);
+    cmd.args(["build", "--quiet", "-p", package, "--profile", &profile])
+        .arg("--target-dir")
+        .arg(target_dir)
+        .current_dir(env!("CARGO_MANIFEST_DIR"));
+    eprintln!("criu-tests: building {package} ({profile})");
+    run_checked(&mut cmd, &format!("cargo build -p {package}"))?;
+    let so = profile_dir.join(artifact);
+    if !so.is_file() {
+        return Err(format!("{} was not produced by the build", so.display()));
+    }
+    Ok(so)
+}
+
+/// One test's directory: `plugins/` (CRIU's `-L`), `images/` (`-D`), workload logs.
+///
+/// Removed when the test passes; kept (and its path printed) when it fails.
+#[derive(Debug)]
+pub struct WorkDir {
+    h: &'static Harness,
+    pub path: PathBuf,
+    pub plugins: PathBuf,
+    pub images: PathBuf,
+}
+
+impl WorkDir {
+    /// Starts `bin` (a workload from `CARGO_BIN_EXE_*`) in a new session, stdio to
+    /// `<name>.out`, cwd = the work dir. `logs` are the counter logs it will write, root
+    /// process's first.
+    pub fn spawn(
+        &self,
+        name: &str,
+        bin: &str,
+        args: &[&str],
+        env: &[(&str, &str)],
+        logs: &[&str],
+    ) -> Workload {
+        let out_path = self.path.join(format!("{name}.out"));
+        let out = fs::File::create(&out_path).expect("create workload output file");
+        let err = out.try_clone().expect("dup workload output file");
+        let mut cmd = Command::new(bin);
+        cmd.args(args)
+            .envs(env.iter().copied())
+            .current_dir(&self.path)
+            .stdout(out)
+            .stderr(err);
+        let child = procs::spawn_in_new_session(&mut cmd)
+            .unwrap_or_else(|e| panic!("cannot start workload {bin}: {e}"));
+        let logs: Vec<PathBuf> = logs.iter().map(|l| self.path.join(l)).collect();
+        let mut w = Workload {
+            pids: vec![child.id() as i32],
+            child: Some(child),
+            logs,
+            out_path,
+        };
+        // Wait until every process has written a few ticks, learning their pids.
+        for i in 0..w.logs.len() {
+            let log = w.wait_for(i, 3);
+            if i > 0 {
+                w.pids.push(log.pid);
+            } else {
+                assert_eq!(log.pid, w.pids[0], "{}: unexpected pid", log.path.display());
+            }
+        }
+        w
+    }
+
+    /// Starts the `counter` workload (one process) with the given extra environment.
+    pub fn spawn_counter(&self, bin: &str, seed: u64, env: &[(&str, &str)]) -> Workload {
+        let seed = seed.to_string();
+        self.spawn(
+            "counter",
+            bin,
+            &["--log", "counter.log", "--seed", &seed],
+            env,
+            &["counter.log"],
+        )
+    }
+
+    /// Starts the `tree` workload (parent + 2 children).
+    pub fn spawn_tree(&self, bin: &str, seed: u64) -> Workload {
+        let seed = seed.to_string();
+        self.spawn(
+            "tree",
+            bin,
+            &["--dir", ".", "--seed", &seed],
+            &[],
+            &["tree-parent.log", "tree-child0.log", "tree-child1.log"],
+        )
+    }
+
+    /// `criu dump -t <pid> -D images -L plugins -v4 -o dump.log [--leave-running]`.
+    pub fn dump(&self, pid: i32, leave_running: bool) -> CriuRun {
+        let mut args = self.common_args("dump", "dump.log");
+        args.splice(1..1, ["-t".to_owned(), pid.to_string()]);
+        if leave_running {
+            args.push("--leave-running".into());
+        }
+        CriuRun::run(&self.h.criu, &args, &self.images.join("dump.log"))
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// `criu restore -D images -L plugins -v4 -o restore.log --restore-detached`.
+    pub fn restore(&self) -> CriuRun {
+        let mut args = self.common_args("restore", "restore.log");
+        args.push("--restore-detached".into());
+        CriuRun::run(&self.h.criu, &args, &self.images.join("restore.log"))
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn common_args(&self, action: &str, log: &str) -> Vec<String> {
+        vec![
+            action.into(),
+            "-D".into(),
+            self.images.display().to_string(),
+            "-L".into(),
+            self.plugins.display().to_string(),
+            "-v4".into(),
+            "-o".into(),
+            log.into(),
+        ]
+    }
+
+    /// Names of the files in the image directory.
+    pub fn image_files(&self) -> Vec<String> {
+        let mut v: Vec<String> = fs::read_dir(&self.images)
+            .map(|d| {
+                d.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        v.sort();
+        v
+    }
+}
+
+impl Drop for WorkDir {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("criu-tests: keeping {} for inspection", self.path.display());
+        } else {
+            let _ = fs::remove_dir_all(&self.path);
+        }
+    }
+}
+
+/// A running test workload: its processes (root first) and their counter logs.
+///
+/// Dropping it SIGKILLs and reaps every process, whether original or restored.
+#[derive(Debug)]
+pub struct Workload {
+    pub pids: Vec<i32>,
+    pub logs: Vec<PathBuf>,
+    /// The workload's stdout/stderr.
+    pub out_path: PathBuf,
+    child: Option<Child>,
+}
+
+impl Workload {
+    pub fn root(&self) -> i32 {
+        self.pids[0]
+    }
+
+    /// Reads log `i` (`0` = root process).
+    pub fn log(&self, i: usize) -> CounterLog {
+        CounterLog::read(&self.logs[i])
+            .unwrap_or_else(|e| panic!("{e}"))
+            .unwrap_or_else(|| panic!("{}: no header yet", self.logs[i].display()))
+    }
+
+    /// Waits until process `i` has logged counter value `min`.
+    pub fn wait_for(&self, i: usize, min: u64) -> CounterLog {
+        CounterLog::wait_for(&self.logs[i], min, WAIT).unwrap_or_else(|e| {
+            let out = fs::read_to_string(&self.out_path).unwrap_or_default();
+            panic!("{e}\nworkload output ({}):\n{out}", self.out_path.display())
+        })
+    }
+
+    /// After a dump that killed the tree: reap every process and wait until none of their
+    /// pids is in use as pid, pgid or sid, so that `criu restore` can recreate them.
+    pub fn reap_dumped(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let st = c.wait().expect("wait for dumped workload");
+            assert!(
+                !st.success(),
+                "the dumped workload exited normally ({st}); CRIU should have killed it"
+            );
+        }
+        for &pid in &self.pids {
+            procs::reap(pid, WAIT).unwrap_or_else(|e| panic!("after dump: {e}"));
+        }
+        for &pid in &self.pids {
+            procs::wait_pid_free(pid, WAIT).unwrap_or_else(|e| panic!("before restore: {e}"));
+        }
+    }
+
+    /// Panics unless every process of the workload exists and is not a zombie.
+    pub fn assert_alive(&self) {
+        for &pid in &self.pids {
+            assert!(
+                procs::is_alive(pid),
+                "workload process {pid} is not running: {:?}",
+                procs::stat(pid)
+            );
+        }
+    }
+
+    /// Whether the original root process is still our (unreaped, running) child.
+    pub fn original_still_running(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    }
+}
+
+impl Drop for Workload {
+    fn drop(&mut self) {
+        procs::kill_and_reap(&self.pids);
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}

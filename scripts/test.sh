@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The project's single test command. On a fresh Debian 12 (x86_64) machine, as root:
+#
+#     scripts/test.sh [extra `cargo test` arguments, e.g. -- --nocapture]
+#
+# 1. builds the private CRIU 4.1.1 root (scripts/install-criu.sh; fast when present),
+# 2. cargo fmt --all -- --check
+# 3. cargo clippy --workspace --all-targets -- -D warnings
+# 4. cargo test --workspace  (includes criu-tests: real criu dump/restore, needs root)
+#
+# Stops at the first failing step. GPUSNAP_SKIP_CRIU_TESTS=1 skips the CRIU install and the
+# CRIU tests (for machines where you cannot be root); they report themselves as skipped.
+set -euo pipefail
+
+repo=$(dirname -- "$(dirname -- "$(readlink -f -- "${BASH_SOURCE[0]}")")")
+cd -- "$repo"
+
+started=$SECONDS
+step() {
+    echo
+    echo "==> [$((SECONDS - started))s] $*"
+}
+fail() {
+    echo >&2
+    echo "test.sh: FAILED: $*" >&2
+    exit 1
+}
+
+command -v cargo >/dev/null || fail "cargo not found on PATH (install Rust with rustup; see README)"
+
+if [[ ${GPUSNAP_SKIP_CRIU_TESTS:-0} == 1 ]]; then
+    step "GPUSNAP_SKIP_CRIU_TESTS=1: not installing CRIU; the CRIU tests will be skipped"
+else
+    [[ $(id -u) == 0 ]] ||
+        fail "must run as root: the CRIU tests run real criu dump/restore (or set GPUSNAP_SKIP_CRIU_TESTS=1 to skip them)"
+    step "scripts/install-criu.sh"
+    scripts/install-criu.sh || fail "could not install the private CRIU root (scripts/install-criu.sh)"
+fi
+
+step "cargo fmt --all -- --check"
+cargo fmt --all -- --check || fail "formatting differs: run 'cargo fmt --all'"
+
+step "cargo clippy --workspace --all-targets -- -D warnings"
+cargo clippy --workspace --all-targets -- -D warnings || fail "clippy reported warnings or errors"
+
+step "cargo test --workspace $*"
+cargo test --workspace "$@" || fail "tests failed (CRIU test work dirs of failed tests are kept under target/*/criu-tests/)"
+
+step "all checks passed"

@@ -143,6 +143,7 @@ say "downloading ${#PKGS[@]} packages"
 
 for deb in "$work"/debs/*.deb; do
     dpkg-deb -x "$deb" "$stage"
+    # shellcheck disable=SC2016 # dpkg-deb's ${Field} syntax, not shell
     dpkg-deb -W --showformat='${Package} ${Version}\n' "$deb" >>"$work/manifest"
 done
 say "unpacked $(wc -l <"$work/manifest") packages, $(du -sh "$stage" | cut -f1) before pruning"

@@ -1,1 +1,35 @@
-//! placeholder
+//! gpusnap-proto: the control protocol between the CRIU plugin and the in-process agent.
+//!
+//! Boundaries: this crate knows the messages, their byte layout, and the sockets they travel
+//! on. It knows nothing of CUDA, CRIU or images; both the agent (`gpusnap-agent`) and the plugin
+//! use it, and it is the only place that parses protocol bytes.
+//!
+//! Modules:
+//! - `message`: [`Request`] / [`Reply`] and their encoding; decoding checks untrusted bytes exactly.
+//! - `wire`: the bounds-checked little-endian reader and writer the messages are built from.
+//! - `socket`: abstract `SOCK_SEQPACKET` names, listen/connect/accept, `SO_PEERCRED`.
+//! - `channel`: [`Channel`], one connection; whole messages, at most one fd attached, timeouts.
+//! - `error`: [`ProtoError`].
+
+mod channel;
+mod error;
+mod message;
+mod socket;
+mod wire;
+
+#[cfg(test)]
+mod tests;
+
+pub use channel::Channel;
+pub use error::ProtoError;
+pub use message::{AllocKind, ErrorCode, HEADER_LEN, MAGIC, MAX_ERROR_MESSAGE, Reply, Request};
+pub use socket::{
+    AGENT_SOCKET_PREFIX, LISTEN_BACKLOG, accept_connection, agent_socket_name,
+    bind_abstract_listener, bind_agent_listener, connect_abstract, connect_agent, peer_cred,
+    seqpacket_pair,
+};
+
+/// Version carried in every message header and in `Hello`.
+pub const PROTOCOL_VERSION: u16 = 1;
+/// Largest message on the wire, header included.
+pub const MAX_MESSAGE: usize = 512;

@@ -1,0 +1,509 @@
+//! The messages: [`Request`] (plugin → agent) and [`Reply`] (agent → plugin), their wire
+//! encoding, and decoding of untrusted bytes.
+//!
+//! Layout: header `magic u32 | version u16 | kind u16` (little-endian), then the variant's fixed
+//! fields in declaration order; strings are `u16 length + UTF-8`, booleans one byte (0/1), enums
+//! their numeric value (`AllocKind` u8, `ErrorCode` u16). Request kinds are `0x00xx`, reply kinds
+//! `0x01xx`, so a message decoded with the wrong decoder is an [`ProtoError::UnknownKind`].
+
+use crate::wire::{Reader, Writer};
+use crate::{MAX_MESSAGE, PROTOCOL_VERSION, ProtoError};
+
+/// "GSNP" read as a little-endian u32.
+pub const MAGIC: u32 = 0x504E_5347;
+/// Size of the header every message starts with.
+pub const HEADER_LEN: usize = 8;
+/// Longest error message put on the wire (longer ones are cut at a character boundary).
+pub const MAX_ERROR_MESSAGE: usize = 400;
+
+/// How the agent holds an allocation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AllocKind {
+    /// A `cuMemAlloc` that the agent turned into a VMM mapping; the agent moves its data.
+    Converted = 1,
+    /// The application's own `cuMemCreate` + `cuMemMap`; recorded only, left to the driver checkpoint.
+    AppVmm = 2,
+}
+
+impl AllocKind {
+    fn from_u8(v: u8) -> Result<Self, ProtoError> {
+        match v {
+            1 => Ok(AllocKind::Converted),
+            2 => Ok(AllocKind::AppVmm),
+            _ => Err(ProtoError::Malformed("unknown allocation kind")),
+        }
+    }
+}
+
+/// Why the agent refused or failed a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ErrorCode {
+    /// The request is invalid in itself (sizes, ranges, slot numbers).
+    BadRequest = 1,
+    /// The request is valid but not in the agent's current state.
+    BadState = 2,
+    /// The allocation table is held by a (stopped) application thread.
+    Busy = 3,
+    /// A CUDA driver call failed (or libcuda is absent).
+    Cuda = 4,
+    /// The staging memfd could not be validated, mapped or registered.
+    Staging = 5,
+    /// The peer did not answer in time.
+    Timeout = 6,
+    /// The peer speaks another protocol version.
+    VersionMismatch = 7,
+}
+
+impl ErrorCode {
+    fn from_u16(v: u16) -> Result<Self, ProtoError> {
+        Ok(match v {
+            1 => ErrorCode::BadRequest,
+            2 => ErrorCode::BadState,
+            3 => ErrorCode::Busy,
+            4 => ErrorCode::Cuda,
+            5 => ErrorCode::Staging,
+            6 => ErrorCode::Timeout,
+            7 => ErrorCode::VersionMismatch,
+            _ => return Err(ProtoError::Malformed("unknown error code")),
+        })
+    }
+}
+
+/// Plugin → agent.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Request {
+    /// First message of a connection.
+    Hello {
+        /// The sender's [`PROTOCOL_VERSION`].
+        version: u16,
+    },
+    /// Answered by one [`Reply::Allocation`] per entry, then [`Reply::AllocationsEnd`].
+    ListAllocations,
+    /// A staging memfd of `slot_size * slots` bytes is attached (SCM_RIGHTS).
+    DumpBegin {
+        /// Bytes per slot (a multiple of 4096).
+        slot_size: u64,
+        /// Number of slots in the staging ring.
+        slots: u32,
+        /// Number of copy streams to use.
+        streams: u32,
+    },
+    /// The plugin has finished with a slot's data (dump) — the agent may reuse it.
+    SlotFree {
+        /// Slot index.
+        slot: u32,
+    },
+    /// Unmap and release every converted allocation's physical memory (reservations kept).
+    Release,
+    /// Stop the current operation; memory stays mapped.
+    Abort,
+    /// A staging memfd is attached. The agent re-creates physical memory for every released allocation.
+    RestoreBegin {
+        /// Bytes per slot (a multiple of 4096).
+        slot_size: u64,
+        /// Number of slots in the staging ring.
+        slots: u32,
+        /// Number of copy streams to use.
+        streams: u32,
+    },
+    /// Copy `len` bytes from staging slot `slot` to device address `addr`.
+    ChunkLoad {
+        /// Slot index.
+        slot: u32,
+        /// Destination device address.
+        addr: u64,
+        /// Bytes to copy (at most the slot size).
+        len: u64,
+    },
+    /// No more chunks: finish the copies and report.
+    RestoreDataDone,
+}
+
+/// Agent → plugin.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Reply {
+    /// Answer to [`Request::Hello`].
+    Hello {
+        /// The agent's [`PROTOCOL_VERSION`].
+        version: u16,
+        /// The agent's pid in its own pid namespace.
+        pid: i32,
+        /// The agent thread's tid in its own pid namespace.
+        tid: i32,
+        /// Entries the agent tracks (converted and application VMM).
+        allocations: u32,
+        /// Bytes of converted allocations.
+        converted_bytes: u64,
+        /// Distinct devices among converted allocations.
+        devices: u32,
+        /// Whether any converted allocation's physical memory is released.
+        released: bool,
+    },
+    /// One tracked allocation.
+    Allocation {
+        /// Agent-assigned id, unique within the process.
+        id: u64,
+        /// Device ordinal.
+        device: u32,
+        /// Base device address.
+        addr: u64,
+        /// Size in bytes (rounded to the allocation granularity for converted ones).
+        size: u64,
+        /// How it is held.
+        kind: AllocKind,
+    },
+    /// End of a listing.
+    AllocationsEnd {
+        /// Number of [`Reply::Allocation`] messages sent.
+        count: u32,
+    },
+    /// The staging is mapped and registered; data moves next.
+    Ready,
+    /// Slot `slot` holds `len` bytes of allocation `alloc_id` starting at device address `addr`.
+    ChunkReady {
+        /// Slot index.
+        slot: u32,
+        /// Allocation id.
+        alloc_id: u64,
+        /// Device address of the chunk's first byte.
+        addr: u64,
+        /// Bytes in the slot.
+        len: u64,
+    },
+    /// Every chunk was copied out and every slot came back.
+    DumpDataDone {
+        /// Chunks sent.
+        chunks: u64,
+        /// Bytes sent.
+        bytes: u64,
+        /// Time since `DumpBegin`.
+        micros: u64,
+    },
+    /// Physical memory released; the agent closes the connection after this.
+    Released {
+        /// Allocations released.
+        allocations: u32,
+        /// Bytes released.
+        bytes: u64,
+        /// Time the release took.
+        micros: u64,
+    },
+    /// The copy out of this slot (restore) completed; the plugin may refill it.
+    SlotFree {
+        /// Slot index.
+        slot: u32,
+    },
+    /// Every chunk was copied in; the agent closes the connection after this.
+    Restored {
+        /// Bytes copied to the device.
+        bytes: u64,
+        /// Time since `RestoreBegin`.
+        micros: u64,
+    },
+    /// The operation was abandoned; memory is mapped.
+    Aborted,
+    /// The request failed.
+    Error {
+        /// What kind of failure.
+        code: ErrorCode,
+        /// Human-readable detail (truncated to [`MAX_ERROR_MESSAGE`] bytes on encode).
+        message: String,
+    },
+}
+
+mod kind {
+    pub const REQ_HELLO: u16 = 0x0001;
+    pub const REQ_LIST: u16 = 0x0002;
+    pub const REQ_DUMP_BEGIN: u16 = 0x0003;
+    pub const REQ_SLOT_FREE: u16 = 0x0004;
+    pub const REQ_RELEASE: u16 = 0x0005;
+    pub const REQ_ABORT: u16 = 0x0006;
+    pub const REQ_RESTORE_BEGIN: u16 = 0x0007;
+    pub const REQ_CHUNK_LOAD: u16 = 0x0008;
+    pub const REQ_RESTORE_DONE: u16 = 0x0009;
+
+    pub const REP_HELLO: u16 = 0x0101;
+    pub const REP_ALLOCATION: u16 = 0x0102;
+    pub const REP_ALLOCATIONS_END: u16 = 0x0103;
+    pub const REP_READY: u16 = 0x0104;
+    pub const REP_CHUNK_READY: u16 = 0x0105;
+    pub const REP_DUMP_DONE: u16 = 0x0106;
+    pub const REP_RELEASED: u16 = 0x0107;
+    pub const REP_SLOT_FREE: u16 = 0x0108;
+    pub const REP_RESTORED: u16 = 0x0109;
+    pub const REP_ABORTED: u16 = 0x010A;
+    pub const REP_ERROR: u16 = 0x010B;
+}
+
+fn header(w: &mut Writer<'_>, kind: u16) {
+    w.u32(MAGIC);
+    w.u16(PROTOCOL_VERSION);
+    w.u16(kind);
+}
+
+/// Checks magic and version; returns the kind and a reader over the body.
+fn open(b: &[u8]) -> Result<(u16, Reader<'_>), ProtoError> {
+    if b.len() > MAX_MESSAGE {
+        return Err(ProtoError::TooLong);
+    }
+    let mut r = Reader::new(b);
+    let magic = r
+        .u32()
+        .map_err(|_| ProtoError::Malformed("shorter than the header"))?;
+    if magic != MAGIC {
+        return Err(ProtoError::BadMagic);
+    }
+    let version = r
+        .u16()
+        .map_err(|_| ProtoError::Malformed("shorter than the header"))?;
+    let kind = r
+        .u16()
+        .map_err(|_| ProtoError::Malformed("shorter than the header"))?;
+    if version != PROTOCOL_VERSION {
+        return Err(ProtoError::VersionMismatch {
+            ours: PROTOCOL_VERSION,
+            theirs: version,
+        });
+    }
+    Ok((kind, r))
+}
+
+/// The longest prefix of `s` of at most `max` bytes that ends on a character boundary.
+pub(crate) fn truncate_utf8(s: &str, max: usize) -> &str {
+    if s.len() <= max {
+        return s;
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+impl Request {
+    /// Writes the message into `buf`; returns its length.
+    pub fn encode(&self, buf: &mut [u8; MAX_MESSAGE]) -> usize {
+        let mut w = Writer::new(buf);
+        match self {
+            Request::Hello { version } => {
+                header(&mut w, kind::REQ_HELLO);
+                w.u16(*version);
+            }
+            Request::ListAllocations => header(&mut w, kind::REQ_LIST),
+            Request::DumpBegin {
+                slot_size,
+                slots,
+                streams,
+            } => {
+                header(&mut w, kind::REQ_DUMP_BEGIN);
+                w.u64(*slot_size);
+                w.u32(*slots);
+                w.u32(*streams);
+            }
+            Request::SlotFree { slot } => {
+                header(&mut w, kind::REQ_SLOT_FREE);
+                w.u32(*slot);
+            }
+            Request::Release => header(&mut w, kind::REQ_RELEASE),
+            Request::Abort => header(&mut w, kind::REQ_ABORT),
+            Request::RestoreBegin {
+                slot_size,
+                slots,
+                streams,
+            } => {
+                header(&mut w, kind::REQ_RESTORE_BEGIN);
+                w.u64(*slot_size);
+                w.u32(*slots);
+                w.u32(*streams);
+            }
+            Request::ChunkLoad { slot, addr, len } => {
+                header(&mut w, kind::REQ_CHUNK_LOAD);
+                w.u32(*slot);
+                w.u64(*addr);
+                w.u64(*len);
+            }
+            Request::RestoreDataDone => header(&mut w, kind::REQ_RESTORE_DONE),
+        }
+        w.len()
+    }
+
+    /// Parses one received message. Never panics; trailing bytes are an error.
+    pub fn decode(b: &[u8]) -> Result<Self, ProtoError> {
+        let (k, mut r) = open(b)?;
+        let req = match k {
+            kind::REQ_HELLO => Request::Hello { version: r.u16()? },
+            kind::REQ_LIST => Request::ListAllocations,
+            kind::REQ_DUMP_BEGIN => Request::DumpBegin {
+                slot_size: r.u64()?,
+                slots: r.u32()?,
+                streams: r.u32()?,
+            },
+            kind::REQ_SLOT_FREE => Request::SlotFree { slot: r.u32()? },
+            kind::REQ_RELEASE => Request::Release,
+            kind::REQ_ABORT => Request::Abort,
+            kind::REQ_RESTORE_BEGIN => Request::RestoreBegin {
+                slot_size: r.u64()?,
+                slots: r.u32()?,
+                streams: r.u32()?,
+            },
+            kind::REQ_CHUNK_LOAD => Request::ChunkLoad {
+                slot: r.u32()?,
+                addr: r.u64()?,
+                len: r.u64()?,
+            },
+            kind::REQ_RESTORE_DONE => Request::RestoreDataDone,
+            other => return Err(ProtoError::UnknownKind(other)),
+        };
+        r.finish()?;
+        Ok(req)
+    }
+}
+
+impl Reply {
+    /// Writes the message into `buf`; returns its length. `Error` messages are cut to
+    /// [`MAX_ERROR_MESSAGE`] bytes.
+    pub fn encode(&self, buf: &mut [u8; MAX_MESSAGE]) -> usize {
+        let mut w = Writer::new(buf);
+        match self {
+            Reply::Hello {
+                version,
+                pid,
+                tid,
+                allocations,
+                converted_bytes,
+                devices,
+                released,
+            } => {
+                header(&mut w, kind::REP_HELLO);
+                w.u16(*version);
+                w.i32(*pid);
+                w.i32(*tid);
+                w.u32(*allocations);
+                w.u64(*converted_bytes);
+                w.u32(*devices);
+                w.bool(*released);
+            }
+            Reply::Allocation {
+                id,
+                device,
+                addr,
+                size,
+                kind,
+            } => {
+                header(&mut w, kind::REP_ALLOCATION);
+                w.u64(*id);
+                w.u32(*device);
+                w.u64(*addr);
+                w.u64(*size);
+                w.u8(*kind as u8);
+            }
+            Reply::AllocationsEnd { count } => {
+                header(&mut w, kind::REP_ALLOCATIONS_END);
+                w.u32(*count);
+            }
+            Reply::Ready => header(&mut w, kind::REP_READY),
+            Reply::ChunkReady {
+                slot,
+                alloc_id,
+                addr,
+                len,
+            } => {
+                header(&mut w, kind::REP_CHUNK_READY);
+                w.u32(*slot);
+                w.u64(*alloc_id);
+                w.u64(*addr);
+                w.u64(*len);
+            }
+            Reply::DumpDataDone {
+                chunks,
+                bytes,
+                micros,
+            } => {
+                header(&mut w, kind::REP_DUMP_DONE);
+                w.u64(*chunks);
+                w.u64(*bytes);
+                w.u64(*micros);
+            }
+            Reply::Released {
+                allocations,
+                bytes,
+                micros,
+            } => {
+                header(&mut w, kind::REP_RELEASED);
+                w.u32(*allocations);
+                w.u64(*bytes);
+                w.u64(*micros);
+            }
+            Reply::SlotFree { slot } => {
+                header(&mut w, kind::REP_SLOT_FREE);
+                w.u32(*slot);
+            }
+            Reply::Restored { bytes, micros } => {
+                header(&mut w, kind::REP_RESTORED);
+                w.u64(*bytes);
+                w.u64(*micros);
+            }
+            Reply::Aborted => header(&mut w, kind::REP_ABORTED),
+            Reply::Error { code, message } => {
+                header(&mut w, kind::REP_ERROR);
+                w.u16(*code as u16);
+                w.str(truncate_utf8(message, MAX_ERROR_MESSAGE));
+            }
+        }
+        w.len()
+    }
+
+    /// Parses one received message. Never panics; trailing bytes are an error.
+    pub fn decode(b: &[u8]) -> Result<Self, ProtoError> {
+        let (k, mut r) = open(b)?;
+        let rep = match k {
+            kind::REP_HELLO => Reply::Hello {
+                version: r.u16()?,
+                pid: r.i32()?,
+                tid: r.i32()?,
+                allocations: r.u32()?,
+                converted_bytes: r.u64()?,
+                devices: r.u32()?,
+                released: r.bool()?,
+            },
+            kind::REP_ALLOCATION => Reply::Allocation {
+                id: r.u64()?,
+                device: r.u32()?,
+                addr: r.u64()?,
+                size: r.u64()?,
+                kind: AllocKind::from_u8(r.u8()?)?,
+            },
+            kind::REP_ALLOCATIONS_END => Reply::AllocationsEnd { count: r.u32()? },
+            kind::REP_READY => Reply::Ready,
+            kind::REP_CHUNK_READY => Reply::ChunkReady {
+                slot: r.u32()?,
+                alloc_id: r.u64()?,
+                addr: r.u64()?,
+                len: r.u64()?,
+            },
+            kind::REP_DUMP_DONE => Reply::DumpDataDone {
+                chunks: r.u64()?,
+                bytes: r.u64()?,
+                micros: r.u64()?,
+            },
+            kind::REP_RELEASED => Reply::Released {
+                allocations: r.u32()?,
+                bytes: r.u64()?,
+                micros: r.u64()?,
+            },
+            kind::REP_SLOT_FREE => Reply::SlotFree { slot: r.u32()? },
+            kind::REP_RESTORED => Reply::Restored {
+                bytes: r.u64()?,
+                micros: r.u64()?,
+            },
+            kind::REP_ABORTED => Reply::Aborted,
+            kind::REP_ERROR => Reply::Error {
+                code: ErrorCode::from_u16(r.u16()?)?,
+                message: r.str()?,
+            },
+            other => return Err(ProtoError::UnknownKind(other)),
+        };
+        r.finish()?;
+        Ok(rep)
+    }
+}

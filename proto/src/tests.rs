@@ -1,0 +1,531 @@
+//! Round trips, rejection of every truncation and of garbage, and sockets end to end.
+
+use std::io::{Seek, Write};
+use std::os::fd::{AsFd, AsRawFd};
+use std::time::{Duration, Instant};
+
+use crate::*;
+
+fn all_requests() -> Vec<Request> {
+    vec![
+        Request::Hello {
+            version: PROTOCOL_VERSION,
+        },
+        Request::ListAllocations,
+        Request::DumpBegin {
+            slot_size: 64 << 20,
+            slots: 16,
+            streams: 4,
+        },
+        Request::SlotFree { slot: 15 },
+        Request::Release,
+        Request::Abort,
+        Request::RestoreBegin {
+            slot_size: u64::MAX,
+            slots: u32::MAX,
+            streams: 0,
+        },
+        Request::ChunkLoad {
+            slot: 3,
+            addr: 0x7f00_0000_0000,
+            len: 4096,
+        },
+        Request::RestoreDataDone,
+    ]
+}
+
+fn all_replies() -> Vec<Reply> {
+    vec![
+        Reply::Hello {
+            version: PROTOCOL_VERSION,
+            pid: 1234,
+            tid: -5,
+            allocations: 7,
+            converted_bytes: 1 << 40,
+            devices: 2,
+            released: true,
+        },
+        Reply::Allocation {
+            id: 9,
+            device: 1,
+            addr: 0x7000_0020_0000,
+            size: 2 << 20,
+            kind: AllocKind::Converted,
+        },
+        Reply::Allocation {
+            id: 10,
+            device: 0,
+            addr: 1,
+            size: 2,
+            kind: AllocKind::AppVmm,
+        },
+        Reply::AllocationsEnd { count: 2 },
+        Reply::Ready,
+        Reply::ChunkReady {
+            slot: 1,
+            alloc_id: 9,
+            addr: 0x7000_0020_0000,
+            len: 1 << 20,
+        },
+        Reply::DumpDataDone {
+            chunks: 3,
+            bytes: 3 << 20,
+            micros: 1000,
+        },
+        Reply::Released {
+            allocations: 1,
+            bytes: 2 << 20,
+            micros: 5,
+        },
+        Reply::SlotFree { slot: 255 },
+        Reply::Restored {
+            bytes: 42,
+            micros: 43,
+        },
+        Reply::Aborted,
+        Reply::Error {
+            code: ErrorCode::Cuda,
+            message: "cuMemCreate failed: CUDA_ERROR_OUT_OF_MEMORY".into(),
+        },
+        Reply::Error {
+            code: ErrorCode::BadRequest,
+            message: String::new(),
+        },
+        Reply::Error {
+            code: ErrorCode::VersionMismatch,
+            message: "é".repeat(150),
+        },
+    ]
+}
+
+fn enc_req(r: &Request) -> Vec<u8> {
+    let mut buf = [0u8; MAX_MESSAGE];
+    let n = r.encode(&mut buf);
+    buf[..n].to_vec()
+}
+
+fn enc_rep(r: &Reply) -> Vec<u8> {
+    let mut buf = [0u8; MAX_MESSAGE];
+    let n = r.encode(&mut buf);
+    buf[..n].to_vec()
+}
+
+#[test]
+fn every_request_round_trips() {
+    for r in all_requests() {
+        let b = enc_req(&r);
+        assert_eq!(&b[..4], b"GSNP");
+        assert_eq!(Request::decode(&b).unwrap(), r);
+    }
+}
+
+#[test]
+fn every_reply_round_trips() {
+    for r in all_replies() {
+        let b = enc_rep(&r);
+        // The longest test string (150 two-byte characters) is under the cut: identical.
+        assert_eq!(Reply::decode(&b).unwrap(), r);
+    }
+}
+
+#[test]
+fn error_message_is_truncated_on_a_char_boundary() {
+    let long = "ü".repeat(300); // 600 bytes
+    let b = enc_rep(&Reply::Error {
+        code: ErrorCode::Staging,
+        message: long.clone(),
+    });
+    assert!(b.len() <= MAX_MESSAGE);
+    match Reply::decode(&b).unwrap() {
+        Reply::Error { code, message } => {
+            assert_eq!(code, ErrorCode::Staging);
+            assert_eq!(message.len(), MAX_ERROR_MESSAGE);
+            assert!(long.starts_with(&message));
+        }
+        other => panic!("{other:?}"),
+    }
+    let odd = format!("x{}", "ü".repeat(300)); // boundary falls inside a character
+    let b = enc_rep(&Reply::Error {
+        code: ErrorCode::Staging,
+        message: odd,
+    });
+    match Reply::decode(&b).unwrap() {
+        Reply::Error { message, .. } => assert_eq!(message.len(), MAX_ERROR_MESSAGE - 1),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn every_truncation_and_extension_is_rejected() {
+    for r in all_requests() {
+        let b = enc_req(&r);
+        for cut in 0..b.len() {
+            assert!(Request::decode(&b[..cut]).is_err(), "{r:?} cut at {cut}");
+        }
+        let mut longer = b.clone();
+        longer.push(0);
+        assert!(
+            matches!(Request::decode(&longer), Err(ProtoError::Malformed(_))),
+            "{r:?}"
+        );
+    }
+    for r in all_replies() {
+        let b = enc_rep(&r);
+        for cut in 0..b.len() {
+            assert!(Reply::decode(&b[..cut]).is_err(), "{r:?} cut at {cut}");
+        }
+        let mut longer = b.clone();
+        longer.push(0);
+        assert!(
+            matches!(Reply::decode(&longer), Err(ProtoError::Malformed(_))),
+            "{r:?}"
+        );
+    }
+}
+
+#[test]
+fn header_errors_are_typed() {
+    let mut b = enc_req(&Request::Release);
+    b[0] ^= 1;
+    assert!(matches!(Request::decode(&b), Err(ProtoError::BadMagic)));
+    let mut b = enc_req(&Request::Release);
+    b[4] = 2;
+    assert!(matches!(
+        Request::decode(&b),
+        Err(ProtoError::VersionMismatch { ours: 1, theirs: 2 })
+    ));
+    let mut b = enc_req(&Request::Release);
+    b[6] = 0x77;
+    assert!(matches!(
+        Request::decode(&b),
+        Err(ProtoError::UnknownKind(0x0077))
+    ));
+    // A reply fed to the request decoder and the reverse.
+    assert!(matches!(
+        Request::decode(&enc_rep(&Reply::Ready)),
+        Err(ProtoError::UnknownKind(_))
+    ));
+    assert!(matches!(
+        Reply::decode(&enc_req(&Request::Abort)),
+        Err(ProtoError::UnknownKind(_))
+    ));
+    assert!(matches!(
+        Reply::decode(&[0u8; MAX_MESSAGE + 1]),
+        Err(ProtoError::TooLong)
+    ));
+}
+
+#[test]
+fn bad_field_values_are_rejected() {
+    // Allocation kind 3.
+    let mut b = enc_rep(&Reply::Allocation {
+        id: 1,
+        device: 0,
+        addr: 0,
+        size: 0,
+        kind: AllocKind::AppVmm,
+    });
+    *b.last_mut().unwrap() = 3;
+    assert!(matches!(Reply::decode(&b), Err(ProtoError::Malformed(_))));
+    // Boolean 2.
+    let mut b = enc_rep(&Reply::Hello {
+        version: 1,
+        pid: 1,
+        tid: 1,
+        allocations: 0,
+        converted_bytes: 0,
+        devices: 0,
+        released: false,
+    });
+    *b.last_mut().unwrap() = 2;
+    assert!(matches!(Reply::decode(&b), Err(ProtoError::Malformed(_))));
+    // Error code 0 and 8.
+    for code in [0u16, 8] {
+        let mut b = enc_rep(&Reply::Error {
+            code: ErrorCode::Busy,
+            message: "x".into(),
+        });
+        b[HEADER_LEN..HEADER_LEN + 2].copy_from_slice(&code.to_le_bytes());
+        assert!(matches!(Reply::decode(&b), Err(ProtoError::Malformed(_))));
+    }
+    // Invalid UTF-8 and a length past the end.
+    let mut b = enc_rep(&Reply::Error {
+        code: ErrorCode::Busy,
+        message: "ab".into(),
+    });
+    let n = b.len();
+    b[n - 1] = 0xff;
+    assert!(matches!(Reply::decode(&b), Err(ProtoError::Malformed(_))));
+    let mut b = enc_rep(&Reply::Error {
+        code: ErrorCode::Busy,
+        message: "ab".into(),
+    });
+    b[HEADER_LEN + 2] = 3;
+    assert!(matches!(Reply::decode(&b), Err(ProtoError::Malformed(_))));
+}
+
+/// xorshift64*: deterministic, no dependency.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+}
+
+#[test]
+fn random_bytes_never_panic_and_decodes_re_encode_identically() {
+    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+    let valid: Vec<Vec<u8>> = all_requests()
+        .iter()
+        .map(enc_req)
+        .chain(all_replies().iter().map(enc_rep))
+        .collect();
+    for i in 0..200_000 {
+        let mut b: Vec<u8> = if i % 2 == 0 {
+            // Pure garbage, sometimes with a valid header so the body parsers are exercised.
+            let len = (rng.next() % 80) as usize;
+            let mut v: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
+            if i % 4 == 0 && v.len() >= HEADER_LEN {
+                v[..4].copy_from_slice(&MAGIC.to_le_bytes());
+                v[4..6].copy_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+                let kind = [0x0001u16, 0x0009, 0x0101, 0x010B][(rng.next() % 4) as usize];
+                v[6..8].copy_from_slice(&kind.to_le_bytes());
+            }
+            v
+        } else {
+            // A valid message with a few bytes flipped.
+            let mut v = valid[(rng.next() as usize) % valid.len()].clone();
+            for _ in 0..1 + rng.next() % 3 {
+                let at = (rng.next() as usize) % v.len();
+                v[at] = rng.next() as u8;
+            }
+            v
+        };
+        if let Ok(r) = Request::decode(&b) {
+            assert_eq!(enc_req(&r), b, "request decode is not canonical");
+        }
+        if let Ok(r) = Reply::decode(&b) {
+            assert_eq!(enc_rep(&r), b, "reply decode is not canonical");
+        }
+        b.clear();
+    }
+}
+
+#[test]
+fn largest_message_fits() {
+    let b = enc_rep(&Reply::Error {
+        code: ErrorCode::Cuda,
+        message: "x".repeat(10_000),
+    });
+    assert_eq!(b.len(), HEADER_LEN + 2 + 2 + MAX_ERROR_MESSAGE);
+    assert!(b.len() <= MAX_MESSAGE);
+}
+
+#[test]
+fn socket_name_is_abstract() {
+    assert_eq!(agent_socket_name(42), b"\0gpusnap-agent-42".to_vec());
+}
+
+fn memfd_with(content: &[u8]) -> std::fs::File {
+    // SAFETY: the name is a valid C string; flags are valid.
+    let fd = unsafe { libc::memfd_create(c"gpusnap-proto-test".as_ptr(), libc::MFD_CLOEXEC) };
+    assert!(fd >= 0);
+    // SAFETY: fd is a new descriptor owned by nobody else.
+    let mut f = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    f.write_all(content).unwrap();
+    f.rewind().unwrap();
+    f
+}
+
+#[test]
+fn pair_passes_messages_and_one_fd() {
+    let (a, b) = Channel::pair().unwrap();
+    let file = memfd_with(b"staging");
+    let req = Request::DumpBegin {
+        slot_size: 4096,
+        slots: 2,
+        streams: 1,
+    };
+    a.send_request(&req, Some(file.as_fd())).unwrap();
+    let (got, fd) = b.recv_request(Some(Duration::from_secs(5))).unwrap();
+    assert_eq!(got, req);
+    let fd = fd.expect("fd attached");
+    assert_ne!(fd.as_raw_fd(), file.as_raw_fd());
+    // CLOEXEC was set on receipt.
+    // SAFETY: fd is open.
+    let flags = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFD) };
+    assert!(flags & libc::FD_CLOEXEC != 0);
+    let mut back = std::fs::File::from(fd);
+    let mut s = String::new();
+    std::io::Read::read_to_string(&mut back, &mut s).unwrap();
+    assert_eq!(s, "staging");
+
+    b.send_reply(&Reply::Ready).unwrap();
+    assert_eq!(a.recv_reply(None).unwrap(), Reply::Ready);
+    assert!(a.try_recv_reply().unwrap().is_none());
+    assert!(b.try_recv_request().unwrap().is_none());
+    a.send_request(&Request::Abort, None).unwrap();
+    assert_eq!(
+        b.try_recv_request().unwrap().map(|(r, _)| r),
+        Some(Request::Abort)
+    );
+}
+
+#[test]
+fn timeout_closed_and_misuse_are_reported() {
+    let (a, b) = Channel::pair().unwrap();
+    let t0 = Instant::now();
+    assert!(matches!(
+        b.recv_request(Some(Duration::from_millis(50))),
+        Err(ProtoError::Timeout)
+    ));
+    assert!(t0.elapsed() >= Duration::from_millis(50));
+    // An fd attached to a reply is refused (and closed).
+    let file = memfd_with(b"x");
+    send_raw_with_fds(&a, &enc_rep(&Reply::Ready), &[file.as_raw_fd()]);
+    assert!(matches!(b.recv_reply(None), Err(ProtoError::UnexpectedFd)));
+    drop(a);
+    assert!(matches!(b.recv_request(None), Err(ProtoError::Closed)));
+    assert!(matches!(
+        b.send_reply(&Reply::Ready),
+        Err(ProtoError::Closed)
+    ));
+    assert!(matches!(b.try_recv_reply(), Err(ProtoError::Closed)));
+}
+
+/// Sends raw bytes with `n` descriptors attached, bypassing Channel's own sender.
+fn send_raw_with_fds(sock: &Channel, bytes: &[u8], fds: &[i32]) {
+    let mut iov = libc::iovec {
+        iov_base: bytes.as_ptr() as *mut _,
+        iov_len: bytes.len(),
+    };
+    #[repr(C, align(8))]
+    struct Buf([u8; 256]);
+    let mut cbuf = Buf([0; 256]);
+    let data_len = std::mem::size_of_val(fds) as u32;
+    // SAFETY: building one SCM_RIGHTS control message inside cbuf (256 bytes is ample for the
+    // few descriptors tests pass), then one sendmsg over live buffers.
+    unsafe {
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = cbuf.0.as_mut_ptr().cast();
+        msg.msg_controllen = libc::CMSG_SPACE(data_len) as _;
+        let c = libc::CMSG_FIRSTHDR(&msg);
+        (*c).cmsg_level = libc::SOL_SOCKET;
+        (*c).cmsg_type = libc::SCM_RIGHTS;
+        (*c).cmsg_len = libc::CMSG_LEN(data_len) as _;
+        std::ptr::copy_nonoverlapping(fds.as_ptr(), libc::CMSG_DATA(c).cast::<i32>(), fds.len());
+        assert_eq!(
+            libc::sendmsg(sock.fd().as_raw_fd(), &msg, 0),
+            bytes.len() as isize
+        );
+    }
+}
+
+fn open_fd_count() -> usize {
+    std::fs::read_dir("/proc/self/fd").unwrap().count()
+}
+
+#[test]
+fn extra_fds_are_refused_and_closed() {
+    let (a, b) = Channel::pair().unwrap();
+    let f1 = memfd_with(b"1");
+    let f2 = memfd_with(b"2");
+    let bytes = enc_req(&Request::Release);
+    let before = open_fd_count();
+    send_raw_with_fds(&a, &bytes, &[f1.as_raw_fd(), f2.as_raw_fd()]);
+    assert!(matches!(
+        b.recv_request(None),
+        Err(ProtoError::TooManyFds(2))
+    ));
+    // Way more than the control buffer holds: truncated, still refused, nothing leaks.
+    let many: Vec<i32> = (0..20).map(|_| f1.as_raw_fd()).collect();
+    send_raw_with_fds(&a, &bytes, &many);
+    assert!(matches!(
+        b.recv_request(None),
+        Err(ProtoError::TooManyFds(_))
+    ));
+    assert_eq!(open_fd_count(), before);
+    // A too-long record.
+    let long = vec![0u8; MAX_MESSAGE + 10];
+    send_raw_with_fds(&a, &long, &[]);
+    assert!(matches!(b.recv_request(None), Err(ProtoError::TooLong)));
+    // Garbage is an error, and the channel still works after it.
+    send_raw_with_fds(&a, b"garbage!", &[]);
+    assert!(b.recv_request(None).is_err());
+    a.send_request(&Request::ListAllocations, None).unwrap();
+    assert_eq!(b.recv_request(None).unwrap().0, Request::ListAllocations);
+}
+
+#[test]
+fn concurrent_senders_keep_messages_whole() {
+    let (a, b) = Channel::pair().unwrap();
+    let a = std::sync::Arc::new(a);
+    let threads: Vec<_> = (0..4)
+        .map(|t| {
+            let a = a.clone();
+            std::thread::spawn(move || {
+                for i in 0..100u32 {
+                    a.send_reply(&Reply::SlotFree { slot: t * 1000 + i })
+                        .unwrap();
+                }
+            })
+        })
+        .collect();
+    let mut seen = Vec::new();
+    for _ in 0..400 {
+        match b.recv_reply(Some(Duration::from_secs(10))).unwrap() {
+            Reply::SlotFree { slot } => seen.push(slot),
+            other => panic!("{other:?}"),
+        }
+    }
+    for t in threads {
+        t.join().unwrap();
+    }
+    seen.sort_unstable();
+    let want: Vec<u32> = (0..4)
+        .flat_map(|t| (0..100).map(move |i| t * 1000 + i))
+        .collect();
+    assert_eq!(seen, want);
+}
+
+#[test]
+fn abstract_listener_connect_and_peer_cred() {
+    // A name no real agent uses (negative) and no concurrent test run either (our pid).
+    let nspid = -(std::process::id() as i32);
+    let listener = bind_agent_listener(nspid).unwrap();
+    // The name is taken now.
+    assert!(bind_agent_listener(nspid).is_err());
+    let client = std::thread::spawn(move || {
+        let c = Channel::new(connect_agent(nspid).unwrap());
+        c.send_request(
+            &Request::Hello {
+                version: PROTOCOL_VERSION,
+            },
+            None,
+        )
+        .unwrap();
+        c.recv_reply(Some(Duration::from_secs(5))).unwrap()
+    });
+    let conn = accept_connection(listener.as_fd()).unwrap();
+    let cred = peer_cred(conn.as_fd()).unwrap();
+    assert_eq!(cred.pid, std::process::id() as i32);
+    // SAFETY: geteuid has no preconditions.
+    assert_eq!(cred.uid, unsafe { libc::geteuid() });
+    let server = Channel::new(conn);
+    assert_eq!(
+        server.recv_request(None).unwrap().0,
+        Request::Hello {
+            version: PROTOCOL_VERSION
+        }
+    );
+    server.send_reply(&Reply::Aborted).unwrap();
+    assert_eq!(client.join().unwrap(), Reply::Aborted);
+    drop(listener);
+    assert!(connect_agent(nspid).is_err());
+    assert!(bind_abstract_listener(b"no-leading-nul").is_err());
+}

@@ -1,1 +1,148 @@
-//! placeholder
+//! gpusnap: a CRIU plugin that checkpoints and restores CUDA processes.
+//!
+//! This crate is the shared object CRIU loads (`gpusnap.so`). The `extern "C"` functions here
+//! are thin: they catch panics (none may cross into CRIU) and call [`plugin`], which reads like
+//! the protocol. Modules:
+//! - [`criu`]: the plugin ABI and CRIU's exports, all resolved at run time;
+//! - [`logger`]: `log` into CRIU's own log;
+//! - [`plugin`]: hook bodies and the per-run state;
+//! - [`dump`] / [`restore`]: the per-process protocol of each side;
+//! - [`datapath`] / [`staging`]: moving device data through the shared ring into image files;
+//! - [`ptrace`]: running one seized thread while CRIU holds the others;
+//! - [`process`]: the per-process state machine.
+
+pub mod context;
+pub mod criu;
+pub mod datapath;
+pub mod dump;
+pub mod logger;
+pub mod plugin;
+pub mod process;
+pub mod ptrace;
+pub mod restore;
+pub mod staging;
+
+use criu::{HOOK_SLOTS, PluginDesc, hook};
+use std::ffi::{c_int, c_void};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+
+/// Runs a hook body; a panic becomes `on_panic` (it must never unwind into CRIU).
+fn guard<R>(on_panic: R, f: impl FnOnce() -> R) -> R {
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or(on_panic)
+}
+
+unsafe extern "C" fn gpusnap_init(stage: c_int) -> c_int {
+    guard(-1, || plugin::init(stage))
+}
+
+unsafe extern "C" fn gpusnap_exit(_stage: c_int, ret: c_int) {
+    guard((), || plugin::finish(ret))
+}
+
+unsafe extern "C" fn pause_devices(pid: c_int) -> c_int {
+    guard(-1, || {
+        plugin::with(plugin::ENOTSUP, |p| p.pause_devices(pid))
+    })
+}
+
+unsafe extern "C" fn checkpoint_devices(pid: c_int) -> c_int {
+    guard(-1, || {
+        plugin::with(plugin::ENOTSUP, |p| p.checkpoint_devices(pid))
+    })
+}
+
+unsafe extern "C" fn resume_devices_late(pid: c_int) -> c_int {
+    guard(-1, || {
+        plugin::with(plugin::ENOTSUP, |p| p.resume_devices_late(pid))
+    })
+}
+
+unsafe extern "C" fn handle_device_vma(_fd: c_int, st: *const libc::stat) -> c_int {
+    guard(plugin::ENOTSUP, || {
+        if st.is_null() {
+            return plugin::ENOTSUP;
+        }
+        // SAFETY: CRIU passes a pointer to the stat of the mapped device file.
+        let rdev = unsafe { (*st).st_rdev };
+        if libc::major(rdev) == NVIDIA_MAJOR {
+            log::error!(
+                "a process maps an NVIDIA device ({}:{}) but has no CUDA state the driver can checkpoint \
+                 (e.g. it forked from a CUDA process, or uses NVML on a pre-r570 driver); it cannot be checkpointed",
+                libc::major(rdev),
+                libc::minor(rdev)
+            );
+        }
+        plugin::ENOTSUP
+    })
+}
+
+/// Character-device major of `/dev/nvidia*` (fixed by the NVIDIA driver).
+const NVIDIA_MAJOR: u32 = 195;
+
+const fn hooks() -> [*const c_void; HOOK_SLOTS] {
+    let mut h = [std::ptr::null(); HOOK_SLOTS];
+    h[hook::HANDLE_DEVICE_VMA] = handle_device_vma as *const c_void;
+    h[hook::RESUME_DEVICES_LATE] = resume_devices_late as *const c_void;
+    h[hook::PAUSE_DEVICES] = pause_devices as *const c_void;
+    h[hook::CHECKPOINT_DEVICES] = checkpoint_devices as *const c_void;
+    h
+}
+
+/// The descriptor CRIU looks up with `dlsym`. `max_hooks` is set when the library loads (see
+/// [`set_max_hooks`]): CRIU 4.1.1 rejects a plugin that claims more hooks than it knows.
+#[unsafe(no_mangle)]
+pub static mut CR_PLUGIN_DESC: PluginDesc = PluginDesc {
+    name: plugin::NAME.as_ptr(),
+    init: Some(gpusnap_init),
+    exit: Some(gpusnap_exit),
+    version: criu::PLUGIN_VERSION,
+    max_hooks: criu::MAX_HOOKS_4_1,
+    hooks: hooks(),
+};
+
+/// Runs during `dlopen`, before CRIU reads the descriptor.
+extern "C" fn set_max_hooks() {
+    let n = if criu::has_post_forking() {
+        criu::MAX_HOOKS_4_2
+    } else {
+        criu::MAX_HOOKS_4_1
+    };
+    // SAFETY: runs once in the loader's constructor phase, before anything else can read the
+    // descriptor; a raw-pointer write avoids creating a reference to the mutable static.
+    unsafe { (&raw mut CR_PLUGIN_DESC.max_hooks).write(n) };
+}
+
+#[used]
+#[unsafe(link_section = ".init_array")]
+static SET_MAX_HOOKS: extern "C" fn() = set_max_hooks;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn descriptor_is_wired() {
+        // SAFETY: tests read the descriptor after the constructor ran; nothing writes it now.
+        let d = unsafe { (&raw const CR_PLUGIN_DESC).read() };
+        assert_eq!(d.version, 0x200);
+        // No CRIU here: the 4.1 hook count.
+        assert_eq!(d.max_hooks, 12);
+        assert!(!d.hooks[hook::PAUSE_DEVICES].is_null());
+        assert!(!d.hooks[hook::CHECKPOINT_DEVICES].is_null());
+        assert!(!d.hooks[hook::RESUME_DEVICES_LATE].is_null());
+        assert!(d.hooks[0].is_null());
+        // SAFETY: the name is a static C string.
+        let name = unsafe { std::ffi::CStr::from_ptr(d.name) };
+        assert_eq!(name, c"gpusnap");
+    }
+
+    #[test]
+    fn hooks_outside_a_run_say_not_mine() {
+        // SAFETY: calling our own hooks with no plugin run active.
+        unsafe {
+            assert_eq!(pause_devices(1), plugin::ENOTSUP);
+            assert_eq!(checkpoint_devices(1), plugin::ENOTSUP);
+            assert_eq!(resume_devices_late(1), plugin::ENOTSUP);
+        }
+    }
+}

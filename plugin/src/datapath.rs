@@ -1,0 +1,404 @@
+//! Moving device data between the agent and gpusnap's image files through the staging ring.
+//!
+//! Dump: the agent fills slots (device → host, several streams) and announces each with
+//! `ChunkReady`; writer threads, one image file each (writes to one tmpfs file serialise on its
+//! inode), checksum and write the slot and hand it back with `SlotFree`.
+//! Restore: reader threads, one set of files each, verify and fill free slots and send
+//! `ChunkLoad`; the agent copies host → device and hands slots back.
+//!
+//! Every thread here blocks all signals (CRIU's SIGALRM must reach its main thread) and is
+//! joined before the function returns.
+
+use crate::staging::Staging;
+use crossbeam_channel::{Receiver, Sender, bounded, unbounded};
+use gpusnap_image::{ChunkEntry, Codec, DataFileReader, DataFileWriter, FileEntry, Manifest};
+use gpusnap_proto::{Channel, ProtoError, Reply, Request};
+use std::os::fd::{AsFd, BorrowedFd};
+use std::time::{Duration, Instant};
+
+/// How long the data path waits for any progress from the agent before giving up.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    pub stall: Duration,
+    pub streams: u32,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DataError {
+    #[error("agent protocol: {0}")]
+    Proto(#[from] ProtoError),
+    #[error("agent reported: {0}")]
+    Agent(String),
+    #[error("agent answered {0} where {1} was expected")]
+    Unexpected(String, &'static str),
+    #[error("agent made no progress for {0:?} (hung?)")]
+    Stalled(Duration),
+    #[error("image: {0}")]
+    Image(String),
+}
+
+/// What a dump wrote.
+#[derive(Debug, Default)]
+pub struct DumpData {
+    pub files: Vec<FileEntry>,
+    pub chunks: Vec<ChunkEntry>,
+    pub bytes: u64,
+    pub stored_bytes: u64,
+    pub seconds: f64,
+}
+
+struct Work {
+    slot: u32,
+    addr: u64,
+    len: u64,
+}
+
+/// Blocks every signal in the calling (helper) thread.
+fn block_signals() {
+    // SAFETY: sigfillset on a local set, then pthread_sigmask for this thread only.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigfillset(&mut set);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+    }
+}
+
+fn expect_ready(chan: &Channel, stall: Duration) -> Result<(), DataError> {
+    match chan.recv_reply(Some(stall))? {
+        Reply::Ready => Ok(()),
+        Reply::Error { message, .. } => Err(DataError::Agent(message)),
+        other => Err(DataError::Unexpected(format!("{other:?}"), "Ready")),
+    }
+}
+
+/// Copies every converted allocation of the agent into image files `gpusnap-<nspid>-data-*`.
+/// On success the agent holds its data in the ring no more; memory is not yet released.
+pub fn copy_out(
+    chan: &Channel,
+    staging: &Staging,
+    dir: BorrowedFd<'_>,
+    nspid: u32,
+    writers: usize,
+    codec: Codec,
+    limits: Limits,
+) -> Result<DumpData, DataError> {
+    let t0 = Instant::now();
+    chan.send_request(
+        &Request::DumpBegin {
+            slot_size: staging.slot_size() as u64,
+            slots: staging.slots() as u32,
+            streams: limits.streams,
+        },
+        Some(staging.fd().as_fd()),
+    )?;
+    expect_ready(chan, limits.stall)?;
+
+    let (work_tx, work_rx) = bounded::<Work>(staging.slots());
+    let (err_tx, err_rx) = unbounded::<String>();
+    let writers = writers.max(1);
+    let result = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..writers)
+            .map(|index| {
+                let rx = work_rx.clone();
+                let err_tx = err_tx.clone();
+                s.spawn(move || writer(index as u32, rx, err_tx, chan, staging, dir, nspid, codec))
+            })
+            .collect();
+        drop(work_rx);
+        let outcome = pump_dump_replies(chan, &work_tx, &err_rx, limits.stall);
+        drop(work_tx);
+        let mut data = DumpData::default();
+        for h in handles {
+            match h.join() {
+                Ok(Some((file, mut chunks))) => {
+                    data.files.push(file);
+                    data.chunks.append(&mut chunks);
+                }
+                Ok(None) => {}
+                Err(_) => return Err(DataError::Image("a writer thread panicked".into())),
+            }
+        }
+        outcome?;
+        if let Ok(e) = err_rx.try_recv() {
+            return Err(DataError::Image(e));
+        }
+        Ok(data)
+    });
+    let mut data = match result {
+        Ok(d) => d,
+        Err(e) => {
+            abort_dump(chan, limits.stall);
+            return Err(e);
+        }
+    };
+    data.files.sort_by(|a, b| a.name.cmp(&b.name));
+    data.chunks.sort_by_key(|c| c.addr);
+    data.bytes = data.chunks.iter().map(|c| c.len).sum();
+    data.stored_bytes = data.chunks.iter().map(|c| c.stored_len).sum();
+    data.seconds = t0.elapsed().as_secs_f64();
+    Ok(data)
+}
+
+/// Main-thread side of a dump: route `ChunkReady` to writers until `DumpDataDone`.
+fn pump_dump_replies(
+    chan: &Channel,
+    work: &Sender<Work>,
+    errors: &Receiver<String>,
+    stall: Duration,
+) -> Result<(), DataError> {
+    let mut last = Instant::now();
+    loop {
+        if let Ok(e) = errors.try_recv() {
+            return Err(DataError::Image(e));
+        }
+        match chan.recv_reply(Some(Duration::from_millis(200))) {
+            Ok(Reply::ChunkReady {
+                slot, addr, len, ..
+            }) => {
+                last = Instant::now();
+                if work.send(Work { slot, addr, len }).is_err() {
+                    return Err(DataError::Image("all writer threads stopped".into()));
+                }
+            }
+            Ok(Reply::DumpDataDone { .. }) => return Ok(()),
+            Ok(Reply::Error { message, .. }) => return Err(DataError::Agent(message)),
+            Ok(other) => return Err(DataError::Unexpected(format!("{other:?}"), "ChunkReady")),
+            Err(ProtoError::Timeout) | Err(ProtoError::Interrupted) => {
+                if last.elapsed() > stall {
+                    return Err(DataError::Stalled(stall));
+                }
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn writer(
+    index: u32,
+    work: Receiver<Work>,
+    errors: Sender<String>,
+    chan: &Channel,
+    staging: &Staging,
+    dir: BorrowedFd<'_>,
+    nspid: u32,
+    codec: Codec,
+) -> Option<(FileEntry, Vec<ChunkEntry>)> {
+    block_signals();
+    let mut file: Option<DataFileWriter> = None;
+    let mut chunks = Vec::new();
+    let mut failed = false;
+    for w in work.iter() {
+        if !failed {
+            let res = (|| {
+                if file.is_none() {
+                    file =
+                        Some(DataFileWriter::create(dir, nspid, index).map_err(|e| e.to_string())?);
+                }
+                let f = file.as_mut().expect("created above");
+                // SAFETY: the agent announced this slot with ChunkReady and will not touch it
+                // until we send SlotFree below.
+                let data = unsafe { staging.slot(w.slot as usize, w.len as usize) };
+                f.append_chunk(w.addr, data, codec)
+                    .map_err(|e| e.to_string())
+            })();
+            match res {
+                Ok(entry) => chunks.push(entry),
+                Err(e) => {
+                    failed = true;
+                    let _ = errors.send(e);
+                }
+            }
+        }
+        // Free the slot even after a failure, so the agent is never left waiting.
+        let _ = chan.send_request(&Request::SlotFree { slot: w.slot }, None);
+    }
+    if failed {
+        return None;
+    }
+    match file?.finish() {
+        Ok(entry) => Some((entry, chunks)),
+        Err(e) => {
+            let _ = errors.send(e.to_string());
+            None
+        }
+    }
+}
+
+/// Tells the agent to stop and keep its memory; best effort, bounded.
+pub fn abort_dump(chan: &Channel, stall: Duration) {
+    if chan.send_request(&Request::Abort, None).is_err() {
+        return;
+    }
+    let deadline = Instant::now() + stall.min(Duration::from_secs(10));
+    while Instant::now() < deadline {
+        match chan.recv_reply(Some(Duration::from_millis(200))) {
+            Ok(Reply::Aborted) | Ok(Reply::Error { .. }) | Err(ProtoError::Closed) => return,
+            Ok(_) | Err(ProtoError::Timeout) | Err(ProtoError::Interrupted) => continue,
+            Err(_) => return,
+        }
+    }
+}
+
+/// Asks the agent to release physical memory (address reservations kept) and waits until it
+/// has closed the connection, so the process holds no socket to CRIU when its fds are dumped.
+pub fn release(chan: &Channel, stall: Duration) -> Result<(u32, u64), DataError> {
+    chan.send_request(&Request::Release, None)?;
+    let (allocations, bytes) = match chan.recv_reply(Some(stall))? {
+        Reply::Released {
+            allocations, bytes, ..
+        } => (allocations, bytes),
+        Reply::Error { message, .. } => return Err(DataError::Agent(message)),
+        other => return Err(DataError::Unexpected(format!("{other:?}"), "Released")),
+    };
+    wait_closed(chan, stall)?;
+    Ok((allocations, bytes))
+}
+
+fn wait_closed(chan: &Channel, stall: Duration) -> Result<(), DataError> {
+    match chan.recv_reply(Some(stall)) {
+        Err(ProtoError::Closed) => Ok(()),
+        Err(e) => Err(e.into()),
+        Ok(other) => Err(DataError::Unexpected(
+            format!("{other:?}"),
+            "end of connection",
+        )),
+    }
+}
+
+/// What a load moved.
+#[derive(Debug, Default)]
+pub struct LoadStats {
+    pub bytes: u64,
+    pub seconds: f64,
+}
+
+/// Re-creates the agent's memory at the recorded addresses and fills it from the image.
+pub fn copy_in(
+    chan: &Channel,
+    staging: &Staging,
+    dir: BorrowedFd<'_>,
+    manifest: &Manifest,
+    readers: usize,
+    limits: Limits,
+) -> Result<LoadStats, DataError> {
+    let t0 = Instant::now();
+    chan.send_request(
+        &Request::RestoreBegin {
+            slot_size: staging.slot_size() as u64,
+            slots: staging.slots() as u32,
+            streams: limits.streams,
+        },
+        Some(staging.fd().as_fd()),
+    )?;
+    expect_ready(chan, limits.stall)?;
+
+    let (free_tx, free_rx) = bounded::<u32>(staging.slots());
+    for i in 0..staging.slots() as u32 {
+        let _ = free_tx.send(i);
+    }
+    let (err_tx, err_rx) = unbounded::<String>();
+    let files = manifest.files.len() as u32;
+    let readers = readers.clamp(1, files.max(1) as usize) as u32;
+    let total = manifest.chunks.len();
+    let outcome = std::thread::scope(|s| {
+        for r in 0..readers {
+            let free_rx = free_rx.clone();
+            let err_tx = err_tx.clone();
+            s.spawn(move || {
+                block_signals();
+                let mine = (0..files).filter(|f| f % readers == r);
+                if let Err(e) = read_files(mine, &free_rx, chan, staging, dir, manifest) {
+                    let _ = err_tx.send(e);
+                }
+            });
+        }
+        drop(free_rx);
+        let res = pump_load_replies(chan, &free_tx, &err_rx, total, limits.stall);
+        // Unblock readers waiting for a slot, whatever happened.
+        drop(free_tx);
+        res
+    });
+    outcome?;
+    if let Ok(e) = err_rx.try_recv() {
+        return Err(DataError::Image(e));
+    }
+    chan.send_request(&Request::RestoreDataDone, None)?;
+    let bytes = match chan.recv_reply(Some(limits.stall))? {
+        Reply::Restored { bytes, .. } => bytes,
+        Reply::Error { message, .. } => return Err(DataError::Agent(message)),
+        other => return Err(DataError::Unexpected(format!("{other:?}"), "Restored")),
+    };
+    wait_closed(chan, limits.stall)?;
+    Ok(LoadStats {
+        bytes,
+        seconds: t0.elapsed().as_secs_f64(),
+    })
+}
+
+fn read_files(
+    files: impl Iterator<Item = u32>,
+    free: &Receiver<u32>,
+    chan: &Channel,
+    staging: &Staging,
+    dir: BorrowedFd<'_>,
+    manifest: &Manifest,
+) -> Result<(), String> {
+    let mut scratch = Vec::new();
+    for file in files {
+        let reader = DataFileReader::open(dir, manifest, file).map_err(|e| e.to_string())?;
+        for c in manifest.chunks.iter().filter(|c| c.file == file) {
+            let Ok(slot) = free.recv() else {
+                return Ok(()); // the load was abandoned
+            };
+            // SAFETY: the slot came from the free list: the agent is done with it and no
+            // other reader holds it.
+            let out = unsafe { staging.slot_mut(slot as usize, c.len as usize) };
+            reader
+                .read_chunk(c, out, &mut scratch)
+                .map_err(|e| e.to_string())?;
+            chan.send_request(
+                &Request::ChunkLoad {
+                    slot,
+                    addr: c.addr,
+                    len: c.len,
+                },
+                None,
+            )
+            .map_err(|e| e.to_string())?;
+        }
+    }
+    Ok(())
+}
+
+fn pump_load_replies(
+    chan: &Channel,
+    free: &Sender<u32>,
+    errors: &Receiver<String>,
+    total: usize,
+    stall: Duration,
+) -> Result<(), DataError> {
+    let mut done = 0;
+    let mut last = Instant::now();
+    while done < total {
+        if let Ok(e) = errors.try_recv() {
+            return Err(DataError::Image(e));
+        }
+        match chan.recv_reply(Some(Duration::from_millis(200))) {
+            Ok(Reply::SlotFree { slot }) => {
+                done += 1;
+                last = Instant::now();
+                let _ = free.send(slot);
+            }
+            Ok(Reply::Error { message, .. }) => return Err(DataError::Agent(message)),
+            Ok(other) => return Err(DataError::Unexpected(format!("{other:?}"), "SlotFree")),
+            Err(ProtoError::Timeout) | Err(ProtoError::Interrupted) => {
+                if last.elapsed() > stall {
+                    return Err(DataError::Stalled(stall));
+                }
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}

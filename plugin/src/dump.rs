@@ -1,0 +1,442 @@
+//! The dump side, per process: PAUSE (lock, choose the path), CHECKPOINT (move data, release,
+//! driver checkpoint of control state) and the rollback that `exit` runs on `-R` or failure.
+
+use crate::context::Ctx;
+use crate::datapath::{self, DataError};
+use crate::process::{DataPath, DriverStage, SplitState, Tracked};
+use crate::ptrace::RunningThread;
+use crate::staging::Staging;
+use gpusnap_config::Mode;
+use gpusnap_cuda::agent::{self, AgentError};
+use gpusnap_cuda::{DriverError, ProcessState};
+use gpusnap_image::{AllocationRecord, CheckpointPath, Manifest};
+use gpusnap_proto::{AllocKind, Channel, Reply, Request};
+use std::os::fd::BorrowedFd;
+use std::time::Instant;
+
+#[derive(Debug, thiserror::Error)]
+pub enum DumpError {
+    #[error("{what}: {err}")]
+    Driver {
+        what: &'static str,
+        err: DriverError,
+    },
+    #[error("{0}")]
+    Agent(#[from] AgentError),
+    #[error("split data path: {0}")]
+    Data(#[from] DataError),
+    #[error("ptrace on thread {tid} ({what}): {err}")]
+    Ptrace {
+        tid: i32,
+        what: &'static str,
+        err: std::io::Error,
+    },
+    #[error("{0}")]
+    Other(String),
+}
+
+fn driver(what: &'static str) -> impl FnOnce(DriverError) -> DumpError {
+    move |err| DumpError::Driver { what, err }
+}
+
+fn run_thread(tid: i32, what: &'static str) -> Result<RunningThread, DumpError> {
+    RunningThread::resume(tid).map_err(|err| DumpError::Ptrace { tid, what, err })
+}
+
+/// PAUSE_DEVICES: the process still runs. `Ok(None)`: not a CUDA process.
+pub fn pause(ctx: &Ctx, pid: i32) -> Result<Option<Tracked>, DumpError> {
+    let Ok(restore_tid) = ctx.api.restore_thread_id(pid) else {
+        return Ok(None);
+    };
+    let initial = ctx
+        .api
+        .process_state(pid)
+        .map_err(driver("reading the driver state"))?;
+    let nspid = agent::ns_pid(pid)?;
+    let mut t = Tracked {
+        pid,
+        nspid,
+        restore_tid,
+        initial,
+        driver: DriverStage::Running,
+        path: DataPath::Transparent,
+        timings: Vec::new(),
+    };
+    if initial == ProcessState::Running && ctx.cfg.mode == Mode::Auto {
+        match probe_agent(ctx, pid) {
+            Ok(Some(split)) => t.path = DataPath::Split(split),
+            Ok(None) => {}
+            Err(e) => log::warn!(
+                "pid {pid}: the gpusnap agent is there but unusable ({e}); using the driver path"
+            ),
+        }
+    }
+    if initial == ProcessState::Running {
+        let t0 = Instant::now();
+        if let Err(err) = ctx.api.lock(pid, ctx.lock_timeout_ms) {
+            if crate::criu::alarm_timeouted() {
+                log::error!("pid {pid}: CRIU's timeout fired while locking the GPU state");
+            }
+            return Err(DumpError::Other(format!(
+                "locking the CUDA state of pid {pid} failed ({err}) within {} ms; the process keeps running unlocked. \
+                 A long-running kernel or a blocking CUDA call prevents the lock: retry, or raise CRIU's --timeout \
+                 or gpusnap's lock_timeout_ms",
+                ctx.lock_timeout_ms
+            )));
+        }
+        t.driver = DriverStage::Locked;
+        t.time("lock", t0.elapsed().as_secs_f64());
+    }
+    let path = match &t.path {
+        DataPath::Split(s) => format!(
+            "split ({} allocations taken by the agent, {:.2} GiB)",
+            s.allocations.iter().filter(|a| a.moved).count(),
+            gib(s
+                .allocations
+                .iter()
+                .filter(|a| a.moved)
+                .map(|a| a.size)
+                .sum())
+        ),
+        DataPath::Transparent => "transparent (driver checkpoint)".to_string(),
+    };
+    log::info!(
+        "pid {pid} (nspid {nspid}): CUDA state found, restore thread {restore_tid}, driver state {initial}, path {path}; {}",
+        t.timings_line()
+    );
+    Ok(Some(t))
+}
+
+fn gib(b: u64) -> f64 {
+    b as f64 / (1u64 << 30) as f64
+}
+
+/// Greets the agent while the process runs, to choose the path. The connection is closed again:
+/// the process must hold no socket to CRIU when it is seized.
+fn probe_agent(ctx: &Ctx, pid: i32) -> Result<Option<SplitState>, DumpError> {
+    let Some(chan) = agent::connect(pid)? else {
+        return Ok(None);
+    };
+    let hello = agent::hello(pid, &chan, ctx.agent_timeout())?;
+    if hello.released {
+        return Err(DumpError::Other(
+            "agent reports its memory as released (an earlier dump did not finish?)".into(),
+        ));
+    }
+    if hello.converted_bytes == 0 {
+        log::debug!("pid {pid}: agent holds no converted allocations; driver path");
+        return Ok(None);
+    }
+    Ok(Some(SplitState {
+        agent_ns_tid: hello.ns_tid,
+        ..SplitState::default()
+    }))
+}
+
+/// CHECKPOINT_DEVICES: every thread of the process is stopped by CRIU.
+pub fn checkpoint(ctx: &Ctx, t: &mut Tracked) -> Result<(), DumpError> {
+    if t.initial == ProcessState::Checkpointed {
+        log::info!(
+            "pid {}: already checkpointed before the dump; left as is",
+            t.pid
+        );
+        return Ok(());
+    }
+    let restore_thread = run_thread(t.restore_tid, "driver restore thread")?;
+    if t.is_split() {
+        match move_data_out(ctx, t) {
+            Ok(()) => {}
+            Err(e) if !t.released() => {
+                log::warn!(
+                    "pid {}: split path failed before any memory was released ({e}); \
+                     falling back to the driver checkpoint of all device memory",
+                    t.pid
+                );
+                remove_partial_files(ctx, t);
+                t.path = DataPath::Transparent;
+                if t.driver == DriverStage::Running {
+                    relock(ctx, t)?;
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    let t0 = Instant::now();
+    t.driver = DriverStage::Checkpointed; // set first: a failed checkpoint is rolled back too
+    ctx.api
+        .checkpoint(t.pid)
+        .map_err(driver("driver checkpoint"))?;
+    let phase = if t.is_split() {
+        "control"
+    } else {
+        "checkpoint"
+    };
+    t.time(phase, t0.elapsed().as_secs_f64());
+    restore_thread.stop().map_err(|err| DumpError::Ptrace {
+        tid: t.restore_tid,
+        what: "stopping the driver restore thread",
+        err,
+    })?;
+    log::info!("pid {}: dump phases: {}", t.pid, t.timings_line());
+    Ok(())
+}
+
+fn relock(ctx: &Ctx, t: &mut Tracked) -> Result<(), DumpError> {
+    let t0 = Instant::now();
+    ctx.api
+        .lock(t.pid, ctx.lock_timeout_ms)
+        .map_err(driver("re-locking after the data was moved"))?;
+    t.driver = DriverStage::Locked;
+    t.time("relock", t0.elapsed().as_secs_f64());
+    Ok(())
+}
+
+/// The split protocol: unlock with the application stopped, run only the agent thread, copy
+/// out, release, lock again.
+fn move_data_out(ctx: &Ctx, t: &mut Tracked) -> Result<(), DumpError> {
+    let pid = t.pid;
+    let DataPath::Split(split) = &t.path else {
+        return Ok(());
+    };
+    let agent_tid = agent::host_tid(pid, split.agent_ns_tid)?;
+    let t0 = Instant::now();
+    ctx.api
+        .unlock(pid)
+        .map_err(driver("unlocking for the agent"))?;
+    t.driver = DriverStage::Running;
+    t.time("unlock", t0.elapsed().as_secs_f64());
+
+    let chan = agent::connect(pid)?.ok_or_else(|| {
+        DumpError::Other("the agent's socket disappeared between PAUSE and CHECKPOINT".into())
+    })?;
+    let agent_thread = run_thread(agent_tid, "agent thread")?;
+    let t0 = Instant::now();
+    let allocations = list_allocations(ctx, pid, &chan)?;
+    let staging = Staging::new(ctx.slot_size(), ctx.cfg.staging_slots as usize)
+        .map_err(|e| DumpError::Other(format!("creating the staging ring: {e}")))?;
+    t.time("prepare", t0.elapsed().as_secs_f64());
+
+    let dir = ctx.image_dir();
+    let data = datapath::copy_out(
+        &chan,
+        &staging,
+        dir,
+        t.nspid as u32,
+        ctx.cfg.effective_writer_threads(),
+        ctx.codec(),
+        ctx.limits(),
+    )?;
+    log::info!(
+        "pid {pid}: data {:.2} GiB in {:.3} s ({:.1} GiB/s) into {} files, {} chunks, stored {:.2} GiB",
+        gib(data.bytes),
+        data.seconds,
+        gib(data.bytes) / data.seconds.max(1e-9),
+        data.files.len(),
+        data.chunks.len(),
+        gib(data.stored_bytes),
+    );
+    t.time("data", data.seconds);
+    if let DataPath::Split(split) = &mut t.path {
+        split.allocations = allocations;
+        split.data = Some(data);
+    }
+
+    let t0 = Instant::now();
+    let (n, bytes) = datapath::release(&chan, ctx.agent_timeout())?;
+    if let DataPath::Split(split) = &mut t.path {
+        split.released = true;
+    }
+    t.time("release", t0.elapsed().as_secs_f64());
+    log::debug!("pid {pid}: agent released {n} allocations ({bytes} bytes)");
+    drop(chan);
+    agent_thread.stop().map_err(|err| DumpError::Ptrace {
+        tid: agent_tid,
+        what: "stopping the agent thread",
+        err,
+    })?;
+    relock(ctx, t)
+}
+
+fn list_allocations(
+    ctx: &Ctx,
+    pid: i32,
+    chan: &Channel,
+) -> Result<Vec<AllocationRecord>, DumpError> {
+    let hello = agent::hello(pid, chan, ctx.agent_timeout())?;
+    if hello.released {
+        return Err(DumpError::Other("agent memory already released".into()));
+    }
+    chan.send_request(&Request::ListAllocations, None)
+        .map_err(DataError::from)?;
+    let mut out = Vec::new();
+    loop {
+        match chan
+            .recv_reply(Some(ctx.agent_timeout()))
+            .map_err(DataError::from)?
+        {
+            Reply::Allocation {
+                id,
+                device,
+                addr,
+                size,
+                kind,
+            } => out.push(AllocationRecord {
+                id,
+                device,
+                addr,
+                size,
+                moved: kind == AllocKind::Converted,
+            }),
+            Reply::AllocationsEnd { .. } => return Ok(out),
+            Reply::Error { message, .. } => return Err(DataError::Agent(message).into()),
+            other => {
+                return Err(DataError::Unexpected(format!("{other:?}"), "Allocation").into());
+            }
+        }
+    }
+}
+
+fn remove_partial_files(ctx: &Ctx, t: &Tracked) {
+    let dir = ctx.image_dir();
+    for index in 0..ctx.cfg.effective_writer_threads() as u32 {
+        let name = gpusnap_image::data_file_name(t.nspid as u32, index);
+        let Ok(c) = std::ffi::CString::new(name) else {
+            continue;
+        };
+        // SAFETY: unlinkat relative to CRIU's image dir fd with a NUL-terminated name.
+        unsafe { libc::unlinkat(std::os::fd::AsRawFd::as_raw_fd(&dir), c.as_ptr(), 0) };
+    }
+}
+
+/// Puts the process back as it was before the dump (`-R`, or a failed dump). Tasks are still
+/// seized by CRIU here.
+pub fn rollback(ctx: &Ctx, t: &mut Tracked) -> Result<(), DumpError> {
+    let pid = t.pid;
+    if t.driver == DriverStage::Running && !t.released() {
+        return Ok(());
+    }
+    let t0 = Instant::now();
+    let restore_thread = run_thread(t.restore_tid, "driver restore thread")?;
+    if t.driver == DriverStage::Checkpointed {
+        ctx.api
+            .restore(pid, &[])
+            .map_err(driver("rollback: driver restore"))?;
+        t.driver = DriverStage::Locked;
+    }
+    if t.released() {
+        if t.driver == DriverStage::Locked {
+            ctx.api.unlock(pid).map_err(driver("rollback: unlock"))?;
+            t.driver = DriverStage::Running;
+        }
+        reload(ctx, t)?;
+    }
+    if t.driver == DriverStage::Locked && t.initial == ProcessState::Running {
+        ctx.api.unlock(pid).map_err(driver("rollback: unlock"))?;
+        t.driver = DriverStage::Running;
+    }
+    restore_thread.stop().map_err(|err| DumpError::Ptrace {
+        tid: t.restore_tid,
+        what: "stopping the driver restore thread",
+        err,
+    })?;
+    log::info!(
+        "pid {pid}: rolled back to {} in {:.3} s",
+        t.initial,
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// Reloads released memory from the files just written.
+fn reload(ctx: &Ctx, t: &mut Tracked) -> Result<(), DumpError> {
+    let manifest = manifest_for(ctx, t);
+    let DataPath::Split(split) = &t.path else {
+        return Ok(());
+    };
+    let tid = agent::host_tid(t.pid, split.agent_ns_tid)?;
+    let stats = load_through_agent(ctx, t.pid, tid, ctx.image_dir(), &manifest)?;
+    if let DataPath::Split(s) = &mut t.path {
+        s.released = false;
+    }
+    log::info!(
+        "pid {}: device data reloaded ({:.2} GiB in {:.3} s)",
+        t.pid,
+        gib(stats.bytes),
+        stats.seconds
+    );
+    Ok(())
+}
+
+/// Runs only the agent thread and streams `manifest`'s data into re-created memory.
+pub fn load_through_agent(
+    ctx: &Ctx,
+    pid: i32,
+    agent_tid: i32,
+    dir: BorrowedFd<'_>,
+    manifest: &Manifest,
+) -> Result<datapath::LoadStats, DumpError> {
+    let chan = agent::connect(pid)?
+        .ok_or_else(|| DumpError::Other("the agent's socket is gone".into()))?;
+    let agent_thread = run_thread(agent_tid, "agent thread")?;
+    let biggest = manifest.chunks.iter().map(|c| c.len).max().unwrap_or(0) as usize;
+    let slot = ctx.slot_size().max(biggest.next_multiple_of(4096));
+    let staging = Staging::new(slot, ctx.cfg.staging_slots as usize)
+        .map_err(|e| DumpError::Other(format!("creating the staging ring: {e}")))?;
+    let hello = agent::hello(pid, &chan, ctx.agent_timeout())?;
+    log::debug!("pid {pid}: agent tid {} ready to load", hello.ns_tid);
+    let stats = datapath::copy_in(
+        &chan,
+        &staging,
+        dir,
+        manifest,
+        ctx.cfg.effective_reader_threads(),
+        ctx.limits(),
+    )?;
+    drop(chan);
+    agent_thread.stop().map_err(|err| DumpError::Ptrace {
+        tid: agent_tid,
+        what: "stopping the agent thread",
+        err,
+    })?;
+    Ok(stats)
+}
+
+/// The manifest of one dumped process (written by `exit` once CRIU has succeeded).
+pub fn manifest_for(ctx: &Ctx, t: &Tracked) -> Manifest {
+    let (path, allocations, files, chunks) = match &t.path {
+        DataPath::Split(s) => {
+            let (files, chunks) = s
+                .data
+                .as_ref()
+                .map(|d| (d.files.clone(), d.chunks.clone()))
+                .unwrap_or_default();
+            (CheckpointPath::Split, s.allocations.clone(), files, chunks)
+        }
+        DataPath::Transparent => (CheckpointPath::Transparent, vec![], vec![], vec![]),
+    };
+    Manifest {
+        format_version: gpusnap_image::FORMAT_VERSION,
+        nspid: t.nspid as u32,
+        path,
+        created_unix_s: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+        gpusnap_version: env!("CARGO_PKG_VERSION").to_string(),
+        driver_version: ctx.driver_version,
+        gpus: ctx
+            .gpus
+            .iter()
+            .map(|g| gpusnap_image::GpuRecord {
+                ordinal: g.ordinal,
+                uuid: g.uuid.clone(),
+                name: g.name.clone(),
+                total_mem: g.total_mem,
+            })
+            .collect(),
+        allocations,
+        files,
+        chunks,
+        timings_s: t.timings.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+    }
+}

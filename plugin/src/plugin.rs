@@ -1,0 +1,307 @@
+//! Hook bodies: plain Rust behind the thin `extern "C"` shims in `lib.rs`.
+//!
+//! One [`Plugin`] lives for one CRIU run (between `init` and `exit`). CRIU calls every hook from
+//! its main thread; the mutex only makes that explicit.
+
+use crate::context::{self, Ctx};
+use crate::criu::{self, Stage};
+use crate::process::Tracked;
+use crate::{dump, restore};
+use gpusnap_config::{Config, Mode};
+use gpusnap_image::Manifest;
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+pub const NAME: &std::ffi::CStr = c"gpusnap";
+pub const ENOTSUP: i32 = -libc::ENOTSUP;
+
+pub struct Plugin {
+    stage: Stage,
+    cfg: Config,
+    /// Why gpusnap does nothing in this run, if it does nothing.
+    disabled: Option<String>,
+    ctx: Option<Ctx>,
+    tracked: Vec<Tracked>,
+    in_inventory: bool,
+    manifests: HashMap<u32, Manifest>,
+}
+
+static PLUGIN: Mutex<Option<Plugin>> = Mutex::new(None);
+
+/// Runs `f` on the plugin of this CRIU run; `ENOTSUP` when there is none.
+pub fn with<R>(default: R, f: impl FnOnce(&mut Plugin) -> R) -> R {
+    let mut g = PLUGIN.lock().unwrap_or_else(|e| e.into_inner());
+    match g.as_mut() {
+        Some(p) => f(p),
+        None => default,
+    }
+}
+
+fn driver_absent_reason() -> Option<String> {
+    if !std::path::Path::new("/proc/driver/nvidia/gpus").exists() {
+        return Some("no /proc/driver/nvidia/gpus".into());
+    }
+    gpusnap_cuda::driver::api().err().map(|e| e.to_string())
+}
+
+pub fn init(raw_stage: i32) -> i32 {
+    crate::logger::init(None);
+    let Some(stage) = Stage::from_raw(raw_stage) else {
+        log::error!("unknown CRIU stage {raw_stage}; refusing to run");
+        return -1;
+    };
+    let stage_name = match stage {
+        Stage::Dump => "dump",
+        Stage::PreDump => "pre-dump",
+        Stage::Restore => "restore",
+    };
+    log::info!(
+        "gpusnap {} loaded (stage {stage_name})",
+        env!("CARGO_PKG_VERSION")
+    );
+    let cfg = match gpusnap_config::load() {
+        Ok(c) => c,
+        Err(e) => {
+            log::error!("configuration error: {e}; fix it or remove it, then run CRIU again");
+            return -1;
+        }
+    };
+    if let Some(level) = cfg.log_level {
+        crate::logger::init(Some(level.to_level_filter()));
+    }
+    log::debug!("configuration: {}", cfg.describe());
+    log::debug!("{}", gpusnap_rocm::status_line(&gpusnap_rocm::detect()));
+    let mut p = Plugin {
+        stage,
+        cfg,
+        disabled: None,
+        ctx: None,
+        tracked: Vec::new(),
+        in_inventory: false,
+        manifests: HashMap::new(),
+    };
+    let rc = match stage {
+        Stage::PreDump => {
+            p.disabled = Some("pre-dump".into());
+            log::info!("pre-dump: GPU state is not pre-dumped (the final dump takes it)");
+            0
+        }
+        Stage::Dump => init_dump(&mut p),
+        Stage::Restore => init_restore(&mut p),
+    };
+    *PLUGIN.lock().unwrap_or_else(|e| e.into_inner()) = Some(p);
+    rc
+}
+
+fn init_dump(p: &mut Plugin) -> i32 {
+    if p.cfg.mode == Mode::Off {
+        p.disabled = Some("mode = off".into());
+        log::info!("disabled by configuration (mode = off)");
+        return 0;
+    }
+    if let Some(why) = driver_absent_reason() {
+        log::info!("no usable NVIDIA driver on this host ({why}); GPU checkpointing disabled");
+        p.disabled = Some(why);
+        return 0;
+    }
+    // Driver calls must run while CRIU holds the other threads with ptrace, not a frozen cgroup.
+    if !criu::set_compel_interrupt_only_mode() {
+        log::warn!(
+            "this CRIU cannot seize in interrupt-only mode; frozen containers may hang the lock"
+        );
+    }
+    0
+}
+
+fn init_restore(p: &mut Plugin) -> i32 {
+    // `None`: CRIU 4.0 keeps no plugin list; go by our manifests alone.
+    if criu::check_and_remove_inventory_plugin(NAME) == Some(false) {
+        p.disabled = Some("no GPU state in this image".into());
+        log::debug!("the image holds no GPU state; nothing to do");
+        return 0;
+    }
+    let Some(fd) = criu::image_dir() else {
+        log::error!("CRIU gave no image directory; cannot restore GPU state");
+        return -1;
+    };
+    // SAFETY: CRIU's image-dir service fd stays open for the whole run.
+    let dir = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+    match restore::validate_images(dir, &p.cfg) {
+        Ok(m) => p.manifests = m,
+        Err(e) => {
+            log::error!("restore refused: {e}; nothing was restored and no GPU was touched");
+            return -1;
+        }
+    }
+    if p.manifests.is_empty() {
+        p.disabled = Some("no gpusnap manifests".into());
+        return 0;
+    }
+    if let Some(why) = driver_absent_reason() {
+        log::error!(
+            "the image holds GPU state of {} processes but this host has no usable NVIDIA driver ({why}); restore on a host with driver r570 or newer",
+            p.manifests.len()
+        );
+        return -1;
+    }
+    0
+}
+
+impl Plugin {
+    /// Loads the driver and reads the host's GPUs, once, on first need (after CRIU forked).
+    fn ctx(&mut self) -> Result<&Ctx, String> {
+        if self.ctx.is_none() {
+            let api = gpusnap_cuda::driver::api().map_err(|e| e.to_string())?;
+            api.init().map_err(|e| e.to_string())?;
+            let driver_version = api.driver_version().unwrap_or(0);
+            let gpus = api.gpus().map_err(|e| e.to_string())?;
+            let fd = criu::image_dir().ok_or("CRIU gave no image directory")?;
+            let lock_timeout_ms =
+                context::lock_timeout_ms(self.cfg.lock_timeout_ms, criu::timeout_s());
+            log::info!(
+                "driver API {driver_version}, {} GPU(s), lock timeout {lock_timeout_ms} ms",
+                gpus.len()
+            );
+            self.ctx = Some(Ctx {
+                api,
+                cfg: self.cfg.clone(),
+                image_dir_fd: fd,
+                lock_timeout_ms,
+                driver_version,
+                gpus,
+            });
+        }
+        Ok(self.ctx.as_ref().expect("set above"))
+    }
+
+    pub fn pause_devices(&mut self, pid: i32) -> i32 {
+        if self.disabled.is_some() || self.stage != Stage::Dump {
+            return ENOTSUP;
+        }
+        let ctx = match self.ctx() {
+            Ok(c) => c,
+            Err(e) => {
+                log::error!("cannot use the NVIDIA driver: {e}");
+                return -1;
+            }
+        };
+        match dump::pause(ctx, pid) {
+            Ok(Some(t)) => {
+                self.tracked.push(t);
+                if !self.in_inventory {
+                    self.in_inventory = criu::add_inventory_plugin(NAME);
+                }
+                0
+            }
+            Ok(None) => ENOTSUP,
+            Err(e) => {
+                log::error!("pid {pid}: {e}");
+                -1
+            }
+        }
+    }
+
+    pub fn checkpoint_devices(&mut self, pid: i32) -> i32 {
+        let Some(ctx) = self.ctx.as_ref() else {
+            return ENOTSUP;
+        };
+        let Some(t) = self.tracked.iter_mut().find(|t| t.pid == pid) else {
+            return ENOTSUP;
+        };
+        match dump::checkpoint(ctx, t) {
+            Ok(()) => 0,
+            Err(e) => {
+                log::error!(
+                    "pid {pid}: checkpoint failed: {e}; the dump is aborted and the process rolled back"
+                );
+                -1
+            }
+        }
+    }
+
+    pub fn resume_devices_late(&mut self, pid: i32) -> i32 {
+        if self.disabled.is_some() || self.stage != Stage::Restore {
+            return ENOTSUP;
+        }
+        let Ok(nspid) = gpusnap_cuda::agent::ns_pid(pid) else {
+            return ENOTSUP;
+        };
+        let Some(m) = self.manifests.get(&(nspid as u32)).cloned() else {
+            return ENOTSUP;
+        };
+        let result = self
+            .ctx()
+            .map_err(dump::DumpError::Other)
+            .and_then(|ctx| restore::resume(ctx, pid, &m));
+        match result {
+            Ok(()) => 0,
+            Err(e) => {
+                log::error!(
+                    "pid {pid} (nspid {nspid}): GPU restore failed: {e}. The process is killed rather than left running without its GPU state; the image is unchanged: fix the cause and restore again"
+                );
+                // SAFETY: kill(2) on the pid CRIU handed us.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+                -1
+            }
+        }
+    }
+
+    pub fn exit(&mut self, ret: i32) {
+        if self.stage != Stage::Dump || self.tracked.is_empty() {
+            return;
+        }
+        let Some(ctx) = self.ctx.as_ref() else { return };
+        let leave_running = criu::leave_running();
+        let mut stats = Vec::new();
+        for t in &mut self.tracked {
+            if ret == 0 {
+                let m = dump::manifest_for(ctx, t);
+                if let Err(e) = gpusnap_image::write_manifest(ctx.image_dir(), &m) {
+                    log::error!(
+                        "pid {}: writing the manifest failed: {e}; this image cannot be restored",
+                        t.pid
+                    );
+                }
+                stats.push(serde_json_value(t));
+            }
+            if (ret != 0 || leave_running)
+                && let Err(e) = dump::rollback(ctx, t)
+            {
+                log::error!(
+                    "pid {}: ROLLBACK FAILED: {e}. The process may be left {:?} by the driver; run `gpusnap recover {}` with the image dir to bring it back",
+                    t.pid,
+                    t.driver,
+                    t.pid
+                );
+            }
+        }
+        if ret == 0 && !stats.is_empty() {
+            let doc = serde_json::json!({ "stage": "dump", "processes": stats });
+            if let Err(e) = gpusnap_image::write_stats(ctx.image_dir(), &doc) {
+                log::warn!("writing gpusnap-stats.json failed: {e}");
+            }
+        }
+    }
+}
+
+fn serde_json_value(t: &Tracked) -> serde_json::Value {
+    let timings: serde_json::Map<String, serde_json::Value> = t
+        .timings
+        .iter()
+        .map(|(k, v)| (k.to_string(), serde_json::json!(v)))
+        .collect();
+    serde_json::json!({
+        "nspid": t.nspid,
+        "path": if t.is_split() { "split" } else { "transparent" },
+        "timings_s": timings,
+    })
+}
+
+/// Called by `exit`: runs the dump's end and forgets this run.
+pub fn finish(ret: i32) {
+    let mut g = PLUGIN.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(p) = g.as_mut() {
+        p.exit(ret);
+    }
+    *g = None;
+}

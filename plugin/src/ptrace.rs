@@ -1,0 +1,142 @@
+//! Letting one seized thread run while CRIU keeps the others stopped.
+//!
+//! CRIU's main thread is the tracer of every seized task, so only it may issue these requests
+//! (all hooks run there). A thread is resumed with every signal but SIGTRAP blocked (so nothing
+//! of the application's runs in it but what it was doing) and stopped again with
+//! `PTRACE_INTERRUPT`. [`RunningThread`] re-stops on drop, so no error path leaves it running.
+
+use std::io;
+
+const PTRACE_GETSIGMASK: libc::c_uint = 0x420a;
+const PTRACE_SETSIGMASK: libc::c_uint = 0x420b;
+/// What CRIU sets on seized tasks.
+const CRIU_OPTIONS: libc::c_long =
+    (libc::PTRACE_O_SUSPEND_SECCOMP | libc::PTRACE_O_TRACESYSGOOD) as _;
+
+fn ptrace(req: libc::c_uint, tid: i32, addr: usize, data: usize) -> io::Result<libc::c_long> {
+    // SAFETY: the requests used here take either no pointer or a pointer to a live u64 that
+    // the caller passes in `data`; the kernel checks that we trace `tid`.
+    let r = unsafe {
+        libc::ptrace(
+            req,
+            tid,
+            addr as *mut libc::c_void,
+            data as *mut libc::c_void,
+        )
+    };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(r)
+}
+
+/// A seized thread that we let run. Dropping it stops it again.
+#[derive(Debug)]
+pub struct RunningThread {
+    tid: i32,
+    saved_mask: u64,
+    stopped: bool,
+}
+
+impl RunningThread {
+    /// Resumes `tid`, which must be in a ptrace stop of ours.
+    pub fn resume(tid: i32) -> io::Result<Self> {
+        let mut saved: u64 = 0;
+        ptrace(PTRACE_GETSIGMASK, tid, 8, &mut saved as *mut u64 as usize)?;
+        let only_trap: u64 = !(1u64 << (libc::SIGTRAP - 1));
+        ptrace(PTRACE_SETSIGMASK, tid, 8, &only_trap as *const u64 as usize)?;
+        ptrace(libc::PTRACE_SETOPTIONS, tid, 0, 0)?;
+        if let Err(e) = ptrace(libc::PTRACE_CONT, tid, 0, 0) {
+            let _ = ptrace(libc::PTRACE_SETOPTIONS, tid, 0, CRIU_OPTIONS as usize);
+            let _ = ptrace(PTRACE_SETSIGMASK, tid, 8, &saved as *const u64 as usize);
+            return Err(e);
+        }
+        Ok(Self {
+            tid,
+            saved_mask: saved,
+            stopped: false,
+        })
+    }
+
+    pub fn tid(&self) -> i32 {
+        self.tid
+    }
+
+    /// Stops the thread again and puts back what [`Self::resume`] changed.
+    pub fn stop(mut self) -> io::Result<()> {
+        self.stop_inner()
+    }
+
+    fn stop_inner(&mut self) -> io::Result<()> {
+        if self.stopped {
+            return Ok(());
+        }
+        self.stopped = true;
+        ptrace(libc::PTRACE_INTERRUPT, self.tid, 0, 0)?;
+        wait_for_interrupt_stop(self.tid)?;
+        ptrace(libc::PTRACE_SETOPTIONS, self.tid, 0, CRIU_OPTIONS as usize)?;
+        ptrace(
+            PTRACE_SETSIGMASK,
+            self.tid,
+            8,
+            &self.saved_mask as *const u64 as usize,
+        )?;
+        Ok(())
+    }
+}
+
+impl Drop for RunningThread {
+    fn drop(&mut self) {
+        if let Err(e) = self.stop_inner() {
+            log::error!("could not stop thread {} again: {e}", self.tid);
+        }
+    }
+}
+
+/// Waits for the `PTRACE_EVENT_STOP` our interrupt causes. A signal-delivery stop on the way
+/// (only SIGTRAP can arrive: everything else is blocked) is passed on, and we keep waiting.
+fn wait_for_interrupt_stop(tid: i32) -> io::Result<()> {
+    loop {
+        let mut status: libc::c_int = 0;
+        // SAFETY: waitpid on a traced thread with a valid status pointer.
+        let r = unsafe { libc::waitpid(tid, &mut status, libc::__WALL) };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if libc::WIFEXITED(status) || libc::WIFSIGNALED(status) {
+            return Err(io::Error::other(format!(
+                "thread {tid} exited while it was running for gpusnap"
+            )));
+        }
+        if !libc::WIFSTOPPED(status) {
+            continue;
+        }
+        if status >> 16 == libc::PTRACE_EVENT_STOP {
+            return Ok(());
+        }
+        let sig = libc::WSTOPSIG(status);
+        let pass = if sig == libc::SIGTRAP || sig == (libc::SIGTRAP | 0x80) {
+            0
+        } else {
+            sig
+        };
+        ptrace(libc::PTRACE_CONT, tid, 0, pass as usize)?;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resuming_an_untraced_thread_fails_cleanly() {
+        // We trace nothing; the kernel refuses with ESRCH.
+        let me = std::process::id() as i32;
+        let e = RunningThread::resume(me).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::ESRCH));
+    }
+}

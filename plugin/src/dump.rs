@@ -240,6 +240,10 @@ fn move_data_out(ctx: &Ctx, t: &mut Tracked) -> Result<(), DumpError> {
         split.allocations = allocations;
         split.data = Some(data);
     }
+    // A manifest now, before memory is released: should CRIU die from here on, `gpusnap
+    // recover` finds the data. `exit` rewrites it with the final timings.
+    gpusnap_image::write_manifest(dir, &manifest_for(ctx, t))
+        .map_err(|e| DumpError::Other(format!("writing the manifest: {e}")))?;
 
     let t0 = Instant::now();
     let (n, bytes) = datapath::release(&chan, ctx.agent_timeout())?;
@@ -296,15 +300,10 @@ fn list_allocations(
     }
 }
 
-fn remove_partial_files(ctx: &Ctx, t: &Tracked) {
-    let dir = ctx.image_dir();
-    for index in 0..ctx.cfg.effective_writer_threads() as u32 {
-        let name = gpusnap_image::data_file_name(t.nspid as u32, index);
-        let Ok(c) = std::ffi::CString::new(name) else {
-            continue;
-        };
-        // SAFETY: unlinkat relative to CRIU's image dir fd with a NUL-terminated name.
-        unsafe { libc::unlinkat(std::os::fd::AsRawFd::as_raw_fd(&dir), c.as_ptr(), 0) };
+/// Removes this process's gpusnap files (a split attempt that was abandoned, or a failed dump).
+pub fn remove_partial_files(ctx: &Ctx, t: &Tracked) {
+    if let Err(e) = gpusnap_image::remove_process_files(ctx.image_dir(), t.nspid as u32) {
+        log::warn!("pid {}: removing partial image files: {e}", t.pid);
     }
 }
 

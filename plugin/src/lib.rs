@@ -19,6 +19,7 @@ pub mod logger;
 pub mod plugin;
 pub mod process;
 pub mod ptrace;
+pub mod recover;
 pub mod restore;
 pub mod staging;
 

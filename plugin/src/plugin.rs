@@ -264,15 +264,20 @@ impl Plugin {
                 }
                 stats.push(serde_json_value(t));
             }
-            if (ret != 0 || leave_running)
-                && let Err(e) = dump::rollback(ctx, t)
-            {
-                log::error!(
-                    "pid {}: ROLLBACK FAILED: {e}. The process may be left {:?} by the driver; run `gpusnap recover {}` with the image dir to bring it back",
-                    t.pid,
-                    t.driver,
-                    t.pid
-                );
+            if ret != 0 || leave_running {
+                match dump::rollback(ctx, t) {
+                    // A failed dump's files are no use to anyone.
+                    Ok(()) if ret != 0 => dump::remove_partial_files(ctx, t),
+                    Ok(()) => {}
+                    Err(e) => {
+                        log::error!(
+                            "pid {}: ROLLBACK FAILED: {e}. The process may be left {:?} by the driver; run `gpusnap recover {}` with the image dir to bring it back",
+                            t.pid,
+                            t.driver,
+                            t.pid
+                        );
+                    }
+                }
             }
         }
         if ret == 0 && !stats.is_empty() {

@@ -128,6 +128,46 @@ fn wait_for_interrupt_stop(tid: i32) -> io::Result<()> {
     }
 }
 
+/// Every thread of a process held in a ptrace stop by us (for `gpusnap recover`, which runs
+/// outside CRIU). Dropping it detaches, and the threads run on.
+pub struct SeizedProcess {
+    tids: Vec<i32>,
+}
+
+impl SeizedProcess {
+    pub fn seize(pid: i32) -> io::Result<Self> {
+        let mut me = Self { tids: Vec::new() };
+        // Threads may be born while we seize: repeat until a pass finds none new.
+        loop {
+            let mut new = 0;
+            for e in std::fs::read_dir(format!("/proc/{pid}/task"))?.flatten() {
+                let Some(tid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+                    continue;
+                };
+                if me.tids.contains(&tid) {
+                    continue;
+                }
+                ptrace(libc::PTRACE_SEIZE, tid, 0, 0)?;
+                me.tids.push(tid);
+                ptrace(libc::PTRACE_INTERRUPT, tid, 0, 0)?;
+                wait_for_interrupt_stop(tid)?;
+                new += 1;
+            }
+            if new == 0 {
+                return Ok(me);
+            }
+        }
+    }
+}
+
+impl Drop for SeizedProcess {
+    fn drop(&mut self) {
+        for &tid in &self.tids {
+            let _ = ptrace(libc::PTRACE_DETACH, tid, 0, 0);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

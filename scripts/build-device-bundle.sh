@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Builds what the GPU machine needs (it has no network and no Rust toolchain) into .devcarry/:
+# the plugin (libgpusnap.so), the agent (libgpusnap_agent.so) and the CLI (gpusnap), release
+# builds. Together with .criu-root/ (scripts/install-criu.sh) this is what `device run` carries.
+set -euo pipefail
+repo=$(dirname -- "$(dirname -- "$(readlink -f -- "${BASH_SOURCE[0]}")")")
+cd -- "$repo"
+cargo build --release -p gpusnap-plugin -p gpusnap-agent -p gpusnap
+mkdir -p .devcarry
+cp target/release/libgpusnap.so target/release/libgpusnap_agent.so target/release/gpusnap .devcarry/
+strip --strip-debug .devcarry/*.so .devcarry/gpusnap 2>/dev/null || true
+git rev-parse HEAD >.devcarry/COMMIT
+du -sh .devcarry .criu-root

@@ -6,7 +6,7 @@
 # 1. builds the private CRIU 4.1.1 root (scripts/install-criu.sh; fast when present),
 # 2. cargo fmt --all -- --check
 # 3. cargo clippy --workspace --all-targets -- -D warnings
-# 4. cargo test --workspace  (includes criu-tests: real criu dump/restore, needs root)
+# 4. cargo test --workspace --no-fail-fast  (includes criu-tests: real criu dump/restore, needs root)
 #
 # Stops at the first failing step. GPUSNAP_SKIP_CRIU_TESTS=1 skips the CRIU install and the
 # CRIU tests (for machines where you cannot be root); they report themselves as skipped.
@@ -43,7 +43,7 @@ cargo fmt --all -- --check || fail "formatting differs: run 'cargo fmt --all'"
 step "cargo clippy --workspace --all-targets -- -D warnings"
 cargo clippy --workspace --all-targets -- -D warnings || fail "clippy reported warnings or errors"
 
-step "cargo test --workspace $*"
-cargo test --workspace "$@" || fail "tests failed (CRIU test work dirs of failed tests are kept under target/*/criu-tests/)"
+step "cargo test --workspace --no-fail-fast $*"
+cargo test --workspace --no-fail-fast "$@" || fail "tests failed (CRIU test work dirs of failed tests are kept under target/*/criu-tests/)"
 
 step "all checks passed"

@@ -94,8 +94,20 @@ impl CriuRun {
             .collect();
         let lines: Vec<&str> = self.log.lines().collect();
         let tail = &lines[lines.len().saturating_sub(25)..];
+        let mut hints = String::new();
+        if self
+            .log
+            .contains("Generating dynamic descriptor for plugin")
+        {
+            hints.push_str(
+                "hint: a plugin exports no CR_PLUGIN_DESC (is libgpusnap.so still a placeholder?)\n",
+            );
+        }
+        if self.log.contains("Corrupted plugin") {
+            hints.push_str("hint: CRIU rejected a plugin descriptor (version or max_hooks too high for this CRIU)\n");
+        }
         format!(
-            "--- log {} ---\nerrors/warnings:\n  {}\ngpusnap lines:\n  {}\nlast lines:\n  {}\n--- criu stdout/stderr ---\n{}",
+            "{hints}--- log {} ---\nerrors/warnings:\n  {}\ngpusnap lines:\n  {}\nlast lines:\n  {}\n--- criu stdout/stderr ---\n{}",
             self.log_path.display(),
             errors.join("\n  "),
             self.gpusnap_lines().join("\n  "),

@@ -46,7 +46,7 @@ static HARNESS: OnceLock<Result<Harness, String>> = OnceLock::new();
 /// failure): a CRIU test must never pass silently without running CRIU.
 pub fn harness(test: &str) -> Option<&'static Harness> {
     if std::env::var(SKIP_ENV).is_ok_and(|v| v == "1") {
-        eprintln!("criu-tests: SKIPPED {test}: {SKIP_ENV}=1");
+        skipped(test, &format!("{SKIP_ENV}=1"));
         return None;
     }
     match HARNESS.get_or_init(Harness::init) {
@@ -57,6 +57,13 @@ pub fn harness(test: &str) -> Option<&'static Harness> {
     }
 }
 
+/// Reports a skipped test on the real stderr: `eprintln!` would be captured by the test
+/// harness and never shown for a passing test.
+pub fn skipped(test: &str, why: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "criu-tests: SKIPPED {test}: {why}");
+}
+
 impl Harness {
     fn init() -> Result<Harness, String> {
         // SAFETY: geteuid has no preconditions.
@@ -65,10 +72,8 @@ impl Harness {
                 "they must run as root (criu dump/restore needs CAP_SYS_ADMIN and ptrace)".into(),
             );
         }
-        let repo = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .parent()
-            .ok_or("criu-tests has no parent directory")?
-            .to_owned();
+        let exe = std::env::current_exe().map_err(|e| format!("current_exe: {e}"))?;
+        let repo = find_repo(&exe)?;
         let criu = repo.join("scripts/criu");
         let install = repo.join("scripts/install-criu.sh");
         if !criu.is_file() || !install.is_file() {
@@ -78,7 +83,6 @@ impl Harness {
                 install.display()
             ));
         }
-        let exe = std::env::current_exe().map_err(|e| format!("current_exe: {e}"))?;
         // <target>/<profile>/deps/<test binary>
         let profile_dir = exe
             .parent()
@@ -143,6 +147,40 @@ impl Harness {
             images,
         }
     }
+}
+
+/// The repository root (the directory with `scripts/criu`): `$GPUSNAP_REPO`, else the
+/// parent of `$CARGO_MANIFEST_DIR` (at run time, then at build time), else the nearest
+/// ancestor of the test binary (so that a copied `target/` inside a copied checkout works,
+/// e.g. on a GPU host without cargo).
+fn find_repo(exe: &Path) -> Result<PathBuf, String> {
+    let manifest_dir = |d: PathBuf| d.parent().map(Path::to_path_buf);
+    let candidates = std::env::var_os("GPUSNAP_REPO")
+        .map(PathBuf::from)
+        .into_iter()
+        .chain(std::env::var_os("CARGO_MANIFEST_DIR").and_then(|d| manifest_dir(d.into())))
+        .chain(manifest_dir(env!("CARGO_MANIFEST_DIR").into()))
+        .chain(exe.ancestors().skip(1).map(Path::to_path_buf));
+    for c in candidates {
+        if c.join("scripts/criu").is_file() {
+            return Ok(c);
+        }
+    }
+    Err(format!(
+        "cannot find the repository (a directory with scripts/criu) for {}; set GPUSNAP_REPO",
+        exe.display()
+    ))
+}
+
+/// A workload binary: the `CARGO_BIN_EXE_*` path it was built at, or, if that does not
+/// exist (a copied `target/`), the file of the same name next to the test binary's profile.
+fn workload_bin(h: &Harness, bin: &str) -> PathBuf {
+    let p = Path::new(bin);
+    if p.is_file() {
+        return p.to_owned();
+    }
+    p.file_name()
+        .map_or_else(|| p.to_owned(), |n| h.profile_dir.join(n))
 }
 
 /// The file named by env var `var`, if set: `Some(Err)` if it is not a file.
@@ -222,7 +260,7 @@ impl WorkDir {
         let out_path = self.path.join(format!("{name}.out"));
         let out = fs::File::create(&out_path).expect("create workload output file");
         let err = out.try_clone().expect("dup workload output file");
-        let mut cmd = Command::new(bin);
+        let mut cmd = Command::new(workload_bin(self.h, bin));
         cmd.args(args)
             .envs(env.iter().copied())
             .current_dir(&self.path)

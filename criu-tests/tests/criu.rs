@@ -6,6 +6,7 @@
 
 use std::fs;
 
+use criu_tests::harness::skipped;
 use criu_tests::{CriuRun, WorkDir, Workload, harness, procs};
 
 const COUNTER: &str = env!("CARGO_BIN_EXE_counter");
@@ -166,8 +167,9 @@ fn disabled_without_driver_logs_once() {
         return;
     };
     if nvidia_driver_present() {
-        eprintln!(
-            "criu-tests: SKIPPED disabled_without_driver_logs_once: an NVIDIA driver is present"
+        skipped(
+            "disabled_without_driver_logs_once",
+            "an NVIDIA driver is present",
         );
         return;
     }

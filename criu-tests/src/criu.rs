@@ -30,7 +30,11 @@ impl CriuRun {
         let out =
             fs::File::create(&out_path).map_err(|e| format!("{}: {e}", out_path.display()))?;
         let err = out.try_clone().map_err(|e| e.to_string())?;
-        let mut child = Command::new(criu)
+        let mut cmd = Command::new(criu);
+        for v in crate::harness::HARNESS_ONLY_ENV {
+            cmd.env_remove(v);
+        }
+        let mut child = cmd
             .args(args)
             .stdin(Stdio::null())
             .stdout(out)

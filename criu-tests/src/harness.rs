@@ -21,6 +21,17 @@ pub const PLUGIN_SO_ENV: &str = "GPUSNAP_TEST_PLUGIN_SO";
 /// Use this prebuilt agent instead of building `gpusnap-agent`.
 pub const AGENT_SO_ENV: &str = "GPUSNAP_TEST_AGENT_SO";
 
+/// Variables meant for this harness or for scripts/install-criu.sh only. gpusnap rejects
+/// unknown `GPUSNAP_*` variables in its environment, so they are removed from the
+/// environment of criu and of the workloads.
+pub const HARNESS_ONLY_ENV: &[&str] = &[
+    PLUGIN_SO_ENV,
+    AGENT_SO_ENV,
+    "GPUSNAP_REPO",
+    "GPUSNAP_CRIU_FORCE",
+    "GPUSNAP_CRIU_MIRROR",
+];
+
 /// How long to wait for workloads to make progress or for pids to become free.
 pub const WAIT: Duration = Duration::from_secs(20);
 
@@ -261,6 +272,9 @@ impl WorkDir {
         let out = fs::File::create(&out_path).expect("create workload output file");
         let err = out.try_clone().expect("dup workload output file");
         let mut cmd = Command::new(workload_bin(self.h, bin));
+        for v in HARNESS_ONLY_ENV {
+            cmd.env_remove(v);
+        }
         cmd.args(args)
             .envs(env.iter().copied())
             .current_dir(&self.path)

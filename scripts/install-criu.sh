@@ -8,13 +8,17 @@
 # closure of its Depends (glibc 2.41 included) and `dpkg-deb -x`s them into the
 # root. scripts/criu then runs the root's criu through the root's own loader.
 #
-# Usage: scripts/install-criu.sh        (as root is not required to build; CRIU
-#                                         itself needs root to dump/restore)
-# Env:   GPUSNAP_CRIU_ROOT  target directory (default: <repo>/.criu-root)
-#        GPUSNAP_CRIU_MIRROR Debian mirror (default: http://deb.debian.org/debian)
+# Usage: scripts/install-criu.sh   (needs network the first time; criu itself needs root
+#                                   to dump/restore, and `criu check` is run when root)
+# Env:   GPUSNAP_CRIU_ROOT    target directory (default: <repo>/.criu-root); also read by
+#                             scripts/criu
+#        GPUSNAP_CRIU_MIRROR  Debian mirror (default: http://deb.debian.org/debian)
 #        GPUSNAP_CRIU_FORCE=1 rebuild even if the root already works
+#        (do not leave the last two exported when running criu: gpusnap refuses unknown
+#        GPUSNAP_* variables in its environment)
 #
-# Idempotent: exits at once if the root's criu runs and reports 4.1.1.
+# Idempotent: exits at once if the root is complete (stamp file .gpusnap-criu-root) and
+# its criu runs and reports 4.1.1.
 # The resulting root is ~16 MiB, has no absolute symlinks into the host and can
 # be copied as a directory to a machine with no network (e.g. the GPU host).
 set -euo pipefail

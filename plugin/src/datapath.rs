@@ -54,7 +54,7 @@ struct Work {
 }
 
 /// Blocks every signal in the calling (helper) thread.
-fn block_signals() {
+pub fn block_signals() {
     // SAFETY: sigfillset on a local set, then pthread_sigmask for this thread only.
     unsafe {
         let mut set: libc::sigset_t = std::mem::zeroed();

@@ -133,16 +133,94 @@ fn probe_agent(ctx: &Ctx, pid: i32) -> Result<Option<SplitState>, DumpError> {
     }))
 }
 
-/// CHECKPOINT_DEVICES: every thread of the process is stopped by CRIU.
-pub fn checkpoint(ctx: &Ctx, t: &mut Tracked) -> Result<(), DumpError> {
-    if t.initial == ProcessState::Checkpointed {
-        log::info!(
-            "pid {}: already checkpointed before the dump; left as is",
-            t.pid
-        );
-        return Ok(());
+/// CHECKPOINT_DEVICES for every tracked process at once (CRIU calls the hook per pid, but all
+/// PAUSEs come first, so the whole set is known). ptrace requests must come from CRIU's main
+/// thread, so: threads are resumed here, the driver and data work of each process runs on a
+/// worker of its own, in parallel, and the threads are stopped here again.
+pub fn checkpoint_all(ctx: &Ctx, procs: &mut [Tracked]) -> Vec<(i32, Result<(), DumpError>)> {
+    let t0 = Instant::now();
+    let mut results = Vec::new();
+    let mut work: Vec<(&mut Tracked, Vec<RunningThread>)> = Vec::new();
+    for t in procs.iter_mut() {
+        if t.initial == ProcessState::Checkpointed {
+            log::info!(
+                "pid {}: already checkpointed before the dump; left as is",
+                t.pid
+            );
+            results.push((t.pid, Ok(())));
+            continue;
+        }
+        match run_threads(t) {
+            Ok(threads) => work.push((t, threads)),
+            Err(e) => results.push((t.pid, Err(e))),
+        }
     }
-    let restore_thread = run_thread(t.restore_tid, "driver restore thread")?;
+    let n = work.len();
+    let outcomes: Vec<(i32, Result<(), DumpError>)> = std::thread::scope(|s| {
+        let handles: Vec<_> = work
+            .iter_mut()
+            .map(|(t, _)| {
+                s.spawn(move || {
+                    datapath::block_signals();
+                    let r = checkpoint_one(ctx, t);
+                    (t.pid, r)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| (0, Err(DumpError::Other("worker panicked".into()))))
+            })
+            .collect()
+    });
+    for ((t, threads), (pid, r)) in work.into_iter().zip(outcomes) {
+        let stopped = threads.into_iter().try_for_each(|th| {
+            let tid = th.tid();
+            th.stop().map_err(|err| DumpError::Ptrace {
+                tid,
+                what: "stopping a thread after the checkpoint",
+                err,
+            })
+        });
+        if r.is_ok() {
+            log::info!("pid {}: dump phases: {}", t.pid, t.timings_line());
+        }
+        results.push((pid, r.and(stopped)));
+    }
+    if n > 1 {
+        log::info!(
+            "{n} GPU processes checkpointed in parallel in {:.3} s",
+            t0.elapsed().as_secs_f64()
+        );
+    }
+    results
+}
+
+/// Resumes the driver's restore thread and, on the split path, the agent thread.
+fn run_threads(t: &mut Tracked) -> Result<Vec<RunningThread>, DumpError> {
+    let mut threads = vec![run_thread(t.restore_tid, "driver restore thread")?];
+    if let DataPath::Split(split) = &t.path {
+        match agent::host_tid(t.pid, split.agent_ns_tid)
+            .map_err(DumpError::from)
+            .and_then(|tid| run_thread(tid, "agent thread"))
+        {
+            Ok(th) => threads.push(th),
+            Err(e) => {
+                log::warn!(
+                    "pid {}: cannot run the agent thread ({e}); driver path",
+                    t.pid
+                );
+                t.path = DataPath::Transparent;
+            }
+        }
+    }
+    Ok(threads)
+}
+
+/// The driver and data work of one process; its restore (and agent) thread runs.
+fn checkpoint_one(ctx: &Ctx, t: &mut Tracked) -> Result<(), DumpError> {
     if t.is_split() {
         match move_data_out(ctx, t) {
             Ok(()) => {}
@@ -172,12 +250,6 @@ pub fn checkpoint(ctx: &Ctx, t: &mut Tracked) -> Result<(), DumpError> {
         "checkpoint"
     };
     t.time(phase, t0.elapsed().as_secs_f64());
-    restore_thread.stop().map_err(|err| DumpError::Ptrace {
-        tid: t.restore_tid,
-        what: "stopping the driver restore thread",
-        err,
-    })?;
-    log::info!("pid {}: dump phases: {}", t.pid, t.timings_line());
     Ok(())
 }
 
@@ -191,14 +263,10 @@ fn relock(ctx: &Ctx, t: &mut Tracked) -> Result<(), DumpError> {
     Ok(())
 }
 
-/// The split protocol: unlock with the application stopped, run only the agent thread, copy
-/// out, release, lock again.
+/// The split protocol, with the application stopped and only the agent thread (and the
+/// driver's) running: unlock, copy out, release, lock again.
 fn move_data_out(ctx: &Ctx, t: &mut Tracked) -> Result<(), DumpError> {
     let pid = t.pid;
-    let DataPath::Split(split) = &t.path else {
-        return Ok(());
-    };
-    let agent_tid = agent::host_tid(pid, split.agent_ns_tid)?;
     let t0 = Instant::now();
     ctx.api
         .unlock(pid)
@@ -209,7 +277,6 @@ fn move_data_out(ctx: &Ctx, t: &mut Tracked) -> Result<(), DumpError> {
     let chan = agent::connect(pid)?.ok_or_else(|| {
         DumpError::Other("the agent's socket disappeared between PAUSE and CHECKPOINT".into())
     })?;
-    let agent_thread = run_thread(agent_tid, "agent thread")?;
     let t0 = Instant::now();
     let allocations = list_allocations(ctx, pid, &chan)?;
     let staging = Staging::new(ctx.slot_size(), ctx.cfg.staging_slots as usize)
@@ -253,11 +320,6 @@ fn move_data_out(ctx: &Ctx, t: &mut Tracked) -> Result<(), DumpError> {
     t.time("release", t0.elapsed().as_secs_f64());
     log::debug!("pid {pid}: agent released {n} allocations ({bytes} bytes)");
     drop(chan);
-    agent_thread.stop().map_err(|err| DumpError::Ptrace {
-        tid: agent_tid,
-        what: "stopping the agent thread",
-        err,
-    })?;
     relock(ctx, t)
 }
 

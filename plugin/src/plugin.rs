@@ -23,6 +23,8 @@ pub struct Plugin {
     ctx: Option<Ctx>,
     tracked: Vec<Tracked>,
     in_inventory: bool,
+    /// Outcome of the (single, parallel) checkpoint of every tracked process, by pid.
+    checkpointed: Vec<(i32, Result<(), dump::DumpError>)>,
     manifests: HashMap<u32, Manifest>,
 }
 
@@ -78,6 +80,7 @@ pub fn init(raw_stage: i32) -> i32 {
         ctx: None,
         tracked: Vec::new(),
         in_inventory: false,
+        checkpointed: Vec::new(),
         manifests: HashMap::new(),
     };
     let rc = match stage {
@@ -205,17 +208,22 @@ impl Plugin {
         let Some(ctx) = self.ctx.as_ref() else {
             return ENOTSUP;
         };
-        let Some(t) = self.tracked.iter_mut().find(|t| t.pid == pid) else {
+        if !self.tracked.iter().any(|t| t.pid == pid) {
             return ENOTSUP;
-        };
-        match dump::checkpoint(ctx, t) {
-            Ok(()) => 0,
-            Err(e) => {
+        }
+        // The first call does every process, in parallel; later calls report the outcome.
+        if self.checkpointed.is_empty() {
+            self.checkpointed = dump::checkpoint_all(ctx, &mut self.tracked);
+        }
+        match self.checkpointed.iter().find(|(p, _)| *p == pid) {
+            Some((_, Ok(()))) => 0,
+            Some((_, Err(e))) => {
                 log::error!(
                     "pid {pid}: checkpoint failed: {e}; the dump is aborted and the process rolled back"
                 );
                 -1
             }
+            None => ENOTSUP,
         }
     }
 

@@ -436,30 +436,39 @@ pub fn load_through_agent(
     dir: BorrowedFd<'_>,
     manifest: &Manifest,
 ) -> Result<datapath::LoadStats, DumpError> {
-    let chan = agent::connect(pid)?
-        .ok_or_else(|| DumpError::Other("the agent's socket is gone".into()))?;
     let agent_thread = run_thread(agent_tid, "agent thread")?;
-    let biggest = manifest.chunks.iter().map(|c| c.len).max().unwrap_or(0) as usize;
-    let slot = ctx.slot_size().max(biggest.next_multiple_of(4096));
-    let staging = Staging::new(slot, ctx.cfg.staging_slots as usize)
-        .map_err(|e| DumpError::Other(format!("creating the staging ring: {e}")))?;
-    let hello = agent::hello(pid, &chan, ctx.agent_timeout())?;
-    log::debug!("pid {pid}: agent tid {} ready to load", hello.ns_tid);
-    let stats = datapath::copy_in(
-        &chan,
-        &staging,
-        dir,
-        manifest,
-        ctx.cfg.effective_reader_threads(),
-        ctx.limits(),
-    )?;
-    drop(chan);
+    let stats = load_with_agent_running(ctx, pid, dir, manifest)?;
     agent_thread.stop().map_err(|err| DumpError::Ptrace {
         tid: agent_tid,
         what: "stopping the agent thread",
         err,
     })?;
     Ok(stats)
+}
+
+/// Streams `manifest`'s data into re-created memory; the agent thread already runs.
+pub fn load_with_agent_running(
+    ctx: &Ctx,
+    pid: i32,
+    dir: BorrowedFd<'_>,
+    manifest: &Manifest,
+) -> Result<datapath::LoadStats, DumpError> {
+    let chan = agent::connect(pid)?
+        .ok_or_else(|| DumpError::Other("the agent's socket is gone".into()))?;
+    let biggest = manifest.chunks.iter().map(|c| c.len).max().unwrap_or(0) as usize;
+    let slot = ctx.slot_size().max(biggest.next_multiple_of(4096));
+    let staging = Staging::new(slot, ctx.cfg.staging_slots as usize)
+        .map_err(|e| DumpError::Other(format!("creating the staging ring: {e}")))?;
+    let hello = agent::hello(pid, &chan, ctx.agent_timeout())?;
+    log::debug!("pid {pid}: agent tid {} ready to load", hello.ns_tid);
+    Ok(datapath::copy_in(
+        &chan,
+        &staging,
+        dir,
+        manifest,
+        ctx.cfg.effective_reader_threads(),
+        ctx.limits(),
+    )?)
 }
 
 /// The manifest of one dumped process (written by `exit` once CRIU has succeeded).

@@ -25,6 +25,8 @@ pub struct Plugin {
     in_inventory: bool,
     /// Outcome of the (single, parallel) checkpoint of every tracked process, by pid.
     checkpointed: Vec<(i32, Result<(), dump::DumpError>)>,
+    /// Likewise for the restore.
+    restored: Vec<(i32, Result<(), dump::DumpError>)>,
     manifests: HashMap<u32, Manifest>,
 }
 
@@ -81,6 +83,7 @@ pub fn init(raw_stage: i32) -> i32 {
         tracked: Vec::new(),
         in_inventory: false,
         checkpointed: Vec::new(),
+        restored: Vec::new(),
         manifests: HashMap::new(),
     };
     let rc = match stage {
@@ -231,26 +234,39 @@ impl Plugin {
         if self.disabled.is_some() || self.stage != Stage::Restore {
             return ENOTSUP;
         }
-        let Ok(nspid) = gpusnap_cuda::agent::ns_pid(pid) else {
-            return ENOTSUP;
-        };
-        let Some(m) = self.manifests.get(&(nspid as u32)).cloned() else {
-            return ENOTSUP;
-        };
-        let result = self
-            .ctx()
-            .map_err(dump::DumpError::Other)
-            .and_then(|ctx| restore::resume(ctx, pid, &m));
-        match result {
-            Ok(()) => 0,
-            Err(e) => {
-                log::error!(
-                    "pid {pid} (nspid {nspid}): GPU restore failed: {e}. The process is killed rather than left running without its GPU state; the image is unchanged: fix the cause and restore again"
-                );
-                // SAFETY: kill(2) on the pid CRIU handed us.
-                unsafe { libc::kill(pid, libc::SIGKILL) };
-                -1
+        // The first call restores every GPU process of the image, in parallel.
+        if self.restored.is_empty() {
+            if let Err(e) = self.ctx() {
+                log::error!("cannot use the NVIDIA driver: {e}");
+                return -1;
             }
+            let nspids: Vec<u32> = self.manifests.keys().copied().collect();
+            let found = restore::find_restored(pid, &nspids);
+            let mut items = Vec::new();
+            for (nspid, m) in &self.manifests {
+                match found.get(nspid) {
+                    Some(host) => items.push((*host, m.clone())),
+                    None => log::error!(
+                        "no restored process has nspid {nspid}; its GPU state is not restored"
+                    ),
+                }
+            }
+            let ctx = self.ctx.as_ref().expect("created above");
+            self.restored = restore::resume_all(ctx, &items);
+            for (p, r) in &self.restored {
+                if let Err(e) = r {
+                    log::error!(
+                        "pid {p}: GPU restore failed: {e}. The process is killed rather than left running without its GPU state; the image is unchanged: fix the cause and restore again"
+                    );
+                    // SAFETY: kill(2) on a pid that CRIU restored and still holds stopped.
+                    unsafe { libc::kill(*p, libc::SIGKILL) };
+                }
+            }
+        }
+        match self.restored.iter().find(|(p, _)| *p == pid) {
+            Some((_, Ok(()))) => 0,
+            Some((_, Err(_))) => -1,
+            None => ENOTSUP,
         }
     }
 

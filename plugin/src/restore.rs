@@ -2,7 +2,7 @@
 //! then each process gets its control state back from the driver and its data from the agent.
 
 use crate::context::Ctx;
-use crate::dump::{DumpError, load_through_agent};
+use crate::dump::{DumpError, load_with_agent_running};
 use crate::ptrace::RunningThread;
 use gpusnap_config::Config;
 use gpusnap_image::{CheckpointPath, Manifest};
@@ -101,9 +101,90 @@ fn device_pairs(cfg: &Config) -> Vec<([u8; 16], [u8; 16])> {
         .collect()
 }
 
-/// RESUME_DEVICES_LATE for one process: every thread is stopped by CRIU.
-pub fn resume(ctx: &Ctx, pid: i32, m: &Manifest) -> Result<(), DumpError> {
+/// Host pids of the restored processes our manifests describe. All restored tasks live in the
+/// pid namespace of `any_pid` (a pid CRIU handed us) and are stopped at this point.
+pub fn find_restored(any_pid: i32, nspids: &[u32]) -> HashMap<u32, i32> {
+    use std::os::unix::fs::MetadataExt;
+    let ns_of = |pid: i32| {
+        std::fs::metadata(format!("/proc/{pid}/ns/pid"))
+            .ok()
+            .map(|m| m.ino())
+    };
+    let want_ns = ns_of(any_pid);
+    let mut out = HashMap::new();
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return out;
+    };
+    for e in dir.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+            continue;
+        };
+        if ns_of(pid) != want_ns {
+            continue;
+        }
+        if let Ok(nspid) = gpusnap_cuda::agent::ns_pid(pid)
+            && nspids.contains(&(nspid as u32))
+        {
+            out.insert(nspid as u32, pid);
+        }
+    }
+    out
+}
+
+/// RESUME_DEVICES_LATE for every GPU process of the image at once: threads are resumed here
+/// (CRIU's main thread, the tracer), the driver and data work of each process runs on a worker
+/// of its own, and the threads are stopped here again.
+pub fn resume_all(ctx: &Ctx, items: &[(i32, Manifest)]) -> Vec<(i32, Result<(), DumpError>)> {
     let t0 = Instant::now();
+    let mut results = Vec::new();
+    let mut work = Vec::new();
+    for (pid, m) in items {
+        match prepare(ctx, *pid, m) {
+            Ok(threads) => work.push((*pid, m, threads)),
+            Err(e) => results.push((*pid, Err(e))),
+        }
+    }
+    let outcomes: Vec<Result<(), DumpError>> = std::thread::scope(|s| {
+        let handles: Vec<_> = work
+            .iter()
+            .map(|(pid, m, _)| {
+                s.spawn(move || {
+                    crate::datapath::block_signals();
+                    resume_one(ctx, *pid, m)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(DumpError::Other("worker panicked".into())))
+            })
+            .collect()
+    });
+    let n = work.len();
+    for ((pid, _, threads), r) in work.into_iter().zip(outcomes) {
+        let stopped = threads.into_iter().try_for_each(|th| {
+            let tid = th.tid();
+            th.stop().map_err(|err| DumpError::Ptrace {
+                tid,
+                what: "stopping a thread after the restore",
+                err,
+            })
+        });
+        results.push((pid, r.and(stopped)));
+    }
+    if n > 1 {
+        log::info!(
+            "{n} GPU processes restored in parallel in {:.3} s",
+            t0.elapsed().as_secs_f64()
+        );
+    }
+    results
+}
+
+/// Checks that need no GPU, then resumes the driver's restore thread (and the agent's).
+fn prepare(ctx: &Ctx, pid: i32, m: &Manifest) -> Result<Vec<RunningThread>, DumpError> {
     check_free_memory(m).map_err(DumpError::Other)?;
     let restore_tid = ctx
         .api
@@ -112,29 +193,36 @@ pub fn resume(ctx: &Ctx, pid: i32, m: &Manifest) -> Result<(), DumpError> {
             what: "finding the driver restore thread",
             err,
         })?;
-    let restore_thread = RunningThread::resume(restore_tid).map_err(|err| DumpError::Ptrace {
-        tid: restore_tid,
-        what: "driver restore thread",
-        err,
-    })?;
-    let t1 = Instant::now();
+    let run = |tid: i32, what: &'static str| {
+        RunningThread::resume(tid).map_err(|err| DumpError::Ptrace { tid, what, err })
+    };
+    let mut threads = vec![run(restore_tid, "driver restore thread")?];
+    if m.path == CheckpointPath::Split && !m.chunks.is_empty() {
+        let tid = agent_thread(pid).map_err(DumpError::Other)?;
+        threads.push(run(tid, "agent thread")?);
+    }
+    Ok(threads)
+}
+
+/// Control state back from the driver, then the data through the agent.
+fn resume_one(ctx: &Ctx, pid: i32, m: &Manifest) -> Result<(), DumpError> {
+    let t0 = Instant::now();
     ctx.api
         .restore(pid, &device_pairs(&ctx.cfg))
         .map_err(|err| DumpError::Driver {
             what: "driver restore",
             err,
         })?;
-    let control_s = t1.elapsed().as_secs_f64();
-    let t2 = Instant::now();
+    let control_s = t0.elapsed().as_secs_f64();
+    let t1 = Instant::now();
     ctx.api.unlock(pid).map_err(|err| DumpError::Driver {
         what: "driver unlock",
         err,
     })?;
-    let unlock_s = t2.elapsed().as_secs_f64();
+    let unlock_s = t1.elapsed().as_secs_f64();
     let mut data = String::new();
     if m.path == CheckpointPath::Split && !m.chunks.is_empty() {
-        let tid = agent_thread(pid).map_err(DumpError::Other)?;
-        let stats = load_through_agent(ctx, pid, tid, ctx.image_dir(), m)?;
+        let stats = load_with_agent_running(ctx, pid, ctx.image_dir(), m)?;
         data = format!(
             ", data {:.3} s ({:.2} GiB, {:.1} GiB/s)",
             stats.seconds,
@@ -142,11 +230,6 @@ pub fn resume(ctx: &Ctx, pid: i32, m: &Manifest) -> Result<(), DumpError> {
             stats.bytes as f64 / (1u64 << 30) as f64 / stats.seconds.max(1e-9)
         );
     }
-    restore_thread.stop().map_err(|err| DumpError::Ptrace {
-        tid: restore_tid,
-        what: "stopping the driver restore thread",
-        err,
-    })?;
     log::info!(
         "pid {pid} (nspid {}): restored ({:?} path): control {control_s:.3} s, unlock {unlock_s:.3} s{data}; total {:.3} s",
         m.nspid,

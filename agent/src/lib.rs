@@ -1,1 +1,66 @@
-//! placeholder
+//! gpusnap-agent: the in-process half of gpusnap, loaded into a CUDA process with
+//! `LD_PRELOAD=libgpusnap_agent.so`.
+//!
+//! It keeps the process's large device allocations as VMM mappings (address reservation +
+//! physical handle) and, on the plugin's command over a unix socket, copies them out through a
+//! shared staging ring, releases the physical memory while keeping the addresses (so the
+//! driver's own checkpoint holds only control state), and later re-creates memory at the same
+//! addresses and copies the data back. Processes that never use CUDA are not touched: nothing
+//! is loaded or started at load time except with `GPUSNAP_AGENT_EAGER=1`.
+//!
+//! Modules, each with one job:
+//! - `config`: environment settings; `log`: the `GPUSNAP_AGENT_DEBUG` logger.
+//! - `real`: glibc's `dlsym` and the table of real libcuda functions.
+//! - `cu`: checked one-call wrappers over that table, with readable errors.
+//! - `vmm`: reserve/create/map/access composites with undo; size and pitch arithmetic.
+//! - `table`: tracked allocations and the Mapped/Released state machine.
+//! - `hooks`: the exported interposers (`dlsym`, `cuGetProcAddress*`, `cuMem*`).
+//! - `convert`: the allocation and free paths behind the hooks.
+//! - `server`: the agent thread, its socket and request dispatch.
+//! - `session`, `dump`, `restore`: the data operations; `plan`: their pure planning.
+//! - `gpu`: the agent thread's contexts, streams and events; `staging`: the shared ring.
+//! - `fork`: `pthread_atfork` handlers.
+
+mod config;
+mod convert;
+mod cu;
+mod dump;
+mod fork;
+mod gpu;
+mod hooks;
+mod log;
+mod plan;
+mod real;
+mod restore;
+mod server;
+mod session;
+mod staging;
+mod table;
+mod vmm;
+
+use std::sync::Once;
+
+/// Runs when the library is loaded (`.init_array`): registers the fork handlers and, with
+/// `GPUSNAP_AGENT_EAGER=1`, starts the agent thread. Never panics into the loader.
+extern "C" fn on_load() {
+    hooks::guard((), || {
+        fork::register();
+        if config::config().eager {
+            server::ensure_started();
+        }
+    });
+}
+
+#[used]
+#[unsafe(link_section = ".init_array")]
+static ON_LOAD: extern "C" fn() = on_load;
+
+/// Replaces the default panic message on stderr (the agent must stay quiet inside someone
+/// else's process) with a debug-log line. Installed when the agent first does CUDA work, not at
+/// load: a program linking this crate as a Rust library keeps its own hook.
+pub(crate) fn install_quiet_panic_hook() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        std::panic::set_hook(Box::new(|info| log::debug!("panic: {info}")));
+    });
+}

@@ -1,0 +1,322 @@
+//! Thin, checked wrappers over the driver table: one function per call, each turning the status
+//! code into a `Result` whose error names the call, its arguments and the driver's error name,
+//! e.g. `cuMemCreate(addr 0x7f0000000000, 2097152 bytes, device 0) failed: CUDA_ERROR_OUT_OF_MEMORY`.
+
+use std::ffi::c_void;
+use std::fmt;
+
+use cudarc::driver::sys::{
+    CUcontext, CUdevice, CUdeviceptr, CUevent, CUmemAccess_flags, CUmemAccessDesc,
+    CUmemAllocationGranularity_flags, CUmemAllocationHandleType, CUmemAllocationProp,
+    CUmemAllocationProp_st__bindgen_ty_1, CUmemAllocationType, CUmemGenericAllocationHandle,
+    CUmemLocation, CUmemLocationType, CUstream,
+};
+
+use crate::real::{CUDA_ERROR_NOT_READY, CUDA_SUCCESS, CuRes, Driver};
+
+/// A failed driver call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CuError {
+    /// The call with its arguments, e.g. `cuMemMap(addr 0x.., 2097152 bytes)`.
+    pub call: String,
+    /// The raw status code.
+    pub code: CuRes,
+    /// The driver's name for it.
+    pub name: String,
+}
+
+impl fmt::Display for CuError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} failed: {}", self.call, self.name)
+    }
+}
+
+/// `CU_STREAM_NON_BLOCKING`.
+const STREAM_NON_BLOCKING: u32 = 1;
+/// `CU_EVENT_DISABLE_TIMING`.
+const EVENT_DISABLE_TIMING: u32 = 2;
+/// `CU_MEMHOSTREGISTER_PORTABLE`.
+const HOST_REGISTER_PORTABLE: u32 = 1;
+
+impl Driver {
+    fn check(&self, code: CuRes, call: impl FnOnce() -> String) -> Result<(), CuError> {
+        if code == CUDA_SUCCESS {
+            Ok(())
+        } else {
+            Err(CuError {
+                call: call(),
+                code,
+                name: self.error_name(code),
+            })
+        }
+    }
+
+    pub fn cu_init(&self) -> Result<(), CuError> {
+        // SAFETY: cuInit takes flags only (0).
+        self.check(unsafe { (self.init)(0) }, || "cuInit(0)".into())
+    }
+
+    /// The device of the calling thread's current context.
+    pub fn current_device(&self) -> Result<CUdevice, CuError> {
+        let mut dev: CUdevice = 0;
+        // SAFETY: dev is a valid out pointer.
+        self.check(unsafe { (self.ctx_get_device)(&mut dev) }, || {
+            "cuCtxGetDevice".into()
+        })?;
+        Ok(dev)
+    }
+
+    /// Synchronizes the calling thread's current context.
+    pub fn synchronize_current(&self) -> Result<(), CuError> {
+        // SAFETY: no arguments.
+        self.check(unsafe { (self.ctx_synchronize)() }, || {
+            "cuCtxSynchronize".into()
+        })
+    }
+
+    pub fn device(&self, ordinal: i32) -> Result<CUdevice, CuError> {
+        let mut dev: CUdevice = 0;
+        // SAFETY: dev is a valid out pointer.
+        self.check(unsafe { (self.device_get)(&mut dev, ordinal) }, || {
+            format!("cuDeviceGet({ordinal})")
+        })?;
+        Ok(dev)
+    }
+
+    pub fn retain_primary_context(&self, dev: CUdevice) -> Result<CUcontext, CuError> {
+        let mut ctx: CUcontext = std::ptr::null_mut();
+        // SAFETY: ctx is a valid out pointer; dev came from cuDeviceGet.
+        self.check(unsafe { (self.primary_ctx_retain)(&mut ctx, dev) }, || {
+            format!("cuDevicePrimaryCtxRetain(device {dev})")
+        })?;
+        Ok(ctx)
+    }
+
+    pub fn set_current(&self, ctx: CUcontext) -> Result<(), CuError> {
+        // SAFETY: ctx is a context handle from cuDevicePrimaryCtxRetain.
+        self.check(unsafe { (self.ctx_set_current)(ctx) }, || {
+            "cuCtxSetCurrent".into()
+        })
+    }
+
+    /// Minimum VMM granularity of pinned device memory on `dev`.
+    pub fn granularity(&self, dev: CUdevice) -> Result<u64, CuError> {
+        let prop = device_prop(dev);
+        let mut g: usize = 0;
+        // SAFETY: g is a valid out pointer, prop a valid property struct.
+        let rc = unsafe {
+            (self.mem_get_allocation_granularity)(
+                &mut g,
+                &prop,
+                CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+            )
+        };
+        self.check(rc, || {
+            format!("cuMemGetAllocationGranularity(device {dev})")
+        })?;
+        Ok(g as u64)
+    }
+
+    pub fn reserve(&self, size: u64) -> Result<CUdeviceptr, CuError> {
+        let mut addr: CUdeviceptr = 0;
+        // SAFETY: addr is a valid out pointer; alignment 0 (default), no fixed address, no flags.
+        let rc = unsafe { (self.mem_address_reserve)(&mut addr, size as usize, 0, 0, 0) };
+        self.check(rc, || format!("cuMemAddressReserve({size} bytes)"))?;
+        Ok(addr)
+    }
+
+    pub fn free_reservation(&self, addr: CUdeviceptr, size: u64) -> Result<(), CuError> {
+        // SAFETY: (addr, size) is a reservation made by cuMemAddressReserve with nothing mapped.
+        self.check(
+            unsafe { (self.mem_address_free)(addr, size as usize) },
+            || format!("cuMemAddressFree(addr {addr:#x}, {size} bytes)"),
+        )
+    }
+
+    /// Physical pinned memory on `dev`; `addr` is only for the error message.
+    pub fn create(
+        &self,
+        addr: CUdeviceptr,
+        size: u64,
+        dev: CUdevice,
+    ) -> Result<CUmemGenericAllocationHandle, CuError> {
+        let prop = device_prop(dev);
+        let mut h: CUmemGenericAllocationHandle = 0;
+        // SAFETY: h is a valid out pointer, prop a valid property struct, no flags.
+        let rc = unsafe { (self.mem_create)(&mut h, size as usize, &prop, 0) };
+        self.check(rc, || {
+            format!("cuMemCreate(addr {addr:#x}, {size} bytes, device {dev})")
+        })?;
+        Ok(h)
+    }
+
+    pub fn map(
+        &self,
+        addr: CUdeviceptr,
+        size: u64,
+        h: CUmemGenericAllocationHandle,
+    ) -> Result<(), CuError> {
+        // SAFETY: addr..addr+size lies in a reservation of ours; h is a live handle of that size.
+        let rc = unsafe { (self.mem_map)(addr, size as usize, 0, h, 0) };
+        self.check(rc, || format!("cuMemMap(addr {addr:#x}, {size} bytes)"))
+    }
+
+    pub fn set_access_rw(
+        &self,
+        addr: CUdeviceptr,
+        size: u64,
+        dev: CUdevice,
+    ) -> Result<(), CuError> {
+        let desc = CUmemAccessDesc {
+            location: device_location(dev),
+            flags: CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        // SAFETY: (addr, size) is mapped; desc is one valid access descriptor.
+        let rc = unsafe { (self.mem_set_access)(addr, size as usize, &desc, 1) };
+        self.check(rc, || {
+            format!("cuMemSetAccess(addr {addr:#x}, {size} bytes, device {dev})")
+        })
+    }
+
+    pub fn unmap(&self, addr: CUdeviceptr, size: u64) -> Result<(), CuError> {
+        // SAFETY: (addr, size) is a mapping made by cuMemMap.
+        self.check(unsafe { (self.mem_unmap)(addr, size as usize) }, || {
+            format!("cuMemUnmap(addr {addr:#x}, {size} bytes)")
+        })
+    }
+
+    pub fn release(
+        &self,
+        addr: CUdeviceptr,
+        h: CUmemGenericAllocationHandle,
+    ) -> Result<(), CuError> {
+        // SAFETY: h is a live handle from cuMemCreate; `addr` only names it in the message.
+        self.check(unsafe { (self.mem_release)(h) }, || {
+            format!("cuMemRelease(handle of addr {addr:#x})")
+        })
+    }
+
+    pub fn create_stream(&self) -> Result<CUstream, CuError> {
+        let mut s: CUstream = std::ptr::null_mut();
+        // SAFETY: s is a valid out pointer; flags are valid.
+        let rc = unsafe { (self.stream_create)(&mut s, STREAM_NON_BLOCKING) };
+        self.check(rc, || "cuStreamCreate(CU_STREAM_NON_BLOCKING)".into())?;
+        Ok(s)
+    }
+
+    pub fn sync_stream(&self, s: CUstream) -> Result<(), CuError> {
+        // SAFETY: s is a live stream handle.
+        self.check(unsafe { (self.stream_synchronize)(s) }, || {
+            "cuStreamSynchronize".into()
+        })
+    }
+
+    pub fn create_event(&self) -> Result<CUevent, CuError> {
+        let mut e: CUevent = std::ptr::null_mut();
+        // SAFETY: e is a valid out pointer; flags are valid.
+        let rc = unsafe { (self.event_create)(&mut e, EVENT_DISABLE_TIMING) };
+        self.check(rc, || "cuEventCreate(CU_EVENT_DISABLE_TIMING)".into())?;
+        Ok(e)
+    }
+
+    pub fn record(&self, e: CUevent, s: CUstream) -> Result<(), CuError> {
+        // SAFETY: e and s are live handles of the current context.
+        self.check(unsafe { (self.event_record)(e, s) }, || {
+            "cuEventRecord".into()
+        })
+    }
+
+    pub fn wait_event(&self, e: CUevent) -> Result<(), CuError> {
+        // SAFETY: e is a live event handle.
+        self.check(unsafe { (self.event_synchronize)(e) }, || {
+            "cuEventSynchronize".into()
+        })
+    }
+
+    /// Ok(true) when the work before the event is done, Ok(false) while it runs.
+    pub fn event_done(&self, e: CUevent) -> Result<bool, CuError> {
+        // SAFETY: e is a live event handle.
+        let rc = unsafe { (self.event_query)(e) };
+        if rc == CUDA_ERROR_NOT_READY {
+            return Ok(false);
+        }
+        self.check(rc, || "cuEventQuery".into())?;
+        Ok(true)
+    }
+
+    /// Pins `len` bytes at `ptr` for all contexts (`CU_MEMHOSTREGISTER_PORTABLE`).
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must be a live mapping of this process, page-aligned.
+    pub unsafe fn host_register(&self, ptr: *mut c_void, len: usize) -> Result<(), CuError> {
+        // SAFETY: the caller guarantees the range is a live mapping.
+        self.check(
+            unsafe { (self.mem_host_register)(ptr, len, HOST_REGISTER_PORTABLE) },
+            || format!("cuMemHostRegister({ptr:p}, {len} bytes, PORTABLE)"),
+        )
+    }
+
+    /// # Safety
+    /// `ptr` must be the base of a range registered with [`Driver::host_register`].
+    pub unsafe fn host_unregister(&self, ptr: *mut c_void) -> Result<(), CuError> {
+        // SAFETY: the caller guarantees ptr was registered.
+        self.check(unsafe { (self.mem_host_unregister)(ptr) }, || {
+            format!("cuMemHostUnregister({ptr:p})")
+        })
+    }
+
+    /// # Safety
+    /// `dst..dst+len` must stay valid, registered host memory until the copy completes.
+    pub unsafe fn copy_dtoh_async(
+        &self,
+        dst: *mut c_void,
+        src: CUdeviceptr,
+        len: u64,
+        s: CUstream,
+    ) -> Result<(), CuError> {
+        // SAFETY: the caller guarantees dst; src is a mapped device range of ours.
+        self.check(
+            unsafe { (self.memcpy_dtoh_async)(dst, src, len as usize, s) },
+            || format!("cuMemcpyDtoHAsync(addr {src:#x}, {len} bytes)"),
+        )
+    }
+
+    /// # Safety
+    /// `src..src+len` must stay valid, registered host memory until the copy completes.
+    pub unsafe fn copy_htod_async(
+        &self,
+        dst: CUdeviceptr,
+        src: *const c_void,
+        len: u64,
+        s: CUstream,
+    ) -> Result<(), CuError> {
+        // SAFETY: the caller guarantees src; dst is a mapped device range of ours.
+        self.check(
+            unsafe { (self.memcpy_htod_async)(dst, src, len as usize, s) },
+            || format!("cuMemcpyHtoDAsync(addr {dst:#x}, {len} bytes)"),
+        )
+    }
+}
+
+fn device_location(dev: CUdevice) -> CUmemLocation {
+    CUmemLocation {
+        type_: CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+        id: dev,
+    }
+}
+
+/// Pinned device memory on `dev`, no shareable handle, default flags.
+fn device_prop(dev: CUdevice) -> CUmemAllocationProp {
+    CUmemAllocationProp {
+        type_: CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
+        requestedHandleTypes: CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+        location: device_location(dev),
+        win32HandleMetaData: std::ptr::null_mut(),
+        allocFlags: CUmemAllocationProp_st__bindgen_ty_1 {
+            compressionType: 0,
+            gpuDirectRDMACapable: 0,
+            usage: 0,
+            reserved: [0; 4],
+        },
+    }
+}

@@ -1,0 +1,96 @@
+//! The agent thread's CUDA resources per device: the retained primary context, copy streams
+//! (non-blocking) and one event per staging slot (timing disabled). Created on first need and
+//! kept for the life of the thread: creating them again later would be fine, but a dump must
+//! not create threads and these are cheap to hold.
+
+use cudarc::driver::sys::{CUcontext, CUevent, CUstream};
+
+use crate::cu::CuError;
+use crate::real::{CUDA_ERROR_UNKNOWN, Driver};
+
+/// One device's resources.
+pub struct DeviceRes {
+    pub ordinal: i32,
+    ctx: CUcontext,
+    pub streams: Vec<CUstream>,
+    pub events: Vec<CUevent>,
+}
+
+/// All devices the agent thread has worked with.
+#[derive(Default)]
+pub struct Gpu {
+    devs: Vec<DeviceRes>,
+    current: Option<i32>,
+}
+
+impl Gpu {
+    pub fn new() -> Self {
+        Gpu::default()
+    }
+
+    /// Retains `ordinal`'s primary context (once), makes it current, and makes sure it has at
+    /// least `streams` streams and `events` events.
+    pub fn prepare(
+        &mut self,
+        drv: &Driver,
+        ordinal: i32,
+        streams: usize,
+        events: usize,
+    ) -> Result<(), CuError> {
+        if !self.devs.iter().any(|d| d.ordinal == ordinal) {
+            drv.cu_init()?;
+            let dev = drv.device(ordinal)?;
+            let ctx = drv.retain_primary_context(dev)?;
+            self.devs.push(DeviceRes {
+                ordinal,
+                ctx,
+                streams: Vec::new(),
+                events: Vec::new(),
+            });
+        }
+        self.activate(drv, ordinal)?;
+        let d = self.find_mut(ordinal)?;
+        while d.streams.len() < streams {
+            d.streams.push(drv.create_stream()?);
+        }
+        while d.events.len() < events {
+            d.events.push(drv.create_event()?);
+        }
+        Ok(())
+    }
+
+    fn find_mut(&mut self, ordinal: i32) -> Result<&mut DeviceRes, CuError> {
+        self.devs
+            .iter_mut()
+            .find(|d| d.ordinal == ordinal)
+            .ok_or_else(|| CuError {
+                call: format!("using device {ordinal}"),
+                code: CUDA_ERROR_UNKNOWN,
+                name: "device not prepared by the agent".into(),
+            })
+    }
+
+    /// Makes `ordinal`'s context current on this thread; returns its resources.
+    pub fn activate(&mut self, drv: &Driver, ordinal: i32) -> Result<&DeviceRes, CuError> {
+        let switch = self.current != Some(ordinal);
+        let d = self.find_mut(ordinal)?;
+        if switch {
+            drv.set_current(d.ctx)?;
+        }
+        self.current = Some(ordinal);
+        self.find_mut(ordinal).map(|d| &*d)
+    }
+
+    /// Waits for every copy the agent issued on any device (errors ignored: this runs on the
+    /// way out of a failed operation, before the staging is unmapped).
+    pub fn quiesce(&mut self, drv: &Driver) {
+        let ordinals: Vec<i32> = self.devs.iter().map(|d| d.ordinal).collect();
+        for o in ordinals {
+            if let Ok(d) = self.activate(drv, o) {
+                for &s in &d.streams {
+                    let _ = drv.sync_stream(s);
+                }
+            }
+        }
+    }
+}

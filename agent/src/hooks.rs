@@ -1,0 +1,637 @@
+//! The exported interposers: `dlsym`, `cuGetProcAddress{,_v2}`, `cuMemAlloc_v2`,
+//! `cuMemAllocPitch_v2`, `cuMemFree_v2`, and the recording pass-throughs `cuMemCreate`,
+//! `cuMemMap`, `cuMemUnmap`, `cuMemRelease`.
+//!
+//! Each is thin: it catches panics (none may cross into C) and calls plain Rust in
+//! [`crate::convert`] or the real driver function. The CUDA runtime finds driver entry points
+//! through `dlsym(libcuda, "cuGetProcAddress*")` and then `cuGetProcAddress`, so those two are
+//! where our pointers are handed out; programs linked to libcuda directly reach our exports by
+//! symbol interposition (`LD_PRELOAD`).
+
+#![allow(non_snake_case)]
+
+use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
+use std::panic::AssertUnwindSafe;
+
+use cudarc::driver::sys::{
+    CUdeviceptr, CUdriverProcAddressQueryResult, CUmemAllocationProp, CUmemGenericAllocationHandle,
+    CUmemLocation, cuuint64_t,
+};
+
+use crate::convert;
+use crate::log::debug;
+use crate::real::{
+    self, CUDA_ERROR_NOT_FOUND, CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_UNKNOWN, CUDA_SUCCESS,
+    CuRes, Driver,
+};
+use crate::table;
+
+/// Runs `f`; a panic becomes `on_panic` (never unwinds into C).
+pub(crate) fn guard<T>(on_panic: T, f: impl FnOnce() -> T) -> T {
+    std::panic::catch_unwind(AssertUnwindSafe(f)).unwrap_or(on_panic)
+}
+
+/// The driver table for a hook, or the status to return without it.
+fn driver_for(call: &str) -> Result<&'static Driver, CuRes> {
+    crate::install_quiet_panic_hook();
+    real::driver().map_err(|e| {
+        debug!("{call}: no real driver function: {e}");
+        CUDA_ERROR_NOT_INITIALIZED
+    })
+}
+
+/// The driver functions we hand out our own pointer for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Hooked {
+    MemAlloc,
+    MemFree,
+    MemAllocPitch,
+    MemCreate,
+    MemMap,
+    MemUnmap,
+    MemRelease,
+    GetProcAddress,
+    GetProcAddressV2,
+}
+
+/// `cuGetProcAddress` returns the `_v2` ABI of the allocation calls from this version on.
+const V2_ALLOC_ABI: c_int = 3020;
+/// `cuGetProcAddress("cuGetProcAddress")` returns the `_v2` ABI from this version on.
+const V2_PROC_ADDRESS_ABI: c_int = 12000;
+
+impl Hooked {
+    /// By libcuda's exported symbol name (what `dlsym` is asked for).
+    pub fn from_symbol(name: &[u8]) -> Option<Self> {
+        Some(match name {
+            b"cuMemAlloc_v2" => Hooked::MemAlloc,
+            b"cuMemFree_v2" => Hooked::MemFree,
+            b"cuMemAllocPitch_v2" => Hooked::MemAllocPitch,
+            b"cuMemCreate" => Hooked::MemCreate,
+            b"cuMemMap" => Hooked::MemMap,
+            b"cuMemUnmap" => Hooked::MemUnmap,
+            b"cuMemRelease" => Hooked::MemRelease,
+            b"cuGetProcAddress" => Hooked::GetProcAddress,
+            b"cuGetProcAddress_v2" => Hooked::GetProcAddressV2,
+            _ => return None,
+        })
+    }
+
+    /// By `cuGetProcAddress`'s base name and requested version; None where the returned ABI
+    /// would not be our hook's signature.
+    pub fn from_proc_name(name: &[u8], cuda_version: c_int) -> Option<Self> {
+        match name {
+            b"cuMemAlloc" if cuda_version >= V2_ALLOC_ABI => Some(Hooked::MemAlloc),
+            b"cuMemFree" if cuda_version >= V2_ALLOC_ABI => Some(Hooked::MemFree),
+            b"cuMemAllocPitch" if cuda_version >= V2_ALLOC_ABI => Some(Hooked::MemAllocPitch),
+            b"cuMemCreate" => Some(Hooked::MemCreate),
+            b"cuMemMap" => Some(Hooked::MemMap),
+            b"cuMemUnmap" => Some(Hooked::MemUnmap),
+            b"cuMemRelease" => Some(Hooked::MemRelease),
+            b"cuGetProcAddress" if cuda_version >= V2_PROC_ADDRESS_ABI => {
+                Some(Hooked::GetProcAddressV2)
+            }
+            b"cuGetProcAddress" => Some(Hooked::GetProcAddress),
+            _ => None,
+        }
+    }
+
+    /// Our export's address.
+    pub fn hook_addr(self) -> *mut c_void {
+        match self {
+            Hooked::MemAlloc => cuMemAlloc_v2 as *mut c_void,
+            Hooked::MemFree => cuMemFree_v2 as *mut c_void,
+            Hooked::MemAllocPitch => cuMemAllocPitch_v2 as *mut c_void,
+            Hooked::MemCreate => cuMemCreate as *mut c_void,
+            Hooked::MemMap => cuMemMap as *mut c_void,
+            Hooked::MemUnmap => cuMemUnmap as *mut c_void,
+            Hooked::MemRelease => cuMemRelease as *mut c_void,
+            Hooked::GetProcAddress => cuGetProcAddress as *mut c_void,
+            Hooked::GetProcAddressV2 => cuGetProcAddress_v2 as *mut c_void,
+        }
+    }
+
+    /// libcuda's function of the same ABI (null when the driver lacks it).
+    pub fn real_addr(self, d: &Driver) -> *mut c_void {
+        match self {
+            Hooked::MemAlloc => d.mem_alloc as *mut c_void,
+            Hooked::MemFree => d.mem_free as *mut c_void,
+            Hooked::MemAllocPitch => d.mem_alloc_pitch as *mut c_void,
+            Hooked::MemCreate => d.mem_create as *mut c_void,
+            Hooked::MemMap => d.mem_map as *mut c_void,
+            Hooked::MemUnmap => d.mem_unmap as *mut c_void,
+            Hooked::MemRelease => d.mem_release as *mut c_void,
+            Hooked::GetProcAddress => d
+                .get_proc_address
+                .map_or(std::ptr::null_mut(), |f| f as *mut c_void),
+            Hooked::GetProcAddressV2 => d
+                .get_proc_address_v2
+                .map_or(std::ptr::null_mut(), |f| f as *mut c_void),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// dlsym
+
+/// `dlsym` itself. `RTLD_NEXT` lookups jump straight to glibc's `dlsym` with the caller's return
+/// address untouched (glibc resolves "next" relative to the object that called it, so a call
+/// from here would find the wrong next object); every other lookup goes to [`dlsym_hook`].
+///
+/// # Safety
+/// As glibc's `dlsym`: `handle` a valid handle or pseudo-handle, `symbol` a C string.
+#[cfg(target_arch = "x86_64")]
+#[unsafe(naked)]
+/// # Safety
+/// As glibc's `dlsym`: `handle` a valid handle or pseudo-handle, `symbol` a C string.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void {
+    // Tail calls only: the stack is as the caller left it when glibc's dlsym or the hook runs.
+    // The resolver call keeps the arguments on the stack and the stack 16-byte aligned.
+    core::arch::naked_asm!(
+        "cmp rdi, -1",
+        "jne {hook}",
+        "push rdi",
+        "push rsi",
+        "sub rsp, 8",
+        "call {resolve}",
+        "add rsp, 8",
+        "pop rsi",
+        "pop rdi",
+        "test rax, rax",
+        "jz 2f",
+        "jmp rax",
+        "2:",
+        "ret",
+        hook = sym dlsym_hook,
+        resolve = sym real_dlsym_addr,
+    )
+}
+
+/// Fallback for other architectures: `RTLD_NEXT` is then resolved relative to this library.
+#[cfg(not(target_arch = "x86_64"))]
+/// # Safety
+/// As glibc's `dlsym`: `handle` a valid handle or pseudo-handle, `symbol` a C string.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void {
+    // SAFETY: same contract as dlsym.
+    unsafe { dlsym_hook(handle, symbol) }
+}
+
+/// glibc's `dlsym` for the trampoline (null if it cannot be found).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+extern "C" fn real_dlsym_addr() -> *mut c_void {
+    guard(std::ptr::null_mut(), || {
+        real::real_dlsym().map_or(std::ptr::null_mut(), |f| f as *mut c_void)
+    })
+}
+
+/// Real `dlsym`, then our pointer instead of libcuda's for the functions we hook.
+unsafe extern "C" fn dlsym_hook(handle: *mut c_void, symbol: *const c_char) -> *mut c_void {
+    let Some(real_dlsym) = real::real_dlsym() else {
+        return std::ptr::null_mut();
+    };
+    // SAFETY: the caller's arguments are passed to glibc's dlsym unchanged.
+    let p = unsafe { real_dlsym(handle, symbol) };
+    if p.is_null() || symbol.is_null() {
+        return p;
+    }
+    // SAFETY: symbol is the caller's non-null C string.
+    guard(p, || unsafe { swap_dlsym_result(symbol, p) })
+}
+
+/// # Safety
+/// `symbol` must be a valid C string.
+unsafe fn swap_dlsym_result(symbol: *const c_char, p: *mut c_void) -> *mut c_void {
+    // SAFETY: guaranteed by the caller.
+    let name = unsafe { CStr::from_ptr(symbol) }.to_bytes();
+    if !name.starts_with(b"cu") {
+        return p;
+    }
+    let Some(h) = Hooked::from_symbol(name) else {
+        return p;
+    };
+    if p == h.hook_addr() {
+        return p;
+    }
+    let drv = match driver_for("dlsym") {
+        Ok(d) => d,
+        Err(_) => {
+            // Loading libcuda may have left an error in dlerror(): the caller's dlsym succeeded.
+            // SAFETY: dlerror has no preconditions.
+            unsafe { libc::dlerror() };
+            return p;
+        }
+    };
+    if h.real_addr(drv) == p {
+        debug!(
+            "dlsym({}): handing out our hook",
+            String::from_utf8_lossy(name)
+        );
+        h.hook_addr()
+    } else {
+        p
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// cuGetProcAddress
+
+/// After a successful real `cuGetProcAddress*`: our hook instead, when the ABI matches.
+///
+/// # Safety
+/// `symbol` null or a valid C string; `pfn` null or valid for reads and writes.
+unsafe fn swap_proc(symbol: *const c_char, pfn: *mut *mut c_void, cuda_version: c_int) {
+    // SAFETY: pfn checked non-null, valid per the caller.
+    if symbol.is_null() || pfn.is_null() || unsafe { *pfn }.is_null() {
+        return;
+    }
+    // SAFETY: symbol is a valid C string per the caller.
+    let name = unsafe { CStr::from_ptr(symbol) }.to_bytes();
+    if let Some(h) = Hooked::from_proc_name(name, cuda_version) {
+        debug!(
+            "cuGetProcAddress({}, {cuda_version}): handing out our hook",
+            String::from_utf8_lossy(name)
+        );
+        // SAFETY: pfn is valid for writes per the caller.
+        unsafe { *pfn = h.hook_addr() };
+    }
+}
+
+/// Interposes libcuda's `cuGetProcAddress` (v1 ABI).
+///
+/// # Safety
+/// As the driver function: `symbol` a C string, `pfn` valid for writes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGetProcAddress(
+    symbol: *const c_char,
+    pfn: *mut *mut c_void,
+    cudaVersion: c_int,
+    flags: cuuint64_t,
+) -> CuRes {
+    guard(CUDA_ERROR_UNKNOWN, || {
+        let drv = match driver_for("cuGetProcAddress") {
+            Ok(d) => d,
+            Err(rc) => return rc,
+        };
+        let Some(real) = drv.get_proc_address else {
+            return CUDA_ERROR_NOT_FOUND;
+        };
+        // SAFETY: the caller's arguments are passed to the real function unchanged.
+        let rc = unsafe { real(symbol, pfn, cudaVersion, flags) };
+        if rc == CUDA_SUCCESS {
+            // SAFETY: the real call accepted symbol and wrote *pfn.
+            unsafe { swap_proc(symbol, pfn, cudaVersion) };
+        }
+        rc
+    })
+}
+
+/// Interposes libcuda's `cuGetProcAddress_v2`.
+///
+/// # Safety
+/// As the driver function: `symbol` a C string, `pfn` valid for writes, `symbolStatus` null or valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGetProcAddress_v2(
+    symbol: *const c_char,
+    pfn: *mut *mut c_void,
+    cudaVersion: c_int,
+    flags: cuuint64_t,
+    symbolStatus: *mut CUdriverProcAddressQueryResult,
+) -> CuRes {
+    guard(CUDA_ERROR_UNKNOWN, || {
+        let drv = match driver_for("cuGetProcAddress_v2") {
+            Ok(d) => d,
+            Err(rc) => return rc,
+        };
+        let Some(real) = drv.get_proc_address_v2 else {
+            return CUDA_ERROR_NOT_FOUND;
+        };
+        // SAFETY: the caller's arguments are passed to the real function unchanged.
+        let rc = unsafe { real(symbol, pfn, cudaVersion, flags, symbolStatus) };
+        if rc == CUDA_SUCCESS {
+            // SAFETY: the real call accepted symbol and wrote *pfn.
+            unsafe { swap_proc(symbol, pfn, cudaVersion) };
+        }
+        rc
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Allocation
+
+/// Interposes libcuda's `cuMemAlloc_v2`: converts large allocations.
+///
+/// # Safety
+/// As the driver function: `dptr` valid for writes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, bytesize: usize) -> CuRes {
+    guard(CUDA_ERROR_UNKNOWN, || {
+        let drv = match driver_for("cuMemAlloc_v2") {
+            Ok(d) => d,
+            Err(rc) => return rc,
+        };
+        if !dptr.is_null()
+            && let Some(addr) = convert::try_convert(drv, bytesize as u64)
+        {
+            // SAFETY: dptr is the caller's non-null out pointer.
+            unsafe { *dptr = addr };
+            return CUDA_SUCCESS;
+        }
+        // SAFETY: the caller's arguments are passed to the real function unchanged.
+        unsafe { (drv.mem_alloc)(dptr, bytesize) }
+    })
+}
+
+/// Interposes libcuda's `cuMemAllocPitch_v2`: converts large allocations (pitch rounded to 512).
+///
+/// # Safety
+/// As the driver function: `dptr` and `pPitch` valid for writes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAllocPitch_v2(
+    dptr: *mut CUdeviceptr,
+    pPitch: *mut usize,
+    WidthInBytes: usize,
+    Height: usize,
+    ElementSizeBytes: c_uint,
+) -> CuRes {
+    guard(CUDA_ERROR_UNKNOWN, || {
+        let drv = match driver_for("cuMemAllocPitch_v2") {
+            Ok(d) => d,
+            Err(rc) => return rc,
+        };
+        if !dptr.is_null()
+            && !pPitch.is_null()
+            && let Some((pitch, total)) =
+                crate::vmm::pitch_layout(WidthInBytes as u64, Height as u64, ElementSizeBytes)
+            && let Ok(pitch) = usize::try_from(pitch)
+            && let Some(addr) = convert::try_convert(drv, total)
+        {
+            // SAFETY: dptr and pPitch are the caller's non-null out pointers.
+            unsafe {
+                *dptr = addr;
+                *pPitch = pitch;
+            }
+            return CUDA_SUCCESS;
+        }
+        // SAFETY: the caller's arguments are passed to the real function unchanged.
+        unsafe { (drv.mem_alloc_pitch)(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes) }
+    })
+}
+
+/// Interposes libcuda's `cuMemFree_v2`: frees converted allocations itself.
+///
+/// # Safety
+/// As the driver function.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CuRes {
+    guard(CUDA_ERROR_UNKNOWN, || {
+        let drv = match driver_for("cuMemFree_v2") {
+            Ok(d) => d,
+            Err(rc) => return rc,
+        };
+        if let Some(rc) = convert::free_converted(drv, dptr) {
+            return rc;
+        }
+        // SAFETY: the caller's argument is passed to the real function unchanged.
+        unsafe { (drv.mem_free)(dptr) }
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// The application's own VMM calls: pass through, record.
+
+/// The device ordinal of a device-located allocation property, read field by field as raw
+/// integers (the struct's enum fields may hold values cudarc's Rust enums do not list).
+///
+/// # Safety
+/// `prop` must point at a readable `CUmemAllocationProp`.
+unsafe fn device_of_prop(prop: *const CUmemAllocationProp) -> Option<i32> {
+    const LOCATION_TYPE_DEVICE: u32 = 1;
+    let loc = std::mem::offset_of!(CUmemAllocationProp, location);
+    let ty = loc + std::mem::offset_of!(CUmemLocation, type_);
+    let id = loc + std::mem::offset_of!(CUmemLocation, id);
+    let base = prop.cast::<u8>();
+    // SAFETY: both offsets lie inside the struct the caller vouches for; plain integer reads.
+    let (ty, id) = unsafe {
+        (
+            base.add(ty).cast::<u32>().read_unaligned(),
+            base.add(id).cast::<i32>().read_unaligned(),
+        )
+    };
+    (ty == LOCATION_TYPE_DEVICE).then_some(id)
+}
+
+/// Interposes libcuda's `cuMemCreate`: passes through, records device-located handles.
+///
+/// # Safety
+/// As the driver function: `handle` valid for writes, `prop` valid for reads.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemCreate(
+    handle: *mut CUmemGenericAllocationHandle,
+    size: usize,
+    prop: *const CUmemAllocationProp,
+    flags: u64,
+) -> CuRes {
+    guard(CUDA_ERROR_UNKNOWN, || {
+        let drv = match driver_for("cuMemCreate") {
+            Ok(d) => d,
+            Err(rc) => return rc,
+        };
+        // SAFETY: the caller's arguments are passed to the real function unchanged.
+        let rc = unsafe { (drv.mem_create)(handle, size, prop, flags) };
+        if rc == CUDA_SUCCESS && !handle.is_null() && !prop.is_null() {
+            // SAFETY: the real call accepted prop and wrote *handle.
+            if let Some(dev) = unsafe { device_of_prop(prop) } {
+                // SAFETY: as above.
+                let h = unsafe { *handle };
+                table::lock().record_app_create(h, size as u64, dev);
+            }
+        }
+        rc
+    })
+}
+
+/// Interposes libcuda's `cuMemMap`: passes through, records the mapping.
+///
+/// # Safety
+/// As the driver function.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemMap(
+    ptr: CUdeviceptr,
+    size: usize,
+    offset: usize,
+    handle: CUmemGenericAllocationHandle,
+    flags: u64,
+) -> CuRes {
+    guard(CUDA_ERROR_UNKNOWN, || {
+        let drv = match driver_for("cuMemMap") {
+            Ok(d) => d,
+            Err(rc) => return rc,
+        };
+        // SAFETY: the caller's arguments are passed to the real function unchanged.
+        let rc = unsafe { (drv.mem_map)(ptr, size, offset, handle, flags) };
+        if rc == CUDA_SUCCESS {
+            table::lock().record_app_map(ptr, size as u64, handle);
+        }
+        rc
+    })
+}
+
+/// Interposes libcuda's `cuMemUnmap`: passes through, forgets the mappings.
+///
+/// # Safety
+/// As the driver function.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemUnmap(ptr: CUdeviceptr, size: usize) -> CuRes {
+    guard(CUDA_ERROR_UNKNOWN, || {
+        let drv = match driver_for("cuMemUnmap") {
+            Ok(d) => d,
+            Err(rc) => return rc,
+        };
+        // SAFETY: the caller's arguments are passed to the real function unchanged.
+        let rc = unsafe { (drv.mem_unmap)(ptr, size) };
+        if rc == CUDA_SUCCESS {
+            table::lock().record_app_unmap(ptr, size as u64);
+        }
+        rc
+    })
+}
+
+/// Interposes libcuda's `cuMemRelease`: passes through, forgets the handle.
+///
+/// # Safety
+/// As the driver function.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemRelease(handle: CUmemGenericAllocationHandle) -> CuRes {
+    guard(CUDA_ERROR_UNKNOWN, || {
+        let drv = match driver_for("cuMemRelease") {
+            Ok(d) => d,
+            Err(rc) => return rc,
+        };
+        // SAFETY: the caller's argument is passed to the real function unchanged.
+        let rc = unsafe { (drv.mem_release)(handle) };
+        if rc == CUDA_SUCCESS {
+            table::lock().record_app_release(handle);
+        }
+        rc
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn proc_names_swap_only_for_matching_abi() {
+        assert_eq!(
+            Hooked::from_proc_name(b"cuMemAlloc", 13000),
+            Some(Hooked::MemAlloc)
+        );
+        assert_eq!(
+            Hooked::from_proc_name(b"cuMemAlloc", 3020),
+            Some(Hooked::MemAlloc)
+        );
+        assert_eq!(
+            Hooked::from_proc_name(b"cuMemAlloc", 3010),
+            None,
+            "v1 ABI (32-bit sizes)"
+        );
+        assert_eq!(Hooked::from_proc_name(b"cuMemFree", 2000), None);
+        assert_eq!(
+            Hooked::from_proc_name(b"cuMemAllocPitch", 12000),
+            Some(Hooked::MemAllocPitch)
+        );
+        assert_eq!(
+            Hooked::from_proc_name(b"cuMemCreate", 10020),
+            Some(Hooked::MemCreate)
+        );
+        assert_eq!(
+            Hooked::from_proc_name(b"cuMemMap", 13000),
+            Some(Hooked::MemMap)
+        );
+        assert_eq!(
+            Hooked::from_proc_name(b"cuMemUnmap", 13000),
+            Some(Hooked::MemUnmap)
+        );
+        assert_eq!(
+            Hooked::from_proc_name(b"cuMemRelease", 13000),
+            Some(Hooked::MemRelease)
+        );
+        assert_eq!(
+            Hooked::from_proc_name(b"cuGetProcAddress", 13000),
+            Some(Hooked::GetProcAddressV2)
+        );
+        assert_eq!(
+            Hooked::from_proc_name(b"cuGetProcAddress", 11080),
+            Some(Hooked::GetProcAddress)
+        );
+        assert_eq!(Hooked::from_proc_name(b"cuMemAlloc_v2", 13000), None);
+        assert_eq!(Hooked::from_proc_name(b"cuMemAllocAsync", 13000), None);
+        assert_eq!(Hooked::from_proc_name(b"", 13000), None);
+    }
+
+    #[test]
+    fn exported_names_map_to_hooks() {
+        for (name, h) in [
+            (&b"cuMemAlloc_v2"[..], Hooked::MemAlloc),
+            (b"cuMemFree_v2", Hooked::MemFree),
+            (b"cuMemAllocPitch_v2", Hooked::MemAllocPitch),
+            (b"cuMemCreate", Hooked::MemCreate),
+            (b"cuMemMap", Hooked::MemMap),
+            (b"cuMemUnmap", Hooked::MemUnmap),
+            (b"cuMemRelease", Hooked::MemRelease),
+            (b"cuGetProcAddress", Hooked::GetProcAddress),
+            (b"cuGetProcAddress_v2", Hooked::GetProcAddressV2),
+        ] {
+            assert_eq!(Hooked::from_symbol(name), Some(h));
+            assert!(!h.hook_addr().is_null());
+        }
+        assert_eq!(
+            Hooked::from_symbol(b"cuMemAlloc"),
+            None,
+            "the v1 ABI is not hooked"
+        );
+        assert_eq!(Hooked::from_symbol(b"cuMemFree"), None);
+    }
+
+    #[test]
+    fn device_of_prop_reads_the_location() {
+        use cudarc::driver::sys::*;
+        let mut prop = CUmemAllocationProp {
+            type_: CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
+            requestedHandleTypes: CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+            location: CUmemLocation {
+                type_: CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                id: 3,
+            },
+            win32HandleMetaData: std::ptr::null_mut(),
+            allocFlags: CUmemAllocationProp_st__bindgen_ty_1 {
+                compressionType: 0,
+                gpuDirectRDMACapable: 0,
+                usage: 0,
+                reserved: [0; 4],
+            },
+        };
+        // SAFETY: prop is a live struct.
+        assert_eq!(unsafe { device_of_prop(&prop) }, Some(3));
+        prop.location.type_ = CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST;
+        // SAFETY: as above.
+        assert_eq!(unsafe { device_of_prop(&prop) }, None);
+    }
+
+    #[test]
+    fn dlsym_still_works_through_the_hook() {
+        // The unit-test binary links this crate, so `dlsym` here is our export.
+        // SAFETY: dlsym with a valid handle and name.
+        let p = unsafe { dlsym(libc::RTLD_DEFAULT, c"getpid".as_ptr()) };
+        assert!(!p.is_null());
+        // SAFETY: p is libc's getpid.
+        let getpid: extern "C" fn() -> i32 = unsafe { std::mem::transmute(p) };
+        assert_eq!(getpid(), std::process::id() as i32);
+        // SAFETY: as above, RTLD_NEXT through the trampoline.
+        let n = unsafe { dlsym(libc::RTLD_NEXT, c"getpid".as_ptr()) };
+        assert!(!n.is_null());
+        // SAFETY: as above.
+        assert!(unsafe { dlsym(libc::RTLD_DEFAULT, c"no_such_symbol_gpusnap".as_ptr()) }.is_null());
+    }
+}

@@ -1,0 +1,215 @@
+//! The real functions: glibc's `dlsym` (found with `dlvsym`, which we do not hook) and a table of
+//! libcuda's entry points resolved through it, loaded lazily (never at library load).
+//!
+//! Nothing here goes through `dlsym` as the process sees it (that is our hook) nor through
+//! cudarc's wrappers (they resolve through it). Return codes are kept as raw `u32` ([`CuRes`]):
+//! cudarc's `CUresult` is a Rust enum, and a code it does not list (a newer driver's) would be
+//! undefined behaviour in a value of that type.
+
+use std::cell::Cell;
+use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, OnceLock};
+
+use cudarc::driver::sys::{
+    CUcontext, CUdevice, CUdeviceptr, CUdriverProcAddressQueryResult, CUevent, CUmemAccessDesc,
+    CUmemAllocationGranularity_flags, CUmemAllocationProp, CUmemGenericAllocationHandle, CUresult,
+    CUstream, cuuint64_t,
+};
+
+/// A driver status code, as returned (see the module doc for why not `CUresult`).
+pub type CuRes = u32;
+const _: () = assert!(std::mem::size_of::<CUresult>() == std::mem::size_of::<CuRes>());
+
+pub const CUDA_SUCCESS: CuRes = 0;
+pub const CUDA_ERROR_NOT_INITIALIZED: CuRes = 3;
+pub const CUDA_ERROR_NOT_FOUND: CuRes = 500;
+pub const CUDA_ERROR_NOT_READY: CuRes = 600;
+pub const CUDA_ERROR_UNKNOWN: CuRes = 999;
+
+/// `dlsym`'s C signature.
+pub type DlsymFn = unsafe extern "C" fn(*mut c_void, *const c_char) -> *mut c_void;
+
+static REAL_DLSYM: AtomicUsize = AtomicUsize::new(0);
+
+/// glibc's `dlsym`, resolved once with `dlvsym(RTLD_NEXT, "dlsym", <version>)`.
+pub fn real_dlsym() -> Option<DlsymFn> {
+    let mut p = REAL_DLSYM.load(Ordering::Acquire);
+    if p == 0 {
+        for version in [c"GLIBC_2.34", c"GLIBC_2.2.5", c"GLIBC_2.17"] {
+            // SAFETY: dlvsym with valid C strings; RTLD_NEXT from this object finds libc's dlsym.
+            let f = unsafe { libc::dlvsym(libc::RTLD_NEXT, c"dlsym".as_ptr(), version.as_ptr()) };
+            if !f.is_null() {
+                p = f as usize;
+                break;
+            }
+        }
+        if p == 0 {
+            return None;
+        }
+        REAL_DLSYM.store(p, Ordering::Release);
+    }
+    // SAFETY: p is the address of glibc's dlsym, whose signature is DlsymFn.
+    Some(unsafe { std::mem::transmute::<usize, DlsymFn>(p) })
+}
+
+/// Declares the driver table: one typed pointer per entry point, each resolved by name.
+macro_rules! driver_table {
+    (
+        required { $( $field:ident = $name:literal ( $($arg:ty),* ); )* }
+        optional { $( $ofield:ident = $oname:literal ( $($oarg:ty),* ); )* }
+    ) => {
+        /// libcuda's entry points used by the agent (resolved from the libcuda handle).
+        pub struct Driver {
+            $( pub $field: unsafe extern "C" fn($($arg),*) -> CuRes, )*
+            $( pub $ofield: Option<unsafe extern "C" fn($($oarg),*) -> CuRes>, )*
+        }
+
+        impl Driver {
+            fn resolve(handle: *mut c_void, dlsym: DlsymFn) -> Result<Self, String> {
+                Ok(Driver {
+                    $( $field: {
+                        let p = lookup(handle, dlsym, concat!($name, "\0"));
+                        if p.is_null() {
+                            return Err(format!("{} not found in libcuda.so.1", $name));
+                        }
+                        // SAFETY: p is libcuda's exported function of this name, whose C
+                        // signature (CUDA 13 cuda.h) is the one declared in this table.
+                        unsafe { std::mem::transmute::<*mut c_void, unsafe extern "C" fn($($arg),*) -> CuRes>(p) }
+                    }, )*
+                    $( $ofield: {
+                        let p = lookup(handle, dlsym, concat!($oname, "\0"));
+                        // SAFETY: as above; a null pointer stays None.
+                        (!p.is_null()).then(|| unsafe {
+                            std::mem::transmute::<*mut c_void, unsafe extern "C" fn($($oarg),*) -> CuRes>(p)
+                        })
+                    }, )*
+                })
+            }
+        }
+    };
+}
+
+fn lookup(handle: *mut c_void, dlsym: DlsymFn, name_nul: &str) -> *mut c_void {
+    // SAFETY: handle is a live dlopen handle; name_nul is NUL-terminated (concat! above).
+    unsafe { dlsym(handle, name_nul.as_ptr().cast()) }
+}
+
+driver_table! {
+    required {
+        init = "cuInit"(c_uint);
+        get_error_name = "cuGetErrorName"(CuRes, *mut *const c_char);
+        device_get = "cuDeviceGet"(*mut CUdevice, c_int);
+        ctx_get_device = "cuCtxGetDevice"(*mut CUdevice);
+        ctx_set_current = "cuCtxSetCurrent"(CUcontext);
+        ctx_synchronize = "cuCtxSynchronize"();
+        primary_ctx_retain = "cuDevicePrimaryCtxRetain"(*mut CUcontext, CUdevice);
+        mem_get_allocation_granularity = "cuMemGetAllocationGranularity"(
+            *mut usize, *const CUmemAllocationProp, CUmemAllocationGranularity_flags);
+        mem_address_reserve = "cuMemAddressReserve"(*mut CUdeviceptr, usize, usize, CUdeviceptr, u64);
+        mem_address_free = "cuMemAddressFree"(CUdeviceptr, usize);
+        mem_create = "cuMemCreate"(*mut CUmemGenericAllocationHandle, usize, *const CUmemAllocationProp, u64);
+        mem_map = "cuMemMap"(CUdeviceptr, usize, usize, CUmemGenericAllocationHandle, u64);
+        mem_unmap = "cuMemUnmap"(CUdeviceptr, usize);
+        mem_release = "cuMemRelease"(CUmemGenericAllocationHandle);
+        mem_set_access = "cuMemSetAccess"(CUdeviceptr, usize, *const CUmemAccessDesc, usize);
+        mem_alloc = "cuMemAlloc_v2"(*mut CUdeviceptr, usize);
+        mem_free = "cuMemFree_v2"(CUdeviceptr);
+        mem_alloc_pitch = "cuMemAllocPitch_v2"(*mut CUdeviceptr, *mut usize, usize, usize, c_uint);
+        stream_create = "cuStreamCreate"(*mut CUstream, c_uint);
+        stream_synchronize = "cuStreamSynchronize"(CUstream);
+        event_create = "cuEventCreate"(*mut CUevent, c_uint);
+        event_record = "cuEventRecord"(CUevent, CUstream);
+        event_synchronize = "cuEventSynchronize"(CUevent);
+        event_query = "cuEventQuery"(CUevent);
+        mem_host_register = "cuMemHostRegister_v2"(*mut c_void, usize, c_uint);
+        mem_host_unregister = "cuMemHostUnregister"(*mut c_void);
+        memcpy_dtoh_async = "cuMemcpyDtoHAsync_v2"(*mut c_void, CUdeviceptr, usize, CUstream);
+        memcpy_htod_async = "cuMemcpyHtoDAsync_v2"(CUdeviceptr, *const c_void, usize, CUstream);
+    }
+    optional {
+        get_proc_address = "cuGetProcAddress"(*const c_char, *mut *mut c_void, c_int, cuuint64_t);
+        get_proc_address_v2 = "cuGetProcAddress_v2"(
+            *const c_char, *mut *mut c_void, c_int, cuuint64_t, *mut CUdriverProcAddressQueryResult);
+    }
+}
+
+static DRIVER: OnceLock<Driver> = OnceLock::new();
+static DRIVER_INIT: Mutex<()> = Mutex::new(());
+
+thread_local! {
+    /// Set while this thread loads the table: a `dlsym` made by libcuda's own start-up (our
+    /// hook) must not try to load it again.
+    static LOADING: Cell<bool> = const { Cell::new(false) };
+}
+
+/// The driver table, loaded on first use. A failure is not remembered: a process may load
+/// libcuda later (e.g. Python importing torch), so a later call tries again.
+pub fn driver() -> Result<&'static Driver, String> {
+    if let Some(d) = DRIVER.get() {
+        return Ok(d);
+    }
+    if LOADING.with(Cell::get) {
+        return Err("libcuda is being loaded by this thread".into());
+    }
+    let _guard = DRIVER_INIT.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(d) = DRIVER.get() {
+        return Ok(d);
+    }
+    LOADING.with(|l| l.set(true));
+    let loaded = load();
+    LOADING.with(|l| l.set(false));
+    let d = loaded?;
+    Ok(DRIVER.get_or_init(|| d))
+}
+
+/// The table if it is already loaded (never loads).
+pub fn driver_if_loaded() -> Option<&'static Driver> {
+    DRIVER.get()
+}
+
+fn load() -> Result<Driver, String> {
+    let dlsym = real_dlsym().ok_or("glibc's dlsym not found with dlvsym")?;
+    // SAFETY: dlopen with a valid C string; NOLOAD only returns an already loaded libcuda.
+    let mut handle =
+        unsafe { libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
+    if handle.is_null() {
+        // SAFETY: as above; this loads libcuda (only reached when the agent was asked to work).
+        handle =
+            unsafe { libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
+    }
+    if handle.is_null() {
+        return Err(format!(
+            "libcuda.so.1 could not be loaded: {}",
+            dlerror_text()
+        ));
+    }
+    // The handle is kept for the life of the process: the table points into libcuda.
+    Driver::resolve(handle, dlsym)
+}
+
+fn dlerror_text() -> String {
+    // SAFETY: dlerror returns null or a valid C string owned by libc.
+    let e = unsafe { libc::dlerror() };
+    if e.is_null() {
+        "unknown error".into()
+    } else {
+        // SAFETY: e is a valid NUL-terminated string (checked non-null).
+        unsafe { CStr::from_ptr(e) }.to_string_lossy().into_owned()
+    }
+}
+
+impl Driver {
+    /// `CUDA_ERROR_OUT_OF_MEMORY` and the like, or `CUDA error <n>` when the driver has no name.
+    pub fn error_name(&self, code: CuRes) -> String {
+        let mut s: *const c_char = std::ptr::null();
+        // SAFETY: cuGetErrorName writes a pointer to a static string or fails.
+        let rc = unsafe { (self.get_error_name)(code, &mut s) };
+        if rc == CUDA_SUCCESS && !s.is_null() {
+            // SAFETY: the driver returned a static NUL-terminated string.
+            unsafe { CStr::from_ptr(s) }.to_string_lossy().into_owned()
+        } else {
+            format!("CUDA error {code}")
+        }
+    }
+}

@@ -1,0 +1,165 @@
+//! `RestoreBegin` .. `RestoreDataDone`: re-create physical memory at the same addresses for every
+//! released allocation, then copy `ChunkLoad`s from the staging ring to the device.
+//!
+//! Copy-in loop: each `ChunkLoad` is validated (slot, length, destination inside one converted
+//! allocation, slot not still in flight), copied on a rotating stream, and its slot's event
+//! recorded; finished copies are found by polling events between messages and answered with
+//! `SlotFree`; before blocking on the socket the agent waits for the oldest copy instead.
+
+use std::os::fd::OwnedFd;
+use std::time::Instant;
+
+use gpusnap_proto::{Channel, ErrorCode, ProtoError, Reply, Request};
+
+use crate::gpu::Gpu;
+use crate::log::debug;
+use crate::plan::{self, Span};
+use crate::real::Driver;
+use crate::session::{self, Fail, PEER_WAIT, Ring, need_driver, no_fd};
+use crate::staging::Staging;
+use crate::table::{self, AGENT_LOCK_WAIT};
+use crate::vmm;
+
+/// Runs a whole restore on this connection; the connection is to be closed afterwards.
+pub fn run(gpu: &mut Gpu, ch: &Channel, ring: Ring, memfd: OwnedFd) {
+    let mut staging = None;
+    let result = restore(gpu, ch, ring, memfd, &mut staging);
+    session::conclude(ch, gpu, staging, result);
+}
+
+fn restore(
+    gpu: &mut Gpu,
+    ch: &Channel,
+    ring: Ring,
+    memfd: OwnedFd,
+    staging: &mut Option<Staging>,
+) -> Result<Reply, Fail> {
+    let t0 = Instant::now();
+    plan::validate_ring(ring.slot_size, ring.slots, ring.streams).map_err(Fail::bad_request)?;
+    let drv = need_driver()?;
+    let (spans, released) = session::snapshot()?;
+    for dev in session::devices(&spans) {
+        gpu.prepare(drv, dev, ring.streams as usize, ring.slots as usize)?;
+    }
+    let recreated = recreate(drv, &spans, &released)?;
+    debug!(
+        "restore: re-created {recreated} of {} allocations",
+        spans.len()
+    );
+
+    let mut st = Staging::map(memfd, ring.slot_size, ring.slots)
+        .map_err(|e| Fail::Reply(ErrorCode::Staging, e))?;
+    if !spans.is_empty() {
+        st.register(drv)?;
+    }
+    let st = staging.insert(st);
+    ch.send_reply(&Reply::Ready)?;
+
+    let bytes = copy_in(gpu, drv, ch, st, ring, &spans)?;
+    let micros = t0.elapsed().as_micros() as u64;
+    debug!("restore: {bytes} bytes in {micros} us");
+    Ok(Reply::Restored { bytes, micros })
+}
+
+/// Backs every released span with new physical memory at its address (state Mapped).
+fn recreate(drv: &Driver, spans: &[Span], released: &[bool]) -> Result<usize, Fail> {
+    let mut n = 0;
+    for (s, _) in spans.iter().zip(released).filter(|(_, r)| **r) {
+        let handle = vmm::back(drv, s.device, s.addr, s.size)?;
+        // The guard is dropped at the end of this statement, before any further driver call.
+        let marked = match table::try_lock_for(AGENT_LOCK_WAIT) {
+            None => Err(Fail::busy()),
+            Some(mut t) => t
+                .mark_mapped(s.addr, handle)
+                .map_err(|e| Fail::bad_state(e.to_string())),
+        };
+        if let Err(f) = marked {
+            let _ = vmm::unback(drv, s.addr, s.size, handle);
+            return Err(f);
+        }
+        n += 1;
+    }
+    Ok(n)
+}
+
+/// The copy-in loop; returns the bytes copied.
+fn copy_in(
+    gpu: &mut Gpu,
+    drv: &Driver,
+    ch: &Channel,
+    st: &Staging,
+    ring: Ring,
+    spans: &[Span],
+) -> Result<u64, Fail> {
+    let mut busy = vec![false; ring.slots as usize];
+    // (slot, device) in issue order.
+    let mut inflight: Vec<(u32, i32)> = Vec::new();
+    let mut issued = 0usize;
+    let mut bytes = 0u64;
+    loop {
+        // Answer every copy that has finished.
+        let mut i = 0;
+        while i < inflight.len() {
+            let (slot, dev) = inflight[i];
+            let d = gpu.activate(drv, dev)?;
+            if drv.event_done(d.events[slot as usize])? {
+                inflight.remove(i);
+                busy[slot as usize] = false;
+                ch.send_reply(&Reply::SlotFree { slot })?;
+            } else {
+                i += 1;
+            }
+        }
+        let (req, fd) = match ch.try_recv_request()? {
+            Some(m) => m,
+            None if !inflight.is_empty() => {
+                // Nothing to read: finish the oldest copy rather than block on the socket.
+                let (slot, dev) = inflight.remove(0);
+                let d = gpu.activate(drv, dev)?;
+                drv.wait_event(d.events[slot as usize])?;
+                busy[slot as usize] = false;
+                ch.send_reply(&Reply::SlotFree { slot })?;
+                continue;
+            }
+            None => match ch.recv_request(Some(PEER_WAIT)) {
+                Ok(m) => m,
+                Err(ProtoError::Interrupted) => continue,
+                Err(e) => return Err(e.into()),
+            },
+        };
+        no_fd(fd)?;
+        match req {
+            Request::ChunkLoad { slot, addr, len } => {
+                let span =
+                    plan::check_chunk_load(spans, slot, addr, len, ring.slots, ring.slot_size)
+                        .map_err(Fail::bad_request)?;
+                if busy[slot as usize] {
+                    return Err(Fail::bad_request(format!(
+                        "ChunkLoad into slot {slot}, which is still being copied"
+                    )));
+                }
+                let d = gpu.activate(drv, span.device)?;
+                let stream = d.streams[issued % ring.streams as usize];
+                // SAFETY: the slot lies in the registered staging, which stays mapped until every
+                // copy is waited for; [addr, addr+len) is inside a converted allocation that is
+                // mapped (re-created above), checked by check_chunk_load.
+                unsafe { drv.copy_htod_async(addr, st.slot_ptr(slot).cast_const(), len, stream)? };
+                drv.record(d.events[slot as usize], stream)?;
+                busy[slot as usize] = true;
+                inflight.push((slot, span.device));
+                issued += 1;
+                bytes += len;
+            }
+            Request::RestoreDataDone => {
+                for (slot, dev) in std::mem::take(&mut inflight) {
+                    let d = gpu.activate(drv, dev)?;
+                    drv.wait_event(d.events[slot as usize])?;
+                    ch.send_reply(&Reply::SlotFree { slot })?;
+                }
+                return Ok(bytes);
+            }
+            Request::Abort => return Err(Fail::Aborted),
+            other => return Err(Fail::unexpected(&other, "while data is copied in")),
+        }
+    }
+}

@@ -1,0 +1,295 @@
+//! The agent thread: listens on `\0gpusnap-agent-<pid>`, accepts one connection at a time from
+//! root or the process's own user, and serves requests until the peer closes or an operation
+//! ends (after `Released`, `Restored`, `Aborted` or an operation's error the connection is
+//! closed: the agent must hold no connection when CRIU dumps the process's descriptors).
+//!
+//! The thread is started once (first conversion, or at load with `GPUSNAP_AGENT_EAGER=1`),
+//! named `gpusnap-agent`, with every signal blocked.
+
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+
+use gpusnap_proto::{
+    AllocKind, Channel, ErrorCode, PROTOCOL_VERSION, ProtoError, Reply, Request, accept_connection,
+    bind_agent_listener, peer_cred,
+};
+
+use crate::gpu::Gpu;
+use crate::log::debug;
+use crate::session::Ring;
+use crate::table::{self, AGENT_LOCK_WAIT};
+use crate::{dump, restore};
+
+static STARTED: AtomicBool = AtomicBool::new(false);
+/// The listener and the current connection, for a forked child to close (it has no agent thread).
+static LISTEN_FD: AtomicI32 = AtomicI32::new(-1);
+static CONN_FD: AtomicI32 = AtomicI32::new(-1);
+
+/// Name of the agent thread (`/proc/<pid>/task/*/comm`).
+pub const THREAD_NAME: &str = "gpusnap-agent";
+
+/// Starts the agent thread unless it runs already.
+pub fn ensure_started() {
+    if STARTED.load(Ordering::Acquire) || STARTED.swap(true, Ordering::AcqRel) {
+        return;
+    }
+    crate::install_quiet_panic_hook();
+    // The new thread inherits the creator's mask: block everything around the spawn so no
+    // signal meant for the application is ever delivered to the agent thread.
+    let old = block_all_signals();
+    let spawned = std::thread::Builder::new()
+        .name(THREAD_NAME.into())
+        .spawn(agent_main);
+    if let Some(old) = old {
+        // SAFETY: old is the mask this thread had; restoring it.
+        unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut()) };
+    }
+    if let Err(e) = spawned {
+        debug!("could not start the agent thread: {e}");
+        STARTED.store(false, Ordering::Release);
+    }
+}
+
+/// Blocks every signal in the calling thread; returns the previous mask.
+fn block_all_signals() -> Option<libc::sigset_t> {
+    // SAFETY: sigset_t is plain data; sigfillset initializes it; pthread_sigmask writes old.
+    unsafe {
+        let mut all: libc::sigset_t = std::mem::zeroed();
+        let mut old: libc::sigset_t = std::mem::zeroed();
+        libc::sigfillset(&mut all);
+        (libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut old) == 0).then_some(old)
+    }
+}
+
+/// In a forked child: no agent thread exists; let a child that uses CUDA start its own, and
+/// close the parent's listener and connection, which the child inherited.
+pub fn forget_in_child() {
+    STARTED.store(false, Ordering::Release);
+    for fd in [&LISTEN_FD, &CONN_FD] {
+        let raw = fd.swap(-1, Ordering::AcqRel);
+        if raw >= 0 {
+            // SAFETY: raw is the inherited copy of the parent agent's socket; nothing in the
+            // child uses it (the thread that owned it does not exist here).
+            unsafe { libc::close(raw) };
+        }
+    }
+}
+
+fn agent_main() {
+    block_all_signals();
+    // SAFETY: getpid has no preconditions.
+    let pid = unsafe { libc::getpid() };
+    let listener = match bind_agent_listener(pid) {
+        Ok(l) => l,
+        Err(e) => {
+            debug!("agent socket gpusnap-agent-{pid} unavailable, agent stays idle: {e}");
+            return;
+        }
+    };
+    LISTEN_FD.store(listener.as_raw_fd(), Ordering::Release);
+    debug!("agent listening on @gpusnap-agent-{pid}");
+    let mut agent = Agent { gpu: Gpu::new() };
+    loop {
+        let conn = match accept_connection(listener.as_fd()) {
+            Ok(c) => c,
+            Err(e) => {
+                debug!("accept: {e}");
+                match e.raw_os_error() {
+                    Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM) => {
+                        std::thread::sleep(std::time::Duration::from_millis(100));
+                        continue;
+                    }
+                    _ => return,
+                }
+            }
+        };
+        if !peer_allowed(&conn) {
+            continue;
+        }
+        CONN_FD.store(conn.as_raw_fd(), Ordering::Release);
+        let ch = Channel::new(conn);
+        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| agent.serve(&ch))).is_err() {
+            debug!("agent: panic while serving a connection; closing it");
+        }
+        CONN_FD.store(-1, Ordering::Release);
+        drop(ch);
+    }
+}
+
+/// Root, or the user the process runs as.
+fn peer_allowed(conn: &OwnedFd) -> bool {
+    match peer_cred(conn.as_fd()) {
+        // SAFETY: geteuid has no preconditions.
+        Ok(c) if c.uid == 0 || c.uid == unsafe { libc::geteuid() } => true,
+        Ok(c) => {
+            debug!("refusing a connection from pid {} uid {}", c.pid, c.uid);
+            false
+        }
+        Err(e) => {
+            debug!("SO_PEERCRED: {e}");
+            false
+        }
+    }
+}
+
+/// State kept by the agent thread across connections.
+struct Agent {
+    gpu: Gpu,
+}
+
+impl Agent {
+    /// Serves one connection until the peer closes or an operation ends.
+    fn serve(&mut self, ch: &Channel) {
+        loop {
+            let (req, fd) = match ch.recv_request(None) {
+                Ok(m) => m,
+                Err(ProtoError::Closed | ProtoError::Io(_)) => return,
+                Err(ProtoError::Interrupted | ProtoError::Timeout) => continue,
+                Err(e @ ProtoError::VersionMismatch { .. }) => {
+                    reply(ch, ErrorCode::VersionMismatch, e.to_string());
+                    continue;
+                }
+                Err(e) => {
+                    reply(ch, ErrorCode::BadRequest, e.to_string());
+                    continue;
+                }
+            };
+            debug!("request {req:?}");
+            match (req, fd) {
+                (
+                    Request::DumpBegin {
+                        slot_size,
+                        slots,
+                        streams,
+                    },
+                    Some(memfd),
+                ) => {
+                    return dump::run(
+                        &mut self.gpu,
+                        ch,
+                        Ring {
+                            slot_size,
+                            slots,
+                            streams,
+                        },
+                        memfd,
+                    );
+                }
+                (
+                    Request::RestoreBegin {
+                        slot_size,
+                        slots,
+                        streams,
+                    },
+                    Some(memfd),
+                ) => {
+                    return restore::run(
+                        &mut self.gpu,
+                        ch,
+                        Ring {
+                            slot_size,
+                            slots,
+                            streams,
+                        },
+                        memfd,
+                    );
+                }
+                (r @ (Request::DumpBegin { .. } | Request::RestoreBegin { .. }), None) => {
+                    reply(
+                        ch,
+                        ErrorCode::BadRequest,
+                        format!("{r:?} needs the staging memfd attached"),
+                    );
+                }
+                (r, Some(_)) => reply(
+                    ch,
+                    ErrorCode::BadRequest,
+                    format!("{r:?} carries no file descriptor"),
+                ),
+                (r, None) => {
+                    if !self.simple(ch, r) {
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Requests answered outside an operation; false when the connection is to be closed.
+    fn simple(&mut self, ch: &Channel, req: Request) -> bool {
+        let sent = match req {
+            Request::Hello { version } if version != PROTOCOL_VERSION => {
+                ch.send_reply(&Reply::Error {
+                    code: ErrorCode::VersionMismatch,
+                    message: format!("agent speaks protocol {PROTOCOL_VERSION}, plugin {version}"),
+                })
+            }
+            Request::Hello { .. } => ch.send_reply(&hello()),
+            Request::ListAllocations => list(ch),
+            Request::Abort => ch.send_reply(&Reply::Aborted),
+            other => ch.send_reply(&Reply::Error {
+                code: ErrorCode::BadState,
+                message: format!("{other:?} without a DumpBegin or RestoreBegin in progress"),
+            }),
+        };
+        sent.is_ok()
+    }
+}
+
+fn reply(ch: &Channel, code: ErrorCode, message: String) {
+    debug!("error reply {code:?}: {message}");
+    let _ = ch.send_reply(&Reply::Error { code, message });
+}
+
+fn busy_reply() -> Reply {
+    Reply::Error {
+        code: ErrorCode::Busy,
+        message: format!(
+            "the allocation table stayed locked for {} ms",
+            AGENT_LOCK_WAIT.as_millis()
+        ),
+    }
+}
+
+fn hello() -> Reply {
+    let Some(t) = table::try_lock_for(AGENT_LOCK_WAIT) else {
+        return busy_reply();
+    };
+    let s = t.summary();
+    drop(t);
+    // SAFETY: getpid and gettid have no preconditions.
+    let (pid, tid) = unsafe { (libc::getpid(), libc::gettid()) };
+    Reply::Hello {
+        version: PROTOCOL_VERSION,
+        pid,
+        tid,
+        allocations: s.entries,
+        converted_bytes: s.converted_bytes,
+        devices: s.devices,
+        released: s.released,
+    }
+}
+
+fn list(ch: &Channel) -> Result<(), ProtoError> {
+    let Some(t) = table::try_lock_for(AGENT_LOCK_WAIT) else {
+        return ch.send_reply(&busy_reply());
+    };
+    let entries = t.listing();
+    drop(t);
+    for e in &entries {
+        ch.send_reply(&Reply::Allocation {
+            id: e.id,
+            device: u32::try_from(e.device).unwrap_or(u32::MAX),
+            addr: e.addr,
+            size: e.size,
+            kind: if e.converted {
+                AllocKind::Converted
+            } else {
+                AllocKind::AppVmm
+            },
+        })?;
+    }
+    ch.send_reply(&Reply::AllocationsEnd {
+        count: u32::try_from(entries.len()).unwrap_or(u32::MAX),
+    })
+}

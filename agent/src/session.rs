@@ -1,0 +1,158 @@
+//! What a dump and a restore share: the ring parameters, the failure type with its reply, the
+//! table snapshot, and the one way out of an operation ([`conclude`]): wait for our copies,
+//! unpin and unmap the staging, then send the final reply, then close.
+
+use std::os::fd::OwnedFd;
+use std::time::Duration;
+
+use gpusnap_proto::{Channel, ErrorCode, ProtoError, Reply, Request};
+
+use crate::cu::CuError;
+use crate::gpu::Gpu;
+use crate::log::debug;
+use crate::plan::Span;
+use crate::real::Driver;
+use crate::staging::Staging;
+use crate::table::{self, AGENT_LOCK_WAIT, Backing};
+
+/// How long the agent waits for the plugin when it cannot go on without it (no free slot).
+pub const PEER_WAIT: Duration = Duration::from_secs(60);
+
+/// Staging ring parameters of `DumpBegin` / `RestoreBegin`.
+#[derive(Clone, Copy, Debug)]
+pub struct Ring {
+    pub slot_size: u64,
+    pub slots: u32,
+    pub streams: u32,
+}
+
+/// Why an operation stops early.
+#[derive(Debug)]
+pub enum Fail {
+    /// Reply `Error { code, message }`.
+    Reply(ErrorCode, String),
+    /// The plugin asked to abort: reply `Aborted`.
+    Aborted,
+    /// The connection is gone: nothing to reply.
+    Closed,
+}
+
+impl Fail {
+    pub fn bad_request(msg: impl Into<String>) -> Self {
+        Fail::Reply(ErrorCode::BadRequest, msg.into())
+    }
+    pub fn bad_state(msg: impl Into<String>) -> Self {
+        Fail::Reply(ErrorCode::BadState, msg.into())
+    }
+    pub fn unexpected(req: &Request, phase: &str) -> Self {
+        Fail::bad_state(format!("{req:?} is not expected {phase}"))
+    }
+    pub fn busy() -> Self {
+        Fail::Reply(
+            ErrorCode::Busy,
+            format!(
+                "the allocation table stayed locked for {} ms (an application thread holds it)",
+                AGENT_LOCK_WAIT.as_millis()
+            ),
+        )
+    }
+}
+
+impl From<CuError> for Fail {
+    fn from(e: CuError) -> Self {
+        Fail::Reply(ErrorCode::Cuda, e.to_string())
+    }
+}
+
+impl From<ProtoError> for Fail {
+    fn from(e: ProtoError) -> Self {
+        match e {
+            ProtoError::Closed | ProtoError::Io(_) => Fail::Closed,
+            ProtoError::Timeout => Fail::Reply(
+                ErrorCode::Timeout,
+                format!("no message from the plugin for {} s", PEER_WAIT.as_secs()),
+            ),
+            ProtoError::VersionMismatch { .. } => {
+                Fail::Reply(ErrorCode::VersionMismatch, e.to_string())
+            }
+            other => Fail::bad_request(other.to_string()),
+        }
+    }
+}
+
+/// The driver table, or the `Cuda` error an operation fails with.
+pub fn need_driver() -> Result<&'static Driver, Fail> {
+    crate::real::driver()
+        .map_err(|e| Fail::Reply(ErrorCode::Cuda, format!("CUDA driver unavailable: {e}")))
+}
+
+/// Messages in a data phase never carry a descriptor.
+pub fn no_fd(fd: Option<OwnedFd>) -> Result<(), Fail> {
+    match fd {
+        None => Ok(()),
+        Some(_) => Err(Fail::bad_request("unexpected file descriptor")),
+    }
+}
+
+/// Converted allocations in address order, and which of them are released. Fails with `Busy`
+/// when the table cannot be locked in time.
+pub fn snapshot() -> Result<(Vec<Span>, Vec<bool>), Fail> {
+    let t = table::try_lock_for(AGENT_LOCK_WAIT).ok_or_else(Fail::busy)?;
+    Ok(t.converted()
+        .map(|c| {
+            (
+                Span {
+                    id: c.id,
+                    device: c.device,
+                    addr: c.addr,
+                    size: c.size,
+                },
+                c.backing == Backing::Released,
+            )
+        })
+        .unzip())
+}
+
+/// Distinct devices of the spans.
+pub fn devices(spans: &[Span]) -> Vec<i32> {
+    let mut d: Vec<i32> = spans.iter().map(|s| s.device).collect();
+    d.sort_unstable();
+    d.dedup();
+    d
+}
+
+/// Ends an operation: waits for our copies, removes the staging, then replies (`Ok` reply,
+/// `Error`, or `Aborted`). The caller closes the connection afterwards.
+pub fn conclude(
+    ch: &Channel,
+    gpu: &mut Gpu,
+    staging: Option<Staging>,
+    result: Result<Reply, Fail>,
+) {
+    if let Some(st) = staging {
+        if let Some(drv) = crate::real::driver_if_loaded() {
+            gpu.quiesce(drv);
+        }
+        if let Err(e) = st.close() {
+            debug!("{e}");
+            let _ = ch.send_reply(&Reply::Error {
+                code: ErrorCode::Staging,
+                message: e,
+            });
+            return;
+        }
+    }
+    let reply = match result {
+        Ok(r) => r,
+        Err(Fail::Reply(code, message)) => {
+            debug!("operation failed: {code:?}: {message}");
+            Reply::Error { code, message }
+        }
+        Err(Fail::Aborted) => Reply::Aborted,
+        Err(Fail::Closed) => {
+            debug!("the plugin closed the connection mid-operation");
+            return;
+        }
+    };
+    let _ = ch.send_reply(&reply);
+}

@@ -1,0 +1,239 @@
+//! The one error type of the image crate. Every message names the file it is about.
+
+use std::io;
+
+use crate::{FORMAT_VERSION, MAX_CHUNK_LEN, MAX_MANIFEST_BODY};
+
+/// Appended to messages that mean the bytes on disk are not what was written.
+const DAMAGED: &str = "image damaged; do not restore from it";
+
+/// Why an image file could not be written, read or trusted.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ImageError {
+    /// A system call on `file` failed.
+    #[error("{file}: {op} failed: {source}")]
+    Io {
+        file: String,
+        op: &'static str,
+        #[source]
+        source: io::Error,
+    },
+    /// A file that must exist does not.
+    #[error("{file}: missing (image incomplete; do not restore from it)")]
+    MissingFile { file: String },
+    /// A name in the image directory is a directory, FIFO, device or symlink instead of a file.
+    #[error("{file}: not a regular file")]
+    NotRegularFile { file: String },
+    /// The manifest's first line is not `GPUSNAP-MANIFEST <version> <len> <xxh3>`.
+    #[error("{file}: malformed manifest header line: {detail} ({DAMAGED})")]
+    ManifestHeader { file: String, detail: &'static str },
+    /// A header or manifest carries a format version this build does not read.
+    #[error(
+        "{file}: format version {found} is not supported (this gpusnap reads version {FORMAT_VERSION}); use the gpusnap that wrote the image"
+    )]
+    UnsupportedVersion { file: String, found: u64 },
+    /// The manifest header announces a body larger than any real manifest.
+    #[error(
+        "{file}: manifest body of {len} bytes exceeds the {MAX_MANIFEST_BODY}-byte limit ({DAMAGED})"
+    )]
+    ManifestTooLarge { file: String, len: u64 },
+    /// A file is shorter than its header or the manifest says.
+    #[error("{file}: truncated: {actual} bytes, expected {expected} ({DAMAGED})")]
+    Truncated {
+        file: String,
+        expected: u64,
+        actual: u64,
+    },
+    /// A file is longer than its header or the manifest says.
+    #[error("{file}: {actual} bytes, expected {expected}: unexpected trailing data ({DAMAGED})")]
+    TrailingData {
+        file: String,
+        expected: u64,
+        actual: u64,
+    },
+    /// The manifest body does not match the checksum in its header line.
+    #[error("{file}: manifest checksum mismatch ({DAMAGED})")]
+    ManifestChecksum { file: String },
+    /// The manifest body passed its checksum but is not a valid manifest document.
+    #[error("{file}: manifest JSON is invalid: {source}")]
+    ManifestJson {
+        file: String,
+        #[source]
+        source: serde_json::Error,
+    },
+    /// The manifest describes a different process than its name says.
+    #[error("{file}: manifest is for process {found}, expected {expected}")]
+    NspidMismatch {
+        file: String,
+        expected: u32,
+        found: u32,
+    },
+    /// `files[index]` is not a data-file name of this process (e.g. contains `/` or `..`).
+    #[error("{file}: files[{index}] is named {name:?}, expected {expected:?}")]
+    BadFileName {
+        file: String,
+        index: usize,
+        name: String,
+        expected: String,
+    },
+    /// A data file does not start with `GPUSNAPD`.
+    #[error("{file}: not a gpusnap data file (bad magic) ({DAMAGED})")]
+    DataHeaderMagic { file: String },
+    /// A data-file header does not match its own checksum.
+    #[error("{file}: data file header checksum mismatch ({DAMAGED})")]
+    DataHeaderChecksum { file: String },
+    /// A data-file header is intact but describes another file.
+    #[error("{file}: data file header has {field} {found}, expected {expected}")]
+    DataHeaderMismatch {
+        file: String,
+        field: &'static str,
+        expected: u64,
+        found: u64,
+    },
+    /// A chunk names a data file that the manifest does not list.
+    #[error(
+        "{file}: chunk {chunk} is in data file {index}, but the manifest lists {count} data files"
+    )]
+    ChunkFileIndex {
+        file: String,
+        chunk: usize,
+        index: u32,
+        count: usize,
+    },
+    /// A chunk's `len`/`stored_len`/`codec` are inconsistent or out of bounds.
+    #[error("{file}: chunk {chunk}: {detail}")]
+    ChunkLength {
+        file: String,
+        chunk: usize,
+        detail: String,
+    },
+    /// A chunk (with its record header) does not lie inside the data area of its file.
+    #[error(
+        "{file}: chunk {chunk} (bytes {start}..{end} of {data_file}) lies outside the file's data area (64..{size})"
+    )]
+    ChunkOutsideFile {
+        file: String,
+        chunk: usize,
+        data_file: String,
+        start: u64,
+        end: u64,
+        size: u64,
+    },
+    /// Two chunks share bytes of one data file.
+    #[error("{file}: chunks {a} and {b} overlap in {data_file}")]
+    ChunkOverlap {
+        file: String,
+        data_file: String,
+        a: usize,
+        b: usize,
+    },
+    /// Two chunks claim the same device addresses.
+    #[error("{file}: chunks {a} and {b} cover overlapping device addresses")]
+    ChunkAddrOverlap { file: String, a: usize, b: usize },
+    /// A chunk's device range is not inside an allocation whose data was moved to gpusnap files.
+    #[error(
+        "{file}: chunk {chunk} (device range {addr:#x}+{len:#x}) lies outside every moved allocation"
+    )]
+    ChunkOutsideAllocation {
+        file: String,
+        chunk: usize,
+        addr: u64,
+        len: u64,
+    },
+    /// Two allocations overlap in device address space.
+    #[error("{file}: allocations {a} and {b} overlap")]
+    AllocationOverlap { file: String, a: u64, b: u64 },
+    /// A recorded total does not equal the sum of its parts.
+    #[error("{file}: {what}: recorded {expected}, but its chunks add up to {actual}")]
+    SumMismatch {
+        file: String,
+        what: String,
+        expected: u64,
+        actual: u64,
+    },
+    /// Any other field of the manifest that is out of range or inconsistent.
+    #[error("{file}: invalid manifest: {detail}")]
+    InvalidManifest { file: String, detail: String },
+    /// A chunk's record header in the data file is damaged or disagrees with the manifest.
+    #[error("{file}: chunk {chunk} record header: {detail} ({DAMAGED})")]
+    ChunkRecord {
+        file: String,
+        chunk: usize,
+        detail: &'static str,
+    },
+    /// A chunk's stored bytes do not match their checksum.
+    #[error("{file}: chunk {chunk} checksum mismatch ({DAMAGED})")]
+    ChunkChecksum { file: String, chunk: usize },
+    /// A zstd chunk passed its checksum but does not decompress to exactly its recorded length.
+    #[error("{file}: chunk {chunk} does not decompress to its {len} bytes: {detail} ({DAMAGED})")]
+    ChunkDecompress {
+        file: String,
+        chunk: usize,
+        len: u64,
+        detail: String,
+    },
+    /// `read_chunk` was given an entry that is not one of the manifest's chunks of this file.
+    #[error("{file}: no chunk of this file starts at offset {offset} with that entry")]
+    UnknownChunk { file: String, offset: u64 },
+    /// `read_chunk` was given an output buffer of the wrong length.
+    #[error("{file}: chunk {chunk} is {expected} bytes, but the output buffer is {got}")]
+    BufferSize {
+        file: String,
+        chunk: usize,
+        expected: u64,
+        got: u64,
+    },
+    /// `append_chunk` was given an empty or oversized chunk, or one whose range wraps.
+    #[error(
+        "{file}: cannot store a chunk of {len} bytes at {addr:#x} (1 ..= {MAX_CHUNK_LEN} bytes, no wrap)"
+    )]
+    BadChunk { file: String, addr: u64, len: u64 },
+    /// A writer whose earlier write failed was used again.
+    #[error("{file}: an earlier write failed; this data file is incomplete")]
+    WriterFailed { file: String },
+    /// The stats file could not be encoded or parsed.
+    #[error("{file}: stats JSON: {source}")]
+    StatsJson {
+        file: String,
+        #[source]
+        source: serde_json::Error,
+    },
+    /// The stats file is larger than any stats file gpusnap writes.
+    #[error("{file}: {len} bytes exceeds the stats size limit")]
+    StatsTooLarge { file: String, len: u64 },
+}
+
+impl ImageError {
+    pub(crate) fn io(file: &str, op: &'static str, source: io::Error) -> Self {
+        ImageError::Io {
+            file: file.to_owned(),
+            op,
+            source,
+        }
+    }
+
+    /// Like [`ImageError::io`], but a missing file becomes [`ImageError::MissingFile`].
+    pub(crate) fn open(file: &str, source: io::Error) -> Self {
+        if source.kind() == io::ErrorKind::NotFound {
+            ImageError::MissingFile {
+                file: file.to_owned(),
+            }
+        } else {
+            Self::io(file, "open", source)
+        }
+    }
+
+    /// True when the error means the image bytes are damaged or inconsistent (as opposed to an
+    /// I/O failure of this host, a missing permission or a caller mistake).
+    pub fn is_damage(&self) -> bool {
+        !matches!(
+            self,
+            ImageError::Io { .. }
+                | ImageError::UnknownChunk { .. }
+                | ImageError::BufferSize { .. }
+                | ImageError::BadChunk { .. }
+                | ImageError::WriterFailed { .. }
+        )
+    }
+}

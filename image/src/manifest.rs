@@ -1,0 +1,345 @@
+//! The per-process manifest: its types, and reading and writing the manifest file.
+//!
+//! File layout: one ASCII header line `GPUSNAP-MANIFEST <version> <body_len> <xxh3_64 hex>\n`,
+//! then exactly `body_len` bytes of JSON. The checksum covers the body; the header line's own
+//! fields are each checked against the file, so a flipped byte anywhere is refused.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::os::fd::BorrowedFd;
+use std::os::unix::fs::FileExt;
+
+use serde::{Deserialize, Serialize};
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::names::manifest_tmp_name;
+use crate::{
+    FORMAT_VERSION, ImageError, ImageFileKind, data_file_name, manifest_file_name, parse_file_name,
+    sys, validate,
+};
+
+/// First word of a manifest file.
+pub const MANIFEST_MAGIC: &str = "GPUSNAP-MANIFEST";
+/// Largest manifest body readers accept (256 MiB: about a million chunks).
+pub const MAX_MANIFEST_BODY: u64 = 256 << 20;
+/// Longest possible header line: magic, u32, u64, 16 hex digits, 3 spaces and `\n`.
+const MAX_HEADER_LINE: usize = MANIFEST_MAGIC.len() + 1 + 10 + 1 + 20 + 1 + 16 + 1;
+
+/// How a chunk's bytes are stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Codec {
+    /// The device bytes as they are.
+    Raw,
+    /// One zstd frame that decompresses to exactly `len` bytes.
+    Zstd,
+}
+
+/// Where one chunk of device memory is stored.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ChunkEntry {
+    /// Index of the data file: the `<index>` in `gpusnap-<nspid>-data-<index>.img`.
+    pub file: u32,
+    /// Offset of the stored bytes in that file (its record header is the 64 bytes before).
+    pub file_offset: u64,
+    /// Device virtual address of the chunk's first byte.
+    pub addr: u64,
+    /// Length of the chunk in device memory.
+    pub len: u64,
+    /// Length of the stored bytes in the file (`len` for `Raw`).
+    pub stored_len: u64,
+    pub codec: Codec,
+    /// xxh3_64 of the stored bytes.
+    pub checksum: u64,
+}
+
+/// A data file of the image (`gpusnap-<nspid>-data-<index>.img`) and its exact size.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileEntry {
+    pub name: String,
+    pub size: u64,
+}
+
+/// Which way the process's device memory was saved.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CheckpointPath {
+    /// Moved allocations are in gpusnap's data files; the driver checkpoint holds the rest.
+    Split,
+    /// Everything is in the driver's checkpoint (CRIU's pages); gpusnap holds no data.
+    Transparent,
+}
+
+/// A GPU the process used.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GpuRecord {
+    pub ordinal: u32,
+    /// The GPU's UUID as 32 hex digits.
+    pub uuid: String,
+    pub name: String,
+    pub total_mem: u64,
+}
+
+/// A device allocation the agent tracked.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AllocationRecord {
+    pub id: u64,
+    /// Ordinal of the GPU (one of `Manifest::gpus`).
+    pub device: u32,
+    pub addr: u64,
+    pub size: u64,
+    /// true: the data is in gpusnap's files; false: left to the driver checkpoint.
+    pub moved: bool,
+}
+
+/// Everything about one checkpointed process. Written last; its presence means the dump of this
+/// process completed.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Manifest {
+    pub format_version: u32,
+    pub nspid: u32,
+    pub path: CheckpointPath,
+    pub created_unix_s: u64,
+    pub gpusnap_version: String,
+    /// `cuDriverGetVersion`, e.g. 13000.
+    pub driver_version: i32,
+    pub gpus: Vec<GpuRecord>,
+    pub allocations: Vec<AllocationRecord>,
+    pub files: Vec<FileEntry>,
+    pub chunks: Vec<ChunkEntry>,
+    /// Phase name to seconds, e.g. `"lock": 0.012`.
+    pub timings_s: BTreeMap<String, f64>,
+}
+
+impl Manifest {
+    /// The data-file index of `files[pos]`: the `<index>` in `gpusnap-<nspid>-data-<index>.img`.
+    /// `None` if there is no such entry or its name is not exactly that form for this process.
+    pub fn file_index_at(&self, pos: usize) -> Option<u32> {
+        match parse_file_name(&self.files.get(pos)?.name)? {
+            ImageFileKind::Data { nspid, index } if nspid == self.nspid => Some(index),
+            _ => None,
+        }
+    }
+
+    /// The entry of data file `index` (the number in its name, as in [`ChunkEntry::file`]).
+    pub fn file(&self, index: u32) -> Option<&FileEntry> {
+        let name = data_file_name(self.nspid, index);
+        self.files.iter().find(|f| f.name == name)
+    }
+
+    /// The data-file indexes of `files`, in their order there (invalid names skipped). Iterate
+    /// over these, not `0..files.len()`: indexes may have gaps.
+    pub fn file_indexes(&self) -> Vec<u32> {
+        (0..self.files.len())
+            .filter_map(|i| self.file_index_at(i))
+            .collect()
+    }
+}
+
+/// Writes `m` as `gpusnap-<nspid>-manifest.img`, after checking it as [`read_manifest`] would
+/// (data files included), so a manifest that a restore would refuse is never written. Atomic:
+/// written to `gpusnap-<nspid>-manifest.img.tmp`, fsynced, then renamed over the final name.
+pub fn write_manifest(dir: BorrowedFd<'_>, m: &Manifest) -> Result<(), ImageError> {
+    let name = manifest_file_name(m.nspid);
+    if m.format_version != FORMAT_VERSION {
+        return Err(ImageError::UnsupportedVersion {
+            file: name,
+            found: m.format_version.into(),
+        });
+    }
+    validate::validate_structure(m, &name)?;
+    validate::validate_files(dir, m, &name)?;
+    write_manifest_bytes(dir, m.nspid, &encode_manifest_unchecked(m))
+}
+
+/// The bytes of a manifest file for `m`, without any validation. For tests, fuzzing and tools
+/// that need to produce damaged images on purpose; the plugin uses [`write_manifest`].
+#[doc(hidden)]
+pub fn encode_manifest_unchecked(m: &Manifest) -> Vec<u8> {
+    let body = serde_json::to_vec(m).expect("a Manifest always serializes");
+    let mut out = format!(
+        "{MANIFEST_MAGIC} {FORMAT_VERSION} {} {:016x}\n",
+        body.len(),
+        xxh3_64(&body)
+    )
+    .into_bytes();
+    out.extend_from_slice(&body);
+    out
+}
+
+/// Atomically replaces the manifest of `nspid` with `bytes`.
+pub(crate) fn write_manifest_bytes(
+    dir: BorrowedFd<'_>,
+    nspid: u32,
+    bytes: &[u8],
+) -> Result<(), ImageError> {
+    atomic_write(
+        dir,
+        &manifest_file_name(nspid),
+        &manifest_tmp_name(nspid),
+        bytes,
+    )
+}
+
+/// temp file + write + fsync + renameat + (advisory) fsync of the directory.
+pub(crate) fn atomic_write(
+    dir: BorrowedFd<'_>,
+    name: &str,
+    tmp: &str,
+    bytes: &[u8],
+) -> Result<(), ImageError> {
+    let result = (|| {
+        let mut f = sys::create_fresh(dir, tmp).map_err(|e| ImageError::io(tmp, "create", e))?;
+        f.write_all(bytes)
+            .map_err(|e| ImageError::io(tmp, "write", e))?;
+        f.sync_all().map_err(|e| ImageError::io(tmp, "fsync", e))?;
+        drop(f);
+        sys::rename_at(dir, tmp, name).map_err(|e| ImageError::io(name, "rename", e))
+    })();
+    if result.is_err() {
+        let _ = sys::unlink_at(dir, tmp, true);
+        return result;
+    }
+    if let Err(e) = sys::fsync_dir(dir) {
+        log::debug!("fsync of the image directory after writing {name}: {e}");
+    }
+    Ok(())
+}
+
+/// A canonical decimal number (digits only, no leading zeros).
+fn canonical_u64(s: &[u8]) -> Option<u64> {
+    if s.is_empty() || !s.iter().all(u8::is_ascii_digit) || (s.len() > 1 && s[0] == b'0') {
+        return None;
+    }
+    std::str::from_utf8(s).ok()?.parse().ok()
+}
+
+/// The fields of a manifest header line, and its length including `\n`.
+struct HeaderLine {
+    version: u64,
+    body_len: u64,
+    checksum: u64,
+    line_len: usize,
+}
+
+fn parse_header_line(head: &[u8], file: &str) -> Result<HeaderLine, ImageError> {
+    let bad = |detail| ImageError::ManifestHeader {
+        file: file.to_owned(),
+        detail,
+    };
+    let Some(nl) = head.iter().position(|&b| b == b'\n') else {
+        return Err(bad("no header line"));
+    };
+    let mut words = head[..nl].split(|&b| b == b' ');
+    if words.next() != Some(MANIFEST_MAGIC.as_bytes()) {
+        return Err(bad("not a gpusnap manifest (bad magic)"));
+    }
+    let version = words
+        .next()
+        .and_then(canonical_u64)
+        .ok_or(bad("bad version field"))?;
+    if version != u64::from(FORMAT_VERSION) {
+        return Err(ImageError::UnsupportedVersion {
+            file: file.to_owned(),
+            found: version,
+        });
+    }
+    let body_len = words
+        .next()
+        .and_then(canonical_u64)
+        .ok_or(bad("bad length field"))?;
+    let sum = words.next().ok_or(bad("no checksum field"))?;
+    if sum.len() != 16 || !sum.iter().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
+        return Err(bad("checksum field is not 16 lowercase hex digits"));
+    }
+    let checksum = std::str::from_utf8(sum)
+        .ok()
+        .and_then(|s| u64::from_str_radix(s, 16).ok())
+        .ok_or(bad("bad checksum field"))?;
+    if words.next().is_some() {
+        return Err(bad("extra fields"));
+    }
+    Ok(HeaderLine {
+        version,
+        body_len,
+        checksum,
+        line_len: nl + 1,
+    })
+}
+
+/// Reads, checks and returns the manifest of process `nspid`. Validates everything that can be
+/// checked without reading chunk data (see `docs/image-format.md`, "What readers refuse"): the
+/// header line, checksum, version, JSON schema, every name, every data file's existence, exact
+/// size and header, every chunk's bounds, overlaps, allocations and sums.
+pub fn read_manifest(dir: BorrowedFd<'_>, nspid: u32) -> Result<Manifest, ImageError> {
+    let name = manifest_file_name(nspid);
+    let file = sys::open_read(dir, &name).map_err(|e| ImageError::open(&name, e))?;
+    let meta = file
+        .metadata()
+        .map_err(|e| ImageError::io(&name, "fstat", e))?;
+    if !meta.is_file() {
+        return Err(ImageError::NotRegularFile { file: name });
+    }
+    let size = meta.len();
+
+    let mut head = [0u8; MAX_HEADER_LINE];
+    let head_len = size.min(MAX_HEADER_LINE as u64) as usize;
+    file.read_exact_at(&mut head[..head_len], 0)
+        .map_err(|e| ImageError::io(&name, "read", e))?;
+    let h = parse_header_line(&head[..head_len], &name)?;
+    debug_assert_eq!(h.version, u64::from(FORMAT_VERSION));
+    if h.body_len > MAX_MANIFEST_BODY {
+        return Err(ImageError::ManifestTooLarge {
+            file: name,
+            len: h.body_len,
+        });
+    }
+    let expected = h.line_len as u64 + h.body_len;
+    if size < expected {
+        return Err(ImageError::Truncated {
+            file: name,
+            expected,
+            actual: size,
+        });
+    }
+    if size > expected {
+        return Err(ImageError::TrailingData {
+            file: name,
+            expected,
+            actual: size,
+        });
+    }
+
+    // body_len is now bounded by MAX_MANIFEST_BODY and by the file's real size.
+    let mut body = vec![0u8; h.body_len as usize];
+    file.read_exact_at(&mut body, h.line_len as u64)
+        .map_err(|e| ImageError::io(&name, "read", e))?;
+    if xxh3_64(&body) != h.checksum {
+        return Err(ImageError::ManifestChecksum { file: name });
+    }
+    let m: Manifest = serde_json::from_slice(&body).map_err(|source| ImageError::ManifestJson {
+        file: name.clone(),
+        source,
+    })?;
+    if m.format_version != FORMAT_VERSION {
+        return Err(ImageError::UnsupportedVersion {
+            file: name,
+            found: m.format_version.into(),
+        });
+    }
+    if m.nspid != nspid {
+        return Err(ImageError::NspidMismatch {
+            file: name,
+            expected: nspid,
+            found: m.nspid,
+        });
+    }
+    validate::validate_structure(&m, &name)?;
+    validate::validate_files(dir, &m, &name)?;
+    Ok(m)
+}

@@ -1,0 +1,123 @@
+//! File names in the image directory, and listing them.
+//!
+//! Only the exact forms below are gpusnap's; anything else in CRIU's image directory is ignored.
+//! Numbers are canonical decimal (no sign, no leading zeros), so a name maps to one process.
+
+use std::os::fd::BorrowedFd;
+
+use crate::ImageError;
+use crate::sys;
+
+/// Name of the optional stats file that the plugin leaves next to the images.
+pub const STATS_FILE_NAME: &str = "gpusnap-stats.json";
+pub(crate) const STATS_TMP_NAME: &str = "gpusnap-stats.json.tmp";
+
+/// `gpusnap-<nspid>-data-<index>.img`
+pub fn data_file_name(nspid: u32, index: u32) -> String {
+    format!("gpusnap-{nspid}-data-{index}.img")
+}
+
+/// `gpusnap-<nspid>-manifest.img`
+pub fn manifest_file_name(nspid: u32) -> String {
+    format!("gpusnap-{nspid}-manifest.img")
+}
+
+/// `gpusnap-<nspid>-manifest.img.tmp`: the manifest before its atomic rename.
+pub fn manifest_tmp_name(nspid: u32) -> String {
+    format!("gpusnap-{nspid}-manifest.img.tmp")
+}
+
+/// What a gpusnap file name denotes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum ImageFileKind {
+    Manifest {
+        nspid: u32,
+    },
+    /// A manifest whose write did not complete (the dump failed or was interrupted).
+    ManifestTmp {
+        nspid: u32,
+    },
+    Data {
+        nspid: u32,
+        index: u32,
+    },
+    Stats,
+    StatsTmp,
+}
+
+impl ImageFileKind {
+    /// The process the file belongs to, if it belongs to one.
+    pub fn nspid(self) -> Option<u32> {
+        match self {
+            ImageFileKind::Manifest { nspid }
+            | ImageFileKind::ManifestTmp { nspid }
+            | ImageFileKind::Data { nspid, .. } => Some(nspid),
+            ImageFileKind::Stats | ImageFileKind::StatsTmp => None,
+        }
+    }
+}
+
+/// A canonical decimal u32: digits only, no leading zero unless the number is 0.
+fn canonical_u32(s: &str) -> Option<u32> {
+    if s.is_empty() || !s.bytes().all(|b| b.is_ascii_digit()) || (s.len() > 1 && s.starts_with('0'))
+    {
+        return None;
+    }
+    s.parse().ok()
+}
+
+/// Classifies `name`; `None` if it is not exactly one of gpusnap's names.
+pub fn parse_file_name(name: &str) -> Option<ImageFileKind> {
+    match name {
+        STATS_FILE_NAME => return Some(ImageFileKind::Stats),
+        STATS_TMP_NAME => return Some(ImageFileKind::StatsTmp),
+        _ => {}
+    }
+    let rest = name.strip_prefix("gpusnap-")?;
+    let (pid, rest) = rest.split_once('-')?;
+    let nspid = canonical_u32(pid)?;
+    match rest {
+        "manifest.img" => Some(ImageFileKind::Manifest { nspid }),
+        "manifest.img.tmp" => Some(ImageFileKind::ManifestTmp { nspid }),
+        _ => {
+            let index = canonical_u32(rest.strip_prefix("data-")?.strip_suffix(".img")?)?;
+            Some(ImageFileKind::Data { nspid, index })
+        }
+    }
+}
+
+/// Every gpusnap file in `dir`, sorted by kind (manifests first), then process, then index.
+pub fn list_image_files(dir: BorrowedFd<'_>) -> Result<Vec<(ImageFileKind, String)>, ImageError> {
+    let names = sys::list_dir(dir).map_err(|e| ImageError::io(".", "readdir", e))?;
+    let mut files: Vec<_> = names
+        .into_iter()
+        .filter_map(|n| parse_file_name(&n).map(|k| (k, n)))
+        .collect();
+    files.sort();
+    Ok(files)
+}
+
+/// The processes (namespace pids) that have a manifest in `dir`, ascending.
+pub fn list_manifests(dir: BorrowedFd<'_>) -> Result<Vec<u32>, ImageError> {
+    Ok(list_image_files(dir)?
+        .into_iter()
+        .filter_map(|(k, _)| match k {
+            ImageFileKind::Manifest { nspid } => Some(nspid),
+            _ => None,
+        })
+        .collect())
+}
+
+/// Removes every file of process `nspid` (manifest first, so that an interrupted removal never
+/// leaves a manifest pointing at missing data). Returns how many files were removed. For the
+/// plugin's rollback and for clearing a stale image before a new dump.
+pub fn remove_process_files(dir: BorrowedFd<'_>, nspid: u32) -> Result<usize, ImageError> {
+    let mut n = 0;
+    for (kind, name) in list_image_files(dir)? {
+        if kind.nspid() == Some(nspid) {
+            sys::unlink_at(dir, &name, true).map_err(|e| ImageError::io(&name, "unlink", e))?;
+            n += 1;
+        }
+    }
+    Ok(n)
+}

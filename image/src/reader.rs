@@ -1,0 +1,405 @@
+//! Reading chunks back: [`DataFileReader`] (pread-based, shared by threads), the full
+//! [`verify_image`] pass, and [`scan_data_file`] for walking a data file without its manifest.
+
+use std::fs::File;
+use std::os::fd::BorrowedFd;
+use std::os::unix::fs::FileExt;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Instant;
+
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::header::{Record, check_data_header, decode_record};
+use crate::validate::{check_chunk_lengths, open_data_file, validate_structure};
+use crate::{
+    ChunkEntry, Codec, DATA_HEADER_LEN, ImageError, Manifest, RECORD_LEN, data_file_name,
+    manifest_file_name, sys,
+};
+
+/// One data file of a manifest, open for reading. `Send + Sync`: reads use `pread`, so any number
+/// of threads can read chunks of the same file at once.
+#[derive(Debug)]
+pub struct DataFileReader {
+    file: File,
+    name: String,
+    index: u32,
+    size: u64,
+    /// (global chunk number, entry) of the manifest's chunks in this file, by file offset.
+    chunks: Vec<(usize, ChunkEntry)>,
+}
+
+impl DataFileReader {
+    /// Opens data file `file` of `m` (the index in its name, as in [`ChunkEntry::file`]),
+    /// checking that it exists with exactly the recorded size and an intact header of its own.
+    /// `m` should come from [`crate::read_manifest`]; whatever it holds, every read is still
+    /// bounds-checked against the real file.
+    pub fn open(dir: BorrowedFd<'_>, m: &Manifest, file: u32) -> Result<Self, ImageError> {
+        let Some(fe) = m.file(file) else {
+            return Err(ImageError::InvalidManifest {
+                file: manifest_file_name(m.nspid),
+                detail: format!("it lists no {}", data_file_name(m.nspid, file)),
+            });
+        };
+        let f = open_data_file(dir, m.nspid, file, &fe.name, fe.size)?;
+        let mut chunks: Vec<(usize, ChunkEntry)> = m
+            .chunks
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| c.file == file)
+            .map(|(i, c)| (i, c.clone()))
+            .collect();
+        chunks.sort_by_key(|(_, c)| c.file_offset);
+        Ok(DataFileReader {
+            file: f,
+            name: fe.name.clone(),
+            index: file,
+            size: fe.size,
+            chunks,
+        })
+    }
+
+    /// The data file's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The manifest's chunks in this file, as (chunk number in the manifest, entry), in file order.
+    pub fn chunks(&self) -> &[(usize, ChunkEntry)] {
+        &self.chunks
+    }
+
+    /// Reads one chunk into `out` (`out.len() == entry.len`), checking its record header and
+    /// checksum, and decompressing a zstd chunk (through `scratch`, which keeps its capacity from
+    /// call to call). `out` holds the chunk's device bytes only if this returns `Ok`.
+    pub fn read_chunk(
+        &self,
+        entry: &ChunkEntry,
+        out: &mut [u8],
+        scratch: &mut Vec<u8>,
+    ) -> Result<(), ImageError> {
+        let name = || self.name.clone();
+        let chunk = match self
+            .chunks
+            .binary_search_by_key(&entry.file_offset, |(_, c)| c.file_offset)
+        {
+            Ok(k) if self.chunks[k].1 == *entry && entry.file == self.index => self.chunks[k].0,
+            _ => {
+                return Err(ImageError::UnknownChunk {
+                    file: name(),
+                    offset: entry.file_offset,
+                });
+            }
+        };
+        if out.len() as u64 != entry.len {
+            return Err(ImageError::BufferSize {
+                file: name(),
+                chunk,
+                expected: entry.len,
+                got: out.len() as u64,
+            });
+        }
+        // The manifest may not have been validated: bound everything against the real file
+        // before reading or allocating.
+        check_chunk_lengths(entry.len, entry.stored_len, entry.codec).map_err(|detail| {
+            ImageError::ChunkLength {
+                file: name(),
+                chunk,
+                detail,
+            }
+        })?;
+        let end = entry.file_offset.checked_add(entry.stored_len);
+        if entry.file_offset < DATA_HEADER_LEN + RECORD_LEN || end.is_none_or(|e| e > self.size) {
+            return Err(ImageError::ChunkOutsideFile {
+                file: name(),
+                chunk,
+                data_file: name(),
+                start: entry.file_offset.wrapping_sub(RECORD_LEN),
+                end: end.unwrap_or(u64::MAX),
+                size: self.size,
+            });
+        }
+
+        let mut rh = [0u8; RECORD_LEN as usize];
+        self.pread(&mut rh, entry.file_offset - RECORD_LEN)?;
+        let rec = decode_record(&rh).map_err(|detail| ImageError::ChunkRecord {
+            file: name(),
+            chunk,
+            detail,
+        })?;
+        let want = Record {
+            seq: rec.seq,
+            codec: entry.codec,
+            addr: entry.addr,
+            len: entry.len,
+            stored_len: entry.stored_len,
+            checksum: entry.checksum,
+        };
+        if rec != want {
+            return Err(ImageError::ChunkRecord {
+                file: name(),
+                chunk,
+                detail: "disagrees with the manifest",
+            });
+        }
+
+        match entry.codec {
+            Codec::Raw => {
+                // Straight into the caller's buffer; no copy.
+                self.pread(out, entry.file_offset)?;
+                if xxh3_64(out) != entry.checksum {
+                    return Err(ImageError::ChunkChecksum {
+                        file: name(),
+                        chunk,
+                    });
+                }
+            }
+            Codec::Zstd => {
+                let n = entry.stored_len as usize; // <= 1 GiB and inside the file, checked above
+                if scratch.len() < n {
+                    scratch.resize(n, 0);
+                }
+                let stored = &mut scratch[..n];
+                self.pread(stored, entry.file_offset)?;
+                if xxh3_64(stored) != entry.checksum {
+                    return Err(ImageError::ChunkChecksum {
+                        file: name(),
+                        chunk,
+                    });
+                }
+                let got = decompress(stored, out);
+                match got {
+                    Ok(k) if k == out.len() => {}
+                    Ok(k) => {
+                        return Err(ImageError::ChunkDecompress {
+                            file: name(),
+                            chunk,
+                            len: entry.len,
+                            detail: format!("frame holds {k} bytes"),
+                        });
+                    }
+                    Err(e) => {
+                        return Err(ImageError::ChunkDecompress {
+                            file: name(),
+                            chunk,
+                            len: entry.len,
+                            detail: e.to_string(),
+                        });
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// `pread` all of `buf` at `offset` (std retries short reads and `EINTR`).
+    fn pread(&self, buf: &mut [u8], offset: u64) -> Result<(), ImageError> {
+        self.file
+            .read_exact_at(buf, offset)
+            .map_err(|e| ImageError::io(&self.name, "read", e))
+    }
+}
+
+/// Decompresses one zstd frame into `out`; returns the bytes written. `out` bounds the output, so
+/// a hostile frame cannot make it allocate or write more. A context per call (a few hundred KiB,
+/// microseconds) is noise next to a multi-MiB chunk, and keeps this library free of thread-locals
+/// with destructors, which do not mix with a plugin that CRIU may dlclose.
+fn decompress(frame: &[u8], out: &mut [u8]) -> std::io::Result<usize> {
+    zstd::bulk::Decompressor::new()?.decompress_to_buffer(frame, out)
+}
+
+/// What a full verification pass covered.
+#[derive(Clone, Debug, PartialEq)]
+pub struct VerifyReport {
+    pub chunks: u64,
+    /// Device bytes (sum of `len`).
+    pub bytes: u64,
+    /// Bytes in the data files (sum of `stored_len`).
+    pub stored_bytes: u64,
+    pub seconds: f64,
+}
+
+/// Reads every chunk of `m` and checks its record header, checksum and decompression, `threads`
+/// data files at a time. Stops at the first error, which it returns.
+pub fn verify_image(
+    dir: BorrowedFd<'_>,
+    m: &Manifest,
+    threads: usize,
+) -> Result<VerifyReport, ImageError> {
+    let start = Instant::now();
+    validate_structure(m, &manifest_file_name(m.nspid))?;
+    let indexes = m.file_indexes();
+    let nfiles = indexes.len();
+    let next = AtomicUsize::new(0);
+    let failed = AtomicBool::new(false);
+    let first_error: Mutex<Option<ImageError>> = Mutex::new(None);
+    let workers = threads.clamp(1, nfiles.max(1));
+
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..workers)
+            .map(|_| {
+                s.spawn(|| {
+                    let (mut out, mut scratch) = (Vec::new(), Vec::new());
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        if i >= nfiles || failed.load(Ordering::Relaxed) {
+                            break;
+                        }
+                        let r = verify_file(dir, m, indexes[i], &failed, &mut out, &mut scratch);
+                        if let Err(e) = r {
+                            let mut slot = first_error.lock().unwrap_or_else(|p| p.into_inner());
+                            slot.get_or_insert(e);
+                            failed.store(true, Ordering::Relaxed);
+                            break;
+                        }
+                    }
+                })
+            })
+            .collect();
+        // Join explicitly (pthread_join), so every worker has fully exited, thread-local
+        // destructors included, when this returns; a panic in a worker is re-raised here.
+        for h in handles {
+            if let Err(p) = h.join() {
+                std::panic::resume_unwind(p);
+            }
+        }
+    });
+    if let Some(e) = first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        return Err(e);
+    }
+    Ok(VerifyReport {
+        chunks: m.chunks.len() as u64,
+        bytes: m.chunks.iter().map(|c| c.len).sum(),
+        stored_bytes: m.chunks.iter().map(|c| c.stored_len).sum(),
+        seconds: start.elapsed().as_secs_f64(),
+    })
+}
+
+fn verify_file(
+    dir: BorrowedFd<'_>,
+    m: &Manifest,
+    index: u32,
+    failed: &AtomicBool,
+    out: &mut Vec<u8>,
+    scratch: &mut Vec<u8>,
+) -> Result<(), ImageError> {
+    let r = DataFileReader::open(dir, m, index)?;
+    for (_, c) in r.chunks() {
+        if failed.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        let n = c.len as usize; // <= 1 GiB: validate_structure ran
+        if out.len() < n {
+            out.resize(n, 0);
+        }
+        r.read_chunk(c, &mut out[..n], scratch)?;
+    }
+    Ok(())
+}
+
+/// The chunks found by walking a data file's record headers, for recovery without a manifest.
+#[derive(Debug)]
+pub struct DataFileScan {
+    /// The file's size.
+    pub size: u64,
+    /// Every chunk whose record header is intact and whose stored bytes lie inside the file, in
+    /// file order (`file` is the data file's index). Payloads are not read: check them with
+    /// a reader before use.
+    pub chunks: Vec<ChunkEntry>,
+    /// Offset where the walk stopped: `size` if every byte was accounted for.
+    pub end: u64,
+    /// Why the walk stopped before `size`, if it did.
+    pub stopped: Option<ImageError>,
+}
+
+/// Walks `gpusnap-<nspid>-data-<index>.img` record by record, without a manifest. Fails only if
+/// the file cannot be opened or its header is bad; damage further in ends the walk.
+pub fn scan_data_file(
+    dir: BorrowedFd<'_>,
+    nspid: u32,
+    index: u32,
+) -> Result<DataFileScan, ImageError> {
+    let name = data_file_name(nspid, index);
+    let file = sys::open_read(dir, &name).map_err(|e| ImageError::open(&name, e))?;
+    let meta = file
+        .metadata()
+        .map_err(|e| ImageError::io(&name, "fstat", e))?;
+    if !meta.is_file() {
+        return Err(ImageError::NotRegularFile { file: name });
+    }
+    let size = meta.len();
+    if size < DATA_HEADER_LEN {
+        return Err(ImageError::Truncated {
+            file: name,
+            expected: DATA_HEADER_LEN,
+            actual: size,
+        });
+    }
+    let mut h = [0u8; DATA_HEADER_LEN as usize];
+    file.read_exact_at(&mut h, 0)
+        .map_err(|e| ImageError::io(&name, "read", e))?;
+    check_data_header(&h, &name, nspid, index)?;
+
+    let mut scan = DataFileScan {
+        size,
+        chunks: Vec::new(),
+        end: DATA_HEADER_LEN,
+        stopped: None,
+    };
+    while scan.end < size {
+        let chunk = scan.chunks.len();
+        let stop = |detail| ImageError::ChunkRecord {
+            file: name.clone(),
+            chunk,
+            detail,
+        };
+        if size - scan.end < RECORD_LEN {
+            scan.stopped = Some(stop("truncated"));
+            break;
+        }
+        let mut rh = [0u8; RECORD_LEN as usize];
+        if let Err(e) = file.read_exact_at(&mut rh, scan.end) {
+            scan.stopped = Some(ImageError::io(&name, "read", e));
+            break;
+        }
+        let rec = match decode_record(&rh) {
+            Ok(r) => r,
+            Err(detail) => {
+                scan.stopped = Some(stop(detail));
+                break;
+            }
+        };
+        let payload = scan.end + RECORD_LEN;
+        if rec.seq as usize != chunk {
+            scan.stopped = Some(stop("out of sequence"));
+            break;
+        }
+        if let Err(detail) = check_chunk_lengths(rec.len, rec.stored_len, rec.codec) {
+            scan.stopped = Some(ImageError::ChunkLength {
+                file: name.clone(),
+                chunk,
+                detail,
+            });
+            break;
+        }
+        if rec.stored_len > size - payload {
+            scan.stopped = Some(stop("stored bytes run past the end of the file"));
+            break;
+        }
+        if rec.addr.checked_add(rec.len).is_none() {
+            scan.stopped = Some(stop("device range wraps the address space"));
+            break;
+        }
+        scan.chunks.push(ChunkEntry {
+            file: index,
+            file_offset: payload,
+            addr: rec.addr,
+            len: rec.len,
+            stored_len: rec.stored_len,
+            codec: rec.codec,
+            checksum: rec.checksum,
+        });
+        scan.end = payload + rec.stored_len;
+    }
+    Ok(scan)
+}

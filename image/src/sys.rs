@@ -1,0 +1,155 @@
+//! Small, exact wrappers over the `*at` system calls on the image directory.
+//!
+//! Every call retries on `EINTR` and preserves `errno` in the returned `io::Error`. Files are
+//! opened with `O_CLOEXEC` (CRIU forks helpers) and `O_NOFOLLOW` (an image directory can come from
+//! an archive; a symlink in it must not redirect a write or a read).
+
+use std::ffi::{CStr, CString};
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, IntoRawFd, OwnedFd};
+
+/// Mode of every file gpusnap creates: the images hold process memory.
+pub(crate) const FILE_MODE: libc::mode_t = 0o600;
+
+fn c_name(name: &str) -> io::Result<CString> {
+    CString::new(name).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
+}
+
+/// Runs `f` until it returns something other than -1/`EINTR`.
+fn retry<T: PartialOrd + Default>(mut f: impl FnMut() -> T) -> io::Result<T> {
+    loop {
+        let r = f();
+        if r >= T::default() {
+            return Ok(r);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+/// `openat(dir, name, flags | O_CLOEXEC | O_NOFOLLOW, mode)`.
+pub(crate) fn open_at(
+    dir: BorrowedFd<'_>,
+    name: &str,
+    flags: libc::c_int,
+    mode: libc::mode_t,
+) -> io::Result<File> {
+    let c = c_name(name)?;
+    let flags = flags | libc::O_CLOEXEC | libc::O_NOFOLLOW;
+    let fd = retry(|| {
+        // SAFETY: `c` is a NUL-terminated string that lives across the call, `dir` is an open
+        // descriptor borrowed for the call, and the mode is passed as the promoted `c_uint`
+        // the variadic `openat` reads when O_CREAT is set.
+        unsafe { libc::openat(dir.as_raw_fd(), c.as_ptr(), flags, libc::c_uint::from(mode)) }
+    })?;
+    // SAFETY: `openat` just returned this descriptor; nothing else owns it.
+    Ok(File::from(unsafe { OwnedFd::from_raw_fd(fd) }))
+}
+
+/// Opens an existing file for reading. `O_NONBLOCK` keeps a FIFO planted under an image name from
+/// blocking the open; it has no effect on the regular files we go on to accept.
+pub(crate) fn open_read(dir: BorrowedFd<'_>, name: &str) -> io::Result<File> {
+    open_at(dir, name, libc::O_RDONLY | libc::O_NONBLOCK, 0)
+}
+
+/// Creates `name` afresh with mode 0600: a stale file of that name is unlinked first, then the
+/// file is created with `O_EXCL`, so an existing file (or symlink) is never written through.
+pub(crate) fn create_fresh(dir: BorrowedFd<'_>, name: &str) -> io::Result<File> {
+    unlink_at(dir, name, true)?;
+    open_at(
+        dir,
+        name,
+        libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL,
+        FILE_MODE,
+    )
+}
+
+/// `unlinkat(dir, name, 0)`; with `missing_ok`, a name that does not exist is not an error.
+pub(crate) fn unlink_at(dir: BorrowedFd<'_>, name: &str, missing_ok: bool) -> io::Result<()> {
+    let c = c_name(name)?;
+    let r = retry(|| {
+        // SAFETY: `c` is NUL-terminated and outlives the call; `dir` is an open descriptor.
+        unsafe { libc::unlinkat(dir.as_raw_fd(), c.as_ptr(), 0) }
+    });
+    match r {
+        Err(e) if missing_ok && e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
+        Ok(_) => Ok(()),
+    }
+}
+
+/// `renameat(dir, from, dir, to)`: atomically replaces `to`.
+pub(crate) fn rename_at(dir: BorrowedFd<'_>, from: &str, to: &str) -> io::Result<()> {
+    let (f, t) = (c_name(from)?, c_name(to)?);
+    retry(|| {
+        // SAFETY: both names are NUL-terminated and outlive the call; `dir` is an open descriptor.
+        unsafe { libc::renameat(dir.as_raw_fd(), f.as_ptr(), dir.as_raw_fd(), t.as_ptr()) }
+    })?;
+    Ok(())
+}
+
+/// `fsync` on the directory itself, so a rename is durable. Not every fd a caller holds can be
+/// synced (an `O_PATH` descriptor cannot), so callers treat a failure as advisory.
+pub(crate) fn fsync_dir(dir: BorrowedFd<'_>) -> io::Result<()> {
+    retry(|| {
+        // SAFETY: `dir` is an open descriptor borrowed for the call.
+        unsafe { libc::fsync(dir.as_raw_fd()) }
+    })?;
+    Ok(())
+}
+
+/// Closes a `DIR*` on every exit path of [`list_dir`].
+struct DirStream(*mut libc::DIR);
+
+impl Drop for DirStream {
+    fn drop(&mut self) {
+        // SAFETY: the pointer came from a successful `fdopendir` and is closed exactly once here.
+        unsafe { libc::closedir(self.0) };
+    }
+}
+
+/// The UTF-8 names in `dir` (other than `.` and `..`), in no particular order. Names that are not
+/// UTF-8 cannot be gpusnap's and are skipped.
+pub(crate) fn list_dir(dir: BorrowedFd<'_>) -> io::Result<Vec<String>> {
+    // A fresh descriptor of our own: its offset starts at 0 and closedir may close it.
+    let own = open_at(dir, ".", libc::O_RDONLY | libc::O_DIRECTORY, 0)?;
+    let raw = own.into_raw_fd();
+    // SAFETY: `raw` is an open directory descriptor that we own; on success `fdopendir` takes
+    // ownership of it (closedir closes it).
+    let dirp = unsafe { libc::fdopendir(raw) };
+    if dirp.is_null() {
+        let e = io::Error::last_os_error();
+        // SAFETY: `fdopendir` failed, so `raw` is still ours to close.
+        drop(unsafe { OwnedFd::from_raw_fd(raw) });
+        return Err(e);
+    }
+    let stream = DirStream(dirp);
+    let mut names = Vec::new();
+    loop {
+        // SAFETY: `__errno_location` returns this thread's errno slot; clearing it lets us tell
+        // the end of the directory from an error, since `readdir` returns NULL for both.
+        unsafe { *libc::__errno_location() = 0 };
+        // SAFETY: `stream.0` is a live `DIR*` used only by this thread.
+        let ent = unsafe { libc::readdir(stream.0) };
+        if ent.is_null() {
+            let e = io::Error::last_os_error();
+            if e.raw_os_error().unwrap_or(0) != 0 {
+                return Err(e);
+            }
+            break;
+        }
+        // SAFETY: `ent` points to a dirent that stays valid until the next readdir on this
+        // stream, and `d_name` is NUL-terminated within it; we copy it out before that.
+        let name = unsafe { CStr::from_ptr((*ent).d_name.as_ptr()) };
+        if let Ok(s) = name.to_str()
+            && s != "."
+            && s != ".."
+        {
+            names.push(s.to_owned());
+        }
+    }
+    Ok(names)
+}

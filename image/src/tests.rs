@@ -1,0 +1,1054 @@
+//! Round trips and every kind of damage the readers must refuse, in throwaway directories.
+
+use std::collections::BTreeMap;
+use std::fs::{File, OpenOptions};
+use std::os::fd::{AsFd, BorrowedFd};
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use crate::*;
+
+/// A fresh directory under the system temp dir, removed on drop, with an open fd on it.
+pub(crate) struct TempDir {
+    path: PathBuf,
+    fd: File,
+}
+
+impl TempDir {
+    pub(crate) fn new() -> TempDir {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let path = std::env::temp_dir().join(format!(
+            "gpusnap-image-test-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = std::fs::remove_dir_all(&path);
+        std::fs::create_dir(&path).unwrap();
+        let fd = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECTORY)
+            .open(&path)
+            .unwrap();
+        TempDir { path, fd }
+    }
+    fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+    fn file(&self, name: &str) -> PathBuf {
+        self.path.join(name)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.path);
+    }
+}
+
+const NSPID: u32 = 12;
+const CHUNK: usize = 4096;
+const BASE: u64 = 0x7f00_0000_0000;
+
+/// Deterministic bytes that zstd cannot shrink.
+fn noise(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+/// Bytes zstd shrinks a lot.
+fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    (0..len).map(|i| ((i / 64) as u64 ^ seed) as u8).collect()
+}
+
+struct Image {
+    m: Manifest,
+    /// The device bytes of each chunk, in manifest order.
+    data: Vec<Vec<u8>>,
+}
+
+/// A split-path image of two files: file 0 holds 3 raw chunks of allocation 1, file 1 holds
+/// 2 zstd chunks (one compressible, one not) of allocation 2. Allocation 3 was left to the driver.
+fn make_image(dir: BorrowedFd<'_>) -> Image {
+    let mut data = Vec::new();
+    let mut chunks = Vec::new();
+    let mut w0 = DataFileWriter::create(dir, NSPID, 0).unwrap();
+    for i in 0..3u64 {
+        let d = noise(CHUNK, i);
+        chunks.push(
+            w0.append_chunk(BASE + i * CHUNK as u64, &d, Codec::Raw)
+                .unwrap(),
+        );
+        data.push(d);
+    }
+    let mut w1 = DataFileWriter::create(dir, NSPID, 1).unwrap();
+    let a2 = BASE + 0x10_0000;
+    for (i, d) in [pattern(CHUNK, 7), noise(CHUNK, 9)].into_iter().enumerate() {
+        chunks.push(
+            w1.append_chunk(a2 + (i * CHUNK) as u64, &d, Codec::Zstd)
+                .unwrap(),
+        );
+        data.push(d);
+    }
+    let files = vec![w0.finish().unwrap(), w1.finish().unwrap()];
+    let m = Manifest {
+        format_version: FORMAT_VERSION,
+        nspid: NSPID,
+        path: CheckpointPath::Split,
+        created_unix_s: 1_700_000_000,
+        gpusnap_version: "0.1.0".into(),
+        driver_version: 13000,
+        gpus: vec![GpuRecord {
+            ordinal: 0,
+            uuid: "0123456789abcdef0123456789abcdef".into(),
+            name: "NVIDIA H200".into(),
+            total_mem: 150_000_000_000,
+        }],
+        allocations: vec![
+            AllocationRecord {
+                id: 1,
+                device: 0,
+                addr: BASE,
+                size: 3 * CHUNK as u64,
+                moved: true,
+            },
+            AllocationRecord {
+                id: 2,
+                device: 0,
+                addr: a2,
+                size: 2 * CHUNK as u64,
+                moved: true,
+            },
+            AllocationRecord {
+                id: 3,
+                device: 0,
+                addr: BASE + 0x20_0000,
+                size: 1 << 20,
+                moved: false,
+            },
+        ],
+        files,
+        chunks,
+        timings_s: BTreeMap::from([("lock".to_string(), 0.01), ("copy".to_string(), 1.5)]),
+    };
+    write_manifest(dir, &m).unwrap();
+    Image { m, data }
+}
+
+/// Writes `m` without validation (to plant a bad manifest with a correct checksum).
+fn plant(dir: BorrowedFd<'_>, m: &Manifest) {
+    crate::manifest::write_manifest_bytes(dir, m.nspid, &encode_manifest_unchecked(m)).unwrap();
+}
+
+fn flip(path: &Path, offset: u64) {
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
+    let mut b = [0u8];
+    f.read_exact_at(&mut b, offset).unwrap();
+    b[0] ^= 0x01;
+    f.write_all_at(&b, offset).unwrap();
+}
+
+fn set_len(path: &Path, len: u64) {
+    OpenOptions::new()
+        .write(true)
+        .open(path)
+        .unwrap()
+        .set_len(len)
+        .unwrap();
+}
+
+fn append(path: &Path, bytes: &[u8]) {
+    use std::io::Write;
+    OpenOptions::new()
+        .append(true)
+        .open(path)
+        .unwrap()
+        .write_all(bytes)
+        .unwrap();
+}
+
+fn read_all(dir: BorrowedFd<'_>, m: &Manifest) -> Result<Vec<Vec<u8>>, ImageError> {
+    let readers: std::collections::HashMap<u32, DataFileReader> = m
+        .file_indexes()
+        .into_iter()
+        .map(|i| Ok((i, DataFileReader::open(dir, m, i)?)))
+        .collect::<Result<_, ImageError>>()?;
+    let mut scratch = Vec::new();
+    m.chunks
+        .iter()
+        .map(|c| {
+            let mut out = vec![0u8; c.len as usize];
+            readers[&c.file].read_chunk(c, &mut out, &mut scratch)?;
+            Ok(out)
+        })
+        .collect()
+}
+
+#[test]
+fn round_trip_raw_and_zstd() {
+    let t = TempDir::new();
+    let img = make_image(t.fd());
+    let m = read_manifest(t.fd(), NSPID).unwrap();
+    assert_eq!(m, img.m);
+    let codecs: Vec<_> = m.chunks.iter().map(|c| c.codec).collect();
+    // The compressible chunk stays zstd, the noise falls back to raw.
+    assert_eq!(
+        codecs,
+        [Codec::Raw, Codec::Raw, Codec::Raw, Codec::Zstd, Codec::Raw]
+    );
+    assert!(m.chunks[3].stored_len < m.chunks[3].len);
+    assert_eq!(read_all(t.fd(), &m).unwrap(), img.data);
+
+    let r = verify_image(t.fd(), &m, 4).unwrap();
+    assert_eq!(r.chunks, 5);
+    assert_eq!(r.bytes, 5 * CHUNK as u64);
+    assert_eq!(
+        r.stored_bytes,
+        m.chunks.iter().map(|c| c.stored_len).sum::<u64>()
+    );
+    assert_eq!(list_manifests(t.fd()).unwrap(), vec![NSPID]);
+}
+
+#[test]
+fn readers_are_shared_across_threads() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    fn assert_send<T: Send>() {}
+    assert_send_sync::<DataFileReader>();
+    assert_send::<DataFileWriter>();
+
+    let t = TempDir::new();
+    let img = make_image(t.fd());
+    let r = DataFileReader::open(t.fd(), &img.m, 0).unwrap();
+    std::thread::scope(|s| {
+        for (k, c) in img.m.chunks.iter().enumerate().filter(|(_, c)| c.file == 0) {
+            let (r, want) = (&r, &img.data[k]);
+            s.spawn(move || {
+                let mut out = vec![0u8; c.len as usize];
+                r.read_chunk(c, &mut out, &mut Vec::new()).unwrap();
+                assert_eq!(&out, want);
+            });
+        }
+    });
+}
+
+#[test]
+fn files_are_private_and_stale_files_are_replaced() {
+    let t = TempDir::new();
+    std::fs::write(t.file(&data_file_name(NSPID, 0)), b"stale stale stale").unwrap();
+    let img = make_image(t.fd());
+    for name in img
+        .m
+        .files
+        .iter()
+        .map(|f| f.name.clone())
+        .chain([manifest_file_name(NSPID)])
+    {
+        let meta = std::fs::metadata(t.file(&name)).unwrap();
+        assert_eq!(meta.mode() & 0o777, 0o600, "{name}");
+    }
+    assert!(!t.file(&manifest_tmp_name(NSPID)).exists());
+    read_manifest(t.fd(), NSPID).unwrap();
+}
+
+#[test]
+fn write_manifest_refuses_what_readers_refuse() {
+    let t = TempDir::new();
+    let img = make_image(t.fd());
+    let mut m = img.m.clone();
+    m.chunks[0].addr = BASE + 0x30_0000; // inside the driver-saved allocation
+    assert!(matches!(
+        write_manifest(t.fd(), &m),
+        Err(ImageError::ChunkOutsideAllocation { chunk: 0, .. })
+    ));
+    let mut m = img.m.clone();
+    m.timings_s.insert("nan".into(), f64::NAN);
+    assert!(matches!(
+        write_manifest(t.fd(), &m),
+        Err(ImageError::InvalidManifest { .. })
+    ));
+    // The good manifest is untouched.
+    assert_eq!(read_manifest(t.fd(), NSPID).unwrap(), img.m);
+}
+
+#[test]
+fn flipped_byte_in_each_data_file_header() {
+    for file in 0..2u32 {
+        for offset in [0, 9, 17, 21, 30, 60] {
+            let t = TempDir::new();
+            make_image(t.fd());
+            flip(&t.file(&data_file_name(NSPID, file)), offset);
+            let e = read_manifest(t.fd(), NSPID).unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    ImageError::DataHeaderMagic { .. } | ImageError::DataHeaderChecksum { .. }
+                ),
+                "file {file} offset {offset}: {e}"
+            );
+            assert!(e.to_string().contains(&data_file_name(NSPID, file)));
+        }
+    }
+}
+
+#[test]
+fn flipped_byte_in_each_payload_and_record_header() {
+    let t = TempDir::new();
+    let img = make_image(t.fd());
+    for (k, c) in img.m.chunks.iter().enumerate() {
+        let path = t.file(&data_file_name(NSPID, c.file));
+        // payload: first, middle and last byte
+        for off in [0, c.stored_len / 2, c.stored_len - 1] {
+            flip(&path, c.file_offset + off);
+            let m = read_manifest(t.fd(), NSPID).unwrap(); // sizes unchanged: still passes
+            let e = verify_image(t.fd(), &m, 2).unwrap_err();
+            assert!(
+                matches!(e, ImageError::ChunkChecksum { chunk, .. } if chunk == k),
+                "chunk {k} +{off}: {e}"
+            );
+            let msg = e.to_string();
+            assert_eq!(
+                msg,
+                format!(
+                    "{}: chunk {k} checksum mismatch (image damaged; do not restore from it)",
+                    data_file_name(NSPID, c.file)
+                )
+            );
+            flip(&path, c.file_offset + off);
+        }
+        // record header: magic, fields, checksum
+        for off in [0, 8, 16, 40, 56] {
+            flip(&path, c.file_offset - RECORD_LEN + off);
+            let e = verify_image(t.fd(), &img.m, 2).unwrap_err();
+            assert!(
+                matches!(e, ImageError::ChunkRecord { chunk, .. } if chunk == k),
+                "chunk {k} record +{off}: {e}"
+            );
+            flip(&path, c.file_offset - RECORD_LEN + off);
+        }
+    }
+    verify_image(t.fd(), &img.m, 2).unwrap();
+}
+
+#[test]
+fn truncation_of_each_file() {
+    let t = TempDir::new();
+    let img = make_image(t.fd());
+    let mname = manifest_file_name(NSPID);
+    let msize = std::fs::metadata(t.file(&mname)).unwrap().len();
+    for name in img
+        .m
+        .files
+        .iter()
+        .map(|f| f.name.clone())
+        .chain([mname.clone()])
+    {
+        let path = t.file(&name);
+        let original = std::fs::read(&path).unwrap();
+        for len in [
+            0,
+            10,
+            63,
+            64,
+            original.len() as u64 / 2,
+            original.len() as u64 - 1,
+        ] {
+            set_len(&path, len);
+            let e = read_manifest(t.fd(), NSPID).unwrap_err();
+            let ok = if name == mname && len < 64 {
+                // the header line itself is cut short
+                matches!(
+                    e,
+                    ImageError::ManifestHeader { .. } | ImageError::Truncated { .. }
+                )
+            } else {
+                matches!(e, ImageError::Truncated { .. })
+            };
+            assert!(ok, "{name} cut to {len}: {e}");
+            assert!(e.to_string().contains(&name), "{e}");
+            std::fs::write(&path, &original).unwrap();
+        }
+    }
+    assert_eq!(
+        std::fs::metadata(t.file(&mname)).unwrap().len(),
+        msize,
+        "restored"
+    );
+    read_manifest(t.fd(), NSPID).unwrap();
+}
+
+#[test]
+fn extra_bytes_after_each_file() {
+    let t = TempDir::new();
+    let img = make_image(t.fd());
+    for name in img
+        .m
+        .files
+        .iter()
+        .map(|f| f.name.clone())
+        .chain([manifest_file_name(NSPID)])
+    {
+        let path = t.file(&name);
+        let original = std::fs::read(&path).unwrap();
+        for extra in [&b"\n"[..], b" ", b"garbage"] {
+            append(&path, extra);
+            let e = read_manifest(t.fd(), NSPID).unwrap_err();
+            assert!(matches!(e, ImageError::TrailingData { .. }), "{name}: {e}");
+            std::fs::write(&path, &original).unwrap();
+        }
+    }
+}
+
+#[test]
+fn flipped_bit_anywhere_in_the_manifest() {
+    let t = TempDir::new();
+    make_image(t.fd());
+    let path = t.file(&manifest_file_name(NSPID));
+    let len = std::fs::metadata(&path).unwrap().len();
+    for off in 0..len {
+        flip(&path, off);
+        let e = read_manifest(t.fd(), NSPID);
+        assert!(e.is_err(), "flip at {off} accepted");
+        if off > 70 {
+            assert!(
+                matches!(e, Err(ImageError::ManifestChecksum { .. })),
+                "{off}: {e:?}"
+            );
+        }
+        flip(&path, off);
+    }
+    read_manifest(t.fd(), NSPID).unwrap();
+}
+
+#[test]
+fn unknown_version_is_refused() {
+    let t = TempDir::new();
+    let img = make_image(t.fd());
+    let path = t.file(&manifest_file_name(NSPID));
+    let good = std::fs::read(&path).unwrap();
+    // In the header line.
+    let bad = String::from_utf8(good.clone()).unwrap().replacen(
+        "GPUSNAP-MANIFEST 1 ",
+        "GPUSNAP-MANIFEST 2 ",
+        1,
+    );
+    std::fs::write(&path, bad).unwrap();
+    let e = read_manifest(t.fd(), NSPID).unwrap_err();
+    assert!(
+        matches!(e, ImageError::UnsupportedVersion { found: 2, .. }),
+        "{e}"
+    );
+    // In the JSON body, with a correct checksum.
+    let mut m = img.m.clone();
+    m.format_version = 7;
+    plant(t.fd(), &m);
+    let e = read_manifest(t.fd(), NSPID).unwrap_err();
+    assert!(
+        matches!(e, ImageError::UnsupportedVersion { found: 7, .. }),
+        "{e}"
+    );
+    // In a data file header (resealed, so only the version is wrong).
+    std::fs::write(&path, &good).unwrap();
+    let dpath = t.file(&data_file_name(NSPID, 1));
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&dpath)
+        .unwrap();
+    let mut h = [0u8; 64];
+    f.read_exact_at(&mut h, 0).unwrap();
+    h[8] = 2;
+    let sum = xxhash_rust::xxh3::xxh3_64(&h[..56]);
+    h[56..].copy_from_slice(&sum.to_le_bytes());
+    f.write_all_at(&h, 0).unwrap();
+    let e = read_manifest(t.fd(), NSPID).unwrap_err();
+    assert!(
+        matches!(e, ImageError::UnsupportedVersion { found: 2, ref file } if *file == data_file_name(NSPID, 1)),
+        "{e}"
+    );
+}
+
+#[test]
+fn bad_file_names_are_refused() {
+    let t = TempDir::new();
+    let img = make_image(t.fd());
+    for name in [
+        "../gpusnap-12-data-0.img",
+        "gpusnap-12-data-0.img/",
+        "/etc/passwd",
+        "gpusnap-13-data-0.img",
+        "gpusnap-12-data-00.img",
+        "gpusnap-12-manifest.img",
+        "gpusnap-stats.json",
+        "..",
+        "",
+    ] {
+        let mut m = img.m.clone();
+        m.files[0].name = name.into();
+        plant(t.fd(), &m);
+        let e = read_manifest(t.fd(), NSPID).unwrap_err();
+        assert!(
+            matches!(e, ImageError::BadFileName { index: 0, .. }),
+            "{name}: {e}"
+        );
+        assert!(matches!(
+            DataFileReader::open(t.fd(), &m, 0),
+            Err(ImageError::InvalidManifest { .. })
+        ));
+        assert!(matches!(
+            verify_image(t.fd(), &m, 1),
+            Err(ImageError::BadFileName { .. })
+        ));
+    }
+    // The same file twice.
+    let mut m = img.m.clone();
+    m.files[0].name = m.files[1].name.clone();
+    plant(t.fd(), &m);
+    let e = read_manifest(t.fd(), NSPID).unwrap_err();
+    assert!(matches!(e, ImageError::InvalidManifest { .. }), "{e}");
+}
+
+#[test]
+fn file_indexes_may_have_gaps_and_any_order() {
+    // Of 12 writers only 3 and 11 got work (the others left no file); listed in name order,
+    // where "...-11.img" sorts before "...-3.img".
+    let t = TempDir::new();
+    let mut m = make_image(t.fd()).m; // for its GPUs; its files are replaced below
+    remove_process_files(t.fd(), NSPID).unwrap();
+    let mut w3 = DataFileWriter::create(t.fd(), NSPID, 3).unwrap();
+    let mut w11 = DataFileWriter::create(t.fd(), NSPID, 11).unwrap();
+    let (a, b) = (noise(CHUNK, 1), pattern(CHUNK, 2));
+    m.chunks = vec![
+        w11.append_chunk(BASE, &a, Codec::Raw).unwrap(),
+        w3.append_chunk(BASE + CHUNK as u64, &b, Codec::Zstd)
+            .unwrap(),
+    ];
+    m.files = vec![w3.finish().unwrap(), w11.finish().unwrap()];
+    m.files.sort_by(|x, y| x.name.cmp(&y.name));
+    m.allocations.truncate(1);
+    m.allocations[0].size = 2 * CHUNK as u64;
+    write_manifest(t.fd(), &m).unwrap();
+    let m = read_manifest(t.fd(), NSPID).unwrap();
+    assert_eq!(m.file_indexes(), vec![11, 3]);
+    assert_eq!(m.file(3).unwrap().name, data_file_name(NSPID, 3));
+    assert!(m.file(0).is_none());
+    assert_eq!(verify_image(t.fd(), &m, 4).unwrap().chunks, 2);
+    let r = DataFileReader::open(t.fd(), &m, 11).unwrap();
+    let mut out = vec![0; CHUNK];
+    r.read_chunk(&m.chunks[0], &mut out, &mut Vec::new())
+        .unwrap();
+    assert_eq!(out, a);
+    assert_eq!(read_all(t.fd(), &m).unwrap(), vec![a, b]);
+
+    // A chunk in a file the manifest does not list.
+    let mut bad = m.clone();
+    bad.chunks[0].file = 4;
+    plant(t.fd(), &bad);
+    assert!(matches!(
+        read_manifest(t.fd(), NSPID),
+        Err(ImageError::ChunkFileIndex {
+            chunk: 0,
+            index: 4,
+            ..
+        })
+    ));
+    // A data file renamed: its header still says index 3.
+    std::fs::rename(
+        t.file(&data_file_name(NSPID, 3)),
+        t.file(&data_file_name(NSPID, 4)),
+    )
+    .unwrap();
+    let mut bad = m.clone();
+    bad.files[1].name = data_file_name(NSPID, 4);
+    bad.chunks[1].file = 4;
+    plant(t.fd(), &bad);
+    assert!(matches!(
+        read_manifest(t.fd(), NSPID),
+        Err(ImageError::DataHeaderMismatch {
+            field: "file index",
+            expected: 4,
+            found: 3,
+            ..
+        })
+    ));
+}
+
+#[test]
+fn missing_data_file_is_refused() {
+    let t = TempDir::new();
+    make_image(t.fd());
+    std::fs::remove_file(t.file(&data_file_name(NSPID, 1))).unwrap();
+    let e = read_manifest(t.fd(), NSPID).unwrap_err();
+    assert!(
+        matches!(e, ImageError::MissingFile { ref file } if *file == data_file_name(NSPID, 1)),
+        "{e}"
+    );
+}
+
+#[test]
+fn missing_manifest_is_refused() {
+    let t = TempDir::new();
+    assert!(matches!(
+        read_manifest(t.fd(), 99),
+        Err(ImageError::MissingFile { .. })
+    ));
+}
+
+#[test]
+fn nspid_mismatch_is_refused() {
+    let t = TempDir::new();
+    make_image(t.fd());
+    std::fs::rename(
+        t.file(&manifest_file_name(NSPID)),
+        t.file(&manifest_file_name(13)),
+    )
+    .unwrap();
+    assert!(matches!(
+        read_manifest(t.fd(), 13),
+        Err(ImageError::NspidMismatch {
+            expected: 13,
+            found: 12,
+            ..
+        })
+    ));
+}
+
+#[test]
+fn chunk_outside_its_file_is_refused() {
+    let t = TempDir::new();
+    let img = make_image(t.fd());
+    for (off, stored) in [(0, None), (64, None), (100, None), (u64::MAX - 8, None)] {
+        let mut m = img.m.clone();
+        m.chunks[1].file_offset = off;
+        if let Some(s) = stored {
+            m.chunks[1].stored_len = s;
+        }
+        plant(t.fd(), &m);
+        let e = read_manifest(t.fd(), NSPID).unwrap_err();
+        assert!(
+            matches!(e, ImageError::ChunkOutsideFile { chunk: 1, .. }),
+            "{off}: {e}"
+        );
+    }
+    // Past the end of the file.
+    let mut m = img.m.clone();
+    m.chunks[2].file_offset = m.files[0].size - 10;
+    plant(t.fd(), &m);
+    let e = read_manifest(t.fd(), NSPID).unwrap_err();
+    assert!(
+        matches!(e, ImageError::ChunkOutsideFile { chunk: 2, .. }),
+        "{e}"
+    );
+    // The reader refuses it too, even when handed the unvalidated manifest.
+    let r = DataFileReader::open(t.fd(), &m, 0).unwrap();
+    let e = r
+        .read_chunk(&m.chunks[2], &mut vec![0; CHUNK], &mut Vec::new())
+        .unwrap_err();
+    assert!(matches!(e, ImageError::ChunkOutsideFile { .. }), "{e}");
+    // A chunk in a file the manifest does not list.
+    let mut m = img.m.clone();
+    m.chunks[0].file = 5;
+    plant(t.fd(), &m);
+    assert!(matches!(
+        read_manifest(t.fd(), NSPID),
+        Err(ImageError::ChunkFileIndex {
+            chunk: 0,
+            index: 5,
+            ..
+        })
+    ));
+}
+
+#[test]
+fn overlapping_chunks_are_refused() {
+    let t = TempDir::new();
+    let img = make_image(t.fd());
+    // Same bytes of the file.
+    let mut m = img.m.clone();
+    m.chunks[1].file_offset = m.chunks[0].file_offset + 100;
+    plant(t.fd(), &m);
+    let e = read_manifest(t.fd(), NSPID).unwrap_err();
+    assert!(matches!(e, ImageError::ChunkOverlap { .. }), "{e}");
+    // Same device addresses.
+    let mut m = img.m.clone();
+    m.chunks[1].addr = m.chunks[0].addr + 16;
+    plant(t.fd(), &m);
+    let e = read_manifest(t.fd(), NSPID).unwrap_err();
+    assert!(matches!(e, ImageError::ChunkAddrOverlap { .. }), "{e}");
+    // A duplicated entry.
+    let mut m = img.m.clone();
+    m.chunks.push(m.chunks[0].clone());
+    plant(t.fd(), &m);
+    assert!(read_manifest(t.fd(), NSPID).is_err());
+}
+
+#[test]
+fn chunk_outside_any_allocation_is_refused() {
+    let t = TempDir::new();
+    let img = make_image(t.fd());
+    for addr in [
+        0,
+        BASE - 1,
+        BASE + 0x20_0000,
+        BASE + 3 * CHUNK as u64 - 1,
+        u64::MAX - 10,
+    ] {
+        let mut m = img.m.clone();
+        m.chunks[0].addr = addr;
+        plant(t.fd(), &m);
+        let e = read_manifest(t.fd(), NSPID).unwrap_err();
+        assert!(
+            matches!(e, ImageError::ChunkOutsideAllocation { chunk: 0, .. }),
+            "{addr:#x}: {e}"
+        );
+    }
+}
+
+#[test]
+fn allocation_and_sum_checks() {
+    let t = TempDir::new();
+    let img = make_image(t.fd());
+    let mut m = img.m.clone();
+    m.allocations[1].addr = BASE + 100;
+    plant(t.fd(), &m);
+    assert!(matches!(
+        read_manifest(t.fd(), NSPID),
+        Err(ImageError::AllocationOverlap { .. })
+    ));
+    // A moved allocation only partly covered.
+    let mut m = img.m.clone();
+    m.allocations[0].size += CHUNK as u64;
+    plant(t.fd(), &m);
+    assert!(matches!(
+        read_manifest(t.fd(), NSPID),
+        Err(ImageError::SumMismatch { .. })
+    ));
+    // A chunk dropped from the manifest leaves a hole in its file.
+    let mut m = img.m.clone();
+    m.chunks.remove(2);
+    m.allocations[0].size -= CHUNK as u64;
+    plant(t.fd(), &m);
+    let e = read_manifest(t.fd(), NSPID).unwrap_err();
+    assert!(matches!(e, ImageError::SumMismatch { .. }), "{e}");
+    // Raw chunk with stored_len != len; zero and oversized lengths.
+    for (len, stored) in [(CHUNK as u64, CHUNK as u64 - 1), (0, 0), (2 << 30, 2 << 30)] {
+        let mut m = img.m.clone();
+        m.chunks[0].len = len;
+        m.chunks[0].stored_len = stored;
+        plant(t.fd(), &m);
+        assert!(matches!(
+            read_manifest(t.fd(), NSPID),
+            Err(ImageError::ChunkLength { chunk: 0, .. })
+        ));
+    }
+    // Allocation on an unknown GPU, bad uuid, transparent path with chunks.
+    let mut m = img.m.clone();
+    m.allocations[2].device = 3;
+    plant(t.fd(), &m);
+    assert!(matches!(
+        read_manifest(t.fd(), NSPID),
+        Err(ImageError::InvalidManifest { .. })
+    ));
+    let mut m = img.m.clone();
+    m.gpus[0].uuid = "GPU-0123".into();
+    plant(t.fd(), &m);
+    assert!(matches!(
+        read_manifest(t.fd(), NSPID),
+        Err(ImageError::InvalidManifest { .. })
+    ));
+    let mut m = img.m.clone();
+    m.path = CheckpointPath::Transparent;
+    plant(t.fd(), &m);
+    assert!(matches!(
+        read_manifest(t.fd(), NSPID),
+        Err(ImageError::InvalidManifest { .. })
+    ));
+}
+
+#[test]
+fn transparent_manifest_round_trip() {
+    let t = TempDir::new();
+    let m = Manifest {
+        format_version: FORMAT_VERSION,
+        nspid: 7,
+        path: CheckpointPath::Transparent,
+        created_unix_s: 1,
+        gpusnap_version: "0.1.0".into(),
+        driver_version: 13000,
+        gpus: vec![],
+        allocations: vec![],
+        files: vec![],
+        chunks: vec![],
+        timings_s: BTreeMap::new(),
+    };
+    write_manifest(t.fd(), &m).unwrap();
+    assert_eq!(read_manifest(t.fd(), 7).unwrap(), m);
+    assert_eq!(verify_image(t.fd(), &m, 8).unwrap().chunks, 0);
+}
+
+#[test]
+fn manifest_header_line_is_strict() {
+    let t = TempDir::new();
+    let img = make_image(t.fd());
+    let path = t.file(&manifest_file_name(NSPID));
+    let good = std::fs::read(&path).unwrap();
+    let nl = good.iter().position(|&b| b == b'\n').unwrap();
+    let body = &good[nl + 1..];
+    let line = std::str::from_utf8(&good[..nl]).unwrap().to_owned();
+    let w: Vec<&str> = line.split(' ').collect();
+    for bad in [
+        format!("GPUSNAP-MANIFEST  1 {} {}", w[2], w[3]),
+        format!("GPUSNAP-MANIFEST 01 {} {}", w[2], w[3]),
+        format!("GPUSNAP-MANIFEST 1 +{} {}", w[2], w[3]),
+        format!("GPUSNAP-MANIFEST 1 {} {}", w[2], w[3].to_uppercase()),
+        format!("GPUSNAP-MANIFEST 1 {} {} x", w[2], w[3]),
+        format!("GPUSNAP-MANIFEST 1 {}", w[2]),
+        format!("gpusnap-manifest 1 {} {}", w[2], w[3]),
+        format!("GPUSNAP-MANIFEST 1 {} {}\r", w[2], w[3]),
+    ] {
+        let mut bytes = bad.clone().into_bytes();
+        bytes.push(b'\n');
+        bytes.extend_from_slice(body);
+        std::fs::write(&path, &bytes).unwrap();
+        let e = read_manifest(t.fd(), NSPID);
+        assert!(e.is_err(), "accepted {bad:?}");
+    }
+    // A body length far beyond the limit.
+    std::fs::write(
+        &path,
+        format!("GPUSNAP-MANIFEST 1 99999999999999 {}\n{{}}", w[3]),
+    )
+    .unwrap();
+    assert!(matches!(
+        read_manifest(t.fd(), NSPID),
+        Err(ImageError::ManifestTooLarge { .. })
+    ));
+    // Valid checksum over a body that is not a manifest.
+    let junk = b"{\"format_version\":1}";
+    let mut bytes = format!(
+        "GPUSNAP-MANIFEST 1 {} {:016x}\n",
+        junk.len(),
+        xxhash_rust::xxh3::xxh3_64(junk)
+    )
+    .into_bytes();
+    bytes.extend_from_slice(junk);
+    std::fs::write(&path, &bytes).unwrap();
+    assert!(matches!(
+        read_manifest(t.fd(), NSPID),
+        Err(ImageError::ManifestJson { .. })
+    ));
+    drop(img);
+}
+
+#[test]
+fn read_chunk_checks_its_arguments() {
+    let t = TempDir::new();
+    let img = make_image(t.fd());
+    let r = DataFileReader::open(t.fd(), &img.m, 0).unwrap();
+    let c = &img.m.chunks[0];
+    let e = r
+        .read_chunk(c, &mut vec![0; CHUNK - 1], &mut Vec::new())
+        .unwrap_err();
+    assert!(matches!(e, ImageError::BufferSize { .. }), "{e}");
+    // An entry of the other file, and a forged one.
+    let e = r
+        .read_chunk(&img.m.chunks[3], &mut vec![0; CHUNK], &mut Vec::new())
+        .unwrap_err();
+    assert!(matches!(e, ImageError::UnknownChunk { .. }), "{e}");
+    let mut forged = c.clone();
+    forged.checksum ^= 1;
+    assert!(matches!(
+        r.read_chunk(&forged, &mut vec![0; CHUNK], &mut Vec::new()),
+        Err(ImageError::UnknownChunk { .. })
+    ));
+    assert!(matches!(
+        DataFileReader::open(t.fd(), &img.m, 2),
+        Err(ImageError::InvalidManifest { .. })
+    ));
+    // An entry of file 0 handed to the reader of file 1.
+    let r1 = DataFileReader::open(t.fd(), &img.m, 1).unwrap();
+    assert!(matches!(
+        r1.read_chunk(c, &mut vec![0; CHUNK], &mut Vec::new()),
+        Err(ImageError::UnknownChunk { .. })
+    ));
+}
+
+#[test]
+fn writer_refuses_bad_chunks() {
+    let t = TempDir::new();
+    let mut w = DataFileWriter::create(t.fd(), 1, 0).unwrap();
+    assert!(matches!(
+        w.append_chunk(0, &[], Codec::Raw),
+        Err(ImageError::BadChunk { .. })
+    ));
+    assert!(matches!(
+        w.append_chunk(u64::MAX, &[1, 2], Codec::Raw),
+        Err(ImageError::BadChunk { .. })
+    ));
+    assert_eq!(w.bytes_written(), DATA_HEADER_LEN);
+    let f = w.finish().unwrap();
+    assert_eq!(f.size, DATA_HEADER_LEN);
+}
+
+#[test]
+fn scan_walks_records_without_a_manifest() {
+    let t = TempDir::new();
+    let img = make_image(t.fd());
+    for file in 0..2u32 {
+        let s = scan_data_file(t.fd(), NSPID, file).unwrap();
+        assert!(s.stopped.is_none());
+        assert_eq!(s.end, s.size);
+        let want: Vec<_> = img
+            .m
+            .chunks
+            .iter()
+            .filter(|c| c.file == file)
+            .cloned()
+            .collect();
+        assert_eq!(s.chunks, want);
+    }
+    // Damage in the second record stops the walk there.
+    let c = &img.m.chunks[1];
+    flip(
+        &t.file(&data_file_name(NSPID, 0)),
+        c.file_offset - RECORD_LEN + 20,
+    );
+    let s = scan_data_file(t.fd(), NSPID, 0).unwrap();
+    assert_eq!(s.chunks.len(), 1);
+    assert!(matches!(
+        s.stopped,
+        Some(ImageError::ChunkRecord { chunk: 1, .. })
+    ));
+}
+
+#[test]
+fn names_and_listing() {
+    assert_eq!(data_file_name(12, 3), "gpusnap-12-data-3.img");
+    assert_eq!(manifest_file_name(12), "gpusnap-12-manifest.img");
+    assert_eq!(
+        parse_file_name("gpusnap-12-data-3.img"),
+        Some(ImageFileKind::Data {
+            nspid: 12,
+            index: 3
+        })
+    );
+    for bad in [
+        "gpusnap-012-manifest.img",
+        "gpusnap--1-manifest.img",
+        "gpusnap-+1-manifest.img",
+        "gpusnap-1-data-.img",
+        "gpusnap-1-data-1.img.bak",
+        "gpusnap-4294967296-manifest.img",
+        "xgpusnap-1-manifest.img",
+    ] {
+        assert_eq!(parse_file_name(bad), None, "{bad}");
+    }
+    let t = TempDir::new();
+    make_image(t.fd());
+    for n in [
+        "gpusnap-3-manifest.img",
+        "gpusnap-03-manifest.img",
+        "core-1.img",
+        "gpusnap-4-manifest.img.tmp",
+    ] {
+        std::fs::write(t.file(n), b"x").unwrap();
+    }
+    std::fs::create_dir(t.file("gpusnap-5-manifest.img")).unwrap();
+    assert_eq!(list_manifests(t.fd()).unwrap(), vec![3, 5, NSPID]);
+    // The directory under a manifest name is refused, not followed.
+    assert!(matches!(
+        read_manifest(t.fd(), 5),
+        Err(ImageError::NotRegularFile { .. })
+    ));
+    assert_eq!(remove_process_files(t.fd(), NSPID).unwrap(), 3);
+    assert_eq!(list_manifests(t.fd()).unwrap(), vec![3, 5]);
+    assert!(t.file("core-1.img").exists());
+}
+
+#[test]
+fn symlinks_are_not_followed() {
+    let t = TempDir::new();
+    let img = make_image(t.fd());
+    let name = data_file_name(NSPID, 0);
+    let moved = t.file("elsewhere");
+    std::fs::rename(t.file(&name), &moved).unwrap();
+    std::os::unix::fs::symlink(&moved, t.file(&name)).unwrap();
+    assert!(read_manifest(t.fd(), NSPID).is_err());
+    // A writer replaces the link instead of writing through it.
+    let w = DataFileWriter::create(t.fd(), NSPID, 0).unwrap();
+    drop(w);
+    assert_eq!(
+        std::fs::read(&moved).unwrap().len() as u64,
+        img.m.files[0].size
+    );
+}
+
+#[test]
+fn stats_round_trip() {
+    let t = TempDir::new();
+    assert_eq!(read_stats(t.fd()).unwrap(), None);
+    let v = serde_json::json!({"dump_s": 1.25, "processes": [12]});
+    write_stats(t.fd(), &v).unwrap();
+    assert_eq!(read_stats(t.fd()).unwrap(), Some(v));
+    let meta = std::fs::metadata(t.file(STATS_FILE_NAME)).unwrap();
+    assert_eq!(meta.mode() & 0o777, 0o600);
+    std::fs::write(t.file(STATS_FILE_NAME), b"{").unwrap();
+    assert!(matches!(
+        read_stats(t.fd()),
+        Err(ImageError::StatsJson { .. })
+    ));
+}
+
+#[test]
+fn large_chunks_round_trip() {
+    // A few MiB, to exercise short-read/short-write loops and buffer reuse on real sizes.
+    let t = TempDir::new();
+    let mut w = DataFileWriter::create(t.fd(), 1, 0).unwrap();
+    let big = pattern(3 << 20, 1);
+    let small = noise(1 << 20, 2);
+    let chunks = vec![
+        w.append_chunk(0x1000_0000, &big, Codec::Zstd).unwrap(),
+        w.append_chunk(0x1000_0000 + (3 << 20), &small, Codec::Zstd)
+            .unwrap(),
+    ];
+    let file = w.finish().unwrap();
+    let m = Manifest {
+        format_version: FORMAT_VERSION,
+        nspid: 1,
+        path: CheckpointPath::Split,
+        created_unix_s: 0,
+        gpusnap_version: "t".into(),
+        driver_version: 0,
+        gpus: vec![GpuRecord {
+            ordinal: 0,
+            uuid: "ABCDEF0123456789abcdef0123456789".into(),
+            name: "x".into(),
+            total_mem: 0,
+        }],
+        allocations: vec![AllocationRecord {
+            id: 0,
+            device: 0,
+            addr: 0x1000_0000,
+            size: 4 << 20,
+            moved: true,
+        }],
+        files: vec![file],
+        chunks,
+        timings_s: BTreeMap::new(),
+    };
+    write_manifest(t.fd(), &m).unwrap();
+    let m = read_manifest(t.fd(), 1).unwrap();
+    assert_eq!(m.chunks[0].codec, Codec::Zstd);
+    assert_eq!(m.chunks[1].codec, Codec::Raw);
+    assert_eq!(read_all(t.fd(), &m).unwrap(), vec![big, small]);
+}

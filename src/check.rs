@@ -1,0 +1,504 @@
+//! `gpusnap check`: is this host ready for GPU checkpoints? Each finding is one line,
+//! `ok|warn|fail  <what>  — <what to do>`; exit 1 if any is `fail`.
+//!
+//! Environment: `GPUSNAP_CRIU` (criu binary), `CRIU_LIBS_DIR` (CRIU's plugin directory),
+//! `GPUSNAP_AGENT_LIB` (the agent library), `GPUSNAP_LIBCUDA` (driver library to probe, default
+//! `libcuda.so.1`).
+
+use std::ffi::CString;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+
+use crate::util::{EXIT_PROBLEM, EXIT_USAGE};
+
+const MIN_CRIU: (u32, u32, u32) = (4, 1, 1);
+const DEFAULT_PLUGIN_DIR: &str = "/usr/lib/criu/";
+const DEFAULT_AGENT: &str = "/usr/lib/gpusnap/libgpusnap_agent.so";
+/// Driver entry points the plugin cannot work without.
+const CUDA_SYMBOLS: [&str; 2] = [
+    "cuCheckpointProcessLock",
+    "cuCheckpointProcessGetRestoreThreadId",
+];
+/// CAP_SYS_PTRACE's bit in the capability sets.
+const CAP_SYS_PTRACE: u32 = 19;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Level {
+    Ok,
+    Warn,
+    Fail,
+}
+
+#[derive(Debug)]
+struct Finding {
+    level: Level,
+    what: String,
+    todo: String,
+}
+
+impl Finding {
+    fn ok(what: impl Into<String>) -> Self {
+        Finding {
+            level: Level::Ok,
+            what: what.into(),
+            todo: String::new(),
+        }
+    }
+    fn warn(what: impl Into<String>, todo: impl Into<String>) -> Self {
+        Finding {
+            level: Level::Warn,
+            what: what.into(),
+            todo: todo.into(),
+        }
+    }
+    fn fail(what: impl Into<String>, todo: impl Into<String>) -> Self {
+        Finding {
+            level: Level::Fail,
+            what: what.into(),
+            todo: todo.into(),
+        }
+    }
+    fn line(&self) -> String {
+        let tag = match self.level {
+            Level::Ok => "ok  ",
+            Level::Warn => "warn",
+            Level::Fail => "fail",
+        };
+        if self.todo.is_empty() {
+            format!("{tag}  {}", self.what)
+        } else {
+            format!("{tag}  {}  — {}", self.what, self.todo)
+        }
+    }
+}
+
+pub fn run(args: &[String]) -> ExitCode {
+    if let Some(a) = args.first() {
+        eprintln!("gpusnap check: unexpected {a:?}\nusage: gpusnap check");
+        return ExitCode::from(EXIT_USAGE);
+    }
+    let mut findings = Vec::new();
+    findings.extend(check_criu());
+    findings.extend(check_plugin_dir());
+    findings.extend(check_driver(Path::new("/proc/driver/nvidia/version")));
+    findings.extend(check_libcuda());
+    findings.push(check_agent());
+    findings.extend(check_ptrace());
+    findings.extend(check_gpu_memory());
+    for f in &findings {
+        println!("{}", f.line());
+    }
+    if findings.iter().any(|f| f.level == Level::Fail) {
+        ExitCode::from(EXIT_PROBLEM)
+    } else {
+        ExitCode::SUCCESS
+    }
+}
+
+fn env_path(var: &str) -> Option<PathBuf> {
+    std::env::var_os(var)
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+}
+
+/// `name` on `$PATH`, or in the sbin directories a non-root PATH often lacks.
+fn find_on_path(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain(["/usr/local/sbin", "/usr/sbin", "/sbin"].map(PathBuf::from))
+        .map(|d| d.join(name))
+        .find(|p| is_executable(p))
+}
+
+fn is_executable(p: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    p.metadata()
+        .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+}
+
+/// `Version: 4.1.1` (from `criu --version`) as (4, 1, 1); a missing patch level is 0.
+fn parse_criu_version(out: &str) -> Option<(u32, u32, u32)> {
+    let v = out
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("Version:"))?
+        .trim();
+    let mut it = v.split(['.', '-', ' ']).map(|p| p.parse::<u32>());
+    let major = it.next()?.ok()?;
+    let minor = it.next()?.ok()?;
+    let patch = it.next().and_then(Result::ok).unwrap_or(0);
+    Some((major, minor, patch))
+}
+
+fn check_criu() -> Vec<Finding> {
+    let criu = match env_path("GPUSNAP_CRIU") {
+        Some(p) => p,
+        None => match find_on_path("criu") {
+            Some(p) => p,
+            None => {
+                return vec![Finding::fail(
+                    "CRIU not found on PATH",
+                    format!(
+                        "install CRIU >= {}.{}.{} or set GPUSNAP_CRIU to its path",
+                        MIN_CRIU.0, MIN_CRIU.1, MIN_CRIU.2
+                    ),
+                )];
+            }
+        },
+    };
+    let out = match Command::new(&criu).arg("--version").output() {
+        Ok(o) => o,
+        Err(e) => {
+            return vec![Finding::fail(
+                format!("CRIU at {} does not run: {e}", criu.display()),
+                "fix the installation or point GPUSNAP_CRIU at a working criu",
+            )];
+        }
+    };
+    let text = String::from_utf8_lossy(&out.stdout);
+    match parse_criu_version(&text) {
+        Some(v) if v >= MIN_CRIU => vec![Finding::ok(format!(
+            "CRIU {}.{}.{} ({})",
+            v.0,
+            v.1,
+            v.2,
+            criu.display()
+        ))],
+        Some(v) => vec![Finding::fail(
+            format!(
+                "CRIU {}.{}.{} ({}) is too old",
+                v.0,
+                v.1,
+                v.2,
+                criu.display()
+            ),
+            format!(
+                "gpusnap needs CRIU >= {}.{}.{} (plugin inventory API); upgrade CRIU",
+                MIN_CRIU.0, MIN_CRIU.1, MIN_CRIU.2
+            ),
+        )],
+        None => vec![Finding::warn(
+            format!("CRIU at {}: cannot tell its version", criu.display()),
+            format!(
+                "make sure it is >= {}.{}.{} (`criu --version`)",
+                MIN_CRIU.0, MIN_CRIU.1, MIN_CRIU.2
+            ),
+        )],
+    }
+}
+
+fn check_plugin_dir() -> Vec<Finding> {
+    let dir = env_path("CRIU_LIBS_DIR").unwrap_or_else(|| PathBuf::from(DEFAULT_PLUGIN_DIR));
+    if !dir.is_dir() {
+        return vec![Finding::fail(
+            format!("CRIU plugin directory {} does not exist", dir.display()),
+            "create it and install gpusnap.so there (or set CRIU_LIBS_DIR, and pass -L to criu)",
+        )];
+    }
+    let mut out = Vec::new();
+    let plugin = dir.join("gpusnap.so");
+    if plugin.is_file() {
+        out.push(Finding::ok(format!("plugin {}", plugin.display())));
+    } else {
+        out.push(Finding::fail(
+            format!("gpusnap.so is not in {}", dir.display()),
+            "install the plugin there (cp target/release/libgpusnap.so <dir>/gpusnap.so)",
+        ));
+    }
+    let upstream = dir.join("cuda_plugin.so");
+    if upstream.exists() {
+        out.push(Finding::warn(
+            format!(
+                "CRIU's own CUDA plugin {} is installed too",
+                upstream.display()
+            ),
+            "both would act on GPU processes; remove or move cuda_plugin.so",
+        ));
+    }
+    out
+}
+
+/// `NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.95.05  ...` → "580.95.05".
+fn parse_driver_version(text: &str) -> Option<String> {
+    let line = text.lines().find(|l| l.starts_with("NVRM version:"))?;
+    line.split_whitespace()
+        .find(|w| {
+            let mut parts = w.split('.');
+            parts
+                .next()
+                .is_some_and(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
+                && parts.next().is_some()
+                && w.bytes().all(|b| b.is_ascii_digit() || b == b'.')
+        })
+        .map(str::to_owned)
+}
+
+fn check_driver(version_file: &Path) -> Vec<Finding> {
+    let text = match std::fs::read_to_string(version_file) {
+        Ok(t) => t,
+        Err(_) => {
+            return vec![Finding::fail(
+                "NVIDIA kernel driver not loaded",
+                format!(
+                    "{} is missing: install the NVIDIA driver (>= 570) or load nvidia.ko",
+                    version_file.display()
+                ),
+            )];
+        }
+    };
+    let Some(v) = parse_driver_version(&text) else {
+        return vec![Finding::warn(
+            format!("NVIDIA driver: cannot parse {}", version_file.display()),
+            "check the driver version by hand (>= 570 needed for the checkpoint API)",
+        )];
+    };
+    let major: u32 = v
+        .split('.')
+        .next()
+        .and_then(|m| m.parse().ok())
+        .unwrap_or(0);
+    if major < 550 {
+        vec![Finding::fail(
+            format!("NVIDIA driver {v} has no checkpoint API"),
+            "upgrade to driver 570 or newer",
+        )]
+    } else if major < 570 {
+        vec![Finding::warn(
+            format!("NVIDIA driver {v}"),
+            "driver 570 or newer is recommended (gpusnap is developed against 580)",
+        )]
+    } else {
+        vec![Finding::ok(format!("NVIDIA driver {v}"))]
+    }
+}
+
+fn check_libcuda() -> Vec<Finding> {
+    let lib = std::env::var("GPUSNAP_LIBCUDA").unwrap_or_else(|_| "libcuda.so.1".to_owned());
+    match probe_library(&lib, &CUDA_SYMBOLS) {
+        Err(e) => vec![Finding::fail(
+            format!("{lib} does not load: {e}"),
+            "install the NVIDIA user-space driver (libcuda) matching the kernel module",
+        )],
+        Ok(missing) if missing.is_empty() => vec![Finding::ok(format!(
+            "{lib} loads and has the checkpoint API"
+        ))],
+        Ok(missing) => vec![Finding::fail(
+            format!("{lib} lacks {}", missing.join(", ")),
+            "upgrade the NVIDIA driver to 570 or newer",
+        )],
+    }
+}
+
+/// `dlopen`s `lib` and returns which of `symbols` it lacks.
+fn probe_library(lib: &str, symbols: &[&str]) -> Result<Vec<String>, String> {
+    let name = CString::new(lib).map_err(|_| "name contains NUL".to_owned())?;
+    // SAFETY: `name` is NUL-terminated. Loading the driver library runs its initialisers, which
+    // is what any CUDA program does; no CUDA function is called.
+    let handle = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+    if handle.is_null() {
+        return Err(dl_error());
+    }
+    let mut missing = Vec::new();
+    for s in symbols {
+        let sym = CString::new(*s).expect("symbol names have no NUL");
+        // SAFETY: `handle` came from a successful dlopen and `sym` is NUL-terminated; the
+        // returned pointer is only compared with null, never called.
+        if unsafe { libc::dlsym(handle, sym.as_ptr()) }.is_null() {
+            missing.push((*s).to_owned());
+        }
+    }
+    // SAFETY: `handle` is a live handle from dlopen, closed once; no symbol from it is kept.
+    unsafe { libc::dlclose(handle) };
+    Ok(missing)
+}
+
+fn dl_error() -> String {
+    // SAFETY: dlerror returns NULL or a NUL-terminated string valid until the next dl* call on
+    // this thread; it is copied out at once.
+    let e = unsafe { libc::dlerror() };
+    if e.is_null() {
+        return "unknown dlopen error".to_owned();
+    }
+    // SAFETY: non-null, NUL-terminated, see above.
+    unsafe { std::ffi::CStr::from_ptr(e) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+fn check_agent() -> Finding {
+    let agent = env_path("GPUSNAP_AGENT_LIB").unwrap_or_else(|| PathBuf::from(DEFAULT_AGENT));
+    if agent.is_file() {
+        Finding::ok(format!("agent library {}", agent.display()))
+    } else {
+        Finding::warn(
+            format!("agent library {} not found", agent.display()),
+            "install it to use the fast split path (LD_PRELOAD it into GPU programs); \
+             without it every process takes the slower transparent path",
+        )
+    }
+}
+
+/// Whether bit `cap` is set in the `CapEff:` line of a /proc/<pid>/status text.
+fn has_capability(status: &str, cap: u32) -> bool {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+        .is_some_and(|mask| mask & (1 << cap) != 0)
+}
+
+fn check_ptrace() -> Vec<Finding> {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let root = unsafe { libc::geteuid() } == 0;
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let cap = has_capability(&status, CAP_SYS_PTRACE);
+    let mut out = vec![if root {
+        Finding::ok("running as root")
+    } else if cap {
+        Finding::warn(
+            "not root, but CAP_SYS_PTRACE is available",
+            "CRIU itself usually needs root; run criu and gpusnap as root",
+        )
+    } else {
+        Finding::fail(
+            "not root and no CAP_SYS_PTRACE",
+            "run as root (CRIU and the plugin ptrace the checkpointed process)",
+        )
+    }];
+    match std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope")
+        .ok()
+        .and_then(|s| s.trim().parse::<u32>().ok())
+    {
+        None | Some(0) => out.push(Finding::ok("ptrace not restricted by Yama")),
+        Some(1) if root || cap => out.push(Finding::ok("Yama ptrace_scope 1 (root may ptrace)")),
+        Some(2) if cap => out.push(Finding::ok("Yama ptrace_scope 2 (CAP_SYS_PTRACE held)")),
+        Some(3) => out.push(Finding::fail(
+            "Yama ptrace_scope 3: ptrace is disabled until reboot",
+            "set kernel.yama.ptrace_scope to 1 or lower at boot (it cannot be lowered from 3)",
+        )),
+        Some(n) => out.push(Finding::fail(
+            format!("Yama ptrace_scope {n} forbids ptrace for this user"),
+            "run as root with CAP_SYS_PTRACE, or `sysctl kernel.yama.ptrace_scope=1`",
+        )),
+    }
+    out
+}
+
+/// `index, free MiB, total MiB` lines from nvidia-smi.
+fn parse_smi(text: &str) -> Vec<(String, u64, u64)> {
+    text.lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split(',').map(str::trim).collect();
+            match f.as_slice() {
+                [i, free, total] => {
+                    Some(((*i).to_owned(), free.parse().ok()?, total.parse().ok()?))
+                }
+                _ => None,
+            }
+        })
+        .collect()
+}
+
+fn check_gpu_memory() -> Vec<Finding> {
+    let out = Command::new("nvidia-smi")
+        .args([
+            "--query-gpu=index,memory.free,memory.total",
+            "--format=csv,noheader,nounits",
+        ])
+        .output();
+    let out = match out {
+        Ok(o) if o.status.success() => o,
+        Ok(o) => {
+            return vec![Finding::warn(
+                format!("nvidia-smi failed ({})", o.status),
+                "cannot report free GPU memory; check `nvidia-smi` by hand",
+            )];
+        }
+        Err(_) => {
+            return vec![Finding::warn(
+                "nvidia-smi not found",
+                "cannot report free GPU memory; restore needs as much as the process used",
+            )];
+        }
+    };
+    let gpus = parse_smi(&String::from_utf8_lossy(&out.stdout));
+    if gpus.is_empty() {
+        return vec![Finding::warn(
+            "nvidia-smi lists no GPUs",
+            "check that the GPUs are visible to this host (and container)",
+        )];
+    }
+    gpus.into_iter()
+        .map(|(i, free, total)| {
+            let what = format!("GPU {i}: {free} MiB free of {total} MiB");
+            if total > 0 && free * 10 < total {
+                Finding::warn(
+                    what,
+                    "little free memory: a restore needs as much as the checkpointed process used",
+                )
+            } else {
+                Finding::ok(what)
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn criu_versions() {
+        assert_eq!(
+            parse_criu_version("Version: 4.1.1\nGitID: v4.1.1\n"),
+            Some((4, 1, 1))
+        );
+        assert_eq!(parse_criu_version("Version: 3.17\n"), Some((3, 17, 0)));
+        assert_eq!(parse_criu_version("Version: 4.2-rc1\n"), Some((4, 2, 0)));
+        assert_eq!(parse_criu_version("criu\n"), None);
+        assert!(parse_criu_version("Version: 4.1.1").unwrap() >= MIN_CRIU);
+        assert!(parse_criu_version("Version: 4.1").unwrap() < MIN_CRIU);
+    }
+
+    #[test]
+    fn driver_versions() {
+        let t = "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.95.05  Tue Sep 23 09:55:41 UTC 2025\nGCC version:  gcc version 12.2.0\n";
+        assert_eq!(parse_driver_version(t).as_deref(), Some("580.95.05"));
+        let open =
+            "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  570.124.06  Release Build\n";
+        assert_eq!(parse_driver_version(open).as_deref(), Some("570.124.06"));
+        assert_eq!(parse_driver_version("nothing"), None);
+        assert_eq!(
+            check_driver(Path::new("/nonexistent/version"))[0].level,
+            Level::Fail
+        );
+    }
+
+    #[test]
+    fn capabilities_and_smi() {
+        let status = "Name:\tx\nCapEff:\t000001ffffffffff\n";
+        assert!(has_capability(status, CAP_SYS_PTRACE));
+        assert!(!has_capability(
+            "CapEff:\t0000000000000000\n",
+            CAP_SYS_PTRACE
+        ));
+        assert!(!has_capability("", CAP_SYS_PTRACE));
+        assert_eq!(
+            parse_smi("0, 140000, 143771\n1, 100, 143771\nbad\n"),
+            vec![("0".into(), 140000, 143771), ("1".into(), 100, 143771)]
+        );
+    }
+
+    #[test]
+    fn finding_lines() {
+        assert_eq!(Finding::ok("CRIU 4.1.1").line(), "ok    CRIU 4.1.1");
+        assert_eq!(Finding::fail("x", "do y").line(), "fail  x  — do y");
+    }
+
+    #[test]
+    fn missing_library_is_reported() {
+        assert!(probe_library("libgpusnap-does-not-exist.so", &CUDA_SYMBOLS).is_err());
+        // libc has no checkpoint API.
+        let missing = probe_library("libc.so.6", &CUDA_SYMBOLS).unwrap();
+        assert_eq!(missing.len(), 2);
+    }
+}

@@ -1,0 +1,103 @@
+//! `gpusnap verify DIR [--threads N]`: reads every chunk of every gpusnap image and checks it.
+
+use std::collections::BTreeSet;
+use std::os::fd::AsFd;
+use std::process::ExitCode;
+
+use gpusnap_image::ImageFileKind;
+
+use crate::util::{self, EXIT_PROBLEM};
+
+const SYNOPSIS: &str = "DIR [--threads N]";
+
+pub fn run(args: &[String]) -> ExitCode {
+    let mut dir = None;
+    let mut threads = std::thread::available_parallelism().map_or(4, |n| n.get().min(16));
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--threads" | "-j" => match it.next().and_then(|v| v.parse::<usize>().ok()) {
+                Some(n) if n > 0 => threads = n,
+                _ => return util::usage_error("verify", SYNOPSIS, "--threads needs a number > 0"),
+            },
+            s if s.starts_with('-') => {
+                return util::usage_error("verify", SYNOPSIS, &format!("unknown option {s}"));
+            }
+            s if dir.is_none() => dir = Some(s.to_owned()),
+            s => return util::usage_error("verify", SYNOPSIS, &format!("unexpected {s:?}")),
+        }
+    }
+    let Some(dir) = dir else {
+        return util::usage_error("verify", SYNOPSIS, "missing DIR");
+    };
+    let file = match util::open_dir(&dir) {
+        Ok(f) => f,
+        Err(e) => return util::usage_error("verify", SYNOPSIS, &e),
+    };
+    let fd = file.as_fd();
+
+    let files = match gpusnap_image::list_image_files(fd) {
+        Ok(f) => f,
+        Err(e) => {
+            println!("FAIL  {dir}: {e}");
+            return ExitCode::from(EXIT_PROBLEM);
+        }
+    };
+    let manifests: BTreeSet<u32> = files
+        .iter()
+        .filter_map(|(k, _)| match k {
+            ImageFileKind::Manifest { nspid } => Some(*nspid),
+            _ => None,
+        })
+        .collect();
+    let orphans: BTreeSet<u32> = files
+        .iter()
+        .filter_map(|(k, _)| match k {
+            ImageFileKind::Data { nspid, .. } if !manifests.contains(nspid) => Some(*nspid),
+            _ => None,
+        })
+        .collect();
+
+    let mut bad = 0;
+    for &nspid in &manifests {
+        let result = gpusnap_image::read_manifest(fd, nspid)
+            .and_then(|m| gpusnap_image::verify_image(fd, &m, threads));
+        match result {
+            Ok(r) => {
+                let rate = if r.seconds > 0.0 {
+                    format!(
+                        ", {}/s",
+                        util::bytes((r.stored_bytes as f64 / r.seconds) as u64)
+                    )
+                } else {
+                    String::new()
+                };
+                println!(
+                    "ok    process {nspid}: {} chunks, {} (stored {}) verified in {:.2} s{rate}",
+                    r.chunks,
+                    util::bytes(r.bytes),
+                    util::bytes(r.stored_bytes),
+                    r.seconds
+                );
+            }
+            Err(e) => {
+                bad += 1;
+                println!("FAIL  process {nspid}: {e}");
+            }
+        }
+    }
+    for nspid in &orphans {
+        bad += 1;
+        println!(
+            "FAIL  process {nspid}: data files but no manifest (the dump did not finish; do not restore from it)"
+        );
+    }
+    if manifests.is_empty() && orphans.is_empty() {
+        println!("{dir}: no gpusnap images (nothing to verify)");
+    }
+    if bad > 0 {
+        ExitCode::from(EXIT_PROBLEM)
+    } else {
+        ExitCode::SUCCESS
+    }
+}

@@ -1,0 +1,293 @@
+//! Drives the `gpusnap` binary as a user would, on images made with the image crate.
+
+use std::collections::BTreeMap;
+use std::fs::{File, OpenOptions};
+use std::os::fd::{AsFd, BorrowedFd};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use gpusnap_image::*;
+
+struct TempDir {
+    path: PathBuf,
+    fd: File,
+}
+
+impl TempDir {
+    fn new() -> TempDir {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let path = std::env::temp_dir().join(format!(
+            "gpusnap-cli-test-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = std::fs::remove_dir_all(&path);
+        std::fs::create_dir(&path).unwrap();
+        let fd = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECTORY)
+            .open(&path)
+            .unwrap();
+        TempDir { path, fd }
+    }
+    fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+    fn arg(&self) -> &str {
+        self.path.to_str().unwrap()
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.path);
+    }
+}
+
+fn gpusnap(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_gpusnap"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// A split-path image of process `nspid`: 2 files, 3 chunks (one zstd), one driver-saved
+/// allocation. Returns the manifest.
+fn make_image(dir: BorrowedFd<'_>, nspid: u32) -> Manifest {
+    let base = 0x7f00_0000_0000u64;
+    let a: Vec<u8> = (0..65536u32).map(|i| (i * 7 % 251) as u8).collect();
+    let zeros = vec![0u8; 65536];
+    let mut w0 = DataFileWriter::create(dir, nspid, 0).unwrap();
+    let mut w1 = DataFileWriter::create(dir, nspid, 1).unwrap();
+    let chunks = vec![
+        w0.append_chunk(base, &a, Codec::Raw).unwrap(),
+        w1.append_chunk(base + 65536, &zeros, Codec::Zstd).unwrap(),
+        w0.append_chunk(base + 2 * 65536, &a, Codec::Zstd).unwrap(),
+    ];
+    let m = Manifest {
+        format_version: FORMAT_VERSION,
+        nspid,
+        path: CheckpointPath::Split,
+        created_unix_s: 1_764_000_000,
+        gpusnap_version: "0.1.0".into(),
+        driver_version: 13000,
+        gpus: vec![GpuRecord {
+            ordinal: 0,
+            uuid: "0123456789abcdef0123456789abcdef".into(),
+            name: "NVIDIA H200".into(),
+            total_mem: 150_000_000_000,
+        }],
+        allocations: vec![
+            AllocationRecord {
+                id: 1,
+                device: 0,
+                addr: base,
+                size: 3 * 65536,
+                moved: true,
+            },
+            AllocationRecord {
+                id: 2,
+                device: 0,
+                addr: base + (1 << 30),
+                size: 1 << 21,
+                moved: false,
+            },
+        ],
+        files: vec![w0.finish().unwrap(), w1.finish().unwrap()],
+        chunks,
+        timings_s: BTreeMap::from([("lock".to_string(), 0.002), ("data".to_string(), 0.5)]),
+    };
+    write_manifest(dir, &m).unwrap();
+    m
+}
+
+fn flip(path: &Path, offset: u64) {
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
+    let mut b = [0u8];
+    f.read_exact_at(&mut b, offset).unwrap();
+    b[0] ^= 0x20;
+    f.write_all_at(&b, offset).unwrap();
+}
+
+#[test]
+fn inspect_json_parses() {
+    let t = TempDir::new();
+    let m = make_image(t.fd(), 42);
+    write_stats(t.fd(), &serde_json::json!({"dump_s": 1.5})).unwrap();
+    let o = gpusnap(&["inspect", t.arg(), "--json"]);
+    assert!(o.status.success(), "{o:?}");
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["ok"], true);
+    let p = &v["processes"][0];
+    assert_eq!(p["nspid"], 42);
+    assert_eq!(p["path"], "split");
+    assert_eq!(p["chunk_count"], 3);
+    assert_eq!(p["file_count"], 2);
+    assert_eq!(p["total_bytes"], 3 * 65536);
+    assert_eq!(
+        p["stored_bytes"],
+        m.chunks.iter().map(|c| c.stored_len).sum::<u64>()
+    );
+    assert!(p["compression_ratio"].as_f64().unwrap() > 1.0);
+    assert_eq!(p["allocations"][1]["saved_by"], "driver");
+    assert_eq!(p["gpus"][0]["name"], "NVIDIA H200");
+    assert_eq!(p["timings_s"]["data"], 0.5);
+    assert_eq!(v["stats"]["dump_s"], 1.5);
+}
+
+#[test]
+fn inspect_text_lists_the_process() {
+    let t = TempDir::new();
+    make_image(t.fd(), 42);
+    let o = gpusnap(&["inspect", t.arg()]);
+    assert!(o.status.success(), "{o:?}");
+    let s = stdout(&o);
+    assert!(s.contains("process 42 (split path)"), "{s}");
+    assert!(s.contains("driver-saved"), "{s}");
+    assert!(s.contains("timings: data 0.500 s, lock 0.002 s"), "{s}");
+}
+
+#[test]
+fn verify_good_image() {
+    let t = TempDir::new();
+    make_image(t.fd(), 42);
+    make_image(t.fd(), 43);
+    let o = gpusnap(&["verify", t.arg()]);
+    assert_eq!(o.status.code(), Some(0), "{o:?}");
+    let s = stdout(&o);
+    assert!(s.contains("ok    process 42: 3 chunks"), "{s}");
+    assert!(s.contains("ok    process 43: 3 chunks"), "{s}");
+}
+
+#[test]
+fn verify_flipped_byte_names_file_and_chunk() {
+    let t = TempDir::new();
+    make_image(t.fd(), 42);
+    let m = make_image(t.fd(), 43);
+    let c = &m.chunks[2];
+    flip(
+        &t.path.join(data_file_name(43, c.file)),
+        c.file_offset + c.stored_len / 2,
+    );
+    let o = gpusnap(&["verify", t.arg(), "--threads", "2"]);
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    let s = stdout(&o);
+    assert!(s.contains("ok    process 42"), "{s}");
+    assert!(
+        s.contains(
+            "FAIL  process 43: gpusnap-43-data-0.img: chunk 2 checksum mismatch (image damaged; do not restore from it)"
+        ),
+        "{s}"
+    );
+    // inspect still works (the manifest is intact) and says nothing is wrong with it.
+    assert!(gpusnap(&["inspect", t.arg()]).status.success());
+}
+
+#[test]
+fn verify_and_inspect_report_a_damaged_manifest() {
+    let t = TempDir::new();
+    make_image(t.fd(), 42);
+    flip(&t.path.join(manifest_file_name(42)), 100);
+    let o = gpusnap(&["verify", t.arg()]);
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    assert!(stdout(&o).contains("manifest checksum mismatch"));
+    let o = gpusnap(&["inspect", t.arg(), "--json"]);
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["processes"][0]["ok"], false);
+}
+
+#[test]
+fn verify_reports_an_unfinished_dump() {
+    let t = TempDir::new();
+    let w = DataFileWriter::create(t.fd(), 7, 0).unwrap();
+    w.finish().unwrap();
+    let o = gpusnap(&["verify", t.arg()]);
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    assert!(stdout(&o).contains("process 7: data files but no manifest"));
+}
+
+#[test]
+fn empty_directory_is_fine() {
+    let t = TempDir::new();
+    let o = gpusnap(&["verify", t.arg()]);
+    assert_eq!(o.status.code(), Some(0), "{o:?}");
+    assert!(stdout(&o).contains("no gpusnap images"));
+    let o = gpusnap(&["inspect", t.arg(), "--json"]);
+    assert!(o.status.success());
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["processes"].as_array().unwrap().len(), 0);
+}
+
+#[test]
+fn usage_errors_exit_2() {
+    for args in [
+        &[][..],
+        &["frobnicate"],
+        &["verify"],
+        &["verify", "/nonexistent/gpusnap-dir"],
+        &["verify", "/tmp", "--threads", "0"],
+        &["inspect", "/tmp", "--yaml"],
+        &["check", "extra"],
+        &["recover"],
+    ] {
+        let o = gpusnap(args);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {o:?}");
+    }
+    let o = gpusnap(&["recover"]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("not implemented yet"));
+    assert!(gpusnap(&["--help"]).status.success());
+}
+
+#[test]
+fn check_reports_each_finding() {
+    let t = TempDir::new();
+    std::fs::write(t.path.join("gpusnap.so"), b"").unwrap();
+    std::fs::write(t.path.join("cuda_plugin.so"), b"").unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_gpusnap"))
+        .arg("check")
+        .env("GPUSNAP_CRIU", "/nonexistent/criu")
+        .env("CRIU_LIBS_DIR", t.arg())
+        .env("GPUSNAP_AGENT_LIB", "/nonexistent/libgpusnap_agent.so")
+        .env("GPUSNAP_LIBCUDA", "libgpusnap-no-such-libcuda.so.1")
+        .output()
+        .unwrap();
+    let s = stdout(&o);
+    assert_eq!(o.status.code(), Some(1), "{s}");
+    for line in s.lines() {
+        assert!(
+            line.starts_with("ok    ") || line.starts_with("warn  ") || line.starts_with("fail  "),
+            "{line}"
+        );
+        if !line.starts_with("ok") {
+            assert!(line.contains("  — "), "{line}");
+        }
+    }
+    assert!(
+        s.contains("fail  CRIU at /nonexistent/criu does not run"),
+        "{s}"
+    );
+    assert!(
+        s.contains(&format!("ok    plugin {}/gpusnap.so", t.arg())),
+        "{s}"
+    );
+    assert!(s.contains("warn  CRIU's own CUDA plugin"), "{s}");
+    assert!(
+        s.contains("warn  agent library /nonexistent/libgpusnap_agent.so not found"),
+        "{s}"
+    );
+    assert!(
+        s.contains("fail  libgpusnap-no-such-libcuda.so.1 does not load"),
+        "{s}"
+    );
+}

@@ -38,17 +38,26 @@ pub const CONFIG_ENV: &str = "GPUSNAP_CONFIG";
 /// `GPUSNAP_*` environment variables that are not configuration keys but are read elsewhere
 /// (by the agent, the test harness, or the image writer), so they are not rejected as unknown:
 ///
-/// - `GPUSNAP_AGENT_EAGER`, `GPUSNAP_AGENT_LIB`: read by the in-process agent;
-/// - `GPUSNAP_CRIU`, `GPUSNAP_CRIU_ROOT`, `GPUSNAP_SKIP_CRIU_TESTS`: read by the CRIU test suite;
+/// - every `GPUSNAP_AGENT_*` (see [`NON_CONFIG_PREFIXES`]): read by the in-process agent;
+/// - every `GPUSNAP_TEST_*`, and `GPUSNAP_REPO`, `GPUSNAP_SKIP_CRIU_TESTS`: the test suites;
+/// - `GPUSNAP_CRIU`, `GPUSNAP_CRIU_ROOT`, `GPUSNAP_CRIU_FORCE`, `GPUSNAP_CRIU_MIRROR`: the CRIU
+///   wrapper and installer, and `gpusnap check`;
+/// - `GPUSNAP_CLI`, `GPUSNAP_LIBCUDA`: the GPU scripts;
 /// - `GPUSNAP_FSYNC`: read by the image writer.
 pub const NON_CONFIG_ENV: &[&str] = &[
-    "GPUSNAP_AGENT_EAGER",
-    "GPUSNAP_AGENT_LIB",
+    "GPUSNAP_CLI",
     "GPUSNAP_CRIU",
+    "GPUSNAP_CRIU_FORCE",
+    "GPUSNAP_CRIU_MIRROR",
     "GPUSNAP_CRIU_ROOT",
-    "GPUSNAP_SKIP_CRIU_TESTS",
     "GPUSNAP_FSYNC",
+    "GPUSNAP_LIBCUDA",
+    "GPUSNAP_REPO",
+    "GPUSNAP_SKIP_CRIU_TESTS",
 ];
+
+/// Prefixes of `GPUSNAP_*` variables owned by other parts (the agent, the test suites).
+pub const NON_CONFIG_PREFIXES: &[&str] = &["GPUSNAP_AGENT_", "GPUSNAP_TEST_"];
 
 const ENV_PREFIX: &str = "GPUSNAP_";
 
@@ -368,9 +377,13 @@ fn apply_env(config: &mut Config, env: &[(String, String)]) -> Result<(), Config
             continue;
         }
         // The variable must be exactly the uppercased key: GPUSNAP_writer_threads is a typo.
+        // Keys come first: GPUSNAP_AGENT_TIMEOUT_MS is a key, other GPUSNAP_AGENT_* are not.
         let key = keys::KEYS
             .iter()
             .find(|k| k.name.to_ascii_uppercase() == suffix);
+        if key.is_none() && NON_CONFIG_PREFIXES.iter().any(|p| var.starts_with(p)) {
+            continue;
+        }
         let Some(key) = key else {
             return Err(ConfigError::UnknownEnv {
                 var: var.clone(),
@@ -390,6 +403,7 @@ fn valid_env_names() -> String {
         .collect();
     names.push(CONFIG_ENV.to_owned());
     names.extend(NON_CONFIG_ENV.iter().map(|s| (*s).to_owned()));
+    names.extend(NON_CONFIG_PREFIXES.iter().map(|p| format!("{p}*")));
     names.join(", ")
 }
 

@@ -158,18 +158,24 @@ static u64 *g_ctrl = nullptr;
 static int g_grid = 1024;
 static const int BLOCK = 256;
 
-// Records the first error of a tick; returns true if code is an error.
+// Error lines written so far; capped so that a sticky error cannot flood the log.
+static long g_error_lines = 0;
+static const long MAX_ERROR_LINES = 200;
+
+// Records the first error code of a tick and logs the error (up to MAX_ERROR_LINES in all).
 struct Err {
   int code = 0;
   void rt(cudaError_t e, const char *what, long tick) {
     if (e == cudaSuccess) return;
     if (!code) code = (int)e;
+    if (++g_error_lines > MAX_ERROR_LINES) return;
     logf_("error tick %ld where %s runtime %d %s: %s", tick, what, (int)e, cudaGetErrorName(e),
           cudaGetErrorString(e));
   }
   void drv(CUresult r, const char *what, long tick) {
     if (r == CUDA_SUCCESS) return;
     if (!code) code = (int)r;
+    if (++g_error_lines > MAX_ERROR_LINES) return;
     const char *name = "?", *str = "?";
     cuGetErrorName(r, &name);
     cuGetErrorString(r, &str);

@@ -1,0 +1,165 @@
+"""Split path vs transparent path benchmark (issue "split path benchmark"); run by bench/run.sh.
+
+One run: pinned PCIe bandwidth (gpu/pcie_bw.cu), then for each size (default 4 16 64 GiB) and
+path (transparent, split): gpu/workload.cu, criu dump (timed: start to return), criu restore
+--restore-detached (timed: start to return; the plugin restores all data before criu returns),
+the tick checker after restore ("identical"). Cases that do not fit in RAM are skipped with a
+record saying so. Appends one JSON object per line to bench/results/<name>.jsonl and
+$OUT/<name>.jsonl, then renders bench/results/<name>.md (and $OUT/<name>.md) with
+bench/report.py. Log: $OUT/bench.log; per-case logs in $OUT/logs.tar.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "gpu"))
+import crlib  # noqa: E402
+import ccase  # noqa: E402
+
+
+def need_gib(path, gib):
+    # transparent: the driver checkpoint puts the GPU data into the process's RAM, and the image
+    # (on /dev/shm) holds it again. split: the image holds it once; staging is small.
+    return (2 * gib if path == "transparent" else gib) + 6
+
+
+def usable_gib(ram_gib):
+    m = crlib.meminfo_gib()
+    total, avail = m.get("MemTotal", 0), m.get("MemAvailable", 0)
+    if total >= 0.9 * ram_gib:
+        return avail, m
+    # Memory that grows as it is used (seen on some of these VMs): trust the nominal size.
+    return ram_gib - (total - avail), m
+
+
+def pcie(binary, gib, log):
+    if not os.path.exists(binary):
+        log("pcie_bw binary %s missing" % binary)
+        return None
+    cmd = [binary, "--gib", str(gib), "--chunk-mib", "64", "--streams", "4", "--iters", "3"]
+    log("$ " + " ".join(cmd))
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    except subprocess.TimeoutExpired:
+        log("pcie_bw timed out")
+        return None
+    log.block("pcie_bw output (rc %d)" % r.returncode, r.stdout + r.stderr)
+    for line in reversed(r.stdout.splitlines()):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except ValueError:
+                pass
+    return None
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", type=float, nargs="+", default=[4, 16, 64])
+    ap.add_argument("--paths", default="transparent,split", help="comma list (default transparent,split)")
+    ap.add_argument("--name", default="split-vs-transparent-h200")
+    ap.add_argument("--images", default="/dev/shm/gpusnap-bench")
+    ap.add_argument("--work", default="/tmp/gpusnap-work/bench")
+    ap.add_argument("--plugdir", default="/tmp/gpusnap-plugins")
+    ap.add_argument("--bin", default="/tmp/gpusnap-bin")
+    ap.add_argument("--mock", action="store_true", help="CPU stand-in workload (harness test)")
+    ap.add_argument("--alloc", choices=["driver", "runtime"], default="driver")
+    ap.add_argument("--chunk-mib", type=int, default=1024)
+    ap.add_argument("--ram-gib", type=float, default=128, help="nominal RAM of the machine (default 128)")
+    ap.add_argument("--pcie-gib", type=float, default=4)
+    ap.add_argument("--no-pcie", action="store_true")
+    ap.add_argument("--verify", action="store_true", help="also run gpusnap verify (untimed)")
+    ap.add_argument("--budget-s", type=float, default=0, help="start no new case after this many s")
+    ap.add_argument("--cmdline", default=None, help="command line to record (default: this one)")
+    a = ap.parse_args()
+
+    out = crlib.out_dir()
+    log = crlib.Log(os.path.join(out, "bench.log"))
+    results_dir = os.path.join(crlib.REPO, "bench", "results")
+    jsonls = [os.path.join(results_dir, a.name + ".jsonl"), os.path.join(out, a.name + ".jsonl")]
+    t_start = time.time()
+    run_id = time.strftime("%Y%m%dT%H%M%S") + "-%d" % os.getpid()
+    cmdline = a.cmdline or " ".join(sys.argv)
+    mi = crlib.machine_info()
+    log("bench run %s: %s" % (run_id, cmdline))
+    log("machine: %s" % mi)
+    log("subreaper: %s" % crlib.set_subreaper())
+    crlib.install_plugin(a.plugdir, log)
+    base = {"run": run_id, "date": crlib.iso_now(), "gpu": mi.get("gpu"), "driver": mi.get("driver")}
+    crlib.append_jsonl(jsonls, dict(base, kind="meta", cmdline=cmdline, cpus=mi.get("cpus"),
+                                    ram_gib=mi.get("ram_gib"), kernel=mi.get("kernel"),
+                                    gpu_mem=mi.get("gpu_mem"), sizes=a.sizes, paths=a.paths,
+                                    alloc=a.alloc, chunk_mib=a.chunk_mib, mock=a.mock))
+
+    if not a.no_pcie and not a.mock:
+        p = pcie(os.path.join(a.bin, "pcie_bw"), a.pcie_gib, log)
+        if p:
+            crlib.append_jsonl(jsonls, dict(base, date=crlib.iso_now(), kind="pcie",
+                                            d2h_gbps=p.get("d2h_gbps"), h2d_gbps=p.get("h2d_gbps"),
+                                            d2h_mean_gbps=p.get("d2h_mean_gbps"),
+                                            h2d_mean_gbps=p.get("h2d_mean_gbps"),
+                                            bytes=p.get("bytes"), chunk_mib=p.get("chunk_mib"),
+                                            streams=p.get("streams")))
+
+    cfg = ccase.CaseConfig(
+        workload=os.path.join(crlib.REPO, "gpu", "mock_workload.py") if a.mock else os.path.join(a.bin, "workload"),
+        workload_prefix=[sys.executable] if a.mock else [], plugdir=a.plugdir, images=a.images,
+        work=a.work, alloc=a.alloc, chunk_mib=a.chunk_mib, interval_ms=100, ticks_before=3,
+        ticks_after=5, verify=a.verify, inspect=True, archive_prefix="bench")
+    os.makedirs(a.images, exist_ok=True)
+    paths = [p.strip() for p in a.paths.split(",") if p.strip()]
+    failed = 0
+    for gib in a.sizes:
+        gib = int(gib) if float(gib).is_integer() else gib
+        for path in paths:
+            rec = dict(base, date=crlib.iso_now(), gib=gib, path=path)
+            need = need_gib(path, gib)
+            usable, m = usable_gib(a.ram_gib)
+            if need > a.ram_gib or need > usable:
+                why = "%s %s GiB needs ~%d GiB RAM; usable ~%.0f GiB (MemTotal %.0f, MemAvailable %.0f, nominal %.0f)" % (
+                    path, gib, need, usable, m.get("MemTotal", 0), m.get("MemAvailable", 0), a.ram_gib)
+                log("SKIP: " + why)
+                crlib.append_jsonl(jsonls, dict(rec, skipped=why))
+                continue
+            if a.budget_s and time.time() - t_start > a.budget_s:
+                why = "time budget of %.0f s spent" % a.budget_s
+                log("SKIP %s %s GiB: %s" % (path, gib, why))
+                crlib.append_jsonl(jsonls, dict(rec, skipped=why))
+                continue
+            r = ccase.run_c_case(cfg, log, path, gib, False, tag="bench")
+            rec.update({
+                "dump_s": r.get("dump_s"), "restore_s": r.get("restore_s"),
+                "image_bytes": r.get("image_bytes"), "identical": bool(r.get("identical")),
+                "phases": r.get("phases"), "pass": r["pass"], "problems": r["problems"],
+                "first_tick_after_restore_s": r.get("first_tick_after_restore_s"),
+                "downtime_s": r.get("downtime_s"), "ready_s": r.get("ready_s"),
+                "gpusnap_data_files": r.get("gpusnap_data_files"), "verify_rc": r.get("verify_rc"),
+                "alloc": a.alloc, "chunk_mib": a.chunk_mib,
+                "dump_gpusnap_lines": r.get("dump_gpusnap_lines"),
+                "restore_gpusnap_lines": r.get("restore_gpusnap_lines"),
+            })
+            crlib.append_jsonl(jsonls, rec)
+            if not r["pass"]:
+                failed += 1
+
+    for jl in jsonls:
+        md = jl[:-len(".jsonl")] + ".md"
+        cmd = [sys.executable, os.path.join(HERE, "report.py"), jl, "--run", run_id, "-o", md]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        log("$ %s -> rc %d %s" % (" ".join(cmd), r.returncode, r.stderr.strip()))
+    try:
+        with open(jsonls[1][:-len(".jsonl")] + ".md") as f:
+            log.block("report", f.read())
+    except OSError:
+        pass
+    log("bench done in %.0f s; %d case(s) failed" % (time.time() - t_start, failed))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

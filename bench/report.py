@@ -1,0 +1,186 @@
+"""Turns the records of one benchmark run (a .jsonl written by bench/bench.py) into markdown.
+
+Usage: python3 bench/report.py RESULTS.jsonl [--run ID] [-o OUT.md]
+Without --run, the last run in the file is used. Prints to stdout without -o.
+"""
+
+import argparse
+import json
+import sys
+
+GIB = float(1 << 30)
+
+
+def fmt(x, nd=2):
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return "%.*f" % (nd, x)
+    return str(x)
+
+
+def ratio(a, b):
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def flatten(d, prefix=""):
+    """Numbers and short strings of a nested dict, as (dotted key, value)."""
+    out = []
+    if isinstance(d, dict):
+        for k, v in d.items():
+            out.extend(flatten(v, "%s%s." % (prefix, k)))
+    elif isinstance(d, list):
+        if len(d) <= 8:
+            for i, v in enumerate(d):
+                out.extend(flatten(v, "%s%d." % (prefix, i)))
+        else:
+            out.append((prefix[:-1], "[%d items]" % len(d)))
+    elif isinstance(d, (int, float)) and not isinstance(d, bool):
+        out.append((prefix[:-1], d))
+    elif isinstance(d, (str, bool)) and len(str(d)) <= 60:
+        out.append((prefix[:-1], d))
+    return out
+
+
+def render(recs, run):
+    meta = next((r for r in recs if r.get("kind") == "meta"), {})
+    pcie = next((r for r in recs if r.get("kind") == "pcie"), None)
+    cases = [r for r in recs if r.get("kind") is None and "path" in r]
+    first = recs[0]
+    L = []
+    L.append("# gpusnap: split path vs transparent path (%s)" % first.get("gpu", "?"))
+    L.append("")
+    L.append("- run: `%s`, date %s" % (run, first.get("date")))
+    if meta.get("cmdline"):
+        L.append("- command: `%s`" % meta["cmdline"])
+    L.append("- machine: %s (%s), driver %s, %s CPUs, %s GiB RAM, kernel %s" % (
+        first.get("gpu"), meta.get("gpu_mem", "?"), first.get("driver"), meta.get("cpus", "?"),
+        meta.get("ram_gib", "?"), meta.get("kernel", "?")))
+    L.append("- workload: gpu/workload.cu, allocations %s of %s MiB; images on /dev/shm; times are "
+             "wall clock from the start of `criu dump`/`criu restore` to its return" % (
+                 meta.get("alloc", "driver"), meta.get("chunk_mib", 1024)))
+    d2h = h2d = None
+    if pcie:
+        d2h, h2d = pcie.get("d2h_gbps"), pcie.get("h2d_gbps")
+        L.append("- pinned PCIe (gpu/pcie_bw.cu, %s GiB, 64 MiB chunks, 4 streams, best of 3): "
+                 "D2H %s GB/s, H2D %s GB/s" % (fmt((pcie.get("bytes") or 0) / GIB, 1), fmt(d2h),
+                                                fmt(h2d)))
+    else:
+        L.append("- pinned PCIe: not measured in this run")
+    L.append("")
+    by = {}
+    for r in cases:
+        by[(r["gib"], r["path"])] = r
+    sizes = sorted(set(r["gib"] for r in cases), key=float)
+    L.append("| GiB | transparent dump s | transparent restore s | split dump s | split restore s "
+             "| dump speedup | restore speedup | split dump GiB/s | split restore GiB/s "
+             "| PCIe-bound dump s | PCIe-bound restore s | identical (T/S) |")
+    L.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|")
+
+    def cell(r, k):
+        if r is None:
+            return "-"
+        if r.get("skipped"):
+            return "skipped"
+        if not r.get("pass", True) and r.get(k) is None:
+            return "FAIL"
+        return fmt(r.get(k), 2)
+
+    for g in sizes:
+        t, s = by.get((g, "transparent")), by.get((g, "split"))
+        g_f = float(g)
+
+        def val(r, k):
+            return None if r is None or r.get("skipped") else r.get(k)
+
+        sd, sr = val(s, "dump_s"), val(s, "restore_s")
+        td, tr = val(t, "dump_s"), val(t, "restore_s")
+        pb_d = g_f * GIB / (d2h * 1e9) if d2h else None
+        pb_r = g_f * GIB / (h2d * 1e9) if h2d else None
+
+        def ident(r):
+            if r is None:
+                return "-"
+            if r.get("skipped"):
+                return "skip"
+            return "yes" if r.get("identical") else "**NO**"
+
+        L.append("| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s/%s |" % (
+            g, cell(t, "dump_s"), cell(t, "restore_s"), cell(s, "dump_s"), cell(s, "restore_s"),
+            fmt(ratio(td, sd), 1) + ("x" if ratio(td, sd) else ""),
+            fmt(ratio(tr, sr), 1) + ("x" if ratio(tr, sr) else ""),
+            fmt(ratio(g_f, sd)), fmt(ratio(g_f, sr)), fmt(pb_d, 3), fmt(pb_r, 3), ident(t), ident(s)))
+    L.append("")
+    if d2h and h2d:
+        L.append("PCIe in GiB/s: D2H %.2f, H2D %.2f. Split data rate as a share of PCIe:" % (
+            d2h * 1e9 / GIB, h2d * 1e9 / GIB))
+        for g in sizes:
+            s = by.get((g, "split"))
+            if s and not s.get("skipped") and s.get("dump_s") and s.get("restore_s"):
+                L.append("- %s GiB: dump %.0f%%, restore %.0f%% (whole criu call, CPU state included)" % (
+                    g, 100 * float(g) * GIB / s["dump_s"] / (d2h * 1e9),
+                    100 * float(g) * GIB / s["restore_s"] / (h2d * 1e9)))
+        L.append("")
+    L.append("## Cases")
+    L.append("")
+    L.append("| GiB | path | result | dump s | restore s | image GiB | first tick after restore s | notes |")
+    L.append("|---:|---|---|---:|---:|---:|---:|---|")
+    for r in cases:
+        if r.get("skipped"):
+            L.append("| %s | %s | skipped | - | - | - | - | %s |" % (r["gib"], r["path"], r["skipped"]))
+            continue
+        L.append("| %s | %s | %s | %s | %s | %s | %s | %s |" % (
+            r["gib"], r["path"], "PASS" if r.get("pass") else "FAIL", fmt(r.get("dump_s")),
+            fmt(r.get("restore_s")), fmt((r.get("image_bytes") or 0) / GIB),
+            fmt(r.get("first_tick_after_restore_s")),
+            "; ".join(r.get("problems") or [])[:300].replace("|", "/")))
+    L.append("")
+    with_phases = [r for r in cases if r.get("phases")]
+    if with_phases:
+        L.append("## Phases (gpusnap-stats.json)")
+        L.append("")
+        for r in with_phases:
+            L.append("### %s GiB, %s" % (r["gib"], r["path"]))
+            L.append("")
+            for k, v in flatten(r["phases"]):
+                L.append("- `%s`: %s" % (k, fmt(v, 3)))
+            L.append("")
+    return "\n".join(L) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("jsonl")
+    ap.add_argument("--run", default=None)
+    ap.add_argument("-o", "--output", default=None)
+    a = ap.parse_args()
+    recs = []
+    with open(a.jsonl) as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                try:
+                    recs.append(json.loads(line))
+                except ValueError:
+                    pass
+    if not recs:
+        print("report.py: no records in %s" % a.jsonl, file=sys.stderr)
+        return 1
+    run = a.run or recs[-1].get("run")
+    recs = [r for r in recs if r.get("run") == run]
+    if not recs:
+        print("report.py: no records of run %s" % run, file=sys.stderr)
+        return 1
+    text = render(recs, run)
+    if a.output:
+        with open(a.output, "w") as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -114,7 +114,7 @@ impl DataFileReader {
                 file: name(),
                 chunk,
                 data_file: name(),
-                start: entry.file_offset.wrapping_sub(RECORD_LEN),
+                start: entry.file_offset.saturating_sub(RECORD_LEN),
                 end: end.unwrap_or(u64::MAX),
                 size: self.size,
             });

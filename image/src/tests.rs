@@ -1052,3 +1052,51 @@ fn large_chunks_round_trip() {
     assert_eq!(m.chunks[1].codec, Codec::Raw);
     assert_eq!(read_all(t.fd(), &m).unwrap(), vec![big, small]);
 }
+
+#[test]
+fn zstd_frame_of_the_wrong_size_is_refused() {
+    use crate::header::{Record, encode_data_header, encode_record};
+    // Hand-made files whose checksums are all right but whose frame holds `n` bytes while the
+    // record and manifest claim `len`.
+    let t = TempDir::new();
+    let frame = zstd::bulk::compress(&[7u8; 1000], 1).unwrap();
+    let base = make_image(t.fd()).m;
+    remove_process_files(t.fd(), NSPID).unwrap();
+    for (i, len) in [2000u64, 500].into_iter().enumerate() {
+        let index = i as u32;
+        let rec = Record {
+            seq: 0,
+            codec: Codec::Zstd,
+            addr: BASE,
+            len,
+            stored_len: frame.len() as u64,
+            checksum: xxhash_rust::xxh3::xxh3_64(&frame),
+        };
+        let mut bytes = encode_data_header(NSPID, index).to_vec();
+        bytes.extend_from_slice(&encode_record(&rec));
+        bytes.extend_from_slice(&frame);
+        std::fs::write(t.file(&data_file_name(NSPID, index)), &bytes).unwrap();
+        let mut m = base.clone();
+        m.files = vec![FileEntry {
+            name: data_file_name(NSPID, index),
+            size: bytes.len() as u64,
+        }];
+        m.chunks = vec![ChunkEntry {
+            file: index,
+            file_offset: 128,
+            addr: BASE,
+            len,
+            stored_len: frame.len() as u64,
+            codec: Codec::Zstd,
+            checksum: rec.checksum,
+        }];
+        m.allocations.truncate(1);
+        m.allocations[0].size = len;
+        write_manifest(t.fd(), &m).unwrap();
+        let e = verify_image(t.fd(), &m, 1).unwrap_err();
+        assert!(
+            matches!(e, ImageError::ChunkDecompress { chunk: 0, .. }),
+            "{len}: {e}"
+        );
+    }
+}

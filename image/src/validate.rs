@@ -138,7 +138,7 @@ pub(crate) fn validate_structure(m: &Manifest, mf: &str) -> Result<(), ImageErro
                 detail,
             }
         })?;
-        let start = c.file_offset.wrapping_sub(RECORD_LEN);
+        let start = c.file_offset.saturating_sub(RECORD_LEN);
         let end = c.file_offset.checked_add(c.stored_len);
         if c.file_offset < DATA_HEADER_LEN + RECORD_LEN || end.is_none_or(|e| e > f.size) {
             return Err(ImageError::ChunkOutsideFile {

@@ -206,6 +206,8 @@ def run_c_case(cfg, log, path, gib, leave_running, tag="e2e"):
         rec["problems"].append("exception: " + tb.strip().splitlines()[-1])
         log.block("exception", tb)
     finally:
+        if path == "split":
+            crlib.log_agent_lines(log, wout)
         if rec["problems"]:
             log.file_tail("workload log", wlog, 30)
             log.file_tail("workload stdout/stderr", wout, 30)

@@ -330,6 +330,8 @@ def workload_env(path, extra=None):
     env["PYTHONUNBUFFERED"] = "1"
     if path == "split":
         env["LD_PRELOAD"] = AGENT_SO
+        # the agent's own log (stderr, lines "gpusnap-agent: ...") goes to the workload's .out file
+        env.setdefault("GPUSNAP_AGENT_DEBUG", "1")
     if extra:
         env.update(extra)
     return env
@@ -376,12 +378,18 @@ def criu_env(mode):
     return env
 
 
-def gpusnap_lines(path):
+def gpusnap_lines(path, needle="gpusnap:"):
     try:
         with open(path, "r", errors="replace") as f:
-            return [l.rstrip("\n") for l in f if "gpusnap:" in l]
+            return [l.rstrip("\n") for l in f if needle in l]
     except OSError:
         return []
+
+
+def log_agent_lines(log, path, n=40):
+    lines = gpusnap_lines(path, "gpusnap-agent:")
+    if lines:
+        log.block("gpusnap-agent: lines of %s" % os.path.basename(path), "\n".join(lines), max_lines=n)
 
 
 def criu_dump(pid, imgdir, plugdir, mode, log, leave_running=False, timeout=600, extra=()):
@@ -389,7 +397,7 @@ def criu_dump(pid, imgdir, plugdir, mode, log, leave_running=False, timeout=600,
     cmd = [CRIU, "dump", "-t", str(pid), "-D", imgdir, "-L", plugdir, "-v4", "-o", "dump.log"]
     if leave_running:
         cmd.append("-R")
-    cmd += list(extra)
+    cmd += list(extra) + os.environ.get("CRIU_DUMP_EXTRA", "").split()
     return _run_criu(cmd, imgdir, "dump", mode, log, timeout)
 
 
@@ -401,6 +409,7 @@ def criu_restore(imgdir, plugdir, mode, log, timeout=600, extra=()):
         pass
     cmd = [CRIU, "restore", "-D", imgdir, "-L", plugdir, "-v4", "-o", "restore.log",
            "--restore-detached", "--pidfile", pidfile] + list(extra)
+    cmd += os.environ.get("CRIU_RESTORE_EXTRA", "").split()
     res = _run_criu(cmd, imgdir, "restore", mode, log, timeout)
     res["pid"] = None
     try:

@@ -314,6 +314,9 @@ class Runner:
             rec["problems"].append("exception: " + tb.strip().splitlines()[-1])
             log.block("exception", tb)
         finally:
+            if path == "split":
+                for f in [out] + [g for g in output_files(workload, out) if g != out]:
+                    crlib.log_agent_lines(log, f + ".stdout", 20)
             if rec["problems"]:
                 log.file_tail("job stdout", out + ".stdout", 40)
                 for f in output_files(workload, out):

@@ -129,6 +129,8 @@ fn probe_agent(ctx: &Ctx, pid: i32) -> Result<Option<SplitState>, DumpError> {
     }
     Ok(Some(SplitState {
         agent_ns_tid: hello.ns_tid,
+        allocations_at_pause: hello.allocations,
+        converted_bytes_at_pause: hello.converted_bytes,
         ..SplitState::default()
     }))
 }

@@ -30,6 +30,9 @@ pub enum DataPath {
 pub struct SplitState {
     /// The agent's control thread, as the process itself numbers it.
     pub agent_ns_tid: i32,
+    /// What the agent said while the process still ran (for the log).
+    pub allocations_at_pause: u32,
+    pub converted_bytes_at_pause: u64,
     pub allocations: Vec<AllocationRecord>,
     /// Filled once the data is in image files.
     pub data: Option<DumpData>,

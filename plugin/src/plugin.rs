@@ -27,6 +27,8 @@ pub struct Plugin {
     checkpointed: Vec<(i32, Result<(), dump::DumpError>)>,
     /// Likewise for the restore.
     restored: Vec<(i32, Result<(), dump::DumpError>)>,
+    /// The checksum pass over the image data, running while CRIU restores the tree.
+    verification: Option<restore::Verification>,
     manifests: HashMap<u32, Manifest>,
 }
 
@@ -84,6 +86,7 @@ pub fn init(raw_stage: i32) -> i32 {
         in_inventory: false,
         checkpointed: Vec::new(),
         restored: Vec::new(),
+        verification: None,
         manifests: HashMap::new(),
     };
     let rc = match stage {
@@ -132,7 +135,7 @@ fn init_restore(p: &mut Plugin) -> i32 {
     };
     // SAFETY: CRIU's image-dir service fd stays open for the whole run.
     let dir = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
-    match restore::validate_images(dir, &p.cfg) {
+    match restore::read_manifests(dir) {
         Ok(m) => p.manifests = m,
         Err(e) => {
             log::error!("restore refused: {e}; nothing was restored and no GPU was touched");
@@ -142,6 +145,14 @@ fn init_restore(p: &mut Plugin) -> i32 {
     if p.manifests.is_empty() {
         p.disabled = Some("no gpusnap manifests".into());
         return 0;
+    }
+    log::info!("images checked: {} GPU processes", p.manifests.len());
+    if p.cfg.verify_before_restore {
+        p.verification = Some(restore::Verification::start(
+            fd,
+            p.manifests.values().cloned().collect(),
+            p.cfg.effective_reader_threads(),
+        ));
     }
     if let Some(why) = driver_absent_reason() {
         log::error!(
@@ -236,6 +247,16 @@ impl Plugin {
         }
         // The first call restores every GPU process of the image, in parallel.
         if self.restored.is_empty() {
+            if let Some(mut v) = self.verification.take()
+                && let Err(e) = v.finish()
+            {
+                log::error!(
+                    "restore refused: {e}; no GPU was touched. The restored processes are killed rather than left without their GPU state"
+                );
+                self.kill_restored(pid);
+                self.disabled = Some("damaged image".into());
+                return -1;
+            }
             if let Err(e) = self.ctx() {
                 log::error!("cannot use the NVIDIA driver: {e}");
                 return -1;
@@ -270,7 +291,20 @@ impl Plugin {
         }
     }
 
+    /// Kills every restored process of ours (their GPU state cannot be brought back).
+    fn kill_restored(&self, any_pid: i32) {
+        let nspids: Vec<u32> = self.manifests.keys().copied().collect();
+        for host in restore::find_restored(any_pid, &nspids).values() {
+            // SAFETY: kill(2) on a process CRIU restored and still holds stopped.
+            unsafe { libc::kill(*host, libc::SIGKILL) };
+        }
+    }
+
     pub fn exit(&mut self, ret: i32) {
+        if let Some(mut v) = self.verification.take() {
+            // Never leave the thread running past `exit`: CRIU unloads us next.
+            let _ = v.finish();
+        }
         if self.stage != Stage::Dump || self.tracked.is_empty() {
             return;
         }

@@ -10,32 +10,65 @@ use std::collections::HashMap;
 use std::os::fd::BorrowedFd;
 use std::time::Instant;
 
-/// Reads and checks every gpusnap manifest of the image dir, and (if configured) every data
-/// checksum. Any damage refuses the whole restore.
-pub fn validate_images(
-    dir: BorrowedFd<'_>,
-    cfg: &Config,
-) -> Result<HashMap<u32, Manifest>, String> {
-    let t0 = Instant::now();
-    let nspids = gpusnap_image::list_manifests(dir).map_err(|e| e.to_string())?;
+/// Reads and checks every gpusnap manifest of the image dir: structure, sizes, headers, names.
+/// Runs in `init`, so a truncated or foreign image fails the restore before anything is created.
+pub fn read_manifests(dir: BorrowedFd<'_>) -> Result<HashMap<u32, Manifest>, String> {
     let mut out = HashMap::new();
-    let mut bytes = 0u64;
-    for nspid in nspids {
+    for nspid in gpusnap_image::list_manifests(dir).map_err(|e| e.to_string())? {
         let m = gpusnap_image::read_manifest(dir, nspid).map_err(|e| e.to_string())?;
-        if cfg.verify_before_restore && !m.chunks.is_empty() {
-            let r = gpusnap_image::verify_image(dir, &m, cfg.effective_reader_threads())
-                .map_err(|e| e.to_string())?;
-            bytes += r.bytes;
-        }
         out.insert(nspid, m);
     }
-    log::info!(
-        "images checked: {} processes, {:.2} GiB of data verified in {:.3} s",
-        out.len(),
-        bytes as f64 / (1u64 << 30) as f64,
-        t0.elapsed().as_secs_f64()
-    );
     Ok(out)
+}
+
+/// The full checksum pass over every data chunk, started in `init` on a thread of its own so
+/// that it overlaps CRIU's own restore of the process tree, and joined before any GPU is
+/// touched (first RESUME_DEVICES_LATE) or in `exit`.
+///
+/// Why a thread may outlive `init` here: CRIU forks the restored tasks while it runs. The thread
+/// blocks every signal (CRIU's SIGCHLD handler stays on the main thread), only `pread`s our own
+/// files and hashes, holds no lock CRIU or a forked child could need (it does not log; glibc
+/// keeps malloc fork-safe), and is always joined before the plugin is unloaded.
+pub struct Verification {
+    handle: Option<std::thread::JoinHandle<Result<(u64, f64), String>>>,
+}
+
+impl Verification {
+    pub fn start(dir_fd: i32, manifests: Vec<Manifest>, threads: usize) -> Self {
+        let handle = std::thread::Builder::new()
+            .name("gpusnap-verify".into())
+            .spawn(move || {
+                crate::datapath::block_signals();
+                let t0 = Instant::now();
+                // SAFETY: CRIU's image-dir service fd stays open until after `exit`, which joins
+                // this thread.
+                let dir = unsafe { BorrowedFd::borrow_raw(dir_fd) };
+                let mut bytes = 0;
+                for m in manifests.iter().filter(|m| !m.chunks.is_empty()) {
+                    bytes += gpusnap_image::verify_image(dir, m, threads)
+                        .map_err(|e| e.to_string())?
+                        .bytes;
+                }
+                Ok((bytes, t0.elapsed().as_secs_f64()))
+            })
+            .ok();
+        Self { handle }
+    }
+
+    /// Waits for the pass; `Err` names the damage.
+    pub fn finish(&mut self) -> Result<(), String> {
+        let Some(h) = self.handle.take() else {
+            return Ok(());
+        };
+        let (bytes, secs) = h
+            .join()
+            .map_err(|_| "the verification thread panicked".to_string())??;
+        log::info!(
+            "image data verified: {:.2} GiB in {secs:.3} s (overlapped with CRIU's restore)",
+            bytes as f64 / (1u64 << 30) as f64
+        );
+        Ok(())
+    }
 }
 
 fn moved_bytes_on(m: &Manifest, device: u32) -> u64 {

@@ -147,20 +147,25 @@ fn init_restore(p: &mut Plugin) -> i32 {
         return 0;
     }
     log::info!("images checked: {} GPU processes", p.manifests.len());
-    if p.cfg.verify_before_restore {
-        p.verification = Some(restore::Verification::start(
+    let mut verification = p.cfg.verify_before_restore.then(|| {
+        restore::Verification::start(
             fd,
             p.manifests.values().cloned().collect(),
             p.cfg.effective_reader_threads(),
-        ));
-    }
+        )
+    });
     if let Some(why) = driver_absent_reason() {
+        // The restore fails either way; first say whether the image itself is damaged.
+        if let Some(Err(e)) = verification.as_mut().map(|v| v.finish()) {
+            log::error!("restore refused: {e}; nothing was restored and no GPU was touched");
+        }
         log::error!(
             "the image holds GPU state of {} processes but this host has no usable NVIDIA driver ({why}); restore on a host with driver r570 or newer",
             p.manifests.len()
         );
         return -1;
     }
+    p.verification = verification;
     0
 }
 

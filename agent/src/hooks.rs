@@ -445,6 +445,9 @@ pub unsafe extern "C" fn cuMemCreate(
                 // SAFETY: as above.
                 let h = unsafe { *handle };
                 table::lock().record_app_create(h, size as u64, dev);
+                // A process whose device memory is all its own VMM still gets an agent, so the
+                // plugin can list it (and knows the driver checkpoint holds its data).
+                crate::server::ensure_started();
             }
         }
         rc

@@ -15,6 +15,7 @@ pub mod context;
 pub mod criu;
 pub mod datapath;
 pub mod dump;
+pub mod gpumap;
 pub mod logger;
 pub mod plugin;
 pub mod process;

@@ -3,8 +3,8 @@
 
 use crate::context::Ctx;
 use crate::dump::{DumpError, load_with_agent_running};
+use crate::gpumap;
 use crate::ptrace::RunningThread;
-use gpusnap_config::Config;
 use gpusnap_image::{CheckpointPath, Manifest};
 use std::collections::HashMap;
 use std::os::fd::BorrowedFd;
@@ -79,33 +79,33 @@ fn moved_bytes_on(m: &Manifest, device: u32) -> u64 {
         .sum()
 }
 
-/// Refuses when a GPU lacks room for the data the agent will re-create on it.
-fn check_free_memory(m: &Manifest) -> Result<(), String> {
-    for g in &m.gpus {
-        let need = moved_bytes_on(m, g.ordinal);
-        if need == 0 {
-            continue;
-        }
-        match gpusnap_cuda::nvml::free_memory(&g.uuid) {
-            Some(free) if free < need => {
-                return Err(format!(
-                    "GPU {} ({}, {}) has {:.2} GiB free but the image needs {:.2} GiB: free {:.2} GiB on it and restore again",
-                    g.ordinal,
-                    g.name,
-                    g.uuid,
-                    free as f64 / (1u64 << 30) as f64,
-                    need as f64 / (1u64 << 30) as f64,
-                    (need - free) as f64 / (1u64 << 30) as f64
-                ));
-            }
-            Some(_) => {}
-            None => log::warn!(
-                "cannot read free memory of GPU {} (NVML unavailable)",
-                g.uuid
-            ),
-        }
+/// Where each GPU of the image goes, checked for model and free memory before anything is
+/// touched.
+pub fn gpu_plan(ctx: &Ctx, m: &Manifest) -> Result<Vec<gpumap::Pair>, String> {
+    let need: Vec<u64> = m
+        .gpus
+        .iter()
+        .map(|g| moved_bytes_on(m, g.ordinal))
+        .collect();
+    let host: Vec<gpumap::HostGpu> = ctx
+        .gpus
+        .iter()
+        .map(|g| gpumap::HostGpu {
+            uuid: g.uuid.clone(),
+            name: g.name.clone(),
+            free: gpusnap_cuda::nvml::free_memory(&g.uuid),
+        })
+        .collect();
+    let pairs = gpumap::plan(&m.gpus, &need, &host, &ctx.cfg.device_map)?;
+    for p in &pairs {
+        log::info!(
+            "nspid {}: GPU {} is restored onto GPU {}",
+            m.nspid,
+            p.old,
+            p.new
+        );
     }
-    Ok(())
+    Ok(pairs)
 }
 
 /// Host tid of the agent's thread (named `gpusnap-agent`).
@@ -122,13 +122,13 @@ fn agent_thread(pid: i32) -> Result<i32, String> {
     Err(format!("no gpusnap-agent thread in /proc/{pid}/task"))
 }
 
-fn device_pairs(cfg: &Config) -> Vec<([u8; 16], [u8; 16])> {
-    cfg.device_map
+fn uuid_pairs(pairs: &[gpumap::Pair]) -> Vec<([u8; 16], [u8; 16])> {
+    pairs
         .iter()
-        .filter_map(|(a, b)| {
+        .filter_map(|p| {
             Some((
-                gpusnap_cuda::driver::parse_uuid(a)?,
-                gpusnap_cuda::driver::parse_uuid(b)?,
+                gpusnap_cuda::driver::parse_uuid(&p.old)?,
+                gpusnap_cuda::driver::parse_uuid(&p.new)?,
             ))
         })
         .collect()
@@ -172,18 +172,19 @@ pub fn resume_all(ctx: &Ctx, items: &[(i32, Manifest)]) -> Vec<(i32, Result<(), 
     let mut results = Vec::new();
     let mut work = Vec::new();
     for (pid, m) in items {
-        match prepare(ctx, *pid, m) {
-            Ok(threads) => work.push((*pid, m, threads)),
+        let planned = gpu_plan(ctx, m).map_err(DumpError::Other);
+        match planned.and_then(|pairs| prepare(ctx, *pid, m).map(|t| (pairs, t))) {
+            Ok((pairs, threads)) => work.push((*pid, m, pairs, threads)),
             Err(e) => results.push((*pid, Err(e))),
         }
     }
     let outcomes: Vec<Result<(), DumpError>> = std::thread::scope(|s| {
         let handles: Vec<_> = work
             .iter()
-            .map(|(pid, m, _)| {
+            .map(|(pid, m, pairs, _)| {
                 s.spawn(move || {
                     crate::datapath::block_signals();
-                    resume_one(ctx, *pid, m)
+                    resume_one(ctx, *pid, m, pairs)
                 })
             })
             .collect();
@@ -196,7 +197,7 @@ pub fn resume_all(ctx: &Ctx, items: &[(i32, Manifest)]) -> Vec<(i32, Result<(), 
             .collect()
     });
     let n = work.len();
-    for ((pid, _, threads), r) in work.into_iter().zip(outcomes) {
+    for ((pid, _, _, threads), r) in work.into_iter().zip(outcomes) {
         let stopped = threads.into_iter().try_for_each(|th| {
             let tid = th.tid();
             th.stop().map_err(|err| DumpError::Ptrace {
@@ -216,9 +217,8 @@ pub fn resume_all(ctx: &Ctx, items: &[(i32, Manifest)]) -> Vec<(i32, Result<(), 
     results
 }
 
-/// Checks that need no GPU, then resumes the driver's restore thread (and the agent's).
+/// Resumes the driver's restore thread (and the agent's).
 fn prepare(ctx: &Ctx, pid: i32, m: &Manifest) -> Result<Vec<RunningThread>, DumpError> {
-    check_free_memory(m).map_err(DumpError::Other)?;
     let restore_tid = ctx
         .api
         .restore_thread_id(pid)
@@ -238,10 +238,10 @@ fn prepare(ctx: &Ctx, pid: i32, m: &Manifest) -> Result<Vec<RunningThread>, Dump
 }
 
 /// Control state back from the driver, then the data through the agent.
-fn resume_one(ctx: &Ctx, pid: i32, m: &Manifest) -> Result<(), DumpError> {
+fn resume_one(ctx: &Ctx, pid: i32, m: &Manifest, pairs: &[gpumap::Pair]) -> Result<(), DumpError> {
     let t0 = Instant::now();
     ctx.api
-        .restore(pid, &device_pairs(&ctx.cfg))
+        .restore(pid, &uuid_pairs(pairs))
         .map_err(|err| DumpError::Driver {
             what: "driver restore",
             err,

@@ -23,7 +23,7 @@ pub enum ImageError {
     #[error("{file}: missing (image incomplete; do not restore from it)")]
     MissingFile { file: String },
     /// A name in the image directory is a directory, FIFO, device or symlink instead of a file.
-    #[error("{file}: not a regular file")]
+    #[error("{file}: not a regular file (symlinks, directories and devices are refused)")]
     NotRegularFile { file: String },
     /// The manifest's first line is not `GPUSNAP-MANIFEST <version> <len> <xxh3>`.
     #[error("{file}: malformed manifest header line: {detail} ({DAMAGED})")]
@@ -213,14 +213,18 @@ impl ImageError {
         }
     }
 
-    /// Like [`ImageError::io`], but a missing file becomes [`ImageError::MissingFile`].
+    /// Like [`ImageError::io`], but a missing file becomes [`ImageError::MissingFile`] and a
+    /// symlink (refused by `O_NOFOLLOW` with `ELOOP`) [`ImageError::NotRegularFile`].
     pub(crate) fn open(file: &str, source: io::Error) -> Self {
-        if source.kind() == io::ErrorKind::NotFound {
-            ImageError::MissingFile {
-                file: file.to_owned(),
-            }
-        } else {
-            Self::io(file, "open", source)
+        let file = file.to_owned();
+        match (source.kind(), source.raw_os_error()) {
+            (io::ErrorKind::NotFound, _) => ImageError::MissingFile { file },
+            (_, Some(libc::ELOOP)) => ImageError::NotRegularFile { file },
+            _ => ImageError::Io {
+                file,
+                op: "open",
+                source,
+            },
         }
     }
 

@@ -220,6 +220,25 @@ fn dump(
     Ok(saved)
 }
 
+/// A slot the agent has given back (restore): queued `SlotFree`s first, else wait for one.
+fn free_slot(ch: &Channel, free: &mut VecDeque<u32>) -> Res<u32> {
+    while let Some(r) = ch.try_recv_reply().map_err(|e| e.to_string())? {
+        match r {
+            Reply::SlotFree { slot } => free.push_back(slot),
+            other => return Err(format!("restore: {other:?}")),
+        }
+    }
+    loop {
+        if let Some(s) = free.pop_front() {
+            return Ok(s);
+        }
+        match recv(ch)? {
+            Reply::SlotFree { slot } => free.push_back(slot),
+            other => return Err(format!("restore: {other:?}")),
+        }
+    }
+}
+
 fn restore(pid: i32, ring: &Ring, streams: u32, saved: &[(u64, Vec<u8>)]) -> Res<()> {
     let ch = connect(pid)?;
     match hello(&ch)? {
@@ -246,21 +265,7 @@ fn restore(pid: i32, ring: &Ring, streams: u32, saved: &[(u64, Vec<u8>)]) -> Res
     let mut free: VecDeque<u32> = (0..ring.slots).collect();
     let mut bytes = 0u64;
     for (addr, data) in saved {
-        while let Some(r) = ch.try_recv_reply().map_err(|e| e.to_string())? {
-            match r {
-                Reply::SlotFree { slot } => free.push_back(slot),
-                other => return Err(format!("restore: {other:?}")),
-            }
-        }
-        let slot = loop {
-            if let Some(s) = free.pop_front() {
-                break s;
-            }
-            match recv(&ch)? {
-                Reply::SlotFree { slot } => free.push_back(slot),
-                other => return Err(format!("restore: {other:?}")),
-            }
-        };
+        let slot = free_slot(&ch, &mut free)?;
         ring.write_slot(slot, data);
         send(
             &ch,
@@ -401,21 +406,7 @@ fn bench(pid: i32, ring: &Ring, streams: u32) -> Res<()> {
     let t1 = Instant::now();
     let mut free: VecDeque<u32> = (0..ring.slots).collect();
     for (addr, len) in chunks {
-        while let Some(r) = ch.try_recv_reply().map_err(|e| e.to_string())? {
-            match r {
-                Reply::SlotFree { slot } => free.push_back(slot),
-                other => return Err(format!("bench restore: {other:?}")),
-            }
-        }
-        let slot = loop {
-            if let Some(s) = free.pop_front() {
-                break s;
-            }
-            match recv(&ch)? {
-                Reply::SlotFree { slot } => free.push_back(slot),
-                other => return Err(format!("bench restore: {other:?}")),
-            }
-        };
+        let slot = free_slot(&ch, &mut free)?;
         send(&ch, &Request::ChunkLoad { slot, addr, len }, None)?;
     }
     send(&ch, &Request::RestoreDataDone, None)?;

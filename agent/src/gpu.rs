@@ -49,7 +49,8 @@ impl Gpu {
             });
         }
         self.activate(drv, ordinal)?;
-        let d = self.find_mut(ordinal)?;
+        let i = self.index(ordinal)?;
+        let d = &mut self.devs[i];
         while d.streams.len() < streams {
             d.streams.push(drv.create_stream()?);
         }
@@ -59,10 +60,10 @@ impl Gpu {
         Ok(())
     }
 
-    fn find_mut(&mut self, ordinal: i32) -> Result<&mut DeviceRes, CuError> {
+    fn index(&self, ordinal: i32) -> Result<usize, CuError> {
         self.devs
-            .iter_mut()
-            .find(|d| d.ordinal == ordinal)
+            .iter()
+            .position(|d| d.ordinal == ordinal)
             .ok_or_else(|| CuError {
                 call: format!("using device {ordinal}"),
                 code: CUDA_ERROR_UNKNOWN,
@@ -72,13 +73,12 @@ impl Gpu {
 
     /// Makes `ordinal`'s context current on this thread; returns its resources.
     pub fn activate(&mut self, drv: &Driver, ordinal: i32) -> Result<&DeviceRes, CuError> {
-        let switch = self.current != Some(ordinal);
-        let d = self.find_mut(ordinal)?;
-        if switch {
-            drv.set_current(d.ctx)?;
+        let i = self.index(ordinal)?;
+        if self.current != Some(ordinal) {
+            drv.set_current(self.devs[i].ctx)?;
+            self.current = Some(ordinal);
         }
-        self.current = Some(ordinal);
-        self.find_mut(ordinal).map(|d| &*d)
+        Ok(&self.devs[i])
     }
 
     /// Waits for every copy the agent issued on any device (errors ignored: this runs on the

@@ -6,24 +6,21 @@
 //! The thread is started once (first conversion, or at load with `GPUSNAP_AGENT_EAGER=1`),
 //! named `gpusnap-agent`, with every signal blocked.
 
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use gpusnap_proto::{
-    AllocKind, Channel, ErrorCode, PROTOCOL_VERSION, ProtoError, Reply, Request, accept_connection,
-    bind_agent_listener, peer_cred,
+    AGENT_SOCKET_PREFIX, AllocKind, Channel, ErrorCode, PROTOCOL_VERSION, ProtoError, Reply,
+    Request, accept_connection, bind_agent_listener, peer_cred,
 };
 
 use crate::gpu::Gpu;
 use crate::log::debug;
-use crate::session::Ring;
+use crate::session::{Ring, busy_reply};
 use crate::table::{self, AGENT_LOCK_WAIT};
 use crate::{dump, restore};
 
 static STARTED: AtomicBool = AtomicBool::new(false);
-/// The listener and the current connection, for a forked child to close (it has no agent thread).
-static LISTEN_FD: AtomicI32 = AtomicI32::new(-1);
-static CONN_FD: AtomicI32 = AtomicI32::new(-1);
 
 /// Name of the agent thread (`/proc/<pid>/task/*/comm`).
 pub const THREAD_NAME: &str = "gpusnap-agent";
@@ -62,31 +59,64 @@ fn block_all_signals() -> Option<libc::sigset_t> {
 }
 
 /// In a forked child: no agent thread exists; let a child that uses CUDA start its own, and
-/// close the parent's listener and connection, which the child inherited.
+/// close the parent agent's listener and connection, which the child inherited. They are found
+/// by their bound name (an accepted unix socket carries its listener's name), not by recorded
+/// numbers: a fork may land between the agent thread's `socket`/`accept4` and any bookkeeping.
 pub fn forget_in_child() {
-    STARTED.store(false, Ordering::Release);
-    for fd in [&LISTEN_FD, &CONN_FD] {
-        let raw = fd.swap(-1, Ordering::AcqRel);
-        if raw >= 0 {
-            // SAFETY: raw is the inherited copy of the parent agent's socket; nothing in the
-            // child uses it (the thread that owned it does not exist here).
-            unsafe { libc::close(raw) };
-        }
+    if STARTED.swap(false, Ordering::AcqRel) {
+        close_agent_sockets();
     }
+}
+
+fn close_agent_sockets() {
+    let Ok(dir) = std::fs::read_dir("/proc/self/fd") else {
+        return;
+    };
+    let fds: Vec<i32> = dir
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .collect();
+    for fd in fds.into_iter().filter(|&fd| is_agent_socket(fd)) {
+        // SAFETY: fd is an inherited copy of the parent agent's socket; nothing in the child
+        // uses it (the thread that owned it does not exist here).
+        unsafe { libc::close(fd) };
+    }
+}
+
+/// Whether `fd` is a unix socket bound to (or accepted on) an agent name.
+fn is_agent_socket(fd: i32) -> bool {
+    // SAFETY: sockaddr_un is plain data; getsockname writes at most `len` bytes into it.
+    let (rc, addr, len) = unsafe {
+        let mut addr: libc::sockaddr_un = std::mem::zeroed();
+        let mut len = std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t;
+        let rc = libc::getsockname(fd, (&raw mut addr).cast(), &mut len);
+        (rc, addr, len)
+    };
+    let off = std::mem::offset_of!(libc::sockaddr_un, sun_path);
+    if rc != 0 || addr.sun_family != libc::AF_UNIX as libc::sa_family_t || (len as usize) <= off {
+        return false;
+    }
+    let n = (len as usize - off).min(addr.sun_path.len());
+    let name: Vec<u8> = addr.sun_path[..n].iter().map(|&c| c as u8).collect();
+    name.first() == Some(&0) && name[1..].starts_with(AGENT_SOCKET_PREFIX.as_bytes())
 }
 
 fn agent_main() {
     block_all_signals();
     // SAFETY: getpid has no preconditions.
     let pid = unsafe { libc::getpid() };
-    let listener = match bind_agent_listener(pid) {
+    // fork's prepare handler takes the table lock: holding it from socket() to bind() means no
+    // child ever inherits the listener before it has the name close_agent_sockets() looks for.
+    // Bounded, like every table lock the agent thread takes; on timeout go on unfenced.
+    let fence = table::try_lock_for(AGENT_LOCK_WAIT);
+    let bound = bind_agent_listener(pid);
+    drop(fence);
+    let listener = match bound {
         Ok(l) => l,
         Err(e) => {
             debug!("agent socket gpusnap-agent-{pid} unavailable, agent stays idle: {e}");
             return;
         }
     };
-    LISTEN_FD.store(listener.as_raw_fd(), Ordering::Release);
     debug!("agent listening on @gpusnap-agent-{pid}");
     let mut agent = Agent { gpu: Gpu::new() };
     loop {
@@ -106,12 +136,10 @@ fn agent_main() {
         if !peer_allowed(&conn) {
             continue;
         }
-        CONN_FD.store(conn.as_raw_fd(), Ordering::Release);
         let ch = Channel::new(conn);
         if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| agent.serve(&ch))).is_err() {
             debug!("agent: panic while serving a connection; closing it");
         }
-        CONN_FD.store(-1, Ordering::Release);
         drop(ch);
     }
 }
@@ -241,16 +269,6 @@ fn reply(ch: &Channel, code: ErrorCode, message: String) {
     let _ = ch.send_reply(&Reply::Error { code, message });
 }
 
-fn busy_reply() -> Reply {
-    Reply::Error {
-        code: ErrorCode::Busy,
-        message: format!(
-            "the allocation table stayed locked for {} ms",
-            AGENT_LOCK_WAIT.as_millis()
-        ),
-    }
-}
-
 fn hello() -> Reply {
     let Some(t) = table::try_lock_for(AGENT_LOCK_WAIT) else {
         return busy_reply();
@@ -292,4 +310,34 @@ fn list(ch: &Channel) -> Result<(), ProtoError> {
     ch.send_reply(&Reply::AllocationsEnd {
         count: u32::try_from(entries.len()).unwrap_or(u32::MAX),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsRawFd;
+
+    #[test]
+    fn agent_sockets_are_recognised_by_name() {
+        let name = gpusnap_proto::agent_socket_name(-(std::process::id() as i32) - 7);
+        let listener = gpusnap_proto::bind_abstract_listener(&name).unwrap();
+        assert!(is_agent_socket(listener.as_raw_fd()));
+        let client = gpusnap_proto::connect_abstract(&name).unwrap();
+        let accepted = accept_connection(listener.as_fd()).unwrap();
+        assert!(
+            is_agent_socket(accepted.as_raw_fd()),
+            "accepted sockets carry the name"
+        );
+        assert!(
+            !is_agent_socket(client.as_raw_fd()),
+            "the client end is unnamed"
+        );
+        let other = gpusnap_proto::bind_abstract_listener(b"\0gpusnap-something-else").unwrap();
+        assert!(!is_agent_socket(other.as_raw_fd()));
+        let (a, _b) = gpusnap_proto::seqpacket_pair().unwrap();
+        assert!(!is_agent_socket(a.as_raw_fd()));
+        let f = std::fs::File::open("/proc/self/status").unwrap();
+        assert!(!is_agent_socket(f.as_raw_fd()));
+        assert!(!is_agent_socket(-1));
+    }
 }

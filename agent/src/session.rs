@@ -48,13 +48,23 @@ impl Fail {
         Fail::bad_state(format!("{req:?} is not expected {phase}"))
     }
     pub fn busy() -> Self {
-        Fail::Reply(
-            ErrorCode::Busy,
-            format!(
-                "the allocation table stayed locked for {} ms (an application thread holds it)",
-                AGENT_LOCK_WAIT.as_millis()
-            ),
-        )
+        Fail::Reply(ErrorCode::Busy, busy_message())
+    }
+}
+
+/// Why the agent answers `Busy`.
+fn busy_message() -> String {
+    format!(
+        "the allocation table stayed locked for {} ms (an application thread holds it)",
+        AGENT_LOCK_WAIT.as_millis()
+    )
+}
+
+/// The reply when the allocation table cannot be locked in time.
+pub fn busy_reply() -> Reply {
+    Reply::Error {
+        code: ErrorCode::Busy,
+        message: busy_message(),
     }
 }
 

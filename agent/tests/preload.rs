@@ -422,11 +422,11 @@ fn forked_child_inherits_no_agent() {
         eprintln!("python3 not installed: skipped");
         return;
     }
-    // The parent prints the child's pid; the child only sleeps (no CUDA, so no agent of its own).
+    // The child prints its own pid once fork() has returned in it (its atfork handlers have
+    // run by then), then only sleeps (no CUDA, so no agent of its own).
     let script = "import os, sys, time\n\
                   pid = os.fork()\n\
-                  if pid == 0:\n    time.sleep(20)\n    os._exit(0)\n\
-                  print(pid, flush=True)\n\
+                  if pid == 0:\n    print(os.getpid(), flush=True)\n    time.sleep(20)\n    os._exit(0)\n\
                   time.sleep(20)";
     let mut parent = preloaded("python3")
         .args(["-c", script])

@@ -2,7 +2,7 @@
 
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitStatus, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::thread::sleep;
 use std::time::{Duration, Instant};
 
@@ -118,6 +118,135 @@ impl CriuRun {
             tail.join("\n  "),
             self.output.trim_end(),
         )
+    }
+}
+
+/// A `criu` started in the background: waited for with [`BackgroundCriu::wait`], or killed part-way
+/// with [`BackgroundCriu::kill`]. Dropping it SIGKILLs and reaps criu if it still runs.
+#[derive(Debug)]
+pub struct BackgroundCriu {
+    pub cmdline: String,
+    child: Option<Child>,
+    log_path: PathBuf,
+    out_path: PathBuf,
+}
+
+impl BackgroundCriu {
+    /// Starts `criu <args>` with `env` added to its environment (the harness-only variables
+    /// removed); `log_path` is where the `-o` argument in `args` makes it log, and its stdout and
+    /// stderr go next to it (`.stdio`).
+    pub fn spawn(
+        criu: &Path,
+        args: &[String],
+        env: &[(&str, &str)],
+        log_path: &Path,
+    ) -> Result<BackgroundCriu, String> {
+        let cmdline = format!("{} {}", criu.display(), args.join(" "));
+        let out_path = log_path.with_extension("stdio");
+        let out =
+            fs::File::create(&out_path).map_err(|e| format!("{}: {e}", out_path.display()))?;
+        let err = out.try_clone().map_err(|e| e.to_string())?;
+        let mut cmd = Command::new(criu);
+        for v in crate::harness::HARNESS_ONLY_ENV {
+            cmd.env_remove(v);
+        }
+        let child = cmd
+            .args(args)
+            .envs(env.iter().copied())
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .spawn()
+            .map_err(|e| format!("cannot run {cmdline}: {e}"))?;
+        Ok(BackgroundCriu {
+            cmdline,
+            child: Some(child),
+            log_path: log_path.to_owned(),
+            out_path,
+        })
+    }
+
+    /// criu's pid (`scripts/criu` execs it, so this is criu itself).
+    pub fn pid(&self) -> i32 {
+        self.child.as_ref().map_or(0, |c| c.id() as i32)
+    }
+
+    /// The exit status if criu has exited (it is then reaped).
+    pub fn try_status(&mut self) -> Option<ExitStatus> {
+        self.child
+            .as_mut()
+            .and_then(|c| c.try_wait().ok().flatten())
+    }
+
+    /// What criu has logged so far.
+    pub fn log_so_far(&self) -> String {
+        fs::read_to_string(&self.log_path).unwrap_or_default()
+    }
+
+    /// Waits up to `timeout` for criu to exit.
+    pub fn wait(mut self, timeout: Duration) -> Result<CriuRun, String> {
+        let deadline = Instant::now() + timeout;
+        let status = loop {
+            let c = self.child.as_mut().expect("child present until finished");
+            match c.try_wait() {
+                Ok(Some(st)) => break st,
+                Ok(None) if Instant::now() < deadline => sleep(Duration::from_millis(10)),
+                Ok(None) => return Err(format!("{}: timed out after {timeout:?}", self.cmdline)),
+                Err(e) => return Err(format!("{}: wait: {e}", self.cmdline)),
+            }
+        };
+        Ok(self.finished(status))
+    }
+
+    /// SIGKILLs criu wherever it is, reaps it and returns what it logged.
+    pub fn kill(mut self) -> Result<CriuRun, String> {
+        let c = self.child.as_mut().expect("child present until finished");
+        c.kill()
+            .map_err(|e| format!("{}: kill: {e}", self.cmdline))?;
+        let status = c
+            .wait()
+            .map_err(|e| format!("{}: wait: {e}", self.cmdline))?;
+        Ok(self.finished(status))
+    }
+
+    fn finished(&mut self, status: ExitStatus) -> CriuRun {
+        self.child = None;
+        CriuRun {
+            cmdline: self.cmdline.clone(),
+            status,
+            output: fs::read_to_string(&self.out_path).unwrap_or_default(),
+            log_path: self.log_path.clone(),
+            log: fs::read_to_string(&self.log_path).unwrap_or_default(),
+        }
+    }
+}
+
+impl Drop for BackgroundCriu {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl CriuRun {
+    /// As [`CriuRun::run`], with `env` added to criu's environment.
+    pub fn run_with_env(
+        criu: &Path,
+        args: &[String],
+        env: &[(&str, &str)],
+        log_path: &Path,
+    ) -> Result<CriuRun, String> {
+        BackgroundCriu::spawn(criu, args, env, log_path)?.wait(CRIU_TIMEOUT)
+    }
+
+    /// The gpusnap lines that contain `needle`.
+    pub fn gpusnap_lines_with(&self, needle: &str) -> Vec<&str> {
+        self.gpusnap_lines()
+            .into_iter()
+            .filter(|l| l.contains(needle))
+            .collect()
     }
 }
 

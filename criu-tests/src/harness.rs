@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use crate::counter_log::CounterLog;
-use crate::criu::CriuRun;
+use crate::criu::{BackgroundCriu, CriuRun};
 use crate::procs;
 
 /// Set to `1` to skip the CRIU tests (they print that they were skipped).
@@ -355,6 +355,32 @@ impl WorkDir {
             "-o".into(),
             log.into(),
         ]
+    }
+
+    /// `criu <action> -D <images> -L plugins -v4 -o <log>`, with `log` absolute: for image
+    /// directories other than [`WorkDir::images`], and for logs that must not be written into
+    /// the image directory (a full file system).
+    pub fn criu_args_in(&self, action: &str, images: &Path, log: &Path) -> Vec<String> {
+        vec![
+            action.into(),
+            "-D".into(),
+            images.display().to_string(),
+            "-L".into(),
+            self.plugins.display().to_string(),
+            "-v4".into(),
+            "-o".into(),
+            log.display().to_string(),
+        ]
+    }
+
+    /// Runs `scripts/criu <args>` with `env` added to its environment; `log` is its `-o` log.
+    pub fn run_criu(&self, args: &[String], env: &[(&str, &str)], log: &Path) -> CriuRun {
+        CriuRun::run_with_env(&self.h.criu, args, env, log).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Starts `scripts/criu <args>` in the background (see [`BackgroundCriu`]).
+    pub fn spawn_criu(&self, args: &[String], env: &[(&str, &str)], log: &Path) -> BackgroundCriu {
+        BackgroundCriu::spawn(&self.h.criu, args, env, log).unwrap_or_else(|e| panic!("{e}"))
     }
 
     /// Names of the files in the image directory.

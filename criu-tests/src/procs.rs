@@ -182,6 +182,26 @@ pub fn maps_contain(pid: i32, needle: &str) -> bool {
     fs::read_to_string(format!("/proc/{pid}/maps")).is_ok_and(|m| m.contains(needle))
 }
 
+/// The `TracerPid:` of `/proc/<pid>/status` (0: not traced); `None` if there is no such task.
+pub fn tracer_pid(pid: i32) -> Option<i32> {
+    fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix("TracerPid:"))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// How many of `pid`'s file descriptors are sockets.
+pub fn socket_fds(pid: i32) -> usize {
+    fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| {
+        d.flatten()
+            .filter(|e| {
+                fs::read_link(e.path()).is_ok_and(|t| t.to_string_lossy().starts_with("socket:"))
+            })
+            .count()
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -207,5 +227,7 @@ mod tests {
         let me = std::process::id() as i32;
         assert!(is_alive(me));
         assert!(!pid_users(me).is_empty());
+        assert_eq!(tracer_pid(me), Some(0));
+        assert_eq!(tracer_pid(-1), None);
     }
 }

@@ -298,16 +298,17 @@ pub fn copy_in(
         let _ = free_tx.send(i);
     }
     let (err_tx, err_rx) = unbounded::<String>();
-    let files = manifest.files.len() as u32;
-    let readers = readers.clamp(1, files.max(1) as usize) as u32;
+    let files = file_indexes(manifest);
+    let readers = readers.clamp(1, files.len().max(1));
     let total = manifest.chunks.len();
     let outcome = std::thread::scope(|s| {
         for r in 0..readers {
             let free_rx = free_rx.clone();
             let err_tx = err_tx.clone();
+            let files = &files;
             s.spawn(move || {
                 block_signals();
-                let mine = (0..files).filter(|f| f % readers == r);
+                let mine = files.iter().copied().skip(r).step_by(readers);
                 if let Err(e) = read_files(mine, &free_rx, chan, staging, dir, manifest) {
                     let _ = err_tx.send(e);
                 }
@@ -334,6 +335,15 @@ pub fn copy_in(
         bytes,
         seconds: t0.elapsed().as_secs_f64(),
     })
+}
+
+/// The data-file indexes that hold chunks. Writers that got no chunk wrote no file, so the
+/// indexes can have gaps (`data-0`, `data-2`, ...): they are not `0..files.len()`.
+fn file_indexes(manifest: &Manifest) -> Vec<u32> {
+    let mut v: Vec<u32> = manifest.chunks.iter().map(|c| c.file).collect();
+    v.sort_unstable();
+    v.dedup();
+    v
 }
 
 fn read_files(
@@ -401,4 +411,46 @@ fn pump_load_replies(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpusnap_image::CheckpointPath;
+
+    fn chunk(file: u32, addr: u64) -> ChunkEntry {
+        ChunkEntry {
+            file,
+            file_offset: 64,
+            addr,
+            len: 4096,
+            stored_len: 4096,
+            codec: Codec::Raw,
+            checksum: 0,
+        }
+    }
+
+    #[test]
+    fn file_indexes_follow_the_chunks_not_the_file_count() {
+        // Regression: with 9 of 16 writers busy, files 0..9 were assumed and data-0 was missing.
+        let m = Manifest {
+            format_version: 1,
+            nspid: 1,
+            path: CheckpointPath::Split,
+            created_unix_s: 0,
+            gpusnap_version: String::new(),
+            driver_version: 0,
+            gpus: vec![],
+            allocations: vec![],
+            files: vec![],
+            chunks: vec![
+                chunk(5, 0),
+                chunk(2, 4096),
+                chunk(5, 8192),
+                chunk(11, 12288),
+            ],
+            timings_s: Default::default(),
+        };
+        assert_eq!(file_indexes(&m), vec![2, 5, 11]);
+    }
 }

@@ -33,6 +33,7 @@ extern "C" fn child() {
             g.clear();
         }
         crate::server::forget_in_child();
+        crate::hazards::forget_in_child();
     });
 }
 

@@ -14,15 +14,16 @@ use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 use std::panic::AssertUnwindSafe;
 
 use cudarc::driver::sys::{
-    CUdeviceptr, CUdriverProcAddressQueryResult, CUmemAllocationProp, CUmemGenericAllocationHandle,
-    CUmemLocation, cuuint64_t,
+    CUcontext, CUdeviceptr, CUdriverProcAddressQueryResult, CUipcMemHandle, CUmemAllocationProp,
+    CUmemGenericAllocationHandle, CUmemLocation, cuuint64_t,
 };
+use gpusnap_proto::hazard;
 
 use crate::convert;
 use crate::log::debug;
 use crate::real::{
-    self, CUDA_ERROR_NOT_FOUND, CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_UNKNOWN, CUDA_SUCCESS,
-    CuRes, Driver,
+    self, CUDA_ERROR_NOT_FOUND, CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_NOT_SUPPORTED,
+    CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED, CUDA_ERROR_UNKNOWN, CUDA_SUCCESS, CuRes, Driver,
 };
 use crate::table;
 
@@ -52,10 +53,18 @@ pub enum Hooked {
     MemRelease,
     GetProcAddress,
     GetProcAddressV2,
+    // Recorded only: state the driver checkpoint cannot take (see `hazards`).
+    MemAllocManaged,
+    IpcGetMemHandle,
+    IpcOpenMemHandle,
+    CtxEnablePeerAccess,
+    MemExportToShareableHandle,
 }
 
 /// `cuGetProcAddress` returns the `_v2` ABI of the allocation calls from this version on.
 const V2_ALLOC_ABI: c_int = 3020;
+/// `cuGetProcAddress("cuIpcOpenMemHandle")` returns the `_v2` export from this version on.
+const V2_IPC_OPEN_ABI: c_int = 11000;
 /// `cuGetProcAddress("cuGetProcAddress")` returns the `_v2` ABI from this version on.
 const V2_PROC_ADDRESS_ABI: c_int = 12000;
 
@@ -72,6 +81,11 @@ impl Hooked {
             b"cuMemRelease" => Hooked::MemRelease,
             b"cuGetProcAddress" => Hooked::GetProcAddress,
             b"cuGetProcAddress_v2" => Hooked::GetProcAddressV2,
+            b"cuMemAllocManaged" => Hooked::MemAllocManaged,
+            b"cuIpcGetMemHandle" => Hooked::IpcGetMemHandle,
+            b"cuIpcOpenMemHandle_v2" => Hooked::IpcOpenMemHandle,
+            b"cuCtxEnablePeerAccess" => Hooked::CtxEnablePeerAccess,
+            b"cuMemExportToShareableHandle" => Hooked::MemExportToShareableHandle,
             _ => return None,
         })
     }
@@ -91,6 +105,13 @@ impl Hooked {
                 Some(Hooked::GetProcAddressV2)
             }
             b"cuGetProcAddress" => Some(Hooked::GetProcAddress),
+            b"cuMemAllocManaged" => Some(Hooked::MemAllocManaged),
+            b"cuIpcGetMemHandle" => Some(Hooked::IpcGetMemHandle),
+            b"cuIpcOpenMemHandle" if cuda_version >= V2_IPC_OPEN_ABI => {
+                Some(Hooked::IpcOpenMemHandle)
+            }
+            b"cuCtxEnablePeerAccess" => Some(Hooked::CtxEnablePeerAccess),
+            b"cuMemExportToShareableHandle" => Some(Hooked::MemExportToShareableHandle),
             _ => None,
         }
     }
@@ -107,6 +128,11 @@ impl Hooked {
             Hooked::MemRelease => cuMemRelease as *mut c_void,
             Hooked::GetProcAddress => cuGetProcAddress as *mut c_void,
             Hooked::GetProcAddressV2 => cuGetProcAddress_v2 as *mut c_void,
+            Hooked::MemAllocManaged => cuMemAllocManaged as *mut c_void,
+            Hooked::IpcGetMemHandle => cuIpcGetMemHandle as *mut c_void,
+            Hooked::IpcOpenMemHandle => cuIpcOpenMemHandle_v2 as *mut c_void,
+            Hooked::CtxEnablePeerAccess => cuCtxEnablePeerAccess as *mut c_void,
+            Hooked::MemExportToShareableHandle => cuMemExportToShareableHandle as *mut c_void,
         }
     }
 
@@ -126,6 +152,11 @@ impl Hooked {
             Hooked::GetProcAddressV2 => d
                 .get_proc_address_v2
                 .map_or(std::ptr::null_mut(), |f| f as *mut c_void),
+            Hooked::MemAllocManaged => opt(d.mem_alloc_managed),
+            Hooked::IpcGetMemHandle => opt(d.ipc_get_mem_handle),
+            Hooked::IpcOpenMemHandle => opt(d.ipc_open_mem_handle),
+            Hooked::CtxEnablePeerAccess => opt(d.ctx_enable_peer_access),
+            Hooked::MemExportToShareableHandle => opt(d.mem_export_to_shareable_handle),
         }
     }
 }
@@ -520,9 +551,190 @@ pub unsafe extern "C" fn cuMemRelease(handle: CUmemGenericAllocationHandle) -> C
     })
 }
 
+/// An optional driver entry point as a plain pointer (null when absent).
+fn opt<F: Copy>(f: Option<F>) -> *mut c_void {
+    const { assert!(std::mem::size_of::<F>() == std::mem::size_of::<*mut c_void>()) };
+    // SAFETY: F is a function-pointer type (the same size as a data pointer, asserted above).
+    f.map_or(std::ptr::null_mut(), |f| unsafe {
+        std::mem::transmute_copy::<F, *mut c_void>(&f)
+    })
+}
+
+/// Calls an optional driver function through `call` and records `bit` when `ok(rc)`.
+fn record_hazard<F: Copy>(
+    name: &str,
+    bit: u32,
+    pick: impl FnOnce(&Driver) -> Option<F>,
+    call: impl FnOnce(F) -> CuRes,
+    ok: impl FnOnce(CuRes) -> bool,
+) -> CuRes {
+    let drv = match driver_for(name) {
+        Ok(d) => d,
+        Err(rc) => return rc,
+    };
+    let Some(f) = pick(drv) else {
+        return CUDA_ERROR_NOT_SUPPORTED;
+    };
+    let rc = call(f);
+    if ok(rc) {
+        crate::hazards::record(bit);
+        debug!("{name}: recorded (the driver checkpoint cannot take this state)");
+    }
+    rc
+}
+
+/// Interposes `cuMemAllocManaged`: passes through, records managed memory.
+///
+/// # Safety
+/// As the driver function.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAllocManaged(
+    dptr: *mut CUdeviceptr,
+    size: usize,
+    flags: c_uint,
+) -> CuRes {
+    guard(CUDA_ERROR_UNKNOWN, || {
+        record_hazard(
+            "cuMemAllocManaged",
+            hazard::MANAGED_MEMORY,
+            |d| d.mem_alloc_managed,
+            // SAFETY: the caller's arguments are passed to the real function unchanged.
+            |f| unsafe { f(dptr, size, flags) },
+            |rc| rc == CUDA_SUCCESS,
+        )
+    })
+}
+
+/// Interposes `cuIpcGetMemHandle`: passes through, records the export.
+///
+/// # Safety
+/// As the driver function.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuIpcGetMemHandle(
+    handle: *mut CUipcMemHandle,
+    dptr: CUdeviceptr,
+) -> CuRes {
+    guard(CUDA_ERROR_UNKNOWN, || {
+        record_hazard(
+            "cuIpcGetMemHandle",
+            hazard::IPC_EXPORT,
+            |d| d.ipc_get_mem_handle,
+            // SAFETY: the caller's arguments are passed to the real function unchanged.
+            |f| unsafe { f(handle, dptr) },
+            |rc| rc == CUDA_SUCCESS,
+        )
+    })
+}
+
+/// Interposes `cuIpcOpenMemHandle_v2` (the handle is passed by value, as in cuda.h).
+///
+/// # Safety
+/// As the driver function.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuIpcOpenMemHandle_v2(
+    dptr: *mut CUdeviceptr,
+    handle: CUipcMemHandle,
+    flags: c_uint,
+) -> CuRes {
+    guard(CUDA_ERROR_UNKNOWN, || {
+        record_hazard(
+            "cuIpcOpenMemHandle_v2",
+            hazard::IPC_IMPORT,
+            |d| d.ipc_open_mem_handle,
+            // SAFETY: the caller's arguments are passed to the real function unchanged.
+            |f| unsafe { f(dptr, handle, flags) },
+            |rc| rc == CUDA_SUCCESS,
+        )
+    })
+}
+
+/// Interposes `cuCtxEnablePeerAccess`: passes through, records peer mappings.
+///
+/// # Safety
+/// As the driver function.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxEnablePeerAccess(peer: CUcontext, flags: c_uint) -> CuRes {
+    guard(CUDA_ERROR_UNKNOWN, || {
+        record_hazard(
+            "cuCtxEnablePeerAccess",
+            hazard::PEER_ACCESS,
+            |d| d.ctx_enable_peer_access,
+            // SAFETY: the caller's arguments are passed to the real function unchanged.
+            |f| unsafe { f(peer, flags) },
+            |rc| rc == CUDA_SUCCESS || rc == CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED,
+        )
+    })
+}
+
+/// Interposes `cuMemExportToShareableHandle`: passes through, records the export.
+///
+/// # Safety
+/// As the driver function.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemExportToShareableHandle(
+    out: *mut c_void,
+    handle: CUmemGenericAllocationHandle,
+    handle_type: c_uint,
+    flags: u64,
+) -> CuRes {
+    guard(CUDA_ERROR_UNKNOWN, || {
+        record_hazard(
+            "cuMemExportToShareableHandle",
+            hazard::IPC_EXPORT,
+            |d| d.mem_export_to_shareable_handle,
+            // SAFETY: the caller's arguments are passed to the real function unchanged.
+            |f| unsafe { f(out, handle, handle_type, flags) },
+            |rc| rc == CUDA_SUCCESS,
+        )
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hazard_hooks_are_found_by_symbol_and_proc_name() {
+        for (sym, proc_name, v, h) in [
+            (
+                &b"cuMemAllocManaged"[..],
+                &b"cuMemAllocManaged"[..],
+                13000,
+                Hooked::MemAllocManaged,
+            ),
+            (
+                b"cuIpcGetMemHandle",
+                b"cuIpcGetMemHandle",
+                13000,
+                Hooked::IpcGetMemHandle,
+            ),
+            (
+                b"cuIpcOpenMemHandle_v2",
+                b"cuIpcOpenMemHandle",
+                13000,
+                Hooked::IpcOpenMemHandle,
+            ),
+            (
+                b"cuCtxEnablePeerAccess",
+                b"cuCtxEnablePeerAccess",
+                13000,
+                Hooked::CtxEnablePeerAccess,
+            ),
+            (
+                b"cuMemExportToShareableHandle",
+                b"cuMemExportToShareableHandle",
+                13000,
+                Hooked::MemExportToShareableHandle,
+            ),
+        ] {
+            assert_eq!(Hooked::from_symbol(sym), Some(h));
+            assert_eq!(Hooked::from_proc_name(proc_name, v), Some(h));
+            assert!(!h.hook_addr().is_null());
+        }
+        // The v1 export of cuIpcOpenMemHandle keeps its own ABI: not swapped.
+        assert_eq!(Hooked::from_proc_name(b"cuIpcOpenMemHandle", 10020), None);
+        assert_eq!(Hooked::from_symbol(b"cuIpcOpenMemHandle"), None);
+    }
 
     #[test]
     fn proc_names_swap_only_for_matching_abi() {

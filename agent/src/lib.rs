@@ -27,6 +27,7 @@ mod cu;
 mod dump;
 mod fork;
 mod gpu;
+mod hazards;
 mod hooks;
 mod log;
 mod plan;

@@ -12,9 +12,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 use cudarc::driver::sys::{
-    CUcontext, CUdevice, CUdeviceptr, CUdriverProcAddressQueryResult, CUevent, CUmemAccessDesc,
-    CUmemAllocationGranularity_flags, CUmemAllocationProp, CUmemGenericAllocationHandle, CUresult,
-    CUstream, cuuint64_t,
+    CUcontext, CUdevice, CUdeviceptr, CUdriverProcAddressQueryResult, CUevent, CUipcMemHandle,
+    CUmemAccessDesc, CUmemAllocationGranularity_flags, CUmemAllocationProp,
+    CUmemGenericAllocationHandle, CUresult, CUstream, cuuint64_t,
 };
 
 /// A driver status code, as returned (see the module doc for why not `CUresult`).
@@ -25,6 +25,8 @@ pub const CUDA_SUCCESS: CuRes = 0;
 pub const CUDA_ERROR_NOT_INITIALIZED: CuRes = 3;
 pub const CUDA_ERROR_NOT_FOUND: CuRes = 500;
 pub const CUDA_ERROR_NOT_READY: CuRes = 600;
+pub const CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED: CuRes = 704;
+pub const CUDA_ERROR_NOT_SUPPORTED: CuRes = 801;
 pub const CUDA_ERROR_UNKNOWN: CuRes = 999;
 
 /// `dlsym`'s C signature.
@@ -131,6 +133,13 @@ driver_table! {
         get_proc_address = "cuGetProcAddress"(*const c_char, *mut *mut c_void, c_int, cuuint64_t);
         get_proc_address_v2 = "cuGetProcAddress_v2"(
             *const c_char, *mut *mut c_void, c_int, cuuint64_t, *mut CUdriverProcAddressQueryResult);
+        // Recorded only (state the driver checkpoint cannot take); see `hazards`.
+        mem_alloc_managed = "cuMemAllocManaged"(*mut CUdeviceptr, usize, c_uint);
+        ipc_get_mem_handle = "cuIpcGetMemHandle"(*mut CUipcMemHandle, CUdeviceptr);
+        ipc_open_mem_handle = "cuIpcOpenMemHandle_v2"(*mut CUdeviceptr, CUipcMemHandle, c_uint);
+        ctx_enable_peer_access = "cuCtxEnablePeerAccess"(CUcontext, c_uint);
+        mem_export_to_shareable_handle = "cuMemExportToShareableHandle"(
+            *mut c_void, CUmemGenericAllocationHandle, c_uint, u64);
     }
 }
 

@@ -285,6 +285,7 @@ fn hello() -> Reply {
         converted_bytes: s.converted_bytes,
         devices: s.devices,
         released: s.released,
+        hazards: crate::hazards::get(),
     }
 }
 

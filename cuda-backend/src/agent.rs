@@ -50,6 +50,8 @@ pub struct AgentHello {
     pub converted_bytes: u64,
     pub devices: u32,
     pub released: bool,
+    /// `gpusnap_proto::hazard` bits: state the driver checkpoint cannot take.
+    pub hazards: u32,
 }
 
 /// The last pid of the `NSpid:` line: the pid as the process itself sees it.
@@ -189,9 +191,11 @@ pub fn hello(pid: i32, chan: &Channel, timeout: Duration) -> Result<AgentHello, 
             converted_bytes,
             devices,
             released,
+            hazards,
         } => Ok(AgentHello {
             ns_pid,
             ns_tid: tid,
+            hazards,
             allocations,
             converted_bytes,
             devices,

@@ -62,13 +62,31 @@ pub fn pause(ctx: &Ctx, pid: i32) -> Result<Option<Tracked>, DumpError> {
         path: DataPath::Transparent,
         timings: Vec::new(),
     };
-    if initial == ProcessState::Running && ctx.cfg.mode == Mode::Auto {
-        match probe_agent(ctx, pid) {
-            Ok(Some(split)) => t.path = DataPath::Split(split),
-            Ok(None) => {}
-            Err(e) => log::warn!(
+    // The agent is asked while the process runs; the connection is closed again before CRIU
+    // seizes it (the process must hold no socket to CRIU when its files are dumped).
+    let hello = match agent::connect(pid).and_then(|c| {
+        c.map(|chan| agent::hello(pid, &chan, ctx.agent_timeout()))
+            .transpose()
+    }) {
+        Ok(h) => h,
+        Err(e) => {
+            log::warn!(
                 "pid {pid}: the gpusnap agent is there but unusable ({e}); using the driver path"
-            ),
+            );
+            None
+        }
+    };
+    if let Some(cause) = unsupported_state(pid, hello.as_ref()) {
+        return Err(DumpError::Other(format!(
+            "pid {pid} cannot be checkpointed: it uses {cause}, which the NVIDIA driver's checkpoint does not support. \
+             Nothing was done; the process keeps running"
+        )));
+    }
+    if initial == ProcessState::Running && ctx.cfg.mode == Mode::Auto {
+        match hello.map(|h| split_candidate(pid, h)).transpose() {
+            Ok(Some(Some(split))) => t.path = DataPath::Split(split),
+            Ok(_) => {}
+            Err(e) => log::warn!("pid {pid}: {e}; using the driver path"),
         }
     }
     if initial == ProcessState::Running {
@@ -111,16 +129,36 @@ fn gib(b: u64) -> f64 {
     b as f64 / (1u64 << 30) as f64
 }
 
-/// Greets the agent while the process runs, to choose the path. The connection is closed again:
-/// the process must hold no socket to CRIU when it is seized.
-fn probe_agent(ctx: &Ctx, pid: i32) -> Result<Option<SplitState>, DumpError> {
-    let Some(chan) = agent::connect(pid)? else {
-        return Ok(None);
-    };
-    let hello = agent::hello(pid, &chan, ctx.agent_timeout())?;
+/// State the driver cannot checkpoint, named, or `None`. The agent records managed memory,
+/// CUDA IPC and peer access as they happen; an MPS server of the process's user makes its CUDA
+/// processes MPS clients.
+fn unsupported_state(pid: i32, hello: Option<&agent::AgentHello>) -> Option<String> {
+    if let Some(server) = mps_server_of_user(pid) {
+        return Some(format!(
+            "CUDA MPS (an MPS server, pid {server}, runs for its user)"
+        ));
+    }
+    let causes = gpusnap_proto::hazard::describe(hello?.hazards);
+    (!causes.is_empty()).then(|| causes.join(", and "))
+}
+
+/// The pid of an `nvidia-cuda-mps-server` running with the uid of `pid`, if any.
+fn mps_server_of_user(pid: i32) -> Option<i32> {
+    use std::os::unix::fs::MetadataExt;
+    let uid = std::fs::metadata(format!("/proc/{pid}")).ok()?.uid();
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let p: i32 = e.file_name().to_str()?.parse().ok()?;
+        let comm = std::fs::read_to_string(e.path().join("comm")).ok()?;
+        (comm.trim_end().starts_with("nvidia-cuda-mps") && e.metadata().ok()?.uid() == uid)
+            .then_some(p)
+    })
+}
+
+/// Whether the agent's answer makes the process a split-path candidate.
+fn split_candidate(pid: i32, hello: agent::AgentHello) -> Result<Option<SplitState>, DumpError> {
     if hello.released {
         return Err(DumpError::Other(
-            "agent reports its memory as released (an earlier dump did not finish?)".into(),
+            "the agent reports its memory as released (an earlier dump did not finish?)".into(),
         ));
     }
     if hello.converted_bytes == 0 {
@@ -245,7 +283,9 @@ fn checkpoint_one(ctx: &Ctx, t: &mut Tracked) -> Result<(), DumpError> {
     t.driver = DriverStage::Checkpointed; // set first: a failed checkpoint is rolled back too
     ctx.api
         .checkpoint(t.pid)
-        .map_err(driver("driver checkpoint"))?;
+        .map_err(driver(
+            "driver checkpoint (it fails on state it cannot take: managed memory, CUDA IPC, MPS, GPU peer access)",
+        ))?;
     let phase = if t.is_split() {
         "control"
     } else {

@@ -22,7 +22,9 @@ mod tests;
 
 pub use channel::Channel;
 pub use error::ProtoError;
-pub use message::{AllocKind, ErrorCode, HEADER_LEN, MAGIC, MAX_ERROR_MESSAGE, Reply, Request};
+pub use message::{
+    AllocKind, ErrorCode, HEADER_LEN, MAGIC, MAX_ERROR_MESSAGE, Reply, Request, hazard,
+};
 pub use socket::{
     AGENT_SOCKET_PREFIX, LISTEN_BACKLOG, accept_connection, agent_socket_name,
     bind_abstract_listener, bind_agent_listener, connect_abstract, connect_agent, peer_cred,
@@ -30,6 +32,6 @@ pub use socket::{
 };
 
 /// Version carried in every message header and in `Hello`.
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;
 /// Largest message on the wire, header included.
 pub const MAX_MESSAGE: usize = 512;

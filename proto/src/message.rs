@@ -119,6 +119,37 @@ pub enum Request {
     RestoreDataDone,
 }
 
+/// Bits of [`Reply::Hello::hazards`]: what the process did that the driver's checkpoint cannot
+/// take, so the plugin refuses the dump (naming the cause) before touching the process.
+pub mod hazard {
+    /// `cuMemAllocManaged`: managed (unified) memory.
+    pub const MANAGED_MEMORY: u32 = 1 << 0;
+    /// `cuIpcGetMemHandle` / `cuMemExportToShareableHandle`: device memory shared with others.
+    pub const IPC_EXPORT: u32 = 1 << 1;
+    /// `cuIpcOpenMemHandle`: another process's device memory mapped here.
+    pub const IPC_IMPORT: u32 = 1 << 2;
+    /// `cuCtxEnablePeerAccess`: cross-GPU peer mappings.
+    pub const PEER_ACCESS: u32 = 1 << 3;
+
+    /// Human words for a set of bits.
+    pub fn describe(bits: u32) -> Vec<&'static str> {
+        let mut v = Vec::new();
+        if bits & MANAGED_MEMORY != 0 {
+            v.push("managed (unified) memory (cuMemAllocManaged / cudaMallocManaged)");
+        }
+        if bits & IPC_EXPORT != 0 {
+            v.push("device memory exported to other processes (CUDA IPC handles)");
+        }
+        if bits & IPC_IMPORT != 0 {
+            v.push("another process's device memory opened through CUDA IPC");
+        }
+        if bits & PEER_ACCESS != 0 {
+            v.push("peer access between GPUs (cuCtxEnablePeerAccess / cudaDeviceEnablePeerAccess)");
+        }
+        v
+    }
+}
+
 /// Agent → plugin.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Reply {
@@ -138,6 +169,8 @@ pub enum Reply {
         devices: u32,
         /// Whether any converted allocation's physical memory is released.
         released: bool,
+        /// [`hazard`] bits: state the driver cannot checkpoint, seen since the process started.
+        hazards: u32,
     },
     /// One tracked allocation.
     Allocation {
@@ -373,6 +406,7 @@ impl Reply {
                 converted_bytes,
                 devices,
                 released,
+                hazards,
             } => {
                 header(&mut w, kind::REP_HELLO);
                 w.u16(*version);
@@ -382,6 +416,7 @@ impl Reply {
                 w.u64(*converted_bytes);
                 w.u32(*devices);
                 w.bool(*released);
+                w.u32(*hazards);
             }
             Reply::Allocation {
                 id,
@@ -465,6 +500,7 @@ impl Reply {
                 converted_bytes: r.u64()?,
                 devices: r.u32()?,
                 released: r.bool()?,
+                hazards: r.u32()?,
             },
             kind::REP_ALLOCATION => Reply::Allocation {
                 id: r.u64()?,

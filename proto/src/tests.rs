@@ -44,6 +44,7 @@ fn all_replies() -> Vec<Reply> {
             converted_bytes: 1 << 40,
             devices: 2,
             released: true,
+            hazards: 5,
         },
         Reply::Allocation {
             id: 9,
@@ -189,10 +190,10 @@ fn header_errors_are_typed() {
     b[0] ^= 1;
     assert!(matches!(Request::decode(&b), Err(ProtoError::BadMagic)));
     let mut b = enc_req(&Request::Release);
-    b[4] = 2;
+    b[4] = 3;
     assert!(matches!(
         Request::decode(&b),
-        Err(ProtoError::VersionMismatch { ours: 1, theirs: 2 })
+        Err(ProtoError::VersionMismatch { ours: 2, theirs: 3 })
     ));
     let mut b = enc_req(&Request::Release);
     b[6] = 0x77;
@@ -236,8 +237,11 @@ fn bad_field_values_are_rejected() {
         converted_bytes: 0,
         devices: 0,
         released: false,
+        hazards: 0,
     });
-    *b.last_mut().unwrap() = 2;
+    // The boolean sits just before the 4-byte hazards field.
+    let n = b.len();
+    b[n - 5] = 2;
     assert!(matches!(Reply::decode(&b), Err(ProtoError::Malformed(_))));
     // Error code 0 and 8.
     for code in [0u16, 8] {

@@ -63,8 +63,39 @@ pub fn block_signals() {
     }
 }
 
-fn expect_ready(chan: &Channel, stall: Duration) -> Result<(), DataError> {
-    match chan.recv_reply(Some(stall))? {
+enum Direction {
+    /// Device to image (`DumpBegin`).
+    Out,
+    /// Image to device (`RestoreBegin`: the agent re-creates its memory first).
+    In,
+}
+
+/// Sends the agent the ring (its memfd attached) and waits until it is mapped and pinned.
+fn hand_over_ring(
+    chan: &Channel,
+    staging: &Staging,
+    limits: Limits,
+    dir: Direction,
+) -> Result<(), DataError> {
+    let (slot_size, slots, streams) = (
+        staging.slot_size() as u64,
+        staging.slots() as u32,
+        limits.streams,
+    );
+    let req = match dir {
+        Direction::Out => Request::DumpBegin {
+            slot_size,
+            slots,
+            streams,
+        },
+        Direction::In => Request::RestoreBegin {
+            slot_size,
+            slots,
+            streams,
+        },
+    };
+    chan.send_request(&req, Some(staging.fd().as_fd()))?;
+    match chan.recv_reply(Some(limits.stall))? {
         Reply::Ready => Ok(()),
         Reply::Error { message, .. } => Err(DataError::Agent(message)),
         other => Err(DataError::Unexpected(format!("{other:?}"), "Ready")),
@@ -83,15 +114,7 @@ pub fn copy_out(
     limits: Limits,
 ) -> Result<DumpData, DataError> {
     let t0 = Instant::now();
-    chan.send_request(
-        &Request::DumpBegin {
-            slot_size: staging.slot_size() as u64,
-            slots: staging.slots() as u32,
-            streams: limits.streams,
-        },
-        Some(staging.fd().as_fd()),
-    )?;
-    expect_ready(chan, limits.stall)?;
+    hand_over_ring(chan, staging, limits, Direction::Out)?;
 
     let (work_tx, work_rx) = bounded::<Work>(staging.slots());
     let (err_tx, err_rx) = unbounded::<String>();
@@ -283,15 +306,7 @@ pub fn copy_in(
     limits: Limits,
 ) -> Result<LoadStats, DataError> {
     let t0 = Instant::now();
-    chan.send_request(
-        &Request::RestoreBegin {
-            slot_size: staging.slot_size() as u64,
-            slots: staging.slots() as u32,
-            streams: limits.streams,
-        },
-        Some(staging.fd().as_fd()),
-    )?;
-    expect_ready(chan, limits.stall)?;
+    hand_over_ring(chan, staging, limits, Direction::In)?;
 
     let (free_tx, free_rx) = bounded::<u32>(staging.slots());
     for i in 0..staging.slots() as u32 {

@@ -216,14 +216,7 @@ pub fn checkpoint_all(ctx: &Ctx, procs: &mut [Tracked]) -> Vec<(i32, Result<(), 
             .collect()
     });
     for ((t, threads), (pid, r)) in work.into_iter().zip(outcomes) {
-        let stopped = threads.into_iter().try_for_each(|th| {
-            let tid = th.tid();
-            th.stop().map_err(|err| DumpError::Ptrace {
-                tid,
-                what: "stopping a thread after the checkpoint",
-                err,
-            })
-        });
+        let stopped = stop_all(threads, "stopping a thread after the checkpoint");
         if r.is_ok() {
             log::info!("pid {}: dump phases: {}", t.pid, t.timings_line());
         }
@@ -236,6 +229,15 @@ pub fn checkpoint_all(ctx: &Ctx, procs: &mut [Tracked]) -> Vec<(i32, Result<(), 
         );
     }
     results
+}
+
+/// Stops threads resumed for a checkpoint or restore again; the first failure is reported.
+pub fn stop_all(threads: Vec<RunningThread>, what: &'static str) -> Result<(), DumpError> {
+    threads.into_iter().try_for_each(|th| {
+        let tid = th.tid();
+        th.stop()
+            .map_err(|err| DumpError::Ptrace { tid, what, err })
+    })
 }
 
 /// Resumes the driver's restore thread and, on the split path, the agent thread.

@@ -2,7 +2,7 @@
 //! then each process gets its control state back from the driver and its data from the agent.
 
 use crate::context::Ctx;
-use crate::dump::{DumpError, load_with_agent_running};
+use crate::dump::{DumpError, load_with_agent_running, stop_all};
 use crate::gpumap;
 use crate::ptrace::RunningThread;
 use gpusnap_image::{CheckpointPath, Manifest};
@@ -198,14 +198,7 @@ pub fn resume_all(ctx: &Ctx, items: &[(i32, Manifest)]) -> Vec<(i32, Result<(), 
     });
     let n = work.len();
     for ((pid, _, _, threads), r) in work.into_iter().zip(outcomes) {
-        let stopped = threads.into_iter().try_for_each(|th| {
-            let tid = th.tid();
-            th.stop().map_err(|err| DumpError::Ptrace {
-                tid,
-                what: "stopping a thread after the restore",
-                err,
-            })
-        });
+        let stopped = stop_all(threads, "stopping a thread after the restore");
         results.push((pid, r.and(stopped)));
     }
     if n > 1 {

@@ -162,7 +162,11 @@ fn structured(d: &Dir, data: &[u8]) {
             let len = 1 + (b.u32() % 6000) as usize;
             let flags = b.u8();
             let bytes = chunk_bytes(len, b.u8(), flags & 1 == 0);
-            let codec = if flags & 2 == 0 { Codec::Zstd } else { Codec::Raw };
+            let codec = if flags & 2 == 0 {
+                Codec::Zstd
+            } else {
+                Codec::Raw
+            };
             chunks.push(w.append_chunk(addr, &bytes, codec).unwrap());
             written.insert(addr, bytes);
             addr += len as u64;
@@ -266,7 +270,11 @@ fn structured(d: &Dir, data: &[u8]) {
         let verified = verify_image(fd, &m2, 2).is_ok();
         let got = read_all(fd, &m2);
         if verified {
-            assert_eq!(got.len(), m2.chunks.len(), "verify passed but a read failed");
+            assert_eq!(
+                got.len(),
+                m2.chunks.len(),
+                "verify passed but a read failed"
+            );
         }
         for (a, bytes) in got {
             assert_eq!(

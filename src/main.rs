@@ -3,13 +3,14 @@
 //! - `inspect DIR [--json]`: what a checkpoint image holds, per process;
 //! - `verify DIR`: full integrity check of every gpusnap image in DIR;
 //! - `check`: is this host ready for GPU checkpoints (CRIU, plugin, driver, agent, ptrace)?
-//! - `recover`: reserved.
+//! - `recover PID [--images DIR]`: bring a process back after a dump that was cut short.
 //!
 //! Image bytes are parsed only by the `gpusnap-image` crate; this binary formats what it returns.
 //! Exit codes: 0 success, 1 a problem was found (damage, failed check), 2 usage error.
 
 mod check;
 mod inspect;
+mod recover;
 mod util;
 mod verify;
 
@@ -48,17 +49,11 @@ const COMMANDS: &[Command] = &[
     },
     Command {
         name: "recover",
-        args: "...",
-        about: "(not implemented yet)",
-        // Placeholder: add `mod recover;` and set `run: recover::run`.
-        run: not_implemented,
+        args: "PID [--images DIR]",
+        about: "after a dump cut short: unlock the process and reload its GPU data",
+        run: recover::run,
     },
 ];
-
-fn not_implemented(_args: &[String]) -> ExitCode {
-    eprintln!("gpusnap: not implemented yet");
-    ExitCode::from(EXIT_USAGE)
-}
 
 fn usage() -> String {
     let mut s = format!(

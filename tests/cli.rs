@@ -291,3 +291,26 @@ fn check_reports_each_finding() {
         "{s}"
     );
 }
+
+#[test]
+fn recover_checks_its_arguments_and_the_process() {
+    assert_eq!(gpusnap(&["recover"]).status.code(), Some(2));
+    assert_eq!(gpusnap(&["recover", "abc"]).status.code(), Some(2));
+    let o = gpusnap(&["recover", "2147483646"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("no process"));
+    // A live process without CUDA state: nothing to recover (exit 0), or, on a host without a
+    // driver, an error that says the driver is missing (exit 1).
+    let me = std::process::id().to_string();
+    let o = gpusnap(&["recover", &me]);
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    match o.status.code() {
+        Some(0) => assert!(text.contains("nothing to recover"), "{text}"),
+        Some(1) => assert!(text.contains("NVIDIA driver"), "{text}"),
+        other => panic!("unexpected exit {other:?}: {text}"),
+    }
+}

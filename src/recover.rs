@@ -1,0 +1,51 @@
+//! `gpusnap recover PID [--images DIR]`: brings a GPU process back to running after a dump that
+//! was cut short (CRIU killed mid-dump). The work is the plugin's (`gpusnap::recover`), so the
+//! CLI and the plugin undo a dump the same way.
+
+use std::path::Path;
+use std::process::ExitCode;
+
+use crate::util::{self, EXIT_PROBLEM};
+
+const SYNOPSIS: &str = "PID [--images DIR]";
+
+pub fn run(args: &[String]) -> ExitCode {
+    let mut pid = None;
+    let mut images = None;
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--images" => match it.next() {
+                Some(d) => images = Some(d.clone()),
+                None => {
+                    return util::usage_error("recover", SYNOPSIS, "--images needs a directory");
+                }
+            },
+            s if s.starts_with('-') => {
+                return util::usage_error("recover", SYNOPSIS, &format!("unknown option {s}"));
+            }
+            s if pid.is_none() => match s.parse::<i32>() {
+                Ok(p) if p > 0 => pid = Some(p),
+                _ => return util::usage_error("recover", SYNOPSIS, &format!("bad pid {s:?}")),
+            },
+            s => return util::usage_error("recover", SYNOPSIS, &format!("unexpected {s:?}")),
+        }
+    }
+    let Some(pid) = pid else {
+        return util::usage_error("recover", SYNOPSIS, "missing PID");
+    };
+    if !Path::new(&format!("/proc/{pid}")).exists() {
+        eprintln!("gpusnap recover: no process {pid}");
+        return ExitCode::from(EXIT_PROBLEM);
+    }
+    match gpusnap::recover::recover(pid, images.as_deref().map(Path::new)) {
+        Ok(msg) => {
+            println!("{msg}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("gpusnap recover: {e}");
+            ExitCode::from(EXIT_PROBLEM)
+        }
+    }
+}

@@ -245,7 +245,7 @@ fn usage_errors_exit_2() {
         assert_eq!(o.status.code(), Some(2), "{args:?}: {o:?}");
     }
     let o = gpusnap(&["recover"]);
-    assert!(String::from_utf8_lossy(&o.stderr).contains("not implemented yet"));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("missing PID"));
     assert!(gpusnap(&["--help"]).status.success());
 }
 

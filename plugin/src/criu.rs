@@ -24,6 +24,7 @@ pub mod hook {
     pub const RESUME_DEVICES_LATE: usize = 9;
     pub const PAUSE_DEVICES: usize = 10;
     pub const CHECKPOINT_DEVICES: usize = 11;
+    pub const POST_FORKING: usize = 12;
 }
 
 /// `enum cr_plugin_stage`.

@@ -59,6 +59,10 @@ unsafe extern "C" fn resume_devices_late(pid: c_int) -> c_int {
     })
 }
 
+unsafe extern "C" fn post_forking() -> c_int {
+    guard(-1, || plugin::with(0, |p| p.post_forking()))
+}
+
 unsafe extern "C" fn handle_device_vma(_fd: c_int, st: *const libc::stat) -> c_int {
     guard(plugin::ENOTSUP, || {
         if st.is_null() {
@@ -87,6 +91,8 @@ const fn hooks() -> [*const c_void; HOOK_SLOTS] {
     h[hook::RESUME_DEVICES_LATE] = resume_devices_late as *const c_void;
     h[hook::PAUSE_DEVICES] = pause_devices as *const c_void;
     h[hook::CHECKPOINT_DEVICES] = checkpoint_devices as *const c_void;
+    // Read by CRIU only when `max_hooks` is 13 (4.2+), see `set_max_hooks`.
+    h[hook::POST_FORKING] = post_forking as *const c_void;
     h
 }
 
@@ -132,6 +138,7 @@ mod tests {
         assert!(!d.hooks[hook::PAUSE_DEVICES].is_null());
         assert!(!d.hooks[hook::CHECKPOINT_DEVICES].is_null());
         assert!(!d.hooks[hook::RESUME_DEVICES_LATE].is_null());
+        assert!(!d.hooks[hook::POST_FORKING].is_null());
         assert!(d.hooks[0].is_null());
         // SAFETY: the name is a static C string.
         let name = unsafe { std::ffi::CStr::from_ptr(d.name) };

@@ -27,8 +27,10 @@ pub struct Plugin {
     checkpointed: Vec<(i32, Result<(), dump::DumpError>)>,
     /// Likewise for the restore.
     restored: Vec<(i32, Result<(), dump::DumpError>)>,
-    /// The checksum pass over the image data, running while CRIU restores the tree.
+    /// The checksum pass over the image data, running while CRIU restores the tree (4.2+).
     verification: Option<restore::Verification>,
+    /// Set in `init` on CRIU 4.2+: start the checksum pass in POST_FORKING (image dir fd).
+    verify_after_fork: Option<i32>,
     manifests: HashMap<u32, Manifest>,
 }
 
@@ -87,6 +89,7 @@ pub fn init(raw_stage: i32) -> i32 {
         checkpointed: Vec::new(),
         restored: Vec::new(),
         verification: None,
+        verify_after_fork: None,
         manifests: HashMap::new(),
     };
     let rc = match stage {
@@ -147,16 +150,11 @@ fn init_restore(p: &mut Plugin) -> i32 {
         return 0;
     }
     log::info!("images checked: {} GPU processes", p.manifests.len());
-    let mut verification = p.cfg.verify_before_restore.then(|| {
-        restore::Verification::start(
-            fd,
-            p.manifests.values().cloned().collect(),
-            p.cfg.effective_reader_threads(),
-        )
-    });
     if let Some(why) = driver_absent_reason() {
         // The restore fails either way; first say whether the image itself is damaged.
-        if let Some(Err(e)) = verification.as_mut().map(|v| v.finish()) {
+        if p.cfg.verify_before_restore
+            && let Err(e) = p.verify_now(fd)
+        {
             log::error!("restore refused: {e}; nothing was restored and no GPU was touched");
         }
         log::error!(
@@ -165,11 +163,48 @@ fn init_restore(p: &mut Plugin) -> i32 {
         );
         return -1;
     }
-    p.verification = verification;
-    0
+    if !p.cfg.verify_before_restore {
+        return 0;
+    }
+    // No thread may live while CRIU forks the process tree: on CRIU 4.2+ the checksum pass
+    // starts in POST_FORKING (after the forks) and overlaps the rest of CRIU's restore; on
+    // older CRIU it runs here.
+    if criu::has_post_forking() {
+        p.verify_after_fork = Some(fd);
+        return 0;
+    }
+    match p.verify_now(fd) {
+        Ok(()) => 0,
+        Err(e) => {
+            log::error!("restore refused: {e}; nothing was restored and no GPU was touched");
+            -1
+        }
+    }
 }
 
 impl Plugin {
+    /// The full checksum pass, on this thread (its reader threads are joined before it returns).
+    fn verify_now(&self, dir_fd: i32) -> Result<(), String> {
+        restore::Verification::start(
+            dir_fd,
+            self.manifests.values().cloned().collect(),
+            self.cfg.effective_reader_threads(),
+        )
+        .finish()
+    }
+
+    /// POST_FORKING (CRIU 4.2+): every task is forked; background work may start now.
+    pub fn post_forking(&mut self) -> i32 {
+        if let Some(fd) = self.verify_after_fork.take() {
+            self.verification = Some(restore::Verification::start(
+                fd,
+                self.manifests.values().cloned().collect(),
+                self.cfg.effective_reader_threads(),
+            ));
+        }
+        0
+    }
+
     /// Loads the driver and reads the host's GPUs, once, on first need (after CRIU forked).
     fn ctx(&mut self) -> Result<&Ctx, String> {
         if self.ctx.is_none() {
@@ -252,9 +287,14 @@ impl Plugin {
         }
         // The first call restores every GPU process of the image, in parallel.
         if self.restored.is_empty() {
-            if let Some(mut v) = self.verification.take()
-                && let Err(e) = v.finish()
-            {
+            // POST_FORKING may not have come (a CRIU without it): verify here, still before
+            // any GPU is touched.
+            let verified = match (self.verification.take(), self.verify_after_fork.take()) {
+                (Some(mut v), _) => v.finish(),
+                (None, Some(fd)) => self.verify_now(fd),
+                (None, None) => Ok(()),
+            };
+            if let Err(e) = verified {
                 log::error!(
                     "restore refused: {e}; no GPU was touched. The restored processes are killed rather than left without their GPU state"
                 );

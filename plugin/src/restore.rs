@@ -21,14 +21,11 @@ pub fn read_manifests(dir: BorrowedFd<'_>) -> Result<HashMap<u32, Manifest>, Str
     Ok(out)
 }
 
-/// The full checksum pass over every data chunk, started in `init` on a thread of its own so
-/// that it overlaps CRIU's own restore of the process tree, and joined before any GPU is
-/// touched (first RESUME_DEVICES_LATE) or in `exit`.
-///
-/// Why a thread may outlive `init` here: CRIU forks the restored tasks while it runs. The thread
-/// blocks every signal (CRIU's SIGCHLD handler stays on the main thread), only `pread`s our own
-/// files and hashes, holds no lock CRIU or a forked child could need (it does not log; glibc
-/// keeps malloc fork-safe), and is always joined before the plugin is unloaded.
+/// The full checksum pass over every data chunk on a thread of its own. On CRIU 4.2+ it starts
+/// in POST_FORKING, once CRIU has forked every task (CRIU forks with a raw `clone`, so no thread
+/// of ours may be alive before that), overlaps the rest of CRIU's restore, and is joined before
+/// any GPU is touched (first RESUME_DEVICES_LATE) or in `exit`. The thread blocks every signal
+/// (CRIU's SIGCHLD handler stays on its main thread) and does not log.
 pub struct Verification {
     handle: Option<std::thread::JoinHandle<Result<(u64, f64), String>>>,
 }

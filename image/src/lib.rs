@@ -14,6 +14,7 @@
 //! to a directory file descriptor (CRIU hands plugins `criu_get_image_dir()`), never by path. Every
 //! size read from a file is untrusted until checked; readers refuse anything they cannot prove whole.
 
+mod devfile;
 mod error;
 mod header;
 mod manifest;
@@ -27,6 +28,10 @@ mod writer;
 #[cfg(test)]
 mod tests;
 
+pub use devfile::{
+    DEVFILE_MAGIC, DevFileRecord, decode_dev_file, devfile_name, encode_dev_file,
+    is_nvidia_device_path, read_dev_file, write_dev_file,
+};
 pub use error::ImageError;
 pub use header::{DATA_HEADER_LEN, DATA_MAGIC, RECORD_LEN, RECORD_MAGIC};
 pub use manifest::{

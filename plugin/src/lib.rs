@@ -14,6 +14,7 @@
 pub mod context;
 pub mod criu;
 pub mod datapath;
+pub mod devfile;
 pub mod dump;
 pub mod gpumap;
 pub mod logger;
@@ -59,6 +60,20 @@ unsafe extern "C" fn resume_devices_late(pid: c_int) -> c_int {
     })
 }
 
+unsafe extern "C" fn dump_ext_file(fd: c_int, id: c_int) -> c_int {
+    guard(-1, || {
+        plugin::with(plugin::ENOTSUP, |p| p.dump_ext_file(fd, id))
+    })
+}
+
+/// CRIU 4.1.1/4.2 call this with `(id)`; criu-dev adds a `bool *retry_needed` that we neither
+/// read nor write (on older CRIU that register holds garbage).
+unsafe extern "C" fn restore_ext_file(id: c_int) -> c_int {
+    guard(-1, || {
+        plugin::with(plugin::ENOTSUP, |p| p.restore_ext_file(id))
+    })
+}
+
 unsafe extern "C" fn post_forking() -> c_int {
     guard(-1, || plugin::with(0, |p| p.post_forking()))
 }
@@ -87,6 +102,8 @@ const NVIDIA_MAJOR: u32 = 195;
 
 const fn hooks() -> [*const c_void; HOOK_SLOTS] {
     let mut h = [std::ptr::null(); HOOK_SLOTS];
+    h[hook::DUMP_EXT_FILE] = dump_ext_file as *const c_void;
+    h[hook::RESTORE_EXT_FILE] = restore_ext_file as *const c_void;
     h[hook::HANDLE_DEVICE_VMA] = handle_device_vma as *const c_void;
     h[hook::RESUME_DEVICES_LATE] = resume_devices_late as *const c_void;
     h[hook::PAUSE_DEVICES] = pause_devices as *const c_void;

@@ -193,6 +193,51 @@ impl Plugin {
         .finish()
     }
 
+    /// DUMP_EXT_FILE: NVIDIA device files held without CUDA state.
+    pub fn dump_ext_file(&mut self, fd: i32, id: i32) -> i32 {
+        if self.stage != Stage::Dump || self.cfg.mode == Mode::Off || id < 0 {
+            return ENOTSUP;
+        }
+        let Some(dir) = criu::image_dir() else {
+            return ENOTSUP;
+        };
+        // SAFETY: CRIU's image-dir service fd stays open for the whole run.
+        let dir = unsafe { std::os::fd::BorrowedFd::borrow_raw(dir) };
+        match crate::devfile::dump(dir, fd, id as u32) {
+            Ok(true) => {
+                if !self.in_inventory {
+                    self.in_inventory = criu::add_inventory_plugin(NAME);
+                }
+                0
+            }
+            Ok(false) => ENOTSUP,
+            Err(e) => {
+                log::error!("file {id}: recording an NVIDIA device file failed: {e}");
+                -1
+            }
+        }
+    }
+
+    /// RESTORE_EXT_FILE, in a restored task: open the device file again.
+    pub fn restore_ext_file(&mut self, id: i32) -> i32 {
+        if self.stage != Stage::Restore || self.cfg.mode == Mode::Off || id < 0 {
+            return ENOTSUP;
+        }
+        let Some(dir) = criu::image_dir() else {
+            return ENOTSUP;
+        };
+        // SAFETY: CRIU's image-dir service fd is valid in restored tasks too.
+        let dir = unsafe { std::os::fd::BorrowedFd::borrow_raw(dir) };
+        match crate::devfile::restore(dir, id as u32) {
+            Ok(Some(fd)) => fd,
+            Ok(None) => ENOTSUP,
+            Err(e) => {
+                log::error!("file {id}: {e}");
+                -1
+            }
+        }
+    }
+
     /// POST_FORKING (CRIU 4.2+): every task is forked; background work may start now.
     pub fn post_forking(&mut self) -> i32 {
         if let Some(fd) = self.verify_after_fork.take() {

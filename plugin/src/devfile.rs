@@ -1,0 +1,77 @@
+//! NVIDIA device files held without CUDA state the driver can checkpoint (an NVML user's
+//! `/dev/nvidiactl`, fds inherited over `fork`). CRIU cannot dump such a file itself: at dump
+//! its path and open flags are recorded (`DUMP_EXT_FILE`), at restore it is opened again in the
+//! restored task (`RESTORE_EXT_FILE`). Processes with CUDA state hold none after the driver
+//! checkpoint, so this only concerns processes gpusnap did not checkpoint through the driver.
+
+use gpusnap_image::{DevFileRecord, ImageError};
+use std::ffi::CString;
+use std::os::fd::BorrowedFd;
+
+/// The path and flags of `fd` if it is an NVIDIA device node.
+pub fn describe(fd: i32) -> Option<DevFileRecord> {
+    // SAFETY: fstat on an fd CRIU handed us, into a zeroed stat.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    if unsafe { libc::fstat(fd, &mut st) } != 0 || st.st_mode & libc::S_IFMT != libc::S_IFCHR {
+        return None;
+    }
+    let path = std::fs::read_link(format!("/proc/self/fd/{fd}")).ok()?;
+    let path = path.to_str()?.to_owned();
+    if !gpusnap_image::is_nvidia_device_path(&path) {
+        return None;
+    }
+    // SAFETY: F_GETFL on a valid fd.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    if flags < 0 {
+        return None;
+    }
+    Some(DevFileRecord {
+        path,
+        flags: flags & (libc::O_ACCMODE | libc::O_NONBLOCK),
+    })
+}
+
+/// DUMP_EXT_FILE: `Ok(false)` when the file is not ours.
+pub fn dump(dir: BorrowedFd<'_>, fd: i32, id: u32) -> Result<bool, ImageError> {
+    let Some(rec) = describe(fd) else {
+        return Ok(false);
+    };
+    gpusnap_image::write_dev_file(dir, id, &rec)?;
+    log::info!(
+        "file {id}: {} held open without CUDA state; recorded, it is opened again at restore",
+        rec.path
+    );
+    Ok(true)
+}
+
+/// RESTORE_EXT_FILE, in the restored task: the new fd, `Ok(None)` when the file is not ours.
+pub fn restore(dir: BorrowedFd<'_>, id: u32) -> Result<Option<i32>, String> {
+    let rec = match gpusnap_image::read_dev_file(dir, id) {
+        Ok(r) => r,
+        Err(ImageError::MissingFile { .. }) => return Ok(None),
+        Err(e) => return Err(e.to_string()),
+    };
+    let path = CString::new(rec.path.clone()).map_err(|e| e.to_string())?;
+    // SAFETY: open(2) with a NUL-terminated path checked to be an NVIDIA device node.
+    let fd = unsafe { libc::open(path.as_ptr(), rec.flags) };
+    if fd < 0 {
+        return Err(format!(
+            "cannot open {} again ({}): the process held it at dump time; is the NVIDIA driver loaded here?",
+            rec.path,
+            std::io::Error::last_os_error()
+        ));
+    }
+    Ok(Some(fd))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn ordinary_files_are_not_ours() {
+        let f = std::fs::File::open("/dev/null").unwrap();
+        assert!(super::describe(std::os::fd::AsRawFd::as_raw_fd(&f)).is_none());
+        let f = std::fs::File::open("/proc/self/status").unwrap();
+        assert!(super::describe(std::os::fd::AsRawFd::as_raw_fd(&f)).is_none());
+    }
+}

@@ -107,14 +107,9 @@ pub fn pause(ctx: &Ctx, pid: i32) -> Result<Option<Tracked>, DumpError> {
     }
     let path = match &t.path {
         DataPath::Split(s) => format!(
-            "split ({} allocations taken by the agent, {:.2} GiB)",
-            s.allocations.iter().filter(|a| a.moved).count(),
-            gib(s
-                .allocations
-                .iter()
-                .filter(|a| a.moved)
-                .map(|a| a.size)
-                .sum())
+            "split (the agent holds {} allocations, {:.2} GiB converted)",
+            s.allocations_at_pause,
+            gib(s.converted_bytes_at_pause)
         ),
         DataPath::Transparent => "transparent (driver checkpoint)".to_string(),
     };

@@ -26,7 +26,9 @@ pub struct Plugin {
     /// Outcome of the (single, parallel) checkpoint of every tracked process, by pid.
     checkpointed: Vec<(i32, Result<(), dump::DumpError>)>,
     /// Likewise for the restore.
-    restored: Vec<(i32, Result<(), dump::DumpError>)>,
+    restored: restore::Restored,
+    /// Seconds of the checksum pass at restore (for the stats file).
+    verify_s: Option<f64>,
     /// The checksum pass over the image data, running while CRIU restores the tree (4.2+).
     verification: Option<restore::Verification>,
     /// Set in `init` on CRIU 4.2+: start the checksum pass in POST_FORKING (image dir fd).
@@ -88,6 +90,7 @@ pub fn init(raw_stage: i32) -> i32 {
         in_inventory: false,
         checkpointed: Vec::new(),
         restored: Vec::new(),
+        verify_s: None,
         verification: None,
         verify_after_fork: None,
         manifests: HashMap::new(),
@@ -174,7 +177,10 @@ fn init_restore(p: &mut Plugin) -> i32 {
         return 0;
     }
     match p.verify_now(fd) {
-        Ok(()) => 0,
+        Ok(secs) => {
+            p.verify_s = Some(secs);
+            0
+        }
         Err(e) => {
             log::error!("restore refused: {e}; nothing was restored and no GPU was touched");
             -1
@@ -184,7 +190,7 @@ fn init_restore(p: &mut Plugin) -> i32 {
 
 impl Plugin {
     /// The full checksum pass, on this thread (its reader threads are joined before it returns).
-    fn verify_now(&self, dir_fd: i32) -> Result<(), String> {
+    fn verify_now(&self, dir_fd: i32) -> Result<f64, String> {
         restore::Verification::start(
             dir_fd,
             self.manifests.values().cloned().collect(),
@@ -335,17 +341,21 @@ impl Plugin {
             // POST_FORKING may not have come (a CRIU without it): verify here, still before
             // any GPU is touched.
             let verified = match (self.verification.take(), self.verify_after_fork.take()) {
-                (Some(mut v), _) => v.finish(),
-                (None, Some(fd)) => self.verify_now(fd),
-                (None, None) => Ok(()),
+                (Some(mut v), _) => v.finish().map(Some),
+                (None, Some(fd)) => self.verify_now(fd).map(Some),
+                (None, None) => Ok(None),
             };
-            if let Err(e) = verified {
-                log::error!(
-                    "restore refused: {e}; no GPU was touched. The restored processes are killed rather than left without their GPU state"
-                );
-                self.kill_restored(pid);
-                self.disabled = Some("damaged image".into());
-                return -1;
+            match verified {
+                Ok(Some(secs)) => self.verify_s = Some(secs),
+                Ok(None) => {}
+                Err(e) => {
+                    log::error!(
+                        "restore refused: {e}; no GPU was touched. The restored processes are killed rather than left without their GPU state"
+                    );
+                    self.kill_restored(pid);
+                    self.disabled = Some("damaged image".into());
+                    return -1;
+                }
             }
             if let Err(e) = self.ctx() {
                 log::error!("cannot use the NVIDIA driver: {e}");
@@ -375,9 +385,37 @@ impl Plugin {
             }
         }
         match self.restored.iter().find(|(p, _)| *p == pid) {
-            Some((_, Ok(()))) => 0,
+            Some((_, Ok(_))) => 0,
             Some((_, Err(_))) => -1,
             None => ENOTSUP,
+        }
+    }
+
+    /// Adds the restore's timings to `gpusnap-stats.json` (best effort: the image directory may
+    /// be read-only at restore).
+    fn write_restore_stats(&self) {
+        let processes: Vec<serde_json::Value> = self
+            .restored
+            .iter()
+            .filter_map(|(_, r)| r.as_ref().ok().cloned())
+            .collect();
+        if processes.is_empty() {
+            return;
+        }
+        let Some(fd) = criu::image_dir() else { return };
+        // SAFETY: CRIU's image-dir service fd stays open until after `exit`.
+        let dir = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+        let mut doc = gpusnap_image::read_stats(dir)
+            .ok()
+            .flatten()
+            .filter(|v| v.is_object())
+            .unwrap_or_else(|| serde_json::json!({}));
+        doc["restore"] = serde_json::json!({
+            "verify_s": self.verify_s,
+            "processes": processes,
+        });
+        if let Err(e) = gpusnap_image::write_stats(dir, &doc) {
+            log::debug!("restore timings not added to gpusnap-stats.json: {e}");
         }
     }
 
@@ -394,6 +432,10 @@ impl Plugin {
         if let Some(mut v) = self.verification.take() {
             // Never leave the thread running past `exit`: CRIU unloads us next.
             let _ = v.finish();
+        }
+        if self.stage == Stage::Restore {
+            self.write_restore_stats();
+            return;
         }
         if self.stage != Stage::Dump || self.tracked.is_empty() {
             return;

@@ -52,10 +52,10 @@ impl Verification {
         Self { handle }
     }
 
-    /// Waits for the pass; `Err` names the damage.
-    pub fn finish(&mut self) -> Result<(), String> {
+    /// Waits for the pass; `Err` names the damage. Returns the seconds it took.
+    pub fn finish(&mut self) -> Result<f64, String> {
         let Some(h) = self.handle.take() else {
-            return Ok(());
+            return Ok(0.0);
         };
         let (bytes, secs) = h
             .join()
@@ -64,7 +64,7 @@ impl Verification {
             "image data verified: {:.2} GiB in {secs:.3} s (overlapped with CRIU's restore)",
             bytes as f64 / (1u64 << 30) as f64
         );
-        Ok(())
+        Ok(secs)
     }
 }
 
@@ -164,7 +164,9 @@ pub fn find_restored(any_pid: i32, nspids: &[u32]) -> HashMap<u32, i32> {
 /// RESUME_DEVICES_LATE for every GPU process of the image at once: threads are resumed here
 /// (CRIU's main thread, the tracer), the driver and data work of each process runs on a worker
 /// of its own, and the threads are stopped here again.
-pub fn resume_all(ctx: &Ctx, items: &[(i32, Manifest)]) -> Vec<(i32, Result<(), DumpError>)> {
+pub type Restored = Vec<(i32, Result<serde_json::Value, DumpError>)>;
+
+pub fn resume_all(ctx: &Ctx, items: &[(i32, Manifest)]) -> Restored {
     let t0 = Instant::now();
     let mut results = Vec::new();
     let mut work = Vec::new();
@@ -175,7 +177,7 @@ pub fn resume_all(ctx: &Ctx, items: &[(i32, Manifest)]) -> Vec<(i32, Result<(), 
             Err(e) => results.push((*pid, Err(e))),
         }
     }
-    let outcomes: Vec<Result<(), DumpError>> = std::thread::scope(|s| {
+    let outcomes: Vec<Result<serde_json::Value, DumpError>> = std::thread::scope(|s| {
         let handles: Vec<_> = work
             .iter()
             .map(|(pid, m, pairs, _)| {
@@ -196,7 +198,7 @@ pub fn resume_all(ctx: &Ctx, items: &[(i32, Manifest)]) -> Vec<(i32, Result<(), 
     let n = work.len();
     for ((pid, _, _, threads), r) in work.into_iter().zip(outcomes) {
         let stopped = stop_all(threads, "stopping a thread after the restore");
-        results.push((pid, r.and(stopped)));
+        results.push((pid, stopped.and(r)));
     }
     if n > 1 {
         log::info!(
@@ -228,7 +230,13 @@ fn prepare(ctx: &Ctx, pid: i32, m: &Manifest) -> Result<Vec<RunningThread>, Dump
 }
 
 /// Control state back from the driver, then the data through the agent.
-fn resume_one(ctx: &Ctx, pid: i32, m: &Manifest, pairs: &[gpumap::Pair]) -> Result<(), DumpError> {
+/// Returns the process's restore timings (for `gpusnap-stats.json`).
+fn resume_one(
+    ctx: &Ctx,
+    pid: i32,
+    m: &Manifest,
+    pairs: &[gpumap::Pair],
+) -> Result<serde_json::Value, DumpError> {
     let t0 = Instant::now();
     ctx.api
         .restore(pid, &uuid_pairs(pairs))
@@ -244,8 +252,10 @@ fn resume_one(ctx: &Ctx, pid: i32, m: &Manifest, pairs: &[gpumap::Pair]) -> Resu
     })?;
     let unlock_s = t1.elapsed().as_secs_f64();
     let mut data = String::new();
+    let mut timings = serde_json::json!({ "control": control_s, "unlock": unlock_s });
     if m.path == CheckpointPath::Split && !m.chunks.is_empty() {
         let stats = load_with_agent_running(ctx, pid, ctx.image_dir(), m)?;
+        timings["data"] = serde_json::json!(stats.seconds);
         data = format!(
             ", data {:.3} s ({:.2} GiB, {:.1} GiB/s)",
             stats.seconds,
@@ -259,5 +269,11 @@ fn resume_one(ctx: &Ctx, pid: i32, m: &Manifest, pairs: &[gpumap::Pair]) -> Resu
         m.path,
         t0.elapsed().as_secs_f64()
     );
-    Ok(())
+    timings["total"] = serde_json::json!(t0.elapsed().as_secs_f64());
+    Ok(serde_json::json!({
+        "nspid": m.nspid,
+        "path": if m.path == CheckpointPath::Split { "split" } else { "transparent" },
+        "gpu_pairs": pairs.iter().map(|p| format!("{}={}", p.old, p.new)).collect::<Vec<_>>(),
+        "timings_s": timings,
+    }))
 }

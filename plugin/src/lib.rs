@@ -75,7 +75,7 @@ unsafe extern "C" fn restore_ext_file(id: c_int) -> c_int {
 }
 
 unsafe extern "C" fn post_forking() -> c_int {
-    guard(-1, || plugin::with(0, |p| p.post_forking()))
+    guard(-1, || plugin::with(plugin::ENOTSUP, |p| p.post_forking()))
 }
 
 unsafe extern "C" fn handle_device_vma(_fd: c_int, st: *const libc::stat) -> c_int {

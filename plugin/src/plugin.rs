@@ -153,6 +153,13 @@ fn init_restore(p: &mut Plugin) -> i32 {
         return 0;
     }
     log::info!("images checked: {} GPU processes", p.manifests.len());
+    if p.cfg.mode == Mode::Off {
+        log::error!(
+            "the image holds GPU state of {} processes but gpusnap is disabled (mode = off): they would run without it; enable gpusnap to restore",
+            p.manifests.len()
+        );
+        return -1;
+    }
     if let Some(why) = driver_absent_reason() {
         // The restore fails either way; first say whether the image itself is damaged.
         if p.cfg.verify_before_restore
@@ -244,7 +251,8 @@ impl Plugin {
         }
     }
 
-    /// POST_FORKING (CRIU 4.2+): every task is forked; background work may start now.
+    /// POST_FORKING (CRIU 4.2+): every task is forked; background work may start now. Always
+    /// answers "not mine" so that other plugins' POST_FORKING hooks run too.
     pub fn post_forking(&mut self) -> i32 {
         if let Some(fd) = self.verify_after_fork.take() {
             self.verification = Some(restore::Verification::start(
@@ -253,7 +261,7 @@ impl Plugin {
                 self.cfg.effective_reader_threads(),
             ));
         }
-        0
+        ENOTSUP
     }
 
     /// Loads the driver and reads the host's GPUs, once, on first need (after CRIU forked).

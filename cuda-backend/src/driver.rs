@@ -14,6 +14,18 @@ use std::sync::OnceLock;
 
 /// Where the driver is looked up. Only the soname: a toolkit is not needed.
 pub const LIBCUDA: &str = "libcuda.so.1";
+/// Environment variable naming another driver library (a driver installed outside the loader's
+/// path, or the stand-in driver of the CI tests). Whoever sets CRIU's environment can already
+/// preload code into it, so this opens nothing new.
+pub const LIBCUDA_ENV: &str = "GPUSNAP_LIBCUDA";
+
+/// The driver library to load: `$GPUSNAP_LIBCUDA`, else `libcuda.so.1`.
+pub fn libcuda_path() -> String {
+    std::env::var(LIBCUDA_ENV)
+        .ok()
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| LIBCUDA.to_owned())
+}
 
 /// State of a process as the driver sees it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -52,7 +64,7 @@ impl std::fmt::Display for ProcessState {
 #[derive(Debug, thiserror::Error)]
 pub enum DriverError {
     #[error(
-        "the NVIDIA driver library {LIBCUDA} cannot be loaded ({0}); install the NVIDIA driver (r570 or newer)"
+        "the NVIDIA driver library cannot be loaded ({0}); install the NVIDIA driver (r570 or newer)"
     )]
     NoLibrary(String),
     #[error(
@@ -138,7 +150,7 @@ impl CheckpointApi {
     fn load() -> Result<Self, DriverError> {
         // SAFETY: loading libcuda runs its initialisers; it is the vendor's driver library and is
         // designed to be loaded into arbitrary processes.
-        let lib = unsafe { libloading::Library::new(LIBCUDA) }
+        let lib = unsafe { libloading::Library::new(libcuda_path()) }
             .map_err(|e| DriverError::NoLibrary(e.to_string()))?;
         let basic = |n: &'static str| DriverError::NoLibrary(format!("symbol {n} missing"));
         let ckpt = DriverError::NoCheckpointApi;

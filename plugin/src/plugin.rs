@@ -48,7 +48,9 @@ pub fn with<R>(default: R, f: impl FnOnce(&mut Plugin) -> R) -> R {
 }
 
 fn driver_absent_reason() -> Option<String> {
-    if !std::path::Path::new("/proc/driver/nvidia/gpus").exists() {
+    // A named driver library is taken as it is; otherwise the kernel module must be there.
+    let named = std::env::var_os(gpusnap_cuda::driver::LIBCUDA_ENV).is_some_and(|v| !v.is_empty());
+    if !named && !std::path::Path::new("/proc/driver/nvidia/gpus").exists() {
         return Some("no /proc/driver/nvidia/gpus".into());
     }
     gpusnap_cuda::driver::api().err().map(|e| e.to_string())

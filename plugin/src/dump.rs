@@ -341,6 +341,16 @@ fn move_data_out(ctx: &Ctx, t: &mut Tracked) -> Result<(), DumpError> {
         data.chunks.len(),
         gib(data.stored_bytes),
     );
+    let per_gpu = bytes_per_device(&allocations, &data.chunks);
+    if per_gpu.len() > 1 {
+        for (device, bytes) in &per_gpu {
+            log::info!(
+                "pid {pid}: GPU {device}: {:.2} GiB, {:.1} GiB/s over the data phase",
+                gib(*bytes),
+                gib(*bytes) / data.seconds.max(1e-9)
+            );
+        }
+    }
     t.time("data", data.seconds);
     if let DataPath::Split(split) = &mut t.path {
         split.allocations = allocations;
@@ -510,6 +520,24 @@ pub fn load_with_agent_running(
     )?)
 }
 
+/// Bytes moved per device (the agent copies every device's allocations on that device's own
+/// streams, in parallel), in device order.
+fn bytes_per_device(
+    allocations: &[AllocationRecord],
+    chunks: &[gpusnap_image::ChunkEntry],
+) -> Vec<(u32, u64)> {
+    let mut out: std::collections::BTreeMap<u32, u64> = Default::default();
+    for c in chunks {
+        if let Some(a) = allocations
+            .iter()
+            .find(|a| c.addr >= a.addr && c.addr - a.addr < a.size)
+        {
+            *out.entry(a.device).or_default() += c.len;
+        }
+    }
+    out.into_iter().collect()
+}
+
 /// The manifest of one dumped process (written by `exit` once CRIU has succeeded).
 pub fn manifest_for(ctx: &Ctx, t: &Tracked) -> Manifest {
     let (path, allocations, files, chunks) = match &t.path {
@@ -547,5 +575,44 @@ pub fn manifest_for(ctx: &Ctx, t: &Tracked) -> Manifest {
         files,
         chunks,
         timings_s: t.timings.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpusnap_image::{ChunkEntry, Codec};
+
+    #[test]
+    fn bytes_are_counted_per_device() {
+        let alloc = |id, device, addr, size| AllocationRecord {
+            id,
+            device,
+            addr,
+            size,
+            moved: true,
+        };
+        let chunk = |addr, len| ChunkEntry {
+            file: 0,
+            file_offset: 64,
+            addr,
+            len,
+            stored_len: len,
+            codec: Codec::Raw,
+            checksum: 0,
+        };
+        let allocs = [
+            alloc(1, 0, 0x1000_0000, 0x400),
+            alloc(2, 1, 0x2000_0000, 0x200),
+        ];
+        let chunks = [
+            chunk(0x1000_0000, 0x200),
+            chunk(0x1000_0200, 0x200),
+            chunk(0x2000_0000, 0x200),
+        ];
+        assert_eq!(
+            bytes_per_device(&allocs, &chunks),
+            vec![(0, 0x400), (1, 0x200)]
+        );
     }
 }

@@ -12,10 +12,12 @@
 //! This library is the harness: [`harness::harness`] sets up once per test binary,
 //! [`harness::WorkDir`] is one test's plugin and image directories, [`harness::Workload`]
 //! the processes under test. [`workload`] is shared with the workload binaries.
-//! [`inventory`] reads and edits the plugin list of CRIU's `inventory.img`.
+//! [`inventory`] reads and edits the plugin list of CRIU's `inventory.img`. [`fake_driver`]
+//! runs criu with the stand-in NVIDIA driver `libfakecuda.so` and reads its logs.
 
 pub mod counter_log;
 pub mod criu;
+pub mod fake_driver;
 pub mod harness;
 pub mod inventory;
 pub mod procs;

@@ -1,0 +1,679 @@
+//! gpusnap's CUDA orchestration with a real CRIU and the stand-in driver `libfakecuda.so`.
+//!
+//! CRIU runs with `GPUSNAP_LIBCUDA` naming the fake driver (crate `fake-cuda`), which takes the
+//! `fakegpu` workload (a counter with a thread named `fakecuda-rt`) for a CUDA process, keeps its
+//! driver state in a file and logs every call with the ptrace state of the target's threads.
+//! The tests check the protocol the real driver needs, which CI cannot otherwise see without a
+//! GPU: the lock at PAUSE while the process runs, the checkpoint and restore with only the
+//! driver's restore thread running, the rollback after `-R` or a failure, and the restore and
+//! unlock at RESUME; and that the workload runs on, untraced, with its memory intact.
+
+use std::fs;
+use std::time::Duration;
+
+use criu_tests::fake_driver::{Call, FakeDriver, RESTORE_THREAD_COMM, gpusnap_cli, shorts};
+use criu_tests::inventory::inventory_plugins;
+use criu_tests::{CounterLog, CriuRun, Harness, WorkDir, Workload, harness, procs};
+
+const FAKEGPU: &str = env!("CARGO_BIN_EXE_fakegpu");
+
+/// How many more ticks (50 ms each) a process must write to count as running.
+const MORE_TICKS: u64 = 5;
+
+/// How soon a released workload must be running again.
+const PROMPTLY: Duration = Duration::from_secs(5);
+
+fn setup(test: &str) -> Option<(&'static Harness, WorkDir, FakeDriver)> {
+    let h = harness(test)?;
+    let w = h.workdir(test);
+    let fake = FakeDriver::new(h, &w);
+    Some((h, w, fake))
+}
+
+/// One `fakegpu` process (a counter with a `fakecuda-rt` thread).
+fn spawn_one(w: &WorkDir, seed: u64) -> Workload {
+    let seed = seed.to_string();
+    let wl = w.spawn(
+        "fakegpu",
+        FAKEGPU,
+        &["--log", "fakegpu.log", "--seed", &seed],
+        &[],
+        &["fakegpu.log"],
+    );
+    assert!(restore_thread(wl.root()).is_some(), "no fakecuda-rt thread");
+    wl
+}
+
+/// A parent without CUDA state and two `fakegpu` children.
+fn spawn_tree(w: &WorkDir, seed: u64) -> Workload {
+    let seed = seed.to_string();
+    w.spawn(
+        "fakegpu-tree",
+        FAKEGPU,
+        &["--dir", ".", "--seed", &seed, "--children", "2"],
+        &[],
+        &[
+            "fakegpu-parent.log",
+            "fakegpu-child0.log",
+            "fakegpu-child1.log",
+        ],
+    )
+}
+
+/// Tids of `pid`'s threads.
+fn tids(pid: i32) -> Vec<i32> {
+    let mut v: Vec<i32> = fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|d| {
+            d.flatten()
+                .filter_map(|e| e.file_name().to_str()?.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort_unstable();
+    v
+}
+
+/// The tid of `pid`'s `fakecuda-rt` thread.
+fn restore_thread(pid: i32) -> Option<i32> {
+    tids(pid).into_iter().find(|t| {
+        fs::read_to_string(format!("/proc/{pid}/task/{t}/comm"))
+            .is_ok_and(|c| c.trim_end() == RESTORE_THREAD_COMM)
+    })
+}
+
+/// Every thread of `pid` is untraced and not stopped.
+fn runs_free(pid: i32) -> bool {
+    let t = tids(pid);
+    !t.is_empty()
+        && t.iter().all(|&tid| {
+            procs::tracer_pid(tid) == Some(0)
+                && procs::stat(tid).is_some_and(|s| matches!(s.state, 'S' | 'R' | 'D'))
+        })
+}
+
+/// Polls `f` every 10 ms until it is true or `timeout` has passed; returns its last value.
+fn wait_until(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        if f() {
+            return true;
+        }
+        if std::time::Instant::now() >= deadline {
+            return f();
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Process `i` of the workload runs untraced and writes more ticks; its whole log is consistent
+/// (counter continues, memory checksum unchanged, in-memory chain unbroken).
+fn assert_runs_on(wl: &Workload, i: usize, what: &str) -> CounterLog {
+    let pid = wl.pids[i];
+    assert!(
+        wait_until(PROMPTLY, || runs_free(pid)),
+        "{what}: pid {pid} is not running free: {:?}, TracerPid {:?}",
+        procs::stat(pid),
+        procs::tracer_pid(pid)
+    );
+    let last = wl.log(i).last();
+    let log = CounterLog::wait_for(&wl.logs[i], last + MORE_TICKS, PROMPTLY)
+        .unwrap_or_else(|e| panic!("{what}: pid {pid} does not run on: {e}"));
+    log.verify()
+        .unwrap_or_else(|e| panic!("{what}: pid {pid}: workload state damaged: {e}"));
+    assert_eq!(log.pid, pid);
+    assert!(
+        runs_free(pid),
+        "{what}: pid {pid} was stopped or traced again"
+    );
+    log
+}
+
+/// Context for assertion messages: the fake's log and gpusnap's lines.
+fn context(fake: &FakeDriver, pids: &[i32], runs: &[&CriuRun]) -> String {
+    let mut s = String::new();
+    for &p in pids {
+        s.push_str(&format!(
+            "--- fake driver log of {p} (state {}) ---\n{}",
+            fake.state(p),
+            fake.log_text(p)
+        ));
+    }
+    for r in runs {
+        s.push_str(&format!("{}\n", r.diagnostics()));
+    }
+    s
+}
+
+/// The protocol rules every state-changing call must have followed: the lock while the process
+/// ran (PAUSE, before CRIU seized it), everything else with CRIU holding the application's
+/// threads and only the restore thread running. And the restore thread always ran.
+fn assert_ptrace_protocol(calls: &[Call], ctx: &str) {
+    for c in calls {
+        assert!(
+            !c.rt_stopped(),
+            "{} ran with the restore thread stopped: {c:?}\n{ctx}",
+            c.call
+        );
+        if c.call == "lock" {
+            assert!(
+                c.app_none_stopped(),
+                "the lock came after CRIU stopped the process (it belongs in PAUSE): {c:?}\n{ctx}"
+            );
+        } else {
+            assert!(
+                c.app_all_traced(),
+                "{} ran while application threads were not held by CRIU: {c:?}\n{ctx}",
+                c.call
+            );
+        }
+    }
+}
+
+fn assert_gpusnap_line(run: &CriuRun, needle: &str) {
+    assert!(
+        !run.gpusnap_lines_with(needle).is_empty(),
+        "no `gpusnap: ...{needle}...` line in {}\n{}",
+        run.log_path.display(),
+        run.diagnostics()
+    );
+}
+
+/// Contract 1: dump (the process is killed) and restore of one CUDA process: lock at PAUSE,
+/// checkpoint with the restore thread running, and at restore: restore, unlock; the image is a
+/// transparent-path gpusnap image; the process runs on from where it was.
+#[test]
+fn dump_and_restore_drive_the_driver() {
+    let Some((h, w, fake)) = setup("fake-dump-restore") else {
+        return;
+    };
+    let mut wl = spawn_one(&w, 201);
+    let pid = wl.root();
+    let rt = restore_thread(pid).unwrap();
+
+    let dump = fake.dump(&w, pid, false, &[], &[]);
+    dump.assert_ok();
+    let ctx = context(&fake, &[pid], &[&dump]);
+    let ops = fake.ops(pid);
+    assert_eq!(shorts(&ops), ["lock:0", "checkpoint:0"], "{ctx}");
+    assert_ptrace_protocol(&ops, &ctx);
+    assert!(ops.iter().all(|c| c.rt == Some(rt)), "{ctx}");
+    assert_eq!(fake.state(pid), "checkpointed", "{ctx}");
+    assert_gpusnap_line(&dump, "CUDA state found");
+    assert_gpusnap_line(&dump, "dump phases");
+
+    // The image: a manifest of the transparent path, and gpusnap in the inventory.
+    let manifest = gpusnap_image::manifest_file_name(pid as u32);
+    assert!(
+        w.image_files().contains(&manifest),
+        "no {manifest} in {:?}",
+        w.image_files()
+    );
+    let inventory = fs::read(w.images.join("inventory.img")).unwrap();
+    assert!(
+        inventory_plugins(&inventory)
+            .unwrap()
+            .contains(&"gpusnap".to_owned()),
+        "inventory.img does not list gpusnap"
+    );
+    let cli = gpusnap_cli(h).unwrap_or_else(|e| panic!("building gpusnap: {e}"));
+    let out = std::process::Command::new(cli)
+        .arg("inspect")
+        .arg(&w.images)
+        .arg("--json")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "gpusnap inspect failed: {}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let procs_json = report["processes"].as_array().unwrap();
+    assert_eq!(procs_json.len(), 1, "{report:#}");
+    assert_eq!(procs_json[0]["nspid"], pid, "{report:#}");
+    assert_eq!(procs_json[0]["path"], "transparent", "{report:#}");
+    assert_eq!(procs_json[0]["gpus"][0]["name"], "Fake GPU", "{report:#}");
+
+    wl.reap_dumped();
+    let at_dump = wl.log(0).last();
+    let restore = fake.restore(&w, &[]);
+    restore.assert_ok();
+    let ctx = context(&fake, &[pid], &[&dump, &restore]);
+    let ops = fake.ops(pid);
+    assert_eq!(
+        shorts(&ops),
+        ["lock:0", "checkpoint:0", "restore:0", "unlock:0"],
+        "{ctx}"
+    );
+    assert_ptrace_protocol(&ops, &ctx);
+    assert_eq!(fake.state(pid), "running", "{ctx}");
+    assert_eq!(
+        restore_thread(pid),
+        Some(rt),
+        "the restored process has no restore thread of the same tid"
+    );
+    assert_gpusnap_line(&restore, "restored");
+    let log = assert_runs_on(&wl, 0, "after restore");
+    assert!(log.last() >= at_dump + MORE_TICKS);
+}
+
+/// Contract 2: `criu dump -R`: lock, checkpoint, then (exit's rollback) restore and unlock, all
+/// with the restore thread running; the process was never killed, runs on, and no thread is
+/// left traced or stopped.
+#[test]
+fn leave_running_dump_rolls_back_to_running() {
+    let Some((_, w, fake)) = setup("fake-leave-running") else {
+        return;
+    };
+    let mut wl = spawn_one(&w, 202);
+    let pid = wl.root();
+    let dump = fake.dump(&w, pid, true, &[], &[]);
+    dump.assert_ok();
+    let ctx = context(&fake, &[pid], &[&dump]);
+    let ops = fake.ops(pid);
+    assert_eq!(
+        shorts(&ops),
+        ["lock:0", "checkpoint:0", "restore:0", "unlock:0"],
+        "{ctx}"
+    );
+    assert_ptrace_protocol(&ops, &ctx);
+    assert_eq!(fake.state(pid), "running", "{ctx}");
+    assert_gpusnap_line(&dump, "rolled back to running");
+    assert!(
+        wl.original_still_running(),
+        "the workload died during a -R dump"
+    );
+    assert_runs_on(&wl, 0, "after dump -R");
+}
+
+/// Contract 3: the driver checkpoint fails (the fake fails it once, the state stays locked):
+/// the dump fails naming the call, and the rollback brings the process back to running: an
+/// unlock, as it is locked, not a restore. The workload runs on, untraced.
+#[test]
+#[ignore = "plugin bug: after a failed cuCheckpointProcessCheckpoint the rollback calls restore on a process the driver still has locked, fails, and never unlocks it (dump::rollback trusts DriverStage::Checkpointed instead of the driver's state)"]
+fn failed_checkpoint_is_rolled_back() {
+    let Some((_, w, fake)) = setup("fake-checkpoint-fails") else {
+        return;
+    };
+    let mut wl = spawn_one(&w, 203);
+    let pid = wl.root();
+    let dump = fake.dump(&w, pid, false, &[("FAKECUDA_FAIL", "checkpoint")], &[]);
+    let ctx = context(&fake, &[pid], &[&dump]);
+    assert!(!dump.succeeded(), "the dump succeeded\n{ctx}");
+    assert_gpusnap_line(&dump, "cuCheckpointProcessCheckpoint failed");
+    let ops = fake.ops(pid);
+    assert_eq!(shorts(&ops)[..2], ["lock:0", "checkpoint:999"], "{ctx}");
+    assert_ptrace_protocol(&ops, &ctx);
+    assert_eq!(
+        fake.state(pid),
+        "running",
+        "the process was left {}\n{ctx}",
+        fake.state(pid)
+    );
+    assert_eq!(
+        ops.last().map(Call::short).as_deref(),
+        Some("unlock:0"),
+        "{ctx}"
+    );
+    assert!(
+        ops.iter().all(|c| c.ok() || c.call == "checkpoint"),
+        "a rollback call failed\n{ctx}"
+    );
+    assert!(wl.original_still_running(), "the dump killed the workload");
+    assert_runs_on(&wl, 0, "after a failed checkpoint");
+}
+
+/// Contract 3b: the driver checkpoint fails *after* it checkpointed (the fake moves the state,
+/// then reports an error, as a driver that timed out late): the rollback restores and unlocks.
+#[test]
+fn late_failed_checkpoint_is_restored_and_unlocked() {
+    let Some((_, w, fake)) = setup("fake-checkpoint-fails-late") else {
+        return;
+    };
+    let mut wl = spawn_one(&w, 204);
+    let pid = wl.root();
+    let dump = fake.dump(
+        &w,
+        pid,
+        false,
+        &[("FAKECUDA_FAIL", "checkpoint:after")],
+        &[],
+    );
+    let ctx = context(&fake, &[pid], &[&dump]);
+    assert!(!dump.succeeded(), "the dump succeeded\n{ctx}");
+    assert_gpusnap_line(&dump, "cuCheckpointProcessCheckpoint failed");
+    let ops = fake.ops(pid);
+    assert_eq!(
+        shorts(&ops),
+        ["lock:0", "checkpoint:999", "restore:0", "unlock:0"],
+        "{ctx}"
+    );
+    assert_ptrace_protocol(&ops, &ctx);
+    assert_eq!(fake.state(pid), "running", "{ctx}");
+    assert_gpusnap_line(&dump, "rolled back to running");
+    // A failed dump leaves no gpusnap image behind.
+    let ours: Vec<String> = w
+        .image_files()
+        .into_iter()
+        .filter(|f| f.starts_with("gpusnap-"))
+        .collect();
+    assert!(
+        ours.is_empty(),
+        "gpusnap files after a failed dump: {ours:?}"
+    );
+    assert!(wl.original_still_running(), "the dump killed the workload");
+    assert_runs_on(&wl, 0, "after a late checkpoint failure");
+}
+
+/// Checks shared by the lock-failure tests: the dump failed with the plugin's lock message, the
+/// fake saw exactly one failed lock and nothing else, the process runs on unlocked.
+fn assert_lock_failure(fake: &FakeDriver, wl: &mut Workload, dump: &CriuRun, rc: u32) -> Call {
+    let pid = wl.root();
+    let ctx = context(fake, &[pid], &[dump]);
+    assert!(!dump.succeeded(), "the dump succeeded\n{ctx}");
+    assert_gpusnap_line(dump, &format!("locking the CUDA state of pid {pid} failed"));
+    let ops = fake.ops(pid);
+    assert_eq!(shorts(&ops), [format!("lock:{rc}")], "{ctx}");
+    assert_ptrace_protocol(&ops, &ctx);
+    assert_eq!(fake.state(pid), "running", "{ctx}");
+    assert!(wl.original_still_running(), "the dump killed the workload");
+    assert_runs_on(wl, 0, "after a failed lock");
+    ops[0].clone()
+}
+
+/// Contract 4: the lock fails: the dump fails with gpusnap's lock message, nothing else is
+/// called, the process stays running.
+#[test]
+fn failed_lock_fails_the_dump_and_leaves_the_process_running() {
+    let Some((_, w, fake)) = setup("fake-lock-fails") else {
+        return;
+    };
+    let mut wl = spawn_one(&w, 205);
+    let dump = fake.dump(&w, wl.root(), false, &[("FAKECUDA_FAIL", "lock")], &[]);
+    assert_lock_failure(&fake, &mut wl, &dump, 999);
+}
+
+/// Contract 4b: the lock times out (gpusnap's lock_timeout_ms = 300, the fake needs 5 s): the
+/// driver is given the configured timeout, the dump fails after it, the process stays running.
+#[test]
+fn lock_timeout_fails_the_dump_and_leaves_the_process_running() {
+    let Some((_, w, fake)) = setup("fake-lock-timeout") else {
+        return;
+    };
+    let mut wl = spawn_one(&w, 206);
+    let env = [
+        ("FAKECUDA_LOCK_DELAY_MS", "5000"),
+        ("GPUSNAP_LOCK_TIMEOUT_MS", "300"),
+    ];
+    let t0 = std::time::Instant::now();
+    let dump = fake.dump(&w, wl.root(), false, &env, &[]);
+    let took = t0.elapsed();
+    let lock = assert_lock_failure(&fake, &mut wl, &dump, 909);
+    assert_eq!(
+        lock.fields.get("timeout_ms").map(String::as_str),
+        Some("300")
+    );
+    assert_gpusnap_line(&dump, "within 300 ms");
+    assert!(took < Duration::from_secs(4), "the dump took {took:?}");
+}
+
+/// Contract 5: a parent (no CUDA) with two CUDA children: one dump checkpoints both, in
+/// parallel (their checkpoint calls overlap); one restore restores both, in parallel; all three
+/// run on.
+#[test]
+fn tree_of_gpu_processes_is_checkpointed_and_restored_in_parallel() {
+    let Some((_, w, fake)) = setup("fake-tree") else {
+        return;
+    };
+    let mut wl = spawn_tree(&w, 207);
+    assert_eq!(wl.pids.len(), 3);
+    let (parent, kids) = (wl.pids[0], [wl.pids[1], wl.pids[2]]);
+    assert!(restore_thread(parent).is_none());
+    let slow = [("FAKECUDA_CALL_DELAY_MS", "300")];
+    let dump = fake.dump(&w, parent, false, &slow, &[]);
+    dump.assert_ok();
+    let ctx = context(&fake, &wl.pids, &[&dump]);
+    assert!(fake.ops(parent).is_empty(), "{ctx}");
+    for k in kids {
+        let ops = fake.ops(k);
+        assert_eq!(shorts(&ops), ["lock:0", "checkpoint:0"], "{ctx}");
+        assert_ptrace_protocol(&ops, &ctx);
+        assert_eq!(fake.state(k), "checkpointed", "{ctx}");
+    }
+    assert_gpusnap_line(&dump, "2 GPU processes checkpointed in parallel");
+    let overlap = |call: &str| {
+        let [a, b] = kids.map(|k| {
+            fake.ops(k)
+                .into_iter()
+                .find(|c| c.call == call)
+                .unwrap_or_else(|| panic!("no {call} of {k}\n{ctx}"))
+        });
+        a.start_us < b.end_us && b.start_us < a.end_us
+    };
+    assert!(
+        overlap("checkpoint"),
+        "the checkpoints did not overlap\n{ctx}"
+    );
+    for m in kids.map(|k| gpusnap_image::manifest_file_name(k as u32)) {
+        assert!(w.image_files().contains(&m), "no {m}");
+    }
+
+    wl.reap_dumped();
+    let restore = fake.restore(&w, &slow);
+    restore.assert_ok();
+    let ctx = context(&fake, &wl.pids, &[&dump, &restore]);
+    for k in kids {
+        let ops = fake.ops(k);
+        assert_eq!(
+            shorts(&ops),
+            ["lock:0", "checkpoint:0", "restore:0", "unlock:0"],
+            "{ctx}"
+        );
+        assert_ptrace_protocol(&ops, &ctx);
+        assert_eq!(fake.state(k), "running", "{ctx}");
+    }
+    assert_gpusnap_line(&restore, "2 GPU processes restored in parallel");
+    assert!(overlap("restore"), "the restores did not overlap\n{ctx}");
+    for i in 0..3 {
+        assert_runs_on(&wl, i, "after restoring the tree");
+    }
+    for k in kids {
+        assert_eq!(procs::stat(k).unwrap().ppid, parent);
+    }
+}
+
+/// Contract 6: a process that was already locked before the dump (by someone else) is
+/// checkpointed without a lock of ours, and `-R` returns it to locked, not running.
+#[test]
+fn leave_running_returns_a_locked_process_to_locked() {
+    let Some((_, w, fake)) = setup("fake-prelocked") else {
+        return;
+    };
+    let mut wl = spawn_one(&w, 208);
+    let pid = wl.root();
+    fake.set_state(pid, "locked");
+    let dump = fake.dump(&w, pid, true, &[], &[]);
+    dump.assert_ok();
+    let ctx = context(&fake, &[pid], &[&dump]);
+    let ops = fake.ops(pid);
+    assert_eq!(shorts(&ops), ["checkpoint:0", "restore:0"], "{ctx}");
+    assert_ptrace_protocol(&ops, &ctx);
+    assert_eq!(fake.state(pid), "locked", "{ctx}");
+    assert_gpusnap_line(&dump, "driver state locked");
+    assert_gpusnap_line(&dump, "rolled back to locked");
+    assert!(wl.original_still_running(), "the workload died during -R");
+    // The fake cannot hold the process's CPU threads (a real lock only blocks CUDA calls):
+    // it runs on, untraced.
+    assert_runs_on(&wl, 0, "after -R of a locked process");
+}
+
+/// Contract 7: the driver restore fails at `criu restore`: the restore fails naming the call,
+/// and the restored process is killed rather than left running without its GPU state; the
+/// image is unchanged, and a second restore succeeds.
+#[test]
+fn failed_driver_restore_kills_the_process_and_the_image_stays_usable() {
+    let Some((_, w, fake)) = setup("fake-restore-fails") else {
+        return;
+    };
+    let mut wl = spawn_one(&w, 209);
+    let pid = wl.root();
+    fake.dump(&w, pid, false, &[], &[]).assert_ok();
+    wl.reap_dumped();
+    let restore = fake.restore(&w, &[("FAKECUDA_FAIL", "restore")]);
+    let ctx = context(&fake, &[pid], &[&restore]);
+    assert!(!restore.succeeded(), "the restore succeeded\n{ctx}");
+    assert_gpusnap_line(&restore, "cuCheckpointProcessRestore failed");
+    assert!(
+        wait_until(PROMPTLY, || !procs::is_alive(pid)),
+        "the process runs without its GPU state\n{ctx}"
+    );
+    assert_eq!(
+        shorts(&fake.ops(pid)),
+        ["lock:0", "checkpoint:0", "restore:999"],
+        "{ctx}"
+    );
+    // The fake's state file plays the driver state inside the process image: still
+    // checkpointed, as in the image. Restore again.
+    assert_eq!(fake.state(pid), "checkpointed", "{ctx}");
+    procs::reap(pid, PROMPTLY).unwrap();
+    procs::wait_pid_free(pid, PROMPTLY).unwrap();
+    let again = fake.restore(&w, &[]);
+    again.assert_ok();
+    let ctx = context(&fake, &[pid], &[&restore, &again]);
+    assert_eq!(
+        shorts(&fake.ops(pid)),
+        [
+            "lock:0",
+            "checkpoint:0",
+            "restore:999",
+            "restore:0",
+            "unlock:0"
+        ],
+        "{ctx}"
+    );
+    assert_runs_on(&wl, 0, "after the second restore");
+}
+
+/// Contract 5b: in a tree, the second CUDA child's lock fails after the first child was locked
+/// and seized: the dump fails, and the first child is unlocked again (with its restore thread
+/// running); both children run on.
+#[test]
+fn failed_lock_in_a_tree_unlocks_the_processes_already_locked() {
+    let Some((_, w, fake)) = setup("fake-tree-lock-fails") else {
+        return;
+    };
+    let mut wl = spawn_tree(&w, 210);
+    let kids = [wl.pids[1], wl.pids[2]];
+    let fail = format!("lock@{}", kids[1]);
+    let dump = fake.dump(&w, wl.root(), false, &[("FAKECUDA_FAIL", &fail)], &[]);
+    let ctx = context(&fake, &wl.pids, &[&dump]);
+    assert!(!dump.succeeded(), "the dump succeeded\n{ctx}");
+    assert_gpusnap_line(
+        &dump,
+        &format!("locking the CUDA state of pid {} failed", kids[1]),
+    );
+    let first = fake.ops(kids[0]);
+    assert_eq!(
+        shorts(&first),
+        ["lock:0", "unlock:0"],
+        "the child paused first (CRIU pauses children in creation order) was not unlocked\n{ctx}"
+    );
+    assert_ptrace_protocol(&first, &ctx);
+    assert_eq!(shorts(&fake.ops(kids[1])), ["lock:999"], "{ctx}");
+    for k in kids {
+        assert_eq!(fake.state(k), "running", "{ctx}");
+    }
+    assert!(wl.original_still_running(), "the dump killed the workload");
+    for i in 0..3 {
+        assert_runs_on(&wl, i, "after a failed lock in a tree");
+    }
+}
+
+/// Contract 5c: in a tree, one child's checkpoint fails (late: the driver checkpointed it)
+/// while the other's succeeds: the dump fails and both are restored and unlocked.
+#[test]
+fn failed_checkpoint_in_a_tree_rolls_back_every_process() {
+    let Some((_, w, fake)) = setup("fake-tree-checkpoint-fails") else {
+        return;
+    };
+    let mut wl = spawn_tree(&w, 211);
+    let kids = [wl.pids[1], wl.pids[2]];
+    let fail = format!("checkpoint:after@{}", kids[1]);
+    let dump = fake.dump(&w, wl.root(), false, &[("FAKECUDA_FAIL", &fail)], &[]);
+    let ctx = context(&fake, &wl.pids, &[&dump]);
+    assert!(!dump.succeeded(), "the dump succeeded\n{ctx}");
+    for (k, rc) in [(kids[0], 0), (kids[1], 999)] {
+        let ops = fake.ops(k);
+        assert_eq!(
+            shorts(&ops),
+            [
+                "lock:0".to_owned(),
+                format!("checkpoint:{rc}"),
+                "restore:0".into(),
+                "unlock:0".into()
+            ],
+            "{ctx}"
+        );
+        assert_ptrace_protocol(&ops, &ctx);
+        assert_eq!(fake.state(k), "running", "{ctx}");
+    }
+    assert!(wl.original_still_running(), "the dump killed the workload");
+    for i in 0..3 {
+        assert_runs_on(&wl, i, "after a failed checkpoint in a tree");
+    }
+}
+
+/// Contract 6b: a process that was already checkpointed before the dump is left alone: no
+/// driver call changes it, and after `-R` it is still checkpointed.
+#[test]
+fn leave_running_leaves_a_checkpointed_process_checkpointed() {
+    let Some((_, w, fake)) = setup("fake-precheckpointed") else {
+        return;
+    };
+    let wl = spawn_one(&w, 212);
+    let pid = wl.root();
+    fake.set_state(pid, "checkpointed");
+    let dump = fake.dump(&w, pid, true, &[], &[]);
+    dump.assert_ok();
+    let ctx = context(&fake, &[pid], &[&dump]);
+    assert!(fake.ops(pid).is_empty(), "{ctx}");
+    assert_eq!(fake.state(pid), "checkpointed", "{ctx}");
+    assert_gpusnap_line(&dump, "already checkpointed before the dump");
+}
+
+/// Contract 8: `gpusnap recover` (outside CRIU) brings back a process that a dump cut short
+/// left checkpointed: it holds every thread itself, runs the restore thread for the driver's
+/// restore and unlock, and lets the process go.
+#[test]
+fn gpusnap_recover_restores_and_unlocks_a_checkpointed_process() {
+    let Some((h, w, fake)) = setup("fake-recover") else {
+        return;
+    };
+    let wl = spawn_one(&w, 213);
+    let pid = wl.root();
+    fake.set_state(pid, "checkpointed");
+    let cli = gpusnap_cli(h).unwrap_or_else(|e| panic!("building gpusnap: {e}"));
+    let out = std::process::Command::new(cli)
+        .args(["recover", &pid.to_string()])
+        .envs(fake.env())
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let ctx = format!(
+        "gpusnap recover: {}\n{text}\n{}",
+        out.status,
+        context(&fake, &[pid], &[])
+    );
+    assert!(out.status.success(), "{ctx}");
+    assert!(text.contains("recovered"), "{ctx}");
+    let ops = fake.ops(pid);
+    assert_eq!(shorts(&ops), ["restore:0", "unlock:0"], "{ctx}");
+    assert_ptrace_protocol(&ops, &ctx);
+    assert_eq!(fake.state(pid), "running", "{ctx}");
+    assert_runs_on(&wl, 0, "after gpusnap recover");
+}

@@ -427,6 +427,15 @@ pub fn rollback(ctx: &Ctx, t: &mut Tracked) -> Result<(), DumpError> {
     }
     let t0 = Instant::now();
     let restore_thread = run_thread(t.restore_tid, "driver restore thread")?;
+    // The driver knows best: a call that failed may or may not have changed the state (a
+    // checkpoint that failed leaves the process locked, and a restore would then be refused).
+    match ctx.api.process_state(pid) {
+        Ok(ProcessState::Running) => t.driver = DriverStage::Running,
+        Ok(ProcessState::Locked) => t.driver = DriverStage::Locked,
+        Ok(ProcessState::Checkpointed) => t.driver = DriverStage::Checkpointed,
+        Ok(other) => log::warn!("pid {pid}: the driver reports state {other} during rollback"),
+        Err(e) => log::warn!("pid {pid}: cannot read the driver state during rollback: {e}"),
+    }
     if t.driver == DriverStage::Checkpointed {
         ctx.api
             .restore(pid, &[])

@@ -389,6 +389,29 @@ fn failed_lock_fails_the_dump_and_leaves_the_process_running() {
     assert_lock_failure(&fake, &mut wl, &dump, 999);
 }
 
+/// Contract 4c: the lock reports a failure but took effect (the fake's `lock:after`): the
+/// plugin must not leave the process locked. It unlocks at once (in PAUSE, while the process
+/// still runs), and the dump fails with the lock message.
+#[test]
+fn lock_that_failed_but_took_effect_is_undone() {
+    let Some((_, w, fake)) = setup("fake-lock-after") else {
+        return;
+    };
+    let mut wl = spawn_one(&w, 207);
+    let pid = wl.root();
+    let dump = fake.dump(&w, pid, false, &[("FAKECUDA_FAIL", "lock:after")], &[]);
+    let ctx = context(&fake, &[pid], &[&dump]);
+    assert!(!dump.succeeded(), "the dump succeeded\n{ctx}");
+    assert_gpusnap_line(
+        &dump,
+        &format!("locking the CUDA state of pid {pid} failed"),
+    );
+    assert_eq!(shorts(&fake.ops(pid)), ["lock:999", "unlock:0"], "{ctx}");
+    assert_eq!(fake.state(pid), "running", "{ctx}");
+    assert!(wl.original_still_running(), "the dump killed the workload");
+    assert_runs_on(&wl, 0, "after a lock that failed late");
+}
+
 /// Contract 4b: the lock times out (gpusnap's lock_timeout_ms = 300, the fake needs 20 s): the
 /// driver is given the configured timeout, the dump fails after it, the process stays running.
 #[test]

@@ -95,6 +95,13 @@ pub fn pause(ctx: &Ctx, pid: i32) -> Result<Option<Tracked>, DumpError> {
             if crate::criu::alarm_timeouted() {
                 log::error!("pid {pid}: CRIU's timeout fired while locking the GPU state");
             }
+            // A lock that reported failure but took effect must not stay (the process still
+            // runs here, so no thread needs resuming).
+            if ctx.api.process_state(pid).ok() == Some(ProcessState::Locked)
+                && let Err(e) = ctx.api.unlock(pid)
+            {
+                log::error!("pid {pid}: unlocking after the failed lock failed too: {e}");
+            }
             return Err(DumpError::Other(format!(
                 "locking the CUDA state of pid {pid} failed ({err}) within {} ms; the process keeps running unlocked. \
                  A long-running kernel or a blocking CUDA call prevents the lock: retry, or raise CRIU's --timeout \

@@ -1,0 +1,199 @@
+//! The one fake device and its primary context: device queries, `cuDevicePrimaryCtxRetain`,
+//! the calling thread's current context, `cuMemGetInfo`.
+//!
+//! The device matches the one `fake-cuda` reports to the plugin (name, UUID, memory), so images
+//! record the same GPU on both sides.
+
+use std::cell::Cell;
+use std::ffi::{c_char, c_int, c_void};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::call::{self, CuResult, put};
+use crate::codes::{CUresult, INVALID_CONTEXT, INVALID_DEVICE, OUT_OF_MEMORY};
+use crate::rt::need_init;
+
+pub type CUdevice = c_int;
+pub type CUcontext = *mut c_void;
+
+/// `cuDriverGetVersion`: CUDA 13.0.
+pub const DRIVER_VERSION: c_int = 13000;
+pub const DEVICE_NAME: &[u8] = b"Fake GPU";
+pub const DEVICE_UUID: [u8; 16] = [
+    0xfa, 0x4e, 0xc0, 0xda, 0x00, 0x00, 0x40, 0x00, 0x80, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x01,
+];
+/// "Device memory" the fake device claims; allocations beyond it fail with out-of-memory.
+pub const DEVICE_TOTAL_MEM: u64 = 80 << 30;
+
+/// Bytes of device memory in use (allocations and physical handles).
+static USED: AtomicU64 = AtomicU64::new(0);
+
+/// Accounts for `bytes` more device memory, or fails with `CUDA_ERROR_OUT_OF_MEMORY`.
+pub fn charge(bytes: u64) -> CuResult {
+    USED.fetch_update(Ordering::AcqRel, Ordering::Acquire, |u| {
+        u.checked_add(bytes).filter(|&n| n <= DEVICE_TOTAL_MEM)
+    })
+    .map(|_| ())
+    .map_err(|_| OUT_OF_MEMORY)
+}
+
+/// Gives `bytes` back.
+pub fn refund(bytes: u64) {
+    let _ = USED.fetch_update(Ordering::AcqRel, Ordering::Acquire, |u| {
+        Some(u.saturating_sub(bytes))
+    });
+}
+
+/// The primary context's handle: the address of this static.
+static PRIMARY: u8 = 0;
+
+pub fn primary() -> CUcontext {
+    (&raw const PRIMARY).cast_mut().cast()
+}
+
+thread_local! {
+    static CURRENT: Cell<usize> = const { Cell::new(0) };
+}
+
+/// `CUDA_ERROR_INVALID_CONTEXT` unless the calling thread has a current context.
+pub fn need_context() -> CuResult {
+    need_init()?;
+    if CURRENT.with(Cell::get) == 0 {
+        return Err(INVALID_CONTEXT);
+    }
+    Ok(())
+}
+
+fn check_device(dev: CUdevice) -> CuResult {
+    if dev == 0 {
+        Ok(())
+    } else {
+        Err(INVALID_DEVICE)
+    }
+}
+
+pub unsafe extern "C" fn driver_get_version(version: *mut c_int) -> CUresult {
+    // SAFETY: the caller's out pointer, checked for null by put.
+    call::run_unlocked("cuDriverGetVersion", || unsafe {
+        put(version, DRIVER_VERSION)
+    })
+}
+
+pub unsafe extern "C" fn device_get_count(count: *mut c_int) -> CUresult {
+    call::run("cuDeviceGetCount", || {
+        need_init()?;
+        // SAFETY: the caller's out pointer, checked for null by put.
+        unsafe { put(count, 1) }
+    })
+}
+
+pub unsafe extern "C" fn device_get(dev: *mut CUdevice, ordinal: c_int) -> CUresult {
+    call::run("cuDeviceGet", || {
+        need_init()?;
+        check_device(ordinal)?;
+        // SAFETY: the caller's out pointer, checked for null by put.
+        unsafe { put(dev, ordinal) }
+    })
+}
+
+pub unsafe extern "C" fn device_get_name(name: *mut c_char, len: c_int, dev: CUdevice) -> CUresult {
+    call::run("cuDeviceGetName", || {
+        need_init()?;
+        check_device(dev)?;
+        let len = usize::try_from(len).unwrap_or(0);
+        if name.is_null() || len == 0 {
+            return call::invalid("cuDeviceGetName", format_args!("no buffer"));
+        }
+        let n = DEVICE_NAME.len().min(len - 1);
+        // SAFETY: name is valid for `len` bytes per the caller; n + 1 <= len.
+        unsafe {
+            std::ptr::copy_nonoverlapping(DEVICE_NAME.as_ptr(), name.cast::<u8>(), n);
+            name.add(n).write(0);
+        }
+        Ok(())
+    })
+}
+
+pub unsafe extern "C" fn device_total_mem(bytes: *mut usize, dev: CUdevice) -> CUresult {
+    call::run("cuDeviceTotalMem_v2", || {
+        need_init()?;
+        check_device(dev)?;
+        // SAFETY: the caller's out pointer, checked for null by put.
+        unsafe { put(bytes, DEVICE_TOTAL_MEM as usize) }
+    })
+}
+
+pub unsafe extern "C" fn device_get_uuid(uuid: *mut [u8; 16], dev: CUdevice) -> CUresult {
+    call::run("cuDeviceGetUuid", || {
+        need_init()?;
+        check_device(dev)?;
+        // SAFETY: the caller's out pointer (a 16-byte CUuuid), checked for null by put.
+        unsafe { put(uuid, DEVICE_UUID) }
+    })
+}
+
+pub unsafe extern "C" fn primary_ctx_retain(ctx: *mut CUcontext, dev: CUdevice) -> CUresult {
+    call::run("cuDevicePrimaryCtxRetain", || {
+        need_init()?;
+        check_device(dev)?;
+        // SAFETY: the caller's out pointer, checked for null by put.
+        unsafe { put(ctx, primary()) }
+    })
+}
+
+pub unsafe extern "C" fn primary_ctx_release(dev: CUdevice) -> CUresult {
+    call::run("cuDevicePrimaryCtxRelease_v2", || {
+        need_init()?;
+        check_device(dev)
+    })
+}
+
+pub unsafe extern "C" fn ctx_set_current(ctx: CUcontext) -> CUresult {
+    call::run("cuCtxSetCurrent", || {
+        need_init()?;
+        if !ctx.is_null() && ctx != primary() {
+            debug_bad_context("cuCtxSetCurrent", ctx);
+            return Err(INVALID_CONTEXT);
+        }
+        CURRENT.with(|c| c.set(ctx as usize));
+        Ok(())
+    })
+}
+
+pub unsafe extern "C" fn ctx_get_current(ctx: *mut CUcontext) -> CUresult {
+    call::run("cuCtxGetCurrent", || {
+        need_init()?;
+        let cur = CURRENT.with(Cell::get) as CUcontext;
+        // SAFETY: the caller's out pointer, checked for null by put.
+        unsafe { put(ctx, cur) }
+    })
+}
+
+pub unsafe extern "C" fn ctx_get_device(dev: *mut CUdevice) -> CUresult {
+    call::run("cuCtxGetDevice", || {
+        need_context()?;
+        // SAFETY: the caller's out pointer, checked for null by put.
+        unsafe { put(dev, 0) }
+    })
+}
+
+pub unsafe extern "C" fn ctx_synchronize() -> CUresult {
+    call::run("cuCtxSynchronize", need_context)
+}
+
+pub unsafe extern "C" fn mem_get_info(free: *mut usize, total: *mut usize) -> CUresult {
+    call::run("cuMemGetInfo_v2", || {
+        need_context()?;
+        let used = USED.load(Ordering::Acquire);
+        // SAFETY: the caller's out pointers, checked for null by put.
+        unsafe {
+            put(free, DEVICE_TOTAL_MEM.saturating_sub(used) as usize)?;
+            put(total, DEVICE_TOTAL_MEM as usize)
+        }
+    })
+}
+
+fn debug_bad_context(call: &str, ctx: CUcontext) {
+    call::debug(format_args!(
+        "{call}: {ctx:p} is not a context of this driver"
+    ));
+}

@@ -1,0 +1,580 @@
+//! The split path end to end with a real CRIU: `fakegpu-vmm` on the stand-in driver
+//! `libfakecudadev.so` with the gpusnap agent preloaded (its device memory is host memory, its
+//! allocations real VMM mappings), CRIU with the plugin and the checkpoint-API stand-in
+//! `libfakecuda.so` (`GPUSNAP_LIBCUDA`), both sides sharing `FAKECUDA_DIR`.
+//!
+//! - dump + restore: the data goes through the agent into gpusnap's files, the memory is
+//!   released before CRIU dumps the process, and comes back at the same addresses on restore;
+//! - `dump -R`: the plugin's rollback reloads the released memory and the process runs on;
+//! - a damaged data file: the restore is refused, naming the chunk, and nothing runs.
+//!
+//! The workload checks its device memory every tick and counts in it, so a lost, stale or
+//! misplaced byte shows as `ok 0` or a counter that does not follow the tick.
+//!
+//! Root and CRIU are needed, as for `criu-tests` (whose harness this uses);
+//! `GPUSNAP_SKIP_CRIU_TESTS=1` skips.
+
+mod common;
+
+use std::fs;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use std::thread::sleep;
+use std::time::{Duration, Instant};
+
+use common::{Vmm, libcuda_dir};
+use criu_tests::{CriuRun, WorkDir, harness, procs};
+
+/// Ticks a process must write after a restore or rollback to count as running on.
+const MORE_TICKS: u64 = 5;
+
+/// `libfakecuda.so` and the `gpusnap` CLI.
+fn built() -> &'static (PathBuf, PathBuf) {
+    static BUILT: OnceLock<(PathBuf, PathBuf)> = OnceLock::new();
+    BUILT.get_or_init(|| {
+        (
+            common::built("fake-cuda", "libfakecuda.so"),
+            common::built("gpusnap", "gpusnap"),
+        )
+    })
+}
+
+/// One test's setup: the work dir, the stand-in drivers' shared state dir, the workload.
+struct Split {
+    w: WorkDir,
+    fakecuda_so: PathBuf,
+    state: PathBuf,
+    cli: PathBuf,
+    vmm: Vmm,
+    /// Memory each process maps with its own VMM calls (`--app-vmm`): CRIU dumps it.
+    app_vmm: bool,
+}
+
+impl Split {
+    /// Starts `fakegpu-vmm` with `procs` processes and `args`, the agent preloaded.
+    fn start_with(test: &str, procs: usize, args: &[&str]) -> Option<Split> {
+        let h = harness(test)?;
+        let w = h.workdir(test);
+        let (fakecuda_so, cli) = built().clone();
+        let agent = h.agent_so().unwrap_or_else(|e| panic!("{e}")).to_owned();
+        let state = w.path.join("fakecuda");
+        fs::create_dir_all(&state).expect("mkdir fakecuda");
+        let lib = libcuda_dir(&w.path);
+        let mut all = vec!["--seed", "11", "--allocs", "3", "--mib", "4"];
+        all.extend_from_slice(args);
+        let vmm = Vmm::start(
+            &w.path,
+            "vmm",
+            procs,
+            &all,
+            &[
+                ("LD_LIBRARY_PATH", &lib),
+                ("LD_PRELOAD", &agent),
+                ("GPUSNAP_AGENT_DEBUG", Path::new("1")),
+                ("FAKECUDADEV_DEBUG", Path::new("1")),
+                ("FAKECUDA_DIR", &state),
+            ],
+        );
+        Some(Split {
+            w,
+            fakecuda_so,
+            state,
+            cli,
+            vmm,
+            app_vmm: args.contains(&"--app-vmm"),
+        })
+    }
+
+    fn start(test: &str) -> Option<Split> {
+        Split::start_with(test, 1, &[])
+    }
+
+    /// `criu <action>` with the plugin, the checkpoint-API stand-in and `config` (gpusnap
+    /// settings as `GPUSNAP_<KEY>` variables) in its environment; `log` in the work dir.
+    fn criu(&self, action: &str, log: &str, extra: &[&str], config: &[(&str, &str)]) -> CriuRun {
+        let log = self.w.path.join(log);
+        let mut args = self.w.criu_args_in(action, &self.w.images, &log);
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let mut env = vec![
+            (
+                "GPUSNAP_LIBCUDA",
+                self.fakecuda_so.to_str().expect("utf-8 path"),
+            ),
+            ("FAKECUDA_DIR", self.state.to_str().expect("utf-8 path")),
+        ];
+        env.extend_from_slice(config);
+        self.w.run_criu(&args, &env, &log)
+    }
+
+    fn dump_with(&self, leave_running: bool, config: &[(&str, &str)]) -> CriuRun {
+        let pid = self.vmm.pid().to_string();
+        let mut extra = vec!["-t", pid.as_str()];
+        if leave_running {
+            extra.push("--leave-running");
+        }
+        self.criu("dump", "dump.log", &extra, config)
+    }
+
+    fn dump(&self, leave_running: bool) -> CriuRun {
+        self.dump_with(leave_running, &[])
+    }
+
+    fn restore_with(&self, config: &[(&str, &str)]) -> CriuRun {
+        self.criu("restore", "restore.log", &["--restore-detached"], config)
+    }
+
+    fn restore(&self) -> CriuRun {
+        self.restore_with(&[])
+    }
+
+    /// Empties the image dir for another dump.
+    fn clear_images(&self) {
+        fs::remove_dir_all(&self.w.images).expect("remove images");
+        fs::create_dir_all(&self.w.images).expect("mkdir images");
+    }
+
+    /// Arms a fault in the workload's stand-in driver (see `inject.rs`): `fail <call>` or
+    /// `hang <call>`, in every process.
+    fn inject(&self, directive: &str) {
+        for pid in &self.vmm.pids {
+            let p = self.state.join(format!("{pid}.dev-inject"));
+            fs::write(&p, format!("{directive}\n")).expect("write the injection file");
+        }
+    }
+
+    /// After a dump that killed the workload: reaped, its pids free for the restore; returns
+    /// the last tick of each process.
+    fn reap_dumped(&mut self) -> Vec<u64> {
+        assert!(
+            self.vmm.wait_original(),
+            "CRIU should have killed the workload"
+        );
+        for &pid in &self.vmm.pids {
+            procs::reap(pid, common::WAIT).unwrap_or_else(|e| panic!("{e}"));
+        }
+        for &pid in &self.vmm.pids {
+            procs::wait_pid_free(pid, common::WAIT).unwrap_or_else(|e| panic!("{e}"));
+        }
+        self.vmm.last_ticks()
+    }
+
+    /// After a failed restore: nothing of the workload runs and its logs did not grow.
+    fn assert_nothing_runs(&self, last: &[u64], run: &CriuRun) {
+        for &pid in &self.vmm.pids {
+            procs::reap(pid, common::WAIT).unwrap_or_else(|e| panic!("{e}"));
+            assert!(!procs::is_alive(pid), "{}", self.describe(run));
+        }
+        assert_eq!(
+            self.vmm.last_ticks(),
+            last,
+            "the workload ran after a failed restore\n{}",
+            self.describe(run)
+        );
+    }
+
+    /// Everything a failure message needs: the criu log's gpusnap lines, the workload, the
+    /// stand-in driver's call log.
+    fn describe(&self, run: &CriuRun) -> String {
+        let mut calls = String::new();
+        for pid in &self.vmm.pids {
+            let log = fs::read_to_string(self.state.join(format!("{pid}.log")))
+                .unwrap_or_else(|e| format!("<{e}>"));
+            calls.push_str(&format!("--- fake driver calls for pid {pid} ---\n{log}"));
+        }
+        format!("{}\n{}\n{calls}", run.diagnostics(), self.vmm.describe())
+    }
+
+    fn assert_ok(&self, run: &CriuRun) {
+        assert!(
+            run.succeeded(),
+            "criu failed ({}): {}\n{}",
+            run.status,
+            run.cmdline,
+            self.describe(run)
+        );
+    }
+
+    /// Asserts that a gpusnap line of `run` contains every one of `needles`.
+    fn assert_line(&self, run: &CriuRun, needles: &[&str]) {
+        assert!(
+            run.gpusnap_lines()
+                .iter()
+                .any(|l| needles.iter().all(|n| l.contains(n))),
+            "no gpusnap line with {needles:?} in {}\n{}",
+            run.log_path.display(),
+            self.describe(run)
+        );
+    }
+
+    /// The workload runs on: every process writes `MORE_TICKS` more ticks after `last`, and
+    /// its whole log is consistent (every tick `ok 1`, consecutive, the device counter equal
+    /// to the tick).
+    fn assert_runs_on(&self, last: &[u64], run: &CriuRun) {
+        assert!(
+            last.iter().all(|&t| t >= 3),
+            "too few ticks before: {last:?}"
+        );
+        let max = last.iter().copied().max().unwrap_or(0);
+        let logs = self.vmm.wait_for_tick(max + MORE_TICKS);
+        for (log, &pid) in logs.iter().zip(&self.vmm.pids) {
+            if let Err(e) = log.check() {
+                panic!(
+                    "pid {pid}, checkpoint at ticks {last:?}: {e}\n{}",
+                    self.describe(run)
+                );
+            }
+            assert_eq!(log.pid, pid);
+        }
+    }
+
+    /// gpusnap's data files of `pid` in the image dir.
+    fn data_files_of(&self, pid: i32) -> Vec<PathBuf> {
+        let prefix = format!("gpusnap-{pid}-data-");
+        let mut v: Vec<PathBuf> = self
+            .w
+            .image_files()
+            .into_iter()
+            .filter(|f| f.starts_with(&prefix) && f.ends_with(".img"))
+            .map(|f| self.w.images.join(f))
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// gpusnap's data files of the root process.
+    fn data_files(&self) -> Vec<PathBuf> {
+        self.data_files_of(self.vmm.pid())
+    }
+
+    fn assert_images(&self, dump: &CriuRun) {
+        for &pid in &self.vmm.pids {
+            let manifest = format!("gpusnap-{pid}-manifest.img");
+            assert!(
+                self.w.images.join(&manifest).is_file() && !self.data_files_of(pid).is_empty(),
+                "no {manifest} or data files: {:?}\n{}",
+                self.w.image_files(),
+                self.describe(dump)
+            );
+        }
+        // The converted memory was released before CRIU dumped the processes: none of it is
+        // in CRIU's images as memfd contents, only the memory the processes map themselves.
+        let memfds = fs::read(self.w.images.join("memfd.img")).unwrap_or_default();
+        let dumped = memfds.windows(12).filter(|w| w == b"fakecuda-dev").count();
+        let own = if self.app_vmm { self.vmm.pids.len() } else { 0 };
+        assert_eq!(
+            dumped,
+            own,
+            "CRIU dumped {dumped} device memory memfds (memfd.img)\n{}",
+            self.describe(dump)
+        );
+        let out = std::process::Command::new(&self.cli)
+            .arg("verify")
+            .arg(&self.w.images)
+            .output()
+            .expect("run gpusnap verify");
+        assert!(
+            out.status.success(),
+            "gpusnap verify {} failed ({}):\n{}{}",
+            self.w.images.display(),
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    /// The dump took the split path for every process: the agent's data went into gpusnap's
+    /// files and its memory was released before CRIU dumped the process.
+    fn assert_split_dump(&self, dump: &CriuRun) {
+        for pid in &self.vmm.pids {
+            let p = format!("pid {pid} ");
+            let q = format!("pid {pid}: ");
+            self.assert_line(dump, &[&p, "path split"]);
+            self.assert_line(dump, &[&q, "data", "into", "files"]);
+            self.assert_line(dump, &[&q, "agent released 4 allocations"]);
+        }
+        self.assert_images(dump);
+    }
+
+    /// The restore took the split path for every process and loaded data.
+    fn assert_split_restore(&self, restore: &CriuRun) {
+        for pid in &self.vmm.pids {
+            let p = format!("pid {pid} ");
+            self.assert_line(restore, &[&p, "restored (Split path)", "data"]);
+        }
+    }
+}
+
+/// Dump (the workload is killed) and restore: the data comes back through the agent at the
+/// same addresses, and the workload counts on from where it was.
+#[test]
+fn split_dump_and_restore() {
+    let Some(mut s) = Split::start("split-dump-restore") else {
+        return;
+    };
+    let dump = s.dump(false);
+    s.assert_ok(&dump);
+    s.assert_split_dump(&dump);
+    let last = s.reap_dumped();
+
+    let restore = s.restore();
+    s.assert_ok(&restore);
+    s.assert_split_restore(&restore);
+    s.assert_runs_on(&last, &restore);
+}
+
+/// `dump -R`: the memory the agent released is reloaded by the rollback and the workload
+/// never stops counting.
+#[test]
+fn split_dump_leave_running_rolls_back() {
+    let Some(mut s) = Split::start("split-dump-R") else {
+        return;
+    };
+    let dump = s.dump(true);
+    s.assert_ok(&dump);
+    s.assert_split_dump(&dump);
+    s.assert_line(&dump, &["device data reloaded"]);
+    assert!(s.vmm.original_running(), "{}", s.describe(&dump));
+    let last = s.vmm.last_ticks();
+    s.assert_runs_on(&last, &dump);
+}
+
+/// One flipped payload byte in a data file: the restore is refused before anything runs,
+/// naming the file and the chunk.
+#[test]
+fn damaged_data_is_refused() {
+    let Some(mut s) = Split::start("split-damaged") else {
+        return;
+    };
+    let dump = s.dump(false);
+    s.assert_ok(&dump);
+    s.assert_split_dump(&dump);
+    let last = s.reap_dumped();
+
+    // The first chunk's stored bytes start after the 64-byte file header and its 64-byte
+    // record header (docs/image-format.md).
+    let file = s.data_files().into_iter().next().expect("a data file");
+    let f = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&file)
+        .expect("open data file");
+    let at = 64 + 64 + 1000;
+    let mut b = [0u8; 1];
+    f.read_exact_at(&mut b, at).expect("read payload byte");
+    b[0] ^= 0x40;
+    f.write_all_at(&b, at).expect("write payload byte");
+    drop(f);
+
+    let restore = s.restore();
+    assert!(
+        !restore.status.success(),
+        "the restore of a damaged image succeeded\n{}",
+        s.describe(&restore)
+    );
+    let name = file.file_name().and_then(|n| n.to_str()).expect("name");
+    s.assert_line(
+        &restore,
+        &["restore refused", name, "chunk", "checksum mismatch"],
+    );
+    s.assert_nothing_runs(&last, &restore);
+}
+
+/// A small staging ring (2 slots of 1 MiB: every allocation is several chunks, slots are reused
+/// many times in both directions) and zstd (one allocation is half zeros).
+#[test]
+fn split_small_ring_and_zstd() {
+    let Some(mut s) = Split::start("split-small-ring") else {
+        return;
+    };
+    let config = [
+        ("GPUSNAP_STAGING_SLOT_MIB", "1"),
+        ("GPUSNAP_STAGING_SLOTS", "2"),
+        ("GPUSNAP_COPY_STREAMS", "2"),
+        ("GPUSNAP_COMPRESS", "zstd"),
+    ];
+    let dump = s.dump_with(false, &config);
+    s.assert_ok(&dump);
+    s.assert_split_dump(&dump);
+    // 4 + 4 + 6 (the odd size, rounded to the granularity) + 2 MiB, in 1 MiB chunks.
+    s.assert_line(&dump, &["16 chunks"]);
+    let stored: u64 = s
+        .data_files()
+        .iter()
+        .map(|f| fs::metadata(f).map_or(0, |m| m.len()))
+        .sum();
+    assert!(
+        stored < 15 << 20,
+        "zstd stored {stored} bytes: nothing was compressed\n{}",
+        s.describe(&dump)
+    );
+    let last = s.reap_dumped();
+    let restore = s.restore_with(&config);
+    s.assert_ok(&restore);
+    s.assert_split_restore(&restore);
+    s.assert_runs_on(&last, &restore);
+}
+
+/// `mode = transparent` with the agent loaded: the plugin leaves the agent alone, CRIU dumps the
+/// device memory itself (the stand-in's memfd mappings) and the restore brings it back.
+#[test]
+fn transparent_mode_dumps_device_memory_with_criu() {
+    let Some(mut s) = Split::start("transparent-mode") else {
+        return;
+    };
+    let config = [("GPUSNAP_MODE", "transparent")];
+    let dump = s.dump_with(false, &config);
+    s.assert_ok(&dump);
+    s.assert_line(&dump, &["path transparent"]);
+    assert!(s.data_files().is_empty(), "{:?}", s.w.image_files());
+    let last = s.reap_dumped();
+    let restore = s.restore_with(&config);
+    s.assert_ok(&restore);
+    s.assert_runs_on(&last, &restore);
+}
+
+/// The agent hangs in a driver copy during the dump (a wedged GPU): the plugin gives up on the
+/// split path after `agent_timeout_ms`, before anything was released, and falls back to the
+/// driver checkpoint; the dump succeeds and the restored workload runs on.
+#[test]
+fn hung_agent_falls_back_to_the_driver_path() {
+    let Some(mut s) = Split::start("split-hung-agent") else {
+        return;
+    };
+    // Only the agent makes asynchronous copies: the workload's own calls are untouched.
+    s.inject("hang cuMemcpyDtoHAsync_v2");
+    let config = [("GPUSNAP_AGENT_TIMEOUT_MS", "1000")];
+    let dump = s.dump_with(false, &config);
+    s.assert_ok(&dump);
+    s.assert_line(&dump, &["path split"]);
+    s.assert_line(&dump, &["split path failed before any memory was released"]);
+    assert!(s.data_files().is_empty(), "{:?}", s.w.image_files());
+    let last = s.reap_dumped();
+    let restore = s.restore_with(&config);
+    s.assert_ok(&restore);
+    s.assert_runs_on(&last, &restore);
+}
+
+/// Re-creating the device memory fails in the restored agent (`cuMemCreate` fails): the
+/// restore fails with the driver's error named, and nothing of the workload runs.
+#[test]
+fn failing_device_allocation_fails_the_restore() {
+    let Some(mut s) = Split::start("split-create-fails") else {
+        return;
+    };
+    let dump = s.dump(false);
+    s.assert_ok(&dump);
+    s.assert_split_dump(&dump);
+    let last = s.reap_dumped();
+    s.inject("fail cuMemCreate");
+    let restore = s.restore();
+    assert!(
+        !restore.status.success(),
+        "the restore succeeded without device memory\n{}",
+        s.describe(&restore)
+    );
+    s.assert_line(&restore, &["cuMemCreate", "CUDA_ERROR_UNKNOWN"]);
+    s.assert_nothing_runs(&last, &restore);
+}
+
+/// Two GPU processes (checkpointed in parallel), each with memory it maps itself with the VMM
+/// calls (recorded by the agent, left to the driver checkpoint: CRIU dumps it here) and helper
+/// threads with driver calls in flight, checkpointed three times: `dump -R`, then dump +
+/// restore, then the restored processes again (their re-created memory is released and
+/// re-created once more).
+#[test]
+fn two_processes_checkpointed_again_and_again() {
+    let Some(mut s) = Split::start_with("split-again", 2, &["--app-vmm", "--threads", "2"]) else {
+        return;
+    };
+    let dump = s.dump(true);
+    s.assert_ok(&dump);
+    s.assert_split_dump(&dump);
+    s.assert_line(&dump, &["2 GPU processes checkpointed in parallel"]);
+    s.assert_runs_on(&s.vmm.last_ticks(), &dump);
+
+    for round in 0..2 {
+        s.clear_images();
+        let dump = s.dump(false);
+        s.assert_ok(&dump);
+        s.assert_split_dump(&dump);
+        let last = s.reap_dumped();
+        let restore = s.restore();
+        s.assert_ok(&restore);
+        s.assert_split_restore(&restore);
+        s.assert_line(&restore, &["2 GPU processes restored in parallel"]);
+        s.assert_runs_on(&last, &restore);
+        eprintln!("round {round} done");
+    }
+}
+
+/// CRIU is killed in the middle of a split dump, after the agent released the memory (during
+/// the driver checkpoint, made slow with `FAKECUDA_CALL_DELAY_MS`): the workload is left
+/// locked, its driver calls held, its memory released. `gpusnap recover PID --images DIR`
+/// unlocks it and reloads the data from the files the dump wrote, and it runs on intact.
+#[test]
+fn recover_after_criu_killed_mid_dump() {
+    let Some(s) = Split::start("split-recover") else {
+        return;
+    };
+    let log = s.w.path.join("dump.log");
+    let mut args = s.w.criu_args_in("dump", &s.w.images, &log);
+    args.extend(["-t".to_owned(), s.vmm.pid().to_string()]);
+    let env = [
+        (
+            "GPUSNAP_LIBCUDA",
+            s.fakecuda_so.to_str().expect("utf-8 path"),
+        ),
+        ("FAKECUDA_DIR", s.state.to_str().expect("utf-8 path")),
+        ("FAKECUDA_CALL_DELAY_MS", "4000"),
+    ];
+    let mut criu = s.w.spawn_criu(&args, &env, &log);
+    let deadline = Instant::now() + common::WAIT;
+    while !criu.log_so_far().contains("agent released") {
+        assert!(
+            criu.try_status().is_none() && Instant::now() < deadline,
+            "criu ended or took too long before the agent released its memory:\n{}",
+            criu.log_so_far()
+        );
+        sleep(Duration::from_millis(10));
+    }
+    // Into the slow driver checkpoint, then kill criu.
+    sleep(Duration::from_millis(500));
+    let killed = criu.kill().expect("kill criu");
+    let held = s.vmm.last_ticks();
+    sleep(Duration::from_millis(500));
+    // Not stopped (criu's death ended the ptrace stops): held by the driver lock, in a call.
+    let main = procs::stat(s.vmm.pid()).map(|st| st.state);
+    assert!(
+        matches!(main, Some('S' | 'R')),
+        "the workload's main thread is in state {main:?}\n{}",
+        s.describe(&killed)
+    );
+    assert_eq!(
+        s.vmm.last_ticks(),
+        held,
+        "the workload ran on with its memory released\n{}",
+        s.describe(&killed)
+    );
+
+    let out = std::process::Command::new(&s.cli)
+        .arg("recover")
+        .arg(s.vmm.pid().to_string())
+        .arg("--images")
+        .arg(&s.w.images)
+        .envs(env[..2].iter().copied())
+        .output()
+        .expect("run gpusnap recover");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success() && text.contains("device data reloaded"),
+        "gpusnap recover failed ({}): {text}\n{}",
+        out.status,
+        s.describe(&killed)
+    );
+    s.assert_runs_on(&held, &killed);
+}

@@ -1,37 +1,71 @@
 //! Fault injection for the tests: `$FAKECUDA_DIR/<pid>.dev-inject`, read by every working call,
 //! one directive a line:
 //!
-//! - `fail <call>`: `<call>` (its exported name, e.g. `cuMemCreate`) fails with
+//! - `fail <call> [after <n>]`: `<call>` (its exported name, e.g. `cuMemCreate`) fails with
 //!   `CUDA_ERROR_UNKNOWN`;
-//! - `hang <call>`: `<call>` never returns (the thread sleeps in 100 ms steps), as a driver
-//!   call stuck on a wedged GPU.
+//! - `hang <call> [after <n>]`: `<call>` never returns (the thread sleeps in 100 ms steps), as a
+//!   driver call stuck on a wedged GPU.
+//!
+//! With `after <n>`, the first `n` calls of `<call>` made while the directive is in the file go
+//! through and the ones after them fail or hang (e.g. the second `cuMemUnmap` of a release).
 //!
 //! A file, not the environment, so a test can arm it while the process runs (its allocations
 //! made), between a dump and a restore, and so on. Without `FAKECUDA_DIR` nothing is read.
 
+use std::collections::HashMap;
+use std::sync::Mutex;
 use std::time::Duration;
 
 use crate::call::{CuResult, debug};
 use crate::codes::UNKNOWN;
 
-/// What the file says about `call`: fail, hang, or nothing.
+/// What to do to a call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Directive {
+pub enum Action {
     Fail,
     Hang,
+}
+
+/// A directive for one call: the action, and how many calls go through first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Directive {
+    pub action: Action,
+    pub after: u64,
 }
 
 /// Parses the file's contents for `call`.
 pub fn parse(contents: &str, call: &str) -> Option<Directive> {
     contents.lines().find_map(|l| {
-        let mut w = l.split_ascii_whitespace();
-        let d = match w.next()? {
-            "fail" => Directive::Fail,
-            "hang" => Directive::Hang,
+        let w: Vec<&str> = l.split_ascii_whitespace().collect();
+        let action = match w.first()? {
+            &"fail" => Action::Fail,
+            &"hang" => Action::Hang,
             _ => return None,
         };
-        (w.next()? == call).then_some(d)
+        if *w.get(1)? != call {
+            return None;
+        }
+        let after = match w.get(2..) {
+            Some([]) | None => 0,
+            Some(["after", n]) => n.parse().ok()?,
+            Some(_) => return None,
+        };
+        Some(Directive { action, after })
     })
+}
+
+/// Calls seen per call name while a directive for it was armed.
+static SEEN: Mutex<Option<HashMap<String, u64>>> = Mutex::new(None);
+
+/// Counts this call; true once more than `after` have been seen.
+fn due(call: &str, after: u64) -> bool {
+    let mut g = SEEN.lock().unwrap_or_else(|e| e.into_inner());
+    let n = g
+        .get_or_insert_with(HashMap::new)
+        .entry(call.to_owned())
+        .or_insert(0);
+    *n += 1;
+    *n > after
 }
 
 /// Applies a directive for `call`, if any.
@@ -42,13 +76,18 @@ pub fn apply(call: &str) -> CuResult {
     let Ok(text) = std::fs::read_to_string(path) else {
         return Ok(());
     };
-    match parse(&text, call) {
-        None => Ok(()),
-        Some(Directive::Fail) => {
+    let Some(d) = parse(&text, call) else {
+        return Ok(());
+    };
+    if !due(call, d.after) {
+        return Ok(());
+    }
+    match d.action {
+        Action::Fail => {
             debug(format_args!("{call}: failing as injected"));
             Err(UNKNOWN)
         }
-        Some(Directive::Hang) => {
+        Action::Hang => {
             debug(format_args!("{call}: hanging as injected"));
             loop {
                 std::thread::sleep(Duration::from_millis(100));
@@ -63,10 +102,21 @@ mod tests {
 
     #[test]
     fn directives() {
-        let f = "fail cuMemCreate\nhang cuMemcpyDtoHAsync_v2\nbogus x\n";
-        assert_eq!(parse(f, "cuMemCreate"), Some(Directive::Fail));
-        assert_eq!(parse(f, "cuMemcpyDtoHAsync_v2"), Some(Directive::Hang));
+        let f = "fail cuMemCreate\nhang cuMemcpyDtoHAsync_v2\nfail cuMemUnmap after 1\nbogus x\n";
+        let d = |action, after| Some(Directive { action, after });
+        assert_eq!(parse(f, "cuMemCreate"), d(Action::Fail, 0));
+        assert_eq!(parse(f, "cuMemcpyDtoHAsync_v2"), d(Action::Hang, 0));
+        assert_eq!(parse(f, "cuMemUnmap"), d(Action::Fail, 1));
         assert_eq!(parse(f, "cuMemMap"), None);
         assert_eq!(parse("", "cuMemMap"), None);
+        assert_eq!(parse("fail cuMemMap later 3", "cuMemMap"), None);
+    }
+
+    #[test]
+    fn counts_calls_before_acting() {
+        assert!(!due("test-call", 2));
+        assert!(!due("test-call", 2));
+        assert!(due("test-call", 2));
+        assert!(due("test-call", 2));
     }
 }

@@ -261,11 +261,15 @@ impl Drop for Vmm {
             let _ = c.wait();
         }
         // Restored copies and orphaned children are our children too (we are a subreaper in
-        // the CRIU tests); elsewhere waitpid just fails.
+        // the CRIU tests): reap them until they are gone (at most 5 s each).
         for &pid in &self.pids {
-            let mut status = 0;
-            // SAFETY: waitpid writes only to status.
-            unsafe { libc::waitpid(pid, &mut status, libc::__WALL | libc::WNOHANG) };
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while Path::new(&format!("/proc/{pid}")).exists() && Instant::now() < deadline {
+                let mut status = 0;
+                // SAFETY: waitpid writes only to status; WNOHANG never blocks.
+                unsafe { libc::waitpid(pid, &mut status, libc::__WALL | libc::WNOHANG) };
+                sleep(Duration::from_millis(5));
+            }
         }
     }
 }

@@ -37,9 +37,9 @@ pub struct Directive {
 pub fn parse(contents: &str, call: &str) -> Option<Directive> {
     contents.lines().find_map(|l| {
         let w: Vec<&str> = l.split_ascii_whitespace().collect();
-        let action = match w.first()? {
-            &"fail" => Action::Fail,
-            &"hang" => Action::Hang,
+        let action = match *w.first()? {
+            "fail" => Action::Fail,
+            "hang" => Action::Hang,
             _ => return None,
         };
         if *w.get(1)? != call {

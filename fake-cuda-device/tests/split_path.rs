@@ -5,8 +5,16 @@
 //!
 //! - dump + restore: the data goes through the agent into gpusnap's files, the memory is
 //!   released before CRIU dumps the process, and comes back at the same addresses on restore;
+//!   again with a 2-slot ring of 1 MiB and zstd; with two processes, their own VMM memory and
+//!   helper threads, three times in a row;
 //! - `dump -R`: the plugin's rollback reloads the released memory and the process runs on;
-//! - a damaged data file: the restore is refused, naming the chunk, and nothing runs.
+//! - a damaged data file: the restore is refused, naming the chunk, and nothing runs (also
+//!   with `verify_before_restore = false`);
+//! - `mode = transparent`: CRIU dumps the device memory itself;
+//! - faults injected into the workload's driver (`inject.rs`): a copy failing or hanging in the
+//!   agent during the dump (fallback to the driver path), hanging or `cuMemCreate` failing
+//!   during the restore (the restore fails, nothing runs), criu killed mid-dump (`gpusnap
+//!   recover`), and, ignored as bugs, a release or a rollback failing part-way.
 //!
 //! The workload checks its device memory every tick and counts in it, so a lost, stale or
 //! misplaced byte shows as `ok 0` or a counter that does not follow the tick.
@@ -344,18 +352,13 @@ fn split_dump_leave_running_rolls_back() {
     s.assert_runs_on(&last, &dump);
 }
 
-/// One flipped payload byte in a data file: the restore is refused before anything runs,
-/// naming the file and the chunk.
-#[test]
-fn damaged_data_is_refused() {
-    let Some(mut s) = Split::start("split-damaged") else {
-        return;
-    };
+/// Dumps the workload (killing it) and flips one payload byte of the first chunk of its first
+/// data file; returns the file's name and the last tick.
+fn dump_and_damage(s: &mut Split) -> (String, Vec<u64>) {
     let dump = s.dump(false);
     s.assert_ok(&dump);
     s.assert_split_dump(&dump);
     let last = s.reap_dumped();
-
     // The first chunk's stored bytes start after the 64-byte file header and its 64-byte
     // record header (docs/image-format.md).
     let file = s.data_files().into_iter().next().expect("a data file");
@@ -369,20 +372,72 @@ fn damaged_data_is_refused() {
     f.read_exact_at(&mut b, at).expect("read payload byte");
     b[0] ^= 0x40;
     f.write_all_at(&b, at).expect("write payload byte");
-    drop(f);
+    let name = file.file_name().and_then(|n| n.to_str()).expect("name");
+    (name.to_owned(), last)
+}
 
+/// One flipped payload byte in a data file: the restore is refused before anything runs,
+/// naming the file and the chunk.
+#[test]
+fn damaged_data_is_refused() {
+    let Some(mut s) = Split::start("split-damaged") else {
+        return;
+    };
+    let (name, last) = dump_and_damage(&mut s);
     let restore = s.restore();
     assert!(
         !restore.status.success(),
         "the restore of a damaged image succeeded\n{}",
         s.describe(&restore)
     );
-    let name = file.file_name().and_then(|n| n.to_str()).expect("name");
     s.assert_line(
         &restore,
-        &["restore refused", name, "chunk", "checksum mismatch"],
+        &["restore refused", &name, "chunk", "checksum mismatch"],
     );
     s.assert_nothing_runs(&last, &restore);
+}
+
+/// The same with `verify_before_restore = false`: the damage is found when the chunk is read
+/// for loading, and the restore fails; the damaged bytes never reach the workload.
+#[test]
+fn damaged_data_without_verification_fails_the_restore() {
+    let Some(mut s) = Split::start("split-damaged-noverify") else {
+        return;
+    };
+    let (name, last) = dump_and_damage(&mut s);
+    let restore = s.restore_with(&[("GPUSNAP_VERIFY_BEFORE_RESTORE", "false")]);
+    assert!(
+        !restore.status.success(),
+        "the restore of a damaged image succeeded\n{}",
+        s.describe(&restore)
+    );
+    s.assert_line(&restore, &[&name, "checksum mismatch"]);
+    s.assert_nothing_runs(&last, &restore);
+}
+
+/// A driver copy fails in the agent part-way through the copy-out: nothing was released yet,
+/// so the plugin falls back to the driver checkpoint; the agent unmapped its staging ring before
+/// answering, so CRIU does not dump it, and the restored workload runs on.
+#[test]
+fn copy_out_error_falls_back_to_the_driver_path() {
+    let Some(mut s) = Split::start("split-copy-fails") else {
+        return;
+    };
+    s.inject("fail cuMemcpyDtoHAsync_v2 after 2");
+    let dump = s.dump(false);
+    s.assert_ok(&dump);
+    s.assert_line(&dump, &["split path failed before any memory was released"]);
+    assert!(s.data_files().is_empty(), "{:?}", s.w.image_files());
+    let memfds = fs::read(s.w.images.join("memfd.img")).unwrap_or_default();
+    assert!(
+        !memfds.windows(15).any(|w| w == b"gpusnap-staging"),
+        "CRIU dumped the staging ring with the process\n{}",
+        s.describe(&dump)
+    );
+    let last = s.reap_dumped();
+    let restore = s.restore();
+    s.assert_ok(&restore);
+    s.assert_runs_on(&last, &restore);
 }
 
 /// A small staging ring (2 slots of 1 MiB: every allocation is several chunks, slots are reused

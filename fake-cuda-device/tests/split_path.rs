@@ -691,7 +691,6 @@ fn hung_agent_at_restore_fails_the_restore() {
 /// either the dump fails and the workload runs on intact (its released memory reloaded from
 /// the files just written), or it succeeds and the restored workload is intact.
 #[test]
-#[ignore = "bug: a Release that fails after the agent released some allocations is taken for 'failed before any memory was released': the plugin deletes the data files and falls back to the driver path, and the released allocation's data is lost"]
 fn release_failing_part_way_loses_no_data() {
     let Some(mut s) = Split::start("split-release-fails") else {
         return;
@@ -714,7 +713,6 @@ fn release_failing_part_way_loses_no_data() {
 /// lock it can be brought back with `gpusnap recover` from the files the dump wrote, which is
 /// what the plugin's message advises.
 #[test]
-#[ignore = "bug: when the -R rollback cannot re-create the memory, the plugin leaves the process unlocked and CRIU resumes it with allocations missing or re-created empty (the device counter restarts from 0)"]
 fn rollback_failing_part_way_does_not_run_without_memory() {
     let Some(s) = Split::start("split-rollback-fails") else {
         return;

@@ -368,11 +368,13 @@ fn move_data_out(ctx: &Ctx, t: &mut Tracked) -> Result<(), DumpError> {
     gpusnap_image::write_manifest(dir, &manifest_for(ctx, t))
         .map_err(|e| DumpError::Other(format!("writing the manifest: {e}")))?;
 
-    let t0 = Instant::now();
-    let (n, bytes) = datapath::release(&chan, ctx.agent_timeout())?;
+    // From the moment Release is sent, some memory may be gone even if the agent then fails
+    // part-way: count it as released, so a failure keeps the files and rolls back by reloading.
     if let DataPath::Split(split) = &mut t.path {
         split.released = true;
     }
+    let t0 = Instant::now();
+    let (n, bytes) = datapath::release(&chan, ctx.agent_timeout())?;
     t.time("release", t0.elapsed().as_secs_f64());
     log::debug!("pid {pid}: agent released {n} allocations ({bytes} bytes)");
     drop(chan);
@@ -454,7 +456,15 @@ pub fn rollback(ctx: &Ctx, t: &mut Tracked) -> Result<(), DumpError> {
             ctx.api.unlock(pid).map_err(driver("rollback: unlock"))?;
             t.driver = DriverStage::Running;
         }
-        reload(ctx, t)?;
+        if let Err(e) = reload(ctx, t) {
+            // Hold the process with the driver lock: its threads must not run on memory that
+            // is not back. `gpusnap recover` reloads it from the files later.
+            match ctx.api.lock(pid, ctx.lock_timeout_ms) {
+                Ok(()) => t.driver = DriverStage::Locked,
+                Err(le) => log::error!("pid {pid}: cannot hold the process with the lock: {le}"),
+            }
+            return Err(e);
+        }
     }
     if t.driver == DriverStage::Locked && t.initial == ProcessState::Running {
         ctx.api.unlock(pid).map_err(driver("rollback: unlock"))?;

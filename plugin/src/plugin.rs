@@ -5,7 +5,7 @@
 
 use crate::context::{self, Ctx};
 use crate::criu::{self, Stage};
-use crate::process::Tracked;
+use crate::process::{self, Tracked};
 use crate::{dump, restore};
 use gpusnap_config::{Config, Mode};
 use gpusnap_image::Manifest;
@@ -470,10 +470,20 @@ impl Plugin {
                     Ok(()) if ret != 0 => dump::remove_partial_files(ctx, t),
                     Ok(()) => {}
                     Err(e) => {
+                        let held = match t.driver {
+                            process::DriverStage::Locked => {
+                                "it is held locked by the driver (its CUDA calls wait), so it does not run without its GPU memory"
+                            }
+                            process::DriverStage::Checkpointed => {
+                                "it is left checkpointed by the driver (its CUDA calls wait)"
+                            }
+                            process::DriverStage::Running => {
+                                "it may run without all of its GPU memory"
+                            }
+                        };
                         log::error!(
-                            "pid {}: ROLLBACK FAILED: {e}. The process may be left {:?} by the driver; run `gpusnap recover {}` with the image dir to bring it back",
+                            "pid {}: ROLLBACK FAILED: {e}. {held}. Bring it back with `gpusnap recover {} --images <this image dir>`",
                             t.pid,
-                            t.driver,
                             t.pid
                         );
                     }

@@ -150,7 +150,10 @@ pub fn copy_out(
     let mut data = match result {
         Ok(d) => d,
         Err(e) => {
-            abort_dump(chan, limits.stall);
+            if !abort_dump(chan, limits.stall) {
+                // The agent did not confirm: it may still have the ring mapped.
+                staging.discard();
+            }
             return Err(e);
         }
     };
@@ -248,19 +251,21 @@ fn writer(
     }
 }
 
-/// Tells the agent to stop and keep its memory; best effort, bounded.
-pub fn abort_dump(chan: &Channel, stall: Duration) {
+/// Tells the agent to stop and keep its memory; best effort, bounded. True when the agent
+/// confirmed (it has unmapped the ring then).
+pub fn abort_dump(chan: &Channel, stall: Duration) -> bool {
     if chan.send_request(&Request::Abort, None).is_err() {
-        return;
+        return false;
     }
     let deadline = Instant::now() + stall.min(Duration::from_secs(10));
     while Instant::now() < deadline {
         match chan.recv_reply(Some(Duration::from_millis(200))) {
-            Ok(Reply::Aborted) | Ok(Reply::Error { .. }) | Err(ProtoError::Closed) => return,
+            Ok(Reply::Aborted) | Ok(Reply::Error { .. }) | Err(ProtoError::Closed) => return true,
             Ok(_) | Err(ProtoError::Timeout) | Err(ProtoError::Interrupted) => continue,
-            Err(_) => return,
+            Err(_) => return false,
         }
     }
+    false
 }
 
 /// Asks the agent to release physical memory (address reservations kept) and waits until it

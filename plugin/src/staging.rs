@@ -93,6 +93,20 @@ impl Staging {
         });
     }
 
+    /// Drops the ring's contents (truncates the memfd to 0). For when the agent may still have
+    /// the ring mapped (it stopped answering): CRIU then dumps an empty mapping, not the ring's
+    /// pages. The agent never reads or writes ring memory with the CPU (only DMA into pages it
+    /// pinned, which stay alive until it unpins them), so this cannot fault it.
+    pub fn discard(&self) {
+        // SAFETY: ftruncate on our own memfd.
+        if unsafe { libc::ftruncate(self.fd.as_raw_fd(), 0) } != 0 {
+            log::warn!(
+                "cannot truncate the staging ring: {}",
+                io::Error::last_os_error()
+            );
+        }
+    }
+
     pub fn fd(&self) -> &OwnedFd {
         &self.fd
     }

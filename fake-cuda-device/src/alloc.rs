@@ -99,6 +99,35 @@ pub unsafe extern "C" fn mem_alloc(dptr: *mut CUdeviceptr, size: usize) -> CUres
     })
 }
 
+/// Managed memory, played by a plain allocation.
+pub unsafe extern "C" fn mem_alloc_managed(
+    dptr: *mut CUdeviceptr,
+    size: usize,
+    _flags: u32,
+) -> CUresult {
+    call::run("cuMemAllocManaged", || {
+        if dptr.is_null() {
+            return invalid("cuMemAllocManaged", format_args!("null dptr"));
+        }
+        let p = alloc("cuMemAllocManaged", size as u64)?;
+        // SAFETY: the caller's out pointer, checked for null above.
+        unsafe { put(dptr, p) }
+    })
+}
+
+/// An IPC handle: the pointer in the first 8 bytes (nothing can open it).
+pub unsafe extern "C" fn ipc_get_mem_handle(handle: *mut [u8; 64], ptr: CUdeviceptr) -> CUresult {
+    call::run("cuIpcGetMemHandle", || {
+        if handle.is_null() {
+            return invalid("cuIpcGetMemHandle", format_args!("null handle"));
+        }
+        let mut h = [0u8; 64];
+        h[..8].copy_from_slice(&ptr.to_le_bytes());
+        // SAFETY: the caller's out pointer, checked for null above.
+        unsafe { put(handle, h) }
+    })
+}
+
 pub unsafe extern "C" fn mem_alloc_pitch(
     dptr: *mut CUdeviceptr,
     pitch: *mut usize,

@@ -176,6 +176,11 @@ pub unsafe extern "C" fn ctx_get_device(dev: *mut CUdevice) -> CUresult {
     })
 }
 
+/// Peer access: accepted (one device here; it only has to succeed).
+pub unsafe extern "C" fn enable_peer_access(_peer: CUcontext, _flags: u32) -> CUresult {
+    call::run("cuCtxEnablePeerAccess", need_context)
+}
+
 pub unsafe extern "C" fn ctx_synchronize() -> CUresult {
     call::run("cuCtxSynchronize", need_context)
 }

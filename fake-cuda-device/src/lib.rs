@@ -125,6 +125,11 @@ exports! {
         [dptr: *mut CUdeviceptr, pitch: *mut usize, width: usize, height: usize,
          element_size: u32];
     cuMemFree_v2 => alloc::mem_free [ptr: CUdeviceptr];
+    // State the real driver cannot checkpoint; here plain stand-ins, so the agent's recording
+    // hooks can be exercised.
+    cuMemAllocManaged => alloc::mem_alloc_managed [dptr: *mut CUdeviceptr, size: usize, flags: u32];
+    cuIpcGetMemHandle => alloc::ipc_get_mem_handle [handle: *mut [u8; 64], ptr: CUdeviceptr];
+    cuCtxEnablePeerAccess => ctx::enable_peer_access [peer: CUcontext, flags: u32];
 
     cuMemcpyHtoD_v2 => copy::htod [dst: CUdeviceptr, src: *const c_void, len: usize];
     cuMemcpyDtoH_v2 => copy::dtoh [dst: *mut c_void, src: CUdeviceptr, len: usize];

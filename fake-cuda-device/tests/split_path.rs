@@ -543,6 +543,39 @@ fn hung_agent_fallback_does_not_dump_the_ring() {
     );
 }
 
+/// State the driver cannot checkpoint (managed memory, a CUDA IPC handle, peer access), which
+/// the agent records as it happens: the dump is refused at PAUSE with the cause named, before
+/// the process is locked, and the process runs on untraced.
+#[test]
+fn unsupported_state_is_refused_before_the_process_is_touched() {
+    for (kind, cause) in [
+        ("managed", "managed (unified) memory"),
+        ("ipc", "CUDA IPC"),
+        ("peer", "peer access"),
+    ] {
+        let Some(mut s) =
+            Split::start_with(&format!("split-hazard-{kind}"), 1, &["--hazard", kind])
+        else {
+            return;
+        };
+        let dump = s.dump(false);
+        assert!(
+            !dump.succeeded(),
+            "{kind}: the dump succeeded\n{}",
+            s.describe(&dump)
+        );
+        s.assert_line(&dump, &["cannot be checkpointed", cause]);
+        let calls =
+            fs::read_to_string(s.state.join(format!("{}.log", s.vmm.pid()))).unwrap_or_default();
+        assert!(
+            !calls.lines().any(|l| l.starts_with("lock")),
+            "{kind}: the process was locked before the refusal\n{calls}"
+        );
+        assert!(s.vmm.original_running(), "{}", s.describe(&dump));
+        s.assert_runs_on(&s.vmm.last_ticks(), &dump);
+    }
+}
+
 /// Re-creating the device memory fails in the restored agent (`cuMemCreate` fails): the
 /// restore fails with the driver's error named, and nothing of the workload runs.
 #[test]

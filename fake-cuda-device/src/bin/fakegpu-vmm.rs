@@ -7,7 +7,7 @@
 //!
 //! ```text
 //! fakegpu-vmm --log PATH [--seed S] [--allocs N] [--mib M] [--resolve dlsym|proc]
-//!             [--app-vmm] [--threads T] [--procs P]
+//!             [--app-vmm] [--threads T] [--procs P] [--hazard managed|ipc|peer]
 //! ```
 //!
 //! - `N` allocations of `M` MiB (the last one 12345 bytes longer, a size that is not a multiple
@@ -29,6 +29,9 @@
 //!   so driver calls are in flight on other threads whenever a checkpoint begins.
 //! - `--procs P`: `P - 1` child processes are forked first, each doing all of the above on its
 //!   own (seed `S + i`, log `PATH.i`), so a dump has several GPU processes.
+//! - `--hazard`: once set up, also make state the driver cannot checkpoint (managed memory, a
+//!   CUDA IPC handle for the first allocation, peer access), through the exported symbols, so
+//!   the preloaded agent records it and gpusnap must refuse the dump.
 //! - `--resolve proc`: only `cuGetProcAddress_v2` comes from `dlsym`; every other entry point
 //!   is asked of it (CUDA 13.0), as the CUDA runtime does.
 //!
@@ -349,6 +352,7 @@ struct Settings {
     resolve: String,
     app_vmm: bool,
     threads: usize,
+    hazard: Option<String>,
 }
 
 fn main() {
@@ -361,6 +365,7 @@ fn main() {
         resolve: arg(&args, "--resolve").unwrap_or_else(|| "dlsym".into()),
         app_vmm: args.iter().any(|a| a == "--app-vmm"),
         threads: num(&args, "--threads", 0) as usize,
+        hazard: arg(&args, "--hazard"),
     };
     let procs = num(&args, "--procs", 1).max(1);
     for i in 1..procs {
@@ -378,6 +383,53 @@ fn main() {
         }
     }
     run(&s);
+}
+
+/// Calls the exported entry point for `kind` (see `--hazard`).
+fn make_hazard(kind: &str, ctx: *mut c_void, first: DevPtr) -> Result<(), String> {
+    type ManagedFn = unsafe extern "C" fn(*mut DevPtr, usize, u32) -> CuResult;
+    type IpcFn = unsafe extern "C" fn(*mut [u8; 64], DevPtr) -> CuResult;
+    type PeerFn = unsafe extern "C" fn(*mut c_void, u32) -> CuResult;
+    let rc = match kind {
+        "managed" => {
+            let f = entry!(
+                Resolve::Dlsym,
+                "cuMemAllocManaged",
+                "cuMemAllocManaged",
+                ManagedFn
+            );
+            let mut p = 0;
+            // SAFETY: a valid out pointer; flags 1 is CU_MEM_ATTACH_GLOBAL.
+            unsafe { f(&mut p, MIB, 1) }
+        }
+        "ipc" => {
+            let f = entry!(
+                Resolve::Dlsym,
+                "cuIpcGetMemHandle",
+                "cuIpcGetMemHandle",
+                IpcFn
+            );
+            let mut h = [0u8; 64];
+            // SAFETY: a valid 64-byte out buffer and a live allocation.
+            unsafe { f(&mut h, first) }
+        }
+        "peer" => {
+            let f = entry!(
+                Resolve::Dlsym,
+                "cuCtxEnablePeerAccess",
+                "cuCtxEnablePeerAccess",
+                PeerFn
+            );
+            // SAFETY: a context from cuDevicePrimaryCtxRetain.
+            unsafe { f(ctx, 0) }
+        }
+        other => return Err(format!("--hazard {other}: managed, ipc or peer")),
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(format!("--hazard {kind}: CUDA error {rc}"))
+    }
 }
 
 fn run(s: &Settings) -> ! {
@@ -405,6 +457,9 @@ fn run(s: &Settings) -> ! {
     }
     for b in &buffers {
         drv.upload(b.ptr, &b.expected).unwrap_or_else(|e| die(&e));
+    }
+    if let Some(h) = &s.hazard {
+        make_hazard(h, ctx, buffers[0].ptr).unwrap_or_else(|e| die(&e));
     }
     let counter = drv.alloc(MIB).unwrap_or_else(|e| die(&e));
     drv.upload(counter, &0u64.to_le_bytes())

@@ -1,11 +1,14 @@
-//! The one fake device and its primary context: device queries, `cuDevicePrimaryCtxRetain`,
-//! the calling thread's current context, `cuMemGetInfo`.
+//! The fake devices and their primary contexts: device queries, `cuDevicePrimaryCtxRetain`,
+//! the calling thread's current context (and its device, `cuCtxGetDevice`), `cuMemGetInfo`.
 //!
-//! The device matches the one `fake-cuda` reports to the plugin (name, UUID, memory), so images
-//! record the same GPU on both sides.
+//! One device by default; `FAKECUDA_DEVICES=N` (1 to [`MAX_DEVICES`]) makes `N`. Device `i` has
+//! the UUID [`device_uuid`]`(i)` (device 0: [`DEVICE_UUID`]), the same as `fake-cuda` reports
+//! to the plugin with the same variable, so images record the same GPUs on both sides. Device
+//! memory is accounted for all devices together.
 
 use std::cell::Cell;
 use std::ffi::{c_char, c_int, c_void};
+use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::call::{self, CuResult, put};
@@ -21,6 +24,37 @@ pub const DEVICE_NAME: &[u8] = b"Fake GPU";
 pub const DEVICE_UUID: [u8; 16] = [
     0xfa, 0x4e, 0xc0, 0xda, 0x00, 0x00, 0x40, 0x00, 0x80, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x01,
 ];
+/// The most devices `FAKECUDA_DEVICES` may ask for.
+pub const MAX_DEVICES: usize = 8;
+/// Environment variable: the number of devices (default 1).
+pub const DEVICES_ENV: &str = "FAKECUDA_DEVICES";
+
+/// The UUID of device `ordinal`: [`DEVICE_UUID`] with the last byte `ordinal + 1` (as
+/// `fake-cuda`'s).
+pub fn device_uuid(ordinal: usize) -> [u8; 16] {
+    let mut u = DEVICE_UUID;
+    u[15] = ordinal as u8 + 1;
+    u
+}
+
+/// The number of devices (`FAKECUDA_DEVICES`, read once; a bad value is reported with
+/// `FAKECUDADEV_DEBUG=1` and means 1).
+pub fn device_count() -> usize {
+    static COUNT: OnceLock<usize> = OnceLock::new();
+    *COUNT.get_or_init(|| match std::env::var(DEVICES_ENV) {
+        Err(_) => 1,
+        Ok(v) => match v.trim().parse::<usize>() {
+            Ok(n) if (1..=MAX_DEVICES).contains(&n) => n,
+            _ => {
+                call::debug(format_args!(
+                    "{DEVICES_ENV}={v:?}: not 1 to {MAX_DEVICES}; one device"
+                ));
+                1
+            }
+        },
+    })
+}
+
 /// "Device memory" the fake device claims; allocations beyond it fail with out-of-memory.
 pub const DEVICE_TOTAL_MEM: u64 = 80 << 30;
 
@@ -43,11 +77,17 @@ pub fn refund(bytes: u64) {
     });
 }
 
-/// The primary context's handle: the address of this static.
-static PRIMARY: u8 = 0;
+/// The primary contexts' handles: the addresses of this static's bytes (device `i`: byte `i`).
+static PRIMARY: [u8; MAX_DEVICES] = [0; MAX_DEVICES];
 
-pub fn primary() -> CUcontext {
-    (&raw const PRIMARY).cast_mut().cast()
+/// Device `dev`'s primary context (`dev` checked by the caller).
+pub fn primary(dev: usize) -> CUcontext {
+    (&raw const PRIMARY[dev]).cast_mut().cast()
+}
+
+/// The device whose primary context `ctx` is.
+fn device_of(ctx: CUcontext) -> Option<usize> {
+    (0..device_count()).find(|&d| primary(d) == ctx)
 }
 
 thread_local! {
@@ -63,8 +103,9 @@ pub fn need_context() -> CuResult {
     Ok(())
 }
 
-fn check_device(dev: CUdevice) -> CuResult {
-    if dev == 0 {
+/// `CUDA_ERROR_INVALID_DEVICE` unless `dev` is one of the devices.
+pub fn check_device(dev: CUdevice) -> CuResult {
+    if usize::try_from(dev).is_ok_and(|d| d < device_count()) {
         Ok(())
     } else {
         Err(INVALID_DEVICE)
@@ -82,7 +123,7 @@ pub unsafe extern "C" fn device_get_count(count: *mut c_int) -> CUresult {
     call::run("cuDeviceGetCount", || {
         need_init()?;
         // SAFETY: the caller's out pointer, checked for null by put.
-        unsafe { put(count, 1) }
+        unsafe { put(count, device_count() as c_int) }
     })
 }
 
@@ -127,7 +168,7 @@ pub unsafe extern "C" fn device_get_uuid(uuid: *mut [u8; 16], dev: CUdevice) -> 
         need_init()?;
         check_device(dev)?;
         // SAFETY: the caller's out pointer (a 16-byte CUuuid), checked for null by put.
-        unsafe { put(uuid, DEVICE_UUID) }
+        unsafe { put(uuid, device_uuid(dev as usize)) }
     })
 }
 
@@ -136,7 +177,7 @@ pub unsafe extern "C" fn primary_ctx_retain(ctx: *mut CUcontext, dev: CUdevice) 
         need_init()?;
         check_device(dev)?;
         // SAFETY: the caller's out pointer, checked for null by put.
-        unsafe { put(ctx, primary()) }
+        unsafe { put(ctx, primary(dev as usize)) }
     })
 }
 
@@ -150,7 +191,7 @@ pub unsafe extern "C" fn primary_ctx_release(dev: CUdevice) -> CUresult {
 pub unsafe extern "C" fn ctx_set_current(ctx: CUcontext) -> CUresult {
     call::run("cuCtxSetCurrent", || {
         need_init()?;
-        if !ctx.is_null() && ctx != primary() {
+        if !ctx.is_null() && device_of(ctx).is_none() {
             debug_bad_context("cuCtxSetCurrent", ctx);
             return Err(INVALID_CONTEXT);
         }
@@ -171,12 +212,14 @@ pub unsafe extern "C" fn ctx_get_current(ctx: *mut CUcontext) -> CUresult {
 pub unsafe extern "C" fn ctx_get_device(dev: *mut CUdevice) -> CUresult {
     call::run("cuCtxGetDevice", || {
         need_context()?;
+        let cur = CURRENT.with(Cell::get) as CUcontext;
+        let d = device_of(cur).ok_or(INVALID_CONTEXT)?;
         // SAFETY: the caller's out pointer, checked for null by put.
-        unsafe { put(dev, 0) }
+        unsafe { put(dev, d as CUdevice) }
     })
 }
 
-/// Peer access: accepted (one device here; it only has to succeed).
+/// Peer access: accepted (it only has to succeed).
 pub unsafe extern "C" fn enable_peer_access(_peer: CUcontext, _flags: u32) -> CUresult {
     call::run("cuCtxEnablePeerAccess", need_context)
 }

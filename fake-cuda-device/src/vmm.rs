@@ -10,7 +10,7 @@ use std::ffi::c_void;
 
 use crate::call::{self, CuResult, debug, invalid, put};
 use crate::codes::{CUresult, INVALID_DEVICE, INVALID_HANDLE, OPERATING_SYSTEM, OUT_OF_MEMORY};
-use crate::ctx::{charge, need_context, refund};
+use crate::ctx::{charge, check_device, need_context, refund};
 use crate::maps;
 
 pub type CUdeviceptr = u64;
@@ -61,7 +61,7 @@ fn aligned(x: u64) -> bool {
     x.is_multiple_of(GRANULARITY)
 }
 
-/// Checks a property struct: pinned memory on device 0.
+/// Checks a property struct: pinned memory on one of the devices.
 ///
 /// # Safety
 /// `prop` must be null or point at a readable `CUmemAllocationProp`.
@@ -77,9 +77,9 @@ unsafe fn check_prop(call: &str, prop: *const AllocationProp) -> CuResult {
             format_args!("allocation type {} (only pinned)", p.type_),
         );
     }
-    if p.location.type_ != LOCATION_DEVICE || p.location.id != 0 {
+    if p.location.type_ != LOCATION_DEVICE || check_device(p.location.id).is_err() {
         debug(format_args!(
-            "{call}: location type {} id {} (only device 0)",
+            "{call}: location type {} id {} (not a device)",
             p.location.type_, p.location.id
         ));
         return Err(INVALID_DEVICE);
@@ -385,7 +385,7 @@ pub unsafe extern "C" fn set_access(
         for i in 0..count {
             // SAFETY: the caller passes `count` readable descriptors.
             let d = unsafe { desc.add(i).read_unaligned() };
-            if d.location.type_ != LOCATION_DEVICE || d.location.id != 0 {
+            if d.location.type_ != LOCATION_DEVICE || check_device(d.location.id).is_err() {
                 debug(format_args!(
                     "{CALL}: descriptor {i}: location type {} id {}",
                     d.location.type_, d.location.id

@@ -30,8 +30,13 @@
 //!   them: if it is in a ptrace or job-control stop (`t`/`T` in `/proc/<pid>/task/<tid>/stat`)
 //!   when the call begins or ends, the call fails with `CUDA_ERROR_OPERATING_SYSTEM` (304) and
 //!   the log says "restore thread stopped".
-//! - The restore needs `cuInit` in the calling process (as documented for the real driver),
-//!   and its GPU pairs must name GPUs that exist (here: the one fake GPU).
+//! - The restore needs `cuInit` in the calling process (as documented for the real driver).
+//! - A successful checkpoint records the GPUs of the host (`<pid>.gpus`, one UUID in hex a
+//!   line): those are the process's checkpointed GPUs. A restore without GPU pairs needs every
+//!   one of them on the host; a restore with pairs must list every checkpointed GPU once as
+//!   the old UUID, and name as new UUIDs distinct GPUs of the host. The pairs received are
+//!   logged (`gpu_pairs=<old>=<new>,...`). Without a `<pid>.gpus` file (a state file a test
+//!   wrote), the host's GPUs count as the checkpointed ones.
 //! - Argument structs must be zeroed except for their documented fields.
 //!
 //! # Failure injection (environment of the *calling* process, i.e. CRIU's)
@@ -49,9 +54,16 @@
 //! A malformed value makes every checkpoint call fail with `CUDA_ERROR_INVALID_VALUE`, naming
 //! the variable, so that a typo cannot make a test pass.
 //!
-//! # Device queries
-//! One device ([`DEVICE_NAME`], [`DEVICE_UUID`], [`DEVICE_TOTAL_MEM`]), driver API version
-//! [`DRIVER_VERSION`]. They (and the restore) need `cuInit(0)` first, like the real ones.
+//! # Devices (environment of the calling process)
+//! One device by default ([`DEVICE_NAME`], [`DEVICE_UUID`], [`DEVICE_TOTAL_MEM`]), driver API
+//! version [`DRIVER_VERSION`]. The queries (and the restore) need `cuInit(0)` first, like the
+//! real ones.
+//! - `FAKECUDA_DEVICES=N` (1 to [`MAX_DEVICES`]): `N` devices; device `i` has the UUID
+//!   [`DEVICE_UUID`] with the last byte `i + 1` (device 0: [`DEVICE_UUID`] itself), as
+//!   `libfakecudadev.so` gives the workload with the same variable.
+//! - `FAKECUDA_UUID_SALT=S` (1 to 255): byte 4 of every UUID is `S` (other GPUs of the same
+//!   model: a restore on "another host").
+//! - `FAKECUDA_DEVICE_NAME=NAME`: every device is named `NAME` (another GPU model).
 //!
 //! Every exported function catches panics (a panic becomes `CUDA_ERROR_UNKNOWN`) and checks its
 //! pointers; nothing unwinds into the caller.
@@ -89,6 +101,11 @@ pub const DIR_ENV: &str = "FAKECUDA_DIR";
 pub const FAIL_ENV: &str = "FAKECUDA_FAIL";
 pub const LOCK_DELAY_ENV: &str = "FAKECUDA_LOCK_DELAY_MS";
 pub const CALL_DELAY_ENV: &str = "FAKECUDA_CALL_DELAY_MS";
+pub const DEVICES_ENV: &str = "FAKECUDA_DEVICES";
+pub const UUID_SALT_ENV: &str = "FAKECUDA_UUID_SALT";
+pub const DEVICE_NAME_ENV: &str = "FAKECUDA_DEVICE_NAME";
+/// The most devices `FAKECUDA_DEVICES` may ask for.
+pub const MAX_DEVICES: usize = 8;
 
 /// `cuDriverGetVersion`: the r580 branch (CUDA 13.0).
 pub const DRIVER_VERSION: c_int = 13000;
@@ -195,6 +212,12 @@ pub struct Settings {
     pub fail: Vec<Injection>,
     pub lock_delay_ms: u64,
     pub call_delay_ms: u64,
+    /// The number of devices (`FAKECUDA_DEVICES`).
+    pub devices: usize,
+    /// Byte 4 of every UUID, when not 0 (`FAKECUDA_UUID_SALT`).
+    pub uuid_salt: u8,
+    /// The devices' name instead of [`DEVICE_NAME`] (`FAKECUDA_DEVICE_NAME`).
+    pub device_name: Option<String>,
     /// A malformed variable: every checkpoint call fails, naming it.
     pub error: Option<String>,
 }
@@ -207,8 +230,34 @@ impl Settings {
             fail: Vec::new(),
             lock_delay_ms: 0,
             call_delay_ms: 0,
+            devices: 1,
+            uuid_salt: 0,
+            device_name: None,
             error: None,
         }
+    }
+
+    /// The UUID of device `ordinal` (see the crate docs).
+    pub fn uuid(&self, ordinal: usize) -> [u8; 16] {
+        let mut u = DEVICE_UUID;
+        u[15] = ordinal as u8 + 1;
+        if self.uuid_salt != 0 {
+            u[4] = self.uuid_salt;
+        }
+        u
+    }
+
+    /// The UUIDs of every device, in ordinal order.
+    pub fn uuids(&self) -> Vec<[u8; 16]> {
+        (0..self.devices).map(|i| self.uuid(i)).collect()
+    }
+
+    /// The devices' name.
+    pub fn name(&self) -> Vec<u8> {
+        self.device_name.as_ref().map_or_else(
+            || DEVICE_NAME.to_bytes().to_vec(),
+            |n| n.as_bytes().to_vec(),
+        )
     }
 
     pub fn from_env() -> Settings {
@@ -237,6 +286,25 @@ impl Settings {
                     Ok(n) => *slot = n,
                     Err(_) => errors.push(format!("{var}={v:?}: not a number of milliseconds")),
                 }
+            }
+        }
+        if let Some(v) = get(DEVICES_ENV) {
+            match v.trim().parse::<usize>() {
+                Ok(n) if (1..=MAX_DEVICES).contains(&n) => s.devices = n,
+                _ => errors.push(format!("{DEVICES_ENV}={v:?}: not 1 to {MAX_DEVICES}")),
+            }
+        }
+        if let Some(v) = get(UUID_SALT_ENV) {
+            match v.trim().parse::<u8>() {
+                Ok(n) if n != 0 => s.uuid_salt = n,
+                _ => errors.push(format!("{UUID_SALT_ENV}={v:?}: not 1 to 255")),
+            }
+        }
+        if let Some(v) = get(DEVICE_NAME_ENV) {
+            if v.is_empty() || v.len() > 200 || v.contains('\0') {
+                errors.push(format!("{DEVICE_NAME_ENV}={v:?}: not a device name"));
+            } else {
+                s.device_name = Some(v);
             }
         }
         if !errors.is_empty() {
@@ -355,6 +423,94 @@ pub fn state_path(dir: &Path, pid: i32) -> PathBuf {
 
 pub fn log_path(dir: &Path, pid: i32) -> PathBuf {
     dir.join(format!("{pid}.log"))
+}
+
+/// The checkpointed GPUs of `pid` (written by a successful checkpoint).
+pub fn gpus_path(dir: &Path, pid: i32) -> PathBuf {
+    dir.join(format!("{pid}.gpus"))
+}
+
+/// The GPUs recorded at `pid`'s checkpoint; no file: `None`.
+pub fn read_gpus(dir: &Path, pid: i32) -> Result<Option<Vec<[u8; 16]>>, String> {
+    let p = gpus_path(dir, pid);
+    let text = match fs::read_to_string(&p) {
+        Ok(t) => t,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(format!("{}: {e}", p.display())),
+    };
+    text.lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| parse_hex_uuid(l.trim()).ok_or_else(|| format!("{}: bad UUID {l:?}", p.display())))
+        .collect::<Result<Vec<_>, _>>()
+        .map(Some)
+}
+
+fn parse_hex_uuid(s: &str) -> Option<[u8; 16]> {
+    if s.len() != 32 || !s.is_ascii() {
+        return None;
+    }
+    let mut out = [0u8; 16];
+    for (i, b) in out.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).ok()?;
+    }
+    Some(out)
+}
+
+/// Records `gpus` as `pid`'s checkpointed GPUs.
+fn write_gpus(dir: &Path, pid: i32, gpus: &[[u8; 16]]) -> io::Result<()> {
+    let text: String = gpus.iter().map(|g| format!("{}\n", hex(g))).collect();
+    fs::write(gpus_path(dir, pid), text)
+}
+
+/// `Err(why)` unless `pairs` may be given to the restore of a process checkpointed on
+/// `checkpointed`, on a host with `host` (see the crate docs).
+pub fn check_pairs(
+    checkpointed: &[[u8; 16]],
+    host: &[[u8; 16]],
+    pairs: &[([u8; 16], [u8; 16])],
+) -> Result<(), String> {
+    if pairs.is_empty() {
+        return match checkpointed.iter().find(|g| !host.contains(g)) {
+            Some(g) => Err(format!(
+                "checkpointed GPU {} is not on this host and no GPU pair names it",
+                hex(g)
+            )),
+            None => Ok(()),
+        };
+    }
+    for (i, (old, new)) in pairs.iter().enumerate() {
+        if !checkpointed.contains(old) {
+            return Err(format!(
+                "GPU pair {}={} names a GPU that was not checkpointed",
+                hex(old),
+                hex(new)
+            ));
+        }
+        if !host.contains(new) {
+            return Err(format!(
+                "GPU pair {}={} names a GPU that does not exist",
+                hex(old),
+                hex(new)
+            ));
+        }
+        if pairs[..i].iter().any(|(o, n)| o == old || n == new) {
+            return Err(format!(
+                "GPU pair {}={} repeats a GPU of an earlier pair",
+                hex(old),
+                hex(new)
+            ));
+        }
+    }
+    match checkpointed
+        .iter()
+        .find(|g| !pairs.iter().any(|(o, _)| o == *g))
+    {
+        Some(g) => Err(format!(
+            "checkpointed GPU {} is missing from the GPU pairs (every one must be listed)",
+            hex(g)
+        )),
+        None => Ok(()),
+    }
 }
 
 /// The state recorded for `pid`; no file: running.
@@ -493,7 +649,17 @@ pub fn run_op(s: &Settings, pid: i32, op: Op, args: &OpArgs) -> u32 {
 fn op_inner(s: &Settings, pid: i32, op: Op, args: &OpArgs, r: &mut Record) -> u32 {
     match op {
         Op::Lock => r.extra.push(("timeout_ms", args.timeout_ms.to_string())),
-        Op::Restore => r.extra.push(("pairs", args.pairs.len().to_string())),
+        Op::Restore => {
+            r.extra.push(("pairs", args.pairs.len().to_string()));
+            if !args.pairs.is_empty() {
+                let list: Vec<String> = args
+                    .pairs
+                    .iter()
+                    .map(|(o, n)| format!("{}={}", hex(o), hex(n)))
+                    .collect();
+                r.extra.push(("gpu_pairs", list.join(",")));
+            }
+        }
         _ => {}
     }
     if let Some(e) = &s.error {
@@ -527,16 +693,16 @@ fn op_inner(s: &Settings, pid: i32, op: Op, args: &OpArgs, r: &mut Record) -> u3
             r.msg = "cuInit was not called in the calling process (the driver needs it before a restore)".into();
             return code::NOT_INITIALIZED;
         }
-        if let Some((old, new)) = args
-            .pairs
-            .iter()
-            .find(|(old, new)| *old != DEVICE_UUID || *new != DEVICE_UUID)
-        {
-            r.msg = format!(
-                "GPU pair {}={} names a GPU that was not checkpointed or does not exist",
-                hex(old),
-                hex(new)
-            );
+        let host = s.uuids();
+        let checkpointed = match read_gpus(&s.dir, pid) {
+            Ok(g) => g.unwrap_or_else(|| host.clone()),
+            Err(e) => {
+                r.msg = e;
+                return code::UNKNOWN;
+            }
+        };
+        if let Err(e) = check_pairs(&checkpointed, &host, &args.pairs) {
+            r.msg = e;
             return code::INVALID_VALUE;
         }
     }
@@ -589,6 +755,12 @@ fn op_inner(s: &Settings, pid: i32, op: Op, args: &OpArgs, r: &mut Record) -> u3
         } else {
             r.msg = format!("injected failure ({FAIL_ENV})");
         }
+        return code::UNKNOWN;
+    }
+    if op == Op::Checkpoint
+        && let Err(e) = write_gpus(&s.dir, pid, &s.uuids())
+    {
+        r.msg = format!("recording the checkpointed GPUs: {e}");
         return code::UNKNOWN;
     }
     if let Err(e) = write_state(&s.dir, pid, to) {
@@ -923,18 +1095,18 @@ pub unsafe extern "C" fn cuGetErrorName(error: CUresult, s: *mut *const c_char) 
 }
 
 /// `CUDA_ERROR_NOT_INITIALIZED` before `cuInit`, `CUDA_ERROR_INVALID_DEVICE` for a device
-/// other than 0, else success.
-fn device_call(dev: c_int) -> u32 {
+/// that is not there, else success.
+fn device_call(s: &Settings, dev: c_int) -> u32 {
     if !INITIALISED.load(Ordering::SeqCst) {
         code::NOT_INITIALIZED
-    } else if dev != 0 {
+    } else if !usize::try_from(dev).is_ok_and(|d| d < s.devices) {
         code::INVALID_DEVICE
     } else {
         code::SUCCESS
     }
 }
 
-/// `CUresult cuDeviceGetCount(int *count)`: 1.
+/// `CUresult cuDeviceGetCount(int *count)`: `FAKECUDA_DEVICES` (1).
 ///
 /// # Safety
 /// `count` is null or points to a writable `int`.
@@ -944,16 +1116,17 @@ pub unsafe extern "C" fn cuDeviceGetCount(count: *mut c_int) -> CUresult {
         if count.is_null() {
             return code::INVALID_VALUE;
         }
-        let rc = device_call(0);
+        let s = Settings::from_env();
+        let rc = device_call(&s, 0);
         if rc == code::SUCCESS {
             // SAFETY: non-null out-pointer (this function's contract).
-            unsafe { count.write(1) };
+            unsafe { count.write(s.devices as c_int) };
         }
         rc
     })
 }
 
-/// `CUresult cuDeviceGet(CUdevice *device, int ordinal)`: ordinal 0 is device 0.
+/// `CUresult cuDeviceGet(CUdevice *device, int ordinal)`: ordinal `i` is device `i`.
 ///
 /// # Safety
 /// `device` is null or points to a writable `int`.
@@ -963,16 +1136,16 @@ pub unsafe extern "C" fn cuDeviceGet(device: *mut c_int, ordinal: c_int) -> CUre
         if device.is_null() {
             return code::INVALID_VALUE;
         }
-        let rc = device_call(ordinal);
+        let rc = device_call(&Settings::from_env(), ordinal);
         if rc == code::SUCCESS {
             // SAFETY: non-null out-pointer (this function's contract).
-            unsafe { device.write(0) };
+            unsafe { device.write(ordinal) };
         }
         rc
     })
 }
 
-/// `CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev)`: [`DEVICE_UUID`].
+/// `CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev)`: [`Settings::uuid`].
 ///
 /// # Safety
 /// `uuid` is null or points to 16 writable bytes.
@@ -982,16 +1155,20 @@ pub unsafe extern "C" fn cuDeviceGetUuid_v2(uuid: *mut u8, dev: c_int) -> CUresu
         if uuid.is_null() {
             return code::INVALID_VALUE;
         }
-        let rc = device_call(dev);
+        let s = Settings::from_env();
+        let rc = device_call(&s, dev);
         if rc == code::SUCCESS {
             // SAFETY: non-null pointer to a 16-byte CUuuid (this function's contract).
-            unsafe { uuid.cast::<[u8; 16]>().write_unaligned(DEVICE_UUID) };
+            unsafe {
+                uuid.cast::<[u8; 16]>()
+                    .write_unaligned(s.uuid(dev as usize))
+            };
         }
         rc
     })
 }
 
-/// `CUresult cuDeviceGetName(char *name, int len, CUdevice dev)`: [`DEVICE_NAME`], truncated
+/// `CUresult cuDeviceGetName(char *name, int len, CUdevice dev)`: [`Settings::name`], truncated
 /// to `len - 1` bytes and NUL-terminated.
 ///
 /// # Safety
@@ -1002,9 +1179,10 @@ pub unsafe extern "C" fn cuDeviceGetName(name: *mut c_char, len: c_int, dev: c_i
         if name.is_null() || len <= 0 {
             return code::INVALID_VALUE;
         }
-        let rc = device_call(dev);
+        let s = Settings::from_env();
+        let rc = device_call(&s, dev);
         if rc == code::SUCCESS {
-            let src = DEVICE_NAME.to_bytes();
+            let src = s.name();
             let n = src.len().min(len as usize - 1);
             // SAFETY: `name` has `len` writable bytes (this function's contract) and
             // n + 1 <= len.
@@ -1027,7 +1205,7 @@ pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: c_int) -> C
         if bytes.is_null() {
             return code::INVALID_VALUE;
         }
-        let rc = device_call(dev);
+        let rc = device_call(&Settings::from_env(), dev);
         if rc == code::SUCCESS {
             // SAFETY: non-null out-pointer (this function's contract).
             unsafe { bytes.write(DEVICE_TOTAL_MEM) };

@@ -395,3 +395,77 @@ fn device_queries_after_cuinit() {
     // SAFETY: cuDeviceGetName NUL-terminated the buffer.
     assert_eq!(unsafe { CStr::from_ptr(name.as_ptr()) }, c"Fake");
 }
+
+#[test]
+fn several_gpus_and_the_pairs_of_a_restore() {
+    let vars = |k: &str| match k {
+        DEVICES_ENV => Some("2".to_owned()),
+        UUID_SALT_ENV => Some("7".to_owned()),
+        DEVICE_NAME_ENV => Some("Other GPU".to_owned()),
+        _ => None,
+    };
+    let s = Settings::from_vars(vars);
+    assert!(s.error.is_none(), "{:?}", s.error);
+    assert_eq!(s.devices, 2);
+    assert_eq!(s.name(), b"Other GPU");
+    let (a, b) = (s.uuid(0), s.uuid(1));
+    assert_ne!(a, b);
+    assert_eq!((a[4], a[15], b[15]), (7, 1, 2));
+    assert_eq!(Settings::new("/x").uuid(0), DEVICE_UUID);
+    for (var, v) in [(DEVICES_ENV, "0"), (DEVICES_ENV, "9"), (UUID_SALT_ENV, "0")] {
+        let bad = Settings::from_vars(|k| (k == var).then(|| v.to_owned()));
+        assert!(bad.error.unwrap().contains(var), "{var}={v}");
+    }
+
+    // Checkpointed on two GPUs (x, y); the host now has x, y or z, w.
+    let (x, y, z, w) = ([1u8; 16], [2u8; 16], [3u8; 16], [4u8; 16]);
+    assert!(check_pairs(&[x, y], &[x, y], &[]).is_ok());
+    assert!(check_pairs(&[x, y], &[x, y], &[(x, y), (y, x)]).is_ok());
+    assert!(check_pairs(&[x, y], &[z, w], &[(x, w), (y, z)]).is_ok());
+    for (host, pairs, why) in [
+        (vec![z, w], vec![], "not on this host"),
+        (vec![z, w], vec![(z, w), (y, z)], "not checkpointed"),
+        (vec![z, w], vec![(x, y), (y, z)], "does not exist"),
+        (vec![z, w], vec![(x, z), (y, z)], "repeats"),
+        (vec![z, w], vec![(x, z)], "missing from the GPU pairs"),
+    ] {
+        let e = check_pairs(&[x, y], &host, &pairs).unwrap_err();
+        assert!(e.contains(why), "{e}");
+    }
+
+    // A checkpoint records the host's GPUs; the restore checks its pairs against them and logs
+    // them.
+    let t = Target::start("two-gpus");
+    let two = Settings {
+        devices: 2,
+        ..t.settings()
+    };
+    for op in [Op::Lock, Op::Checkpoint] {
+        assert_eq!(run_op(&two, t.pid, op, &args()), code::SUCCESS);
+    }
+    assert_eq!(
+        read_gpus(&t.dir, t.pid).unwrap(),
+        Some(vec![two.uuid(0), two.uuid(1)])
+    );
+    let moved = Settings {
+        uuid_salt: 9,
+        ..two.clone()
+    };
+    assert_eq!(
+        run_op(&moved, t.pid, Op::Restore, &args()),
+        code::INVALID_VALUE
+    );
+    let pairs = OpArgs {
+        pairs: vec![(two.uuid(0), moved.uuid(1)), (two.uuid(1), moved.uuid(0))],
+        ..args()
+    };
+    assert_eq!(run_op(&moved, t.pid, Op::Restore, &pairs), code::SUCCESS);
+    let want = format!(
+        " pairs=2 gpu_pairs={}={},{}={} ",
+        hex(&two.uuid(0)),
+        hex(&moved.uuid(1)),
+        hex(&two.uuid(1)),
+        hex(&moved.uuid(0))
+    );
+    assert!(t.log().contains(&want), "{want}\n{}", t.log());
+}

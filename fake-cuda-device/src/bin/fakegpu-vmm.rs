@@ -8,6 +8,7 @@
 //! ```text
 //! fakegpu-vmm --log PATH [--seed S] [--allocs N] [--mib M] [--resolve dlsym|proc]
 //!             [--app-vmm] [--threads T] [--procs P] [--hazard managed|ipc|peer]
+//!             [--devices D]
 //! ```
 //!
 //! - `N` allocations of `M` MiB (the last one 12345 bytes longer, a size that is not a multiple
@@ -32,6 +33,9 @@
 //! - `--hazard`: once set up, also make state the driver cannot checkpoint (managed memory, a
 //!   CUDA IPC handle for the first allocation, peer access), through the exported symbols, so
 //!   the preloaded agent records it and gpusnap must refuse the dump.
+//! - `--devices D`: data allocation `i` is made on device `i % D` (`cuMemAlloc_v2` with that
+//!   device's primary context current), so a process with `D` > 1 has memory on several
+//!   GPUs; everything else (the counter, the 64 KiB allocation, `--app-vmm`) is on device 0.
 //! - `--resolve proc`: only `cuGetProcAddress_v2` comes from `dlsym`; every other entry point
 //!   is asked of it (CUDA 13.0), as the CUDA runtime does.
 //!
@@ -213,19 +217,27 @@ impl Driver {
         }
     }
 
-    /// `cuInit`, device 0, its primary context; returns the context.
+    /// `cuInit`, device 0, its primary context made current; returns the context.
     fn setup(&self) -> Result<*mut c_void, String> {
         // SAFETY: flags 0.
         self.check("cuInit", unsafe { (self.init)(0) })?;
+        let ctx = self.primary_context(0)?;
+        self.make_current(ctx)?;
+        Ok(ctx)
+    }
+
+    /// Device `ordinal`'s primary context (retained).
+    fn primary_context(&self, ordinal: c_int) -> Result<*mut c_void, String> {
         let mut dev = -1;
         // SAFETY: valid out pointer.
-        self.check("cuDeviceGet", unsafe { (self.device_get)(&mut dev, 0) })?;
+        self.check(&format!("cuDeviceGet({ordinal})"), unsafe {
+            (self.device_get)(&mut dev, ordinal)
+        })?;
         let mut ctx = std::ptr::null_mut();
         // SAFETY: valid out pointer, a device from cuDeviceGet.
         self.check("cuDevicePrimaryCtxRetain", unsafe {
             (self.primary_ctx_retain)(&mut ctx, dev)
         })?;
-        self.make_current(ctx)?;
         Ok(ctx)
     }
 
@@ -353,6 +365,7 @@ struct Settings {
     app_vmm: bool,
     threads: usize,
     hazard: Option<String>,
+    devices: usize,
 }
 
 fn main() {
@@ -366,6 +379,7 @@ fn main() {
         app_vmm: args.iter().any(|a| a == "--app-vmm"),
         threads: num(&args, "--threads", 0) as usize,
         hazard: arg(&args, "--hazard"),
+        devices: num(&args, "--devices", 1).max(1) as usize,
     };
     let procs = num(&args, "--procs", 1).max(1);
     for i in 1..procs {
@@ -435,20 +449,29 @@ fn make_hazard(kind: &str, ctx: *mut c_void, first: DevPtr) -> Result<(), String
 fn run(s: &Settings) -> ! {
     let drv = Arc::new(Driver::load(&s.resolve));
     let ctx = drv.setup().unwrap_or_else(|e| die(&e));
-    let mut sizes: Vec<(usize, u64)> = (0..s.allocs)
+    let contexts: Vec<*mut c_void> = std::iter::once(ctx)
+        .chain((1..s.devices).map(|d| drv.primary_context(d as c_int).unwrap_or_else(|e| die(&e))))
+        .collect();
+    // (length, pattern index, device)
+    let mut sizes: Vec<(usize, u64, usize)> = (0..s.allocs)
         .map(|i| {
             let extra = if i + 1 == s.allocs { ODD_EXTRA } else { 0 };
-            (s.mib * MIB + extra, i as u64)
+            (s.mib * MIB + extra, i as u64, i % s.devices)
         })
         .collect();
-    sizes.push((SMALL, s.allocs as u64));
+    sizes.push((SMALL, s.allocs as u64, 0));
     let mut buffers: Vec<Buffer> = sizes
         .into_iter()
-        .map(|(len, index)| Buffer {
-            ptr: drv.alloc(len).unwrap_or_else(|e| die(&e)),
-            expected: pattern(s.seed, index, len),
+        .map(|(len, index, device)| {
+            drv.make_current(contexts[device])
+                .unwrap_or_else(|e| die(&e));
+            Buffer {
+                ptr: drv.alloc(len).unwrap_or_else(|e| die(&e)),
+                expected: pattern(s.seed, index, len),
+            }
         })
         .collect();
+    drv.make_current(ctx).unwrap_or_else(|e| die(&e));
     if s.app_vmm {
         buffers.push(Buffer {
             ptr: drv.app_vmm().unwrap_or_else(|e| die(&e)),

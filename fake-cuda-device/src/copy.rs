@@ -145,7 +145,7 @@ mod tests {
         // SAFETY: plain calls with valid arguments.
         unsafe {
             assert_eq!(crate::rt::init(0), 0);
-            assert_eq!(crate::ctx::ctx_set_current(crate::ctx::primary()), 0);
+            assert_eq!(crate::ctx::ctx_set_current(crate::ctx::primary(0)), 0);
         }
     }
 

@@ -1,0 +1,348 @@
+//! The split path with a process on two GPUs, end to end with a real CRIU: `fakegpu-vmm
+//! --devices 2` on the stand-in driver `libfakecudadev.so` (`FAKECUDA_DEVICES=2`: half of its
+//! data allocations made on device 1) with the gpusnap agent preloaded, CRIU with the plugin and
+//! the checkpoint-API stand-in `libfakecuda.so`, which reports two GPUs too and records the GPUs
+//! of each checkpoint and the GPU pairs each restore is given.
+//!
+//! - dump + restore and `dump -R`: data intact on both devices, bytes logged per GPU;
+//! - `device_map` swapping the two GPUs: the plugin logs both moves and the driver gets both
+//!   pairs;
+//! - the restore host's GPUs have other UUIDs (`FAKECUDA_UUID_SALT`), same model: the pairs are
+//!   chosen automatically;
+//! - another GPU model (`FAKECUDA_DEVICE_NAME`): the restore is refused, naming the GPU, before
+//!   the driver restores anything; the image still restores on the right GPUs afterwards.
+//!
+//! Root and CRIU are needed, as for `criu-tests`; `GPUSNAP_SKIP_CRIU_TESTS=1` skips.
+
+mod common;
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use common::{Vmm, libcuda_dir};
+use criu_tests::{CriuRun, WorkDir, harness, procs};
+
+/// Ticks the workload must write after a restore or rollback.
+const MORE_TICKS: u64 = 5;
+
+/// The UUID (hex) of device `ordinal` as both stand-ins report it, with `FAKECUDA_UUID_SALT`
+/// `salt` (0: none).
+fn uuid(ordinal: u8, salt: u8) -> String {
+    let mut u = [
+        0xfa, 0x4e, 0xc0, 0xda, 0x00, 0x00, 0x40, 0x00, 0x80, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+        0x01,
+    ];
+    u[15] = ordinal + 1;
+    if salt != 0 {
+        u[4] = salt;
+    }
+    u.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn libfakecuda() -> &'static PathBuf {
+    static SO: OnceLock<PathBuf> = OnceLock::new();
+    SO.get_or_init(|| common::built("fake-cuda", "libfakecuda.so"))
+}
+
+/// One test: the work dir, the stand-ins' state dir, the two-GPU workload.
+struct TwoGpus {
+    w: WorkDir,
+    state: PathBuf,
+    vmm: Vmm,
+}
+
+impl TwoGpus {
+    fn start(test: &str) -> Option<TwoGpus> {
+        let h = harness(test)?;
+        let w = h.workdir(test);
+        let agent = h.agent_so().unwrap_or_else(|e| panic!("{e}")).to_owned();
+        let state = w.path.join("fakecuda");
+        fs::create_dir_all(&state).expect("mkdir fakecuda");
+        let lib = libcuda_dir(&w.path);
+        let vmm = Vmm::start(
+            &w.path,
+            "vmm",
+            1,
+            &[
+                "--seed",
+                "7",
+                "--allocs",
+                "4",
+                "--mib",
+                "4",
+                "--devices",
+                "2",
+            ],
+            &[
+                ("LD_LIBRARY_PATH", &lib),
+                ("LD_PRELOAD", &agent),
+                ("GPUSNAP_AGENT_DEBUG", Path::new("1")),
+                ("FAKECUDADEV_DEBUG", Path::new("1")),
+                ("FAKECUDA_DIR", &state),
+                ("FAKECUDA_DEVICES", Path::new("2")),
+            ],
+        );
+        Some(TwoGpus { w, state, vmm })
+    }
+
+    /// `criu <action>` with the plugin and the checkpoint-API stand-in reporting two GPUs, and
+    /// `env` (gpusnap settings, stand-in settings) on top.
+    fn criu(&self, action: &str, log: &str, extra: &[&str], env: &[(&str, &str)]) -> CriuRun {
+        let log = self.w.path.join(log);
+        let mut args = self.w.criu_args_in(action, &self.w.images, &log);
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let mut all = vec![
+            (
+                "GPUSNAP_LIBCUDA",
+                libfakecuda().to_str().expect("utf-8 path"),
+            ),
+            ("FAKECUDA_DIR", self.state.to_str().expect("utf-8 path")),
+            ("FAKECUDA_DEVICES", "2"),
+        ];
+        all.extend_from_slice(env);
+        self.w.run_criu(&args, &all, &log)
+    }
+
+    fn dump(&self, leave_running: bool) -> CriuRun {
+        let pid = self.vmm.pid().to_string();
+        let mut extra = vec!["-t", pid.as_str()];
+        if leave_running {
+            extra.push("--leave-running");
+        }
+        self.criu("dump", "dump.log", &extra, &[])
+    }
+
+    fn restore(&self, log: &str, env: &[(&str, &str)]) -> CriuRun {
+        self.criu("restore", log, &["--restore-detached"], env)
+    }
+
+    /// The stand-in driver's call log for the workload.
+    fn calls(&self) -> String {
+        fs::read_to_string(self.state.join(format!("{}.log", self.vmm.pid()))).unwrap_or_default()
+    }
+
+    fn describe(&self, run: &CriuRun) -> String {
+        format!(
+            "{}\n{}\n--- fake driver calls ---\n{}",
+            run.diagnostics(),
+            self.vmm.describe(),
+            self.calls()
+        )
+    }
+
+    fn assert_ok(&self, run: &CriuRun) {
+        assert!(
+            run.succeeded(),
+            "criu failed ({}): {}\n{}",
+            run.status,
+            run.cmdline,
+            self.describe(run)
+        );
+    }
+
+    fn assert_line(&self, run: &CriuRun, needles: &[&str]) {
+        assert!(
+            run.gpusnap_lines()
+                .iter()
+                .any(|l| needles.iter().all(|n| l.contains(n))),
+            "no gpusnap line with {needles:?} in {}\n{}",
+            run.log_path.display(),
+            self.describe(run)
+        );
+    }
+
+    /// A split dump of memory on both GPUs, with the bytes of each GPU logged.
+    fn assert_two_gpu_dump(&self, dump: &CriuRun) {
+        self.assert_ok(dump);
+        let pid = self.vmm.pid();
+        self.assert_line(dump, &[&format!("pid {pid} "), "path split"]);
+        // 4 data allocations (two per device) and the counter on device 0.
+        self.assert_line(
+            dump,
+            &[&format!("pid {pid}: "), "agent released 5 allocations"],
+        );
+        for dev in 0..2 {
+            self.assert_line(dump, &[&format!("pid {pid}: GPU {dev}: "), "GiB"]);
+        }
+    }
+
+    /// After a dump that killed the workload: reaped, its pid free; returns its last tick.
+    fn reap_dumped(&mut self) -> Vec<u64> {
+        assert!(
+            self.vmm.wait_original(),
+            "CRIU should have killed the workload"
+        );
+        let pid = self.vmm.pid();
+        procs::reap(pid, common::WAIT).unwrap_or_else(|e| panic!("{e}"));
+        procs::wait_pid_free(pid, common::WAIT).unwrap_or_else(|e| panic!("{e}"));
+        self.vmm.last_ticks()
+    }
+
+    /// The workload writes `MORE_TICKS` more ticks after `last`, all of them consistent.
+    fn assert_runs_on(&self, last: &[u64], run: &CriuRun) {
+        assert!(
+            last.iter().all(|&t| t >= 3),
+            "too few ticks before: {last:?}"
+        );
+        let max = last.iter().copied().max().unwrap_or(0);
+        for log in self.vmm.wait_for_tick(max + MORE_TICKS) {
+            if let Err(e) = log.check() {
+                panic!("checkpoint at ticks {last:?}: {e}\n{}", self.describe(run));
+            }
+        }
+    }
+
+    /// The stand-in's log lines of successful restores.
+    fn restores(&self) -> Vec<String> {
+        self.calls()
+            .lines()
+            .filter(|l| l.starts_with("restore rc=0 "))
+            .map(str::to_owned)
+            .collect()
+    }
+}
+
+/// Dump + restore of a process with memory on two GPUs: both GPUs' data goes through the agent
+/// and comes back intact; the GPUs stay where they were, so the driver gets no pairs.
+#[test]
+fn two_gpus_dump_and_restore() {
+    let Some(mut s) = TwoGpus::start("multi-gpu-dump-restore") else {
+        return;
+    };
+    let dump = s.dump(false);
+    s.assert_two_gpu_dump(&dump);
+    let last = s.reap_dumped();
+    let restore = s.restore("restore.log", &[]);
+    s.assert_ok(&restore);
+    s.assert_line(&restore, &["restored (Split path)", "data"]);
+    s.assert_runs_on(&last, &restore);
+    let r = s.restores();
+    assert!(
+        r.len() == 1 && r[0].contains(" pairs=0 "),
+        "{r:?}\n{}",
+        s.describe(&restore)
+    );
+}
+
+/// `dump -R` of a process on two GPUs: the rollback reloads both GPUs' memory and the process
+/// never stops counting.
+#[test]
+fn two_gpus_dump_leave_running_rolls_back() {
+    let Some(mut s) = TwoGpus::start("multi-gpu-dump-R") else {
+        return;
+    };
+    let dump = s.dump(true);
+    s.assert_two_gpu_dump(&dump);
+    s.assert_line(&dump, &["device data reloaded"]);
+    assert!(s.vmm.original_running(), "{}", s.describe(&dump));
+    s.assert_runs_on(&s.vmm.last_ticks(), &dump);
+}
+
+/// `device_map` swapping the two GPUs: the plugin logs both moves, the driver gets both pairs
+/// (the stand-in checks them against the checkpointed GPUs and the host's), and the data
+/// comes back intact.
+#[test]
+fn device_map_swaps_the_gpus() {
+    let Some(mut s) = TwoGpus::start("multi-gpu-device-map") else {
+        return;
+    };
+    let dump = s.dump(false);
+    s.assert_two_gpu_dump(&dump);
+    let last = s.reap_dumped();
+    let (u0, u1) = (uuid(0, 0), uuid(1, 0));
+    let map = format!("{u0}={u1},{u1}={u0}");
+    let restore = s.restore("restore.log", &[("GPUSNAP_DEVICE_MAP", &map)]);
+    s.assert_ok(&restore);
+    s.assert_line(&restore, &[&format!("GPU {u0} is restored onto GPU {u1}")]);
+    s.assert_line(&restore, &[&format!("GPU {u1} is restored onto GPU {u0}")]);
+    s.assert_runs_on(&last, &restore);
+    let r = s.restores();
+    let want = format!(" pairs=2 gpu_pairs={u0}={u1},{u1}={u0} ");
+    assert!(
+        r.len() == 1 && r[0].contains(&want),
+        "{want} not in {r:?}\n{}",
+        s.describe(&restore)
+    );
+}
+
+/// The restore host's GPUs have other UUIDs, of the same model: each checkpointed GPU is
+/// replaced by one of them automatically, and the driver gets the pairs.
+#[test]
+fn other_gpus_of_the_same_model_are_chosen_automatically() {
+    let Some(mut s) = TwoGpus::start("multi-gpu-auto") else {
+        return;
+    };
+    let dump = s.dump(false);
+    s.assert_two_gpu_dump(&dump);
+    let last = s.reap_dumped();
+    let restore = s.restore("restore.log", &[("FAKECUDA_UUID_SALT", "5")]);
+    s.assert_ok(&restore);
+    for dev in 0..2 {
+        let line = format!("GPU {} is restored onto GPU {}", uuid(dev, 0), uuid(dev, 5));
+        s.assert_line(&restore, &[&line]);
+    }
+    s.assert_runs_on(&last, &restore);
+    let r = s.restores();
+    let want = format!(
+        " pairs=2 gpu_pairs={}={},{}={} ",
+        uuid(0, 0),
+        uuid(0, 5),
+        uuid(1, 0),
+        uuid(1, 5)
+    );
+    assert!(
+        r.len() == 1 && r[0].contains(&want),
+        "{want} not in {r:?}\n{}",
+        s.describe(&restore)
+    );
+}
+
+/// Another GPU model on the restore host (the same UUIDs, or other ones): the restore is refused
+/// with the GPU named, before the driver restores anything, and nothing runs. The image is left
+/// as it was: on the right GPUs it restores afterwards.
+#[test]
+fn another_gpu_model_is_refused() {
+    let Some(mut s) = TwoGpus::start("multi-gpu-other-model") else {
+        return;
+    };
+    let dump = s.dump(false);
+    s.assert_two_gpu_dump(&dump);
+    let last = s.reap_dumped();
+    let u0 = uuid(0, 0);
+    for (i, env, why) in [
+        (
+            0,
+            vec![("FAKECUDA_DEVICE_NAME", "Other GPU")],
+            "the GPU model must be the same",
+        ),
+        (
+            1,
+            vec![
+                ("FAKECUDA_DEVICE_NAME", "Other GPU"),
+                ("FAKECUDA_UUID_SALT", "5"),
+            ],
+            "not on this host",
+        ),
+    ] {
+        let restore = s.restore(&format!("restore-refused-{i}.log"), &env);
+        assert!(
+            !restore.status.success(),
+            "the restore onto another GPU model succeeded\n{}",
+            s.describe(&restore)
+        );
+        s.assert_line(&restore, &[&format!("GPU {u0}"), why]);
+        assert!(
+            !s.calls().lines().any(|l| l.starts_with("restore ")),
+            "the driver restore was called\n{}",
+            s.describe(&restore)
+        );
+        procs::reap(s.vmm.pid(), common::WAIT).unwrap_or_else(|e| panic!("{e}"));
+        assert!(!procs::is_alive(s.vmm.pid()), "{}", s.describe(&restore));
+        assert_eq!(s.vmm.last_ticks(), last, "{}", s.describe(&restore));
+        procs::wait_pid_free(s.vmm.pid(), common::WAIT).unwrap_or_else(|e| panic!("{e}"));
+    }
+    let restore = s.restore("restore.log", &[]);
+    s.assert_ok(&restore);
+    s.assert_runs_on(&last, &restore);
+}

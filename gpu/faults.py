@@ -1,0 +1,770 @@
+"""GPU-side faults on the H200 ("failures that never cost a job"); called by gpu/faults.sh.
+
+Cases (each independent: a failure is recorded and the next case runs):
+  damaged-image             split: dump, flip one byte in the payload of gpusnap-<pid>-data-0.img,
+                            criu restore must fail with a `gpusnap:` "restore refused"/"checksum"
+                            line and leave no process with the dumped pid; flip it back, restore,
+                            ticks continue bit-exact.
+  no-gpu-memory             split, --nomem-gib (8) GiB: dump; a torch blocker leaves half the
+                            image's size free; restore must fail with "GiB free but the image
+                            needs"; kill the blocker, restore, ticks continue bit-exact.
+  lock-timeout              transparent and split: a torch process inside a ~10 s kernel
+                            (torch.cuda._sleep) when criu dump starts with
+                            GPUSNAP_LOCK_TIMEOUT_MS=1000: the dump fails with "locking the CUDA
+                            state", the process keeps running, untraced, ticks go on.
+  criu-killed-then-recover  split: criu dump --action-script S; S SIGKILLs criu in the post-dump
+                            action (after the device checkpoint: memory released, manifest
+                            written); `gpusnap recover PID --images DIR` must exit 0 and the
+                            ticks continue bit-exact.
+  recover-nothing           split and transparent: `gpusnap recover PID` on a CUDA workload that
+                            was never dumped: exit 0, "nothing to recover", ticks go on.
+Writes $OUT/faults.log, $OUT/faults.jsonl and bench/results/faults-h200.jsonl (one record per
+case and path: run, date, gpu, driver, case, path, pass, detail, ...), per-case logs in
+$OUT/logs.tar. Exit status 1 if any case failed.
+--mock runs gpu/mock_workload.py and CPU stand-ins for the torch helpers (harness test only:
+without a GPU the fault-specific expectations fail).
+"""
+
+import argparse
+import glob
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import crlib  # noqa: E402
+
+ALL_CASES = ["damaged-image", "no-gpu-memory", "lock-timeout", "criu-killed-then-recover",
+             "recover-nothing"]
+# The paths each case runs on, in order.
+CASE_PATHS = {
+    "damaged-image": ["split"],
+    "no-gpu-memory": ["split"],
+    "lock-timeout": ["transparent", "split"],
+    "criu-killed-then-recover": ["split"],
+    "recover-nothing": ["split", "transparent"],
+}
+MODES = {"split": "auto", "transparent": "transparent"}
+
+# Payload of the first chunk of a data file: after the 64-byte file header and the 64-byte record
+# header (image/src/header.rs); 4096 bytes in, so not the header checksum that is hit.
+FLIP_OFFSET = 64 + 64 + 4096
+
+# A torch process that spends nearly all its time inside one long kernel; a line per kernel.
+LONG_KERNEL_PY = r'''
+import os, sys, time
+out, cycles, mock = sys.argv[1], int(float(sys.argv[2])), sys.argv[3] == "1"
+if not mock:
+    import torch
+    x = torch.ones(1 << 20, device="cuda")
+    torch.cuda.synchronize()
+    v = int(x[0].item())
+else:
+    v = 1
+with open(out, "a", buffering=1) as f:
+    f.write("ready pid %d t %.6f cycles %d\n" % (os.getpid(), time.time(), cycles))
+    i = 0
+    while True:
+        t0 = time.time()
+        if mock:
+            time.sleep(cycles / 2e9)
+            v += 1
+        else:
+            torch.cuda._sleep(cycles)
+            x.add_(1)
+            v = int(x[0].item())  # synchronizes
+        i += 1
+        f.write("tick %d t %.6f kernel_s %.3f value %d\n" % (i, time.time(), time.time() - t0, v))
+'''
+
+# Fills the GPU so that `need // 2` bytes stay free; prints one "ready" line, then sleeps.
+BLOCKER_PY = r'''
+import sys, time
+need, mock = int(sys.argv[1]), sys.argv[2] == "1"
+if mock:
+    print("ready mock 1 free_before 0 alloc 0 free_after 0 total 0", flush=True)
+else:
+    import torch
+    free, total = torch.cuda.mem_get_info()
+    n = free - need // 2
+    if n <= 0:
+        print("blocker: only %d bytes free, need/2 is %d: nothing to fill" % (free, need // 2), flush=True)
+        n = 0
+    x = torch.empty(max(n, 1), dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    free2, _ = torch.cuda.mem_get_info()
+    print("ready free_before %d alloc %d free_after %d total %d" % (free, n, free2, total), flush=True)
+while True:
+    time.sleep(1)
+'''
+
+# CRIU action script: SIGKILLs the criu that runs it when the action is one of KILL_ON. criu's
+# pid is in PIDFILE (written by the harness right after starting criu; scripts/criu execs the
+# real criu, so the Popen pid is criu's); it is looked up among the script's ancestors, falling
+# back to the parent. Every invocation is logged.
+KILL_SCRIPT = r'''#!/bin/sh
+echo "$(date +%s.%N) action=$CRTOOLS_SCRIPT_ACTION pid=$$ ppid=$PPID" >> '@LOG@'
+case " @KILL_ON@ " in
+    *" $CRTOOLS_SCRIPT_ACTION "*) ;;
+    *) exit 0 ;;
+esac
+i=0
+while [ ! -s '@PIDFILE@' ] && [ $i -lt 50 ]; do sleep 0.1; i=$((i + 1)); done
+want=$(cat '@PIDFILE@' 2>/dev/null)
+target=
+p=$$
+while [ -n "$p" ] && [ "$p" -gt 1 ]; do
+    if [ "$p" = "$want" ]; then target=$p; break; fi
+    p=$(awk '/^PPid:/ {print $2}' "/proc/$p/status" 2>/dev/null)
+done
+[ -n "$target" ] || target=$PPID
+echo "$(date +%s.%N) killing criu $target (pidfile: $want) with SIGKILL" >> '@LOG@'
+kill -9 "$target"
+exit 0
+'''
+
+
+class Fail(Exception):
+    pass
+
+
+class Case:
+    """One case on one path: its files, the processes to clean up, problems and notes."""
+
+    def __init__(self, h, name, path):
+        self.h, self.name, self.path = h, name, path
+        self.mode = MODES.get(path)
+        self.tag = "%s-%s" % (name, path)
+        self.dir = os.path.join(h.a.work, self.tag)
+        self.img = os.path.join(h.a.images, self.tag)
+        shutil.rmtree(self.dir, ignore_errors=True)
+        shutil.rmtree(self.img, ignore_errors=True)
+        os.makedirs(self.dir, exist_ok=True)
+        self.problems, self.notes, self.info = [], [], {}
+        self.popens = []      # started here: killed and reaped at the end
+        self.pids = []        # restored pids: killed at the end
+        self.free_pids = []   # pids/tids that must be free at the end
+        self.archive = []
+
+    def f(self, name):
+        p = os.path.join(self.dir, name)
+        self.archive.append(p)
+        return p
+
+    def problem(self, msg):
+        self.h.log("PROBLEM: %s" % msg)
+        self.problems.append(msg)
+
+    def note(self, msg):
+        self.h.log("note: %s" % msg)
+        self.notes.append(msg)
+
+
+class Harness:
+    def __init__(self, a, log, mi):
+        self.a, self.log, self.mi = a, log, mi
+        self.workload = os.path.join(crlib.REPO, "gpu", "mock_workload.py") if a.mock else a.workload
+        self.wprefix = [sys.executable] if a.mock else []
+
+    # ---------------------------------------------------------- C workload
+
+    def start_workload(self, c, gib, path):
+        wlog, wout = c.f("workload.log"), c.f("workload.out")
+        cmd = self.wprefix + [self.workload, "--gib", str(gib), "--alloc", "driver", "--log", wlog,
+                              "--interval-ms", str(self.a.interval_ms)]
+        p = crlib.start_process(cmd, wout, crlib.workload_env(path), self.log)
+        c.popens.append(p)
+        t0 = time.time()
+        if not crlib.wait_until(lambda: crlib.parse_workload_log(wlog)[0] is not None,
+                                90 + 3 * float(gib), proc=p):
+            raise Fail("workload not ready after %.0f s (exit status %s)" % (time.time() - t0, p.poll()))
+        if not crlib.wait_until(lambda: len(crlib.parse_workload_log(wlog)[1]) >= 3, 30, proc=p):
+            raise Fail("fewer than 3 ticks before the fault (exit status %s)" % p.poll())
+        ready, ticks, errors = crlib.parse_workload_log(wlog)
+        pre = crlib.check_ticks(ready, ticks, errors)
+        if not pre["pass"]:
+            raise Fail("ticks already bad before the fault: %s" % pre["problems"][:3])
+        tids = crlib.tree_tids(p.pid)
+        c.free_pids.extend(tids)
+        self.log("workload pid %d ready after %.1f s, %d threads, %d ticks" % (
+            p.pid, time.time() - t0, len(tids), len(ticks)))
+        return p, wlog, wout, tids
+
+    def n_ticks(self, wlog):
+        return len(crlib.parse_workload_log(wlog)[1])
+
+    def dump_and_reap(self, c, p, tids, gib, wlog):
+        """criu dump (no -R) of the workload; it must exit and its pids become free."""
+        d = crlib.criu_dump(p.pid, c.img, self.a.plugdir, c.mode, self.log,
+                            timeout=120 + 10 * float(gib))
+        c.archive.append(d["log"])
+        c.info["dump_s"] = round(d["secs"], 3)
+        if d["rc"] != 0:
+            raise Fail("criu dump failed with rc %d: %s" % (d["rc"], _last(d["gpusnap_lines"])))
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            raise Fail("workload still running 30 s after criu dump returned")
+        n = self.n_ticks(wlog)
+        if not crlib.wait_pids_free(tids, 60, self.log):
+            raise Fail("dumped pids still in use 60 s after the dump")
+        return d, n
+
+    def restore_and_check(self, c, wlog, n_dump, dump, gib, what="restore"):
+        """criu restore that must succeed; then 5 more ticks, checker over the whole log."""
+        r = crlib.criu_restore(c.img, self.a.plugdir, c.mode, self.log, timeout=120 + 10 * float(gib))
+        self._save_criu_log(c, r, what)
+        if r["pid"]:
+            c.pids.append(r["pid"])
+        c.info[what + "_s"] = round(r["secs"], 3)
+        if r["rc"] != 0:
+            raise Fail("%s failed with rc %d: %s" % (what, r["rc"], _last(r["gpusnap_lines"])))
+        self.check_ticks_after(c, wlog, n_dump, window=(dump["start"], r["end"]))
+        return r
+
+    def check_ticks_after(self, c, wlog, n_before, window=None, need=5):
+        got = crlib.wait_until(lambda: self.n_ticks(wlog) >= n_before + need,
+                               30 + 5 * need * self.a.interval_ms / 1000.0)
+        ready, ticks, errors = crlib.parse_workload_log(wlog)
+        chk = crlib.check_ticks(ready, ticks, errors, need_after=need, after_index=n_before,
+                                window=window)
+        lo = max(0, n_before - 2)
+        for t in ticks[lo:n_before + need + 1]:
+            self.log("  tick %(tick)d counter %(counter)d state %(state)016x sum %(sum)016x ok %(ok)d "
+                     "err %(err)d" % t)
+        self.log("checker: %s; %d ticks, %d after index %d; gap %s s" % (
+            "PASS" if chk["pass"] else "FAIL", chk["n_ticks"], chk["ticks_after"], n_before,
+            chk.get("gap_s")))
+        c.info["ticks"] = chk["n_ticks"]
+        c.info["ticks_after"] = chk["ticks_after"]
+        if chk.get("gap_s") is not None:
+            c.info["gap_s"] = chk["gap_s"]
+        if not got:
+            self.log("only %d of %d ticks" % (self.n_ticks(wlog), n_before + need))
+        for p in chk["problems"][:8]:
+            c.problem("checker: " + p)
+        if chk["pass"]:
+            c.note("ticks bit-exact: %d after the fault" % chk["ticks_after"])
+        return chk
+
+    def _save_criu_log(self, c, res, what):
+        src = res.get("log")
+        if src and os.path.exists(src):
+            dst = os.path.join(c.dir, "%s.log" % what)
+            shutil.copy(src, dst)
+            c.archive.append(dst)
+
+    def dumped_pid_gone(self, c, pid, restored_pid=None):
+        """After a refused restore: no process with the dumped (or reported) pid runs."""
+        time.sleep(0.5)
+        crlib.reap_our_zombies()
+        bad = []
+        for q in sorted({x for x in (pid, restored_pid) if x}):
+            if crlib.alive(q):
+                try:
+                    with open("/proc/%d/cmdline" % q, "rb") as f:
+                        cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+                except OSError:
+                    cmd = "?"
+                bad.append("%d (%s, state %s)" % (q, cmd[:80], (crlib.proc_stat(q) or "?")[0]))
+        if bad:
+            c.problem("a process with the dumped pid runs after the refused restore: %s" % ", ".join(bad))
+            # kill it, or the next restore of the same image cannot have its pid
+            crlib.kill_and_wait([x for x in (pid, restored_pid) if x], self.log, timeout=30)
+        else:
+            c.note("no process with pid %d after the refused restore" % pid)
+
+    # ------------------------------------------------------------ helpers
+
+    def start_helper(self, c, name, code, args, env=None):
+        script = c.f(name + ".py")
+        with open(script, "w") as f:
+            f.write(code)
+        out = c.f(name + ".out")
+        p = crlib.start_process([self.a.python, script] + [str(x) for x in args], out,
+                                env or crlib.workload_env("transparent"), self.log)
+        c.popens.append(p)
+        return p, out
+
+    def held(self, pid):
+        """[(tid, state, tracer)] of every thread of pid."""
+        res = []
+        try:
+            tids = os.listdir("/proc/%d/task" % pid)
+        except OSError:
+            return None
+        for t in tids:
+            st, tr = "?", None
+            try:
+                with open("/proc/%d/task/%s/status" % (pid, t)) as f:
+                    for line in f:
+                        if line.startswith("State:"):
+                            st = line.split()[1]
+                        elif line.startswith("TracerPid:"):
+                            tr = int(line.split()[1])
+            except OSError:
+                continue
+            res.append((int(t), st, tr))
+        return res
+
+    def check_free(self, c, pid, when):
+        h = self.held(pid)
+        if h is None or not crlib.alive(pid):
+            c.problem("%s: pid %d is gone (%s)" % (when, pid, crlib.proc_stat(pid)))
+            return False
+        bad = [x for x in h if x[2] not in (0, None) or x[1] in ("t", "T")]
+        if bad:
+            c.problem("%s: pid %d is held: threads (tid, state, TracerPid) %s" % (when, pid, bad[:6]))
+            return False
+        self.log("%s: pid %d runs untraced (%d threads, TracerPid 0)" % (when, pid, len(h)))
+        return True
+
+    def cleanup(self, c):
+        targets = [p.pid for p in c.popens] + c.pids
+        victims = []
+        for t in targets:
+            if t and crlib.alive(t):
+                victims.extend(crlib.tree_pids(t))
+        if victims:
+            self.log("killing %s" % crlib.short_list(sorted(set(victims))))
+        for v in set(victims):
+            try:
+                os.kill(v, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for p in c.popens:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.log("pid %d did not exit 30 s after SIGKILL" % p.pid)
+        want = sorted(set(x for x in targets + c.free_pids if x))
+        if want:
+            crlib.wait_pids_free(want, 60, self.log)
+
+    # --------------------------------------------------------------- cases
+
+    def case_damaged_image(self, c):
+        gib = self.a.gib
+        p, wlog, wout, tids = self.start_workload(c, gib, c.path)
+        pid = p.pid
+        dump, n_dump = self.dump_and_reap(c, p, tids, gib, wlog)
+        data = os.path.join(c.img, "gpusnap-%d-data-0.img" % pid)
+        if not os.path.exists(data):
+            cands = sorted(glob.glob(os.path.join(c.img, "gpusnap-*-data-0.img")))
+            if not cands:
+                raise Fail("no gpusnap-*-data-0.img in %s: the split path was not taken (%s)" % (
+                    c.img, sorted(os.listdir(c.img))[:20]))
+            data = cands[0]
+        size = os.path.getsize(data)
+        if size <= FLIP_OFFSET:
+            raise Fail("%s has only %d bytes" % (data, size))
+        old = _flip(data, FLIP_OFFSET)
+        self.log("flipped byte %d of %s (%d bytes): 0x%02x -> 0x%02x" % (
+            FLIP_OFFSET, os.path.basename(data), size, old, old ^ 0xFF))
+        c.info["damaged_file"] = os.path.basename(data)
+        vrc, vout = crlib.gpusnap_cli(["verify", c.img], self.log)
+        c.info["verify_rc_damaged"] = vrc
+        if vout.strip():
+            self.log.block("gpusnap verify (damaged image)", vout, max_lines=20)
+        if vrc == 0:
+            c.note("gpusnap verify passed the damaged image")
+        try:
+            r = crlib.criu_restore(c.img, self.a.plugdir, c.mode, self.log, timeout=120 + 10 * gib)
+            self._save_criu_log(c, r, "restore-damaged")
+            c.info["damaged_restore_rc"] = r["rc"]
+            if r["rc"] == 0:
+                if r["pid"]:
+                    c.pids.append(r["pid"])
+                c.problem("criu restore of the damaged image succeeded")
+            refused = [l for l in r["gpusnap_lines"] if "restore refused" in l or "checksum" in l]
+            c.info["refusal"] = _last(refused) or _last(r["gpusnap_lines"])
+            if refused:
+                c.note("refused: %s" % refused[-1].strip()[-200:])
+            else:
+                c.problem("no gpusnap: line with 'restore refused' or 'checksum' in restore.log "
+                          "(last: %s)" % _last(r["gpusnap_lines"]))
+            self.dumped_pid_gone(c, pid, r["pid"] if r["rc"] != 0 else None)
+        finally:
+            _flip(data, FLIP_OFFSET)
+            self.log("flipped byte %d back" % FLIP_OFFSET)
+        if not crlib.wait_pids_free(tids, 60, self.log):
+            raise Fail("dumped pids still in use 60 s after the refused restore")
+        self.restore_and_check(c, wlog, n_dump, dump, gib)
+
+    def case_no_gpu_memory(self, c):
+        gib = self.a.nomem_gib
+        p, wlog, wout, tids = self.start_workload(c, gib, c.path)
+        pid = p.pid
+        dump, n_dump = self.dump_and_reap(c, p, tids, gib, wlog)
+        if not self.a.mock and not glob.glob(os.path.join(c.img, "gpusnap-*-data-*.img")):
+            c.note("no gpusnap data files: the split path was not taken")
+        need = int(float(gib) * (1 << 30))
+        used0 = crlib.gpu_used_gib()
+        bp, bout = self.start_helper(c, "blocker", BLOCKER_PY, [need, int(self.a.mock)])
+        ok = crlib.wait_until(lambda: "ready" in _read(bout), 180, poll=0.2, proc=bp)
+        line = [l for l in _read(bout).splitlines() if l.startswith("ready")]
+        if not ok or not line:
+            raise Fail("blocker not ready (exit status %s): %s" % (bp.poll(), _read(bout)[-400:]))
+        kv = line[0].split()[1:]
+        binfo = dict(zip(kv[0::2], kv[1::2]))
+        c.info["blocker"] = binfo
+        self.log("blocker pid %d: %s; nvidia-smi used %s GiB (before %s)" % (
+            bp.pid, line[0], crlib.gpu_used_gib(), used0))
+        r = crlib.criu_restore(c.img, self.a.plugdir, c.mode, self.log, timeout=120 + 10 * gib)
+        self._save_criu_log(c, r, "restore-no-memory")
+        c.info["nomem_restore_rc"] = r["rc"]
+        if r["rc"] == 0:
+            if r["pid"]:
+                c.pids.append(r["pid"])
+            c.problem("criu restore succeeded with too little free GPU memory")
+        hits = [l for l in r["gpusnap_lines"] if "GiB free but the image needs" in l]
+        c.info["refusal"] = _last(hits) or _last(r["gpusnap_lines"])
+        if hits:
+            c.note("refused: %s" % hits[-1].strip()[-200:])
+        else:
+            c.problem("no gpusnap: line with 'GiB free but the image needs' (last: %s)" %
+                      _last(r["gpusnap_lines"]))
+        self.dumped_pid_gone(c, pid, r["pid"] if r["rc"] != 0 else None)
+        # Free the GPU again, then the same image must restore.
+        try:
+            os.kill(bp.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            bp.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            raise Fail("blocker did not exit 60 s after SIGKILL")
+        if used0 is not None:
+            crlib.wait_until(lambda: (crlib.gpu_used_gib() or 0) < used0 + 1.0, 30, poll=0.5)
+        self.log("blocker gone; nvidia-smi used %s GiB" % crlib.gpu_used_gib())
+        if not crlib.wait_pids_free(tids, 60, self.log):
+            raise Fail("dumped pids still in use 60 s after the refused restore")
+        self.restore_and_check(c, wlog, n_dump, dump, gib)
+
+    def case_lock_timeout(self, c):
+        ticks = c.f("ticks.txt")
+        env = crlib.workload_env(c.path)
+        p, out = self.start_helper(c, "long_kernel", LONG_KERNEL_PY,
+                                   [ticks, self.a.sleep_cycles, int(self.a.mock)], env=env)
+        c.free_pids.append(p.pid)
+        if not crlib.wait_until(lambda: _read(ticks).startswith("ready"), 180, poll=0.2, proc=p):
+            raise Fail("torch process not ready (exit status %s): %s" % (p.poll(), _read(out)[-400:]))
+        time.sleep(1.5)  # well inside the first kernel (~10 s at 2e10 cycles)
+        n0 = _kernel_ticks(ticks)
+        c.free_pids.extend(crlib.tree_tids(p.pid))
+        self.log("torch pid %d inside its kernel; %d ticks so far" % (p.pid, len(n0)))
+        os.environ["GPUSNAP_LOCK_TIMEOUT_MS"] = str(self.a.lock_timeout_ms)
+        try:
+            d = crlib.criu_dump(p.pid, c.img, self.a.plugdir, c.mode, self.log, timeout=120)
+        finally:
+            os.environ.pop("GPUSNAP_LOCK_TIMEOUT_MS", None)
+        self._save_criu_log(c, d, "dump")
+        c.info["dump_rc"] = d["rc"]
+        c.info["dump_s"] = round(d["secs"], 3)
+        hits = [l for l in d["gpusnap_lines"] if "locking the CUDA state" in l]
+        c.info["refusal"] = _last(hits) or _last(d["gpusnap_lines"])
+        if d["rc"] == 0:
+            c.problem("criu dump succeeded although a kernel was running (the lock did not time out)")
+        if hits:
+            c.note("dump failed in %.2f s: %s" % (d["secs"], hits[-1].strip()[-160:]))
+        else:
+            c.problem("no gpusnap: line with 'locking the CUDA state' (last: %s)" %
+                      _last(d["gpusnap_lines"]))
+        time.sleep(0.3)
+        if not self.check_free(c, p.pid, "right after the failed dump"):
+            return
+        at_end = len(_kernel_ticks(ticks))
+        est = self.a.sleep_cycles / 1.5e9
+        got = crlib.wait_until(lambda: len(_kernel_ticks(ticks)) >= at_end + 2, 3 * est + 30,
+                               poll=0.2, proc=p)
+        tk = _kernel_ticks(ticks)
+        c.info["kernel_s"] = [t[2] for t in tk[-3:]]
+        if not got:
+            c.problem("only %d new ticks within %.0f s after the failed dump (exit status %s)" % (
+                len(tk) - at_end, 3 * est + 30, p.poll()))
+        bad = [t for i, t in enumerate(tk) if t[0] != i + 1 or t[3] != i + 2]
+        if bad:
+            c.problem("tick lines out of order or values wrong: %s" % bad[:3])
+        if got and not bad:
+            c.note("%d ticks after the failed dump (kernel %.1f s)" % (len(tk) - at_end, tk[-1][2]))
+        self.check_free(c, p.pid, "after the new ticks")
+
+    def case_criu_killed(self, c):
+        gib = self.a.gib
+        p, wlog, wout, tids = self.start_workload(c, gib, c.path)
+        pid = p.pid
+        os.makedirs(c.img, exist_ok=True)
+        script, slog, pidfile = c.f("kill-criu.sh"), c.f("action-script.log"), c.f("criu.pid")
+        with open(script, "w") as f:
+            f.write(KILL_SCRIPT.replace("@LOG@", slog).replace("@PIDFILE@", pidfile)
+                    .replace("@KILL_ON@", " ".join(self.a.kill_on)))
+        os.chmod(script, 0o755)
+        cmd = [crlib.CRIU, "dump", "-t", str(pid), "-D", c.img, "-L", self.a.plugdir, "-v4",
+               "-o", "dump.log", "--action-script", script]
+        cmd += os.environ.get("CRIU_DUMP_EXTRA", "").split()
+        self.log("$ GPUSNAP_MODE=%s %s" % (c.mode, " ".join(cmd)))
+        cout = c.f("criu.out")
+        t0 = time.time()
+        with open(cout, "wb") as co:
+            cp = subprocess.Popen(cmd, env=crlib.criu_env(c.mode), stdout=co, stderr=subprocess.STDOUT,
+                                  stdin=subprocess.DEVNULL, cwd=crlib.REPO)
+        with open(pidfile + ".tmp", "w") as f:
+            f.write("%d\n" % cp.pid)
+        os.rename(pidfile + ".tmp", pidfile)
+        try:
+            rc = cp.wait(timeout=120 + 10 * gib)
+        except subprocess.TimeoutExpired:
+            cp.kill()
+            cp.wait()
+            raise Fail("criu dump did not finish within %d s" % (120 + 10 * gib))
+        secs = time.time() - t0
+        dlog = os.path.join(c.img, "dump.log")
+        self._save_criu_log(c, {"log": dlog}, "dump")
+        lines = crlib.gpusnap_lines(dlog)
+        if lines:
+            self.log.block("gpusnap: lines of dump.log", "\n".join(lines), max_lines=60)
+        self.log.block("action script log", _read(slog) or "(empty)", max_lines=20)
+        c.info["criu_rc"] = rc
+        c.info["criu_s"] = round(secs, 3)
+        self.log("criu dump rc %s after %.2f s" % (rc, secs))
+        if rc != -signal.SIGKILL:
+            self.log.file_tail("criu dump.log", dlog, 30)
+            raise Fail("criu was not killed by the action script (rc %s; actions run: %s)" % (
+                rc, " ".join(_actions(slog)) or "none"))
+        dtext = _read(dlog)
+        c.info["post_dump_reached"] = "post-dump" in dtext
+        c.info["manifest"] = sorted(os.path.basename(x) for x in
+                                    glob.glob(os.path.join(c.img, "gpusnap-*-manifest.img")))
+        self.log("criu killed; manifests %s; data files %d" % (
+            c.info["manifest"], len(glob.glob(os.path.join(c.img, "gpusnap-*-data-*.img")))))
+        crlib.reap_our_zombies(skip={pid})
+        time.sleep(1.0)
+        if not crlib.alive(pid):
+            raise Fail("the workload died with criu (%s)" % (crlib.proc_stat(pid),))
+        c.info["held_after_kill"] = (self.held(pid) or [])[:4]
+        n1 = self.n_ticks(wlog)
+        time.sleep(2.0)
+        n2 = self.n_ticks(wlog)
+        c.info["ticks_while_criu_dead"] = n2 - n1
+        if n2 == n1:
+            c.note("ticks stopped after criu died (%d ticks)" % n1)
+        else:
+            c.note("WARNING: %d ticks while criu was dead (expected none: memory released)" % (n2 - n1))
+        t1 = time.time()
+        rrc, rout = crlib.gpusnap_cli(["recover", str(pid), "--images", c.img], self.log, timeout=300)
+        c.info["recover_rc"] = rrc
+        c.info["recover_output"] = rout.strip()[-600:]
+        c.info["recover_s"] = round(time.time() - t1, 3)
+        self.log.block("gpusnap recover", rout or "(no output)", max_lines=30)
+        if rrc != 0:
+            raise Fail("gpusnap recover exited %s: %s" % (rrc, rout.strip()[-300:]))
+        c.note("recover: %s" % rout.strip()[-200:])
+        n_rec = self.n_ticks(wlog)
+        self.check_ticks_after(c, wlog, n_rec, window=(t0, time.time()))
+        self.check_free(c, pid, "after gpusnap recover")
+
+    def case_recover_nothing(self, c):
+        p, wlog, wout, tids = self.start_workload(c, self.a.gib, c.path)
+        rc, out = crlib.gpusnap_cli(["recover", str(p.pid)], self.log, timeout=120)
+        c.info["recover_rc"] = rc
+        c.info["recover_output"] = out.strip()[-400:]
+        self.log.block("gpusnap recover", out or "(no output)", max_lines=20)
+        if rc != 0:
+            c.problem("gpusnap recover exited %s" % rc)
+        if "nothing to recover" not in out:
+            c.problem("no 'nothing to recover' in the output: %s" % out.strip()[-200:])
+        else:
+            c.note(out.strip()[-160:])
+        self.check_free(c, p.pid, "after gpusnap recover")
+        self.check_ticks_after(c, wlog, self.n_ticks(wlog), need=3)
+
+
+def _flip(path, off):
+    with open(path, "r+b") as f:
+        f.seek(off)
+        b = f.read(1)[0]
+        f.seek(off)
+        f.write(bytes([b ^ 0xFF]))
+        f.flush()
+        os.fsync(f.fileno())
+    return b
+
+
+def _read(path):
+    try:
+        with open(path, "r", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _last(lines):
+    return lines[-1].strip()[-300:] if lines else None
+
+
+def _actions(slog):
+    return [w.split("=", 1)[1] for w in _read(slog).split() if w.startswith("action=")]
+
+
+def _kernel_ticks(path):
+    """[(i, t, kernel_s, value)] of the long-kernel process's complete tick lines."""
+    res = []
+    for line in _read(path).split("\n")[:-1]:
+        parts = line.split()
+        if len(parts) >= 8 and parts[0] == "tick":
+            try:
+                res.append((int(parts[1]), float(parts[3]), float(parts[5]), int(parts[7])))
+            except ValueError:
+                pass
+    return res
+
+
+CASE_FUNCS = {
+    "damaged-image": Harness.case_damaged_image,
+    "no-gpu-memory": Harness.case_no_gpu_memory,
+    "lock-timeout": Harness.case_lock_timeout,
+    "criu-killed-then-recover": Harness.case_criu_killed,
+    "recover-nothing": Harness.case_recover_nothing,
+}
+
+
+def run_case(h, name, path):
+    log = h.log
+    log("=" * 78)
+    log("CASE %s, path %s (GPUSNAP_MODE=%s)" % (name, path, MODES.get(path)))
+    c = Case(h, name, path)
+    t0 = time.time()
+    try:
+        CASE_FUNCS[name](h, c)
+    except Fail as e:
+        c.problem(str(e))
+    except Exception:
+        tb = crlib.format_exc()
+        log.block("exception", tb)
+        c.problem("exception: " + tb.strip().splitlines()[-1])
+    finally:
+        try:
+            if path == "split":
+                for n in ("workload.out", "long_kernel.out"):
+                    q = os.path.join(c.dir, n)
+                    if os.path.exists(q):
+                        crlib.log_agent_lines(log, q)
+            if c.problems:
+                for n in ("workload.log", "workload.out", "long_kernel.out", "blocker.out"):
+                    q = os.path.join(c.dir, n)
+                    if os.path.exists(q):
+                        log.file_tail(n, q, 20)
+            h.cleanup(c)
+        except Exception:
+            log.block("cleanup exception", crlib.format_exc())
+        crlib.archive_add(c.archive, "faults/%s" % c.tag, log)
+        if not h.a.keep_images:
+            shutil.rmtree(c.img, ignore_errors=True)
+    ok = not c.problems
+    detail = "; ".join(c.problems if not ok else c.notes)
+    rec = {"case": name, "path": path, "pass": ok, "detail": detail[:1500],
+           "secs": round(time.time() - t0, 1), "info": c.info}
+    log("RESULT %s %s: %s (%.0f s) %s" % (name, path, "PASS" if ok else "FAIL", rec["secs"], detail[:400]))
+    return rec
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", default="all",
+                    help="comma list of %s, or all (default)" % ",".join(ALL_CASES))
+    ap.add_argument("--gib", type=float, default=1, help="workload size (default 1)")
+    ap.add_argument("--nomem-gib", type=float, default=8, help="workload size of no-gpu-memory (default 8)")
+    ap.add_argument("--paths", default="", help="only these paths (comma list of split,transparent)")
+    ap.add_argument("--sleep-cycles", type=float, default=2e10,
+                    help="torch.cuda._sleep cycles per kernel in lock-timeout (default 2e10, ~10 s)")
+    ap.add_argument("--lock-timeout-ms", type=int, default=1000)
+    ap.add_argument("--kill-on", default="post-dump,network-lock",
+                    help="CRIU actions at which the action script kills criu (default post-dump,"
+                         "network-lock; CRIU runs network-lock only for a process in its own net "
+                         "namespace, post-dump always, after the device checkpoint)")
+    ap.add_argument("--interval-ms", type=int, default=100)
+    ap.add_argument("--images", default="/dev/shm/gpusnap-faults")
+    ap.add_argument("--work", default="/tmp/gpusnap-work/faults")
+    ap.add_argument("--plugdir", default="/tmp/gpusnap-plugins")
+    ap.add_argument("--workload", default="/tmp/gpusnap-bin/workload")
+    ap.add_argument("--python", default=sys.executable, help="python with torch (helpers)")
+    ap.add_argument("--name", default="faults-h200", help="bench/results/NAME.jsonl")
+    ap.add_argument("--deadline-s", type=float, default=500,
+                    help="start no new case after this many seconds (default 500)")
+    ap.add_argument("--budget-s", type=float, default=0, help="alias of --deadline-s (run-all.sh)")
+    ap.add_argument("--keep-images", action="store_true")
+    ap.add_argument("--mock", action="store_true", help="CPU stand-ins (harness test, no GPU)")
+    a = ap.parse_args()
+    if a.budget_s:
+        a.deadline_s = a.budget_s
+    a.kill_on = [x for x in a.kill_on.split(",") if x]
+    a.gib = int(a.gib) if float(a.gib).is_integer() else a.gib
+    a.nomem_gib = int(a.nomem_gib) if float(a.nomem_gib).is_integer() else a.nomem_gib
+    cases = ALL_CASES if a.cases == "all" else [x.strip() for x in a.cases.split(",") if x.strip()]
+    unknown = [x for x in cases if x not in ALL_CASES]
+    if unknown:
+        ap.error("unknown case(s) %s; known: %s" % (unknown, ", ".join(ALL_CASES)))
+    only = [x for x in a.paths.split(",") if x]
+
+    out = crlib.out_dir()
+    log = crlib.Log(os.path.join(out, "faults.log"))
+    jsonls = [os.path.join(out, "faults.jsonl"),
+              os.path.join(crlib.REPO, "bench", "results", a.name + ".jsonl")]
+    t_start = time.time()
+    log("gpusnap faults: %s" % " ".join(sys.argv))
+    mi = crlib.machine_info()
+    log("machine: %s" % mi)
+    log("subreaper: %s" % crlib.set_subreaper())
+    crlib.install_plugin(a.plugdir, log)
+    for f in (crlib.AGENT_SO, crlib.GPUSNAP_CLI, crlib.CRIU, a.workload):
+        log("%s: %s" % (f, "present" if os.path.exists(f) else "MISSING"))
+    if os.path.isfile(crlib.GPUSNAP_CLI):
+        usage = subprocess.run([crlib.GPUSNAP_CLI], capture_output=True, text=True).stdout
+        rl = [l for l in usage.splitlines() if "recover" in l]
+        log("gpusnap CLI: %s" % (rl[0].strip() if rl else "(no recover in its usage)"))
+        if not rl or "not implemented" in rl[0]:
+            log("WARNING: %s has no working `recover` (stale bundle? scripts/build-device-bundle.sh "
+                "rebuilds .devcarry): criu-killed-then-recover and recover-nothing will fail" %
+                crlib.GPUSNAP_CLI)
+    stray = sorted(k for k in os.environ if k.startswith("GPUSNAP_"))
+    if stray:
+        log("note: GPUSNAP_* in the environment (passed to criu): %s" % stray)
+    os.makedirs(a.images, exist_ok=True)
+    h = Harness(a, log, mi)
+    run_id = time.strftime("%Y%m%dT%H%M%S")
+    results = []
+    for name in cases:
+        for path in CASE_PATHS[name]:
+            if only and path not in only:
+                continue
+            if a.deadline_s and time.time() - t_start > a.deadline_s:
+                log("deadline of %.0f s passed: skipping %s %s" % (a.deadline_s, name, path))
+                rec = {"case": name, "path": path, "pass": None, "detail": "skipped: deadline"}
+            else:
+                rec = run_case(h, name, path)
+            full = {"run": run_id, "date": crlib.iso_now(), "gpu": mi.get("gpu"),
+                    "driver": mi.get("driver"), "case": name, "path": path, "pass": rec["pass"],
+                    "detail": rec["detail"]}
+            full.update({k: v for k, v in rec.items() if k not in full})
+            if a.mock:
+                full["mock"] = True
+            crlib.append_jsonl(jsonls, full)
+            results.append(full)
+    log("=" * 78)
+    log("SUMMARY (%.0f s)" % (time.time() - t_start))
+    for r in results:
+        res = "SKIP" if r["pass"] is None else ("PASS" if r["pass"] else "FAIL")
+        log("%-26s %-12s %-5s %6s s  %s" % (r["case"], r["path"], res, r.get("secs", "-"),
+                                            r["detail"][:300]))
+    n_pass = sum(1 for r in results if r["pass"])
+    n_fail = sum(1 for r in results if r["pass"] is False)
+    n_skip = sum(1 for r in results if r["pass"] is None)
+    log("faults: %d passed, %d failed, %d skipped" % (n_pass, n_fail, n_skip))
+    return 1 if n_fail or n_skip else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -325,7 +325,12 @@ fn move_data_out(ctx: &Ctx, t: &mut Tracked) -> Result<(), DumpError> {
     })?;
     let t0 = Instant::now();
     let allocations = list_allocations(ctx, pid, &chan)?;
-    let staging = Staging::new(ctx.slot_size(), ctx.cfg.staging_slots as usize)
+    let chunks: u64 = allocations
+        .iter()
+        .filter(|a| a.moved)
+        .map(|a| a.size.div_ceil(ctx.slot_size() as u64))
+        .sum();
+    let staging = Staging::new(ctx.slot_size(), ring_slots(ctx, chunks))
         .map_err(|e| DumpError::Other(format!("creating the staging ring: {e}")))?;
     t.time("prepare", t0.elapsed().as_secs_f64());
 
@@ -532,7 +537,7 @@ pub fn load_with_agent_running(
         .ok_or_else(|| DumpError::Other("the agent's socket is gone".into()))?;
     let biggest = manifest.chunks.iter().map(|c| c.len).max().unwrap_or(0) as usize;
     let slot = ctx.slot_size().max(biggest.next_multiple_of(4096));
-    let staging = Staging::new(slot, ctx.cfg.staging_slots as usize)
+    let staging = Staging::new(slot, ring_slots(ctx, manifest.chunks.len() as u64))
         .map_err(|e| DumpError::Other(format!("creating the staging ring: {e}")))?;
     let hello = agent::hello(pid, &chan, ctx.agent_timeout())?;
     log::debug!("pid {pid}: agent tid {} ready to load", hello.ns_tid);
@@ -544,6 +549,13 @@ pub fn load_with_agent_running(
         ctx.cfg.effective_reader_threads(),
         ctx.limits(),
     )?)
+}
+
+/// Ring slots for a transfer of `chunks` chunks: the configured number, but no more than there
+/// are chunks (populating and pinning an unused slot costs time for nothing; small processes
+/// would otherwise pay for a 512 MiB ring).
+fn ring_slots(ctx: &Ctx, chunks: u64) -> usize {
+    (ctx.cfg.staging_slots as u64).min(chunks).max(1) as usize
 }
 
 /// Bytes moved per device (the agent copies every device's allocations on that device's own

@@ -129,6 +129,12 @@ pub fn alarm_timeouted() -> bool {
     alarm_timeouted_fn().is_some_and(|f| unsafe { f() })
 }
 
+/// Is this CRIU 4.1 or newer? (The plugin-inventory API arrived in 4.1; gpusnap needs 4.1's
+/// `opts` layout to tell `-R`, and the inventory to mark images with GPU state.)
+pub fn is_4_1_or_newer() -> bool {
+    add_inventory_fn().is_some()
+}
+
 /// Is this CRIU 4.2 or newer? (`found_uprobes_vma` arrived together with `POST_FORKING`.)
 pub fn has_post_forking() -> bool {
     !sym(c"found_uprobes_vma").is_null()

@@ -97,6 +97,18 @@ pub fn init(raw_stage: i32) -> i32 {
         verify_after_fork: None,
         manifests: HashMap::new(),
     };
+    if stage != Stage::PreDump && !criu::is_4_1_or_newer() && criu::inside_criu() {
+        // CRIU 4.0 lacks the plugin inventory and the `opts` layout gpusnap relies on to tell
+        // `criu dump -R`; acting there could leave a process checkpointed.
+        log::error!(
+            "this CRIU is older than 4.1; gpusnap needs CRIU 4.1 or newer: GPU checkpointing disabled"
+        );
+        *PLUGIN.lock().unwrap_or_else(|e| e.into_inner()) = Some(Plugin {
+            disabled: Some("CRIU older than 4.1".into()),
+            ..p
+        });
+        return 0;
+    }
     let rc = match stage {
         Stage::PreDump => {
             p.disabled = Some("pre-dump".into());

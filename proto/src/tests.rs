@@ -430,8 +430,17 @@ fn send_raw_with_fds(sock: &Channel, bytes: &[u8], fds: &[i32]) {
     }
 }
 
-fn open_fd_count() -> usize {
-    std::fs::read_dir("/proc/self/fd").unwrap().count()
+/// How many of this process's fds refer to the same file as `f` (other tests run in parallel
+/// threads and open and close fds of their own, so a process-wide count would be racy).
+fn fds_referring_to(f: &std::fs::File) -> usize {
+    use std::os::unix::fs::MetadataExt;
+    let m = f.metadata().unwrap();
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| std::fs::metadata(e.path()).ok())
+        .filter(|x| x.dev() == m.dev() && x.ino() == m.ino())
+        .count()
 }
 
 #[test]
@@ -440,7 +449,7 @@ fn extra_fds_are_refused_and_closed() {
     let f1 = memfd_with(b"1");
     let f2 = memfd_with(b"2");
     let bytes = enc_req(&Request::Release);
-    let before = open_fd_count();
+    let (before1, before2) = (fds_referring_to(&f1), fds_referring_to(&f2));
     send_raw_with_fds(&a, &bytes, &[f1.as_raw_fd(), f2.as_raw_fd()]);
     assert!(matches!(
         b.recv_request(None),
@@ -453,7 +462,11 @@ fn extra_fds_are_refused_and_closed() {
         b.recv_request(None),
         Err(ProtoError::TooManyFds(_))
     ));
-    assert_eq!(open_fd_count(), before);
+    assert_eq!(
+        (fds_referring_to(&f1), fds_referring_to(&f2)),
+        (before1, before2),
+        "received fds leaked"
+    );
     // A too-long record.
     let long = vec![0u8; MAX_MESSAGE + 10];
     send_raw_with_fds(&a, &long, &[]);

@@ -119,7 +119,7 @@ pub fn write_dev_file(dir: BorrowedFd<'_>, id: u32, rec: &DevFileRecord) -> Resu
 /// Reads and checks the record of file `id`.
 pub fn read_dev_file(dir: BorrowedFd<'_>, id: u32) -> Result<DevFileRecord, ImageError> {
     let name = devfile_name(id);
-    let file = sys::open_read(dir, &name).map_err(|e| ImageError::open(&name, e))?;
+    let (file, _) = sys::open_regular(dir, &name)?;
     let mut b = Vec::new();
     file.take(256)
         .read_to_end(&mut b)

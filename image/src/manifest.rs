@@ -278,14 +278,7 @@ fn parse_header_line(head: &[u8], file: &str) -> Result<HeaderLine, ImageError> 
 /// size and header, every chunk's bounds, overlaps, allocations and sums.
 pub fn read_manifest(dir: BorrowedFd<'_>, nspid: u32) -> Result<Manifest, ImageError> {
     let name = manifest_file_name(nspid);
-    let file = sys::open_read(dir, &name).map_err(|e| ImageError::open(&name, e))?;
-    let meta = file
-        .metadata()
-        .map_err(|e| ImageError::io(&name, "fstat", e))?;
-    if !meta.is_file() {
-        return Err(ImageError::NotRegularFile { file: name });
-    }
-    let size = meta.len();
+    let (file, size) = sys::open_regular(dir, &name)?;
 
     let mut head = [0u8; MAX_HEADER_LINE];
     let head_len = size.min(MAX_HEADER_LINE as u64) as usize;

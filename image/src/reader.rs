@@ -320,14 +320,7 @@ pub fn scan_data_file(
     index: u32,
 ) -> Result<DataFileScan, ImageError> {
     let name = data_file_name(nspid, index);
-    let file = sys::open_read(dir, &name).map_err(|e| ImageError::open(&name, e))?;
-    let meta = file
-        .metadata()
-        .map_err(|e| ImageError::io(&name, "fstat", e))?;
-    if !meta.is_file() {
-        return Err(ImageError::NotRegularFile { file: name });
-    }
-    let size = meta.len();
+    let (file, size) = sys::open_regular(dir, &name)?;
     if size < DATA_HEADER_LEN {
         return Err(ImageError::Truncated {
             file: name,

@@ -23,26 +23,18 @@ pub fn write_stats(dir: BorrowedFd<'_>, v: &serde_json::Value) -> Result<(), Ima
 /// Reads `gpusnap-stats.json`; `Ok(None)` if there is none.
 pub fn read_stats(dir: BorrowedFd<'_>) -> Result<Option<serde_json::Value>, ImageError> {
     let name = STATS_FILE_NAME;
-    let file = match sys::open_read(dir, name) {
+    let (file, len) = match sys::open_regular(dir, name) {
         Ok(f) => f,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(ImageError::io(name, "open", e)),
+        Err(ImageError::MissingFile { .. }) => return Ok(None),
+        Err(e) => return Err(e),
     };
-    let meta = file
-        .metadata()
-        .map_err(|e| ImageError::io(name, "fstat", e))?;
-    if !meta.is_file() {
-        return Err(ImageError::NotRegularFile {
-            file: name.to_owned(),
-        });
-    }
-    if meta.len() > MAX_STATS_LEN {
+    if len > MAX_STATS_LEN {
         return Err(ImageError::StatsTooLarge {
             file: name.to_owned(),
-            len: meta.len(),
+            len,
         });
     }
-    let mut buf = vec![0u8; meta.len() as usize];
+    let mut buf = vec![0u8; len as usize];
     file.read_exact_at(&mut buf, 0)
         .map_err(|e| ImageError::io(name, "read", e))?;
     serde_json::from_slice(&buf)

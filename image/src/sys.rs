@@ -4,6 +4,7 @@
 //! opened with `O_CLOEXEC` (CRIU forks helpers) and `O_NOFOLLOW` (an image directory can come from
 //! an archive; a symlink in it must not redirect a write or a read).
 
+use crate::ImageError;
 use std::ffi::{CStr, CString};
 use std::fs::File;
 use std::io;
@@ -53,6 +54,21 @@ pub(crate) fn open_at(
 /// blocking the open; it has no effect on the regular files we go on to accept.
 pub(crate) fn open_read(dir: BorrowedFd<'_>, name: &str) -> io::Result<File> {
     open_at(dir, name, libc::O_RDONLY | libc::O_NONBLOCK, 0)
+}
+
+/// Opens `name` for reading and checks that it is a regular file (not a directory, FIFO or
+/// device planted under an image name); returns it with its size.
+pub(crate) fn open_regular(dir: BorrowedFd<'_>, name: &str) -> Result<(File, u64), ImageError> {
+    let file = open_read(dir, name).map_err(|e| ImageError::open(name, e))?;
+    let meta = file
+        .metadata()
+        .map_err(|e| ImageError::io(name, "fstat", e))?;
+    if !meta.is_file() {
+        return Err(ImageError::NotRegularFile {
+            file: name.to_owned(),
+        });
+    }
+    Ok((file, meta.len()))
 }
 
 /// Creates `name` afresh with mode 0600: a stale file of that name is unlinked first, then the

@@ -293,16 +293,7 @@ pub(crate) fn open_data_file(
     name: &str,
     size: u64,
 ) -> Result<std::fs::File, ImageError> {
-    let file = sys::open_read(dir, name).map_err(|e| ImageError::open(name, e))?;
-    let meta = file
-        .metadata()
-        .map_err(|e| ImageError::io(name, "fstat", e))?;
-    if !meta.is_file() {
-        return Err(ImageError::NotRegularFile {
-            file: name.to_owned(),
-        });
-    }
-    let actual = meta.len();
+    let (file, actual) = sys::open_regular(dir, name)?;
     if actual < size {
         return Err(ImageError::Truncated {
             file: name.to_owned(),

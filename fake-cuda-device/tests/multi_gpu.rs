@@ -16,15 +16,8 @@
 
 mod common;
 
-use std::fs;
-use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
-
-use common::{Vmm, libcuda_dir};
-use criu_tests::{CriuRun, WorkDir, harness, procs};
-
-/// Ticks the workload must write after a restore or rollback.
-const MORE_TICKS: u64 = 5;
+use common::split::Split;
+use criu_tests::{CriuRun, procs};
 
 /// The UUID (hex) of device `ordinal` as both stand-ins report it, with `FAKECUDA_UUID_SALT`
 /// `salt` (0: none).
@@ -40,29 +33,11 @@ fn uuid(ordinal: u8, salt: u8) -> String {
     u.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-fn libfakecuda() -> &'static PathBuf {
-    static SO: OnceLock<PathBuf> = OnceLock::new();
-    SO.get_or_init(|| common::built("fake-cuda", "libfakecuda.so"))
-}
-
-/// One test: the work dir, the stand-ins' state dir, the two-GPU workload.
-struct TwoGpus {
-    w: WorkDir,
-    state: PathBuf,
-    vmm: Vmm,
-}
-
-impl TwoGpus {
-    fn start(test: &str) -> Option<TwoGpus> {
-        let h = harness(test)?;
-        let w = h.workdir(test);
-        let agent = h.agent_so().unwrap_or_else(|e| panic!("{e}")).to_owned();
-        let state = w.path.join("fakecuda");
-        fs::create_dir_all(&state).expect("mkdir fakecuda");
-        let lib = libcuda_dir(&w.path);
-        let vmm = Vmm::start(
-            &w.path,
-            "vmm",
+/// The workload with half its data allocations on a second GPU, both stand-ins reporting two.
+impl Split {
+    fn two_gpus(test: &str) -> Option<Split> {
+        Split::launch(
+            test,
             1,
             &[
                 "--seed",
@@ -74,82 +49,8 @@ impl TwoGpus {
                 "--devices",
                 "2",
             ],
-            &[
-                ("LD_LIBRARY_PATH", &lib),
-                ("LD_PRELOAD", &agent),
-                ("GPUSNAP_AGENT_DEBUG", Path::new("1")),
-                ("FAKECUDADEV_DEBUG", Path::new("1")),
-                ("FAKECUDA_DIR", &state),
-                ("FAKECUDA_DEVICES", Path::new("2")),
-            ],
-        );
-        Some(TwoGpus { w, state, vmm })
-    }
-
-    /// `criu <action>` with the plugin and the checkpoint-API stand-in reporting two GPUs, and
-    /// `env` (gpusnap settings, stand-in settings) on top.
-    fn criu(&self, action: &str, log: &str, extra: &[&str], env: &[(&str, &str)]) -> CriuRun {
-        let log = self.w.path.join(log);
-        let mut args = self.w.criu_args_in(action, &self.w.images, &log);
-        args.extend(extra.iter().map(|s| s.to_string()));
-        let mut all = vec![
-            (
-                "GPUSNAP_LIBCUDA",
-                libfakecuda().to_str().expect("utf-8 path"),
-            ),
-            ("FAKECUDA_DIR", self.state.to_str().expect("utf-8 path")),
-            ("FAKECUDA_DEVICES", "2"),
-        ];
-        all.extend_from_slice(env);
-        self.w.run_criu(&args, &all, &log)
-    }
-
-    fn dump(&self, leave_running: bool) -> CriuRun {
-        let pid = self.vmm.pid().to_string();
-        let mut extra = vec!["-t", pid.as_str()];
-        if leave_running {
-            extra.push("--leave-running");
-        }
-        self.criu("dump", "dump.log", &extra, &[])
-    }
-
-    fn restore(&self, log: &str, env: &[(&str, &str)]) -> CriuRun {
-        self.criu("restore", log, &["--restore-detached"], env)
-    }
-
-    /// The stand-in driver's call log for the workload.
-    fn calls(&self) -> String {
-        fs::read_to_string(self.state.join(format!("{}.log", self.vmm.pid()))).unwrap_or_default()
-    }
-
-    fn describe(&self, run: &CriuRun) -> String {
-        format!(
-            "{}\n{}\n--- fake driver calls ---\n{}",
-            run.diagnostics(),
-            self.vmm.describe(),
-            self.calls()
+            &[("FAKECUDA_DEVICES", "2")],
         )
-    }
-
-    fn assert_ok(&self, run: &CriuRun) {
-        assert!(
-            run.succeeded(),
-            "criu failed ({}): {}\n{}",
-            run.status,
-            run.cmdline,
-            self.describe(run)
-        );
-    }
-
-    fn assert_line(&self, run: &CriuRun, needles: &[&str]) {
-        assert!(
-            run.gpusnap_lines()
-                .iter()
-                .any(|l| needles.iter().all(|n| l.contains(n))),
-            "no gpusnap line with {needles:?} in {}\n{}",
-            run.log_path.display(),
-            self.describe(run)
-        );
     }
 
     /// A split dump of memory on both GPUs, with the bytes of each GPU logged.
@@ -167,32 +68,6 @@ impl TwoGpus {
         }
     }
 
-    /// After a dump that killed the workload: reaped, its pid free; returns its last tick.
-    fn reap_dumped(&mut self) -> Vec<u64> {
-        assert!(
-            self.vmm.wait_original(),
-            "CRIU should have killed the workload"
-        );
-        let pid = self.vmm.pid();
-        procs::reap(pid, common::WAIT).unwrap_or_else(|e| panic!("{e}"));
-        procs::wait_pid_free(pid, common::WAIT).unwrap_or_else(|e| panic!("{e}"));
-        self.vmm.last_ticks()
-    }
-
-    /// The workload writes `MORE_TICKS` more ticks after `last`, all of them consistent.
-    fn assert_runs_on(&self, last: &[u64], run: &CriuRun) {
-        assert!(
-            last.iter().all(|&t| t >= 3),
-            "too few ticks before: {last:?}"
-        );
-        let max = last.iter().copied().max().unwrap_or(0);
-        for log in self.vmm.wait_for_tick(max + MORE_TICKS) {
-            if let Err(e) = log.check() {
-                panic!("checkpoint at ticks {last:?}: {e}\n{}", self.describe(run));
-            }
-        }
-    }
-
     /// The stand-in's log lines of successful restores.
     fn restores(&self) -> Vec<String> {
         self.calls()
@@ -207,13 +82,13 @@ impl TwoGpus {
 /// and comes back intact; the GPUs stay where they were, so the driver gets no pairs.
 #[test]
 fn two_gpus_dump_and_restore() {
-    let Some(mut s) = TwoGpus::start("multi-gpu-dump-restore") else {
+    let Some(mut s) = Split::two_gpus("multi-gpu-dump-restore") else {
         return;
     };
     let dump = s.dump(false);
     s.assert_two_gpu_dump(&dump);
     let last = s.reap_dumped();
-    let restore = s.restore("restore.log", &[]);
+    let restore = s.restore_in("restore.log", &[]);
     s.assert_ok(&restore);
     s.assert_line(&restore, &["restored (Split path)", "data"]);
     s.assert_runs_on(&last, &restore);
@@ -229,7 +104,7 @@ fn two_gpus_dump_and_restore() {
 /// never stops counting.
 #[test]
 fn two_gpus_dump_leave_running_rolls_back() {
-    let Some(mut s) = TwoGpus::start("multi-gpu-dump-R") else {
+    let Some(mut s) = Split::two_gpus("multi-gpu-dump-R") else {
         return;
     };
     let dump = s.dump(true);
@@ -244,7 +119,7 @@ fn two_gpus_dump_leave_running_rolls_back() {
 /// comes back intact.
 #[test]
 fn device_map_swaps_the_gpus() {
-    let Some(mut s) = TwoGpus::start("multi-gpu-device-map") else {
+    let Some(mut s) = Split::two_gpus("multi-gpu-device-map") else {
         return;
     };
     let dump = s.dump(false);
@@ -252,7 +127,7 @@ fn device_map_swaps_the_gpus() {
     let last = s.reap_dumped();
     let (u0, u1) = (uuid(0, 0), uuid(1, 0));
     let map = format!("{u0}={u1},{u1}={u0}");
-    let restore = s.restore("restore.log", &[("GPUSNAP_DEVICE_MAP", &map)]);
+    let restore = s.restore_in("restore.log", &[("GPUSNAP_DEVICE_MAP", &map)]);
     s.assert_ok(&restore);
     s.assert_line(&restore, &[&format!("GPU {u0} is restored onto GPU {u1}")]);
     s.assert_line(&restore, &[&format!("GPU {u1} is restored onto GPU {u0}")]);
@@ -270,13 +145,13 @@ fn device_map_swaps_the_gpus() {
 /// replaced by one of them automatically, and the driver gets the pairs.
 #[test]
 fn other_gpus_of_the_same_model_are_chosen_automatically() {
-    let Some(mut s) = TwoGpus::start("multi-gpu-auto") else {
+    let Some(mut s) = Split::two_gpus("multi-gpu-auto") else {
         return;
     };
     let dump = s.dump(false);
     s.assert_two_gpu_dump(&dump);
     let last = s.reap_dumped();
-    let restore = s.restore("restore.log", &[("FAKECUDA_UUID_SALT", "5")]);
+    let restore = s.restore_in("restore.log", &[("FAKECUDA_UUID_SALT", "5")]);
     s.assert_ok(&restore);
     for dev in 0..2 {
         let line = format!("GPU {} is restored onto GPU {}", uuid(dev, 0), uuid(dev, 5));
@@ -303,7 +178,7 @@ fn other_gpus_of_the_same_model_are_chosen_automatically() {
 /// as it was: on the right GPUs it restores afterwards.
 #[test]
 fn another_gpu_model_is_refused() {
-    let Some(mut s) = TwoGpus::start("multi-gpu-other-model") else {
+    let Some(mut s) = Split::two_gpus("multi-gpu-other-model") else {
         return;
     };
     let dump = s.dump(false);
@@ -325,7 +200,7 @@ fn another_gpu_model_is_refused() {
             "not on this host",
         ),
     ] {
-        let restore = s.restore(&format!("restore-refused-{i}.log"), &env);
+        let restore = s.restore_in(&format!("restore-refused-{i}.log"), &env);
         assert!(
             !restore.status.success(),
             "the restore onto another GPU model succeeded\n{}",
@@ -342,7 +217,7 @@ fn another_gpu_model_is_refused() {
         assert_eq!(s.vmm.last_ticks(), last, "{}", s.describe(&restore));
         procs::wait_pid_free(s.vmm.pid(), common::WAIT).unwrap_or_else(|e| panic!("{e}"));
     }
-    let restore = s.restore("restore.log", &[]);
+    let restore = s.restore_in("restore.log", &[]);
     s.assert_ok(&restore);
     s.assert_runs_on(&last, &restore);
 }

@@ -3,6 +3,11 @@
 
 #![allow(dead_code)] // each test binary uses its own part
 
+pub mod split;
+
+/// Ticks a process must write after a restore or rollback to count as running on.
+pub const MORE_TICKS: u64 = 5;
+
 use std::fs;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};

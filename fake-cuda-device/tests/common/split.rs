@@ -1,0 +1,227 @@
+//! The split path with real CRIU on the stand-in drivers, as the tests drive it: a workload
+//! (`fakegpu-vmm`) with the agent preloaded on `libfakecudadev.so`, CRIU with the plugin and the
+//! checkpoint-API stand-in `libfakecuda.so`, both sharing `FAKECUDA_DIR`.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use super::{MORE_TICKS, Vmm, libcuda_dir};
+use criu_tests::{CriuRun, WorkDir, harness, procs};
+
+/// `libfakecuda.so` and the `gpusnap` CLI.
+pub fn built() -> &'static (PathBuf, PathBuf) {
+    static BUILT: OnceLock<(PathBuf, PathBuf)> = OnceLock::new();
+    BUILT.get_or_init(|| {
+        (
+            super::built("fake-cuda", "libfakecuda.so"),
+            super::built("gpusnap", "gpusnap"),
+        )
+    })
+}
+
+/// One test's setup: the work dir, the stand-in drivers' shared state dir, the workload.
+pub struct Split {
+    pub w: WorkDir,
+    pub fakecuda_so: PathBuf,
+    pub state: PathBuf,
+    pub cli: PathBuf,
+    pub vmm: Vmm,
+    /// Memory each process maps with its own VMM calls (`--app-vmm`): CRIU dumps it.
+    pub app_vmm: bool,
+    /// Set in the workload's and in CRIU's environment (stand-in settings such as
+    /// `FAKECUDA_DEVICES`).
+    pub common_env: Vec<(&'static str, &'static str)>,
+}
+
+impl Split {
+    /// Starts `fakegpu-vmm` with `procs` processes and `args`, the agent preloaded, `env` in
+    /// its environment and in CRIU's.
+    pub fn launch(
+        test: &str,
+        procs: usize,
+        args: &[&str],
+        env: &[(&'static str, &'static str)],
+    ) -> Option<Split> {
+        let h = harness(test)?;
+        let w = h.workdir(test);
+        let (fakecuda_so, cli) = built().clone();
+        let agent = h.agent_so().unwrap_or_else(|e| panic!("{e}")).to_owned();
+        let state = w.path.join("fakecuda");
+        fs::create_dir_all(&state).expect("mkdir fakecuda");
+        let lib = libcuda_dir(&w.path);
+        let mut vmm_env: Vec<(&str, &Path)> = vec![
+            ("LD_LIBRARY_PATH", &lib),
+            ("LD_PRELOAD", &agent),
+            ("GPUSNAP_AGENT_DEBUG", Path::new("1")),
+            ("FAKECUDADEV_DEBUG", Path::new("1")),
+            ("FAKECUDA_DIR", &state),
+        ];
+        vmm_env.extend(env.iter().map(|(k, v)| (*k, Path::new(*v))));
+        let vmm = Vmm::start(&w.path, "vmm", procs, args, &vmm_env);
+        Some(Split {
+            w,
+            fakecuda_so,
+            state,
+            cli,
+            vmm,
+            app_vmm: args.contains(&"--app-vmm"),
+            common_env: env.to_vec(),
+        })
+    }
+
+    /// `criu <action>` with the plugin, the checkpoint-API stand-in and `config` (gpusnap
+    /// settings as `GPUSNAP_<KEY>` variables) in its environment; `log` in the work dir.
+    pub fn criu(
+        &self,
+        action: &str,
+        log: &str,
+        extra: &[&str],
+        config: &[(&str, &str)],
+    ) -> CriuRun {
+        let log = self.w.path.join(log);
+        let mut args = self.w.criu_args_in(action, &self.w.images, &log);
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let mut env = vec![
+            (
+                "GPUSNAP_LIBCUDA",
+                self.fakecuda_so.to_str().expect("utf-8 path"),
+            ),
+            ("FAKECUDA_DIR", self.state.to_str().expect("utf-8 path")),
+        ];
+        env.extend_from_slice(&self.common_env);
+        env.extend_from_slice(config);
+        self.w.run_criu(&args, &env, &log)
+    }
+
+    pub fn dump_with(&self, leave_running: bool, config: &[(&str, &str)]) -> CriuRun {
+        let pid = self.vmm.pid().to_string();
+        let mut extra = vec!["-t", pid.as_str()];
+        if leave_running {
+            extra.push("--leave-running");
+        }
+        self.criu("dump", "dump.log", &extra, config)
+    }
+
+    pub fn dump(&self, leave_running: bool) -> CriuRun {
+        self.dump_with(leave_running, &[])
+    }
+
+    pub fn restore_with(&self, config: &[(&str, &str)]) -> CriuRun {
+        self.restore_in("restore.log", config)
+    }
+
+    /// `criu restore` logging to `log` in the work dir.
+    pub fn restore_in(&self, log: &str, config: &[(&str, &str)]) -> CriuRun {
+        self.criu("restore", log, &["--restore-detached"], config)
+    }
+
+    /// The stand-in driver's call log for the root process.
+    pub fn calls(&self) -> String {
+        fs::read_to_string(self.state.join(format!("{}.log", self.vmm.pid()))).unwrap_or_default()
+    }
+
+    pub fn restore(&self) -> CriuRun {
+        self.restore_with(&[])
+    }
+
+    /// Empties the image dir for another dump.
+    pub fn clear_images(&self) {
+        fs::remove_dir_all(&self.w.images).expect("remove images");
+        fs::create_dir_all(&self.w.images).expect("mkdir images");
+    }
+
+    /// Arms a fault in the workload's stand-in driver (see `inject.rs`): `fail <call>` or
+    /// `hang <call>`, in every process.
+    pub fn inject(&self, directive: &str) {
+        for pid in &self.vmm.pids {
+            let p = self.state.join(format!("{pid}.dev-inject"));
+            fs::write(&p, format!("{directive}\n")).expect("write the injection file");
+        }
+    }
+
+    /// After a dump that killed the workload: reaped, its pids free for the restore; returns
+    /// the last tick of each process.
+    pub fn reap_dumped(&mut self) -> Vec<u64> {
+        assert!(
+            self.vmm.wait_original(),
+            "CRIU should have killed the workload"
+        );
+        for &pid in &self.vmm.pids {
+            procs::reap(pid, super::WAIT).unwrap_or_else(|e| panic!("{e}"));
+        }
+        for &pid in &self.vmm.pids {
+            procs::wait_pid_free(pid, super::WAIT).unwrap_or_else(|e| panic!("{e}"));
+        }
+        self.vmm.last_ticks()
+    }
+
+    /// After a failed restore: nothing of the workload runs and its logs did not grow.
+    pub fn assert_nothing_runs(&self, last: &[u64], run: &CriuRun) {
+        for &pid in &self.vmm.pids {
+            procs::reap(pid, super::WAIT).unwrap_or_else(|e| panic!("{e}"));
+            assert!(!procs::is_alive(pid), "{}", self.describe(run));
+        }
+        assert_eq!(
+            self.vmm.last_ticks(),
+            last,
+            "the workload ran after a failed restore\n{}",
+            self.describe(run)
+        );
+    }
+
+    /// Everything a failure message needs: the criu log's gpusnap lines, the workload, the
+    /// stand-in driver's call log.
+    pub fn describe(&self, run: &CriuRun) -> String {
+        let mut calls = String::new();
+        for pid in &self.vmm.pids {
+            let log = fs::read_to_string(self.state.join(format!("{pid}.log")))
+                .unwrap_or_else(|e| format!("<{e}>"));
+            calls.push_str(&format!("--- fake driver calls for pid {pid} ---\n{log}"));
+        }
+        format!("{}\n{}\n{calls}", run.diagnostics(), self.vmm.describe())
+    }
+
+    pub fn assert_ok(&self, run: &CriuRun) {
+        assert!(
+            run.succeeded(),
+            "criu failed ({}): {}\n{}",
+            run.status,
+            run.cmdline,
+            self.describe(run)
+        );
+    }
+
+    /// Asserts that a gpusnap line of `run` contains every one of `needles`.
+    pub fn assert_line(&self, run: &CriuRun, needles: &[&str]) {
+        assert!(
+            run.gpusnap_lines()
+                .iter()
+                .any(|l| needles.iter().all(|n| l.contains(n))),
+            "no gpusnap line with {needles:?} in {}\n{}",
+            run.log_path.display(),
+            self.describe(run)
+        );
+    }
+
+    /// The workload runs on: every process writes `MORE_TICKS` more ticks after `last`, and
+    /// its whole log is consistent (every tick `ok 1`, consecutive, the device counter equal
+    /// to the tick).
+    pub fn assert_runs_on(&self, last: &[u64], run: &CriuRun) {
+        assert!(
+            last.iter().all(|&t| t >= 3),
+            "too few ticks before: {last:?}"
+        );
+        let max = last.iter().copied().max().unwrap_or(0);
+        let logs = self.vmm.wait_for_tick(max + MORE_TICKS);
+        for (log, &pid) in logs.iter().zip(&self.vmm.pids) {
+            if let Err(e) = log.check() {
+                panic!(
+                    "pid {pid}, checkpoint at ticks {last:?}: {e}\n{}",
+                    self.describe(run)
+                );
+            }
+            assert_eq!(log.pid, pid);
+        }
+    }
+}

@@ -90,6 +90,22 @@ pub fn host_tid(pid: i32, ns_tid: i32) -> Result<i32, AgentError> {
     Err(AgentError::NoThread { pid, ns_tid })
 }
 
+/// The agent's thread names itself so (the restored process's threads can be found without
+/// asking the agent, whose thread is stopped then).
+pub const AGENT_THREAD_COMM: &str = "gpusnap-agent";
+
+/// Host tid of the agent's thread of `pid`, found by its name, if there is one.
+pub fn agent_thread(pid: i32) -> Option<i32> {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .ok()?
+        .flatten()
+        .find(|e| {
+            std::fs::read_to_string(e.path().join("comm"))
+                .is_ok_and(|c| c.trim_end() == AGENT_THREAD_COMM)
+        })
+        .and_then(|e| e.file_name().to_str()?.parse().ok())
+}
+
 fn same_netns(pid: i32) -> Result<bool, AgentError> {
     use std::os::unix::fs::MetadataExt;
     let theirs =

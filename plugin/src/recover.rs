@@ -20,7 +20,7 @@ pub fn recover(pid: i32, images: Option<&Path>) -> Result<String, String> {
         return Ok(format!("pid {pid} has no CUDA state: nothing to recover"));
     };
     let state = api.process_state(pid).map_err(|e| e.to_string())?;
-    let agent_tid = agent_thread(pid);
+    let agent_tid = gpusnap_cuda::agent::agent_thread(pid);
     let seized = SeizedProcess::seize(pid).map_err(|e| {
         format!("cannot seize pid {pid} ({e}); is another tracer (CRIU?) still attached?")
     })?;
@@ -60,17 +60,6 @@ pub fn recover(pid: i32, images: Option<&Path>) -> Result<String, String> {
     } else {
         format!("pid {pid} recovered ({}); it runs again", done.join(", "))
     })
-}
-
-fn agent_thread(pid: i32) -> Option<i32> {
-    std::fs::read_dir(format!("/proc/{pid}/task"))
-        .ok()?
-        .flatten()
-        .find(|e| {
-            std::fs::read_to_string(e.path().join("comm"))
-                .is_ok_and(|c| c.trim_end() == "gpusnap-agent")
-        })
-        .and_then(|e| e.file_name().to_str()?.parse().ok())
 }
 
 fn reload(

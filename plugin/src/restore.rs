@@ -105,20 +105,6 @@ pub fn gpu_plan(ctx: &Ctx, m: &Manifest) -> Result<Vec<gpumap::Pair>, String> {
     Ok(pairs)
 }
 
-/// Host tid of the agent's thread (named `gpusnap-agent`).
-fn agent_thread(pid: i32) -> Result<i32, String> {
-    let dir = std::fs::read_dir(format!("/proc/{pid}/task")).map_err(|e| e.to_string())?;
-    for e in dir.flatten() {
-        let comm = std::fs::read_to_string(e.path().join("comm")).unwrap_or_default();
-        if comm.trim_end() == "gpusnap-agent"
-            && let Some(tid) = e.file_name().to_str().and_then(|s| s.parse().ok())
-        {
-            return Ok(tid);
-        }
-    }
-    Err(format!("no gpusnap-agent thread in /proc/{pid}/task"))
-}
-
 fn uuid_pairs(pairs: &[gpumap::Pair]) -> Vec<([u8; 16], [u8; 16])> {
     pairs
         .iter()
@@ -223,7 +209,9 @@ fn prepare(ctx: &Ctx, pid: i32, m: &Manifest) -> Result<Vec<RunningThread>, Dump
     };
     let mut threads = vec![run(restore_tid, "driver restore thread")?];
     if m.path == CheckpointPath::Split && !m.chunks.is_empty() {
-        let tid = agent_thread(pid).map_err(DumpError::Other)?;
+        let tid = gpusnap_cuda::agent::agent_thread(pid).ok_or_else(|| {
+            DumpError::Other(format!("no gpusnap-agent thread in /proc/{pid}/task"))
+        })?;
         threads.push(run(tid, "agent thread")?);
     }
     Ok(threads)

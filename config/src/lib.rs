@@ -147,6 +147,9 @@ pub struct Config {
     pub compress: Compress,
     /// Check every checksum of the image before the GPU is touched on restore.
     pub verify_before_restore: bool,
+    /// When the image directory has a `parent` link (`criu dump --prev-images-dir`), store only
+    /// the chunks that changed since the parent image and reference the others.
+    pub incremental: bool,
     /// How long to wait for the in-process agent to answer, in milliseconds.
     pub agent_timeout_ms: u64,
     /// Timeout of the GPU lock step in milliseconds; 0 means CRIU's own timeout.
@@ -168,6 +171,7 @@ impl Default for Config {
             copy_streams: 4,
             compress: Compress::Off,
             verify_before_restore: true,
+            incremental: true,
             agent_timeout_ms: 30_000,
             lock_timeout_ms: 0,
             device_map: Vec::new(),
@@ -234,7 +238,7 @@ impl Config {
         };
         let mut s = format!(
             "mode={} writer_threads={} reader_threads={} staging_slot_mib={} staging_slots={} \
-             copy_streams={} compress={} verify_before_restore={} agent_timeout_ms={} \
+             copy_streams={} compress={} verify_before_restore={} incremental={} agent_timeout_ms={} \
              lock_timeout_ms={}",
             self.mode.as_str(),
             threads(self.writer_threads, self.effective_writer_threads()),
@@ -244,6 +248,7 @@ impl Config {
             self.copy_streams,
             self.compress.as_str(),
             self.verify_before_restore,
+            self.incremental,
             self.agent_timeout_ms,
             match self.lock_timeout_ms {
                 0 => "0 (criu)".to_owned(),

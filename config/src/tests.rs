@@ -58,6 +58,7 @@ fn defaults() {
     assert_eq!(c.copy_streams, 4);
     assert_eq!(c.compress, Compress::Off);
     assert!(c.verify_before_restore);
+    assert!(c.incremental);
     assert_eq!(c.agent_timeout_ms, 30_000);
     assert_eq!(c.lock_timeout_ms, 0);
     assert_eq!(c.lock_timeout(), None);
@@ -112,6 +113,7 @@ staging_slots = 2
 copy_streams = 16
 compress = "zstd"
 verify_before_restore = false
+incremental = false
 agent_timeout_ms = 100
 lock_timeout_ms = 3600000
 device_map = "{UUID_A}={UUID_B}"
@@ -128,6 +130,7 @@ log_level = "debug"
         copy_streams: 16,
         compress: Compress::Zstd,
         verify_before_restore: false,
+        incremental: false,
         agent_timeout_ms: 100,
         lock_timeout_ms: 3_600_000,
         device_map: vec![(HEX_A.to_owned(), HEX_B.to_owned())],
@@ -188,12 +191,14 @@ fn later_env_entry_wins() {
 fn env_value_forms() {
     let c = from_env(&[
         ("GPUSNAP_VERIFY_BEFORE_RESTORE", "no"),
+        ("GPUSNAP_INCREMENTAL", "off"),
         ("GPUSNAP_STAGING_SLOTS", " 64 "),
         ("GPUSNAP_LOG_LEVEL", "warn"),
         ("GPUSNAP_DEVICE_MAP", &format!("{HEX_A}={UUID_B},")),
     ])
     .unwrap();
     assert!(!c.verify_before_restore);
+    assert!(!c.incremental);
     assert_eq!(c.staging_slots, 64);
     assert_eq!(c.log_level, Some(LogLevel::Warn));
     assert_eq!(c.device_map, vec![(HEX_A.to_owned(), HEX_B.to_owned())]);
@@ -309,6 +314,16 @@ fn wrong_types() {
         from_file("verify_before_restore = \"yes\"\n").unwrap_err(),
         "verify_before_restore",
         "true or false",
+    );
+    assert_invalid(
+        from_file("incremental = 1\n").unwrap_err(),
+        "incremental",
+        "true or false",
+    );
+    assert_invalid(
+        from_env(&[("GPUSNAP_INCREMENTAL", "sometimes")]).unwrap_err(),
+        "GPUSNAP_INCREMENTAL",
+        "yes/no",
     );
     assert_invalid(
         from_env(&[("GPUSNAP_VERIFY_BEFORE_RESTORE", "maybe")]).unwrap_err(),

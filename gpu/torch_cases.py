@@ -63,8 +63,8 @@ SIZES = {
     "full": {
         "llama-generate": (["--layers", "16", "--hidden", "2048", "--heads", "16", "--inter", "5632",
                             "--vocab", "32000", "--tokens", "400", "--prompt-len", "32"], 100),
-        "train": (["--layers", "8", "--hidden", "2048", "--heads", "16", "--inter", "5632",
-                   "--vocab", "32000", "--steps", "120", "--batch", "8", "--seq", "512"], 40),
+        "train": (["--layers", "16", "--hidden", "2048", "--heads", "16", "--inter", "5632",
+                   "--vocab", "32000", "--steps", "120", "--batch", "4", "--seq", "512"], 40),
         "tree-parent": (["--gib", "4", "--steps", "100", "--interval-ms", "50"], 30),
         "small": (["--steps", "60", "--interval-ms", "50"], 20),
     },

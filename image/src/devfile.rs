@@ -11,7 +11,7 @@ use std::io::Read;
 use std::os::fd::BorrowedFd;
 
 use crate::manifest::atomic_write;
-use crate::{FORMAT_VERSION, ImageError, sys};
+use crate::{DATA_FORMAT_VERSION, ImageError, sys};
 
 pub const DEVFILE_MAGIC: &[u8; 8] = b"GPUSNAPF";
 /// Longest accepted path (NVIDIA device nodes are short).
@@ -61,7 +61,7 @@ pub fn encode_dev_file(id: u32, rec: &DevFileRecord) -> Result<Vec<u8>, ImageErr
     }
     let mut b = Vec::with_capacity(26 + rec.path.len());
     b.extend_from_slice(DEVFILE_MAGIC);
-    b.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+    b.extend_from_slice(&DATA_FORMAT_VERSION.to_le_bytes());
     b.extend_from_slice(&rec.flags.to_le_bytes());
     b.extend_from_slice(&(rec.path.len() as u16).to_le_bytes());
     b.extend_from_slice(rec.path.as_bytes());
@@ -79,10 +79,10 @@ pub fn decode_dev_file(id: u32, b: &[u8]) -> Result<DevFileRecord, ImageError> {
         ));
     }
     let version = u32::from_le_bytes(b[8..12].try_into().expect("4 bytes"));
-    if version != FORMAT_VERSION {
+    if version != DATA_FORMAT_VERSION {
         return Err(invalid(
             id,
-            &format!("format version {version}, expected {FORMAT_VERSION}"),
+            &format!("format version {version}, expected {DATA_FORMAT_VERSION}"),
         ));
     }
     let flags = i32::from_le_bytes(b[12..16].try_into().expect("4 bytes"));

@@ -2,7 +2,7 @@
 
 use std::io;
 
-use crate::{FORMAT_VERSION, MAX_CHUNK_LEN, MAX_MANIFEST_BODY};
+use crate::{MAX_CHUNK_LEN, MAX_MANIFEST_BODY};
 
 /// Appended to messages that mean the bytes on disk are not what was written.
 const DAMAGED: &str = "image damaged; do not restore from it";
@@ -30,7 +30,7 @@ pub enum ImageError {
     ManifestHeader { file: String, detail: &'static str },
     /// A header or manifest carries a format version this build does not read.
     #[error(
-        "{file}: format version {found} is not supported (this gpusnap reads version {FORMAT_VERSION}); use the gpusnap that wrote the image"
+        "{file}: format version {found} is not supported (this gpusnap reads manifest versions 1 and 2, data file version 1); use the gpusnap that wrote the image"
     )]
     UnsupportedVersion { file: String, found: u64 },
     /// The manifest header announces a body larger than any real manifest.
@@ -192,6 +192,28 @@ pub enum ImageError {
     /// A writer whose earlier write failed was used again.
     #[error("{file}: an earlier write failed; this data file is incomplete")]
     WriterFailed { file: String },
+    /// The `parent` link of an image directory (`criu dump --prev-images-dir`) is needed but
+    /// missing, not a directory, part of a loop, or leads deeper than [`crate::MAX_CHAIN_DEPTH`].
+    #[error("{path}: {detail}")]
+    ParentLink { path: String, detail: String },
+    /// Something about an ancestor image (reached through `parent` links) is wrong; `path` is
+    /// the chain of links, e.g. `parent/parent`.
+    #[error("{path}/{source}")]
+    InParent {
+        path: String,
+        #[source]
+        source: Box<ImageError>,
+    },
+    /// A chunk that references an ancestor's data does not match what that ancestor recorded.
+    #[error(
+        "{file}: chunk {chunk} references data {depth} `parent` link(s) up: {detail} (the parent image changed or is damaged; do not restore from it)"
+    )]
+    BadReference {
+        file: String,
+        chunk: usize,
+        depth: u32,
+        detail: String,
+    },
     /// The stats file could not be encoded or parsed.
     #[error("{file}: stats JSON: {source}")]
     StatsJson {
@@ -228,9 +250,20 @@ impl ImageError {
         }
     }
 
+    /// `self`, as found in the ancestor image at `path` (`parent`, `parent/parent`, ...).
+    pub(crate) fn in_parent(self, path: &str) -> Self {
+        ImageError::InParent {
+            path: path.to_owned(),
+            source: Box::new(self),
+        }
+    }
+
     /// True when the error means the image bytes are damaged or inconsistent (as opposed to an
     /// I/O failure of this host, a missing permission or a caller mistake).
     pub fn is_damage(&self) -> bool {
+        if let ImageError::InParent { source, .. } = self {
+            return source.is_damage();
+        }
         !matches!(
             self,
             ImageError::Io { .. }

@@ -4,7 +4,7 @@
 
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::{Codec, FORMAT_VERSION, ImageError};
+use crate::{Codec, DATA_FORMAT_VERSION, ImageError};
 
 /// First 8 bytes of every data file.
 pub const DATA_MAGIC: [u8; 8] = *b"GPUSNAPD";
@@ -53,7 +53,7 @@ fn sealed(b: &[u8; 64]) -> bool {
 pub(crate) fn encode_data_header(nspid: u32, index: u32) -> [u8; 64] {
     let mut b = [0u8; 64];
     b[..8].copy_from_slice(&DATA_MAGIC);
-    put_u32(&mut b, 8, FORMAT_VERSION);
+    put_u32(&mut b, 8, DATA_FORMAT_VERSION);
     put_u32(&mut b, 12, DATA_HEADER_LEN as u32);
     put_u32(&mut b, 16, nspid);
     put_u32(&mut b, 20, index);
@@ -76,7 +76,7 @@ pub(crate) fn check_data_header(
         return Err(ImageError::DataHeaderChecksum { file: file() });
     }
     let version = get_u32(b, 8);
-    if version != FORMAT_VERSION {
+    if version != DATA_FORMAT_VERSION {
         return Err(ImageError::UnsupportedVersion {
             file: file(),
             found: version.into(),

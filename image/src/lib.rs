@@ -14,6 +14,7 @@
 //! to a directory file descriptor (CRIU hands plugins `criu_get_image_dir()`), never by path. Every
 //! size read from a file is untrusted until checked; readers refuse anything they cannot prove whole.
 
+mod chain;
 mod devfile;
 mod error;
 mod header;
@@ -28,6 +29,13 @@ mod writer;
 #[cfg(test)]
 mod tests;
 
+#[cfg(test)]
+mod chain_tests;
+
+pub use chain::{
+    Ancestors, ChunkSources, DedupIndex, MAX_CHAIN_DEPTH, PARENT_LINK, ParentImage, open_ancestors,
+    open_parent_dir, parent_for_dedup,
+};
 pub use devfile::{
     DEVFILE_MAGIC, DevFileRecord, decode_dev_file, devfile_name, encode_dev_file,
     is_nvidia_device_path, read_dev_file, write_dev_file,
@@ -45,10 +53,19 @@ pub use names::{
 pub use reader::{DataFileReader, DataFileScan, VerifyReport, scan_data_file, verify_image};
 pub use stats::{MAX_STATS_LEN, read_stats, write_stats};
 pub use validate::validate_manifest_structure;
-pub use writer::DataFileWriter;
+pub use writer::{ChunkHashes, DataFileWriter, hash_chunk};
 
-/// The version written into every data-file header and manifest. Readers accept only this one.
-pub const FORMAT_VERSION: u32 = 1;
+/// The manifest version this gpusnap writes. Version 2 added `content_xxh128` and
+/// `parent_depth` to chunk entries (incremental checkpoints). Readers accept
+/// [`READ_MANIFEST_VERSIONS`].
+pub const FORMAT_VERSION: u32 = 2;
+
+/// Manifest versions readers accept: 1 (no incremental fields) and 2.
+pub const READ_MANIFEST_VERSIONS: [u32; 2] = [1, 2];
+
+/// The version of the data-file header and of the device-file record. Their layout did not
+/// change with manifest version 2, so it is still 1, and readers accept only 1.
+pub const DATA_FORMAT_VERSION: u32 = 1;
 
 /// Largest chunk (before and after compression) that writers produce and readers accept: 1 GiB.
 pub const MAX_CHUNK_LEN: u64 = 1 << 30;

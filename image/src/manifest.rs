@@ -14,8 +14,8 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use crate::names::manifest_tmp_name;
 use crate::{
-    FORMAT_VERSION, ImageError, ImageFileKind, data_file_name, manifest_file_name, parse_file_name,
-    sys, validate,
+    FORMAT_VERSION, ImageError, ImageFileKind, READ_MANIFEST_VERSIONS, chain, data_file_name,
+    manifest_file_name, parse_file_name, sys, validate,
 };
 
 /// First word of a manifest file.
@@ -52,6 +52,40 @@ pub struct ChunkEntry {
     pub codec: Codec,
     /// xxh3_64 of the stored bytes.
     pub checksum: u64,
+    /// XXH3-128 of the chunk's device bytes (before compression), as 32 lowercase hex digits.
+    /// Present in every chunk of a version-2 manifest, absent in version 1. This, with `addr`
+    /// and `len`, is what an incremental dump compares with the parent image.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub content_xxh128: Option<String>,
+    /// Where the stored bytes are: 0 (the default, not written) means in this image's data file
+    /// `file`; `d` in `1..=MAX_CHAIN_DEPTH` means in data file `file` of the image `d` `parent`
+    /// links up, where the same chunk is recorded with depth 0 (version 2 only).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub parent_depth: u32,
+}
+
+fn is_zero(v: &u32) -> bool {
+    *v == 0
+}
+
+impl ChunkEntry {
+    /// True if `self` and `other` describe the same stored bytes (every field but
+    /// `parent_depth`): a reference and the entry it points at.
+    pub fn same_stored_chunk(&self, other: &ChunkEntry) -> bool {
+        self.file == other.file
+            && self.file_offset == other.file_offset
+            && self.addr == other.addr
+            && self.len == other.len
+            && self.stored_len == other.stored_len
+            && self.codec == other.codec
+            && self.checksum == other.checksum
+            && self.content_xxh128 == other.content_xxh128
+    }
+
+    /// True if the bytes are in an ancestor image's data file, not in this image's.
+    pub fn is_reference(&self) -> bool {
+        self.parent_depth != 0
+    }
 }
 
 /// A data file of the image (`gpusnap-<nspid>-data-<index>.img`) and its exact size.
@@ -142,7 +176,8 @@ impl Manifest {
 }
 
 /// Writes `m` as `gpusnap-<nspid>-manifest.img`, after checking it as [`read_manifest`] would
-/// (data files included), so a manifest that a restore would refuse is never written. Atomic:
+/// (data files and referenced ancestors included), so a manifest that a restore would refuse
+/// is never written. Only [`FORMAT_VERSION`] is written. Atomic:
 /// written to `gpusnap-<nspid>-manifest.img.tmp`, fsynced, then renamed over the final name.
 pub fn write_manifest(dir: BorrowedFd<'_>, m: &Manifest) -> Result<(), ImageError> {
     let name = manifest_file_name(m.nspid);
@@ -154,6 +189,7 @@ pub fn write_manifest(dir: BorrowedFd<'_>, m: &Manifest) -> Result<(), ImageErro
     }
     validate::validate_structure(m, &name)?;
     validate::validate_files(dir, m, &name)?;
+    chain::open_ancestors(dir, m)?;
     write_manifest_bytes(dir, m.nspid, &encode_manifest_unchecked(m))
 }
 
@@ -163,7 +199,8 @@ pub fn write_manifest(dir: BorrowedFd<'_>, m: &Manifest) -> Result<(), ImageErro
 pub fn encode_manifest_unchecked(m: &Manifest) -> Vec<u8> {
     let body = serde_json::to_vec(m).expect("a Manifest always serializes");
     let mut out = format!(
-        "{MANIFEST_MAGIC} {FORMAT_VERSION} {} {:016x}\n",
+        "{MANIFEST_MAGIC} {} {} {:016x}\n",
+        m.format_version,
         body.len(),
         xxh3_64(&body)
     )
@@ -243,7 +280,10 @@ fn parse_header_line(head: &[u8], file: &str) -> Result<HeaderLine, ImageError> 
         .next()
         .and_then(canonical_u64)
         .ok_or(bad("bad version field"))?;
-    if version != u64::from(FORMAT_VERSION) {
+    if !READ_MANIFEST_VERSIONS
+        .iter()
+        .any(|&v| u64::from(v) == version)
+    {
         return Err(ImageError::UnsupportedVersion {
             file: file.to_owned(),
             found: version,
@@ -275,8 +315,17 @@ fn parse_header_line(head: &[u8], file: &str) -> Result<HeaderLine, ImageError> 
 /// Reads, checks and returns the manifest of process `nspid`. Validates everything that can be
 /// checked without reading chunk data (see `docs/image-format.md`, "What readers refuse"): the
 /// header line, checksum, version, JSON schema, every name, every data file's existence, exact
-/// size and header, every chunk's bounds, overlaps, allocations and sums.
+/// size and header, every chunk's bounds, overlaps, allocations and sums; and, if chunks
+/// reference ancestor images, the `parent` chain, each ancestor's manifest and data files as
+/// above, and that every reference matches the ancestor's own record of the chunk.
 pub fn read_manifest(dir: BorrowedFd<'_>, nspid: u32) -> Result<Manifest, ImageError> {
+    let m = read_manifest_local(dir, nspid)?;
+    chain::open_ancestors(dir, &m)?;
+    Ok(m)
+}
+
+/// [`read_manifest`] without following references to ancestor images.
+pub(crate) fn read_manifest_local(dir: BorrowedFd<'_>, nspid: u32) -> Result<Manifest, ImageError> {
     let name = manifest_file_name(nspid);
     let (file, size) = sys::open_regular(dir, &name)?;
 
@@ -285,7 +334,6 @@ pub fn read_manifest(dir: BorrowedFd<'_>, nspid: u32) -> Result<Manifest, ImageE
     file.read_exact_at(&mut head[..head_len], 0)
         .map_err(|e| ImageError::io(&name, "read", e))?;
     let h = parse_header_line(&head[..head_len], &name)?;
-    debug_assert_eq!(h.version, u64::from(FORMAT_VERSION));
     if h.body_len > MAX_MANIFEST_BODY {
         return Err(ImageError::ManifestTooLarge {
             file: name,
@@ -319,10 +367,10 @@ pub fn read_manifest(dir: BorrowedFd<'_>, nspid: u32) -> Result<Manifest, ImageE
         file: name.clone(),
         source,
     })?;
-    if m.format_version != FORMAT_VERSION {
-        return Err(ImageError::UnsupportedVersion {
+    if u64::from(m.format_version) != h.version {
+        return Err(ImageError::ManifestHeader {
             file: name,
-            found: m.format_version.into(),
+            detail: "the header line and the body disagree on the format version",
         });
     }
     if m.nspid != nspid {

@@ -11,10 +11,10 @@ use std::time::Instant;
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::header::{Record, check_data_header, decode_record};
-use crate::validate::{check_chunk_lengths, open_data_file, validate_structure};
+use crate::validate::{check_chunk_lengths, open_data_file};
 use crate::{
-    ChunkEntry, Codec, DATA_HEADER_LEN, ImageError, Manifest, RECORD_LEN, data_file_name,
-    manifest_file_name, sys,
+    ChunkEntry, ChunkSources, Codec, DATA_HEADER_LEN, ImageError, Manifest, RECORD_LEN,
+    data_file_name, manifest_file_name, sys,
 };
 
 /// One data file of a manifest, open for reading. `Send + Sync`: reads use `pread`, so any number
@@ -46,7 +46,7 @@ impl DataFileReader {
             .chunks
             .iter()
             .enumerate()
-            .filter(|(_, c)| c.file == file)
+            .filter(|(_, c)| c.file == file && !c.is_reference())
             .map(|(i, c)| (i, c.clone()))
             .collect();
         chunks.sort_by_key(|(_, c)| c.file_offset);
@@ -59,9 +59,14 @@ impl DataFileReader {
         })
     }
 
-    /// The data file's name.
+    /// The data file's name (for an ancestor's file, with its `parent/` path in front).
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// Names the file by its path from the image that references it, in messages.
+    pub(crate) fn set_path_prefix(&mut self, prefix: &str) {
+        self.name = format!("{prefix}/{}", self.name);
     }
 
     /// The manifest's chunks in this file, as (chunk number in the manifest, entry), in file order.
@@ -83,7 +88,10 @@ impl DataFileReader {
             .chunks
             .binary_search_by_key(&entry.file_offset, |(_, c)| c.file_offset)
         {
-            Ok(k) if self.chunks[k].1 == *entry && entry.file == self.index => self.chunks[k].0,
+            // A reference names the ancestor's entry with its depth; everything else must agree.
+            Ok(k) if self.chunks[k].1.same_stored_chunk(entry) && entry.file == self.index => {
+                self.chunks[k].0
+            }
             _ => {
                 return Err(ImageError::UnknownChunk {
                     file: name(),
@@ -214,21 +222,28 @@ pub struct VerifyReport {
     pub chunks: u64,
     /// Device bytes (sum of `len`).
     pub bytes: u64,
-    /// Bytes in the data files (sum of `stored_len`).
+    /// Bytes in the data files (sum of `stored_len`), this image's and its ancestors'.
     pub stored_bytes: u64,
+    /// Chunks, and their device bytes, whose stored bytes are in ancestor images (references).
+    pub referenced_chunks: u64,
+    pub referenced_bytes: u64,
+    /// How many `parent` links deep the references went (0: none).
+    pub chain_depth: u32,
     pub seconds: f64,
 }
 
-/// Reads every chunk of `m` and checks its record header, checksum and decompression, `threads`
-/// data files at a time. Stops at the first error, which it returns.
+/// Reads every chunk of `m`, in its own data files and, for references, in its ancestors'
+/// (opened and checked first, see [`crate::open_ancestors`]), and checks its record header,
+/// checksum and decompression, `threads` data files at a time. Stops at the first error,
+/// which it returns.
 pub fn verify_image(
     dir: BorrowedFd<'_>,
     m: &Manifest,
     threads: usize,
 ) -> Result<VerifyReport, ImageError> {
     let start = Instant::now();
-    validate_structure(m, &manifest_file_name(m.nspid))?;
-    let indexes = m.file_indexes();
+    let sources = ChunkSources::open(dir, m)?;
+    let indexes = sources.groups();
     let nfiles = indexes.len();
     let next = AtomicUsize::new(0);
     let failed = AtomicBool::new(false);
@@ -245,7 +260,8 @@ pub fn verify_image(
                         if i >= nfiles || failed.load(Ordering::Relaxed) {
                             break;
                         }
-                        let r = verify_file(dir, m, indexes[i], &failed, &mut out, &mut scratch);
+                        let (depth, file) = indexes[i];
+                        let r = verify_file(&sources, depth, file, &failed, &mut out, &mut scratch);
                         if let Err(e) = r {
                             let mut slot = first_error.lock().unwrap_or_else(|p| p.into_inner());
                             slot.get_or_insert(e);
@@ -267,24 +283,28 @@ pub fn verify_image(
     if let Some(e) = first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
         return Err(e);
     }
+    let refs = || m.chunks.iter().filter(|c| c.is_reference());
     Ok(VerifyReport {
         chunks: m.chunks.len() as u64,
         bytes: m.chunks.iter().map(|c| c.len).sum(),
         stored_bytes: m.chunks.iter().map(|c| c.stored_len).sum(),
+        referenced_chunks: refs().count() as u64,
+        referenced_bytes: refs().map(|c| c.len).sum(),
+        chain_depth: sources.ancestors().depth(),
         seconds: start.elapsed().as_secs_f64(),
     })
 }
 
 fn verify_file(
-    dir: BorrowedFd<'_>,
-    m: &Manifest,
+    sources: &ChunkSources<'_>,
+    depth: u32,
     index: u32,
     failed: &AtomicBool,
     out: &mut Vec<u8>,
     scratch: &mut Vec<u8>,
 ) -> Result<(), ImageError> {
-    let r = DataFileReader::open(dir, m, index)?;
-    for (_, c) in r.chunks() {
+    let r = sources.reader(depth, index)?;
+    for (_, c) in sources.chunks(depth, index) {
         if failed.load(Ordering::Relaxed) {
             return Ok(());
         }
@@ -391,6 +411,8 @@ pub fn scan_data_file(
             stored_len: rec.stored_len,
             codec: rec.codec,
             checksum: rec.checksum,
+            content_xxh128: None,
+            parent_depth: 0,
         });
         scan.end = payload + rec.stored_len;
     }

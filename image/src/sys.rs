@@ -50,6 +50,38 @@ pub(crate) fn open_at(
     Ok(File::from(unsafe { OwnedFd::from_raw_fd(fd) }))
 }
 
+/// Opens the directory `name` in `dir`, following a symlink (the one place gpusnap does: CRIU's
+/// `parent` link is a symlink by design). `O_DIRECTORY` refuses anything but a directory.
+pub(crate) fn open_dir_follow(dir: BorrowedFd<'_>, name: &str) -> io::Result<File> {
+    let c = c_name(name)?;
+    let flags = libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC;
+    let fd = retry(|| {
+        // SAFETY: `c` is NUL-terminated and outlives the call; `dir` is an open descriptor; no
+        // mode is passed because O_CREAT is not set.
+        unsafe { libc::openat(dir.as_raw_fd(), c.as_ptr(), flags) }
+    })?;
+    // SAFETY: `openat` just returned this descriptor; nothing else owns it.
+    Ok(File::from(unsafe { OwnedFd::from_raw_fd(fd) }))
+}
+
+/// The target of the symlink `name` in `dir`, if it is one (for messages only).
+pub(crate) fn read_link_at(dir: BorrowedFd<'_>, name: &str) -> Option<String> {
+    let c = c_name(name).ok()?;
+    let mut buf = [0u8; 4096];
+    // SAFETY: `c` is NUL-terminated, `buf` is a live buffer of the length passed; readlinkat
+    // writes at most that many bytes and does not NUL-terminate.
+    let n = unsafe {
+        libc::readlinkat(
+            dir.as_raw_fd(),
+            c.as_ptr(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+        )
+    };
+    let n = usize::try_from(n).ok()?;
+    Some(String::from_utf8_lossy(&buf[..n.min(buf.len())]).into_owned())
+}
+
 /// Opens an existing file for reading. `O_NONBLOCK` keeps a FIFO planted under an image name from
 /// blocking the open; it has no effect on the regular files we go on to accept.
 pub(crate) fn open_read(dir: BorrowedFd<'_>, name: &str) -> io::Result<File> {

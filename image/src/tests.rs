@@ -32,10 +32,13 @@ impl TempDir {
             .unwrap();
         TempDir { path, fd }
     }
-    fn fd(&self) -> BorrowedFd<'_> {
+    pub(crate) fn fd(&self) -> BorrowedFd<'_> {
         self.fd.as_fd()
     }
-    fn file(&self, name: &str) -> PathBuf {
+    pub(crate) fn path(&self) -> &Path {
+        &self.path
+    }
+    pub(crate) fn file(&self, name: &str) -> PathBuf {
         self.path.join(name)
     }
 }
@@ -51,7 +54,7 @@ const CHUNK: usize = 4096;
 const BASE: u64 = 0x7f00_0000_0000;
 
 /// Deterministic bytes that zstd cannot shrink.
-fn noise(len: usize, seed: u64) -> Vec<u8> {
+pub(crate) fn noise(len: usize, seed: u64) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
     (0..len)
         .map(|_| {
@@ -143,11 +146,11 @@ fn make_image(dir: BorrowedFd<'_>) -> Image {
 }
 
 /// Writes `m` without validation (to plant a bad manifest with a correct checksum).
-fn plant(dir: BorrowedFd<'_>, m: &Manifest) {
+pub(crate) fn plant(dir: BorrowedFd<'_>, m: &Manifest) {
     crate::manifest::write_manifest_bytes(dir, m.nspid, &encode_manifest_unchecked(m)).unwrap();
 }
 
-fn flip(path: &Path, offset: u64) {
+pub(crate) fn flip(path: &Path, offset: u64) {
     let f = OpenOptions::new()
         .read(true)
         .write(true)
@@ -438,14 +441,14 @@ fn unknown_version_is_refused() {
     let good = std::fs::read(&path).unwrap();
     // In the header line.
     let bad = String::from_utf8(good.clone()).unwrap().replacen(
-        "GPUSNAP-MANIFEST 1 ",
         "GPUSNAP-MANIFEST 2 ",
+        "GPUSNAP-MANIFEST 3 ",
         1,
     );
     std::fs::write(&path, bad).unwrap();
     let e = read_manifest(t.fd(), NSPID).unwrap_err();
     assert!(
-        matches!(e, ImageError::UnsupportedVersion { found: 2, .. }),
+        matches!(e, ImageError::UnsupportedVersion { found: 3, .. }),
         "{e}"
     );
     // In the JSON body, with a correct checksum.
@@ -913,7 +916,11 @@ fn scan_walks_records_without_a_manifest() {
             .chunks
             .iter()
             .filter(|c| c.file == file)
-            .cloned()
+            // Data files do not record the content hash (only the manifest does).
+            .map(|c| ChunkEntry {
+                content_xxh128: None,
+                ..c.clone()
+            })
             .collect();
         assert_eq!(s.chunks, want);
     }
@@ -1092,6 +1099,8 @@ fn zstd_frame_of_the_wrong_size_is_refused() {
             stored_len: frame.len() as u64,
             codec: Codec::Zstd,
             checksum: rec.checksum,
+            content_xxh128: Some("0".repeat(32)),
+            parent_depth: 0,
         }];
         m.allocations.truncate(1);
         m.allocations[0].size = len;

@@ -7,8 +7,8 @@ use std::os::unix::fs::FileExt;
 
 use crate::header::check_data_header;
 use crate::{
-    CheckpointPath, Codec, DATA_HEADER_LEN, ImageError, MAX_CHUNK_LEN, Manifest, RECORD_LEN,
-    data_file_name, manifest_file_name, sys,
+    CheckpointPath, ChunkEntry, Codec, DATA_HEADER_LEN, ImageError, MAX_CHAIN_DEPTH, MAX_CHUNK_LEN,
+    Manifest, READ_MANIFEST_VERSIONS, RECORD_LEN, data_file_name, manifest_file_name, sys,
 };
 
 /// Longest string field (GPU name, gpusnap version, timing name) a manifest may carry.
@@ -25,6 +25,12 @@ pub(crate) fn validate_structure(m: &Manifest, mf: &str) -> Result<(), ImageErro
         file: mf.to_owned(),
         detail,
     };
+    if !READ_MANIFEST_VERSIONS.contains(&m.format_version) {
+        return Err(ImageError::UnsupportedVersion {
+            file: mf.to_owned(),
+            found: m.format_version.into(),
+        });
+    }
     if m.gpusnap_version.len() > MAX_STRING {
         return Err(invalid("gpusnap_version is too long".into()));
     }
@@ -119,18 +125,14 @@ pub(crate) fn validate_structure(m: &Manifest, mf: &str) -> Result<(), ImageErro
         }
     }
 
-    // Chunks, one at a time: file index, lengths and codec, bounds in the file, and that the
-    // device range lies inside one moved allocation (which it is then counted towards).
+    // Chunks, one at a time: the version's fields, file index, lengths and codec, bounds in the
+    // file, and that the device range lies inside one moved allocation (which it is then
+    // counted towards). A reference (parent_depth > 0) names a data file of an ancestor image:
+    // its file and bounds are checked against that ancestor (`chain::open_ancestors`).
     let mut covered = vec![0u64; m.allocations.len()];
     for (i, c) in m.chunks.iter().enumerate() {
-        let Some(f) = positions.get(&c.file).map(|&p| &m.files[p]) else {
-            return Err(ImageError::ChunkFileIndex {
-                file: mf.to_owned(),
-                chunk: i,
-                index: c.file,
-                count: m.files.len(),
-            });
-        };
+        check_version_fields(m.format_version, c)
+            .map_err(|detail| invalid(format!("chunk {i}: {detail}")))?;
         check_chunk_lengths(c.len, c.stored_len, c.codec).map_err(|detail| {
             ImageError::ChunkLength {
                 file: mf.to_owned(),
@@ -140,15 +142,32 @@ pub(crate) fn validate_structure(m: &Manifest, mf: &str) -> Result<(), ImageErro
         })?;
         let start = c.file_offset.saturating_sub(RECORD_LEN);
         let end = c.file_offset.checked_add(c.stored_len);
-        if c.file_offset < DATA_HEADER_LEN + RECORD_LEN || end.is_none_or(|e| e > f.size) {
-            return Err(ImageError::ChunkOutsideFile {
-                file: mf.to_owned(),
-                chunk: i,
-                data_file: f.name.clone(),
-                start,
-                end: end.unwrap_or(u64::MAX),
-                size: f.size,
-            });
+        if c.is_reference() {
+            if c.file_offset < DATA_HEADER_LEN + RECORD_LEN || end.is_none() {
+                return Err(invalid(format!(
+                    "chunk {i} references offset {} of an ancestor's data file, outside any data area",
+                    c.file_offset
+                )));
+            }
+        } else {
+            let Some(f) = positions.get(&c.file).map(|&p| &m.files[p]) else {
+                return Err(ImageError::ChunkFileIndex {
+                    file: mf.to_owned(),
+                    chunk: i,
+                    index: c.file,
+                    count: m.files.len(),
+                });
+            };
+            if c.file_offset < DATA_HEADER_LEN + RECORD_LEN || end.is_none_or(|e| e > f.size) {
+                return Err(ImageError::ChunkOutsideFile {
+                    file: mf.to_owned(),
+                    chunk: i,
+                    data_file: f.name.clone(),
+                    start,
+                    end: end.unwrap_or(u64::MAX),
+                    size: f.size,
+                });
+            }
         }
         let outside = || ImageError::ChunkOutsideAllocation {
             file: mf.to_owned(),
@@ -171,8 +190,12 @@ pub(crate) fn validate_structure(m: &Manifest, mf: &str) -> Result<(), ImageErro
         }
     }
 
-    // No two chunks share bytes of a file (record header included).
-    let mut by_offset: Vec<usize> = (0..m.chunks.len()).collect();
+    // No two chunks of this image share bytes of one of its files (record header included).
+    // References may share: two images can both point at one chunk of an ancestor, but one
+    // image never references one stored chunk twice (that would put it at two addresses).
+    let mut by_offset: Vec<usize> = (0..m.chunks.len())
+        .filter(|&i| !m.chunks[i].is_reference())
+        .collect();
     by_offset.sort_by_key(|&i| (m.chunks[i].file, m.chunks[i].file_offset));
     for w in by_offset.windows(2) {
         let (p, q) = (&m.chunks[w[0]], &m.chunks[w[1]]);
@@ -198,7 +221,7 @@ pub(crate) fn validate_structure(m: &Manifest, mf: &str) -> Result<(), ImageErro
     // Sums: each data file is its header plus its records, with nothing in between; each moved
     // allocation is covered by its chunks exactly.
     let mut file_sums = vec![DATA_HEADER_LEN; m.files.len()];
-    for c in &m.chunks {
+    for c in m.chunks.iter().filter(|c| !c.is_reference()) {
         // Each term is at most 1 GiB + 64 and at most ~2^28 chunks fit in a manifest, but a
         // hand-made manifest is not bound by that: saturate instead of wrapping.
         let s = &mut file_sums[positions[&c.file]];
@@ -240,6 +263,37 @@ fn addr_overlap(m: &Manifest, mf: &str) -> ImageError {
         a,
         b,
     }
+}
+
+/// The fields that exist only in some versions: version 1 has no `content_xxh128` and no
+/// references; version 2 has a `content_xxh128` (32 lowercase hex digits) on every chunk and
+/// references at most [`MAX_CHAIN_DEPTH`] links up.
+fn check_version_fields(version: u32, c: &ChunkEntry) -> Result<(), String> {
+    match (version, &c.content_xxh128) {
+        (1, Some(_)) => return Err("content_xxh128 is not a version-1 field".into()),
+        (1, None) if c.parent_depth != 0 => {
+            return Err("parent_depth is not a version-1 field".into());
+        }
+        (1, None) => return Ok(()),
+        (_, None) => return Err("content_xxh128 is missing".into()),
+        (_, Some(h)) if !is_hex128(h) => {
+            return Err(format!(
+                "content_xxh128 {h:?} is not 32 lowercase hex digits"
+            ));
+        }
+        _ => {}
+    }
+    if c.parent_depth > MAX_CHAIN_DEPTH {
+        return Err(format!(
+            "parent_depth {} exceeds the limit of {MAX_CHAIN_DEPTH}",
+            c.parent_depth
+        ));
+    }
+    Ok(())
+}
+
+fn is_hex128(s: &str) -> bool {
+    s.len() == 32 && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
 }
 
 /// `len` and `stored_len` in 1..=1 GiB; Raw stores exactly `len`, Zstd at most `len`.

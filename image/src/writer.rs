@@ -4,7 +4,7 @@ use std::fs::File;
 use std::io::Write;
 use std::os::fd::BorrowedFd;
 
-use xxhash_rust::xxh3::xxh3_64;
+use xxhash_rust::xxh3::{Xxh3Default, xxh3_64};
 
 use crate::header::{Record, encode_data_header, encode_record};
 use crate::{
@@ -15,6 +15,33 @@ use crate::{
 /// zstd level for `Codec::Zstd`: level 1 is the fastest with entropy coding (~0.7 GB/s/core on
 /// bf16 weights, several GB/s on zeros).
 const ZSTD_LEVEL: i32 = 1;
+
+/// The two hashes of a chunk's device bytes, from one pass over them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ChunkHashes {
+    /// XXH3-64 (seed 0): the record checksum of a chunk stored raw.
+    pub xxh3_64: u64,
+    /// XXH3-128 (seed 0): `content_xxh128`, what incremental dumps compare.
+    pub xxh3_128: u128,
+}
+
+impl ChunkHashes {
+    /// `xxh3_128` as the manifest writes it: 32 lowercase hex digits.
+    pub fn content_hex(&self) -> String {
+        format!("{:032x}", self.xxh3_128)
+    }
+}
+
+/// Hashes `data` once, giving both XXH3-64 and XXH3-128 (the streaming state of XXH3 is the
+/// same for both widths; only the final mix differs), so a raw chunk costs one pass.
+pub fn hash_chunk(data: &[u8]) -> ChunkHashes {
+    let mut h = Xxh3Default::new();
+    h.update(data);
+    ChunkHashes {
+        xxh3_64: h.digest(),
+        xxh3_128: h.digest128(),
+    }
+}
 
 /// Writes `gpusnap-<nspid>-data-<index>.img`: the header at creation, then one record per
 /// [`append_chunk`](Self::append_chunk). `Send`, so it can move to its writer thread.
@@ -96,6 +123,18 @@ impl DataFileWriter {
         data: &[u8],
         codec: Codec,
     ) -> Result<ChunkEntry, ImageError> {
+        self.append_chunk_hashed(addr, data, codec, &hash_chunk(data))
+    }
+
+    /// [`append_chunk`](Self::append_chunk) with `hashes` already computed from `data` (by
+    /// [`hash_chunk`]; an incremental dump hashes a chunk before it decides to write it).
+    pub fn append_chunk_hashed(
+        &mut self,
+        addr: u64,
+        data: &[u8],
+        codec: Codec,
+        hashes: &ChunkHashes,
+    ) -> Result<ChunkEntry, ImageError> {
         if self.failed {
             return Err(ImageError::WriterFailed {
                 file: self.name.clone(),
@@ -122,7 +161,10 @@ impl DataFileWriter {
             addr,
             len,
             stored_len: stored.len() as u64,
-            checksum: xxh3_64(stored),
+            checksum: match codec {
+                Codec::Raw => hashes.xxh3_64,
+                Codec::Zstd => xxh3_64(stored),
+            },
         };
         let result = write_all(&mut self.file, &self.name, &encode_record(&record))
             .and_then(|()| write_all(&mut self.file, &self.name, stored));
@@ -138,6 +180,8 @@ impl DataFileWriter {
             stored_len: record.stored_len,
             codec,
             checksum: record.checksum,
+            content_xxh128: Some(hashes.content_hex()),
+            parent_depth: 0,
         };
         self.offset += RECORD_LEN + record.stored_len;
         self.seq += 1;

@@ -162,10 +162,34 @@ struct Totals {
     moved: u64,
     stored: u64,
     driver_saved: u64,
+    /// Chunks and bytes (stored) in this image's own data files.
+    here_chunks: u64,
+    stored_here: u64,
+    /// Chunks and device bytes referenced in ancestor images, by depth (1 = `parent`).
+    referenced: std::collections::BTreeMap<u32, (u64, u64)>,
+}
+
+impl Totals {
+    fn referenced_chunks(&self) -> u64 {
+        self.referenced.values().map(|v| v.0).sum()
+    }
+    fn referenced_bytes(&self) -> u64 {
+        self.referenced.values().map(|v| v.1).sum()
+    }
 }
 
 fn totals(m: &Manifest) -> Totals {
+    let mut referenced = std::collections::BTreeMap::new();
+    for c in m.chunks.iter().filter(|c| c.is_reference()) {
+        let e: &mut (u64, u64) = referenced.entry(c.parent_depth).or_default();
+        e.0 += 1;
+        e.1 += c.len;
+    }
+    let own = || m.chunks.iter().filter(|c| !c.is_reference());
     Totals {
+        here_chunks: own().count() as u64,
+        stored_here: own().map(|c| c.stored_len).sum(),
+        referenced,
         moved: m.chunks.iter().map(|c| c.len).sum(),
         stored: m.chunks.iter().map(|c| c.stored_len).sum(),
         driver_saved: m
@@ -207,6 +231,17 @@ fn process_json(m: &Manifest) -> Value {
         "stored_bytes": t.stored,
         "driver_saved_bytes": t.driver_saved,
         "compression_ratio": util::ratio(t.moved, t.stored),
+        "stored_here_bytes": t.stored_here,
+        "chunks_here": t.here_chunks,
+        "referenced_bytes": t.referenced_bytes(),
+        "referenced_chunks": t.referenced_chunks(),
+        "chain_depth": t.referenced.keys().max().copied().unwrap_or(0),
+        "referenced_by_depth": t.referenced.iter().map(|(d, (n, b))| json!({
+            "depth": d,
+            "image": vec![gpusnap_image::PARENT_LINK; *d as usize].join("/"),
+            "chunks": n,
+            "bytes": b,
+        })).collect::<Vec<_>>(),
         "file_count": m.files.len(),
         "chunk_count": m.chunks.len(),
         "files": m.files,
@@ -258,6 +293,27 @@ fn process_text(m: &Manifest) -> String {
         util::bytes(t.stored),
         util::bytes(t.driver_saved),
     ));
+    if !t.referenced.is_empty() {
+        let parts: Vec<String> = t
+            .referenced
+            .iter()
+            .map(|(d, (n, b))| {
+                format!(
+                    "{} in {n} chunks from {}",
+                    util::bytes(*b),
+                    vec![gpusnap_image::PARENT_LINK; *d as usize].join("/")
+                )
+            })
+            .collect();
+        s.push_str(&format!(
+            "  incremental: stored here {} in {} chunks; referenced unchanged {} in {} chunks ({})\n",
+            util::bytes(t.stored_here),
+            t.here_chunks,
+            util::bytes(t.referenced_bytes()),
+            t.referenced_chunks(),
+            parts.join(", ")
+        ));
+    }
     if !m.timings_s.is_empty() {
         let phases: Vec<String> = m
             .timings_s

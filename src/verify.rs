@@ -72,8 +72,19 @@ pub fn run(args: &[String]) -> ExitCode {
                 } else {
                     String::new()
                 };
+                let refs = if r.referenced_chunks > 0 {
+                    format!(
+                        "; {} in {} chunks referenced from parent images (up to {} links up), {} stored here",
+                        util::bytes(r.referenced_bytes),
+                        r.referenced_chunks,
+                        r.chain_depth,
+                        util::bytes(r.bytes - r.referenced_bytes)
+                    )
+                } else {
+                    String::new()
+                };
                 println!(
-                    "ok    process {nspid}: {} chunks, {} (stored {}) verified in {:.2} s{rate}",
+                    "ok    process {nspid}: {} chunks, {} (stored {}) verified in {:.2} s{rate}{refs}",
                     r.chunks,
                     util::bytes(r.bytes),
                     util::bytes(r.stored_bytes),

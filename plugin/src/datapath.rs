@@ -11,7 +11,9 @@
 
 use crate::staging::Staging;
 use crossbeam_channel::{Receiver, Sender, bounded, unbounded};
-use gpusnap_image::{ChunkEntry, Codec, DataFileReader, DataFileWriter, FileEntry, Manifest};
+use gpusnap_image::{
+    ChunkEntry, ChunkSources, Codec, DataFileWriter, DedupIndex, FileEntry, Manifest, hash_chunk,
+};
 use gpusnap_proto::{Channel, ProtoError, Reply, Request};
 use std::os::fd::{AsFd, BorrowedFd};
 use std::time::{Duration, Instant};
@@ -42,8 +44,14 @@ pub enum DataError {
 pub struct DumpData {
     pub files: Vec<FileEntry>,
     pub chunks: Vec<ChunkEntry>,
+    /// Device bytes of every chunk.
     pub bytes: u64,
+    /// Bytes stored in this image's data files (`stored_len` of the chunks written here).
     pub stored_bytes: u64,
+    /// Chunks, and their device bytes, left unchanged since the parent image and referenced
+    /// there instead of written (incremental dump).
+    pub referenced_chunks: u64,
+    pub referenced_bytes: u64,
     pub seconds: f64,
 }
 
@@ -103,7 +111,11 @@ fn hand_over_ring(
 }
 
 /// Copies every converted allocation of the agent into image files `gpusnap-<nspid>-data-*`.
-/// On success the agent holds its data in the ring no more; memory is not yet released.
+/// With `parent` (an incremental dump), a chunk whose device range and XXH3-128 match a chunk
+/// of the parent chain is recorded as a reference to it instead of written. Every chunk is
+/// still copied off the device and hashed. On success the agent holds its data in the ring no
+/// more; memory is not yet released.
+#[allow(clippy::too_many_arguments)]
 pub fn copy_out(
     chan: &Channel,
     staging: &Staging,
@@ -111,6 +123,7 @@ pub fn copy_out(
     nspid: u32,
     writers: usize,
     codec: Codec,
+    parent: Option<&DedupIndex>,
     limits: Limits,
 ) -> Result<DumpData, DataError> {
     let t0 = Instant::now();
@@ -124,7 +137,13 @@ pub fn copy_out(
             .map(|index| {
                 let rx = work_rx.clone();
                 let err_tx = err_tx.clone();
-                s.spawn(move || writer(index as u32, rx, err_tx, chan, staging, dir, nspid, codec))
+                let out = Out {
+                    dir,
+                    nspid,
+                    codec,
+                    parent,
+                };
+                s.spawn(move || writer(index as u32, rx, err_tx, chan, staging, out))
             })
             .collect();
         drop(work_rx);
@@ -134,7 +153,7 @@ pub fn copy_out(
         for h in handles {
             match h.join() {
                 Ok(Some((file, mut chunks))) => {
-                    data.files.push(file);
+                    data.files.extend(file);
                     data.chunks.append(&mut chunks);
                 }
                 Ok(None) => {}
@@ -160,7 +179,11 @@ pub fn copy_out(
     data.files.sort_by(|a, b| a.name.cmp(&b.name));
     data.chunks.sort_by_key(|c| c.addr);
     data.bytes = data.chunks.iter().map(|c| c.len).sum();
-    data.stored_bytes = data.chunks.iter().map(|c| c.stored_len).sum();
+    let (refs, own): (Vec<&ChunkEntry>, Vec<&ChunkEntry>) =
+        data.chunks.iter().partition(|c| c.is_reference());
+    data.stored_bytes = own.iter().map(|c| c.stored_len).sum();
+    data.referenced_chunks = refs.len() as u64;
+    data.referenced_bytes = refs.iter().map(|c| c.len).sum();
     data.seconds = t0.elapsed().as_secs_f64();
     Ok(data)
 }
@@ -199,17 +222,25 @@ fn pump_dump_replies(
     }
 }
 
-#[allow(clippy::too_many_arguments)]
+/// Where a writer thread puts chunks.
+#[derive(Clone, Copy)]
+struct Out<'a> {
+    dir: BorrowedFd<'a>,
+    nspid: u32,
+    codec: Codec,
+    parent: Option<&'a DedupIndex>,
+}
+
+/// One writer thread: its file (created with the first chunk it writes; a thread whose chunks
+/// were all references leaves none) and every chunk entry it made, references included.
 fn writer(
     index: u32,
     work: Receiver<Work>,
     errors: Sender<String>,
     chan: &Channel,
     staging: &Staging,
-    dir: BorrowedFd<'_>,
-    nspid: u32,
-    codec: Codec,
-) -> Option<(FileEntry, Vec<ChunkEntry>)> {
+    out: Out<'_>,
+) -> Option<(Option<FileEntry>, Vec<ChunkEntry>)> {
     block_signals();
     let mut file: Option<DataFileWriter> = None;
     let mut chunks = Vec::new();
@@ -217,15 +248,21 @@ fn writer(
     for w in work.iter() {
         if !failed {
             let res = (|| {
-                if file.is_none() {
-                    file =
-                        Some(DataFileWriter::create(dir, nspid, index).map_err(|e| e.to_string())?);
-                }
-                let f = file.as_mut().expect("created above");
                 // SAFETY: the agent announced this slot with ChunkReady and will not touch it
                 // until we send SlotFree below.
                 let data = unsafe { staging.slot(w.slot as usize, w.len as usize) };
-                f.append_chunk(w.addr, data, codec)
+                let hashes = hash_chunk(data);
+                if let Some(r) = out.parent.and_then(|p| p.reference(w.addr, w.len, &hashes)) {
+                    return Ok(r);
+                }
+                if file.is_none() {
+                    file = Some(
+                        DataFileWriter::create(out.dir, out.nspid, index)
+                            .map_err(|e| e.to_string())?,
+                    );
+                }
+                let f = file.as_mut().expect("created above");
+                f.append_chunk_hashed(w.addr, data, out.codec, &hashes)
                     .map_err(|e| e.to_string())
             })();
             match res {
@@ -242,7 +279,7 @@ fn writer(
     if failed {
         return None;
     }
-    match file?.finish() {
+    match file.map(DataFileWriter::finish).transpose() {
         Ok(entry) => Some((entry, chunks)),
         Err(e) => {
             let _ = errors.send(e.to_string());
@@ -301,7 +338,9 @@ pub struct LoadStats {
     pub seconds: f64,
 }
 
-/// Re-creates the agent's memory at the recorded addresses and fills it from the image.
+/// Re-creates the agent's memory at the recorded addresses and fills it from the image (and,
+/// for chunks an incremental dump referenced, from its ancestors through `parent` links; they
+/// are opened and checked before the agent is asked to re-create anything).
 pub fn copy_in(
     chan: &Channel,
     staging: &Staging,
@@ -311,6 +350,7 @@ pub fn copy_in(
     limits: Limits,
 ) -> Result<LoadStats, DataError> {
     let t0 = Instant::now();
+    let sources = ChunkSources::open(dir, manifest).map_err(|e| DataError::Image(e.to_string()))?;
     hand_over_ring(chan, staging, limits, Direction::In)?;
 
     let (free_tx, free_rx) = bounded::<u32>(staging.slots());
@@ -318,18 +358,18 @@ pub fn copy_in(
         let _ = free_tx.send(i);
     }
     let (err_tx, err_rx) = unbounded::<String>();
-    let files = file_indexes(manifest);
+    let files = file_groups(manifest);
     let readers = readers.clamp(1, files.len().max(1));
     let total = manifest.chunks.len();
     let outcome = std::thread::scope(|s| {
         for r in 0..readers {
             let free_rx = free_rx.clone();
             let err_tx = err_tx.clone();
-            let files = &files;
+            let (files, sources) = (&files, &sources);
             s.spawn(move || {
                 block_signals();
                 let mine = files.iter().copied().skip(r).step_by(readers);
-                if let Err(e) = read_files(mine, &free_rx, chan, staging, dir, manifest) {
+                if let Err(e) = read_files(mine, &free_rx, chan, staging, sources) {
                     let _ = err_tx.send(e);
                 }
             });
@@ -357,27 +397,31 @@ pub fn copy_in(
     })
 }
 
-/// The data-file indexes that hold chunks. Writers that got no chunk wrote no file, so the
+/// The data files that hold chunks, as (parent depth, index): 0 for this image's own, `d` for
+/// a file of the image `d` `parent` links up. Writers that got no chunk wrote no file, so the
 /// indexes can have gaps (`data-0`, `data-2`, ...): they are not `0..files.len()`.
-fn file_indexes(manifest: &Manifest) -> Vec<u32> {
-    let mut v: Vec<u32> = manifest.chunks.iter().map(|c| c.file).collect();
+fn file_groups(manifest: &Manifest) -> Vec<(u32, u32)> {
+    let mut v: Vec<(u32, u32)> = manifest
+        .chunks
+        .iter()
+        .map(|c| (c.parent_depth, c.file))
+        .collect();
     v.sort_unstable();
     v.dedup();
     v
 }
 
 fn read_files(
-    files: impl Iterator<Item = u32>,
+    files: impl Iterator<Item = (u32, u32)>,
     free: &Receiver<u32>,
     chan: &Channel,
     staging: &Staging,
-    dir: BorrowedFd<'_>,
-    manifest: &Manifest,
+    sources: &ChunkSources<'_>,
 ) -> Result<(), String> {
     let mut scratch = Vec::new();
-    for file in files {
-        let reader = DataFileReader::open(dir, manifest, file).map_err(|e| e.to_string())?;
-        for c in manifest.chunks.iter().filter(|c| c.file == file) {
+    for (depth, file) in files {
+        let reader = sources.reader(depth, file).map_err(|e| e.to_string())?;
+        for (_, c) in sources.chunks(depth, file) {
             let Ok(slot) = free.recv() else {
                 return Ok(()); // the load was abandoned
             };
@@ -447,6 +491,8 @@ mod tests {
             stored_len: 4096,
             codec: Codec::Raw,
             checksum: 0,
+            content_xxh128: None,
+            parent_depth: 0,
         }
     }
 
@@ -468,9 +514,13 @@ mod tests {
                 chunk(2, 4096),
                 chunk(5, 8192),
                 chunk(11, 12288),
+                ChunkEntry {
+                    parent_depth: 2,
+                    ..chunk(5, 16384)
+                },
             ],
             timings_s: Default::default(),
         };
-        assert_eq!(file_indexes(&m), vec![2, 5, 11]);
+        assert_eq!(file_groups(&m), vec![(0, 2), (0, 5), (0, 11), (2, 5)]);
     }
 }

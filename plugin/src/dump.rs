@@ -335,6 +335,7 @@ fn move_data_out(ctx: &Ctx, t: &mut Tracked) -> Result<(), DumpError> {
     t.time("prepare", t0.elapsed().as_secs_f64());
 
     let dir = ctx.image_dir();
+    let parent = dedup_parent(ctx, t, &allocations);
     let data = datapath::copy_out(
         &chan,
         &staging,
@@ -342,16 +343,20 @@ fn move_data_out(ctx: &Ctx, t: &mut Tracked) -> Result<(), DumpError> {
         t.nspid as u32,
         ctx.cfg.effective_writer_threads(),
         ctx.codec(),
+        parent.as_ref(),
         ctx.limits(),
     )?;
     log::info!(
-        "pid {pid}: data {:.2} GiB in {:.3} s ({:.1} GiB/s) into {} files, {} chunks, stored {:.2} GiB",
+        "pid {pid}: data {:.2} GiB in {:.3} s ({:.1} GiB/s) into {} files, {} chunks, written {} bytes ({:.2} GiB), referenced {} bytes unchanged in {} chunks",
         gib(data.bytes),
         data.seconds,
         gib(data.bytes) / data.seconds.max(1e-9),
         data.files.len(),
         data.chunks.len(),
+        data.stored_bytes,
         gib(data.stored_bytes),
+        data.referenced_bytes,
+        data.referenced_chunks,
     );
     let per_gpu = bytes_per_device(&allocations, &data.chunks);
     if per_gpu.len() > 1 {
@@ -384,6 +389,49 @@ fn move_data_out(ctx: &Ctx, t: &mut Tracked) -> Result<(), DumpError> {
     log::debug!("pid {pid}: agent released {n} allocations ({bytes} bytes)");
     drop(chan);
     relock(ctx, t)
+}
+
+/// For an incremental dump: the parent image's chunks this process may reference, if the image
+/// directory has a usable `parent` link and `incremental` is on. Anything else is a full dump,
+/// with the reason in the log.
+fn dedup_parent(
+    ctx: &Ctx,
+    t: &Tracked,
+    allocations: &[AllocationRecord],
+) -> Option<gpusnap_image::DedupIndex> {
+    use gpusnap_image::ParentImage;
+    let found = gpusnap_image::parent_for_dedup(ctx.image_dir(), t.nspid as u32, allocations);
+    match found {
+        ParentImage::None => None,
+        _ if !ctx.cfg.incremental => {
+            log::info!(
+                "pid {}: the image directory has a parent link, but incremental = false: full dump",
+                t.pid
+            );
+            None
+        }
+        ParentImage::Unusable(why) => {
+            log::info!("pid {}: full dump, parent image not used: {why}", t.pid);
+            None
+        }
+        ParentImage::Usable(index) => {
+            log::info!(
+                "pid {}: incremental dump against the parent image ({} chunks to compare{})",
+                t.pid,
+                index.len(),
+                if index.too_deep > 0 {
+                    format!(
+                        ", {} already {} links deep are stored again",
+                        index.too_deep,
+                        gpusnap_image::MAX_CHAIN_DEPTH
+                    )
+                } else {
+                    String::new()
+                }
+            );
+            Some(index)
+        }
+    }
 }
 
 fn list_allocations(
@@ -638,6 +686,8 @@ mod tests {
             stored_len: len,
             codec: Codec::Raw,
             checksum: 0,
+            content_xxh128: None,
+            parent_depth: 0,
         };
         let allocs = [
             alloc(1, 0, 0x1000_0000, 0x400),

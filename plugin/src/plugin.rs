@@ -167,6 +167,17 @@ fn init_restore(p: &mut Plugin) -> i32 {
         return 0;
     }
     log::info!("images checked: {} GPU processes", p.manifests.len());
+    for m in p.manifests.values() {
+        let refs = m.chunks.iter().filter(|c| c.is_reference());
+        let (n, bytes) = refs.fold((0u64, 0u64), |(n, b), c| (n + 1, b + c.len));
+        if n > 0 {
+            let depth = m.chunks.iter().map(|c| c.parent_depth).max().unwrap_or(0);
+            log::info!(
+                "nspid {}: incremental image: {bytes} bytes in {n} chunks come from parent images (up to {depth} parent links up, checked)",
+                m.nspid
+            );
+        }
+    }
     if p.cfg.mode == Mode::Off {
         log::error!(
             "the image holds GPU state of {} processes but gpusnap is disabled (mode = off): they would run without it; enable gpusnap to restore",
@@ -517,11 +528,25 @@ fn serde_json_value(t: &Tracked) -> serde_json::Value {
         .iter()
         .map(|(k, v)| (k.to_string(), serde_json::json!(v)))
         .collect();
-    serde_json::json!({
+    let mut v = serde_json::json!({
         "nspid": t.nspid,
         "path": if t.is_split() { "split" } else { "transparent" },
         "timings_s": timings,
-    })
+    });
+    if let crate::process::DataPath::Split(s) = &t.path
+        && let Some(d) = &s.data
+    {
+        // What this dump stored, against what it referenced unchanged in its parent images.
+        v["data"] = serde_json::json!({
+            "chunks": d.chunks.len(),
+            "device_bytes": d.bytes,
+            "bytes_written": d.stored_bytes,
+            "chunks_referenced": d.referenced_chunks,
+            "bytes_referenced": d.referenced_bytes,
+            "incremental": d.referenced_chunks > 0,
+        });
+    }
+    v
 }
 
 /// Called by `exit`: runs the dump's end and forgets this run.

@@ -36,6 +36,10 @@
 //! - `--devices D`: data allocation `i` is made on device `i % D` (`cuMemAlloc_v2` with that
 //!   device's primary context current), so a process with `D` > 1 has memory on several
 //!   GPUs; everything else (the counter, the 64 KiB allocation, `--app-vmm`) is on device 0.
+//! - Changing part of the data on request (for incremental checkpoints): when a file
+//!   `PATH.mutate` exists at the start of a tick, the workload removes it, overwrites the first
+//!   MiB of data allocation 0 with a new pattern (generation `G` = 1, 2, ...), checks against
+//!   that from then on, and writes `G` to `PATH.mutated`. The rest of its memory is unchanged.
 //! - `--resolve proc`: only `cuGetProcAddress_v2` comes from `dlsym`; every other entry point
 //!   is asked of it (CUDA 13.0), as the CUDA runtime does.
 //!
@@ -516,8 +520,18 @@ fn run(s: &Settings) -> ! {
         ),
     );
     let mut scratch = vec![0u8; buffers.iter().map(|b| b.expected.len()).max().unwrap_or(0)];
+    let mut generation = 0u64;
     for tick in 1u64.. {
         let mut errors = Vec::new();
+        if std::fs::remove_file(format!("{}.mutate", s.log)).is_ok() {
+            generation += 1;
+            if let Err(e) = mutate(&drv, &mut buffers[0], s.seed, generation) {
+                errors.push(e);
+            }
+            if let Err(e) = std::fs::write(format!("{}.mutated", s.log), generation.to_string()) {
+                errors.push(format!("writing {}.mutated: {e}", s.log));
+            }
+        }
         for b in &buffers {
             let dst = &mut scratch[..b.expected.len()];
             match drv.download(dst, b.ptr) {
@@ -550,6 +564,14 @@ fn run(s: &Settings) -> ! {
         std::thread::sleep(TICK);
     }
     unreachable!("the tick loop does not end")
+}
+
+/// Overwrites the first MiB of `b` with the pattern of `generation` (see `PATH.mutate`).
+fn mutate(drv: &Driver, b: &mut Buffer, seed: u64, generation: u64) -> Result<(), String> {
+    let n = MIB.min(b.expected.len());
+    let fresh = pattern(seed ^ 0x5eed, 1000 + generation, n);
+    b.expected[..n].copy_from_slice(&fresh);
+    drv.upload(b.ptr, &fresh)
 }
 
 /// A helper thread: copies `ptr` back and compares it, every 5 ms, forever.

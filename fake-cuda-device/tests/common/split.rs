@@ -79,8 +79,20 @@ impl Split {
         extra: &[&str],
         config: &[(&str, &str)],
     ) -> CriuRun {
+        self.criu_at(&self.w.images, action, log, extra, config)
+    }
+
+    /// [`criu`](Self::criu) with the image directory `images` (for a series of dumps).
+    pub fn criu_at(
+        &self,
+        images: &Path,
+        action: &str,
+        log: &str,
+        extra: &[&str],
+        config: &[(&str, &str)],
+    ) -> CriuRun {
         let log = self.w.path.join(log);
-        let mut args = self.w.criu_args_in(action, &self.w.images, &log);
+        let mut args = self.w.criu_args_in(action, images, &log);
         args.extend(extra.iter().map(|s| s.to_string()));
         let mut env = vec![
             (

@@ -1,0 +1,247 @@
+//! Incremental checkpoints on the split path with a real CRIU and the stand-in drivers:
+//! `criu dump -R` into `dump1`, part of the device data changed, `criu dump --prev-images-dir
+//! ../dump1 --track-mem` into `dump2` (see below for how the `parent` link is made here),
+//! restore from `dump2`.
+//!
+//! - dump 2 writes only the changed chunks (the first MiB of data allocation 0, which the
+//!   workload rewrites on request, and the chunk of the counter, which changes every tick) and
+//!   references the rest in `dump1`; the restore brings back both, bit for bit (the workload
+//!   checks every byte of its device memory against what it holds in host memory every tick);
+//! - a damaged or missing parent image: the restore is refused in `init`, naming the file or
+//!   the link, before the GPU (the stand-in driver) is called, and nothing runs.
+//!
+//! CRIU itself: `--prev-images-dir` needs `--track-mem` (CRIU records the dump's uptime for its
+//! pid-reuse check only then, and refuses a parent whose pagemaps lack it), and `--track-mem`
+//! needs soft-dirty page tracking, which the CI kernel lacks (`Tracking memory is not
+//! available`). So these tests make the `parent` link themselves, as CRIU would, to a directory
+//! holding only dump 1's gpusnap files (hard links): CRIU finds no pagemaps of its own there and
+//! dumps its part in full, gpusnap follows the link. Everything else is real CRIU.
+//!
+//! Root and CRIU are needed (`GPUSNAP_SKIP_CRIU_TESTS=1` skips).
+
+mod common;
+
+use std::fs;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::thread::sleep;
+use std::time::{Duration, Instant};
+
+use common::split::Split;
+use criu_tests::CriuRun;
+
+const MIB: u64 = 1 << 20;
+/// 1 MiB chunks, so that an allocation is several chunks and a change can hit only one.
+const CONFIG: [(&str, &str); 1] = [("GPUSNAP_STAGING_SLOT_MIB", "1")];
+
+fn start(test: &str) -> Option<Split> {
+    Split::launch(
+        test,
+        1,
+        &["--seed", "21", "--allocs", "3", "--mib", "4"],
+        &[],
+    )
+}
+
+fn images(s: &Split, name: &str) -> PathBuf {
+    let p = s.w.path.join(name);
+    fs::create_dir_all(&p).expect("mkdir images");
+    p
+}
+
+/// The `data` object of the process in `dir`'s `gpusnap-stats.json`.
+fn dump_stats(s: &Split, dir: &Path, run: &CriuRun) -> serde_json::Value {
+    let text = fs::read_to_string(dir.join("gpusnap-stats.json"))
+        .unwrap_or_else(|e| panic!("gpusnap-stats.json: {e}\n{}", s.describe(run)));
+    let v: serde_json::Value = serde_json::from_str(&text).expect("stats JSON");
+    v["processes"][0]["data"].clone()
+}
+
+fn num(v: &serde_json::Value, key: &str) -> u64 {
+    v[key].as_u64().unwrap_or_else(|| panic!("no {key} in {v}"))
+}
+
+/// Has the workload rewrite the first MiB of its allocation 0 and waits until a tick after
+/// that has been logged.
+fn change_some_data(s: &Split) {
+    let log = &s.vmm.logs[0];
+    let done = PathBuf::from(format!("{}.mutated", log.display()));
+    fs::write(format!("{}.mutate", log.display()), b"").expect("request a change");
+    let t0 = Instant::now();
+    while !done.exists() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the workload did not change its data\n{}",
+            s.vmm.describe()
+        );
+        sleep(Duration::from_millis(20));
+    }
+    let after = s.vmm.last_ticks()[0] + 1;
+    s.vmm.wait_for_tick(after);
+}
+
+/// dump 1 (`-R`), a change, dump 2 against dump 1 (the workload is killed). Returns the parent
+/// image dir and dump 2's, both dumps' stats and the last tick.
+fn two_dumps(s: &mut Split) -> (PathBuf, PathBuf, [serde_json::Value; 2], Vec<u64>) {
+    let pid = s.vmm.pid().to_string();
+    let d1 = images(s, "dump1");
+    let dump1 = s.criu_at(
+        &d1,
+        "dump",
+        "dump1.log",
+        &["-t", &pid, "--leave-running"],
+        &CONFIG,
+    );
+    s.assert_ok(&dump1);
+    s.assert_line(&dump1, &["device data reloaded"]);
+    let stats1 = dump_stats(s, &d1, &dump1);
+
+    change_some_data(s);
+
+    // The GPU part of dump 1 alone, as the parent (see the module comment).
+    let g1 = images(s, "gpu1");
+    for f in fs::read_dir(&d1).expect("read dump1").flatten() {
+        let name = f.file_name();
+        if name.to_string_lossy().starts_with("gpusnap-") {
+            fs::hard_link(f.path(), g1.join(&name)).expect("link a gpusnap file");
+        }
+    }
+    let d2 = images(s, "dump2");
+    std::os::unix::fs::symlink("../gpu1", d2.join("parent")).expect("parent link");
+    let dump2 = s.criu_at(&d2, "dump", "dump2.log", &["-t", &pid], &CONFIG);
+    s.assert_ok(&dump2);
+    assert!(
+        fs::symlink_metadata(d2.join("parent")).is_ok_and(|m| m.file_type().is_symlink()),
+        "CRIU made no parent link\n{}",
+        s.describe(&dump2)
+    );
+    s.assert_line(&dump2, &["incremental dump against the parent image"]);
+    s.assert_line(&dump2, &["written", "referenced", "unchanged"]);
+    let stats2 = dump_stats(s, &d2, &dump2);
+    let last = s.reap_dumped();
+    (g1, d2, [stats1, stats2], last)
+}
+
+/// Dump 2 writes only the two changed chunks and the restore from it is bit-exact, changed
+/// and unchanged parts alike.
+#[test]
+fn incremental_dump_writes_only_what_changed() {
+    let Some(mut s) = start("incremental") else {
+        return;
+    };
+    let (_, d2, [full, incr], last) = two_dumps(&mut s);
+    let device = num(&full, "device_bytes");
+    // 4 + 4 + 6 (the odd size, rounded to the granularity) + 2 MiB of counter.
+    assert_eq!(device, 16 * MIB, "{full}");
+    assert_eq!(num(&full, "bytes_written"), device, "{full}");
+    assert_eq!(num(&full, "bytes_referenced"), 0, "{full}");
+    assert_eq!(num(&incr, "device_bytes"), device, "{incr}");
+    // The first MiB of allocation 0 and the counter's first chunk; nothing else.
+    assert_eq!(num(&incr, "bytes_written"), 2 * MIB, "{incr}");
+    assert_eq!(num(&incr, "bytes_referenced"), 14 * MIB, "{incr}");
+    eprintln!(
+        "incremental: full dump wrote {} bytes, incremental dump wrote {} and referenced {}",
+        num(&full, "bytes_written"),
+        num(&incr, "bytes_written"),
+        num(&incr, "bytes_referenced")
+    );
+
+    // The CLI follows the chain.
+    let out = std::process::Command::new(&s.cli)
+        .arg("verify")
+        .arg(&d2)
+        .output()
+        .expect("run gpusnap verify");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains("14 chunks referenced from parent images"),
+        "{text}"
+    );
+    let out = std::process::Command::new(&s.cli)
+        .args(["inspect", "--json"])
+        .arg(&d2)
+        .output()
+        .expect("run gpusnap inspect");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("inspect JSON");
+    let p = &v["processes"][0];
+    assert_eq!(p["referenced_bytes"].as_u64(), Some(14 * MIB), "{p}");
+    assert_eq!(p["stored_here_bytes"].as_u64(), Some(2 * MIB), "{p}");
+    assert_eq!(p["chain_depth"].as_u64(), Some(1), "{p}");
+
+    let restore = s.criu_at(
+        &d2,
+        "restore",
+        "restore.log",
+        &["--restore-detached"],
+        &CONFIG,
+    );
+    s.assert_ok(&restore);
+    s.assert_line(&restore, &["incremental image", "come from parent images"]);
+    s.assert_line(&restore, &["restored (Split path)", "data"]);
+    s.assert_runs_on(&last, &restore);
+}
+
+/// A damaged parent chunk, then a parent directory that is gone: each restore is refused in
+/// `init`, saying why, before the stand-in driver sees any restore call, and nothing runs.
+#[test]
+fn restore_refuses_a_damaged_or_missing_parent() {
+    let Some(mut s) = start("incremental-bad-parent") else {
+        return;
+    };
+    let (d1, d2, _, last) = two_dumps(&mut s);
+    let calls = s.calls();
+
+    // One payload byte of every chunk record in the parent's data files (the chunks dump 2
+    // references among them): 64-byte file header, then 64-byte record + 1 MiB per chunk.
+    let prefix = format!("gpusnap-{}-data-", s.vmm.pid());
+    for f in fs::read_dir(&d1).expect("read the parent").flatten() {
+        if !f.file_name().to_string_lossy().starts_with(&prefix) {
+            continue;
+        }
+        let file = fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(f.path())
+            .expect("open data file");
+        let len = file.metadata().expect("stat").len();
+        let mut at = 64 + 64 + 100;
+        while at < len {
+            let mut b = [0u8; 1];
+            file.read_exact_at(&mut b, at).expect("read");
+            b[0] ^= 0x40;
+            file.write_all_at(&b, at).expect("write");
+            at += 64 + MIB;
+        }
+    }
+    let restore = s.criu_at(
+        &d2,
+        "restore",
+        "restore-damaged.log",
+        &["--restore-detached"],
+        &CONFIG,
+    );
+    assert!(!restore.status.success(), "{}", s.describe(&restore));
+    s.assert_line(
+        &restore,
+        &["restore refused", "parent/", &prefix, "checksum mismatch"],
+    );
+    s.assert_nothing_runs(&last, &restore);
+    assert_eq!(s.calls(), calls, "the driver was called");
+
+    // The parent directory moved away: the link dangles.
+    fs::rename(&d1, s.w.path.join("gpu1.moved")).expect("move the parent");
+    let restore = s.criu_at(
+        &d2,
+        "restore",
+        "restore-missing.log",
+        &["--restore-detached"],
+        &CONFIG,
+    );
+    assert!(!restore.status.success(), "{}", s.describe(&restore));
+    s.assert_line(
+        &restore,
+        &["restore refused", "parent (-> ../gpu1)", "does not exist"],
+    );
+    s.assert_nothing_runs(&last, &restore);
+    assert_eq!(s.calls(), calls, "the driver was called");
+}

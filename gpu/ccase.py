@@ -33,6 +33,8 @@ class CaseConfig:
         self.keep_images = kw.get("keep_images", False)
         self.archive_prefix = kw.get("archive_prefix", "e2e")
         self.modes = kw.get("modes", {"split": "auto", "transparent": "transparent"})
+        self.devices = kw.get("devices")  # workload --devices (e.g. "0,1"); None: its default
+        self.restore_env = kw.get("restore_env", {})  # e.g. {"GPUSNAP_DEVICE_MAP": "..."}
 
 
 def _ticks(wlog):
@@ -69,6 +71,8 @@ def run_c_case(cfg, log, path, gib, leave_running, tag="e2e"):
         cmd = list(cfg.workload_prefix) + [
             cfg.workload, "--gib", str(gib), "--chunk-mib", str(cfg.chunk_mib), "--alloc", cfg.alloc,
             "--log", wlog, "--interval-ms", str(cfg.interval_ms)]
+        if cfg.devices is not None:
+            cmd += ["--devices", cfg.devices]
         popen = crlib.start_process(cmd, wout, crlib.workload_env(path), log)
         t0 = time.time()
         ok = crlib.wait_until(lambda: _ticks(wlog)[0] is not None, 90 + 3 * float(gib), proc=popen)
@@ -89,6 +93,9 @@ def run_c_case(cfg, log, path, gib, leave_running, tag="e2e"):
         if not pre["pass"]:
             raise CaseError("ticks already bad before the dump: %s" % pre["problems"][:5])
         pids = crlib.tree_tids(pid)
+        if cfg.devices is not None:
+            rec["gpus_before"] = crlib.gpus_of_pids([pid])
+            log("pid %d holds memory on GPUs %s" % (pid, rec["gpus_before"]))
         log("pid %d, %d threads; %d ticks before dump; last: %s" % (
             pid, len(pids), len(ticks), ticks[-1]))
 
@@ -146,7 +153,7 @@ def run_c_case(cfg, log, path, gib, leave_running, tag="e2e"):
                     log.block("gpusnap inspect --json (head)", iout, max_lines=60)
                     crlib.archive_add([ipath], "%s/%s" % (cfg.archive_prefix, name), log)
             restore = crlib.criu_restore(imgdir, cfg.plugdir, mode, log,
-                                         timeout=300 + 10 * float(gib))
+                                         timeout=300 + 10 * float(gib), env=cfg.restore_env)
             rec["restore_s"] = round(restore["secs"], 3)
             rec["restore_rc"] = restore["rc"]
             rec["restore_gpusnap_lines"] = restore["gpusnap_lines"]
@@ -155,6 +162,9 @@ def run_c_case(cfg, log, path, gib, leave_running, tag="e2e"):
                 rpid, pid, crlib.alive(rpid) if rpid else None))
             if restore["rc"] != 0:
                 raise CaseError("criu restore failed with rc %d" % restore["rc"])
+            if cfg.devices is not None:
+                rec["gpus_after"] = crlib.gpus_of_pids([rpid])
+                log("restored pid %s holds memory on GPUs %s" % (rpid, rec["gpus_after"]))
             stats2 = crlib.read_stats_json(imgdir)
             if stats2 is not None and stats2 != stats:
                 rec["phases"] = stats2

@@ -163,6 +163,34 @@ def machine_info():
     return info
 
 
+def gpu_uuids():
+    """{CUDA ordinal (nvidia-smi index): UUID}; nvidia-smi orders GPUs by PCI bus like CUDA does
+    when CUDA_DEVICE_ORDER=PCI_BUS_ID; the harness sets that for its workloads."""
+    r = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader"],
+                       capture_output=True, text=True, timeout=30)
+    out = {}
+    for line in r.stdout.strip().splitlines():
+        idx, uuid = [x.strip() for x in line.split(",")]
+        out[int(idx)] = uuid
+    return out
+
+
+def gpus_of_pids(pids):
+    """UUIDs of the GPUs on which any of pids holds memory (nvidia-smi compute apps)."""
+    want = {int(p) for p in pids if p}
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    found = set()
+    for line in r.stdout.strip().splitlines():
+        parts = [x.strip() for x in line.split(",")]
+        if len(parts) == 2 and parts[0].isdigit() and int(parts[0]) in want:
+            found.add(parts[1])
+    return sorted(found)
+
+
 def gpu_used_gib():
     try:
         r = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
@@ -370,11 +398,12 @@ def install_plugin(plugdir, log):
     return False
 
 
-def criu_env(mode):
+def criu_env(mode, extra=None):
     env = dict(os.environ)
     env.pop("LD_PRELOAD", None)
     if mode:
         env["GPUSNAP_MODE"] = mode
+    env.update(extra or {})
     return env
 
 
@@ -401,7 +430,7 @@ def criu_dump(pid, imgdir, plugdir, mode, log, leave_running=False, timeout=600,
     return _run_criu(cmd, imgdir, "dump", mode, log, timeout)
 
 
-def criu_restore(imgdir, plugdir, mode, log, timeout=600, extra=()):
+def criu_restore(imgdir, plugdir, mode, log, timeout=600, extra=(), env=None):
     pidfile = os.path.join(imgdir, "restore.pid")
     try:
         os.unlink(pidfile)
@@ -410,7 +439,7 @@ def criu_restore(imgdir, plugdir, mode, log, timeout=600, extra=()):
     cmd = [CRIU, "restore", "-D", imgdir, "-L", plugdir, "-v4", "-o", "restore.log",
            "--restore-detached", "--pidfile", pidfile] + list(extra)
     cmd += os.environ.get("CRIU_RESTORE_EXTRA", "").split()
-    res = _run_criu(cmd, imgdir, "restore", mode, log, timeout)
+    res = _run_criu(cmd, imgdir, "restore", mode, log, timeout, env)
     res["pid"] = None
     try:
         with open(pidfile) as f:
@@ -420,11 +449,12 @@ def criu_restore(imgdir, plugdir, mode, log, timeout=600, extra=()):
     return res
 
 
-def _run_criu(cmd, imgdir, what, mode, log, timeout):
-    log("$ GPUSNAP_MODE=%s %s" % (mode, " ".join(cmd)))
+def _run_criu(cmd, imgdir, what, mode, log, timeout, env=None):
+    log("$ %sGPUSNAP_MODE=%s %s" % ("".join("%s=%s " % kv for kv in sorted((env or {}).items())),
+                                    mode, " ".join(cmd)))
     t0 = time.time()
     try:
-        r = subprocess.run(cmd, env=criu_env(mode), capture_output=True, text=True, timeout=timeout,
+        r = subprocess.run(cmd, env=criu_env(mode, env), capture_output=True, text=True, timeout=timeout,
                            cwd=REPO)
         rc, out = r.returncode, (r.stdout or "") + (r.stderr or "")
     except subprocess.TimeoutExpired as e:

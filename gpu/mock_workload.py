@@ -26,6 +26,7 @@ def main():
     ap.add_argument("--alloc", default="driver")
     ap.add_argument("--log", default="/tmp/workload.log")
     ap.add_argument("--interval-ms", type=int, default=100)
+    ap.add_argument("--devices", default="0")  # accepted like workload.cu's; no devices here
     a = ap.parse_args()
     log(a.log, "start pid %d gib %g mock 1 ld_preload %s" % (os.getpid(), a.gib,
                                                              os.environ.get("LD_PRELOAD", "-")))

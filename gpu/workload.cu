@@ -11,12 +11,16 @@
 // The control words (sum accumulator, counter, state) live in the first 4 KiB
 // of allocation 0; the checksum covers every other word of every allocation.
 //
+// --devices 0,1 spreads the allocations round robin over several GPUs (no peer
+// access: each GPU checksums its own allocations into the control words at the
+// start of its first allocation; the host adds the per-GPU sums).
+//
 // CUDA errors never stop the loop: they are logged (an "error" line plus
 // ok 0 / err <code> on the tick line) so that a checker sees failures.
 //
 // Build: nvcc -O2 -o /tmp/workload gpu/workload.cu -lcuda
 // Usage: workload --gib N [--chunk-mib M] [--alloc driver|runtime]
-//                 [--log FILE] [--interval-ms MS]
+//                 [--log FILE] [--interval-ms MS] [--devices 0,1]
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -150,11 +154,16 @@ struct Chunk {
   u64 *ptr;
   u64 words;
   u64 gbase;  // global word index of word 0
+  size_t dev;  // index into g_devs
+  bool first_on_dev;  // starts with that GPU's control words
 };
 
 static bool g_driver = true;
 static std::vector<Chunk> g_chunks;
-static u64 *g_ctrl = nullptr;
+static u64 *g_ctrl = nullptr;  // control words of the first GPU (counter, state, its sum)
+static std::vector<int> g_devs;  // CUDA ordinals in use
+static std::vector<CUcontext> g_ctxs;  // their primary contexts (driver mode)
+static std::vector<u64 *> g_dev_ctrl;  // control words of each GPU (its sum)
 static int g_grid = 1024;
 static const int BLOCK = 256;
 
@@ -192,23 +201,50 @@ static void copy_d2h(void *dst, const void *src, size_t bytes, Err &err, const c
     err.rt(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost), what, tick);
 }
 
+// Makes GPU g_devs[k] current for the following launches and copies.
+static void use_dev(size_t k, Err &err, long tick) {
+  if (g_driver) err.drv(cuCtxSetCurrent(g_ctxs[k]), "cuCtxSetCurrent", tick);
+  err.rt(cudaSetDevice(g_devs[k]), "cudaSetDevice", tick);
+}
+
 static void sync_all(Err &err, const char *what, long tick) {
-  if (g_driver)
-    err.drv(cuCtxSynchronize(), what, tick);
-  else
-    err.rt(cudaDeviceSynchronize(), what, tick);
+  for (size_t k = 0; k < g_devs.size(); k++) {
+    use_dev(k, err, tick);
+    if (g_driver)
+      err.drv(cuCtxSynchronize(), what, tick);
+    else
+      err.rt(cudaDeviceSynchronize(), what, tick);
+  }
+  use_dev(0, err, tick);
 }
 
 // Launches the checksum of everything into ctrl[C_SUM] (after zeroing it).
 static void launch_checksum(Err &err, long tick) {
-  begin_tick_kernel<<<1, 32>>>(g_ctrl);
-  err.rt(cudaGetLastError(), "launch begin_tick", tick);
+  for (size_t k = 0; k < g_devs.size(); k++) {
+    use_dev(k, err, tick);
+    begin_tick_kernel<<<1, 32>>>(g_dev_ctrl[k]);
+    err.rt(cudaGetLastError(), "launch begin_tick", tick);
+  }
   for (size_t c = 0; c < g_chunks.size(); c++) {
-    u64 start = (c == 0) ? CTRL_WORDS : 0;
-    checksum_kernel<<<g_grid, BLOCK>>>(g_chunks[c].ptr, start, g_chunks[c].words,
-                                       g_chunks[c].gbase, g_ctrl + C_SUM);
+    const Chunk &ch = g_chunks[c];
+    if (g_devs.size() > 1) use_dev(ch.dev, err, tick);
+    u64 start = ch.first_on_dev ? CTRL_WORDS : 0;
+    checksum_kernel<<<g_grid, BLOCK>>>(ch.ptr, start, ch.words, ch.gbase, g_dev_ctrl[ch.dev] + C_SUM);
     err.rt(cudaGetLastError(), "launch checksum", tick);
   }
+  use_dev(0, err, tick);
+}
+
+// Copies the control words of the first GPU to h and adds the other GPUs' sums to h[C_SUM].
+static void read_ctrl(u64 h[3], Err &err, const char *what, long tick) {
+  copy_d2h(h, g_ctrl, 3 * sizeof(u64), err, what, tick);
+  for (size_t k = 1; k < g_devs.size(); k++) {
+    u64 s = 0;
+    use_dev(k, err, tick);
+    copy_d2h(&s, g_dev_ctrl[k] + C_SUM, sizeof s, err, what, tick);
+    h[C_SUM] += s;
+  }
+  use_dev(0, err, tick);
 }
 
 static u64 host_pattern(u64 gi, u64 alloc) { return (gi * PAT_MUL) ^ ((alloc + 1ull) * PAT_ALLOC); }
@@ -216,12 +252,13 @@ static u64 host_pattern(u64 gi, u64 alloc) { return (gi * PAT_MUL) ^ ((alloc + 1
 static void usage(const char *argv0) {
   fprintf(stderr,
           "usage: %s --gib N [--chunk-mib M] [--alloc driver|runtime] [--log FILE] "
-          "[--interval-ms MS]\n"
+          "[--interval-ms MS] [--devices 0,1]\n"
           "  --gib N         device data in GiB (may be fractional, e.g. 0.25; default 1)\n"
           "  --chunk-mib M   size of each allocation in MiB (default 1024)\n"
           "  --alloc A       driver: cuMemAlloc (driver API); runtime: cudaMalloc (default driver)\n"
           "  --log FILE      log file, appended (default /tmp/workload.log)\n"
-          "  --interval-ms   pause between ticks (default 100)\n",
+          "  --interval-ms   pause between ticks (default 100)\n"
+          "  --devices LIST  CUDA ordinals, comma separated; allocations round robin (default 0)\n",
           argv0);
 }
 
@@ -230,6 +267,7 @@ int main(int argc, char **argv) {
   long chunk_mib = 1024;
   long interval_ms = 100;
   std::string alloc = "driver";
+  std::string devices = "0";
   for (int i = 1; i < argc; i++) {
     std::string a = argv[i];
     auto need = [&](void) -> const char * {
@@ -245,6 +283,7 @@ int main(int argc, char **argv) {
     else if (a == "--alloc") alloc = need();
     else if (a == "--log") g_log = need();
     else if (a == "--interval-ms") interval_ms = atol(need());
+    else if (a == "--devices") devices = need();
     else if (a == "-h" || a == "--help") { usage(argv[0]); return 0; }
     else { fprintf(stderr, "workload: unknown argument %s\n", a.c_str()); usage(argv[0]); return 2; }
   }
@@ -253,9 +292,23 @@ int main(int argc, char **argv) {
     return 2;
   }
   g_driver = (alloc == "driver");
+  for (size_t pos = 0; pos <= devices.size();) {
+    size_t end = devices.find(',', pos);
+    if (end == std::string::npos) end = devices.size();
+    std::string item = devices.substr(pos, end - pos);
+    char *rest = nullptr;
+    long ord = strtol(item.c_str(), &rest, 10);
+    if (item.empty() || *rest || ord < 0) {
+      fprintf(stderr, "workload: bad --devices %s\n", devices.c_str());
+      return 2;
+    }
+    g_devs.push_back((int)ord);
+    pos = end + 1;
+  }
   const char *preload = getenv("LD_PRELOAD");
-  logf_("start pid %d gib %g chunk_mib %ld alloc %s interval_ms %ld ld_preload %s", (int)getpid(),
-        gib, chunk_mib, alloc.c_str(), interval_ms, preload && *preload ? preload : "-");
+  logf_("start pid %d gib %g chunk_mib %ld alloc %s interval_ms %ld devices %s ld_preload %s",
+        (int)getpid(), gib, chunk_mib, alloc.c_str(), interval_ms, devices.c_str(),
+        preload && *preload ? preload : "-");
 
   u64 total = (u64)(gib * 1073741824.0);
   total &= ~(u64)((2ull << 20) - 1);  // whole 2 MiB
@@ -265,28 +318,36 @@ int main(int argc, char **argv) {
 
   Err err;
   double t0 = mono_s();
-  if (g_driver) {
-    CUdevice dev;
-    CUcontext ctx;
-    err.drv(cuInit(0), "cuInit", -1);
-    err.drv(cuDeviceGet(&dev, 0), "cuDeviceGet", -1);
-    err.drv(cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain", -1);
-    err.drv(cuCtxSetCurrent(ctx), "cuCtxSetCurrent", -1);
-  } else {
-    err.rt(cudaSetDevice(0), "cudaSetDevice", -1);
-    err.rt(cudaFree(0), "cudaFree(0)", -1);
+  if (g_driver) err.drv(cuInit(0), "cuInit", -1);
+  for (size_t k = 0; k < g_devs.size() && !err.code; k++) {
+    if (g_driver) {
+      CUdevice dev;
+      CUcontext ctx = nullptr;
+      err.drv(cuDeviceGet(&dev, g_devs[k]), "cuDeviceGet", -1);
+      err.drv(cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain", -1);
+      g_ctxs.push_back(ctx);
+      err.drv(cuCtxSetCurrent(ctx), "cuCtxSetCurrent", -1);
+    } else {
+      err.rt(cudaSetDevice(g_devs[k]), "cudaSetDevice", -1);
+      err.rt(cudaFree(0), "cudaFree(0)", -1);
+    }
   }
+  g_dev_ctrl.assign(g_devs.size(), nullptr);
+  if (!err.code) use_dev(0, err, -1);
   if (err.code) {
     logf_("fatal: CUDA initialisation failed (%d)", err.code);
     return 1;
   }
   int sms = 0;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0) == cudaSuccess && sms > 0)
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, g_devs[0]) == cudaSuccess &&
+      sms > 0)
     g_grid = sms * 8;
 
   u64 gbase = 0;
   for (u64 off = 0, no = 0; off < total; no++) {
     u64 bytes = total - off < chunk_bytes ? total - off : chunk_bytes;
+    size_t k = (size_t)(no % g_devs.size());
+    use_dev(k, err, -1);
     void *p = nullptr;
     if (g_driver) {
       CUdeviceptr d = 0;
@@ -303,26 +364,39 @@ int main(int argc, char **argv) {
     c.ptr = (u64 *)p;
     c.words = bytes / 8;
     c.gbase = gbase;
+    c.dev = k;
+    c.first_on_dev = (g_dev_ctrl[k] == nullptr);
+    if (c.first_on_dev) g_dev_ctrl[k] = c.ptr;
     g_chunks.push_back(c);
-    logf_("alloc %llu ptr 0x%llx bytes %llu", no, (u64)(uintptr_t)p, bytes);
+    logf_("alloc %llu ptr 0x%llx bytes %llu device %d", no, (u64)(uintptr_t)p, bytes, g_devs[k]);
     gbase += c.words;
     off += bytes;
   }
+  for (size_t k = 0; k < g_devs.size(); k++) {
+    if (!g_dev_ctrl[k]) {
+      logf_("fatal: device %d got no allocation (raise --gib or lower --chunk-mib)", g_devs[k]);
+      return 1;
+    }
+  }
   double t_alloc = mono_s();
   for (size_t c = 0; c < g_chunks.size(); c++) {
+    use_dev(g_chunks[c].dev, err, -1);
     fill_kernel<<<g_grid, BLOCK>>>(g_chunks[c].ptr, g_chunks[c].words, g_chunks[c].gbase, (u64)c);
     err.rt(cudaGetLastError(), "launch fill", -1);
   }
   g_ctrl = g_chunks[0].ptr;
-  init_ctrl_kernel<<<1, 32>>>(g_ctrl);
-  err.rt(cudaGetLastError(), "launch init_ctrl", -1);
+  for (size_t k = 0; k < g_devs.size(); k++) {
+    use_dev(k, err, -1);
+    init_ctrl_kernel<<<1, 32>>>(g_dev_ctrl[k]);
+    err.rt(cudaGetLastError(), "launch init_ctrl", -1);
+  }
   sync_all(err, "sync fill", -1);
   double t_fill = mono_s();
 
   // Spot check: first and last pattern word of every chunk (host-computed).
   int spot_ok = 1;
   for (size_t c = 0; c < g_chunks.size(); c++) {
-    u64 first_i = (c == 0) ? CTRL_WORDS : 0, last_i = g_chunks[c].words - 1;
+    u64 first_i = g_chunks[c].first_on_dev ? CTRL_WORDS : 0, last_i = g_chunks[c].words - 1;
     u64 v[2] = {0, 0};
     copy_d2h(&v[0], g_chunks[c].ptr + first_i, 8, err, "spot copy", -1);
     copy_d2h(&v[1], g_chunks[c].ptr + last_i, 8, err, "spot copy", -1);
@@ -334,8 +408,9 @@ int main(int argc, char **argv) {
   }
 
   launch_checksum(err, -1);
+  sync_all(err, "sync ref", -1);
   u64 ctrl_h[3] = {0, 0, 0};
-  copy_d2h(ctrl_h, g_ctrl, sizeof ctrl_h, err, "copy ref", -1);
+  read_ctrl(ctrl_h, err, "copy ref", -1);
   double t_ref = mono_s();
   const u64 ref = ctrl_h[C_SUM];
   if (err.code || !spot_ok) {
@@ -344,10 +419,10 @@ int main(int argc, char **argv) {
   }
   logf_("ready pid %d gib %g chunks %zu chunk_bytes %llu total_bytes %llu alloc %s ref 0x%016llx "
         "state0 0x%016llx lcg_a %llu interval_ms %ld alloc_ms %.1f fill_ms %.1f "
-        "ref_ms %.1f spot_ok %d",
+        "ref_ms %.1f spot_ok %d devices %s",
         (int)getpid(), gib, g_chunks.size(), chunk_bytes, total, alloc.c_str(), ref,
         (u64)STATE0, (u64)LCG_A, interval_ms, (t_alloc - t0) * 1e3, (t_fill - t_alloc) * 1e3,
-        (t_ref - t_fill) * 1e3, spot_ok);
+        (t_ref - t_fill) * 1e3, spot_ok, devices.c_str());
 
   for (long tick = 0;; tick++) {
     Err te;
@@ -355,9 +430,9 @@ int main(int argc, char **argv) {
     launch_checksum(te, tick);
     end_tick_kernel<<<1, 32>>>(g_ctrl);
     te.rt(cudaGetLastError(), "launch end_tick", tick);
-    u64 h[3] = {0, 0, 0};
-    copy_d2h(h, g_ctrl, sizeof h, te, "copy ctrl", tick);
     sync_all(te, "sync tick", tick);
+    u64 h[3] = {0, 0, 0};
+    read_ctrl(h, te, "copy ctrl", tick);
     double b = mono_s();
     int ok = (te.code == 0 && h[C_SUM] == ref) ? 1 : 0;
     logf_("tick %ld counter %llu state 0x%016llx sum 0x%016llx ok %d err %d us %llu dt_us %llu",

@@ -202,7 +202,9 @@ def main():
                     want = sorted((norm(o), norm(n)) for o, n in
                                   (p.split("=") for p in env["GPUSNAP_DEVICE_MAP"].split(",")))
                     rec["restored_onto"] = onto
-                    if onto != want:
+                    # The plugin completes the map to a permutation of the host's GPUs (the
+                    # driver's pairs cover every GPU the process's CUDA state knows).
+                    if not set(want) <= set(onto):
                         rec["problems"].append("restore log maps GPUs %s, expected %s" % (onto, want))
                 rec["identical"] = bool(rec.get("identical")) and not rec["problems"]
                 rec["pass"] = not rec["problems"]

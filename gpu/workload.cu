@@ -398,6 +398,9 @@ int main(int argc, char **argv) {
   for (size_t c = 0; c < g_chunks.size(); c++) {
     u64 first_i = g_chunks[c].first_on_dev ? CTRL_WORDS : 0, last_i = g_chunks[c].words - 1;
     u64 v[2] = {0, 0};
+    // From the owning GPU's context: the agent's VMM mappings are accessible from that GPU
+    // only, where cuMemAlloc memory is reachable from any context (UVA).
+    use_dev(g_chunks[c].dev, err, -1);
     copy_d2h(&v[0], g_chunks[c].ptr + first_i, 8, err, "spot copy", -1);
     copy_d2h(&v[1], g_chunks[c].ptr + last_i, 8, err, "spot copy", -1);
     if (v[0] != host_pattern(g_chunks[c].gbase + first_i, c) ||
@@ -407,6 +410,7 @@ int main(int argc, char **argv) {
     }
   }
 
+  use_dev(0, err, -1);
   launch_checksum(err, -1);
   sync_all(err, "sync ref", -1);
   u64 ctrl_h[3] = {0, 0, 0};

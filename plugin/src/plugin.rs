@@ -227,6 +227,7 @@ impl Plugin {
             dir_fd,
             self.manifests.values().cloned().collect(),
             self.cfg.effective_reader_threads(),
+            false,
         )
         .finish()
     }
@@ -284,6 +285,7 @@ impl Plugin {
                 fd,
                 self.manifests.values().cloned().collect(),
                 self.cfg.effective_reader_threads(),
+                true,
             ));
         }
         ENOTSUP

@@ -28,10 +28,12 @@ pub fn read_manifests(dir: BorrowedFd<'_>) -> Result<HashMap<u32, Manifest>, Str
 /// (CRIU's SIGCHLD handler stays on its main thread) and does not log.
 pub struct Verification {
     handle: Option<std::thread::JoinHandle<Result<(u64, f64), String>>>,
+    /// Whether CRIU's restore went on while the pass ran (POST_FORKING) or waited for it (`init`).
+    overlapped: bool,
 }
 
 impl Verification {
-    pub fn start(dir_fd: i32, manifests: Vec<Manifest>, threads: usize) -> Self {
+    pub fn start(dir_fd: i32, manifests: Vec<Manifest>, threads: usize, overlapped: bool) -> Self {
         let handle = std::thread::Builder::new()
             .name("gpusnap-verify".into())
             .spawn(move || {
@@ -49,7 +51,7 @@ impl Verification {
                 Ok((bytes, t0.elapsed().as_secs_f64()))
             })
             .ok();
-        Self { handle }
+        Self { handle, overlapped }
     }
 
     /// Waits for the pass; `Err` names the damage. Returns the seconds it took.
@@ -61,8 +63,13 @@ impl Verification {
             .join()
             .map_err(|_| "the verification thread panicked".to_string())??;
         log::info!(
-            "image data verified: {:.2} GiB in {secs:.3} s (overlapped with CRIU's restore)",
-            bytes as f64 / (1u64 << 30) as f64
+            "image data verified: {:.2} GiB in {secs:.3} s ({})",
+            bytes as f64 / (1u64 << 30) as f64,
+            if self.overlapped {
+                "overlapped with CRIU's restore"
+            } else {
+                "before CRIU's restore, which waited for it"
+            }
         );
         Ok(secs)
     }

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# N consecutive dump + restore cycles of one CUDA process, with leak checks (see gpu/cycles.py):
+#
+#     gpu/cycles.sh [--cycles 20] [--gib 4] [--path split|transparent|both] [--budget-s S] [--mock]
+#
+# Builds gpu/workload.cu (gpu/build.sh), remounts /dev/shm at 120G, runs gpu/cycles.py. Estimated
+# 2 min for 20 split cycles at 4 GiB (dump ~1.3 s, restore ~1.7 s, 3 ticks each). Output:
+# $OUT/cycles.log, $OUT/cycles-h200.jsonl (also appended to bench/results/), logs in $OUT/logs.tar.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [[ ${1:-} == -h || ${1:-} == --help ]]; then
+    sed -n '2,8p' "$0"
+    exit 0
+fi
+export OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT" bench/results
+mock=0
+for arg in "$@"; do [[ $arg == --mock ]] && mock=1; done
+if [[ $mock == 0 ]]; then
+    gpu/build.sh 2>&1 | tee -a "$OUT/cycles.log"
+    if [[ $(id -u) == 0 ]]; then
+        mount -o remount,size=120G /dev/shm 2>&1 | tee -a "$OUT/cycles.log" || true
+    fi
+fi
+exec "${PYTHON:-python3}" gpu/cycles.py "$@"

@@ -14,6 +14,8 @@
 #                             scripts/criu
 #        GPUSNAP_CRIU_MIRROR  Debian mirror (default: http://deb.debian.org/debian)
 #        GPUSNAP_CRIU_FORCE=1 rebuild even if the root already works
+#        GPUSNAP_CRIU_SUITE   trixie (CRIU 4.1.1, default) or sid (CRIU 4.2.x); give each its
+#                             own GPUSNAP_CRIU_ROOT
 #        (do not leave the last two exported when running criu: gpusnap refuses unknown
 #        GPUSNAP_* variables in its environment)
 #
@@ -23,8 +25,14 @@
 # be copied as a directory to a machine with no network (e.g. the GPU host).
 set -euo pipefail
 
-CRIU_VERSION=4.1.1
-SUITE=trixie
+# GPUSNAP_CRIU_SUITE picks the CRIU: trixie (4.1.1, the default, what everything is tested
+# with) or sid (4.2.x, the first CRIU with the POST_FORKING hook; .ci/run tests against both).
+SUITE=${GPUSNAP_CRIU_SUITE:-trixie}
+case $SUITE in
+    trixie) CRIU_VERSION=4.1.1 ;;
+    sid) CRIU_VERSION=4.2 ;;  # a prefix: sid moves (4.2.1 as of 2026-11)
+    *) echo "install-criu: ERROR: GPUSNAP_CRIU_SUITE must be trixie or sid, not '$SUITE'" >&2; exit 1 ;;
+esac
 MIRROR=${GPUSNAP_CRIU_MIRROR:-http://deb.debian.org/debian}
 
 script=$(readlink -f -- "${BASH_SOURCE[0]}")
@@ -47,7 +55,7 @@ die() {
 root_works() {
     local v
     v=$(GPUSNAP_CRIU_ROOT=$1 "$WRAPPER" --version 2>/dev/null) || return 1
-    grep -q "^Version: $CRIU_VERSION\$" <<<"$v"
+    grep -Eq "^Version: ${CRIU_VERSION//./\\.}(\.[0-9]+)?\$" <<<"$v"
 }
 
 if [[ ${GPUSNAP_CRIU_FORCE:-0} != 1 && -f $ROOT/$STAMP ]] && root_works "$ROOT"; then
@@ -137,7 +145,8 @@ printf -v pkglist '%s ' "${PKGS[@]}"
 say "packages (${#PKGS[@]}): $pkglist"
 
 cand=$(apt-cache "${APT_OPTS[@]}" policy criu | awk '/Candidate:/ {print $2}')
-[[ $cand == "$CRIU_VERSION"-* ]] || die "$SUITE offers criu '$cand', expected $CRIU_VERSION-*"
+[[ $cand == "$CRIU_VERSION"-* || $cand == "$CRIU_VERSION".* ]] ||
+    die "$SUITE offers criu '$cand', expected $CRIU_VERSION"
 
 say "downloading ${#PKGS[@]} packages"
 (cd "$work/debs" && apt-get "${APT_OPTS[@]}" -q download "${PKGS[@]}" >"$work/download.log" 2>&1) || {

@@ -7,6 +7,8 @@
 # 2. cargo fmt --all -- --check
 # 3. cargo clippy --workspace --all-targets -- -D warnings
 # 4. cargo test --workspace --no-fail-fast  (includes criu-tests: real criu dump/restore, needs root)
+# 5. the same tests again against CRIU 4.2.x (Debian sid, in .criu-root-sid): the first CRIU with
+#    the POST_FORKING hook, where gpusnap's restore-time checksum pass runs beside CRIU's restore
 #
 # Stops at the first failing step. GPUSNAP_SKIP_CRIU_TESTS=1 skips the CRIU install and the
 # CRIU tests (for machines where you cannot be root); they report themselves as skipped.
@@ -35,6 +37,9 @@ else
         fail "must run as root: the CRIU tests run real criu dump/restore (or set GPUSNAP_SKIP_CRIU_TESTS=1 to skip them)"
     step "scripts/install-criu.sh"
     scripts/install-criu.sh || fail "could not install the private CRIU root (scripts/install-criu.sh)"
+    step "GPUSNAP_CRIU_SUITE=sid scripts/install-criu.sh (CRIU 4.2)"
+    GPUSNAP_CRIU_SUITE=sid GPUSNAP_CRIU_ROOT=$repo/.criu-root-sid scripts/install-criu.sh ||
+        fail "could not install the private CRIU 4.2 root (GPUSNAP_CRIU_SUITE=sid scripts/install-criu.sh)"
 fi
 
 step "cargo fmt --all -- --check"
@@ -45,5 +50,11 @@ cargo clippy --workspace --all-targets -- -D warnings || fail "clippy reported w
 
 step "cargo test --workspace --no-fail-fast $*"
 cargo test --workspace --no-fail-fast "$@" || fail "tests failed (CRIU test work dirs of failed tests are kept under target/*/criu-tests/)"
+
+if [[ ${GPUSNAP_SKIP_CRIU_TESTS:-0} != 1 ]]; then
+    step "cargo test --workspace --no-fail-fast $* against CRIU 4.2 (.criu-root-sid)"
+    GPUSNAP_CRIU_SUITE=sid GPUSNAP_CRIU_ROOT=$repo/.criu-root-sid cargo test --workspace --no-fail-fast "$@" ||
+        fail "tests failed against CRIU 4.2 (GPUSNAP_CRIU_SUITE=sid GPUSNAP_CRIU_ROOT=.criu-root-sid)"
+fi
 
 step "all checks passed"

@@ -30,6 +30,7 @@ pub const HARNESS_ONLY_ENV: &[&str] = &[
     "GPUSNAP_REPO",
     "GPUSNAP_CRIU_FORCE",
     "GPUSNAP_CRIU_MIRROR",
+    "GPUSNAP_CRIU_SUITE",
 ];
 
 /// How long to wait for workloads to make progress or for pids to become free.
@@ -46,6 +47,8 @@ pub struct Harness {
     pub criu: PathBuf,
     /// The freshly built `libgpusnap.so`.
     pub plugin_so: PathBuf,
+    /// CRIU's version as (major, minor, patch), from `criu --version`.
+    pub criu_version: (u32, u32, u32),
     agent: OnceLock<Result<PathBuf, String>>,
 }
 
@@ -108,6 +111,8 @@ impl Harness {
             "scripts/criu --version",
         )?;
         eprintln!("criu-tests: using {}: {}", criu.display(), v.trim());
+        let criu_version = parse_criu_version(&v)
+            .ok_or_else(|| format!("no `Version: X.Y[.Z]` line in `criu --version`: {v}"))?;
 
         let plugin_so = prebuilt(PLUGIN_SO_ENV)
             .unwrap_or_else(|| cargo_build(&profile_dir, "gpusnap-plugin", "libgpusnap.so"))?;
@@ -117,6 +122,7 @@ impl Harness {
             profile_dir,
             criu,
             plugin_so,
+            criu_version,
             agent: OnceLock::new(),
         })
     }
@@ -257,6 +263,11 @@ pub struct WorkDir {
 }
 
 impl WorkDir {
+    /// The harness this directory belongs to (CRIU path and version, plugin).
+    pub fn harness(&self) -> &'static Harness {
+        self.h
+    }
+
     /// Starts `bin` (a workload from `CARGO_BIN_EXE_*`) in a new session, stdio to
     /// `<name>.out`, cwd = the work dir. `logs` are the counter logs it will write, root
     /// process's first.
@@ -483,5 +494,33 @@ impl Drop for Workload {
             let _ = c.kill();
             let _ = c.wait();
         }
+    }
+}
+
+/// `Version: 4.2.1` (or `Version: 4.2`) → (4, 2, 1).
+fn parse_criu_version(text: &str) -> Option<(u32, u32, u32)> {
+    let v = text
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("Version:"))?;
+    let mut parts = v.trim().split('.').map(|p| p.parse::<u32>());
+    let major = parts.next()?.ok()?;
+    let minor = parts.next()?.ok()?;
+    let patch = parts.next().unwrap_or(Ok(0)).ok()?;
+    Some((major, minor, patch))
+}
+
+#[cfg(test)]
+mod version_tests {
+    use super::parse_criu_version;
+
+    #[test]
+    fn criu_versions_parse() {
+        assert_eq!(parse_criu_version("Version: 4.1.1\n"), Some((4, 1, 1)));
+        assert_eq!(
+            parse_criu_version("Version: 4.2\nGitID: x\n"),
+            Some((4, 2, 0))
+        );
+        assert_eq!(parse_criu_version("criu 4.2"), None);
+        assert_eq!(parse_criu_version("Version: four"), None);
     }
 }

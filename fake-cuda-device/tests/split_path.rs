@@ -118,12 +118,20 @@ impl Split {
         self.assert_images(dump);
     }
 
-    /// The restore took the split path for every process and loaded data.
+    /// The restore took the split path for every process and loaded data, after a checksum
+    /// pass that ran beside CRIU's restore where CRIU has POST_FORKING (4.2+) and before it
+    /// otherwise.
     fn assert_split_restore(&self, restore: &CriuRun) {
         for pid in &self.vmm.pids {
             let p = format!("pid {pid} ");
             self.assert_line(restore, &[&p, "restored (Split path)", "data"]);
         }
+        let when = if self.w.harness().criu_version >= (4, 2, 0) {
+            "overlapped with CRIU's restore"
+        } else {
+            "before CRIU's restore, which waited for it"
+        };
+        self.assert_line(restore, &["image data verified", when]);
     }
 }
 

@@ -14,6 +14,10 @@ Cases (--cases, comma list; groups: all, torch1, torch2, quick):
                               parent takes all; dump+restore / dump -R
   malloc-async                PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync
   pinned, streams-events, cuda-graph   one small case each
+  managed                     64 MiB from cuMemAllocManaged: on the split path the dump must be
+                              refused with "managed (unified) memory" in CRIU's log and the job
+                              finish identical to its reference; on the transparent path a
+                              refusal or a correct checkpoint both pass (the driver decides)
 One JSON line per case to $OUT/<name>.jsonl and bench/results/<name>.jsonl:
   {run, date, gpu, driver, workload, path, allocator, leave_running, identical, gpu_gib,
    dump_s, restore_s, pause_s, ...}
@@ -47,12 +51,17 @@ CASES = {
     "pinned": ("pinned", "default", False, "pinned"),
     "streams-events": ("streams-events", "default", False, "streams-events"),
     "cuda-graph": ("cuda-graph", "default", False, "cuda-graph"),
+    # refusal: the dump must fail with the cause named and the job must finish as if untouched
+    "managed": ("managed", "default", False, "managed-memory-refused"),
 }
+# Cases whose dump gpusnap must refuse on the split path: the words its refusal line must contain.
+# On the transparent path (no agent, the driver decides) a refusal or a correct checkpoint pass.
+REFUSED = {"managed": "managed (unified) memory"}
 GROUPS = {
     "all": list(CASES),
     # most telling first: a deadline cuts the tail
     "torch1": ["llama", "train", "llama-R", "train-R", "llama-exp", "train-exp"],
-    "torch2": ["tree", "malloc-async", "cuda-graph", "pinned", "streams-events", "tree-R"],
+    "torch2": ["tree", "malloc-async", "cuda-graph", "pinned", "streams-events", "tree-R", "managed"],
     "quick": ["llama", "train"],
 }
 ALLOC_CONF = {"default": None, "expandable": "expandable_segments:True",
@@ -269,7 +278,23 @@ class Runner:
             rec["dump_gpusnap_lines"] = dump["gpusnap_lines"]
             log("image: %.3f GiB in %d files, gpusnap data files %d; largest %s" % (
                 img["image_bytes"] / 2**30, img["n_files"], img["gpusnap_data_files"], img["largest"][:5]))
-            if dump["rc"] != 0:
+            refused = dump["rc"] != 0
+            if case_id in REFUSED:
+                rec["refused"] = refused
+                why = [l for l in dump["gpusnap_lines"] if REFUSED[case_id] in l]
+                rec["refusal_line"] = why[0].strip() if why else None
+                log("refusal case: dump rc %d, refusal line %s" % (dump["rc"], rec["refusal_line"]))
+                if path == "split" and not (refused and why):
+                    rec["problems"].append("split path: dump not refused with a line naming %r" % REFUSED[case_id])
+                if refused:
+                    rc = wait_exit(popen.pid, self.a.run_timeout, popen=popen)
+                    log("job after the refused dump exited with %s" % rc)
+                    if rc != 0:
+                        rec["problems"].append("job exit status %s after the refused dump" % rc)
+                    outs = self.collect(workload, out)
+                    self.compare(rec, ref["outs"], outs, dump)
+                    return self.finish(rec, t_case)
+            elif refused:
                 raise CaseError("criu dump rc %d" % dump["rc"])
             if path == "split" and img["gpusnap_data_files"] == 0:
                 log("WARNING: split path: no gpusnap data images (the agent took no allocation; "

@@ -6,7 +6,7 @@
 #
 # LIST: comma list of case ids or groups (default all):
 #   llama llama-exp llama-R train train-exp train-R tree tree-R malloc-async pinned
-#   streams-events cuda-graph;  groups: all, torch1 (llama*, train*), torch2 (the rest), quick.
+#   streams-events cuda-graph managed;  groups: all, torch1 (llama*, train*), torch2 (the rest), quick.
 # Each case: an uninterrupted reference run and a checkpointed run (criu dump in the middle +
 # criu restore, or criu dump -R for the -R cases) of gpu/torch_work.py, outputs compared line by
 # line. Installs the plugin (/tmp/gpusnap-plugins/gpusnap.so), remounts /dev/shm at 120G.

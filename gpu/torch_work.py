@@ -320,10 +320,30 @@ def run_cuda_graph(a, dev):
     done(a, dev, a.steps)
 
 
+def run_managed(a, dev):
+    """Holds 64 MiB of managed (unified) memory from cuMemAllocManaged, which neither the agent
+    nor the driver's checkpoint can take: gpusnap must refuse the dump and the job go on."""
+    import ctypes
+    torch.manual_seed(9)
+    x = torch.randn(1024, 1024, device=dev)
+    ptr = ctypes.c_uint64(0)
+    if dev.type == "cuda":
+        cu = ctypes.CDLL("libcuda.so.1")  # symbols through dlsym, as the agent interposes them
+        rc = cu.cuMemAllocManaged(ctypes.byref(ptr), ctypes.c_size_t(64 << 20), ctypes.c_uint(1))
+        if rc != 0:
+            raise SystemExit("cuMemAllocManaged failed: %d" % rc)
+    ready(a, dev, managed_ptr=hex(ptr.value))
+    for step in range(a.steps):
+        x = torch.tanh(x @ x.T / 1024 + float(step % 5))
+        value_line(a.out, step, float(x.double().sum().item()).hex())
+        pace(a)
+    done(a, dev, a.steps)
+
+
 WORKLOADS = {
     "llama-generate": run_generate, "train": run_train, "tree-parent": run_tree_parent,
     "tree-worker": run_tree_worker, "malloc-async": run_malloc_async, "pinned": run_pinned,
-    "streams-events": run_streams_events, "cuda-graph": run_cuda_graph,
+    "streams-events": run_streams_events, "cuda-graph": run_cuda_graph, "managed": run_managed,
 }
 
 

@@ -221,3 +221,85 @@ fn another_gpu_model_is_refused() {
     s.assert_ok(&restore);
     s.assert_runs_on(&last, &restore);
 }
+
+/// Writes a directory laid out like `/proc/driver/nvidia/gpus`: one GPU per (uuid hex, model).
+fn fake_nvidia_proc(dir: &std::path::Path, gpus: &[(String, &str)]) {
+    for (i, (hex, model)) in gpus.iter().enumerate() {
+        let bus = dir.join(format!("0000:{:02x}:00.0", 0x10 + i));
+        std::fs::create_dir_all(&bus).expect("mkdir bus");
+        let dashed = format!(
+            "GPU-{}-{}-{}-{}-{}",
+            &hex[0..8],
+            &hex[8..12],
+            &hex[12..16],
+            &hex[16..20],
+            &hex[20..32]
+        );
+        std::fs::write(
+            bus.join("information"),
+            format!(
+                "Model: \t\t {model}\nIRQ:   \t\t 42\nGPU UUID: \t {dashed}\nBus Type: \t PCIe\n"
+            ),
+        )
+        .expect("write information");
+    }
+}
+
+/// When the kernel driver's GPU list (`/proc/driver/nvidia/gpus`, here a stand-in directory)
+/// shows another model, the restore is refused in `init`: CRIU forks no process at all, and the
+/// driver is never called. With the right list the same image restores.
+#[test]
+fn another_gpu_model_is_refused_before_any_process_is_restored() {
+    let Some(mut s) = Split::two_gpus("multi-gpu-other-model-early") else {
+        return;
+    };
+    let dump = s.dump(false);
+    s.assert_two_gpu_dump(&dump);
+    let last = s.reap_dumped();
+    procs::wait_pid_free(s.vmm.pid(), common::WAIT).unwrap_or_else(|e| panic!("{e}"));
+    let (u0, u1) = (uuid(0, 0), uuid(1, 0));
+    let other = s.w.path.join("proc-other-model");
+    fake_nvidia_proc(
+        &other,
+        &[(u0.clone(), "Other GPU"), (u1.clone(), "Other GPU")],
+    );
+    let other_env = other.to_str().expect("utf-8 path").to_owned();
+    let restore = s.restore_in(
+        "restore-refused-early.log",
+        &[
+            ("FAKECUDA_DEVICE_NAME", "Other GPU"),
+            ("GPUSNAP_TEST_NVIDIA_PROC", &other_env),
+        ],
+    );
+    assert!(
+        !restore.status.success(),
+        "the restore onto another GPU model succeeded\n{}",
+        s.describe(&restore)
+    );
+    s.assert_line(
+        &restore,
+        &[
+            &format!("GPU {u0}"),
+            "the GPU model must be the same",
+            "before CRIU restored any process",
+        ],
+    );
+    assert!(
+        !restore.log.contains("Forking task"),
+        "CRIU forked a task before the refusal\n{}",
+        s.describe(&restore)
+    );
+    assert!(
+        !s.calls().lines().any(|l| l.starts_with("restore ")),
+        "the driver restore was called\n{}",
+        s.describe(&restore)
+    );
+    assert!(!procs::is_alive(s.vmm.pid()), "{}", s.describe(&restore));
+
+    let same = s.w.path.join("proc-same-model");
+    fake_nvidia_proc(&same, &[(u0, "Fake GPU"), (u1, "Fake GPU")]);
+    let same_env = same.to_str().expect("utf-8 path").to_owned();
+    let restore = s.restore_in("restore.log", &[("GPUSNAP_TEST_NVIDIA_PROC", &same_env)]);
+    s.assert_ok(&restore);
+    s.assert_runs_on(&last, &restore);
+}

@@ -17,6 +17,7 @@ pub mod datapath;
 pub mod devfile;
 pub mod dump;
 pub mod gpumap;
+pub mod host_gpus;
 pub mod logger;
 pub mod plugin;
 pub mod process;

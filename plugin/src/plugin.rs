@@ -198,6 +198,12 @@ fn init_restore(p: &mut Plugin) -> i32 {
         );
         return -1;
     }
+    if let Err(e) = restore::early_gpu_check(&p.manifests, &p.cfg.device_map) {
+        log::error!(
+            "restore refused: {e} (checked against /proc/driver/nvidia before CRIU restored any process); nothing was restored and no GPU was touched"
+        );
+        return -1;
+    }
     if !p.cfg.verify_before_restore {
         return 0;
     }

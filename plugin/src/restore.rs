@@ -83,6 +83,31 @@ fn moved_bytes_on(m: &Manifest, device: u32) -> u64 {
         .sum()
 }
 
+/// The GPU plan of every process against the GPUs the kernel driver lists (model and UUID; free
+/// memory is checked later, by [`gpu_plan`]), in `init`, before CRIU restores any process. Where
+/// the list cannot be read, the check is left to [`gpu_plan`] and `Ok` is returned.
+pub fn early_gpu_check(
+    manifests: &HashMap<u32, Manifest>,
+    device_map: &[(String, String)],
+) -> Result<(), String> {
+    let dir = crate::host_gpus::proc_dir();
+    let host = match crate::host_gpus::list(&dir) {
+        Ok(h) if !h.is_empty() => h,
+        Ok(_) => return Ok(()),
+        Err(e) => {
+            log::debug!("GPU plan left to the driver: {e}");
+            return Ok(());
+        }
+    };
+    let mut ms: Vec<&Manifest> = manifests.values().filter(|m| !m.gpus.is_empty()).collect();
+    ms.sort_by_key(|m| m.nspid);
+    for m in ms {
+        gpumap::plan(&m.gpus, &[], &host, device_map)
+            .map_err(|e| format!("nspid {}: {e}", m.nspid))?;
+    }
+    Ok(())
+}
+
 /// Where each GPU of the image goes, checked for model and free memory before anything is
 /// touched.
 pub fn gpu_plan(ctx: &Ctx, m: &Manifest) -> Result<Vec<gpumap::Pair>, String> {

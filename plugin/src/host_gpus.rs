@@ -1,0 +1,110 @@
+//! The host's GPUs as the NVIDIA kernel driver lists them in `/proc/driver/nvidia/gpus/*/information`
+//! (model and UUID), read without loading the CUDA driver library.
+//!
+//! At restore, `init` runs in CRIU's main process before it forks the process tree, where the
+//! driver library must not be loaded yet (it may start threads). Reading these files lets
+//! gpusnap refuse a restore onto absent or other-model GPUs there, before CRIU restores any
+//! process; free memory is checked later, with the driver loaded.
+
+use crate::gpumap::HostGpu;
+use std::path::{Path, PathBuf};
+
+/// Test hook: another directory laid out like `/proc/driver/nvidia/gpus`.
+pub const PROC_DIR_ENV: &str = "GPUSNAP_TEST_NVIDIA_PROC";
+
+pub fn proc_dir() -> PathBuf {
+    std::env::var_os(PROC_DIR_ENV)
+        .filter(|v| !v.is_empty())
+        .map_or_else(|| PathBuf::from("/proc/driver/nvidia/gpus"), PathBuf::from)
+}
+
+/// One `information` file: `Model:` and `GPU UUID:` lines (values after the colon, trimmed).
+/// `None` if either is missing or the UUID is not one.
+pub fn parse_information(text: &str) -> Option<HostGpu> {
+    let field = |key: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(key)?.trim_start().strip_prefix(':'))
+            .map(str::trim)
+    };
+    let name = field("Model")?;
+    let uuid = gpusnap_config::normalise_uuid(field("GPU UUID")?).ok()?;
+    (!name.is_empty()).then(|| HostGpu {
+        uuid,
+        name: name.to_string(),
+        free: None,
+    })
+}
+
+/// Every GPU listed under `dir`, sorted by bus directory name. `Err` when the directory cannot
+/// be read or an entry cannot be parsed: the caller then skips the early check rather than
+/// judging from a partial list.
+pub fn list(dir: &Path) -> Result<Vec<HostGpu>, String> {
+    let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|e| format!("{}: {e}", dir.display()))?
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    entries.sort();
+    entries
+        .iter()
+        .map(|p| {
+            let info = p.join("information");
+            let text =
+                std::fs::read_to_string(&info).map_err(|e| format!("{}: {e}", info.display()))?;
+            parse_information(&text)
+                .ok_or_else(|| format!("{}: no Model and GPU UUID lines", info.display()))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const H200: &str = "Model: \t\t NVIDIA H200\nIRQ:   \t\t 123\nGPU UUID: \t GPU-9e4a6df4-7685-21b7-ff26-5d07d01f4ca8\nVideo BIOS: \t 96.00.a5.00.01\nBus Type: \t PCIe\n";
+
+    #[test]
+    fn information_file_parses() {
+        let g = parse_information(H200).expect("parsed");
+        assert_eq!(g.name, "NVIDIA H200");
+        assert_eq!(g.uuid, "9e4a6df4768521b7ff265d07d01f4ca8");
+        assert!(g.free.is_none());
+    }
+
+    #[test]
+    fn incomplete_information_is_rejected() {
+        assert!(parse_information("Model: NVIDIA H200\n").is_none());
+        assert!(
+            parse_information("GPU UUID: GPU-9e4a6df4-7685-21b7-ff26-5d07d01f4ca8\n").is_none()
+        );
+        assert!(parse_information("Model: NVIDIA H200\nGPU UUID: not-a-uuid\n").is_none());
+        assert!(
+            parse_information("Model:\nGPU UUID: GPU-9e4a6df4-7685-21b7-ff26-5d07d01f4ca8\n")
+                .is_none()
+        );
+    }
+
+    #[test]
+    fn directory_lists_every_gpu_in_bus_order() {
+        let dir = std::env::temp_dir().join(format!("gpusnap-host-gpus-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        for (bus, uuid) in [
+            ("0000:1b:00.0", "GPU-00000000-0000-0000-0000-000000000002"),
+            ("0000:0a:00.0", "GPU-00000000-0000-0000-0000-000000000001"),
+        ] {
+            std::fs::create_dir_all(dir.join(bus)).unwrap();
+            std::fs::write(
+                dir.join(bus).join("information"),
+                format!("Model: NVIDIA H200\nGPU UUID: {uuid}\n"),
+            )
+            .unwrap();
+        }
+        let gpus = list(&dir).expect("listed");
+        assert_eq!(gpus.len(), 2);
+        assert!(gpus[0].uuid.ends_with('1') && gpus[1].uuid.ends_with('2'));
+        std::fs::write(dir.join("0000:0a:00.0/information"), "garbage").unwrap();
+        assert!(list(&dir).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(list(&dir).is_err());
+    }
+}

@@ -246,8 +246,9 @@ fn fake_nvidia_proc(dir: &std::path::Path, gpus: &[(String, &str)]) {
 }
 
 /// When the kernel driver's GPU list (`/proc/driver/nvidia/gpus`, here a stand-in directory)
-/// shows another model, the restore is refused in `init`: CRIU forks no process at all, and the
-/// driver is never called. With the right list the same image restores.
+/// shows only other GPUs of another model, the restore is refused in `init`: CRIU forks no
+/// process at all, and the driver is never called. When it lists the dump's own GPUs (whatever
+/// it calls their model) the same image restores.
 #[test]
 fn another_gpu_model_is_refused_before_any_process_is_restored() {
     let Some(mut s) = Split::two_gpus("multi-gpu-other-model-early") else {
@@ -258,18 +259,16 @@ fn another_gpu_model_is_refused_before_any_process_is_restored() {
     let last = s.reap_dumped();
     procs::wait_pid_free(s.vmm.pid(), common::WAIT).unwrap_or_else(|e| panic!("{e}"));
     let (u0, u1) = (uuid(0, 0), uuid(1, 0));
+    // Other GPUs (other UUIDs) of another model.
     let other = s.w.path.join("proc-other-model");
     fake_nvidia_proc(
         &other,
-        &[(u0.clone(), "Other GPU"), (u1.clone(), "Other GPU")],
+        &[(uuid(0, 5), "Other GPU"), (uuid(1, 5), "Other GPU")],
     );
     let other_env = other.to_str().expect("utf-8 path").to_owned();
     let restore = s.restore_in(
         "restore-refused-early.log",
-        &[
-            ("FAKECUDA_DEVICE_NAME", "Other GPU"),
-            ("GPUSNAP_TEST_NVIDIA_PROC", &other_env),
-        ],
+        &[("GPUSNAP_TEST_NVIDIA_PROC", &other_env)],
     );
     assert!(
         !restore.status.success(),
@@ -280,7 +279,7 @@ fn another_gpu_model_is_refused_before_any_process_is_restored() {
         &restore,
         &[
             &format!("GPU {u0}"),
-            "the GPU model must be the same",
+            "is not on this host",
             "before CRIU restored any process",
         ],
     );
@@ -296,8 +295,9 @@ fn another_gpu_model_is_refused_before_any_process_is_restored() {
     );
     assert!(!procs::is_alive(s.vmm.pid()), "{}", s.describe(&restore));
 
-    let same = s.w.path.join("proc-same-model");
-    fake_nvidia_proc(&same, &[(u0, "Fake GPU"), (u1, "Fake GPU")]);
+    // The dump's own GPUs, with the model spelled another way: the same GPUs, never refused.
+    let same = s.w.path.join("proc-same-gpus");
+    fake_nvidia_proc(&same, &[(u0, "FAKE GPU (rev 2)"), (u1, "FAKE GPU (rev 2)")]);
     let same_env = same.to_str().expect("utf-8 path").to_owned();
     let restore = s.restore_in("restore.log", &[("GPUSNAP_TEST_NVIDIA_PROC", &same_env)]);
     s.assert_ok(&restore);

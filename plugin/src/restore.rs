@@ -102,10 +102,31 @@ pub fn early_gpu_check(
     let mut ms: Vec<&Manifest> = manifests.values().filter(|m| !m.gpus.is_empty()).collect();
     ms.sort_by_key(|m| m.nspid);
     for m in ms {
-        gpumap::plan(&m.gpus, &[], &host, device_map)
+        plan_against_listing(m, &host, device_map)
             .map_err(|e| format!("nspid {}: {e}", m.nspid))?;
     }
     Ok(())
+}
+
+/// [`gpumap::plan`] against the kernel driver's listing. A listed GPU with a UUID of the image is
+/// the same physical GPU: it takes the image's model name, so that a difference in how the two
+/// sources spell a model can never refuse a restore onto the very GPUs of the dump.
+fn plan_against_listing(
+    m: &Manifest,
+    listed: &[gpumap::HostGpu],
+    device_map: &[(String, String)],
+) -> Result<Vec<gpumap::Pair>, String> {
+    let host: Vec<gpumap::HostGpu> = listed
+        .iter()
+        .map(|h| match m.gpus.iter().find(|g| g.uuid == h.uuid) {
+            Some(g) => gpumap::HostGpu {
+                name: g.name.clone(),
+                ..h.clone()
+            },
+            None => h.clone(),
+        })
+        .collect();
+    gpumap::plan(&m.gpus, &[], &host, device_map)
 }
 
 /// Where each GPU of the image goes, checked for model and free memory before anything is
@@ -296,4 +317,61 @@ fn resume_one(
         "gpu_pairs": pairs.iter().map(|p| format!("{}={}", p.old, p.new)).collect::<Vec<_>>(),
         "timings_s": timings,
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpusnap_image::GpuRecord;
+
+    fn manifest(gpus: Vec<GpuRecord>) -> Manifest {
+        Manifest {
+            format_version: 1,
+            nspid: 7,
+            path: CheckpointPath::Split,
+            created_unix_s: 0,
+            gpusnap_version: String::new(),
+            driver_version: 0,
+            gpus,
+            allocations: vec![],
+            files: vec![],
+            chunks: vec![],
+            timings_s: Default::default(),
+        }
+    }
+
+    fn gpu(uuid: &str, name: &str) -> GpuRecord {
+        GpuRecord {
+            ordinal: 0,
+            uuid: uuid.into(),
+            name: name.into(),
+            total_mem: 1 << 30,
+        }
+    }
+
+    fn listed(uuid: &str, name: &str) -> gpumap::HostGpu {
+        gpumap::HostGpu {
+            uuid: uuid.into(),
+            name: name.into(),
+            free: None,
+        }
+    }
+
+    #[test]
+    fn the_dumped_gpu_is_never_refused_for_how_the_listing_spells_its_model() {
+        let m = manifest(vec![gpu("aa", "NVIDIA H200")]);
+        let pairs = plan_against_listing(&m, &[listed("aa", "H200 (as /proc says)")], &[])
+            .expect("same GPU");
+        assert!(pairs.is_empty(), "{pairs:?}");
+    }
+
+    #[test]
+    fn another_model_in_the_listing_is_refused_naming_the_gpu() {
+        let m = manifest(vec![gpu("aa", "NVIDIA H200")]);
+        let e = plan_against_listing(&m, &[listed("bb", "NVIDIA A100")], &[]).unwrap_err();
+        assert!(e.contains("GPU aa (NVIDIA H200)"), "{e}");
+        let ok = plan_against_listing(&m, &[listed("bb", "NVIDIA H200")], &[]).expect("same model");
+        assert_eq!(ok.len(), 1);
+        assert_eq!((ok[0].old.as_str(), ok[0].new.as_str()), ("aa", "bb"));
+    }
 }

@@ -80,8 +80,7 @@ def main():
 
     out = crlib.out_dir()
     log = crlib.Log(os.path.join(out, "bench.log"))
-    results_dir = os.path.join(crlib.REPO, "bench", "results")
-    jsonls = [os.path.join(results_dir, a.name + ".jsonl"), os.path.join(out, a.name + ".jsonl")]
+    jsonls = crlib.result_files(out, a.name, a.mock)
     t_start = time.time()
     run_id = time.strftime("%Y%m%dT%H%M%S") + "-%d" % os.getpid()
     cmdline = a.cmdline or " ".join(sys.argv)
@@ -153,7 +152,7 @@ def main():
         r = subprocess.run(cmd, capture_output=True, text=True)
         log("$ %s -> rc %d %s" % (" ".join(cmd), r.returncode, r.stderr.strip()))
     try:
-        with open(jsonls[1][:-len(".jsonl")] + ".md") as f:
+        with open(jsonls[0][:-len(".jsonl")] + ".md") as f:
             log.block("report", f.read())
     except OSError:
         pass

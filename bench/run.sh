@@ -46,12 +46,6 @@ while [[ $# -gt 0 ]]; do
     esac
 done
 
-if [[ $mock == 0 ]]; then
-    gpu/build.sh 2>&1 | tee -a "$OUT/bench.log"
-fi
-if [[ $(id -u) == 0 && $mock == 0 ]]; then
-    mount -o remount,size=120G /dev/shm 2>&1 | tee -a "$OUT/bench.log" || true
-fi
-df -h /dev/shm | tee -a "$OUT/bench.log" || true
+gpu/prepare.sh "$OUT/bench.log" "$([[ $mock == 1 ]] && echo --mock)"
 
 exec "$PY" bench/bench.py --cmdline "bench/run.sh ${args[*]}" "${args[@]}"

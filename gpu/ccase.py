@@ -208,13 +208,8 @@ def run_c_case(cfg, log, path, gib, leave_running, tag="e2e"):
         for p in chk["problems"]:
             log("  checker problem: %s" % p)
         rec["problems"].extend("checker: " + p for p in chk["problems"])
-    except CaseError as e:
-        rec["problems"].append(str(e))
-        log("CASE ERROR: %s" % e)
-    except Exception:
-        tb = crlib.format_exc()
-        rec["problems"].append("exception: " + tb.strip().splitlines()[-1])
-        log.block("exception", tb)
+    except Exception as e:
+        crlib.note_failure(rec, log, e, expected=CaseError)
     finally:
         if path == "split":
             crlib.log_agent_lines(log, wout)
@@ -233,13 +228,7 @@ def run_c_case(cfg, log, path, gib, leave_running, tag="e2e"):
             if still:
                 log("killing %s" % still)
             crlib.kill_and_wait(targets, log, wait_pids=targets + pids, popen=popen)
-        saved = []
-        for what in ("dump", "restore"):
-            p = os.path.join(imgdir, what + ".log")
-            if os.path.exists(p):
-                q = os.path.join(cfg.work, "%s-%s.log" % (name, what))
-                shutil.copy(p, q)
-                saved.append(q)
+        saved = crlib.save_criu_logs(imgdir, cfg.work, name)
         sj = os.path.join(imgdir, "gpusnap-stats.json")
         if os.path.exists(sj):
             q = os.path.join(cfg.work, name + "-stats.json")

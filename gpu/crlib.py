@@ -615,5 +615,38 @@ def check_ticks(ready, ticks, errors, need_after=0, after_index=0, window=None):
     return res
 
 
+def result_files(out, name, harness_test):
+    """Where a script's JSON lines go: $OUT/NAME.jsonl, and bench/results/NAME.jsonl unless the
+    run is a harness test without a GPU (--mock, --device cpu), which is not a result."""
+    files = [os.path.join(out, name + ".jsonl")]
+    if not harness_test:
+        files.append(os.path.join(REPO, "bench", "results", name + ".jsonl"))
+    return files
+
+
+def note_failure(rec, log, exc, expected=()):
+    """Records a case's failure in rec["problems"]: an `expected` exception by its message, any
+    other with its traceback in the log."""
+    if isinstance(exc, expected):
+        rec["problems"].append(str(exc))
+        log("CASE ERROR: %s" % exc)
+    else:
+        tb = format_exc()
+        rec["problems"].append("exception: " + tb.strip().splitlines()[-1])
+        log.block("exception", tb)
+
+
+def save_criu_logs(imgdir, work, name):
+    """Copies imgdir's dump.log / restore.log to work/NAME-dump.log etc.; returns the copies."""
+    saved = []
+    for what in ("dump", "restore"):
+        p = os.path.join(imgdir, what + ".log")
+        if os.path.exists(p):
+            q = os.path.join(work, "%s-%s.log" % (name, what))
+            shutil.copy(p, q)
+            saved.append(q)
+    return saved
+
+
 def format_exc():
     return traceback.format_exc()

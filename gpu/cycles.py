@@ -115,8 +115,7 @@ def run_path(a, log, path, workload, prefix):
                 rec["problems"].append("host MemAvailable fell from %.1f to %.1f GiB" % (
                     base["mem_available_gib"], last["mem_available_gib"]))
     except Exception as e:
-        rec["problems"].append(str(e) if isinstance(e, RuntimeError) else crlib.format_exc().strip().splitlines()[-1])
-        log("CASE ERROR: %s" % rec["problems"][-1])
+        crlib.note_failure(rec, log, e, expected=RuntimeError)
         for p in (wlog, wout, os.path.join(imgdir, "dump.log"), os.path.join(imgdir, "restore.log")):
             log.file_tail(os.path.basename(p), p, 25)
     finally:
@@ -151,9 +150,7 @@ def main():
     a.gib = int(a.gib) if a.gib.is_integer() else a.gib
     out = crlib.out_dir()
     log = crlib.Log(os.path.join(out, "cycles.log"))
-    jsonl = [os.path.join(out, a.name + ".jsonl")]
-    if not a.mock:
-        jsonl.append(os.path.join(crlib.REPO, "bench", "results", a.name + ".jsonl"))
+    jsonl = crlib.result_files(out, a.name, a.mock)
     log("gpusnap cycles: %s" % " ".join(sys.argv))
     mi = crlib.machine_info()
     log("machine: %s" % mi)

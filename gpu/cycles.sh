@@ -16,10 +16,5 @@ export OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT" bench/results
 mock=0
 for arg in "$@"; do [[ $arg == --mock ]] && mock=1; done
-if [[ $mock == 0 ]]; then
-    gpu/build.sh 2>&1 | tee -a "$OUT/cycles.log"
-    if [[ $(id -u) == 0 ]]; then
-        mount -o remount,size=120G /dev/shm 2>&1 | tee -a "$OUT/cycles.log" || true
-    fi
-fi
+gpu/prepare.sh "$OUT/cycles.log" "$([[ $mock == 1 ]] && echo --mock)"
 exec "${PYTHON:-python3}" gpu/cycles.py "$@"

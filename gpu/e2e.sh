@@ -35,12 +35,6 @@ PY=${PYTHON:-python3}
 mock=0
 for arg in "$@"; do [[ $arg == --mock ]] && mock=1; done
 
-if [[ $mock == 0 ]]; then
-    gpu/build.sh 2>&1 | tee -a "$OUT/e2e.log"
-fi
-if [[ $(id -u) == 0 && $mock == 0 ]]; then
-    mount -o remount,size=120G /dev/shm 2>&1 | tee -a "$OUT/e2e.log" || true
-fi
-df -h /dev/shm | tee -a "$OUT/e2e.log" || true
+gpu/prepare.sh "$OUT/e2e.log" "$([[ $mock == 1 ]] && echo --mock)"
 
 exec "$PY" gpu/e2e.py --workload /tmp/gpusnap-bin/workload "$@"

@@ -18,7 +18,7 @@ Cases (each independent: a failure is recorded and the next case runs):
                             ticks continue bit-exact.
   recover-nothing           split and transparent: `gpusnap recover PID` on a CUDA workload that
                             was never dumped: exit 0, "nothing to recover", ticks go on.
-Writes $OUT/faults.log, $OUT/faults.jsonl and bench/results/faults-h200.jsonl (one record per
+Writes $OUT/faults.log, $OUT/faults-h200.jsonl and bench/results/faults-h200.jsonl (one record per
 case and path: run, date, gpu, driver, case, path, pass, detail, ...), per-case logs in
 $OUT/logs.tar. Exit status 1 if any case failed.
 --mock runs gpu/mock_workload.py and CPU stand-ins for the torch helpers (harness test only:
@@ -715,8 +715,7 @@ def main():
 
     out = crlib.out_dir()
     log = crlib.Log(os.path.join(out, "faults.log"))
-    jsonls = [os.path.join(out, "faults.jsonl"),
-              os.path.join(crlib.REPO, "bench", "results", a.name + ".jsonl")]
+    jsonls = crlib.result_files(out, a.name, a.mock)
     t_start = time.time()
     log("gpusnap faults: %s" % " ".join(sys.argv))
     mi = crlib.machine_info()

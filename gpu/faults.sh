@@ -23,7 +23,7 @@
 #                      [--deadline-s 500] [--keep-images] [--mock]
 # Builds gpu/workload.cu (gpu/build.sh), remounts /dev/shm at 120G, runs gpu/faults.py (which
 # installs .devcarry/libgpusnap.so as /tmp/gpusnap-plugins/gpusnap.so). Helpers run with python3
-# (torch); PYTHON=... picks another. Output: $OUT/faults.log (also on stdout), $OUT/faults.jsonl
+# (torch); PYTHON=... picks another. Output: $OUT/faults.log (also on stdout), $OUT/faults-h200.jsonl
 # and bench/results/faults-h200.jsonl (one record per case and path: run, date, gpu, driver,
 # case, path, pass, detail, info), per-case logs in $OUT/logs.tar (OUT defaults to ./out).
 # Exit status 1 if any case failed or was skipped.
@@ -55,12 +55,6 @@ for arg in "$@"; do [[ $arg == --mock ]] && mock=1; done
     "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available())' || true
 } 2>&1 | tee -a "$log" || true
 
-if [[ $mock == 0 ]]; then
-    gpu/build.sh 2>&1 | tee -a "$log"
-    if [[ $(id -u) == 0 ]]; then
-        mount -o remount,size=120G /dev/shm 2>&1 | tee -a "$log" || true
-    fi
-fi
-df -h /dev/shm 2>&1 | tee -a "$log" || true
+gpu/prepare.sh "$log" "$([[ $mock == 1 ]] && echo --mock)"
 
 exec "$PY" gpu/faults.py --python "$(command -v "$PY")" --workload /tmp/gpusnap-bin/workload "$@"

@@ -101,13 +101,8 @@ def tree_case(a, cfg, log, path, uuids):
             rec["problems"].extend("GPU %d workload: %s" % (d, p) for p in chk["problems"])
         if not a.mock and sorted(map(norm, rec["landed_on"] or [])) != sorted(map(norm, uuids.values())):
             rec["problems"].append("restored tree holds memory on %s, expected both GPUs" % rec["landed_on"])
-    except ccase.CaseError as e:
-        rec["problems"].append(str(e))
-        log("CASE ERROR: %s" % e)
-    except Exception:
-        tb = crlib.format_exc()
-        rec["problems"].append("exception: " + tb.strip().splitlines()[-1])
-        log.block("exception", tb)
+    except Exception as e:
+        crlib.note_failure(rec, log, e, expected=ccase.CaseError)
     finally:
         if rec["problems"]:
             for p in logs + [wout, os.path.join(imgdir, "dump.log"), os.path.join(imgdir, "restore.log")]:
@@ -116,13 +111,7 @@ def tree_case(a, cfg, log, path, uuids):
         tree = sorted({p for t in targets for p in crlib.tree_pids(t)})
         if tree:
             crlib.kill_and_wait(tree, log, wait_pids=tree + pids, popen=popen)
-        saved = []
-        for what in ("dump", "restore"):
-            p = os.path.join(imgdir, what + ".log")
-            if os.path.exists(p):
-                q = os.path.join(cfg.work, "%s-%s.log" % (name, what))
-                shutil.copy(p, q)
-                saved.append(q)
+        saved = crlib.save_criu_logs(imgdir, cfg.work, name)
         crlib.archive_add(logs + [wout] + saved, "%s/%s" % (cfg.archive_prefix, name), log)
         shutil.rmtree(imgdir, ignore_errors=True)
     rec["identical"] = not rec["problems"]
@@ -152,9 +141,7 @@ def main():
 
     out = crlib.out_dir()
     log = crlib.Log(os.path.join(out, "multi-gpu.log"))
-    jsonl = [os.path.join(out, a.name + ".jsonl")]
-    if not a.mock:  # a harness test is not a result
-        jsonl.append(os.path.join(crlib.REPO, "bench", "results", a.name + ".jsonl"))
+    jsonl = crlib.result_files(out, a.name, a.mock)
     t_start = time.time()
     log("gpusnap multi-GPU: %s" % " ".join(sys.argv))
     mi = crlib.machine_info()

@@ -19,11 +19,6 @@ export OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT" bench/results
 mock=0
 for arg in "$@"; do [[ $arg == --mock ]] && mock=1; done
-if [[ $mock == 0 ]]; then
-    nvidia-smi -L 2>&1 | tee -a "$OUT/multi-gpu.log" || true
-    gpu/build.sh 2>&1 | tee -a "$OUT/multi-gpu.log"
-    if [[ $(id -u) == 0 ]]; then
-        mount -o remount,size=120G /dev/shm 2>&1 | tee -a "$OUT/multi-gpu.log" || true
-    fi
-fi
+[[ $mock == 1 ]] || nvidia-smi -L 2>&1 | tee -a "$OUT/multi-gpu.log" || true
+gpu/prepare.sh "$OUT/multi-gpu.log" "$([[ $mock == 1 ]] && echo --mock)"
 exec "${PYTHON:-python3}" gpu/multi_gpu.py "$@"

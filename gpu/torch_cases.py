@@ -457,8 +457,7 @@ def main():
 
     out = crlib.out_dir()
     log = crlib.Log(os.path.join(out, "torch.log"))
-    jsonls = [os.path.join(out, a.name + ".jsonl"),
-              os.path.join(crlib.REPO, "bench", "results", a.name + ".jsonl")]
+    jsonls = crlib.result_files(out, a.name, a.device == "cpu")
     t_start = time.time()
     run_id = time.strftime("%Y%m%dT%H%M%S") + "-%d" % os.getpid()
     mi = crlib.machine_info()

@@ -223,25 +223,14 @@ fn another_gpu_model_is_refused() {
 }
 
 /// Writes a directory laid out like `/proc/driver/nvidia/gpus`: one GPU per (uuid hex, model).
+/// (The real files write `GPU-` and dashes; that form is covered by the plugin's unit tests.)
 fn fake_nvidia_proc(dir: &std::path::Path, gpus: &[(String, &str)]) {
     for (i, (hex, model)) in gpus.iter().enumerate() {
         let bus = dir.join(format!("0000:{:02x}:00.0", 0x10 + i));
         std::fs::create_dir_all(&bus).expect("mkdir bus");
-        let dashed = format!(
-            "GPU-{}-{}-{}-{}-{}",
-            &hex[0..8],
-            &hex[8..12],
-            &hex[12..16],
-            &hex[16..20],
-            &hex[20..32]
-        );
-        std::fs::write(
-            bus.join("information"),
-            format!(
-                "Model: \t\t {model}\nIRQ:   \t\t 42\nGPU UUID: \t {dashed}\nBus Type: \t PCIe\n"
-            ),
-        )
-        .expect("write information");
+        let info =
+            format!("Model: \t\t {model}\nIRQ:   \t\t 42\nGPU UUID: \t {hex}\nBus Type: \t PCIe\n");
+        std::fs::write(bus.join("information"), info).expect("write information");
     }
 }
 

@@ -8,7 +8,11 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Instant;
 
-use xxhash_rust::xxh3::xxh3_64;
+/// Reads are cut into pieces of this size, each hashed right after it arrives, while it is still
+/// in the CPU's cache.
+const PIECE: usize = 256 << 10;
+
+use xxhash_rust::xxh3::Xxh3Default;
 
 use crate::header::{Record, check_data_header, decode_record};
 use crate::validate::{check_chunk_lengths, open_data_file};
@@ -83,6 +87,108 @@ impl DataFileReader {
         out: &mut [u8],
         scratch: &mut Vec<u8>,
     ) -> Result<(), ImageError> {
+        let chunk = self.check_record(entry)?;
+        if out.len() as u64 != entry.len {
+            return Err(ImageError::BufferSize {
+                file: self.name.clone(),
+                chunk,
+                expected: entry.len,
+                got: out.len() as u64,
+            });
+        }
+        match entry.codec {
+            // Straight into the caller's buffer; no copy.
+            Codec::Raw => self.read_checked(out, entry, chunk),
+            Codec::Zstd => {
+                let n = entry.stored_len as usize; // <= 1 GiB and inside the file, checked
+                if scratch.len() < n {
+                    scratch.resize(n, 0);
+                }
+                let stored = &mut scratch[..n];
+                self.read_checked(stored, entry, chunk)?;
+                let got = decompress(stored, out);
+                match got {
+                    Ok(k) if k == out.len() => Ok(()),
+                    Ok(k) => Err(ImageError::ChunkDecompress {
+                        file: self.name.clone(),
+                        chunk,
+                        len: entry.len,
+                        detail: format!("frame holds {k} bytes"),
+                    }),
+                    Err(e) => Err(ImageError::ChunkDecompress {
+                        file: self.name.clone(),
+                        chunk,
+                        len: entry.len,
+                        detail: e.to_string(),
+                    }),
+                }
+            }
+        }
+    }
+
+    /// Checks one chunk as [`read_chunk`](Self::read_chunk) does, without keeping its bytes: a
+    /// raw chunk streams through `piece` (a cache-sized buffer), a compressed one is read and
+    /// decompressed into `out`.
+    pub fn check_chunk(
+        &self,
+        entry: &ChunkEntry,
+        piece: &mut Vec<u8>,
+        out: &mut Vec<u8>,
+        scratch: &mut Vec<u8>,
+    ) -> Result<(), ImageError> {
+        if entry.codec != Codec::Raw {
+            let n = entry.len as usize; // <= 1 GiB: check_record bounds it before any read
+            self.check_record(entry)?;
+            if out.len() < n {
+                out.resize(n, 0);
+            }
+            return self.read_chunk(entry, &mut out[..n], scratch);
+        }
+        let chunk = self.check_record(entry)?;
+        piece.resize(PIECE, 0);
+        let mut hasher = Xxh3Default::new();
+        let (mut done, len) = (0u64, entry.stored_len);
+        while done < len {
+            let n = (len - done).min(PIECE as u64) as usize;
+            self.pread(&mut piece[..n], entry.file_offset + done)?;
+            hasher.update(&piece[..n]);
+            done += n as u64;
+        }
+        if hasher.digest() != entry.checksum {
+            return Err(ImageError::ChunkChecksum {
+                file: self.name.clone(),
+                chunk,
+            });
+        }
+        Ok(())
+    }
+
+    /// Reads the stored bytes of `entry` into `buf` (`buf.len() == stored_len`) a piece at a
+    /// time, hashing each piece while it is still in the CPU cache (one pass over memory fewer
+    /// than reading all, then hashing all), and checks the checksum.
+    fn read_checked(
+        &self,
+        buf: &mut [u8],
+        entry: &ChunkEntry,
+        chunk: usize,
+    ) -> Result<(), ImageError> {
+        let mut hasher = Xxh3Default::new();
+        for (k, piece) in buf.chunks_mut(PIECE).enumerate() {
+            self.pread(piece, entry.file_offset + (k * PIECE) as u64)?;
+            hasher.update(piece);
+        }
+        if hasher.digest() != entry.checksum {
+            return Err(ImageError::ChunkChecksum {
+                file: self.name.clone(),
+                chunk,
+            });
+        }
+        Ok(())
+    }
+
+    /// Finds `entry` among this file's chunks and checks its lengths against the file and its
+    /// record header against the manifest. Returns the chunk's number (for errors).
+    fn check_record(&self, entry: &ChunkEntry) -> Result<usize, ImageError> {
         let name = || self.name.clone();
         let chunk = match self
             .chunks
@@ -99,14 +205,6 @@ impl DataFileReader {
                 });
             }
         };
-        if out.len() as u64 != entry.len {
-            return Err(ImageError::BufferSize {
-                file: name(),
-                chunk,
-                expected: entry.len,
-                got: out.len() as u64,
-            });
-        }
         // The manifest may not have been validated: bound everything against the real file
         // before reading or allocating.
         check_chunk_lengths(entry.len, entry.stored_len, entry.codec).map_err(|detail| {
@@ -151,53 +249,7 @@ impl DataFileReader {
             });
         }
 
-        match entry.codec {
-            Codec::Raw => {
-                // Straight into the caller's buffer; no copy.
-                self.pread(out, entry.file_offset)?;
-                if xxh3_64(out) != entry.checksum {
-                    return Err(ImageError::ChunkChecksum {
-                        file: name(),
-                        chunk,
-                    });
-                }
-            }
-            Codec::Zstd => {
-                let n = entry.stored_len as usize; // <= 1 GiB and inside the file, checked above
-                if scratch.len() < n {
-                    scratch.resize(n, 0);
-                }
-                let stored = &mut scratch[..n];
-                self.pread(stored, entry.file_offset)?;
-                if xxh3_64(stored) != entry.checksum {
-                    return Err(ImageError::ChunkChecksum {
-                        file: name(),
-                        chunk,
-                    });
-                }
-                let got = decompress(stored, out);
-                match got {
-                    Ok(k) if k == out.len() => {}
-                    Ok(k) => {
-                        return Err(ImageError::ChunkDecompress {
-                            file: name(),
-                            chunk,
-                            len: entry.len,
-                            detail: format!("frame holds {k} bytes"),
-                        });
-                    }
-                    Err(e) => {
-                        return Err(ImageError::ChunkDecompress {
-                            file: name(),
-                            chunk,
-                            len: entry.len,
-                            detail: e.to_string(),
-                        });
-                    }
-                }
-            }
-        }
-        Ok(())
+        Ok(chunk)
     }
 
     /// `pread` all of `buf` at `offset` (std retries short reads and `EINTR`).
@@ -254,14 +306,15 @@ pub fn verify_image(
         let handles: Vec<_> = (0..workers)
             .map(|_| {
                 s.spawn(|| {
-                    let (mut out, mut scratch) = (Vec::new(), Vec::new());
+                    let (mut piece, mut out, mut scratch) = (Vec::new(), Vec::new(), Vec::new());
                     loop {
                         let i = next.fetch_add(1, Ordering::Relaxed);
                         if i >= nfiles || failed.load(Ordering::Relaxed) {
                             break;
                         }
                         let (depth, file) = indexes[i];
-                        let r = verify_file(&sources, depth, file, &failed, &mut out, &mut scratch);
+                        let bufs = (&mut piece, &mut out, &mut scratch);
+                        let r = verify_file(&sources, depth, file, &failed, bufs);
                         if let Err(e) = r {
                             let mut slot = first_error.lock().unwrap_or_else(|p| p.into_inner());
                             slot.get_or_insert(e);
@@ -300,19 +353,14 @@ fn verify_file(
     depth: u32,
     index: u32,
     failed: &AtomicBool,
-    out: &mut Vec<u8>,
-    scratch: &mut Vec<u8>,
+    (piece, out, scratch): (&mut Vec<u8>, &mut Vec<u8>, &mut Vec<u8>),
 ) -> Result<(), ImageError> {
     let r = sources.reader(depth, index)?;
     for (_, c) in sources.chunks(depth, index) {
         if failed.load(Ordering::Relaxed) {
             return Ok(());
         }
-        let n = c.len as usize; // <= 1 GiB: validate_structure ran
-        if out.len() < n {
-            out.resize(n, 0);
-        }
-        r.read_chunk(c, &mut out[..n], scratch)?;
+        r.check_chunk(c, piece, out, scratch)?;
     }
     Ok(())
 }

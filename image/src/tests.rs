@@ -85,10 +85,13 @@ fn make_image(dir: BorrowedFd<'_>) -> Image {
     let mut w0 = DataFileWriter::create(dir, NSPID, 0).unwrap();
     for i in 0..3u64 {
         let d = noise(CHUNK, i);
-        chunks.push(
-            w0.append_chunk(BASE + i * CHUNK as u64, &d, Codec::Raw)
-                .unwrap(),
-        );
+        let addr = BASE + i * CHUNK as u64;
+        // Both ways of writing a raw chunk (the middle one hashed while it is written).
+        chunks.push(if i == 1 {
+            w0.append_raw(addr, &d).unwrap().0
+        } else {
+            w0.append_chunk(addr, &d, Codec::Raw).unwrap()
+        });
         data.push(d);
     }
     let mut w1 = DataFileWriter::create(dir, NSPID, 1).unwrap();
@@ -221,6 +224,37 @@ fn round_trip_raw_and_zstd() {
         m.chunks.iter().map(|c| c.stored_len).sum::<u64>()
     );
     assert_eq!(list_manifests(t.fd()).unwrap(), vec![NSPID]);
+}
+
+#[test]
+fn raw_chunks_hashed_while_written_match_chunks_hashed_first() {
+    // Longer than several pieces, and not a whole number of them.
+    let d = noise((600 << 10) + 5, 42);
+    let t = TempDir::new();
+    let mut a = DataFileWriter::create(t.fd(), NSPID, 0).unwrap();
+    let mut b = DataFileWriter::create(t.fd(), NSPID, 1).unwrap();
+    let first = a.append_chunk(BASE, &d, Codec::Raw).unwrap();
+    let (streamed, hashes) = b.append_raw(BASE, &d).unwrap();
+    assert_eq!(hashes, hash_chunk(&d));
+    assert_eq!(
+        ChunkEntry {
+            file: 0,
+            ..streamed.clone()
+        },
+        first
+    );
+    // A second chunk follows the first in the file, header included.
+    let (second, _) = b.append_raw(BASE + d.len() as u64, &d[..1000]).unwrap();
+    assert_eq!(
+        second.file_offset,
+        streamed.file_offset + streamed.len + RECORD_LEN
+    );
+    let (fa, fb) = (a.finish().unwrap(), b.finish().unwrap());
+    assert_eq!(
+        std::fs::read(t.file(&fa.name)).unwrap()[DATA_HEADER_LEN as usize..],
+        std::fs::read(t.file(&fb.name)).unwrap()[DATA_HEADER_LEN as usize..fa.size as usize]
+    );
+    assert_eq!(fb.size, fa.size + RECORD_LEN + 1000);
 }
 
 #[test]

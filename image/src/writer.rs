@@ -1,8 +1,8 @@
 //! [`DataFileWriter`]: appends chunks to one data file. One writer per writer thread.
 
 use std::fs::File;
-use std::io::Write;
 use std::os::fd::BorrowedFd;
+use std::os::unix::fs::FileExt;
 
 use xxhash_rust::xxh3::{Xxh3Default, xxh3_64};
 
@@ -71,20 +71,24 @@ impl std::fmt::Debug for DataFileWriter {
     }
 }
 
-fn write_all(file: &mut File, name: &str, buf: &[u8]) -> Result<(), ImageError> {
-    // std's write_all loops over short writes and retries EINTR.
-    file.write_all(buf)
+/// Writes go to explicit offsets (`pwrite`), so a chunk's record header can follow its bytes.
+fn write_all_at(file: &File, name: &str, buf: &[u8], offset: u64) -> Result<(), ImageError> {
+    // std's write_all_at loops over short writes and retries EINTR.
+    file.write_all_at(buf, offset)
         .map_err(|e| ImageError::io(name, "write", e))
 }
+
+/// [`DataFileWriter::append_raw`] hashes and writes a chunk in pieces of this size, so that the
+/// write reads each piece from the CPU's cache, where the hash has just brought it.
+const PIECE: usize = 256 << 10;
 
 impl DataFileWriter {
     /// Creates the data file afresh (a stale file of the same name is replaced), mode 0600, and
     /// writes its header.
     pub fn create(dir: BorrowedFd<'_>, nspid: u32, index: u32) -> Result<Self, ImageError> {
         let name = data_file_name(nspid, index);
-        let mut file =
-            sys::create_fresh(dir, &name).map_err(|e| ImageError::io(&name, "create", e))?;
-        write_all(&mut file, &name, &encode_data_header(nspid, index))?;
+        let file = sys::create_fresh(dir, &name).map_err(|e| ImageError::io(&name, "create", e))?;
+        write_all_at(&file, &name, &encode_data_header(nspid, index), 0)?;
         Ok(DataFileWriter {
             file,
             name,
@@ -135,19 +139,7 @@ impl DataFileWriter {
         codec: Codec,
         hashes: &ChunkHashes,
     ) -> Result<ChunkEntry, ImageError> {
-        if self.failed {
-            return Err(ImageError::WriterFailed {
-                file: self.name.clone(),
-            });
-        }
-        let len = data.len() as u64;
-        if len == 0 || len > MAX_CHUNK_LEN || addr.checked_add(len).is_none() {
-            return Err(ImageError::BadChunk {
-                file: self.name.clone(),
-                addr,
-                len,
-            });
-        }
+        self.check_append(addr, data.len() as u64)?;
         let (stored, codec): (&[u8], Codec) = match codec {
             Codec::Raw => (data, Codec::Raw),
             Codec::Zstd => match compress(&mut self.compressor, &mut self.scratch, data) {
@@ -159,33 +151,97 @@ impl DataFileWriter {
             seq: self.seq,
             codec,
             addr,
-            len,
+            len: data.len() as u64,
             stored_len: stored.len() as u64,
             checksum: match codec {
                 Codec::Raw => hashes.xxh3_64,
                 Codec::Zstd => xxh3_64(stored),
             },
         };
-        let result = write_all(&mut self.file, &self.name, &encode_record(&record))
-            .and_then(|()| write_all(&mut self.file, &self.name, stored));
+        let result = write_all_at(&self.file, &self.name, &encode_record(&record), self.offset)
+            .and_then(|()| write_all_at(&self.file, &self.name, stored, self.offset + RECORD_LEN));
         if let Err(e) = result {
             self.failed = true;
             return Err(e);
         }
+        Ok(self.committed(&record, hashes))
+    }
+
+    /// Appends one chunk stored raw, hashing it on the way: each piece is hashed and then written
+    /// while it is in the CPU's cache, one pass over memory fewer than hashing the whole chunk
+    /// and then writing it. The record header, which holds the checksum, is written last.
+    /// Returns the entry and the chunk's hashes.
+    pub fn append_raw(
+        &mut self,
+        addr: u64,
+        data: &[u8],
+    ) -> Result<(ChunkEntry, ChunkHashes), ImageError> {
+        self.check_append(addr, data.len() as u64)?;
+        let mut hasher = Xxh3Default::new();
+        let base = self.offset + RECORD_LEN;
+        let mut result = Ok(());
+        for (k, piece) in data.chunks(PIECE).enumerate() {
+            hasher.update(piece);
+            result = write_all_at(&self.file, &self.name, piece, base + (k * PIECE) as u64);
+            if result.is_err() {
+                break;
+            }
+        }
+        let hashes = ChunkHashes {
+            xxh3_64: hasher.digest(),
+            xxh3_128: hasher.digest128(),
+        };
+        let record = Record {
+            seq: self.seq,
+            codec: Codec::Raw,
+            addr,
+            len: data.len() as u64,
+            stored_len: data.len() as u64,
+            checksum: hashes.xxh3_64,
+        };
+        let result = result.and_then(|()| {
+            write_all_at(&self.file, &self.name, &encode_record(&record), self.offset)
+        });
+        if let Err(e) = result {
+            self.failed = true;
+            return Err(e);
+        }
+        Ok((self.committed(&record, &hashes), hashes))
+    }
+
+    /// Refuses an append after a failed write, and chunks of no or too many bytes.
+    fn check_append(&self, addr: u64, len: u64) -> Result<(), ImageError> {
+        if self.failed {
+            return Err(ImageError::WriterFailed {
+                file: self.name.clone(),
+            });
+        }
+        if len == 0 || len > MAX_CHUNK_LEN || addr.checked_add(len).is_none() {
+            return Err(ImageError::BadChunk {
+                file: self.name.clone(),
+                addr,
+                len,
+            });
+        }
+        Ok(())
+    }
+
+    /// The entry of the chunk just written at `self.offset`, which then moves past it.
+    fn committed(&mut self, record: &Record, hashes: &ChunkHashes) -> ChunkEntry {
         let entry = ChunkEntry {
             file: self.index,
             file_offset: self.offset + RECORD_LEN,
-            addr,
-            len,
+            addr: record.addr,
+            len: record.len,
             stored_len: record.stored_len,
-            codec,
+            codec: record.codec,
             checksum: record.checksum,
             content_xxh128: Some(hashes.content_hex()),
             parent_depth: 0,
         };
         self.offset += RECORD_LEN + record.stored_len;
         self.seq += 1;
-        Ok(entry)
+        entry
     }
 
     /// Ends the file (with `fdatasync` if [`set_sync`](Self::set_sync) asked for it) and returns

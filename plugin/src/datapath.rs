@@ -251,8 +251,15 @@ fn writer(
                 // SAFETY: the agent announced this slot with ChunkReady and will not touch it
                 // until we send SlotFree below.
                 let data = unsafe { staging.slot(w.slot as usize, w.len as usize) };
-                let hashes = hash_chunk(data);
-                if let Some(r) = out.parent.and_then(|p| p.reference(w.addr, w.len, &hashes)) {
+                // An incremental dump must hash a chunk before it knows whether to write it; a
+                // full dump of raw chunks hashes each piece as it writes it (one memory pass less).
+                let hashes = match (out.parent, out.codec) {
+                    (None, Codec::Raw) => None,
+                    _ => Some(hash_chunk(data)),
+                };
+                if let (Some(p), Some(h)) = (out.parent, &hashes)
+                    && let Some(r) = p.reference(w.addr, w.len, h)
+                {
                     return Ok(r);
                 }
                 if file.is_none() {
@@ -262,8 +269,11 @@ fn writer(
                     );
                 }
                 let f = file.as_mut().expect("created above");
-                f.append_chunk_hashed(w.addr, data, out.codec, &hashes)
-                    .map_err(|e| e.to_string())
+                match hashes {
+                    None => f.append_raw(w.addr, data).map(|(entry, _)| entry),
+                    Some(h) => f.append_chunk_hashed(w.addr, data, out.codec, &h),
+                }
+                .map_err(|e| e.to_string())
             })();
             match res {
                 Ok(entry) => chunks.push(entry),

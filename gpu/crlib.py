@@ -453,12 +453,22 @@ def _run_criu(cmd, imgdir, what, mode, log, timeout, env=None):
     log("$ %sGPUSNAP_MODE=%s %s" % ("".join("%s=%s " % kv for kv in sorted((env or {}).items())),
                                     mode, " ".join(cmd)))
     t0 = time.time()
+    p = subprocess.Popen(cmd, env=criu_env(mode, env), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, cwd=REPO)
     try:
-        r = subprocess.run(cmd, env=criu_env(mode, env), capture_output=True, text=True, timeout=timeout,
-                           cwd=REPO)
-        rc, out = r.returncode, (r.stdout or "") + (r.stderr or "")
-    except subprocess.TimeoutExpired as e:
-        rc, out = 124, "TIMEOUT after %d s\n%s" % (timeout, e.stdout or "")
+        out, _ = p.communicate(timeout=timeout)
+        rc = p.returncode
+    except subprocess.TimeoutExpired:
+        # Say where it hangs before killing it: the log's tail and every thread's kernel wait.
+        log.file_tail("criu %s still running after %d s: its log" % (what, timeout),
+                      os.path.join(imgdir, "%s.log" % what), 40)
+        log.block("where criu and its target wait", hang_report(p.pid), max_lines=200)
+        p.kill()
+        try:
+            out, _ = p.communicate(timeout=10)
+        except subprocess.TimeoutExpired:  # a child of criu still holds the pipe
+            out = "(output not read: the pipe stayed open after criu was killed)"
+        rc, out = 124, "TIMEOUT after %d s\n%s" % (timeout, out or "")
     t1 = time.time()
     res = {"rc": rc, "secs": t1 - t0, "start": t0, "end": t1,
            "log": os.path.join(imgdir, "%s.log" % what)}
@@ -474,6 +484,43 @@ def _run_criu(cmd, imgdir, what, mode, log, timeout, env=None):
     if rc != 0:
         log.file_tail("criu %s failed" % what, res["log"], 30)
     return res
+
+
+def hang_report(criu_pid):
+    """Threads of criu and of every process it traces (ptrace), with state, kernel wait channel
+    and, readable as root, kernel stack: for a criu run that does not return."""
+    lines = []
+    traced = [pid for pid in all_stats() if _tracer(pid) == criu_pid]
+    for pid in [criu_pid] + sorted(traced):
+        try:
+            tids = sorted(int(t) for t in os.listdir("/proc/%d/task" % pid))
+        except OSError:
+            continue
+        for tid in tids:
+            base = "/proc/%d/task/%d" % (pid, tid)
+            comm = _read(base + "/comm").strip()
+            wchan = _read(base + "/wchan").strip()
+            st = (_read(base + "/stat").rsplit(")", 1) + [""])[1].split()[:1]
+            lines.append("pid %d tid %d %s state %s wchan %s" % (pid, tid, comm, st, wchan))
+            stack = _read(base + "/stack").strip()
+            if stack and tid == pid:
+                lines.extend("    " + l for l in stack.splitlines()[:12])
+    return "\n".join(lines) or "(no threads found)"
+
+
+def _tracer(pid):
+    for line in _read("/proc/%d/status" % pid).splitlines():
+        if line.startswith("TracerPid:"):
+            return int(line.split()[1])
+    return 0
+
+
+def _read(path):
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
 
 
 def image_stats(imgdir):

@@ -269,7 +269,7 @@ class Runner:
             log("trigger reached: %s lines; tree of %d tasks/threads; nvidia-smi used %s GiB" % (
                 [len(read_output(f)[0]) for f in files], len(pids), rec["gpu_used_smi_gib"]))
             dump = crlib.criu_dump(popen.pid, imgdir, self.a.plugdir, mode, log,
-                                   leave_running=leave, timeout=600)
+                                   leave_running=leave, timeout=self.a.criu_timeout)
             rec["dump_s"] = round(dump["secs"], 3)
             img = crlib.image_stats(imgdir)
             rec["image_bytes"] = img["image_bytes"]
@@ -314,7 +314,7 @@ class Runner:
                     raise CaseError("job still running 30 s after criu dump")
                 if not crlib.wait_pids_free(pids, 60, log):
                     raise CaseError("dumped pids still in use after 60 s")
-                restore = crlib.criu_restore(imgdir, self.a.plugdir, mode, log, timeout=600)
+                restore = crlib.criu_restore(imgdir, self.a.plugdir, mode, log, timeout=self.a.criu_timeout)
                 rec["restore_s"] = round(restore["secs"], 3)
                 rec["restore_gpusnap_lines"] = restore["gpusnap_lines"]
                 rpid = restore["pid"]
@@ -440,6 +440,8 @@ def main():
     ap.add_argument("--plugdir", default="/tmp/gpusnap-plugins")
     ap.add_argument("--python", default=sys.executable, help="python that runs the workloads")
     ap.add_argument("--run-timeout", type=float, default=240, help="seconds for one workload run")
+    ap.add_argument("--criu-timeout", type=float, default=180,
+                    help="seconds for one criu dump or restore; past it, where criu waits is logged")
     ap.add_argument("--budget-s", type=float, default=0, help="start no new case after this many s")
     a = ap.parse_args()
 

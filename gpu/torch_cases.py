@@ -70,9 +70,10 @@ ALLOC_CONF = {"default": None, "expandable": "expandable_segments:True",
 # Workload arguments and the output line count at which the checkpoint is taken.
 SIZES = {
     "full": {
-        "llama-generate": (["--layers", "16", "--hidden", "2048", "--heads", "16", "--inter", "5632",
+        # 18 layers x 2048: 1.06 B parameters (16 layers, 0.95 B, before 2026-11-29 evening)
+        "llama-generate": (["--layers", "18", "--hidden", "2048", "--heads", "16", "--inter", "5632",
                             "--vocab", "32000", "--tokens", "400", "--prompt-len", "32"], 100),
-        "train": (["--layers", "16", "--hidden", "2048", "--heads", "16", "--inter", "5632",
+        "train": (["--layers", "18", "--hidden", "2048", "--heads", "16", "--inter", "5632",
                    "--vocab", "32000", "--steps", "120", "--batch", "4", "--seq", "512"], 40),
         "tree-parent": (["--gib", "4", "--steps", "100", "--interval-ms", "50"], 30),
         "small": (["--steps", "60", "--interval-ms", "50"], 20),
@@ -122,6 +123,15 @@ def read_output(path):
         elif p[0] == "done":
             done = dict(zip(p[1::2], p[2::2]))
     return vals, ts, ready, done
+
+
+def ready_params(ready):
+    """The model's parameter count from a `ready ... params N ...` line, or None."""
+    words = (ready or "").split()
+    for k, w in zip(words, words[1:]):
+        if k == "params" and w.isdigit():
+            return int(w)
+    return None
 
 
 def output_files(workload, out):
@@ -331,6 +341,9 @@ class Runner:
             self.compare(rec, ref["outs"], outs, dump)
             gibs = [float(o[3].get("gpu_gib", 0)) for o in outs if o[3]]
             rec["gpu_gib"] = round(sum(gibs), 3) if gibs else None
+            params = [ready_params(o[2]) for o in outs]
+            if any(params):
+                rec["params"] = max(p or 0 for p in params)
         except CaseError as e:
             rec["problems"].append(str(e))
             log("CASE ERROR: %s" % e)

@@ -126,12 +126,20 @@ impl Split {
             let p = format!("pid {pid} ");
             self.assert_line(restore, &[&p, "restored (Split path)", "data"]);
         }
-        let when = if self.w.harness().criu_version >= (4, 2, 0) {
+        let post_forking = self.w.harness().criu_version >= (4, 2, 0);
+        let when = if post_forking {
             "overlapped with CRIU's restore"
         } else {
             "before CRIU's restore, which waited for it"
         };
         self.assert_line(restore, &["image data verified", when]);
+        let warmed = restore.log.contains("cuInit ran beside CRIU's restore");
+        assert_eq!(
+            warmed,
+            post_forking,
+            "cuInit beside CRIU's restore: {warmed}, CRIU has POST_FORKING: {post_forking}\n{}",
+            self.describe(restore)
+        );
     }
 }
 

@@ -33,6 +33,9 @@ pub struct Plugin {
     verification: Option<restore::Verification>,
     /// Set in `init` on CRIU 4.2+: start the checksum pass in POST_FORKING (image dir fd).
     verify_after_fork: Option<i32>,
+    /// `cuInit` started in POST_FORKING (4.2+) so that it overlaps the rest of CRIU's restore;
+    /// joined before the first driver call needs it, or in `exit`.
+    driver_warmup: Option<std::thread::JoinHandle<()>>,
     manifests: HashMap<u32, Manifest>,
 }
 
@@ -95,6 +98,7 @@ pub fn init(raw_stage: i32) -> i32 {
         verify_s: None,
         verification: None,
         verify_after_fork: None,
+        driver_warmup: None,
         manifests: HashMap::new(),
     };
     if stage != Stage::PreDump && !criu::is_4_1_or_newer() && criu::inside_criu() {
@@ -294,12 +298,29 @@ impl Plugin {
                 true,
             ));
         }
+        if self.disabled.is_none() && !self.manifests.is_empty() && self.ctx.is_none() {
+            // cuInit takes ~0.2 s on the H200; CRIU restores memory meanwhile. The driver is
+            // loaded already (init checked it), and no process is forked after this hook.
+            self.driver_warmup = std::thread::Builder::new()
+                .name("gpusnap-cuinit".into())
+                .spawn(|| {
+                    crate::datapath::block_signals();
+                    if let Ok(api) = gpusnap_cuda::driver::api() {
+                        let _ = api.init();
+                    }
+                })
+                .ok();
+        }
         ENOTSUP
     }
 
     /// Loads the driver and reads the host's GPUs, once, on first need (after CRIU forked).
     fn ctx(&mut self) -> Result<&Ctx, String> {
         if self.ctx.is_none() {
+            if let Some(h) = self.driver_warmup.take() {
+                let _ = h.join();
+                log::info!("cuInit ran beside CRIU's restore (started in POST_FORKING)");
+            }
             let api = gpusnap_cuda::driver::api().map_err(|e| e.to_string())?;
             api.init().map_err(|e| e.to_string())?;
             let driver_version = api.driver_version().unwrap_or(0);
@@ -473,6 +494,9 @@ impl Plugin {
         if let Some(mut v) = self.verification.take() {
             // Never leave the thread running past `exit`: CRIU unloads us next.
             let _ = v.finish();
+        }
+        if let Some(h) = self.driver_warmup.take() {
+            let _ = h.join();
         }
         if self.stage == Stage::Restore {
             self.write_restore_stats();

@@ -12,9 +12,4 @@ if [[ ${1:-} == -h || ${1:-} == --help ]]; then
     sed -n '2,8p' "$0"
     exit 0
 fi
-export OUT=${OUT:-$PWD/out}
-mkdir -p "$OUT" bench/results
-mock=0
-for arg in "$@"; do [[ $arg == --mock ]] && mock=1; done
-gpu/prepare.sh "$OUT/cycles.log" "$([[ $mock == 1 ]] && echo --mock)"
-exec "${PYTHON:-python3}" gpu/cycles.py "$@"
+exec gpu/prepare.sh --run cycles gpu/cycles.py "$@"

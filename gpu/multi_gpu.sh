@@ -15,10 +15,5 @@ if [[ ${1:-} == -h || ${1:-} == --help ]]; then
     sed -n '2,11p' "$0"
     exit 0
 fi
-export OUT=${OUT:-$PWD/out}
-mkdir -p "$OUT" bench/results
-mock=0
-for arg in "$@"; do [[ $arg == --mock ]] && mock=1; done
-[[ $mock == 1 ]] || nvidia-smi -L 2>&1 | tee -a "$OUT/multi-gpu.log" || true
-gpu/prepare.sh "$OUT/multi-gpu.log" "$([[ $mock == 1 ]] && echo --mock)"
-exec "${PYTHON:-python3}" gpu/multi_gpu.py "$@"
+nvidia-smi -L 2>/dev/null || true
+exec gpu/prepare.sh --run multi-gpu gpu/multi_gpu.py "$@"

@@ -4,8 +4,22 @@
 # /dev/shm. Everything is appended to LOG (and shown).
 #
 # Usage: gpu/prepare.sh LOG [--mock]
+#        gpu/prepare.sh --run NAME SCRIPT.py [ARGS...]
+#            the whole of a simple GPU script: OUT (default ./out) created, the step above with
+#            $OUT/NAME.log (--mock when ARGS has it), then exec python3 SCRIPT.py ARGS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [[ ${1:-} == --run ]]; then
+    name=${2:?usage: gpu/prepare.sh --run NAME SCRIPT.py [ARGS...]}
+    script=${3:?usage: gpu/prepare.sh --run NAME SCRIPT.py [ARGS...]}
+    shift 3
+    export OUT=${OUT:-$PWD/out}
+    mkdir -p "$OUT" bench/results
+    mock=
+    for arg in "$@"; do [[ $arg == --mock ]] && mock=--mock; done
+    gpu/prepare.sh "$OUT/$name.log" $mock
+    exec "${PYTHON:-python3}" "$script" "$@"
+fi
 log=${1:?usage: gpu/prepare.sh LOG [--mock]}
 if [[ ${2:-} != --mock ]]; then
     gpu/build.sh 2>&1 | tee -a "$log"

@@ -12,6 +12,8 @@ use std::process::{Command, ExitCode};
 use crate::util::{EXIT_PROBLEM, EXIT_USAGE};
 
 const MIN_CRIU: (u32, u32, u32) = (4, 1, 1);
+/// The first CRIU with the POST_FORKING plugin hook.
+const FIRST_POST_FORKING_CRIU: (u32, u32, u32) = (4, 2, 0);
 const DEFAULT_PLUGIN_DIR: &str = "/usr/lib/criu/";
 const DEFAULT_AGENT: &str = "/usr/lib/gpusnap/libgpusnap_agent.so";
 /// Driver entry points the plugin cannot work without.
@@ -155,14 +157,28 @@ fn check_criu() -> Vec<Finding> {
         }
     };
     let text = String::from_utf8_lossy(&out.stdout);
-    match parse_criu_version(&text) {
-        Some(v) if v >= MIN_CRIU => vec![Finding::ok(format!(
-            "CRIU {}.{}.{} ({})",
-            v.0,
-            v.1,
-            v.2,
-            criu.display()
-        ))],
+    criu_version_findings(parse_criu_version(&text), &criu)
+}
+
+/// What CRIU's version means for gpusnap: too old, usable, or usable but slower to restore.
+fn criu_version_findings(version: Option<(u32, u32, u32)>, criu: &Path) -> Vec<Finding> {
+    match version {
+        Some(v) if v >= MIN_CRIU => {
+            let mut f = vec![Finding::ok(format!(
+                "CRIU {}.{}.{} ({})",
+                v.0,
+                v.1,
+                v.2,
+                criu.display()
+            ))];
+            if v < FIRST_POST_FORKING_CRIU {
+                f.push(Finding::warn(
+                    "this CRIU has no POST_FORKING hook: at restore, gpusnap's checksum pass over the image data and cuInit run before and after CRIU's own restore instead of beside it",
+                    "CRIU 4.2 or newer restores split-path images faster (scripts/install-criu.sh builds one with GPUSNAP_CRIU_SUITE=sid)",
+                ));
+            }
+            f
+        }
         Some(v) => vec![Finding::fail(
             format!(
                 "CRIU {}.{}.{} ({}) is too old",
@@ -457,6 +473,27 @@ mod tests {
         assert_eq!(parse_criu_version("criu\n"), None);
         assert!(parse_criu_version("Version: 4.1.1").unwrap() >= MIN_CRIU);
         assert!(parse_criu_version("Version: 4.1").unwrap() < MIN_CRIU);
+    }
+
+    #[test]
+    fn criu_versions_are_judged() {
+        let p = Path::new("/usr/sbin/criu");
+        let levels = |v| {
+            criu_version_findings(Some(v), p)
+                .iter()
+                .map(|f| f.level)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(levels((4, 0, 0)), [Level::Fail]);
+        assert_eq!(levels((4, 1, 1)), [Level::Ok, Level::Warn]);
+        assert_eq!(levels((4, 2, 1)), [Level::Ok]);
+        assert_eq!(
+            criu_version_findings(None, p)
+                .iter()
+                .map(|f| f.level)
+                .collect::<Vec<_>>(),
+            [Level::Warn]
+        );
     }
 
     #[test]

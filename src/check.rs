@@ -174,7 +174,7 @@ fn criu_version_findings(version: Option<(u32, u32, u32)>, criu: &Path) -> Vec<F
             if v < FIRST_POST_FORKING_CRIU {
                 f.push(Finding::warn(
                     "this CRIU has no POST_FORKING hook: at restore, gpusnap's checksum pass over the image data and cuInit run before and after CRIU's own restore instead of beside it",
-                    "CRIU 4.2 or newer restores split-path images faster (scripts/install-criu.sh builds one with GPUSNAP_CRIU_SUITE=sid)",
+                    "with CRIU 4.2 or newer they overlap CRIU's restore (scripts/install-criu.sh builds a 4.2 root with GPUSNAP_CRIU_SUITE=sid)",
                 ));
             }
             f

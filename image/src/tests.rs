@@ -255,6 +255,48 @@ fn raw_chunks_hashed_while_written_match_chunks_hashed_first() {
         std::fs::read(t.file(&fb.name)).unwrap()[DATA_HEADER_LEN as usize..fa.size as usize]
     );
     assert_eq!(fb.size, fa.size + RECORD_LEN + 1000);
+
+    // File 1 as an image of its own: read back, verified, and a flipped byte in a later piece
+    // of the long chunk is caught both ways.
+    let template = make_image(TempDir::new().fd()).m;
+    let m = Manifest {
+        allocations: vec![AllocationRecord {
+            id: 1,
+            device: 0,
+            addr: BASE,
+            size: d.len() as u64 + 1000,
+            moved: true,
+        }],
+        files: vec![fb.clone()],
+        chunks: vec![
+            ChunkEntry {
+                file: 1,
+                ..streamed.clone()
+            },
+            second,
+        ],
+        ..template
+    };
+    std::fs::remove_file(t.file(&fa.name)).unwrap();
+    plant(
+        t.fd(),
+        &Manifest {
+            nspid: NSPID,
+            ..m.clone()
+        },
+    );
+    let m = read_manifest(t.fd(), NSPID).unwrap();
+    assert_eq!(
+        read_all(t.fd(), &m).unwrap(),
+        [d.clone(), d[..1000].to_vec()]
+    );
+    verify_image(t.fd(), &m, 2).unwrap();
+    flip(&t.file(&fb.name), streamed.file_offset + (300 << 10));
+    let is_checksum = |e: &ImageError| matches!(e, ImageError::ChunkChecksum { chunk: 0, .. });
+    let e = verify_image(t.fd(), &m, 2).unwrap_err();
+    assert!(is_checksum(&e), "{e}");
+    let e = read_all(t.fd(), &m).unwrap_err();
+    assert!(is_checksum(&e), "{e}");
 }
 
 #[test]

@@ -278,13 +278,7 @@ fn raw_chunks_hashed_while_written_match_chunks_hashed_first() {
         ..template
     };
     std::fs::remove_file(t.file(&fa.name)).unwrap();
-    plant(
-        t.fd(),
-        &Manifest {
-            nspid: NSPID,
-            ..m.clone()
-        },
-    );
+    plant(t.fd(), &m);
     let m = read_manifest(t.fd(), NSPID).unwrap();
     assert_eq!(
         read_all(t.fd(), &m).unwrap(),

@@ -83,6 +83,14 @@ fn change_some_data(s: &Split) {
 /// dump 1 (`-R`), a change, dump 2 against dump 1 (the workload is killed). Returns the parent
 /// image dir and dump 2's, both dumps' stats and the last tick.
 fn two_dumps(s: &mut Split) -> (PathBuf, PathBuf, [serde_json::Value; 2], Vec<u64>) {
+    two_dumps_with(s, &CONFIG)
+}
+
+/// [`two_dumps`] with another CRIU environment (`config`).
+fn two_dumps_with(
+    s: &mut Split,
+    config: &[(&str, &str)],
+) -> (PathBuf, PathBuf, [serde_json::Value; 2], Vec<u64>) {
     let pid = s.vmm.pid().to_string();
     let d1 = images(s, "dump1");
     let dump1 = s.criu_at(
@@ -90,7 +98,7 @@ fn two_dumps(s: &mut Split) -> (PathBuf, PathBuf, [serde_json::Value; 2], Vec<u6
         "dump",
         "dump1.log",
         &["-t", &pid, "--leave-running"],
-        &CONFIG,
+        config,
     );
     s.assert_ok(&dump1);
     s.assert_line(&dump1, &["device data reloaded"]);
@@ -108,7 +116,7 @@ fn two_dumps(s: &mut Split) -> (PathBuf, PathBuf, [serde_json::Value; 2], Vec<u6
     }
     let d2 = images(s, "dump2");
     std::os::unix::fs::symlink("../gpu1", d2.join("parent")).expect("parent link");
-    let dump2 = s.criu_at(&d2, "dump", "dump2.log", &["-t", &pid], &CONFIG);
+    let dump2 = s.criu_at(&d2, "dump", "dump2.log", &["-t", &pid], config);
     s.assert_ok(&dump2);
     assert!(
         fs::symlink_metadata(d2.join("parent")).is_ok_and(|m| m.file_type().is_symlink()),
@@ -244,4 +252,49 @@ fn restore_refuses_a_damaged_or_missing_parent() {
     );
     s.assert_nothing_runs(&last, &restore);
     assert_eq!(s.calls(), calls, "the driver was called");
+}
+
+/// Incremental dumps of a process with memory on two GPUs, compressed: the chunks are matched
+/// by their device bytes (not their stored, compressed bytes), each GPU's unchanged chunks are
+/// referenced, and the restore brings both GPUs' memory back bit for bit.
+#[test]
+fn incremental_dump_across_two_gpus_with_zstd() {
+    let Some(mut s) = Split::launch(
+        "incremental-two-gpus-zstd",
+        1,
+        &[
+            "--seed",
+            "23",
+            "--allocs",
+            "4",
+            "--mib",
+            "4",
+            "--devices",
+            "2",
+        ],
+        &[("FAKECUDA_DEVICES", "2")],
+    ) else {
+        return;
+    };
+    let config = [
+        ("GPUSNAP_STAGING_SLOT_MIB", "1"),
+        ("GPUSNAP_COMPRESS", "zstd"),
+    ];
+    let (_, d2, [full, incr], last) = two_dumps_with(&mut s, &config);
+    let device = num(&full, "device_bytes");
+    assert_eq!(num(&full, "bytes_referenced"), 0, "{full}");
+    assert_eq!(num(&incr, "device_bytes"), device, "{incr}");
+    // Only the rewritten MiB and the counter's chunk are new; everything else is referenced.
+    assert_eq!(num(&incr, "bytes_referenced"), device - 2 * MIB, "{incr}");
+    assert!(num(&incr, "bytes_written") <= 2 * MIB, "{incr}");
+    let restore = s.criu_at(
+        &d2,
+        "restore",
+        "restore.log",
+        &["--restore-detached"],
+        &config,
+    );
+    s.assert_ok(&restore);
+    s.assert_line(&restore, &["incremental image", "come from parent images"]);
+    s.assert_runs_on(&last, &restore);
 }

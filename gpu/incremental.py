@@ -52,6 +52,8 @@ def main():
     ap.add_argument("--workload", default="/tmp/gpusnap-bin/workload")
     ap.add_argument("--name", default="incremental-h200")
     ap.add_argument("--mock", action="store_true", help="gpu/mock_workload.py, no GPU (harness test)")
+    ap.add_argument("--budget-s", type=float, default=0,
+                    help="accepted for gpu/run-all.sh; one run of this script takes about a minute")
     a = ap.parse_args()
     a.gib = int(a.gib) if a.gib.is_integer() else a.gib
     out = crlib.out_dir()

@@ -11,6 +11,12 @@
 #            torch1  gpu/torch_cases.sh --cases torch1 (llama*, train*)      (~7-9 min)
 #            torch2  gpu/torch_cases.sh --cases torch2 (tree*, small cases)  (~5-7 min)
 #            torch   torch1 then torch2 (does not fit one 10-minute call)
+#            faults  gpu/faults.sh                                            (~1.5 min)
+#            alloc   gpu/alloc_latency.sh                                     (~0.5 min)
+#            cycles  gpu/cycles.sh --path both (20 cycles, 4 GiB)             (~4-5 min)
+#            incr    gpu/incremental.sh (16 GiB)                              (~1 min)
+#            bench16 bench/run.sh --sizes 16                                  (~1 min)
+#            mgpu    gpu/multi_gpu.sh (two GPUs: device kind nvidia-h200-x2)  (~1.5 min)
 #   Default PARTs: e2e bench.
 #   --deadline-s N   start no new case N s after run-all started (default 510, for the
 #                    10-minute limit of one device call); later parts get what is left.
@@ -30,8 +36,8 @@ while [[ $# -gt 0 ]]; do
     case $1 in
         --quick) quick=1; shift ;;
         --deadline-s) deadline=$2; shift 2 ;;
-        -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
-        e2e|bench|torch1|torch2) parts+=("$1"); shift ;;
+        -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+        e2e|bench|torch1|torch2|faults|alloc|cycles|incr|bench16|mgpu) parts+=("$1"); shift ;;
         torch) parts+=(torch1 torch2); shift ;;
         *) echo "run-all.sh: unknown argument $1" >&2; exit 2 ;;
     esac
@@ -108,6 +114,12 @@ for p in "${parts[@]}"; do
         bench) run_part bench bench/run.sh --sizes "4 16 64" ;;
         torch1) run_part torch1 gpu/torch_cases.sh --cases torch1 --paths split,transparent ;;
         torch2) run_part torch2 gpu/torch_cases.sh --cases torch2 --paths split,transparent ;;
+        faults) run_part faults gpu/faults.sh ;;
+        alloc) run_part alloc gpu/alloc_latency.sh ;;
+        cycles) run_part cycles gpu/cycles.sh --path both ;;
+        incr) run_part incr gpu/incremental.sh ;;
+        bench16) run_part bench16 bench/run.sh --sizes 16 ;;
+        mgpu) run_part mgpu gpu/multi_gpu.sh ;;
     esac
 done
 say "finished with status $status after $(( $(date +%s) - t0 ))s"

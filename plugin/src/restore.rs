@@ -85,13 +85,32 @@ fn moved_bytes_on(m: &Manifest, device: u32) -> u64 {
 
 /// The GPU plan of every process against the GPUs the kernel driver lists (model and UUID; free
 /// memory is checked later, by [`gpu_plan`]), in `init`, before CRIU restores any process. Where
-/// the list cannot be read, the check is left to [`gpu_plan`] and `Ok` is returned.
+/// the list cannot be read, or cannot speak for the image's GPUs, the check is left to
+/// [`gpu_plan`] and `Ok` is returned: MIG instances (CUDA names them `... MIG ...` and gives them
+/// their own UUIDs, while the list holds the physical GPUs) and a configured `device_map` (whose
+/// targets may be such instances).
 pub fn early_gpu_check(
     manifests: &HashMap<u32, Manifest>,
     device_map: &[(String, String)],
 ) -> Result<(), String> {
-    let dir = crate::host_gpus::proc_dir();
-    let host = match crate::host_gpus::list(&dir) {
+    early_gpu_check_in(&crate::host_gpus::proc_dir(), manifests, device_map)
+}
+
+/// [`early_gpu_check`] against the listing in `dir`.
+fn early_gpu_check_in(
+    dir: &std::path::Path,
+    manifests: &HashMap<u32, Manifest>,
+    device_map: &[(String, String)],
+) -> Result<(), String> {
+    let mig = manifests
+        .values()
+        .flat_map(|m| &m.gpus)
+        .any(|g| g.name.contains("MIG"));
+    if mig || !device_map.is_empty() {
+        log::debug!("GPU plan left to the driver (MIG instances or device_map)");
+        return Ok(());
+    }
+    let host = match crate::host_gpus::list(dir) {
         Ok(h) if !h.is_empty() => h,
         Ok(_) => return Ok(()),
         Err(e) => {
@@ -355,6 +374,27 @@ mod tests {
             name: name.into(),
             free: None,
         }
+    }
+
+    #[test]
+    fn mig_instances_and_device_maps_are_left_to_the_driver() {
+        // A listing with one other GPU of another model: a plain image is refused against it,
+        // an image of MIG instances or one restored with a device_map is not judged by it.
+        let dir = std::env::temp_dir().join(format!("gpusnap-early-check-{}", std::process::id()));
+        let bus = dir.join("0000:10:00.0");
+        std::fs::create_dir_all(&bus).unwrap();
+        std::fs::write(
+            bus.join("information"),
+            "Model: NVIDIA A100\nGPU UUID: GPU-00000000-0000-0000-0000-0000000000bb\n",
+        )
+        .unwrap();
+        let one = |name: &str| HashMap::from([(7, manifest(vec![gpu(&"a".repeat(32), name)]))]);
+        let e = early_gpu_check_in(&dir, &one("NVIDIA H200"), &[]).unwrap_err();
+        assert!(e.contains("is not on this host"), "{e}");
+        assert!(early_gpu_check_in(&dir, &one("NVIDIA H100 80GB HBM3 MIG 1g.10gb"), &[]).is_ok());
+        let map = [("a".repeat(32), "0".repeat(30) + "bb")];
+        assert!(early_gpu_check_in(&dir, &one("NVIDIA H200"), &map).is_ok());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -25,44 +25,8 @@ pub struct CriuRun {
 impl CriuRun {
     /// Runs `criu <args>`; `log_path` is where the `-o` argument in `args` makes it log.
     pub fn run(criu: &Path, args: &[String], log_path: &Path) -> Result<CriuRun, String> {
-        let cmdline = format!("{} {}", criu.display(), args.join(" "));
-        let out_path = log_path.with_extension("stdio");
-        let out =
-            fs::File::create(&out_path).map_err(|e| format!("{}: {e}", out_path.display()))?;
-        let err = out.try_clone().map_err(|e| e.to_string())?;
-        let mut cmd = Command::new(criu);
-        for v in crate::harness::HARNESS_ONLY_ENV {
-            cmd.env_remove(v);
-        }
-        let mut child = cmd
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(out)
-            .stderr(err)
-            .spawn()
-            .map_err(|e| format!("cannot run {cmdline}: {e}"))?;
-        let deadline = Instant::now() + CRIU_TIMEOUT;
-        let status = loop {
-            match child.try_wait() {
-                Ok(Some(st)) => break st,
-                Ok(None) if Instant::now() < deadline => sleep(Duration::from_millis(10)),
-                Ok(None) => {
-                    let _ = child.kill();
-                    let _ = child.wait();
-                    return Err(format!("{cmdline}: timed out after {CRIU_TIMEOUT:?}"));
-                }
-                Err(e) => return Err(format!("{cmdline}: wait: {e}")),
-            }
-        };
-        let output = fs::read_to_string(&out_path).unwrap_or_default();
-        let log = fs::read_to_string(log_path).unwrap_or_default();
-        Ok(CriuRun {
-            cmdline,
-            status,
-            output,
-            log_path: log_path.to_owned(),
-            log,
-        })
+        // A timed-out criu is killed and reaped when the BackgroundCriu drops.
+        BackgroundCriu::spawn(criu, args, &[], log_path)?.wait(CRIU_TIMEOUT)
     }
 
     /// Exit status 0 and CRIU's own success line ("Dumping finished successfully" /

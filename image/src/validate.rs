@@ -106,14 +106,7 @@ pub(crate) fn validate_structure(m: &Manifest, mf: &str) -> Result<(), ImageErro
     // writer thread that got no work leaves no file, so indexes may have gaps).
     let mut positions: HashMap<u32, usize> = HashMap::with_capacity(m.files.len());
     for (i, f) in m.files.iter().enumerate() {
-        let Some(index) = m.file_index_at(i) else {
-            return Err(ImageError::BadFileName {
-                file: mf.to_owned(),
-                index: i,
-                name: f.name.clone(),
-                expected: format!("gpusnap-{}-data-<index>.img", m.nspid),
-            });
-        };
+        let index = file_index(m, i, mf)?;
         if positions.insert(index, i).is_some() {
             return Err(invalid(format!("{} is listed twice", f.name)));
         }
@@ -325,14 +318,7 @@ pub(crate) fn validate_files(
     mf: &str,
 ) -> Result<(), ImageError> {
     for (i, f) in m.files.iter().enumerate() {
-        let Some(index) = m.file_index_at(i) else {
-            return Err(ImageError::BadFileName {
-                file: mf.to_owned(),
-                index: i,
-                name: f.name.clone(),
-                expected: format!("gpusnap-{}-data-<index>.img", m.nspid),
-            });
-        };
+        let index = file_index(m, i, mf)?;
         open_data_file(dir, m.nspid, index, &f.name, f.size)?;
     }
     Ok(())
@@ -374,4 +360,14 @@ pub(crate) fn open_data_file(
         .map_err(|e| ImageError::io(name, "read", e))?;
     check_data_header(&h, name, nspid, index)?;
     Ok(file)
+}
+
+/// The index of `m.files[i]`, from its name, which must be exactly `gpusnap-<nspid>-data-<index>.img`.
+fn file_index(m: &Manifest, i: usize, mf: &str) -> Result<u32, ImageError> {
+    m.file_index_at(i).ok_or_else(|| ImageError::BadFileName {
+        file: mf.to_owned(),
+        index: i,
+        name: m.files[i].name.clone(),
+        expected: format!("gpusnap-{}-data-<index>.img", m.nspid),
+    })
 }

@@ -118,6 +118,25 @@ impl Split {
         self.assert_images(dump);
     }
 
+    /// A split dump (the workload is killed), then `fault` armed in the restored agent's driver
+    /// and a restore with `config`: the restore fails with a line holding every part of `why`,
+    /// and nothing of the workload runs.
+    fn restore_fails_after_a_dump(&mut self, fault: &str, config: &[(&str, &str)], why: &[&str]) {
+        let dump = self.dump(false);
+        self.assert_ok(&dump);
+        self.assert_split_dump(&dump);
+        let last = self.reap_dumped();
+        self.inject(fault);
+        let restore = self.restore_with(config);
+        assert!(
+            !restore.status.success(),
+            "the restore succeeded despite `{fault}`\n{}",
+            self.describe(&restore)
+        );
+        self.assert_line(&restore, why);
+        self.assert_nothing_runs(&last, &restore);
+    }
+
     /// The restore took the split path for every process and loaded data, after a checksum
     /// pass that ran beside CRIU's restore where CRIU has POST_FORKING (4.2+) and before it
     /// otherwise.
@@ -408,19 +427,11 @@ fn failing_device_allocation_fails_the_restore() {
     let Some(mut s) = Split::start("split-create-fails") else {
         return;
     };
-    let dump = s.dump(false);
-    s.assert_ok(&dump);
-    s.assert_split_dump(&dump);
-    let last = s.reap_dumped();
-    s.inject("fail cuMemCreate");
-    let restore = s.restore();
-    assert!(
-        !restore.status.success(),
-        "the restore succeeded without device memory\n{}",
-        s.describe(&restore)
+    s.restore_fails_after_a_dump(
+        "fail cuMemCreate",
+        &[],
+        &["cuMemCreate", "CUDA_ERROR_UNKNOWN"],
     );
-    s.assert_line(&restore, &["cuMemCreate", "CUDA_ERROR_UNKNOWN"]);
-    s.assert_nothing_runs(&last, &restore);
 }
 
 /// Two GPU processes (checkpointed in parallel), each with memory it maps itself with the VMM
@@ -532,19 +543,11 @@ fn hung_agent_at_restore_fails_the_restore() {
     let Some(mut s) = Split::start("split-hung-restore") else {
         return;
     };
-    let dump = s.dump(false);
-    s.assert_ok(&dump);
-    s.assert_split_dump(&dump);
-    let last = s.reap_dumped();
-    s.inject("hang cuMemcpyHtoDAsync_v2");
-    let restore = s.restore_with(&[("GPUSNAP_AGENT_TIMEOUT_MS", "1000")]);
-    assert!(
-        !restore.status.success(),
-        "the restore succeeded with a hung agent\n{}",
-        s.describe(&restore)
+    s.restore_fails_after_a_dump(
+        "hang cuMemcpyHtoDAsync_v2",
+        &[("GPUSNAP_AGENT_TIMEOUT_MS", "1000")],
+        &["GPU restore failed", "no progress"],
     );
-    s.assert_line(&restore, &["GPU restore failed", "no progress"]);
-    s.assert_nothing_runs(&last, &restore);
 }
 
 /// The agent's release fails part-way: the second `cuMemUnmap` fails, after the first

@@ -163,6 +163,19 @@ pub fn pid_users(pid: i32) -> Vec<Stat> {
     users
 }
 
+/// Tids of `pid`'s threads, sorted (none if it is gone).
+pub fn tids(pid: i32) -> Vec<i32> {
+    let mut v: Vec<i32> = fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|d| {
+            d.flatten()
+                .filter_map(|e| e.file_name().to_str()?.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort_unstable();
+    v
+}
+
 /// Children of `pid` (all threads), from `/proc/<pid>/task/*/children`.
 pub fn children(pid: i32) -> Vec<i32> {
     let mut out = Vec::new();

@@ -60,22 +60,9 @@ fn spawn_tree(w: &WorkDir, seed: u64) -> Workload {
     )
 }
 
-/// Tids of `pid`'s threads.
-fn tids(pid: i32) -> Vec<i32> {
-    let mut v: Vec<i32> = fs::read_dir(format!("/proc/{pid}/task"))
-        .map(|d| {
-            d.flatten()
-                .filter_map(|e| e.file_name().to_str()?.parse().ok())
-                .collect()
-        })
-        .unwrap_or_default();
-    v.sort_unstable();
-    v
-}
-
 /// The tid of `pid`'s `fakecuda-rt` thread.
 fn restore_thread(pid: i32) -> Option<i32> {
-    tids(pid).into_iter().find(|t| {
+    procs::tids(pid).into_iter().find(|t| {
         fs::read_to_string(format!("/proc/{pid}/task/{t}/comm"))
             .is_ok_and(|c| c.trim_end() == RESTORE_THREAD_COMM)
     })
@@ -83,7 +70,7 @@ fn restore_thread(pid: i32) -> Option<i32> {
 
 /// Every thread of `pid` is untraced and not stopped.
 fn runs_free(pid: i32) -> bool {
-    let t = tids(pid);
+    let t = procs::tids(pid);
     !t.is_empty()
         && t.iter().all(|&tid| {
             procs::tracer_pid(tid) == Some(0)

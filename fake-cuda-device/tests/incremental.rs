@@ -259,21 +259,7 @@ fn restore_refuses_a_damaged_or_missing_parent() {
 /// referenced, and the restore brings both GPUs' memory back bit for bit.
 #[test]
 fn incremental_dump_across_two_gpus_with_zstd() {
-    let Some(mut s) = Split::launch(
-        "incremental-two-gpus-zstd",
-        1,
-        &[
-            "--seed",
-            "23",
-            "--allocs",
-            "4",
-            "--mib",
-            "4",
-            "--devices",
-            "2",
-        ],
-        &[("FAKECUDA_DEVICES", "2")],
-    ) else {
+    let Some(mut s) = Split::two_gpus("incremental-two-gpus-zstd") else {
         return;
     };
     let config = [

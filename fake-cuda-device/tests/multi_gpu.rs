@@ -33,26 +33,7 @@ fn uuid(ordinal: u8, salt: u8) -> String {
     u.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// The workload with half its data allocations on a second GPU, both stand-ins reporting two.
 impl Split {
-    fn two_gpus(test: &str) -> Option<Split> {
-        Split::launch(
-            test,
-            1,
-            &[
-                "--seed",
-                "7",
-                "--allocs",
-                "4",
-                "--mib",
-                "4",
-                "--devices",
-                "2",
-            ],
-            &[("FAKECUDA_DEVICES", "2")],
-        )
-    }
-
     /// A split dump of memory on both GPUs, with the bytes of each GPU logged.
     fn assert_two_gpu_dump(&self, dump: &CriuRun) {
         self.assert_ok(dump);

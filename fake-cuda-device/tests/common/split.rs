@@ -35,6 +35,26 @@ pub struct Split {
 }
 
 impl Split {
+    /// The workload with half its data allocations on a second GPU, both stand-ins reporting
+    /// two.
+    pub fn two_gpus(test: &str) -> Option<Split> {
+        Split::launch(
+            test,
+            1,
+            &[
+                "--seed",
+                "7",
+                "--allocs",
+                "4",
+                "--mib",
+                "4",
+                "--devices",
+                "2",
+            ],
+            &[("FAKECUDA_DEVICES", "2")],
+        )
+    }
+
     /// Starts `fakegpu-vmm` with `procs` processes and `args`, the agent preloaded, `env` in
     /// its environment and in CRIU's.
     pub fn launch(

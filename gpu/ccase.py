@@ -45,12 +45,7 @@ def run_c_case(cfg, log, path, gib, leave_running, tag="e2e"):
     kind = "leave" if leave_running else "dump"
     name = "%s-%s-%sg-%s" % (tag, path, gib, kind)
     imgdir = os.path.join(cfg.images, name)
-    os.makedirs(cfg.work, exist_ok=True)
-    wlog = os.path.join(cfg.work, name + ".log")
-    wout = os.path.join(cfg.work, name + ".out")
-    for f in (wlog, wout):
-        if os.path.exists(f):
-            os.unlink(f)
+    wlog, wout = crlib.fresh_workload_files(cfg.work, name)
     shutil.rmtree(imgdir, ignore_errors=True)
     mode = cfg.modes.get(path)
     rec = {"case": name, "path": path, "gib": gib, "leave_running": leave_running,

@@ -671,6 +671,17 @@ def result_files(out, name, harness_test):
     return files
 
 
+def fresh_workload_files(work, name):
+    """(work/NAME.log, work/NAME.out) for a workload's log and its stdout/stderr, left over
+    copies from an earlier run removed; `work` is created."""
+    os.makedirs(work, exist_ok=True)
+    files = (os.path.join(work, name + ".log"), os.path.join(work, name + ".out"))
+    for f in files:
+        if os.path.exists(f):
+            os.unlink(f)
+    return files
+
+
 def note_failure(rec, log, exc, expected=()):
     """Records a case's failure in rec["problems"]: an `expected` exception by its message, any
     other with its traceback in the log."""

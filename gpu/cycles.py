@@ -49,12 +49,7 @@ def readings(pid):
 def run_path(a, log, path, workload, prefix):
     name = "cycles-%s-%sg" % (path, a.gib)
     imgdir = os.path.join(a.images, name)
-    os.makedirs(a.work, exist_ok=True)
-    wlog = os.path.join(a.work, name + ".log")
-    wout = os.path.join(a.work, name + ".out")
-    for f in (wlog, wout):
-        if os.path.exists(f):
-            os.unlink(f)
+    wlog, wout = crlib.fresh_workload_files(a.work, name)
     mode = {"split": "auto", "transparent": "transparent"}[path]
     rec = {"case": "cycles", "path": path, "gib": a.gib, "cycles_wanted": a.cycles, "cycles": [],
            "pass": False, "problems": []}

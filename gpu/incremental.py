@@ -65,12 +65,7 @@ def main():
     crlib.install_plugin(a.plugdir, log)
     shutil.rmtree(a.images, ignore_errors=True)
     os.makedirs(a.images)
-    os.makedirs(a.work, exist_ok=True)
-    wlog = os.path.join(a.work, "incr.log")
-    wout = os.path.join(a.work, "incr.out")
-    for f in (wlog, wout):
-        if os.path.exists(f):
-            os.unlink(f)
+    wlog, wout = crlib.fresh_workload_files(a.work, "incr")
     workload = os.path.join(crlib.REPO, "gpu", "mock_workload.py") if a.mock else a.workload
     prefix = [sys.executable] if a.mock else []
     rec = {"run": time.strftime("%Y%m%dT%H%M%S"), "date": crlib.iso_now(), "gpu": mi.get("gpu"),

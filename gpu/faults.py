@@ -696,7 +696,7 @@ def main():
     ap.add_argument("--workload", default="/tmp/gpusnap-bin/workload")
     ap.add_argument("--python", default=sys.executable, help="python with torch (helpers)")
     ap.add_argument("--name", default="faults-h200", help="bench/results/NAME.jsonl")
-    ap.add_argument("--deadline-s", "--budget-s", dest="deadline_s", type=float, default=500,
+    ap.add_argument("--deadline-s", type=float, default=500,
                     help="start no new case after this many seconds (default 500)")
     ap.add_argument("--budget-s", type=float, default=0, help="alias of --deadline-s (run-all.sh)")
     ap.add_argument("--keep-images", action="store_true")

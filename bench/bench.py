@@ -78,17 +78,11 @@ def main():
     ap.add_argument("--cmdline", default=None, help="command line to record (default: this one)")
     a = ap.parse_args()
 
-    out = crlib.out_dir()
-    log = crlib.Log(os.path.join(out, "bench.log"))
-    jsonls = crlib.result_files(out, a.name, a.mock)
     t_start = time.time()
     run_id = time.strftime("%Y%m%dT%H%M%S") + "-%d" % os.getpid()
     cmdline = a.cmdline or " ".join(sys.argv)
-    mi = crlib.machine_info()
-    log("bench run %s: %s" % (run_id, cmdline))
-    log("machine: %s" % mi)
-    log("subreaper: %s" % crlib.set_subreaper())
-    crlib.install_plugin(a.plugdir, log)
+    out, log, mi = crlib.start_run("bench", "bench run %s: %s" % (run_id, cmdline), a.plugdir)
+    jsonls = crlib.result_files(out, a.name, a.mock)
     base = {"run": run_id, "date": crlib.iso_now(), "gpu": mi.get("gpu"), "driver": mi.get("driver")}
     crlib.append_jsonl(jsonls, dict(base, kind="meta", cmdline=cmdline, cpus=mi.get("cpus"),
                                     ram_gib=mi.get("ram_gib"), kernel=mi.get("kernel"),

@@ -671,6 +671,20 @@ def result_files(out, name, harness_test):
     return files
 
 
+def start_run(log_name, headline, plugdir):
+    """The common start of a GPU script: $OUT, its log ($OUT/LOG_NAME.log) with HEADLINE and
+    this machine, this process made a child subreaper (restored processes are reparented to
+    it), the plugin installed in PLUGDIR. Returns (out, log, machine_info)."""
+    out = out_dir()
+    log = Log(os.path.join(out, log_name + ".log"))
+    log(headline)
+    mi = machine_info()
+    log("machine: %s" % mi)
+    log("subreaper: %s" % set_subreaper())
+    install_plugin(plugdir, log)
+    return out, log, mi
+
+
 def fresh_workload_files(work, name):
     """(work/NAME.log, work/NAME.out) for a workload's log and its stdout/stderr, left over
     copies from an earlier run removed; `work` is created."""

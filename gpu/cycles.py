@@ -143,14 +143,8 @@ def main():
     ap.add_argument("--mock", action="store_true", help="gpu/mock_workload.py, no GPU (harness test)")
     a = ap.parse_args()
     a.gib = int(a.gib) if a.gib.is_integer() else a.gib
-    out = crlib.out_dir()
-    log = crlib.Log(os.path.join(out, "cycles.log"))
+    out, log, mi = crlib.start_run("cycles", "gpusnap cycles: %s" % " ".join(sys.argv), a.plugdir)
     jsonl = crlib.result_files(out, a.name, a.mock)
-    log("gpusnap cycles: %s" % " ".join(sys.argv))
-    mi = crlib.machine_info()
-    log("machine: %s" % mi)
-    log("subreaper: %s" % crlib.set_subreaper())
-    crlib.install_plugin(a.plugdir, log)
     workload = os.path.join(crlib.REPO, "gpu", "mock_workload.py") if a.mock else a.workload
     prefix = [sys.executable] if a.mock else []
     run_id = time.strftime("%Y%m%dT%H%M%S")

@@ -37,15 +37,9 @@ def main():
     ap.add_argument("--log-name", default="e2e")
     a = ap.parse_args()
 
-    out = crlib.out_dir()
-    log = crlib.Log(os.path.join(out, a.log_name + ".log"))
-    jsonl = os.path.join(out, a.log_name + ".jsonl")
     t_start = time.time()
-    log("gpusnap e2e: %s" % " ".join(sys.argv))
-    mi = crlib.machine_info()
-    log("machine: %s" % mi)
-    log("subreaper: %s" % crlib.set_subreaper())
-    crlib.install_plugin(a.plugdir, log)
+    out, log, mi = crlib.start_run(a.log_name, "gpusnap e2e: %s" % " ".join(sys.argv), a.plugdir)
+    jsonl = os.path.join(out, a.log_name + ".jsonl")
     for f in (crlib.AGENT_SO, crlib.GPUSNAP_CLI, crlib.CRIU):
         log("%s: %s" % (f, "present" if os.path.exists(f) else "MISSING"))
     os.makedirs(a.images, exist_ok=True)

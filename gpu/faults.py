@@ -713,15 +713,9 @@ def main():
         ap.error("unknown case(s) %s; known: %s" % (unknown, ", ".join(ALL_CASES)))
     only = [x for x in a.paths.split(",") if x]
 
-    out = crlib.out_dir()
-    log = crlib.Log(os.path.join(out, "faults.log"))
-    jsonls = crlib.result_files(out, a.name, a.mock)
     t_start = time.time()
-    log("gpusnap faults: %s" % " ".join(sys.argv))
-    mi = crlib.machine_info()
-    log("machine: %s" % mi)
-    log("subreaper: %s" % crlib.set_subreaper())
-    crlib.install_plugin(a.plugdir, log)
+    out, log, mi = crlib.start_run("faults", "gpusnap faults: %s" % " ".join(sys.argv), a.plugdir)
+    jsonls = crlib.result_files(out, a.name, a.mock)
     for f in (crlib.AGENT_SO, crlib.GPUSNAP_CLI, crlib.CRIU, a.workload):
         log("%s: %s" % (f, "present" if os.path.exists(f) else "MISSING"))
     if os.path.isfile(crlib.GPUSNAP_CLI):

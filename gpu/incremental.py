@@ -56,13 +56,8 @@ def main():
                     help="accepted for gpu/run-all.sh; one run of this script takes about a minute")
     a = ap.parse_args()
     a.gib = int(a.gib) if a.gib.is_integer() else a.gib
-    out = crlib.out_dir()
-    log = crlib.Log(os.path.join(out, "incremental.log"))
-    mi = crlib.machine_info()
-    log("gpusnap incremental: %s" % " ".join(sys.argv))
-    log("machine: %s" % mi)
-    log("subreaper: %s" % crlib.set_subreaper())
-    crlib.install_plugin(a.plugdir, log)
+    out, log, mi = crlib.start_run("incremental", "gpusnap incremental: %s" % " ".join(sys.argv),
+                                   a.plugdir)
     shutil.rmtree(a.images, ignore_errors=True)
     os.makedirs(a.images)
     wlog, wout = crlib.fresh_workload_files(a.work, "incr")

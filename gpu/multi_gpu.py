@@ -139,15 +139,10 @@ def main():
     a.gib = int(a.gib) if a.gib.is_integer() else a.gib
     os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA ordinals = nvidia-smi indexes
 
-    out = crlib.out_dir()
-    log = crlib.Log(os.path.join(out, "multi-gpu.log"))
-    jsonl = crlib.result_files(out, a.name, a.mock)
     t_start = time.time()
-    log("gpusnap multi-GPU: %s" % " ".join(sys.argv))
-    mi = crlib.machine_info()
-    log("machine: %s" % mi)
-    log("subreaper: %s" % crlib.set_subreaper())
-    crlib.install_plugin(a.plugdir, log)
+    out, log, mi = crlib.start_run("multi-gpu", "gpusnap multi-GPU: %s" % " ".join(sys.argv),
+                                   a.plugdir)
+    jsonl = crlib.result_files(out, a.name, a.mock)
     uuids = {} if a.mock else crlib.gpu_uuids()
     log("GPUs: %s" % uuids)
     if not a.mock and len(uuids) < 2:

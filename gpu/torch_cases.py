@@ -470,17 +470,12 @@ def main():
         if p not in ("split", "transparent"):
             ap.error("unknown path %s" % p)
 
-    out = crlib.out_dir()
-    log = crlib.Log(os.path.join(out, "torch.log"))
-    jsonls = crlib.result_files(out, a.name, a.device == "cpu")
     t_start = time.time()
     run_id = time.strftime("%Y%m%dT%H%M%S") + "-%d" % os.getpid()
-    mi = crlib.machine_info()
-    log("torch cases run %s: %s" % (run_id, " ".join(sys.argv)))
-    log("machine: %s" % mi)
+    out, log, mi = crlib.start_run("torch", "torch cases run %s: %s" % (run_id, " ".join(sys.argv)),
+                                   a.plugdir)
     log("cases %s, paths %s, size %s, python %s" % (ids, paths, a.size, a.python))
-    log("subreaper: %s" % crlib.set_subreaper())
-    crlib.install_plugin(a.plugdir, log)
+    jsonls = crlib.result_files(out, a.name, a.device == "cpu")
     r = Runner(a, log, mi, run_id, jsonls)
     results = []
     for cid in ids:

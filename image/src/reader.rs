@@ -96,6 +96,18 @@ impl DataFileReader {
                 got: out.len() as u64,
             });
         }
+        self.read_payload(entry, chunk, out, scratch)
+    }
+
+    /// The stored bytes of `entry` (its record already checked by `check_record`) into `out`,
+    /// checksummed and, for zstd, decompressed.
+    fn read_payload(
+        &self,
+        entry: &ChunkEntry,
+        chunk: usize,
+        out: &mut [u8],
+        scratch: &mut Vec<u8>,
+    ) -> Result<(), ImageError> {
         match entry.codec {
             // Straight into the caller's buffer; no copy.
             Codec::Raw => self.read_checked(out, entry, chunk),
@@ -136,15 +148,14 @@ impl DataFileReader {
         out: &mut Vec<u8>,
         scratch: &mut Vec<u8>,
     ) -> Result<(), ImageError> {
+        let chunk = self.check_record(entry)?;
         if entry.codec != Codec::Raw {
-            let n = entry.len as usize; // <= 1 GiB: check_record bounds it before any read
-            self.check_record(entry)?;
+            let n = entry.len as usize; // <= 1 GiB: check_record bounded it
             if out.len() < n {
                 out.resize(n, 0);
             }
-            return self.read_chunk(entry, &mut out[..n], scratch);
+            return self.read_payload(entry, chunk, &mut out[..n], scratch);
         }
-        let chunk = self.check_record(entry)?;
         piece.resize(PIECE, 0);
         let mut hasher = Xxh3Default::new();
         let (mut done, len) = (0u64, entry.stored_len);

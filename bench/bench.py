@@ -86,7 +86,8 @@ def main():
     base = {"run": run_id, "date": crlib.iso_now(), "gpu": mi.get("gpu"), "driver": mi.get("driver")}
     crlib.append_jsonl(jsonls, dict(base, kind="meta", cmdline=cmdline, cpus=mi.get("cpus"),
                                     ram_gib=mi.get("ram_gib"), kernel=mi.get("kernel"),
-                                    gpu_mem=mi.get("gpu_mem"), sizes=a.sizes, paths=a.paths,
+                                    gpu_mem=mi.get("gpu_mem"), criu=mi.get("criu"),
+                                    shm_options=mi.get("shm_options"), sizes=a.sizes, paths=a.paths,
                                     alloc=a.alloc, chunk_mib=a.chunk_mib, mock=a.mock))
 
     if not a.no_pcie and not a.mock:

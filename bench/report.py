@@ -58,6 +58,8 @@ def render(recs, run):
     L.append("- machine: %s (%s), driver %s, %s CPUs, %s GiB RAM, kernel %s" % (
         first.get("gpu"), meta.get("gpu_mem", "?"), first.get("driver"), meta.get("cpus", "?"),
         meta.get("ram_gib", "?"), meta.get("kernel", "?")))
+    if meta.get("criu") or meta.get("shm_options"):
+        L.append("- CRIU %s; /dev/shm mounted `%s`" % (meta.get("criu", "?"), meta.get("shm_options", "?")))
     L.append("- workload: gpu/workload.cu, allocations %s of %s MiB; images on /dev/shm; times are "
              "wall clock from the start of `criu dump`/`criu restore` to its return" % (
                  meta.get("alloc", "driver"), meta.get("chunk_mib", 1024)))

@@ -160,6 +160,20 @@ def machine_info():
     m = meminfo_gib()
     info["ram_gib"] = round(m.get("MemTotal", 0), 1)
     info["kernel"] = os.uname().release
+    # the image storage's options (size, huge=) change the data rate
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 3 and fields[1] == "/dev/shm":
+                    info["shm_options"] = fields[3]
+    except OSError:
+        pass
+    try:
+        r = subprocess.run([CRIU, "--version"], capture_output=True, text=True, timeout=30)
+        info["criu"] = r.stdout.split("\n")[0].replace("Version:", "").strip() or None
+    except Exception as e:
+        info["criu_error"] = repr(e)
     return info
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Shared first step of the GPU scripts: builds the CUDA programs (gpu/build.sh) and, as root,
 # makes /dev/shm large enough for the images (120G); with --mock (no GPU) it only reports
-# /dev/shm. Everything is appended to LOG (and shown).
+# /dev/shm. GPUSNAP_SHM_HUGE=always|within_size|never also sets tmpfs's huge= option (huge pages
+# for the image files; unset leaves it as it is). Everything is appended to LOG (and shown).
 #
 # Usage: gpu/prepare.sh LOG [--mock]
 #        gpu/prepare.sh --run NAME SCRIPT.py [ARGS...]
@@ -24,7 +25,14 @@ log=${1:?usage: gpu/prepare.sh LOG [--mock]}
 if [[ ${2:-} != --mock ]]; then
     gpu/build.sh 2>&1 | tee -a "$log"
     if [[ $(id -u) == 0 ]]; then
-        mount -o remount,size=120G /dev/shm 2>&1 | tee -a "$log" || true
+        opts=size=120G
+        case ${GPUSNAP_SHM_HUGE:-} in
+            '') ;;
+            always|within_size|never|advise) opts+=",huge=$GPUSNAP_SHM_HUGE" ;;
+            *) echo "GPUSNAP_SHM_HUGE=$GPUSNAP_SHM_HUGE: expected always|within_size|advise|never" >&2; exit 2 ;;
+        esac
+        mount -o "remount,$opts" /dev/shm 2>&1 | tee -a "$log" || true
     fi
 fi
 df -h /dev/shm 2>&1 | tee -a "$log" || true
+grep ' /dev/shm ' /proc/mounts 2>&1 | tee -a "$log" || true

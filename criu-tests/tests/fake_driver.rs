@@ -274,6 +274,45 @@ fn leave_running_dump_rolls_back_to_running() {
     assert_runs_on(&wl, 0, "after dump -R");
 }
 
+/// The driver checkpoint waits on a thread CRIU holds, as a PyTorch job's did on the H200 (the
+/// fake's checkpoint waits until the other threads run): after `stall::STALL` without progress
+/// gpusnap lets the process's other threads run until the checkpoint returns, stops them again,
+/// and the dump and the restore succeed; the process runs on intact.
+#[test]
+fn checkpoint_waiting_on_a_stopped_thread_is_unblocked() {
+    let Some((_, w, fake)) = setup("fake-checkpoint-stall") else {
+        return;
+    };
+    let mut wl = spawn_one(&w, 211);
+    let pid = wl.root();
+    let needs_app = [("FAKECUDA_CHECKPOINT_NEEDS_APP_MS", "20000")];
+    let dump = fake.dump(&w, pid, false, &needs_app, &[]);
+    let ctx = context(&fake, &[pid], &[&dump]);
+    dump.assert_ok();
+    let ops = fake.ops(pid);
+    assert_eq!(shorts(&ops), ["lock:0", "checkpoint:0"], "{ctx}");
+    assert_ptrace_protocol(&ops, &ctx);
+    let waited: u64 = ops[1]
+        .fields
+        .get("app_ran_after_ms")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("the checkpoint did not record its wait\n{ctx}"));
+    assert!(
+        (2_000..15_000).contains(&waited),
+        "the other threads ran {waited} ms into the checkpoint (expected about 3 s)\n{ctx}"
+    );
+    assert_gpusnap_line(&dump, "shows no progress");
+    assert_gpusnap_line(&dump, "until the checkpoint returns");
+    assert_eq!(fake.state(pid), "checkpointed", "{ctx}");
+
+    wl.reap_dumped();
+    let at_dump = wl.log(0).last();
+    let restore = fake.restore(&w, &[]);
+    restore.assert_ok();
+    let log = assert_runs_on(&wl, 0, "after a dump whose checkpoint stalled");
+    assert!(log.last() >= at_dump + MORE_TICKS);
+}
+
 /// Contract 3: the driver checkpoint fails (the fake fails it once, the state stays locked):
 /// the dump fails naming the call, and the rollback brings the process back to running: an
 /// unlock, as it is locked, not a restore. The workload runs on, untraced.

@@ -50,6 +50,10 @@
 //!   leaving the process running, as the real driver does.
 //! - `FAKECUDA_CALL_DELAY_MS=N`: checkpoint and restore take N ms each (to see overlap when a
 //!   caller works on several processes in parallel).
+//! - `FAKECUDA_CHECKPOINT_NEEDS_APP_MS=N`: the checkpoint waits until every other thread of the
+//!   process is out of its ptrace stop, as the real driver's did when it waited on something a
+//!   frozen application thread held; after N ms without that it fails with
+//!   `CUDA_ERROR_OPERATING_SYSTEM` (304), state unchanged. The log gets `app_ran_after_ms`.
 //!
 //! A malformed value makes every checkpoint call fail with `CUDA_ERROR_INVALID_VALUE`, naming
 //! the variable, so that a typo cannot make a test pass.
@@ -101,6 +105,7 @@ pub const DIR_ENV: &str = "FAKECUDA_DIR";
 pub const FAIL_ENV: &str = "FAKECUDA_FAIL";
 pub const LOCK_DELAY_ENV: &str = "FAKECUDA_LOCK_DELAY_MS";
 pub const CALL_DELAY_ENV: &str = "FAKECUDA_CALL_DELAY_MS";
+pub const NEEDS_APP_ENV: &str = "FAKECUDA_CHECKPOINT_NEEDS_APP_MS";
 pub const DEVICES_ENV: &str = "FAKECUDA_DEVICES";
 pub const UUID_SALT_ENV: &str = "FAKECUDA_UUID_SALT";
 pub const DEVICE_NAME_ENV: &str = "FAKECUDA_DEVICE_NAME";
@@ -212,6 +217,8 @@ pub struct Settings {
     pub fail: Vec<Injection>,
     pub lock_delay_ms: u64,
     pub call_delay_ms: u64,
+    /// The checkpoint waits at most this long for the other threads to run (0: it does not).
+    pub needs_app_ms: u64,
     /// The number of devices (`FAKECUDA_DEVICES`).
     pub devices: usize,
     /// Byte 4 of every UUID, when not 0 (`FAKECUDA_UUID_SALT`).
@@ -230,6 +237,7 @@ impl Settings {
             fail: Vec::new(),
             lock_delay_ms: 0,
             call_delay_ms: 0,
+            needs_app_ms: 0,
             devices: 1,
             uuid_salt: 0,
             device_name: None,
@@ -280,6 +288,7 @@ impl Settings {
         for (var, slot) in [
             (LOCK_DELAY_ENV, &mut s.lock_delay_ms),
             (CALL_DELAY_ENV, &mut s.call_delay_ms),
+            (NEEDS_APP_ENV, &mut s.needs_app_ms),
         ] {
             if let Some(v) = get(var) {
                 match v.trim().parse() {
@@ -396,6 +405,20 @@ fn app_states(pid: i32, rt: i32) -> String {
         .map(|t| thread_state(pid, t).unwrap_or('?'))
         .collect();
     if s.is_empty() { "-".into() } else { s }
+}
+
+/// Waits until no thread of `pid` but `rt` is stopped; how long that took, or None after `limit`.
+fn wait_for_app_threads(pid: i32, rt: i32, limit: Duration) -> Option<Duration> {
+    let t0 = std::time::Instant::now();
+    loop {
+        if !app_states(pid, rt).chars().any(is_stopped) {
+            return Some(t0.elapsed());
+        }
+        if t0.elapsed() >= limit {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 /// `CLOCK_MONOTONIC` in microseconds: comparable between processes of one boot.
@@ -724,6 +747,20 @@ fn op_inner(s: &Settings, pid: i32, op: Op, args: &OpArgs, r: &mut Record) -> u3
     }
     if matches!(op, Op::Checkpoint | Op::Restore) && s.call_delay_ms > 0 {
         std::thread::sleep(Duration::from_millis(s.call_delay_ms));
+    }
+    if op == Op::Checkpoint && s.needs_app_ms > 0 {
+        match wait_for_app_threads(pid, rt, Duration::from_millis(s.needs_app_ms)) {
+            Some(waited) => r
+                .extra
+                .push(("app_ran_after_ms", waited.as_millis().to_string())),
+            None => {
+                r.msg = format!(
+                    "checkpoint waited {} ms ({NEEDS_APP_ENV}) for the process's other threads, which stayed stopped",
+                    s.needs_app_ms
+                );
+                return code::OPERATING_SYSTEM;
+            }
+        }
     }
     if let Some(e) = restore_thread_not_running(pid, rt, op, "ended") {
         r.msg = e;

@@ -9,6 +9,7 @@
 //! - [`dump`] / [`restore`]: the per-process protocol of each side;
 //! - [`datapath`] / [`staging`]: moving device data through the shared ring into image files;
 //! - [`ptrace`]: running one seized thread while CRIU holds the others;
+//! - [`stall`]: a driver checkpoint that waits on a stopped thread of its process;
 //! - [`process`]: the per-process state machine.
 
 pub mod context;
@@ -25,6 +26,7 @@ pub mod ptrace;
 pub mod recover;
 pub mod restore;
 pub mod staging;
+pub mod stall;
 
 use criu::{HOOK_SLOTS, PluginDesc, hook};
 use std::ffi::{c_int, c_void};

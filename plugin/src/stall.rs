@@ -1,0 +1,255 @@
+//! A driver checkpoint that stops making progress while the application is frozen.
+//!
+//! CRIU calls CHECKPOINT_DEVICES with every thread of the process seized; only the driver's
+//! restore thread (and on the split path the agent's) is let run. On the H200 a transparent
+//! checkpoint of a PyTorch training job (35 threads, expandable segments) hung there for
+//! minutes: the restore thread slept in a futex wait, so the driver waited on something that a
+//! stopped thread of the process held or had to do. CUDA calls stay blocked by the driver's
+//! lock during the checkpoint, so letting the other threads run cannot change GPU state, and
+//! it frees whatever they hold. The [`Watch`] therefore looks for progress (the process's
+//! resident memory, which the checkpoint fills with device data, and its CPU time); after
+//! [`STALL`] without any, the other threads are let run until the checkpoint returns, then
+//! stopped again. A thread or child process born meanwhile would be missing from CRIU's view
+//! of the process, so [`Unfrozen::stop`] fails the dump if the set of threads or children
+//! changed.
+
+use crate::ptrace::RunningThread;
+use std::collections::BTreeSet;
+use std::io;
+use std::time::{Duration, Instant};
+
+/// How long a driver checkpoint may show no progress before the other threads are let run.
+/// A false alarm costs nothing but a log line: the threads that run meet the driver's lock.
+pub const STALL: Duration = Duration::from_secs(3);
+
+/// What moves while a driver checkpoint works: resident memory and CPU time of the process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Progress {
+    rss_kib: u64,
+    cpu_ticks: u64,
+}
+
+impl Progress {
+    pub fn sample(pid: i32) -> Option<Self> {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        Some(Self {
+            rss_kib: vm_rss_kib(&status)?,
+            cpu_ticks: cpu_ticks(&stat)?,
+        })
+    }
+}
+
+/// `VmRSS:` of a `/proc/<pid>/status` text, in KiB.
+fn vm_rss_kib(status: &str) -> Option<u64> {
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// utime + stime (fields 14 and 15) of a `/proc/<pid>/stat` text. The command name (field 2)
+/// may hold spaces and parentheses, so fields are counted after its last `)`.
+fn cpu_ticks(stat: &str) -> Option<u64> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let mut fields = rest.split_whitespace().skip(11); // field 3 is the first after ')'
+    let utime: u64 = fields.next()?.parse().ok()?;
+    let stime: u64 = fields.next()?.parse().ok()?;
+    Some(utime + stime)
+}
+
+/// Watches one process's driver checkpoint from CRIU's main thread.
+#[derive(Debug)]
+pub struct Watch {
+    pid: i32,
+    last: Option<Progress>,
+    since: Instant,
+}
+
+impl Watch {
+    pub fn new(pid: i32) -> Self {
+        Self {
+            pid,
+            last: Progress::sample(pid),
+            since: Instant::now(),
+        }
+    }
+
+    /// Samples once; true when nothing moved for `STALL`.
+    pub fn stalled(&mut self) -> bool {
+        let now = Progress::sample(self.pid);
+        if now != self.last {
+            self.last = now;
+            self.since = Instant::now();
+            return false;
+        }
+        self.since.elapsed() >= STALL
+    }
+
+    pub fn quiet_for(&self) -> Duration {
+        self.since.elapsed()
+    }
+}
+
+/// Threads and child processes of a process, as `/proc` lists them.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Family {
+    pub threads: BTreeSet<i32>,
+    pub children: BTreeSet<i32>,
+}
+
+impl Family {
+    pub fn of(pid: i32) -> io::Result<Self> {
+        let mut f = Self::default();
+        for e in std::fs::read_dir(format!("/proc/{pid}/task"))? {
+            let Some(tid) = e?.file_name().to_str().and_then(|s| s.parse().ok()) else {
+                continue;
+            };
+            f.threads.insert(tid);
+            // A thread may exit meanwhile; its children are then listed by no one, which the
+            // comparison after the checkpoint catches as a change.
+            if let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/children")) {
+                f.children.extend(
+                    text.split_whitespace()
+                        .filter_map(|s| s.parse::<i32>().ok()),
+                );
+            }
+        }
+        Ok(f)
+    }
+}
+
+/// `tid name state wchan` of every thread of `pid` that is not in a ptrace stop, for the log.
+pub fn describe_running(pid: i32) -> String {
+    let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return String::from("(cannot list threads)");
+    };
+    let mut out = Vec::new();
+    for e in dir.flatten() {
+        let tid = e.file_name().to_string_lossy().into_owned();
+        let read = |f: &str| {
+            std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/{f}"))
+                .map(|s| s.trim().to_owned())
+                .unwrap_or_default()
+        };
+        let stat = read("stat");
+        let state = stat
+            .rfind(')')
+            .and_then(|i| stat[i + 1..].split_whitespace().next())
+            .unwrap_or("?")
+            .to_owned();
+        if state == "t" {
+            continue;
+        }
+        out.push(format!("{tid} {} {state} {}", read("comm"), read("wchan")));
+    }
+    out.join("; ")
+}
+
+/// The other threads of a stalled process, let run until the checkpoint returns.
+#[derive(Debug)]
+pub struct Unfrozen {
+    pid: i32,
+    before: Family,
+    threads: Vec<RunningThread>,
+}
+
+impl Unfrozen {
+    /// Resumes every thread of `pid` but those in `running` (already resumed by us).
+    pub fn start(pid: i32, running: &[i32]) -> io::Result<Self> {
+        let before = Family::of(pid)?;
+        let mut threads = Vec::new();
+        for &tid in &before.threads {
+            if running.contains(&tid) {
+                continue;
+            }
+            match RunningThread::resume(tid) {
+                Ok(th) => threads.push(th),
+                // Dropping `threads` stops the ones already resumed.
+                Err(e) => {
+                    return Err(io::Error::new(
+                        e.kind(),
+                        format!("resuming thread {tid}: {e}"),
+                    ));
+                }
+            }
+        }
+        Ok(Self {
+            pid,
+            before,
+            threads,
+        })
+    }
+
+    pub fn count(&self) -> usize {
+        self.threads.len()
+    }
+
+    /// Stops the threads again; an error if the process gained or lost a thread or child
+    /// meanwhile (CRIU's list of what to dump would then be wrong).
+    pub fn stop(self) -> Result<(), String> {
+        let Self {
+            pid,
+            before,
+            threads,
+        } = self;
+        for th in threads {
+            let tid = th.tid();
+            th.stop()
+                .map_err(|e| format!("stopping thread {tid} again: {e}"))?;
+        }
+        let after = Family::of(pid).map_err(|e| format!("listing pid {pid}'s threads: {e}"))?;
+        if after != before {
+            return Err(format!(
+                "while its threads ran, pid {pid} changed: threads {:?} -> {:?}, children {:?} -> {:?}; \
+                 CRIU's view of it is stale, so this dump is abandoned (run it again)",
+                before.threads, after.threads, before.children, after.children
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rss_is_read_from_status() {
+        let s = "Name:\tpython3\nVmPeak:\t  100 kB\nVmRSS:\t  123456 kB\nThreads:\t35\n";
+        assert_eq!(vm_rss_kib(s), Some(123456));
+        assert_eq!(vm_rss_kib("Name:\tx\n"), None);
+    }
+
+    #[test]
+    fn cpu_time_skips_a_command_name_with_spaces_and_parens() {
+        // pid (comm) state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime stime
+        let s = "42 (a b) c)) S 1 42 42 0 -1 4194560 10 0 0 0 700 55 0 0 20 0";
+        assert_eq!(cpu_ticks(s), Some(755));
+        assert_eq!(cpu_ticks("42 (x) S 1"), None);
+    }
+
+    #[test]
+    fn own_process_makes_progress_samples() {
+        let me = std::process::id() as i32;
+        let p = Progress::sample(me).expect("own /proc");
+        assert!(p.rss_kib > 0);
+        let f = Family::of(me).unwrap();
+        assert!(f.threads.contains(&me));
+    }
+
+    #[test]
+    fn a_quiet_process_is_stalled_only_after_the_grace_period() {
+        // A sleeping child: no RSS or CPU change.
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let pid = child.id() as i32;
+        std::thread::sleep(Duration::from_millis(100));
+        let mut w = Watch::new(pid);
+        assert!(!w.stalled());
+        w.since -= STALL;
+        assert!(w.stalled(), "no progress for STALL must count as a stall");
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+}

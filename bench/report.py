@@ -95,7 +95,10 @@ def render(recs, run):
         g_f = float(g)
 
         def val(r, k):
-            return None if r is None or r.get("skipped") else r.get(k)
+            # a failed case's times say how fast it failed: no speedup or rate from them
+            if r is None or r.get("skipped") or not r.get("pass", True):
+                return None
+            return r.get(k)
 
         sd, sr = val(s, "dump_s"), val(s, "restore_s")
         td, tr = val(t, "dump_s"), val(t, "restore_s")

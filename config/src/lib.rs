@@ -42,7 +42,7 @@ pub const CONFIG_ENV: &str = "GPUSNAP_CONFIG";
 /// - every `GPUSNAP_TEST_*`, and `GPUSNAP_REPO`, `GPUSNAP_SKIP_CRIU_TESTS`: the test suites;
 /// - `GPUSNAP_CRIU`, `GPUSNAP_CRIU_ROOT`, `GPUSNAP_CRIU_FORCE`, `GPUSNAP_CRIU_MIRROR`,
 ///   `GPUSNAP_CRIU_SUITE`: the CRIU wrapper and installer, and `gpusnap check`;
-/// - `GPUSNAP_CLI`, `GPUSNAP_LIBCUDA`: the GPU scripts;
+/// - `GPUSNAP_CLI`, `GPUSNAP_LIBCUDA`, `GPUSNAP_SHM_HUGE`: the GPU scripts;
 /// - `GPUSNAP_FSYNC`: read by the image writer.
 pub const NON_CONFIG_ENV: &[&str] = &[
     "GPUSNAP_CLI",
@@ -54,6 +54,7 @@ pub const NON_CONFIG_ENV: &[&str] = &[
     "GPUSNAP_FSYNC",
     "GPUSNAP_LIBCUDA",
     "GPUSNAP_REPO",
+    "GPUSNAP_SHM_HUGE",
     "GPUSNAP_SKIP_CRIU_TESTS",
 ];
 

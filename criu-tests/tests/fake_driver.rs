@@ -285,7 +285,7 @@ fn checkpoint_waiting_on_a_stopped_thread_is_unblocked() {
     };
     let mut wl = spawn_one(&w, 211);
     let pid = wl.root();
-    let needs_app = [("FAKECUDA_CHECKPOINT_NEEDS_APP_MS", "20000")];
+    let needs_app = [("FAKECUDA_NEEDS_APP_MS", "20000")];
     let dump = fake.dump(&w, pid, false, &needs_app, &[]);
     let ctx = context(&fake, &[pid], &[&dump]);
     dump.assert_ok();
@@ -302,7 +302,7 @@ fn checkpoint_waiting_on_a_stopped_thread_is_unblocked() {
         "the other threads ran {waited} ms into the checkpoint (expected about 3 s)\n{ctx}"
     );
     assert_gpusnap_line(&dump, "shows no progress");
-    assert_gpusnap_line(&dump, "until the checkpoint returns");
+    assert_gpusnap_line(&dump, "until the driver call returns");
     assert_eq!(fake.state(pid), "checkpointed", "{ctx}");
 
     wl.reap_dumped();
@@ -310,6 +310,47 @@ fn checkpoint_waiting_on_a_stopped_thread_is_unblocked() {
     let restore = fake.restore(&w, &[]);
     restore.assert_ok();
     let log = assert_runs_on(&wl, 0, "after a dump whose checkpoint stalled");
+    assert!(log.last() >= at_dump + MORE_TICKS);
+}
+
+/// The driver restore waits on a thread CRIU holds (restored threads come back in the state
+/// they were dumped in, locks included): gpusnap lets the other threads run until the restore
+/// returns and stops them again *before* the unlock, so the unlock (and everything after it)
+/// still runs with the application held; the process runs on intact.
+#[test]
+fn restore_waiting_on_a_stopped_thread_is_unblocked() {
+    let Some((_, w, fake)) = setup("fake-restore-stall") else {
+        return;
+    };
+    let mut wl = spawn_one(&w, 212);
+    let pid = wl.root();
+    let dump = fake.dump(&w, pid, false, &[], &[]);
+    dump.assert_ok();
+    wl.reap_dumped();
+    let at_dump = wl.log(0).last();
+    let needs_app = [("FAKECUDA_NEEDS_APP_MS", "20000")];
+    let restore = fake.restore(&w, &needs_app);
+    let ctx = context(&fake, &[pid], &[&dump, &restore]);
+    restore.assert_ok();
+    let ops = fake.ops(pid);
+    assert_eq!(
+        shorts(&ops),
+        ["lock:0", "checkpoint:0", "restore:0", "unlock:0"],
+        "{ctx}"
+    );
+    // The unlock's `app` states: every application thread held again.
+    assert_ptrace_protocol(&ops, &ctx);
+    let waited: u64 = ops[2]
+        .fields
+        .get("app_ran_after_ms")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("the restore did not record its wait\n{ctx}"));
+    assert!(
+        (2_000..15_000).contains(&waited),
+        "the other threads ran {waited} ms into the restore (expected about 3 s)\n{ctx}"
+    );
+    assert_gpusnap_line(&restore, "until the driver call returns");
+    let log = assert_runs_on(&wl, 0, "after a restore whose driver call stalled");
     assert!(log.last() >= at_dump + MORE_TICKS);
 }
 

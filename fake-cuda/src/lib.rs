@@ -50,9 +50,9 @@
 //!   leaving the process running, as the real driver does.
 //! - `FAKECUDA_CALL_DELAY_MS=N`: checkpoint and restore take N ms each (to see overlap when a
 //!   caller works on several processes in parallel).
-//! - `FAKECUDA_CHECKPOINT_NEEDS_APP_MS=N`: the checkpoint waits until every other thread of the
-//!   process is out of its ptrace stop, as the real driver's did when it waited on something a
-//!   frozen application thread held; after N ms without that it fails with
+//! - `FAKECUDA_NEEDS_APP_MS=N`: checkpoint and restore wait until every other thread of the
+//!   process is out of its ptrace stop, as the real driver's checkpoint once did when it waited
+//!   on something a stopped application thread held; after N ms without that they fail with
 //!   `CUDA_ERROR_OPERATING_SYSTEM` (304), state unchanged. The log gets `app_ran_after_ms`.
 //!
 //! A malformed value makes every checkpoint call fail with `CUDA_ERROR_INVALID_VALUE`, naming
@@ -105,7 +105,7 @@ pub const DIR_ENV: &str = "FAKECUDA_DIR";
 pub const FAIL_ENV: &str = "FAKECUDA_FAIL";
 pub const LOCK_DELAY_ENV: &str = "FAKECUDA_LOCK_DELAY_MS";
 pub const CALL_DELAY_ENV: &str = "FAKECUDA_CALL_DELAY_MS";
-pub const NEEDS_APP_ENV: &str = "FAKECUDA_CHECKPOINT_NEEDS_APP_MS";
+pub const NEEDS_APP_ENV: &str = "FAKECUDA_NEEDS_APP_MS";
 pub const DEVICES_ENV: &str = "FAKECUDA_DEVICES";
 pub const UUID_SALT_ENV: &str = "FAKECUDA_UUID_SALT";
 pub const DEVICE_NAME_ENV: &str = "FAKECUDA_DEVICE_NAME";
@@ -217,7 +217,8 @@ pub struct Settings {
     pub fail: Vec<Injection>,
     pub lock_delay_ms: u64,
     pub call_delay_ms: u64,
-    /// The checkpoint waits at most this long for the other threads to run (0: it does not).
+    /// Checkpoint and restore wait at most this long for the other threads to run (0: they do
+    /// not).
     pub needs_app_ms: u64,
     /// The number of devices (`FAKECUDA_DEVICES`).
     pub devices: usize,
@@ -748,14 +749,15 @@ fn op_inner(s: &Settings, pid: i32, op: Op, args: &OpArgs, r: &mut Record) -> u3
     if matches!(op, Op::Checkpoint | Op::Restore) && s.call_delay_ms > 0 {
         std::thread::sleep(Duration::from_millis(s.call_delay_ms));
     }
-    if op == Op::Checkpoint && s.needs_app_ms > 0 {
+    if matches!(op, Op::Checkpoint | Op::Restore) && s.needs_app_ms > 0 {
         match wait_for_app_threads(pid, rt, Duration::from_millis(s.needs_app_ms)) {
             Some(waited) => r
                 .extra
                 .push(("app_ran_after_ms", waited.as_millis().to_string())),
             None => {
                 r.msg = format!(
-                    "checkpoint waited {} ms ({NEEDS_APP_ENV}) for the process's other threads, which stayed stopped",
+                    "{} waited {} ms ({NEEDS_APP_ENV}) for the process's other threads, which stayed stopped",
+                    op.name(),
                     s.needs_app_ms
                 );
                 return code::OPERATING_SYSTEM;

@@ -6,15 +6,14 @@ use crate::datapath::{self, DataError};
 use crate::process::{DataPath, DriverStage, SplitState, Tracked};
 use crate::ptrace::RunningThread;
 use crate::staging::Staging;
-use crate::stall::{self, Unfrozen};
+use crate::stall::{self, DriverCall, Watched};
 use gpusnap_config::Mode;
 use gpusnap_cuda::agent::{self, AgentError};
 use gpusnap_cuda::{DriverError, ProcessState};
 use gpusnap_image::{AllocationRecord, CheckpointPath, Manifest};
 use gpusnap_proto::{AllocKind, Channel, Reply, Request};
 use std::os::fd::BorrowedFd;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DumpError {
@@ -200,39 +199,40 @@ pub fn checkpoint_all(ctx: &Ctx, procs: &mut [Tracked]) -> Vec<(i32, Result<(), 
         }
     }
     let n = work.len();
-    // Per process: set while its worker is inside the driver checkpoint (driver locked).
-    let in_driver: Vec<AtomicBool> = work.iter().map(|_| AtomicBool::new(false)).collect();
-    let watched: Vec<(i32, Vec<i32>)> = work
+    let calls: Vec<DriverCall> = work.iter().map(|_| DriverCall::default()).collect();
+    let watched: Vec<Watched<'_>> = work
         .iter()
-        .map(|(t, th)| (t.pid, th.iter().map(RunningThread::tid).collect()))
+        .zip(&calls)
+        .map(|((t, th), call)| Watched {
+            pid: t.pid,
+            running: th.iter().map(RunningThread::tid).collect(),
+            call,
+        })
         .collect();
-    let mut unfrozen: Vec<Option<Unfrozen>> = work.iter().map(|_| None).collect();
-    let outcomes: Vec<(i32, Result<(), DumpError>)> = std::thread::scope(|s| {
+    let (outcomes, leftovers) = std::thread::scope(|s| {
         let handles: Vec<_> = work
             .iter_mut()
-            .zip(&in_driver)
-            .map(|((t, _), flag)| {
+            .zip(&calls)
+            .map(|((t, _), call)| {
                 s.spawn(move || {
                     datapath::block_signals();
-                    let r = checkpoint_one(ctx, t, flag);
+                    let r = checkpoint_one(ctx, t, call);
                     (t.pid, r)
                 })
             })
             .collect();
-        watch_driver_checkpoints(&handles, &in_driver, &watched, &mut unfrozen);
-        handles
+        let leftovers = stall::watch(|| handles.iter().all(|h| h.is_finished()), &watched);
+        let outcomes: Vec<(i32, Result<(), DumpError>)> = handles
             .into_iter()
             .map(|h| {
                 h.join()
                     .unwrap_or_else(|_| (0, Err(DumpError::Other("worker panicked".into()))))
             })
-            .collect()
+            .collect();
+        (outcomes, leftovers)
     });
-    for (((t, threads), (pid, r)), others) in work.into_iter().zip(outcomes).zip(unfrozen) {
-        let others_stopped = match others {
-            Some(u) => u.stop().map_err(DumpError::Other),
-            None => Ok(()),
-        };
+    for (((t, threads), (pid, r)), leftover) in work.into_iter().zip(outcomes).zip(leftovers) {
+        let others_stopped = leftover.map_err(DumpError::Other);
         let stopped = stop_all(threads, "stopping a thread after the checkpoint");
         if r.is_ok() {
             log::info!("pid {}: dump phases: {}", t.pid, t.timings_line());
@@ -278,54 +278,9 @@ fn run_threads(t: &mut Tracked) -> Result<Vec<RunningThread>, DumpError> {
     Ok(threads)
 }
 
-/// Runs on CRIU's main thread (the tracer) until every worker is done: a process whose driver
-/// checkpoint shows no progress for [`stall::STALL`] gets its other threads resumed (see
-/// [`crate::stall`]); they are stopped again after the join.
-fn watch_driver_checkpoints<T>(
-    workers: &[std::thread::ScopedJoinHandle<'_, T>],
-    in_driver: &[AtomicBool],
-    watched: &[(i32, Vec<i32>)],
-    unfrozen: &mut [Option<Unfrozen>],
-) {
-    let mut watches: Vec<Option<stall::Watch>> = watched.iter().map(|_| None).collect();
-    while !workers.iter().all(|h| h.is_finished()) {
-        std::thread::sleep(Duration::from_millis(100));
-        for (i, (pid, running)) in watched.iter().enumerate() {
-            if unfrozen[i].is_some() || workers[i].is_finished() {
-                continue;
-            }
-            if !in_driver[i].load(Ordering::Acquire) {
-                watches[i] = None;
-                continue;
-            }
-            let w = watches[i].get_or_insert_with(|| stall::Watch::new(*pid));
-            if !w.stalled() {
-                continue;
-            }
-            log::warn!(
-                "pid {pid}: the driver checkpoint shows no progress for {:.1} s (resident memory \
-                 and CPU time unchanged); threads not stopped: {}",
-                w.quiet_for().as_secs_f64(),
-                stall::describe_running(*pid)
-            );
-            match Unfrozen::start(*pid, running) {
-                Ok(u) => {
-                    log::warn!(
-                        "pid {pid}: let its other {} threads run until the checkpoint returns, \
-                         in case it waits on one of them (CUDA calls stay blocked by the lock)",
-                        u.count()
-                    );
-                    unfrozen[i] = Some(u);
-                }
-                Err(e) => log::error!("pid {pid}: cannot resume its other threads: {e}"),
-            }
-        }
-    }
-}
-
-/// The driver and data work of one process; its restore (and agent) thread runs. `in_driver`
-/// is set while the driver checkpoint runs, for [`watch_driver_checkpoints`].
-fn checkpoint_one(ctx: &Ctx, t: &mut Tracked, in_driver: &AtomicBool) -> Result<(), DumpError> {
+/// The driver and data work of one process; its restore (and agent) thread runs. The driver
+/// checkpoint runs through `call`, which CRIU's main thread watches ([`stall::watch`]).
+fn checkpoint_one(ctx: &Ctx, t: &mut Tracked, call: &DriverCall) -> Result<(), DumpError> {
     if t.is_split() {
         match move_data_out(ctx, t) {
             Ok(()) => {}
@@ -346,12 +301,11 @@ fn checkpoint_one(ctx: &Ctx, t: &mut Tracked, in_driver: &AtomicBool) -> Result<
     }
     let t0 = Instant::now();
     t.driver = DriverStage::Checkpointed; // set first: a failed checkpoint is rolled back too
-    in_driver.store(true, Ordering::Release);
-    let checkpointed = ctx.api.checkpoint(t.pid);
-    in_driver.store(false, Ordering::Release);
+    let (checkpointed, refrozen) = call.run(|| ctx.api.checkpoint(t.pid));
     checkpointed.map_err(driver(
             "driver checkpoint (it fails on state it cannot take: managed memory, CUDA IPC, MPS, GPU peer access)",
         ))?;
+    refrozen.map_err(DumpError::Other)?;
     let phase = if t.is_split() {
         "control"
     } else {

@@ -5,6 +5,7 @@ use crate::context::Ctx;
 use crate::dump::{DumpError, load_with_agent_running, stop_all};
 use crate::gpumap;
 use crate::ptrace::RunningThread;
+use crate::stall::{self, DriverCall, Watched};
 use gpusnap_image::{CheckpointPath, Manifest};
 use std::collections::HashMap;
 use std::os::fd::BorrowedFd;
@@ -235,28 +236,42 @@ pub fn resume_all(ctx: &Ctx, items: &[(i32, Manifest)]) -> Restored {
             Err(e) => results.push((*pid, Err(e))),
         }
     }
-    let outcomes: Vec<Result<serde_json::Value, DumpError>> = std::thread::scope(|s| {
+    let calls: Vec<DriverCall> = work.iter().map(|_| DriverCall::default()).collect();
+    let watched: Vec<Watched<'_>> = work
+        .iter()
+        .zip(&calls)
+        .map(|((pid, _, _, threads), call)| Watched {
+            pid: *pid,
+            running: threads.iter().map(RunningThread::tid).collect(),
+            call,
+        })
+        .collect();
+    let (outcomes, leftovers) = std::thread::scope(|s| {
         let handles: Vec<_> = work
             .iter()
-            .map(|(pid, m, pairs, _)| {
+            .zip(&calls)
+            .map(|((pid, m, pairs, _), call)| {
                 s.spawn(move || {
                     crate::datapath::block_signals();
-                    resume_one(ctx, *pid, m, pairs)
+                    resume_one(ctx, *pid, m, pairs, call)
                 })
             })
             .collect();
-        handles
+        let leftovers = stall::watch(|| handles.iter().all(|h| h.is_finished()), &watched);
+        let outcomes: Vec<Result<serde_json::Value, DumpError>> = handles
             .into_iter()
             .map(|h| {
                 h.join()
                     .unwrap_or_else(|_| Err(DumpError::Other("worker panicked".into())))
             })
-            .collect()
+            .collect();
+        (outcomes, leftovers)
     });
     let n = work.len();
-    for ((pid, _, _, threads), r) in work.into_iter().zip(outcomes) {
+    for (((pid, _, _, threads), r), leftover) in work.into_iter().zip(outcomes).zip(leftovers) {
+        let others_stopped = leftover.map_err(DumpError::Other);
         let stopped = stop_all(threads, "stopping a thread after the restore");
-        results.push((pid, stopped.and(r)));
+        results.push((pid, stopped.and(others_stopped).and(r)));
     }
     if n > 1 {
         log::info!(
@@ -289,21 +304,24 @@ fn prepare(ctx: &Ctx, pid: i32, m: &Manifest) -> Result<Vec<RunningThread>, Dump
     Ok(threads)
 }
 
-/// Control state back from the driver, then the data through the agent.
-/// Returns the process's restore timings (for `gpusnap-stats.json`).
+/// Control state back from the driver, then the data through the agent. The driver restore
+/// runs through `call`, which CRIU's main thread watches ([`stall::watch`]); any thread it let
+/// run is stopped again before the unlock. Returns the process's restore timings (for
+/// `gpusnap-stats.json`).
 fn resume_one(
     ctx: &Ctx,
     pid: i32,
     m: &Manifest,
     pairs: &[gpumap::Pair],
+    call: &DriverCall,
 ) -> Result<serde_json::Value, DumpError> {
     let t0 = Instant::now();
-    ctx.api
-        .restore(pid, &uuid_pairs(pairs))
-        .map_err(|err| DumpError::Driver {
-            what: "driver restore",
-            err,
-        })?;
+    let (restored, refrozen) = call.run(|| ctx.api.restore(pid, &uuid_pairs(pairs)));
+    restored.map_err(|err| DumpError::Driver {
+        what: "driver restore",
+        err,
+    })?;
+    refrozen.map_err(DumpError::Other)?;
     let control_s = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
     ctx.api.unlock(pid).map_err(|err| DumpError::Driver {

@@ -12,10 +12,17 @@
 //! stopped again. A thread or child process born meanwhile would be missing from CRIU's view
 //! of the process, so [`Unfrozen::stop`] fails the dump if the set of threads or children
 //! changed.
+//!
+//! The same holds for the driver restore at `RESUME_DEVICES_LATE`: the restored threads are
+//! held by CRIU, in the state they were dumped in, locks included. There the threads must be
+//! stopped again *before* the worker goes on (unlock, data load), so a worker wraps the driver
+//! call in [`DriverCall::run`], which waits until the watcher on CRIU's main thread ([`watch`])
+//! has stopped them.
 
 use crate::ptrace::RunningThread;
 use std::collections::BTreeSet;
 use std::io;
+use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 /// How long a driver checkpoint may show no progress before the other threads are let run.
@@ -208,6 +215,123 @@ impl Unfrozen {
     }
 }
 
+/// Where a worker is with its driver call, shared with the watcher.
+#[derive(Debug, Default)]
+enum CallState {
+    #[default]
+    Outside,
+    Inside,
+    /// Inside, and the watcher let the other threads run.
+    InsideUnfrozen,
+    /// The call returned; the worker waits for the watcher to stop the threads again.
+    WaitingForStop,
+    /// The watcher stopped them (or failed to: the reason).
+    Stopped(Result<(), String>),
+}
+
+/// One process's driver call, watched from CRIU's main thread.
+#[derive(Debug, Default)]
+pub struct DriverCall {
+    state: Mutex<CallState>,
+    changed: Condvar,
+}
+
+impl DriverCall {
+    fn lock(&self) -> MutexGuard<'_, CallState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Runs the driver call `f` on a worker. If the watcher let the process's other threads run
+    /// meanwhile, waits until it has stopped them again, so nothing after the call runs beside
+    /// them. The second value is an error if they could not be stopped as they were.
+    pub fn run<T>(&self, f: impl FnOnce() -> T) -> (T, Result<(), String>) {
+        *self.lock() = CallState::Inside;
+        let r = f();
+        let mut st = self.lock();
+        if matches!(*st, CallState::InsideUnfrozen) {
+            *st = CallState::WaitingForStop;
+            self.changed.notify_all();
+            st = self
+                .changed
+                .wait_while(st, |s| matches!(s, CallState::WaitingForStop))
+                .unwrap_or_else(|e| e.into_inner());
+        }
+        let refrozen = match std::mem::take(&mut *st) {
+            CallState::Stopped(r) => r,
+            _ => Ok(()),
+        };
+        (r, refrozen)
+    }
+}
+
+/// A process whose driver call the watcher looks after: its pid, the threads we already let run
+/// (restore thread, agent thread) and the call.
+pub struct Watched<'a> {
+    pub pid: i32,
+    pub running: Vec<i32>,
+    pub call: &'a DriverCall,
+}
+
+/// Runs on CRIU's main thread (the tracer) until `done()`: a process whose driver call shows no
+/// progress for [`STALL`] gets its other threads resumed; they are stopped again when the call
+/// returns. Returns, per process, an error for threads that could not be stopped again after
+/// their worker ended without waiting (it panicked).
+pub fn watch(done: impl Fn() -> bool, procs: &[Watched<'_>]) -> Vec<Result<(), String>> {
+    let mut watches: Vec<Option<Watch>> = procs.iter().map(|_| None).collect();
+    let mut unfrozen: Vec<Option<Unfrozen>> = procs.iter().map(|_| None).collect();
+    while !done() {
+        std::thread::sleep(Duration::from_millis(100));
+        for (i, p) in procs.iter().enumerate() {
+            let mut st = p.call.lock();
+            match *st {
+                CallState::Inside => {
+                    let w = watches[i].get_or_insert_with(|| Watch::new(p.pid));
+                    if !w.stalled() {
+                        continue;
+                    }
+                    log::warn!(
+                        "pid {}: the driver call shows no progress for {:.1} s (resident memory \
+                         and CPU time unchanged); threads not stopped: {}",
+                        p.pid,
+                        w.quiet_for().as_secs_f64(),
+                        describe_running(p.pid)
+                    );
+                    match Unfrozen::start(p.pid, &p.running) {
+                        Ok(u) => {
+                            log::warn!(
+                                "pid {}: let its other {} threads run until the driver call \
+                                 returns, in case it waits on one of them (CUDA calls stay \
+                                 blocked by the lock)",
+                                p.pid,
+                                u.count()
+                            );
+                            unfrozen[i] = Some(u);
+                            *st = CallState::InsideUnfrozen;
+                        }
+                        Err(e) => {
+                            log::error!("pid {}: cannot resume its other threads: {e}", p.pid);
+                            // Do not try again for this call.
+                            *st = CallState::InsideUnfrozen;
+                        }
+                    }
+                }
+                CallState::WaitingForStop => {
+                    let r = unfrozen[i].take().map_or(Ok(()), Unfrozen::stop);
+                    *st = CallState::Stopped(r);
+                    watches[i] = None;
+                    p.call.changed.notify_all();
+                }
+                CallState::Outside => watches[i] = None,
+                CallState::InsideUnfrozen | CallState::Stopped(_) => {}
+            }
+        }
+    }
+    unfrozen
+        .into_iter()
+        .map(|u| u.map_or(Ok(()), Unfrozen::stop))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -234,6 +358,42 @@ mod tests {
         assert!(p.rss_kib > 0);
         let f = Family::of(me).unwrap();
         assert!(f.threads.contains(&me));
+    }
+
+    #[test]
+    fn a_call_without_a_stall_passes_its_result_through() {
+        let call = DriverCall::default();
+        let (r, refrozen) = call.run(|| 7);
+        assert_eq!(r, 7);
+        assert_eq!(refrozen, Ok(()));
+        assert!(matches!(*call.lock(), CallState::Outside));
+    }
+
+    #[test]
+    fn a_worker_waits_until_the_watcher_has_stopped_the_threads() {
+        let call = DriverCall::default();
+        std::thread::scope(|s| {
+            let worker = s.spawn(|| {
+                call.run(|| {
+                    // The watcher let the threads run while we were inside.
+                    *call.lock() = CallState::InsideUnfrozen;
+                })
+            });
+            // Play the watcher: wait for the worker to ask, then answer.
+            loop {
+                let mut st = call.lock();
+                if matches!(*st, CallState::WaitingForStop) {
+                    assert!(!worker.is_finished());
+                    *st = CallState::Stopped(Err("thread 9 gone".into()));
+                    call.changed.notify_all();
+                    break;
+                }
+                drop(st);
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let ((), refrozen) = worker.join().unwrap();
+            assert_eq!(refrozen, Err("thread 9 gone".to_owned()));
+        });
     }
 
     #[test]

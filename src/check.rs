@@ -87,6 +87,9 @@ pub fn run(args: &[String]) -> ExitCode {
     findings.push(check_agent());
     findings.extend(check_ptrace());
     findings.extend(check_gpu_memory());
+    if let Ok(mounts) = std::fs::read_to_string("/proc/mounts") {
+        findings.extend(shm_huge_pages(&mounts));
+    }
     for f in &findings {
         println!("{}", f.line());
     }
@@ -458,6 +461,27 @@ fn check_gpu_memory() -> Vec<Finding> {
         .collect()
 }
 
+/// Images on `/dev/shm` (tmpfs) move faster in huge pages: on the H200 a 16 GiB split dump went
+/// from 1.80 to 1.65 s and the restore from 1.76 to 1.40 s (README, benchmark runs 4 and 5).
+fn shm_huge_pages(mounts: &str) -> Option<Finding> {
+    let opts = mounts.lines().find_map(|l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        (f.len() > 3 && f[1] == "/dev/shm" && f[2] == "tmpfs").then(|| f[3])
+    })?;
+    let huge = opts
+        .split(',')
+        .find_map(|o| o.strip_prefix("huge="))
+        .unwrap_or("never");
+    Some(if huge == "never" || huge == "deny" {
+        Finding::warn(
+            "/dev/shm (tmpfs) has no huge pages",
+            "if images go there, `mount -o remount,huge=always /dev/shm` made 16 GiB split dumps 8% and restores 20% faster on an H200",
+        )
+    } else {
+        Finding::ok(format!("/dev/shm (tmpfs) uses huge pages (huge={huge})"))
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -523,6 +547,17 @@ mod tests {
             parse_smi("0, 140000, 143771\n1, 100, 143771\nbad\n"),
             vec![("0".into(), 140000, 143771), ("1".into(), 100, 143771)]
         );
+    }
+
+    #[test]
+    fn shm_huge_pages_are_judged_from_the_mount_options() {
+        let plain = "tmpfs /dev/shm tmpfs rw,relatime,size=1024k 0 0\n";
+        assert_eq!(shm_huge_pages(plain).unwrap().level, Level::Warn);
+        let huge = "proc /proc proc rw 0 0\ntmpfs /dev/shm tmpfs rw,size=1k,huge=always 0 0\n";
+        let f = shm_huge_pages(huge).unwrap();
+        assert_eq!(f.level, Level::Ok);
+        assert!(f.what.contains("huge=always"));
+        assert!(shm_huge_pages("none /dev/shm ext4 rw 0 0\n").is_none());
     }
 
     #[test]

@@ -274,6 +274,21 @@ fn leave_running_dump_rolls_back_to_running() {
     assert_runs_on(&wl, 0, "after dump -R");
 }
 
+/// A call made with `FAKECUDA_NEEDS_APP_MS` saw the other threads run about `stall::STALL`
+/// (3 s) after it began: gpusnap waited that long for progress, then let them run.
+fn assert_others_ran_after_the_stall(call: &Call, ctx: &str) {
+    let waited: u64 = call
+        .fields
+        .get("app_ran_after_ms")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("the {} did not record its wait\n{ctx}", call.call));
+    assert!(
+        (2_000..15_000).contains(&waited),
+        "the other threads ran {waited} ms into the {} (expected about 3 s)\n{ctx}",
+        call.call
+    );
+}
+
 /// The driver checkpoint waits on a thread CRIU holds, as a PyTorch job's did on the H200 (the
 /// fake's checkpoint waits until the other threads run): after `stall::STALL` without progress
 /// gpusnap lets the process's other threads run until the checkpoint returns, stops them again,
@@ -292,15 +307,7 @@ fn checkpoint_waiting_on_a_stopped_thread_is_unblocked() {
     let ops = fake.ops(pid);
     assert_eq!(shorts(&ops), ["lock:0", "checkpoint:0"], "{ctx}");
     assert_ptrace_protocol(&ops, &ctx);
-    let waited: u64 = ops[1]
-        .fields
-        .get("app_ran_after_ms")
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("the checkpoint did not record its wait\n{ctx}"));
-    assert!(
-        (2_000..15_000).contains(&waited),
-        "the other threads ran {waited} ms into the checkpoint (expected about 3 s)\n{ctx}"
-    );
+    assert_others_ran_after_the_stall(&ops[1], &ctx);
     assert_gpusnap_line(&dump, "shows no progress");
     assert_gpusnap_line(&dump, "until the driver call returns");
     assert_eq!(fake.state(pid), "checkpointed", "{ctx}");
@@ -340,15 +347,7 @@ fn restore_waiting_on_a_stopped_thread_is_unblocked() {
     );
     // The unlock's `app` states: every application thread held again.
     assert_ptrace_protocol(&ops, &ctx);
-    let waited: u64 = ops[2]
-        .fields
-        .get("app_ran_after_ms")
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("the restore did not record its wait\n{ctx}"));
-    assert!(
-        (2_000..15_000).contains(&waited),
-        "the other threads ran {waited} ms into the restore (expected about 3 s)\n{ctx}"
-    );
+    assert_others_ran_after_the_stall(&ops[2], &ctx);
     assert_gpusnap_line(&restore, "until the driver call returns");
     let log = assert_runs_on(&wl, 0, "after a restore whose driver call stalled");
     assert!(log.last() >= at_dump + MORE_TICKS);

@@ -146,9 +146,79 @@ pub fn describe_running(pid: i32) -> String {
         if state == "t" {
             continue;
         }
-        out.push(format!("{tid} {} {state} {}", read("comm"), read("wchan")));
+        let mut line = format!("{tid} {} {state} {}", read("comm"), read("wchan"));
+        if let Some(w) = parse_syscall(&read("syscall")) {
+            line.push_str(&describe_wait(pid, &w));
+        }
+        out.push(line);
     }
     out.join("; ")
+}
+
+/// x86_64's futex system call number.
+const SYS_FUTEX: u64 = 202;
+
+/// What `/proc/<pid>/task/<tid>/syscall` says of a thread blocked in a system call.
+#[derive(Debug, PartialEq, Eq)]
+struct Blocked {
+    nr: u64,
+    arg0: u64,
+    pc: u64,
+}
+
+/// `nr a0 a1 a2 a3 a4 a5 sp pc` (hex arguments); `running` or `-1 sp pc` give None.
+fn parse_syscall(text: &str) -> Option<Blocked> {
+    let f: Vec<&str> = text.split_whitespace().collect();
+    if f.len() != 9 {
+        return None;
+    }
+    let hex = |s: &str| u64::from_str_radix(s.trim_start_matches("0x"), 16).ok();
+    Some(Blocked {
+        nr: f[0].parse().ok()?,
+        arg0: hex(f[1])?,
+        pc: hex(f[8])?,
+    })
+}
+
+/// The mapping (file name, or `[anon]`) of `/proc/<pid>/maps` text that holds `addr`.
+fn mapping_of(maps: &str, addr: u64) -> Option<String> {
+    maps.lines().find_map(|l| {
+        let mut f = l.split_whitespace();
+        let (lo, hi) = f.next()?.split_once('-')?;
+        let (lo, hi) = (
+            u64::from_str_radix(lo, 16).ok()?,
+            u64::from_str_radix(hi, 16).ok()?,
+        );
+        if !(lo..hi).contains(&addr) {
+            return None;
+        }
+        let name = f.nth(4).unwrap_or("[anon]");
+        Some(name.rsplit('/').next().unwrap_or(name).to_owned())
+    })
+}
+
+/// For the log of a stall: where a blocked thread's code is and, for a futex wait, which
+/// mapping the futex is in and the word after it (a glibc mutex keeps its owner's tid there).
+fn describe_wait(pid: i32, w: &Blocked) -> String {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap_or_default();
+    let place = |a: u64| mapping_of(&maps, a).unwrap_or_else(|| "?".into());
+    let mut s = format!(" syscall {} pc {:#x} in {}", w.nr, w.pc, place(w.pc));
+    if w.nr == SYS_FUTEX {
+        s.push_str(&format!(" futex {:#x} in {}", w.arg0, place(w.arg0)));
+        if let Some(owner) = read_u32(pid, w.arg0.wrapping_add(8)) {
+            s.push_str(&format!(" (word+8: {owner})"));
+        }
+    }
+    s
+}
+
+/// Reads 4 bytes of `pid`'s memory (we trace it, so `/proc/<pid>/mem` is open to us).
+fn read_u32(pid: i32, addr: u64) -> Option<u32> {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::File::open(format!("/proc/{pid}/mem")).ok()?;
+    let mut b = [0u8; 4];
+    f.read_exact_at(&mut b, addr).ok()?;
+    Some(u32::from_ne_bytes(b))
 }
 
 /// The other threads of a stalled process, let run until the checkpoint returns.
@@ -358,6 +428,51 @@ mod tests {
         assert!(p.rss_kib > 0);
         let f = Family::of(me).unwrap();
         assert!(f.threads.contains(&me));
+    }
+
+    #[test]
+    fn a_blocked_thread_is_located() {
+        let w = parse_syscall("202 0x7f00000010a0 0x80 0x2 0x0 0x0 0x0 0x7ffd0 0x7f0000401234")
+            .unwrap();
+        assert_eq!(
+            w,
+            Blocked {
+                nr: 202,
+                arg0: 0x7f00000010a0,
+                pc: 0x7f0000401234
+            }
+        );
+        assert_eq!(parse_syscall("running"), None);
+        assert_eq!(parse_syscall("-1 0x7ffd0 0x401000"), None);
+        let maps = "7f0000000000-7f0000002000 rw-p 00000000 00:00 0 \n\
+                    7f0000400000-7f0000500000 r-xp 00000000 08:01 42 /usr/lib/x86_64-linux-gnu/libcuda.so.1\n";
+        assert_eq!(
+            mapping_of(maps, 0x7f0000401234).as_deref(),
+            Some("libcuda.so.1")
+        );
+        assert_eq!(mapping_of(maps, 0x7f00000010a0).as_deref(), Some("[anon]"));
+        assert_eq!(mapping_of(maps, 0x1000), None);
+    }
+
+    #[test]
+    fn own_blocked_thread_is_described() {
+        // A thread of ours sleeping in a futex wait (a condvar) is found in its syscall file.
+        let me = std::process::id() as i32;
+        let pair = std::sync::Arc::new((Mutex::new(false), Condvar::new()));
+        let p2 = pair.clone();
+        let th = std::thread::spawn(move || {
+            let (m, c) = &*p2;
+            let g = c.wait_while(m.lock().unwrap(), |done| !*done).unwrap();
+            drop(g);
+        });
+        std::thread::sleep(Duration::from_millis(100));
+        let text = describe_running(me);
+        let (m, c) = &*pair;
+        *m.lock().unwrap() = true;
+        c.notify_all();
+        th.join().unwrap();
+        assert!(text.contains("syscall 202"), "{text}");
+        assert!(text.contains(" futex 0x"), "{text}");
     }
 
     #[test]

@@ -516,10 +516,36 @@ def hang_report(criu_pid):
             wchan = _read(base + "/wchan").strip()
             st = (_read(base + "/stat").rsplit(")", 1) + [""])[1].split()[:1]
             lines.append("pid %d tid %d %s state %s wchan %s" % (pid, tid, comm, st, wchan))
+            stopped = st == ["t"]
+            if not stopped:
+                # where a sleeping thread is: its system call, code and (futex) wait address
+                lines.append("    syscall: %s" % _where_blocked(pid, _read(base + "/syscall")))
             stack = _read(base + "/stack").strip()
-            if stack and tid == pid:
+            if stack and (tid == pid or not stopped):
                 lines.extend("    " + l for l in stack.splitlines()[:12])
     return "\n".join(lines) or "(no threads found)"
+
+
+def _where_blocked(pid, syscall_text):
+    """`/proc/.../syscall` (nr a0..a5 sp pc) with pc's mapping and, for futex (202 on x86_64),
+    the mapping of the futex address."""
+    f = syscall_text.split()
+    if len(f) != 9:
+        return syscall_text.strip() or "?"
+    maps = _read("/proc/%d/maps" % pid).splitlines()
+
+    def mapping(addr):
+        for line in maps:
+            parts = line.split()
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if lo <= addr < hi:
+                return parts[5].rsplit("/", 1)[-1] if len(parts) > 5 else "[anon]"
+        return "?"
+
+    out = "nr %s pc %s in %s" % (f[0], f[8], mapping(int(f[8], 16)))
+    if f[0] == "202":
+        out += ", futex %s in %s" % (f[1], mapping(int(f[1], 16)))
+    return out
 
 
 def _tracer(pid):

@@ -1,4 +1,5 @@
-//! A driver checkpoint that stops making progress while the application is frozen.
+//! A driver call (checkpoint or restore) that stops making progress while CRIU holds the
+//! application's threads.
 //!
 //! CRIU calls CHECKPOINT_DEVICES with every thread of the process seized; only the driver's
 //! restore thread (and on the split path the agent's) is let run. On the H200 a transparent
@@ -25,11 +26,12 @@ use std::io;
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-/// How long a driver checkpoint may show no progress before the other threads are let run.
-/// A false alarm costs nothing but a log line: the threads that run meet the driver's lock.
+/// How long a driver call may show no progress before the other threads are let run. A false
+/// alarm costs a log line and a moment of the application's CPU-only work (threads that reach
+/// CUDA meet the driver's lock); it fails the dump only if a thread or child is born meanwhile.
 pub const STALL: Duration = Duration::from_secs(3);
 
-/// What moves while a driver checkpoint works: resident memory and CPU time of the process.
+/// What moves while a driver call works: resident memory and CPU time of the process.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Progress {
     rss_kib: u64,
@@ -63,7 +65,7 @@ fn cpu_ticks(stat: &str) -> Option<u64> {
     Some(utime + stime)
 }
 
-/// Watches one process's driver checkpoint from CRIU's main thread.
+/// Watches one process's driver call from CRIU's main thread.
 #[derive(Debug)]
 pub struct Watch {
     pid: i32,
@@ -221,7 +223,7 @@ fn read_u32(pid: i32, addr: u64) -> Option<u32> {
     Some(u32::from_ne_bytes(b))
 }
 
-/// The other threads of a stalled process, let run until the checkpoint returns.
+/// The other threads of a stalled process, let run until the driver call returns.
 #[derive(Debug)]
 pub struct Unfrozen {
     pid: i32,

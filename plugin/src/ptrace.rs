@@ -128,6 +128,14 @@ fn wait_for_interrupt_stop(tid: i32) -> io::Result<()> {
     }
 }
 
+/// The thread ids of `pid`, as `/proc/<pid>/task` lists them now.
+pub fn thread_ids(pid: i32) -> io::Result<Vec<i32>> {
+    Ok(std::fs::read_dir(format!("/proc/{pid}/task"))?
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse().ok())
+        .collect())
+}
+
 /// Every thread of a process held in a ptrace stop by us (for `gpusnap recover`, which runs
 /// outside CRIU). Dropping it detaches, and the threads run on.
 pub struct SeizedProcess {
@@ -140,10 +148,7 @@ impl SeizedProcess {
         // Threads may be born while we seize: repeat until a pass finds none new.
         loop {
             let mut new = 0;
-            for e in std::fs::read_dir(format!("/proc/{pid}/task"))?.flatten() {
-                let Some(tid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
-                    continue;
-                };
+            for tid in thread_ids(pid)? {
                 if me.tids.contains(&tid) {
                     continue;
                 }

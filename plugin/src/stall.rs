@@ -20,7 +20,7 @@
 //! call in [`DriverCall::run`], which waits until the watcher on CRIU's main thread ([`watch`])
 //! has stopped them.
 
-use crate::ptrace::RunningThread;
+use crate::ptrace::{RunningThread, thread_ids};
 use std::collections::BTreeSet;
 use std::io;
 use std::sync::{Condvar, Mutex, MutexGuard};
@@ -55,10 +55,15 @@ fn vm_rss_kib(status: &str) -> Option<u64> {
     line.split_whitespace().nth(1)?.parse().ok()
 }
 
-/// utime + stime (fields 14 and 15) of a `/proc/<pid>/stat` text. The command name (field 2)
-/// may hold spaces and parentheses, so fields are counted after its last `)`.
+/// A `/proc/.../stat` text from field 3 (the state) on. The command name (field 2) may hold
+/// spaces and parentheses, so fields are counted after its last `)`.
+fn after_comm(stat: &str) -> Option<&str> {
+    Some(&stat[stat.rfind(')')? + 1..])
+}
+
+/// utime + stime (fields 14 and 15) of a `/proc/<pid>/stat` text.
 fn cpu_ticks(stat: &str) -> Option<u64> {
-    let rest = &stat[stat.rfind(')')? + 1..];
+    let rest = after_comm(stat)?;
     let mut fields = rest.split_whitespace().skip(11); // field 3 is the first after ')'
     let utime: u64 = fields.next()?.parse().ok()?;
     let stime: u64 = fields.next()?.parse().ok()?;
@@ -108,10 +113,7 @@ pub struct Family {
 impl Family {
     pub fn of(pid: i32) -> io::Result<Self> {
         let mut f = Self::default();
-        for e in std::fs::read_dir(format!("/proc/{pid}/task"))? {
-            let Some(tid) = e?.file_name().to_str().and_then(|s| s.parse().ok()) else {
-                continue;
-            };
+        for tid in thread_ids(pid)? {
             f.threads.insert(tid);
             // A thread may exit meanwhile; its children are then listed by no one, which the
             // comparison after the checkpoint catches as a change.
@@ -128,21 +130,19 @@ impl Family {
 
 /// `tid name state wchan` of every thread of `pid` that is not in a ptrace stop, for the log.
 pub fn describe_running(pid: i32) -> String {
-    let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+    let Ok(tids) = thread_ids(pid) else {
         return String::from("(cannot list threads)");
     };
     let mut out = Vec::new();
-    for e in dir.flatten() {
-        let tid = e.file_name().to_string_lossy().into_owned();
+    for tid in tids {
         let read = |f: &str| {
             std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/{f}"))
                 .map(|s| s.trim().to_owned())
                 .unwrap_or_default()
         };
         let stat = read("stat");
-        let state = stat
-            .rfind(')')
-            .and_then(|i| stat[i + 1..].split_whitespace().next())
+        let state = after_comm(&stat)
+            .and_then(|rest| rest.split_whitespace().next())
             .unwrap_or("?")
             .to_owned();
         if state == "t" {

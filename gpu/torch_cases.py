@@ -18,6 +18,15 @@ Cases (--cases, comma list; groups: all, torch1, torch2, quick):
                               refused with "managed (unified) memory" in CRIU's log and the job
                               finish identical to its reference; on the transparent path a
                               refusal or a correct checkpoint both pass (the driver decides)
+  ipc                         a parent exports 256 KiB with cuIpcGetMemHandle to a child that
+                              opens it (CUDA IPC across processes): judged as managed, with
+                              "CUDA IPC" in the refusal
+  mps                         a compute loop as a client of an MPS daemon started for the case
+                              (private pipe directory, quit afterwards): the dump must be refused
+                              with "CUDA MPS" on both paths (gpusnap's own check, not the
+                              driver's), and an nvidia-cuda-mps-server must have run; skipped
+                              where nvidia-cuda-mps-control is missing
+--repeat N runs each case N times (the reference once), e.g. to catch a rare hang.
 One JSON line per case to $OUT/<name>.jsonl and bench/results/<name>.jsonl:
   {run, date, gpu, driver, workload, path, allocator, leave_running, identical, gpu_gib,
    dump_s, restore_s, pause_s, ...}
@@ -53,15 +62,25 @@ CASES = {
     "cuda-graph": ("cuda-graph", "default", False, "cuda-graph"),
     # refusal: the dump must fail with the cause named and the job must finish as if untouched
     "managed": ("managed", "default", False, "managed-memory-refused"),
+    "ipc": ("ipc-parent", "default", False, "cuda-ipc-refused"),
+    "mps": ("plain", "default", False, "mps-refused"),
 }
-# Cases whose dump gpusnap must refuse on the split path: the words its refusal line must contain.
-# On the transparent path (no agent, the driver decides) a refusal or a correct checkpoint pass.
-REFUSED = {"managed": "managed (unified) memory"}
+# Cases whose dump gpusnap must refuse: the words its refusal line must contain, and the paths on
+# which gpusnap itself must refuse. On the other paths (no agent, the driver decides) a refusal
+# or a correct checkpoint both pass.
+REFUSED = {
+    "managed": ("managed (unified) memory", ("split",)),
+    "ipc": ("CUDA IPC", ("split",)),
+    "mps": ("CUDA MPS", ("split", "transparent")),
+}
+# Cases run as clients of an MPS daemon started for them.
+NEEDS_MPS = {"mps"}
 GROUPS = {
     "all": list(CASES),
     # most telling first: a deadline cuts the tail
     "torch1": ["llama", "train", "llama-R", "train-R", "llama-exp", "train-exp"],
-    "torch2": ["tree", "malloc-async", "cuda-graph", "pinned", "streams-events", "tree-R", "managed"],
+    "torch2": ["tree", "malloc-async", "cuda-graph", "pinned", "streams-events", "tree-R", "managed",
+               "ipc", "mps"],
     "quick": ["llama", "train"],
 }
 ALLOC_CONF = {"default": None, "expandable": "expandable_segments:True",
@@ -137,6 +156,8 @@ def ready_params(ready):
 def output_files(workload, out):
     if workload == "tree-parent":
         return [out + ".w0", out + ".w1"]
+    if workload == "ipc-parent":
+        return [out, out + ".w0"]
     return [out]
 
 
@@ -172,6 +193,8 @@ class Runner:
     def __init__(self, a, log, mi, run_id, jsonls):
         self.a, self.log, self.mi, self.run_id, self.jsonls = a, log, mi, run_id, jsonls
         self.refs = {}
+        self.extra_env = {}  # the MPS daemon's variables while an MPS case runs
+        self.attempt = 1
         os.makedirs(a.work, exist_ok=True)
         os.makedirs(a.images, exist_ok=True)
 
@@ -193,6 +216,7 @@ class Runner:
         env["PYTHONUNBUFFERED"] = "1"
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         env.setdefault("HF_HUB_OFFLINE", "1")
+        env.update(self.extra_env)
         return env
 
     def collect(self, workload, out):
@@ -204,7 +228,7 @@ class Runner:
     # ------------------------------------------------------------- reference
 
     def reference(self, workload, allocator, path):
-        key = (workload, allocator, path)
+        key = (workload, allocator, path, tuple(sorted(self.extra_env.items())))
         if key in self.refs:
             return self.refs[key]
         log = self.log
@@ -238,13 +262,33 @@ class Runner:
     # ---------------------------------------------------------- checkpointed
 
     def case(self, case_id, path):
+        if case_id not in NEEDS_MPS:
+            return self.run_case(case_id, path)
+        env, why = mps_start(self.a.work, self.log)
+        if env is None:
+            rec = skipped_record(self.run_id, self.mi, case_id, path, why)
+            crlib.append_jsonl(self.jsonls, rec)
+            self.log("SKIP %s-%s: %s" % (case_id, path, why))
+            return rec
+        self.extra_env = env
+        try:
+            return self.run_case(case_id, path)
+        finally:
+            self.extra_env = {}
+            mps_stop(env, self.log)
+
+    def run_case(self, case_id, path):
         workload, allocator, leave, jname = CASES[case_id]
         log = self.log
         tag = "%s-%s" % (case_id, path)
+        if self.a.repeat > 1:
+            tag += "-%d" % self.attempt
         rec = {"run": self.run_id, "date": crlib.iso_now(), "gpu": self.mi.get("gpu"),
                "driver": self.mi.get("driver"), "workload": jname, "case": case_id, "path": path,
                "allocator": allocator, "leave_running": leave, "identical": False, "gpu_gib": None,
                "dump_s": None, "restore_s": None, "pause_s": None, "pass": False, "problems": []}
+        if self.a.repeat > 1:
+            rec["attempt"] = self.attempt
         log("=" * 78)
         log("CASE %s: workload %s, path %s, allocator %s (PYTORCH_CUDA_ALLOC_CONF=%s), %s" % (
             tag, workload, path, allocator, ALLOC_CONF[allocator],
@@ -278,6 +322,11 @@ class Runner:
             rec["gpu_used_smi_gib"] = crlib.gpu_used_gib()
             log("trigger reached: %s lines; tree of %d tasks/threads; nvidia-smi used %s GiB" % (
                 [len(read_output(f)[0]) for f in files], len(pids), rec["gpu_used_smi_gib"]))
+            if self.extra_env:
+                rec["mps_processes"] = mps_processes()
+                log("MPS processes: %s" % rec["mps_processes"])
+                if not any("nvidia-cuda-mps-server" in p for p in rec["mps_processes"]):
+                    rec["problems"].append("no nvidia-cuda-mps-server ran: the job is not an MPS client")
             dump = crlib.criu_dump(popen.pid, imgdir, self.a.plugdir, mode, log,
                                    leave_running=leave, timeout=self.a.criu_timeout)
             rec["dump_s"] = round(dump["secs"], 3)
@@ -290,12 +339,13 @@ class Runner:
                 img["image_bytes"] / 2**30, img["n_files"], img["gpusnap_data_files"], img["largest"][:5]))
             refused = dump["rc"] != 0
             if case_id in REFUSED:
+                words, enforced = REFUSED[case_id]
                 rec["refused"] = refused
-                why = [l for l in dump["gpusnap_lines"] if REFUSED[case_id] in l]
+                why = [l for l in dump["gpusnap_lines"] if words in l]
                 rec["refusal_line"] = why[0].strip() if why else None
                 log("refusal case: dump rc %d, refusal line %s" % (dump["rc"], rec["refusal_line"]))
-                if path == "split" and not (refused and why):
-                    rec["problems"].append("split path: dump not refused with a line naming %r" % REFUSED[case_id])
+                if path in enforced and not (refused and why):
+                    rec["problems"].append("%s path: dump not refused with a line naming %r" % (path, words))
                 if refused:
                     rc = wait_exit(popen.pid, self.a.run_timeout, popen=popen)
                     log("job after the refused dump exited with %s" % rc)
@@ -441,6 +491,74 @@ class CaseError(Exception):
     pass
 
 
+def skipped_record(run_id, mi, cid, path, why):
+    return {"run": run_id, "date": crlib.iso_now(), "gpu": mi.get("gpu"), "driver": mi.get("driver"),
+            "workload": CASES[cid][3], "case": cid, "path": path, "allocator": CASES[cid][1],
+            "skipped": why}
+
+
+def mps_processes():
+    """'pid:command' of every running nvidia-cuda-mps-* process (full names, from cmdline)."""
+    found = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open("/proc/%s/cmdline" % d, "rb") as f:
+                argv0 = f.read().split(b"\0")[0].decode(errors="replace")
+        except OSError:
+            continue
+        if os.path.basename(argv0).startswith("nvidia-cuda-mps"):
+            found.append("%s:%s" % (d, os.path.basename(argv0)))
+    return found
+
+
+def mps_start(work, log):
+    """Starts an MPS control daemon with its own pipe and log directories; returns (the
+    variables its clients need, None) or (None, why not)."""
+    ctl = shutil.which("nvidia-cuda-mps-control")
+    if not ctl:
+        return None, "nvidia-cuda-mps-control not found"
+    if mps_processes():
+        return None, "an MPS daemon already runs: %s" % mps_processes()
+    base = os.path.join(work, "mps")
+    shutil.rmtree(base, ignore_errors=True)
+    env = {"CUDA_MPS_PIPE_DIRECTORY": os.path.join(base, "pipe"),
+           "CUDA_MPS_LOG_DIRECTORY": os.path.join(base, "log")}
+    for d in env.values():
+        os.makedirs(d)
+    r = crlib.subprocess.run([ctl, "-d"], env=dict(os.environ, **env), capture_output=True,
+                             timeout=30)
+    log("nvidia-cuda-mps-control -d: rc %d %s" % (r.returncode, (r.stdout + r.stderr).decode(errors="replace").strip()))
+    if r.returncode != 0:
+        return None, "nvidia-cuda-mps-control -d failed (rc %d)" % r.returncode
+    return env, None
+
+
+def mps_stop(env, log):
+    """Quits the daemon (its server goes with it) and waits until no MPS process is left."""
+    ctl = shutil.which("nvidia-cuda-mps-control")
+    try:
+        r = crlib.subprocess.run([ctl], input=b"quit\n", env=dict(os.environ, **env),
+                                 capture_output=True, timeout=30)
+        log("MPS quit: rc %d" % r.returncode)
+    except Exception as e:  # noqa: BLE001 (the check below decides)
+        log("MPS quit failed: %s" % e)
+    if not crlib.wait_until(lambda: not mps_processes(), 20, poll=0.2):
+        left = mps_processes()
+        log("MPS processes still there after quit, killing: %s" % left)
+        for p in left:
+            try:
+                os.kill(int(p.split(":")[0]), 9)
+            except OSError:
+                pass
+    logs = [os.path.join(env["CUDA_MPS_LOG_DIRECTORY"], n)
+            for n in sorted(os.listdir(env["CUDA_MPS_LOG_DIRECTORY"]))]
+    for pth in logs:
+        log.file_tail("MPS " + os.path.basename(pth), pth, 15)
+    crlib.archive_add(logs, "torch/mps", log)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default="all", help="comma list of case ids or groups (default all)")
@@ -456,6 +574,7 @@ def main():
     ap.add_argument("--criu-timeout", type=float, default=180,
                     help="seconds for one criu dump or restore; past it, where criu waits is logged")
     ap.add_argument("--budget-s", type=float, default=0, help="start no new case after this many s")
+    ap.add_argument("--repeat", type=int, default=1, help="run each case this many times")
     a = ap.parse_args()
 
     ids = []
@@ -480,15 +599,15 @@ def main():
     results = []
     for cid in ids:
         for path in paths:
-            if a.budget_s and time.time() - t_start > a.budget_s:
-                log("budget of %.0f s spent: skipping %s on %s" % (a.budget_s, cid, path))
-                rec = {"run": run_id, "date": crlib.iso_now(), "gpu": mi.get("gpu"),
-                       "driver": mi.get("driver"), "workload": CASES[cid][3], "case": cid,
-                       "path": path, "allocator": CASES[cid][1], "skipped": "time budget"}
-                crlib.append_jsonl(jsonls, rec)
-                results.append(rec)
-                continue
-            results.append(r.case(cid, path))
+            for attempt in range(1, a.repeat + 1):
+                if a.budget_s and time.time() - t_start > a.budget_s:
+                    log("budget of %.0f s spent: skipping %s on %s" % (a.budget_s, cid, path))
+                    rec = skipped_record(run_id, mi, cid, path, "time budget")
+                    crlib.append_jsonl(jsonls, rec)
+                    results.append(rec)
+                    continue
+                r.attempt = attempt
+                results.append(r.case(cid, path))
     log("=" * 78)
     log("SUMMARY (%.0f s)" % (time.time() - t_start))
     log("%-16s %-12s %-10s %-6s %-9s %8s %8s %8s %7s %s" % (

@@ -2,11 +2,12 @@
 # PyTorch jobs, process trees, async allocators through gpusnap (real-workload cases).
 #
 # Usage: gpu/torch_cases.sh [--cases LIST] [--paths split,transparent] [--size full|small|tiny]
-#                           [--name NAME] [--budget-s S] [--run-timeout S] [--device cpu]
+#                           [--name NAME] [--budget-s S] [--run-timeout S] [--repeat N]
+#                           [--criu-timeout S] [--device cpu]
 #
 # LIST: comma list of case ids or groups (default all):
 #   llama llama-exp llama-R train train-exp train-R tree tree-R malloc-async pinned
-#   streams-events cuda-graph managed;  groups: all, torch1 (llama*, train*), torch2 (the rest), quick.
+#   streams-events cuda-graph managed ipc mps;  groups: all, torch1 (llama*, train*), torch2 (the rest), quick.
 # Each case: an uninterrupted reference run and a checkpointed run (criu dump in the middle +
 # criu restore, or criu dump -R for the -R cases) of gpu/torch_work.py, outputs compared line by
 # line. Installs the plugin (/tmp/gpusnap-plugins/gpusnap.so), remounts /dev/shm at 120G.
@@ -18,7 +19,7 @@ cd "$(dirname "$0")/.."
 repo=$PWD
 
 if [[ ${1:-} == -h || ${1:-} == --help ]]; then
-    sed -n '2,16p' "$0"
+    sed -n '2,17p' "$0"
     exit 0
 fi
 

@@ -22,10 +22,17 @@ Workloads (first argument):
   pinned          pin_memory() host tensors used in non_blocking copies both ways.
   streams-events  three streams chained with events.
   cuda-graph      torch.cuda.CUDAGraph captured once, replayed every step.
+  managed         64 MiB of managed memory (cuMemAllocManaged) next to a compute loop.
+  ipc-parent      exports 256 KiB of cuMemAlloc memory with cuIpcGetMemHandle to an `ipc-child`
+                  (a plain subprocess) that opens it with cuIpcOpenMemHandle and reads it every
+                  step; both compute. 256 KiB is under the agent's conversion threshold, so the
+                  agent passes the allocation through and CUDA IPC works under it.
+  plain           a compute loop and nothing else (the MPS case runs it as an MPS client).
 Use --device cpu with small sizes to test the logic without a GPU.
 """
 
 import argparse
+import ctypes
 import hashlib
 import os
 import subprocess
@@ -323,7 +330,6 @@ def run_cuda_graph(a, dev):
 def run_managed(a, dev):
     """Holds 64 MiB of managed (unified) memory from cuMemAllocManaged, which neither the agent
     nor the driver's checkpoint can take: gpusnap must refuse the dump and the job go on."""
-    import ctypes
     torch.manual_seed(9)
     x = torch.randn(1024, 1024, device=dev)
     ptr = ctypes.c_uint64(0)
@@ -340,10 +346,110 @@ def run_managed(a, dev):
     done(a, dev, a.steps)
 
 
+# ---------------------------------------------------------- CUDA IPC and MPS
+
+IPC_WORDS = 64 * 1024  # int32 words: 256 KiB, under the agent's 1 MiB conversion threshold
+
+
+class CUipcMemHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * 64)]
+
+
+def libcuda():
+    """libcuda through dlopen/dlsym, which the agent interposes when preloaded."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuMemAlloc_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
+    lib.cuMemsetD32_v2.argtypes = [ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t]
+    lib.cuIpcGetMemHandle.argtypes = [ctypes.POINTER(CUipcMemHandle), ctypes.c_uint64]
+    lib.cuIpcOpenMemHandle_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), CUipcMemHandle,
+                                          ctypes.c_uint]
+    lib.cuIpcCloseMemHandle.argtypes = [ctypes.c_uint64]
+    lib.cuMemcpyDtoH_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t]
+    return lib
+
+
+def cu_check(rc, what):
+    if rc != 0:
+        raise SystemExit("%s failed: CUresult %d" % (what, rc))
+
+
+def compute_loop(a, dev, x, step):
+    x = torch.tanh(x @ x.T / 1024 + float(step % 5))
+    return x, float(x.double().sum().item()).hex()
+
+
+def run_ipc_parent(a, dev):
+    torch.manual_seed(11)
+    x = torch.randn(1024, 1024, device=dev)  # the primary context, current on this thread
+    handle_hex = "00" * 64
+    if dev.type == "cuda":
+        cu = libcuda()
+        ptr = ctypes.c_uint64(0)
+        cu_check(cu.cuMemAlloc_v2(ctypes.byref(ptr), IPC_WORDS * 4), "cuMemAlloc_v2")
+        cu_check(cu.cuMemsetD32_v2(ptr.value, 0x01020304, IPC_WORDS), "cuMemsetD32_v2")
+        cu_check(cu.cuCtxSynchronize(), "cuCtxSynchronize")
+        h = CUipcMemHandle()
+        cu_check(cu.cuIpcGetMemHandle(ctypes.byref(h), ptr.value), "cuIpcGetMemHandle")
+        handle_hex = ctypes.string_at(ctypes.addressof(h), 64).hex()
+    out = a.out + ".w0"
+    cmd = [sys.executable, os.path.abspath(__file__), "ipc-child", "--out", out,
+           "--handle", handle_hex, "--steps", str(a.steps), "--interval-ms", str(a.interval_ms),
+           "--device", a.device]
+    log = open(out + ".stdout", "ab")
+    kid = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                           close_fds=True)
+    log.close()
+    ready(a, dev, child=kid.pid, ipc_bytes=IPC_WORDS * 4)
+    for step in range(a.steps):
+        x, v = compute_loop(a, dev, x, step)
+        value_line(a.out, step, v)
+        pace(a)
+    code = kid.wait()  # the exported memory stays allocated until the importer is gone
+    done(a, dev, a.steps, child_code=code)
+    sys.exit(0 if code == 0 else 1)
+
+
+def run_ipc_child(a, dev):
+    torch.manual_seed(12)
+    x = torch.randn(1024, 1024, device=dev)
+    host = (ctypes.c_uint32 * IPC_WORDS)()
+    ptr = ctypes.c_uint64(0)
+    cu = None
+    if dev.type == "cuda":
+        cu = libcuda()
+        h = CUipcMemHandle.from_buffer_copy(bytes.fromhex(a.handle))
+        flags = 1  # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+        cu_check(cu.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), h, flags), "cuIpcOpenMemHandle_v2")
+    ready(a, dev, imported=hex(ptr.value))
+    for step in range(a.steps):
+        if cu is not None:
+            cu_check(cu.cuMemcpyDtoH_v2(ctypes.addressof(host), ptr.value, IPC_WORDS * 4),
+                     "cuMemcpyDtoH_v2")
+        digest = hashlib.sha256(bytes(host)).hexdigest()[:16]
+        x, v = compute_loop(a, dev, x, step)
+        value_line(a.out, step, "%s:%s" % (digest, v))
+        pace(a)
+    if cu is not None:
+        cu_check(cu.cuIpcCloseMemHandle(ptr.value), "cuIpcCloseMemHandle")
+    done(a, dev, a.steps)
+
+
+def run_plain(a, dev):
+    torch.manual_seed(13)
+    x = torch.randn(1024, 1024, device=dev)
+    ready(a, dev)
+    for step in range(a.steps):
+        x, v = compute_loop(a, dev, x, step)
+        value_line(a.out, step, v)
+        pace(a)
+    done(a, dev, a.steps)
+
+
 WORKLOADS = {
     "llama-generate": run_generate, "train": run_train, "tree-parent": run_tree_parent,
     "tree-worker": run_tree_worker, "malloc-async": run_malloc_async, "pinned": run_pinned,
     "streams-events": run_streams_events, "cuda-graph": run_cuda_graph, "managed": run_managed,
+    "ipc-parent": run_ipc_parent, "ipc-child": run_ipc_child, "plain": run_plain,
 }
 
 
@@ -369,6 +475,8 @@ def main():
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--gib", type=float, default=4)
     ap.add_argument("--rank", type=int, default=0)
+    # CUDA IPC child: the exported handle, 64 bytes in hex
+    ap.add_argument("--handle", default="00" * 64)
     a = ap.parse_args()
     dev = torch.device(a.device)
     if dev.type == "cuda" and a.workload != "tree-parent":  # the parent holds no CUDA context

@@ -311,8 +311,8 @@ class Runner:
             trig = self.trigger(workload)
             files = output_files(workload, out)
 
-            def progress():
-                return max(len(read_output(f)[0]) for f in files)
+            def progress():  # every process of the job computing (the IPC child has imported)
+                return min(len(read_output(f)[0]) for f in files)
 
             ok = crlib.wait_until(lambda: progress() >= trig, self.a.run_timeout, poll=0.02, proc=popen)
             if not ok:
@@ -513,6 +513,27 @@ def mps_processes():
     return found
 
 
+def reap_mps_zombies(log):
+    """Reaps exited MPS processes whose parent is this script (the daemon forks away from its
+    starter, so this subreaper inherits it): unreaped, they still show in /proc."""
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % d) as f:
+                stat = f.read()
+        except OSError:
+            continue
+        comm = stat[stat.find("(") + 1:stat.rfind(")")]
+        rest = stat[stat.rfind(")") + 1:].split()
+        if comm.startswith("nvidia-cuda-mps") and rest[:1] == ["Z"] and rest[1:2] == [str(os.getpid())]:
+            try:
+                os.waitpid(int(d), 0)
+                log("reaped exited MPS process %s" % d)
+            except ChildProcessError:
+                pass
+
+
 def mps_start(work, log):
     """Starts an MPS control daemon with its own pipe and log directories; returns (the
     variables its clients need, None) or (None, why not)."""
@@ -552,6 +573,7 @@ def mps_stop(env, log):
                 os.kill(int(p.split(":")[0]), 9)
             except OSError:
                 pass
+    reap_mps_zombies(log)
     logs = [os.path.join(env["CUDA_MPS_LOG_DIRECTORY"], n)
             for n in sorted(os.listdir(env["CUDA_MPS_LOG_DIRECTORY"]))]
     for pth in logs:

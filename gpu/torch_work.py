@@ -368,6 +368,28 @@ def libcuda():
     return lib
 
 
+def process_view():
+    """(fd -> target, set of /proc/self/maps lines): what a checkpointer sees from outside."""
+    fds = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds[int(fd)] = os.readlink("/proc/self/fd/" + fd)
+        except OSError:
+            pass
+    with open("/proc/self/maps") as f:
+        return fds, set(f.read().splitlines())
+
+
+def print_view_change(what, before):
+    """Prints the fds and mappings that appeared since `before` (a process_view()): whether CUDA
+    IPC leaves a trace a checkpointer could see without the agent."""
+    fds, maps = process_view()
+    new_fds = {k: v for k, v in fds.items() if before[0].get(k) != v}
+    new_maps = sorted(maps - before[1])
+    print("view change %s: new fds %s; %d new mappings %s" % (what, new_fds, len(new_maps), new_maps[:12]),
+          flush=True)
+
+
 def cu_check(rc, what):
     if rc != 0:
         raise SystemExit("%s failed: CUresult %d" % (what, rc))
@@ -389,7 +411,9 @@ def run_ipc_parent(a, dev):
         cu_check(cu.cuMemsetD32_v2(ptr.value, 0x01020304, IPC_WORDS), "cuMemsetD32_v2")
         cu_check(cu.cuCtxSynchronize(), "cuCtxSynchronize")
         h = CUipcMemHandle()
+        before = process_view()
         cu_check(cu.cuIpcGetMemHandle(ctypes.byref(h), ptr.value), "cuIpcGetMemHandle")
+        print_view_change("cuIpcGetMemHandle", before)
         handle_hex = ctypes.string_at(ctypes.addressof(h), 64).hex()
     out = a.out + ".w0"
     cmd = [sys.executable, os.path.abspath(__file__), "ipc-child", "--out", out,
@@ -419,7 +443,9 @@ def run_ipc_child(a, dev):
         cu = libcuda()
         h = CUipcMemHandle.from_buffer_copy(bytes.fromhex(a.handle))
         flags = 1  # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+        before = process_view()
         cu_check(cu.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), h, flags), "cuIpcOpenMemHandle_v2")
+        print_view_change("cuIpcOpenMemHandle_v2", before)
     ready(a, dev, imported=hex(ptr.value))
     for step in range(a.steps):
         if cu is not None:

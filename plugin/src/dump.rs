@@ -79,7 +79,7 @@ pub fn pause(ctx: &Ctx, pid: i32) -> Result<Option<Tracked>, DumpError> {
     };
     if let Some(cause) = unsupported_state(pid, hello.as_ref()) {
         return Err(DumpError::Other(format!(
-            "pid {pid} cannot be checkpointed: it uses {cause}, which the NVIDIA driver's checkpoint does not support. \
+            "cannot be checkpointed: it uses {cause}, which the NVIDIA driver's checkpoint does not support. \
              Nothing was done; the process keeps running"
         )));
     }
@@ -133,28 +133,51 @@ fn gib(b: u64) -> f64 {
 }
 
 /// State the driver cannot checkpoint, named, or `None`. The agent records managed memory,
-/// CUDA IPC and peer access as they happen; an MPS server of the process's user makes its CUDA
+/// CUDA IPC and peer access as they happen; an MPS daemon of the process's user makes its CUDA
 /// processes MPS clients.
 fn unsupported_state(pid: i32, hello: Option<&agent::AgentHello>) -> Option<String> {
-    if let Some(server) = mps_server_of_user(pid) {
+    if let Some((daemon, daemon_pid)) = mps_daemon_of_user(pid) {
         return Some(format!(
-            "CUDA MPS (an MPS server, pid {server}, runs for its user)"
+            "CUDA MPS ({daemon}, pid {daemon_pid}, runs for its user)"
         ));
     }
     let causes = gpusnap_proto::hazard::describe(hello?.hazards);
     (!causes.is_empty()).then(|| causes.join(", and "))
 }
 
-/// The pid of an `nvidia-cuda-mps-server` running with the uid of `pid`, if any.
-fn mps_server_of_user(pid: i32) -> Option<i32> {
+/// A live MPS process (control daemon or server) with the uid of `pid`: its name and pid.
+fn mps_daemon_of_user(pid: i32) -> Option<(String, i32)> {
     use std::os::unix::fs::MetadataExt;
     let uid = std::fs::metadata(format!("/proc/{pid}")).ok()?.uid();
     std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
         let p: i32 = e.file_name().to_str()?.parse().ok()?;
-        let comm = std::fs::read_to_string(e.path().join("comm")).ok()?;
-        (comm.trim_end().starts_with("nvidia-cuda-mps") && e.metadata().ok()?.uid() == uid)
-            .then_some(p)
+        if e.metadata().ok()?.uid() != uid {
+            return None;
+        }
+        let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
+        live_mps_process(&stat)?;
+        // The command name in stat is cut at 15 characters; the full one is in cmdline.
+        let cmdline = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
+        let argv0 = cmdline.split(|&b| b == 0).next().unwrap_or_default();
+        let name = String::from_utf8_lossy(argv0.rsplit(|&b| b == b'/').next().unwrap_or_default());
+        Some((
+            if name.is_empty() {
+                "nvidia-cuda-mps".into()
+            } else {
+                name.into_owned()
+            },
+            p,
+        ))
     })
+}
+
+/// Whether a `/proc/<pid>/stat` text is an MPS process (`nvidia-cuda-mps-control` or
+/// `-server`, cut to 15 characters) that still runs: an exited one its parent has not reaped
+/// yet (state Z or X) serves no client.
+fn live_mps_process(stat: &str) -> Option<()> {
+    let comm = &stat[stat.find('(')? + 1..stat.rfind(')')?];
+    let state = crate::stall::after_comm(stat)?.split_whitespace().next()?;
+    (comm.starts_with("nvidia-cuda-mps") && state != "Z" && state != "X").then_some(())
 }
 
 /// Whether the agent's answer makes the process a split-path candidate.
@@ -684,6 +707,19 @@ pub fn manifest_for(ctx: &Ctx, t: &Tracked) -> Manifest {
 mod tests {
     use super::*;
     use gpusnap_image::{ChunkEntry, Codec};
+
+    #[test]
+    fn only_live_mps_processes_count() {
+        let stat = |comm: &str, state: &str| format!("1313 ({comm}) {state} 1 1313 1313 0 -1");
+        assert!(live_mps_process(&stat("nvidia-cuda-mps", "S")).is_some());
+        assert!(live_mps_process(&stat("nvidia-cuda-mps", "R")).is_some());
+        // quit but not yet reaped by its parent (found on the H200: a later dump named it)
+        assert!(live_mps_process(&stat("nvidia-cuda-mps", "Z")).is_none());
+        assert!(live_mps_process(&stat("nvidia-cuda-mps", "X")).is_none());
+        assert!(live_mps_process(&stat("python3", "S")).is_none());
+        assert!(live_mps_process(&stat("my nvidia-cuda-mps", "S")).is_none());
+        assert!(live_mps_process("garbage").is_none());
+    }
 
     #[test]
     fn bytes_are_counted_per_device() {

@@ -57,7 +57,7 @@ fn vm_rss_kib(status: &str) -> Option<u64> {
 
 /// A `/proc/.../stat` text from field 3 (the state) on. The command name (field 2) may hold
 /// spaces and parentheses, so fields are counted after its last `)`.
-fn after_comm(stat: &str) -> Option<&str> {
+pub(crate) fn after_comm(stat: &str) -> Option<&str> {
     Some(&stat[stat.rfind(')')? + 1..])
 }
 

@@ -1,5 +1,5 @@
 //! Settings from the environment, read once: `GPUSNAP_AGENT_MIN_BYTES`, `GPUSNAP_AGENT_DISABLE`,
-//! `GPUSNAP_AGENT_EAGER`, `GPUSNAP_AGENT_DEBUG`.
+//! `GPUSNAP_AGENT_APP_VMM`, `GPUSNAP_AGENT_EAGER`, `GPUSNAP_AGENT_DEBUG`.
 
 use std::sync::OnceLock;
 
@@ -12,6 +12,9 @@ pub struct Config {
     pub min_bytes: u64,
     /// No conversion at all (hooks pass through, app VMM is still recorded).
     pub disabled: bool,
+    /// The application's own `cuMemCreate` handles are virtualized so the split path can move
+    /// their memory (`GPUSNAP_AGENT_APP_VMM=0`: recorded only, left to the driver checkpoint).
+    pub app_vmm: bool,
     /// Start the agent thread at library load.
     pub eager: bool,
     /// Log to stderr.
@@ -26,9 +29,12 @@ impl Config {
         let min_bytes = get("GPUSNAP_AGENT_MIN_BYTES")
             .and_then(|v| v.trim().parse::<u64>().ok())
             .unwrap_or(DEFAULT_MIN_BYTES);
+        let off =
+            |k: &str| get(k).is_some_and(|v| matches!(v.trim(), "0" | "false" | "no" | "off"));
         Config {
             min_bytes,
             disabled: flag("GPUSNAP_AGENT_DISABLE"),
+            app_vmm: !off("GPUSNAP_AGENT_APP_VMM"),
             eager: flag("GPUSNAP_AGENT_EAGER"),
             debug: flag("GPUSNAP_AGENT_DEBUG"),
         }
@@ -61,6 +67,7 @@ mod tests {
             Config {
                 min_bytes: DEFAULT_MIN_BYTES,
                 disabled: false,
+                app_vmm: true,
                 eager: false,
                 debug: false
             }
@@ -70,12 +77,14 @@ mod tests {
             ("GPUSNAP_AGENT_DISABLE", "1"),
             ("GPUSNAP_AGENT_EAGER", "1"),
             ("GPUSNAP_AGENT_DEBUG", "1"),
+            ("GPUSNAP_AGENT_APP_VMM", "0"),
         ]);
         assert_eq!(
             c,
             Config {
                 min_bytes: 4096,
                 disabled: true,
+                app_vmm: false,
                 eager: true,
                 debug: true
             }
@@ -85,5 +94,6 @@ mod tests {
             ("GPUSNAP_AGENT_DISABLE", "0"),
         ]);
         assert_eq!((c.min_bytes, c.disabled), (DEFAULT_MIN_BYTES, false));
+        assert!(parse(&[("GPUSNAP_AGENT_APP_VMM", "1")]).app_vmm);
     }
 }

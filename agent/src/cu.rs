@@ -13,6 +13,7 @@ use cudarc::driver::sys::{
 };
 
 use crate::real::{CUDA_ERROR_NOT_READY, CUDA_SUCCESS, CuRes, Driver};
+use crate::table::PropBytes;
 
 /// A failed driver call.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -134,13 +135,21 @@ impl Driver {
     }
 
     /// Physical pinned memory on `dev`; `addr` is only for the error message.
+    /// `cuMemCreate` of `size` bytes on `dev`: pinned device memory, or the properties `app`
+    /// an application created its handle with (kept as bytes by the table).
     pub fn create(
         &self,
         addr: CUdeviceptr,
         size: u64,
         dev: CUdevice,
+        app: Option<&PropBytes>,
     ) -> Result<CUmemGenericAllocationHandle, CuError> {
-        let prop = device_prop(dev);
+        let prop = match app {
+            // SAFETY: the bytes are a CUmemAllocationProp the driver accepted in the
+            // application's cuMemCreate (copied by the hook); plain data, read unaligned.
+            Some(b) => unsafe { b.as_ptr().cast::<CUmemAllocationProp>().read_unaligned() },
+            None => device_prop(dev),
+        };
         let mut h: CUmemGenericAllocationHandle = 0;
         // SAFETY: h is a valid out pointer, prop a valid property struct, no flags.
         let rc = unsafe { (self.mem_create)(&mut h, size as usize, &prop, 0) };

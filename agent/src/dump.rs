@@ -205,8 +205,8 @@ fn release(drv: &Driver, spans: &[Span]) -> Result<(u32, u64), Fail> {
         let marked = table::try_lock_for(AGENT_LOCK_WAIT)
             .ok_or_else(Fail::busy)?
             .mark_released(s.addr);
-        let handle = match marked {
-            Ok(h) => h,
+        let (handle, holds_reference) = match marked {
+            Ok(m) => m,
             // Freed or released meanwhile: nothing of ours to release.
             Err(e @ (TableError::NotFound(_) | TableError::AlreadyReleased(_))) => {
                 debug!("release: skipping #{}: {e}", s.id);
@@ -216,13 +216,16 @@ fn release(drv: &Driver, spans: &[Span]) -> Result<(u32, u64), Fail> {
         };
         if let Err(e) = drv.unmap(s.addr, s.size) {
             if let Some(mut t) = table::try_lock_for(AGENT_LOCK_WAIT) {
-                let _ = t.mark_mapped(s.addr, handle);
+                t.unmark_released(s.addr, handle);
             }
             return Err(e.into());
         }
         // Unmapped: the address holds no data any more, so the entry stays Released even if the
         // release fails (the physical memory would then leak into the driver's checkpoint).
-        drv.release(s.addr, handle)?;
+        // An application handle the application released already was held by the mapping only.
+        if holds_reference {
+            drv.release(s.addr, handle)?;
+        }
         count += 1;
         bytes += s.size;
     }

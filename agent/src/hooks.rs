@@ -1,6 +1,8 @@
 //! The exported interposers: `dlsym`, `cuGetProcAddress{,_v2}`, `cuMemAlloc_v2`,
-//! `cuMemAllocPitch_v2`, `cuMemFree_v2`, and the recording pass-throughs `cuMemCreate`,
-//! `cuMemMap`, `cuMemUnmap`, `cuMemRelease`.
+//! `cuMemAllocPitch_v2`, `cuMemFree_v2`; the application's VMM calls `cuMemCreate`, `cuMemMap`,
+//! `cuMemUnmap`, `cuMemRelease`, `cuMemRetainAllocationHandle`,
+//! `cuMemGetAllocationPropertiesFromHandle`, which translate its (virtual) handle values (see
+//! [`crate::table`]); and the hazard recorders.
 //!
 //! Each is thin: it catches panics (none may cross into C) and calls plain Rust in
 //! [`crate::convert`] or the real driver function. The CUDA runtime finds driver entry points
@@ -22,8 +24,9 @@ use gpusnap_proto::hazard;
 use crate::convert;
 use crate::log::debug;
 use crate::real::{
-    self, CUDA_ERROR_NOT_FOUND, CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_NOT_SUPPORTED,
-    CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED, CUDA_ERROR_UNKNOWN, CUDA_SUCCESS, CuRes, Driver,
+    self, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_FOUND, CUDA_ERROR_NOT_INITIALIZED,
+    CUDA_ERROR_NOT_SUPPORTED, CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED, CUDA_ERROR_UNKNOWN,
+    CUDA_SUCCESS, CuRes, Driver,
 };
 use crate::table;
 
@@ -51,6 +54,8 @@ pub enum Hooked {
     MemMap,
     MemUnmap,
     MemRelease,
+    MemRetainAllocationHandle,
+    MemGetAllocationPropertiesFromHandle,
     GetProcAddress,
     GetProcAddressV2,
     // Recorded only: state the driver checkpoint cannot take (see `hazards`).
@@ -79,6 +84,10 @@ impl Hooked {
             b"cuMemMap" => Hooked::MemMap,
             b"cuMemUnmap" => Hooked::MemUnmap,
             b"cuMemRelease" => Hooked::MemRelease,
+            b"cuMemRetainAllocationHandle" => Hooked::MemRetainAllocationHandle,
+            b"cuMemGetAllocationPropertiesFromHandle" => {
+                Hooked::MemGetAllocationPropertiesFromHandle
+            }
             b"cuGetProcAddress" => Hooked::GetProcAddress,
             b"cuGetProcAddress_v2" => Hooked::GetProcAddressV2,
             b"cuMemAllocManaged" => Hooked::MemAllocManaged,
@@ -101,6 +110,10 @@ impl Hooked {
             b"cuMemMap" => Some(Hooked::MemMap),
             b"cuMemUnmap" => Some(Hooked::MemUnmap),
             b"cuMemRelease" => Some(Hooked::MemRelease),
+            b"cuMemRetainAllocationHandle" => Some(Hooked::MemRetainAllocationHandle),
+            b"cuMemGetAllocationPropertiesFromHandle" => {
+                Some(Hooked::MemGetAllocationPropertiesFromHandle)
+            }
             b"cuGetProcAddress" if cuda_version >= V2_PROC_ADDRESS_ABI => {
                 Some(Hooked::GetProcAddressV2)
             }
@@ -126,6 +139,10 @@ impl Hooked {
             Hooked::MemMap => cuMemMap as *mut c_void,
             Hooked::MemUnmap => cuMemUnmap as *mut c_void,
             Hooked::MemRelease => cuMemRelease as *mut c_void,
+            Hooked::MemRetainAllocationHandle => cuMemRetainAllocationHandle as *mut c_void,
+            Hooked::MemGetAllocationPropertiesFromHandle => {
+                cuMemGetAllocationPropertiesFromHandle as *mut c_void
+            }
             Hooked::GetProcAddress => cuGetProcAddress as *mut c_void,
             Hooked::GetProcAddressV2 => cuGetProcAddress_v2 as *mut c_void,
             Hooked::MemAllocManaged => cuMemAllocManaged as *mut c_void,
@@ -146,6 +163,10 @@ impl Hooked {
             Hooked::MemMap => d.mem_map as *mut c_void,
             Hooked::MemUnmap => d.mem_unmap as *mut c_void,
             Hooked::MemRelease => d.mem_release as *mut c_void,
+            Hooked::MemRetainAllocationHandle => opt(d.mem_retain_allocation_handle),
+            Hooked::MemGetAllocationPropertiesFromHandle => {
+                opt(d.mem_get_allocation_properties_from_handle)
+            }
             Hooked::GetProcAddress => d
                 .get_proc_address
                 .map_or(std::ptr::null_mut(), |f| f as *mut c_void),
@@ -452,7 +473,8 @@ unsafe fn device_of_prop(prop: *const CUmemAllocationProp) -> Option<i32> {
     (ty == LOCATION_TYPE_DEVICE).then_some(id)
 }
 
-/// Interposes libcuda's `cuMemCreate`: passes through, records device-located handles.
+/// Interposes libcuda's `cuMemCreate`: passes through; a device-located handle is virtualized
+/// (the application gets the table's value) or, with `GPUSNAP_AGENT_APP_VMM=0`, recorded.
 ///
 /// # Safety
 /// As the driver function: `handle` valid for writes, `prop` valid for reads.
@@ -475,7 +497,17 @@ pub unsafe extern "C" fn cuMemCreate(
             if let Some(dev) = unsafe { device_of_prop(prop) } {
                 // SAFETY: as above.
                 let h = unsafe { *handle };
-                table::lock().record_app_create(h, size as u64, dev);
+                let cfg = crate::config::config();
+                if cfg.app_vmm && !cfg.disabled {
+                    // SAFETY: prop points to a whole CUmemAllocationProp (the driver read it);
+                    // copied as bytes, unaligned.
+                    let bytes = unsafe { prop.cast::<table::PropBytes>().read_unaligned() };
+                    let v = table::lock().virtualize(h, size as u64, dev, bytes);
+                    // SAFETY: handle is valid for writes (the driver just wrote it).
+                    unsafe { *handle = v };
+                } else {
+                    table::lock().record_app_create(h, size as u64, dev);
+                }
                 // A process whose device memory is all its own VMM still gets an agent, so the
                 // plugin can list it (and knows the driver checkpoint holds its data).
                 crate::server::ensure_started();
@@ -485,7 +517,16 @@ pub unsafe extern "C" fn cuMemCreate(
     })
 }
 
-/// Interposes libcuda's `cuMemMap`: passes through, records the mapping.
+/// The driver's value for an application handle: `Err` while a dump has released it.
+fn real_handle(h: CUmemGenericAllocationHandle) -> Result<CUmemGenericAllocationHandle, CuRes> {
+    match table::lock().real_handle(h) {
+        None => Ok(h),
+        Some(Some(real)) => Ok(real),
+        Some(None) => Err(CUDA_ERROR_INVALID_VALUE),
+    }
+}
+
+/// Interposes libcuda's `cuMemMap`: maps the driver's handle, records the mapping.
 ///
 /// # Safety
 /// As the driver function.
@@ -502,10 +543,19 @@ pub unsafe extern "C" fn cuMemMap(
             Ok(d) => d,
             Err(rc) => return rc,
         };
-        // SAFETY: the caller's arguments are passed to the real function unchanged.
-        let rc = unsafe { (drv.mem_map)(ptr, size, offset, handle, flags) };
+        let real = match real_handle(handle) {
+            Ok(r) => r,
+            Err(rc) => return rc,
+        };
+        // SAFETY: the caller's arguments are passed to the real function, the handle translated.
+        let rc = unsafe { (drv.mem_map)(ptr, size, offset, real, flags) };
         if rc == CUDA_SUCCESS {
-            table::lock().record_app_map(ptr, size as u64, handle);
+            let mut t = table::lock();
+            if real == handle {
+                t.record_app_map(ptr, size as u64, handle);
+            } else {
+                t.app_map_virtual(ptr, size as u64, offset as u64, handle);
+            }
         }
         rc
     })
@@ -531,7 +581,8 @@ pub unsafe extern "C" fn cuMemUnmap(ptr: CUdeviceptr, size: usize) -> CuRes {
     })
 }
 
-/// Interposes libcuda's `cuMemRelease`: passes through, forgets the handle.
+/// Interposes libcuda's `cuMemRelease`: counts a release of an application handle (the last
+/// one releases the driver's handle), passes any other through.
 ///
 /// # Safety
 /// As the driver function.
@@ -542,12 +593,90 @@ pub unsafe extern "C" fn cuMemRelease(handle: CUmemGenericAllocationHandle) -> C
             Ok(d) => d,
             Err(rc) => return rc,
         };
-        // SAFETY: the caller's argument is passed to the real function unchanged.
-        let rc = unsafe { (drv.mem_release)(handle) };
-        if rc == CUDA_SUCCESS {
-            table::lock().record_app_release(handle);
+        let action = {
+            let mut t = table::lock();
+            t.real_handle(handle).map(|_| t.app_release(handle))
+        };
+        match action {
+            None => {
+                // SAFETY: the caller's argument is passed to the real function unchanged.
+                let rc = unsafe { (drv.mem_release)(handle) };
+                if rc == CUDA_SUCCESS {
+                    table::lock().record_app_release(handle);
+                }
+                rc
+            }
+            // SAFETY: the driver handle behind the application's, whose last reference this was.
+            Some(table::AppRelease::ReleaseReal(real)) => unsafe { (drv.mem_release)(real) },
+            Some(table::AppRelease::Counted) => CUDA_SUCCESS,
+            Some(table::AppRelease::Invalid) => CUDA_ERROR_INVALID_VALUE,
+        }
+    })
+}
+
+/// Interposes libcuda's `cuMemRetainAllocationHandle`: returns the application's value for a
+/// handle it created (the table keeps a single driver reference).
+///
+/// # Safety
+/// As the driver function.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemRetainAllocationHandle(
+    handle: *mut CUmemGenericAllocationHandle,
+    addr: *mut c_void,
+) -> CuRes {
+    guard(CUDA_ERROR_UNKNOWN, || {
+        let drv = match driver_for("cuMemRetainAllocationHandle") {
+            Ok(d) => d,
+            Err(rc) => return rc,
+        };
+        let Some(retain) = drv.mem_retain_allocation_handle else {
+            return CUDA_ERROR_NOT_SUPPORTED;
+        };
+        // SAFETY: the caller's arguments are passed to the real function unchanged.
+        let rc = unsafe { retain(handle, addr) };
+        if rc != CUDA_SUCCESS || handle.is_null() {
+            return rc;
+        }
+        // SAFETY: the driver wrote *handle.
+        let real = unsafe { *handle };
+        let extra = {
+            let mut t = table::lock();
+            t.virtual_of(real).map(|v| (v, t.app_retain(v)))
+        };
+        if let Some((v, release_extra)) = extra {
+            // SAFETY: handle is valid for writes.
+            unsafe { *handle = v };
+            if release_extra {
+                // SAFETY: the reference the retain just added; the table holds another.
+                unsafe { (drv.mem_release)(real) };
+            }
         }
         rc
+    })
+}
+
+/// Interposes libcuda's `cuMemGetAllocationPropertiesFromHandle`: translates the handle.
+///
+/// # Safety
+/// As the driver function.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemGetAllocationPropertiesFromHandle(
+    prop: *mut CUmemAllocationProp,
+    handle: CUmemGenericAllocationHandle,
+) -> CuRes {
+    guard(CUDA_ERROR_UNKNOWN, || {
+        let drv = match driver_for("cuMemGetAllocationPropertiesFromHandle") {
+            Ok(d) => d,
+            Err(rc) => return rc,
+        };
+        let Some(get) = drv.mem_get_allocation_properties_from_handle else {
+            return CUDA_ERROR_NOT_SUPPORTED;
+        };
+        match real_handle(handle) {
+            // SAFETY: the caller's arguments, the handle translated.
+            Ok(real) => unsafe { get(prop, real) },
+            Err(rc) => rc,
+        }
     })
 }
 
@@ -678,11 +807,15 @@ pub unsafe extern "C" fn cuMemExportToShareableHandle(
     flags: u64,
 ) -> CuRes {
     guard(CUDA_ERROR_UNKNOWN, || {
+        let handle = match real_handle(handle) {
+            Ok(r) => r,
+            Err(rc) => return rc,
+        };
         record_hazard(
             "cuMemExportToShareableHandle",
             hazard::IPC_EXPORT,
             |d| d.mem_export_to_shareable_handle,
-            // SAFETY: the caller's arguments are passed to the real function unchanged.
+            // SAFETY: the caller's arguments, the handle translated.
             |f| unsafe { f(out, handle, handle_type, flags) },
             |rc| rc == CUDA_SUCCESS,
         )
@@ -795,11 +928,27 @@ mod tests {
             (b"cuMemMap", Hooked::MemMap),
             (b"cuMemUnmap", Hooked::MemUnmap),
             (b"cuMemRelease", Hooked::MemRelease),
+            (
+                b"cuMemRetainAllocationHandle",
+                Hooked::MemRetainAllocationHandle,
+            ),
+            (
+                b"cuMemGetAllocationPropertiesFromHandle",
+                Hooked::MemGetAllocationPropertiesFromHandle,
+            ),
             (b"cuGetProcAddress", Hooked::GetProcAddress),
             (b"cuGetProcAddress_v2", Hooked::GetProcAddressV2),
         ] {
             assert_eq!(Hooked::from_symbol(name), Some(h));
             assert!(!h.hook_addr().is_null());
+            if h != Hooked::GetProcAddress && h != Hooked::GetProcAddressV2 {
+                let base = std::str::from_utf8(name).unwrap().trim_end_matches("_v2");
+                assert_eq!(
+                    Hooked::from_proc_name(base.as_bytes(), 13000),
+                    Some(h),
+                    "{base}"
+                );
+            }
         }
         assert_eq!(
             Hooked::from_symbol(b"cuMemAlloc"),

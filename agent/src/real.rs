@@ -22,6 +22,7 @@ pub type CuRes = u32;
 const _: () = assert!(std::mem::size_of::<CUresult>() == std::mem::size_of::<CuRes>());
 
 pub const CUDA_SUCCESS: CuRes = 0;
+pub const CUDA_ERROR_INVALID_VALUE: CuRes = 1;
 pub const CUDA_ERROR_NOT_INITIALIZED: CuRes = 3;
 pub const CUDA_ERROR_NOT_FOUND: CuRes = 500;
 pub const CUDA_ERROR_NOT_READY: CuRes = 600;
@@ -140,6 +141,11 @@ driver_table! {
         ctx_enable_peer_access = "cuCtxEnablePeerAccess"(CUcontext, c_uint);
         mem_export_to_shareable_handle = "cuMemExportToShareableHandle"(
             *mut c_void, CUmemGenericAllocationHandle, c_uint, u64);
+        // Translated between the application's and the driver's handle values (see `table`).
+        mem_retain_allocation_handle = "cuMemRetainAllocationHandle"(
+            *mut CUmemGenericAllocationHandle, *mut c_void);
+        mem_get_allocation_properties_from_handle = "cuMemGetAllocationPropertiesFromHandle"(
+            *mut CUmemAllocationProp, CUmemGenericAllocationHandle);
     }
 }
 

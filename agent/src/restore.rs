@@ -61,11 +61,15 @@ fn restore(
     Ok(Reply::Restored { bytes, micros })
 }
 
-/// Backs every released span with new physical memory at its address (state Mapped).
+/// Backs every released span with new physical memory at its address (state Mapped), with the
+/// application's own allocation properties where the memory was the application's handle.
 fn recreate(drv: &Driver, spans: &[Span], released: &[bool]) -> Result<usize, Fail> {
     let mut n = 0;
     for (s, _) in spans.iter().zip(released).filter(|(_, r)| **r) {
-        let handle = vmm::back(drv, s.device, s.addr, s.size)?;
+        let prop = table::try_lock_for(AGENT_LOCK_WAIT)
+            .ok_or_else(Fail::busy)?
+            .app_prop(s.addr);
+        let handle = vmm::back(drv, s.device, s.addr, s.size, prop.as_ref())?;
         // The guard is dropped at the end of this statement, before any further driver call.
         let marked = match table::try_lock_for(AGENT_LOCK_WAIT) {
             None => Err(Fail::busy()),
@@ -73,9 +77,14 @@ fn recreate(drv: &Driver, spans: &[Span], released: &[bool]) -> Result<usize, Fa
                 .mark_mapped(s.addr, handle)
                 .map_err(|e| Fail::bad_state(e.to_string())),
         };
-        if let Err(f) = marked {
-            let _ = vmm::unback(drv, s.addr, s.size, handle);
-            return Err(f);
+        match marked {
+            // The application had released its handle: the mapping alone holds the memory.
+            Ok(true) => drv.release(s.addr, handle)?,
+            Ok(false) => {}
+            Err(f) => {
+                let _ = vmm::unback(drv, s.addr, s.size, handle);
+                return Err(f);
+            }
         }
         n += 1;
     }

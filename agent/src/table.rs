@@ -1,5 +1,16 @@
 //! The allocation table: converted allocations (with their Mapped/Released state) and the
-//! application's own VMM handles and mappings, recorded only.
+//! application's own VMM handles and mappings.
+//!
+//! The application's `cuMemCreate` handles for device memory are virtualized: the application
+//! gets a value of ours ([`VIRTUAL_BASE`] | n), the table keeps the driver's handle. A handle
+//! mapped once, whole, at offset 0 (what PyTorch's expandable segments do) is then movable: its
+//! mapping is an entry of `converted` like a converted `cuMemAlloc`, released by a dump and
+//! re-created at the same address by a restore, while the application's value stays valid.
+//! A handle mapped twice or in part is left to the driver checkpoint (recorded only).
+//!
+//! Driver references: while the application holds a handle (`app_refs > 0`) the table holds
+//! exactly one driver reference to it; the application's creates, retains and releases only
+//! count. A mapping keeps its physical memory alive by itself, as in CUDA.
 //!
 //! Locking rule: application threads take the lock briefly and never across a driver call; the
 //! agent thread only ever try-locks with a bound ([`try_lock_for`]), since an application thread
@@ -22,7 +33,8 @@ pub enum Backing {
     Released,
 }
 
-/// A `cuMemAlloc` the agent converted into a VMM mapping.
+/// A `cuMemAlloc` the agent converted into a VMM mapping, or a movable mapping of an
+/// application handle (`app_handle`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Converted {
     pub id: u64,
@@ -31,15 +43,53 @@ pub struct Converted {
     /// Rounded to the allocation granularity; the size of the reservation and of the mapping.
     pub size: u64,
     pub backing: Backing,
+    /// The application's (virtual) handle mapped here; None for a converted `cuMemAlloc`.
+    pub app_handle: Option<Handle>,
 }
 
-/// A mapping the application made itself with `cuMemMap` (device memory only).
+/// Application handle values start here (the driver's own values are small or pointer-like).
+pub const VIRTUAL_BASE: Handle = 0x6770_736e_0000_0000;
+
+/// `CUmemAllocationProp` as bytes (it holds a pointer field, so the struct itself is not
+/// `Send`); the application's own properties, used again when a restore re-creates the memory.
+pub type PropBytes = [u8; std::mem::size_of::<cudarc::driver::sys::CUmemAllocationProp>()];
+
+/// An application handle for device memory.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AppHandle {
+    /// The driver's handle; None while a dump has released the memory.
+    pub real: Option<Handle>,
+    /// The application's references: its create and retains, less its releases.
+    pub app_refs: u32,
+    pub size: u64,
+    pub device: i32,
+    pub prop: PropBytes,
+    /// Live mappings of the handle.
+    pub mappings: u32,
+    /// Mapped twice or in part at some time: never movable, left to the driver.
+    pub pinned: bool,
+}
+
+/// What the application's `cuMemRelease` of a virtual handle does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AppRelease {
+    /// The last application reference: release this driver handle (the table's reference).
+    ReleaseReal(Handle),
+    /// References remain, or the memory is released by a dump: nothing to call.
+    Counted,
+    /// The application holds no reference to it any more.
+    Invalid,
+}
+
+/// A mapping the application made itself with `cuMemMap` (device memory only) that is left to
+/// the driver checkpoint.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct AppMapping {
     pub id: u64,
     pub device: i32,
     pub addr: u64,
     pub size: u64,
+    /// The handle as the application passed it (virtual when it is one of ours).
     pub handle: Handle,
 }
 
@@ -85,8 +135,12 @@ pub struct Summary {
 pub struct Table {
     next_id: u64,
     converted: BTreeMap<u64, Converted>,
+    /// Device handles the application created with the agent's app-VMM support off: recorded.
     app_handles: BTreeMap<Handle, (u64, i32)>,
     app_maps: BTreeMap<u64, AppMapping>,
+    /// Virtual handle -> the application's handle.
+    virtual_handles: BTreeMap<Handle, AppHandle>,
+    next_virtual: Handle,
 }
 
 impl Default for Table {
@@ -102,6 +156,8 @@ impl Table {
             converted: BTreeMap::new(),
             app_handles: BTreeMap::new(),
             app_maps: BTreeMap::new(),
+            virtual_handles: BTreeMap::new(),
+            next_virtual: VIRTUAL_BASE + 1,
         }
     }
 
@@ -122,13 +178,18 @@ impl Table {
                 addr,
                 size,
                 backing: Backing::Mapped(handle),
+                app_handle: None,
             },
         );
         id
     }
 
-    /// Removes the converted allocation whose base is `addr`.
+    /// Removes the converted `cuMemAlloc` whose base is `addr` (an application mapping is
+    /// never freed this way).
     pub fn remove_converted(&mut self, addr: u64) -> Option<Converted> {
+        if self.converted.get(&addr)?.app_handle.is_some() {
+            return None;
+        }
         self.converted.remove(&addr)
     }
 
@@ -137,33 +198,176 @@ impl Table {
         self.converted.values()
     }
 
-    /// Mapped -> Released; returns the handle to release.
-    pub fn mark_released(&mut self, addr: u64) -> Result<Handle, TableError> {
+    /// Mapped -> Released; returns the handle and whether the table holds a driver reference
+    /// to it that must be released after the unmap (an application handle the application has
+    /// released already is held by its mapping alone).
+    pub fn mark_released(&mut self, addr: u64) -> Result<(Handle, bool), TableError> {
         let c = self
             .converted
             .get_mut(&addr)
             .ok_or(TableError::NotFound(addr))?;
-        match c.backing {
-            Backing::Mapped(h) => {
-                c.backing = Backing::Released;
-                Ok(h)
+        let Backing::Mapped(h) = c.backing else {
+            return Err(TableError::AlreadyReleased(addr));
+        };
+        c.backing = Backing::Released;
+        let Some(v) = c.app_handle else {
+            return Ok((h, true));
+        };
+        let ah = self
+            .virtual_handles
+            .get_mut(&v)
+            .expect("a movable mapping's handle is in the table");
+        ah.real = None;
+        Ok((h, ah.app_refs > 0))
+    }
+
+    /// Undoes [`mark_released`](Self::mark_released) when the unmap failed.
+    pub fn unmark_released(&mut self, addr: u64, handle: Handle) {
+        if let Some(c) = self.converted.get_mut(&addr) {
+            c.backing = Backing::Mapped(handle);
+            if let Some(ah) = c.app_handle.and_then(|v| self.virtual_handles.get_mut(&v)) {
+                ah.real = Some(handle);
             }
-            Backing::Released => Err(TableError::AlreadyReleased(addr)),
         }
     }
 
-    /// Released -> Mapped with the new handle.
-    pub fn mark_mapped(&mut self, addr: u64, handle: Handle) -> Result<(), TableError> {
+    /// Released -> Mapped with the new handle. Returns true when the table must not keep a
+    /// driver reference to it (the application has released its handle: only the mapping
+    /// holds the memory), i.e. the caller releases it once mapped.
+    pub fn mark_mapped(&mut self, addr: u64, handle: Handle) -> Result<bool, TableError> {
         let c = self
             .converted
             .get_mut(&addr)
             .ok_or(TableError::NotFound(addr))?;
-        match c.backing {
-            Backing::Released => {
-                c.backing = Backing::Mapped(handle);
-                Ok(())
-            }
-            Backing::Mapped(_) => Err(TableError::NotReleased(addr)),
+        if let Backing::Mapped(_) = c.backing {
+            return Err(TableError::NotReleased(addr));
+        }
+        c.backing = Backing::Mapped(handle);
+        let Some(ah) = c.app_handle.and_then(|v| self.virtual_handles.get_mut(&v)) else {
+            return Ok(false);
+        };
+        ah.real = Some(handle);
+        Ok(ah.app_refs == 0)
+    }
+
+    /// The application's allocation properties for re-creating the memory at `addr`; None for
+    /// a converted `cuMemAlloc` (the agent's own properties).
+    pub fn app_prop(&self, addr: u64) -> Option<PropBytes> {
+        let v = self.converted.get(&addr)?.app_handle?;
+        Some(self.virtual_handles.get(&v)?.prop)
+    }
+
+    /// A driver handle for device memory the application just created: returns the value the
+    /// application gets instead.
+    pub fn virtualize(&mut self, real: Handle, size: u64, device: i32, prop: PropBytes) -> Handle {
+        let v = self.next_virtual;
+        self.next_virtual += 1;
+        self.virtual_handles.insert(
+            v,
+            AppHandle {
+                real: Some(real),
+                app_refs: 1,
+                size,
+                device,
+                prop,
+                mappings: 0,
+                pinned: false,
+            },
+        );
+        v
+    }
+
+    /// The driver handle behind an application value: `None` when the value is not one of
+    /// ours (pass it on unchanged), `Some(None)` while a dump has released the memory.
+    pub fn real_handle(&self, h: Handle) -> Option<Option<Handle>> {
+        self.virtual_handles.get(&h).map(|a| a.real)
+    }
+
+    /// The application value of a driver handle (for `cuMemRetainAllocationHandle`), if the
+    /// handle is one the application created.
+    pub fn virtual_of(&self, real: Handle) -> Option<Handle> {
+        self.virtual_handles
+            .iter()
+            .find(|(_, a)| a.real == Some(real))
+            .map(|(v, _)| *v)
+    }
+
+    /// The application retained handle `v` (`cuMemRetainAllocationHandle`), which gave the
+    /// driver one more reference: returns true when that reference is to be released again
+    /// (the table already holds one).
+    pub fn app_retain(&mut self, v: Handle) -> bool {
+        let Some(a) = self.virtual_handles.get_mut(&v) else {
+            return false;
+        };
+        a.app_refs += 1;
+        a.app_refs > 1
+    }
+
+    /// The application released handle `v` (`cuMemRelease`).
+    pub fn app_release(&mut self, v: Handle) -> AppRelease {
+        let Some(a) = self.virtual_handles.get_mut(&v) else {
+            return AppRelease::Invalid;
+        };
+        if a.app_refs == 0 {
+            return AppRelease::Invalid;
+        }
+        a.app_refs -= 1;
+        if a.app_refs > 0 {
+            return AppRelease::Counted;
+        }
+        let real = a.real;
+        if a.mappings == 0 {
+            self.virtual_handles.remove(&v);
+        }
+        real.map_or(AppRelease::Counted, AppRelease::ReleaseReal)
+    }
+
+    /// The application mapped virtual handle `v` at `addr` (the driver accepted it). A whole
+    /// mapping at offset 0 of a handle not mapped before becomes movable; any other mapping is
+    /// recorded and pins the handle (and demotes its movable mapping) to the driver checkpoint.
+    pub fn app_map_virtual(&mut self, addr: u64, size: u64, offset: u64, v: Handle) {
+        let Some(a) = self.virtual_handles.get_mut(&v) else {
+            return;
+        };
+        let (Some(real), device) = (a.real, a.device) else {
+            return;
+        };
+        a.mappings += 1;
+        if !a.pinned && a.mappings == 1 && offset == 0 && size == a.size {
+            let id = self.take_id();
+            self.converted.insert(
+                addr,
+                Converted {
+                    id,
+                    device,
+                    addr,
+                    size,
+                    backing: Backing::Mapped(real),
+                    app_handle: Some(v),
+                },
+            );
+            return;
+        }
+        a.pinned = true;
+        let moved: Vec<u64> = self
+            .converted
+            .values()
+            .filter(|c| c.app_handle == Some(v))
+            .map(|c| c.addr)
+            .collect();
+        for at in moved.into_iter().chain([addr]) {
+            let size = self.converted.remove(&at).map_or(size, |c| c.size);
+            let id = self.take_id();
+            self.app_maps.insert(
+                at,
+                AppMapping {
+                    id,
+                    device,
+                    addr: at,
+                    size,
+                    handle: v,
+                },
+            );
         }
     }
 
@@ -195,12 +399,31 @@ impl Table {
         }
     }
 
-    /// The application unmapped `[addr, addr+size)`: forget the mappings that start inside it.
+    /// The application unmapped `[addr, addr+size)`: forget the mappings that start inside it
+    /// (and a virtual handle left with neither mappings nor application references).
     pub fn record_app_unmap(&mut self, addr: u64, size: u64) {
         let end = addr.saturating_add(size);
+        let mut handles = Vec::new();
         let gone: Vec<u64> = self.app_maps.range(addr..end).map(|(a, _)| *a).collect();
         for a in gone {
-            self.app_maps.remove(&a);
+            handles.extend(self.app_maps.remove(&a).map(|m| m.handle));
+        }
+        let moved: Vec<u64> = self
+            .converted
+            .range(addr..end)
+            .filter(|(_, c)| c.app_handle.is_some())
+            .map(|(a, _)| *a)
+            .collect();
+        for a in moved {
+            handles.extend(self.converted.remove(&a).and_then(|c| c.app_handle));
+        }
+        for v in handles {
+            if let Some(h) = self.virtual_handles.get_mut(&v) {
+                h.mappings = h.mappings.saturating_sub(1);
+                if h.mappings == 0 && h.app_refs == 0 {
+                    self.virtual_handles.remove(&v);
+                }
+            }
         }
     }
 
@@ -243,6 +466,7 @@ impl Table {
         self.converted.clear();
         self.app_handles.clear();
         self.app_maps.clear();
+        self.virtual_handles.clear();
     }
 }
 
@@ -305,13 +529,13 @@ mod tests {
             t.mark_mapped(0x1000, 8),
             Err(TableError::NotReleased(0x1000))
         );
-        assert_eq!(t.mark_released(0x1000), Ok(7));
+        assert_eq!(t.mark_released(0x1000), Ok((7, true)));
         assert!(t.summary().released);
         assert_eq!(
             t.mark_released(0x1000),
             Err(TableError::AlreadyReleased(0x1000))
         );
-        assert_eq!(t.mark_mapped(0x1000, 9), Ok(()));
+        assert_eq!(t.mark_mapped(0x1000, 9), Ok(false));
         assert_eq!(t.converted().next().unwrap().backing, Backing::Mapped(9));
         assert!(!t.summary().released);
         assert_eq!(t.mark_released(0x5000), Err(TableError::NotFound(0x5000)));
@@ -344,6 +568,93 @@ mod tests {
         assert_eq!(ids, dedup, "ids are unique");
         t.clear();
         assert_eq!(t.summary(), Summary::default());
+    }
+
+    const PROP: PropBytes = [0; std::mem::size_of::<PropBytes>()];
+
+    #[test]
+    fn a_whole_mapping_of_an_app_handle_moves_and_keeps_its_value() {
+        let mut t = Table::new();
+        let v = t.virtualize(500, MB2, 0, PROP);
+        assert!(v > VIRTUAL_BASE);
+        assert_eq!(t.real_handle(v), Some(Some(500)));
+        assert_eq!(t.real_handle(500), None, "driver values pass through");
+        t.app_map_virtual(0x7000_0000, MB2, 0, v);
+        let l = t.listing();
+        assert_eq!(l.len(), 1);
+        assert!(l[0].converted, "moved by the split path");
+        assert_eq!(t.summary().converted_bytes, MB2);
+        assert_eq!(
+            t.remove_converted(0x7000_0000),
+            None,
+            "cuMemFree cannot free it"
+        );
+
+        // dump: released, the table's reference dropped; restore: a new driver handle
+        assert_eq!(t.mark_released(0x7000_0000), Ok((500, true)));
+        assert_eq!(t.real_handle(v), Some(None));
+        assert_eq!(t.mark_mapped(0x7000_0000, 600), Ok(false));
+        assert_eq!(t.real_handle(v), Some(Some(600)), "same value, new memory");
+        assert_eq!(t.virtual_of(600), Some(v));
+
+        // the application releases, then unmaps: the entry goes
+        assert_eq!(t.app_release(v), AppRelease::ReleaseReal(600));
+        assert_eq!(t.app_release(v), AppRelease::Invalid);
+        assert_eq!(t.listing().len(), 1, "the mapping still holds the memory");
+        t.record_app_unmap(0x7000_0000, MB2);
+        assert!(t.listing().is_empty());
+        assert_eq!(t.real_handle(v), None);
+    }
+
+    #[test]
+    fn a_released_app_handle_is_held_by_its_mapping_alone() {
+        let mut t = Table::new();
+        let v = t.virtualize(500, MB2, 1, PROP);
+        t.app_map_virtual(0x7000_0000, MB2, 0, v);
+        assert_eq!(t.app_release(v), AppRelease::ReleaseReal(500));
+        // dump: no table reference left to release; restore: release the new one once mapped
+        assert_eq!(t.mark_released(0x7000_0000), Ok((500, false)));
+        assert_eq!(t.mark_mapped(0x7000_0000, 700), Ok(true));
+        assert_eq!(t.app_prop(0x7000_0000), Some(PROP));
+    }
+
+    #[test]
+    fn retains_are_counted_over_one_driver_reference() {
+        let mut t = Table::new();
+        let v = t.virtualize(500, MB2, 0, PROP);
+        t.app_map_virtual(0x7000_0000, MB2, 0, v);
+        assert!(
+            t.app_retain(v),
+            "the table already holds a reference: drop the extra one"
+        );
+        assert_eq!(t.app_release(v), AppRelease::Counted);
+        assert_eq!(t.app_release(v), AppRelease::ReleaseReal(500));
+        assert!(
+            !t.app_retain(v),
+            "retained after the last release: keep the driver's"
+        );
+        assert_eq!(t.app_release(v), AppRelease::ReleaseReal(500));
+    }
+
+    #[test]
+    fn a_handle_mapped_twice_or_in_part_is_left_to_the_driver() {
+        let mut t = Table::new();
+        let v = t.virtualize(500, 2 * MB2, 0, PROP);
+        t.app_map_virtual(0x7000_0000, 2 * MB2, 0, v);
+        assert!(t.listing()[0].converted);
+        t.app_map_virtual(0x9000_0000, 2 * MB2, 0, v);
+        let l = t.listing();
+        assert_eq!(l.len(), 2);
+        assert!(l.iter().all(|e| !e.converted), "both demoted: {l:?}");
+        assert_eq!(t.summary().converted_bytes, 0);
+        t.record_app_unmap(0x7000_0000, 2 * MB2);
+        t.record_app_unmap(0x9000_0000, 2 * MB2);
+        t.app_map_virtual(0x7000_0000, 2 * MB2, 0, v);
+        assert!(!t.listing()[0].converted, "pinned for good");
+
+        let w = t.virtualize(501, 2 * MB2, 0, PROP);
+        t.app_map_virtual(0xa000_0000, MB2, MB2, w);
+        assert!(t.listing().iter().all(|e| !e.converted), "part of a handle");
     }
 
     #[test]

@@ -8,6 +8,7 @@ use cudarc::driver::sys::{CUdevice, CUdeviceptr, CUmemGenericAllocationHandle};
 
 use crate::cu::CuError;
 use crate::real::Driver;
+use crate::table::PropBytes;
 
 /// `cuMemAllocPitch` pitch alignment used for converted pitched allocations.
 pub const PITCH_ALIGN: u64 = 512;
@@ -64,7 +65,7 @@ pub fn alloc(drv: &Driver, dev: CUdevice, size: u64) -> Result<VmmAlloc, CuError
         name: "overflow".into(),
     })?;
     let addr = drv.reserve(rounded)?;
-    match back(drv, dev, addr, rounded) {
+    match back(drv, dev, addr, rounded, None) {
         Ok(handle) => Ok(VmmAlloc {
             addr,
             size: rounded,
@@ -77,15 +78,17 @@ pub fn alloc(drv: &Driver, dev: CUdevice, size: u64) -> Result<VmmAlloc, CuError
     }
 }
 
-/// Physical memory for the reserved range `addr..addr+size` on `dev`: create, map, grant
+/// Physical memory for the reserved range `addr..addr+size` on `dev`: create (with the
+/// application's properties `prop` when given, else pinned device memory), map, grant
 /// read-write access to `dev`. On failure nothing is left behind.
 pub fn back(
     drv: &Driver,
     dev: CUdevice,
     addr: CUdeviceptr,
     size: u64,
+    prop: Option<&PropBytes>,
 ) -> Result<CUmemGenericAllocationHandle, CuError> {
-    let handle = drv.create(addr, size, dev)?;
+    let handle = drv.create(addr, size, dev, prop)?;
     if let Err(e) = drv.map(addr, size, handle) {
         let _ = drv.release(addr, handle);
         return Err(e);

@@ -74,11 +74,11 @@ impl Split {
                 self.describe(dump)
             );
         }
-        // The converted memory was released before CRIU dumped the processes: none of it is
-        // in CRIU's images as memfd contents, only the memory the processes map themselves.
+        // The converted memory and the processes' own VMM memory were released before CRIU
+        // dumped the processes: none of it is in CRIU's images as memfd contents.
         let memfds = fs::read(self.w.images.join("memfd.img")).unwrap_or_default();
         let dumped = memfds.windows(12).filter(|w| w == b"fakecuda-dev").count();
-        let own = if self.app_vmm { self.vmm.pids.len() } else { 0 };
+        let own = 0;
         assert!(
             !memfds.windows(15).any(|w| w == b"gpusnap-staging"),
             "CRIU dumped the staging ring (memfd.img)\n{}",
@@ -107,13 +107,19 @@ impl Split {
 
     /// The dump took the split path for every process: the agent's data went into gpusnap's
     /// files and its memory was released before CRIU dumped the process.
+    /// The memory a process maps with its own VMM calls (`--app-vmm`) moves too: the agent
+    /// gave the process its own handle values and holds the driver's.
     fn assert_split_dump(&self, dump: &CriuRun) {
+        let released = format!(
+            "agent released {} allocations",
+            4 + usize::from(self.app_vmm)
+        );
         for pid in &self.vmm.pids {
             let p = format!("pid {pid} ");
             let q = format!("pid {pid}: ");
             self.assert_line(dump, &[&p, "path split"]);
             self.assert_line(dump, &[&q, "data", "into", "files"]);
-            self.assert_line(dump, &[&q, "agent released 4 allocations"]);
+            self.assert_line(dump, &[&q, &released]);
         }
         self.assert_images(dump);
     }
@@ -435,7 +441,7 @@ fn failing_device_allocation_fails_the_restore() {
 }
 
 /// Two GPU processes (checkpointed in parallel), each with memory it maps itself with the VMM
-/// calls (recorded by the agent, left to the driver checkpoint: CRIU dumps it here) and helper
+/// calls (its handle virtualized by the agent, so it moves like converted memory) and helper
 /// threads with driver calls in flight, checkpointed three times: `dump -R`, then dump +
 /// restore, then the restored processes again (their re-created memory is released and
 /// re-created once more).
@@ -463,6 +469,36 @@ fn two_processes_checkpointed_again_and_again() {
         s.assert_runs_on(&last, &restore);
         eprintln!("round {round} done");
     }
+}
+
+/// With `GPUSNAP_AGENT_APP_VMM=0` the agent only records the memory a process maps itself: the
+/// split path moves the converted allocations, CRIU dumps the process's own VMM memory (the
+/// driver checkpoint's copy, here a memfd), and it comes back either way.
+#[test]
+fn app_vmm_can_be_left_to_the_driver() {
+    let Some(mut s) = Split::launch(
+        "split-app-vmm-off",
+        1,
+        &["--seed", "11", "--allocs", "3", "--mib", "4", "--app-vmm"],
+        &[("GPUSNAP_AGENT_APP_VMM", "0")],
+    ) else {
+        return;
+    };
+    let dump = s.dump(false);
+    s.assert_ok(&dump);
+    let q = format!("pid {}: ", s.vmm.pid());
+    s.assert_line(&dump, &[&q, "agent released 4 allocations"]);
+    let memfds = fs::read(s.w.images.join("memfd.img")).unwrap_or_default();
+    assert_eq!(
+        memfds.windows(12).filter(|w| w == b"fakecuda-dev").count(),
+        1,
+        "CRIU should have dumped the process's own VMM memory\n{}",
+        s.describe(&dump)
+    );
+    let last = s.reap_dumped();
+    let restore = s.restore();
+    s.assert_ok(&restore);
+    s.assert_runs_on(&last, &restore);
 }
 
 /// CRIU is killed in the middle of a split dump, after the agent released the memory (during

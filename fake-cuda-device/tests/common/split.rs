@@ -27,7 +27,8 @@ pub struct Split {
     pub state: PathBuf,
     pub cli: PathBuf,
     pub vmm: Vmm,
-    /// Memory each process maps with its own VMM calls (`--app-vmm`): CRIU dumps it.
+    /// Memory each process maps with its own VMM calls (`--app-vmm`): moved like converted
+    /// memory unless `GPUSNAP_AGENT_APP_VMM=0`.
     pub app_vmm: bool,
     /// Set in the workload's and in CRIU's environment (stand-in settings such as
     /// `FAKECUDA_DEVICES`).

@@ -10,6 +10,7 @@ Cases (--cases, comma list; groups: all, torch1, torch2, quick):
   llama, llama-exp, llama-R   greedy generation, caching allocator default / expandable_segments /
                               default with criu dump -R
   train, train-exp, train-R   forward+backward+AdamW, likewise
+  llama-exp-R, train-exp-R    expandable_segments with criu dump -R
   tree, tree-R                a parent with two GPU worker processes (4 GiB each), one dump of the
                               parent takes all; dump+restore / dump -R
   malloc-async                PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync
@@ -54,6 +55,8 @@ CASES = {
     "train": ("train", "default", False, "train"),
     "train-exp": ("train", "expandable", False, "train"),
     "train-R": ("train", "default", True, "train"),
+    "llama-exp-R": ("llama-generate", "expandable", True, "llama-generate"),
+    "train-exp-R": ("train", "expandable", True, "train"),
     "tree": ("tree-parent", "default", False, "process-tree"),
     "tree-R": ("tree-parent", "default", True, "process-tree"),
     "malloc-async": ("malloc-async", "async", False, "malloc-async"),

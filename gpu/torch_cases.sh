@@ -6,7 +6,7 @@
 #                           [--criu-timeout S] [--device cpu]
 #
 # LIST: comma list of case ids or groups (default all):
-#   llama llama-exp llama-R train train-exp train-R tree tree-R malloc-async pinned
+#   llama llama-exp llama-R train train-exp train-R llama-exp-R train-exp-R tree tree-R malloc-async pinned
 #   streams-events cuda-graph managed ipc mps;  groups: all, torch1 (llama*, train*), torch2 (the rest), quick.
 # Each case: an uninterrupted reference run and a checkpointed run (criu dump in the middle +
 # criu restore, or criu dump -R for the -R cases) of gpu/torch_work.py, outputs compared line by

@@ -64,6 +64,7 @@ pub enum Hooked {
     IpcOpenMemHandle,
     CtxEnablePeerAccess,
     MemExportToShareableHandle,
+    MemImportFromShareableHandle,
 }
 
 /// `cuGetProcAddress` returns the `_v2` ABI of the allocation calls from this version on.
@@ -95,6 +96,7 @@ impl Hooked {
             b"cuIpcOpenMemHandle_v2" => Hooked::IpcOpenMemHandle,
             b"cuCtxEnablePeerAccess" => Hooked::CtxEnablePeerAccess,
             b"cuMemExportToShareableHandle" => Hooked::MemExportToShareableHandle,
+            b"cuMemImportFromShareableHandle" => Hooked::MemImportFromShareableHandle,
             _ => return None,
         })
     }
@@ -125,6 +127,7 @@ impl Hooked {
             }
             b"cuCtxEnablePeerAccess" => Some(Hooked::CtxEnablePeerAccess),
             b"cuMemExportToShareableHandle" => Some(Hooked::MemExportToShareableHandle),
+            b"cuMemImportFromShareableHandle" => Some(Hooked::MemImportFromShareableHandle),
             _ => None,
         }
     }
@@ -150,6 +153,7 @@ impl Hooked {
             Hooked::IpcOpenMemHandle => cuIpcOpenMemHandle_v2 as *mut c_void,
             Hooked::CtxEnablePeerAccess => cuCtxEnablePeerAccess as *mut c_void,
             Hooked::MemExportToShareableHandle => cuMemExportToShareableHandle as *mut c_void,
+            Hooked::MemImportFromShareableHandle => cuMemImportFromShareableHandle as *mut c_void,
         }
     }
 
@@ -178,6 +182,7 @@ impl Hooked {
             Hooked::IpcOpenMemHandle => opt(d.ipc_open_mem_handle),
             Hooked::CtxEnablePeerAccess => opt(d.ctx_enable_peer_access),
             Hooked::MemExportToShareableHandle => opt(d.mem_export_to_shareable_handle),
+            Hooked::MemImportFromShareableHandle => opt(d.mem_import_from_shareable_handle),
         }
     }
 }
@@ -822,6 +827,29 @@ pub unsafe extern "C" fn cuMemExportToShareableHandle(
     })
 }
 
+/// Interposes `cuMemImportFromShareableHandle`: passes through, records the import (the
+/// driver's handle stays the application's: another process's memory is never moved).
+///
+/// # Safety
+/// As the driver function.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemImportFromShareableHandle(
+    handle: *mut CUmemGenericAllocationHandle,
+    os_handle: *mut c_void,
+    handle_type: c_uint,
+) -> CuRes {
+    guard(CUDA_ERROR_UNKNOWN, || {
+        record_hazard(
+            "cuMemImportFromShareableHandle",
+            hazard::IPC_IMPORT,
+            |d| d.mem_import_from_shareable_handle,
+            // SAFETY: the caller's arguments are passed to the real function unchanged.
+            |f| unsafe { f(handle, os_handle, handle_type) },
+            |rc| rc == CUDA_SUCCESS,
+        )
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -858,6 +886,12 @@ mod tests {
                 b"cuMemExportToShareableHandle",
                 13000,
                 Hooked::MemExportToShareableHandle,
+            ),
+            (
+                b"cuMemImportFromShareableHandle",
+                b"cuMemImportFromShareableHandle",
+                13000,
+                Hooked::MemImportFromShareableHandle,
             ),
         ] {
             assert_eq!(Hooked::from_symbol(sym), Some(h));

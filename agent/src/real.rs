@@ -141,6 +141,8 @@ driver_table! {
         ctx_enable_peer_access = "cuCtxEnablePeerAccess"(CUcontext, c_uint);
         mem_export_to_shareable_handle = "cuMemExportToShareableHandle"(
             *mut c_void, CUmemGenericAllocationHandle, c_uint, u64);
+        mem_import_from_shareable_handle = "cuMemImportFromShareableHandle"(
+            *mut CUmemGenericAllocationHandle, *mut c_void, c_uint);
         // Translated between the application's and the driver's handle values (see `table`).
         mem_retain_allocation_handle = "cuMemRetainAllocationHandle"(
             *mut CUmemGenericAllocationHandle, *mut c_void);

@@ -141,7 +141,7 @@ pub mod hazard {
             v.push("device memory exported to other processes (CUDA IPC handles)");
         }
         if bits & IPC_IMPORT != 0 {
-            v.push("another process's device memory opened through CUDA IPC");
+            v.push("another process's device memory opened through CUDA IPC or a shareable handle");
         }
         if bits & PEER_ACCESS != 0 {
             v.push("peer access between GPUs (cuCtxEnablePeerAccess / cudaDeviceEnablePeerAccess)");

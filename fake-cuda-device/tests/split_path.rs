@@ -471,6 +471,71 @@ fn two_processes_checkpointed_again_and_again() {
     }
 }
 
+/// The process's own VMM handle keeps working across checkpoints although the memory behind it
+/// is released and re-created: the workload unmaps its handle and maps it again every tick, with
+/// the value `cuMemCreate` gave it before the dump, after a `dump -R` and after a restore.
+#[test]
+fn app_vmm_handle_values_survive_checkpoints() {
+    let Some(mut s) =
+        Split::start_with("split-app-vmm-remap", 1, &["--app-vmm", "--app-vmm-remap"])
+    else {
+        return;
+    };
+    let dump = s.dump(true);
+    s.assert_ok(&dump);
+    moved_app_vmm(&s, &dump);
+    s.assert_runs_on(&s.vmm.last_ticks(), &dump);
+
+    s.clear_images();
+    let dump = s.dump(false);
+    s.assert_ok(&dump);
+    moved_app_vmm(&s, &dump);
+    let last = s.reap_dumped();
+    let restore = s.restore();
+    s.assert_ok(&restore);
+    s.assert_split_restore(&restore);
+    s.assert_runs_on(&last, &restore);
+}
+
+/// The agent released the app-VMM mapping with the rest, or (when the dump stopped the
+/// workload between its unmap and its map) left its unmapped handle to the driver.
+fn moved_app_vmm(s: &Split, dump: &CriuRun) {
+    let q = format!("pid {}: ", s.vmm.pid());
+    let moved = dump
+        .gpusnap_lines()
+        .iter()
+        .any(|l| l.contains(&q) && l.contains("agent released 5 allocations"));
+    if !moved {
+        s.assert_line(dump, &[&q, "agent released 4 allocations"]);
+        eprintln!("the dump came between the workload's unmap and map");
+    }
+}
+
+/// The process released its handle right after mapping it: the mapping alone holds the memory,
+/// which the agent still moves (and re-creates without keeping a reference to it).
+#[test]
+fn released_app_vmm_handle_moves_too() {
+    let Some(mut s) = Split::start_with(
+        "split-app-vmm-release",
+        1,
+        &["--app-vmm", "--app-vmm-release"],
+    ) else {
+        return;
+    };
+    let dump = s.dump(true);
+    s.assert_ok(&dump);
+    s.assert_split_dump(&dump);
+    s.assert_runs_on(&s.vmm.last_ticks(), &dump);
+    s.clear_images();
+    let dump = s.dump(false);
+    s.assert_ok(&dump);
+    s.assert_split_dump(&dump);
+    let last = s.reap_dumped();
+    let restore = s.restore();
+    s.assert_ok(&restore);
+    s.assert_runs_on(&last, &restore);
+}
+
 /// With `GPUSNAP_AGENT_APP_VMM=0` the agent only records the memory a process maps itself: the
 /// split path moves the converted allocations, CRIU dumps the process's own VMM memory (the
 /// driver checkpoint's copy, here a memfd), and it comes back either way.

@@ -7,7 +7,8 @@
 //!
 //! ```text
 //! fakegpu-vmm --log PATH [--seed S] [--allocs N] [--mib M] [--resolve dlsym|proc]
-//!             [--app-vmm] [--threads T] [--procs P] [--hazard managed|ipc|peer]
+//!             [--app-vmm [--app-vmm-remap | --app-vmm-release]] [--threads T] [--procs P]
+//!             [--hazard managed|ipc|peer]
 //!             [--devices D]
 //! ```
 //!
@@ -15,8 +16,10 @@
 //!   of the VMM granularity), a 1 MiB counter allocation (large enough for the agent to convert
 //!   every one of these), and a 64 KiB allocation it leaves to the driver.
 //! - `--app-vmm`: also 2 MiB the workload maps itself with the VMM calls (reserve, create, map,
-//!   set access), as allocators such as PyTorch's expandable segments do. The agent only
-//!   records those; they stay with the driver's checkpoint.
+//!   set access), as allocators such as PyTorch's expandable segments do, keeping the handle.
+//!   With `--app-vmm-remap` it unmaps that handle and maps it again every tick (so a handle value
+//!   that did not survive a checkpoint fails the tick); with `--app-vmm-release` it releases the
+//!   handle right after mapping it (the mapping alone holds the memory).
 //! - Each data allocation is filled with a pattern from `S` with `cuMemcpyHtoD_v2` (the second
 //!   half of allocation 1 with zeros, which compresses); the counter starts at 0.
 //! - Every 50 ms, tick `K` (1, 2, ...): every allocation is copied back with `cuMemcpyDtoH_v2`
@@ -74,6 +77,8 @@ type ReserveFn = unsafe extern "C" fn(*mut DevPtr, usize, usize, DevPtr, u64) ->
 type CreateFn = unsafe extern "C" fn(*mut u64, usize, *const AllocationProp, u64) -> CuResult;
 type MapFn = unsafe extern "C" fn(DevPtr, usize, usize, u64, u64) -> CuResult;
 type SetAccessFn = unsafe extern "C" fn(DevPtr, usize, *const AccessDesc, usize) -> CuResult;
+type UnmapFn = unsafe extern "C" fn(DevPtr, usize) -> CuResult;
+type ReleaseFn = unsafe extern "C" fn(u64) -> CuResult;
 type GetProcAddressV2 =
     unsafe extern "C" fn(*const i8, *mut *mut c_void, c_int, u64, *mut c_int) -> CuResult;
 
@@ -109,6 +114,8 @@ struct Driver {
     create: CreateFn,
     map: MapFn,
     set_access: SetAccessFn,
+    unmap: UnmapFn,
+    release: ReleaseFn,
 }
 
 /// How entry points are found.
@@ -210,6 +217,8 @@ impl Driver {
             create: entry!(how, "cuMemCreate", "cuMemCreate", CreateFn),
             map: entry!(how, "cuMemMap", "cuMemMap", MapFn),
             set_access: entry!(how, "cuMemSetAccess", "cuMemSetAccess", SetAccessFn),
+            unmap: entry!(how, "cuMemUnmap", "cuMemUnmap", UnmapFn),
+            release: entry!(how, "cuMemRelease", "cuMemRelease", ReleaseFn),
         }
     }
 
@@ -259,8 +268,9 @@ impl Driver {
         Ok(p)
     }
 
-    /// `APP_VMM` bytes mapped with the application's own VMM calls on device 0.
-    fn app_vmm(&self) -> Result<DevPtr, String> {
+    /// `APP_VMM` bytes mapped with the application's own VMM calls on device 0; returns the
+    /// address and the handle.
+    fn app_vmm(&self) -> Result<(DevPtr, u64), String> {
         let prop = AllocationProp {
             type_: 1,
             requested_handle_types: 0,
@@ -283,16 +293,36 @@ impl Driver {
         self.check("cuMemMap", unsafe {
             (self.map)(addr, APP_VMM, 0, handle, 0)
         })?;
+        self.app_vmm_access(addr)?;
+        Ok((addr, handle))
+    }
+
+    fn app_vmm_access(&self, addr: DevPtr) -> Result<(), String> {
         let desc = AccessDesc {
             location_type: 1,
             location_id: 0,
             flags: 3,
         };
-        // SAFETY: the mapping just made; one descriptor.
+        // SAFETY: a mapping of APP_VMM bytes at addr; one descriptor.
         self.check("cuMemSetAccess", unsafe {
             (self.set_access)(addr, APP_VMM, &desc, 1)
+        })
+    }
+
+    /// Unmaps the application's mapping and maps `handle` there again (its contents stay).
+    fn app_vmm_remap(&self, addr: DevPtr, handle: u64) -> Result<(), String> {
+        // SAFETY: the whole mapping made by app_vmm.
+        self.check("cuMemUnmap", unsafe { (self.unmap)(addr, APP_VMM) })?;
+        // SAFETY: the reservation just unmapped and the handle the workload holds.
+        self.check(&format!("cuMemMap(handle {handle:#x})"), unsafe {
+            (self.map)(addr, APP_VMM, 0, handle, 0)
         })?;
-        Ok(addr)
+        self.app_vmm_access(addr)
+    }
+
+    fn app_vmm_release(&self, handle: u64) -> Result<(), String> {
+        // SAFETY: the handle from app_vmm, released once.
+        self.check("cuMemRelease", unsafe { (self.release)(handle) })
     }
 
     fn upload(&self, dst: DevPtr, src: &[u8]) -> Result<(), String> {
@@ -367,6 +397,8 @@ struct Settings {
     mib: usize,
     resolve: String,
     app_vmm: bool,
+    app_vmm_remap: bool,
+    app_vmm_release: bool,
     threads: usize,
     hazard: Option<String>,
     devices: usize,
@@ -381,6 +413,8 @@ fn main() {
         mib: num(&args, "--mib", 4).max(1) as usize,
         resolve: arg(&args, "--resolve").unwrap_or_else(|| "dlsym".into()),
         app_vmm: args.iter().any(|a| a == "--app-vmm"),
+        app_vmm_remap: args.iter().any(|a| a == "--app-vmm-remap"),
+        app_vmm_release: args.iter().any(|a| a == "--app-vmm-release"),
         threads: num(&args, "--threads", 0) as usize,
         hazard: arg(&args, "--hazard"),
         devices: num(&args, "--devices", 1).max(1) as usize,
@@ -476,9 +510,16 @@ fn run(s: &Settings) -> ! {
         })
         .collect();
     drv.make_current(ctx).unwrap_or_else(|e| die(&e));
+    let mut remap = None;
     if s.app_vmm {
+        let (ptr, handle) = drv.app_vmm().unwrap_or_else(|e| die(&e));
+        if s.app_vmm_release {
+            drv.app_vmm_release(handle).unwrap_or_else(|e| die(&e));
+        } else if s.app_vmm_remap {
+            remap = Some((ptr, handle));
+        }
         buffers.push(Buffer {
-            ptr: drv.app_vmm().unwrap_or_else(|e| die(&e)),
+            ptr,
             expected: pattern(s.seed, 100, APP_VMM),
         });
     }
@@ -530,6 +571,11 @@ fn run(s: &Settings) -> ! {
             }
             if let Err(e) = std::fs::write(format!("{}.mutated", s.log), generation.to_string()) {
                 errors.push(format!("writing {}.mutated: {e}", s.log));
+            }
+        }
+        if let Some((ptr, handle)) = remap {
+            if let Err(e) = drv.app_vmm_remap(ptr, handle) {
+                errors.push(e);
             }
         }
         for b in &buffers {

@@ -169,6 +169,19 @@ impl Table {
 
     /// Records a fresh conversion (state Mapped); returns its id.
     pub fn insert_converted(&mut self, device: i32, addr: u64, size: u64, handle: Handle) -> u64 {
+        self.insert_movable(device, addr, size, handle, None)
+    }
+
+    /// A mapped entry the split path moves: a conversion, or the whole mapping of the
+    /// application's (virtual) handle `app_handle`.
+    fn insert_movable(
+        &mut self,
+        device: i32,
+        addr: u64,
+        size: u64,
+        handle: Handle,
+        app_handle: Option<Handle>,
+    ) -> u64 {
         let id = self.take_id();
         self.converted.insert(
             addr,
@@ -178,7 +191,7 @@ impl Table {
                 addr,
                 size,
                 backing: Backing::Mapped(handle),
-                app_handle: None,
+                app_handle,
             },
         );
         id
@@ -334,18 +347,7 @@ impl Table {
         };
         a.mappings += 1;
         if !a.pinned && a.mappings == 1 && offset == 0 && size == a.size {
-            let id = self.take_id();
-            self.converted.insert(
-                addr,
-                Converted {
-                    id,
-                    device,
-                    addr,
-                    size,
-                    backing: Backing::Mapped(real),
-                    app_handle: Some(v),
-                },
-            );
+            self.insert_movable(device, addr, size, real, Some(v));
             return;
         }
         a.pinned = true;

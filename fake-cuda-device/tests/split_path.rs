@@ -124,6 +124,24 @@ impl Split {
         self.assert_images(dump);
     }
 
+    /// `dump -R` (the workload runs on), then dump + restore (it runs on from the dump); each
+    /// dump is checked with `check_dump`, the restore as a split restore.
+    fn leave_running_then_restore(&mut self, check_dump: fn(&Split, &CriuRun)) {
+        let dump = self.dump(true);
+        self.assert_ok(&dump);
+        check_dump(self, &dump);
+        self.assert_runs_on(&self.vmm.last_ticks(), &dump);
+        self.clear_images();
+        let dump = self.dump(false);
+        self.assert_ok(&dump);
+        check_dump(self, &dump);
+        let last = self.reap_dumped();
+        let restore = self.restore();
+        self.assert_ok(&restore);
+        self.assert_split_restore(&restore);
+        self.assert_runs_on(&last, &restore);
+    }
+
     /// A split dump (the workload is killed), then `fault` armed in the restored agent's driver
     /// and a restore with `config`: the restore fails with a line holding every part of `why`,
     /// and nothing of the workload runs.
@@ -481,20 +499,7 @@ fn app_vmm_handle_values_survive_checkpoints() {
     else {
         return;
     };
-    let dump = s.dump(true);
-    s.assert_ok(&dump);
-    moved_app_vmm(&s, &dump);
-    s.assert_runs_on(&s.vmm.last_ticks(), &dump);
-
-    s.clear_images();
-    let dump = s.dump(false);
-    s.assert_ok(&dump);
-    moved_app_vmm(&s, &dump);
-    let last = s.reap_dumped();
-    let restore = s.restore();
-    s.assert_ok(&restore);
-    s.assert_split_restore(&restore);
-    s.assert_runs_on(&last, &restore);
+    s.leave_running_then_restore(moved_app_vmm);
 }
 
 /// The agent released the app-VMM mapping with the rest, or (when the dump stopped the
@@ -522,18 +527,7 @@ fn released_app_vmm_handle_moves_too() {
     ) else {
         return;
     };
-    let dump = s.dump(true);
-    s.assert_ok(&dump);
-    s.assert_split_dump(&dump);
-    s.assert_runs_on(&s.vmm.last_ticks(), &dump);
-    s.clear_images();
-    let dump = s.dump(false);
-    s.assert_ok(&dump);
-    s.assert_split_dump(&dump);
-    let last = s.reap_dumped();
-    let restore = s.restore();
-    s.assert_ok(&restore);
-    s.assert_runs_on(&last, &restore);
+    s.leave_running_then_restore(Split::assert_split_dump);
 }
 
 /// With `GPUSNAP_AGENT_APP_VMM=0` the agent only records the memory a process maps itself: the

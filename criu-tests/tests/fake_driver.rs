@@ -526,6 +526,8 @@ fn tree_of_gpu_processes_is_checkpointed_and_restored_in_parallel() {
         assert_eq!(fake.state(k), "checkpointed", "{ctx}");
     }
     assert_gpusnap_line(&dump, "2 GPU processes checkpointed in parallel");
+    // Neither child has the agent: CUDA IPC between them would go unseen, and the log says so.
+    assert_gpusnap_line(&dump, "CUDA IPC between them cannot be detected");
     let overlap = |call: &str| {
         let [a, b] = kids.map(|k| {
             fake.ops(k)

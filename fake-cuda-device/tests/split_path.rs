@@ -472,6 +472,11 @@ fn two_processes_checkpointed_again_and_again() {
     s.assert_ok(&dump);
     s.assert_split_dump(&dump);
     s.assert_line(&dump, &["2 GPU processes checkpointed in parallel"]);
+    assert!(
+        !dump.log.contains("cannot be detected"),
+        "an IPC warning although both processes have the agent\n{}",
+        s.describe(&dump)
+    );
     s.assert_runs_on(&s.vmm.last_ticks(), &dump);
 
     for round in 0..2 {

@@ -61,6 +61,7 @@ pub fn pause(ctx: &Ctx, pid: i32) -> Result<Option<Tracked>, DumpError> {
         initial,
         driver: DriverStage::Running,
         path: DataPath::Transparent,
+        agent: false,
         timings: Vec::new(),
     };
     // The agent is asked while the process runs; the connection is closed again before CRIU
@@ -77,6 +78,7 @@ pub fn pause(ctx: &Ctx, pid: i32) -> Result<Option<Tracked>, DumpError> {
             None
         }
     };
+    t.agent = hello.is_some();
     if let Some(cause) = unsupported_state(pid, hello.as_ref()) {
         return Err(DumpError::Other(format!(
             "cannot be checkpointed: it uses {cause}, which the NVIDIA driver's checkpoint does not support. \
@@ -205,6 +207,9 @@ fn split_candidate(pid: i32, hello: agent::AgentHello) -> Result<Option<SplitSta
 /// worker of its own, in parallel, and the threads are stopped here again.
 pub fn checkpoint_all(ctx: &Ctx, procs: &mut [Tracked]) -> Vec<(i32, Result<(), DumpError>)> {
     let t0 = Instant::now();
+    if let Some(warning) = ipc_blind_spot(procs) {
+        log::warn!("{warning}");
+    }
     let mut results = Vec::new();
     let mut work: Vec<(&mut Tracked, Vec<RunningThread>)> = Vec::new();
     for t in procs.iter_mut() {
@@ -269,6 +274,27 @@ pub fn checkpoint_all(ctx: &Ctx, procs: &mut [Tracked]) -> Vec<(i32, Result<(), 
         );
     }
     results
+}
+
+/// A warning for a dump of several GPU processes of which some run without the agent: CUDA IPC
+/// between them cannot be seen (it leaves no fd and no mapping), and driver 580 checkpoints an
+/// IPC importer whose restore then fails (found on the H200).
+fn ipc_blind_spot(procs: &[Tracked]) -> Option<String> {
+    let blind: Vec<String> = procs
+        .iter()
+        .filter(|t| !t.agent)
+        .map(|t| t.pid.to_string())
+        .collect();
+    (procs.len() > 1 && !blind.is_empty()).then(|| {
+        format!(
+            "{} GPU processes in this dump; pid(s) {} run without the gpusnap agent, so CUDA IPC \
+             between them cannot be detected. If they share device memory through CUDA IPC, the \
+             driver (before r610) checkpoints them but their restore fails: preload the agent \
+             (it refuses such a dump) or use criu dump -R",
+            procs.len(),
+            blind.join(", ")
+        )
+    })
 }
 
 /// Stops threads resumed for a checkpoint or restore again; the first failure is reported.
@@ -707,6 +733,32 @@ pub fn manifest_for(ctx: &Ctx, t: &Tracked) -> Manifest {
 mod tests {
     use super::*;
     use gpusnap_image::{ChunkEntry, Codec};
+
+    #[test]
+    fn several_processes_without_the_agent_get_the_ipc_warning() {
+        let tracked = |pid, agent| Tracked {
+            pid,
+            nspid: pid,
+            restore_tid: pid + 1,
+            initial: ProcessState::Running,
+            driver: crate::process::DriverStage::Running,
+            path: DataPath::Transparent,
+            agent,
+            timings: Vec::new(),
+        };
+        assert_eq!(ipc_blind_spot(&[tracked(10, false)]), None, "one process");
+        assert_eq!(
+            ipc_blind_spot(&[tracked(10, true), tracked(20, true)]),
+            None,
+            "the agent sees IPC"
+        );
+        let w = ipc_blind_spot(&[tracked(10, true), tracked(20, false), tracked(30, false)])
+            .expect("a warning");
+        assert!(
+            w.starts_with("3 GPU processes") && w.contains("pid(s) 20, 30 run without"),
+            "{w}"
+        );
+    }
 
     #[test]
     fn only_live_mps_processes_count() {

@@ -436,10 +436,21 @@ impl Plugin {
             }
             let ctx = self.ctx.as_ref().expect("created above");
             self.restored = restore::resume_all(ctx, &items);
+            let several = self.restored.len() > 1;
             for (p, r) in &self.restored {
                 if let Err(e) = r {
+                    // Found on the H200: driver 580 checkpoints a CUDA IPC importer, then cannot
+                    // restore it.
+                    let hint = match e {
+                        dump::DumpError::Driver { what, .. }
+                            if several && *what == "driver restore" =>
+                        {
+                            " A known cause with several GPU processes: one had opened another's memory through CUDA IPC, which the driver (before r610) checkpoints but cannot restore; such an image cannot be restored."
+                        }
+                        _ => "",
+                    };
                     log::error!(
-                        "pid {p}: GPU restore failed: {e}. The process is killed rather than left running without its GPU state; the image is unchanged: fix the cause and restore again"
+                        "pid {p}: GPU restore failed: {e}. The process is killed rather than left running without its GPU state; the image is unchanged: fix the cause and restore again.{hint}"
                     );
                     // SAFETY: kill(2) on a pid that CRIU restored and still holds stopped.
                     unsafe { libc::kill(*p, libc::SIGKILL) };

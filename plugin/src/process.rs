@@ -51,6 +51,8 @@ pub struct Tracked {
     pub initial: ProcessState,
     pub driver: DriverStage,
     pub path: DataPath,
+    /// The gpusnap agent answered at PAUSE (it records what the driver cannot checkpoint).
+    pub agent: bool,
     /// Phase name and seconds, in order.
     pub timings: Vec<(&'static str, f64)>,
 }

@@ -573,10 +573,10 @@ fn run(s: &Settings) -> ! {
                 errors.push(format!("writing {}.mutated: {e}", s.log));
             }
         }
-        if let Some((ptr, handle)) = remap {
-            if let Err(e) = drv.app_vmm_remap(ptr, handle) {
-                errors.push(e);
-            }
+        if let Some((ptr, handle)) = remap
+            && let Err(e) = drv.app_vmm_remap(ptr, handle)
+        {
+            errors.push(e);
         }
         for b in &buffers {
             let dst = &mut scratch[..b.expected.len()];

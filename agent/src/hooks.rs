@@ -1,8 +1,8 @@
 //! The exported interposers: `dlsym`, `cuGetProcAddress{,_v2}`, `cuMemAlloc_v2`,
 //! `cuMemAllocPitch_v2`, `cuMemFree_v2`; the application's VMM calls `cuMemCreate`, `cuMemMap`,
 //! `cuMemUnmap`, `cuMemRelease`, `cuMemRetainAllocationHandle`,
-//! `cuMemGetAllocationPropertiesFromHandle`, which translate its (virtual) handle values (see
-//! [`crate::table`]); and the hazard recorders.
+//! `cuMemGetAllocationPropertiesFromHandle`, `cuMulticastBindMem`, which translate its
+//! (virtual) handle values (see [`crate::table`]); and the hazard recorders.
 //!
 //! Each is thin: it catches panics (none may cross into C) and calls plain Rust in
 //! [`crate::convert`] or the real driver function. The CUDA runtime finds driver entry points
@@ -56,6 +56,7 @@ pub enum Hooked {
     MemRelease,
     MemRetainAllocationHandle,
     MemGetAllocationPropertiesFromHandle,
+    MulticastBindMem,
     GetProcAddress,
     GetProcAddressV2,
     // Recorded only: state the driver checkpoint cannot take (see `hazards`).
@@ -89,6 +90,7 @@ impl Hooked {
             b"cuMemGetAllocationPropertiesFromHandle" => {
                 Hooked::MemGetAllocationPropertiesFromHandle
             }
+            b"cuMulticastBindMem" => Hooked::MulticastBindMem,
             b"cuGetProcAddress" => Hooked::GetProcAddress,
             b"cuGetProcAddress_v2" => Hooked::GetProcAddressV2,
             b"cuMemAllocManaged" => Hooked::MemAllocManaged,
@@ -116,6 +118,7 @@ impl Hooked {
             b"cuMemGetAllocationPropertiesFromHandle" => {
                 Some(Hooked::MemGetAllocationPropertiesFromHandle)
             }
+            b"cuMulticastBindMem" => Some(Hooked::MulticastBindMem),
             b"cuGetProcAddress" if cuda_version >= V2_PROC_ADDRESS_ABI => {
                 Some(Hooked::GetProcAddressV2)
             }
@@ -146,6 +149,7 @@ impl Hooked {
             Hooked::MemGetAllocationPropertiesFromHandle => {
                 cuMemGetAllocationPropertiesFromHandle as *mut c_void
             }
+            Hooked::MulticastBindMem => cuMulticastBindMem as *mut c_void,
             Hooked::GetProcAddress => cuGetProcAddress as *mut c_void,
             Hooked::GetProcAddressV2 => cuGetProcAddress_v2 as *mut c_void,
             Hooked::MemAllocManaged => cuMemAllocManaged as *mut c_void,
@@ -171,6 +175,7 @@ impl Hooked {
             Hooked::MemGetAllocationPropertiesFromHandle => {
                 opt(d.mem_get_allocation_properties_from_handle)
             }
+            Hooked::MulticastBindMem => opt(d.multicast_bind_mem),
             Hooked::GetProcAddress => d
                 .get_proc_address
                 .map_or(std::ptr::null_mut(), |f| f as *mut c_void),
@@ -827,6 +832,41 @@ pub unsafe extern "C" fn cuMemExportToShareableHandle(
     })
 }
 
+/// Interposes `cuMulticastBindMem`: binds the driver's handle behind the application's, and pins
+/// it to the driver checkpoint (moving bound memory would break the multicast binding).
+///
+/// # Safety
+/// As the driver function.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMulticastBindMem(
+    mc_handle: CUmemGenericAllocationHandle,
+    mc_offset: usize,
+    mem_handle: CUmemGenericAllocationHandle,
+    mem_offset: usize,
+    size: usize,
+    flags: u64,
+) -> CuRes {
+    guard(CUDA_ERROR_UNKNOWN, || {
+        let drv = match driver_for("cuMulticastBindMem") {
+            Ok(d) => d,
+            Err(rc) => return rc,
+        };
+        let Some(bind) = drv.multicast_bind_mem else {
+            return CUDA_ERROR_NOT_SUPPORTED;
+        };
+        let real = match real_handle(mem_handle) {
+            Ok(r) => r,
+            Err(rc) => return rc,
+        };
+        // SAFETY: the caller's arguments, the memory handle translated.
+        let rc = unsafe { bind(mc_handle, mc_offset, real, mem_offset, size, flags) };
+        if rc == CUDA_SUCCESS && real != mem_handle {
+            table::lock().pin(mem_handle);
+        }
+        rc
+    })
+}
+
 /// Interposes `cuMemImportFromShareableHandle`: passes through, records the import (the
 /// driver's handle stays the application's: another process's memory is never moved).
 ///
@@ -970,6 +1010,7 @@ mod tests {
                 b"cuMemGetAllocationPropertiesFromHandle",
                 Hooked::MemGetAllocationPropertiesFromHandle,
             ),
+            (b"cuMulticastBindMem", Hooked::MulticastBindMem),
             (b"cuGetProcAddress", Hooked::GetProcAddress),
             (b"cuGetProcAddress_v2", Hooked::GetProcAddressV2),
         ] {

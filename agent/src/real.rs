@@ -148,6 +148,8 @@ driver_table! {
             *mut CUmemGenericAllocationHandle, *mut c_void);
         mem_get_allocation_properties_from_handle = "cuMemGetAllocationPropertiesFromHandle"(
             *mut CUmemAllocationProp, CUmemGenericAllocationHandle);
+        multicast_bind_mem = "cuMulticastBindMem"(
+            CUmemGenericAllocationHandle, usize, CUmemGenericAllocationHandle, usize, usize, u64);
     }
 }
 

@@ -335,6 +335,37 @@ impl Table {
         real.map_or(AppRelease::Counted, AppRelease::ReleaseReal)
     }
 
+    /// Handle `v` is bound where moving it would break the binding (a multicast object): its
+    /// movable mapping, if any, is left to the driver from now on.
+    pub fn pin(&mut self, v: Handle) {
+        let Some(a) = self.virtual_handles.get_mut(&v) else {
+            return;
+        };
+        a.pinned = true;
+        let device = a.device;
+        let moved: Vec<u64> = self
+            .converted
+            .values()
+            .filter(|c| c.app_handle == Some(v))
+            .map(|c| c.addr)
+            .collect();
+        for at in moved {
+            if let Some(c) = self.converted.remove(&at) {
+                let id = self.take_id();
+                self.app_maps.insert(
+                    at,
+                    AppMapping {
+                        id,
+                        device,
+                        addr: at,
+                        size: c.size,
+                        handle: v,
+                    },
+                );
+            }
+        }
+    }
+
     /// The application mapped virtual handle `v` at `addr` (the driver accepted it). A whole
     /// mapping at offset 0 of a handle not mapped before becomes movable; any other mapping is
     /// recorded and pins the handle (and demotes its movable mapping) to the driver checkpoint.
@@ -350,27 +381,18 @@ impl Table {
             self.insert_movable(device, addr, size, real, Some(v));
             return;
         }
-        a.pinned = true;
-        let moved: Vec<u64> = self
-            .converted
-            .values()
-            .filter(|c| c.app_handle == Some(v))
-            .map(|c| c.addr)
-            .collect();
-        for at in moved.into_iter().chain([addr]) {
-            let size = self.converted.remove(&at).map_or(size, |c| c.size);
-            let id = self.take_id();
-            self.app_maps.insert(
-                at,
-                AppMapping {
-                    id,
-                    device,
-                    addr: at,
-                    size,
-                    handle: v,
-                },
-            );
-        }
+        self.pin(v);
+        let id = self.take_id();
+        self.app_maps.insert(
+            addr,
+            AppMapping {
+                id,
+                device,
+                addr,
+                size,
+                handle: v,
+            },
+        );
     }
 
     /// The application created physical memory (device-located only are recorded).
@@ -657,6 +679,17 @@ mod tests {
         let w = t.virtualize(501, 2 * MB2, 0, PROP);
         t.app_map_virtual(0xa000_0000, MB2, MB2, w);
         assert!(t.listing().iter().all(|e| !e.converted), "part of a handle");
+
+        let x = t.virtualize(502, MB2, 0, PROP);
+        t.app_map_virtual(0xb000_0000, MB2, 0, x);
+        assert!(
+            t.listing()
+                .iter()
+                .any(|e| e.addr == 0xb000_0000 && e.converted)
+        );
+        t.pin(x); // bound to a multicast object
+        assert!(t.listing().iter().all(|e| !e.converted), "pinned");
+        assert_eq!(t.real_handle(x), Some(Some(502)), "still translated");
     }
 
     #[test]

@@ -340,8 +340,8 @@ def run_managed(a, dev):
             raise SystemExit("cuMemAllocManaged failed: %d" % rc)
     ready(a, dev, managed_ptr=hex(ptr.value))
     for step in range(a.steps):
-        x = torch.tanh(x @ x.T / 1024 + float(step % 5))
-        value_line(a.out, step, float(x.double().sum().item()).hex())
+        x, v = compute_step(x, step)
+        value_line(a.out, step, v)
         pace(a)
     done(a, dev, a.steps)
 
@@ -395,7 +395,8 @@ def cu_check(rc, what):
         raise SystemExit("%s failed: CUresult %d" % (what, rc))
 
 
-def compute_loop(a, dev, x, step):
+def compute_step(x, step):
+    """One step of the small compute loops: the new matrix and its output value."""
     x = torch.tanh(x @ x.T / 1024 + float(step % 5))
     return x, float(x.double().sum().item()).hex()
 
@@ -425,7 +426,7 @@ def run_ipc_parent(a, dev):
     log.close()
     ready(a, dev, child=kid.pid, ipc_bytes=IPC_WORDS * 4)
     for step in range(a.steps):
-        x, v = compute_loop(a, dev, x, step)
+        x, v = compute_step(x, step)
         value_line(a.out, step, v)
         pace(a)
     code = kid.wait()  # the exported memory stays allocated until the importer is gone
@@ -452,7 +453,7 @@ def run_ipc_child(a, dev):
             cu_check(cu.cuMemcpyDtoH_v2(ctypes.addressof(host), ptr.value, IPC_WORDS * 4),
                      "cuMemcpyDtoH_v2")
         digest = hashlib.sha256(bytes(host)).hexdigest()[:16]
-        x, v = compute_loop(a, dev, x, step)
+        x, v = compute_step(x, step)
         value_line(a.out, step, "%s:%s" % (digest, v))
         pace(a)
     if cu is not None:
@@ -465,7 +466,7 @@ def run_plain(a, dev):
     x = torch.randn(1024, 1024, device=dev)
     ready(a, dev)
     for step in range(a.steps):
-        x, v = compute_loop(a, dev, x, step)
+        x, v = compute_step(x, step)
         value_line(a.out, step, v)
         pace(a)
     done(a, dev, a.steps)

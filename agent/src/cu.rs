@@ -134,9 +134,9 @@ impl Driver {
         )
     }
 
-    /// Physical pinned memory on `dev`; `addr` is only for the error message.
     /// `cuMemCreate` of `size` bytes on `dev`: pinned device memory, or the properties `app`
-    /// an application created its handle with (kept as bytes by the table).
+    /// an application created its handle with (kept as bytes by the table); `addr` is only for
+    /// the error message.
     pub fn create(
         &self,
         addr: CUdeviceptr,

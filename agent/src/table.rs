@@ -351,17 +351,7 @@ impl Table {
             .collect();
         for at in moved {
             if let Some(c) = self.converted.remove(&at) {
-                let id = self.take_id();
-                self.app_maps.insert(
-                    at,
-                    AppMapping {
-                        id,
-                        device,
-                        addr: at,
-                        size: c.size,
-                        handle: v,
-                    },
-                );
+                self.insert_app_mapping(device, at, c.size, v);
             }
         }
     }
@@ -382,6 +372,11 @@ impl Table {
             return;
         }
         self.pin(v);
+        self.insert_app_mapping(device, addr, size, v);
+    }
+
+    /// Records a mapping of the application's that stays with the driver checkpoint.
+    fn insert_app_mapping(&mut self, device: i32, addr: u64, size: u64, handle: Handle) {
         let id = self.take_id();
         self.app_maps.insert(
             addr,
@@ -390,7 +385,7 @@ impl Table {
                 device,
                 addr,
                 size,
-                handle: v,
+                handle,
             },
         );
     }
@@ -409,17 +404,7 @@ impl Table {
     /// The application mapped a handle; recorded when the handle is one we saw created.
     pub fn record_app_map(&mut self, addr: u64, size: u64, handle: Handle) {
         if let Some(&(_, device)) = self.app_handles.get(&handle) {
-            let id = self.take_id();
-            self.app_maps.insert(
-                addr,
-                AppMapping {
-                    id,
-                    device,
-                    addr,
-                    size,
-                    handle,
-                },
-            );
+            self.insert_app_mapping(device, addr, size, handle);
         }
     }
 

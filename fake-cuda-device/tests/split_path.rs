@@ -77,7 +77,7 @@ impl Split {
         // The converted memory and the processes' own VMM memory were released before CRIU
         // dumped the processes: none of it is in CRIU's images as memfd contents.
         let memfds = fs::read(self.w.images.join("memfd.img")).unwrap_or_default();
-        let dumped = memfds.windows(12).filter(|w| w == b"fakecuda-dev").count();
+        let dumped = self.dumped_device_memfds();
         let own = 0;
         assert!(
             !memfds.windows(15).any(|w| w == b"gpusnap-staging"),
@@ -103,6 +103,12 @@ impl Split {
             String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr)
         );
+    }
+
+    /// How many device-memory memfds (the stand-in's physical memory) CRIU dumped.
+    fn dumped_device_memfds(&self) -> usize {
+        let memfds = fs::read(self.w.images.join("memfd.img")).unwrap_or_default();
+        memfds.windows(12).filter(|w| w == b"fakecuda-dev").count()
     }
 
     /// The dump took the split path for every process: the agent's data went into gpusnap's
@@ -552,9 +558,8 @@ fn app_vmm_can_be_left_to_the_driver() {
     s.assert_ok(&dump);
     let q = format!("pid {}: ", s.vmm.pid());
     s.assert_line(&dump, &[&q, "agent released 4 allocations"]);
-    let memfds = fs::read(s.w.images.join("memfd.img")).unwrap_or_default();
     assert_eq!(
-        memfds.windows(12).filter(|w| w == b"fakecuda-dev").count(),
+        s.dumped_device_memfds(),
         1,
         "CRIU should have dumped the process's own VMM memory\n{}",
         s.describe(&dump)

@@ -157,7 +157,9 @@ fn mps_daemon_of_user(pid: i32) -> Option<(String, i32)> {
             return None;
         }
         let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
-        live_mps_process(&stat)?;
+        if !is_live_mps_process(&stat) {
+            return None;
+        }
         // The command name in stat is cut at 15 characters; the full one is in cmdline.
         let cmdline = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
         let argv0 = cmdline.split(|&b| b == 0).next().unwrap_or_default();
@@ -176,10 +178,14 @@ fn mps_daemon_of_user(pid: i32) -> Option<(String, i32)> {
 /// Whether a `/proc/<pid>/stat` text is an MPS process (`nvidia-cuda-mps-control` or
 /// `-server`, cut to 15 characters) that still runs: an exited one its parent has not reaped
 /// yet (state Z or X) serves no client.
-fn live_mps_process(stat: &str) -> Option<()> {
-    let comm = &stat[stat.find('(')? + 1..stat.rfind(')')?];
-    let state = crate::stall::after_comm(stat)?.split_whitespace().next()?;
-    (comm.starts_with("nvidia-cuda-mps") && state != "Z" && state != "X").then_some(())
+fn is_live_mps_process(stat: &str) -> bool {
+    let comm = stat
+        .find('(')
+        .zip(stat.rfind(')'))
+        .and_then(|(open, close)| stat.get(open + 1..close));
+    let state = crate::stall::state_of(stat);
+    comm.is_some_and(|c| c.starts_with("nvidia-cuda-mps"))
+        && state.is_some_and(|s| s != "Z" && s != "X")
 }
 
 /// Whether the agent's answer makes the process a split-path candidate.
@@ -763,14 +769,14 @@ mod tests {
     #[test]
     fn only_live_mps_processes_count() {
         let stat = |comm: &str, state: &str| format!("1313 ({comm}) {state} 1 1313 1313 0 -1");
-        assert!(live_mps_process(&stat("nvidia-cuda-mps", "S")).is_some());
-        assert!(live_mps_process(&stat("nvidia-cuda-mps", "R")).is_some());
+        assert!(is_live_mps_process(&stat("nvidia-cuda-mps", "S")));
+        assert!(is_live_mps_process(&stat("nvidia-cuda-mps", "R")));
         // quit but not yet reaped by its parent (found on the H200: a later dump named it)
-        assert!(live_mps_process(&stat("nvidia-cuda-mps", "Z")).is_none());
-        assert!(live_mps_process(&stat("nvidia-cuda-mps", "X")).is_none());
-        assert!(live_mps_process(&stat("python3", "S")).is_none());
-        assert!(live_mps_process(&stat("my nvidia-cuda-mps", "S")).is_none());
-        assert!(live_mps_process("garbage").is_none());
+        assert!(!is_live_mps_process(&stat("nvidia-cuda-mps", "Z")));
+        assert!(!is_live_mps_process(&stat("nvidia-cuda-mps", "X")));
+        assert!(!is_live_mps_process(&stat("python3", "S")));
+        assert!(!is_live_mps_process(&stat("my nvidia-cuda-mps", "S")));
+        assert!(!is_live_mps_process("garbage"));
     }
 
     #[test]

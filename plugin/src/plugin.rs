@@ -443,7 +443,7 @@ impl Plugin {
                     // restore it.
                     let hint = match e {
                         dump::DumpError::Driver { what, .. }
-                            if several && *what == "driver restore" =>
+                            if several && *what == restore::DRIVER_RESTORE =>
                         {
                             " A known cause with several GPU processes: one had opened another's memory through CUDA IPC, which the driver (before r610) checkpoints but cannot restore; such an image cannot be restored."
                         }

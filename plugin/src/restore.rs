@@ -304,6 +304,9 @@ fn prepare(ctx: &Ctx, pid: i32, m: &Manifest) -> Result<Vec<RunningThread>, Dump
     Ok(threads)
 }
 
+/// What a failed `cuCheckpointProcessRestore` is called in a [`DumpError::Driver`].
+pub const DRIVER_RESTORE: &str = "driver restore";
+
 /// Control state back from the driver, then the data through the agent. The driver restore
 /// runs through `call`, which CRIU's main thread watches ([`stall::watch`]); any thread it let
 /// run is stopped again before the unlock. Returns the process's restore timings (for
@@ -318,7 +321,7 @@ fn resume_one(
     let t0 = Instant::now();
     let (restored, refrozen) = call.run(|| ctx.api.restore(pid, &uuid_pairs(pairs)));
     restored.map_err(|err| DumpError::Driver {
-        what: "driver restore",
+        what: DRIVER_RESTORE,
         err,
     })?;
     refrozen.map_err(DumpError::Other)?;

@@ -61,6 +61,11 @@ pub(crate) fn after_comm(stat: &str) -> Option<&str> {
     Some(&stat[stat.rfind(')')? + 1..])
 }
 
+/// The state letter (field 3) of a `/proc/.../stat` text.
+pub(crate) fn state_of(stat: &str) -> Option<&str> {
+    after_comm(stat)?.split_whitespace().next()
+}
+
 /// utime + stime (fields 14 and 15) of a `/proc/<pid>/stat` text.
 fn cpu_ticks(stat: &str) -> Option<u64> {
     let rest = after_comm(stat)?;
@@ -141,10 +146,7 @@ pub fn describe_running(pid: i32) -> String {
                 .unwrap_or_default()
         };
         let stat = read("stat");
-        let state = after_comm(&stat)
-            .and_then(|rest| rest.split_whitespace().next())
-            .unwrap_or("?")
-            .to_owned();
+        let state = state_of(&stat).unwrap_or("?").to_owned();
         if state == "t" {
             continue;
         }

@@ -5,12 +5,9 @@
 //!   dependency on the driver).
 //! - [`nvml`]: free device memory per GPU through NVML, so a restore can be refused before the GPU
 //!   is touched without creating a CUDA context inside CRIU.
-//! - [`agent`]: the plugin's side of the in-process agent: finding it for a pid (also across
-//!   network and pid namespaces), checking who answers, and mapping its thread to a host tid.
 //!
 //! Nothing here panics when the driver is missing: every entry point returns a typed error.
 
-pub mod agent;
 pub mod driver;
 pub mod nvml;
 

@@ -5,22 +5,64 @@ use gpusnap_config::{Compress, Config};
 use gpusnap_cuda::CheckpointApi;
 use gpusnap_cuda::driver::GpuInfo;
 use gpusnap_image::Codec;
-use std::os::fd::BorrowedFd;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::time::Duration;
+
+/// The image directory a run reads and writes.
+pub enum ImageDir {
+    /// CRIU's own (inside `criu dump` / `criu restore`).
+    Criu(BorrowedFd<'static>),
+    /// One opened by `gpusnap recover`.
+    Opened(OwnedFd),
+}
 
 pub struct Ctx {
     pub api: &'static CheckpointApi,
     pub cfg: Config,
-    pub image_dir_fd: i32,
+    pub image_dir: ImageDir,
     pub lock_timeout_ms: u32,
     pub driver_version: i32,
     pub gpus: Vec<GpuInfo>,
 }
 
+/// The driver could not be loaded for a run, or CRIU gave no image directory.
+#[derive(Debug, thiserror::Error)]
+pub enum CtxError {
+    #[error(transparent)]
+    Driver(#[from] gpusnap_cuda::DriverError),
+    #[error("CRIU gave no image directory")]
+    NoImageDir,
+}
+
 impl Ctx {
+    /// Loads the driver and reads the host's GPUs (inside CRIU, after CRIU has forked: the
+    /// driver library must not be initialised before the restore's forks).
+    pub fn open(cfg: &Config) -> Result<Self, CtxError> {
+        let api = gpusnap_cuda::driver::api()?;
+        api.init()?;
+        let driver_version = api.driver_version().unwrap_or(0);
+        let gpus = api.gpus()?;
+        let dir = crate::criu::image_dir().ok_or(CtxError::NoImageDir)?;
+        let lock_timeout_ms = lock_timeout_ms(cfg.lock_timeout_ms, crate::criu::timeout_s());
+        log::info!(
+            "driver API {driver_version}, {} GPU(s), lock timeout {lock_timeout_ms} ms",
+            gpus.len()
+        );
+        Ok(Ctx {
+            api,
+            cfg: cfg.clone(),
+            image_dir: ImageDir::Criu(dir),
+            lock_timeout_ms,
+            driver_version,
+            gpus,
+        })
+    }
+
     pub fn image_dir(&self) -> BorrowedFd<'_> {
-        // SAFETY: CRIU keeps its image-dir service fd open for the whole run; we never close it.
-        unsafe { BorrowedFd::borrow_raw(self.image_dir_fd) }
+        match &self.image_dir {
+            ImageDir::Criu(fd) => *fd,
+            ImageDir::Opened(fd) => fd.as_fd(),
+        }
     }
 
     pub fn agent_timeout(&self) -> Duration {

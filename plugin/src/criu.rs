@@ -96,10 +96,16 @@ pub fn inside_criu() -> bool {
     print_on_level().is_some() && image_dir_fn().is_some()
 }
 
-/// The image directory fd (`criu_get_image_dir()`); never to be closed.
-pub fn image_dir() -> Option<c_int> {
+/// The image directory (`criu_get_image_dir()`), a service fd of CRIU's.
+pub fn image_dir() -> Option<std::os::fd::BorrowedFd<'static>> {
     // SAFETY: CRIU's function takes no arguments and returns a service fd.
-    image_dir_fn().map(|f| unsafe { f() }).filter(|fd| *fd >= 0)
+    let fd = image_dir_fn()
+        .map(|f| unsafe { f() })
+        .filter(|fd| *fd >= 0)?;
+    // SAFETY: CRIU keeps its image-directory service fd open for the whole run, in its own
+    // process and in restored tasks, and gpusnap never closes it; the plugin is unloaded before
+    // CRIU exits, so nothing of ours outlives it.
+    Some(unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) })
 }
 
 /// Registers `name` in the image inventory. `false` on CRIU 4.0, which has no plugin list.

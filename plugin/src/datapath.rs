@@ -9,12 +9,13 @@
 //! Every thread here blocks all signals (CRIU's SIGALRM must reach its main thread) and is
 //! joined before the function returns.
 
+use crate::agent::{AgentError, AgentSession, RingShape, Transfer};
 use crate::staging::Staging;
 use crossbeam_channel::{Receiver, Sender, bounded, unbounded};
 use gpusnap_image::{
     ChunkEntry, ChunkSources, Codec, DataFileWriter, DedupIndex, FileEntry, Manifest, hash_chunk,
 };
-use gpusnap_proto::{Channel, ProtoError, Reply, Request};
+use gpusnap_proto::{ProtoError, Reply};
 use std::os::fd::{AsFd, BorrowedFd};
 use std::time::{Duration, Instant};
 
@@ -27,16 +28,12 @@ pub struct Limits {
 
 #[derive(Debug, thiserror::Error)]
 pub enum DataError {
-    #[error("agent protocol: {0}")]
-    Proto(#[from] ProtoError),
-    #[error("agent reported: {0}")]
-    Agent(String),
-    #[error("agent answered {0} where {1} was expected")]
-    Unexpected(String, &'static str),
-    #[error("agent made no progress for {0:?} (hung?)")]
-    Stalled(Duration),
+    #[error(transparent)]
+    Agent(#[from] AgentError),
     #[error("image: {0}")]
     Image(String),
+    #[error("creating the staging ring: {0}")]
+    Ring(std::io::Error),
 }
 
 /// What a dump wrote.
@@ -71,43 +68,19 @@ pub fn block_signals() {
     }
 }
 
-enum Direction {
-    /// Device to image (`DumpBegin`).
-    Out,
-    /// Image to device (`RestoreBegin`: the agent re-creates its memory first).
-    In,
-}
-
-/// Sends the agent the ring (its memfd attached) and waits until it is mapped and pinned.
+/// Tells the agent about the ring (its memfd attached) and waits until it is mapped and pinned.
 fn hand_over_ring(
-    chan: &Channel,
+    agent: &AgentSession,
     staging: &Staging,
     limits: Limits,
-    dir: Direction,
+    way: Transfer,
 ) -> Result<(), DataError> {
-    let (slot_size, slots, streams) = (
-        staging.slot_size() as u64,
-        staging.slots() as u32,
-        limits.streams,
-    );
-    let req = match dir {
-        Direction::Out => Request::DumpBegin {
-            slot_size,
-            slots,
-            streams,
-        },
-        Direction::In => Request::RestoreBegin {
-            slot_size,
-            slots,
-            streams,
-        },
+    let shape = RingShape {
+        slot_size: staging.slot_size() as u64,
+        slots: staging.slots() as u32,
+        streams: limits.streams,
     };
-    chan.send_request(&req, Some(staging.fd().as_fd()))?;
-    match chan.recv_reply(Some(limits.stall))? {
-        Reply::Ready => Ok(()),
-        Reply::Error { message, .. } => Err(DataError::Agent(message)),
-        other => Err(DataError::Unexpected(format!("{other:?}"), "Ready")),
-    }
+    Ok(agent.begin(way, staging.fd().as_fd(), shape)?)
 }
 
 /// Copies every converted allocation of the agent into image files `gpusnap-<nspid>-data-*`.
@@ -117,7 +90,7 @@ fn hand_over_ring(
 /// more; memory is not yet released.
 #[allow(clippy::too_many_arguments)]
 pub fn copy_out(
-    chan: &Channel,
+    agent: &AgentSession,
     staging: &Staging,
     dir: BorrowedFd<'_>,
     nspid: u32,
@@ -127,7 +100,7 @@ pub fn copy_out(
     limits: Limits,
 ) -> Result<DumpData, DataError> {
     let t0 = Instant::now();
-    hand_over_ring(chan, staging, limits, Direction::Out)?;
+    hand_over_ring(agent, staging, limits, Transfer::Out)?;
 
     let (work_tx, work_rx) = bounded::<Work>(staging.slots());
     let (err_tx, err_rx) = unbounded::<String>();
@@ -143,11 +116,11 @@ pub fn copy_out(
                     codec,
                     parent,
                 };
-                s.spawn(move || writer(index as u32, rx, err_tx, chan, staging, out))
+                s.spawn(move || writer(index as u32, rx, err_tx, agent, staging, out))
             })
             .collect();
         drop(work_rx);
-        let outcome = pump_dump_replies(chan, &work_tx, &err_rx, limits.stall);
+        let outcome = pump_dump_replies(agent, &work_tx, &err_rx, limits.stall);
         drop(work_tx);
         let mut data = DumpData::default();
         for h in handles {
@@ -169,7 +142,7 @@ pub fn copy_out(
     let mut data = match result {
         Ok(d) => d,
         Err(e) => {
-            if !abort_dump(chan, limits.stall) {
+            if !agent.abort() {
                 // The agent did not confirm: it may still have the ring mapped.
                 staging.discard();
             }
@@ -190,7 +163,7 @@ pub fn copy_out(
 
 /// Main-thread side of a dump: route `ChunkReady` to writers until `DumpDataDone`.
 fn pump_dump_replies(
-    chan: &Channel,
+    agent: &AgentSession,
     work: &Sender<Work>,
     errors: &Receiver<String>,
     stall: Duration,
@@ -200,7 +173,7 @@ fn pump_dump_replies(
         if let Ok(e) = errors.try_recv() {
             return Err(DataError::Image(e));
         }
-        match chan.recv_reply(Some(Duration::from_millis(200))) {
+        match agent.recv(Duration::from_millis(200)) {
             Ok(Reply::ChunkReady {
                 slot, addr, len, ..
             }) => {
@@ -210,14 +183,8 @@ fn pump_dump_replies(
                 }
             }
             Ok(Reply::DumpDataDone { .. }) => return Ok(()),
-            Ok(Reply::Error { message, .. }) => return Err(DataError::Agent(message)),
-            Ok(other) => return Err(DataError::Unexpected(format!("{other:?}"), "ChunkReady")),
-            Err(ProtoError::Timeout) | Err(ProtoError::Interrupted) => {
-                if last.elapsed() > stall {
-                    return Err(DataError::Stalled(stall));
-                }
-            }
-            Err(e) => return Err(e.into()),
+            Ok(other) => return Err(unexpected(agent, "ChunkReady", other)),
+            Err(e) => waiting(agent, e, last, stall)?,
         }
     }
 }
@@ -237,7 +204,7 @@ fn writer(
     index: u32,
     work: Receiver<Work>,
     errors: Sender<String>,
-    chan: &Channel,
+    agent: &AgentSession,
     staging: &Staging,
     out: Out<'_>,
 ) -> Option<(Option<FileEntry>, Vec<ChunkEntry>)> {
@@ -284,7 +251,7 @@ fn writer(
             }
         }
         // Free the slot even after a failure, so the agent is never left waiting.
-        let _ = chan.send_request(&Request::SlotFree { slot: w.slot }, None);
+        let _ = agent.slot_free(w.slot);
     }
     if failed {
         return None;
@@ -298,47 +265,38 @@ fn writer(
     }
 }
 
-/// Tells the agent to stop and keep its memory; best effort, bounded. True when the agent
-/// confirmed (it has unmapped the ring then).
-pub fn abort_dump(chan: &Channel, stall: Duration) -> bool {
-    if chan.send_request(&Request::Abort, None).is_err() {
-        return false;
-    }
-    let deadline = Instant::now() + stall.min(Duration::from_secs(10));
-    while Instant::now() < deadline {
-        match chan.recv_reply(Some(Duration::from_millis(200))) {
-            Ok(Reply::Aborted) | Ok(Reply::Error { .. }) | Err(ProtoError::Closed) => return true,
-            Ok(_) | Err(ProtoError::Timeout) | Err(ProtoError::Interrupted) => continue,
-            Err(_) => return false,
+/// A wait for the agent's next message ended without one: fine while it shows progress within
+/// `stall`, else the agent counts as hung.
+fn waiting(
+    agent: &AgentSession,
+    e: AgentError,
+    last: Instant,
+    stall: Duration,
+) -> Result<(), DataError> {
+    match e {
+        AgentError::Proto {
+            err: ProtoError::Timeout | ProtoError::Interrupted,
+            ..
+        } if last.elapsed() <= stall => Ok(()),
+        AgentError::Proto {
+            err: ProtoError::Timeout | ProtoError::Interrupted,
+            ..
+        } => Err(AgentError::Stalled {
+            pid: agent.pid(),
+            stall,
         }
+        .into()),
+        e => Err(e.into()),
     }
-    false
 }
 
-/// Asks the agent to release physical memory (address reservations kept) and waits until it
-/// has closed the connection, so the process holds no socket to CRIU when its fds are dumped.
-pub fn release(chan: &Channel, stall: Duration) -> Result<(u32, u64), DataError> {
-    chan.send_request(&Request::Release, None)?;
-    let (allocations, bytes) = match chan.recv_reply(Some(stall))? {
-        Reply::Released {
-            allocations, bytes, ..
-        } => (allocations, bytes),
-        Reply::Error { message, .. } => return Err(DataError::Agent(message)),
-        other => return Err(DataError::Unexpected(format!("{other:?}"), "Released")),
-    };
-    wait_closed(chan, stall)?;
-    Ok((allocations, bytes))
-}
-
-fn wait_closed(chan: &Channel, stall: Duration) -> Result<(), DataError> {
-    match chan.recv_reply(Some(stall)) {
-        Err(ProtoError::Closed) => Ok(()),
-        Err(e) => Err(e.into()),
-        Ok(other) => Err(DataError::Unexpected(
-            format!("{other:?}"),
-            "end of connection",
-        )),
+fn unexpected(agent: &AgentSession, expected: &'static str, got: Reply) -> DataError {
+    AgentError::Unexpected {
+        pid: agent.pid(),
+        expected,
+        got: format!("{got:?}"),
     }
+    .into()
 }
 
 /// What a load moved.
@@ -352,7 +310,7 @@ pub struct LoadStats {
 /// for chunks an incremental dump referenced, from its ancestors through `parent` links; they
 /// are opened and checked before the agent is asked to re-create anything).
 pub fn copy_in(
-    chan: &Channel,
+    agent: AgentSession,
     staging: &Staging,
     dir: BorrowedFd<'_>,
     manifest: &Manifest,
@@ -361,7 +319,7 @@ pub fn copy_in(
 ) -> Result<LoadStats, DataError> {
     let t0 = Instant::now();
     let sources = ChunkSources::open(dir, manifest).map_err(|e| DataError::Image(e.to_string()))?;
-    hand_over_ring(chan, staging, limits, Direction::In)?;
+    hand_over_ring(&agent, staging, limits, Transfer::In)?;
 
     let (free_tx, free_rx) = bounded::<u32>(staging.slots());
     for i in 0..staging.slots() as u32 {
@@ -375,17 +333,17 @@ pub fn copy_in(
         for r in 0..readers {
             let free_rx = free_rx.clone();
             let err_tx = err_tx.clone();
-            let (files, sources) = (&files, &sources);
+            let (files, sources, agent) = (&files, &sources, &agent);
             s.spawn(move || {
                 block_signals();
                 let mine = files.iter().copied().skip(r).step_by(readers);
-                if let Err(e) = read_files(mine, &free_rx, chan, staging, sources) {
+                if let Err(e) = read_files(mine, &free_rx, agent, staging, sources) {
                     let _ = err_tx.send(e);
                 }
             });
         }
         drop(free_rx);
-        let res = pump_load_replies(chan, &free_tx, &err_rx, total, limits.stall);
+        let res = pump_load_replies(&agent, &free_tx, &err_rx, total, limits.stall);
         // Unblock readers waiting for a slot, whatever happened.
         drop(free_tx);
         res
@@ -394,13 +352,7 @@ pub fn copy_in(
     if let Ok(e) = err_rx.try_recv() {
         return Err(DataError::Image(e));
     }
-    chan.send_request(&Request::RestoreDataDone, None)?;
-    let bytes = match chan.recv_reply(Some(limits.stall))? {
-        Reply::Restored { bytes, .. } => bytes,
-        Reply::Error { message, .. } => return Err(DataError::Agent(message)),
-        other => return Err(DataError::Unexpected(format!("{other:?}"), "Restored")),
-    };
-    wait_closed(chan, limits.stall)?;
+    let bytes = agent.finish_restore()?;
     Ok(LoadStats {
         bytes,
         seconds: t0.elapsed().as_secs_f64(),
@@ -424,7 +376,7 @@ fn file_groups(manifest: &Manifest) -> Vec<(u32, u32)> {
 fn read_files(
     files: impl Iterator<Item = (u32, u32)>,
     free: &Receiver<u32>,
-    chan: &Channel,
+    agent: &AgentSession,
     staging: &Staging,
     sources: &ChunkSources<'_>,
 ) -> Result<(), String> {
@@ -441,22 +393,16 @@ fn read_files(
             reader
                 .read_chunk(c, out, &mut scratch)
                 .map_err(|e| e.to_string())?;
-            chan.send_request(
-                &Request::ChunkLoad {
-                    slot,
-                    addr: c.addr,
-                    len: c.len,
-                },
-                None,
-            )
-            .map_err(|e| e.to_string())?;
+            agent
+                .chunk_load(slot, c.addr, c.len)
+                .map_err(|e| e.to_string())?;
         }
     }
     Ok(())
 }
 
 fn pump_load_replies(
-    chan: &Channel,
+    agent: &AgentSession,
     free: &Sender<u32>,
     errors: &Receiver<String>,
     total: usize,
@@ -468,20 +414,14 @@ fn pump_load_replies(
         if let Ok(e) = errors.try_recv() {
             return Err(DataError::Image(e));
         }
-        match chan.recv_reply(Some(Duration::from_millis(200))) {
+        match agent.recv(Duration::from_millis(200)) {
             Ok(Reply::SlotFree { slot }) => {
                 done += 1;
                 last = Instant::now();
                 let _ = free.send(slot);
             }
-            Ok(Reply::Error { message, .. }) => return Err(DataError::Agent(message)),
-            Ok(other) => return Err(DataError::Unexpected(format!("{other:?}"), "SlotFree")),
-            Err(ProtoError::Timeout) | Err(ProtoError::Interrupted) => {
-                if last.elapsed() > stall {
-                    return Err(DataError::Stalled(stall));
-                }
-            }
-            Err(e) => return Err(e.into()),
+            Ok(other) => return Err(unexpected(agent, "SlotFree", other)),
+            Err(e) => waiting(agent, e, last, stall)?,
         }
     }
     Ok(())

@@ -1,17 +1,19 @@
 //! The dump side, per process: PAUSE (lock, choose the path), CHECKPOINT (move data, release,
-//! driver checkpoint of control state) and the rollback that `exit` runs on `-R` or failure.
+//! driver checkpoint of control state) and the rollback that `exit` runs on `-R` or failure,
+//! which `gpusnap recover` shares. Each step moves the process's [`Phase`] on; the rollback
+//! undoes one phase after the other.
 
+use crate::agent::{self, AgentError, AgentHello, AgentSession};
 use crate::context::Ctx;
 use crate::datapath::{self, DataError};
-use crate::process::{DataPath, DriverStage, SplitState, Tracked};
-use crate::ptrace::RunningThread;
+use crate::process::{ImpossibleMove, MovedData, Phase, Route, SplitPlan, Tracked};
+use crate::procfs::{self, Stat};
+use crate::ptrace::{self, PtraceError, RunningThread};
 use crate::staging::Staging;
-use crate::stall::{self, DriverCall, Watched};
+use crate::stall::{self, DriverCall, StallError, Watched};
 use gpusnap_config::Mode;
-use gpusnap_cuda::agent::{self, AgentError};
 use gpusnap_cuda::{DriverError, ProcessState};
-use gpusnap_image::{AllocationRecord, CheckpointPath, Manifest};
-use gpusnap_proto::{AllocKind, Channel, Reply, Request};
+use gpusnap_image::{AllocationRecord, CheckpointPath, ImageError, Manifest};
 use std::os::fd::BorrowedFd;
 use std::time::Instant;
 
@@ -22,26 +24,39 @@ pub enum DumpError {
         what: &'static str,
         err: DriverError,
     },
-    #[error("{0}")]
+    #[error(transparent)]
     Agent(#[from] AgentError),
     #[error("split data path: {0}")]
     Data(#[from] DataError),
-    #[error("ptrace on thread {tid} ({what}): {err}")]
-    Ptrace {
-        tid: i32,
-        what: &'static str,
-        err: std::io::Error,
+    #[error(transparent)]
+    Ptrace(#[from] PtraceError),
+    #[error(
+        "cannot be checkpointed: it uses {cause}, which the NVIDIA driver's checkpoint does not support. \
+         Nothing was done; the process keeps running"
+    )]
+    Unsupported { cause: String },
+    #[error(
+        "locking the CUDA state of pid {pid} failed ({err}) within {timeout_ms} ms; the process keeps running unlocked. \
+         A long-running kernel or a blocking CUDA call prevents the lock: retry, or raise CRIU's --timeout \
+         or gpusnap's lock_timeout_ms"
+    )]
+    Lock {
+        pid: i32,
+        err: DriverError,
+        timeout_ms: u32,
     },
-    #[error("{0}")]
-    Other(String),
+    #[error("the other threads of the process: {0}")]
+    Stall(#[from] StallError),
+    #[error("writing the manifest: {0}")]
+    Manifest(ImageError),
+    #[error("the worker thread of pid {pid} panicked")]
+    WorkerPanicked { pid: i32 },
+    #[error("internal: {0}")]
+    Phase(#[from] ImpossibleMove),
 }
 
 fn driver(what: &'static str) -> impl FnOnce(DriverError) -> DumpError {
     move |err| DumpError::Driver { what, err }
-}
-
-fn run_thread(tid: i32, what: &'static str) -> Result<RunningThread, DumpError> {
-    RunningThread::resume(tid).map_err(|err| DumpError::Ptrace { tid, what, err })
 }
 
 /// PAUSE_DEVICES: the process still runs. `Ok(None)`: not a CUDA process.
@@ -53,23 +68,22 @@ pub fn pause(ctx: &Ctx, pid: i32) -> Result<Option<Tracked>, DumpError> {
         .api
         .process_state(pid)
         .map_err(driver("reading the driver state"))?;
-    let nspid = agent::ns_pid(pid)?;
+    let nspid = procfs::ns_pid(pid).map_err(|err| AgentError::Proc { pid, err })?;
     let mut t = Tracked {
         pid,
         nspid,
         restore_tid,
         initial,
-        driver: DriverStage::Running,
-        path: DataPath::Transparent,
+        phase: Phase::Untouched,
+        route: Route::Transparent,
         agent: false,
         timings: Vec::new(),
     };
     // The agent is asked while the process runs; the connection is closed again before CRIU
     // seizes it (the process must hold no socket to CRIU when its files are dumped).
-    let hello = match agent::connect(pid).and_then(|c| {
-        c.map(|chan| agent::hello(pid, &chan, ctx.agent_timeout()))
-            .transpose()
-    }) {
+    let hello = match AgentSession::connect(pid, ctx.agent_timeout())
+        .and_then(|s| s.map(|s| s.hello()).transpose())
+    {
         Ok(h) => h,
         Err(e) => {
             log::warn!(
@@ -80,14 +94,11 @@ pub fn pause(ctx: &Ctx, pid: i32) -> Result<Option<Tracked>, DumpError> {
     };
     t.agent = hello.is_some();
     if let Some(cause) = unsupported_state(pid, hello.as_ref()) {
-        return Err(DumpError::Other(format!(
-            "cannot be checkpointed: it uses {cause}, which the NVIDIA driver's checkpoint does not support. \
-             Nothing was done; the process keeps running"
-        )));
+        return Err(DumpError::Unsupported { cause });
     }
     if initial == ProcessState::Running && ctx.cfg.mode == Mode::Auto {
         match hello.map(|h| split_candidate(pid, h)).transpose() {
-            Ok(Some(Some(split))) => t.path = DataPath::Split(split),
+            Ok(Some(Some(split))) => t.route = Route::Split(split),
             Ok(_) => {}
             Err(e) => log::warn!("pid {pid}: {e}; using the driver path"),
         }
@@ -105,23 +116,22 @@ pub fn pause(ctx: &Ctx, pid: i32) -> Result<Option<Tracked>, DumpError> {
             {
                 log::error!("pid {pid}: unlocking after the failed lock failed too: {e}");
             }
-            return Err(DumpError::Other(format!(
-                "locking the CUDA state of pid {pid} failed ({err}) within {} ms; the process keeps running unlocked. \
-                 A long-running kernel or a blocking CUDA call prevents the lock: retry, or raise CRIU's --timeout \
-                 or gpusnap's lock_timeout_ms",
-                ctx.lock_timeout_ms
-            )));
+            return Err(DumpError::Lock {
+                pid,
+                err,
+                timeout_ms: ctx.lock_timeout_ms,
+            });
         }
-        t.driver = DriverStage::Locked;
+        t.phase.locked()?;
         t.time("lock", t0.elapsed().as_secs_f64());
     }
-    let path = match &t.path {
-        DataPath::Split(s) => format!(
+    let path = match &t.route {
+        Route::Split(s) => format!(
             "split (the agent holds {} allocations, {:.2} GiB converted)",
             s.allocations_at_pause,
             gib(s.converted_bytes_at_pause)
         ),
-        DataPath::Transparent => "transparent (driver checkpoint)".to_string(),
+        Route::Transparent => "transparent (driver checkpoint)".to_string(),
     };
     log::info!(
         "pid {pid} (nspid {nspid}): CUDA state found, restore thread {restore_tid}, driver state {initial}, path {path}; {}",
@@ -130,14 +140,10 @@ pub fn pause(ctx: &Ctx, pid: i32) -> Result<Option<Tracked>, DumpError> {
     Ok(Some(t))
 }
 
-fn gib(b: u64) -> f64 {
-    b as f64 / (1u64 << 30) as f64
-}
-
 /// State the driver cannot checkpoint, named, or `None`. The agent records managed memory,
 /// CUDA IPC and peer access as they happen; an MPS daemon of the process's user makes its CUDA
 /// processes MPS clients.
-fn unsupported_state(pid: i32, hello: Option<&agent::AgentHello>) -> Option<String> {
+fn unsupported_state(pid: i32, hello: Option<&AgentHello>) -> Option<String> {
     if let Some((daemon, daemon_pid)) = mps_daemon_of_user(pid) {
         return Some(format!(
             "CUDA MPS ({daemon}, pid {daemon_pid}, runs for its user)"
@@ -149,26 +155,21 @@ fn unsupported_state(pid: i32, hello: Option<&agent::AgentHello>) -> Option<Stri
 
 /// A live MPS process (control daemon or server) with the uid of `pid`: its name and pid.
 fn mps_daemon_of_user(pid: i32) -> Option<(String, i32)> {
-    use std::os::unix::fs::MetadataExt;
-    let uid = std::fs::metadata(format!("/proc/{pid}")).ok()?.uid();
-    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
-        let p: i32 = e.file_name().to_str()?.parse().ok()?;
-        if e.metadata().ok()?.uid() != uid {
+    let uid = procfs::uid_of(pid).ok()?;
+    procfs::processes().ok()?.into_iter().find_map(|p| {
+        if procfs::uid_of(p).ok()? != uid {
             return None;
         }
-        let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
-        if !is_live_mps_process(&stat) {
+        if !is_live_mps_process(&procfs::stat_text(p, None).ok()?) {
             return None;
         }
         // The command name in stat is cut at 15 characters; the full one is in cmdline.
-        let cmdline = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
-        let argv0 = cmdline.split(|&b| b == 0).next().unwrap_or_default();
-        let name = String::from_utf8_lossy(argv0.rsplit(|&b| b == b'/').next().unwrap_or_default());
+        let name = procfs::argv0(p).unwrap_or_default();
         Some((
             if name.is_empty() {
                 "nvidia-cuda-mps".into()
             } else {
-                name.into_owned()
+                name
             },
             p,
         ))
@@ -179,31 +180,24 @@ fn mps_daemon_of_user(pid: i32) -> Option<(String, i32)> {
 /// `-server`, cut to 15 characters) that still runs: an exited one its parent has not reaped
 /// yet (state Z or X) serves no client.
 fn is_live_mps_process(stat: &str) -> bool {
-    let comm = stat
-        .find('(')
-        .zip(stat.rfind(')'))
-        .and_then(|(open, close)| stat.get(open + 1..close));
-    let state = crate::stall::state_of(stat);
-    comm.is_some_and(|c| c.starts_with("nvidia-cuda-mps"))
-        && state.is_some_and(|s| s != "Z" && s != "X")
+    Stat::parse(stat).is_some_and(|s| {
+        s.comm.starts_with("nvidia-cuda-mps") && s.state().is_some() && !s.exited()
+    })
 }
 
 /// Whether the agent's answer makes the process a split-path candidate.
-fn split_candidate(pid: i32, hello: agent::AgentHello) -> Result<Option<SplitState>, DumpError> {
+fn split_candidate(pid: i32, hello: AgentHello) -> Result<Option<SplitPlan>, DumpError> {
     if hello.released {
-        return Err(DumpError::Other(
-            "the agent reports its memory as released (an earlier dump did not finish?)".into(),
-        ));
+        return Err(AgentError::AlreadyReleased { pid }.into());
     }
     if hello.converted_bytes == 0 {
         log::debug!("pid {pid}: agent holds no converted allocations; driver path");
         return Ok(None);
     }
-    Ok(Some(SplitState {
+    Ok(Some(SplitPlan {
         agent_ns_tid: hello.ns_tid,
         allocations_at_pause: hello.allocations,
         converted_bytes_at_pause: hello.converted_bytes,
-        ..SplitState::default()
     }))
 }
 
@@ -248,30 +242,36 @@ pub fn checkpoint_all(ctx: &Ctx, procs: &mut [Tracked]) -> Vec<(i32, Result<(), 
             .iter_mut()
             .zip(&calls)
             .map(|((t, _), call)| {
-                s.spawn(move || {
+                let pid = t.pid;
+                let h = s.spawn(move || {
                     datapath::block_signals();
-                    let r = checkpoint_one(ctx, t, call);
-                    (t.pid, r)
-                })
+                    checkpoint_one(ctx, t, call)
+                });
+                (pid, h)
             })
             .collect();
-        let leftovers = stall::watch(|| handles.iter().all(|h| h.is_finished()), &watched);
+        let leftovers = stall::watch(|| handles.iter().all(|(_, h)| h.is_finished()), &watched);
         let outcomes: Vec<(i32, Result<(), DumpError>)> = handles
             .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| (0, Err(DumpError::Other("worker panicked".into()))))
+            .map(|(pid, h)| {
+                (
+                    pid,
+                    h.join().unwrap_or(Err(DumpError::WorkerPanicked { pid })),
+                )
             })
             .collect();
         (outcomes, leftovers)
     });
     for (((t, threads), (pid, r)), leftover) in work.into_iter().zip(outcomes).zip(leftovers) {
-        let others_stopped = leftover.map_err(DumpError::Other);
-        let stopped = stop_all(threads, "stopping a thread after the checkpoint");
+        let stopped = ptrace::stop_all(threads, "stopping a thread after the checkpoint");
         if r.is_ok() {
             log::info!("pid {}: dump phases: {}", t.pid, t.timings_line());
         }
-        results.push((pid, r.and(stopped).and(others_stopped)));
+        results.push((
+            pid,
+            r.and(stopped.map_err(DumpError::from))
+                .and(leftover.map_err(DumpError::from)),
+        ));
     }
     if n > 1 {
         log::info!(
@@ -303,22 +303,13 @@ fn ipc_blind_spot(procs: &[Tracked]) -> Option<String> {
     })
 }
 
-/// Stops threads resumed for a checkpoint or restore again; the first failure is reported.
-pub fn stop_all(threads: Vec<RunningThread>, what: &'static str) -> Result<(), DumpError> {
-    threads.into_iter().try_for_each(|th| {
-        let tid = th.tid();
-        th.stop()
-            .map_err(|err| DumpError::Ptrace { tid, what, err })
-    })
-}
-
 /// Resumes the driver's restore thread and, on the split path, the agent thread.
 fn run_threads(t: &mut Tracked) -> Result<Vec<RunningThread>, DumpError> {
-    let mut threads = vec![run_thread(t.restore_tid, "driver restore thread")?];
-    if let DataPath::Split(split) = &t.path {
+    let mut threads = vec![ptrace::resume(t.restore_tid, "driver restore thread")?];
+    if let Route::Split(split) = &t.route {
         match agent::host_tid(t.pid, split.agent_ns_tid)
             .map_err(DumpError::from)
-            .and_then(|tid| run_thread(tid, "agent thread"))
+            .and_then(|tid| Ok(ptrace::resume(tid, "agent thread")?))
         {
             Ok(th) => threads.push(th),
             Err(e) => {
@@ -326,7 +317,7 @@ fn run_threads(t: &mut Tracked) -> Result<Vec<RunningThread>, DumpError> {
                     "pid {}: cannot run the agent thread ({e}); driver path",
                     t.pid
                 );
-                t.path = DataPath::Transparent;
+                t.route = Route::Transparent;
             }
         }
     }
@@ -339,28 +330,29 @@ fn checkpoint_one(ctx: &Ctx, t: &mut Tracked, call: &DriverCall) -> Result<(), D
     if t.is_split() {
         match move_data_out(ctx, t) {
             Ok(()) => {}
-            Err(e) if !t.released() => {
+            Err(e) if !t.phase.memory_released() => {
                 log::warn!(
                     "pid {}: split path failed before any memory was released ({e}); \
                      falling back to the driver checkpoint of all device memory",
                     t.pid
                 );
                 remove_partial_files(ctx, t);
-                t.path = DataPath::Transparent;
-                if t.driver == DriverStage::Running {
-                    relock(ctx, t)?;
+                t.route = Route::Transparent;
+                if matches!(t.phase, Phase::DataOut) {
+                    lock(ctx, t, "relock")?;
                 }
             }
             Err(e) => return Err(e),
         }
     }
     let t0 = Instant::now();
-    t.driver = DriverStage::Checkpointed; // set first: a failed checkpoint is rolled back too
+    // A failed checkpoint leaves the phase as it was; the rollback asks the driver what it did.
     let (checkpointed, refrozen) = call.run(|| ctx.api.checkpoint(t.pid));
     checkpointed.map_err(driver(
             "driver checkpoint (it fails on state it cannot take: managed memory, CUDA IPC, MPS, GPU peer access)",
         ))?;
-    refrozen.map_err(DumpError::Other)?;
+    t.phase.checkpointed()?;
+    refrozen?;
     let phase = if t.is_split() {
         "control"
     } else {
@@ -370,13 +362,14 @@ fn checkpoint_one(ctx: &Ctx, t: &mut Tracked, call: &DriverCall) -> Result<(), D
     Ok(())
 }
 
-fn relock(ctx: &Ctx, t: &mut Tracked) -> Result<(), DumpError> {
+/// The driver lock, timed as `what`.
+fn lock(ctx: &Ctx, t: &mut Tracked, what: &'static str) -> Result<(), DumpError> {
     let t0 = Instant::now();
     ctx.api
         .lock(t.pid, ctx.lock_timeout_ms)
         .map_err(driver("re-locking after the data was moved"))?;
-    t.driver = DriverStage::Locked;
-    t.time("relock", t0.elapsed().as_secs_f64());
+    t.phase.locked()?;
+    t.time(what, t0.elapsed().as_secs_f64());
     Ok(())
 }
 
@@ -388,27 +381,26 @@ fn move_data_out(ctx: &Ctx, t: &mut Tracked) -> Result<(), DumpError> {
     ctx.api
         .unlock(pid)
         .map_err(driver("unlocking for the agent"))?;
-    t.driver = DriverStage::Running;
+    t.phase.unlocked_for_data()?;
     t.time("unlock", t0.elapsed().as_secs_f64());
 
-    let chan = agent::connect(pid)?.ok_or_else(|| {
-        DumpError::Other("the agent's socket disappeared between PAUSE and CHECKPOINT".into())
-    })?;
+    let session = AgentSession::connect_expected(pid, ctx.agent_timeout())?;
     let t0 = Instant::now();
-    let allocations = list_allocations(ctx, pid, &chan)?;
+    session.hello_intact()?;
+    let allocations = session.list()?;
     let chunks: u64 = allocations
         .iter()
         .filter(|a| a.moved)
         .map(|a| a.size.div_ceil(ctx.slot_size() as u64))
         .sum();
-    let staging = Staging::new(ctx.slot_size(), ring_slots(ctx, chunks))
-        .map_err(|e| DumpError::Other(format!("creating the staging ring: {e}")))?;
+    let staging =
+        Staging::new(ctx.slot_size(), ring_slots(ctx, chunks)).map_err(DataError::Ring)?;
     t.time("prepare", t0.elapsed().as_secs_f64());
 
     let dir = ctx.image_dir();
     let parent = dedup_parent(ctx, t, &allocations);
     let data = datapath::copy_out(
-        &chan,
+        &session,
         &staging,
         dir,
         t.nspid as u32,
@@ -440,26 +432,23 @@ fn move_data_out(ctx: &Ctx, t: &mut Tracked) -> Result<(), DumpError> {
         }
     }
     t.time("data", data.seconds);
-    if let DataPath::Split(split) = &mut t.path {
-        split.allocations = allocations;
-        split.data = Some(data);
-    }
     // A manifest now, before memory is released: should CRIU die from here on, `gpusnap
     // recover` finds the data. `exit` rewrites it with the final timings.
-    gpusnap_image::write_manifest(dir, &manifest_for(ctx, t))
-        .map_err(|e| DumpError::Other(format!("writing the manifest: {e}")))?;
+    let manifest = new_manifest(ctx, t, CheckpointPath::Split, allocations, &data);
+    gpusnap_image::write_manifest(dir, &manifest).map_err(DumpError::Manifest)?;
 
     // From the moment Release is sent, some memory may be gone even if the agent then fails
-    // part-way: count it as released, so a failure keeps the files and rolls back by reloading.
-    if let DataPath::Split(split) = &mut t.path {
-        split.released = true;
-    }
+    // part-way: the phase says released, so a failure keeps the files and rolls back by
+    // reloading.
+    t.phase.released(MovedData {
+        manifest: Box::new(manifest),
+        stats: Some(data),
+    })?;
     let t0 = Instant::now();
-    let (n, bytes) = datapath::release(&chan, ctx.agent_timeout())?;
+    let (n, bytes) = session.release()?;
     t.time("release", t0.elapsed().as_secs_f64());
     log::debug!("pid {pid}: agent released {n} allocations ({bytes} bytes)");
-    drop(chan);
-    relock(ctx, t)
+    lock(ctx, t, "relock")
 }
 
 /// For an incremental dump: the parent image's chunks this process may reference, if the image
@@ -505,45 +494,6 @@ fn dedup_parent(
     }
 }
 
-fn list_allocations(
-    ctx: &Ctx,
-    pid: i32,
-    chan: &Channel,
-) -> Result<Vec<AllocationRecord>, DumpError> {
-    let hello = agent::hello(pid, chan, ctx.agent_timeout())?;
-    if hello.released {
-        return Err(DumpError::Other("agent memory already released".into()));
-    }
-    chan.send_request(&Request::ListAllocations, None)
-        .map_err(DataError::from)?;
-    let mut out = Vec::new();
-    loop {
-        match chan
-            .recv_reply(Some(ctx.agent_timeout()))
-            .map_err(DataError::from)?
-        {
-            Reply::Allocation {
-                id,
-                device,
-                addr,
-                size,
-                kind,
-            } => out.push(AllocationRecord {
-                id,
-                device,
-                addr,
-                size,
-                moved: kind == AllocKind::Converted,
-            }),
-            Reply::AllocationsEnd { .. } => return Ok(out),
-            Reply::Error { message, .. } => return Err(DataError::Agent(message).into()),
-            other => {
-                return Err(DataError::Unexpected(format!("{other:?}"), "Allocation").into());
-            }
-        }
-    }
-}
-
 /// Removes this process's gpusnap files (a split attempt that was abandoned, or a failed dump).
 pub fn remove_partial_files(ctx: &Ctx, t: &Tracked) {
     if let Err(e) = gpusnap_image::remove_process_files(ctx.image_dir(), t.nspid as u32) {
@@ -552,53 +502,43 @@ pub fn remove_partial_files(ctx: &Ctx, t: &Tracked) {
 }
 
 /// Puts the process back as it was before the dump (`-R`, or a failed dump). Tasks are still
-/// seized by CRIU here.
+/// seized by CRIU here; the driver's restore thread is let run for the driver calls.
 pub fn rollback(ctx: &Ctx, t: &mut Tracked) -> Result<(), DumpError> {
     let pid = t.pid;
-    if t.driver == DriverStage::Running && !t.released() {
+    if matches!(t.phase, Phase::Untouched | Phase::DataOut) {
+        // Nothing to undo: the driver state is as found (DataOut: our lock is undone already),
+        // and the memory is in place.
+        t.phase = Phase::Untouched;
         return Ok(());
     }
     let t0 = Instant::now();
-    let restore_thread = run_thread(t.restore_tid, "driver restore thread")?;
+    let restore_thread = ptrace::resume(t.restore_tid, "driver restore thread")?;
     // The driver knows best: a call that failed may or may not have changed the state (a
     // checkpoint that failed leaves the process locked, and a restore would then be refused).
     match ctx.api.process_state(pid) {
-        Ok(ProcessState::Running) => t.driver = DriverStage::Running,
-        Ok(ProcessState::Locked) => t.driver = DriverStage::Locked,
-        Ok(ProcessState::Checkpointed) => t.driver = DriverStage::Checkpointed,
-        Ok(other) => log::warn!("pid {pid}: the driver reports state {other} during rollback"),
+        Ok(driver) => {
+            t.phase =
+                std::mem::replace(&mut t.phase, Phase::Untouched).reconciled(t.initial, driver)
+        }
         Err(e) => log::warn!("pid {pid}: cannot read the driver state during rollback: {e}"),
     }
-    if t.driver == DriverStage::Checkpointed {
-        ctx.api
-            .restore(pid, &[])
-            .map_err(driver("rollback: driver restore"))?;
-        t.driver = DriverStage::Locked;
-    }
-    if t.released() {
-        if t.driver == DriverStage::Locked {
-            ctx.api.unlock(pid).map_err(driver("rollback: unlock"))?;
-            t.driver = DriverStage::Running;
-        }
-        if let Err(e) = reload(ctx, t) {
-            // Hold the process with the driver lock: its threads must not run on memory that
-            // is not back. `gpusnap recover` reloads it from the files later.
-            match ctx.api.lock(pid, ctx.lock_timeout_ms) {
-                Ok(()) => t.driver = DriverStage::Locked,
-                Err(le) => log::error!("pid {pid}: cannot hold the process with the lock: {le}"),
-            }
-            return Err(e);
-        }
-    }
-    if t.driver == DriverStage::Locked && t.initial == ProcessState::Running {
-        ctx.api.unlock(pid).map_err(driver("rollback: unlock"))?;
-        t.driver = DriverStage::Running;
-    }
-    restore_thread.stop().map_err(|err| DumpError::Ptrace {
-        tid: t.restore_tid,
-        what: "stopping the driver restore thread",
-        err,
-    })?;
+    let agent_ns_tid = match &t.route {
+        Route::Split(s) => Some(s.agent_ns_tid),
+        Route::Transparent => None,
+    };
+    let target = Target {
+        pid,
+        initial: t.initial,
+        agent_tid: &|| match agent_ns_tid {
+            Some(ns_tid) => agent::host_tid(pid, ns_tid),
+            None => Err(AgentError::NoThread { pid, ns_tid: -1 }),
+        },
+    };
+    undo(ctx, &target, &mut t.phase)?;
+    restore_thread.stop().map_err(PtraceError::on(
+        t.restore_tid,
+        "stopping the driver restore thread",
+    ))?;
     log::info!(
         "pid {pid}: rolled back to {} in {:.3} s",
         t.initial,
@@ -607,20 +547,87 @@ pub fn rollback(ctx: &Ctx, t: &mut Tracked) -> Result<(), DumpError> {
     Ok(())
 }
 
-/// Reloads released memory from the files just written.
-fn reload(ctx: &Ctx, t: &mut Tracked) -> Result<(), DumpError> {
-    let manifest = manifest_for(ctx, t);
-    let DataPath::Split(split) = &t.path else {
-        return Ok(());
-    };
-    let tid = agent::host_tid(t.pid, split.agent_ns_tid)?;
-    let stats = load_through_agent(ctx, t.pid, tid, ctx.image_dir(), &manifest)?;
-    if let DataPath::Split(s) = &mut t.path {
-        s.released = false;
+/// The process a rollback works on.
+pub struct Target<'a> {
+    pub pid: i32,
+    /// The driver state to return it to.
+    pub initial: ProcessState,
+    /// Finds the agent's thread (for a reload).
+    pub agent_tid: &'a dyn Fn() -> Result<i32, AgentError>,
+}
+
+/// Undoes `phase` one step at a time until nothing gpusnap did is left: checkpointed →
+/// (driver restore) → locked → (unlock) → released → (reload) → untouched. The driver's restore
+/// thread must be able to run. A reload that fails leaves the process held by the driver lock
+/// (its CUDA calls wait), never running without its memory. Returns the steps taken.
+pub fn undo(
+    ctx: &Ctx,
+    target: &Target<'_>,
+    phase: &mut Phase,
+) -> Result<Vec<&'static str>, DumpError> {
+    let pid = target.pid;
+    let mut steps = Vec::new();
+    loop {
+        *phase = match std::mem::replace(phase, Phase::Untouched) {
+            Phase::Untouched | Phase::DataOut => return Ok(steps),
+            Phase::Checkpointed(moved) => {
+                if let Err(e) = ctx.api.restore(pid, &[]) {
+                    *phase = Phase::Checkpointed(moved);
+                    return Err(driver("rollback: driver restore")(e));
+                }
+                steps.push("driver restore");
+                match moved {
+                    Some(d) => Phase::Relocked(d),
+                    // Locked by someone else before the dump: it stays locked.
+                    None if target.initial == ProcessState::Locked => Phase::Untouched,
+                    None => Phase::Locked,
+                }
+            }
+            Phase::Locked => {
+                if let Err(e) = ctx.api.unlock(pid) {
+                    *phase = Phase::Locked;
+                    return Err(driver("rollback: unlock")(e));
+                }
+                steps.push("unlock");
+                Phase::Untouched
+            }
+            Phase::Relocked(d) => {
+                if let Err(e) = ctx.api.unlock(pid) {
+                    *phase = Phase::Relocked(d);
+                    return Err(driver("rollback: unlock")(e));
+                }
+                steps.push("unlock");
+                Phase::Released(d)
+            }
+            Phase::Released(d) => match reload(ctx, target, &d) {
+                Ok(()) => {
+                    steps.push("device data reloaded");
+                    Phase::Untouched
+                }
+                Err(e) => {
+                    // Hold the process with the driver lock: its threads must not run on
+                    // memory that is not back. `gpusnap recover` reloads it from the files.
+                    *phase = match ctx.api.lock(pid, ctx.lock_timeout_ms) {
+                        Ok(()) => Phase::Relocked(d),
+                        Err(le) => {
+                            log::error!("pid {pid}: cannot hold the process with the lock: {le}");
+                            Phase::Released(d)
+                        }
+                    };
+                    return Err(e);
+                }
+            },
+        };
     }
+}
+
+/// Reloads released memory from the files of `moved` through the agent.
+fn reload(ctx: &Ctx, target: &Target<'_>, moved: &MovedData) -> Result<(), DumpError> {
+    let tid = (target.agent_tid)()?;
+    let stats = load_through_agent(ctx, target.pid, tid, ctx.image_dir(), &moved.manifest)?;
     log::info!(
         "pid {}: device data reloaded ({:.2} GiB in {:.3} s)",
-        t.pid,
+        target.pid,
         gib(stats.bytes),
         stats.seconds
     );
@@ -635,13 +642,11 @@ pub fn load_through_agent(
     dir: BorrowedFd<'_>,
     manifest: &Manifest,
 ) -> Result<datapath::LoadStats, DumpError> {
-    let agent_thread = run_thread(agent_tid, "agent thread")?;
+    let agent_thread = ptrace::resume(agent_tid, "agent thread")?;
     let stats = load_with_agent_running(ctx, pid, dir, manifest)?;
-    agent_thread.stop().map_err(|err| DumpError::Ptrace {
-        tid: agent_tid,
-        what: "stopping the agent thread",
-        err,
-    })?;
+    agent_thread
+        .stop()
+        .map_err(PtraceError::on(agent_tid, "stopping the agent thread"))?;
     Ok(stats)
 }
 
@@ -651,23 +656,22 @@ pub fn load_with_agent_running(
     pid: i32,
     dir: BorrowedFd<'_>,
     manifest: &Manifest,
-) -> Result<datapath::LoadStats, DumpError> {
-    let chan = agent::connect(pid)?
-        .ok_or_else(|| DumpError::Other("the agent's socket is gone".into()))?;
+) -> Result<datapath::LoadStats, DataError> {
+    let session = AgentSession::connect_expected(pid, ctx.agent_timeout())?;
     let biggest = manifest.chunks.iter().map(|c| c.len).max().unwrap_or(0) as usize;
     let slot = ctx.slot_size().max(biggest.next_multiple_of(4096));
     let staging = Staging::new(slot, ring_slots(ctx, manifest.chunks.len() as u64))
-        .map_err(|e| DumpError::Other(format!("creating the staging ring: {e}")))?;
-    let hello = agent::hello(pid, &chan, ctx.agent_timeout())?;
+        .map_err(DataError::Ring)?;
+    let hello = session.hello()?;
     log::debug!("pid {pid}: agent tid {} ready to load", hello.ns_tid);
-    Ok(datapath::copy_in(
-        &chan,
+    datapath::copy_in(
+        session,
         &staging,
         dir,
         manifest,
         ctx.cfg.effective_reader_threads(),
         ctx.limits(),
-    )?)
+    )
 }
 
 /// Ring slots for a transfer of `chunks` chunks: the configured number, but no more than there
@@ -695,19 +699,15 @@ fn bytes_per_device(
     out.into_iter().collect()
 }
 
-/// The manifest of one dumped process (written by `exit` once CRIU has succeeded).
-pub fn manifest_for(ctx: &Ctx, t: &Tracked) -> Manifest {
-    let (path, allocations, files, chunks) = match &t.path {
-        DataPath::Split(s) => {
-            let (files, chunks) = s
-                .data
-                .as_ref()
-                .map(|d| (d.files.clone(), d.chunks.clone()))
-                .unwrap_or_default();
-            (CheckpointPath::Split, s.allocations.clone(), files, chunks)
-        }
-        DataPath::Transparent => (CheckpointPath::Transparent, vec![], vec![], vec![]),
-    };
+/// A manifest of one dumped process, from what its data phase wrote (nothing on the
+/// transparent path).
+fn new_manifest(
+    ctx: &Ctx,
+    t: &Tracked,
+    path: CheckpointPath,
+    allocations: Vec<AllocationRecord>,
+    data: &datapath::DumpData,
+) -> Manifest {
     Manifest {
         format_version: gpusnap_image::FORMAT_VERSION,
         nspid: t.nspid as u32,
@@ -729,10 +729,175 @@ pub fn manifest_for(ctx: &Ctx, t: &Tracked) -> Manifest {
             })
             .collect(),
         allocations,
-        files,
-        chunks,
+        files: data.files.clone(),
+        chunks: data.chunks.clone(),
         timings_s: t.timings.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
     }
+}
+
+/// The final manifest of one dumped process (written by `exit` once CRIU has succeeded): the
+/// one written before the release, with every timing, or a transparent one.
+pub fn manifest_for(ctx: &Ctx, t: &Tracked) -> Manifest {
+    match t.phase.moved() {
+        Some(moved) => Manifest {
+            timings_s: t.timings.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+            ..(*moved.manifest).clone()
+        },
+        None => new_manifest(
+            ctx,
+            t,
+            CheckpointPath::Transparent,
+            Vec::new(),
+            &datapath::DumpData::default(),
+        ),
+    }
+}
+
+fn gib(b: u64) -> f64 {
+    b as f64 / (1u64 << 30) as f64
+}
+
+/// One `criu dump` with gpusnap active: every GPU process CRIU paused, and the outcome of
+/// their (single, parallel) checkpoint.
+pub struct DumpRun {
+    cfg: gpusnap_config::Config,
+    ctx: Option<Ctx>,
+    tracked: Vec<Tracked>,
+    checkpointed: Option<Vec<(i32, Result<(), DumpError>)>>,
+}
+
+impl DumpRun {
+    pub fn new(cfg: gpusnap_config::Config) -> Self {
+        Self {
+            cfg,
+            ctx: None,
+            tracked: Vec::new(),
+            checkpointed: None,
+        }
+    }
+
+    /// PAUSE_DEVICES: `Some(true)` when `pid` is a CUDA process gpusnap now tracks (locked),
+    /// `None` when it is not a CUDA process, `Some(false)` when the dump must fail.
+    pub fn pause_devices(&mut self, pid: i32) -> Option<bool> {
+        if self.ctx.is_none() {
+            match Ctx::open(&self.cfg) {
+                Ok(c) => self.ctx = Some(c),
+                Err(e) => {
+                    log::error!("cannot use the NVIDIA driver: {e}");
+                    return Some(false);
+                }
+            }
+        }
+        let ctx = self.ctx.as_ref().expect("opened above");
+        match pause(ctx, pid) {
+            Ok(Some(t)) => {
+                self.tracked.push(t);
+                Some(true)
+            }
+            Ok(None) => None,
+            Err(e) => {
+                log::error!("pid {pid}: {e}");
+                Some(false)
+            }
+        }
+    }
+
+    /// CHECKPOINT_DEVICES: the first call checkpoints every tracked process, in parallel; every
+    /// call answers for its pid. `None`: not one of ours.
+    pub fn checkpoint_devices(&mut self, pid: i32) -> Option<bool> {
+        let ctx = self.ctx.as_ref()?;
+        if !self.tracked.iter().any(|t| t.pid == pid) {
+            return None;
+        }
+        let outcome = self
+            .checkpointed
+            .get_or_insert_with(|| checkpoint_all(ctx, &mut self.tracked));
+        match outcome.iter().find(|(p, _)| *p == pid)? {
+            (_, Ok(())) => Some(true),
+            (_, Err(e)) => {
+                log::error!(
+                    "pid {pid}: checkpoint failed: {e}; the dump is aborted and the process rolled back"
+                );
+                Some(false)
+            }
+        }
+    }
+
+    /// `exit(DUMP, ret)`: on success the final manifests and `gpusnap-stats.json`; on `-R` or
+    /// failure every process is rolled back (a failed dump's files are removed).
+    pub fn exit(&mut self, ret: i32) {
+        let Some(ctx) = self.ctx.as_ref() else { return };
+        let leave_running = crate::criu::leave_running();
+        let mut stats = Vec::new();
+        for t in &mut self.tracked {
+            if ret == 0 {
+                let m = manifest_for(ctx, t);
+                if let Err(e) = gpusnap_image::write_manifest(ctx.image_dir(), &m) {
+                    log::error!(
+                        "pid {}: writing the manifest failed: {e}; this image cannot be restored",
+                        t.pid
+                    );
+                }
+                stats.push(stats_of(t));
+            }
+            if ret != 0 || leave_running {
+                match rollback(ctx, t) {
+                    // A failed dump's files are no use to anyone.
+                    Ok(()) if ret != 0 => remove_partial_files(ctx, t),
+                    Ok(()) => {}
+                    Err(e) => {
+                        let held = match &t.phase {
+                            Phase::Locked | Phase::Relocked(_) => {
+                                "it is held locked by the driver (its CUDA calls wait), so it does not run without its GPU memory"
+                            }
+                            Phase::Checkpointed(_) => {
+                                "it is left checkpointed by the driver (its CUDA calls wait)"
+                            }
+                            Phase::Released(_) => "it may run without all of its GPU memory",
+                            Phase::Untouched | Phase::DataOut => "its GPU memory is in place",
+                        };
+                        log::error!(
+                            "pid {}: ROLLBACK FAILED: {e}. {held}. Bring it back with `gpusnap recover {} --images <this image dir>`",
+                            t.pid,
+                            t.pid
+                        );
+                    }
+                }
+            }
+        }
+        if ret == 0 && !stats.is_empty() {
+            let doc = serde_json::json!({ "stage": "dump", "processes": stats });
+            if let Err(e) = gpusnap_image::write_stats(ctx.image_dir(), &doc) {
+                log::warn!("writing gpusnap-stats.json failed: {e}");
+            }
+        }
+    }
+}
+
+/// One process's entry in `gpusnap-stats.json`.
+fn stats_of(t: &Tracked) -> serde_json::Value {
+    let timings: serde_json::Map<String, serde_json::Value> = t
+        .timings
+        .iter()
+        .map(|(k, v)| (k.to_string(), serde_json::json!(v)))
+        .collect();
+    let mut v = serde_json::json!({
+        "nspid": t.nspid,
+        "path": if t.is_split() { "split" } else { "transparent" },
+        "timings_s": timings,
+    });
+    if let Some(d) = t.phase.moved().and_then(|m| m.stats.as_ref()) {
+        // What this dump stored, against what it referenced unchanged in its parent images.
+        v["data"] = serde_json::json!({
+            "chunks": d.chunks.len(),
+            "device_bytes": d.bytes,
+            "bytes_written": d.stored_bytes,
+            "chunks_referenced": d.referenced_chunks,
+            "bytes_referenced": d.referenced_bytes,
+            "incremental": d.referenced_chunks > 0,
+        });
+    }
+    v
 }
 
 #[cfg(test)]
@@ -747,8 +912,8 @@ mod tests {
             nspid: pid,
             restore_tid: pid + 1,
             initial: ProcessState::Running,
-            driver: crate::process::DriverStage::Running,
-            path: DataPath::Transparent,
+            phase: Phase::Untouched,
+            route: Route::Transparent,
             agent,
             timings: Vec::new(),
         };

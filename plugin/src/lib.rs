@@ -5,13 +5,17 @@
 //! the protocol. Modules:
 //! - [`criu`]: the plugin ABI and CRIU's exports, all resolved at run time;
 //! - [`logger`]: `log` into CRIU's own log;
-//! - [`plugin`]: hook bodies and the per-run state;
-//! - [`dump`] / [`restore`]: the per-process protocol of each side;
+//! - [`plugin`]: hook bodies, dispatching to the run of the stage;
+//! - [`dump`] / [`restore`]: each side's run and per-process protocol; [`recover`] reuses the
+//!   dump's undo sequence outside CRIU;
+//! - [`process`]: a dump's per-process state machine ([`process::Phase`]);
+//! - [`agent`]: the conversation with the in-process agent ([`agent::AgentSession`]);
 //! - [`datapath`] / [`staging`]: moving device data through the shared ring into image files;
 //! - [`ptrace`]: running one seized thread while CRIU holds the others;
 //! - [`stall`]: a driver checkpoint that waits on a stopped thread of its process;
-//! - [`process`]: the per-process state machine.
+//! - [`procfs`]: everything read from `/proc`.
 
+pub mod agent;
 pub mod context;
 pub mod criu;
 pub mod datapath;
@@ -22,6 +26,7 @@ pub mod host_gpus;
 pub mod logger;
 pub mod plugin;
 pub mod process;
+pub mod procfs;
 pub mod ptrace;
 pub mod recover;
 pub mod restore;

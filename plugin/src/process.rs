@@ -1,45 +1,218 @@
-//! What gpusnap knows and has done to one GPU process: a small state machine, so a rollback
-//! knows exactly what to undo.
+//! What gpusnap has done to one GPU process during a dump, as one type: [`Phase`]. Its
+//! variants own what they hold (the moved data once memory is released), its transition
+//! methods refuse impossible moves, and the one undo sequence ([`crate::dump::rollback`], shared
+//! by a failed dump, `criu dump -R` and `gpusnap recover`) is a `match` over it.
+//!
+//! The phases of a dump, in order (`docs/design-notes.md`):
+//!
+//! ```text
+//! Untouched ─lock→ Locked ─unlock→ DataOut ─release→ Released ─lock→ Relocked ─checkpoint→ Checkpointed
+//!                    │                │ (split failed before release: files removed, relock)
+//!                    │                └─lock→ Locked
+//!                    └─checkpoint→ Checkpointed          (transparent path)
+//! ```
+//!
+//! `Untouched` also covers a process that was already locked by someone else at PAUSE: gpusnap
+//! did not lock it, so it does not unlock it.
 
 use crate::datapath::DumpData;
 use gpusnap_cuda::ProcessState;
-use gpusnap_image::AllocationRecord;
+use gpusnap_image::Manifest;
 
-/// What we did to the driver-side state of the process.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DriverStage {
-    /// Untouched, or back to running.
-    Running,
-    /// `cuCheckpointProcessLock` done (by us).
-    Locked,
-    /// `cuCheckpointProcessCheckpoint` done (by us).
-    Checkpointed,
+/// Device data that lives only in gpusnap's image files while the process's memory is released:
+/// the manifest written before the release (what a reload needs) and, in a dump, what the
+/// data phase moved (for the log and the stats).
+#[derive(Debug)]
+pub struct MovedData {
+    pub manifest: Box<Manifest>,
+    pub stats: Option<DumpData>,
 }
 
-/// Where the device data goes.
+/// Where one GPU process stands in a dump.
 #[derive(Debug)]
-pub enum DataPath {
+pub enum Phase {
+    /// gpusnap has changed nothing (the driver state is as found at PAUSE).
+    Untouched,
+    /// gpusnap locked the driver state; device memory is in place.
+    Locked,
+    /// Split path: unlocked again so the agent can copy device memory out; memory in place.
+    DataOut,
+    /// Split path: the agent has been told to release its memory (some or all may be gone): the
+    /// data lives only in the image files. The driver state is unlocked.
+    Released(MovedData),
+    /// Released, and locked again by the driver.
+    Relocked(MovedData),
+    /// The driver checkpointed the process (with its memory on the transparent path, control
+    /// state only after a release).
+    Checkpointed(Option<MovedData>),
+}
+
+/// A transition the current phase does not allow: a bug in the caller, never a state to act on.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("{from} cannot become {to}")]
+pub struct ImpossibleMove {
+    pub from: &'static str,
+    pub to: &'static str,
+}
+
+impl Phase {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Phase::Untouched => "untouched",
+            Phase::Locked => "locked",
+            Phase::DataOut => "data out",
+            Phase::Released(_) => "released",
+            Phase::Relocked(_) => "relocked",
+            Phase::Checkpointed(_) => "checkpointed",
+        }
+    }
+
+    /// Moves to the phase `next` makes of the current one, or refuses (phase unchanged).
+    fn advance(
+        &mut self,
+        to: &'static str,
+        next: impl FnOnce(Phase) -> Result<Phase, Phase>,
+    ) -> Result<(), ImpossibleMove> {
+        let from = self.name();
+        let current = std::mem::replace(self, Phase::Untouched);
+        match next(current) {
+            Ok(p) => {
+                *self = p;
+                Ok(())
+            }
+            Err(p) => {
+                *self = p;
+                Err(ImpossibleMove { from, to })
+            }
+        }
+    }
+
+    /// The driver lock took: from `Untouched` (PAUSE), `DataOut` (the split path gave up before
+    /// any release) or `Released` (after the release).
+    pub fn locked(&mut self) -> Result<(), ImpossibleMove> {
+        self.advance("locked", |p| match p {
+            Phase::Untouched | Phase::DataOut => Ok(Phase::Locked),
+            Phase::Released(d) => Ok(Phase::Relocked(d)),
+            other => Err(other),
+        })
+    }
+
+    /// The driver unlock took, for the agent's copy: only from `Locked`.
+    pub fn unlocked_for_data(&mut self) -> Result<(), ImpossibleMove> {
+        self.advance("data out", |p| match p {
+            Phase::Locked => Ok(Phase::DataOut),
+            other => Err(other),
+        })
+    }
+
+    /// The release is about to be sent: from `DataOut`, taking the data that now lives only in
+    /// the files.
+    pub fn released(&mut self, data: MovedData) -> Result<(), ImpossibleMove> {
+        self.advance("released", |p| match p {
+            Phase::DataOut => Ok(Phase::Released(data)),
+            other => Err(other),
+        })
+    }
+
+    /// The driver checkpoint took: from `Untouched` (already locked by someone else),
+    /// `Locked` or `Relocked`.
+    pub fn checkpointed(&mut self) -> Result<(), ImpossibleMove> {
+        self.advance("checkpointed", |p| match p {
+            Phase::Untouched | Phase::Locked => Ok(Phase::Checkpointed(None)),
+            Phase::Relocked(d) => Ok(Phase::Checkpointed(Some(d))),
+            other => Err(other),
+        })
+    }
+
+    /// The data moved out, if memory was released (whatever the driver did since).
+    pub fn moved(&self) -> Option<&MovedData> {
+        match self {
+            Phase::Released(d) | Phase::Relocked(d) | Phase::Checkpointed(Some(d)) => Some(d),
+            _ => None,
+        }
+    }
+
+    pub fn moved_mut(&mut self) -> Option<&mut MovedData> {
+        match self {
+            Phase::Released(d) | Phase::Relocked(d) | Phase::Checkpointed(Some(d)) => Some(d),
+            _ => None,
+        }
+    }
+
+    /// Whether device memory is (maybe) absent: from the release until a reload.
+    pub fn memory_released(&self) -> bool {
+        self.moved().is_some()
+    }
+
+    /// What the driver holds the process in, by this phase.
+    pub fn driver_state(&self, initial: ProcessState) -> ProcessState {
+        match self {
+            Phase::Untouched => initial,
+            Phase::Locked | Phase::Relocked(_) => ProcessState::Locked,
+            Phase::DataOut | Phase::Released(_) => ProcessState::Running,
+            Phase::Checkpointed(_) => ProcessState::Checkpointed,
+        }
+    }
+
+    /// The phase of a process found by `gpusnap recover`: what the driver holds it in, and the
+    /// data of its interrupted dump if the agent's memory is released.
+    pub fn found(driver: ProcessState, moved: Option<MovedData>) -> Phase {
+        Phase::Untouched.reconciled_with(ProcessState::Running, driver, moved)
+    }
+
+    /// The phase the driver says the process is in, where a failed driver call leaves the
+    /// phase in doubt (a checkpoint that failed late may have taken; a lock that failed may
+    /// still hold). The data held is kept whatever the driver says.
+    pub fn reconciled(self, initial: ProcessState, driver: ProcessState) -> Phase {
+        if self.driver_state(initial) == driver {
+            return self;
+        }
+        let data = match self {
+            Phase::Released(d) | Phase::Relocked(d) | Phase::Checkpointed(Some(d)) => Some(d),
+            _ => None,
+        };
+        Phase::Untouched.reconciled_with(initial, driver, data)
+    }
+
+    fn reconciled_with(
+        self,
+        initial: ProcessState,
+        driver: ProcessState,
+        data: Option<MovedData>,
+    ) -> Phase {
+        match (driver, data) {
+            (ProcessState::Checkpointed, d) => Phase::Checkpointed(d),
+            (ProcessState::Locked, Some(d)) => Phase::Relocked(d),
+            (ProcessState::Running, Some(d)) => Phase::Released(d),
+            (ProcessState::Locked, None) if initial == ProcessState::Locked => Phase::Untouched,
+            (ProcessState::Locked, None) => Phase::Locked,
+            (ProcessState::Running, None) => Phase::Untouched,
+            // The driver reports something else (`Other`, or failed): keep what we know.
+            (_, d) => d.map_or(Phase::Untouched, Phase::Released),
+        }
+    }
+}
+
+/// Where the device data goes, chosen at PAUSE.
+#[derive(Debug)]
+pub enum Route {
     /// The driver checkpoint copies device memory into the process; CRIU dumps it as pages.
     Transparent,
     /// The agent moves converted allocations into gpusnap's files; the driver keeps control
     /// state and whatever the agent did not take.
-    Split(SplitState),
+    Split(SplitPlan),
 }
 
+/// What the agent said while the process still ran.
 #[derive(Debug, Default)]
-pub struct SplitState {
+pub struct SplitPlan {
     /// The agent's control thread, as the process itself numbers it.
     pub agent_ns_tid: i32,
-    /// What the agent said while the process still ran (for the log).
     pub allocations_at_pause: u32,
     pub converted_bytes_at_pause: u64,
-    pub allocations: Vec<AllocationRecord>,
-    /// Filled once the data is in image files.
-    pub data: Option<DumpData>,
-    /// The agent has released physical memory: the data lives only in the image files now.
-    pub released: bool,
 }
 
+/// One GPU process of a dump.
 #[derive(Debug)]
 pub struct Tracked {
     /// Host pid (what hooks get).
@@ -49,8 +222,8 @@ pub struct Tracked {
     pub restore_tid: i32,
     /// Driver state found at PAUSE; a rollback returns the process to it.
     pub initial: ProcessState,
-    pub driver: DriverStage,
-    pub path: DataPath,
+    pub phase: Phase,
+    pub route: Route,
     /// The gpusnap agent answered at PAUSE (it records what the driver cannot checkpoint).
     pub agent: bool,
     /// Phase name and seconds, in order.
@@ -59,11 +232,7 @@ pub struct Tracked {
 
 impl Tracked {
     pub fn is_split(&self) -> bool {
-        matches!(self.path, DataPath::Split(_))
-    }
-
-    pub fn released(&self) -> bool {
-        matches!(&self.path, DataPath::Split(s) if s.released)
+        matches!(self.route, Route::Split(_))
     }
 
     pub fn time(&mut self, phase: &'static str, seconds: f64) {
@@ -76,5 +245,101 @@ impl Tracked {
             .map(|(k, v)| format!("{k} {v:.3} s"))
             .collect::<Vec<_>>()
             .join(", ")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpusnap_image::CheckpointPath;
+
+    fn moved() -> MovedData {
+        MovedData {
+            manifest: Box::new(Manifest {
+                format_version: 1,
+                nspid: 1,
+                path: CheckpointPath::Split,
+                created_unix_s: 0,
+                gpusnap_version: String::new(),
+                driver_version: 0,
+                gpus: vec![],
+                allocations: vec![],
+                files: vec![],
+                chunks: vec![],
+                timings_s: Default::default(),
+            }),
+            stats: None,
+        }
+    }
+
+    #[test]
+    fn the_split_dump_walks_its_phases_in_order() {
+        let mut p = Phase::Untouched;
+        p.locked().unwrap();
+        p.unlocked_for_data().unwrap();
+        assert!(!p.memory_released());
+        p.released(moved()).unwrap();
+        assert!(p.memory_released());
+        p.locked().unwrap();
+        assert!(matches!(p, Phase::Relocked(_)));
+        p.checkpointed().unwrap();
+        assert!(matches!(p, Phase::Checkpointed(Some(_))));
+        assert!(
+            p.memory_released(),
+            "the data stays owned after the checkpoint"
+        );
+    }
+
+    #[test]
+    fn impossible_moves_are_refused_and_change_nothing() {
+        let mut p = Phase::Untouched;
+        assert_eq!(
+            p.released(moved()),
+            Err(ImpossibleMove {
+                from: "untouched",
+                to: "released"
+            })
+        );
+        assert!(matches!(p, Phase::Untouched));
+        assert!(p.unlocked_for_data().is_err());
+        p.locked().unwrap();
+        p.unlocked_for_data().unwrap();
+        // Memory may be gone from the release on: checkpointing without the lock is refused.
+        p.released(moved()).unwrap();
+        assert!(p.checkpointed().is_err());
+        assert!(matches!(p, Phase::Released(_)), "data kept after a refusal");
+        assert!(p.unlocked_for_data().is_err());
+    }
+
+    #[test]
+    fn a_split_path_that_gives_up_before_the_release_is_locked_again() {
+        let mut p = Phase::Locked;
+        p.unlocked_for_data().unwrap();
+        p.locked().unwrap();
+        assert!(matches!(p, Phase::Locked));
+        p.checkpointed().unwrap();
+        assert!(matches!(p, Phase::Checkpointed(None)));
+    }
+
+    #[test]
+    fn the_driver_settles_a_phase_in_doubt() {
+        use ProcessState::*;
+        // A checkpoint that failed but took.
+        let p = Phase::Locked.reconciled(Running, Checkpointed);
+        assert!(matches!(p, Phase::Checkpointed(None)));
+        // A checkpoint that failed and left the lock: the data stays with the phase.
+        let p = Phase::Checkpointed(Some(moved())).reconciled(Running, Locked);
+        assert!(matches!(p, Phase::Relocked(_)));
+        // A lock that failed after the release.
+        let p = Phase::Relocked(moved()).reconciled(Running, Running);
+        assert!(matches!(p, Phase::Released(_)));
+        // Someone else's lock is not ours to undo.
+        let p = Phase::Checkpointed(None).reconciled(Locked, Locked);
+        assert!(matches!(p, Phase::Untouched));
+        // Agreement changes nothing.
+        assert!(matches!(
+            Phase::Locked.reconciled(Running, Locked),
+            Phase::Locked
+        ));
     }
 }

@@ -7,15 +7,47 @@
 
 use std::io;
 
+/// A ptrace request on one of the process's threads failed.
+#[derive(Debug, thiserror::Error)]
+#[error("ptrace on thread {tid} ({what}): {err}")]
+pub struct PtraceError {
+    pub tid: i32,
+    pub what: &'static str,
+    pub err: io::Error,
+}
+
+impl PtraceError {
+    /// Maps an `io::Error` of a request on `tid` (doing `what`).
+    pub fn on(tid: i32, what: &'static str) -> impl FnOnce(io::Error) -> Self {
+        move |err| Self { tid, what, err }
+    }
+}
+
+/// Resumes `tid` (doing `what`, for the error).
+pub fn resume(tid: i32, what: &'static str) -> Result<RunningThread, PtraceError> {
+    RunningThread::resume(tid).map_err(PtraceError::on(tid, what))
+}
+
+/// Stops threads resumed for a driver call or a data transfer again; the first failure is
+/// reported (the others are still stopped: a dropped [`RunningThread`] stops itself).
+pub fn stop_all(threads: Vec<RunningThread>, what: &'static str) -> Result<(), PtraceError> {
+    threads.into_iter().try_for_each(|th| {
+        let tid = th.tid();
+        th.stop().map_err(PtraceError::on(tid, what))
+    })
+}
+
 const PTRACE_GETSIGMASK: libc::c_uint = 0x420a;
 const PTRACE_SETSIGMASK: libc::c_uint = 0x420b;
 /// What CRIU sets on seized tasks.
 const CRIU_OPTIONS: libc::c_long =
     (libc::PTRACE_O_SUSPEND_SECCOMP | libc::PTRACE_O_TRACESYSGOOD) as _;
 
+/// A request whose `addr` and `data` are plain numbers (no pointer is passed to the kernel).
 fn ptrace(req: libc::c_uint, tid: i32, addr: usize, data: usize) -> io::Result<libc::c_long> {
-    // SAFETY: the requests used here take either no pointer or a pointer to a live u64 that
-    // the caller passes in `data`; the kernel checks that we trace `tid`.
+    debug_assert!(req != PTRACE_GETSIGMASK && req != PTRACE_SETSIGMASK);
+    // SAFETY: for the requests passed here (SEIZE, INTERRUPT, CONT, DETACH, SETOPTIONS)
+    // `addr` and `data` are numbers, not pointers; the kernel checks that we trace `tid`.
     let r = unsafe {
         libc::ptrace(
             req,
@@ -30,6 +62,25 @@ fn ptrace(req: libc::c_uint, tid: i32, addr: usize, data: usize) -> io::Result<l
     Ok(r)
 }
 
+/// `PTRACE_GETSIGMASK` / `PTRACE_SETSIGMASK`: the kernel reads or writes the 8-byte `mask`.
+fn sigmask(req: libc::c_uint, tid: i32, mask: &mut u64) -> io::Result<()> {
+    debug_assert!(req == PTRACE_GETSIGMASK || req == PTRACE_SETSIGMASK);
+    // SAFETY: `mask` is a live, writable u64 and its size is passed as `addr`, as both requests
+    // expect; the kernel checks that we trace `tid`.
+    let r = unsafe {
+        libc::ptrace(
+            req,
+            tid,
+            std::mem::size_of::<u64>() as *mut libc::c_void,
+            (mask as *mut u64).cast::<libc::c_void>(),
+        )
+    };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// A seized thread that we let run. Dropping it stops it again.
 #[derive(Debug)]
 pub struct RunningThread {
@@ -42,13 +93,18 @@ impl RunningThread {
     /// Resumes `tid`, which must be in a ptrace stop of ours.
     pub fn resume(tid: i32) -> io::Result<Self> {
         let mut saved: u64 = 0;
-        ptrace(PTRACE_GETSIGMASK, tid, 8, &mut saved as *mut u64 as usize)?;
-        let only_trap: u64 = !(1u64 << (libc::SIGTRAP - 1));
-        ptrace(PTRACE_SETSIGMASK, tid, 8, &only_trap as *const u64 as usize)?;
+        sigmask(PTRACE_GETSIGMASK, tid, &mut saved)?;
+        let mut only_trap: u64 = !(1u64 << (libc::SIGTRAP - 1));
+        sigmask(PTRACE_SETSIGMASK, tid, &mut only_trap)?;
         ptrace(libc::PTRACE_SETOPTIONS, tid, 0, 0)?;
         if let Err(e) = ptrace(libc::PTRACE_CONT, tid, 0, 0) {
-            let _ = ptrace(libc::PTRACE_SETOPTIONS, tid, 0, CRIU_OPTIONS as usize);
-            let _ = ptrace(PTRACE_SETSIGMASK, tid, 8, &saved as *const u64 as usize);
+            if let Err(undo) = ptrace(libc::PTRACE_SETOPTIONS, tid, 0, CRIU_OPTIONS as usize)
+                .and_then(|_| sigmask(PTRACE_SETSIGMASK, tid, &mut saved))
+            {
+                log::error!(
+                    "thread {tid}: putting back its ptrace options and signal mask: {undo}"
+                );
+            }
             return Err(e);
         }
         Ok(Self {
@@ -75,13 +131,8 @@ impl RunningThread {
         ptrace(libc::PTRACE_INTERRUPT, self.tid, 0, 0)?;
         wait_for_interrupt_stop(self.tid)?;
         ptrace(libc::PTRACE_SETOPTIONS, self.tid, 0, CRIU_OPTIONS as usize)?;
-        ptrace(
-            PTRACE_SETSIGMASK,
-            self.tid,
-            8,
-            &self.saved_mask as *const u64 as usize,
-        )?;
-        Ok(())
+        let mut mask = self.saved_mask;
+        sigmask(PTRACE_SETSIGMASK, self.tid, &mut mask)
     }
 }
 
@@ -128,14 +179,6 @@ fn wait_for_interrupt_stop(tid: i32) -> io::Result<()> {
     }
 }
 
-/// The thread ids of `pid`, as `/proc/<pid>/task` lists them now.
-pub fn thread_ids(pid: i32) -> io::Result<Vec<i32>> {
-    Ok(std::fs::read_dir(format!("/proc/{pid}/task"))?
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse().ok())
-        .collect())
-}
-
 /// Every thread of a process held in a ptrace stop by us (for `gpusnap recover`, which runs
 /// outside CRIU). Dropping it detaches, and the threads run on.
 pub struct SeizedProcess {
@@ -148,7 +191,7 @@ impl SeizedProcess {
         // Threads may be born while we seize: repeat until a pass finds none new.
         loop {
             let mut new = 0;
-            for tid in thread_ids(pid)? {
+            for tid in crate::procfs::thread_ids(pid)? {
                 if me.tids.contains(&tid) {
                     continue;
                 }
@@ -168,7 +211,12 @@ impl SeizedProcess {
 impl Drop for SeizedProcess {
     fn drop(&mut self) {
         for &tid in &self.tids {
-            let _ = ptrace(libc::PTRACE_DETACH, tid, 0, 0);
+            // A thread that exited meanwhile cannot be detached; nothing else can fail here.
+            if let Err(e) = ptrace(libc::PTRACE_DETACH, tid, 0, 0)
+                && e.raw_os_error() != Some(libc::ESRCH)
+            {
+                log::error!("detaching thread {tid}: {e}");
+            }
         }
     }
 }

@@ -1,23 +1,108 @@
 //! The restore side: images are validated at `init` (before any process or GPU is touched),
 //! then each process gets its control state back from the driver and its data from the agent.
+//! [`RestoreRun`] is one `criu restore` as gpusnap sees it; per process, [`resume_one`] walks
+//! the [`RestorePhase`]s in order, and a process that does not reach the end is killed.
 
-use crate::context::Ctx;
-use crate::dump::{DumpError, load_with_agent_running, stop_all};
+use crate::agent::{self, AgentError};
+use crate::context::{Ctx, CtxError};
+use crate::datapath::{self, DataError};
+use crate::dump::load_with_agent_running;
 use crate::gpumap;
-use crate::ptrace::RunningThread;
-use crate::stall::{self, DriverCall, Watched};
-use gpusnap_image::{CheckpointPath, Manifest};
+use crate::procfs;
+use crate::ptrace::{self, PtraceError, RunningThread};
+use crate::stall::{self, DriverCall, StallError, Watched};
+use gpusnap_config::{Config, Mode};
+use gpusnap_cuda::DriverError;
+use gpusnap_image::{CheckpointPath, ImageError, Manifest};
 use std::collections::HashMap;
 use std::os::fd::BorrowedFd;
 use std::time::Instant;
 
+#[derive(Debug, thiserror::Error)]
+pub enum RestoreError {
+    #[error("{what}: {err}")]
+    Driver {
+        what: &'static str,
+        err: DriverError,
+    },
+    #[error(transparent)]
+    Agent(#[from] AgentError),
+    #[error("split data path: {0}")]
+    Data(#[from] DataError),
+    #[error(transparent)]
+    Ptrace(#[from] PtraceError),
+    #[error("the other threads of the process: {0}")]
+    Stall(#[from] StallError),
+    #[error("no gpusnap-agent thread in /proc/{pid}/task")]
+    NoAgentThread { pid: i32 },
+    #[error("GPU plan: {0}")]
+    GpuPlan(String),
+    #[error("image: {0}")]
+    Image(#[from] ImageError),
+    #[error(transparent)]
+    Ctx(#[from] CtxError),
+    #[error("the worker thread of pid {pid} panicked")]
+    WorkerPanicked { pid: i32 },
+    #[error("the checksum pass panicked")]
+    VerifyPanicked,
+    #[error("the image failed its checksum pass; no GPU was touched")]
+    DamagedImage,
+}
+
+/// What a failed `cuCheckpointProcessRestore` is called in a [`RestoreError::Driver`].
+pub const DRIVER_RESTORE: &str = "driver restore";
+
+/// Where one restored GPU process stands. A process that fails anywhere before `Running` is
+/// killed: its image is unchanged, and a new restore can be tried.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RestorePhase {
+    /// Restored by CRIU and held stopped; the driver holds its checkpointed control state.
+    Stopped,
+    /// The driver restored its control state (locked).
+    ControlRestored,
+    /// The driver unlocked it; on the split path its memory is not back yet.
+    Unlocked,
+    /// Every byte of its device data is back (nothing to load on the transparent path).
+    Whole,
+}
+
+/// One restored process's timings, for the log and `gpusnap-stats.json`.
+#[derive(Debug)]
+pub struct RestoredProcess {
+    pub nspid: u32,
+    pub path: CheckpointPath,
+    pub gpu_pairs: Vec<gpumap::Pair>,
+    pub control_s: f64,
+    pub unlock_s: f64,
+    pub data: Option<datapath::LoadStats>,
+    pub total_s: f64,
+}
+
+impl RestoredProcess {
+    pub fn to_json(&self) -> serde_json::Value {
+        let mut timings = serde_json::json!({ "control": self.control_s, "unlock": self.unlock_s });
+        if let Some(d) = &self.data {
+            timings["data"] = serde_json::json!(d.seconds);
+        }
+        timings["total"] = serde_json::json!(self.total_s);
+        serde_json::json!({
+            "nspid": self.nspid,
+            "path": if self.path == CheckpointPath::Split { "split" } else { "transparent" },
+            "gpu_pairs": self.gpu_pairs.iter().map(|p| format!("{}={}", p.old, p.new)).collect::<Vec<_>>(),
+            "timings_s": timings,
+        })
+    }
+}
+
+/// The outcome per host pid.
+pub type Restored = Vec<(i32, Result<RestoredProcess, RestoreError>)>;
+
 /// Reads and checks every gpusnap manifest of the image dir: structure, sizes, headers, names.
 /// Runs in `init`, so a truncated or foreign image fails the restore before anything is created.
-pub fn read_manifests(dir: BorrowedFd<'_>) -> Result<HashMap<u32, Manifest>, String> {
+pub fn read_manifests(dir: BorrowedFd<'_>) -> Result<HashMap<u32, Manifest>, ImageError> {
     let mut out = HashMap::new();
-    for nspid in gpusnap_image::list_manifests(dir).map_err(|e| e.to_string())? {
-        let m = gpusnap_image::read_manifest(dir, nspid).map_err(|e| e.to_string())?;
-        out.insert(nspid, m);
+    for nspid in gpusnap_image::list_manifests(dir)? {
+        out.insert(nspid, gpusnap_image::read_manifest(dir, nspid)?);
     }
     Ok(out)
 }
@@ -28,26 +113,26 @@ pub fn read_manifests(dir: BorrowedFd<'_>) -> Result<HashMap<u32, Manifest>, Str
 /// any GPU is touched (first RESUME_DEVICES_LATE) or in `exit`. The thread blocks every signal
 /// (CRIU's SIGCHLD handler stays on its main thread) and does not log.
 pub struct Verification {
-    handle: Option<std::thread::JoinHandle<Result<(u64, f64), String>>>,
+    handle: Option<std::thread::JoinHandle<Result<(u64, f64), ImageError>>>,
     /// Whether CRIU's restore went on while the pass ran (POST_FORKING) or waited for it (`init`).
     overlapped: bool,
 }
 
 impl Verification {
-    pub fn start(dir_fd: i32, manifests: Vec<Manifest>, threads: usize, overlapped: bool) -> Self {
+    pub fn start(
+        dir: BorrowedFd<'static>,
+        manifests: Vec<Manifest>,
+        threads: usize,
+        overlapped: bool,
+    ) -> Self {
         let handle = std::thread::Builder::new()
             .name("gpusnap-verify".into())
             .spawn(move || {
                 crate::datapath::block_signals();
                 let t0 = Instant::now();
-                // SAFETY: CRIU's image-dir service fd stays open until after `exit`, which joins
-                // this thread.
-                let dir = unsafe { BorrowedFd::borrow_raw(dir_fd) };
                 let mut bytes = 0;
                 for m in manifests.iter().filter(|m| !m.chunks.is_empty()) {
-                    bytes += gpusnap_image::verify_image(dir, m, threads)
-                        .map_err(|e| e.to_string())?
-                        .bytes;
+                    bytes += gpusnap_image::verify_image(dir, m, threads)?.bytes;
                 }
                 Ok((bytes, t0.elapsed().as_secs_f64()))
             })
@@ -56,13 +141,11 @@ impl Verification {
     }
 
     /// Waits for the pass; `Err` names the damage. Returns the seconds it took.
-    pub fn finish(&mut self) -> Result<f64, String> {
+    pub fn finish(&mut self) -> Result<f64, RestoreError> {
         let Some(h) = self.handle.take() else {
             return Ok(0.0);
         };
-        let (bytes, secs) = h
-            .join()
-            .map_err(|_| "the verification thread panicked".to_string())??;
+        let (bytes, secs) = h.join().map_err(|_| RestoreError::VerifyPanicked)??;
         log::info!(
             "image data verified: {:.2} GiB in {secs:.3} s ({})",
             bytes as f64 / (1u64 << 30) as f64,
@@ -73,6 +156,316 @@ impl Verification {
             }
         );
         Ok(secs)
+    }
+}
+
+/// The checksum pass of a restore, through its life.
+enum Checksums {
+    /// `verify_before_restore = false`.
+    Skipped,
+    /// To start in POST_FORKING (CRIU 4.2+).
+    AfterFork(BorrowedFd<'static>),
+    /// Running beside CRIU's restore.
+    Running(Verification),
+    /// Passed, in this many seconds.
+    Passed(f64),
+}
+
+/// One `criu restore` of an image with GPU state.
+pub struct RestoreRun {
+    cfg: Config,
+    dir: BorrowedFd<'static>,
+    manifests: HashMap<u32, Manifest>,
+    checksums: Checksums,
+    /// `cuInit` started in POST_FORKING (4.2+) so that it overlaps the rest of CRIU's restore;
+    /// joined before the first driver call needs it, or in `exit`.
+    driver_warmup: Option<std::thread::JoinHandle<()>>,
+    ctx: Option<Ctx>,
+    /// Filled by the first RESUME_DEVICES_LATE, which restores every process.
+    restored: Option<Restored>,
+}
+
+/// Why `init(RESTORE)` leaves a restore alone, or refuses it.
+pub enum RestoreInit {
+    /// gpusnap has nothing to do in this restore (the reason, for the log).
+    NothingToDo(String),
+    Run(Box<RestoreRun>),
+    /// The restore must fail; already logged.
+    Refused,
+}
+
+impl RestoreRun {
+    /// `init(RESTORE)`: checks every manifest and the GPUs, before CRIU restores any process.
+    pub fn init(cfg: Config) -> RestoreInit {
+        // `None`: CRIU 4.0 keeps no plugin list; go by our manifests alone.
+        if crate::criu::check_and_remove_inventory_plugin(crate::plugin::NAME) == Some(false) {
+            log::debug!("the image holds no GPU state; nothing to do");
+            return RestoreInit::NothingToDo("no GPU state in this image".into());
+        }
+        let Some(dir) = crate::criu::image_dir() else {
+            log::error!("CRIU gave no image directory; cannot restore GPU state");
+            return RestoreInit::Refused;
+        };
+        let manifests = match read_manifests(dir) {
+            Ok(m) => m,
+            Err(e) => {
+                log::error!("restore refused: {e}; nothing was restored and no GPU was touched");
+                return RestoreInit::Refused;
+            }
+        };
+        if manifests.is_empty() {
+            return RestoreInit::NothingToDo("no gpusnap manifests".into());
+        }
+        log::info!("images checked: {} GPU processes", manifests.len());
+        for m in manifests.values() {
+            let refs = m.chunks.iter().filter(|c| c.is_reference());
+            let (n, bytes) = refs.fold((0u64, 0u64), |(n, b), c| (n + 1, b + c.len));
+            if n > 0 {
+                let depth = m.chunks.iter().map(|c| c.parent_depth).max().unwrap_or(0);
+                log::info!(
+                    "nspid {}: incremental image: {bytes} bytes in {n} chunks come from parent images (up to {depth} parent links up, checked)",
+                    m.nspid
+                );
+            }
+        }
+        let mut run = RestoreRun {
+            checksums: if cfg.verify_before_restore {
+                Checksums::AfterFork(dir)
+            } else {
+                Checksums::Skipped
+            },
+            cfg,
+            dir,
+            manifests,
+            driver_warmup: None,
+            ctx: None,
+            restored: None,
+        };
+        if run.cfg.mode == Mode::Off {
+            log::error!(
+                "the image holds GPU state of {} processes but gpusnap is disabled (mode = off): they would run without it; enable gpusnap to restore",
+                run.manifests.len()
+            );
+            return RestoreInit::Refused;
+        }
+        if let Some(why) = crate::plugin::driver_absent_reason() {
+            // The restore fails either way; first say whether the image itself is damaged.
+            if run.cfg.verify_before_restore
+                && let Err(e) = run.verify_now()
+            {
+                log::error!("restore refused: {e}; nothing was restored and no GPU was touched");
+            }
+            log::error!(
+                "the image holds GPU state of {} processes but this host has no usable NVIDIA driver ({why}); restore on a host with driver r570 or newer",
+                run.manifests.len()
+            );
+            return RestoreInit::Refused;
+        }
+        if let Err(e) = early_gpu_check(&run.manifests, &run.cfg.device_map) {
+            log::error!(
+                "restore refused: {e} (checked against /proc/driver/nvidia before CRIU restored any process); nothing was restored and no GPU was touched"
+            );
+            return RestoreInit::Refused;
+        }
+        // No thread may live while CRIU forks the process tree: on CRIU 4.2+ the checksum pass
+        // starts in POST_FORKING (after the forks) and overlaps the rest of CRIU's restore; on
+        // older CRIU it runs here.
+        if run.cfg.verify_before_restore && !crate::criu::has_post_forking() {
+            match run.verify_now() {
+                Ok(secs) => run.checksums = Checksums::Passed(secs),
+                Err(e) => {
+                    log::error!(
+                        "restore refused: {e}; nothing was restored and no GPU was touched"
+                    );
+                    return RestoreInit::Refused;
+                }
+            }
+        }
+        RestoreInit::Run(Box::new(run))
+    }
+
+    /// The full checksum pass, on this thread (its reader threads are joined before it returns).
+    fn verify_now(&self) -> Result<f64, RestoreError> {
+        Verification::start(
+            self.dir,
+            self.manifests.values().cloned().collect(),
+            self.cfg.effective_reader_threads(),
+            false,
+        )
+        .finish()
+    }
+
+    /// POST_FORKING (CRIU 4.2+): every task is forked; the checksum pass and `cuInit` start
+    /// now, beside the rest of CRIU's restore.
+    pub fn post_forking(&mut self) {
+        if let Checksums::AfterFork(dir) = self.checksums {
+            self.checksums = Checksums::Running(Verification::start(
+                dir,
+                self.manifests.values().cloned().collect(),
+                self.cfg.effective_reader_threads(),
+                true,
+            ));
+        }
+        if self.ctx.is_none() {
+            // cuInit takes ~0.2 s on the H200; CRIU restores memory meanwhile. The driver is
+            // loaded already (init checked it), and no process is forked after this hook.
+            self.driver_warmup = std::thread::Builder::new()
+                .name("gpusnap-cuinit".into())
+                .spawn(|| {
+                    crate::datapath::block_signals();
+                    if let Ok(api) = gpusnap_cuda::driver::api()
+                        && let Err(e) = api.init()
+                    {
+                        // Said again, with context, when the restore needs the driver.
+                        log::debug!("cuInit beside CRIU's restore failed: {e}");
+                    }
+                })
+                .ok();
+        }
+    }
+
+    /// Joins the checksum pass (started in POST_FORKING, or now if that hook never came).
+    fn checksums_passed(&mut self) -> Result<(), RestoreError> {
+        let secs = match std::mem::replace(&mut self.checksums, Checksums::Skipped) {
+            Checksums::Running(mut v) => v.finish()?,
+            Checksums::AfterFork(_) => self.verify_now()?,
+            Checksums::Passed(s) => s,
+            Checksums::Skipped => return Ok(()),
+        };
+        self.checksums = Checksums::Passed(secs);
+        Ok(())
+    }
+
+    fn ctx(&mut self) -> Result<&Ctx, CtxError> {
+        if self.ctx.is_none() {
+            if let Some(h) = self.driver_warmup.take() {
+                let _ = h.join();
+                log::info!("cuInit ran beside CRIU's restore (started in POST_FORKING)");
+            }
+            self.ctx = Some(Ctx::open(&self.cfg)?);
+        }
+        Ok(self.ctx.as_ref().expect("set above"))
+    }
+
+    /// RESUME_DEVICES_LATE: the first call restores every GPU process of the image, in
+    /// parallel; every call answers for its pid. `None`: not one of ours.
+    pub fn resume_devices_late(&mut self, pid: i32) -> Option<bool> {
+        if self.restored.is_none() {
+            self.restored = Some(self.restore_all(pid));
+        }
+        self.restored
+            .as_ref()?
+            .iter()
+            .find(|(p, _)| *p == pid)
+            .map(|(_, r)| r.is_ok())
+    }
+
+    fn restore_all(&mut self, any_pid: i32) -> Restored {
+        // Still before any GPU is touched.
+        if let Err(e) = self.checksums_passed() {
+            log::error!(
+                "restore refused: {e}; no GPU was touched. The restored processes are killed rather than left without their GPU state"
+            );
+            let nspids: Vec<u32> = self.manifests.keys().copied().collect();
+            let found = find_restored(any_pid, &nspids);
+            for (nspid, host) in &found {
+                kill(*host, *nspid);
+            }
+            // Answer -1 for every restored process of ours (and the pid asked about).
+            let mut out: Restored = found
+                .into_values()
+                .map(|p| (p, Err(RestoreError::DamagedImage)))
+                .collect();
+            if !out.iter().any(|(p, _)| *p == any_pid) {
+                out.push((any_pid, Err(e)));
+            }
+            return out;
+        }
+        if let Err(e) = self.ctx() {
+            log::error!("cannot use the NVIDIA driver: {e}");
+            return vec![(any_pid, Err(e.into()))];
+        }
+        let nspids: Vec<u32> = self.manifests.keys().copied().collect();
+        let found = find_restored(any_pid, &nspids);
+        let mut items = Vec::new();
+        for (nspid, m) in &self.manifests {
+            match found.get(nspid) {
+                Some(host) => items.push((*host, m.clone())),
+                None => log::error!(
+                    "no restored process has nspid {nspid}; its GPU state is not restored"
+                ),
+            }
+        }
+        let ctx = self.ctx.as_ref().expect("opened above");
+        let restored = resume_all(ctx, &items);
+        let several = restored.len() > 1;
+        for (p, r) in &restored {
+            if let Err(e) = r {
+                // Found on the H200: driver 580 checkpoints a CUDA IPC importer, then cannot
+                // restore it.
+                let hint = match e {
+                    RestoreError::Driver { what, .. } if several && *what == DRIVER_RESTORE => {
+                        " A known cause with several GPU processes: one had opened another's memory through CUDA IPC, which the driver (before r610) checkpoints but cannot restore; such an image cannot be restored."
+                    }
+                    _ => "",
+                };
+                log::error!(
+                    "pid {p}: GPU restore failed: {e}. The process is killed rather than left running without its GPU state; the image is unchanged: fix the cause and restore again.{hint}"
+                );
+                kill(*p, procfs::ns_pid(*p).unwrap_or(0) as u32);
+            }
+        }
+        restored
+    }
+
+    /// `exit(RESTORE)`: joins what still runs and adds the restore's timings to
+    /// `gpusnap-stats.json` (best effort: the image directory may be read-only at restore).
+    pub fn exit(&mut self) {
+        if let Checksums::Running(mut v) =
+            std::mem::replace(&mut self.checksums, Checksums::Skipped)
+        {
+            // Never leave the thread running past `exit`: CRIU unloads us next.
+            let _ = v.finish();
+        }
+        if let Some(h) = self.driver_warmup.take() {
+            let _ = h.join();
+        }
+        let processes: Vec<serde_json::Value> = self
+            .restored
+            .iter()
+            .flatten()
+            .filter_map(|(_, r)| r.as_ref().ok().map(RestoredProcess::to_json))
+            .collect();
+        if processes.is_empty() {
+            return;
+        }
+        let mut doc = gpusnap_image::read_stats(self.dir)
+            .ok()
+            .flatten()
+            .filter(|v| v.is_object())
+            .unwrap_or_else(|| serde_json::json!({}));
+        let verify_s = match self.checksums {
+            Checksums::Passed(s) => Some(s),
+            _ => None,
+        };
+        doc["restore"] = serde_json::json!({
+            "verify_s": verify_s,
+            "processes": processes,
+        });
+        if let Err(e) = gpusnap_image::write_stats(self.dir, &doc) {
+            log::debug!("restore timings not added to gpusnap-stats.json: {e}");
+        }
+    }
+}
+
+/// Kills a restored process whose GPU state cannot be brought back (CRIU holds it stopped).
+fn kill(pid: i32, nspid: u32) {
+    // SAFETY: kill(2) takes no pointers; `pid` is a process CRIU restored and still holds.
+    if unsafe { libc::kill(pid, libc::SIGKILL) } != 0 {
+        let e = std::io::Error::last_os_error();
+        log::error!(
+            "pid {pid} (nspid {nspid}): killing it failed ({e}); it must not run: kill it by hand"
+        );
     }
 }
 
@@ -178,40 +571,32 @@ pub fn gpu_plan(ctx: &Ctx, m: &Manifest) -> Result<Vec<gpumap::Pair>, String> {
     Ok(pairs)
 }
 
-fn uuid_pairs(pairs: &[gpumap::Pair]) -> Vec<([u8; 16], [u8; 16])> {
+/// The driver's form of the GPU pairs; a UUID that does not parse is refused, never dropped.
+type UuidPair = ([u8; 16], [u8; 16]);
+
+fn uuid_pairs(pairs: &[gpumap::Pair]) -> Result<Vec<UuidPair>, String> {
+    let parse = |u: &str| {
+        gpusnap_cuda::driver::parse_uuid(u).ok_or_else(|| format!("GPU UUID {u:?} does not parse"))
+    };
     pairs
         .iter()
-        .filter_map(|p| {
-            Some((
-                gpusnap_cuda::driver::parse_uuid(&p.old)?,
-                gpusnap_cuda::driver::parse_uuid(&p.new)?,
-            ))
-        })
+        .map(|p| Ok((parse(&p.old)?, parse(&p.new)?)))
         .collect()
 }
 
 /// Host pids of the restored processes our manifests describe. All restored tasks live in the
 /// pid namespace of `any_pid` (a pid CRIU handed us) and are stopped at this point.
 pub fn find_restored(any_pid: i32, nspids: &[u32]) -> HashMap<u32, i32> {
-    use std::os::unix::fs::MetadataExt;
-    let ns_of = |pid: i32| {
-        std::fs::metadata(format!("/proc/{pid}/ns/pid"))
-            .ok()
-            .map(|m| m.ino())
-    };
-    let want_ns = ns_of(any_pid);
+    let want_ns = procfs::namespace(any_pid, "pid").ok();
     let mut out = HashMap::new();
-    let Ok(dir) = std::fs::read_dir("/proc") else {
+    let Ok(pids) = procfs::processes() else {
         return out;
     };
-    for e in dir.flatten() {
-        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
-            continue;
-        };
-        if ns_of(pid) != want_ns {
+    for pid in pids {
+        if procfs::namespace(pid, "pid").ok() != want_ns {
             continue;
         }
-        if let Ok(nspid) = gpusnap_cuda::agent::ns_pid(pid)
+        if let Ok(nspid) = procfs::ns_pid(pid)
             && nspids.contains(&(nspid as u32))
         {
             out.insert(nspid as u32, pid);
@@ -223,14 +608,12 @@ pub fn find_restored(any_pid: i32, nspids: &[u32]) -> HashMap<u32, i32> {
 /// RESUME_DEVICES_LATE for every GPU process of the image at once: threads are resumed here
 /// (CRIU's main thread, the tracer), the driver and data work of each process runs on a worker
 /// of its own, and the threads are stopped here again.
-pub type Restored = Vec<(i32, Result<serde_json::Value, DumpError>)>;
-
 pub fn resume_all(ctx: &Ctx, items: &[(i32, Manifest)]) -> Restored {
     let t0 = Instant::now();
     let mut results = Vec::new();
     let mut work = Vec::new();
     for (pid, m) in items {
-        let planned = gpu_plan(ctx, m).map_err(DumpError::Other);
+        let planned = gpu_plan(ctx, m).map_err(RestoreError::GpuPlan);
         match planned.and_then(|pairs| prepare(ctx, *pid, m).map(|t| (pairs, t))) {
             Ok((pairs, threads)) => work.push((*pid, m, pairs, threads)),
             Err(e) => results.push((*pid, Err(e))),
@@ -258,20 +641,26 @@ pub fn resume_all(ctx: &Ctx, items: &[(i32, Manifest)]) -> Restored {
             })
             .collect();
         let leftovers = stall::watch(|| handles.iter().all(|h| h.is_finished()), &watched);
-        let outcomes: Vec<Result<serde_json::Value, DumpError>> = handles
+        let outcomes: Vec<_> = handles
             .into_iter()
-            .map(|h| {
+            .zip(&work)
+            .map(|(h, (pid, ..))| {
                 h.join()
-                    .unwrap_or_else(|_| Err(DumpError::Other("worker panicked".into())))
+                    .unwrap_or(Err(RestoreError::WorkerPanicked { pid: *pid }))
             })
             .collect();
         (outcomes, leftovers)
     });
     let n = work.len();
     for (((pid, _, _, threads), r), leftover) in work.into_iter().zip(outcomes).zip(leftovers) {
-        let others_stopped = leftover.map_err(DumpError::Other);
-        let stopped = stop_all(threads, "stopping a thread after the restore");
-        results.push((pid, stopped.and(others_stopped).and(r)));
+        let stopped = ptrace::stop_all(threads, "stopping a thread after the restore");
+        results.push((
+            pid,
+            stopped
+                .map_err(RestoreError::from)
+                .and(leftover.map_err(RestoreError::from))
+                .and(r),
+        ));
     }
     if n > 1 {
         log::info!(
@@ -282,81 +671,93 @@ pub fn resume_all(ctx: &Ctx, items: &[(i32, Manifest)]) -> Restored {
     results
 }
 
+/// Whether the process has device data for the agent to load.
+fn has_data(m: &Manifest) -> bool {
+    m.path == CheckpointPath::Split && !m.chunks.is_empty()
+}
+
 /// Resumes the driver's restore thread (and the agent's).
-fn prepare(ctx: &Ctx, pid: i32, m: &Manifest) -> Result<Vec<RunningThread>, DumpError> {
+fn prepare(ctx: &Ctx, pid: i32, m: &Manifest) -> Result<Vec<RunningThread>, RestoreError> {
     let restore_tid = ctx
         .api
         .restore_thread_id(pid)
-        .map_err(|err| DumpError::Driver {
+        .map_err(|err| RestoreError::Driver {
             what: "finding the driver restore thread",
             err,
         })?;
-    let run = |tid: i32, what: &'static str| {
-        RunningThread::resume(tid).map_err(|err| DumpError::Ptrace { tid, what, err })
-    };
-    let mut threads = vec![run(restore_tid, "driver restore thread")?];
-    if m.path == CheckpointPath::Split && !m.chunks.is_empty() {
-        let tid = gpusnap_cuda::agent::agent_thread(pid).ok_or_else(|| {
-            DumpError::Other(format!("no gpusnap-agent thread in /proc/{pid}/task"))
-        })?;
-        threads.push(run(tid, "agent thread")?);
+    let mut threads = vec![ptrace::resume(restore_tid, "driver restore thread")?];
+    if has_data(m) {
+        let tid = agent::agent_thread(pid).ok_or(RestoreError::NoAgentThread { pid })?;
+        threads.push(ptrace::resume(tid, "agent thread")?);
     }
     Ok(threads)
 }
 
-/// What a failed `cuCheckpointProcessRestore` is called in a [`DumpError::Driver`].
-pub const DRIVER_RESTORE: &str = "driver restore";
-
-/// Control state back from the driver, then the data through the agent. The driver restore
-/// runs through `call`, which CRIU's main thread watches ([`stall::watch`]); any thread it let
-/// run is stopped again before the unlock. Returns the process's restore timings (for
-/// `gpusnap-stats.json`).
+/// Control state back from the driver, then the data through the agent: one process through
+/// its [`RestorePhase`]s. The driver restore runs through `call`, which CRIU's main thread
+/// watches ([`stall::watch`]); any thread it let run is stopped again before the unlock.
 fn resume_one(
     ctx: &Ctx,
     pid: i32,
     m: &Manifest,
     pairs: &[gpumap::Pair],
     call: &DriverCall,
-) -> Result<serde_json::Value, DumpError> {
+) -> Result<RestoredProcess, RestoreError> {
     let t0 = Instant::now();
-    let (restored, refrozen) = call.run(|| ctx.api.restore(pid, &uuid_pairs(pairs)));
-    restored.map_err(|err| DumpError::Driver {
-        what: DRIVER_RESTORE,
-        err,
-    })?;
-    refrozen.map_err(DumpError::Other)?;
-    let control_s = t0.elapsed().as_secs_f64();
-    let t1 = Instant::now();
-    ctx.api.unlock(pid).map_err(|err| DumpError::Driver {
-        what: "driver unlock",
-        err,
-    })?;
-    let unlock_s = t1.elapsed().as_secs_f64();
-    let mut data = String::new();
-    let mut timings = serde_json::json!({ "control": control_s, "unlock": unlock_s });
-    if m.path == CheckpointPath::Split && !m.chunks.is_empty() {
-        let stats = load_with_agent_running(ctx, pid, ctx.image_dir(), m)?;
-        timings["data"] = serde_json::json!(stats.seconds);
-        data = format!(
-            ", data {:.3} s ({:.2} GiB, {:.1} GiB/s)",
-            stats.seconds,
-            stats.bytes as f64 / (1u64 << 30) as f64,
-            stats.bytes as f64 / (1u64 << 30) as f64 / stats.seconds.max(1e-9)
-        );
+    let driver = |what| move |err| RestoreError::Driver { what, err };
+    let mut phase = RestorePhase::Stopped;
+    let mut out = RestoredProcess {
+        nspid: m.nspid,
+        path: m.path.clone(),
+        gpu_pairs: pairs.to_vec(),
+        control_s: 0.0,
+        unlock_s: 0.0,
+        data: None,
+        total_s: 0.0,
+    };
+    let uuids = uuid_pairs(pairs).map_err(RestoreError::GpuPlan)?;
+    while phase != RestorePhase::Whole {
+        phase = match phase {
+            RestorePhase::Stopped => {
+                let (restored, refrozen) = call.run(|| ctx.api.restore(pid, &uuids));
+                restored.map_err(driver(DRIVER_RESTORE))?;
+                refrozen?;
+                out.control_s = t0.elapsed().as_secs_f64();
+                RestorePhase::ControlRestored
+            }
+            RestorePhase::ControlRestored => {
+                let t1 = Instant::now();
+                ctx.api.unlock(pid).map_err(driver("driver unlock"))?;
+                out.unlock_s = t1.elapsed().as_secs_f64();
+                RestorePhase::Unlocked
+            }
+            RestorePhase::Unlocked => {
+                if has_data(m) {
+                    out.data = Some(load_with_agent_running(ctx, pid, ctx.image_dir(), m)?);
+                }
+                RestorePhase::Whole
+            }
+            RestorePhase::Whole => unreachable!("the loop ends there"),
+        };
     }
+    out.total_s = t0.elapsed().as_secs_f64();
+    let data = out.data.as_ref().map_or(String::new(), |d| {
+        let gib = d.bytes as f64 / (1u64 << 30) as f64;
+        format!(
+            ", data {:.3} s ({gib:.2} GiB, {:.1} GiB/s)",
+            d.seconds,
+            gib / d.seconds.max(1e-9)
+        )
+    });
     log::info!(
-        "pid {pid} (nspid {}): restored ({:?} path): control {control_s:.3} s, unlock {unlock_s:.3} s{data}; total {:.3} s",
+        "pid {pid} (nspid {}): restored ({:?} path): control {:.3} s, unlock {:.3} s{data}; total {:.3} s",
         m.nspid,
         m.path,
-        t0.elapsed().as_secs_f64()
+        out.control_s,
+        out.unlock_s,
+        out.total_s
     );
-    timings["total"] = serde_json::json!(t0.elapsed().as_secs_f64());
-    Ok(serde_json::json!({
-        "nspid": m.nspid,
-        "path": if m.path == CheckpointPath::Split { "split" } else { "transparent" },
-        "gpu_pairs": pairs.iter().map(|p| format!("{}={}", p.old, p.new)).collect::<Vec<_>>(),
-        "timings_s": timings,
-    }))
+    Ok(out)
 }
 
 #[cfg(test)]

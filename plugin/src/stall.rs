@@ -20,7 +20,8 @@
 //! call in [`DriverCall::run`], which waits until the watcher on CRIU's main thread ([`watch`])
 //! has stopped them.
 
-use crate::ptrace::{RunningThread, thread_ids};
+use crate::procfs::{self, Stat};
+use crate::ptrace::RunningThread;
 use std::collections::BTreeSet;
 use std::io;
 use std::sync::{Condvar, Mutex, MutexGuard};
@@ -40,39 +41,35 @@ pub struct Progress {
 
 impl Progress {
     pub fn sample(pid: i32) -> Option<Self> {
-        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        let stat = procfs::stat_text(pid, None).ok()?;
         Some(Self {
-            rss_kib: vm_rss_kib(&status)?,
-            cpu_ticks: cpu_ticks(&stat)?,
+            rss_kib: procfs::vm_rss_kib(pid).ok()?,
+            cpu_ticks: Stat::parse(&stat)?.cpu_ticks()?,
         })
     }
 }
 
-/// `VmRSS:` of a `/proc/<pid>/status` text, in KiB.
-fn vm_rss_kib(status: &str) -> Option<u64> {
-    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
-    line.split_whitespace().nth(1)?.parse().ok()
-}
-
-/// A `/proc/.../stat` text from field 3 (the state) on. The command name (field 2) may hold
-/// spaces and parentheses, so fields are counted after its last `)`.
-pub(crate) fn after_comm(stat: &str) -> Option<&str> {
-    Some(&stat[stat.rfind(')')? + 1..])
-}
-
-/// The state letter (field 3) of a `/proc/.../stat` text.
-pub(crate) fn state_of(stat: &str) -> Option<&str> {
-    after_comm(stat)?.split_whitespace().next()
-}
-
-/// utime + stime (fields 14 and 15) of a `/proc/<pid>/stat` text.
-fn cpu_ticks(stat: &str) -> Option<u64> {
-    let rest = after_comm(stat)?;
-    let mut fields = rest.split_whitespace().skip(11); // field 3 is the first after ')'
-    let utime: u64 = fields.next()?.parse().ok()?;
-    let stime: u64 = fields.next()?.parse().ok()?;
-    Some(utime + stime)
+/// The other threads of a stalled process could not be let run, or stopped again as they were.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum StallError {
+    #[error("listing the threads of pid {pid}: {err}")]
+    List { pid: i32, err: String },
+    #[error("resuming thread {tid}: {err}")]
+    Resume { tid: i32, err: String },
+    #[error("stopping thread {tid} again: {err}")]
+    Stop { tid: i32, err: String },
+    #[error(
+        "while its threads ran, pid {pid} changed: threads {threads_before:?} -> {threads_after:?}, \
+         children {children_before:?} -> {children_after:?}; CRIU's view of it is stale, so this \
+         dump is abandoned (run it again)"
+    )]
+    Changed {
+        pid: i32,
+        threads_before: BTreeSet<i32>,
+        threads_after: BTreeSet<i32>,
+        children_before: BTreeSet<i32>,
+        children_after: BTreeSet<i32>,
+    },
 }
 
 /// Watches one process's driver call from CRIU's main thread.
@@ -118,15 +115,12 @@ pub struct Family {
 impl Family {
     pub fn of(pid: i32) -> io::Result<Self> {
         let mut f = Self::default();
-        for tid in thread_ids(pid)? {
+        for tid in procfs::thread_ids(pid)? {
             f.threads.insert(tid);
             // A thread may exit meanwhile; its children are then listed by no one, which the
             // comparison after the checkpoint catches as a change.
-            if let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/children")) {
-                f.children.extend(
-                    text.split_whitespace()
-                        .filter_map(|s| s.parse::<i32>().ok()),
-                );
+            if let Ok(children) = procfs::children(pid, tid) {
+                f.children.extend(children);
             }
         }
         Ok(f)
@@ -135,23 +129,22 @@ impl Family {
 
 /// `tid name state wchan` of every thread of `pid` that is not in a ptrace stop, for the log.
 pub fn describe_running(pid: i32) -> String {
-    let Ok(tids) = thread_ids(pid) else {
+    let Ok(tids) = procfs::thread_ids(pid) else {
         return String::from("(cannot list threads)");
     };
     let mut out = Vec::new();
     for tid in tids {
-        let read = |f: &str| {
-            std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/{f}"))
-                .map(|s| s.trim().to_owned())
-                .unwrap_or_default()
-        };
+        let read = |f: &str| procfs::task_file(pid, tid, f).unwrap_or_default();
         let stat = read("stat");
-        let state = state_of(&stat).unwrap_or("?").to_owned();
+        let state = Stat::parse(&stat)
+            .and_then(|s| s.state())
+            .unwrap_or("?")
+            .to_owned();
         if state == "t" {
             continue;
         }
         let mut line = format!("{tid} {} {state} {}", read("comm"), read("wchan"));
-        if let Some(w) = parse_syscall(&read("syscall")) {
+        if let Some(w) = procfs::parse_syscall(&read("syscall")) {
             line.push_str(&describe_wait(pid, &w));
         }
         out.push(line);
@@ -162,67 +155,19 @@ pub fn describe_running(pid: i32) -> String {
 /// x86_64's futex system call number.
 const SYS_FUTEX: u64 = 202;
 
-/// What `/proc/<pid>/task/<tid>/syscall` says of a thread blocked in a system call.
-#[derive(Debug, PartialEq, Eq)]
-struct Blocked {
-    nr: u64,
-    arg0: u64,
-    pc: u64,
-}
-
-/// `nr a0 a1 a2 a3 a4 a5 sp pc` (hex arguments); `running` or `-1 sp pc` give None.
-fn parse_syscall(text: &str) -> Option<Blocked> {
-    let f: Vec<&str> = text.split_whitespace().collect();
-    if f.len() != 9 {
-        return None;
-    }
-    let hex = |s: &str| u64::from_str_radix(s.trim_start_matches("0x"), 16).ok();
-    Some(Blocked {
-        nr: f[0].parse().ok()?,
-        arg0: hex(f[1])?,
-        pc: hex(f[8])?,
-    })
-}
-
-/// The mapping (file name, or `[anon]`) of `/proc/<pid>/maps` text that holds `addr`.
-fn mapping_of(maps: &str, addr: u64) -> Option<String> {
-    maps.lines().find_map(|l| {
-        let mut f = l.split_whitespace();
-        let (lo, hi) = f.next()?.split_once('-')?;
-        let (lo, hi) = (
-            u64::from_str_radix(lo, 16).ok()?,
-            u64::from_str_radix(hi, 16).ok()?,
-        );
-        if !(lo..hi).contains(&addr) {
-            return None;
-        }
-        let name = f.nth(4).unwrap_or("[anon]");
-        Some(name.rsplit('/').next().unwrap_or(name).to_owned())
-    })
-}
-
 /// For the log of a stall: where a blocked thread's code is and, for a futex wait, which
 /// mapping the futex is in and the word after it (a glibc mutex keeps its owner's tid there).
-fn describe_wait(pid: i32, w: &Blocked) -> String {
-    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap_or_default();
-    let place = |a: u64| mapping_of(&maps, a).unwrap_or_else(|| "?".into());
+fn describe_wait(pid: i32, w: &procfs::BlockedSyscall) -> String {
+    let maps = procfs::maps(pid).unwrap_or_default();
+    let place = |a: u64| procfs::mapping_of(&maps, a).unwrap_or_else(|| "?".into());
     let mut s = format!(" syscall {} pc {:#x} in {}", w.nr, w.pc, place(w.pc));
     if w.nr == SYS_FUTEX {
         s.push_str(&format!(" futex {:#x} in {}", w.arg0, place(w.arg0)));
-        if let Some(owner) = read_u32(pid, w.arg0.wrapping_add(8)) {
+        if let Ok(owner) = procfs::read_u32(pid, w.arg0.wrapping_add(8)) {
             s.push_str(&format!(" (word+8: {owner})"));
         }
     }
     s
-}
-
-/// Reads 4 bytes of `pid`'s memory (we trace it, so `/proc/<pid>/mem` is open to us).
-fn read_u32(pid: i32, addr: u64) -> Option<u32> {
-    use std::os::unix::fs::FileExt;
-    let f = std::fs::File::open(format!("/proc/{pid}/mem")).ok()?;
-    let mut b = [0u8; 4];
-    f.read_exact_at(&mut b, addr).ok()?;
-    Some(u32::from_ne_bytes(b))
 }
 
 /// The other threads of a stalled process, let run until the driver call returns.
@@ -235,8 +180,11 @@ pub struct Unfrozen {
 
 impl Unfrozen {
     /// Resumes every thread of `pid` but those in `running` (already resumed by us).
-    pub fn start(pid: i32, running: &[i32]) -> io::Result<Self> {
-        let before = Family::of(pid)?;
+    pub fn start(pid: i32, running: &[i32]) -> Result<Self, StallError> {
+        let before = Family::of(pid).map_err(|e| StallError::List {
+            pid,
+            err: e.to_string(),
+        })?;
         let mut threads = Vec::new();
         for &tid in &before.threads {
             if running.contains(&tid) {
@@ -246,10 +194,10 @@ impl Unfrozen {
                 Ok(th) => threads.push(th),
                 // Dropping `threads` stops the ones already resumed.
                 Err(e) => {
-                    return Err(io::Error::new(
-                        e.kind(),
-                        format!("resuming thread {tid}: {e}"),
-                    ));
+                    return Err(StallError::Resume {
+                        tid,
+                        err: e.to_string(),
+                    });
                 }
             }
         }
@@ -266,7 +214,7 @@ impl Unfrozen {
 
     /// Stops the threads again; an error if the process gained or lost a thread or child
     /// meanwhile (CRIU's list of what to dump would then be wrong).
-    pub fn stop(self) -> Result<(), String> {
+    pub fn stop(self) -> Result<(), StallError> {
         let Self {
             pid,
             before,
@@ -274,16 +222,23 @@ impl Unfrozen {
         } = self;
         for th in threads {
             let tid = th.tid();
-            th.stop()
-                .map_err(|e| format!("stopping thread {tid} again: {e}"))?;
+            th.stop().map_err(|e| StallError::Stop {
+                tid,
+                err: e.to_string(),
+            })?;
         }
-        let after = Family::of(pid).map_err(|e| format!("listing pid {pid}'s threads: {e}"))?;
+        let after = Family::of(pid).map_err(|e| StallError::List {
+            pid,
+            err: e.to_string(),
+        })?;
         if after != before {
-            return Err(format!(
-                "while its threads ran, pid {pid} changed: threads {:?} -> {:?}, children {:?} -> {:?}; \
-                 CRIU's view of it is stale, so this dump is abandoned (run it again)",
-                before.threads, after.threads, before.children, after.children
-            ));
+            return Err(StallError::Changed {
+                pid,
+                threads_before: before.threads,
+                threads_after: after.threads,
+                children_before: before.children,
+                children_after: after.children,
+            });
         }
         Ok(())
     }
@@ -300,7 +255,7 @@ enum CallState {
     /// The call returned; the worker waits for the watcher to stop the threads again.
     WaitingForStop,
     /// The watcher stopped them (or failed to: the reason).
-    Stopped(Result<(), String>),
+    Stopped(Result<(), StallError>),
 }
 
 /// One process's driver call, watched from CRIU's main thread.
@@ -318,7 +273,7 @@ impl DriverCall {
     /// Runs the driver call `f` on a worker. If the watcher let the process's other threads run
     /// meanwhile, waits until it has stopped them again, so nothing after the call runs beside
     /// them. The second value is an error if they could not be stopped as they were.
-    pub fn run<T>(&self, f: impl FnOnce() -> T) -> (T, Result<(), String>) {
+    pub fn run<T>(&self, f: impl FnOnce() -> T) -> (T, Result<(), StallError>) {
         *self.lock() = CallState::Inside;
         let r = f();
         let mut st = self.lock();
@@ -350,7 +305,7 @@ pub struct Watched<'a> {
 /// progress for [`STALL`] gets its other threads resumed; they are stopped again when the call
 /// returns. Returns, per process, an error for threads that could not be stopped again after
 /// their worker ended without waiting (it panicked).
-pub fn watch(done: impl Fn() -> bool, procs: &[Watched<'_>]) -> Vec<Result<(), String>> {
+pub fn watch(done: impl Fn() -> bool, procs: &[Watched<'_>]) -> Vec<Result<(), StallError>> {
     let mut watches: Vec<Option<Watch>> = procs.iter().map(|_| None).collect();
     let mut unfrozen: Vec<Option<Unfrozen>> = procs.iter().map(|_| None).collect();
     while !done() {
@@ -411,51 +366,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn rss_is_read_from_status() {
-        let s = "Name:\tpython3\nVmPeak:\t  100 kB\nVmRSS:\t  123456 kB\nThreads:\t35\n";
-        assert_eq!(vm_rss_kib(s), Some(123456));
-        assert_eq!(vm_rss_kib("Name:\tx\n"), None);
-    }
-
-    #[test]
-    fn cpu_time_skips_a_command_name_with_spaces_and_parens() {
-        // pid (comm) state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime stime
-        let s = "42 (a b) c)) S 1 42 42 0 -1 4194560 10 0 0 0 700 55 0 0 20 0";
-        assert_eq!(cpu_ticks(s), Some(755));
-        assert_eq!(cpu_ticks("42 (x) S 1"), None);
-    }
-
-    #[test]
     fn own_process_makes_progress_samples() {
         let me = std::process::id() as i32;
         let p = Progress::sample(me).expect("own /proc");
         assert!(p.rss_kib > 0);
         let f = Family::of(me).unwrap();
         assert!(f.threads.contains(&me));
-    }
-
-    #[test]
-    fn a_blocked_thread_is_located() {
-        let w = parse_syscall("202 0x7f00000010a0 0x80 0x2 0x0 0x0 0x0 0x7ffd0 0x7f0000401234")
-            .unwrap();
-        assert_eq!(
-            w,
-            Blocked {
-                nr: 202,
-                arg0: 0x7f00000010a0,
-                pc: 0x7f0000401234
-            }
-        );
-        assert_eq!(parse_syscall("running"), None);
-        assert_eq!(parse_syscall("-1 0x7ffd0 0x401000"), None);
-        let maps = "7f0000000000-7f0000002000 rw-p 00000000 00:00 0 \n\
-                    7f0000400000-7f0000500000 r-xp 00000000 08:01 42 /usr/lib/x86_64-linux-gnu/libcuda.so.1\n";
-        assert_eq!(
-            mapping_of(maps, 0x7f0000401234).as_deref(),
-            Some("libcuda.so.1")
-        );
-        assert_eq!(mapping_of(maps, 0x7f00000010a0).as_deref(), Some("[anon]"));
-        assert_eq!(mapping_of(maps, 0x1000), None);
     }
 
     #[test]
@@ -503,7 +419,10 @@ mod tests {
                 let mut st = call.lock();
                 if matches!(*st, CallState::WaitingForStop) {
                     assert!(!worker.is_finished());
-                    *st = CallState::Stopped(Err("thread 9 gone".into()));
+                    *st = CallState::Stopped(Err(StallError::Stop {
+                        tid: 9,
+                        err: "gone".into(),
+                    }));
                     call.changed.notify_all();
                     break;
                 }
@@ -511,7 +430,10 @@ mod tests {
                 std::thread::sleep(Duration::from_millis(5));
             }
             let ((), refrozen) = worker.join().unwrap();
-            assert_eq!(refrozen, Err("thread 9 gone".to_owned()));
+            assert!(
+                matches!(refrozen, Err(StallError::Stop { tid: 9, .. })),
+                "{refrozen:?}"
+            );
         });
     }
 

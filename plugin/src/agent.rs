@@ -1,0 +1,436 @@
+//! The plugin's side of the conversation with the in-process agent: one [`AgentSession`] per
+//! connection, with one method per step of the protocol (`docs/design-notes.md`). The data
+//! pumps of [`crate::datapath`] use its channel for the per-chunk messages.
+//!
+//! The agent listens on an abstract unix socket named after its pid *in its own pid namespace*,
+//! inside its own network namespace. Hooks get host pids, so the session translates: the
+//! namespace pid from `/proc`, and (for containers) it connects from a short-lived thread that
+//! has joined the target's network namespace. The peer is checked with `SO_PEERCRED` before
+//! anything is sent: the listening socket must belong to the target process.
+
+use crate::procfs;
+use gpusnap_image::AllocationRecord;
+use gpusnap_proto::{AllocKind, Channel, PROTOCOL_VERSION, ProtoError, Reply, Request};
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::time::Duration;
+
+/// The agent's thread names itself so (a restored process's agent thread can be found without
+/// asking the agent, whose thread is stopped then).
+pub const AGENT_THREAD_COMM: &str = "gpusnap-agent";
+
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error("pid {pid}: {err}")]
+    Proc { pid: i32, err: io::Error },
+    #[error("cannot join the network namespace of pid {pid}: {err}")]
+    Netns { pid: i32, err: io::Error },
+    #[error("connecting to the agent of pid {pid}: {err}")]
+    Connect { pid: i32, err: io::Error },
+    #[error(
+        "the socket of the agent of pid {pid} belongs to pid {owner}, not to the target: refusing to talk to it"
+    )]
+    Impostor { pid: i32, owner: i32 },
+    #[error("agent of pid {pid}: {err}")]
+    Proto { pid: i32, err: ProtoError },
+    #[error("agent of pid {pid} answered {got} where {expected} was expected")]
+    Unexpected {
+        pid: i32,
+        expected: &'static str,
+        got: String,
+    },
+    #[error("agent of pid {pid} reports: {message}")]
+    Refused { pid: i32, message: String },
+    #[error("agent thread (namespace tid {ns_tid}) of pid {pid} not found in /proc/{pid}/task")]
+    NoThread { pid: i32, ns_tid: i32 },
+    #[error(
+        "the agent of pid {pid} reports its memory as released (an earlier dump did not finish?)"
+    )]
+    AlreadyReleased { pid: i32 },
+    #[error("the agent of pid {pid} made no progress for {stall:?} (hung?)")]
+    Stalled { pid: i32, stall: Duration },
+}
+
+/// What the agent said about itself.
+#[derive(Clone, Debug)]
+pub struct AgentHello {
+    pub ns_pid: i32,
+    pub ns_tid: i32,
+    pub allocations: u32,
+    pub converted_bytes: u64,
+    pub devices: u32,
+    pub released: bool,
+    /// `gpusnap_proto::hazard` bits: state the driver checkpoint cannot take.
+    pub hazards: u32,
+}
+
+/// Which way a data transfer goes, as the agent is asked to begin it.
+#[derive(Clone, Copy, Debug)]
+pub enum Transfer {
+    /// Device to ring (`DumpBegin`).
+    Out,
+    /// Ring to device (`RestoreBegin`: the agent re-creates its memory first).
+    In,
+}
+
+/// The staging ring as the agent is told about it.
+#[derive(Clone, Copy, Debug)]
+pub struct RingShape {
+    pub slot_size: u64,
+    pub slots: u32,
+    pub streams: u32,
+}
+
+/// One connection to the agent of one process.
+pub struct AgentSession {
+    pid: i32,
+    chan: Channel,
+    timeout: Duration,
+}
+
+impl AgentSession {
+    /// Connects to the agent of host pid `pid`. `Ok(None)`: no agent listens there (the process
+    /// goes the driver path). `timeout` bounds every wait for an answer.
+    pub fn connect(pid: i32, timeout: Duration) -> Result<Option<Self>, AgentError> {
+        let proc_err = |err| AgentError::Proc { pid, err };
+        let nspid = procfs::ns_pid(pid).map_err(proc_err)?;
+        let fd = if procfs::in_our_netns(pid).map_err(proc_err)? {
+            gpusnap_proto::connect_agent(nspid)
+        } else {
+            connect_in_netns(pid, nspid)?
+        };
+        let fd = match fd {
+            Ok(fd) => fd,
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ECONNREFUSED | libc::ENOENT)) => {
+                return Ok(None);
+            }
+            Err(err) => return Err(AgentError::Connect { pid, err }),
+        };
+        let cred =
+            gpusnap_proto::peer_cred(fd.as_fd()).map_err(|err| AgentError::Connect { pid, err })?;
+        let owner = cred.pid;
+        if owner != pid && procfs::thread_group_of(owner).ok() != Some(pid) {
+            return Err(AgentError::Impostor { pid, owner });
+        }
+        Ok(Some(Self {
+            pid,
+            chan: Channel::new(fd),
+            timeout,
+        }))
+    }
+
+    /// Like [`Self::connect`], for a process known to run the agent.
+    pub fn connect_expected(pid: i32, timeout: Duration) -> Result<Self, AgentError> {
+        Self::connect(pid, timeout)?.ok_or(AgentError::Connect {
+            pid,
+            err: io::Error::new(io::ErrorKind::NotFound, "the agent's socket is gone"),
+        })
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.pid
+    }
+
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// The connection, for the per-chunk messages of a transfer.
+    pub fn channel(&self) -> &Channel {
+        &self.chan
+    }
+
+    fn proto(&self) -> impl Fn(ProtoError) -> AgentError + '_ {
+        |err| AgentError::Proto { pid: self.pid, err }
+    }
+
+    fn send(&self, r: &Request, fd: Option<BorrowedFd<'_>>) -> Result<(), AgentError> {
+        self.chan.send_request(r, fd).map_err(self.proto())
+    }
+
+    /// The next reply; an agent's `Error` becomes [`AgentError::Refused`].
+    pub fn recv(&self, timeout: Duration) -> Result<Reply, AgentError> {
+        match self.chan.recv_reply(Some(timeout)).map_err(self.proto())? {
+            Reply::Error { message, .. } => Err(AgentError::Refused {
+                pid: self.pid,
+                message,
+            }),
+            r => Ok(r),
+        }
+    }
+
+    fn unexpected(&self, expected: &'static str, got: Reply) -> AgentError {
+        AgentError::Unexpected {
+            pid: self.pid,
+            expected,
+            got: format!("{got:?}"),
+        }
+    }
+
+    /// `Hello`: who the agent is and what it holds.
+    pub fn hello(&self) -> Result<AgentHello, AgentError> {
+        self.send(
+            &Request::Hello {
+                version: PROTOCOL_VERSION,
+            },
+            None,
+        )?;
+        match self.recv(self.timeout)? {
+            Reply::Hello {
+                version: _,
+                pid: ns_pid,
+                tid,
+                allocations,
+                converted_bytes,
+                devices,
+                released,
+                hazards,
+            } => Ok(AgentHello {
+                ns_pid,
+                ns_tid: tid,
+                hazards,
+                allocations,
+                converted_bytes,
+                devices,
+                released,
+            }),
+            got => Err(self.unexpected("Hello", got)),
+        }
+    }
+
+    /// `Hello`, refusing an agent whose memory is released already.
+    pub fn hello_intact(&self) -> Result<AgentHello, AgentError> {
+        let h = self.hello()?;
+        if h.released {
+            return Err(AgentError::AlreadyReleased { pid: self.pid });
+        }
+        Ok(h)
+    }
+
+    /// `ListAllocations`: every allocation the agent tracks.
+    pub fn list(&self) -> Result<Vec<AllocationRecord>, AgentError> {
+        self.send(&Request::ListAllocations, None)?;
+        let mut out = Vec::new();
+        loop {
+            match self.recv(self.timeout)? {
+                Reply::Allocation {
+                    id,
+                    device,
+                    addr,
+                    size,
+                    kind,
+                } => out.push(AllocationRecord {
+                    id,
+                    device,
+                    addr,
+                    size,
+                    moved: kind == AllocKind::Converted,
+                }),
+                Reply::AllocationsEnd { .. } => return Ok(out),
+                got => return Err(self.unexpected("Allocation", got)),
+            }
+        }
+    }
+
+    /// `DumpBegin` / `RestoreBegin` with the ring's memfd attached; returns once the agent has
+    /// mapped and pinned it (and, for a restore, re-created its memory).
+    pub fn begin(
+        &self,
+        way: Transfer,
+        ring: BorrowedFd<'_>,
+        shape: RingShape,
+    ) -> Result<(), AgentError> {
+        let RingShape {
+            slot_size,
+            slots,
+            streams,
+        } = shape;
+        let req = match way {
+            Transfer::Out => Request::DumpBegin {
+                slot_size,
+                slots,
+                streams,
+            },
+            Transfer::In => Request::RestoreBegin {
+                slot_size,
+                slots,
+                streams,
+            },
+        };
+        self.send(&req, Some(ring))?;
+        match self.recv(self.timeout)? {
+            Reply::Ready => Ok(()),
+            got => Err(self.unexpected("Ready", got)),
+        }
+    }
+
+    /// `SlotFree`: a dump's slot was written and may be filled again.
+    pub fn slot_free(&self, slot: u32) -> Result<(), AgentError> {
+        self.send(&Request::SlotFree { slot }, None)
+    }
+
+    /// `ChunkLoad`: a restore's slot holds `len` bytes for device address `addr`.
+    pub fn chunk_load(&self, slot: u32, addr: u64, len: u64) -> Result<(), AgentError> {
+        self.send(&Request::ChunkLoad { slot, addr, len }, None)
+    }
+
+    /// `Abort`: the agent stops and keeps its memory. Best effort, bounded; true when the agent
+    /// confirmed (it has unmapped the ring then).
+    pub fn abort(&self) -> bool {
+        if self.send(&Request::Abort, None).is_err() {
+            return false;
+        }
+        let deadline = std::time::Instant::now() + self.timeout.min(Duration::from_secs(10));
+        while std::time::Instant::now() < deadline {
+            match self.chan.recv_reply(Some(Duration::from_millis(200))) {
+                Ok(Reply::Aborted) | Ok(Reply::Error { .. }) | Err(ProtoError::Closed) => {
+                    return true;
+                }
+                Ok(_) | Err(ProtoError::Timeout) | Err(ProtoError::Interrupted) => continue,
+                Err(_) => return false,
+            }
+        }
+        false
+    }
+
+    /// `Release`: the agent releases its physical memory (address reservations kept), replies
+    /// and closes the connection; this waits for the close, so that the process holds no
+    /// socket to CRIU when its files are dumped. Returns (allocations, bytes) released.
+    pub fn release(self) -> Result<(u32, u64), AgentError> {
+        self.send(&Request::Release, None)?;
+        let r = match self.recv(self.timeout)? {
+            Reply::Released {
+                allocations, bytes, ..
+            } => (allocations, bytes),
+            got => return Err(self.unexpected("Released", got)),
+        };
+        self.wait_closed()?;
+        Ok(r)
+    }
+
+    /// `RestoreDataDone` after the last `ChunkLoad`: the agent synchronises, answers with the
+    /// bytes it loaded and closes the connection.
+    pub fn finish_restore(self) -> Result<u64, AgentError> {
+        self.send(&Request::RestoreDataDone, None)?;
+        let bytes = match self.recv(self.timeout)? {
+            Reply::Restored { bytes, .. } => bytes,
+            got => return Err(self.unexpected("Restored", got)),
+        };
+        self.wait_closed()?;
+        Ok(bytes)
+    }
+
+    fn wait_closed(&self) -> Result<(), AgentError> {
+        match self.chan.recv_reply(Some(self.timeout)) {
+            Err(ProtoError::Closed) => Ok(()),
+            Err(err) => Err(AgentError::Proto { pid: self.pid, err }),
+            Ok(got) => Err(self.unexpected("end of connection", got)),
+        }
+    }
+}
+
+/// Host tid of the agent thread of `pid` whose tid in the process's namespace is `ns_tid`.
+pub fn host_tid(pid: i32, ns_tid: i32) -> Result<i32, AgentError> {
+    procfs::host_tid(pid, ns_tid)
+        .map_err(|err| AgentError::Proc { pid, err })?
+        .ok_or(AgentError::NoThread { pid, ns_tid })
+}
+
+/// Host tid of the agent's thread of `pid`, found by its name, if there is one.
+pub fn agent_thread(pid: i32) -> Option<i32> {
+    procfs::thread_named(pid, AGENT_THREAD_COMM).ok().flatten()
+}
+
+/// Connects from a short-lived thread that joins the target's network namespace: abstract unix
+/// sockets are per network namespace, and the socket keeps its namespace after the thread exits.
+fn connect_in_netns(pid: i32, nspid: i32) -> Result<io::Result<OwnedFd>, AgentError> {
+    let ns = std::fs::File::open(format!("/proc/{pid}/ns/net"))
+        .map_err(|err| AgentError::Netns { pid, err })?;
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            // SAFETY: setns on this thread only (CLONE_NEWNET affects the calling thread); `ns`
+            // is an open namespace fd that lives for the whole call.
+            if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+                return Err(AgentError::Netns {
+                    pid,
+                    err: io::Error::last_os_error(),
+                });
+            }
+            Ok(gpusnap_proto::connect_agent(nspid))
+        })
+        .join()
+        .unwrap_or_else(|_| {
+            Err(AgentError::Netns {
+                pid,
+                err: io::Error::other("helper thread panicked"),
+            })
+        })
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_agent_means_none() {
+        // Our own test process runs no agent.
+        let me = std::process::id() as i32;
+        assert!(
+            AgentSession::connect(me, Duration::from_secs(1))
+                .unwrap()
+                .is_none()
+        );
+        assert!(matches!(host_tid(me, -5), Err(AgentError::NoThread { .. })));
+        assert_eq!(agent_thread(me), None);
+    }
+
+    #[test]
+    fn a_session_speaks_the_protocol_in_order() {
+        // The other end plays the agent for one hello and one list.
+        let (ours, theirs) = Channel::pair().unwrap();
+        let s = AgentSession {
+            pid: 1,
+            chan: ours,
+            timeout: Duration::from_secs(5),
+        };
+        let agent = std::thread::spawn(move || {
+            let (r, _) = theirs.recv_request(Some(Duration::from_secs(5))).unwrap();
+            assert!(matches!(r, Request::Hello { .. }));
+            theirs
+                .send_reply(&Reply::Hello {
+                    version: PROTOCOL_VERSION,
+                    pid: 7,
+                    tid: 8,
+                    allocations: 1,
+                    converted_bytes: 4096,
+                    devices: 1,
+                    released: true,
+                    hazards: 0,
+                })
+                .unwrap();
+            let (r, _) = theirs.recv_request(Some(Duration::from_secs(5))).unwrap();
+            assert!(matches!(r, Request::ListAllocations));
+            theirs
+                .send_reply(&Reply::Allocation {
+                    id: 3,
+                    device: 0,
+                    addr: 0x1000,
+                    size: 4096,
+                    kind: AllocKind::Converted,
+                })
+                .unwrap();
+            theirs
+                .send_reply(&Reply::AllocationsEnd { count: 1 })
+                .unwrap();
+        });
+        assert!(matches!(
+            s.hello_intact(),
+            Err(AgentError::AlreadyReleased { pid: 1 })
+        ));
+        let list = s.list().unwrap();
+        assert_eq!(list.len(), 1);
+        assert!(list[0].moved && list[0].addr == 0x1000);
+        agent.join().unwrap();
+    }
+}

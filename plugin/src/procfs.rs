@@ -1,0 +1,334 @@
+//! Everything gpusnap reads from `/proc`: typed parsers over the text (pure, unit-tested) and
+//! the readers that feed them (`io::Result`, with `InvalidData` for text that does not parse).
+//!
+//! Hooks get host pids; image names and the agent's socket use the pid a process has in its
+//! own pid namespace, so most of this is translating between the two.
+
+use std::collections::BTreeSet;
+use std::io;
+use std::os::unix::fs::MetadataExt;
+
+fn invalid(what: &str, path: &str) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::InvalidData,
+        format!("{path}: no {what} in it"),
+    )
+}
+
+fn read(path: &str) -> io::Result<String> {
+    std::fs::read_to_string(path).map_err(|e| io::Error::new(e.kind(), format!("{path}: {e}")))
+}
+
+// ---- parsers of /proc text ----
+
+/// The last id of the `NSpid:` line of a `status` text: the id as the process's own pid
+/// namespace numbers it.
+pub fn parse_ns_id(status: &str) -> Option<i32> {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("NSpid:"))?
+        .split_whitespace()
+        .last()?
+        .parse()
+        .ok()
+}
+
+/// The value of a `Key:\tvalue` line of a `status` text, parsed.
+fn status_field<T: std::str::FromStr>(status: &str, key: &str) -> Option<T> {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// `Tgid:` of a `status` text: the process a thread belongs to.
+pub fn parse_tgid(status: &str) -> Option<i32> {
+    status_field(status, "Tgid")
+}
+
+/// `VmRSS:` of a `status` text, in KiB.
+pub fn parse_vm_rss_kib(status: &str) -> Option<u64> {
+    status_field(status, "VmRSS")
+}
+
+/// A `stat` line, split where its fields can be trusted: the command name (field 2) may hold
+/// spaces and parentheses, so the fields after it are counted from its last `)`.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Stat<'a> {
+    /// The command name, cut by the kernel to 15 characters.
+    pub comm: &'a str,
+    /// Fields 3 onwards (the state letter first).
+    rest: Vec<&'a str>,
+}
+
+impl<'a> Stat<'a> {
+    pub fn parse(text: &'a str) -> Option<Self> {
+        let open = text.find('(')?;
+        let close = text.rfind(')')?;
+        Some(Self {
+            comm: text.get(open + 1..close)?,
+            rest: text.get(close + 1..)?.split_whitespace().collect(),
+        })
+    }
+
+    /// The state letter (`R`, `S`, `t`, `Z`, ...).
+    pub fn state(&self) -> Option<&'a str> {
+        self.rest.first().copied()
+    }
+
+    /// utime + stime (fields 14 and 15), in clock ticks.
+    pub fn cpu_ticks(&self) -> Option<u64> {
+        let field = |n: usize| self.rest.get(n - 3)?.parse::<u64>().ok();
+        Some(field(14)? + field(15)?)
+    }
+
+    /// Whether the task has exited (a zombie its parent has not reaped, or dead).
+    pub fn exited(&self) -> bool {
+        matches!(self.state(), Some("Z" | "X"))
+    }
+}
+
+/// What `task/<tid>/syscall` says of a thread blocked in a system call: its number, first
+/// argument and user-space program counter.
+#[derive(Debug, PartialEq, Eq)]
+pub struct BlockedSyscall {
+    pub nr: u64,
+    pub arg0: u64,
+    pub pc: u64,
+}
+
+/// `nr a0 a1 a2 a3 a4 a5 sp pc` (hex arguments); `running` or `-1 sp pc` give None.
+pub fn parse_syscall(text: &str) -> Option<BlockedSyscall> {
+    let f: Vec<&str> = text.split_whitespace().collect();
+    if f.len() != 9 {
+        return None;
+    }
+    let hex = |s: &str| u64::from_str_radix(s.trim_start_matches("0x"), 16).ok();
+    Some(BlockedSyscall {
+        nr: f[0].parse().ok()?,
+        arg0: hex(f[1])?,
+        pc: hex(f[8])?,
+    })
+}
+
+/// The mapping (file name, or `[anon]`) of a `maps` text that holds `addr`.
+pub fn mapping_of(maps: &str, addr: u64) -> Option<String> {
+    maps.lines().find_map(|l| {
+        let mut f = l.split_whitespace();
+        let (lo, hi) = f.next()?.split_once('-')?;
+        let (lo, hi) = (
+            u64::from_str_radix(lo, 16).ok()?,
+            u64::from_str_radix(hi, 16).ok()?,
+        );
+        if !(lo..hi).contains(&addr) {
+            return None;
+        }
+        let name = f.nth(4).unwrap_or("[anon]");
+        Some(name.rsplit('/').next().unwrap_or(name).to_owned())
+    })
+}
+
+/// The program name of a `cmdline` (its first argument, without directories).
+pub fn parse_argv0(cmdline: &[u8]) -> String {
+    let argv0 = cmdline.split(|&b| b == 0).next().unwrap_or_default();
+    String::from_utf8_lossy(argv0.rsplit(|&b| b == b'/').next().unwrap_or_default()).into_owned()
+}
+
+// ---- readers ----
+
+/// The pid of host process `pid` inside its own pid namespace.
+pub fn ns_pid(pid: i32) -> io::Result<i32> {
+    let path = format!("/proc/{pid}/status");
+    parse_ns_id(&read(&path)?).ok_or_else(|| invalid("NSpid line", &path))
+}
+
+/// The tid of host thread `tid` of `pid` inside the process's pid namespace.
+pub fn ns_tid(pid: i32, tid: i32) -> io::Result<i32> {
+    let path = format!("/proc/{pid}/task/{tid}/status");
+    parse_ns_id(&read(&path)?).ok_or_else(|| invalid("NSpid line", &path))
+}
+
+/// The process (thread group) thread `tid` belongs to.
+pub fn thread_group_of(tid: i32) -> io::Result<i32> {
+    let path = format!("/proc/{tid}/status");
+    parse_tgid(&read(&path)?).ok_or_else(|| invalid("Tgid line", &path))
+}
+
+/// The resident memory of `pid`, in KiB.
+pub fn vm_rss_kib(pid: i32) -> io::Result<u64> {
+    let path = format!("/proc/{pid}/status");
+    parse_vm_rss_kib(&read(&path)?).ok_or_else(|| invalid("VmRSS line", &path))
+}
+
+/// The `stat` text of a process, or of one of its threads.
+pub fn stat_text(pid: i32, tid: Option<i32>) -> io::Result<String> {
+    match tid {
+        Some(tid) => read(&format!("/proc/{pid}/task/{tid}/stat")),
+        None => read(&format!("/proc/{pid}/stat")),
+    }
+}
+
+/// A file of one thread (`comm`, `wchan`, `syscall`, ...), trimmed.
+pub fn task_file(pid: i32, tid: i32, name: &str) -> io::Result<String> {
+    read(&format!("/proc/{pid}/task/{tid}/{name}")).map(|s| s.trim().to_owned())
+}
+
+/// The `maps` text of `pid`.
+pub fn maps(pid: i32) -> io::Result<String> {
+    read(&format!("/proc/{pid}/maps"))
+}
+
+/// The program name `pid` runs (from its command line; the stat name is cut at 15 characters).
+pub fn argv0(pid: i32) -> io::Result<String> {
+    std::fs::read(format!("/proc/{pid}/cmdline")).map(|c| parse_argv0(&c))
+}
+
+/// The owner uid of `pid`.
+pub fn uid_of(pid: i32) -> io::Result<u32> {
+    Ok(std::fs::metadata(format!("/proc/{pid}"))?.uid())
+}
+
+/// Every process (thread-group leader) `/proc` lists now.
+pub fn processes() -> io::Result<Vec<i32>> {
+    numbered_entries("/proc")
+}
+
+/// The thread ids of `pid`, as `/proc/<pid>/task` lists them now.
+pub fn thread_ids(pid: i32) -> io::Result<Vec<i32>> {
+    numbered_entries(&format!("/proc/{pid}/task"))
+}
+
+fn numbered_entries(dir: &str) -> io::Result<Vec<i32>> {
+    Ok(std::fs::read_dir(dir)
+        .map_err(|e| io::Error::new(e.kind(), format!("{dir}: {e}")))?
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse().ok())
+        .collect())
+}
+
+/// The host tid of the thread of `pid` whose tid in the process's own namespace is `ns_tid`.
+pub fn host_tid(pid: i32, ns_tid: i32) -> io::Result<Option<i32>> {
+    Ok(thread_ids(pid)?
+        .into_iter()
+        .find(|&tid| self::ns_tid(pid, tid).ok() == Some(ns_tid)))
+}
+
+/// The host tid of the thread of `pid` that named itself `comm`.
+pub fn thread_named(pid: i32, comm: &str) -> io::Result<Option<i32>> {
+    Ok(thread_ids(pid)?
+        .into_iter()
+        .find(|&tid| task_file(pid, tid, "comm").is_ok_and(|c| c == comm)))
+}
+
+/// The child processes started by thread `tid` of `pid`.
+pub fn children(pid: i32, tid: i32) -> io::Result<BTreeSet<i32>> {
+    Ok(read(&format!("/proc/{pid}/task/{tid}/children"))?
+        .split_whitespace()
+        .filter_map(|s| s.parse().ok())
+        .collect())
+}
+
+/// A namespace of a process, as (device, inode): equal for processes in the same namespace.
+pub fn namespace(pid: i32, kind: &str) -> io::Result<(u64, u64)> {
+    let path = format!("/proc/{pid}/ns/{kind}");
+    let m =
+        std::fs::metadata(&path).map_err(|e| io::Error::new(e.kind(), format!("{path}: {e}")))?;
+    Ok((m.dev(), m.ino()))
+}
+
+/// Whether `pid` lives in the network namespace of this process.
+pub fn in_our_netns(pid: i32) -> io::Result<bool> {
+    Ok(namespace(pid, "net")? == namespace(std::process::id() as i32, "net")?)
+}
+
+/// Reads 4 bytes of `pid`'s memory (a tracer may read `/proc/<pid>/mem`).
+pub fn read_u32(pid: i32, addr: u64) -> io::Result<u32> {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::File::open(format!("/proc/{pid}/mem"))?;
+    let mut b = [0u8; 4];
+    f.read_exact_at(&mut b, addr)?;
+    Ok(u32::from_ne_bytes(b))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn status_lines_are_parsed() {
+        let s =
+            "Name:\tpython3\nTgid:\t77\nNSpid:\t4242\t7\nVmPeak:\t  100 kB\nVmRSS:\t  123456 kB\n";
+        assert_eq!(parse_ns_id(s), Some(7));
+        assert_eq!(parse_tgid(s), Some(77));
+        assert_eq!(parse_vm_rss_kib(s), Some(123456));
+        assert_eq!(parse_vm_rss_kib("Name:\tx\n"), None);
+        assert_eq!(parse_ns_id("Name:\tx\nNSpid:\n"), None);
+        // A key is matched whole: `VmRSSx` is not `VmRSS`.
+        assert_eq!(parse_vm_rss_kib("VmRSSx:\t5 kB\n"), None);
+    }
+
+    #[test]
+    fn stat_skips_a_command_name_with_spaces_and_parens() {
+        // pid (comm) state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime stime
+        let s = "42 (a b) c)) S 1 42 42 0 -1 4194560 10 0 0 0 700 55 0 0 20 0";
+        let st = Stat::parse(s).unwrap();
+        assert_eq!(st.comm, "a b) c)");
+        assert_eq!(st.state(), Some("S"));
+        assert_eq!(st.cpu_ticks(), Some(755));
+        assert!(!st.exited());
+        assert_eq!(Stat::parse("42 (x) S 1").unwrap().cpu_ticks(), None);
+        assert!(Stat::parse("42 (x) Z 1").unwrap().exited());
+        assert_eq!(Stat::parse("garbage"), None);
+    }
+
+    #[test]
+    fn a_blocked_thread_is_located() {
+        let w = parse_syscall("202 0x7f00000010a0 0x80 0x2 0x0 0x0 0x0 0x7ffd0 0x7f0000401234")
+            .unwrap();
+        assert_eq!(
+            w,
+            BlockedSyscall {
+                nr: 202,
+                arg0: 0x7f00000010a0,
+                pc: 0x7f0000401234
+            }
+        );
+        assert_eq!(parse_syscall("running"), None);
+        assert_eq!(parse_syscall("-1 0x7ffd0 0x401000"), None);
+        let maps = "7f0000000000-7f0000002000 rw-p 00000000 00:00 0 \n\
+                    7f0000400000-7f0000500000 r-xp 00000000 08:01 42 /usr/lib/x86_64-linux-gnu/libcuda.so.1\n";
+        assert_eq!(
+            mapping_of(maps, 0x7f0000401234).as_deref(),
+            Some("libcuda.so.1")
+        );
+        assert_eq!(mapping_of(maps, 0x7f00000010a0).as_deref(), Some("[anon]"));
+        assert_eq!(mapping_of(maps, 0x1000), None);
+    }
+
+    #[test]
+    fn argv0_drops_directories() {
+        assert_eq!(
+            parse_argv0(b"/usr/bin/nvidia-cuda-mps-control\0-d\0"),
+            "nvidia-cuda-mps-control"
+        );
+        assert_eq!(parse_argv0(b""), "");
+    }
+
+    #[test]
+    fn own_process_resolves() {
+        let me = std::process::id() as i32;
+        assert_eq!(ns_pid(me).unwrap(), me);
+        assert_eq!(host_tid(me, me).unwrap(), Some(me));
+        assert_eq!(host_tid(me, -5).unwrap(), None);
+        assert_eq!(thread_group_of(me).unwrap(), me);
+        assert!(in_our_netns(me).unwrap());
+        assert!(thread_ids(me).unwrap().contains(&me));
+        assert!(vm_rss_kib(me).unwrap() > 0);
+        assert!(processes().unwrap().contains(&me));
+        let e = ns_pid(-1).unwrap_err();
+        assert!(e.to_string().contains("/proc/-1/status"), "{e}");
+    }
+}

@@ -1034,6 +1034,71 @@ mod tests {
     }
 
     #[test]
+    fn proc_name_versions_at_each_boundary() {
+        for (name, below, from, h) in [
+            (&b"cuMemAlloc"[..], 3019, 3020, Hooked::MemAlloc),
+            (b"cuMemFree", 3019, 3020, Hooked::MemFree),
+            (b"cuMemAllocPitch", 3019, 3020, Hooked::MemAllocPitch),
+            (
+                b"cuIpcOpenMemHandle",
+                10999,
+                11000,
+                Hooked::IpcOpenMemHandle,
+            ),
+        ] {
+            assert_eq!(Hooked::from_proc_name(name, below), None, "{h:?}");
+            assert_eq!(Hooked::from_proc_name(name, from), Some(h));
+        }
+        assert_eq!(
+            Hooked::from_proc_name(b"cuGetProcAddress", 11999),
+            Some(Hooked::GetProcAddress)
+        );
+        assert_eq!(
+            Hooked::from_proc_name(b"cuGetProcAddress", 12000),
+            Some(Hooked::GetProcAddressV2)
+        );
+        // The rest are one ABI at every version.
+        for (name, h) in [
+            (&b"cuMemCreate"[..], Hooked::MemCreate),
+            (b"cuMemMap", Hooked::MemMap),
+            (b"cuMemUnmap", Hooked::MemUnmap),
+            (b"cuMemRelease", Hooked::MemRelease),
+            (
+                b"cuMemRetainAllocationHandle",
+                Hooked::MemRetainAllocationHandle,
+            ),
+            (
+                b"cuMemGetAllocationPropertiesFromHandle",
+                Hooked::MemGetAllocationPropertiesFromHandle,
+            ),
+            (b"cuMulticastBindMem", Hooked::MulticastBindMem),
+            (b"cuMemAllocManaged", Hooked::MemAllocManaged),
+            (b"cuIpcGetMemHandle", Hooked::IpcGetMemHandle),
+            (b"cuCtxEnablePeerAccess", Hooked::CtxEnablePeerAccess),
+            (
+                b"cuMemExportToShareableHandle",
+                Hooked::MemExportToShareableHandle,
+            ),
+            (
+                b"cuMemImportFromShareableHandle",
+                Hooked::MemImportFromShareableHandle,
+            ),
+        ] {
+            for v in [0, 1000, 12000, i32::MAX] {
+                assert_eq!(Hooked::from_proc_name(name, v), Some(h), "{h:?} at {v}");
+            }
+        }
+        // Exported names are not proc names, nor the other way round.
+        assert_eq!(
+            Hooked::from_proc_name(b"cuIpcOpenMemHandle_v2", 13000),
+            None
+        );
+        assert_eq!(Hooked::from_proc_name(b"cuGetProcAddress_v2", 13000), None);
+        assert_eq!(Hooked::from_symbol(b"cuMemAllocPitch"), None);
+        assert_eq!(Hooked::from_symbol(b"cuMemHostRegister_v2"), None);
+    }
+
+    #[test]
     fn device_of_prop_reads_the_location() {
         use cudarc::driver::sys::*;
         let mut prop = CUmemAllocationProp {

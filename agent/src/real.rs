@@ -232,3 +232,100 @@ impl Driver {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hooks::Hooked;
+
+    /// A stand-in `dlsym` that "finds" every symbol at the address of its own name: a pointer
+    /// read back as a C string says which name a table entry was resolved by.
+    unsafe extern "C" fn name_as_address(_: *mut c_void, symbol: *const c_char) -> *mut c_void {
+        symbol.cast_mut().cast()
+    }
+
+    /// As [`name_as_address`], but the given driver lacks `cuMulticastBindMem`.
+    unsafe extern "C" fn without_multicast(h: *mut c_void, symbol: *const c_char) -> *mut c_void {
+        // SAFETY: symbol is the table's NUL-terminated name.
+        if unsafe { CStr::from_ptr(symbol) } == c"cuMulticastBindMem" {
+            return std::ptr::null_mut();
+        }
+        // SAFETY: same contract.
+        unsafe { name_as_address(h, symbol) }
+    }
+
+    unsafe extern "C" fn finds_nothing(_: *mut c_void, _: *const c_char) -> *mut c_void {
+        std::ptr::null_mut()
+    }
+
+    /// The name a resolved entry point was looked up by (see [`name_as_address`]).
+    fn looked_up_as(p: *mut c_void) -> String {
+        assert!(!p.is_null());
+        // SAFETY: with name_as_address, every resolved pointer is a table name (never called).
+        unsafe { CStr::from_ptr(p.cast()) }
+            .to_string_lossy()
+            .into_owned()
+    }
+
+    #[test]
+    fn each_hook_hands_out_the_real_function_of_its_libcuda_symbol() {
+        let drv = Driver::resolve(std::ptr::null_mut(), name_as_address).unwrap();
+        for (h, symbol) in [
+            (Hooked::MemAlloc, "cuMemAlloc_v2"),
+            (Hooked::MemFree, "cuMemFree_v2"),
+            (Hooked::MemAllocPitch, "cuMemAllocPitch_v2"),
+            (Hooked::MemCreate, "cuMemCreate"),
+            (Hooked::MemMap, "cuMemMap"),
+            (Hooked::MemUnmap, "cuMemUnmap"),
+            (Hooked::MemRelease, "cuMemRelease"),
+            (
+                Hooked::MemRetainAllocationHandle,
+                "cuMemRetainAllocationHandle",
+            ),
+            (
+                Hooked::MemGetAllocationPropertiesFromHandle,
+                "cuMemGetAllocationPropertiesFromHandle",
+            ),
+            (Hooked::MulticastBindMem, "cuMulticastBindMem"),
+            (Hooked::GetProcAddress, "cuGetProcAddress"),
+            (Hooked::GetProcAddressV2, "cuGetProcAddress_v2"),
+            (Hooked::MemAllocManaged, "cuMemAllocManaged"),
+            (Hooked::IpcGetMemHandle, "cuIpcGetMemHandle"),
+            (Hooked::IpcOpenMemHandle, "cuIpcOpenMemHandle_v2"),
+            (Hooked::CtxEnablePeerAccess, "cuCtxEnablePeerAccess"),
+            (
+                Hooked::MemExportToShareableHandle,
+                "cuMemExportToShareableHandle",
+            ),
+            (
+                Hooked::MemImportFromShareableHandle,
+                "cuMemImportFromShareableHandle",
+            ),
+        ] {
+            assert_eq!(looked_up_as(h.real_addr(&drv)), symbol, "{h:?}");
+            assert_eq!(Hooked::from_symbol(symbol.as_bytes()), Some(h));
+        }
+        // Calls the agent makes itself, looked up by their exported (versioned) names.
+        assert_eq!(looked_up_as(drv.init as *mut c_void), "cuInit");
+        assert_eq!(
+            looked_up_as(drv.mem_host_register as *mut c_void),
+            "cuMemHostRegister_v2"
+        );
+        assert_eq!(
+            looked_up_as(drv.memcpy_dtoh_async as *mut c_void),
+            "cuMemcpyDtoHAsync_v2"
+        );
+    }
+
+    #[test]
+    fn a_missing_optional_entry_point_is_null_a_missing_required_one_an_error() {
+        let drv = Driver::resolve(std::ptr::null_mut(), without_multicast).unwrap();
+        assert!(drv.multicast_bind_mem.is_none());
+        assert!(Hooked::MulticastBindMem.real_addr(&drv).is_null());
+        assert_eq!(looked_up_as(Hooked::MemMap.real_addr(&drv)), "cuMemMap");
+        let err = Driver::resolve(std::ptr::null_mut(), finds_nothing)
+            .err()
+            .expect("a driver without cuInit");
+        assert_eq!(err, "cuInit not found in libcuda.so.1");
+    }
+}

@@ -161,6 +161,14 @@ crate::hooks::hooked_calls!(driver_table! {
     }
 });
 
+#[cfg(test)]
+impl Driver {
+    /// A table resolved through a stand-in `dlsym`, for tests of the code that calls the driver.
+    pub(crate) fn resolve_with(dlsym: DlsymFn) -> Result<Self, String> {
+        Self::resolve(std::ptr::null_mut(), dlsym)
+    }
+}
+
 static DRIVER: OnceLock<Driver> = OnceLock::new();
 static DRIVER_INIT: Mutex<()> = Mutex::new(());
 

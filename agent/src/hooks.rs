@@ -44,30 +44,6 @@ fn driver_for(call: &str) -> Result<&'static Driver, CuRes> {
     })
 }
 
-/// The driver functions we hand out our own pointer for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Hooked {
-    MemAlloc,
-    MemFree,
-    MemAllocPitch,
-    MemCreate,
-    MemMap,
-    MemUnmap,
-    MemRelease,
-    MemRetainAllocationHandle,
-    MemGetAllocationPropertiesFromHandle,
-    MulticastBindMem,
-    GetProcAddress,
-    GetProcAddressV2,
-    // Recorded only: state the driver checkpoint cannot take (see `hazards`).
-    MemAllocManaged,
-    IpcGetMemHandle,
-    IpcOpenMemHandle,
-    CtxEnablePeerAccess,
-    MemExportToShareableHandle,
-    MemImportFromShareableHandle,
-}
-
 /// `cuGetProcAddress` returns the `_v2` ABI of the allocation calls from this version on.
 const V2_ALLOC_ABI: c_int = 3020;
 /// `cuGetProcAddress("cuIpcOpenMemHandle")` returns the `_v2` export from this version on.
@@ -75,122 +51,164 @@ const V2_IPC_OPEN_ABI: c_int = 11000;
 /// `cuGetProcAddress("cuGetProcAddress")` returns the `_v2` ABI from this version on.
 const V2_PROC_ADDRESS_ABI: c_int = 12000;
 
-impl Hooked {
-    /// By libcuda's exported symbol name (what `dlsym` is asked for).
-    pub fn from_symbol(name: &[u8]) -> Option<Self> {
-        Some(match name {
-            b"cuMemAlloc_v2" => Hooked::MemAlloc,
-            b"cuMemFree_v2" => Hooked::MemFree,
-            b"cuMemAllocPitch_v2" => Hooked::MemAllocPitch,
-            b"cuMemCreate" => Hooked::MemCreate,
-            b"cuMemMap" => Hooked::MemMap,
-            b"cuMemUnmap" => Hooked::MemUnmap,
-            b"cuMemRelease" => Hooked::MemRelease,
-            b"cuMemRetainAllocationHandle" => Hooked::MemRetainAllocationHandle,
-            b"cuMemGetAllocationPropertiesFromHandle" => {
-                Hooked::MemGetAllocationPropertiesFromHandle
+/// Every interposed driver call, written once. [`Hooked`] (which symbol and proc name maps to
+/// which hook, and its two addresses) and the hooked entries of [`crate::real::Driver`] are both
+/// expanded from it: `hooked_calls!(then! { tokens })` calls `then! { tokens hooked { table } }`.
+///
+/// One line per call:
+/// `Variant = export(C argument types) required|optional as driver_field, proc "name" [versions];`
+/// - `export`: our `extern "C"` function below, named as the libcuda symbol it interposes; that
+///   name is also what `dlsym` is asked for and what the real function is looked up by;
+/// - the argument types: the C signature (all return a raw status), checked against `export`'s;
+/// - `required`: the agent cannot work without it; `optional`: a driver may lack it;
+/// - `proc "name"`: what `cuGetProcAddress` is asked for, and for which `cudaVersion` it returns
+///   this ABI: `since V` (V and later), `before V`, or every version when none is written.
+macro_rules! hooked_calls {
+    ($then:ident ! { $($before:tt)* }) => {
+        $then! {
+            $($before)*
+            hooked {
+                // Converted: large allocations become VMM mappings (see `convert`).
+                MemAlloc = cuMemAlloc_v2(*mut CUdeviceptr, usize)
+                    required as mem_alloc, proc "cuMemAlloc" since V2_ALLOC_ABI;
+                MemFree = cuMemFree_v2(CUdeviceptr)
+                    required as mem_free, proc "cuMemFree" since V2_ALLOC_ABI;
+                MemAllocPitch = cuMemAllocPitch_v2(
+                    *mut CUdeviceptr, *mut usize, usize, usize, c_uint)
+                    required as mem_alloc_pitch, proc "cuMemAllocPitch" since V2_ALLOC_ABI;
+                // The application's own VMM: handle values translated (see `table`).
+                MemCreate = cuMemCreate(
+                    *mut CUmemGenericAllocationHandle, usize, *const CUmemAllocationProp, u64)
+                    required as mem_create, proc "cuMemCreate";
+                MemMap = cuMemMap(CUdeviceptr, usize, usize, CUmemGenericAllocationHandle, u64)
+                    required as mem_map, proc "cuMemMap";
+                MemUnmap = cuMemUnmap(CUdeviceptr, usize)
+                    required as mem_unmap, proc "cuMemUnmap";
+                MemRelease = cuMemRelease(CUmemGenericAllocationHandle)
+                    required as mem_release, proc "cuMemRelease";
+                MemRetainAllocationHandle = cuMemRetainAllocationHandle(
+                    *mut CUmemGenericAllocationHandle, *mut c_void)
+                    optional as mem_retain_allocation_handle, proc "cuMemRetainAllocationHandle";
+                MemGetAllocationPropertiesFromHandle = cuMemGetAllocationPropertiesFromHandle(
+                    *mut CUmemAllocationProp, CUmemGenericAllocationHandle)
+                    optional as mem_get_allocation_properties_from_handle,
+                    proc "cuMemGetAllocationPropertiesFromHandle";
+                MulticastBindMem = cuMulticastBindMem(
+                    CUmemGenericAllocationHandle, usize, CUmemGenericAllocationHandle, usize, usize,
+                    u64)
+                    optional as multicast_bind_mem, proc "cuMulticastBindMem";
+                // How the runtime finds every other entry point: where our pointers are handed out.
+                GetProcAddress = cuGetProcAddress(
+                    *const c_char, *mut *mut c_void, c_int, cuuint64_t)
+                    optional as get_proc_address,
+                    proc "cuGetProcAddress" before V2_PROC_ADDRESS_ABI;
+                GetProcAddressV2 = cuGetProcAddress_v2(
+                    *const c_char, *mut *mut c_void, c_int, cuuint64_t,
+                    *mut CUdriverProcAddressQueryResult)
+                    optional as get_proc_address_v2,
+                    proc "cuGetProcAddress" since V2_PROC_ADDRESS_ABI;
+                // Recorded only: state the driver checkpoint cannot take (see `hazards`).
+                MemAllocManaged = cuMemAllocManaged(*mut CUdeviceptr, usize, c_uint)
+                    optional as mem_alloc_managed, proc "cuMemAllocManaged";
+                IpcGetMemHandle = cuIpcGetMemHandle(*mut CUipcMemHandle, CUdeviceptr)
+                    optional as ipc_get_mem_handle, proc "cuIpcGetMemHandle";
+                IpcOpenMemHandle = cuIpcOpenMemHandle_v2(*mut CUdeviceptr, CUipcMemHandle, c_uint)
+                    optional as ipc_open_mem_handle,
+                    proc "cuIpcOpenMemHandle" since V2_IPC_OPEN_ABI;
+                CtxEnablePeerAccess = cuCtxEnablePeerAccess(CUcontext, c_uint)
+                    optional as ctx_enable_peer_access, proc "cuCtxEnablePeerAccess";
+                MemExportToShareableHandle = cuMemExportToShareableHandle(
+                    *mut c_void, CUmemGenericAllocationHandle, c_uint, u64)
+                    optional as mem_export_to_shareable_handle,
+                    proc "cuMemExportToShareableHandle";
+                MemImportFromShareableHandle = cuMemImportFromShareableHandle(
+                    *mut CUmemGenericAllocationHandle, *mut c_void, c_uint)
+                    optional as mem_import_from_shareable_handle,
+                    proc "cuMemImportFromShareableHandle";
             }
-            b"cuMulticastBindMem" => Hooked::MulticastBindMem,
-            b"cuGetProcAddress" => Hooked::GetProcAddress,
-            b"cuGetProcAddress_v2" => Hooked::GetProcAddressV2,
-            b"cuMemAllocManaged" => Hooked::MemAllocManaged,
-            b"cuIpcGetMemHandle" => Hooked::IpcGetMemHandle,
-            b"cuIpcOpenMemHandle_v2" => Hooked::IpcOpenMemHandle,
-            b"cuCtxEnablePeerAccess" => Hooked::CtxEnablePeerAccess,
-            b"cuMemExportToShareableHandle" => Hooked::MemExportToShareableHandle,
-            b"cuMemImportFromShareableHandle" => Hooked::MemImportFromShareableHandle,
-            _ => return None,
-        })
-    }
-
-    /// By `cuGetProcAddress`'s base name and requested version; None where the returned ABI
-    /// would not be our hook's signature.
-    pub fn from_proc_name(name: &[u8], cuda_version: c_int) -> Option<Self> {
-        match name {
-            b"cuMemAlloc" if cuda_version >= V2_ALLOC_ABI => Some(Hooked::MemAlloc),
-            b"cuMemFree" if cuda_version >= V2_ALLOC_ABI => Some(Hooked::MemFree),
-            b"cuMemAllocPitch" if cuda_version >= V2_ALLOC_ABI => Some(Hooked::MemAllocPitch),
-            b"cuMemCreate" => Some(Hooked::MemCreate),
-            b"cuMemMap" => Some(Hooked::MemMap),
-            b"cuMemUnmap" => Some(Hooked::MemUnmap),
-            b"cuMemRelease" => Some(Hooked::MemRelease),
-            b"cuMemRetainAllocationHandle" => Some(Hooked::MemRetainAllocationHandle),
-            b"cuMemGetAllocationPropertiesFromHandle" => {
-                Some(Hooked::MemGetAllocationPropertiesFromHandle)
-            }
-            b"cuMulticastBindMem" => Some(Hooked::MulticastBindMem),
-            b"cuGetProcAddress" if cuda_version >= V2_PROC_ADDRESS_ABI => {
-                Some(Hooked::GetProcAddressV2)
-            }
-            b"cuGetProcAddress" => Some(Hooked::GetProcAddress),
-            b"cuMemAllocManaged" => Some(Hooked::MemAllocManaged),
-            b"cuIpcGetMemHandle" => Some(Hooked::IpcGetMemHandle),
-            b"cuIpcOpenMemHandle" if cuda_version >= V2_IPC_OPEN_ABI => {
-                Some(Hooked::IpcOpenMemHandle)
-            }
-            b"cuCtxEnablePeerAccess" => Some(Hooked::CtxEnablePeerAccess),
-            b"cuMemExportToShareableHandle" => Some(Hooked::MemExportToShareableHandle),
-            b"cuMemImportFromShareableHandle" => Some(Hooked::MemImportFromShareableHandle),
-            _ => None,
         }
-    }
-
-    /// Our export's address.
-    pub fn hook_addr(self) -> *mut c_void {
-        match self {
-            Hooked::MemAlloc => cuMemAlloc_v2 as *mut c_void,
-            Hooked::MemFree => cuMemFree_v2 as *mut c_void,
-            Hooked::MemAllocPitch => cuMemAllocPitch_v2 as *mut c_void,
-            Hooked::MemCreate => cuMemCreate as *mut c_void,
-            Hooked::MemMap => cuMemMap as *mut c_void,
-            Hooked::MemUnmap => cuMemUnmap as *mut c_void,
-            Hooked::MemRelease => cuMemRelease as *mut c_void,
-            Hooked::MemRetainAllocationHandle => cuMemRetainAllocationHandle as *mut c_void,
-            Hooked::MemGetAllocationPropertiesFromHandle => {
-                cuMemGetAllocationPropertiesFromHandle as *mut c_void
-            }
-            Hooked::MulticastBindMem => cuMulticastBindMem as *mut c_void,
-            Hooked::GetProcAddress => cuGetProcAddress as *mut c_void,
-            Hooked::GetProcAddressV2 => cuGetProcAddress_v2 as *mut c_void,
-            Hooked::MemAllocManaged => cuMemAllocManaged as *mut c_void,
-            Hooked::IpcGetMemHandle => cuIpcGetMemHandle as *mut c_void,
-            Hooked::IpcOpenMemHandle => cuIpcOpenMemHandle_v2 as *mut c_void,
-            Hooked::CtxEnablePeerAccess => cuCtxEnablePeerAccess as *mut c_void,
-            Hooked::MemExportToShareableHandle => cuMemExportToShareableHandle as *mut c_void,
-            Hooked::MemImportFromShareableHandle => cuMemImportFromShareableHandle as *mut c_void,
-        }
-    }
-
-    /// libcuda's function of the same ABI (null when the driver lacks it).
-    pub fn real_addr(self, d: &Driver) -> *mut c_void {
-        match self {
-            Hooked::MemAlloc => d.mem_alloc as *mut c_void,
-            Hooked::MemFree => d.mem_free as *mut c_void,
-            Hooked::MemAllocPitch => d.mem_alloc_pitch as *mut c_void,
-            Hooked::MemCreate => d.mem_create as *mut c_void,
-            Hooked::MemMap => d.mem_map as *mut c_void,
-            Hooked::MemUnmap => d.mem_unmap as *mut c_void,
-            Hooked::MemRelease => d.mem_release as *mut c_void,
-            Hooked::MemRetainAllocationHandle => opt(d.mem_retain_allocation_handle),
-            Hooked::MemGetAllocationPropertiesFromHandle => {
-                opt(d.mem_get_allocation_properties_from_handle)
-            }
-            Hooked::MulticastBindMem => opt(d.multicast_bind_mem),
-            Hooked::GetProcAddress => d
-                .get_proc_address
-                .map_or(std::ptr::null_mut(), |f| f as *mut c_void),
-            Hooked::GetProcAddressV2 => d
-                .get_proc_address_v2
-                .map_or(std::ptr::null_mut(), |f| f as *mut c_void),
-            Hooked::MemAllocManaged => opt(d.mem_alloc_managed),
-            Hooked::IpcGetMemHandle => opt(d.ipc_get_mem_handle),
-            Hooked::IpcOpenMemHandle => opt(d.ipc_open_mem_handle),
-            Hooked::CtxEnablePeerAccess => opt(d.ctx_enable_peer_access),
-            Hooked::MemExportToShareableHandle => opt(d.mem_export_to_shareable_handle),
-            Hooked::MemImportFromShareableHandle => opt(d.mem_import_from_shareable_handle),
-        }
-    }
+    };
 }
+pub(crate) use hooked_calls;
+
+/// Whether `cuGetProcAddress(_, _, version)` returns the ABI of a table line with these versions.
+macro_rules! returns_this_abi {
+    ($version:ident) => {
+        true
+    };
+    ($version:ident since $first:ident) => {
+        $version >= $first
+    };
+    ($version:ident before $first:ident) => {
+        $version < $first
+    };
+}
+
+/// Declares [`Hooked`] from the table (see [`hooked_calls`]).
+macro_rules! hooked_enum {
+    (
+        hooked { $(
+            $variant:ident = $export:ident ( $($arg:ty),* ) $need:ident as $field:ident,
+                proc $proc:literal $( $rule:ident $first:ident )?;
+        )* }
+    ) => {
+        /// The driver functions we hand out our own pointer for.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+        pub enum Hooked {
+            $( $variant, )*
+        }
+
+        impl Hooked {
+            /// Every hook, in table order.
+            pub const ALL: &[Hooked] = &[$( Hooked::$variant, )*];
+
+            /// libcuda's exported symbol name (what `dlsym` is asked for), also our export's.
+            pub fn symbol(self) -> &'static str {
+                match self {
+                    $( Hooked::$variant => stringify!($export), )*
+                }
+            }
+
+            /// By libcuda's exported symbol name.
+            pub fn from_symbol(name: &[u8]) -> Option<Self> {
+                Self::ALL.iter().copied().find(|h| h.symbol().as_bytes() == name)
+            }
+
+            /// By `cuGetProcAddress`'s base name and requested version; None where the returned
+            /// ABI would not be our hook's signature.
+            pub fn from_proc_name(name: &[u8], cuda_version: c_int) -> Option<Self> {
+                $(
+                    if name == $proc.as_bytes()
+                        && returns_this_abi!(cuda_version $($rule $first)?)
+                    {
+                        return Some(Hooked::$variant);
+                    }
+                )*
+                None
+            }
+
+            /// Our export's address.
+            pub fn hook_addr(self) -> *mut c_void {
+                match self {
+                    $( Hooked::$variant => {
+                        // Coerced to the table's signature: an export that differs does not build.
+                        let hook: unsafe extern "C" fn($($arg),*) -> CuRes = $export;
+                        hook as *mut c_void
+                    } )*
+                }
+            }
+
+            /// libcuda's function of the same ABI (null when the driver lacks it).
+            pub fn real_addr(self, d: &Driver) -> *mut c_void {
+                match self {
+                    $( Hooked::$variant => crate::real::entry_addr!($need d.$field), )*
+                }
+            }
+        }
+    };
+}
+
+hooked_calls!(hooked_enum! {});
 
 // ---------------------------------------------------------------------------------------------
 // dlsym
@@ -690,15 +708,6 @@ pub unsafe extern "C" fn cuMemGetAllocationPropertiesFromHandle(
     })
 }
 
-/// An optional driver entry point as a plain pointer (null when absent).
-fn opt<F: Copy>(f: Option<F>) -> *mut c_void {
-    const { assert!(std::mem::size_of::<F>() == std::mem::size_of::<*mut c_void>()) };
-    // SAFETY: F is a function-pointer type (the same size as a data pointer, asserted above).
-    f.map_or(std::ptr::null_mut(), |f| unsafe {
-        std::mem::transmute_copy::<F, *mut c_void>(&f)
-    })
-}
-
 /// Calls an optional driver function through `call` and records `bit` when `ok(rc)`.
 fn record_hazard<F: Copy>(
     name: &str,
@@ -1031,6 +1040,82 @@ mod tests {
             "the v1 ABI is not hooked"
         );
         assert_eq!(Hooked::from_symbol(b"cuMemFree"), None);
+    }
+
+    #[test]
+    fn every_hook_is_found_by_its_own_symbol_and_has_its_own_export() {
+        let mut exports = std::collections::HashSet::new();
+        for &h in Hooked::ALL {
+            assert_eq!(Hooked::from_symbol(h.symbol().as_bytes()), Some(h));
+            assert!(!h.hook_addr().is_null());
+            assert!(exports.insert(h.hook_addr()), "{h:?} shares an export");
+        }
+        assert_eq!(Hooked::ALL.len(), 18);
+    }
+
+    #[test]
+    fn proc_name_versions_at_each_boundary() {
+        for (name, below, from, h) in [
+            (&b"cuMemAlloc"[..], 3019, 3020, Hooked::MemAlloc),
+            (b"cuMemFree", 3019, 3020, Hooked::MemFree),
+            (b"cuMemAllocPitch", 3019, 3020, Hooked::MemAllocPitch),
+            (
+                b"cuIpcOpenMemHandle",
+                10999,
+                11000,
+                Hooked::IpcOpenMemHandle,
+            ),
+        ] {
+            assert_eq!(Hooked::from_proc_name(name, below), None, "{h:?}");
+            assert_eq!(Hooked::from_proc_name(name, from), Some(h));
+        }
+        assert_eq!(
+            Hooked::from_proc_name(b"cuGetProcAddress", 11999),
+            Some(Hooked::GetProcAddress)
+        );
+        assert_eq!(
+            Hooked::from_proc_name(b"cuGetProcAddress", 12000),
+            Some(Hooked::GetProcAddressV2)
+        );
+        // The rest are one ABI at every version.
+        for (name, h) in [
+            (&b"cuMemCreate"[..], Hooked::MemCreate),
+            (b"cuMemMap", Hooked::MemMap),
+            (b"cuMemUnmap", Hooked::MemUnmap),
+            (b"cuMemRelease", Hooked::MemRelease),
+            (
+                b"cuMemRetainAllocationHandle",
+                Hooked::MemRetainAllocationHandle,
+            ),
+            (
+                b"cuMemGetAllocationPropertiesFromHandle",
+                Hooked::MemGetAllocationPropertiesFromHandle,
+            ),
+            (b"cuMulticastBindMem", Hooked::MulticastBindMem),
+            (b"cuMemAllocManaged", Hooked::MemAllocManaged),
+            (b"cuIpcGetMemHandle", Hooked::IpcGetMemHandle),
+            (b"cuCtxEnablePeerAccess", Hooked::CtxEnablePeerAccess),
+            (
+                b"cuMemExportToShareableHandle",
+                Hooked::MemExportToShareableHandle,
+            ),
+            (
+                b"cuMemImportFromShareableHandle",
+                Hooked::MemImportFromShareableHandle,
+            ),
+        ] {
+            for v in [0, 1000, 12000, i32::MAX] {
+                assert_eq!(Hooked::from_proc_name(name, v), Some(h), "{h:?} at {v}");
+            }
+        }
+        // Exported names are not proc names, nor the other way round.
+        assert_eq!(
+            Hooked::from_proc_name(b"cuIpcOpenMemHandle_v2", 13000),
+            None
+        );
+        assert_eq!(Hooked::from_proc_name(b"cuGetProcAddress_v2", 13000), None);
+        assert_eq!(Hooked::from_symbol(b"cuMemAllocPitch"), None);
+        assert_eq!(Hooked::from_symbol(b"cuMemHostRegister_v2"), None);
     }
 
     #[test]

@@ -9,12 +9,14 @@
 //! is loaded or started at load time except with `GPUSNAP_AGENT_EAGER=1`.
 //!
 //! Modules, each with one job:
-//! - `config`: environment settings; `log`: the `GPUSNAP_AGENT_DEBUG` logger.
+//! - `config`: environment settings (a bad one turns the agent off); `log`: the logger
+//!   (debug lines with `GPUSNAP_AGENT_DEBUG=1`, and the few errors that are always written).
 //! - `real`: glibc's `dlsym` and the table of real libcuda functions.
 //! - `cu`: checked one-call wrappers over that table, with readable errors.
 //! - `vmm`: reserve/create/map/access composites with undo; size and pitch arithmetic.
 //! - `table`: tracked allocations and the Mapped/Released state machine.
-//! - `hooks`: the exported interposers (`dlsym`, `cuGetProcAddress*`, `cuMem*`).
+//! - `hooks`: the exported interposers (`dlsym`, `cuGetProcAddress*`, `cuMem*`) and the one
+//!   table of hooked calls, from which `real` also builds its entries for them.
 //! - `convert`: the allocation and free paths behind the hooks.
 //! - `server`: the agent thread, its socket and request dispatch.
 //! - `session`, `dump`, `restore`: the data operations; `plan`: their pure planning.
@@ -41,8 +43,10 @@ mod vmm;
 
 use std::sync::Once;
 
-/// Runs when the library is loaded (`.init_array`): registers the fork handlers and, with
-/// `GPUSNAP_AGENT_EAGER=1`, starts the agent thread. Never panics into the loader.
+/// Runs when the library is loaded (`.init_array`): reads the settings (so a bad one is reported
+/// and turns the agent off at process start, see [`config::config`]), registers the fork
+/// handlers and, with `GPUSNAP_AGENT_EAGER=1`, starts the agent thread. Never panics into the
+/// loader.
 extern "C" fn on_load() {
     hooks::guard((), || {
         fork::register();

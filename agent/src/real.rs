@@ -56,37 +56,73 @@ pub fn real_dlsym() -> Option<DlsymFn> {
     Some(unsafe { std::mem::transmute::<usize, DlsymFn>(p) })
 }
 
-/// Declares the driver table: one typed pointer per entry point, each resolved by name.
+/// The type of a driver table entry of C signature `$f`: `required` ones are the function
+/// pointer, `optional` ones `None` when the driver lacks them.
+macro_rules! entry_type {
+    (required $f:ty) => { $f };
+    (optional $f:ty) => { Option<$f> };
+}
+
+/// A resolved entry's address, null for an absent optional one.
+macro_rules! entry_addr {
+    (required $entry:expr) => {
+        $entry as *mut c_void
+    };
+    (optional $entry:expr) => {
+        $entry.map_or(std::ptr::null_mut(), |f| f as *mut c_void)
+    };
+}
+pub(crate) use entry_addr;
+
+/// Resolves one entry: `$p` the looked-up address of `$name`, `$f` its C signature. A missing
+/// `required` entry returns an error naming it from the enclosing function.
+macro_rules! resolve_entry {
+    (required $f:ty, $p:expr, $name:expr) => {{
+        let p = $p;
+        if p.is_null() {
+            return Err(format!("{} not found in libcuda.so.1", $name));
+        }
+        // SAFETY: p is libcuda's exported function of this name, whose C signature (CUDA 13
+        // cuda.h) is the one declared in this table.
+        unsafe { std::mem::transmute::<*mut c_void, $f>(p) }
+    }};
+    (optional $f:ty, $p:expr, $name:expr) => {{
+        let p = $p;
+        // SAFETY: as for a required entry; a null pointer stays None.
+        (!p.is_null()).then(|| unsafe { std::mem::transmute::<*mut c_void, $f>(p) })
+    }};
+}
+
+/// Declares the driver table: one typed pointer per entry point, each resolved by name. The
+/// calls the agent makes itself (all required) are listed below; the calls it interposes come
+/// from [`crate::hooks::hooked_calls`] (the `hooked` section), looked up by their export's name.
 macro_rules! driver_table {
     (
         required { $( $field:ident = $name:literal ( $($arg:ty),* ); )* }
-        optional { $( $ofield:ident = $oname:literal ( $($oarg:ty),* ); )* }
+        hooked { $(
+            $variant:ident = $export:ident ( $($harg:ty),* ) $need:ident as $hfield:ident,
+                proc $proc:literal $( $rule:ident $first:ident )?;
+        )* }
     ) => {
         /// libcuda's entry points used by the agent (resolved from the libcuda handle).
         pub struct Driver {
             $( pub $field: unsafe extern "C" fn($($arg),*) -> CuRes, )*
-            $( pub $ofield: Option<unsafe extern "C" fn($($oarg),*) -> CuRes>, )*
+            $( pub $hfield: entry_type!($need unsafe extern "C" fn($($harg),*) -> CuRes), )*
         }
 
         impl Driver {
             fn resolve(handle: *mut c_void, dlsym: DlsymFn) -> Result<Self, String> {
                 Ok(Driver {
-                    $( $field: {
-                        let p = lookup(handle, dlsym, concat!($name, "\0"));
-                        if p.is_null() {
-                            return Err(format!("{} not found in libcuda.so.1", $name));
-                        }
-                        // SAFETY: p is libcuda's exported function of this name, whose C
-                        // signature (CUDA 13 cuda.h) is the one declared in this table.
-                        unsafe { std::mem::transmute::<*mut c_void, unsafe extern "C" fn($($arg),*) -> CuRes>(p) }
-                    }, )*
-                    $( $ofield: {
-                        let p = lookup(handle, dlsym, concat!($oname, "\0"));
-                        // SAFETY: as above; a null pointer stays None.
-                        (!p.is_null()).then(|| unsafe {
-                            std::mem::transmute::<*mut c_void, unsafe extern "C" fn($($oarg),*) -> CuRes>(p)
-                        })
-                    }, )*
+                    $( $field: resolve_entry!(
+                        required unsafe extern "C" fn($($arg),*) -> CuRes,
+                        lookup(handle, dlsym, concat!($name, "\0")),
+                        $name
+                    ), )*
+                    $( $hfield: resolve_entry!(
+                        $need unsafe extern "C" fn($($harg),*) -> CuRes,
+                        lookup(handle, dlsym, concat!(stringify!($export), "\0")),
+                        stringify!($export)
+                    ), )*
                 })
             }
         }
@@ -98,7 +134,7 @@ fn lookup(handle: *mut c_void, dlsym: DlsymFn, name_nul: &str) -> *mut c_void {
     unsafe { dlsym(handle, name_nul.as_ptr().cast()) }
 }
 
-driver_table! {
+crate::hooks::hooked_calls!(driver_table! {
     required {
         init = "cuInit"(c_uint);
         get_error_name = "cuGetErrorName"(CuRes, *mut *const c_char);
@@ -111,14 +147,7 @@ driver_table! {
             *mut usize, *const CUmemAllocationProp, CUmemAllocationGranularity_flags);
         mem_address_reserve = "cuMemAddressReserve"(*mut CUdeviceptr, usize, usize, CUdeviceptr, u64);
         mem_address_free = "cuMemAddressFree"(CUdeviceptr, usize);
-        mem_create = "cuMemCreate"(*mut CUmemGenericAllocationHandle, usize, *const CUmemAllocationProp, u64);
-        mem_map = "cuMemMap"(CUdeviceptr, usize, usize, CUmemGenericAllocationHandle, u64);
-        mem_unmap = "cuMemUnmap"(CUdeviceptr, usize);
-        mem_release = "cuMemRelease"(CUmemGenericAllocationHandle);
         mem_set_access = "cuMemSetAccess"(CUdeviceptr, usize, *const CUmemAccessDesc, usize);
-        mem_alloc = "cuMemAlloc_v2"(*mut CUdeviceptr, usize);
-        mem_free = "cuMemFree_v2"(CUdeviceptr);
-        mem_alloc_pitch = "cuMemAllocPitch_v2"(*mut CUdeviceptr, *mut usize, usize, usize, c_uint);
         stream_create = "cuStreamCreate"(*mut CUstream, c_uint);
         stream_synchronize = "cuStreamSynchronize"(CUstream);
         event_create = "cuEventCreate"(*mut CUevent, c_uint);
@@ -130,26 +159,13 @@ driver_table! {
         memcpy_dtoh_async = "cuMemcpyDtoHAsync_v2"(*mut c_void, CUdeviceptr, usize, CUstream);
         memcpy_htod_async = "cuMemcpyHtoDAsync_v2"(CUdeviceptr, *const c_void, usize, CUstream);
     }
-    optional {
-        get_proc_address = "cuGetProcAddress"(*const c_char, *mut *mut c_void, c_int, cuuint64_t);
-        get_proc_address_v2 = "cuGetProcAddress_v2"(
-            *const c_char, *mut *mut c_void, c_int, cuuint64_t, *mut CUdriverProcAddressQueryResult);
-        // Recorded only (state the driver checkpoint cannot take); see `hazards`.
-        mem_alloc_managed = "cuMemAllocManaged"(*mut CUdeviceptr, usize, c_uint);
-        ipc_get_mem_handle = "cuIpcGetMemHandle"(*mut CUipcMemHandle, CUdeviceptr);
-        ipc_open_mem_handle = "cuIpcOpenMemHandle_v2"(*mut CUdeviceptr, CUipcMemHandle, c_uint);
-        ctx_enable_peer_access = "cuCtxEnablePeerAccess"(CUcontext, c_uint);
-        mem_export_to_shareable_handle = "cuMemExportToShareableHandle"(
-            *mut c_void, CUmemGenericAllocationHandle, c_uint, u64);
-        mem_import_from_shareable_handle = "cuMemImportFromShareableHandle"(
-            *mut CUmemGenericAllocationHandle, *mut c_void, c_uint);
-        // Translated between the application's and the driver's handle values (see `table`).
-        mem_retain_allocation_handle = "cuMemRetainAllocationHandle"(
-            *mut CUmemGenericAllocationHandle, *mut c_void);
-        mem_get_allocation_properties_from_handle = "cuMemGetAllocationPropertiesFromHandle"(
-            *mut CUmemAllocationProp, CUmemGenericAllocationHandle);
-        multicast_bind_mem = "cuMulticastBindMem"(
-            CUmemGenericAllocationHandle, usize, CUmemGenericAllocationHandle, usize, usize, u64);
+});
+
+#[cfg(test)]
+impl Driver {
+    /// A table resolved through a stand-in `dlsym`, for tests of the code that calls the driver.
+    pub(crate) fn resolve_with(dlsym: DlsymFn) -> Result<Self, String> {
+        Self::resolve(std::ptr::null_mut(), dlsym)
     }
 }
 
@@ -230,5 +246,102 @@ impl Driver {
         } else {
             format!("CUDA error {code}")
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hooks::Hooked;
+
+    /// A stand-in `dlsym` that "finds" every symbol at the address of its own name: a pointer
+    /// read back as a C string says which name a table entry was resolved by.
+    unsafe extern "C" fn name_as_address(_: *mut c_void, symbol: *const c_char) -> *mut c_void {
+        symbol.cast_mut().cast()
+    }
+
+    /// As [`name_as_address`], but the given driver lacks `cuMulticastBindMem`.
+    unsafe extern "C" fn without_multicast(h: *mut c_void, symbol: *const c_char) -> *mut c_void {
+        // SAFETY: symbol is the table's NUL-terminated name.
+        if unsafe { CStr::from_ptr(symbol) } == c"cuMulticastBindMem" {
+            return std::ptr::null_mut();
+        }
+        // SAFETY: same contract.
+        unsafe { name_as_address(h, symbol) }
+    }
+
+    unsafe extern "C" fn finds_nothing(_: *mut c_void, _: *const c_char) -> *mut c_void {
+        std::ptr::null_mut()
+    }
+
+    /// The name a resolved entry point was looked up by (see [`name_as_address`]).
+    fn looked_up_as(p: *mut c_void) -> String {
+        assert!(!p.is_null());
+        // SAFETY: with name_as_address, every resolved pointer is a table name (never called).
+        unsafe { CStr::from_ptr(p.cast()) }
+            .to_string_lossy()
+            .into_owned()
+    }
+
+    #[test]
+    fn each_hook_hands_out_the_real_function_of_its_libcuda_symbol() {
+        let drv = Driver::resolve(std::ptr::null_mut(), name_as_address).unwrap();
+        for (h, symbol) in [
+            (Hooked::MemAlloc, "cuMemAlloc_v2"),
+            (Hooked::MemFree, "cuMemFree_v2"),
+            (Hooked::MemAllocPitch, "cuMemAllocPitch_v2"),
+            (Hooked::MemCreate, "cuMemCreate"),
+            (Hooked::MemMap, "cuMemMap"),
+            (Hooked::MemUnmap, "cuMemUnmap"),
+            (Hooked::MemRelease, "cuMemRelease"),
+            (
+                Hooked::MemRetainAllocationHandle,
+                "cuMemRetainAllocationHandle",
+            ),
+            (
+                Hooked::MemGetAllocationPropertiesFromHandle,
+                "cuMemGetAllocationPropertiesFromHandle",
+            ),
+            (Hooked::MulticastBindMem, "cuMulticastBindMem"),
+            (Hooked::GetProcAddress, "cuGetProcAddress"),
+            (Hooked::GetProcAddressV2, "cuGetProcAddress_v2"),
+            (Hooked::MemAllocManaged, "cuMemAllocManaged"),
+            (Hooked::IpcGetMemHandle, "cuIpcGetMemHandle"),
+            (Hooked::IpcOpenMemHandle, "cuIpcOpenMemHandle_v2"),
+            (Hooked::CtxEnablePeerAccess, "cuCtxEnablePeerAccess"),
+            (
+                Hooked::MemExportToShareableHandle,
+                "cuMemExportToShareableHandle",
+            ),
+            (
+                Hooked::MemImportFromShareableHandle,
+                "cuMemImportFromShareableHandle",
+            ),
+        ] {
+            assert_eq!(looked_up_as(h.real_addr(&drv)), symbol, "{h:?}");
+            assert_eq!(Hooked::from_symbol(symbol.as_bytes()), Some(h));
+        }
+        // Calls the agent makes itself, looked up by their exported (versioned) names.
+        assert_eq!(looked_up_as(drv.init as *mut c_void), "cuInit");
+        assert_eq!(
+            looked_up_as(drv.mem_host_register as *mut c_void),
+            "cuMemHostRegister_v2"
+        );
+        assert_eq!(
+            looked_up_as(drv.memcpy_dtoh_async as *mut c_void),
+            "cuMemcpyDtoHAsync_v2"
+        );
+    }
+
+    #[test]
+    fn a_missing_optional_entry_point_is_null_a_missing_required_one_an_error() {
+        let drv = Driver::resolve(std::ptr::null_mut(), without_multicast).unwrap();
+        assert!(drv.multicast_bind_mem.is_none());
+        assert!(Hooked::MulticastBindMem.real_addr(&drv).is_null());
+        assert_eq!(looked_up_as(Hooked::MemMap.real_addr(&drv)), "cuMemMap");
+        let err = Driver::resolve(std::ptr::null_mut(), finds_nothing)
+            .err()
+            .expect("a driver without cuInit");
+        assert_eq!(err, "cuInit not found in libcuda.so.1");
     }
 }

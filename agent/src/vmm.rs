@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use cudarc::driver::sys::{CUdevice, CUdeviceptr, CUmemGenericAllocationHandle};
 
 use crate::cu::CuError;
+use crate::log::{debug, error};
 use crate::real::Driver;
 use crate::table::PropBytes;
 
@@ -72,7 +73,7 @@ pub fn alloc(drv: &Driver, dev: CUdevice, size: u64) -> Result<VmmAlloc, CuError
             handle,
         }),
         Err(e) => {
-            let _ = drv.free_reservation(addr, rounded);
+            log_failed_undo(&e, drv.free_reservation(addr, rounded));
             Err(e)
         }
     }
@@ -90,12 +91,12 @@ pub fn back(
 ) -> Result<CUmemGenericAllocationHandle, CuError> {
     let handle = drv.create(addr, size, dev, prop)?;
     if let Err(e) = drv.map(addr, size, handle) {
-        let _ = drv.release(addr, handle);
+        log_failed_undo(&e, drv.release(addr, handle));
         return Err(e);
     }
     if let Err(e) = drv.set_access_rw(addr, size, dev) {
-        let _ = drv.unmap(addr, size);
-        let _ = drv.release(addr, handle);
+        log_failed_undo(&e, drv.unmap(addr, size));
+        log_failed_undo(&e, drv.release(addr, handle));
         return Err(e);
     }
     Ok(handle)
@@ -126,12 +127,280 @@ pub fn free(
         first = unback(drv, addr, size, h);
     }
     let freed = drv.free_reservation(addr, size);
-    first.and(freed)
+    match (first, freed) {
+        (Err(e), Err(also)) => {
+            // The caller reports the first error; the second mostly follows from it (a range
+            // still mapped cannot be freed), so it is logged for debugging only.
+            debug!("{also} (code {}), after {e}", also.code);
+            Err(e)
+        }
+        (first, freed) => first.and(freed),
+    }
+}
+
+/// Logs an undo that failed: `undo` was taken because `cause` failed (the error the caller
+/// returns), and nothing else would report it nor what it could not give back.
+fn log_failed_undo(cause: &CuError, undo: Result<(), CuError>) {
+    if let Err(e) = undo {
+        error!(
+            "undo failed: {e} (code {}), after {cause}; left allocated",
+            e.code
+        );
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::cell::RefCell;
+    use std::ffi::{CStr, c_char, c_void};
+
+    use cudarc::driver::sys::{
+        CUmemAccessDesc, CUmemAllocationGranularity_flags, CUmemAllocationProp,
+    };
+
+    use crate::real::CuRes;
+
+    /// The status every failing stand-in call returns (`CUDA_ERROR_OUT_OF_MEMORY`).
+    const FAILED: CuRes = 2;
+    const BASE: CUdeviceptr = 0x7f00_0000_0000;
+    const HANDLE: CUmemGenericAllocationHandle = 7;
+    const GRANULE: u64 = 2 << 20;
+
+    thread_local! {
+        /// The stand-in calls this test made, in order, and the ones that are to fail.
+        static CALLS: RefCell<Vec<&'static str>> = const { RefCell::new(Vec::new()) };
+        static FAILING: RefCell<&'static [&'static str]> = const { RefCell::new(&[]) };
+    }
+
+    fn outcome(call: &'static str) -> CuRes {
+        CALLS.with(|c| c.borrow_mut().push(call));
+        if FAILING.with(|f| f.borrow().contains(&call)) {
+            FAILED
+        } else {
+            0
+        }
+    }
+
+    unsafe extern "C" fn error_name(_: CuRes, _: *mut *const c_char) -> CuRes {
+        crate::real::CUDA_ERROR_INVALID_VALUE
+    }
+    unsafe extern "C" fn granularity(
+        g: *mut usize,
+        _: *const CUmemAllocationProp,
+        _: CUmemAllocationGranularity_flags,
+    ) -> CuRes {
+        // SAFETY: g is the wrapper's out pointer.
+        unsafe { *g = GRANULE as usize };
+        0
+    }
+    unsafe extern "C" fn reserve(
+        addr: *mut CUdeviceptr,
+        _: usize,
+        _: usize,
+        _: CUdeviceptr,
+        _: u64,
+    ) -> CuRes {
+        // SAFETY: addr is the wrapper's out pointer.
+        unsafe { *addr = BASE };
+        outcome("cuMemAddressReserve")
+    }
+    unsafe extern "C" fn address_free(_: CUdeviceptr, _: usize) -> CuRes {
+        outcome("cuMemAddressFree")
+    }
+    unsafe extern "C" fn create(
+        h: *mut CUmemGenericAllocationHandle,
+        _: usize,
+        _: *const CUmemAllocationProp,
+        _: u64,
+    ) -> CuRes {
+        // SAFETY: h is the wrapper's out pointer.
+        unsafe { *h = HANDLE };
+        outcome("cuMemCreate")
+    }
+    unsafe extern "C" fn map(
+        _: CUdeviceptr,
+        _: usize,
+        _: usize,
+        _: CUmemGenericAllocationHandle,
+        _: u64,
+    ) -> CuRes {
+        outcome("cuMemMap")
+    }
+    unsafe extern "C" fn set_access(
+        _: CUdeviceptr,
+        _: usize,
+        _: *const CUmemAccessDesc,
+        _: usize,
+    ) -> CuRes {
+        outcome("cuMemSetAccess")
+    }
+    unsafe extern "C" fn unmap(_: CUdeviceptr, _: usize) -> CuRes {
+        outcome("cuMemUnmap")
+    }
+    unsafe extern "C" fn release(_: CUmemGenericAllocationHandle) -> CuRes {
+        outcome("cuMemRelease")
+    }
+
+    /// A stand-in libcuda: the VMM calls above; any other name resolves to a pointer these
+    /// tests never call.
+    unsafe extern "C" fn stand_in(_: *mut c_void, symbol: *const c_char) -> *mut c_void {
+        // SAFETY: symbol is the driver table's NUL-terminated name.
+        match unsafe { CStr::from_ptr(symbol) }.to_bytes() {
+            b"cuGetErrorName" => error_name as *mut c_void,
+            b"cuMemGetAllocationGranularity" => granularity as *mut c_void,
+            b"cuMemAddressReserve" => reserve as *mut c_void,
+            b"cuMemAddressFree" => address_free as *mut c_void,
+            b"cuMemCreate" => create as *mut c_void,
+            b"cuMemMap" => map as *mut c_void,
+            b"cuMemSetAccess" => set_access as *mut c_void,
+            b"cuMemUnmap" => unmap as *mut c_void,
+            b"cuMemRelease" => release as *mut c_void,
+            _ => symbol.cast_mut().cast(),
+        }
+    }
+
+    /// Runs `f` against the stand-in with `failing` calls failing; returns the calls it made and
+    /// the error lines it logged.
+    fn with_failing<T>(
+        failing: &'static [&'static str],
+        f: impl FnOnce(&Driver) -> T,
+    ) -> (T, Vec<&'static str>, Vec<String>) {
+        let drv = Driver::resolve_with(stand_in).unwrap();
+        CALLS.with(|c| c.borrow_mut().clear());
+        FAILING.with(|f| *f.borrow_mut() = failing);
+        let (out, logged) = crate::log::capture::logged(|| f(&drv));
+        let errors = logged
+            .into_iter()
+            .filter(|l| l.starts_with("error: "))
+            .collect();
+        (out, CALLS.with(|c| c.take()), errors)
+    }
+
+    #[test]
+    fn a_failed_undo_is_logged_the_first_error_returned_and_every_undo_still_tried() {
+        let (r, calls, errors) = with_failing(&["cuMemMap", "cuMemRelease"], |d| {
+            back(d, 0, BASE, GRANULE, None)
+        });
+        assert_eq!(
+            r.unwrap_err().call,
+            format!("cuMemMap(addr {BASE:#x}, {GRANULE} bytes)")
+        );
+        assert_eq!(calls, ["cuMemCreate", "cuMemMap", "cuMemRelease"]);
+        assert_eq!(
+            errors,
+            [format!(
+                "error: undo failed: cuMemRelease(handle of addr {BASE:#x}) failed: CUDA error 2 \
+                 (code 2), after cuMemMap(addr {BASE:#x}, {GRANULE} bytes) failed: CUDA error 2; \
+                 left allocated"
+            )]
+        );
+
+        let (r, calls, errors) =
+            with_failing(&["cuMemSetAccess", "cuMemUnmap", "cuMemRelease"], |d| {
+                back(d, 0, BASE, GRANULE, None)
+            });
+        let e = r.unwrap_err();
+        assert!(e.call.starts_with("cuMemSetAccess("), "{e}");
+        assert_eq!(e.code, FAILED);
+        assert_eq!(
+            calls,
+            [
+                "cuMemCreate",
+                "cuMemMap",
+                "cuMemSetAccess",
+                "cuMemUnmap",
+                "cuMemRelease"
+            ]
+        );
+        assert_eq!(errors.len(), 2, "{errors:?}");
+        assert!(errors[0].contains("undo failed: cuMemUnmap(") && errors[0].contains("(code 2)"));
+        assert!(errors[1].contains("undo failed: cuMemRelease("));
+        assert!(errors.iter().all(|l| l.contains("after cuMemSetAccess(")));
+
+        // Only the failed undo is logged; the cause is the caller's to report.
+        let (r, calls, errors) = with_failing(&["cuMemSetAccess", "cuMemRelease"], |d| {
+            back(d, 0, BASE, GRANULE, None)
+        });
+        assert!(r.is_err());
+        assert_eq!(calls.len(), 5);
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert!(errors[0].contains("undo failed: cuMemRelease("));
+
+        let (r, calls, errors) =
+            with_failing(&["cuMemCreate", "cuMemAddressFree"], |d| alloc(d, 0, 1));
+        assert!(r.unwrap_err().call.starts_with("cuMemCreate("));
+        assert_eq!(
+            calls,
+            ["cuMemAddressReserve", "cuMemCreate", "cuMemAddressFree"]
+        );
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert!(
+            errors[0].contains("undo failed: cuMemAddressFree(addr 0x7f0000000000, 2097152 bytes)")
+        );
+        assert!(errors[0].contains("after cuMemCreate("));
+
+        let (r, calls, errors) = with_failing(&["cuMemMap"], |d| alloc(d, 0, 1));
+        assert!(r.unwrap_err().call.starts_with("cuMemMap("));
+        assert_eq!(
+            calls,
+            [
+                "cuMemAddressReserve",
+                "cuMemCreate",
+                "cuMemMap",
+                "cuMemRelease",
+                "cuMemAddressFree"
+            ]
+        );
+        assert!(errors.is_empty(), "undone cleanly: {errors:?}");
+
+        let (r, calls, errors) = with_failing(&[], |d| alloc(d, 0, 1));
+        assert_eq!(
+            r.unwrap(),
+            VmmAlloc {
+                addr: BASE,
+                size: GRANULE,
+                handle: HANDLE
+            }
+        );
+        assert_eq!(
+            calls,
+            [
+                "cuMemAddressReserve",
+                "cuMemCreate",
+                "cuMemMap",
+                "cuMemSetAccess"
+            ]
+        );
+        assert!(errors.is_empty());
+    }
+
+    #[test]
+    fn free_goes_on_after_a_failure_and_returns_the_first() {
+        let (r, calls, errors) = with_failing(&["cuMemUnmap", "cuMemAddressFree"], |d| {
+            free(d, BASE, GRANULE, Some(HANDLE))
+        });
+        assert!(r.unwrap_err().call.starts_with("cuMemUnmap("));
+        assert_eq!(
+            calls,
+            ["cuMemUnmap", "cuMemAddressFree"],
+            "nothing released while mapped"
+        );
+        assert!(
+            errors.is_empty(),
+            "the second failure is debug only: {errors:?}"
+        );
+
+        let (r, calls, _) = with_failing(&["cuMemAddressFree"], |d| {
+            free(d, BASE, GRANULE, Some(HANDLE))
+        });
+        assert!(r.unwrap_err().call.starts_with("cuMemAddressFree("));
+        assert_eq!(calls, ["cuMemUnmap", "cuMemRelease", "cuMemAddressFree"]);
+
+        let (r, calls, _) = with_failing(&[], |d| free(d, BASE, GRANULE, None));
+        assert!(r.is_ok());
+        assert_eq!(calls, ["cuMemAddressFree"]);
+    }
 
     #[test]
     fn rounding() {

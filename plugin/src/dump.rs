@@ -53,6 +53,8 @@ pub enum DumpError {
     WorkerPanicked { pid: i32 },
     #[error("internal: {0}")]
     Phase(#[from] ImpossibleMove),
+    #[error("holding the threads of pid {pid} before its memory is released: {err}")]
+    Hold { pid: i32, err: std::io::Error },
 }
 
 fn driver(what: &'static str) -> impl FnOnce(DriverError) -> DumpError {
@@ -77,6 +79,7 @@ pub fn pause(ctx: &Ctx, pid: i32) -> Result<Option<Tracked>, DumpError> {
         phase: Phase::Untouched,
         route: Route::Transparent,
         agent: false,
+        hold: None,
         timings: Vec::new(),
     };
     // The agent is asked while the process runs; the connection is closed again before CRIU
@@ -124,6 +127,7 @@ pub fn pause(ctx: &Ctx, pid: i32) -> Result<Option<Tracked>, DumpError> {
         }
         t.phase.locked()?;
         t.time("lock", t0.elapsed().as_secs_f64());
+        crate::fault::kill_criu_at("dump-locked");
     }
     let path = match &t.route {
         Route::Split(s) => format!(
@@ -264,6 +268,14 @@ pub fn checkpoint_all(ctx: &Ctx, procs: &mut [Tracked]) -> Vec<(i32, Result<(), 
     });
     for (((t, threads), (pid, r)), leftover) in work.into_iter().zip(outcomes).zip(leftovers) {
         let stopped = ptrace::stop_all(threads, "stopping a thread after the checkpoint");
+        // Locked or checkpointed by the driver now, its calls held: the hold is no longer
+        // needed. Released (the relock failed): kept until the rollback has reloaded.
+        let released = if t.phase.memory_released() && !matches!(t.phase, Phase::Released(_)) {
+            t.hold.take().map_or(Ok(()), |h| h.release())
+        } else {
+            Ok(())
+        };
+        let stopped = stopped.and(released);
         if r.is_ok() {
             log::info!("pid {}: dump phases: {}", t.pid, t.timings_line());
         }
@@ -353,6 +365,7 @@ fn checkpoint_one(ctx: &Ctx, t: &mut Tracked, call: &DriverCall) -> Result<(), D
         ))?;
     t.phase.checkpointed()?;
     refrozen?;
+    crate::fault::kill_criu_at("dump-checkpointed");
     let phase = if t.is_split() {
         "control"
     } else {
@@ -437,6 +450,14 @@ fn move_data_out(ctx: &Ctx, t: &mut Tracked) -> Result<(), DumpError> {
     let manifest = new_manifest(ctx, t, CheckpointPath::Split, allocations, &data);
     gpusnap_image::write_manifest(dir, &manifest).map_err(DumpError::Manifest)?;
 
+    // Should CRIU die from here until the driver lock holds the process again, its threads
+    // must not run: hold them first (the driver's restore thread and the agent's run on).
+    let agent_tid = session_agent_tid(t)?;
+    t.hold = Some(
+        crate::hold::Hold::place(pid, &[t.restore_tid, agent_tid]).map_err(|err| {
+            DumpError::Hold { pid, err }
+        })?,
+    );
     // From the moment Release is sent, some memory may be gone even if the agent then fails
     // part-way: the phase says released, so a failure keeps the files and rolls back by
     // reloading.
@@ -448,7 +469,22 @@ fn move_data_out(ctx: &Ctx, t: &mut Tracked) -> Result<(), DumpError> {
     let (n, bytes) = session.release()?;
     t.time("release", t0.elapsed().as_secs_f64());
     log::debug!("pid {pid}: agent released {n} allocations ({bytes} bytes)");
-    lock(ctx, t, "relock")
+    crate::fault::kill_criu_at("dump-released");
+    lock(ctx, t, "relock")?;
+    crate::fault::kill_criu_at("dump-relocked");
+    Ok(())
+}
+
+/// The host tid of the agent thread of a split-path process.
+fn session_agent_tid(t: &Tracked) -> Result<i32, DumpError> {
+    match &t.route {
+        Route::Split(s) => Ok(agent::host_tid(t.pid, s.agent_ns_tid)?),
+        Route::Transparent => Err(AgentError::NoThread {
+            pid: t.pid,
+            ns_tid: -1,
+        }
+        .into()),
+    }
 }
 
 /// For an incremental dump: the parent image's chunks this process may reference, if the image

@@ -13,6 +13,7 @@
 //! - [`datapath`] / [`staging`]: moving device data through the shared ring into image files;
 //! - [`ptrace`]: running one seized thread while CRIU holds the others;
 //! - [`stall`]: a driver checkpoint that waits on a stopped thread of its process;
+//! - [`hold`]: keeping a process from running on absent device memory should CRIU die;
 //! - [`procfs`]: everything read from `/proc`.
 
 pub mod agent;
@@ -21,7 +22,9 @@ pub mod criu;
 pub mod datapath;
 pub mod devfile;
 pub mod dump;
+pub mod fault;
 pub mod gpumap;
+pub mod hold;
 pub mod host_gpus;
 pub mod logger;
 pub mod plugin;

@@ -83,6 +83,10 @@ pub fn init(raw_stage: i32) -> i32 {
             return -1;
         }
     };
+    if let Err(e) = crate::fault::check() {
+        log::error!("{e}; refusing to run");
+        return -1;
+    }
     if let Some(level) = cfg.log_level {
         crate::logger::init(Some(level.to_level_filter()));
     }

@@ -226,6 +226,10 @@ pub struct Tracked {
     pub route: Route,
     /// The gpusnap agent answered at PAUSE (it records what the driver cannot checkpoint).
     pub agent: bool,
+    /// Its application threads, held should CRIU die while its memory is released (placed
+    /// before the release, released by the tracer once the driver lock holds the process or
+    /// the memory is back).
+    pub hold: Option<crate::hold::Hold>,
     /// Phase name and seconds, in order.
     pub timings: Vec<(&'static str, f64)>,
 }

@@ -44,6 +44,12 @@ fn status_field<T: std::str::FromStr>(status: &str, key: &str) -> Option<T> {
         .ok()
 }
 
+/// `SigPnd:` of a `status` text: the signals queued to that thread alone (bit n-1 for signal n).
+pub fn parse_sig_pending(status: &str) -> Option<u64> {
+    let hex: String = status_field(status, "SigPnd")?;
+    u64::from_str_radix(&hex, 16).ok()
+}
+
 /// `Tgid:` of a `status` text: the process a thread belongs to.
 pub fn parse_tgid(status: &str) -> Option<i32> {
     status_field(status, "Tgid")
@@ -149,6 +155,12 @@ pub fn ns_pid(pid: i32) -> io::Result<i32> {
 pub fn ns_tid(pid: i32, tid: i32) -> io::Result<i32> {
     let path = format!("/proc/{pid}/task/{tid}/status");
     parse_ns_id(&read(&path)?).ok_or_else(|| invalid("NSpid line", &path))
+}
+
+/// The signals queued to thread `tid` of `pid` alone (not to the whole process).
+pub fn pending_signals(pid: i32, tid: i32) -> io::Result<u64> {
+    let path = format!("/proc/{pid}/task/{tid}/status");
+    parse_sig_pending(&read(&path)?).ok_or_else(|| invalid("SigPnd line", &path))
 }
 
 /// The process (thread group) thread `tid` belongs to.

@@ -144,9 +144,55 @@ impl Drop for RunningThread {
     }
 }
 
-/// Waits for the `PTRACE_EVENT_STOP` our interrupt causes. A signal-delivery stop on the way
-/// (only SIGTRAP can arrive: everything else is blocked) is passed on, and we keep waiting.
-fn wait_for_interrupt_stop(tid: i32) -> io::Result<()> {
+/// Makes the kernel kill `tid` (and so its process) should its tracer exit, keeping CRIU's
+/// options. Only the tracer may call this.
+pub fn set_exit_kill(tid: i32) -> Result<(), PtraceError> {
+    let options = CRIU_OPTIONS | libc::PTRACE_O_EXITKILL as libc::c_long;
+    ptrace(libc::PTRACE_SETOPTIONS, tid, 0, options as usize)
+        .map(|_| ())
+        .map_err(PtraceError::on(tid, "setting PTRACE_O_EXITKILL"))
+}
+
+/// Takes a `SIGSTOP` queued to `tid` (a [`crate::hold::Hold`]) out of its queue without letting
+/// it run: with every other signal blocked, the thread is continued into the signal's delivery
+/// stop, the signal is dropped, and a pending interrupt traps it again before it returns to
+/// user space. `tid` must be in a ptrace stop of ours with `SIGSTOP` pending.
+pub fn drain_sigstop(tid: i32) -> Result<(), PtraceError> {
+    let err = PtraceError::on(tid, "taking back a queued SIGSTOP");
+    let mut saved: u64 = 0;
+    sigmask(PTRACE_GETSIGMASK, tid, &mut saved).map_err(err)?;
+    let mut all: u64 = !0;
+    sigmask(PTRACE_SETSIGMASK, tid, &mut all).map_err(PtraceError::on(tid, "blocking signals"))?;
+    let drained = (|| {
+        ptrace(libc::PTRACE_CONT, tid, 0, 0)?;
+        wait_for_signal_stop(tid, libc::SIGSTOP)?;
+        ptrace(libc::PTRACE_INTERRUPT, tid, 0, 0)?;
+        // Continuing with signal 0 drops the SIGSTOP; the interrupt stops the thread again.
+        ptrace(libc::PTRACE_CONT, tid, 0, 0)?;
+        wait_for_interrupt_stop(tid)
+    })();
+    let restored = sigmask(PTRACE_SETSIGMASK, tid, &mut saved);
+    drained.map_err(PtraceError::on(tid, "taking back a queued SIGSTOP"))?;
+    restored.map_err(PtraceError::on(tid, "restoring the signal mask"))
+}
+
+/// Waits for the delivery stop of `sig`; an interrupt stop on the way (a trap that was
+/// pending) is continued.
+fn wait_for_signal_stop(tid: i32, sig: i32) -> io::Result<()> {
+    for _ in 0..16 {
+        let status = wait_stopped(tid)?;
+        if status >> 16 == 0 && libc::WSTOPSIG(status) == sig {
+            return Ok(());
+        }
+        ptrace(libc::PTRACE_CONT, tid, 0, 0)?;
+    }
+    Err(io::Error::other(format!(
+        "thread {tid} did not take its signal {sig}"
+    )))
+}
+
+/// The status of the next stop of traced thread `tid` (EINTR retried).
+fn wait_stopped(tid: i32) -> io::Result<i32> {
     loop {
         let mut status: libc::c_int = 0;
         // SAFETY: waitpid on a traced thread with a valid status pointer.
@@ -163,9 +209,17 @@ fn wait_for_interrupt_stop(tid: i32) -> io::Result<()> {
                 "thread {tid} exited while it was running for gpusnap"
             )));
         }
-        if !libc::WIFSTOPPED(status) {
-            continue;
+        if libc::WIFSTOPPED(status) {
+            return Ok(status);
         }
+    }
+}
+
+/// Waits for the `PTRACE_EVENT_STOP` our interrupt causes. A signal-delivery stop on the way
+/// (only SIGTRAP can arrive: everything else is blocked) is passed on, and we keep waiting.
+fn wait_for_interrupt_stop(tid: i32) -> io::Result<()> {
+    loop {
+        let status = wait_stopped(tid)?;
         if status >> 16 == libc::PTRACE_EVENT_STOP {
             return Ok(());
         }

@@ -1,0 +1,246 @@
+//! Holding a process's application threads so that they cannot run if CRIU (their tracer)
+//! dies while their device memory is absent or partly loaded (`docs/design-notes.md`, "Fail
+//! closed").
+//!
+//! ptrace alone holds them only while CRIU lives: when a tracer exits, the kernel detaches its
+//! tracees and they run on. Two kernel mechanisms outlive the tracer:
+//!
+//! - **At dump** ([`Hold`]): a `SIGSTOP` queued to each application thread while it sits in
+//!   CRIU's ptrace stop. Nothing happens while it is traced (a stopped tracee dequeues nothing).
+//!   Should the tracer die, every thread leaves its ptrace stop into signal handling, dequeues
+//!   the `SIGSTOP` before it returns to user space, and the whole process enters a group stop:
+//!   held, with its state intact, until `gpusnap recover` reloads its memory and continues it.
+//!   When the window closes normally, the tracer drains each queued `SIGSTOP` without letting
+//!   the thread run ([`Hold::release`]), so CRIU never sees it (it would dump it as a pending
+//!   signal otherwise).
+//! - **At restore** ([`kill_if_criu_dies`]): `PTRACE_O_EXITKILL` on the process's threads: if
+//!   the tracer dies, the kernel kills the tracee. A half-restored process dies; its image is
+//!   intact and a new restore works. CRIU's own detach at the end of the restore drops the
+//!   option.
+//!
+//! Both are set up by CRIU's main thread (the tracer) or, for queueing signals, any thread;
+//! neither depends on the agent or on gpusnap winning a race against the application.
+
+use crate::procfs;
+use crate::ptrace::{self, PtraceError};
+use std::io;
+
+/// Application threads of one process with a `SIGSTOP` queued by us.
+#[derive(Debug)]
+#[must_use = "a hold is released by the tracer, or kept on purpose with Hold::keep"]
+pub struct Hold {
+    pid: i32,
+    tids: Vec<i32>,
+}
+
+impl Hold {
+    /// Queues a `SIGSTOP` to every thread of `pid` except `running` (the threads gpusnap lets
+    /// run: the driver's restore thread, the agent's). The threads must be in a ptrace stop.
+    pub fn place(pid: i32, running: &[i32]) -> io::Result<Self> {
+        let mut hold = Self {
+            pid,
+            tids: Vec::new(),
+        };
+        for tid in procfs::thread_ids(pid)? {
+            if running.contains(&tid) {
+                continue;
+            }
+            // SAFETY: tgkill takes no pointers; it queues SIGSTOP to thread `tid` of `pid`
+            // only (a tid reused by another process meanwhile is refused by the tgid check).
+            if unsafe { libc::syscall(libc::SYS_tgkill, pid, tid, libc::SIGSTOP) } != 0 {
+                let e = io::Error::last_os_error();
+                if e.raw_os_error() == Some(libc::ESRCH) {
+                    continue; // exited meanwhile
+                }
+                // The threads already held stay held: fail closed.
+                hold.keep();
+                return Err(io::Error::new(
+                    e.kind(),
+                    format!("queueing SIGSTOP to thread {tid}: {e}"),
+                ));
+            }
+            hold.tids.push(tid);
+        }
+        log::debug!(
+            "pid {pid}: {} application threads held should CRIU die",
+            hold.tids.len()
+        );
+        Ok(hold)
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.pid
+    }
+
+    /// Drains the queued `SIGSTOP` of every held thread without letting it run; only the
+    /// tracer may call this. On failure the remaining threads stay held (and the error says
+    /// which one failed).
+    pub fn release(mut self) -> Result<(), PtraceError> {
+        while let Some(&tid) = self.tids.last() {
+            if sigstop_pending(self.pid, tid) {
+                ptrace::drain_sigstop(tid)?;
+            }
+            self.tids.pop();
+        }
+        Ok(())
+    }
+
+    /// Leaves the threads held: the process stays stopped (once untraced) until `gpusnap
+    /// recover` continues it.
+    pub fn keep(mut self) {
+        if !self.tids.is_empty() {
+            log::warn!(
+                "pid {}: its {} application threads stay held (SIGSTOP queued): once CRIU lets go of it, it is stopped until `gpusnap recover {}` brings it back",
+                self.pid,
+                self.tids.len(),
+                self.pid
+            );
+        }
+        self.tids.clear();
+    }
+}
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        // Dropped without a decision (an early return): the threads stay held, which is the
+        // safe side; say so.
+        if !self.tids.is_empty() {
+            log::warn!(
+                "pid {}: {} application threads left held (SIGSTOP queued)",
+                self.pid,
+                self.tids.len()
+            );
+        }
+    }
+}
+
+/// Whether `SIGSTOP` is queued to thread `tid` of `pid` (its `SigPnd` mask).
+fn sigstop_pending(pid: i32, tid: i32) -> bool {
+    procfs::pending_signals(pid, tid).is_ok_and(|mask| mask & (1 << (libc::SIGSTOP - 1)) != 0)
+}
+
+/// Makes the kernel kill `pid` should CRIU (the tracer of its threads) die: `PTRACE_O_EXITKILL`
+/// on each of its threads but `running` (threads that gpusnap resumes get their options reset;
+/// one tracee killed takes the whole process with it). Only the tracer may call this.
+pub fn kill_if_criu_dies(pid: i32, running: &[i32]) -> Result<(), PtraceError> {
+    let tids = procfs::thread_ids(pid).map_err(PtraceError::on(pid, "listing threads"))?;
+    for tid in tids.into_iter().filter(|t| !running.contains(t)) {
+        ptrace::set_exit_kill(tid)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ptrace::SeizedProcess;
+    use std::time::{Duration, Instant};
+
+    fn state(pid: i32) -> String {
+        let text = procfs::stat_text(pid, None).unwrap_or_default();
+        procfs::Stat::parse(&text)
+            .and_then(|s| s.state())
+            .unwrap_or("?")
+            .to_owned()
+    }
+
+    /// Waits until `pid` is in `want` (a stat state letter), or a second passes.
+    fn settles_in(pid: i32, want: &str) -> bool {
+        let deadline = Instant::now() + Duration::from_secs(1);
+        while Instant::now() < deadline {
+            if state(pid) == want {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        false
+    }
+
+    fn sleeper() -> std::process::Child {
+        std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .expect("spawn sleep")
+    }
+
+    /// Seizes `pid` on a thread of its own, runs `f` there and lets the thread (the tracer) end
+    /// without detaching, as a dying CRIU would.
+    fn tracer_dies_after(pid: i32, f: impl FnOnce() + Send) {
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let seized = SeizedProcess::seize(pid).expect("seize (root or parent)");
+                f();
+                std::mem::forget(seized);
+            });
+        });
+    }
+
+    #[test]
+    fn a_held_process_stays_stopped_when_its_tracer_dies() {
+        let mut child = sleeper();
+        let pid = child.id() as i32;
+        tracer_dies_after(pid, || Hold::place(pid, &[]).expect("hold").keep());
+        let stopped = settles_in(pid, "T");
+        let seen = state(pid);
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(stopped, "held process is in state {seen} after its tracer died");
+    }
+
+    #[test]
+    fn without_a_hold_the_tracers_death_lets_it_run() {
+        // The control: what a dying CRIU does today to a process it holds.
+        let mut child = sleeper();
+        let pid = child.id() as i32;
+        tracer_dies_after(pid, || {});
+        let runs = settles_in(pid, "S");
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(runs, "an untraced, unheld sleeper should sleep on");
+    }
+
+    #[test]
+    fn a_released_hold_leaves_nothing_behind() {
+        let mut child = sleeper();
+        let pid = child.id() as i32;
+        tracer_dies_after(pid, || {
+            let hold = Hold::place(pid, &[]).expect("hold");
+            assert!(sigstop_pending(pid, pid), "SIGSTOP queued");
+            hold.release().expect("drain the SIGSTOP");
+            assert!(!sigstop_pending(pid, pid), "SIGSTOP taken back");
+            assert_eq!(state(pid), "t", "still in a ptrace stop after the drain");
+        });
+        let runs = settles_in(pid, "S");
+        let seen = state(pid);
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(runs, "released process is in state {seen}, not sleeping on");
+    }
+
+    #[test]
+    fn exit_kill_takes_the_process_with_its_tracer() {
+        let mut child = sleeper();
+        let pid = child.id() as i32;
+        tracer_dies_after(pid, || kill_if_criu_dies(pid, &[]).expect("set EXITKILL"));
+        let deadline = Instant::now() + Duration::from_secs(2);
+        let status = loop {
+            if let Some(st) = child.try_wait().unwrap() {
+                break Some(st);
+            }
+            if Instant::now() > deadline {
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        if status.is_none() {
+            child.kill().unwrap();
+            child.wait().unwrap();
+        }
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(
+            status.and_then(|s| s.signal()),
+            Some(libc::SIGKILL),
+            "the process should die with its tracer"
+        );
+    }
+}

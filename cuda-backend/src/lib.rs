@@ -5,6 +5,7 @@
 //!   dependency on the driver).
 //! - [`nvml`]: free device memory per GPU through NVML, so a restore can be refused before the GPU
 //!   is touched without creating a CUDA context inside CRIU.
+//! - [`uuid`]: [`GpuUuid`], a GPU's UUID in the driver's, gpusnap's and NVML's forms.
 //! - [`agent`]: the plugin's side of the in-process agent: finding it for a pid (also across
 //!   network and pid namespaces), checking who answers, and mapping its thread to a host tid.
 //!
@@ -13,5 +14,7 @@
 pub mod agent;
 pub mod driver;
 pub mod nvml;
+pub mod uuid;
 
 pub use driver::{CheckpointApi, DriverError, ProcessState};
+pub use uuid::{GpuUuid, ParseGpuUuidError};

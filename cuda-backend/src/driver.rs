@@ -11,6 +11,7 @@
 //! RESTORING states) would be undefined behaviour in them. The argument structs are cudarc's
 //! (plain integers, pointers and bytes); their layouts are tested against cuda.h below.
 
+use crate::GpuUuid;
 use cudarc::driver::sys::{
     CUcheckpointCheckpointArgs, CUcheckpointGpuPair, CUcheckpointLockArgs, CUcheckpointRestoreArgs,
     CUcheckpointUnlockArgs, CUdevice, CUprocessState, CUresult, CUuuid,
@@ -153,7 +154,7 @@ fn check(
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct GpuInfo {
     pub ordinal: u32,
-    /// 16 bytes as 32 lowercase hex digits.
+    /// The [`GpuUuid`] as 32 lowercase hex digits (its `Display`), the form images record.
     pub uuid: String,
     pub name: String,
     pub total_mem: u64,
@@ -283,16 +284,10 @@ impl CheckpointApi {
         self.check(code, "cuCheckpointProcessCheckpoint")
     }
 
-    /// CHECKPOINTED -> LOCKED, optionally onto other GPUs (`pairs` must then list every
-    /// checkpointed GPU).
-    pub fn restore(&self, pid: i32, pairs: &[([u8; 16], [u8; 16])]) -> Result<(), DriverError> {
-        let mut raw: Vec<CUcheckpointGpuPair> = pairs
-            .iter()
-            .map(|(old, new)| CUcheckpointGpuPair {
-                oldUuid: uuid_from_bytes(old),
-                newUuid: uuid_from_bytes(new),
-            })
-            .collect();
+    /// CHECKPOINTED -> LOCKED, optionally onto other GPUs: `pairs` are (checkpointed GPU, GPU
+    /// it is restored onto) and must then list every checkpointed GPU.
+    pub fn restore(&self, pid: i32, pairs: &[(GpuUuid, GpuUuid)]) -> Result<(), DriverError> {
+        let mut raw = gpu_pairs(pairs);
         // SAFETY: zeroed C argument struct, as documented.
         let mut a: CUcheckpointRestoreArgs = unsafe { std::mem::zeroed() };
         if !raw.is_empty() {
@@ -325,8 +320,7 @@ impl CheckpointApi {
             // SAFETY: valid out-pointer, ordinal < count.
             let code = unsafe { (self.device_get)(&mut dev, ordinal) };
             self.check(code, "cuDeviceGet")?;
-            // SAFETY: CUuuid is 16 plain bytes.
-            let mut uuid: CUuuid = unsafe { std::mem::zeroed() };
+            let mut uuid = CUuuid { bytes: [0; 16] };
             // SAFETY: valid out-pointer and device handle.
             let code = unsafe { (self.device_get_uuid)(&mut uuid, dev) };
             self.check(code, "cuDeviceGetUuid_v2")?;
@@ -342,7 +336,7 @@ impl CheckpointApi {
             self.check(code, "cuDeviceTotalMem_v2")?;
             out.push(GpuInfo {
                 ordinal: ordinal as u32,
-                uuid: uuid_hex(&uuid_bytes(&uuid)),
+                uuid: GpuUuid::from(uuid).to_string(),
                 name: c_string(&name),
                 total_mem: total as u64,
             });
@@ -351,49 +345,23 @@ impl CheckpointApi {
     }
 }
 
+/// `pairs` as `cuCheckpointProcessRestore` takes them.
+fn gpu_pairs(pairs: &[(GpuUuid, GpuUuid)]) -> Vec<CUcheckpointGpuPair> {
+    pairs
+        .iter()
+        .map(|&(old, new)| CUcheckpointGpuPair {
+            oldUuid: old.into(),
+            newUuid: new.into(),
+        })
+        .collect()
+}
+
 /// The text of a NUL-terminated C string the driver wrote into `buf`, up to the end of `buf`
 /// should it have no NUL.
 fn c_string(buf: &[c_char]) -> String {
     let bytes: Vec<u8> = buf.iter().map(|c| c.to_ne_bytes()[0]).collect();
     let text = CStr::from_bytes_until_nul(&bytes).map_or(&bytes[..], CStr::to_bytes);
     String::from_utf8_lossy(text).into_owned()
-}
-
-fn uuid_bytes(u: &CUuuid) -> [u8; 16] {
-    let mut b = [0u8; 16];
-    for (d, s) in b.iter_mut().zip(u.bytes.iter()) {
-        *d = *s as u8;
-    }
-    b
-}
-
-fn uuid_from_bytes(b: &[u8; 16]) -> CUuuid {
-    // SAFETY: CUuuid is 16 plain bytes.
-    let mut u: CUuuid = unsafe { std::mem::zeroed() };
-    for (d, s) in u.bytes.iter_mut().zip(b.iter()) {
-        *d = *s as c_char;
-    }
-    u
-}
-
-/// 32 lowercase hex digits.
-pub fn uuid_hex(b: &[u8; 16]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-/// Parses 32 hex digits (dashes and a `GPU-` prefix allowed).
-pub fn parse_uuid(s: &str) -> Option<[u8; 16]> {
-    let s = s.strip_prefix("GPU-").unwrap_or(s);
-    let hex: Vec<u8> = s.bytes().filter(|c| *c != b'-').collect();
-    if hex.len() != 32 {
-        return None;
-    }
-    let mut out = [0u8; 16];
-    for (i, pair) in hex.chunks(2).enumerate() {
-        let s = std::str::from_utf8(pair).ok()?;
-        out[i] = u8::from_str_radix(s, 16).ok()?;
-    }
-    Some(out)
 }
 
 #[cfg(test)]
@@ -503,6 +471,21 @@ mod tests {
     }
 
     #[test]
+    fn gpu_pairs_keep_old_and_new_in_place() {
+        let (a, b) = (
+            GpuUuid::from_bytes([0xa0; 16]),
+            GpuUuid::from_bytes([0x0b; 16]),
+        );
+        let raw = gpu_pairs(&[(a, b), (b, a)]);
+        assert_eq!(raw.len(), 2);
+        assert_eq!(GpuUuid::from(raw[0].oldUuid), a);
+        assert_eq!(GpuUuid::from(raw[0].newUuid), b);
+        assert_eq!(GpuUuid::from(raw[1].oldUuid), b);
+        assert_eq!(GpuUuid::from(raw[1].newUuid), a);
+        assert!(gpu_pairs(&[]).is_empty());
+    }
+
+    #[test]
     fn device_names_end_at_the_nul_or_the_buffer() {
         let mut buf = [0 as c_char; 8];
         for (d, s) in buf.iter_mut().zip(b"H200\0xyz") {
@@ -516,10 +499,14 @@ mod tests {
     #[test]
     fn uuid_round_trip() {
         let s = "GPU-0123abcd-4567-89ef-0123-456789abcdef";
-        let b = parse_uuid(s).unwrap();
-        assert_eq!(uuid_hex(&b), "0123abcd456789ef0123456789abcdef");
-        assert!(parse_uuid("GPU-12").is_none());
-        assert!(parse_uuid("zz23abcd456789ef0123456789abcdef").is_none());
+        let b: GpuUuid = s.parse().unwrap();
+        assert_eq!(b.to_string(), "0123abcd456789ef0123456789abcdef");
+        assert!("GPU-12".parse::<GpuUuid>().is_err());
+        assert!(
+            "zz23abcd456789ef0123456789abcdef"
+                .parse::<GpuUuid>()
+                .is_err()
+        );
     }
 
     #[test]

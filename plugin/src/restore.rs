@@ -178,15 +178,18 @@ pub fn gpu_plan(ctx: &Ctx, m: &Manifest) -> Result<Vec<gpumap::Pair>, String> {
     Ok(pairs)
 }
 
-fn uuid_pairs(pairs: &[gpumap::Pair]) -> Vec<([u8; 16], [u8; 16])> {
+/// The planned pairs as the driver takes them. A UUID that does not parse is refused, naming
+/// it: dropping its pair would leave the driver a GPU set other than the plan.
+fn uuid_pairs(
+    pairs: &[gpumap::Pair],
+) -> Result<Vec<(gpusnap_cuda::GpuUuid, gpusnap_cuda::GpuUuid)>, String> {
+    let parse = |text: &str| {
+        text.parse::<gpusnap_cuda::GpuUuid>()
+            .map_err(|e| format!("cannot restore onto the planned GPUs: {e}"))
+    };
     pairs
         .iter()
-        .filter_map(|p| {
-            Some((
-                gpusnap_cuda::driver::parse_uuid(&p.old)?,
-                gpusnap_cuda::driver::parse_uuid(&p.new)?,
-            ))
-        })
+        .map(|p| Ok((parse(&p.old)?, parse(&p.new)?)))
         .collect()
 }
 
@@ -319,7 +322,8 @@ fn resume_one(
     call: &DriverCall,
 ) -> Result<serde_json::Value, DumpError> {
     let t0 = Instant::now();
-    let (restored, refrozen) = call.run(|| ctx.api.restore(pid, &uuid_pairs(pairs)));
+    let driver_pairs = uuid_pairs(pairs).map_err(DumpError::Other)?;
+    let (restored, refrozen) = call.run(|| ctx.api.restore(pid, &driver_pairs));
     restored.map_err(|err| DumpError::Driver {
         what: DRIVER_RESTORE,
         err,
@@ -434,5 +438,23 @@ mod tests {
         let ok = plan_against_listing(&m, &[listed("bb", "NVIDIA H200")], &[]).expect("same model");
         assert_eq!(ok.len(), 1);
         assert_eq!((ok[0].old.as_str(), ok[0].new.as_str()), ("aa", "bb"));
+    }
+
+    #[test]
+    fn uuid_pairs_refuse_a_bad_uuid_naming_it() {
+        use gpusnap_cuda::GpuUuid;
+        let pair = |old: &str, new: &str| gpumap::Pair {
+            old: old.into(),
+            new: new.into(),
+        };
+        let (a, b) = ("a".repeat(32), "GPU-0000000b-0000-0000-0000-00000000000b");
+        let ok = uuid_pairs(&[pair(&a, b), pair(b, &a)]).expect("both parse");
+        let (ua, ub) = (a.parse::<GpuUuid>().unwrap(), b.parse::<GpuUuid>().unwrap());
+        assert_eq!(ok, vec![(ua, ub), (ub, ua)]);
+        assert_eq!(uuid_pairs(&[]), Ok(vec![]));
+        let e = uuid_pairs(&[pair(&a, b), pair("GPU-12", &a)]).unwrap_err();
+        assert!(e.contains("`GPU-12`"), "{e}");
+        let e = uuid_pairs(&[pair(&a, "not-a-uuid")]).unwrap_err();
+        assert!(e.contains("`not-a-uuid`"), "{e}");
     }
 }

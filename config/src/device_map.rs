@@ -1,5 +1,7 @@
 //! Parsing of `device_map`: which GPU of the restore machine stands in for which GPU of the dump.
 
+use gpusnap_cuda::GpuUuid;
+
 /// Parses `"OLD=NEW,OLD=NEW"` into normalised pairs (32 lowercase hex digits each).
 ///
 /// Each UUID is either `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx` (as `nvidia-smi -L` prints it)
@@ -32,26 +34,24 @@ pub fn parse(text: &str) -> Result<Vec<(String, String)>, String> {
 }
 
 /// Returns the 32 lowercase hex digits of a GPU UUID written in either accepted form.
+///
+/// [`GpuUuid`] reads looser spellings (dashes anywhere); a config names a GPU only as one of
+/// its two written forms, so a mistyped group is refused rather than guessed at.
 pub fn normalise_uuid(uuid: &str) -> Result<String, String> {
-    const GROUPS: [usize; 5] = [8, 4, 4, 4, 12];
     let bad = || {
         format!(
             "GPU UUIDs as GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx or 32 hex digits; got `{uuid}`"
         )
     };
-    let hex = if let Some(rest) = uuid.strip_prefix("GPU-") {
-        let groups: Vec<&str> = rest.split('-').collect();
-        let shape_ok = groups.len() == GROUPS.len()
-            && groups.iter().zip(GROUPS).all(|(g, len)| g.len() == len);
-        if !shape_ok {
-            return Err(bad());
-        }
-        groups.concat()
+    let parsed: GpuUuid = uuid.parse().map_err(|_| bad())?;
+    let hex = parsed.to_string();
+    let form = if uuid.starts_with("GPU-") {
+        parsed.to_nvml_string()
     } else {
-        uuid.to_owned()
+        hex.clone()
     };
-    if hex.len() != 32 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+    if !uuid.eq_ignore_ascii_case(&form) {
         return Err(bad());
     }
-    Ok(hex.to_ascii_lowercase())
+    Ok(hex)
 }

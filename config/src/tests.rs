@@ -408,6 +408,41 @@ fn normalise_uuid_forms() {
 }
 
 #[test]
+fn normalise_uuid_takes_only_the_two_written_forms() {
+    for ok in [
+        "GPU-0a1b2c3d-0000-1111-2222-333344445555",
+        "GPU-0A1B2C3D-0000-1111-2222-333344445555",
+        "0a1b2c3d000011112222333344445555",
+        "0A1B2C3D000011112222333344445555",
+    ] {
+        assert_eq!(normalise_uuid(ok).as_deref(), Ok(HEX_A), "{ok}");
+    }
+    for bad in [
+        "gpu-0a1b2c3d-0000-1111-2222-333344445555",
+        "GPU-0a1b2c3d000011112222333344445555",
+        "GPU-0a1b2c3d-0000-1111-2222-33334444-5555",
+        "GPU-0a1b2c3d--0000-1111-2222-333344445555",
+        "GPU-0a1b2c3d-0000-1111-2222-333344445555-",
+        "0a1b2c3d-0000-1111-2222-333344445555",
+        "-0a1b2c3d000011112222333344445555",
+        "+a1b2c3d000011112222333344445555",
+        " 0a1b2c3d000011112222333344445555",
+    ] {
+        let e = normalise_uuid(bad).unwrap_err();
+        assert!(e.contains(&format!("`{bad}`")), "{e}");
+    }
+}
+
+#[test]
+fn a_bad_device_map_uuid_is_refused_at_load_naming_key_and_text() {
+    let bad = "GPU-0a1b2c3d-0000-1111-2222-33334444555g";
+    let err = from_file(&format!("device_map = \"{UUID_A}={bad}\"\n")).unwrap_err();
+    assert_invalid(err, "key `device_map`", &format!("got `{bad}`"));
+    let err = from_env(&[("GPUSNAP_DEVICE_MAP", &format!("{bad}={HEX_B}"))]).unwrap_err();
+    assert_invalid(err, "GPUSNAP_DEVICE_MAP", &format!("got `{bad}`"));
+}
+
+#[test]
 fn log_level_can_be_cleared_from_env() {
     let f = TempFile::new("log_level = \"info\"\n");
     let c = load_from(Some(&f.path), true, &env(&[("GPUSNAP_LOG_LEVEL", "")])).unwrap();

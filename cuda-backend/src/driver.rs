@@ -2,9 +2,16 @@
 //!
 //! cudarc has the argument types but deliberately not the six `cuCheckpointProcess*` functions,
 //! so they are resolved here with libloading. Three layers, as in cudarc: raw fn pointers
-//! ([`CheckpointApi`] fields), one thin method per call that turns `CUresult` into `Result`,
-//! and the callers in the plugin that read like the protocol.
+//! ([`CheckpointApi`] fields), one thin method per call that turns the status code into
+//! `Result` ([`check`]), and the callers in the plugin that read like the protocol.
+//!
+//! Status codes and the process state cross the FFI boundary as raw `u32` ([`CuResult`],
+//! [`RawProcessState`]), never as cudarc's `CUresult`/`CUprocessState`: those are Rust enums,
+//! and a value they do not list (a newer driver's error code, or CUDA 13.4's CHECKPOINTING and
+//! RESTORING states) would be undefined behaviour in them. The argument structs are cudarc's
+//! (plain integers, pointers and bytes); their layouts are tested against cuda.h below.
 
+use crate::GpuUuid;
 use cudarc::driver::sys::{
     CUcheckpointCheckpointArgs, CUcheckpointGpuPair, CUcheckpointLockArgs, CUcheckpointRestoreArgs,
     CUcheckpointUnlockArgs, CUdevice, CUprocessState, CUresult, CUuuid,
@@ -38,8 +45,10 @@ pub enum ProcessState {
 }
 
 impl ProcessState {
-    fn from_raw(s: CUprocessState) -> Self {
-        match s as u32 {
+    /// The state a `CUprocessState` value names (cuda.h: RUNNING 0, LOCKED 1, CHECKPOINTED 2,
+    /// FAILED 3); any other value, e.g. a newer driver's, is [`Self::Other`].
+    pub fn from_raw(raw: RawProcessState) -> Self {
+        match raw {
             0 => Self::Running,
             1 => Self::Locked,
             2 => Self::Checkpointed,
@@ -89,32 +98,63 @@ impl DriverError {
     }
 }
 
-type CkptFn<A> = unsafe extern "C" fn(c_int, *mut A) -> CUresult;
+/// A driver status code (`CUresult`) as the driver returns it; see the module doc for why not
+/// cudarc's enum.
+pub type CuResult = u32;
+/// `CUDA_SUCCESS`.
+pub const CUDA_SUCCESS: CuResult = 0;
+/// A `CUprocessState` as the driver writes it; [`ProcessState::from_raw`] reads it.
+pub type RawProcessState = u32;
+
+// Both C enums are passed as 32-bit integers.
+const _: () = assert!(std::mem::size_of::<CUresult>() == std::mem::size_of::<CuResult>());
+const _: () =
+    assert!(std::mem::size_of::<CUprocessState>() == std::mem::size_of::<RawProcessState>());
+
+/// `CUresult cuCheckpointProcess{Lock,Checkpoint,Restore,Unlock}(int pid, Cu...Args *args)`.
+type CkptFn<A> = unsafe extern "C" fn(c_int, *mut A) -> CuResult;
 
 /// Raw entry points of libcuda that gpusnap calls from inside CRIU.
 pub struct CheckpointApi {
     _lib: libloading::Library,
-    init: unsafe extern "C" fn(c_uint) -> CUresult,
-    driver_get_version: unsafe extern "C" fn(*mut c_int) -> CUresult,
-    get_error_name: unsafe extern "C" fn(CUresult, *mut *const c_char) -> CUresult,
-    device_get_count: unsafe extern "C" fn(*mut c_int) -> CUresult,
-    device_get: unsafe extern "C" fn(*mut CUdevice, c_int) -> CUresult,
-    device_get_uuid: unsafe extern "C" fn(*mut CUuuid, CUdevice) -> CUresult,
-    device_get_name: unsafe extern "C" fn(*mut c_char, c_int, CUdevice) -> CUresult,
-    device_total_mem: unsafe extern "C" fn(*mut usize, CUdevice) -> CUresult,
+    init: unsafe extern "C" fn(c_uint) -> CuResult,
+    driver_get_version: unsafe extern "C" fn(*mut c_int) -> CuResult,
+    get_error_name: unsafe extern "C" fn(CuResult, *mut *const c_char) -> CuResult,
+    device_get_count: unsafe extern "C" fn(*mut c_int) -> CuResult,
+    device_get: unsafe extern "C" fn(*mut CUdevice, c_int) -> CuResult,
+    device_get_uuid: unsafe extern "C" fn(*mut CUuuid, CUdevice) -> CuResult,
+    device_get_name: unsafe extern "C" fn(*mut c_char, c_int, CUdevice) -> CuResult,
+    device_total_mem: unsafe extern "C" fn(*mut usize, CUdevice) -> CuResult,
     lock: CkptFn<CUcheckpointLockArgs>,
     checkpoint: CkptFn<CUcheckpointCheckpointArgs>,
     restore: CkptFn<CUcheckpointRestoreArgs>,
     unlock: CkptFn<CUcheckpointUnlockArgs>,
-    get_state: unsafe extern "C" fn(c_int, *mut CUprocessState) -> CUresult,
-    get_restore_tid: unsafe extern "C" fn(c_int, *mut c_int) -> CUresult,
+    get_state: unsafe extern "C" fn(c_int, *mut RawProcessState) -> CuResult,
+    get_restore_tid: unsafe extern "C" fn(c_int, *mut c_int) -> CuResult,
+}
+
+/// The result layer: `Ok` for `CUDA_SUCCESS`, else the error of `call`, named by `error_name`
+/// (the driver's `cuGetErrorName`; `None` for a code it does not know).
+fn check(
+    code: CuResult,
+    call: &'static str,
+    error_name: impl FnOnce(CuResult) -> Option<String>,
+) -> Result<(), DriverError> {
+    if code == CUDA_SUCCESS {
+        return Ok(());
+    }
+    Err(DriverError::Cuda {
+        call,
+        code,
+        name: error_name(code).unwrap_or_else(|| "unknown CUDA error".to_string()),
+    })
 }
 
 /// A GPU as the driver reports it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct GpuInfo {
     pub ordinal: u32,
-    /// 16 bytes as 32 lowercase hex digits.
+    /// The [`GpuUuid`] as 32 lowercase hex digits (its `Display`), the form images record.
     pub uuid: String,
     pub name: String,
     pub total_mem: u64,
@@ -138,7 +178,8 @@ pub fn api() -> Result<&'static CheckpointApi, DriverError> {
 macro_rules! symbol {
     ($lib:expr, $name:literal, $missing:expr) => {{
         // SAFETY: the symbol is looked up by its exact C name and stored with the signature that
-        // the CUDA driver API (cuda.h, CUDA 13.0) declares for it.
+        // the CUDA driver API (cuda.h, CUDA 13.0) declares for it, its C enums (CUresult,
+        // CUprocessState) as the 32-bit integers they are passed as.
         match unsafe { $lib.get(concat!($name, "\0").as_bytes()) } {
             Ok(s) => *s,
             Err(_) => return Err($missing($name)),
@@ -173,39 +214,36 @@ impl CheckpointApi {
         })
     }
 
-    fn check(&self, call: &'static str, r: CUresult) -> Result<(), DriverError> {
-        if r as u32 == 0 {
-            return Ok(());
-        }
+    fn check(&self, code: CuResult, call: &'static str) -> Result<(), DriverError> {
+        check(code, call, |code| self.error_name(code))
+    }
+
+    /// `cuGetErrorName(code)`, `None` for a code the driver does not know.
+    fn error_name(&self, code: CuResult) -> Option<String> {
         let mut p: *const c_char = std::ptr::null();
-        // SAFETY: cuGetErrorName writes a pointer to a static string (or leaves it untouched on
-        // an unknown code); `p` is a valid out-pointer.
-        let name = if unsafe { (self.get_error_name)(r, &mut p) } as u32 == 0 && !p.is_null() {
+        // SAFETY: cuGetErrorName takes any code (it answers CUDA_ERROR_INVALID_VALUE for one it
+        // does not know) and on success writes a pointer to a static string; `p` is a valid
+        // out-pointer.
+        let found = unsafe { (self.get_error_name)(code, &mut p) } == CUDA_SUCCESS;
+        (found && !p.is_null()).then(|| {
             // SAFETY: the driver returned a NUL-terminated static string.
             unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
-        } else {
-            "unknown CUDA error".to_string()
-        };
-        Err(DriverError::Cuda {
-            call,
-            code: r as u32,
-            name,
         })
     }
 
     /// `cuInit(0)`. The driver requires it in the caller before a restore.
     pub fn init(&self) -> Result<(), DriverError> {
         // SAFETY: plain call with a flags value of 0 as documented.
-        self.check("cuInit", unsafe { (self.init)(0) })
+        let code = unsafe { (self.init)(0) };
+        self.check(code, "cuInit")
     }
 
     /// Driver API version, e.g. 13000 for the r580 branch.
     pub fn driver_version(&self) -> Result<i32, DriverError> {
         let mut v: c_int = 0;
         // SAFETY: `v` is a valid out-pointer.
-        self.check("cuDriverGetVersion", unsafe {
-            (self.driver_get_version)(&mut v)
-        })?;
+        let code = unsafe { (self.driver_get_version)(&mut v) };
+        self.check(code, "cuDriverGetVersion")?;
         Ok(v)
     }
 
@@ -214,19 +252,16 @@ impl CheckpointApi {
     pub fn restore_thread_id(&self, pid: i32) -> Result<i32, DriverError> {
         let mut tid: c_int = 0;
         // SAFETY: `tid` is a valid out-pointer; the driver only reads `pid`.
-        self.check("cuCheckpointProcessGetRestoreThreadId", unsafe {
-            (self.get_restore_tid)(pid, &mut tid)
-        })?;
+        let code = unsafe { (self.get_restore_tid)(pid, &mut tid) };
+        self.check(code, "cuCheckpointProcessGetRestoreThreadId")?;
         Ok(tid)
     }
 
     pub fn process_state(&self, pid: i32) -> Result<ProcessState, DriverError> {
-        // SAFETY: CUprocessState is a C enum; zero (RUNNING) is a valid value to start from.
-        let mut s: CUprocessState = unsafe { std::mem::zeroed() };
-        // SAFETY: `s` is a valid out-pointer.
-        self.check("cuCheckpointProcessGetState", unsafe {
-            (self.get_state)(pid, &mut s)
-        })?;
+        let mut s: RawProcessState = 0;
+        // SAFETY: `s` is a valid out-pointer to a 32-bit integer, the size of CUprocessState.
+        let code = unsafe { (self.get_state)(pid, &mut s) };
+        self.check(code, "cuCheckpointProcessGetState")?;
         Ok(ProcessState::from_raw(s))
     }
 
@@ -236,9 +271,8 @@ impl CheckpointApi {
         let mut a: CUcheckpointLockArgs = unsafe { std::mem::zeroed() };
         a.timeoutMs = timeout_ms;
         // SAFETY: `a` is a valid, zero-initialised argument struct.
-        self.check("cuCheckpointProcessLock", unsafe {
-            (self.lock)(pid, &mut a)
-        })
+        let code = unsafe { (self.lock)(pid, &mut a) };
+        self.check(code, "cuCheckpointProcessLock")
     }
 
     /// LOCKED -> CHECKPOINTED: device memory still mapped goes to host memory of the target.
@@ -246,21 +280,14 @@ impl CheckpointApi {
         // SAFETY: zeroed C argument struct, as documented.
         let mut a: CUcheckpointCheckpointArgs = unsafe { std::mem::zeroed() };
         // SAFETY: `a` is a valid argument struct.
-        self.check("cuCheckpointProcessCheckpoint", unsafe {
-            (self.checkpoint)(pid, &mut a)
-        })
+        let code = unsafe { (self.checkpoint)(pid, &mut a) };
+        self.check(code, "cuCheckpointProcessCheckpoint")
     }
 
-    /// CHECKPOINTED -> LOCKED, optionally onto other GPUs (`pairs` must then list every
-    /// checkpointed GPU).
-    pub fn restore(&self, pid: i32, pairs: &[([u8; 16], [u8; 16])]) -> Result<(), DriverError> {
-        let mut raw: Vec<CUcheckpointGpuPair> = pairs
-            .iter()
-            .map(|(old, new)| CUcheckpointGpuPair {
-                oldUuid: uuid_from_bytes(old),
-                newUuid: uuid_from_bytes(new),
-            })
-            .collect();
+    /// CHECKPOINTED -> LOCKED, optionally onto other GPUs: `pairs` are (checkpointed GPU, GPU
+    /// it is restored onto) and must then list every checkpointed GPU.
+    pub fn restore(&self, pid: i32, pairs: &[(GpuUuid, GpuUuid)]) -> Result<(), DriverError> {
+        let mut raw = gpu_pairs(pairs);
         // SAFETY: zeroed C argument struct, as documented.
         let mut a: CUcheckpointRestoreArgs = unsafe { std::mem::zeroed() };
         if !raw.is_empty() {
@@ -268,9 +295,8 @@ impl CheckpointApi {
             a.gpuPairsCount = raw.len() as c_uint;
         }
         // SAFETY: `a` is valid; `gpuPairs` points to `raw`, which outlives the call.
-        self.check("cuCheckpointProcessRestore", unsafe {
-            (self.restore)(pid, &mut a)
-        })
+        let code = unsafe { (self.restore)(pid, &mut a) };
+        self.check(code, "cuCheckpointProcessRestore")
     }
 
     /// LOCKED -> RUNNING.
@@ -278,49 +304,40 @@ impl CheckpointApi {
         // SAFETY: zeroed C argument struct, as documented.
         let mut a: CUcheckpointUnlockArgs = unsafe { std::mem::zeroed() };
         // SAFETY: `a` is a valid argument struct.
-        self.check("cuCheckpointProcessUnlock", unsafe {
-            (self.unlock)(pid, &mut a)
-        })
+        let code = unsafe { (self.unlock)(pid, &mut a) };
+        self.check(code, "cuCheckpointProcessUnlock")
     }
 
     /// The GPUs visible to this process (needs [`Self::init`] first).
     pub fn gpus(&self) -> Result<Vec<GpuInfo>, DriverError> {
         let mut n: c_int = 0;
         // SAFETY: valid out-pointer.
-        self.check("cuDeviceGetCount", unsafe {
-            (self.device_get_count)(&mut n)
-        })?;
+        let code = unsafe { (self.device_get_count)(&mut n) };
+        self.check(code, "cuDeviceGetCount")?;
         let mut out = Vec::new();
         for ordinal in 0..n.max(0) {
             let mut dev: CUdevice = 0;
             // SAFETY: valid out-pointer, ordinal < count.
-            self.check("cuDeviceGet", unsafe {
-                (self.device_get)(&mut dev, ordinal)
-            })?;
-            // SAFETY: CUuuid is 16 plain bytes.
-            let mut uuid: CUuuid = unsafe { std::mem::zeroed() };
+            let code = unsafe { (self.device_get)(&mut dev, ordinal) };
+            self.check(code, "cuDeviceGet")?;
+            let mut uuid = CUuuid { bytes: [0; 16] };
             // SAFETY: valid out-pointer and device handle.
-            self.check("cuDeviceGetUuid_v2", unsafe {
-                (self.device_get_uuid)(&mut uuid, dev)
-            })?;
+            let code = unsafe { (self.device_get_uuid)(&mut uuid, dev) };
+            self.check(code, "cuDeviceGetUuid_v2")?;
             let mut name = [0 as c_char; 256];
-            // SAFETY: the buffer is 256 bytes and its length is passed.
-            self.check("cuDeviceGetName", unsafe {
-                (self.device_get_name)(name.as_mut_ptr(), name.len() as c_int, dev)
-            })?;
+            // SAFETY: the buffer is 256 bytes and its length is passed; the driver writes at most
+            // that many.
+            let code =
+                unsafe { (self.device_get_name)(name.as_mut_ptr(), name.len() as c_int, dev) };
+            self.check(code, "cuDeviceGetName")?;
             let mut total: usize = 0;
             // SAFETY: valid out-pointer and device handle.
-            self.check("cuDeviceTotalMem_v2", unsafe {
-                (self.device_total_mem)(&mut total, dev)
-            })?;
+            let code = unsafe { (self.device_total_mem)(&mut total, dev) };
+            self.check(code, "cuDeviceTotalMem_v2")?;
             out.push(GpuInfo {
                 ordinal: ordinal as u32,
-                uuid: uuid_hex(&uuid_bytes(&uuid)),
-                // SAFETY: the driver NUL-terminates within the buffer; the last byte is still 0
-                // from initialisation in any case.
-                name: unsafe { CStr::from_ptr(name.as_ptr()) }
-                    .to_string_lossy()
-                    .into_owned(),
+                uuid: GpuUuid::from(uuid).to_string(),
+                name: c_string(&name),
                 total_mem: total as u64,
             });
         }
@@ -328,47 +345,29 @@ impl CheckpointApi {
     }
 }
 
-fn uuid_bytes(u: &CUuuid) -> [u8; 16] {
-    let mut b = [0u8; 16];
-    for (d, s) in b.iter_mut().zip(u.bytes.iter()) {
-        *d = *s as u8;
-    }
-    b
+/// `pairs` as `cuCheckpointProcessRestore` takes them.
+fn gpu_pairs(pairs: &[(GpuUuid, GpuUuid)]) -> Vec<CUcheckpointGpuPair> {
+    pairs
+        .iter()
+        .map(|&(old, new)| CUcheckpointGpuPair {
+            oldUuid: old.into(),
+            newUuid: new.into(),
+        })
+        .collect()
 }
 
-fn uuid_from_bytes(b: &[u8; 16]) -> CUuuid {
-    // SAFETY: CUuuid is 16 plain bytes.
-    let mut u: CUuuid = unsafe { std::mem::zeroed() };
-    for (d, s) in u.bytes.iter_mut().zip(b.iter()) {
-        *d = *s as c_char;
-    }
-    u
-}
-
-/// 32 lowercase hex digits.
-pub fn uuid_hex(b: &[u8; 16]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-/// Parses 32 hex digits (dashes and a `GPU-` prefix allowed).
-pub fn parse_uuid(s: &str) -> Option<[u8; 16]> {
-    let s = s.strip_prefix("GPU-").unwrap_or(s);
-    let hex: Vec<u8> = s.bytes().filter(|c| *c != b'-').collect();
-    if hex.len() != 32 {
-        return None;
-    }
-    let mut out = [0u8; 16];
-    for (i, pair) in hex.chunks(2).enumerate() {
-        let s = std::str::from_utf8(pair).ok()?;
-        out[i] = u8::from_str_radix(s, 16).ok()?;
-    }
-    Some(out)
+/// The text of a NUL-terminated C string the driver wrote into `buf`, up to the end of `buf`
+/// should it have no NUL.
+fn c_string(buf: &[c_char]) -> String {
+    let bytes: Vec<u8> = buf.iter().map(|c| c.to_ne_bytes()[0]).collect();
+    let text = CStr::from_bytes_until_nul(&bytes).map_or(&bytes[..], CStr::to_bytes);
+    String::from_utf8_lossy(text).into_owned()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::mem::{offset_of, size_of};
+    use std::mem::{align_of, offset_of, size_of};
 
     #[test]
     fn checkpoint_arg_layouts_match_cuda_13() {
@@ -384,13 +383,130 @@ mod tests {
         assert_eq!(size_of::<CUuuid>(), 16);
     }
 
+    /// Every field of the structs the driver reads, against cuda.h of CUDA 13.0 (x86_64 and
+    /// aarch64 lay them out alike): the driver rejects a non-zero reserved byte, so a field
+    /// that moved would fail there, not here, without these.
+    #[test]
+    fn checkpoint_arg_fields_sit_where_cuda_h_puts_them() {
+        // { unsigned int timeoutMs; unsigned int reserved0; cuuint64_t reserved1[7]; }
+        assert_eq!(align_of::<CUcheckpointLockArgs>(), 8);
+        assert_eq!(offset_of!(CUcheckpointLockArgs, reserved0), 4);
+        assert_eq!(offset_of!(CUcheckpointLockArgs, reserved1), 8);
+        // { cuuint64_t reserved[8]; }
+        assert_eq!(align_of::<CUcheckpointCheckpointArgs>(), 8);
+        assert_eq!(offset_of!(CUcheckpointCheckpointArgs, reserved), 0);
+        assert_eq!(align_of::<CUcheckpointUnlockArgs>(), 8);
+        assert_eq!(offset_of!(CUcheckpointUnlockArgs, reserved), 0);
+        // { CUcheckpointGpuPair *gpuPairs; unsigned int gpuPairsCount; char reserved[44];
+        //   cuuint64_t reserved1; }
+        assert_eq!(align_of::<CUcheckpointRestoreArgs>(), 8);
+        assert_eq!(offset_of!(CUcheckpointRestoreArgs, reserved), 12);
+        assert_eq!(offset_of!(CUcheckpointRestoreArgs, reserved1), 56);
+        // { CUuuid oldUuid; CUuuid newUuid; }, an array of them packed without padding.
+        assert_eq!(align_of::<CUcheckpointGpuPair>(), 1);
+        assert_eq!(offset_of!(CUcheckpointGpuPair, oldUuid), 0);
+        // { char bytes[16]; }
+        assert_eq!(align_of::<CUuuid>(), 1);
+        assert_eq!(offset_of!(CUuuid, bytes), 0);
+    }
+
+    #[test]
+    fn raw_codes_match_cuda_h() {
+        assert_eq!(CUresult::CUDA_SUCCESS as CuResult, CUDA_SUCCESS);
+        for (c, state) in [
+            (
+                CUprocessState::CU_PROCESS_STATE_RUNNING,
+                ProcessState::Running,
+            ),
+            (
+                CUprocessState::CU_PROCESS_STATE_LOCKED,
+                ProcessState::Locked,
+            ),
+            (
+                CUprocessState::CU_PROCESS_STATE_CHECKPOINTED,
+                ProcessState::Checkpointed,
+            ),
+            (
+                CUprocessState::CU_PROCESS_STATE_FAILED,
+                ProcessState::Failed,
+            ),
+        ] {
+            assert_eq!(ProcessState::from_raw(c as RawProcessState), state);
+        }
+    }
+
+    #[test]
+    fn a_state_cuda_13_0_does_not_list_is_other() {
+        // CUDA 13.4 added CHECKPOINTING (4) and RESTORING (5); a driver may answer them.
+        assert_eq!(ProcessState::from_raw(4), ProcessState::Other(4));
+        assert_eq!(ProcessState::from_raw(5).to_string(), "state 5");
+        assert_eq!(
+            ProcessState::from_raw(u32::MAX),
+            ProcessState::Other(u32::MAX)
+        );
+    }
+
+    #[test]
+    fn success_is_ok_and_any_other_code_an_error_naming_the_call() {
+        let never = |_: CuResult| -> Option<String> { panic!("success needs no name") };
+        assert!(check(CUDA_SUCCESS, "cuInit", never).is_ok());
+
+        let e = check(401, "cuCheckpointProcessLock", |code| {
+            (code == 401).then(|| "CUDA_ERROR_ILLEGAL_STATE".to_string())
+        })
+        .unwrap_err();
+        assert_eq!(e.code(), Some(401));
+        assert_eq!(
+            e.to_string(),
+            "cuCheckpointProcessLock failed: CUDA_ERROR_ILLEGAL_STATE (401)"
+        );
+
+        // A code no CUresult lists (a newer driver's) is carried as it came.
+        let e = check(123_456, "cuCheckpointProcessRestore", |_| None).unwrap_err();
+        assert_eq!(e.code(), Some(123_456));
+        assert_eq!(
+            e.to_string(),
+            "cuCheckpointProcessRestore failed: unknown CUDA error (123456)"
+        );
+    }
+
+    #[test]
+    fn gpu_pairs_keep_old_and_new_in_place() {
+        let (a, b) = (
+            GpuUuid::from_bytes([0xa0; 16]),
+            GpuUuid::from_bytes([0x0b; 16]),
+        );
+        let raw = gpu_pairs(&[(a, b), (b, a)]);
+        assert_eq!(raw.len(), 2);
+        assert_eq!(GpuUuid::from(raw[0].oldUuid), a);
+        assert_eq!(GpuUuid::from(raw[0].newUuid), b);
+        assert_eq!(GpuUuid::from(raw[1].oldUuid), b);
+        assert_eq!(GpuUuid::from(raw[1].newUuid), a);
+        assert!(gpu_pairs(&[]).is_empty());
+    }
+
+    #[test]
+    fn device_names_end_at_the_nul_or_the_buffer() {
+        let mut buf = [0 as c_char; 8];
+        for (d, s) in buf.iter_mut().zip(b"H200\0xyz") {
+            *d = c_char::from_ne_bytes([*s]);
+        }
+        assert_eq!(c_string(&buf), "H200");
+        let full = [c_char::from_ne_bytes([b'x']); 4];
+        assert_eq!(c_string(&full), "xxxx");
+    }
+
     #[test]
     fn uuid_round_trip() {
         let s = "GPU-0123abcd-4567-89ef-0123-456789abcdef";
-        let b = parse_uuid(s).unwrap();
-        assert_eq!(uuid_hex(&b), "0123abcd456789ef0123456789abcdef");
-        assert!(parse_uuid("GPU-12").is_none());
-        assert!(parse_uuid("zz23abcd456789ef0123456789abcdef").is_none());
+        let b: GpuUuid = s.parse().unwrap();
+        assert_eq!(b.to_string(), "0123abcd456789ef0123456789abcdef");
+        assert!("GPU-12".parse::<GpuUuid>().is_err());
+        assert!(
+            "zz23abcd456789ef0123456789abcdef"
+                .parse::<GpuUuid>()
+                .is_err()
+        );
     }
 
     #[test]

@@ -3,8 +3,10 @@
 //! Used before a restore to refuse clearly when a GPU lacks room, without creating a CUDA context
 //! (hundreds of MiB of device memory) inside CRIU.
 
+use crate::GpuUuid;
 use std::ffi::{CString, c_char, c_uint, c_void};
 
+/// nvml.h's `nvmlMemory_t` (v1), which `nvmlDeviceGetMemoryInfo` fills.
 #[repr(C)]
 #[derive(Default)]
 struct NvmlMemory {
@@ -13,8 +15,10 @@ struct NvmlMemory {
     used: u64,
 }
 
-/// Free bytes on the GPU with this UUID (32 hex digits), or `None` when NVML cannot tell.
-pub fn free_memory(uuid_hex: &str) -> Option<u64> {
+/// Free bytes on the GPU with this UUID (32 hex digits, or any spelling [`GpuUuid`] reads), or
+/// `None` when NVML cannot tell.
+pub fn free_memory(uuid: &str) -> Option<u64> {
+    let uuid: GpuUuid = uuid.parse().ok()?;
     // SAFETY: NVML is the vendor's management library, designed to be loaded anywhere.
     let lib = unsafe { libloading::Library::new("libnvidia-ml.so.1") }.ok()?;
     type InitFn = unsafe extern "C" fn() -> c_uint;
@@ -29,8 +33,7 @@ pub fn free_memory(uuid_hex: &str) -> Option<u64> {
             *lib.get::<InitFn>(b"nvmlShutdown\0").ok()?,
         )
     };
-    let dashed = nvml_uuid(uuid_hex)?;
-    let dashed = CString::new(dashed).ok()?;
+    let dashed = CString::new(uuid.to_nvml_string()).ok()?;
     // SAFETY: plain NVML calls with valid pointers; every init is paired with a shutdown.
     unsafe {
         if init() != 0 {
@@ -44,29 +47,33 @@ pub fn free_memory(uuid_hex: &str) -> Option<u64> {
     }
 }
 
-/// NVML wants `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`.
-fn nvml_uuid(hex: &str) -> Option<String> {
-    if hex.len() != 32 || !hex.bytes().all(|c| c.is_ascii_hexdigit()) {
-        return None;
-    }
-    Some(format!(
-        "GPU-{}-{}-{}-{}-{}",
-        &hex[0..8],
-        &hex[8..12],
-        &hex[12..16],
-        &hex[16..20],
-        &hex[20..32]
-    ))
-}
-
 #[cfg(test)]
 mod tests {
+    use super::NvmlMemory;
+    use std::mem::{align_of, offset_of, size_of};
+
+    #[test]
+    fn memory_info_layout_matches_nvml_h() {
+        // { unsigned long long total; unsigned long long free; unsigned long long used; }
+        assert_eq!(size_of::<NvmlMemory>(), 24);
+        assert_eq!(align_of::<NvmlMemory>(), 8);
+        assert_eq!(offset_of!(NvmlMemory, total), 0);
+        assert_eq!(offset_of!(NvmlMemory, free), 8);
+        assert_eq!(offset_of!(NvmlMemory, used), 16);
+    }
+
     #[test]
     fn uuid_is_dashed_for_nvml() {
+        let uuid: crate::GpuUuid = "0123abcd456789ef0123456789abcdef".parse().unwrap();
         assert_eq!(
-            super::nvml_uuid("0123abcd456789ef0123456789abcdef").unwrap(),
+            uuid.to_nvml_string(),
             "GPU-0123abcd-4567-89ef-0123-456789abcdef"
         );
-        assert!(super::nvml_uuid("xyz").is_none());
+        assert!("xyz".parse::<crate::GpuUuid>().is_err());
+    }
+
+    #[test]
+    fn a_bad_uuid_asks_nvml_nothing() {
+        assert_eq!(super::free_memory("xyz"), None);
     }
 }

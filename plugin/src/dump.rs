@@ -454,9 +454,8 @@ fn move_data_out(ctx: &Ctx, t: &mut Tracked) -> Result<(), DumpError> {
     // must not run: hold them first (the driver's restore thread and the agent's run on).
     let agent_tid = session_agent_tid(t)?;
     t.hold = Some(
-        crate::hold::Hold::place(pid, &[t.restore_tid, agent_tid]).map_err(|err| {
-            DumpError::Hold { pid, err }
-        })?,
+        crate::hold::Hold::place(pid, &[t.restore_tid, agent_tid])
+            .map_err(|err| DumpError::Hold { pid, err })?,
     );
     // From the moment Release is sent, some memory may be gone even if the agent then fails
     // part-way: the phase says released, so a failure keeps the files and rolls back by
@@ -951,6 +950,7 @@ mod tests {
             phase: Phase::Untouched,
             route: Route::Transparent,
             agent,
+            hold: None,
             timings: Vec::new(),
         };
         assert_eq!(ipc_blind_spot(&[tracked(10, false)]), None, "one process");

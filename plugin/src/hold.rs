@@ -184,7 +184,10 @@ mod tests {
         let seen = state(pid);
         child.kill().unwrap();
         child.wait().unwrap();
-        assert!(stopped, "held process is in state {seen} after its tracer died");
+        assert!(
+            stopped,
+            "held process is in state {seen} after its tracer died"
+        );
     }
 
     #[test]

@@ -12,7 +12,7 @@ use crate::procfs;
 use crate::ptrace::{self, PtraceError, RunningThread};
 use crate::stall::{self, DriverCall, StallError, Watched};
 use gpusnap_config::{Config, Mode};
-use gpusnap_cuda::DriverError;
+use gpusnap_cuda::{DriverError, GpuUuid, ParseGpuUuidError};
 use gpusnap_image::{CheckpointPath, ImageError, Manifest};
 use std::collections::HashMap;
 use std::os::fd::BorrowedFd;
@@ -37,6 +37,8 @@ pub enum RestoreError {
     NoAgentThread { pid: i32 },
     #[error("GPU plan: {0}")]
     GpuPlan(String),
+    #[error("cannot restore onto the planned GPUs: {0}")]
+    GpuUuid(#[from] ParseGpuUuidError),
     #[error("image: {0}")]
     Image(#[from] ImageError),
     #[error(transparent)]
@@ -571,16 +573,12 @@ pub fn gpu_plan(ctx: &Ctx, m: &Manifest) -> Result<Vec<gpumap::Pair>, String> {
     Ok(pairs)
 }
 
-/// The driver's form of the GPU pairs; a UUID that does not parse is refused, never dropped.
-type UuidPair = ([u8; 16], [u8; 16]);
-
-fn uuid_pairs(pairs: &[gpumap::Pair]) -> Result<Vec<UuidPair>, String> {
-    let parse = |u: &str| {
-        gpusnap_cuda::driver::parse_uuid(u).ok_or_else(|| format!("GPU UUID {u:?} does not parse"))
-    };
+/// The planned pairs as the driver takes them. A UUID that does not parse is refused, naming
+/// it: dropping its pair would leave the driver a GPU set other than the plan.
+fn uuid_pairs(pairs: &[gpumap::Pair]) -> Result<Vec<(GpuUuid, GpuUuid)>, ParseGpuUuidError> {
     pairs
         .iter()
-        .map(|p| Ok((parse(&p.old)?, parse(&p.new)?)))
+        .map(|p| Ok((p.old.parse()?, p.new.parse()?)))
         .collect()
 }
 
@@ -715,7 +713,7 @@ fn resume_one(
         data: None,
         total_s: 0.0,
     };
-    let uuids = uuid_pairs(pairs).map_err(RestoreError::GpuPlan)?;
+    let uuids = uuid_pairs(pairs)?;
     while phase != RestorePhase::Whole {
         phase = match phase {
             RestorePhase::Stopped => {
@@ -835,5 +833,23 @@ mod tests {
         let ok = plan_against_listing(&m, &[listed("bb", "NVIDIA H200")], &[]).expect("same model");
         assert_eq!(ok.len(), 1);
         assert_eq!((ok[0].old.as_str(), ok[0].new.as_str()), ("aa", "bb"));
+    }
+
+    #[test]
+    fn uuid_pairs_refuse_a_bad_uuid_naming_it() {
+        use gpusnap_cuda::GpuUuid;
+        let pair = |old: &str, new: &str| gpumap::Pair {
+            old: old.into(),
+            new: new.into(),
+        };
+        let (a, b) = ("a".repeat(32), "GPU-0000000b-0000-0000-0000-00000000000b");
+        let ok = uuid_pairs(&[pair(&a, b), pair(b, &a)]).expect("both parse");
+        let (ua, ub) = (a.parse::<GpuUuid>().unwrap(), b.parse::<GpuUuid>().unwrap());
+        assert_eq!(ok, vec![(ua, ub), (ub, ua)]);
+        assert_eq!(uuid_pairs(&[]), Ok(vec![]));
+        let e = uuid_pairs(&[pair(&a, b), pair("GPU-12", &a)]).unwrap_err();
+        assert!(e.to_string().contains("`GPU-12`"), "{e}");
+        let e = uuid_pairs(&[pair(&a, "not-a-uuid")]).unwrap_err();
+        assert!(e.to_string().contains("`not-a-uuid`"), "{e}");
     }
 }

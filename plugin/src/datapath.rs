@@ -169,6 +169,9 @@ fn pump_dump_replies(
     stall: Duration,
 ) -> Result<(), DataError> {
     let mut last = Instant::now();
+    // The second announcement means the first chunk was handed to a writer (a point for a
+    // test to kill CRIU at).
+    let mut sent = 0u64;
     loop {
         if let Ok(e) = errors.try_recv() {
             return Err(DataError::Image(e));
@@ -178,6 +181,10 @@ fn pump_dump_replies(
                 slot, addr, len, ..
             }) => {
                 last = Instant::now();
+                if sent == 1 {
+                    crate::fault::kill_criu_at("dump-data-out");
+                }
+                sent += 1;
                 if work.send(Work { slot, addr, len }).is_err() {
                     return Err(DataError::Image("all writer threads stopped".into()));
                 }
@@ -316,6 +323,7 @@ pub fn copy_in(
     manifest: &Manifest,
     readers: usize,
     limits: Limits,
+    fault_point: &'static str,
 ) -> Result<LoadStats, DataError> {
     let t0 = Instant::now();
     let sources = ChunkSources::open(dir, manifest).map_err(|e| DataError::Image(e.to_string()))?;
@@ -343,7 +351,7 @@ pub fn copy_in(
             });
         }
         drop(free_rx);
-        let res = pump_load_replies(&agent, &free_tx, &err_rx, total, limits.stall);
+        let res = pump_load_replies(&agent, &free_tx, &err_rx, total, limits.stall, fault_point);
         // Unblock readers waiting for a slot, whatever happened.
         drop(free_tx);
         res
@@ -407,6 +415,7 @@ fn pump_load_replies(
     errors: &Receiver<String>,
     total: usize,
     stall: Duration,
+    fault_point: &'static str,
 ) -> Result<(), DataError> {
     let mut done = 0;
     let mut last = Instant::now();
@@ -417,6 +426,9 @@ fn pump_load_replies(
         match agent.recv(Duration::from_millis(200)) {
             Ok(Reply::SlotFree { slot }) => {
                 done += 1;
+                if done == 1 {
+                    crate::fault::kill_criu_at(fault_point);
+                }
                 last = Instant::now();
                 let _ = free.send(slot);
             }

@@ -563,13 +563,14 @@ pub fn rollback(ctx: &Ctx, t: &mut Tracked) -> Result<(), DumpError> {
     };
     let target = Target {
         pid,
+        restore_tid: t.restore_tid,
         initial: t.initial,
         agent_tid: &|| match agent_ns_tid {
             Some(ns_tid) => agent::host_tid(pid, ns_tid),
             None => Err(AgentError::NoThread { pid, ns_tid: -1 }),
         },
     };
-    undo(ctx, &target, &mut t.phase)?;
+    undo(ctx, &target, &mut t.phase, &mut t.hold)?;
     restore_thread.stop().map_err(PtraceError::on(
         t.restore_tid,
         "stopping the driver restore thread",
@@ -585,6 +586,8 @@ pub fn rollback(ctx: &Ctx, t: &mut Tracked) -> Result<(), DumpError> {
 /// The process a rollback works on.
 pub struct Target<'a> {
     pub pid: i32,
+    /// The driver's restore thread (it runs for the driver calls; a hold leaves it out).
+    pub restore_tid: i32,
     /// The driver state to return it to.
     pub initial: ProcessState,
     /// Finds the agent's thread (for a reload).
@@ -593,15 +596,26 @@ pub struct Target<'a> {
 
 /// Undoes `phase` one step at a time until nothing gpusnap did is left: checkpointed →
 /// (driver restore) → locked → (unlock) → released → (reload) → untouched. The driver's restore
-/// thread must be able to run. A reload that fails leaves the process held by the driver lock
-/// (its CUDA calls wait), never running without its memory. Returns the steps taken.
+/// thread must be able to run, and the caller must be the tracer of every thread. From the
+/// unlock until the reload is complete the application threads are held (`hold`, placed here
+/// if the dump did not leave one), so a tracer that dies meanwhile leaves the process stopped,
+/// not running on absent memory. A reload that fails leaves the process held by the driver
+/// lock as well (its CUDA calls wait). Returns the steps taken.
 pub fn undo(
     ctx: &Ctx,
     target: &Target<'_>,
     phase: &mut Phase,
+    hold: &mut Option<crate::hold::Hold>,
 ) -> Result<Vec<&'static str>, DumpError> {
     let pid = target.pid;
     let mut steps = Vec::new();
+    if phase.memory_released() && hold.is_none() {
+        let agent = (target.agent_tid)().ok();
+        let running: Vec<i32> = std::iter::once(target.restore_tid).chain(agent).collect();
+        *hold = Some(
+            crate::hold::Hold::place(pid, &running).map_err(|err| DumpError::Hold { pid, err })?,
+        );
+    }
     loop {
         *phase = match std::mem::replace(phase, Phase::Untouched) {
             Phase::Untouched | Phase::DataOut => return Ok(steps),
@@ -611,6 +625,7 @@ pub fn undo(
                     return Err(driver("rollback: driver restore")(e));
                 }
                 steps.push("driver restore");
+                crate::fault::kill_criu_at("rollback-restored");
                 match moved {
                     Some(d) => Phase::Relocked(d),
                     // Locked by someone else before the dump: it stays locked.
@@ -637,6 +652,10 @@ pub fn undo(
             Phase::Released(d) => match reload(ctx, target, &d) {
                 Ok(()) => {
                     steps.push("device data reloaded");
+                    // Whole again: the application threads may run when their tracer lets go.
+                    if let Some(h) = hold.take() {
+                        h.release()?;
+                    }
                     Phase::Untouched
                 }
                 Err(e) => {
@@ -659,7 +678,14 @@ pub fn undo(
 /// Reloads released memory from the files of `moved` through the agent.
 fn reload(ctx: &Ctx, target: &Target<'_>, moved: &MovedData) -> Result<(), DumpError> {
     let tid = (target.agent_tid)()?;
-    let stats = load_through_agent(ctx, target.pid, tid, ctx.image_dir(), &moved.manifest)?;
+    let stats = load_through_agent(
+        ctx,
+        target.pid,
+        tid,
+        ctx.image_dir(),
+        &moved.manifest,
+        "rollback-reload",
+    )?;
     log::info!(
         "pid {}: device data reloaded ({:.2} GiB in {:.3} s)",
         target.pid,
@@ -676,9 +702,10 @@ pub fn load_through_agent(
     agent_tid: i32,
     dir: BorrowedFd<'_>,
     manifest: &Manifest,
+    fault_point: &'static str,
 ) -> Result<datapath::LoadStats, DumpError> {
     let agent_thread = ptrace::resume(agent_tid, "agent thread")?;
-    let stats = load_with_agent_running(ctx, pid, dir, manifest)?;
+    let stats = load_with_agent_running(ctx, pid, dir, manifest, fault_point)?;
     agent_thread
         .stop()
         .map_err(PtraceError::on(agent_tid, "stopping the agent thread"))?;
@@ -686,11 +713,13 @@ pub fn load_through_agent(
 }
 
 /// Streams `manifest`'s data into re-created memory; the agent thread already runs.
+/// `fault_point` is where a test may kill CRIU once the first chunk is in ([`crate::fault`]).
 pub fn load_with_agent_running(
     ctx: &Ctx,
     pid: i32,
     dir: BorrowedFd<'_>,
     manifest: &Manifest,
+    fault_point: &'static str,
 ) -> Result<datapath::LoadStats, DataError> {
     let session = AgentSession::connect_expected(pid, ctx.agent_timeout())?;
     let biggest = manifest.chunks.iter().map(|c| c.len).max().unwrap_or(0) as usize;
@@ -706,6 +735,7 @@ pub fn load_with_agent_running(
         manifest,
         ctx.cfg.effective_reader_threads(),
         ctx.limits(),
+        fault_point,
     )
 }
 

@@ -114,6 +114,11 @@ impl Drop for Hold {
     }
 }
 
+/// Whether thread `tid` of `pid` is held (a `SIGSTOP` is queued to it).
+pub fn is_held(pid: i32, tid: i32) -> bool {
+    sigstop_pending(pid, tid)
+}
+
 /// Whether `SIGSTOP` is queued to thread `tid` of `pid` (its `SigPnd` mask).
 fn sigstop_pending(pid: i32, tid: i32) -> bool {
     procfs::pending_signals(pid, tid).is_ok_and(|mask| mask & (1 << (libc::SIGSTOP - 1)) != 0)

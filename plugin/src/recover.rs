@@ -39,6 +39,8 @@ pub enum RecoverError {
     Manifest { nspid: i32, err: ImageError },
     #[error(transparent)]
     Undo(#[from] DumpError),
+    #[error("pid {pid} is whole again but continuing it (SIGCONT) failed: {err}")]
+    Continue { pid: i32, err: std::io::Error },
 }
 
 /// Returns what was done, or what went wrong and what to do about it.
@@ -50,6 +52,10 @@ pub fn recover(pid: i32, images: Option<&Path>) -> Result<String, RecoverError> 
     };
     let state = api.process_state(pid)?;
     let agent_tid = agent::agent_thread(pid);
+    // A hold of a dump whose CRIU died leaves the process in a group stop.
+    let stopped = procfs::stat_text(pid, None)
+        .ok()
+        .is_some_and(|st| procfs::Stat::parse(&st).and_then(|s| s.state()) == Some("T"));
     let cfg = gpusnap_config::load().map_err(|e| RecoverError::Config(e.to_string()))?;
     let seized = SeizedProcess::seize(pid).map_err(|err| RecoverError::Seize { pid, err })?;
     let restore_thread = ptrace::resume(restore_tid, "driver restore thread")?;
@@ -94,15 +100,29 @@ pub fn recover(pid: i32, images: Option<&Path>) -> Result<String, RecoverError> 
     let mut phase = Phase::found(state, moved);
     let target = Target {
         pid,
+        restore_tid,
         // Whatever it was before the dump, it ran: it runs again.
         initial: ProcessState::Running,
         agent_tid: &|| agent_tid.ok_or(AgentError::NoThread { pid, ns_tid: -1 }),
     };
-    let done = dump::undo(&ctx, &target, &mut phase)?;
+    let mut hold = None;
+    let mut done = dump::undo(&ctx, &target, &mut phase, &mut hold)?;
     restore_thread.stop().map_err(PtraceError::on(
         restore_tid,
         "stopping the driver restore thread",
     ))?;
+    if stopped {
+        // Held by a dump that lost its CRIU (a queued SIGSTOP took effect): its memory is
+        // whole again, so it may continue once we let go of it.
+        // SAFETY: kill(2) takes no pointers.
+        if unsafe { libc::kill(pid, libc::SIGCONT) } != 0 {
+            return Err(RecoverError::Continue {
+                pid,
+                err: std::io::Error::last_os_error(),
+            });
+        }
+        done.push("continued");
+    }
     drop(seized);
     Ok(if done.is_empty() {
         format!("pid {pid} was {state} with its data in place: nothing to recover")

@@ -460,15 +460,50 @@ impl RestoreRun {
     }
 }
 
-/// Kills a restored process whose GPU state cannot be brought back (CRIU holds it stopped).
+/// Kills a restored process whose GPU state cannot be brought back (CRIU holds it stopped),
+/// and reaps its threads.
+///
+/// CRIU traces every thread of a restored process, so a killed thread stays a zombie until its
+/// tracer (this thread) reaps it. When the process is PID 1 of a pid namespace (a container's
+/// GPU process), its exit waits for those zombies while CRIU's own clean-up waits for it: the
+/// restore would hang forever (seen under Podman). Reaping them here lets both finish.
 fn kill(pid: i32, nspid: u32) {
+    let tids = procfs::thread_ids(pid).unwrap_or_default();
     // SAFETY: kill(2) takes no pointers; `pid` is a process CRIU restored and still holds.
     if unsafe { libc::kill(pid, libc::SIGKILL) } != 0 {
         let e = std::io::Error::last_os_error();
         log::error!(
             "pid {pid} (nspid {nspid}): killing it failed ({e}); it must not run: kill it by hand"
         );
+        return;
     }
+    let left = reap(&tids, std::time::Duration::from_secs(5));
+    if !left.is_empty() {
+        log::warn!("pid {pid}: threads {left:?} not reaped after SIGKILL");
+    }
+}
+
+/// Reaps the traced threads `tids` once they have died; returns those still alive at `within`.
+fn reap(tids: &[i32], within: std::time::Duration) -> Vec<i32> {
+    let deadline = Instant::now() + within;
+    let mut left: Vec<i32> = tids.to_vec();
+    while !left.is_empty() && Instant::now() < deadline {
+        left.retain(|&tid| {
+            let mut status = 0;
+            // SAFETY: waitpid with a valid status pointer; WNOHANG never blocks.
+            let r = unsafe { libc::waitpid(tid, &mut status, libc::__WALL | libc::WNOHANG) };
+            match r {
+                0 => true,
+                // Not (or no longer) ours to wait for: reaped by CRIU's handler, say.
+                r if r < 0 => false,
+                _ => !(libc::WIFEXITED(status) || libc::WIFSIGNALED(status)),
+            }
+        });
+        if !left.is_empty() {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    }
+    left
 }
 
 fn moved_bytes_on(m: &Manifest, device: u32) -> u64 {
@@ -683,6 +718,9 @@ fn prepare(ctx: &Ctx, pid: i32, m: &Manifest) -> Result<Vec<RunningThread>, Rest
             what: "finding the driver restore thread",
             err,
         })?;
+    // From here until the restore is complete, a CRIU that dies takes the process with it
+    // (its image is intact): it must never run half-restored.
+    crate::hold::kill_if_criu_dies(pid, &[])?;
     let mut threads = vec![ptrace::resume(restore_tid, "driver restore thread")?];
     if has_data(m) {
         let tid = agent::agent_thread(pid).ok_or(RestoreError::NoAgentThread { pid })?;
@@ -721,17 +759,25 @@ fn resume_one(
                 restored.map_err(driver(DRIVER_RESTORE))?;
                 refrozen?;
                 out.control_s = t0.elapsed().as_secs_f64();
+                crate::fault::kill_criu_at("restore-control");
                 RestorePhase::ControlRestored
             }
             RestorePhase::ControlRestored => {
                 let t1 = Instant::now();
                 ctx.api.unlock(pid).map_err(driver("driver unlock"))?;
                 out.unlock_s = t1.elapsed().as_secs_f64();
+                crate::fault::kill_criu_at("restore-unlocked");
                 RestorePhase::Unlocked
             }
             RestorePhase::Unlocked => {
                 if has_data(m) {
-                    out.data = Some(load_with_agent_running(ctx, pid, ctx.image_dir(), m)?);
+                    out.data = Some(load_with_agent_running(
+                        ctx,
+                        pid,
+                        ctx.image_dir(),
+                        m,
+                        "restore-data",
+                    )?);
                 }
                 RestorePhase::Whole
             }

@@ -187,7 +187,9 @@ impl Unfrozen {
         })?;
         let mut threads = Vec::new();
         for &tid in &before.threads {
-            if running.contains(&tid) {
+            // A thread held for a released memory (a queued SIGSTOP) is not let run: it would
+            // stop on the signal, and its tracer would have to drain it first.
+            if running.contains(&tid) || crate::hold::is_held(pid, tid) {
                 continue;
             }
             match RunningThread::resume(tid) {

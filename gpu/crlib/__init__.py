@@ -12,7 +12,7 @@ Used by the scripts in gpu/ and by bench/bench.py, one module per job:
 
 This file holds only where things are, so the modules can share it without importing each other.
 
-PID trap: `criu restore` fails with "Can't fork for PID: File exists"
+PID trap (docs/measurements.md): `criu restore` fails with "Can't fork for PID: File exists"
 while any task, zombies included, has a dumped PID as its pid, pgid or sid. The harness makes
 itself a child subreaper, so that killed workload trees and restored (detached) processes are
 re-parented to it and reaped here instead of by a lazy init, and it waits until no task uses the

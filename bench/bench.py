@@ -19,6 +19,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "gpu"))
 import crlib  # noqa: E402
+from crlib import machine, output  # noqa: E402
 import ccase  # noqa: E402
 
 
@@ -29,7 +30,7 @@ def need_gib(path, gib):
 
 
 def usable_gib(ram_gib):
-    m = crlib.meminfo_gib()
+    m = machine.meminfo_gib()
     total, avail = m.get("MemTotal", 0), m.get("MemAvailable", 0)
     if total >= 0.9 * ram_gib:
         return avail, m
@@ -81,10 +82,10 @@ def main():
     t_start = time.time()
     run_id = time.strftime("%Y%m%dT%H%M%S") + "-%d" % os.getpid()
     cmdline = a.cmdline or " ".join(sys.argv)
-    out, log, mi = crlib.start_run("bench", "bench run %s: %s" % (run_id, cmdline), a.plugdir)
-    jsonls = crlib.result_files(out, a.name, a.mock)
-    base = {"run": run_id, "date": crlib.iso_now(), "gpu": mi.get("gpu"), "driver": mi.get("driver")}
-    crlib.append_jsonl(jsonls, dict(base, kind="meta", cmdline=cmdline, cpus=mi.get("cpus"),
+    out, log, mi = output.start_run("bench", "bench run %s: %s" % (run_id, cmdline), a.plugdir)
+    jsonls = output.result_files(out, a.name, a.mock)
+    base = {"run": run_id, "date": output.iso_now(), "gpu": mi.get("gpu"), "driver": mi.get("driver")}
+    output.append_jsonl(jsonls, dict(base, kind="meta", cmdline=cmdline, cpus=mi.get("cpus"),
                                     ram_gib=mi.get("ram_gib"), kernel=mi.get("kernel"),
                                     gpu_mem=mi.get("gpu_mem"), criu=mi.get("criu"),
                                     shm_options=mi.get("shm_options"), sizes=a.sizes, paths=a.paths,
@@ -93,7 +94,7 @@ def main():
     if not a.no_pcie and not a.mock:
         p = pcie(os.path.join(a.bin, "pcie_bw"), a.pcie_gib, log)
         if p:
-            crlib.append_jsonl(jsonls, dict(base, date=crlib.iso_now(), kind="pcie",
+            output.append_jsonl(jsonls, dict(base, date=output.iso_now(), kind="pcie",
                                             d2h_gbps=p.get("d2h_gbps"), h2d_gbps=p.get("h2d_gbps"),
                                             d2h_mean_gbps=p.get("d2h_mean_gbps"),
                                             h2d_mean_gbps=p.get("h2d_mean_gbps"),
@@ -111,19 +112,19 @@ def main():
     for gib in a.sizes:
         gib = int(gib) if float(gib).is_integer() else gib
         for path in paths:
-            rec = dict(base, date=crlib.iso_now(), gib=gib, path=path)
+            rec = dict(base, date=output.iso_now(), gib=gib, path=path)
             need = need_gib(path, gib)
             usable, m = usable_gib(a.ram_gib)
             if need > a.ram_gib or need > usable:
                 why = "%s %s GiB needs ~%d GiB RAM; usable ~%.0f GiB (MemTotal %.0f, MemAvailable %.0f, nominal %.0f)" % (
                     path, gib, need, usable, m.get("MemTotal", 0), m.get("MemAvailable", 0), a.ram_gib)
                 log("SKIP: " + why)
-                crlib.append_jsonl(jsonls, dict(rec, skipped=why))
+                output.append_jsonl(jsonls, dict(rec, skipped=why))
                 continue
             if a.budget_s and time.time() - t_start > a.budget_s:
                 why = "time budget of %.0f s spent" % a.budget_s
                 log("SKIP %s %s GiB: %s" % (path, gib, why))
-                crlib.append_jsonl(jsonls, dict(rec, skipped=why))
+                output.append_jsonl(jsonls, dict(rec, skipped=why))
                 continue
             r = ccase.run_c_case(cfg, log, path, gib, False, tag="bench")
             rec.update({
@@ -137,7 +138,7 @@ def main():
                 "dump_gpusnap_lines": r.get("dump_gpusnap_lines"),
                 "restore_gpusnap_lines": r.get("restore_gpusnap_lines"),
             })
-            crlib.append_jsonl(jsonls, rec)
+            output.append_jsonl(jsonls, rec)
             if not r["pass"]:
                 failed += 1
 

@@ -3,7 +3,7 @@
 run_c_case() starts the workload on one path (split: agent preloaded; transparent: without),
 waits for `ready` and some ticks, runs `criu dump` (or `criu dump -R`), then either restores
 the image and lets it tick on, or lets the left-running process tick on, checks the tick log
-(crlib.check_ticks) and returns a record. It never raises: any failure is a FAIL record, and
+(ticklog.check_ticks) and returns a record. It never raises: any failure is a FAIL record, and
 the processes it started are killed and their PIDs waited free.
 """
 
@@ -13,7 +13,7 @@ import shutil
 import subprocess
 import time
 
-import crlib
+from crlib import criu, machine, output, procs, ticklog
 
 
 class CaseConfig:
@@ -38,14 +38,14 @@ class CaseConfig:
 
 
 def _ticks(wlog):
-    return crlib.parse_workload_log(wlog)
+    return ticklog.parse_workload_log(wlog)
 
 
 def run_c_case(cfg, log, path, gib, leave_running, tag="e2e"):
     kind = "leave" if leave_running else "dump"
     name = "%s-%s-%sg-%s" % (tag, path, gib, kind)
     imgdir = os.path.join(cfg.images, name)
-    wlog, wout = crlib.fresh_workload_files(cfg.work, name)
+    wlog, wout = procs.fresh_workload_files(cfg.work, name)
     shutil.rmtree(imgdir, ignore_errors=True)
     mode = cfg.modes.get(path)
     rec = {"case": name, "path": path, "gib": gib, "leave_running": leave_running,
@@ -55,7 +55,7 @@ def run_c_case(cfg, log, path, gib, leave_running, tag="e2e"):
     log("CASE %s: path %s, %s GiB, %s, alloc %s, GPUSNAP_MODE=%s" % (
         name, path, gib, "criu dump -R (leave running)" if leave_running else "criu dump + restore",
         cfg.alloc, mode))
-    m = crlib.meminfo_gib()
+    m = machine.meminfo_gib()
     log("meminfo: MemTotal %.1f GiB MemAvailable %.1f GiB Shmem %.1f GiB" % (
         m.get("MemTotal", 0), m.get("MemAvailable", 0), m.get("Shmem", 0)))
     popen = None
@@ -68,9 +68,9 @@ def run_c_case(cfg, log, path, gib, leave_running, tag="e2e"):
             "--log", wlog, "--interval-ms", str(cfg.interval_ms)]
         if cfg.devices is not None:
             cmd += ["--devices", cfg.devices]
-        popen = crlib.start_process(cmd, wout, crlib.workload_env(path), log)
+        popen = procs.start_process(cmd, wout, procs.workload_env(path), log)
         t0 = time.time()
-        ok = crlib.wait_until(lambda: _ticks(wlog)[0] is not None, 90 + 3 * float(gib), proc=popen)
+        ok = procs.wait_until(lambda: _ticks(wlog)[0] is not None, 90 + 3 * float(gib), proc=popen)
         ready, ticks, errors = _ticks(wlog)
         if not ok or ready is None:
             raise CaseError("workload not ready after %.1f s (exit code %s)" % (
@@ -81,32 +81,32 @@ def run_c_case(cfg, log, path, gib, leave_running, tag="e2e"):
         if int(ready.get("pid", popen.pid)) != popen.pid:
             log("WARNING: workload reports pid %s, Popen pid %d" % (ready.get("pid"), popen.pid))
         pid = popen.pid
-        if not crlib.wait_until(lambda: len(_ticks(wlog)[1]) >= cfg.ticks_before, 30, proc=popen):
+        if not procs.wait_until(lambda: len(_ticks(wlog)[1]) >= cfg.ticks_before, 30, proc=popen):
             raise CaseError("fewer than %d ticks before the dump" % cfg.ticks_before)
         ready, ticks, errors = _ticks(wlog)
-        pre = crlib.check_ticks(ready, ticks, errors)
+        pre = ticklog.check_ticks(ready, ticks, errors)
         if not pre["pass"]:
             raise CaseError("ticks already bad before the dump: %s" % pre["problems"][:5])
-        pids = crlib.tree_tids(pid)
+        pids = procs.tree_tids(pid)
         if cfg.devices is not None:
-            rec["gpus_before"] = crlib.gpus_of_pids([pid])
+            rec["gpus_before"] = machine.gpus_of_pids([pid])
             log("pid %d holds memory on GPUs %s" % (pid, rec["gpus_before"]))
         log("pid %d, %d threads; %d ticks before dump; last: %s" % (
             pid, len(pids), len(ticks), ticks[-1]))
 
-        dump = crlib.criu_dump(pid, imgdir, cfg.plugdir, mode, log, leave_running=leave_running,
+        dump = criu.criu_dump(pid, imgdir, cfg.plugdir, mode, log, leave_running=leave_running,
                                timeout=300 + 10 * float(gib))
         rec["dump_s"] = round(dump["secs"], 3)
         rec["dump_rc"] = dump["rc"]
         rec["dump_gpusnap_lines"] = dump["gpusnap_lines"]
-        img = crlib.image_stats(imgdir)
+        img = criu.image_stats(imgdir)
         rec.update({k: img[k] for k in ("image_bytes", "image_alloc_bytes", "n_files",
                                         "gpusnap_data_files", "gpusnap_manifests")})
         log("image dir %s: %d files, %.3f GiB (%.3f GiB allocated); gpusnap data files %d, "
             "manifests %d; largest %s" % (imgdir, img["n_files"], img["image_bytes"] / 2**30,
                                           img["image_alloc_bytes"] / 2**30, img["gpusnap_data_files"],
                                           img["gpusnap_manifests"], img["largest"][:6]))
-        stats = crlib.read_stats_json(imgdir)
+        stats = criu.read_stats_json(imgdir)
         rec["phases"] = stats
         if stats is not None:
             log.block("gpusnap-stats.json", json.dumps(stats, indent=1), max_lines=80)
@@ -126,10 +126,10 @@ def run_c_case(cfg, log, path, gib, leave_running, tag="e2e"):
             ready, ticks, errors = _ticks(wlog)
             n_dump = len(ticks)
             log("%d ticks at dump; last: %s" % (n_dump, ticks[-1] if ticks else None))
-            if not crlib.wait_pids_free(pids, 60, log):
+            if not procs.wait_pids_free(pids, 60, log):
                 raise CaseError("dumped pids still in use 60 s after the dump")
             if cfg.verify:
-                vrc, vout = crlib.gpusnap_cli(["verify", imgdir], log)
+                vrc, vout = criu.gpusnap_cli(["verify", imgdir], log)
                 rec["verify_rc"] = vrc
                 if vout.strip():
                     log.block("gpusnap verify", vout, max_lines=40)
@@ -140,39 +140,39 @@ def run_c_case(cfg, log, path, gib, leave_running, tag="e2e"):
                     else:
                         log("(transparent path: %s, not counted as a failure)" % msg)
             if cfg.inspect:
-                irc, iout = crlib.gpusnap_cli(["inspect", imgdir, "--json"], log)
+                irc, iout = criu.gpusnap_cli(["inspect", imgdir, "--json"], log)
                 if iout:
                     ipath = os.path.join(cfg.work, name + "-inspect.json")
                     with open(ipath, "w") as f:
                         f.write(iout)
                     log.block("gpusnap inspect --json (head)", iout, max_lines=60)
-                    crlib.archive_add([ipath], "%s/%s" % (cfg.archive_prefix, name), log)
-            restore = crlib.criu_restore(imgdir, cfg.plugdir, mode, log,
+                    output.archive_add([ipath], "%s/%s" % (cfg.archive_prefix, name), log)
+            restore = criu.criu_restore(imgdir, cfg.plugdir, mode, log,
                                          timeout=300 + 10 * float(gib), env=cfg.restore_env)
             rec["restore_s"] = round(restore["secs"], 3)
             rec["restore_rc"] = restore["rc"]
             rec["restore_gpusnap_lines"] = restore["gpusnap_lines"]
             rpid = restore["pid"]
             log("restored pid %s (dumped pid %d), alive %s" % (
-                rpid, pid, crlib.alive(rpid) if rpid else None))
+                rpid, pid, procs.alive(rpid) if rpid else None))
             if restore["rc"] != 0:
                 raise CaseError("criu restore failed with rc %d" % restore["rc"])
             if cfg.devices is not None:
-                rec["gpus_after"] = crlib.gpus_of_pids([rpid])
+                rec["gpus_after"] = machine.gpus_of_pids([rpid])
                 log("restored pid %s holds memory on GPUs %s" % (rpid, rec["gpus_after"]))
-            stats2 = crlib.read_stats_json(imgdir)
+            stats2 = criu.read_stats_json(imgdir)
             if stats2 is not None and stats2 != stats:
                 rec["phases"] = stats2
                 log.block("gpusnap-stats.json after restore", json.dumps(stats2, indent=1),
                           max_lines=80)
             need = n_dump + cfg.ticks_after
-            got = crlib.wait_until(lambda: len(_ticks(wlog)[1]) >= need,
+            got = procs.wait_until(lambda: len(_ticks(wlog)[1]) >= need,
                                    30 + 5 * cfg.ticks_after * cfg.interval_ms / 1000.0)
             ready, ticks, errors = _ticks(wlog)
             if len(ticks) > n_dump:
                 rec["first_tick_after_restore_s"] = round(
                     ticks[n_dump]["us"] / 1e6 - restore["end"], 3)
-            chk = crlib.check_ticks(ready, ticks, errors, need_after=cfg.ticks_after,
+            chk = ticklog.check_ticks(ready, ticks, errors, need_after=cfg.ticks_after,
                                     after_index=n_dump, window=(dump["start"], restore["end"]))
             if not got:
                 log("only %d of %d ticks after restore" % (len(ticks), need))
@@ -180,10 +180,10 @@ def run_c_case(cfg, log, path, gib, leave_running, tag="e2e"):
         else:
             n_dump = len(_ticks(wlog)[1])
             need = n_dump + cfg.ticks_after
-            got = crlib.wait_until(lambda: len(_ticks(wlog)[1]) >= need,
+            got = procs.wait_until(lambda: len(_ticks(wlog)[1]) >= need,
                                    30 + 5 * cfg.ticks_after * cfg.interval_ms / 1000.0, proc=popen)
             ready, ticks, errors = _ticks(wlog)
-            chk = crlib.check_ticks(ready, ticks, errors, need_after=cfg.ticks_after,
+            chk = ticklog.check_ticks(ready, ticks, errors, need_after=cfg.ticks_after,
                                     after_index=n_dump, window=(dump["start"], dump["end"]))
             rec["pause_s"] = chk.get("pause_s")
             rec["max_gap_s"] = chk.get("gap_s")
@@ -204,10 +204,10 @@ def run_c_case(cfg, log, path, gib, leave_running, tag="e2e"):
             log("  checker problem: %s" % p)
         rec["problems"].extend("checker: " + p for p in chk["problems"])
     except Exception as e:
-        crlib.note_failure(rec, log, e, expected=CaseError)
+        output.note_failure(rec, log, e, expected=CaseError)
     finally:
         if path == "split":
-            crlib.log_agent_lines(log, wout)
+            criu.log_agent_lines(log, wout)
         if rec["problems"]:
             log.file_tail("workload log", wlog, 30)
             log.file_tail("workload stdout/stderr", wout, 30)
@@ -219,17 +219,17 @@ def run_c_case(cfg, log, path, gib, leave_running, tag="e2e"):
         # failed dump, and wait until its PIDs are free for the next case.
         targets = [x for x in {rpid, popen.pid if popen else None} if x]
         if targets:
-            still = [t for t in targets if crlib.alive(t)]
+            still = [t for t in targets if procs.alive(t)]
             if still:
                 log("killing %s" % still)
-            crlib.kill_and_wait(targets, log, wait_pids=targets + pids, popen=popen)
-        saved = crlib.save_criu_logs(imgdir, cfg.work, name)
+            procs.kill_and_wait(targets, log, wait_pids=targets + pids, popen=popen)
+        saved = criu.save_criu_logs(imgdir, cfg.work, name)
         sj = os.path.join(imgdir, "gpusnap-stats.json")
         if os.path.exists(sj):
             q = os.path.join(cfg.work, name + "-stats.json")
             shutil.copy(sj, q)
             saved.append(q)
-        crlib.archive_add([wlog, wout] + saved, "%s/%s" % (cfg.archive_prefix, name), log)
+        output.archive_add([wlog, wout] + saved, "%s/%s" % (cfg.archive_prefix, name), log)
         if not cfg.keep_images:
             shutil.rmtree(imgdir, ignore_errors=True)
     rec["pass"] = not rec["problems"]

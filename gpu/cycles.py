@@ -22,6 +22,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import crlib  # noqa: E402
+from crlib import criu, machine, output, procs, ticklog  # noqa: E402
 
 GPU_SLACK_MIB = 256
 RSS_SLACK_MIB = 256
@@ -40,16 +41,16 @@ def vm_rss_mib(pid):
 
 
 def readings(pid):
-    used = crlib.gpu_used_gib()
+    used = machine.gpu_used_gib()
     return {"gpu_used_mib": None if used is None else round(used * 1024),
             "rss_mib": vm_rss_mib(pid),
-            "mem_available_gib": round(crlib.meminfo_gib().get("MemAvailable", 0), 2)}
+            "mem_available_gib": round(machine.meminfo_gib().get("MemAvailable", 0), 2)}
 
 
 def run_path(a, log, path, workload, prefix):
     name = "cycles-%s-%sg" % (path, a.gib)
     imgdir = os.path.join(a.images, name)
-    wlog, wout = crlib.fresh_workload_files(a.work, name)
+    wlog, wout = procs.fresh_workload_files(a.work, name)
     mode = {"split": "auto", "transparent": "transparent"}[path]
     rec = {"case": "cycles", "path": path, "gib": a.gib, "cycles_wanted": a.cycles, "cycles": [],
            "pass": False, "problems": []}
@@ -59,10 +60,10 @@ def run_path(a, log, path, workload, prefix):
     t_case = time.time()
     try:
         cmd = prefix + [workload, "--gib", str(a.gib), "--log", wlog, "--interval-ms", "100"]
-        popen = crlib.start_process(cmd, wout, crlib.workload_env(path), log)
+        popen = procs.start_process(cmd, wout, procs.workload_env(path), log)
         pid = popen.pid
-        ticks = lambda: crlib.parse_workload_log(wlog)[1]  # noqa: E731
-        if not crlib.wait_until(lambda: len(ticks()) >= 3, 120 + 3 * a.gib, proc=popen):
+        ticks = lambda: ticklog.parse_workload_log(wlog)[1]  # noqa: E731
+        if not procs.wait_until(lambda: len(ticks()) >= 3, 120 + 3 * a.gib, proc=popen):
             raise RuntimeError("workload not ticking (exit code %s)" % popen.poll())
         rec["baseline"] = readings(pid)
         log("baseline: %s" % rec["baseline"])
@@ -71,29 +72,29 @@ def run_path(a, log, path, workload, prefix):
                 rec["problems"].append("time budget spent after %d cycles" % i)
                 break
             shutil.rmtree(imgdir, ignore_errors=True)
-            pids = crlib.tree_tids(pid)
-            dump = crlib.criu_dump(pid, imgdir, a.plugdir, mode, log, timeout=120 + 10 * a.gib)
+            pids = procs.tree_tids(pid)
+            dump = criu.criu_dump(pid, imgdir, a.plugdir, mode, log, timeout=120 + 10 * a.gib)
             if dump["rc"] != 0:
                 raise RuntimeError("cycle %d: criu dump failed with rc %d" % (i + 1, dump["rc"]))
             if i == 0:
                 popen.wait(timeout=30)
-            if not crlib.wait_pids_free(pids, 60, log):
+            if not procs.wait_pids_free(pids, 60, log):
                 raise RuntimeError("cycle %d: dumped pids still in use" % (i + 1))
             n = len(ticks())
-            restore = crlib.criu_restore(imgdir, a.plugdir, mode, log, timeout=120 + 10 * a.gib)
+            restore = criu.criu_restore(imgdir, a.plugdir, mode, log, timeout=120 + 10 * a.gib)
             if restore["rc"] != 0:
                 raise RuntimeError("cycle %d: criu restore failed with rc %d" % (i + 1, restore["rc"]))
             if restore["pid"] != pid:
                 raise RuntimeError("cycle %d: restored pid %s, dumped %d" % (i + 1, restore["pid"], pid))
-            if not crlib.wait_until(lambda: len(ticks()) >= n + 3, 30):
+            if not procs.wait_until(lambda: len(ticks()) >= n + 3, 30):
                 raise RuntimeError("cycle %d: fewer than 3 ticks after the restore" % (i + 1))
             shutil.rmtree(imgdir, ignore_errors=True)
             r = readings(pid)
             r.update(cycle=i + 1, dump_s=round(dump["secs"], 3), restore_s=round(restore["secs"], 3))
             rec["cycles"].append(r)
             log("cycle %d: dump %.2f s, restore %.2f s, %s" % (i + 1, dump["secs"], restore["secs"], r))
-        ready, all_ticks, errors = crlib.parse_workload_log(wlog)
-        chk = crlib.check_ticks(ready, all_ticks, errors)
+        ready, all_ticks, errors = ticklog.parse_workload_log(wlog)
+        chk = ticklog.check_ticks(ready, all_ticks, errors)
         rec["n_ticks"] = chk["n_ticks"]
         rec["problems"].extend("checker: " + p for p in chk["problems"])
         base, last = rec["baseline"], (rec["cycles"] or [None])[-1]
@@ -110,15 +111,15 @@ def run_path(a, log, path, workload, prefix):
                 rec["problems"].append("host MemAvailable fell from %.1f to %.1f GiB" % (
                     base["mem_available_gib"], last["mem_available_gib"]))
     except Exception as e:
-        crlib.note_failure(rec, log, e, expected=RuntimeError)
+        output.note_failure(rec, log, e, expected=RuntimeError)
         for p in (wlog, wout, os.path.join(imgdir, "dump.log"), os.path.join(imgdir, "restore.log")):
             log.file_tail(os.path.basename(p), p, 25)
     finally:
         if path == "split":
-            crlib.log_agent_lines(log, wout)
+            criu.log_agent_lines(log, wout)
         if pid:
-            crlib.kill_and_wait([pid], log, wait_pids=pids or [pid], popen=popen)
-        crlib.archive_add([wlog, wout], "cycles/" + name, log)
+            procs.kill_and_wait([pid], log, wait_pids=pids or [pid], popen=popen)
+        output.archive_add([wlog, wout], "cycles/" + name, log)
         shutil.rmtree(imgdir, ignore_errors=True)
     rec["cycles_done"] = len(rec["cycles"])
     rec["identical"] = not any(p.startswith("checker") for p in rec["problems"])
@@ -143,16 +144,16 @@ def main():
     ap.add_argument("--mock", action="store_true", help="gpu/mock_workload.py, no GPU (harness test)")
     a = ap.parse_args()
     a.gib = int(a.gib) if a.gib.is_integer() else a.gib
-    out, log, mi = crlib.start_run("cycles", "gpusnap cycles: %s" % " ".join(sys.argv), a.plugdir)
-    jsonl = crlib.result_files(out, a.name, a.mock)
+    out, log, mi = output.start_run("cycles", "gpusnap cycles: %s" % " ".join(sys.argv), a.plugdir)
+    jsonl = output.result_files(out, a.name, a.mock)
     workload = os.path.join(crlib.REPO, "gpu", "mock_workload.py") if a.mock else a.workload
     prefix = [sys.executable] if a.mock else []
     run_id = time.strftime("%Y%m%dT%H%M%S")
     failed = 0
     for path in (["split", "transparent"] if a.path == "both" else [a.path]):
         rec = run_path(a, log, path, workload, prefix)
-        rec.update({"run": run_id, "date": crlib.iso_now(), "gpu": mi.get("gpu"), "driver": mi.get("driver")})
-        crlib.append_jsonl(jsonl, rec)
+        rec.update({"run": run_id, "date": output.iso_now(), "gpu": mi.get("gpu"), "driver": mi.get("driver")})
+        output.append_jsonl(jsonl, rec)
         failed += 0 if rec["pass"] else 1
     return 1 if failed else 0
 

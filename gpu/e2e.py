@@ -14,6 +14,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import crlib  # noqa: E402
+from crlib import output  # noqa: E402
 import ccase  # noqa: E402
 
 
@@ -38,7 +39,7 @@ def main():
     a = ap.parse_args()
 
     t_start = time.time()
-    out, log, mi = crlib.start_run(a.log_name, "gpusnap e2e: %s" % " ".join(sys.argv), a.plugdir)
+    out, log, mi = output.start_run(a.log_name, "gpusnap e2e: %s" % " ".join(sys.argv), a.plugdir)
     jsonl = os.path.join(out, a.log_name + ".jsonl")
     for f in (crlib.AGENT_SO, crlib.GPUSNAP_CLI, crlib.CRIU):
         log("%s: %s" % (f, "present" if os.path.exists(f) else "MISSING"))
@@ -67,9 +68,9 @@ def main():
                                     "pass": None, "skipped": "time budget"})
                     continue
                 rec = ccase.run_c_case(cfg, log, path, gib, leave, tag=a.log_name)
-                rec.update({"run": run_id, "date": crlib.iso_now(), "gpu": mi.get("gpu"),
+                rec.update({"run": run_id, "date": output.iso_now(), "gpu": mi.get("gpu"),
                             "driver": mi.get("driver")})
-                crlib.append_jsonl([jsonl], rec)
+                output.append_jsonl([jsonl], rec)
                 results.append(rec)
     log("=" * 78)
     log("SUMMARY (%.0f s)" % (time.time() - t_start))

@@ -36,6 +36,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import crlib  # noqa: E402
+from crlib import criu, machine, output, procs, ticklog  # noqa: E402
 
 ALL_CASES = ["damaged-image", "no-gpu-memory", "lock-timeout", "criu-killed-then-recover",
              "recover-nothing"]
@@ -175,30 +176,30 @@ class Harness:
         wlog, wout = c.f("workload.log"), c.f("workload.out")
         cmd = self.wprefix + [self.workload, "--gib", str(gib), "--alloc", "driver", "--log", wlog,
                               "--interval-ms", str(self.a.interval_ms)]
-        p = crlib.start_process(cmd, wout, crlib.workload_env(path), self.log)
+        p = procs.start_process(cmd, wout, procs.workload_env(path), self.log)
         c.popens.append(p)
         t0 = time.time()
-        if not crlib.wait_until(lambda: crlib.parse_workload_log(wlog)[0] is not None,
+        if not procs.wait_until(lambda: ticklog.parse_workload_log(wlog)[0] is not None,
                                 90 + 3 * float(gib), proc=p):
             raise Fail("workload not ready after %.0f s (exit status %s)" % (time.time() - t0, p.poll()))
-        if not crlib.wait_until(lambda: len(crlib.parse_workload_log(wlog)[1]) >= 3, 30, proc=p):
+        if not procs.wait_until(lambda: len(ticklog.parse_workload_log(wlog)[1]) >= 3, 30, proc=p):
             raise Fail("fewer than 3 ticks before the fault (exit status %s)" % p.poll())
-        ready, ticks, errors = crlib.parse_workload_log(wlog)
-        pre = crlib.check_ticks(ready, ticks, errors)
+        ready, ticks, errors = ticklog.parse_workload_log(wlog)
+        pre = ticklog.check_ticks(ready, ticks, errors)
         if not pre["pass"]:
             raise Fail("ticks already bad before the fault: %s" % pre["problems"][:3])
-        tids = crlib.tree_tids(p.pid)
+        tids = procs.tree_tids(p.pid)
         c.free_pids.extend(tids)
         self.log("workload pid %d ready after %.1f s, %d threads, %d ticks" % (
             p.pid, time.time() - t0, len(tids), len(ticks)))
         return p, wlog, wout, tids
 
     def n_ticks(self, wlog):
-        return len(crlib.parse_workload_log(wlog)[1])
+        return len(ticklog.parse_workload_log(wlog)[1])
 
     def dump_and_reap(self, c, p, tids, gib, wlog):
         """criu dump (no -R) of the workload; it must exit and its pids become free."""
-        d = crlib.criu_dump(p.pid, c.img, self.a.plugdir, c.mode, self.log,
+        d = criu.criu_dump(p.pid, c.img, self.a.plugdir, c.mode, self.log,
                             timeout=120 + 10 * float(gib))
         c.archive.append(d["log"])
         c.info["dump_s"] = round(d["secs"], 3)
@@ -209,13 +210,13 @@ class Harness:
         except subprocess.TimeoutExpired:
             raise Fail("workload still running 30 s after criu dump returned")
         n = self.n_ticks(wlog)
-        if not crlib.wait_pids_free(tids, 60, self.log):
+        if not procs.wait_pids_free(tids, 60, self.log):
             raise Fail("dumped pids still in use 60 s after the dump")
         return d, n
 
     def restore_and_check(self, c, wlog, n_dump, dump, gib, what="restore"):
         """criu restore that must succeed; then 5 more ticks, checker over the whole log."""
-        r = crlib.criu_restore(c.img, self.a.plugdir, c.mode, self.log, timeout=120 + 10 * float(gib))
+        r = criu.criu_restore(c.img, self.a.plugdir, c.mode, self.log, timeout=120 + 10 * float(gib))
         self._save_criu_log(c, r, what)
         if r["pid"]:
             c.pids.append(r["pid"])
@@ -226,10 +227,10 @@ class Harness:
         return r
 
     def check_ticks_after(self, c, wlog, n_before, window=None, need=5):
-        got = crlib.wait_until(lambda: self.n_ticks(wlog) >= n_before + need,
+        got = procs.wait_until(lambda: self.n_ticks(wlog) >= n_before + need,
                                30 + 5 * need * self.a.interval_ms / 1000.0)
-        ready, ticks, errors = crlib.parse_workload_log(wlog)
-        chk = crlib.check_ticks(ready, ticks, errors, need_after=need, after_index=n_before,
+        ready, ticks, errors = ticklog.parse_workload_log(wlog)
+        chk = ticklog.check_ticks(ready, ticks, errors, need_after=need, after_index=n_before,
                                 window=window)
         lo = max(0, n_before - 2)
         for t in ticks[lo:n_before + need + 1]:
@@ -260,20 +261,20 @@ class Harness:
     def dumped_pid_gone(self, c, pid, restored_pid=None):
         """After a refused restore: no process with the dumped (or reported) pid runs."""
         time.sleep(0.5)
-        crlib.reap_our_zombies()
+        procs.reap_our_zombies()
         bad = []
         for q in sorted({x for x in (pid, restored_pid) if x}):
-            if crlib.alive(q):
+            if procs.alive(q):
                 try:
                     with open("/proc/%d/cmdline" % q, "rb") as f:
                         cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
                 except OSError:
                     cmd = "?"
-                bad.append("%d (%s, state %s)" % (q, cmd[:80], (crlib.proc_stat(q) or "?")[0]))
+                bad.append("%d (%s, state %s)" % (q, cmd[:80], (procs.proc_stat(q) or "?")[0]))
         if bad:
             c.problem("a process with the dumped pid runs after the refused restore: %s" % ", ".join(bad))
             # kill it, or the next restore of the same image cannot have its pid
-            crlib.kill_and_wait([x for x in (pid, restored_pid) if x], self.log, timeout=30)
+            procs.kill_and_wait([x for x in (pid, restored_pid) if x], self.log, timeout=30)
         else:
             c.note("no process with pid %d after the refused restore" % pid)
 
@@ -284,8 +285,8 @@ class Harness:
         with open(script, "w") as f:
             f.write(code)
         out = c.f(name + ".out")
-        p = crlib.start_process([self.a.python, script] + [str(x) for x in args], out,
-                                env or crlib.workload_env("transparent"), self.log)
+        p = procs.start_process([self.a.python, script] + [str(x) for x in args], out,
+                                env or procs.workload_env("transparent"), self.log)
         c.popens.append(p)
         return p, out
 
@@ -312,8 +313,8 @@ class Harness:
 
     def check_free(self, c, pid, when):
         h = self.held(pid)
-        if h is None or not crlib.alive(pid):
-            c.problem("%s: pid %d is gone (%s)" % (when, pid, crlib.proc_stat(pid)))
+        if h is None or not procs.alive(pid):
+            c.problem("%s: pid %d is gone (%s)" % (when, pid, procs.proc_stat(pid)))
             return False
         bad = [x for x in h if x[2] not in (0, None) or x[1] in ("t", "T")]
         if bad:
@@ -326,10 +327,10 @@ class Harness:
         targets = [p.pid for p in c.popens] + c.pids
         victims = []
         for t in targets:
-            if t and crlib.alive(t):
-                victims.extend(crlib.tree_pids(t))
+            if t and procs.alive(t):
+                victims.extend(procs.tree_pids(t))
         if victims:
-            self.log("killing %s" % crlib.short_list(sorted(set(victims))))
+            self.log("killing %s" % procs.short_list(sorted(set(victims))))
         for v in set(victims):
             try:
                 os.kill(v, signal.SIGKILL)
@@ -342,7 +343,7 @@ class Harness:
                 self.log("pid %d did not exit 30 s after SIGKILL" % p.pid)
         want = sorted(set(x for x in targets + c.free_pids if x))
         if want:
-            crlib.wait_pids_free(want, 60, self.log)
+            procs.wait_pids_free(want, 60, self.log)
 
     # --------------------------------------------------------------- cases
 
@@ -369,14 +370,14 @@ class Harness:
         self.log("flipped byte %d of %s (%d bytes): 0x%02x -> 0x%02x" % (
             FLIP_OFFSET, os.path.basename(data), size, old, old ^ 0xFF))
         c.info["damaged_file"] = os.path.basename(data)
-        vrc, vout = crlib.gpusnap_cli(["verify", c.img], self.log)
+        vrc, vout = criu.gpusnap_cli(["verify", c.img], self.log)
         c.info["verify_rc_damaged"] = vrc
         if vout.strip():
             self.log.block("gpusnap verify (damaged image)", vout, max_lines=20)
         if vrc == 0:
             c.note("gpusnap verify passed the damaged image")
         try:
-            r = crlib.criu_restore(c.img, self.a.plugdir, c.mode, self.log, timeout=120 + 10 * gib)
+            r = criu.criu_restore(c.img, self.a.plugdir, c.mode, self.log, timeout=120 + 10 * gib)
             self._save_criu_log(c, r, "restore-damaged")
             c.info["damaged_restore_rc"] = r["rc"]
             if r["rc"] == 0:
@@ -394,7 +395,7 @@ class Harness:
         finally:
             _flip(data, FLIP_OFFSET)
             self.log("flipped byte %d back" % FLIP_OFFSET)
-        if not crlib.wait_pids_free(tids, 60, self.log):
+        if not procs.wait_pids_free(tids, 60, self.log):
             raise Fail("dumped pids still in use 60 s after the refused restore")
         self.restore_and_check(c, wlog, n_dump, dump, gib)
 
@@ -406,9 +407,9 @@ class Harness:
         if not self.a.mock and not glob.glob(os.path.join(c.img, "gpusnap-*-data-*.img")):
             c.note("no gpusnap data files: the split path was not taken")
         need = int(float(gib) * (1 << 30))
-        used0 = crlib.gpu_used_gib()
+        used0 = machine.gpu_used_gib()
         bp, bout = self.start_helper(c, "blocker", BLOCKER_PY, [need, int(self.a.mock)])
-        ok = crlib.wait_until(lambda: "ready" in _read(bout), 180, poll=0.2, proc=bp)
+        ok = procs.wait_until(lambda: "ready" in _read(bout), 180, poll=0.2, proc=bp)
         line = [l for l in _read(bout).splitlines() if l.startswith("ready")]
         if not ok or not line:
             raise Fail("blocker not ready (exit status %s): %s" % (bp.poll(), _read(bout)[-400:]))
@@ -416,8 +417,8 @@ class Harness:
         binfo = dict(zip(kv[0::2], kv[1::2]))
         c.info["blocker"] = binfo
         self.log("blocker pid %d: %s; nvidia-smi used %s GiB (before %s)" % (
-            bp.pid, line[0], crlib.gpu_used_gib(), used0))
-        r = crlib.criu_restore(c.img, self.a.plugdir, c.mode, self.log, timeout=120 + 10 * gib)
+            bp.pid, line[0], machine.gpu_used_gib(), used0))
+        r = criu.criu_restore(c.img, self.a.plugdir, c.mode, self.log, timeout=120 + 10 * gib)
         self._save_criu_log(c, r, "restore-no-memory")
         c.info["nomem_restore_rc"] = r["rc"]
         if r["rc"] == 0:
@@ -442,27 +443,27 @@ class Harness:
         except subprocess.TimeoutExpired:
             raise Fail("blocker did not exit 60 s after SIGKILL")
         if used0 is not None:
-            crlib.wait_until(lambda: (crlib.gpu_used_gib() or 0) < used0 + 1.0, 30, poll=0.5)
-        self.log("blocker gone; nvidia-smi used %s GiB" % crlib.gpu_used_gib())
-        if not crlib.wait_pids_free(tids, 60, self.log):
+            procs.wait_until(lambda: (machine.gpu_used_gib() or 0) < used0 + 1.0, 30, poll=0.5)
+        self.log("blocker gone; nvidia-smi used %s GiB" % machine.gpu_used_gib())
+        if not procs.wait_pids_free(tids, 60, self.log):
             raise Fail("dumped pids still in use 60 s after the refused restore")
         self.restore_and_check(c, wlog, n_dump, dump, gib)
 
     def case_lock_timeout(self, c):
         ticks = c.f("ticks.txt")
-        env = crlib.workload_env(c.path)
+        env = procs.workload_env(c.path)
         p, out = self.start_helper(c, "long_kernel", LONG_KERNEL_PY,
                                    [ticks, self.a.sleep_cycles, int(self.a.mock)], env=env)
         c.free_pids.append(p.pid)
-        if not crlib.wait_until(lambda: _read(ticks).startswith("ready"), 180, poll=0.2, proc=p):
+        if not procs.wait_until(lambda: _read(ticks).startswith("ready"), 180, poll=0.2, proc=p):
             raise Fail("torch process not ready (exit status %s): %s" % (p.poll(), _read(out)[-400:]))
         time.sleep(1.5)  # well inside the first kernel (~10 s at 2e10 cycles)
         n0 = _kernel_ticks(ticks)
-        c.free_pids.extend(crlib.tree_tids(p.pid))
+        c.free_pids.extend(procs.tree_tids(p.pid))
         self.log("torch pid %d inside its kernel; %d ticks so far" % (p.pid, len(n0)))
         os.environ["GPUSNAP_LOCK_TIMEOUT_MS"] = str(self.a.lock_timeout_ms)
         try:
-            d = crlib.criu_dump(p.pid, c.img, self.a.plugdir, c.mode, self.log, timeout=120)
+            d = criu.criu_dump(p.pid, c.img, self.a.plugdir, c.mode, self.log, timeout=120)
         finally:
             os.environ.pop("GPUSNAP_LOCK_TIMEOUT_MS", None)
         self._save_criu_log(c, d, "dump")
@@ -482,7 +483,7 @@ class Harness:
             return
         at_end = len(_kernel_ticks(ticks))
         est = self.a.sleep_cycles / 1.5e9
-        got = crlib.wait_until(lambda: len(_kernel_ticks(ticks)) >= at_end + 2, 3 * est + 30,
+        got = procs.wait_until(lambda: len(_kernel_ticks(ticks)) >= at_end + 2, 3 * est + 30,
                                poll=0.2, proc=p)
         tk = _kernel_ticks(ticks)
         c.info["kernel_s"] = [t[2] for t in tk[-3:]]
@@ -513,7 +514,7 @@ class Harness:
         cout = c.f("criu.out")
         t0 = time.time()
         with open(cout, "wb") as co:
-            cp = subprocess.Popen(cmd, env=crlib.criu_env(c.mode), stdout=co, stderr=subprocess.STDOUT,
+            cp = subprocess.Popen(cmd, env=criu.criu_env(c.mode), stdout=co, stderr=subprocess.STDOUT,
                                   stdin=subprocess.DEVNULL, cwd=crlib.REPO)
         with open(pidfile + ".tmp", "w") as f:
             f.write("%d\n" % cp.pid)
@@ -527,7 +528,7 @@ class Harness:
         secs = time.time() - t0
         dlog = os.path.join(c.img, "dump.log")
         self._save_criu_log(c, {"log": dlog}, "dump")
-        lines = crlib.gpusnap_lines(dlog)
+        lines = criu.gpusnap_lines(dlog)
         if lines:
             self.log.block("gpusnap: lines of dump.log", "\n".join(lines), max_lines=60)
         self.log.block("action script log", _read(slog) or "(empty)", max_lines=20)
@@ -544,10 +545,10 @@ class Harness:
                                     glob.glob(os.path.join(c.img, "gpusnap-*-manifest.img")))
         self.log("criu killed; manifests %s; data files %d" % (
             c.info["manifest"], len(glob.glob(os.path.join(c.img, "gpusnap-*-data-*.img")))))
-        crlib.reap_our_zombies(skip={pid})
+        procs.reap_our_zombies(skip={pid})
         time.sleep(1.0)
-        if not crlib.alive(pid):
-            raise Fail("the workload died with criu (%s)" % (crlib.proc_stat(pid),))
+        if not procs.alive(pid):
+            raise Fail("the workload died with criu (%s)" % (procs.proc_stat(pid),))
         c.info["held_after_kill"] = (self.held(pid) or [])[:4]
         n1 = self.n_ticks(wlog)
         time.sleep(2.0)
@@ -558,7 +559,7 @@ class Harness:
         else:
             c.note("WARNING: %d ticks while criu was dead (expected none: memory released)" % (n2 - n1))
         t1 = time.time()
-        rrc, rout = crlib.gpusnap_cli(["recover", str(pid), "--images", c.img], self.log, timeout=300)
+        rrc, rout = criu.gpusnap_cli(["recover", str(pid), "--images", c.img], self.log, timeout=300)
         c.info["recover_rc"] = rrc
         c.info["recover_output"] = rout.strip()[-600:]
         c.info["recover_s"] = round(time.time() - t1, 3)
@@ -572,7 +573,7 @@ class Harness:
 
     def case_recover_nothing(self, c):
         p, wlog, wout, tids = self.start_workload(c, self.a.gib, c.path)
-        rc, out = crlib.gpusnap_cli(["recover", str(p.pid)], self.log, timeout=120)
+        rc, out = criu.gpusnap_cli(["recover", str(p.pid)], self.log, timeout=120)
         c.info["recover_rc"] = rc
         c.info["recover_output"] = out.strip()[-400:]
         self.log.block("gpusnap recover", out or "(no output)", max_lines=20)
@@ -646,7 +647,7 @@ def run_case(h, name, path):
     except Fail as e:
         c.problem(str(e))
     except Exception:
-        tb = crlib.format_exc()
+        tb = output.format_exc()
         log.block("exception", tb)
         c.problem("exception: " + tb.strip().splitlines()[-1])
     finally:
@@ -655,7 +656,7 @@ def run_case(h, name, path):
                 for n in ("workload.out", "long_kernel.out"):
                     q = os.path.join(c.dir, n)
                     if os.path.exists(q):
-                        crlib.log_agent_lines(log, q)
+                        criu.log_agent_lines(log, q)
             if c.problems:
                 for n in ("workload.log", "workload.out", "long_kernel.out", "blocker.out"):
                     q = os.path.join(c.dir, n)
@@ -663,8 +664,8 @@ def run_case(h, name, path):
                         log.file_tail(n, q, 20)
             h.cleanup(c)
         except Exception:
-            log.block("cleanup exception", crlib.format_exc())
-        crlib.archive_add(c.archive, "faults/%s" % c.tag, log)
+            log.block("cleanup exception", output.format_exc())
+        output.archive_add(c.archive, "faults/%s" % c.tag, log)
         if not h.a.keep_images:
             shutil.rmtree(c.img, ignore_errors=True)
     ok = not c.problems
@@ -714,8 +715,8 @@ def main():
     only = [x for x in a.paths.split(",") if x]
 
     t_start = time.time()
-    out, log, mi = crlib.start_run("faults", "gpusnap faults: %s" % " ".join(sys.argv), a.plugdir)
-    jsonls = crlib.result_files(out, a.name, a.mock)
+    out, log, mi = output.start_run("faults", "gpusnap faults: %s" % " ".join(sys.argv), a.plugdir)
+    jsonls = output.result_files(out, a.name, a.mock)
     for f in (crlib.AGENT_SO, crlib.GPUSNAP_CLI, crlib.CRIU, a.workload):
         log("%s: %s" % (f, "present" if os.path.exists(f) else "MISSING"))
     if os.path.isfile(crlib.GPUSNAP_CLI):
@@ -742,13 +743,13 @@ def main():
                 rec = {"case": name, "path": path, "pass": None, "detail": "skipped: deadline"}
             else:
                 rec = run_case(h, name, path)
-            full = {"run": run_id, "date": crlib.iso_now(), "gpu": mi.get("gpu"),
+            full = {"run": run_id, "date": output.iso_now(), "gpu": mi.get("gpu"),
                     "driver": mi.get("driver"), "case": name, "path": path, "pass": rec["pass"],
                     "detail": rec["detail"]}
             full.update({k: v for k, v in rec.items() if k not in full})
             if a.mock:
                 full["mock"] = True
-            crlib.append_jsonl(jsonls, full)
+            output.append_jsonl(jsonls, full)
             results.append(full)
     log("=" * 78)
     log("SUMMARY (%.0f s)" % (time.time() - t_start))

@@ -25,6 +25,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import crlib  # noqa: E402
+from crlib import criu, output, procs, ticklog  # noqa: E402
 
 
 def gpu_part(src, dst, parent):
@@ -38,9 +39,9 @@ def gpu_part(src, dst, parent):
 
 
 def data_stats(imgdir):
-    st = crlib.read_stats_json(imgdir) or {}
-    procs = st.get("processes") or [{}]
-    return procs[0].get("data") or {}
+    st = criu.read_stats_json(imgdir) or {}
+    processes = st.get("processes") or [{}]
+    return processes[0].get("data") or {}
 
 
 def main():
@@ -56,23 +57,23 @@ def main():
                     help="accepted for gpu/run-all.sh; one run of this script takes about a minute")
     a = ap.parse_args()
     a.gib = int(a.gib) if a.gib.is_integer() else a.gib
-    out, log, mi = crlib.start_run("incremental", "gpusnap incremental: %s" % " ".join(sys.argv),
+    out, log, mi = output.start_run("incremental", "gpusnap incremental: %s" % " ".join(sys.argv),
                                    a.plugdir)
     shutil.rmtree(a.images, ignore_errors=True)
     os.makedirs(a.images)
-    wlog, wout = crlib.fresh_workload_files(a.work, "incr")
+    wlog, wout = procs.fresh_workload_files(a.work, "incr")
     workload = os.path.join(crlib.REPO, "gpu", "mock_workload.py") if a.mock else a.workload
     prefix = [sys.executable] if a.mock else []
-    rec = {"run": time.strftime("%Y%m%dT%H%M%S"), "date": crlib.iso_now(), "gpu": mi.get("gpu"),
+    rec = {"run": time.strftime("%Y%m%dT%H%M%S"), "date": output.iso_now(), "gpu": mi.get("gpu"),
            "driver": mi.get("driver"), "case": "incremental", "path": "split", "gib": a.gib,
            "dumps": [], "pass": False, "problems": []}
     popen, pid, rpid, pids = None, None, None, []
-    ticks = lambda: crlib.parse_workload_log(wlog)[1]  # noqa: E731
+    ticks = lambda: ticklog.parse_workload_log(wlog)[1]  # noqa: E731
     try:
-        popen = crlib.start_process(prefix + [workload, "--gib", str(a.gib), "--log", wlog],
-                                    wout, crlib.workload_env("split"), log)
+        popen = procs.start_process(prefix + [workload, "--gib", str(a.gib), "--log", wlog],
+                                    wout, procs.workload_env("split"), log)
         pid = popen.pid
-        if not crlib.wait_until(lambda: len(ticks()) >= 3, 120 + 3 * a.gib, proc=popen):
+        if not procs.wait_until(lambda: len(ticks()) >= 3, 120 + 3 * a.gib, proc=popen):
             raise RuntimeError("workload not ticking (exit %s)" % popen.poll())
         parent = None
         for n in (1, 2, 3):
@@ -80,15 +81,15 @@ def main():
             os.makedirs(d)
             if parent:
                 os.symlink(os.path.join("..", os.path.basename(parent)), os.path.join(d, "parent"))
-            pids = crlib.tree_tids(pid)
+            pids = procs.tree_tids(pid)
             before = len(ticks())
             leave = n < 3
-            dump = crlib.criu_dump(pid, d, a.plugdir, "auto", log, leave_running=leave,
+            dump = criu.criu_dump(pid, d, a.plugdir, "auto", log, leave_running=leave,
                                    timeout=120 + 10 * a.gib)
             if dump["rc"] != 0:
                 raise RuntimeError("dump %d failed with rc %d" % (n, dump["rc"]))
             ds = data_stats(d)
-            img = crlib.image_stats(d)
+            img = criu.image_stats(d)
             r = {"dump": n, "dump_s": round(dump["secs"], 3), "leave_running": leave,
                  "bytes_written": ds.get("bytes_written"), "bytes_referenced": ds.get("bytes_referenced"),
                  "device_bytes": ds.get("device_bytes"), "image_bytes": img["image_bytes"]}
@@ -97,45 +98,45 @@ def main():
             if n > 1 and not ds.get("bytes_referenced"):
                 rec["problems"].append("dump %d referenced nothing in its parent" % n)
             if leave:
-                if not crlib.wait_until(lambda: len(ticks()) >= before + 3, 60):
+                if not procs.wait_until(lambda: len(ticks()) >= before + 3, 60):
                     raise RuntimeError("fewer than 3 ticks after dump %d" % n)
                 g = os.path.join(a.images, "gpu%d" % n)
                 gpu_part(d, g, os.path.join(a.images, "gpu%d" % (n - 1)) if n > 1 else None)
                 parent = g
         popen.wait(timeout=30)
         n_dump = len(ticks())
-        if not crlib.wait_pids_free(pids, 60, log):
+        if not procs.wait_pids_free(pids, 60, log):
             raise RuntimeError("dumped pids still in use")
         last = os.path.join(a.images, "dump3")
-        vrc, vout = crlib.gpusnap_cli(["verify", last], log)
+        vrc, vout = criu.gpusnap_cli(["verify", last], log)
         log.block("gpusnap verify (chain)", vout or "", max_lines=30)
         rec["verify_rc"] = vrc
         if vrc not in (0, None):
             rec["problems"].append("gpusnap verify rc %s" % vrc)
-        restore = crlib.criu_restore(last, a.plugdir, "auto", log, timeout=120 + 10 * a.gib)
+        restore = criu.criu_restore(last, a.plugdir, "auto", log, timeout=120 + 10 * a.gib)
         rec["restore_s"] = round(restore["secs"], 3)
         rpid = restore["pid"]
         if restore["rc"] != 0:
             raise RuntimeError("restore failed with rc %d" % restore["rc"])
-        crlib.wait_until(lambda: len(ticks()) >= n_dump + 5, 60)
-        ready, all_ticks, errors = crlib.parse_workload_log(wlog)
-        chk = crlib.check_ticks(ready, all_ticks, errors, need_after=5, after_index=n_dump)
+        procs.wait_until(lambda: len(ticks()) >= n_dump + 5, 60)
+        ready, all_ticks, errors = ticklog.parse_workload_log(wlog)
+        chk = ticklog.check_ticks(ready, all_ticks, errors, need_after=5, after_index=n_dump)
         rec["problems"].extend("checker: " + p for p in chk["problems"])
         rec["identical"] = chk["pass"]
     except Exception as e:
-        crlib.note_failure(rec, log, e, expected=RuntimeError)
+        output.note_failure(rec, log, e, expected=RuntimeError)
     finally:
-        crlib.log_agent_lines(log, wout)
+        criu.log_agent_lines(log, wout)
         targets = [x for x in {rpid, pid} if x]
         if targets:
-            crlib.kill_and_wait(targets, log, wait_pids=targets + pids, popen=popen)
+            procs.kill_and_wait(targets, log, wait_pids=targets + pids, popen=popen)
         saved = []
         for n in (1, 2, 3):
-            saved += crlib.save_criu_logs(os.path.join(a.images, "dump%d" % n), a.work, "incr-dump%d" % n)
-        crlib.archive_add([wlog, wout] + saved, "incremental", log)
+            saved += criu.save_criu_logs(os.path.join(a.images, "dump%d" % n), a.work, "incr-dump%d" % n)
+        output.archive_add([wlog, wout] + saved, "incremental", log)
         shutil.rmtree(a.images, ignore_errors=True)
     rec["pass"] = not rec["problems"]
-    crlib.append_jsonl(crlib.result_files(out, a.name, a.mock), rec)
+    output.append_jsonl(output.result_files(out, a.name, a.mock), rec)
     log("RESULT incremental: %s %s" % ("PASS" if rec["pass"] else "FAIL", json.dumps(rec["dumps"])))
     for p in rec["problems"]:
         log("  problem: %s" % p)

@@ -25,6 +25,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import crlib  # noqa: E402
+from crlib import criu, machine, output, procs, ticklog  # noqa: E402
 import ccase  # noqa: E402
 
 PER_GPU = re.compile(r"GPU (\d+): ([0-9.]+) GiB, ([0-9.]+) GiB/s over the data phase")
@@ -65,36 +66,36 @@ def tree_case(a, cfg, log, path, uuids):
         prefix = " ".join(cfg.workload_prefix)
         parts = ["%s %s --gib %s --chunk-mib %d --log %s --interval-ms %d --devices %d &" % (
             prefix, cfg.workload, a.gib, cfg.chunk_mib, logs[d], cfg.interval_ms, d) for d in (0, 1)]
-        popen = crlib.start_process(["sh", "-c", " ".join(parts) + " wait"], wout,
-                                    crlib.workload_env(path), log)
-        parsed = lambda: [crlib.parse_workload_log(p) for p in logs]  # noqa: E731
-        ok = crlib.wait_until(lambda: all(len(t) >= cfg.ticks_before for _, t, _ in parsed()),
+        popen = procs.start_process(["sh", "-c", " ".join(parts) + " wait"], wout,
+                                    procs.workload_env(path), log)
+        parsed = lambda: [ticklog.parse_workload_log(p) for p in logs]  # noqa: E731
+        ok = procs.wait_until(lambda: all(len(t) >= cfg.ticks_before for _, t, _ in parsed()),
                               120 + 3 * float(a.gib), proc=popen)
         if not ok:
             raise ccase.CaseError("workloads not ticking (sh exit %s)" % popen.poll())
-        pids = crlib.tree_tids(popen.pid)
-        kids = [p for p in crlib.tree_pids(popen.pid) if p != popen.pid]
-        rec["gpus_before"] = crlib.gpus_of_pids(kids)
+        pids = procs.tree_tids(popen.pid)
+        kids = [p for p in procs.tree_pids(popen.pid) if p != popen.pid]
+        rec["gpus_before"] = machine.gpus_of_pids(kids)
         log("tree %d: children %s on GPUs %s" % (popen.pid, kids, rec["gpus_before"]))
-        dump = crlib.criu_dump(popen.pid, imgdir, cfg.plugdir, mode, log, timeout=300 + 20 * a.gib)
+        dump = criu.criu_dump(popen.pid, imgdir, cfg.plugdir, mode, log, timeout=300 + 20 * a.gib)
         rec["dump_s"], rec["dump_rc"] = round(dump["secs"], 3), dump["rc"]
         rec["dump_gpusnap_lines"] = dump["gpusnap_lines"]
         if dump["rc"] != 0:
             raise ccase.CaseError("criu dump failed with rc %d" % dump["rc"])
         popen.wait(timeout=30)
         n_dump = [len(t) for _, t, _ in parsed()]
-        if not crlib.wait_pids_free(pids, 60, log):
+        if not procs.wait_pids_free(pids, 60, log):
             raise ccase.CaseError("dumped pids still in use 60 s after the dump")
-        restore = crlib.criu_restore(imgdir, cfg.plugdir, mode, log, timeout=300 + 20 * a.gib)
+        restore = criu.criu_restore(imgdir, cfg.plugdir, mode, log, timeout=300 + 20 * a.gib)
         rec["restore_s"], rpid = round(restore["secs"], 3), restore["pid"]
         rec["restore_gpusnap_lines"] = restore["gpusnap_lines"]
         if restore["rc"] != 0:
             raise ccase.CaseError("criu restore failed with rc %d" % restore["rc"])
-        rec["landed_on"] = crlib.gpus_of_pids(crlib.tree_pids(rpid))
+        rec["landed_on"] = machine.gpus_of_pids(procs.tree_pids(rpid))
         need = [n + cfg.ticks_after for n in n_dump]
-        crlib.wait_until(lambda: all(len(t) >= k for (_, t, _), k in zip(parsed(), need)), 60)
+        procs.wait_until(lambda: all(len(t) >= k for (_, t, _), k in zip(parsed(), need)), 60)
         for d, ((ready, ticks, errors), n) in enumerate(zip(parsed(), n_dump)):
-            chk = crlib.check_ticks(ready, ticks, errors, need_after=cfg.ticks_after, after_index=n,
+            chk = ticklog.check_ticks(ready, ticks, errors, need_after=cfg.ticks_after, after_index=n,
                                     window=(dump["start"], restore["end"]))
             log("GPU %d workload: checker %s, %d ticks, %d after the dump" % (
                 d, "PASS" if chk["pass"] else "FAIL", chk["n_ticks"], chk["ticks_after"]))
@@ -102,17 +103,17 @@ def tree_case(a, cfg, log, path, uuids):
         if not a.mock and sorted(map(norm, rec["landed_on"] or [])) != sorted(map(norm, uuids.values())):
             rec["problems"].append("restored tree holds memory on %s, expected both GPUs" % rec["landed_on"])
     except Exception as e:
-        crlib.note_failure(rec, log, e, expected=ccase.CaseError)
+        output.note_failure(rec, log, e, expected=ccase.CaseError)
     finally:
         if rec["problems"]:
             for p in logs + [wout, os.path.join(imgdir, "dump.log"), os.path.join(imgdir, "restore.log")]:
                 log.file_tail(os.path.basename(p), p, 25)
         targets = [x for x in {rpid, popen.pid if popen else None} if x]
-        tree = sorted({p for t in targets for p in crlib.tree_pids(t)})
+        tree = sorted({p for t in targets for p in procs.tree_pids(t)})
         if tree:
-            crlib.kill_and_wait(tree, log, wait_pids=tree + pids, popen=popen)
-        saved = crlib.save_criu_logs(imgdir, cfg.work, name)
-        crlib.archive_add(logs + [wout] + saved, "%s/%s" % (cfg.archive_prefix, name), log)
+            procs.kill_and_wait(tree, log, wait_pids=tree + pids, popen=popen)
+        saved = criu.save_criu_logs(imgdir, cfg.work, name)
+        output.archive_add(logs + [wout] + saved, "%s/%s" % (cfg.archive_prefix, name), log)
         shutil.rmtree(imgdir, ignore_errors=True)
     rec["identical"] = not rec["problems"]
     rec["pass"] = not rec["problems"]
@@ -140,10 +141,10 @@ def main():
     os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA ordinals = nvidia-smi indexes
 
     t_start = time.time()
-    out, log, mi = crlib.start_run("multi-gpu", "gpusnap multi-GPU: %s" % " ".join(sys.argv),
+    out, log, mi = output.start_run("multi-gpu", "gpusnap multi-GPU: %s" % " ".join(sys.argv),
                                    a.plugdir)
-    jsonl = crlib.result_files(out, a.name, a.mock)
-    uuids = {} if a.mock else crlib.gpu_uuids()
+    jsonl = output.result_files(out, a.name, a.mock)
+    uuids = {} if a.mock else machine.gpu_uuids()
     log("GPUs: %s" % uuids)
     if not a.mock and len(uuids) < 2:
         log("fewer than 2 GPUs: nothing to do")
@@ -192,10 +193,10 @@ def main():
                 rec["pass"] = not rec["problems"]
             rec["per_gpu"] = per_gpu(rec.get("dump_gpusnap_lines"))
             rec["landed_on"] = rec.get("landed_on", rec.get("gpus_after"))
-            rec.update({"run": run_id, "date": crlib.iso_now(), "gpu": mi.get("gpu"),
+            rec.update({"run": run_id, "date": output.iso_now(), "gpu": mi.get("gpu"),
                         "driver": mi.get("driver"), "gpu_count_host": len(uuids)})
             slim = {k: v for k, v in rec.items() if not k.endswith("gpusnap_lines")}
-            crlib.append_jsonl(jsonl, slim)
+            output.append_jsonl(jsonl, slim)
             results.append(rec)
     log("=" * 78)
     log("SUMMARY (%.0f s)" % (time.time() - t_start))

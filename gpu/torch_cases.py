@@ -38,12 +38,13 @@ import argparse
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-import crlib  # noqa: E402
+from crlib import criu, machine, output, procs  # noqa: E402
 
 WORK = os.path.join(HERE, "torch_work.py")
 
@@ -179,14 +180,14 @@ def wait_exit(pid, timeout, popen=None):
         if popen is not None and popen.pid == pid:
             try:
                 return popen.wait(timeout=0.2)
-            except crlib.subprocess.TimeoutExpired:
+            except subprocess.TimeoutExpired:
                 continue
         try:
             wpid, status = os.waitpid(pid, os.WNOHANG)
             if wpid == pid:
                 return os.waitstatus_to_exitcode(status) if hasattr(os, "waitstatus_to_exitcode") else status
         except ChildProcessError:
-            if not crlib.alive(pid):
+            if not procs.alive(pid):
                 return None
         time.sleep(0.1)
     raise TimeoutError("pid %d still running after %d s" % (pid, timeout))
@@ -211,7 +212,7 @@ class Runner:
         return size.get(workload, size["small"])[1]
 
     def env(self, path, allocator):
-        env = crlib.workload_env(path)
+        env = procs.workload_env(path)
         env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
         if ALLOC_CONF[allocator]:
             env["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_CONF[allocator]
@@ -239,11 +240,11 @@ class Runner:
         out = os.path.join(self.a.work, tag + ".out")
         remove_outputs(out)
         t0 = time.time()
-        p = crlib.start_process(self.cmd(workload, out), out + ".stdout", self.env(path, allocator), log)
+        p = procs.start_process(self.cmd(workload, out), out + ".stdout", self.env(path, allocator), log)
         try:
             rc = p.wait(timeout=self.a.run_timeout)
-        except crlib.subprocess.TimeoutExpired:
-            crlib.kill_and_wait([p.pid], log, popen=p)
+        except subprocess.TimeoutExpired:
+            procs.kill_and_wait([p.pid], log, popen=p)
             rc = "timeout"
         secs = time.time() - t0
         outs = self.collect(workload, out)
@@ -257,7 +258,7 @@ class Runner:
                     log.file_tail("worker stdout", f + ".stdout", 20)
         files = [out, out + ".stdout"] + [f for f in output_files(workload, out) if f != out]
         files += [f + ".stdout" for f in output_files(workload, out) if f != out]
-        crlib.archive_add(files, "torch/" + tag, log)
+        output.archive_add(files, "torch/" + tag, log)
         ref = {"ok": ok, "rc": rc, "secs": secs, "outs": outs}
         self.refs[key] = ref
         return ref
@@ -270,7 +271,7 @@ class Runner:
         env, why = mps_start(self.a.work, self.log)
         if env is None:
             rec = skipped_record(self.run_id, self.mi, case_id, path, why)
-            crlib.append_jsonl(self.jsonls, rec)
+            output.append_jsonl(self.jsonls, rec)
             self.log("SKIP %s-%s: %s" % (case_id, path, why))
             return rec
         self.extra_env = env
@@ -286,7 +287,7 @@ class Runner:
         tag = "%s-%s" % (case_id, path)
         if self.a.repeat > 1:
             tag += "-%d" % self.attempt
-        rec = {"run": self.run_id, "date": crlib.iso_now(), "gpu": self.mi.get("gpu"),
+        rec = {"run": self.run_id, "date": output.iso_now(), "gpu": self.mi.get("gpu"),
                "driver": self.mi.get("driver"), "workload": jname, "case": case_id, "path": path,
                "allocator": allocator, "leave_running": leave, "identical": False, "gpu_gib": None,
                "dump_s": None, "restore_s": None, "pause_s": None, "pass": False, "problems": []}
@@ -309,7 +310,7 @@ class Runner:
         mode = {"split": "auto", "transparent": "transparent"}[path]
         popen, rpid, pids, dump = None, None, [], None
         try:
-            popen = crlib.start_process(self.cmd(workload, out), out + ".stdout",
+            popen = procs.start_process(self.cmd(workload, out), out + ".stdout",
                                         self.env(path, allocator), log)
             trig = self.trigger(workload)
             files = output_files(workload, out)
@@ -317,12 +318,12 @@ class Runner:
             def progress():  # every process of the job computing (the IPC child has imported)
                 return min(len(read_output(f)[0]) for f in files)
 
-            ok = crlib.wait_until(lambda: progress() >= trig, self.a.run_timeout, poll=0.02, proc=popen)
+            ok = procs.wait_until(lambda: progress() >= trig, self.a.run_timeout, poll=0.02, proc=popen)
             if not ok:
                 raise CaseError("output never reached %d lines before the dump (exit %s)" % (
                     trig, popen.poll()))
-            pids = crlib.tree_tids(popen.pid)
-            rec["gpu_used_smi_gib"] = crlib.gpu_used_gib()
+            pids = procs.tree_tids(popen.pid)
+            rec["gpu_used_smi_gib"] = machine.gpu_used_gib()
             log("trigger reached: %s lines; tree of %d tasks/threads; nvidia-smi used %s GiB" % (
                 [len(read_output(f)[0]) for f in files], len(pids), rec["gpu_used_smi_gib"]))
             if self.extra_env:
@@ -330,13 +331,13 @@ class Runner:
                 log("MPS processes: %s" % rec["mps_processes"])
                 if not any("nvidia-cuda-mps-server" in p for p in rec["mps_processes"]):
                     rec["problems"].append("no nvidia-cuda-mps-server ran: the job is not an MPS client")
-            dump = crlib.criu_dump(popen.pid, imgdir, self.a.plugdir, mode, log,
+            dump = criu.criu_dump(popen.pid, imgdir, self.a.plugdir, mode, log,
                                    leave_running=leave, timeout=self.a.criu_timeout)
             rec["dump_s"] = round(dump["secs"], 3)
-            img = crlib.image_stats(imgdir)
+            img = criu.image_stats(imgdir)
             rec["image_bytes"] = img["image_bytes"]
             rec["gpusnap_data_files"] = img["gpusnap_data_files"]
-            rec["phases"] = crlib.read_stats_json(imgdir)
+            rec["phases"] = criu.read_stats_json(imgdir)
             rec["dump_gpusnap_lines"] = dump["gpusnap_lines"]
             log("image: %.3f GiB in %d files, gpusnap data files %d; largest %s" % (
                 img["image_bytes"] / 2**30, img["n_files"], img["gpusnap_data_files"], img["largest"][:5]))
@@ -373,17 +374,17 @@ class Runner:
             else:
                 try:
                     popen.wait(timeout=30)
-                except crlib.subprocess.TimeoutExpired:
+                except subprocess.TimeoutExpired:
                     raise CaseError("job still running 30 s after criu dump")
-                if not crlib.wait_pids_free(pids, 60, log):
+                if not procs.wait_pids_free(pids, 60, log):
                     raise CaseError("dumped pids still in use after 60 s")
-                restore = crlib.criu_restore(imgdir, self.a.plugdir, mode, log, timeout=self.a.criu_timeout)
+                restore = criu.criu_restore(imgdir, self.a.plugdir, mode, log, timeout=self.a.criu_timeout)
                 rec["restore_s"] = round(restore["secs"], 3)
                 rec["restore_gpusnap_lines"] = restore["gpusnap_lines"]
                 rpid = restore["pid"]
                 if restore["rc"] != 0:
                     raise CaseError("criu restore rc %d" % restore["rc"])
-                st2 = crlib.read_stats_json(imgdir)
+                st2 = criu.read_stats_json(imgdir)
                 if st2:
                     rec["phases"] = st2
                 rc = wait_exit(rpid, self.a.run_timeout)
@@ -401,13 +402,13 @@ class Runner:
             rec["problems"].append(str(e))
             log("CASE ERROR: %s" % e)
         except Exception:
-            tb = crlib.format_exc()
+            tb = output.format_exc()
             rec["problems"].append("exception: " + tb.strip().splitlines()[-1])
             log.block("exception", tb)
         finally:
             if path == "split":
                 for f in [out] + [g for g in output_files(workload, out) if g != out]:
-                    crlib.log_agent_lines(log, f + ".stdout", 20)
+                    criu.log_agent_lines(log, f + ".stdout", 20)
             if rec["problems"]:
                 log.file_tail("job stdout", out + ".stdout", 40)
                 for f in output_files(workload, out):
@@ -418,11 +419,11 @@ class Runner:
                     if os.path.exists(pth):
                         log.file_tail("criu %s.log" % what, pth, 30)
             targets = [x for x in {rpid, popen.pid if popen else None} if x]
-            live = [t for t in targets if crlib.alive(t)]
+            live = [t for t in targets if procs.alive(t)]
             if live:
                 log("killing %s" % live)
             if targets:
-                crlib.kill_and_wait(targets, log, wait_pids=targets + pids, popen=popen)
+                procs.kill_and_wait(targets, log, wait_pids=targets + pids, popen=popen)
             saved = []
             for what in ("dump", "restore"):
                 pth = os.path.join(imgdir, what + ".log")
@@ -434,7 +435,7 @@ class Runner:
             for f in output_files(workload, out):
                 if f != out:
                     files += [f, f + ".stdout"]
-            crlib.archive_add(files + saved, "torch/" + tag, log)
+            output.archive_add(files + saved, "torch/" + tag, log)
             shutil.rmtree(imgdir, ignore_errors=True)
         return self.finish(rec, t_case)
 
@@ -482,7 +483,7 @@ class Runner:
             rec["problems"].append("outputs not identical")
         rec["pass"] = not rec["problems"]
         rec["case_s"] = round(time.time() - t_case, 1)
-        crlib.append_jsonl(self.jsonls, rec)
+        output.append_jsonl(self.jsonls, rec)
         self.log("RESULT %s-%s: %s identical=%s dump_s=%s restore_s=%s pause_s=%s gpu_gib=%s%s" % (
             rec["case"], rec["path"], "PASS" if rec["pass"] else "FAIL", rec["identical"],
             rec["dump_s"], rec["restore_s"], rec["pause_s"], rec["gpu_gib"],
@@ -495,7 +496,7 @@ class CaseError(Exception):
 
 
 def skipped_record(run_id, mi, cid, path, why):
-    return {"run": run_id, "date": crlib.iso_now(), "gpu": mi.get("gpu"), "driver": mi.get("driver"),
+    return {"run": run_id, "date": output.iso_now(), "gpu": mi.get("gpu"), "driver": mi.get("driver"),
             "workload": CASES[cid][3], "case": cid, "path": path, "allocator": CASES[cid][1],
             "skipped": why}
 
@@ -551,7 +552,7 @@ def mps_start(work, log):
            "CUDA_MPS_LOG_DIRECTORY": os.path.join(base, "log")}
     for d in env.values():
         os.makedirs(d)
-    r = crlib.subprocess.run([ctl, "-d"], env=dict(os.environ, **env), capture_output=True,
+    r = subprocess.run([ctl, "-d"], env=dict(os.environ, **env), capture_output=True,
                              timeout=30)
     log("nvidia-cuda-mps-control -d: rc %d %s" % (r.returncode, (r.stdout + r.stderr).decode(errors="replace").strip()))
     if r.returncode != 0:
@@ -563,12 +564,12 @@ def mps_stop(env, log):
     """Quits the daemon (its server goes with it) and waits until no MPS process is left."""
     ctl = shutil.which("nvidia-cuda-mps-control")
     try:
-        r = crlib.subprocess.run([ctl], input=b"quit\n", env=dict(os.environ, **env),
+        r = subprocess.run([ctl], input=b"quit\n", env=dict(os.environ, **env),
                                  capture_output=True, timeout=30)
         log("MPS quit: rc %d" % r.returncode)
     except Exception as e:  # noqa: BLE001 (the check below decides)
         log("MPS quit failed: %s" % e)
-    if not crlib.wait_until(lambda: not mps_processes(), 20, poll=0.2):
+    if not procs.wait_until(lambda: not mps_processes(), 20, poll=0.2):
         left = mps_processes()
         log("MPS processes still there after quit, killing: %s" % left)
         for p in left:
@@ -581,7 +582,7 @@ def mps_stop(env, log):
             for n in sorted(os.listdir(env["CUDA_MPS_LOG_DIRECTORY"]))]
     for pth in logs:
         log.file_tail("MPS " + os.path.basename(pth), pth, 15)
-    crlib.archive_add(logs, "torch/mps", log)
+    output.archive_add(logs, "torch/mps", log)
 
 
 def main():
@@ -616,10 +617,10 @@ def main():
 
     t_start = time.time()
     run_id = time.strftime("%Y%m%dT%H%M%S") + "-%d" % os.getpid()
-    out, log, mi = crlib.start_run("torch", "torch cases run %s: %s" % (run_id, " ".join(sys.argv)),
+    out, log, mi = output.start_run("torch", "torch cases run %s: %s" % (run_id, " ".join(sys.argv)),
                                    a.plugdir)
     log("cases %s, paths %s, size %s, python %s" % (ids, paths, a.size, a.python))
-    jsonls = crlib.result_files(out, a.name, a.device == "cpu")
+    jsonls = output.result_files(out, a.name, a.device == "cpu")
     r = Runner(a, log, mi, run_id, jsonls)
     results = []
     for cid in ids:
@@ -628,7 +629,7 @@ def main():
                 if a.budget_s and time.time() - t_start > a.budget_s:
                     log("budget of %.0f s spent: skipping %s on %s" % (a.budget_s, cid, path))
                     rec = skipped_record(run_id, mi, cid, path, "time budget")
-                    crlib.append_jsonl(jsonls, rec)
+                    output.append_jsonl(jsonls, rec)
                     results.append(rec)
                     continue
                 r.attempt = attempt

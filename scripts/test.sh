@@ -6,8 +6,10 @@
 # 1. builds the private CRIU 4.1.1 root (scripts/install-criu.sh; fast when present),
 # 2. cargo fmt --all -- --check
 # 3. cargo clippy --workspace --all-targets -- -D warnings
-# 4. cargo test --workspace --no-fail-fast  (includes criu-tests: real criu dump/restore, needs root)
-# 5. the same tests again against CRIU 4.2.x (Debian sid, in .criu-root-sid): the first CRIU with
+# 4. the GPU harness's Python unit tests (gpu/test_*.py: the tick checker), on the CPU; skipped
+#    with a message if python3 is missing
+# 5. cargo test --workspace --no-fail-fast  (includes criu-tests: real criu dump/restore, needs root)
+# 6. the same tests again against CRIU 4.2.x (Debian sid, in .criu-root-sid): the first CRIU with
 #    the POST_FORKING hook, where gpusnap's restore-time checksum pass runs beside CRIU's restore
 #
 # Stops at the first failing step. GPUSNAP_SKIP_CRIU_TESTS=1 skips the CRIU install and the
@@ -47,6 +49,15 @@ cargo fmt --all -- --check || fail "formatting differs: run 'cargo fmt --all'"
 
 step "cargo clippy --workspace --all-targets -- -D warnings"
 cargo clippy --workspace --all-targets -- -D warnings || fail "clippy reported warnings or errors"
+
+# The GPU scripts run only on a GPU machine; the parts of them that need none are tested here.
+if command -v python3 >/dev/null; then
+    step "python3 -m unittest discover -s gpu -p 'test_*.py'"
+    python3 -B -m unittest discover -s gpu -p 'test_*.py' ||
+        fail "the GPU harness's Python unit tests failed (gpu/test_*.py)"
+else
+    step "python3 not found: skipping the GPU harness's Python unit tests (gpu/test_*.py)"
+fi
 
 step "cargo test --workspace --no-fail-fast $*"
 cargo test --workspace --no-fail-fast "$@" || fail "tests failed (CRIU test work dirs of failed tests are kept under target/*/criu-tests/)"

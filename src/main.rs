@@ -58,7 +58,7 @@ const COMMANDS: &[Command] = &[
 fn usage() -> String {
     let mut s = format!(
         "gpusnap {}: fast CRIU checkpoints of GPU processes\n\nUsage:\n",
-        env!("CARGO_PKG_VERSION")
+        gpusnap_image::BUILD
     );
     for c in COMMANDS {
         let synopsis = format!("{} {}", c.name, c.args);
@@ -84,7 +84,7 @@ fn main() -> ExitCode {
             return ExitCode::SUCCESS;
         }
         "-V" | "--version" => {
-            println!("gpusnap {}", env!("CARGO_PKG_VERSION"));
+            println!("gpusnap {}", gpusnap_image::BUILD);
             return ExitCode::SUCCESS;
         }
         _ => {}

@@ -75,7 +75,7 @@ fn make_image(dir: BorrowedFd<'_>, nspid: u32) -> Manifest {
         nspid,
         path: CheckpointPath::Split,
         created_unix_s: 1_764_000_000,
-        gpusnap_version: "0.1.0".into(),
+        gpusnap_version: gpusnap_image::BUILD.into(),
         driver_version: 13000,
         gpus: vec![GpuRecord {
             ordinal: 0,
@@ -131,6 +131,7 @@ fn inspect_json_parses() {
     let p = &v["processes"][0];
     assert_eq!(p["nspid"], 42);
     assert_eq!(p["path"], "split");
+    assert_eq!(p["gpusnap_version"], gpusnap_image::BUILD);
     assert_eq!(p["chunk_count"], 3);
     assert_eq!(p["file_count"], 2);
     assert_eq!(p["total_bytes"], 3 * 65536);
@@ -153,6 +154,8 @@ fn inspect_text_lists_the_process() {
     assert!(o.status.success(), "{o:?}");
     let s = stdout(&o);
     assert!(s.contains("process 42 (split path)"), "{s}");
+    let build = format!("gpusnap {},", gpusnap_image::BUILD);
+    assert!(s.contains(&build), "{s}");
     assert!(s.contains("driver-saved"), "{s}");
     assert!(s.contains("timings: data 0.500 s, lock 0.002 s"), "{s}");
 }

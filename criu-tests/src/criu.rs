@@ -67,8 +67,10 @@ impl CriuRun {
             .log
             .contains("Generating dynamic descriptor for plugin")
         {
+            // The plugin directory holds only gpusnap.so, a copy of the harness's plugin, and
+            // gpusnap's plugin always exports the descriptor (plugin/src/lib.rs).
             hints.push_str(
-                "hint: a plugin exports no CR_PLUGIN_DESC (is libgpusnap.so still a placeholder?)\n",
+                "hint: CRIU found no CR_PLUGIN_DESC in plugins/gpusnap.so: it is not gpusnap's plugin (check $GPUSNAP_TEST_PLUGIN_SO) or no longer exports the symbol (nm -D)\n",
             );
         }
         if self.log.contains("Corrupted plugin") {

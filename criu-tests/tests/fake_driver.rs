@@ -221,6 +221,15 @@ fn dump_and_restore_drive_the_driver() {
     assert_eq!(procs_json[0]["nspid"], pid, "{report:#}");
     assert_eq!(procs_json[0]["path"], "transparent", "{report:#}");
     assert_eq!(procs_json[0]["gpus"][0]["name"], "Fake GPU", "{report:#}");
+    // The manifest names the build that wrote it: the one the plugin logged at load.
+    let loaded = dump.gpusnap_lines_with(" loaded (stage dump)");
+    let build = loaded
+        .first()
+        .and_then(|l| l.split("gpusnap: gpusnap ").nth(1))
+        .and_then(|rest| rest.split(' ').next())
+        .unwrap_or_else(|| panic!("no load line in {}", dump.log_path.display()));
+    assert!(build.contains('+'), "no commit in the build {build:?}");
+    assert_eq!(procs_json[0]["gpusnap_version"], build, "{report:#}");
 
     wl.reap_dumped();
     let at_dump = wl.log(0).last();

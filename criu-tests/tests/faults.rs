@@ -291,7 +291,7 @@ fn write_fake_gpu_state(dir: &Path, nspid: u32) -> Manifest {
             .duration_since(SystemTime::UNIX_EPOCH)
             .unwrap()
             .as_secs(),
-        gpusnap_version: "0.1.0".into(),
+        gpusnap_version: gpusnap_image::BUILD.into(),
         driver_version: 13000,
         gpus: vec![GpuRecord {
             ordinal: 0,

@@ -55,6 +55,12 @@ pub use stats::{MAX_STATS_LEN, read_stats, write_stats};
 pub use validate::validate_manifest_structure;
 pub use writer::{ChunkHashes, DataFileWriter, hash_chunk};
 
+/// Which build of gpusnap this is: `<version>+<commit>`, where `<commit>` is the short git hash
+/// of the source, with `-dirty` if it had uncommitted changes, or `unknown` if it was not built
+/// from a git checkout (see `build.rs`). The plugin logs it at load and writes it into every
+/// manifest as [`Manifest::gpusnap_version`].
+pub const BUILD: &str = env!("GPUSNAP_BUILD");
+
 /// The manifest version this gpusnap writes. Version 2 added `content_xxh128` and
 /// `parent_depth` to chunk entries (incremental checkpoints). Readers accept
 /// [`READ_MANIFEST_VERSIONS`].

@@ -139,6 +139,9 @@ pub struct Manifest {
     pub nspid: u32,
     pub path: CheckpointPath,
     pub created_unix_s: u64,
+    /// The build of gpusnap that wrote the image, [`crate::BUILD`] (`<version>+<commit>`).
+    /// Images written before builds were recorded hold the version alone. Only shown, never
+    /// interpreted.
     pub gpusnap_version: String,
     /// `cuDriverGetVersion`, e.g. 13000.
     pub driver_version: i32,

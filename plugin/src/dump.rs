@@ -781,7 +781,7 @@ fn new_manifest(
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0),
-        gpusnap_version: env!("CARGO_PKG_VERSION").to_string(),
+        gpusnap_version: gpusnap_image::BUILD.to_owned(),
         driver_version: ctx.driver_version,
         gpus: ctx
             .gpus

@@ -74,7 +74,7 @@ pub fn init(raw_stage: i32) -> i32 {
     };
     log::info!(
         "gpusnap {} loaded (stage {stage_name})",
-        env!("CARGO_PKG_VERSION")
+        gpusnap_image::BUILD
     );
     let cfg = match gpusnap_config::load() {
         Ok(c) => c,

@@ -6,19 +6,17 @@
 //!   thin safe calls: open `/dev/kfd`, query the version, PROCESS_INFO (with a guard that
 //!   UNPAUSEs), UNPAUSE, RESUME.
 //! - [`topology`]: the GPUs of the KFD topology in sysfs.
-//! - [`hip`]: the HIP runtime loaded at run time, for a future in-process agent.
 //! - [`detect`] and [`status_line`]: what the plugin logs at init.
 //!
 //! What does not exist: CHECKPOINT and RESTORE (BO buckets, private data, dma-buf/SDMA copies of
 //! BO contents), render-node handling, image files, and any CRIU hook. The plugin does not
 //! checkpoint AMD GPUs.
 //!
-//! What was never run: every ioctl against a real KFD, the topology reader against a real sysfs
-//! tree, and every HIP call. The build machine has no AMD GPU and no ROCm; the tests cover the
-//! layouts, the ioctl numbers, a fake sysfs tree, and the failure paths (no `/dev/kfd`, ioctls on
-//! a non-KFD file, no HIP library, missing HIP symbols).
+//! What was never run: every ioctl against a real KFD and the topology reader against a real
+//! sysfs tree. The build machine has no AMD GPU and no ROCm; the tests cover the layouts, the
+//! ioctl numbers, a fake sysfs tree, and the failure paths (no `/dev/kfd`, ioctls on a non-KFD
+//! file).
 
-pub mod hip;
 pub mod kfd;
 pub mod topology;
 

@@ -6,6 +6,7 @@
 use crate::agent::{self, AgentError, AgentHello, AgentSession};
 use crate::context::Ctx;
 use crate::datapath::{self, DataError};
+use crate::hold::Hold;
 use crate::process::{ImpossibleMove, MovedData, Phase, Route, SplitPlan, Tracked};
 use crate::procfs::{self, Stat};
 use crate::ptrace::{self, PtraceError, RunningThread};
@@ -15,6 +16,7 @@ use gpusnap_config::Mode;
 use gpusnap_cuda::{DriverError, ProcessState};
 use gpusnap_image::{AllocationRecord, CheckpointPath, ImageError, Manifest};
 use std::os::fd::BorrowedFd;
+use std::sync::Mutex;
 use std::time::Instant;
 
 #[derive(Debug, thiserror::Error)]
@@ -232,24 +234,28 @@ pub fn checkpoint_all(ctx: &Ctx, procs: &mut [Tracked]) -> Vec<(i32, Result<(), 
     }
     let n = work.len();
     let calls: Vec<DriverCall> = work.iter().map(|_| DriverCall::default()).collect();
+    let releases: Vec<Mutex<Option<Hold>>> = work.iter().map(|_| Mutex::new(None)).collect();
     let watched: Vec<Watched<'_>> = work
         .iter()
         .zip(&calls)
-        .map(|((t, th), call)| Watched {
+        .zip(&releases)
+        .map(|(((t, th), call), release)| Watched {
             pid: t.pid,
             running: th.iter().map(RunningThread::tid).collect(),
             call,
+            release,
         })
         .collect();
     let (outcomes, leftovers) = std::thread::scope(|s| {
         let handles: Vec<_> = work
             .iter_mut()
             .zip(&calls)
-            .map(|((t, _), call)| {
+            .zip(&releases)
+            .map(|(((t, _), call), release)| {
                 let pid = t.pid;
                 let h = s.spawn(move || {
                     datapath::block_signals();
-                    checkpoint_one(ctx, t, call)
+                    checkpoint_one(ctx, t, call, release)
                 });
                 (pid, h)
             })
@@ -268,14 +274,6 @@ pub fn checkpoint_all(ctx: &Ctx, procs: &mut [Tracked]) -> Vec<(i32, Result<(), 
     });
     for (((t, threads), (pid, r)), leftover) in work.into_iter().zip(outcomes).zip(leftovers) {
         let stopped = ptrace::stop_all(threads, "stopping a thread after the checkpoint");
-        // Locked or checkpointed by the driver now, its calls held: the hold is no longer
-        // needed. Released (the relock failed): kept until the rollback has reloaded.
-        let released = if t.phase.memory_released() && !matches!(t.phase, Phase::Released(_)) {
-            t.hold.take().map_or(Ok(()), |h| h.release())
-        } else {
-            Ok(())
-        };
-        let stopped = stopped.and(released);
         if r.is_ok() {
             log::info!("pid {}: dump phases: {}", t.pid, t.timings_line());
         }
@@ -338,9 +336,14 @@ fn run_threads(t: &mut Tracked) -> Result<Vec<RunningThread>, DumpError> {
 
 /// The driver and data work of one process; its restore (and agent) thread runs. The driver
 /// checkpoint runs through `call`, which CRIU's main thread watches ([`stall::watch`]).
-fn checkpoint_one(ctx: &Ctx, t: &mut Tracked, call: &DriverCall) -> Result<(), DumpError> {
+fn checkpoint_one(
+    ctx: &Ctx,
+    t: &mut Tracked,
+    call: &DriverCall,
+    release: &Mutex<Option<Hold>>,
+) -> Result<(), DumpError> {
     if t.is_split() {
-        match move_data_out(ctx, t) {
+        match move_data_out(ctx, t, release) {
             Ok(()) => {}
             Err(e) if !t.phase.memory_released() => {
                 log::warn!(
@@ -387,8 +390,13 @@ fn lock(ctx: &Ctx, t: &mut Tracked, what: &'static str) -> Result<(), DumpError>
 }
 
 /// The split protocol, with the application stopped and only the agent thread (and the
-/// driver's) running: unlock, copy out, release, lock again.
-fn move_data_out(ctx: &Ctx, t: &mut Tracked) -> Result<(), DumpError> {
+/// driver's) running: unlock, copy out, hold, release, lock again, and hand the hold to
+/// CRIU's main thread to release (the driver lock holds the process from here).
+fn move_data_out(
+    ctx: &Ctx,
+    t: &mut Tracked,
+    release: &Mutex<Option<Hold>>,
+) -> Result<(), DumpError> {
     let pid = t.pid;
     let t0 = Instant::now();
     ctx.api
@@ -470,6 +478,7 @@ fn move_data_out(ctx: &Ctx, t: &mut Tracked) -> Result<(), DumpError> {
     log::debug!("pid {pid}: agent released {n} allocations ({bytes} bytes)");
     crate::fault::kill_criu_at("dump-released");
     lock(ctx, t, "relock")?;
+    *release.lock().unwrap_or_else(|e| e.into_inner()) = t.hold.take();
     crate::fault::kill_criu_at("dump-relocked");
     Ok(())
 }

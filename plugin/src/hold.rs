@@ -226,6 +226,50 @@ mod tests {
     }
 
     #[test]
+    fn a_stopped_hold_is_taken_over_and_continued_without_running_early() {
+        // What `gpusnap recover` does with a process a dying CRIU left held: seize it (still
+        // stopped), end the group stop with every thread kept in a ptrace stop, let one thread
+        // run, stop it again, and let go: it runs on.
+        let mut child = sleeper();
+        let pid = child.id() as i32;
+        tracer_dies_after(pid, || Hold::place(pid, &[]).expect("hold").keep());
+        assert!(settles_in(pid, "T"), "held");
+        let outcome = std::thread::scope(|s| {
+            s.spawn(|| {
+                let seized = SeizedProcess::seize(pid).map_err(|e| format!("seize: {e}"))?;
+                seized
+                    .end_group_stop()
+                    .map_err(|e| format!("end group stop: {e}"))?;
+                if state(pid) != "t" {
+                    return Err(format!("in state {} after SIGCONT, not traced", state(pid)));
+                }
+                let th = crate::ptrace::RunningThread::resume(pid).map_err(|e| e.to_string())?;
+                let ran = settles_in(pid, "S");
+                th.stop().map_err(|e| e.to_string())?;
+                if !ran {
+                    return Err(format!(
+                        "resumed thread in state {}, not running",
+                        state(pid)
+                    ));
+                }
+                drop(seized);
+                Ok(())
+            })
+            .join()
+            .expect("tracer thread")
+        });
+        let runs = settles_in(pid, "S");
+        let seen = state(pid);
+        child.kill().unwrap();
+        child.wait().unwrap();
+        outcome.unwrap();
+        assert!(
+            runs,
+            "continued process is in state {seen}, not sleeping on"
+        );
+    }
+
+    #[test]
     fn exit_kill_takes_the_process_with_its_tracer() {
         let mut child = sleeper();
         let pid = child.id() as i32;

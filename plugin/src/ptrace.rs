@@ -236,12 +236,16 @@ fn wait_for_interrupt_stop(tid: i32) -> io::Result<()> {
 /// Every thread of a process held in a ptrace stop by us (for `gpusnap recover`, which runs
 /// outside CRIU). Dropping it detaches, and the threads run on.
 pub struct SeizedProcess {
+    pid: i32,
     tids: Vec<i32>,
 }
 
 impl SeizedProcess {
     pub fn seize(pid: i32) -> io::Result<Self> {
-        let mut me = Self { tids: Vec::new() };
+        let mut me = Self {
+            pid,
+            tids: Vec::new(),
+        };
         // Threads may be born while we seize: repeat until a pass finds none new.
         loop {
             let mut new = 0;
@@ -259,6 +263,29 @@ impl SeizedProcess {
                 return Ok(me);
             }
         }
+    }
+
+    /// Ends a group stop of the process (a [`crate::hold::Hold`] that took effect when its
+    /// tracer died) while every thread stays in our ptrace stop: `SIGCONT`, then each thread
+    /// takes the trap the kernel queues for a seized tracee on `SIGCONT`, with every signal
+    /// blocked, so none runs user code. Afterwards a resumed thread runs as usual.
+    pub fn end_group_stop(&self) -> io::Result<()> {
+        // SAFETY: kill(2) takes no pointers.
+        if unsafe { libc::kill(self.pid, libc::SIGCONT) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        for &tid in &self.tids {
+            let mut saved: u64 = 0;
+            sigmask(PTRACE_GETSIGMASK, tid, &mut saved)?;
+            let mut all: u64 = !0;
+            sigmask(PTRACE_SETSIGMASK, tid, &mut all)?;
+            let settled = ptrace(libc::PTRACE_INTERRUPT, tid, 0, 0)
+                .and_then(|_| ptrace(libc::PTRACE_CONT, tid, 0, 0))
+                .and_then(|_| wait_for_interrupt_stop(tid));
+            let restored = sigmask(PTRACE_SETSIGMASK, tid, &mut saved);
+            settled.and(restored)?;
+        }
+        Ok(())
     }
 }
 

@@ -39,7 +39,7 @@ pub enum RecoverError {
     Manifest { nspid: i32, err: ImageError },
     #[error(transparent)]
     Undo(#[from] DumpError),
-    #[error("pid {pid} is whole again but continuing it (SIGCONT) failed: {err}")]
+    #[error("ending the group stop of pid {pid} (SIGCONT) failed: {err}")]
     Continue { pid: i32, err: std::io::Error },
 }
 
@@ -58,6 +58,13 @@ pub fn recover(pid: i32, images: Option<&Path>) -> Result<String, RecoverError> 
         .is_some_and(|st| procfs::Stat::parse(&st).and_then(|s| s.state()) == Some("T"));
     let cfg = gpusnap_config::load().map_err(|e| RecoverError::Config(e.to_string()))?;
     let seized = SeizedProcess::seize(pid).map_err(|err| RecoverError::Seize { pid, err })?;
+    if stopped {
+        // Held by a dump that lost its CRIU (a queued SIGSTOP took effect). Its threads stay
+        // in our ptrace stops; the group stop must end for any of them to run for us.
+        seized
+            .end_group_stop()
+            .map_err(|err| RecoverError::Continue { pid, err })?;
+    }
     let restore_thread = ptrace::resume(restore_tid, "driver restore thread")?;
     let released = match agent_tid {
         Some(tid) => {
@@ -106,23 +113,11 @@ pub fn recover(pid: i32, images: Option<&Path>) -> Result<String, RecoverError> 
         agent_tid: &|| agent_tid.ok_or(AgentError::NoThread { pid, ns_tid: -1 }),
     };
     let mut hold = None;
-    let mut done = dump::undo(&ctx, &target, &mut phase, &mut hold)?;
+    let done = dump::undo(&ctx, &target, &mut phase, &mut hold)?;
     restore_thread.stop().map_err(PtraceError::on(
         restore_tid,
         "stopping the driver restore thread",
     ))?;
-    if stopped {
-        // Held by a dump that lost its CRIU (a queued SIGSTOP took effect): its memory is
-        // whole again, so it may continue once we let go of it.
-        // SAFETY: kill(2) takes no pointers.
-        if unsafe { libc::kill(pid, libc::SIGCONT) } != 0 {
-            return Err(RecoverError::Continue {
-                pid,
-                err: std::io::Error::last_os_error(),
-            });
-        }
-        done.push("continued");
-    }
     drop(seized);
     Ok(if done.is_empty() {
         format!("pid {pid} was {state} with its data in place: nothing to recover")

@@ -653,6 +653,8 @@ pub fn resume_all(ctx: &Ctx, items: &[(i32, Manifest)]) -> Restored {
         }
     }
     let calls: Vec<DriverCall> = work.iter().map(|_| DriverCall::default()).collect();
+    // A restore places no hold (a dying CRIU kills the process instead).
+    let no_hold = std::sync::Mutex::new(None);
     let watched: Vec<Watched<'_>> = work
         .iter()
         .zip(&calls)
@@ -660,6 +662,7 @@ pub fn resume_all(ctx: &Ctx, items: &[(i32, Manifest)]) -> Restored {
             pid: *pid,
             running: threads.iter().map(RunningThread::tid).collect(),
             call,
+            release: &no_hold,
         })
         .collect();
     let (outcomes, leftovers) = std::thread::scope(|s| {

@@ -58,6 +58,8 @@ pub enum StallError {
     Resume { tid: i32, err: String },
     #[error("stopping thread {tid} again: {err}")]
     Stop { tid: i32, err: String },
+    #[error("releasing the hold on pid {pid}: {err}")]
+    Release { pid: i32, err: String },
     #[error(
         "while its threads ran, pid {pid} changed: threads {threads_before:?} -> {threads_after:?}, \
          children {children_before:?} -> {children_after:?}; CRIU's view of it is stale, so this \
@@ -296,11 +298,13 @@ impl DriverCall {
 }
 
 /// A process whose driver call the watcher looks after: its pid, the threads we already let run
-/// (restore thread, agent thread) and the call.
+/// (restore thread, agent thread) and the call. A worker hands over in `release` a hold it no
+/// longer needs (ptrace work only the watcher, the tracer, may do).
 pub struct Watched<'a> {
     pub pid: i32,
     pub running: Vec<i32>,
     pub call: &'a DriverCall,
+    pub release: &'a Mutex<Option<crate::hold::Hold>>,
 }
 
 /// Runs on CRIU's main thread (the tracer) until `done()`: a process whose driver call shows no
@@ -310,9 +314,16 @@ pub struct Watched<'a> {
 pub fn watch(done: impl Fn() -> bool, procs: &[Watched<'_>]) -> Vec<Result<(), StallError>> {
     let mut watches: Vec<Option<Watch>> = procs.iter().map(|_| None).collect();
     let mut unfrozen: Vec<Option<Unfrozen>> = procs.iter().map(|_| None).collect();
+    let mut released: Vec<Result<(), StallError>> = procs.iter().map(|_| Ok(())).collect();
     while !done() {
-        std::thread::sleep(Duration::from_millis(100));
+        std::thread::sleep(Duration::from_millis(20));
         for (i, p) in procs.iter().enumerate() {
+            if let Some(h) = p.release.lock().unwrap_or_else(|e| e.into_inner()).take() {
+                released[i] = h.release().map_err(|e| StallError::Release {
+                    pid: p.pid,
+                    err: e.to_string(),
+                });
+            }
             let mut st = p.call.lock();
             match *st {
                 CallState::Inside => {
@@ -357,9 +368,19 @@ pub fn watch(done: impl Fn() -> bool, procs: &[Watched<'_>]) -> Vec<Result<(), S
             }
         }
     }
+    // A hold handed over as the last worker ended.
+    for (p, r) in procs.iter().zip(&mut released) {
+        if let Some(h) = p.release.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            *r = h.release().map_err(|e| StallError::Release {
+                pid: p.pid,
+                err: e.to_string(),
+            });
+        }
+    }
     unfrozen
         .into_iter()
-        .map(|u| u.map_or(Ok(()), Unfrozen::stop))
+        .zip(released)
+        .map(|(u, r)| u.map_or(Ok(()), Unfrozen::stop).and(r))
         .collect()
 }
 

@@ -208,6 +208,15 @@ fn split_dump_and_restore() {
     s.assert_ok(&restore);
     s.assert_split_restore(&restore);
     s.assert_runs_on(&last, &restore);
+    // The restore adds its timings to the dump's stats (while CRIU's image dir is open).
+    let text = fs::read_to_string(s.w.images.join("gpusnap-stats.json")).expect("stats file");
+    let doc: serde_json::Value = serde_json::from_str(&text).expect("stats JSON");
+    let p = &doc["restore"]["processes"][0];
+    assert!(
+        p["path"] == "split" && p["timings_s"]["data"].as_f64().is_some(),
+        "no restore timings in gpusnap-stats.json: {text}\n{}",
+        s.describe(&restore)
+    );
 }
 
 /// `dump -R`: the memory the agent released is reloaded by the rollback and the workload

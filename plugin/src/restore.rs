@@ -354,6 +354,8 @@ impl RestoreRun {
     pub fn resume_devices_late(&mut self, pid: i32) -> Option<bool> {
         if self.restored.is_none() {
             self.restored = Some(self.restore_all(pid));
+            // Now, while CRIU's image directory is open (CRIU closes it before `exit`).
+            self.write_stats();
         }
         self.restored
             .as_ref()?
@@ -420,18 +422,21 @@ impl RestoreRun {
         restored
     }
 
-    /// `exit(RESTORE)`: joins what still runs and adds the restore's timings to
-    /// `gpusnap-stats.json` (best effort: the image directory may be read-only at restore).
+    /// `exit(RESTORE)`: joins what still runs (CRIU unloads the plugin next).
     pub fn exit(&mut self) {
         if let Checksums::Running(mut v) =
             std::mem::replace(&mut self.checksums, Checksums::Skipped)
         {
-            // Never leave the thread running past `exit`: CRIU unloads us next.
             let _ = v.finish();
         }
         if let Some(h) = self.driver_warmup.take() {
             let _ = h.join();
         }
+    }
+
+    /// Adds the restore's timings to `gpusnap-stats.json` (best effort: the image directory may
+    /// be read-only at restore).
+    fn write_stats(&self) {
         let processes: Vec<serde_json::Value> = self
             .restored
             .iter()

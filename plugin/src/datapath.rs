@@ -31,7 +31,11 @@ pub enum DataError {
     #[error(transparent)]
     Agent(#[from] AgentError),
     #[error("image: {0}")]
-    Image(String),
+    Image(#[from] gpusnap_image::ImageError),
+    #[error("a writer thread panicked")]
+    WriterPanicked,
+    #[error("all writer threads stopped")]
+    WritersGone,
     #[error("creating the staging ring: {0}")]
     Ring(std::io::Error),
 }
@@ -103,7 +107,7 @@ pub fn copy_out(
     hand_over_ring(agent, staging, limits, Transfer::Out)?;
 
     let (work_tx, work_rx) = bounded::<Work>(staging.slots());
-    let (err_tx, err_rx) = unbounded::<String>();
+    let (err_tx, err_rx) = unbounded::<DataError>();
     let writers = writers.max(1);
     let result = std::thread::scope(|s| {
         let handles: Vec<_> = (0..writers)
@@ -130,12 +134,12 @@ pub fn copy_out(
                     data.chunks.append(&mut chunks);
                 }
                 Ok(None) => {}
-                Err(_) => return Err(DataError::Image("a writer thread panicked".into())),
+                Err(_) => return Err(DataError::WriterPanicked),
             }
         }
         outcome?;
         if let Ok(e) = err_rx.try_recv() {
-            return Err(DataError::Image(e));
+            return Err(e);
         }
         Ok(data)
     });
@@ -165,7 +169,7 @@ pub fn copy_out(
 fn pump_dump_replies(
     agent: &AgentSession,
     work: &Sender<Work>,
-    errors: &Receiver<String>,
+    errors: &Receiver<DataError>,
     stall: Duration,
 ) -> Result<(), DataError> {
     let mut last = Instant::now();
@@ -174,7 +178,7 @@ fn pump_dump_replies(
     let mut sent = 0u64;
     loop {
         if let Ok(e) = errors.try_recv() {
-            return Err(DataError::Image(e));
+            return Err(e);
         }
         match agent.recv(Duration::from_millis(200)) {
             Ok(Reply::ChunkReady {
@@ -186,7 +190,7 @@ fn pump_dump_replies(
                 }
                 sent += 1;
                 if work.send(Work { slot, addr, len }).is_err() {
-                    return Err(DataError::Image("all writer threads stopped".into()));
+                    return Err(DataError::WritersGone);
                 }
             }
             Ok(Reply::DumpDataDone { .. }) => return Ok(()),
@@ -210,7 +214,7 @@ struct Out<'a> {
 fn writer(
     index: u32,
     work: Receiver<Work>,
-    errors: Sender<String>,
+    errors: Sender<DataError>,
     agent: &AgentSession,
     staging: &Staging,
     out: Out<'_>,
@@ -239,7 +243,7 @@ fn writer(
                 if file.is_none() {
                     file = Some(
                         DataFileWriter::create(out.dir, out.nspid, index)
-                            .map_err(|e| e.to_string())?,
+                            .map_err(DataError::from)?,
                     );
                 }
                 let f = file.as_mut().expect("created above");
@@ -247,7 +251,7 @@ fn writer(
                     None => f.append_raw(w.addr, data).map(|(entry, _)| entry),
                     Some(h) => f.append_chunk_hashed(w.addr, data, out.codec, &h),
                 }
-                .map_err(|e| e.to_string())
+                .map_err(DataError::from)
             })();
             match res {
                 Ok(entry) => chunks.push(entry),
@@ -266,7 +270,7 @@ fn writer(
     match file.map(DataFileWriter::finish).transpose() {
         Ok(entry) => Some((entry, chunks)),
         Err(e) => {
-            let _ = errors.send(e.to_string());
+            let _ = errors.send(e.into());
             None
         }
     }
@@ -326,14 +330,14 @@ pub fn copy_in(
     fault_point: &'static str,
 ) -> Result<LoadStats, DataError> {
     let t0 = Instant::now();
-    let sources = ChunkSources::open(dir, manifest).map_err(|e| DataError::Image(e.to_string()))?;
+    let sources = ChunkSources::open(dir, manifest)?;
     hand_over_ring(&agent, staging, limits, Transfer::In)?;
 
     let (free_tx, free_rx) = bounded::<u32>(staging.slots());
     for i in 0..staging.slots() as u32 {
         let _ = free_tx.send(i);
     }
-    let (err_tx, err_rx) = unbounded::<String>();
+    let (err_tx, err_rx) = unbounded::<DataError>();
     let files = file_groups(manifest);
     let readers = readers.clamp(1, files.len().max(1));
     let total = manifest.chunks.len();
@@ -358,7 +362,7 @@ pub fn copy_in(
     });
     outcome?;
     if let Ok(e) = err_rx.try_recv() {
-        return Err(DataError::Image(e));
+        return Err(e);
     }
     let bytes = agent.finish_restore()?;
     Ok(LoadStats {
@@ -387,10 +391,10 @@ fn read_files(
     agent: &AgentSession,
     staging: &Staging,
     sources: &ChunkSources<'_>,
-) -> Result<(), String> {
+) -> Result<(), DataError> {
     let mut scratch = Vec::new();
     for (depth, file) in files {
-        let reader = sources.reader(depth, file).map_err(|e| e.to_string())?;
+        let reader = sources.reader(depth, file)?;
         for (_, c) in sources.chunks(depth, file) {
             let Ok(slot) = free.recv() else {
                 return Ok(()); // the load was abandoned
@@ -398,12 +402,8 @@ fn read_files(
             // SAFETY: the slot came from the free list: the agent is done with it and no
             // other reader holds it.
             let out = unsafe { staging.slot_mut(slot as usize, c.len as usize) };
-            reader
-                .read_chunk(c, out, &mut scratch)
-                .map_err(|e| e.to_string())?;
-            agent
-                .chunk_load(slot, c.addr, c.len)
-                .map_err(|e| e.to_string())?;
+            reader.read_chunk(c, out, &mut scratch)?;
+            agent.chunk_load(slot, c.addr, c.len)?;
         }
     }
     Ok(())
@@ -412,7 +412,7 @@ fn read_files(
 fn pump_load_replies(
     agent: &AgentSession,
     free: &Sender<u32>,
-    errors: &Receiver<String>,
+    errors: &Receiver<DataError>,
     total: usize,
     stall: Duration,
     fault_point: &'static str,
@@ -421,7 +421,7 @@ fn pump_load_replies(
     let mut last = Instant::now();
     while done < total {
         if let Ok(e) = errors.try_recv() {
-            return Err(DataError::Image(e));
+            return Err(e);
         }
         match agent.recv(Duration::from_millis(200)) {
             Ok(Reply::SlotFree { slot }) => {

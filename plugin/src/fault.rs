@@ -33,13 +33,17 @@ fn armed() -> Option<&'static str> {
     })
 }
 
+/// The setting names no fault point.
+#[derive(Debug, thiserror::Error)]
+#[error("{ENV}={value:?} names no fault point (known: {})", POINTS.join(", "))]
+pub struct UnknownPoint {
+    pub value: String,
+}
+
 /// Checks the setting: `Err` names an unknown point.
-pub fn check() -> Result<(), String> {
+pub fn check() -> Result<(), UnknownPoint> {
     match std::env::var(ENV) {
-        Ok(v) if !POINTS.contains(&v.as_str()) => Err(format!(
-            "{ENV}={v:?} names no fault point (known: {})",
-            POINTS.join(", ")
-        )),
+        Ok(value) if !POINTS.contains(&value.as_str()) => Err(UnknownPoint { value }),
         _ => Ok(()),
     }
 }

@@ -27,6 +27,43 @@ fn gib(b: u64) -> f64 {
     b as f64 / (1u64 << 30) as f64
 }
 
+/// Why the image's GPUs cannot be placed on this host; each names the GPU and what to do.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum PlanError {
+    #[error("device_map names GPU {old}, which is not in the image (its GPUs: {image_gpus})")]
+    MapSourceAbsent { old: String, image_gpus: String },
+    #[error("device_map target GPU {new} is not on this host")]
+    MapTargetAbsent { new: String },
+    #[error(
+        "GPU {uuid} ({name}) of the image is not on this host and no free {name} with {need_gib:.2} GiB free is left to take its place; \
+         set device_map to choose one"
+    )]
+    NoReplacement {
+        uuid: String,
+        name: String,
+        need_gib: f64,
+    },
+    #[error(
+        "cannot restore GPU {uuid} ({name}) onto GPU {target} ({target_name}): the GPU model must be the same"
+    )]
+    OtherModel {
+        uuid: String,
+        name: String,
+        target: String,
+        target_name: String,
+    },
+    #[error(
+        "GPU {target} ({target_name}) has {free_gib:.2} GiB free but the image needs {need_gib:.2} GiB on it: free {short_gib:.2} GiB there and restore again"
+    )]
+    NotEnoughFree {
+        target: String,
+        target_name: String,
+        free_gib: f64,
+        need_gib: f64,
+        short_gib: f64,
+    },
+}
+
 /// Plans the restore of `dumped` GPUs (`need[i]`: bytes gpusnap will re-create on `dumped[i]`).
 /// Returns the full list of pairs when any GPU moves (the driver wants every checkpointed GPU
 /// listed then), or an empty list when every GPU stays where it was.
@@ -35,20 +72,20 @@ pub fn plan(
     need: &[u64],
     host: &[HostGpu],
     configured: &[(String, String)],
-) -> Result<Vec<Pair>, String> {
+) -> Result<Vec<Pair>, PlanError> {
     for (old, new) in configured {
         if !dumped.iter().any(|g| &g.uuid == old) {
-            return Err(format!(
-                "device_map names GPU {old}, which is not in the image (its GPUs: {})",
-                dumped
+            return Err(PlanError::MapSourceAbsent {
+                old: old.clone(),
+                image_gpus: dumped
                     .iter()
                     .map(|g| g.uuid.as_str())
                     .collect::<Vec<_>>()
-                    .join(", ")
-            ));
+                    .join(", "),
+            });
         }
         if !host.iter().any(|g| &g.uuid == new) {
-            return Err(format!("device_map target GPU {new} is not on this host"));
+            return Err(PlanError::MapTargetAbsent { new: new.clone() });
         }
     }
     let mut taken: Vec<&str> = configured.iter().map(|(_, n)| n.as_str()).collect();
@@ -70,32 +107,30 @@ pub fn plan(
             })
         };
         let Some(t) = target else {
-            return Err(format!(
-                "GPU {} ({}) of the image is not on this host and no free {} with {:.2} GiB free is left to take its place; \
-                 set device_map to choose one",
-                g.uuid,
-                g.name,
-                g.name,
-                gib(want)
-            ));
+            return Err(PlanError::NoReplacement {
+                uuid: g.uuid.clone(),
+                name: g.name.clone(),
+                need_gib: gib(want),
+            });
         };
         if t.name != g.name {
-            return Err(format!(
-                "cannot restore GPU {} ({}) onto GPU {} ({}): the GPU model must be the same",
-                g.uuid, g.name, t.uuid, t.name
-            ));
+            return Err(PlanError::OtherModel {
+                uuid: g.uuid.clone(),
+                name: g.name.clone(),
+                target: t.uuid.clone(),
+                target_name: t.name.clone(),
+            });
         }
         if let Some(free) = t.free
             && free < want
         {
-            return Err(format!(
-                "GPU {} ({}) has {:.2} GiB free but the image needs {:.2} GiB on it: free {:.2} GiB there and restore again",
-                t.uuid,
-                t.name,
-                gib(free),
-                gib(want),
-                gib(want - free)
-            ));
+            return Err(PlanError::NotEnoughFree {
+                target: t.uuid.clone(),
+                target_name: t.name.clone(),
+                free_gib: gib(free),
+                need_gib: gib(want),
+                short_gib: gib(want - free),
+            });
         }
         taken.push(t.uuid.as_str());
         pairs.push(Pair {
@@ -176,25 +211,35 @@ mod tests {
     #[test]
     fn refusals_name_the_gpu_and_the_shortfall() {
         let d = [rec("a", "H200", 0)];
-        let e = plan(&d, &[50 << 30], &[host("a", "H200", 20)], &[]).unwrap_err();
+        let e = plan(&d, &[50 << 30], &[host("a", "H200", 20)], &[])
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("20.00 GiB free") && e.contains("needs 50.00 GiB"),
             "{e}"
         );
-        let e = plan(&d, &[0], &[host("x", "A100", 100)], &[]).unwrap_err();
+        let e = plan(&d, &[0], &[host("x", "A100", 100)], &[])
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("not on this host"), "{e}");
         let cfg = [("a".into(), "x".into())];
-        let e = plan(&d, &[0], &[host("x", "A100", 100)], &cfg).unwrap_err();
+        let e = plan(&d, &[0], &[host("x", "A100", 100)], &cfg)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("model must be the same"), "{e}");
         let cfg = [("zz".into(), "x".into())];
-        let e = plan(&d, &[0], &[host("x", "H200", 100)], &cfg).unwrap_err();
+        let e = plan(&d, &[0], &[host("x", "H200", 100)], &cfg)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("not in the image"), "{e}");
     }
 
     #[test]
     fn one_target_is_not_given_twice() {
         let d = [rec("a", "H200", 0), rec("b", "H200", 1)];
-        let e = plan(&d, &[0, 0], &[host("y", "H200", 100)], &[]).unwrap_err();
+        let e = plan(&d, &[0, 0], &[host("y", "H200", 100)], &[])
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("GPU b"), "{e}");
     }
 }

@@ -38,9 +38,13 @@ pub fn parse_information(text: &str) -> Option<HostGpu> {
 /// Every GPU listed under `dir`, sorted by bus directory name. `Err` when the directory cannot
 /// be read or an entry cannot be parsed: the caller then skips the early check rather than
 /// judging from a partial list.
-pub fn list(dir: &Path) -> Result<Vec<HostGpu>, String> {
+pub fn list(dir: &Path) -> std::io::Result<Vec<HostGpu>> {
+    let named = |path: &Path| {
+        let path = path.display().to_string();
+        move |e: std::io::Error| std::io::Error::new(e.kind(), format!("{path}: {e}"))
+    };
     let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)
-        .map_err(|e| format!("{}: {e}", dir.display()))?
+        .map_err(named(dir))?
         .flatten()
         .map(|e| e.path())
         .collect();
@@ -49,10 +53,13 @@ pub fn list(dir: &Path) -> Result<Vec<HostGpu>, String> {
         .iter()
         .map(|p| {
             let info = p.join("information");
-            let text =
-                std::fs::read_to_string(&info).map_err(|e| format!("{}: {e}", info.display()))?;
-            parse_information(&text)
-                .ok_or_else(|| format!("{}: no Model and GPU UUID lines", info.display()))
+            let text = std::fs::read_to_string(&info).map_err(named(&info))?;
+            parse_information(&text).ok_or_else(|| {
+                std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("{}: no Model and GPU UUID lines", info.display()),
+                )
+            })
         })
         .collect()
 }

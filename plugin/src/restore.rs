@@ -35,8 +35,11 @@ pub enum RestoreError {
     Stall(#[from] StallError),
     #[error("no gpusnap-agent thread in /proc/{pid}/task")]
     NoAgentThread { pid: i32 },
-    #[error("GPU plan: {0}")]
-    GpuPlan(String),
+    #[error("{}{err}", nspid.map(|n| format!("nspid {n}: ")).unwrap_or_default())]
+    GpuPlan {
+        nspid: Option<u32>,
+        err: gpumap::PlanError,
+    },
     #[error("cannot restore onto the planned GPUs: {0}")]
     GpuUuid(#[from] ParseGpuUuidError),
     #[error("image: {0}")]
@@ -528,7 +531,7 @@ fn moved_bytes_on(m: &Manifest, device: u32) -> u64 {
 pub fn early_gpu_check(
     manifests: &HashMap<u32, Manifest>,
     device_map: &[(String, String)],
-) -> Result<(), String> {
+) -> Result<(), RestoreError> {
     early_gpu_check_in(&crate::host_gpus::proc_dir(), manifests, device_map)
 }
 
@@ -537,7 +540,7 @@ fn early_gpu_check_in(
     dir: &std::path::Path,
     manifests: &HashMap<u32, Manifest>,
     device_map: &[(String, String)],
-) -> Result<(), String> {
+) -> Result<(), RestoreError> {
     let mig = manifests
         .values()
         .flat_map(|m| &m.gpus)
@@ -557,8 +560,10 @@ fn early_gpu_check_in(
     let mut ms: Vec<&Manifest> = manifests.values().filter(|m| !m.gpus.is_empty()).collect();
     ms.sort_by_key(|m| m.nspid);
     for m in ms {
-        plan_against_listing(m, &host, device_map)
-            .map_err(|e| format!("nspid {}: {e}", m.nspid))?;
+        plan_against_listing(m, &host, device_map).map_err(|err| RestoreError::GpuPlan {
+            nspid: Some(m.nspid),
+            err,
+        })?;
     }
     Ok(())
 }
@@ -570,7 +575,7 @@ fn plan_against_listing(
     m: &Manifest,
     listed: &[gpumap::HostGpu],
     device_map: &[(String, String)],
-) -> Result<Vec<gpumap::Pair>, String> {
+) -> Result<Vec<gpumap::Pair>, gpumap::PlanError> {
     let host: Vec<gpumap::HostGpu> = listed
         .iter()
         .map(|h| match m.gpus.iter().find(|g| g.uuid == h.uuid) {
@@ -586,7 +591,7 @@ fn plan_against_listing(
 
 /// Where each GPU of the image goes, checked for model and free memory before anything is
 /// touched.
-pub fn gpu_plan(ctx: &Ctx, m: &Manifest) -> Result<Vec<gpumap::Pair>, String> {
+pub fn gpu_plan(ctx: &Ctx, m: &Manifest) -> Result<Vec<gpumap::Pair>, gpumap::PlanError> {
     let need: Vec<u64> = m
         .gpus
         .iter()
@@ -651,7 +656,10 @@ pub fn resume_all(ctx: &Ctx, items: &[(i32, Manifest)]) -> Restored {
     let mut results = Vec::new();
     let mut work = Vec::new();
     for (pid, m) in items {
-        let planned = gpu_plan(ctx, m).map_err(RestoreError::GpuPlan);
+        let planned = gpu_plan(ctx, m).map_err(|err| RestoreError::GpuPlan {
+            nspid: Some(m.nspid),
+            err,
+        });
         match planned.and_then(|pairs| prepare(ctx, *pid, m).map(|t| (pairs, t))) {
             Ok((pairs, threads)) => work.push((*pid, m, pairs, threads)),
             Err(e) => results.push((*pid, Err(e))),
@@ -863,7 +871,9 @@ mod tests {
         )
         .unwrap();
         let one = |name: &str| HashMap::from([(7, manifest(vec![gpu(&"a".repeat(32), name)]))]);
-        let e = early_gpu_check_in(&dir, &one("NVIDIA H200"), &[]).unwrap_err();
+        let e = early_gpu_check_in(&dir, &one("NVIDIA H200"), &[])
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("is not on this host"), "{e}");
         assert!(early_gpu_check_in(&dir, &one("NVIDIA H100 80GB HBM3 MIG 1g.10gb"), &[]).is_ok());
         let map = [("a".repeat(32), "0".repeat(30) + "bb")];
@@ -882,7 +892,9 @@ mod tests {
     #[test]
     fn another_model_in_the_listing_is_refused_naming_the_gpu() {
         let m = manifest(vec![gpu("aa", "NVIDIA H200")]);
-        let e = plan_against_listing(&m, &[listed("bb", "NVIDIA A100")], &[]).unwrap_err();
+        let e = plan_against_listing(&m, &[listed("bb", "NVIDIA A100")], &[])
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("GPU aa (NVIDIA H200)"), "{e}");
         let ok = plan_against_listing(&m, &[listed("bb", "NVIDIA H200")], &[]).expect("same model");
         assert_eq!(ok.len(), 1);

@@ -38,6 +38,11 @@ fn restore(
     plan::validate_ring(ring.slot_size, ring.slots, ring.streams).map_err(Fail::bad_request)?;
     let drv = need_driver()?;
     let (spans, released) = session::snapshot()?;
+    // From here the memory is not whole until RestoreDataDone: should this load be cut short
+    // (the plugin or CRIU dies), the next Hello says released and the next load starts over.
+    table::try_lock_for(AGENT_LOCK_WAIT)
+        .ok_or_else(Fail::busy)?
+        .reload_begins();
     for dev in session::devices(&spans) {
         gpu.prepare(drv, dev, ring.streams as usize, ring.slots as usize)?;
     }
@@ -56,6 +61,10 @@ fn restore(
     ch.send_reply(&Reply::Ready)?;
 
     let bytes = copy_in(gpu, drv, ch, st, ring, &spans)?;
+    // copy_in waited for every copy before it returned.
+    table::try_lock_for(AGENT_LOCK_WAIT)
+        .ok_or_else(Fail::busy)?
+        .reload_complete();
     let micros = t0.elapsed().as_micros() as u64;
     debug!("restore: {bytes} bytes in {micros} us");
     Ok(Reply::Restored { bytes, micros })

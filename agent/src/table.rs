@@ -141,6 +141,10 @@ pub struct Table {
     /// Virtual handle -> the application's handle.
     virtual_handles: BTreeMap<Handle, AppHandle>,
     next_virtual: Handle,
+    /// A reload (restore, rollback, recover) began and has not completed: the memory may be
+    /// re-created but holds only part of its data. It counts as released until a reload
+    /// completes, so that whoever comes next loads it again instead of letting it run.
+    reload_incomplete: bool,
 }
 
 impl Default for Table {
@@ -158,6 +162,7 @@ impl Table {
             app_maps: BTreeMap::new(),
             virtual_handles: BTreeMap::new(),
             next_virtual: VIRTUAL_BASE + 1,
+            reload_incomplete: false,
         }
     }
 
@@ -463,15 +468,28 @@ impl Table {
             entries: u32::try_from(self.converted.len() + self.app_maps.len()).unwrap_or(u32::MAX),
             converted_bytes: self.converted.values().map(|c| c.size).sum(),
             devices: devices.len() as u32,
-            released: self
-                .converted
-                .values()
-                .any(|c| c.backing == Backing::Released),
+            released: self.reload_incomplete
+                || self
+                    .converted
+                    .values()
+                    .any(|c| c.backing == Backing::Released),
         }
+    }
+
+    /// A reload begins: until [`reload_complete`](Self::reload_complete), the memory counts as
+    /// released whatever is mapped.
+    pub fn reload_begins(&mut self) {
+        self.reload_incomplete = true;
+    }
+
+    /// Every chunk of a reload is in device memory.
+    pub fn reload_complete(&mut self) {
+        self.reload_incomplete = false;
     }
 
     /// Forgets everything (a forked child owns none of the parent's device memory).
     pub fn clear(&mut self) {
+        self.reload_incomplete = false;
         self.converted.clear();
         self.app_handles.clear();
         self.app_maps.clear();
@@ -613,6 +631,21 @@ mod tests {
         t.record_app_unmap(0x7000_0000, MB2);
         assert!(t.listing().is_empty());
         assert_eq!(t.real_handle(v), None);
+    }
+
+    #[test]
+    fn a_reload_cut_short_counts_as_released() {
+        let mut t = Table::new();
+        t.insert_converted(0, 0x1000, 0x1000, 7);
+        assert_eq!(t.mark_released(0x1000), Ok((7, true)));
+        t.reload_begins();
+        assert_eq!(t.mark_mapped(0x1000, 9), Ok(false));
+        assert!(
+            t.summary().released,
+            "re-created but not reloaded is not whole"
+        );
+        t.reload_complete();
+        assert!(!t.summary().released);
     }
 
     #[test]

@@ -167,7 +167,8 @@ pub enum Reply {
         converted_bytes: u64,
         /// Distinct devices among converted allocations.
         devices: u32,
-        /// Whether any converted allocation's physical memory is released.
+        /// Whether any converted allocation's physical memory is released, or a reload of it
+        /// began and did not complete (the memory is not whole).
         released: bool,
         /// [`hazard`] bits: state the driver cannot checkpoint, seen since the process started.
         hazards: u32,

@@ -926,12 +926,16 @@ class KillMatrix:
         if ch.state == "none":
             return
         self.log("chain %s: dropping the workload (%s, pid %s) %s" % (ch.path, ch.state, ch.pid, why))
-        # only a process that is still our workload (a dumped one's pid may be anyone's by now)
-        if ch.pid and procs.alive(ch.pid) and self.h.workload in _cmdline(ch.pid):
-            procs.kill_and_wait([ch.pid], self.log, wait_pids=sorted(set(ch.tids + [ch.pid])),
-                                timeout=60)
+        pids = sorted(set(ch.tids + [ch.pid]))
+        # only a process that is still our workload: its command line names its own tick log (a
+        # restored one's too); a dumped one's pid may be anyone's by now
+        if procs.alive(ch.pid) and ch.wlog in _cmdline(ch.pid):
+            procs.kill_and_wait([ch.pid], self.log, wait_pids=pids, timeout=60)
+        elif procs.alive(ch.pid):
+            self.log("pid %d is not our workload any more (%s): left alone" % (
+                ch.pid, _cmdline(ch.pid)[:120]))
         else:
-            procs.wait_pids_free(sorted(set(ch.tids + [ch.pid])), 60, self.log)
+            procs.wait_pids_free(pids, 60, self.log)
         for p in ch.c.popens:
             p.poll()
         if ch.img and not self.a.keep_images:

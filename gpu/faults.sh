@@ -14,11 +14,16 @@
 #   criu-killed-then-recover, split, 1 GiB      ~15 s (dump to post-dump, criu killed, 3 s watch,
 #                                                       gpusnap recover, 5 ticks)
 #   recover-nothing, split + transparent        ~8 s each
+# kill-matrix is not in the default set; it is a call of its own (gpu/run-all.sh faults-matrix):
+#     gpu/faults.sh --cases kill-matrix [--matrix-gib 16] [--points LIST] [--paths LIST] [--watch-s 2]
+#   CRIU SIGKILLed by the plugin (GPUSNAP_TEST_KILL_CRIU_AT) at each of its 10 points, on both
+#   paths: ~340 s at 16 GiB (split ~100 s; transparent ~240 s: 6 dumps of 16 GiB, 5 restores);
+#   the plan and its estimate are printed at the start.
 # A case that hangs is bounded by its timeouts (criu 120 s + 10 s/GiB); no new case starts after
 # --deadline-s (default 500 s), so a 10-minute call returns what was done.
 #
 # Usage: gpu/faults.sh [--cases all|damaged-image,no-gpu-memory,lock-timeout,
-#                       criu-killed-then-recover,recover-nothing] [--gib 1] [--nomem-gib 8]
+#                       criu-killed-then-recover,recover-nothing,kill-matrix] [--gib 1] [--nomem-gib 8]
 #                      [--paths split,transparent] [--sleep-cycles 2e10] [--lock-timeout-ms 1000]
 #                      [--deadline-s 500] [--keep-images] [--mock]
 # Builds gpu/workload.cu (gpu/build.sh), remounts /dev/shm at 120G, runs gpu/faults.py (which
@@ -28,13 +33,14 @@
 # case, path, pass, detail, info), per-case logs in $OUT/logs.tar (OUT defaults to ./out).
 # Exit status 1 if any case failed or was skipped.
 # --mock (CPU only, harness test): gpu/mock_workload.py and torch-free helpers; without a GPU
-# and the plugin's driver the fault expectations fail, but every step of the harness runs.
+# and the plugin's driver the fault expectations fail, but every step of the harness runs
+# (kill-matrix: an action script kills criu instead of the plugin; its GPU-only checks are notes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
 
 if [[ ${1:-} == -h || ${1:-} == --help ]]; then
-    sed -n '2,33p' "$0"
+    sed -n '2,37p' "$0"
     exit 0
 fi
 

@@ -12,6 +12,8 @@
 #            torch2  gpu/torch_cases.sh --cases torch2 (tree*, small cases)  (~5-7 min)
 #            torch   torch1 then torch2 (does not fit one 10-minute call)
 #            faults  gpu/faults.sh                                            (~1.5 min)
+#            faults-matrix  gpu/faults.sh --cases kill-matrix (16 GiB; CRIU killed at
+#                    every GPUSNAP_TEST_KILL_CRIU_AT point, both paths)       (~6-7 min)
 #            alloc   gpu/alloc_latency.sh                                     (~0.5 min)
 #            cycles  gpu/cycles.sh --path both (20 cycles, 4 GiB)             (~4-5 min)
 #            incr    gpu/incremental.sh (16 GiB)                              (~1 min)
@@ -36,8 +38,8 @@ while [[ $# -gt 0 ]]; do
     case $1 in
         --quick) quick=1; shift ;;
         --deadline-s) deadline=$2; shift 2 ;;
-        -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
-        e2e|bench|torch1|torch2|faults|alloc|cycles|incr|bench16|mgpu) parts+=("$1"); shift ;;
+        -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+        e2e|bench|torch1|torch2|faults|faults-matrix|alloc|cycles|incr|bench16|mgpu) parts+=("$1"); shift ;;
         torch) parts+=(torch1 torch2); shift ;;
         *) echo "run-all.sh: unknown argument $1" >&2; exit 2 ;;
     esac
@@ -115,6 +117,7 @@ for p in "${parts[@]}"; do
         torch1) run_part torch1 gpu/torch_cases.sh --cases torch1 --paths split,transparent ;;
         torch2) run_part torch2 gpu/torch_cases.sh --cases torch2 --paths split,transparent ;;
         faults) run_part faults gpu/faults.sh ;;
+        faults-matrix) run_part faults-matrix gpu/faults.sh --cases kill-matrix ;;
         alloc) run_part alloc gpu/alloc_latency.sh ;;
         cycles) run_part cycles gpu/cycles.sh --path both ;;
         incr) run_part incr gpu/incremental.sh ;;

@@ -47,13 +47,14 @@ def log_agent_lines(log, path, n=40):
         log.block("gpusnap-agent: lines of %s" % os.path.basename(path), "\n".join(lines), max_lines=n)
 
 
-def criu_dump(pid, imgdir, plugdir, mode, log, leave_running=False, timeout=600, extra=()):
+def criu_dump(pid, imgdir, plugdir, mode, log, leave_running=False, timeout=600, extra=(), env=None):
+    """env: variables for criu's environment only (GPUSNAP_TEST_KILL_CRIU_AT, ...)."""
     os.makedirs(imgdir, exist_ok=True)
     cmd = [CRIU, "dump", "-t", str(pid), "-D", imgdir, "-L", plugdir, "-v4", "-o", "dump.log"]
     if leave_running:
         cmd.append("-R")
     cmd += list(extra) + os.environ.get("CRIU_DUMP_EXTRA", "").split()
-    return _run_criu(cmd, imgdir, "dump", mode, log, timeout)
+    return _run_criu(cmd, imgdir, "dump", mode, log, timeout, env)
 
 
 def criu_restore(imgdir, plugdir, mode, log, timeout=600, extra=(), env=None):
@@ -210,11 +211,13 @@ def read_stats_json(imgdir):
         return None
 
 
-def gpusnap_cli(args, log, timeout=300):
-    if not os.path.isfile(GPUSNAP_CLI):
-        log("gpusnap CLI %s missing; skipped %s" % (GPUSNAP_CLI, " ".join(args)))
+def gpusnap_cli(args, log, timeout=300, cli=None):
+    """Runs the gpusnap CLI (cli: a stand-in for it, for harness tests without a GPU)."""
+    cli = cli or GPUSNAP_CLI
+    if not os.path.isfile(cli):
+        log("gpusnap CLI %s missing; skipped %s" % (cli, " ".join(args)))
         return None, ""
-    cmd = [GPUSNAP_CLI] + list(args)
+    cmd = [cli] + list(args)
     t0 = time.time()
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)

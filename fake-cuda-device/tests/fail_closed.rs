@@ -532,3 +532,228 @@ cells! {
     transparent_restore_unlocked: Transparent Restore "restore-unlocked";
     transparent_restore_data: Transparent Restore "restore-data";
 }
+
+/// `dump -R` whose rollback cannot finish the reload: the agent's second copy into re-created
+/// memory fails (`cuMemcpyHtoDAsync_v2`, which only the agent calls), after every allocation was
+/// re-created and the first chunk loaded. The dump says ROLLBACK FAILED, the workload is held
+/// (it must not compute on the partly loaded memory), and once the fault is gone `gpusnap
+/// recover` brings it back bit-exact from the files.
+#[test]
+#[ignore = "bug: after a reload cut short, the agent reports its memory as in place (re-created, not released) and `gpusnap recover` unlocks the job onto partly loaded memory (ok 0)"]
+fn rollback_reload_failing_part_way_is_recovered() {
+    let Some(s) = start("fc-rollback-copy-fails") else {
+        return;
+    };
+    s.inject("fail cuMemcpyHtoDAsync_v2 after 1");
+    let dump = s.dump(true);
+    s.assert_line(&dump, &["ROLLBACK FAILED"]);
+    held_then_recovered(&s, &dump, "a failed copy in the rollback's reload");
+}
+
+/// After a failed rollback (`run`): the workload does not advance and never logged a bad tick;
+/// with the fault disarmed, `gpusnap recover` reloads it and it runs on bit-exact.
+fn held_then_recovered(s: &Split, run: &CriuRun, what: &str) {
+    sleep(SETTLE);
+    let held = s.vmm.last_ticks();
+    sleep(HELD_FOR);
+    assert_no_bad_tick(s, run, what);
+    assert_eq!(
+        s.vmm.last_ticks(),
+        held,
+        "{what}: the workload ran on\n{}",
+        s.describe(run)
+    );
+    fs::remove_file(s.state.join(format!("{}.dev-inject", s.vmm.pid()))).expect("disarm");
+    let pid = s.vmm.pid().to_string();
+    let images = s.w.images.to_str().expect("utf-8 path").to_owned();
+    let (ok, text) = cli(s, &["recover", &pid, "--images", &images]);
+    assert!(
+        ok && text.contains("device data reloaded"),
+        "{what}: gpusnap recover: ok {ok}:\n{text}\n{}",
+        s.describe(run)
+    );
+    s.assert_runs_on(&held, run);
+}
+
+/// The agent hangs in the rollback's reload (a wedged GPU; `agent_timeout_ms = 1000`): the
+/// dump ends, saying ROLLBACK FAILED, within a bounded time; the workload is held and never
+/// computes on its partly loaded memory; `gpusnap recover` cannot reach the hung agent and says
+/// so, and the workload is still held afterwards.
+#[test]
+fn agent_hung_in_the_rollback_keeps_the_job_held() {
+    let Some(s) = start("fc-rollback-agent-hangs") else {
+        return;
+    };
+    s.inject("hang cuMemcpyHtoDAsync_v2");
+    let t0 = std::time::Instant::now();
+    let dump = s.dump_with(true, &[("GPUSNAP_AGENT_TIMEOUT_MS", "1000")]);
+    assert!(
+        t0.elapsed() < Duration::from_secs(20),
+        "the dump took {:?}\n{}",
+        t0.elapsed(),
+        s.describe(&dump)
+    );
+    s.assert_line(&dump, &["ROLLBACK FAILED"]);
+    let what = "a hung agent in the rollback's reload";
+    sleep(SETTLE);
+    let held = s.vmm.last_ticks();
+    sleep(HELD_FOR);
+    assert_no_bad_tick(&s, &dump, what);
+    assert_eq!(s.vmm.last_ticks(), held, "{what}\n{}", s.describe(&dump));
+
+    let pid = s.vmm.pid().to_string();
+    let images = s.w.images.to_str().expect("utf-8 path").to_owned();
+    let out = Command::new(&s.cli)
+        .args(["recover", &pid, "--images", &images])
+        .env("GPUSNAP_LIBCUDA", &s.fakecuda_so)
+        .env("FAKECUDA_DIR", &s.state)
+        .env("GPUSNAP_AGENT_TIMEOUT_MS", "1000")
+        .output()
+        .expect("run gpusnap recover");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        !out.status.success() && text.contains("gpusnap recover: ") && text.contains("agent"),
+        "{what}: gpusnap recover ({}) should fail naming the agent:\n{text}\n{}",
+        out.status,
+        s.describe(&dump)
+    );
+    sleep(HELD_FOR);
+    assert_no_bad_tick(&s, &dump, what);
+    assert_eq!(
+        s.vmm.last_ticks(),
+        held,
+        "{what}: the workload ran on after the failed recover ({text})\n{}",
+        s.describe(&dump)
+    );
+}
+
+/// A tmpfs of `size` mounted on a directory; unmounted on drop (lazily if still busy).
+struct Tmpfs(std::ffi::CString);
+
+impl Tmpfs {
+    fn mount(dir: &std::path::Path, size: &str) -> Tmpfs {
+        use std::os::unix::ffi::OsStrExt;
+        fs::create_dir_all(dir).expect("mkdir mount point");
+        let target = std::ffi::CString::new(dir.as_os_str().as_bytes()).expect("path");
+        let opts = std::ffi::CString::new(format!("size={size},mode=0700")).expect("options");
+        // SAFETY: every pointer is a valid NUL-terminated string that outlives the call.
+        let rc = unsafe {
+            libc::mount(
+                c"tmpfs".as_ptr(),
+                target.as_ptr(),
+                c"tmpfs".as_ptr(),
+                0,
+                opts.as_ptr().cast(),
+            )
+        };
+        assert_eq!(
+            rc,
+            0,
+            "mount -t tmpfs -o size={size} on {}: {}",
+            dir.display(),
+            std::io::Error::last_os_error()
+        );
+        Tmpfs(target)
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        // SAFETY: a valid NUL-terminated path.
+        if unsafe { libc::umount2(self.0.as_ptr(), 0) } != 0 {
+            // SAFETY: as above.
+            unsafe { libc::umount2(self.0.as_ptr(), libc::MNT_DETACH) };
+        }
+    }
+}
+
+/// A dump into an image directory of `size` (a tmpfs; the log is outside it) fails; the
+/// workload runs on intact, untraced and unlocked. Returns the dump's run and the directory.
+fn dump_into_a_full_fs(s: &mut Split, size: &str) -> (CriuRun, std::path::PathBuf, Tmpfs) {
+    let images = s.w.path.join("small-images");
+    let mount = Tmpfs::mount(&images, size);
+    let pid = s.vmm.pid().to_string();
+    let dump = s.criu_at(&images, "dump", "dump.log", &["-t", &pid], &[]);
+    assert!(
+        !dump.succeeded(),
+        "the dump into {size} succeeded\n{}",
+        s.describe(&dump)
+    );
+    assert!(
+        dump.log.contains("No space left on device"),
+        "no ENOSPC in the log\n{}",
+        s.describe(&dump)
+    );
+    assert!(
+        s.vmm.original_running(),
+        "the workload died\n{}",
+        s.describe(&dump)
+    );
+    s.assert_runs_on(&s.vmm.last_ticks(), &dump);
+    let (states, traced) = threads(s.vmm.pid());
+    assert!(
+        !traced && !states.contains(['t', 'T']),
+        "threads {states:?}, traced {traced}\n{}",
+        s.describe(&dump)
+    );
+    assert_eq!(driver_state(s), "running", "{}", s.describe(&dump));
+    (dump, images, mount)
+}
+
+/// gpusnap's files in `dir`.
+fn gpusnap_files(dir: &std::path::Path) -> Vec<String> {
+    fs::read_dir(dir)
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with("gpusnap-"))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The image directory fills up while gpusnap's writers store the device data (4 MiB for
+/// 16 MiB of data): the split path gives up before anything is released, says why, and falls
+/// back to the driver checkpoint, whose dump by CRIU then fails for want of space too; the
+/// workload runs on intact.
+#[test]
+fn storage_full_while_writing_the_data_leaves_the_job_running() {
+    let Some(mut s) = start("fc-full-while-writing") else {
+        return;
+    };
+    let (dump, images, _mount) = dump_into_a_full_fs(&mut s, "4m");
+    s.assert_line(
+        &dump,
+        &[
+            "split path failed before any memory was released",
+            "No space left on device",
+        ],
+    );
+    assert!(
+        !dump.log.contains("agent released"),
+        "{}",
+        s.describe(&dump)
+    );
+    let left = gpusnap_files(&images);
+    assert!(left.is_empty(), "{left:?}\n{}", s.describe(&dump));
+}
+
+/// The image directory has room for gpusnap's data but not for CRIU's own images after it
+/// (24 MiB; the workload's host memory is about as large as its device data): the memory was
+/// released when CRIU fails, so the rollback reloads it from the files just written, and the
+/// workload runs on bit-exact; the failed dump's gpusnap files are removed.
+#[test]
+fn storage_full_after_the_release_reloads_and_leaves_the_job_running() {
+    let Some(mut s) = start("fc-full-after-release") else {
+        return;
+    };
+    let (dump, images, _mount) = dump_into_a_full_fs(&mut s, "24m");
+    s.assert_line(&dump, &["agent released"]);
+    s.assert_line(&dump, &["device data reloaded"]);
+    let left = gpusnap_files(&images);
+    assert!(left.is_empty(), "{left:?}\n{}", s.describe(&dump));
+}

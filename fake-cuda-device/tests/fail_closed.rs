@@ -836,3 +836,64 @@ fn recover_killed_mid_reload_leaves_the_job_held() {
         "device data reloaded",
     );
 }
+
+/// Two GPU processes checkpointed in parallel, CRIU killed when the first of them has released
+/// its memory (`dump-released`). The other may be anywhere in its own protocol (locked, copying
+/// out, released and held, locked again): whatever it is, neither ever logs a bad tick, each is
+/// held or (its memory in place and unlocked) runs on, and `gpusnap recover` of each brings both
+/// back bit-exact.
+#[test]
+fn two_processes_criu_killed_when_one_has_released() {
+    let Some(mut s) = Split::launch(
+        "fc-two-released",
+        2,
+        &["--seed", "29", "--allocs", "2", "--mib", "4"],
+        &[],
+    ) else {
+        return;
+    };
+    let run = run_op(&s, Route::Split, Op::Dump, &[(KNOB, "dump-released")]);
+    assert!(killed_at(&s, &run, "dump-released"));
+    assert!(s.vmm.original_running(), "{}", s.describe(&run));
+    sleep(SETTLE);
+    let at_kill = s.vmm.last_ticks();
+    sleep(HELD_FOR);
+    assert_no_bad_tick(&s, &run, "two processes");
+    let now = s.vmm.last_ticks();
+    let released: Vec<bool> = s
+        .vmm
+        .pids
+        .iter()
+        .map(|pid| {
+            run.gpusnap_lines()
+                .iter()
+                .any(|l| l.contains(&format!("pid {pid}: agent released")))
+        })
+        .collect();
+    assert!(
+        released.iter().any(|&r| r),
+        "no process released its memory\n{}",
+        s.describe(&run)
+    );
+    let images = s.w.images.to_str().expect("utf-8 path").to_owned();
+    for (i, &pid) in s.vmm.pids.iter().enumerate() {
+        // A process whose memory went away never runs before the recover.
+        if released[i] {
+            assert_eq!(
+                now[i],
+                at_kill[i],
+                "pid {pid} ran with its memory released\n{}",
+                s.describe(&run)
+            );
+        }
+        let (ok, text) = cli(&s, &["recover", &pid.to_string(), "--images", &images]);
+        let reloaded = text.contains("device data reloaded");
+        assert!(
+            ok && (reloaded || !released[i]),
+            "pid {pid} (released {}): gpusnap recover: ok {ok}:\n{text}\n{}",
+            released[i],
+            s.describe(&run)
+        );
+    }
+    s.assert_runs_on(&now, &run);
+}

@@ -772,3 +772,140 @@ fn gpusnap_recover_restores_and_unlocks_a_checkpointed_process() {
     assert_eq!(fake.state(pid), "running", "{ctx}");
     assert_runs_on(&wl, 0, "after gpusnap recover");
 }
+
+/// A `fakegpu` process that is PID 1 of a pid namespace of its own (`unshare --pid --fork`,
+/// then `setsid` so that it leads its own session and process group inside it, as a
+/// container's init does); killed and reaped with the `unshare` process on drop.
+struct NamespaceInit {
+    unshare: std::process::Child,
+    /// The init's pid in the test's (host) pid namespace.
+    pid: i32,
+    log: std::path::PathBuf,
+}
+
+impl NamespaceInit {
+    fn spawn(w: &WorkDir, seed: u64) -> NamespaceInit {
+        let log = w.path.join("fakegpu-init.log");
+        let mut cmd = std::process::Command::new("unshare");
+        cmd.args([
+            "--pid",
+            "--fork",
+            "--kill-child",
+            "setsid",
+            FAKEGPU,
+            "--log",
+        ])
+        .arg(&log)
+        .args(["--seed", &seed.to_string()])
+        .current_dir(&w.path)
+        // Not a file: `unshare` reports on stderr after the dump, and CRIU refuses to restore
+        // a regular file whose size changed.
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+        let unshare = procs::spawn_in_new_session(&mut cmd)
+            .unwrap_or_else(|e| panic!("unshare --pid --fork (util-linux) is needed: {e}"));
+        let mut init = NamespaceInit {
+            pid: 0,
+            unshare,
+            log,
+        };
+        let first = CounterLog::wait_for(&init.log, 3, criu_tests::harness::WAIT)
+            .unwrap_or_else(|e| panic!("the namespace's init does not run: {e}"));
+        assert_eq!(first.pid, 1, "the workload is not PID 1 of its namespace");
+        init.pid = match procs::children(init.unshare.id() as i32).as_slice() {
+            [p] => *p,
+            other => panic!("unshare has children {other:?}, expected one"),
+        };
+        assert!(restore_thread(init.pid).is_some(), "no fakecuda-rt thread");
+        init
+    }
+}
+
+impl Drop for NamespaceInit {
+    fn drop(&mut self) {
+        procs::kill_and_reap(&[self.pid]);
+        let _ = self.unshare.kill();
+        let _ = self.unshare.wait();
+    }
+}
+
+/// How long a failed restore of a namespace's init may take to end: the plugin kills the
+/// process after a few driver calls; CRIU then only cleans up.
+const FAILED_RESTORE_ENDS_WITHIN: Duration = Duration::from_secs(20);
+
+/// The GPU process is PID 1 of a pid namespace (a container's GPU process) and its driver
+/// restore fails: the plugin kills it, and `criu restore` must end with the error named, within
+/// a bounded time. Killing PID 1 makes the kernel wait, in its exit, for the namespace's other
+/// tasks, among them the process's own killed threads, which only their tracer (CRIU, in the
+/// plugin) can reap, while CRIU waits for PID 1: without the plugin reaping them, the restore
+/// hangs forever.
+#[test]
+fn failed_driver_restore_of_a_namespace_init_ends_promptly() {
+    let Some((_, w, fake)) = setup("fake-pidns-init-restore-fails") else {
+        return;
+    };
+    let mut init = NamespaceInit::spawn(&w, 214);
+    let pid = init.pid;
+    let dump = fake.dump(&w, pid, false, &[], &[]);
+    dump.assert_ok();
+    let ctx = context(&fake, &[pid], &[&dump]);
+    assert_eq!(shorts(&fake.ops(pid)), ["lock:0", "checkpoint:0"], "{ctx}");
+    assert_gpusnap_line(&dump, "(nspid 1)");
+    let st = init.unshare.wait().unwrap();
+    assert!(
+        !st.success(),
+        "unshare exited normally ({st}): CRIU should have killed its child"
+    );
+    procs::reap(pid, PROMPTLY).unwrap();
+    let at_dump = CounterLog::read(&init.log).unwrap().unwrap().last();
+
+    let log = w.images.join("restore.log");
+    let mut args = w.criu_args_in("restore", &w.images, &log);
+    args.push("--restore-detached".into());
+    let mut env = fake.env();
+    env.push(("FAKECUDA_FAIL".into(), "restore".into()));
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let t0 = std::time::Instant::now();
+    let criu = w.spawn_criu(&args, &env, &log);
+    let restore = criu.wait(FAILED_RESTORE_ENDS_WITHIN).unwrap_or_else(|e| {
+        panic!(
+            "criu restore of a namespace's init whose GPU restore failed did not end: {e}\n{}",
+            fs::read_to_string(&log).unwrap_or_default()
+        )
+    });
+    let took = t0.elapsed();
+    let ctx = context(&fake, &[], &[&restore]);
+    assert!(!restore.succeeded(), "the restore succeeded\n{ctx}");
+    assert_gpusnap_line(&restore, "cuCheckpointProcessRestore failed");
+    // The restored init's host pid, from the plugin's error line.
+    let line = restore
+        .gpusnap_lines_with("GPU restore failed")
+        .first()
+        .copied()
+        .unwrap_or_else(|| panic!("no `GPU restore failed` line\n{ctx}"))
+        .to_owned();
+    let restored: i32 = line
+        .split("gpusnap: pid ")
+        .nth(1)
+        .and_then(|r| r.split(':').next())
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("no pid in {line:?}\n{ctx}"));
+    init.pid = restored;
+    let ctx = context(&fake, &[restored], &[&restore]);
+    // One driver call, the restore, and it failed: the stand-in keys its driver state by host
+    // pid, so it finds the restored init (a new host pid) not checkpointed (401) before the
+    // injected failure (999) would apply; FAKECUDA_FAIL keeps the failure if that changes.
+    let ops = fake.ops(restored);
+    assert!(
+        matches!(shorts(&ops).as_slice(), [r] if r.starts_with("restore:") && r != "restore:0"),
+        "{ctx}"
+    );
+    procs::reap(restored, PROMPTLY).unwrap_or_else(|e| panic!("{e}\n{ctx}"));
+    assert!(!procs::is_alive(restored), "{ctx}");
+    assert_eq!(
+        CounterLog::read(&init.log).unwrap().unwrap().last(),
+        at_dump,
+        "the process ran after its failed restore\n{ctx}"
+    );
+    eprintln!("criu restore failed, as it must, in {took:?}");
+}

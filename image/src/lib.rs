@@ -33,6 +33,9 @@ mod tests;
 #[cfg(test)]
 mod chain_tests;
 
+#[cfg(test)]
+mod cut_short_tests;
+
 pub use chain::{
     Ancestors, ChunkSources, DedupIndex, MAX_CHAIN_DEPTH, PARENT_LINK, ParentImage, open_ancestors,
     open_parent_dir, parent_for_dedup,

@@ -32,6 +32,9 @@ pub enum DataError {
     Agent(#[from] AgentError),
     #[error("image: {0}")]
     Image(String),
+    /// A data file's fsync failed (`durable = true`): not a reason to try another path.
+    #[error("durable = true: {0}; the dump is refused, as its data may not be on the disk")]
+    Sync(gpusnap_image::ImageError),
     #[error("creating the staging ring: {0}")]
     Ring(std::io::Error),
 }
@@ -86,8 +89,8 @@ fn hand_over_ring(
 /// Copies every converted allocation of the agent into image files `gpusnap-<nspid>-data-*`.
 /// With `parent` (an incremental dump), a chunk whose device range and XXH3-128 match a chunk
 /// of the parent chain is recorded as a reference to it instead of written. Every chunk is
-/// still copied off the device and hashed. On success the agent holds its data in the ring no
-/// more; memory is not yet released.
+/// still copied off the device and hashed. With `durable`, each writer fsyncs its file when it
+/// is done. On success the agent holds its data in the ring no more; memory is not yet released.
 #[allow(clippy::too_many_arguments)]
 pub fn copy_out(
     agent: &AgentSession,
@@ -98,12 +101,13 @@ pub fn copy_out(
     codec: Codec,
     parent: Option<&DedupIndex>,
     limits: Limits,
+    durable: bool,
 ) -> Result<DumpData, DataError> {
     let t0 = Instant::now();
     hand_over_ring(agent, staging, limits, Transfer::Out)?;
 
     let (work_tx, work_rx) = bounded::<Work>(staging.slots());
-    let (err_tx, err_rx) = unbounded::<String>();
+    let (err_tx, err_rx) = unbounded::<DataError>();
     let writers = writers.max(1);
     let result = std::thread::scope(|s| {
         let handles: Vec<_> = (0..writers)
@@ -115,6 +119,7 @@ pub fn copy_out(
                     nspid,
                     codec,
                     parent,
+                    durable,
                 };
                 s.spawn(move || writer(index as u32, rx, err_tx, agent, staging, out))
             })
@@ -135,7 +140,7 @@ pub fn copy_out(
         }
         outcome?;
         if let Ok(e) = err_rx.try_recv() {
-            return Err(DataError::Image(e));
+            return Err(e);
         }
         Ok(data)
     });
@@ -165,7 +170,7 @@ pub fn copy_out(
 fn pump_dump_replies(
     agent: &AgentSession,
     work: &Sender<Work>,
-    errors: &Receiver<String>,
+    errors: &Receiver<DataError>,
     stall: Duration,
 ) -> Result<(), DataError> {
     let mut last = Instant::now();
@@ -174,7 +179,7 @@ fn pump_dump_replies(
     let mut sent = 0u64;
     loop {
         if let Ok(e) = errors.try_recv() {
-            return Err(DataError::Image(e));
+            return Err(e);
         }
         match agent.recv(Duration::from_millis(200)) {
             Ok(Reply::ChunkReady {
@@ -203,6 +208,8 @@ struct Out<'a> {
     nspid: u32,
     codec: Codec,
     parent: Option<&'a DedupIndex>,
+    /// fsync each file when it is finished.
+    durable: bool,
 }
 
 /// One writer thread: its file (created with the first chunk it writes; a thread whose chunks
@@ -210,7 +217,7 @@ struct Out<'a> {
 fn writer(
     index: u32,
     work: Receiver<Work>,
-    errors: Sender<String>,
+    errors: Sender<DataError>,
     agent: &AgentSession,
     staging: &Staging,
     out: Out<'_>,
@@ -237,10 +244,10 @@ fn writer(
                     return Ok(r);
                 }
                 if file.is_none() {
-                    file = Some(
-                        DataFileWriter::create(out.dir, out.nspid, index)
-                            .map_err(|e| e.to_string())?,
-                    );
+                    let mut f = DataFileWriter::create(out.dir, out.nspid, index)
+                        .map_err(|e| e.to_string())?;
+                    f.set_sync(out.durable);
+                    file = Some(f);
                 }
                 let f = file.as_mut().expect("created above");
                 match hashes {
@@ -253,7 +260,7 @@ fn writer(
                 Ok(entry) => chunks.push(entry),
                 Err(e) => {
                     failed = true;
-                    let _ = errors.send(e);
+                    let _ = errors.send(DataError::Image(e));
                 }
             }
         }
@@ -263,10 +270,11 @@ fn writer(
     if failed {
         return None;
     }
+    // Only the fsync can fail here: a failed write stopped the loop's work above.
     match file.map(DataFileWriter::finish).transpose() {
         Ok(entry) => Some((entry, chunks)),
         Err(e) => {
-            let _ = errors.send(e.to_string());
+            let _ = errors.send(DataError::Sync(e));
             None
         }
     }

@@ -51,12 +51,25 @@ pub enum DumpError {
     Stall(#[from] StallError),
     #[error("writing the manifest: {0}")]
     Manifest(ImageError),
+    /// The fsync of the image directory failed (`durable = true`); shared by every process.
+    #[error("durable = true: {0}; the dump is refused, as gpusnap's files may not be on the disk")]
+    Durable(std::sync::Arc<ImageError>),
     #[error("the worker thread of pid {pid} panicked")]
     WorkerPanicked { pid: i32 },
     #[error("internal: {0}")]
     Phase(#[from] ImpossibleMove),
     #[error("holding the threads of pid {pid} before its memory is released: {err}")]
     Hold { pid: i32, err: std::io::Error },
+}
+
+impl DumpError {
+    /// A failed fsync of `durable = true`: the dump must fail, not fall back to another path.
+    fn is_durability(&self) -> bool {
+        matches!(
+            self,
+            DumpError::Durable(_) | DumpError::Data(DataError::Sync(_))
+        )
+    }
 }
 
 fn driver(what: &'static str) -> impl FnOnce(DriverError) -> DumpError {
@@ -283,6 +296,7 @@ pub fn checkpoint_all(ctx: &Ctx, procs: &mut [Tracked]) -> Vec<(i32, Result<(), 
                 .and(leftover.map_err(DumpError::from)),
         ));
     }
+    commit_manifests(ctx, procs, &mut results);
     if n > 1 {
         log::info!(
             "{n} GPU processes checkpointed in parallel in {:.3} s",
@@ -290,6 +304,41 @@ pub fn checkpoint_all(ctx: &Ctx, procs: &mut [Tracked]) -> Vec<(i32, Result<(), 
         );
     }
     results
+}
+
+/// The end of CHECKPOINT_DEVICES: every process checkpointed gets its manifest (the split
+/// path's again, with the timings so far; the transparent path's for the first time), so the
+/// image is whole for gpusnap before CRIU writes its own images and, last, its inventory. With
+/// `durable`, the image directory is then fsynced (each data file was at its finish, each
+/// manifest before its rename); a failure fails every process. `exit` rewrites the manifests
+/// with the final timings; should that not finish, these stand.
+fn commit_manifests(ctx: &Ctx, procs: &[Tracked], results: &mut [(i32, Result<(), DumpError>)]) {
+    let t0 = Instant::now();
+    let mut written = 0;
+    for (pid, r) in results.iter_mut().filter(|(_, r)| r.is_ok()) {
+        let Some(t) = procs.iter().find(|t| t.pid == *pid) else {
+            continue;
+        };
+        match gpusnap_image::write_manifest(ctx.image_dir(), &manifest_for(ctx, t)) {
+            Ok(()) => written += 1,
+            Err(e) => *r = Err(DumpError::Manifest(e)),
+        }
+    }
+    if written == 0 || !ctx.cfg.durable {
+        return;
+    }
+    match crate::fault::sync_dir(ctx.image_dir()) {
+        Ok(()) => log::info!(
+            "durable: {written} manifest(s) written and the image directory fsynced in {:.3} s",
+            t0.elapsed().as_secs_f64()
+        ),
+        Err(e) => {
+            let e = std::sync::Arc::new(e);
+            for (_, r) in results.iter_mut().filter(|(_, r)| r.is_ok()) {
+                *r = Err(DumpError::Durable(e.clone()));
+            }
+        }
+    }
 }
 
 /// A warning for a dump of several GPU processes of which some run without the agent: CUDA IPC
@@ -345,7 +394,7 @@ fn checkpoint_one(
     if t.is_split() {
         match move_data_out(ctx, t, release) {
             Ok(()) => {}
-            Err(e) if !t.phase.memory_released() => {
+            Err(e) if !t.phase.memory_released() && !e.is_durability() => {
                 log::warn!(
                     "pid {}: split path failed before any memory was released ({e}); \
                      falling back to the driver checkpoint of all device memory",
@@ -429,6 +478,7 @@ fn move_data_out(
         ctx.codec(),
         parent.as_ref(),
         ctx.limits(),
+        ctx.cfg.durable,
     )?;
     log::info!(
         "pid {pid}: data {:.2} GiB in {:.3} s ({:.1} GiB/s) into {} files, {} chunks, written {} bytes ({:.2} GiB), referenced {} bytes unchanged in {} chunks",
@@ -908,7 +958,7 @@ impl DumpRun {
                 let m = manifest_for(ctx, t);
                 if let Err(e) = gpusnap_image::write_manifest(ctx.image_dir(), &m) {
                     log::error!(
-                        "pid {}: writing the manifest failed: {e}; this image cannot be restored",
+                        "pid {}: rewriting the manifest with the final timings failed: {e}; the one written at the checkpoint stands",
                         t.pid
                     );
                 }

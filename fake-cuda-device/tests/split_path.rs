@@ -844,3 +844,93 @@ fn rollback_failing_part_way_does_not_run_without_memory() {
     );
     s.assert_runs_on(&held, &dump);
 }
+
+/// What `durable = true` costs (run by hand; prints a table): a 512 MiB split dump (4
+/// allocations of 128 MiB) into an image directory on tmpfs (`/dev/shm`) and on the disk of
+/// `target/`, three times each with `durable` off and on, each from a fresh workload (the dump
+/// kills it). Reported: the data phase (the writers, each ending with its file's fsync when
+/// durable), the manifest commit (with the directory's fsync when durable), the whole `criu
+/// dump`, and a `sync -f` of the directory right after it, which is what the user must run for
+/// CRIU's own files anyway.
+///
+/// `cargo test --release -p fake-cuda-device --test split_path -- --ignored durable_cost --nocapture`
+#[test]
+#[ignore = "a measurement, run by hand"]
+fn durable_cost() {
+    let shm = std::path::Path::new("/dev/shm")
+        .join(format!("gpusnap-durable-cost-{}", std::process::id()));
+    let mut rows = Vec::new();
+    for (where_, on_tmpfs) in [("tmpfs", true), ("disk", false)] {
+        for durable in ["0", "1"] {
+            for run in 0..3 {
+                let test = format!("durable-cost-{where_}-{durable}-{run}");
+                let Some(mut s) = Split::launch(
+                    &test,
+                    1,
+                    &["--seed", "5", "--allocs", "4", "--mib", "128"],
+                    &[],
+                ) else {
+                    return;
+                };
+                let dir = if on_tmpfs {
+                    shm.join(&test)
+                } else {
+                    s.w.path.join("images-cost")
+                };
+                fs::create_dir_all(&dir).expect("mkdir image dir");
+                sync_all();
+                let pid = s.vmm.pid().to_string();
+                let t0 = Instant::now();
+                let dump = s.criu_at(
+                    &dir,
+                    "dump",
+                    "dump-cost.log",
+                    &["-t", &pid],
+                    &[("GPUSNAP_DURABLE", durable)],
+                );
+                let dump_s = t0.elapsed().as_secs_f64();
+                s.assert_ok(&dump);
+                let t0 = Instant::now();
+                let synced = std::process::Command::new("sync")
+                    .arg("-f")
+                    .arg(&dir)
+                    .status()
+                    .expect("run sync -f");
+                let sync_s = t0.elapsed().as_secs_f64();
+                assert!(synced.success());
+                let stats: serde_json::Value = serde_json::from_str(
+                    &fs::read_to_string(dir.join("gpusnap-stats.json")).expect("stats"),
+                )
+                .expect("stats JSON");
+                let data_s = stats["processes"][0]["timings_s"]["data"]
+                    .as_f64()
+                    .unwrap_or(-1.0);
+                let commit_s = dump
+                    .gpusnap_lines()
+                    .iter()
+                    .find_map(|l| {
+                        let rest = l.split("image directory fsynced in ").nth(1)?;
+                        rest.trim_end_matches(" s").parse::<f64>().ok()
+                    })
+                    .unwrap_or(0.0);
+                rows.push(format!(
+                    "{where_:5} durable={durable} run {run}: data {data_s:.3} s, commit {commit_s:.3} s, criu dump {dump_s:.3} s, sync -f after {sync_s:.3} s"
+                ));
+                s.reap_dumped();
+                let _ = fs::remove_dir_all(&dir);
+            }
+        }
+    }
+    let _ = fs::remove_dir_all(&shm);
+    for r in rows {
+        eprintln!("{r}");
+    }
+}
+
+/// `sync`: nothing dirty is left from earlier work to be written during a measured dump.
+fn sync_all() {
+    let status = std::process::Command::new("sync")
+        .status()
+        .expect("run sync");
+    assert!(status.success(), "sync: {status}");
+}

@@ -63,11 +63,14 @@ pub enum DumpError {
 }
 
 impl DumpError {
-    /// A failed fsync of `durable = true`: the dump must fail, not fall back to another path.
+    /// A failed fsync (of a data file or the directory with `durable = true`, or of a manifest):
+    /// the disk may have lost writes, so the dump fails instead of trying another path on it.
     fn is_durability(&self) -> bool {
         matches!(
             self,
-            DumpError::Durable(_) | DumpError::Data(DataError::Sync(_))
+            DumpError::Durable(_)
+                | DumpError::Data(DataError::Sync(_))
+                | DumpError::Manifest(ImageError::Io { op: "fsync", .. })
         )
     }
 }
@@ -1067,6 +1070,39 @@ mod tests {
         assert!(!is_live_mps_process(&stat("python3", "S")));
         assert!(!is_live_mps_process(&stat("my nvidia-cuda-mps", "S")));
         assert!(!is_live_mps_process("garbage"));
+    }
+
+    #[test]
+    fn failed_fsyncs_are_never_a_reason_to_fall_back() {
+        let fsync = |file: &str| ImageError::Io {
+            file: file.to_owned(),
+            op: "fsync",
+            source: std::io::Error::from_raw_os_error(libc::EIO),
+        };
+        let data = DumpError::Data(DataError::Sync(fsync("gpusnap-7-data-0.img")));
+        assert!(data.is_durability());
+        assert!(
+            data.to_string()
+                .contains("gpusnap-7-data-0.img: fsync failed: Input/output error"),
+            "{data}"
+        );
+        let dir = DumpError::Durable(std::sync::Arc::new(fsync(gpusnap_image::IMAGE_DIR)));
+        assert!(dir.is_durability());
+        assert!(
+            dir.to_string()
+                .starts_with("durable = true: image directory: fsync failed"),
+            "{dir}"
+        );
+        assert!(DumpError::Manifest(fsync("gpusnap-7-manifest.img.tmp")).is_durability());
+        // A write that failed (disk full, say) still falls back to the driver path.
+        let full = || std::io::Error::from_raw_os_error(libc::ENOSPC);
+        assert!(!DumpError::Data(DataError::Image(full().to_string())).is_durability());
+        let write = ImageError::Io {
+            file: "gpusnap-7-manifest.img.tmp".into(),
+            op: "write",
+            source: full(),
+        };
+        assert!(!DumpError::Manifest(write).is_durability());
     }
 
     #[test]

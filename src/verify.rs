@@ -4,7 +4,7 @@ use std::collections::BTreeSet;
 use std::os::fd::AsFd;
 use std::process::ExitCode;
 
-use gpusnap_image::ImageFileKind;
+use gpusnap_image::{ImageError, ImageFileKind};
 
 use crate::util::{self, EXIT_PROBLEM};
 
@@ -50,13 +50,13 @@ pub fn run(args: &[String]) -> ExitCode {
             _ => None,
         })
         .collect();
-    let orphans: BTreeSet<u32> = files
-        .iter()
-        .filter_map(|(k, _)| match k {
-            ImageFileKind::Data { nspid, .. } if !manifests.contains(nspid) => Some(*nspid),
-            _ => None,
-        })
-        .collect();
+    let unfinished = match gpusnap_image::unfinished_dumps(fd) {
+        Ok(u) => u,
+        Err(e) => {
+            println!("FAIL  {dir}: {e}");
+            return ExitCode::from(EXIT_PROBLEM);
+        }
+    };
 
     let mut bad = 0;
     for &nspid in &manifests {
@@ -97,13 +97,17 @@ pub fn run(args: &[String]) -> ExitCode {
             }
         }
     }
-    for nspid in &orphans {
+    for (nspid, file) in unfinished.iter().cloned() {
         bad += 1;
-        println!(
-            "FAIL  process {nspid}: data files but no manifest (the dump did not finish; do not restore from it)"
-        );
+        let manifest = gpusnap_image::manifest_file_name(nspid);
+        let e = ImageError::UnfinishedDump {
+            file,
+            nspid,
+            manifest,
+        };
+        println!("FAIL  process {nspid}: {e}");
     }
-    if manifests.is_empty() && orphans.is_empty() {
+    if manifests.is_empty() && unfinished.is_empty() {
         println!("{dir}: no gpusnap images (nothing to verify)");
     }
     if bad > 0 {

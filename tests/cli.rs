@@ -217,7 +217,44 @@ fn verify_reports_an_unfinished_dump() {
     w.finish().unwrap();
     let o = gpusnap(&["verify", t.arg()]);
     assert_eq!(o.status.code(), Some(1), "{o:?}");
-    assert!(stdout(&o).contains("process 7: data files but no manifest"));
+    assert!(
+        stdout(&o).contains(
+            "FAIL  process 7: gpusnap-7-data-0.img: process 7 has no gpusnap-7-manifest.img: its \
+             dump did not finish (image incomplete; do not restore from it)"
+        ),
+        "{o:?}"
+    );
+    // A manifest that never got its own name is no manifest either.
+    std::fs::remove_file(t.path.join(data_file_name(7, 0))).unwrap();
+    std::fs::write(t.path.join(manifest_tmp_name(7)), b"GPUSNAP-MANIFEST 2").unwrap();
+    let o = gpusnap(&["verify", t.arg()]);
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    assert!(
+        stdout(&o).contains("process 7: gpusnap-7-manifest.img.tmp: process 7 has no"),
+        "{o:?}"
+    );
+}
+
+/// A complete image whose data file was cut short after the dump (a crash before the page
+/// cache reached the disk): verify fails naming the file.
+#[test]
+fn verify_reports_a_data_file_cut_short() {
+    let t = TempDir::new();
+    make_image(t.fd(), 42);
+    let data = t.path.join(data_file_name(42, 0));
+    let len = std::fs::metadata(&data).unwrap().len();
+    OpenOptions::new()
+        .write(true)
+        .open(&data)
+        .unwrap()
+        .set_len(len - 1)
+        .unwrap();
+    let o = gpusnap(&["verify", t.arg()]);
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    assert!(
+        stdout(&o).contains("FAIL  process 42: gpusnap-42-data-0.img: truncated"),
+        "{o:?}"
+    );
 }
 
 #[test]

@@ -104,6 +104,13 @@ pub(crate) const KEYS: &[Key] = &[
         },
     },
     Key {
+        name: "durable",
+        set: |c, r, o| {
+            c.durable = boolean(r, o)?;
+            Ok(())
+        },
+    },
+    Key {
         name: "agent_timeout_ms",
         set: |c, r, o| {
             c.agent_timeout_ms = int(r, o, 100, 600_000, "milliseconds in 100..=600000")?;

@@ -36,14 +36,14 @@ pub const DEFAULT_PATH: &str = "/etc/criu/gpusnap.conf";
 pub const CONFIG_ENV: &str = "GPUSNAP_CONFIG";
 
 /// `GPUSNAP_*` environment variables that are not configuration keys but are read elsewhere
-/// (by the agent, the test harness, or the image writer), so they are not rejected as unknown:
+/// (by the agent, the test harness, the CRIU scripts or the GPU scripts), so they are not
+/// rejected as unknown:
 ///
 /// - every `GPUSNAP_AGENT_*` (see [`NON_CONFIG_PREFIXES`]): read by the in-process agent;
 /// - every `GPUSNAP_TEST_*`, and `GPUSNAP_REPO`, `GPUSNAP_SKIP_CRIU_TESTS`: the test suites;
 /// - `GPUSNAP_CRIU`, `GPUSNAP_CRIU_ROOT`, `GPUSNAP_CRIU_FORCE`, `GPUSNAP_CRIU_MIRROR`,
 ///   `GPUSNAP_CRIU_SUITE`: the CRIU wrapper and installer, and `gpusnap check`;
-/// - `GPUSNAP_CLI`, `GPUSNAP_LIBCUDA`, `GPUSNAP_SHM_HUGE`: the GPU scripts;
-/// - `GPUSNAP_FSYNC`: read by the image writer.
+/// - `GPUSNAP_CLI`, `GPUSNAP_LIBCUDA`, `GPUSNAP_SHM_HUGE`: the GPU scripts.
 pub const NON_CONFIG_ENV: &[&str] = &[
     "GPUSNAP_CLI",
     "GPUSNAP_CRIU",
@@ -51,7 +51,6 @@ pub const NON_CONFIG_ENV: &[&str] = &[
     "GPUSNAP_CRIU_MIRROR",
     "GPUSNAP_CRIU_ROOT",
     "GPUSNAP_CRIU_SUITE",
-    "GPUSNAP_FSYNC",
     "GPUSNAP_LIBCUDA",
     "GPUSNAP_REPO",
     "GPUSNAP_SHM_HUGE",
@@ -152,6 +151,11 @@ pub struct Config {
     /// When the image directory has a `parent` link (`criu dump --prev-images-dir`), store only
     /// the chunks that changed since the parent image and reference the others.
     pub incremental: bool,
+    /// A dump reports success only once gpusnap's files are on stable storage: every data file
+    /// and manifest fsynced, and the image directory fsynced after the last of them was created
+    /// or renamed; a failed fsync fails the dump. CRIU's own image files are not covered (CRIU
+    /// does not fsync them; see `docs/image-format.md`, "Durability").
+    pub durable: bool,
     /// How long to wait for the in-process agent to answer, in milliseconds.
     pub agent_timeout_ms: u64,
     /// Timeout of the GPU lock step in milliseconds; 0 means CRIU's own timeout.
@@ -174,6 +178,7 @@ impl Default for Config {
             compress: Compress::Off,
             verify_before_restore: true,
             incremental: true,
+            durable: false,
             agent_timeout_ms: 30_000,
             lock_timeout_ms: 0,
             device_map: Vec::new(),
@@ -240,8 +245,8 @@ impl Config {
         };
         let mut s = format!(
             "mode={} writer_threads={} reader_threads={} staging_slot_mib={} staging_slots={} \
-             copy_streams={} compress={} verify_before_restore={} incremental={} agent_timeout_ms={} \
-             lock_timeout_ms={}",
+             copy_streams={} compress={} verify_before_restore={} incremental={} durable={} \
+             agent_timeout_ms={} lock_timeout_ms={}",
             self.mode.as_str(),
             threads(self.writer_threads, self.effective_writer_threads()),
             threads(self.reader_threads, self.effective_reader_threads()),
@@ -251,6 +256,7 @@ impl Config {
             self.compress.as_str(),
             self.verify_before_restore,
             self.incremental,
+            self.durable,
             self.agent_timeout_ms,
             match self.lock_timeout_ms {
                 0 => "0 (criu)".to_owned(),

@@ -4,7 +4,11 @@
 //!
 //! Usage: cargo run --release -p gpusnap-image --example datapath_bench -- \
 //!            [--gib 2] [--chunk-mib 32] [--threads N] [--dir /dev/shm/gpusnap-datapath-bench]
-//! Prints one line per phase with GiB/s. The directory is removed at the end.
+//!            [--durable]
+//! Prints one line per phase with GiB/s. The directory is removed at the end. `--durable` does
+//! what the plugin does with `durable = true`: each writer fsyncs its file when it finishes
+//! (inside the write times), and the image directory is fsynced after the manifest's rename
+//! (timed on its own line).
 
 use gpusnap_image::{
     CheckpointPath, ChunkEntry, Codec, DataFileReader, DataFileWriter, FORMAT_VERSION, Manifest,
@@ -25,6 +29,7 @@ fn write_files(
     per_thread: usize,
     chunk: usize,
     fused: bool,
+    durable: bool,
 ) -> Vec<(gpusnap_image::FileEntry, Vec<ChunkEntry>)> {
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..threads)
@@ -36,6 +41,7 @@ fn write_files(
                         *b = (i.wrapping_mul(2654435761) >> 13) as u8 ^ t as u8;
                     }
                     let mut w = DataFileWriter::create(dir, 1, t as u32).expect("create");
+                    w.set_sync(durable);
                     let mut entries = Vec::new();
                     for c in 0..per_thread {
                         data[..8].copy_from_slice(&(c as u64).to_le_bytes());
@@ -70,6 +76,7 @@ fn main() {
         |v| v.parse().expect("--threads"),
     );
     let dir_path = arg(&args, "--dir").unwrap_or_else(|| "/dev/shm/gpusnap-datapath-bench".into());
+    let durable = args.iter().any(|a| a == "--durable");
     let _ = std::fs::remove_dir_all(&dir_path);
     std::fs::create_dir_all(&dir_path).expect("mkdir");
     let dir: OwnedFd = std::fs::File::open(&dir_path).expect("open dir").into();
@@ -78,10 +85,11 @@ fn main() {
     let bytes = (per_thread * threads * chunk) as f64;
     let gibs = |secs: f64| bytes / (1u64 << 30) as f64 / secs;
     println!(
-        "datapath_bench: {} chunks of {} MiB ({:.2} GiB), {threads} threads, {dir_path}",
+        "datapath_bench: {} chunks of {} MiB ({:.2} GiB), {threads} threads, {dir_path}{}",
         per_thread * threads,
         chunk >> 20,
-        bytes / (1u64 << 30) as f64
+        bytes / (1u64 << 30) as f64,
+        if durable { ", durable" } else { "" }
     );
 
     // Write: one file per thread, like the plugin's writers; first hashing each chunk and then
@@ -93,7 +101,7 @@ fn main() {
             let _ = std::fs::remove_file(format!("{dir_path}/gpusnap-1-data-{t}.img"));
         }
         let t0 = Instant::now();
-        results = write_files(&dir, threads, per_thread, chunk, fused);
+        results = write_files(&dir, threads, per_thread, chunk, fused, durable);
         let secs = t0.elapsed().as_secs_f64();
         let how = if fused {
             "append_raw: hashed while written"
@@ -134,7 +142,16 @@ fn main() {
         chunks,
         timings_s: Default::default(),
     };
+    let t0 = Instant::now();
     write_manifest(dir.as_fd(), &m).expect("manifest");
+    if durable {
+        gpusnap_image::sync_dir(dir.as_fd()).expect("fsync of the image directory");
+    }
+    println!(
+        "commit  {:7.3} s  (write_manifest{})",
+        t0.elapsed().as_secs_f64(),
+        if durable { " + sync_dir" } else { "" }
+    );
 
     let r = verify_image(dir.as_fd(), &m, threads).expect("verify");
     println!(

@@ -77,6 +77,16 @@ pub enum ImageError {
         name: String,
         expected: String,
     },
+    /// A process has gpusnap files (data files, or a manifest still under its temporary name)
+    /// but no manifest: its dump did not finish, and nothing of it may be restored.
+    #[error(
+        "{file}: process {nspid} has no {manifest}: its dump did not finish (image incomplete; do not restore from it)"
+    )]
+    UnfinishedDump {
+        file: String,
+        nspid: u32,
+        manifest: String,
+    },
     /// A data file does not start with `GPUSNAPD`.
     #[error("{file}: not a gpusnap data file (bad magic) ({DAMAGED})")]
     DataHeaderMagic { file: String },

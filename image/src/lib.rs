@@ -16,6 +16,7 @@
 
 mod chain;
 mod devfile;
+mod durable;
 mod error;
 mod header;
 mod manifest;
@@ -32,6 +33,9 @@ mod tests;
 #[cfg(test)]
 mod chain_tests;
 
+#[cfg(test)]
+mod cut_short_tests;
+
 pub use chain::{
     Ancestors, ChunkSources, DedupIndex, MAX_CHAIN_DEPTH, PARENT_LINK, ParentImage, open_ancestors,
     open_parent_dir, parent_for_dedup,
@@ -40,6 +44,7 @@ pub use devfile::{
     DEVFILE_MAGIC, DevFileRecord, decode_dev_file, devfile_name, encode_dev_file,
     is_nvidia_device_path, read_dev_file, write_dev_file,
 };
+pub use durable::{IMAGE_DIR, sync_dir};
 pub use error::ImageError;
 pub use header::{DATA_HEADER_LEN, DATA_MAGIC, RECORD_LEN, RECORD_MAGIC};
 pub use manifest::{
@@ -48,7 +53,8 @@ pub use manifest::{
 };
 pub use names::{
     ImageFileKind, STATS_FILE_NAME, data_file_name, list_image_files, list_manifests,
-    manifest_file_name, manifest_tmp_name, parse_file_name, remove_process_files,
+    manifest_file_name, manifest_tmp_name, parse_file_name, read_manifests, remove_process_files,
+    unfinished_dumps,
 };
 pub use reader::{DataFileReader, DataFileScan, VerifyReport, scan_data_file, verify_image};
 pub use stats::{MAX_STATS_LEN, read_stats, write_stats};

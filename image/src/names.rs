@@ -108,6 +108,53 @@ pub fn list_manifests(dir: BorrowedFd<'_>) -> Result<Vec<u32>, ImageError> {
         .collect())
 }
 
+/// The processes that have gpusnap files but no manifest (their dump did not finish: data files
+/// written before the manifest, or a manifest left under its temporary name), ascending, each
+/// with the first such file's name. A temporary manifest next to a manifest is not one of them:
+/// that is a rewrite of a complete manifest that did not finish, and the manifest stands.
+pub fn unfinished_dumps(dir: BorrowedFd<'_>) -> Result<Vec<(u32, String)>, ImageError> {
+    let files = list_image_files(dir)?;
+    let finished: Vec<u32> = files
+        .iter()
+        .filter_map(|(k, _)| match k {
+            ImageFileKind::Manifest { nspid } => Some(*nspid),
+            _ => None,
+        })
+        .collect();
+    let mut out: Vec<(u32, String)> = Vec::new();
+    for (kind, name) in files {
+        let nspid = match kind {
+            ImageFileKind::ManifestTmp { nspid } | ImageFileKind::Data { nspid, .. } => nspid,
+            _ => continue,
+        };
+        if !finished.contains(&nspid) && !out.iter().any(|(p, _)| *p == nspid) {
+            out.push((nspid, name));
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// Every manifest of the image directory, each read and checked as [`crate::read_manifest`]
+/// does, keyed by namespace pid. Refuses the whole directory first if any process's dump did
+/// not finish ([`unfinished_dumps`], [`ImageError::UnfinishedDump`]): an image cut short is
+/// refused, never restored in part. What a restore reads before it touches anything.
+pub fn read_manifests(
+    dir: BorrowedFd<'_>,
+) -> Result<std::collections::BTreeMap<u32, crate::Manifest>, ImageError> {
+    if let Some((nspid, file)) = unfinished_dumps(dir)?.into_iter().next() {
+        return Err(ImageError::UnfinishedDump {
+            file,
+            nspid,
+            manifest: manifest_file_name(nspid),
+        });
+    }
+    list_manifests(dir)?
+        .into_iter()
+        .map(|nspid| Ok((nspid, crate::read_manifest(dir, nspid)?)))
+        .collect()
+}
+
 /// Removes every file of process `nspid` (manifest first, so that an interrupted removal never
 /// leaves a manifest pointing at missing data). Returns how many files were removed. For the
 /// plugin's rollback and for clearing a stale image before a new dump.

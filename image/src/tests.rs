@@ -1053,6 +1053,64 @@ fn names_and_listing() {
 }
 
 #[test]
+fn processes_with_files_but_no_manifest_are_unfinished_and_refuse_the_directory() {
+    let t = TempDir::new();
+    let img = make_image(t.fd());
+    assert_eq!(unfinished_dumps(t.fd()).unwrap(), vec![]);
+    assert_eq!(read_manifests(t.fd()).unwrap()[&NSPID], img.m);
+    // A rewrite of a complete manifest that did not finish: the manifest stands.
+    std::fs::write(t.file(&manifest_tmp_name(NSPID)), b"GPUSNAP").unwrap();
+    assert_eq!(unfinished_dumps(t.fd()).unwrap(), vec![]);
+    assert_eq!(read_manifests(t.fd()).unwrap().len(), 1);
+    // Data files without a manifest, and a manifest still under its temporary name.
+    for name in [
+        data_file_name(14, 2),
+        data_file_name(14, 0),
+        manifest_tmp_name(15),
+    ] {
+        std::fs::write(t.file(&name), b"x").unwrap();
+    }
+    std::fs::write(t.file("gpusnap-16-data-01.img"), b"not a gpusnap name").unwrap();
+    assert_eq!(
+        unfinished_dumps(t.fd()).unwrap(),
+        vec![(14, data_file_name(14, 0)), (15, manifest_tmp_name(15))]
+    );
+    let e = read_manifests(t.fd()).unwrap_err();
+    assert!(
+        matches!(&e, ImageError::UnfinishedDump { nspid: 14, .. }),
+        "{e:?}"
+    );
+    assert_eq!(
+        e.to_string(),
+        "gpusnap-14-data-0.img: process 14 has no gpusnap-14-manifest.img: its dump did not \
+         finish (image incomplete; do not restore from it)"
+    );
+    assert!(e.is_damage());
+}
+
+#[test]
+fn sync_dir_syncs_any_descriptor_of_the_directory_and_reports_failures() {
+    let t = TempDir::new();
+    sync_dir(t.fd()).unwrap();
+    // An O_PATH descriptor cannot be synced itself; sync_dir syncs one of its own.
+    let o_path = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_PATH | libc::O_DIRECTORY)
+        .open(t.path())
+        .unwrap();
+    assert!(o_path.sync_all().is_err());
+    sync_dir(o_path.as_fd()).unwrap();
+    // procfs implements no fsync (EINVAL): a real failure, returned naming the directory.
+    let proc = File::open("/proc").unwrap();
+    let e = sync_dir(proc.as_fd()).unwrap_err();
+    assert!(matches!(e, ImageError::Io { op: "fsync", .. }), "{e:?}");
+    assert!(
+        e.to_string().starts_with("image directory: fsync failed: "),
+        "{e}"
+    );
+}
+
+#[test]
 fn symlinks_are_not_followed() {
     let t = TempDir::new();
     let img = make_image(t.fd());

@@ -102,8 +102,10 @@ impl DataFileWriter {
         })
     }
 
-    /// With `true`, [`finish`](Self::finish) calls `fdatasync` (for images on a real disk; on
-    /// tmpfs it only costs time). Default `false`.
+    /// With `true`, [`finish`](Self::finish) calls `fsync` on the file, so its bytes and size are
+    /// on stable storage before its entry is returned (`durable = true`; its name is durable only
+    /// once the directory is synced too, [`crate::sync_dir`]). On tmpfs it costs nothing worth
+    /// measuring. Default `false`.
     pub fn set_sync(&mut self, sync: bool) {
         self.sync = sync;
     }
@@ -244,16 +246,16 @@ impl DataFileWriter {
         entry
     }
 
-    /// Ends the file (with `fdatasync` if [`set_sync`](Self::set_sync) asked for it) and returns
-    /// its manifest entry.
+    /// Ends the file (with `fsync` if [`set_sync`](Self::set_sync) asked for it) and returns
+    /// its manifest entry. A failed `fsync` is an error naming the file.
     pub fn finish(self) -> Result<FileEntry, ImageError> {
         if self.failed {
             return Err(ImageError::WriterFailed { file: self.name });
         }
         if self.sync {
             self.file
-                .sync_data()
-                .map_err(|e| ImageError::io(&self.name, "fdatasync", e))?;
+                .sync_all()
+                .map_err(|e| ImageError::io(&self.name, "fsync", e))?;
         }
         Ok(FileEntry {
             name: self.name,

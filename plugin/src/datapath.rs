@@ -36,6 +36,9 @@ pub enum DataError {
     WriterPanicked,
     #[error("all writer threads stopped")]
     WritersGone,
+    /// A data file's fsync failed (`durable = true`): not a reason to try another path.
+    #[error("durable = true: {0}; the dump is refused, as its data may not be on the disk")]
+    Sync(gpusnap_image::ImageError),
     #[error("creating the staging ring: {0}")]
     Ring(std::io::Error),
 }
@@ -90,8 +93,8 @@ fn hand_over_ring(
 /// Copies every converted allocation of the agent into image files `gpusnap-<nspid>-data-*`.
 /// With `parent` (an incremental dump), a chunk whose device range and XXH3-128 match a chunk
 /// of the parent chain is recorded as a reference to it instead of written. Every chunk is
-/// still copied off the device and hashed. On success the agent holds its data in the ring no
-/// more; memory is not yet released.
+/// still copied off the device and hashed. With `durable`, each writer fsyncs its file when it
+/// is done. On success the agent holds its data in the ring no more; memory is not yet released.
 #[allow(clippy::too_many_arguments)]
 pub fn copy_out(
     agent: &AgentSession,
@@ -102,6 +105,7 @@ pub fn copy_out(
     codec: Codec,
     parent: Option<&DedupIndex>,
     limits: Limits,
+    durable: bool,
 ) -> Result<DumpData, DataError> {
     let t0 = Instant::now();
     hand_over_ring(agent, staging, limits, Transfer::Out)?;
@@ -119,6 +123,7 @@ pub fn copy_out(
                     nspid,
                     codec,
                     parent,
+                    durable,
                 };
                 s.spawn(move || writer(index as u32, rx, err_tx, agent, staging, out))
             })
@@ -207,6 +212,8 @@ struct Out<'a> {
     nspid: u32,
     codec: Codec,
     parent: Option<&'a DedupIndex>,
+    /// fsync each file when it is finished.
+    durable: bool,
 }
 
 /// One writer thread: its file (created with the first chunk it writes; a thread whose chunks
@@ -241,10 +248,10 @@ fn writer(
                     return Ok(r);
                 }
                 if file.is_none() {
-                    file = Some(
-                        DataFileWriter::create(out.dir, out.nspid, index)
-                            .map_err(DataError::from)?,
-                    );
+                    let mut f = DataFileWriter::create(out.dir, out.nspid, index)
+                        .map_err(DataError::from)?;
+                    f.set_sync(out.durable);
+                    file = Some(f);
                 }
                 let f = file.as_mut().expect("created above");
                 match hashes {
@@ -267,10 +274,11 @@ fn writer(
     if failed {
         return None;
     }
+    // Only the fsync can fail here: a failed write stopped the loop's work above.
     match file.map(DataFileWriter::finish).transpose() {
         Ok(entry) => Some((entry, chunks)),
         Err(e) => {
-            let _ = errors.send(e.into());
+            let _ = errors.send(DataError::Sync(e));
             None
         }
     }

@@ -32,12 +32,16 @@ pub fn describe(fd: i32) -> Option<DevFileRecord> {
     })
 }
 
-/// DUMP_EXT_FILE: `Ok(false)` when the file is not ours.
-pub fn dump(dir: BorrowedFd<'_>, fd: i32, id: u32) -> Result<bool, ImageError> {
+/// DUMP_EXT_FILE: `Ok(false)` when the file is not ours. With `durable`, the image directory
+/// is fsynced after the record's rename (its bytes are fsynced before it).
+pub fn dump(dir: BorrowedFd<'_>, fd: i32, id: u32, durable: bool) -> Result<bool, ImageError> {
     let Some(rec) = describe(fd) else {
         return Ok(false);
     };
     gpusnap_image::write_dev_file(dir, id, &rec)?;
+    if durable {
+        crate::fault::sync_dir(dir)?;
+    }
     log::info!(
         "file {id}: {} held open without CUDA state; recorded, it is opened again at restore",
         rec.path

@@ -51,12 +51,28 @@ pub enum DumpError {
     Stall(#[from] StallError),
     #[error("writing the manifest: {0}")]
     Manifest(ImageError),
+    /// The fsync of the image directory failed (`durable = true`); shared by every process.
+    #[error("durable = true: {0}; the dump is refused, as gpusnap's files may not be on the disk")]
+    Durable(std::sync::Arc<ImageError>),
     #[error("the worker thread of pid {pid} panicked")]
     WorkerPanicked { pid: i32 },
     #[error("internal: {0}")]
     Phase(#[from] ImpossibleMove),
     #[error("holding the threads of pid {pid} before its memory is released: {err}")]
     Hold { pid: i32, err: std::io::Error },
+}
+
+impl DumpError {
+    /// A failed fsync (of a data file or the directory with `durable = true`, or of a manifest):
+    /// the disk may have lost writes, so the dump fails instead of trying another path on it.
+    fn is_durability(&self) -> bool {
+        matches!(
+            self,
+            DumpError::Durable(_)
+                | DumpError::Data(DataError::Sync(_))
+                | DumpError::Manifest(ImageError::Io { op: "fsync", .. })
+        )
+    }
 }
 
 fn driver(what: &'static str) -> impl FnOnce(DriverError) -> DumpError {
@@ -283,6 +299,7 @@ pub fn checkpoint_all(ctx: &Ctx, procs: &mut [Tracked]) -> Vec<(i32, Result<(), 
                 .and(leftover.map_err(DumpError::from)),
         ));
     }
+    commit_manifests(ctx, procs, &mut results);
     if n > 1 {
         log::info!(
             "{n} GPU processes checkpointed in parallel in {:.3} s",
@@ -290,6 +307,41 @@ pub fn checkpoint_all(ctx: &Ctx, procs: &mut [Tracked]) -> Vec<(i32, Result<(), 
         );
     }
     results
+}
+
+/// The end of CHECKPOINT_DEVICES: every process checkpointed gets its manifest (the split
+/// path's again, with the timings so far; the transparent path's for the first time), so the
+/// image is whole for gpusnap before CRIU writes its own images and, last, its inventory. With
+/// `durable`, the image directory is then fsynced (each data file was at its finish, each
+/// manifest before its rename); a failure fails every process. `exit` rewrites the manifests
+/// with the final timings; should that not finish, these stand.
+fn commit_manifests(ctx: &Ctx, procs: &[Tracked], results: &mut [(i32, Result<(), DumpError>)]) {
+    let t0 = Instant::now();
+    let mut written = 0;
+    for (pid, r) in results.iter_mut().filter(|(_, r)| r.is_ok()) {
+        let Some(t) = procs.iter().find(|t| t.pid == *pid) else {
+            continue;
+        };
+        match gpusnap_image::write_manifest(ctx.image_dir(), &manifest_for(ctx, t)) {
+            Ok(()) => written += 1,
+            Err(e) => *r = Err(DumpError::Manifest(e)),
+        }
+    }
+    if written == 0 || !ctx.cfg.durable {
+        return;
+    }
+    match crate::fault::sync_dir(ctx.image_dir()) {
+        Ok(()) => log::info!(
+            "durable: {written} manifest(s) written and the image directory fsynced in {:.3} s",
+            t0.elapsed().as_secs_f64()
+        ),
+        Err(e) => {
+            let e = std::sync::Arc::new(e);
+            for (_, r) in results.iter_mut().filter(|(_, r)| r.is_ok()) {
+                *r = Err(DumpError::Durable(e.clone()));
+            }
+        }
+    }
 }
 
 /// A warning for a dump of several GPU processes of which some run without the agent: CUDA IPC
@@ -345,7 +397,7 @@ fn checkpoint_one(
     if t.is_split() {
         match move_data_out(ctx, t, release) {
             Ok(()) => {}
-            Err(e) if !t.phase.memory_released() => {
+            Err(e) if !t.phase.memory_released() && !e.is_durability() => {
                 log::warn!(
                     "pid {}: split path failed before any memory was released ({e}); \
                      falling back to the driver checkpoint of all device memory",
@@ -429,6 +481,7 @@ fn move_data_out(
         ctx.codec(),
         parent.as_ref(),
         ctx.limits(),
+        ctx.cfg.durable,
     )?;
     log::info!(
         "pid {pid}: data {:.2} GiB in {:.3} s ({:.1} GiB/s) into {} files, {} chunks, written {} bytes ({:.2} GiB), referenced {} bytes unchanged in {} chunks",
@@ -908,7 +961,7 @@ impl DumpRun {
                 let m = manifest_for(ctx, t);
                 if let Err(e) = gpusnap_image::write_manifest(ctx.image_dir(), &m) {
                     log::error!(
-                        "pid {}: writing the manifest failed: {e}; this image cannot be restored",
+                        "pid {}: rewriting the manifest with the final timings failed: {e}; the one written at the checkpoint stands",
                         t.pid
                     );
                 }
@@ -1017,6 +1070,39 @@ mod tests {
         assert!(!is_live_mps_process(&stat("python3", "S")));
         assert!(!is_live_mps_process(&stat("my nvidia-cuda-mps", "S")));
         assert!(!is_live_mps_process("garbage"));
+    }
+
+    #[test]
+    fn failed_fsyncs_are_never_a_reason_to_fall_back() {
+        let fsync = |file: &str| ImageError::Io {
+            file: file.to_owned(),
+            op: "fsync",
+            source: std::io::Error::from_raw_os_error(libc::EIO),
+        };
+        let data = DumpError::Data(DataError::Sync(fsync("gpusnap-7-data-0.img")));
+        assert!(data.is_durability());
+        assert!(
+            data.to_string()
+                .contains("gpusnap-7-data-0.img: fsync failed: Input/output error"),
+            "{data}"
+        );
+        let dir = DumpError::Durable(std::sync::Arc::new(fsync(gpusnap_image::IMAGE_DIR)));
+        assert!(dir.is_durability());
+        assert!(
+            dir.to_string()
+                .starts_with("durable = true: image directory: fsync failed"),
+            "{dir}"
+        );
+        assert!(DumpError::Manifest(fsync("gpusnap-7-manifest.img.tmp")).is_durability());
+        // A write that failed (disk full, say) still falls back to the driver path.
+        let full = || std::io::Error::from_raw_os_error(libc::ENOSPC);
+        let write = |file: &str| ImageError::Io {
+            file: file.into(),
+            op: "write",
+            source: full(),
+        };
+        assert!(!DumpError::Data(DataError::Image(write("gpusnap-7-data-0.img"))).is_durability());
+        assert!(!DumpError::Manifest(write("gpusnap-7-manifest.img.tmp")).is_durability());
     }
 
     #[test]

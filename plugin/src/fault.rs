@@ -3,10 +3,14 @@
 //! restore, so that tests can check what a CRIU that dies there leaves behind. CRIU's own test
 //! suite injects faults the same way. Never set it outside tests: the dump or restore it hits
 //! is lost (by design, the job is held or killed, and its image stays intact).
+//!
+//! `GPUSNAP_TEST_FAIL_SYNC=1` makes the fsync of the image directory that `durable = true` adds
+//! fail (EIO) without trying it, so that tests can see a failed fsync fail the dump.
 
 use std::sync::OnceLock;
 
 pub const ENV: &str = "GPUSNAP_TEST_KILL_CRIU_AT";
+pub const FAIL_SYNC_ENV: &str = "GPUSNAP_TEST_FAIL_SYNC";
 
 /// Every point, in the order a dump (then its rollback) or a restore reaches them.
 pub const POINTS: &[&str] = &[
@@ -33,17 +37,24 @@ fn armed() -> Option<&'static str> {
     })
 }
 
-/// The setting names no fault point.
+/// A test setting is not one of its values.
 #[derive(Debug, thiserror::Error)]
-#[error("{ENV}={value:?} names no fault point (known: {})", POINTS.join(", "))]
-pub struct UnknownPoint {
-    pub value: String,
+pub enum UnknownPoint {
+    #[error("{ENV}={value:?} names no fault point (known: {})", POINTS.join(", "))]
+    Point { value: String },
+    #[error("{FAIL_SYNC_ENV}={value:?}: only 1 is a setting")]
+    FailSync { value: String },
 }
 
-/// Checks the setting: `Err` names an unknown point.
+/// Checks the settings: `Err` names an unknown point, or a [`FAIL_SYNC_ENV`] other than `1`.
 pub fn check() -> Result<(), UnknownPoint> {
+    if let Ok(value) = std::env::var(FAIL_SYNC_ENV)
+        && value != "1"
+    {
+        return Err(UnknownPoint::FailSync { value });
+    }
     match std::env::var(ENV) {
-        Ok(value) if !POINTS.contains(&value.as_str()) => Err(UnknownPoint { value }),
+        Ok(value) if !POINTS.contains(&value.as_str()) => Err(UnknownPoint::Point { value }),
         _ => Ok(()),
     }
 }
@@ -56,4 +67,17 @@ pub fn kill_criu_at(point: &'static str) {
         // SAFETY: kill(2) takes no pointers; SIGKILL to our own process is the point.
         unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
     }
+}
+
+/// [`gpusnap_image::sync_dir`], or its failure when [`FAIL_SYNC_ENV`] is `1`.
+pub fn sync_dir(dir: std::os::fd::BorrowedFd<'_>) -> Result<(), gpusnap_image::ImageError> {
+    if std::env::var(FAIL_SYNC_ENV).is_ok_and(|v| v == "1") {
+        log::warn!("test fault {FAIL_SYNC_ENV}=1: the fsync of the image directory fails");
+        return Err(gpusnap_image::ImageError::Io {
+            file: gpusnap_image::IMAGE_DIR.to_owned(),
+            op: "fsync",
+            source: std::io::Error::from_raw_os_error(libc::EIO),
+        });
+    }
+    gpusnap_image::sync_dir(dir)
 }

@@ -26,6 +26,9 @@ pub struct Plugin {
     stage: Stage,
     /// Device files are recorded and re-opened unless gpusnap is off.
     device_files: bool,
+    /// `durable = true`: a device-file record is fsynced with its directory before the hook
+    /// answers.
+    durable: bool,
     /// `gpusnap` is in the image's plugin inventory (dump).
     in_inventory: bool,
     run: Run,
@@ -93,6 +96,7 @@ pub fn init(raw_stage: i32) -> i32 {
     log::debug!("configuration: {}", cfg.describe());
     log::debug!("{}", gpusnap_rocm::status_line(&gpusnap_rocm::detect()));
     let device_files = cfg.mode != Mode::Off;
+    let durable = cfg.durable;
     let (rc, run) = if stage != Stage::PreDump && !criu::is_4_1_or_newer() && criu::inside_criu() {
         // CRIU 4.0 lacks the plugin inventory and the `opts` layout gpusnap relies on to tell
         // `criu dump -R`; acting there could leave a process checkpointed.
@@ -117,6 +121,7 @@ pub fn init(raw_stage: i32) -> i32 {
     *PLUGIN.lock().unwrap_or_else(|e| e.into_inner()) = Some(Plugin {
         stage,
         device_files: device_files && stage != Stage::PreDump,
+        durable,
         in_inventory: false,
         run,
     });
@@ -157,7 +162,7 @@ impl Plugin {
         let Some(dir) = criu::image_dir() else {
             return ENOTSUP;
         };
-        match crate::devfile::dump(dir, fd, id as u32) {
+        match crate::devfile::dump(dir, fd, id as u32, self.durable) {
             Ok(true) => {
                 self.note_gpu_state();
                 0

@@ -102,14 +102,11 @@ impl RestoredProcess {
 /// The outcome per host pid.
 pub type Restored = Vec<(i32, Result<RestoredProcess, RestoreError>)>;
 
-/// Reads and checks every gpusnap manifest of the image dir: structure, sizes, headers, names.
+/// Reads and checks every gpusnap manifest of the image dir: structure, sizes, headers, names;
+/// gpusnap files of a process without a manifest (a dump that did not finish) refuse them all.
 /// Runs in `init`, so a truncated or foreign image fails the restore before anything is created.
 pub fn read_manifests(dir: BorrowedFd<'_>) -> Result<HashMap<u32, Manifest>, ImageError> {
-    let mut out = HashMap::new();
-    for nspid in gpusnap_image::list_manifests(dir)? {
-        out.insert(nspid, gpusnap_image::read_manifest(dir, nspid)?);
-    }
-    Ok(out)
+    Ok(gpusnap_image::read_manifests(dir)?.into_iter().collect())
 }
 
 /// The full checksum pass over every data chunk on a thread of its own. On CRIU 4.2+ it starts

@@ -979,7 +979,7 @@ class KillMatrix:
                "and a GPU)" % action)
         return script
 
-    def cli(self, args, timeout=300):
+    def cli(self, args, timeout=90):
         return criu.gpusnap_cli(args, self.log, timeout=timeout, cli=self.mock_cli)
 
     def save_log(self, c, r, what):

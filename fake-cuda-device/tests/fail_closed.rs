@@ -486,7 +486,6 @@ cells! {
     split_dump_r_relocked: Split DumpLeaveRunning "dump-relocked";
     split_dump_r_checkpointed: Split DumpLeaveRunning "dump-checkpointed";
     split_dump_r_rollback_restored: Split DumpLeaveRunning "rollback-restored";
-    #[ignore = "bug: after a reload cut short, the agent reports its memory as in place (re-created, not released) and `gpusnap recover` lets the job run on partly loaded memory (ok 0)"]
     split_dump_r_rollback_reload: Split DumpLeaveRunning "rollback-reload";
     split_dump_r_restore_control: Split DumpLeaveRunning "restore-control";
     split_dump_r_restore_unlocked: Split DumpLeaveRunning "restore-unlocked";
@@ -543,7 +542,6 @@ cells! {
 /// (it must not compute on the partly loaded memory), and once the fault is gone `gpusnap
 /// recover` brings it back bit-exact from the files.
 #[test]
-#[ignore = "bug: after a reload cut short, the agent reports its memory as in place (re-created, not released) and `gpusnap recover` unlocks the job onto partly loaded memory (ok 0)"]
 fn rollback_reload_failing_part_way_is_recovered() {
     let Some(s) = start("fc-rollback-copy-fails") else {
         return;
@@ -828,7 +826,6 @@ fn recover_killed_after_its_driver_restore_leaves_the_job_held() {
 }
 
 #[test]
-#[ignore = "bug: after a reload cut short, the agent reports its memory as in place (re-created, not released) and a second `gpusnap recover` lets the job run on partly loaded memory (ok 0)"]
 fn recover_killed_mid_reload_leaves_the_job_held() {
     recover_killed_at(
         "fc-recover-killed-reload",
@@ -935,6 +932,8 @@ fn dump_again_after_a_kill_at(test: &str, point: &'static str) {
         s.assert_ok(&restore);
         s.assert_runs_on(&last, &restore);
     } else {
+        // Refused at PAUSE, saying what happened and what to do.
+        s.assert_line(&again, &["left by an interrupted dump", "gpusnap recover"]);
         sleep(HELD_FOR);
         assert_no_bad_tick(&s, &again, "after the refused second dump");
         assert_eq!(s.vmm.last_ticks(), held, "{}", s.describe(&again));
@@ -953,7 +952,6 @@ fn dumping_again_after_a_kill_once_released_never_runs_on_missing_memory() {
 
 /// Killed checkpointed by the driver, its memory released.
 #[test]
-#[ignore = "bug: the second dump takes the checkpointed process as `already checkpointed before the dump; left as is` although its agent reports its memory released, writes a transparent image without the data, and the restore runs on missing memory (ok 0)"]
 fn dumping_again_after_a_kill_once_checkpointed_never_runs_on_missing_memory() {
     dump_again_after_a_kill_at("fc-dump-again-checkpointed", "dump-checkpointed");
 }

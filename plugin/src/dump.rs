@@ -58,6 +58,11 @@ pub enum DumpError {
     WorkerPanicked { pid: i32 },
     #[error("internal: {0}")]
     Phase(#[from] ImpossibleMove),
+    #[error(
+        "pid {pid} was left by an interrupted dump: its GPU memory is released (it is held, not running) and lives only in that dump's image. \
+         Nothing was done; bring it back with `gpusnap recover {pid} --images <that dump's image dir>`, then dump it again"
+    )]
+    Interrupted { pid: i32 },
     #[error("holding the threads of pid {pid} before its memory is released: {err}")]
     Hold { pid: i32, err: std::io::Error },
 }
@@ -81,6 +86,13 @@ fn driver(what: &'static str) -> impl FnOnce(DriverError) -> DumpError {
 
 /// PAUSE_DEVICES: the process still runs. `Ok(None)`: not a CUDA process.
 pub fn pause(ctx: &Ctx, pid: i32) -> Result<Option<Tracked>, DumpError> {
+    // Before any driver call: a process held by an interrupted dump is stopped, driver thread
+    // included, and its memory is only in that dump's files.
+    if procfs::state_and_start(pid).is_ok_and(|(state, _)| state == "T")
+        && crate::hold::recorded_running(pid).is_some()
+    {
+        return Err(DumpError::Interrupted { pid });
+    }
     let Ok(restore_tid) = ctx.api.restore_thread_id(pid) else {
         return Ok(None);
     };
@@ -116,6 +128,11 @@ pub fn pause(ctx: &Ctx, pid: i32) -> Result<Option<Tracked>, DumpError> {
     t.agent = hello.is_some();
     if let Some(cause) = unsupported_state(pid, hello.as_ref()) {
         return Err(DumpError::Unsupported { cause });
+    }
+    // Memory an interrupted dump released is only in that dump's files: a dump now, whatever
+    // the driver state, would save the process without it.
+    if hello.as_ref().is_some_and(|h| h.released) {
+        return Err(DumpError::Interrupted { pid });
     }
     if initial == ProcessState::Running && ctx.cfg.mode == Mode::Auto {
         match hello.map(|h| split_candidate(pid, h)).transpose() {

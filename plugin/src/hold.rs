@@ -24,6 +24,49 @@
 use crate::procfs;
 use crate::ptrace::{self, PtraceError};
 use std::io;
+use std::path::PathBuf;
+
+/// Where a hold records which threads of its process are gpusnap's to run (the driver's restore
+/// thread, the agent's). A dying CRIU leaves all threads in one group stop, where the driver
+/// cannot answer `gpusnap recover` (its thread is stopped too) and nothing else tells the
+/// threads apart. Root-only, in memory, gone at reboot with the processes it names.
+pub const RECORD_DIR: &str = "/run/gpusnap";
+
+fn record_path(pid: i32) -> PathBuf {
+    PathBuf::from(RECORD_DIR).join(format!("held-{pid}"))
+}
+
+/// Writes `<start time> <tid>...` for `pid`.
+fn write_record(pid: i32, running: &[i32]) -> io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(RECORD_DIR)?;
+    let (_, start) = procfs::state_and_start(pid)?;
+    let tids: Vec<String> = running.iter().map(i32::to_string).collect();
+    std::fs::write(record_path(pid), format!("{start} {}\n", tids.join(" ")))
+}
+
+/// The threads a hold of `pid` left to run, if a hold of this very process (same start time)
+/// is recorded.
+pub fn recorded_running(pid: i32) -> Option<Vec<i32>> {
+    let text = std::fs::read_to_string(record_path(pid)).ok()?;
+    let mut words = text.split_whitespace();
+    let start: u64 = words.next()?.parse().ok()?;
+    if procfs::state_and_start(pid).ok()?.1 != start {
+        return None; // another process that got the pid
+    }
+    words.map(|w| w.parse().ok()).collect()
+}
+
+fn remove_record(pid: i32) {
+    if let Err(e) = std::fs::remove_file(record_path(pid))
+        && e.kind() != io::ErrorKind::NotFound
+    {
+        log::warn!("pid {pid}: removing its hold record: {e}");
+    }
+}
 
 /// Application threads of one process with a `SIGSTOP` queued by us.
 #[derive(Debug)]
@@ -41,6 +84,11 @@ impl Hold {
             pid,
             tids: Vec::new(),
         };
+        if let Err(e) = write_record(pid, running) {
+            log::warn!(
+                "pid {pid}: cannot record its hold in {RECORD_DIR} ({e}); should CRIU die, `gpusnap recover` cannot tell its threads apart"
+            );
+        }
         for tid in procfs::thread_ids(pid)? {
             if running.contains(&tid) {
                 continue;
@@ -82,6 +130,7 @@ impl Hold {
             }
             self.tids.pop();
         }
+        remove_record(self.pid);
         Ok(())
     }
 
@@ -184,9 +233,11 @@ mod tests {
     fn a_held_process_stays_stopped_when_its_tracer_dies() {
         let mut child = sleeper();
         let pid = child.id() as i32;
-        tracer_dies_after(pid, || Hold::place(pid, &[]).expect("hold").keep());
+        tracer_dies_after(pid, || Hold::place(pid, &[4242]).expect("hold").keep());
         let stopped = settles_in(pid, "T");
         let seen = state(pid);
+        assert_eq!(recorded_running(pid), Some(vec![4242]), "the hold's record");
+        remove_record(pid);
         child.kill().unwrap();
         child.wait().unwrap();
         assert!(
@@ -214,8 +265,10 @@ mod tests {
         tracer_dies_after(pid, || {
             let hold = Hold::place(pid, &[]).expect("hold");
             assert!(sigstop_pending(pid, pid), "SIGSTOP queued");
+            assert_eq!(recorded_running(pid), Some(vec![]));
             hold.release().expect("drain the SIGSTOP");
             assert!(!sigstop_pending(pid, pid), "SIGSTOP taken back");
+            assert_eq!(recorded_running(pid), None, "record removed");
             assert_eq!(state(pid), "t", "still in a ptrace stop after the drain");
         });
         let runs = settles_in(pid, "S");
@@ -234,6 +287,7 @@ mod tests {
         let pid = child.id() as i32;
         tracer_dies_after(pid, || Hold::place(pid, &[]).expect("hold").keep());
         assert!(settles_in(pid, "T"), "held");
+        remove_record(pid);
         let outcome = std::thread::scope(|s| {
             s.spawn(|| {
                 let seized = SeizedProcess::seize(pid).map_err(|e| format!("seize: {e}"))?;

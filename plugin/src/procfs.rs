@@ -91,6 +91,12 @@ impl<'a> Stat<'a> {
         Some(field(14)? + field(15)?)
     }
 
+    /// When the task started (field 22), in clock ticks since boot: with the pid, it names one
+    /// process for good (a pid can be reused, a pid and start time cannot).
+    pub fn start_time(&self) -> Option<u64> {
+        self.rest.get(22 - 3)?.parse().ok()
+    }
+
     /// Whether the task has exited (a zombie its parent has not reaped, or dead).
     pub fn exited(&self) -> bool {
         matches!(self.state(), Some("Z" | "X"))
@@ -167,6 +173,20 @@ pub fn pending_signals(pid: i32, tid: i32) -> io::Result<u64> {
 pub fn thread_group_of(tid: i32) -> io::Result<i32> {
     let path = format!("/proc/{tid}/status");
     parse_tgid(&read(&path)?).ok_or_else(|| invalid("Tgid line", &path))
+}
+
+/// The state letter and start time of `pid`.
+pub fn state_and_start(pid: i32) -> io::Result<(String, u64)> {
+    let text = stat_text(pid, None)?;
+    let path = format!("/proc/{pid}/stat");
+    let st = Stat::parse(&text).ok_or_else(|| invalid("command name", &path))?;
+    Ok((
+        st.state()
+            .ok_or_else(|| invalid("state", &path))?
+            .to_owned(),
+        st.start_time()
+            .ok_or_else(|| invalid("start time", &path))?,
+    ))
 }
 
 /// The resident memory of `pid`, in KiB.
@@ -290,6 +310,9 @@ mod tests {
         assert_eq!(st.comm, "a b) c)");
         assert_eq!(st.state(), Some("S"));
         assert_eq!(st.cpu_ticks(), Some(755));
+        assert_eq!(st.start_time(), None, "the line ends before field 22");
+        let full = "7 (x) S 1 7 7 0 -1 0 0 0 0 0 1 2 0 0 20 0 1 0 4242 0 0";
+        assert_eq!(Stat::parse(full).unwrap().start_time(), Some(4242));
         assert!(!st.exited());
         assert_eq!(Stat::parse("42 (x) S 1").unwrap().cpu_ticks(), None);
         assert!(Stat::parse("42 (x) Z 1").unwrap().exited());

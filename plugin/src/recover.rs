@@ -8,6 +8,7 @@
 use crate::agent::{self, AgentError, AgentSession};
 use crate::context::{self, Ctx, ImageDir};
 use crate::dump::{self, DumpError, Target};
+use crate::hold;
 use crate::process::{MovedData, Phase};
 use crate::procfs;
 use crate::ptrace::{self, PtraceError, SeizedProcess};
@@ -39,6 +40,11 @@ pub enum RecoverError {
     Manifest { nspid: i32, err: ImageError },
     #[error(transparent)]
     Undo(#[from] DumpError),
+    #[error(
+        "pid {pid} is stopped, and no gpusnap hold is recorded for it in {}: it was not held by an interrupted gpusnap dump, or the record is lost. If its GPU memory is intact, `kill -CONT {pid}` continues it",
+        hold::RECORD_DIR
+    )]
+    StoppedUnknown { pid: i32 },
     #[error("ending the group stop of pid {pid} (SIGCONT) failed: {err}")]
     Continue { pid: i32, err: std::io::Error },
 }
@@ -47,24 +53,40 @@ pub enum RecoverError {
 pub fn recover(pid: i32, images: Option<&Path>) -> Result<String, RecoverError> {
     let api = gpusnap_cuda::driver::api()?;
     api.init()?;
+    // A hold of a dump whose CRIU died leaves the process in a group stop, where the driver
+    // cannot answer (its own thread in the process is stopped too): take the process over
+    // first, end the stop with every thread kept in our ptrace stops, and let the threads the
+    // hold recorded as gpusnap's run for the driver's questions.
+    let stopped = procfs::state_and_start(pid)
+        .map_err(|err| AgentError::Proc { pid, err })?
+        .0
+        == "T";
+    let mut seized = None;
+    let mut for_questions = Vec::new();
+    if stopped {
+        let running = hold::recorded_running(pid).ok_or(RecoverError::StoppedUnknown { pid })?;
+        let s = SeizedProcess::seize(pid).map_err(|err| RecoverError::Seize { pid, err })?;
+        s.end_group_stop()
+            .map_err(|err| RecoverError::Continue { pid, err })?;
+        for tid in running {
+            for_questions.push(ptrace::resume(tid, "a thread of gpusnap's hold")?);
+        }
+        seized = Some(s);
+    }
     let Ok(restore_tid) = api.restore_thread_id(pid) else {
         return Ok(format!("pid {pid} has no CUDA state: nothing to recover"));
     };
     let state = api.process_state(pid)?;
+    ptrace::stop_all(
+        for_questions,
+        "stopping a thread after the driver's answers",
+    )?;
     let agent_tid = agent::agent_thread(pid);
-    // A hold of a dump whose CRIU died leaves the process in a group stop.
-    let stopped = procfs::stat_text(pid, None)
-        .ok()
-        .is_some_and(|st| procfs::Stat::parse(&st).and_then(|s| s.state()) == Some("T"));
     let cfg = gpusnap_config::load().map_err(|e| RecoverError::Config(e.to_string()))?;
-    let seized = SeizedProcess::seize(pid).map_err(|err| RecoverError::Seize { pid, err })?;
-    if stopped {
-        // Held by a dump that lost its CRIU (a queued SIGSTOP took effect). Its threads stay
-        // in our ptrace stops; the group stop must end for any of them to run for us.
-        seized
-            .end_group_stop()
-            .map_err(|err| RecoverError::Continue { pid, err })?;
-    }
+    let seized = match seized {
+        Some(s) => s,
+        None => SeizedProcess::seize(pid).map_err(|err| RecoverError::Seize { pid, err })?,
+    };
     let restore_thread = ptrace::resume(restore_tid, "driver restore thread")?;
     let released = match agent_tid {
         Some(tid) => {

@@ -284,6 +284,47 @@ fn damaged_data_is_refused() {
     s.assert_nothing_runs(&last, &restore);
 }
 
+/// The manifest rewritten and sealed again (valid checksum) to claim the transparent path, and
+/// the data files removed: the image is intact as far as checksums go, but the restored agent
+/// reports its memory released. The restore is refused before anything is restored, and
+/// nothing runs (without the cross-check the job would run on missing memory).
+#[test]
+fn resealed_manifest_without_the_data_is_refused() {
+    let Some(mut s) = Split::start("split-resealed") else {
+        return;
+    };
+    let dump = s.dump(false);
+    s.assert_ok(&dump);
+    s.assert_split_dump(&dump);
+    let last = s.reap_dumped();
+    let dir = fs::File::open(&s.w.images).expect("open image dir");
+    let dir = std::os::fd::AsFd::as_fd(&dir);
+    let nspid = s.vmm.pid() as u32;
+    let m = gpusnap_image::read_manifest(dir, nspid).expect("the dump's manifest");
+    let forged = gpusnap_image::Manifest {
+        path: gpusnap_image::CheckpointPath::Transparent,
+        allocations: vec![],
+        files: vec![],
+        chunks: vec![],
+        ..m
+    };
+    gpusnap_image::write_manifest(dir, &forged).expect("seal the forged manifest");
+    for f in s.data_files() {
+        fs::remove_file(&f).expect("remove a data file");
+    }
+    let restore = s.restore();
+    assert!(
+        !restore.status.success(),
+        "the restore of a forged image succeeded\n{}",
+        s.describe(&restore)
+    );
+    s.assert_line(
+        &restore,
+        &["does not match the process", "reports its memory released"],
+    );
+    s.assert_nothing_runs(&last, &restore);
+}
+
 /// The same with `verify_before_restore = false`: the damage is found when the chunk is read
 /// for loading, and the restore fails; the damaged bytes never reach the workload.
 #[test]

@@ -52,6 +52,16 @@ pub enum RestoreError {
     VerifyPanicked,
     #[error("the image failed its checksum pass; no GPU was touched")]
     DamagedImage,
+    #[error(
+        "the image does not match the process: its manifest (nspid {nspid}) lists {image}, but the restored agent of pid {pid} reports {agent}. \
+         The manifest was changed after the dump or belongs to another dump; refused before anything was restored"
+    )]
+    ImageAgentMismatch {
+        pid: i32,
+        nspid: u32,
+        image: &'static str,
+        agent: &'static str,
+    },
 }
 
 /// What a failed `cuCheckpointProcessRestore` is called in a [`RestoreError::Driver`].
@@ -735,11 +745,59 @@ fn prepare(ctx: &Ctx, pid: i32, m: &Manifest) -> Result<Vec<RunningThread>, Rest
     // (its image is intact): it must never run half-restored.
     crate::hold::kill_if_criu_dies(pid, &[])?;
     let mut threads = vec![ptrace::resume(restore_tid, "driver restore thread")?];
-    if has_data(m) {
-        let tid = agent::agent_thread(pid).ok_or(RestoreError::NoAgentThread { pid })?;
-        threads.push(ptrace::resume(tid, "agent thread")?);
+    // The agent runs whenever the process has one: it loads the data, and before anything is
+    // restored it says whether the memory is released (`image_matches_agent`).
+    match agent::agent_thread(pid) {
+        Some(tid) => threads.push(ptrace::resume(tid, "agent thread")?),
+        None if has_data(m) => return Err(RestoreError::NoAgentThread { pid }),
+        None => {}
     }
     Ok(threads)
+}
+
+/// What the image claims against what the restored agent says, before anything is restored.
+/// Checksums make an image intact, not authentic: a manifest rewritten and sealed again to list
+/// no data would let a process whose dump released its memory run without it. The agent, part
+/// of the restored process, knows whether its memory was released.
+fn image_matches_agent(ctx: &Ctx, pid: i32, m: &Manifest) -> Result<(), RestoreError> {
+    // An image without data may come from a dump whose agent hung (it fell back to the driver
+    // path), and such an agent may hang still: ask briefly.
+    let wait = if has_data(m) {
+        ctx.agent_timeout()
+    } else {
+        ctx.agent_timeout().min(std::time::Duration::from_secs(3))
+    };
+    let Some(session) = agent::AgentSession::connect(pid, wait)? else {
+        // No agent listens: nothing was moved by one (`prepare` refused an image that says so).
+        return Ok(());
+    };
+    let released = match session.hello() {
+        Ok(h) => h.released,
+        Err(e) if !has_data(m) => {
+            log::warn!(
+                "pid {pid}: its agent does not answer ({e}); the image lists no device data for it, so the driver's checkpoint holds all of it: restoring without the cross-check"
+            );
+            return Ok(());
+        }
+        Err(e) => return Err(e.into()),
+    };
+    if released == has_data(m) {
+        return Ok(());
+    }
+    Err(RestoreError::ImageAgentMismatch {
+        pid,
+        nspid: m.nspid,
+        image: if has_data(m) {
+            "device data for the agent to load"
+        } else {
+            "no device data for the agent to load"
+        },
+        agent: if released {
+            "its memory released"
+        } else {
+            "its memory in place"
+        },
+    })
 }
 
 /// Control state back from the driver, then the data through the agent: one process through
@@ -765,6 +823,7 @@ fn resume_one(
         total_s: 0.0,
     };
     let uuids = uuid_pairs(pairs)?;
+    image_matches_agent(ctx, pid, m)?;
     while phase != RestorePhase::Whole {
         phase = match phase {
             RestorePhase::Stopped => {

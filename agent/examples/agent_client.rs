@@ -9,10 +9,12 @@
 //! (dump, release, restore in memory), `abort` (dump, abort midway: memory must stay mapped),
 //! `bench` (the agent's own pace: no copying on this side; leaves garbage in device memory),
 //! `driver-ckpt` / `driver-restore` (the driver's lock + checkpoint / restore + unlock of the
-//! pid, as the plugin does around the agent's work). The target must not be traced by anyone:
-//! the agent thread has to run.
+//! pid, as the plugin does around the agent's work). Like the plugin, it holds the process
+//! with ptrace for the modes that move data (the agent releases and loads memory only then) and
+//! lets only the agent's thread run; the target must not be traced by anyone else.
 
 use gpusnap::agent::{AgentSession, RingShape, Transfer};
+use gpusnap::ptrace::{RunningThread, SeizedProcess};
 use gpusnap::staging::Staging;
 use gpusnap_proto::Reply;
 use std::collections::VecDeque;
@@ -288,6 +290,15 @@ fn driver(pid: i32, checkpoint: bool) -> Res<()> {
     Ok(())
 }
 
+/// Seizes every thread of `pid` and lets the agent's run; dropping the pair stops the agent's
+/// thread and detaches.
+fn hold(pid: i32) -> Res<(SeizedProcess, RunningThread)> {
+    let tid = gpusnap::agent::agent_thread(pid).ok_or("no gpusnap-agent thread in the target")?;
+    let seized = SeizedProcess::seize(pid).map_err(|e| format!("seize {pid}: {e}"))?;
+    let agent = RunningThread::resume(tid).map_err(|e| format!("resume the agent thread: {e}"))?;
+    Ok((seized, agent))
+}
+
 fn run() -> Res<()> {
     let args: Vec<String> = std::env::args().collect();
     let pid: i32 = args
@@ -299,6 +310,11 @@ fn run() -> Res<()> {
     let slots: usize = args.get(4).and_then(|a| a.parse().ok()).unwrap_or(16);
     let streams: u32 = args.get(5).and_then(|a| a.parse().ok()).unwrap_or(4);
     let ring = Staging::new(slot_mib << 20, slots).map_err(|e| format!("staging ring: {e}"))?;
+    // Held as by CRIU: every thread stopped but the agent's.
+    let _held = match mode {
+        "cycle" | "dump" | "restore" | "abort" | "bench" => Some(hold(pid)?),
+        _ => None,
+    };
     match mode {
         "hello" => hello(&connect(pid)?),
         "list" => list(&connect(pid)?),

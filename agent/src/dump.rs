@@ -75,7 +75,7 @@ fn dump(
     let (req, fd) = ch.recv_request(None)?;
     no_fd(fd)?;
     match req {
-        Request::Release => {}
+        Request::Release => crate::held::by_a_tracer().map_err(Fail::bad_state)?,
         Request::Abort => return Err(Fail::Aborted),
         other => {
             return Err(Fail::unexpected(

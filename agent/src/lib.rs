@@ -19,7 +19,8 @@
 //!   table of hooked calls, from which `real` also builds its entries for them.
 //! - `convert`: the allocation and free paths behind the hooks.
 //! - `server`: the agent thread, its socket and request dispatch.
-//! - `session`, `dump`, `restore`: the data operations; `plan`: their pure planning.
+//! - `session`, `dump`, `restore`: the data operations; `plan`: their pure planning; `held`:
+//!   whether a tracer holds the process (releases and loads happen only then).
 //! - `gpu`: the agent thread's contexts, streams and events; `staging`: the shared ring.
 //! - `fork`: `pthread_atfork` handlers.
 
@@ -30,6 +31,7 @@ mod dump;
 mod fork;
 mod gpu;
 mod hazards;
+mod held;
 mod hooks;
 mod log;
 mod plan;

@@ -38,6 +38,17 @@ fn restore(
     plan::validate_ring(ring.slot_size, ring.slots, ring.streams).map_err(Fail::bad_request)?;
     let drv = need_driver()?;
     let (spans, released) = session::snapshot()?;
+    crate::held::by_a_tracer().map_err(Fail::bad_state)?;
+    let incomplete = table::try_lock_for(AGENT_LOCK_WAIT)
+        .ok_or_else(Fail::busy)?
+        .summary()
+        .released;
+    if !incomplete {
+        // Loading into live memory would overwrite the application's data.
+        return Err(Fail::bad_state(
+            "nothing is released and no reload is pending: there is nothing to restore",
+        ));
+    }
     // From here the memory is not whole until RestoreDataDone: should this load be cut short
     // (the plugin or CRIU dies), the next Hello says released and the next load starts over.
     table::try_lock_for(AGENT_LOCK_WAIT)

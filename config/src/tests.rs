@@ -506,3 +506,115 @@ fn gpusnap_fsync_is_not_a_setting() {
     assert!(!valid.contains("GPUSNAP_FSYNC"), "{valid}");
     assert!(valid.contains("GPUSNAP_DURABLE"), "{valid}");
 }
+
+/// `load` with `GPUSNAP_CONFIG=path` and no other variable, in a thread, so that a regression
+/// that blocks (a FIFO) or reads forever (`/dev/zero`) fails the test instead of hanging it.
+fn load_named_within(path: &Path, limit: Duration) -> Result<Config, ConfigError> {
+    let named = path.to_str().unwrap().to_owned();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let (file, required) = config_path(Some(&named));
+        let _ = tx.send(load_from(Some(&file), required, &[]));
+    });
+    rx.recv_timeout(limit)
+        .unwrap_or_else(|_| panic!("loading {} took more than {limit:?}", path.display()))
+}
+
+fn assert_not_regular(err: ConfigError, path: &Path, what: &str) {
+    let msg = err.to_string();
+    assert!(matches!(err, ConfigError::NotRegular { .. }), "{msg}");
+    assert!(
+        msg.contains(&format!("{} is {what}, not a regular file", path.display())),
+        "{msg} should say {what}"
+    );
+}
+
+#[test]
+fn a_fifo_is_refused_without_blocking() {
+    let f = TempFile::new("");
+    let fifo = f.dir.join("fifo.conf");
+    let status = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let err = load_named_within(&fifo, Duration::from_secs(10)).unwrap_err();
+    assert_not_regular(err, &fifo, "a FIFO (named pipe)");
+}
+
+#[test]
+fn dev_zero_is_refused_without_reading_it() {
+    let zero = Path::new("/dev/zero");
+    let err = load_named_within(zero, Duration::from_secs(10)).unwrap_err();
+    assert_not_regular(err, zero, "a character device");
+}
+
+#[test]
+fn a_directory_is_refused() {
+    let f = TempFile::new("");
+    let err = load_named_within(&f.dir, Duration::from_secs(10)).unwrap_err();
+    assert_not_regular(err, &f.dir, "a directory");
+}
+
+/// The documented way to ignore the default file keeps working, directly or through a symlink.
+#[test]
+fn dev_null_reads_as_empty() {
+    let null = Path::new("/dev/null");
+    assert_eq!(
+        load_named_within(null, Duration::from_secs(10)).unwrap(),
+        Config::default()
+    );
+    let f = TempFile::new("");
+    let link = f.dir.join("null.conf");
+    std::os::unix::fs::symlink(null, &link).unwrap();
+    assert_eq!(
+        load_from(Some(&link), true, &[]).unwrap(),
+        Config::default()
+    );
+}
+
+/// A symlink to a regular file is read: /etc files are often links.
+#[test]
+fn a_symlink_to_a_regular_file_is_read() {
+    let f = TempFile::new("writer_threads = 3\n");
+    let link = f.dir.join("link.conf");
+    std::os::unix::fs::symlink(&f.path, &link).unwrap();
+    assert_eq!(load_from(Some(&link), true, &[]).unwrap().writer_threads, 3);
+}
+
+#[test]
+fn a_file_over_the_cap_is_refused() {
+    // Exactly at the cap: read (a comment padded to the size).
+    let mut text = "writer_threads = 2\n#".to_owned();
+    text.push_str(&"x".repeat(MAX_FILE_BYTES as usize - text.len() - 1));
+    text.push('\n');
+    assert_eq!(text.len() as u64, MAX_FILE_BYTES);
+    let f = TempFile::new(&text);
+    assert_eq!(
+        load_from(Some(&f.path), true, &[]).unwrap().writer_threads,
+        2
+    );
+    // One byte more: refused, naming the file and the limit.
+    text.push('\n');
+    let f = TempFile::new(&text);
+    let err = load_from(Some(&f.path), true, &[]).unwrap_err();
+    let msg = err.to_string();
+    assert!(matches!(err, ConfigError::TooLarge { .. }), "{msg}");
+    assert!(
+        msg.contains(&format!("{} is larger than 1024 KiB", f.path.display())),
+        "{msg}"
+    );
+    // Also when the default file is the one too large: only a missing default is "defaults".
+    assert!(load_from(Some(&f.path), false, &[]).is_err());
+}
+
+#[test]
+fn a_file_that_is_not_utf8_is_refused() {
+    let f = TempFile::new("");
+    std::fs::write(&f.path, b"mode = \"auto\"\n\xff\n").unwrap();
+    let msg = load_from(Some(&f.path), true, &[]).unwrap_err().to_string();
+    assert!(
+        msg.contains("gpusnap.conf") && msg.contains("not valid UTF-8"),
+        "{msg}"
+    );
+}

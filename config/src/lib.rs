@@ -10,7 +10,9 @@
 //!
 //! Strictness is on purpose: an unknown key in the file, an unknown `GPUSNAP_*` variable (other
 //! than `GPUSNAP_CONFIG` and [`NON_CONFIG_ENV`]), a value of the wrong type or out of range are
-//! all errors that say where the value came from and what is allowed. A typo must not silently
+//! all errors that say where the value came from and what is allowed. A value from the environment
+//! is read as strictly as one from the file: a boolean is exactly `true`, `false`, `1` or `0`,
+//! an integer decimal digits only, a string as written (not trimmed). A typo must not silently
 //! checkpoint with settings the user did not ask for.
 //!
 //! `config/gpusnap.conf.example` documents every key.

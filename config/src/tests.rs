@@ -193,10 +193,10 @@ fn later_env_entry_wins() {
 #[test]
 fn env_value_forms() {
     let c = from_env(&[
-        ("GPUSNAP_VERIFY_BEFORE_RESTORE", "no"),
-        ("GPUSNAP_INCREMENTAL", "off"),
-        ("GPUSNAP_DURABLE", "On"),
-        ("GPUSNAP_STAGING_SLOTS", " 64 "),
+        ("GPUSNAP_VERIFY_BEFORE_RESTORE", "0"),
+        ("GPUSNAP_INCREMENTAL", "false"),
+        ("GPUSNAP_DURABLE", "1"),
+        ("GPUSNAP_STAGING_SLOTS", "64"),
         ("GPUSNAP_LOG_LEVEL", "warn"),
         ("GPUSNAP_DEVICE_MAP", &format!("{HEX_A}={UUID_B},")),
     ])
@@ -207,10 +207,59 @@ fn env_value_forms() {
     assert_eq!(c.staging_slots, 64);
     assert_eq!(c.log_level, Some(LogLevel::Warn));
     assert_eq!(c.device_map, vec![(HEX_A.to_owned(), HEX_B.to_owned())]);
-    for yes in ["1", "true", "YES", "on"] {
-        let c = from_env(&[("GPUSNAP_VERIFY_BEFORE_RESTORE", yes)]).unwrap();
-        assert!(c.verify_before_restore, "{yes}");
+    for (spelling, value) in [("1", true), ("true", true), ("0", false), ("false", false)] {
+        let c = from_env(&[("GPUSNAP_DURABLE", spelling)]).unwrap();
+        assert_eq!(c.durable, value, "{spelling}");
     }
+    assert_eq!(
+        from_env(&[("GPUSNAP_LOCK_TIMEOUT_MS", "0")])
+            .unwrap()
+            .lock_timeout_ms,
+        0
+    );
+}
+
+/// The environment is read as strictly as the file: the spellings the file refuses are refused
+/// from the environment too, naming the variable and what is accepted. (These were once taken:
+/// yes/no, on/off in any case, and integers with a sign or spaces.)
+#[test]
+fn env_values_are_as_strict_as_the_file() {
+    for bad in [
+        "yes", "no", "on", "off", "YES", "On", "TRUE", "True", "False", " 1", "1 ", " true", "",
+        "01", "2", "-1",
+    ] {
+        let err = from_env(&[("GPUSNAP_DURABLE", bad)]).unwrap_err();
+        assert_invalid(
+            err,
+            "environment variable GPUSNAP_DURABLE",
+            "expected exactly one of true, false, 1, 0",
+        );
+    }
+    for bad in [
+        "+4", " 4", "4 ", "04", "4_000", "0x4", "-4", "4.0", "", "4e0",
+    ] {
+        let err = from_env(&[("GPUSNAP_WRITER_THREADS", bad)]).unwrap_err();
+        let msg = err.to_string();
+        assert_invalid(err, "environment variable GPUSNAP_WRITER_THREADS", "1..=64");
+        assert!(msg.contains(&format!("{bad:?}")), "{msg}");
+        assert!(
+            msg.contains("decimal digits only (no sign, spaces"),
+            "{msg}"
+        );
+    }
+    // Digits that overflow are out of range, not wrapped.
+    assert!(from_env(&[("GPUSNAP_AGENT_TIMEOUT_MS", "18446744073709552616")]).is_err());
+    // Strings are taken as written, as in the file.
+    for bad in [" auto", "auto ", "AUTO"] {
+        let err = from_env(&[("GPUSNAP_MODE", bad)]).unwrap_err();
+        assert_invalid(err, "environment variable GPUSNAP_MODE", "\"auto\"");
+    }
+    assert_invalid(
+        from_file("mode = \" auto\"\n").unwrap_err(),
+        "key `mode`",
+        "\"auto\"",
+    );
+    assert!(from_env(&[("GPUSNAP_LOG_LEVEL", " ")]).is_err());
 }
 
 #[test]
@@ -329,7 +378,7 @@ fn wrong_types() {
     assert_invalid(
         from_env(&[("GPUSNAP_INCREMENTAL", "sometimes")]).unwrap_err(),
         "GPUSNAP_INCREMENTAL",
-        "yes/no",
+        "true, false, 1, 0",
     );
     assert_invalid(
         from_file("durable = \"yes\"\n").unwrap_err(),
@@ -339,12 +388,12 @@ fn wrong_types() {
     assert_invalid(
         from_env(&[("GPUSNAP_DURABLE", "2")]).unwrap_err(),
         "GPUSNAP_DURABLE",
-        "yes/no",
+        "true, false, 1, 0",
     );
     assert_invalid(
         from_env(&[("GPUSNAP_VERIFY_BEFORE_RESTORE", "maybe")]).unwrap_err(),
         "GPUSNAP_VERIFY_BEFORE_RESTORE",
-        "yes/no",
+        "true, false, 1, 0",
     );
     assert_invalid(
         from_file("mode = 1\n").unwrap_err(),

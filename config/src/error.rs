@@ -33,6 +33,23 @@ pub enum ConfigError {
         source: std::io::Error,
     },
 
+    /// The configuration file is not a regular file (nor the null device, which reads as empty).
+    #[error(
+        "configuration file {} is {what}, not a regular file; only a regular file is read \
+         (GPUSNAP_CONFIG=/dev/null reads none)",
+        path.display()
+    )]
+    NotRegular { path: PathBuf, what: &'static str },
+
+    /// The configuration file is larger than any configuration file needs to be.
+    #[error(
+        "configuration file {} is larger than {} KiB, the most that is read (every key with its \
+         comment is about 4 KiB)",
+        path.display(),
+        max_bytes / 1024
+    )]
+    TooLarge { path: PathBuf, max_bytes: u64 },
+
     /// The file is not valid TOML.
     #[error("configuration file {} is not valid TOML: {message}", path.display())]
     Parse { path: PathBuf, message: String },

@@ -190,27 +190,50 @@ fn int<T: TryFrom<u64>>(
     let value = match raw {
         Raw::Toml(toml::Value::Integer(i)) => u64::try_from(*i).ok(),
         Raw::Toml(_) => None,
-        Raw::Env(s) => s.trim().parse::<u64>().ok(),
+        Raw::Env(s) => env_decimal(s),
     };
     value
         .filter(|v| (min..=max).contains(v))
         .and_then(|v| T::try_from(v).ok())
-        .ok_or_else(|| invalid(raw, origin, allowed))
+        .ok_or_else(|| match raw {
+            Raw::Toml(_) => invalid(raw, origin, allowed),
+            Raw::Env(_) => invalid(raw, origin, &format!("{allowed}, {ENV_INTEGER}")),
+        })
 }
+
+/// How an integer is written in the environment.
+const ENV_INTEGER: &str = "written in decimal digits only (no sign, spaces or leading zeros)";
+
+/// An integer from the environment: decimal digits only, as a TOML integer is written, so
+/// `+4`, ` 4`, `04` or `4_000` are refused rather than read as 4 or 4000. (`str::parse` alone
+/// takes a leading `+`.)
+fn env_decimal(s: &str) -> Option<u64> {
+    let digits_only = !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    let leading_zero = s.len() > 1 && s.starts_with('0');
+    if !digits_only || leading_zero {
+        return None;
+    }
+    s.parse().ok()
+}
+
+/// The accepted spellings of a boolean in the environment.
+const ENV_BOOLEAN: &str = "exactly one of true, false, 1, 0";
 
 fn boolean(raw: Raw<'_>, origin: &Origin) -> Result<bool, ConfigError> {
     let value = match raw {
         Raw::Toml(toml::Value::Boolean(b)) => Some(*b),
         Raw::Toml(_) => None,
-        Raw::Env(s) => match s.trim().to_ascii_lowercase().as_str() {
-            "true" | "1" | "yes" | "on" => Some(true),
-            "false" | "0" | "no" | "off" => Some(false),
+        // The file's spellings, plus 1/0, which the documentation and scripts use
+        // (GPUSNAP_DURABLE=1). Exactly these: no case folding, no spaces, no yes/no or on/off.
+        Raw::Env(s) => match s {
+            "true" | "1" => Some(true),
+            "false" | "0" => Some(false),
             _ => None,
         },
     };
     value.ok_or_else(|| match raw {
         Raw::Toml(_) => invalid(raw, origin, "true or false"),
-        Raw::Env(_) => invalid(raw, origin, "true/false, 1/0, yes/no or on/off"),
+        Raw::Env(_) => invalid(raw, origin, ENV_BOOLEAN),
     })
 }
 
@@ -218,6 +241,7 @@ fn string<'a>(raw: Raw<'a>, origin: &Origin, allowed: &str) -> Result<&'a str, C
     match raw {
         Raw::Toml(toml::Value::String(s)) => Ok(s.as_str()),
         Raw::Toml(_) => Err(invalid(raw, origin, allowed)),
-        Raw::Env(s) => Ok(s.trim()),
+        // As written: the file's string is not trimmed either (`mode = " auto"` is refused).
+        Raw::Env(s) => Ok(s),
     }
 }

@@ -3,12 +3,16 @@
 //! Podman and CRI-O start CRIU without passing the caller's environment, so the main channel is a
 //! TOML file: [`DEFAULT_PATH`], or the file named by the environment variable `GPUSNAP_CONFIG`.
 //! A missing default file means "all defaults"; a missing file named by `GPUSNAP_CONFIG` is an
-//! error. Every key can then be overridden by an environment variable `GPUSNAP_<KEY>` (the key
+//! error. Only a regular file of at most [`MAX_FILE_BYTES`] is read (symlinks are followed); a
+//! directory, a FIFO, a device other than `/dev/null` or a larger file is an error (see
+//! `file.rs`). Every key can then be overridden by an environment variable `GPUSNAP_<KEY>` (the key
 //! uppercased, e.g. `GPUSNAP_WRITER_THREADS=8`); the environment beats the file.
 //!
 //! Strictness is on purpose: an unknown key in the file, an unknown `GPUSNAP_*` variable (other
 //! than `GPUSNAP_CONFIG` and [`NON_CONFIG_ENV`]), a value of the wrong type or out of range are
-//! all errors that say where the value came from and what is allowed. A typo must not silently
+//! all errors that say where the value came from and what is allowed. A value from the environment
+//! is read as strictly as one from the file: a boolean is exactly `true`, `false`, `1` or `0`,
+//! an integer decimal digits only, a string as written (not trimmed). A typo must not silently
 //! checkpoint with settings the user did not ask for.
 //!
 //! `config/gpusnap.conf.example` documents every key.
@@ -17,6 +21,7 @@
 
 mod device_map;
 mod error;
+mod file;
 mod keys;
 
 #[cfg(test)]
@@ -28,6 +33,7 @@ use std::time::Duration;
 
 pub use device_map::normalise_uuid;
 pub use error::{ConfigError, Origin};
+pub use file::MAX_FILE_BYTES;
 
 /// The configuration file read when `GPUSNAP_CONFIG` is not set.
 pub const DEFAULT_PATH: &str = "/etc/criu/gpusnap.conf";
@@ -320,7 +326,9 @@ pub fn load() -> Result<Config, ConfigError> {
 /// variables (other variables than `GPUSNAP_*` are ignored; `GPUSNAP_CONFIG` is not read here).
 ///
 /// If `file` does not exist, that is an error when `file_required`, and means "defaults"
-/// otherwise. Any other failure to read it is always an error. Later entries of `env` win over
+/// otherwise. Any other failure to read it is always an error, and so is a file that is not a
+/// regular file (other than the null device, which reads as empty) or is larger than
+/// [`MAX_FILE_BYTES`]. Later entries of `env` win over
 /// earlier ones with the same name.
 pub fn load_from(
     file: Option<&Path>,
@@ -336,15 +344,14 @@ pub fn load_from(
 }
 
 fn apply_file(config: &mut Config, path: &Path, required: bool) -> Result<(), ConfigError> {
-    let text = match std::fs::read_to_string(path) {
+    let text = match file::read(path) {
         Ok(text) => text,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound && !required => return Ok(()),
-        Err(source) => {
-            return Err(ConfigError::Read {
-                path: path.to_owned(),
-                source,
-            });
+        Err(ConfigError::Read { source, .. })
+            if source.kind() == std::io::ErrorKind::NotFound && !required =>
+        {
+            return Ok(());
         }
+        Err(e) => return Err(e),
     };
     let table: toml::Table = text
         .parse()

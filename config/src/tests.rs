@@ -193,10 +193,10 @@ fn later_env_entry_wins() {
 #[test]
 fn env_value_forms() {
     let c = from_env(&[
-        ("GPUSNAP_VERIFY_BEFORE_RESTORE", "no"),
-        ("GPUSNAP_INCREMENTAL", "off"),
-        ("GPUSNAP_DURABLE", "On"),
-        ("GPUSNAP_STAGING_SLOTS", " 64 "),
+        ("GPUSNAP_VERIFY_BEFORE_RESTORE", "0"),
+        ("GPUSNAP_INCREMENTAL", "false"),
+        ("GPUSNAP_DURABLE", "1"),
+        ("GPUSNAP_STAGING_SLOTS", "64"),
         ("GPUSNAP_LOG_LEVEL", "warn"),
         ("GPUSNAP_DEVICE_MAP", &format!("{HEX_A}={UUID_B},")),
     ])
@@ -207,10 +207,59 @@ fn env_value_forms() {
     assert_eq!(c.staging_slots, 64);
     assert_eq!(c.log_level, Some(LogLevel::Warn));
     assert_eq!(c.device_map, vec![(HEX_A.to_owned(), HEX_B.to_owned())]);
-    for yes in ["1", "true", "YES", "on"] {
-        let c = from_env(&[("GPUSNAP_VERIFY_BEFORE_RESTORE", yes)]).unwrap();
-        assert!(c.verify_before_restore, "{yes}");
+    for (spelling, value) in [("1", true), ("true", true), ("0", false), ("false", false)] {
+        let c = from_env(&[("GPUSNAP_DURABLE", spelling)]).unwrap();
+        assert_eq!(c.durable, value, "{spelling}");
     }
+    assert_eq!(
+        from_env(&[("GPUSNAP_LOCK_TIMEOUT_MS", "0")])
+            .unwrap()
+            .lock_timeout_ms,
+        0
+    );
+}
+
+/// The environment is read as strictly as the file: the spellings the file refuses are refused
+/// from the environment too, naming the variable and what is accepted. (These were once taken:
+/// yes/no, on/off in any case, and integers with a sign or spaces.)
+#[test]
+fn env_values_are_as_strict_as_the_file() {
+    for bad in [
+        "yes", "no", "on", "off", "YES", "On", "TRUE", "True", "False", " 1", "1 ", " true", "",
+        "01", "2", "-1",
+    ] {
+        let err = from_env(&[("GPUSNAP_DURABLE", bad)]).unwrap_err();
+        assert_invalid(
+            err,
+            "environment variable GPUSNAP_DURABLE",
+            "expected exactly one of true, false, 1, 0",
+        );
+    }
+    for bad in [
+        "+4", " 4", "4 ", "04", "4_000", "0x4", "-4", "4.0", "", "4e0",
+    ] {
+        let err = from_env(&[("GPUSNAP_WRITER_THREADS", bad)]).unwrap_err();
+        let msg = err.to_string();
+        assert_invalid(err, "environment variable GPUSNAP_WRITER_THREADS", "1..=64");
+        assert!(msg.contains(&format!("{bad:?}")), "{msg}");
+        assert!(
+            msg.contains("decimal digits only (no sign, spaces"),
+            "{msg}"
+        );
+    }
+    // Digits that overflow are out of range, not wrapped.
+    assert!(from_env(&[("GPUSNAP_AGENT_TIMEOUT_MS", "18446744073709552616")]).is_err());
+    // Strings are taken as written, as in the file.
+    for bad in [" auto", "auto ", "AUTO"] {
+        let err = from_env(&[("GPUSNAP_MODE", bad)]).unwrap_err();
+        assert_invalid(err, "environment variable GPUSNAP_MODE", "\"auto\"");
+    }
+    assert_invalid(
+        from_file("mode = \" auto\"\n").unwrap_err(),
+        "key `mode`",
+        "\"auto\"",
+    );
+    assert!(from_env(&[("GPUSNAP_LOG_LEVEL", " ")]).is_err());
 }
 
 #[test]
@@ -329,7 +378,7 @@ fn wrong_types() {
     assert_invalid(
         from_env(&[("GPUSNAP_INCREMENTAL", "sometimes")]).unwrap_err(),
         "GPUSNAP_INCREMENTAL",
-        "yes/no",
+        "true, false, 1, 0",
     );
     assert_invalid(
         from_file("durable = \"yes\"\n").unwrap_err(),
@@ -339,12 +388,12 @@ fn wrong_types() {
     assert_invalid(
         from_env(&[("GPUSNAP_DURABLE", "2")]).unwrap_err(),
         "GPUSNAP_DURABLE",
-        "yes/no",
+        "true, false, 1, 0",
     );
     assert_invalid(
         from_env(&[("GPUSNAP_VERIFY_BEFORE_RESTORE", "maybe")]).unwrap_err(),
         "GPUSNAP_VERIFY_BEFORE_RESTORE",
-        "yes/no",
+        "true, false, 1, 0",
     );
     assert_invalid(
         from_file("mode = 1\n").unwrap_err(),
@@ -505,4 +554,116 @@ fn gpusnap_fsync_is_not_a_setting() {
     assert_eq!(var, "GPUSNAP_FSYNC");
     assert!(!valid.contains("GPUSNAP_FSYNC"), "{valid}");
     assert!(valid.contains("GPUSNAP_DURABLE"), "{valid}");
+}
+
+/// `load` with `GPUSNAP_CONFIG=path` and no other variable, in a thread, so that a regression
+/// that blocks (a FIFO) or reads forever (`/dev/zero`) fails the test instead of hanging it.
+fn load_named_within(path: &Path, limit: Duration) -> Result<Config, ConfigError> {
+    let named = path.to_str().unwrap().to_owned();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let (file, required) = config_path(Some(&named));
+        let _ = tx.send(load_from(Some(&file), required, &[]));
+    });
+    rx.recv_timeout(limit)
+        .unwrap_or_else(|_| panic!("loading {} took more than {limit:?}", path.display()))
+}
+
+fn assert_not_regular(err: ConfigError, path: &Path, what: &str) {
+    let msg = err.to_string();
+    assert!(matches!(err, ConfigError::NotRegular { .. }), "{msg}");
+    assert!(
+        msg.contains(&format!("{} is {what}, not a regular file", path.display())),
+        "{msg} should say {what}"
+    );
+}
+
+#[test]
+fn a_fifo_is_refused_without_blocking() {
+    let f = TempFile::new("");
+    let fifo = f.dir.join("fifo.conf");
+    let status = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let err = load_named_within(&fifo, Duration::from_secs(10)).unwrap_err();
+    assert_not_regular(err, &fifo, "a FIFO (named pipe)");
+}
+
+#[test]
+fn dev_zero_is_refused_without_reading_it() {
+    let zero = Path::new("/dev/zero");
+    let err = load_named_within(zero, Duration::from_secs(10)).unwrap_err();
+    assert_not_regular(err, zero, "a character device");
+}
+
+#[test]
+fn a_directory_is_refused() {
+    let f = TempFile::new("");
+    let err = load_named_within(&f.dir, Duration::from_secs(10)).unwrap_err();
+    assert_not_regular(err, &f.dir, "a directory");
+}
+
+/// The documented way to ignore the default file keeps working, directly or through a symlink.
+#[test]
+fn dev_null_reads_as_empty() {
+    let null = Path::new("/dev/null");
+    assert_eq!(
+        load_named_within(null, Duration::from_secs(10)).unwrap(),
+        Config::default()
+    );
+    let f = TempFile::new("");
+    let link = f.dir.join("null.conf");
+    std::os::unix::fs::symlink(null, &link).unwrap();
+    assert_eq!(
+        load_from(Some(&link), true, &[]).unwrap(),
+        Config::default()
+    );
+}
+
+/// A symlink to a regular file is read: /etc files are often links.
+#[test]
+fn a_symlink_to_a_regular_file_is_read() {
+    let f = TempFile::new("writer_threads = 3\n");
+    let link = f.dir.join("link.conf");
+    std::os::unix::fs::symlink(&f.path, &link).unwrap();
+    assert_eq!(load_from(Some(&link), true, &[]).unwrap().writer_threads, 3);
+}
+
+#[test]
+fn a_file_over_the_cap_is_refused() {
+    // Exactly at the cap: read (a comment padded to the size).
+    let mut text = "writer_threads = 2\n#".to_owned();
+    text.push_str(&"x".repeat(MAX_FILE_BYTES as usize - text.len() - 1));
+    text.push('\n');
+    assert_eq!(text.len() as u64, MAX_FILE_BYTES);
+    let f = TempFile::new(&text);
+    assert_eq!(
+        load_from(Some(&f.path), true, &[]).unwrap().writer_threads,
+        2
+    );
+    // One byte more: refused, naming the file and the limit.
+    text.push('\n');
+    let f = TempFile::new(&text);
+    let err = load_from(Some(&f.path), true, &[]).unwrap_err();
+    let msg = err.to_string();
+    assert!(matches!(err, ConfigError::TooLarge { .. }), "{msg}");
+    assert!(
+        msg.contains(&format!("{} is larger than 1024 KiB", f.path.display())),
+        "{msg}"
+    );
+    // Also when the default file is the one too large: only a missing default is "defaults".
+    assert!(load_from(Some(&f.path), false, &[]).is_err());
+}
+
+#[test]
+fn a_file_that_is_not_utf8_is_refused() {
+    let f = TempFile::new("");
+    std::fs::write(&f.path, b"mode = \"auto\"\n\xff\n").unwrap();
+    let msg = load_from(Some(&f.path), true, &[]).unwrap_err().to_string();
+    assert!(
+        msg.contains("gpusnap.conf") && msg.contains("not valid UTF-8"),
+        "{msg}"
+    );
 }

@@ -325,6 +325,58 @@ fn resealed_manifest_without_the_data_is_refused() {
     s.assert_nothing_runs(&last, &restore);
 }
 
+/// A client outside a checkpoint (root, here) asks the agent of a running workload to release
+/// its memory after a full copy, and to load data into it: both are refused, the connection
+/// says why, and the workload never notices (every tick stays good).
+#[test]
+fn the_agent_releases_and_loads_only_while_the_process_is_held() {
+    use gpusnap::agent::{AgentError, AgentSession, RingShape, Transfer};
+    use gpusnap_proto::Reply;
+    let Some(s) = Split::start("split-agent-outside") else {
+        return;
+    };
+    let pid = s.vmm.pid();
+    let wait = Duration::from_secs(10);
+    let ring = gpusnap::staging::Staging::new(1 << 20, 4).expect("ring");
+    let shape = RingShape {
+        slot_size: 1 << 20,
+        slots: 4,
+        streams: 1,
+    };
+    // A whole copy out is harmless (the memory stays); its Release is not.
+    let agent = AgentSession::connect_expected(pid, wait).expect("connect");
+    agent
+        .begin(Transfer::Out, std::os::fd::AsFd::as_fd(ring.fd()), shape)
+        .expect("DumpBegin");
+    loop {
+        match agent.recv(wait).expect("a reply") {
+            Reply::ChunkReady { slot, .. } => agent.slot_free(slot).expect("SlotFree"),
+            Reply::DumpDataDone { .. } => break,
+            other => panic!("{other:?}"),
+        }
+    }
+    match agent.release() {
+        Err(AgentError::Refused { message, .. }) => {
+            assert!(message.contains("threads of this process run"), "{message}")
+        }
+        other => panic!("Release of a running process: {other:?}"),
+    }
+    let agent = AgentSession::connect_expected(pid, wait).expect("connect again");
+    match agent.begin(Transfer::In, std::os::fd::AsFd::as_fd(ring.fd()), shape) {
+        Err(AgentError::Refused { message, .. }) => assert!(
+            message.contains("threads of this process run")
+                || message.contains("nothing is released"),
+            "{message}"
+        ),
+        other => panic!("RestoreBegin on live memory: {other:?}"),
+    }
+    let last = s.vmm.last_ticks();
+    let logs = s.vmm.wait_for_tick(last[0] + common::MORE_TICKS);
+    logs[0]
+        .check()
+        .unwrap_or_else(|e| panic!("the workload noticed: {e}"));
+}
+
 /// The same with `verify_before_restore = false`: the damage is found when the chunk is read
 /// for loading, and the restore fails; the damaged bytes never reach the workload.
 #[test]

@@ -160,19 +160,41 @@ fn peer_allowed(conn: &OwnedFd) -> bool {
     }
 }
 
+/// How long a connection may wait between requests outside an operation. The plugin sends its
+/// next request within milliseconds (its longest gap, building the staging ring, is well under
+/// a second for the largest ring).
+const IDLE_LIMIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// How long a connection may last before it begins an operation (`DumpBegin`, `RestoreBegin`);
+/// an operation then has its own limits ([`crate::session::PEER_WAIT`]).
+const SESSION_LIMIT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// State kept by the agent thread across connections.
 struct Agent {
     gpu: Gpu,
 }
 
 impl Agent {
-    /// Serves one connection until the peer closes or an operation ends.
+    /// Serves one connection until the peer closes, an operation ends, or the peer idles: the
+    /// agent serves one connection at a time, and a client that holds one without using it
+    /// (or keeps it with requests outside an operation) would otherwise keep the plugin's
+    /// connection queued on the listener, which makes CRIU's dump fail on an in-flight socket.
     fn serve(&mut self, ch: &Channel) {
+        let deadline = std::time::Instant::now() + SESSION_LIMIT;
         loop {
-            let (req, fd) = match ch.recv_request(None) {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                debug!("closing a connection that used {SESSION_LIMIT:?} without an operation");
+                return;
+            }
+            let (req, fd) = match ch.recv_request(Some(left.min(IDLE_LIMIT))) {
                 Ok(m) => m,
                 Err(ProtoError::Closed | ProtoError::Io(_)) => return,
-                Err(ProtoError::Interrupted | ProtoError::Timeout) => continue,
+                Err(ProtoError::Timeout) => {
+                    debug!("closing a connection idle for {IDLE_LIMIT:?}");
+                    return;
+                }
+                Err(ProtoError::Interrupted) => continue,
                 Err(e @ ProtoError::VersionMismatch { .. }) => {
                     reply(ch, ErrorCode::VersionMismatch, e.to_string());
                     continue;

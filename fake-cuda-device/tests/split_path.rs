@@ -325,6 +325,25 @@ fn resealed_manifest_without_the_data_is_refused() {
     s.assert_nothing_runs(&last, &restore);
 }
 
+/// Another client holds a connection to the agent without using it while CRIU dumps: the agent
+/// drops it once it idles, the plugin's own connection is served, and the dump takes the split
+/// path and restores bit-exact (it used to fail on CRIU's "closed in-flight socket").
+#[test]
+fn an_idle_client_of_the_agent_does_not_break_a_dump() {
+    let Some(mut s) = Split::start("split-idle-client") else {
+        return;
+    };
+    let idle = gpusnap_proto::connect_agent(s.vmm.pid()).expect("connect as an idle client");
+    let dump = s.dump(false);
+    s.assert_ok(&dump);
+    s.assert_split_dump(&dump);
+    drop(idle);
+    let last = s.reap_dumped();
+    let restore = s.restore();
+    s.assert_ok(&restore);
+    s.assert_runs_on(&last, &restore);
+}
+
 /// A client outside a checkpoint (root, here) asks the agent of a running workload to release
 /// its memory after a full copy, and to load data into it: both are refused, the connection
 /// says why, and the workload never notices (every tick stays good).

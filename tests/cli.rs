@@ -127,9 +127,13 @@ fn inspect_json_parses() {
     let o = gpusnap(&["inspect", t.arg(), "--json"]);
     assert!(o.status.success(), "{o:?}");
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    assert_eq!(v["ok"], true);
+    assert_eq!(v["structure_ok"], true);
+    assert_eq!(v["checksums"], "not checked");
+    assert!(v.get("ok").is_none(), "{v}");
     let p = &v["processes"][0];
     assert_eq!(p["nspid"], 42);
+    assert_eq!(p["structure_ok"], true);
+    assert_eq!(p["checksums"], "not checked");
     assert_eq!(p["path"], "split");
     assert_eq!(p["gpusnap_version"], gpusnap_image::BUILD);
     assert_eq!(p["chunk_count"], 3);
@@ -141,6 +145,11 @@ fn inspect_json_parses() {
     );
     assert!(p["compression_ratio"].as_f64().unwrap() > 1.0);
     assert_eq!(p["allocations"][1]["saved_by"], "driver");
+    assert_eq!(
+        p["allocations"][0]["addr_hex"],
+        format!("{:#x}", m.allocations[0].addr)
+    );
+    assert_eq!(p["allocations"][0]["size"], m.allocations[0].size);
     assert_eq!(p["gpus"][0]["name"], "NVIDIA H200");
     assert_eq!(p["timings_s"]["data"], 0.5);
     assert_eq!(v["stats"]["dump_s"], 1.5);
@@ -192,8 +201,26 @@ fn verify_flipped_byte_names_file_and_chunk() {
         ),
         "{s}"
     );
-    // inspect still works (the manifest is intact) and says nothing is wrong with it.
-    assert!(gpusnap(&["inspect", t.arg()]).status.success());
+    // inspect still works (the manifest is intact), and says what it checked: the structure,
+    // not the chunks. It never claims the image is fine.
+    let o = gpusnap(&["inspect", t.arg()]);
+    assert!(o.status.success(), "{o:?}");
+    assert!(
+        stdout(&o)
+            .contains("not checked: chunk data and checksums (gpusnap verify reads every chunk)"),
+        "{o:?}"
+    );
+    let o = gpusnap(&["inspect", t.arg(), "--json"]);
+    assert!(o.status.success(), "{o:?}");
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["structure_ok"], true);
+    assert_eq!(v["checksums"], "not checked");
+    assert!(v.get("ok").is_none(), "{v}");
+    for p in v["processes"].as_array().unwrap() {
+        assert_eq!(p["structure_ok"], true, "{p}");
+        assert_eq!(p["checksums"], "not checked", "{p}");
+        assert!(p.get("ok").is_none(), "{p}");
+    }
 }
 
 #[test]
@@ -207,7 +234,15 @@ fn verify_and_inspect_report_a_damaged_manifest() {
     let o = gpusnap(&["inspect", t.arg(), "--json"]);
     assert_eq!(o.status.code(), Some(1), "{o:?}");
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    assert_eq!(v["processes"][0]["ok"], false);
+    assert_eq!(v["structure_ok"], false);
+    assert_eq!(v["processes"][0]["structure_ok"], false);
+    assert!(
+        v["processes"][0]["error"]
+            .as_str()
+            .unwrap()
+            .contains("manifest checksum mismatch"),
+        "{v}"
+    );
 }
 
 #[test]

@@ -172,6 +172,17 @@ pub enum ImageError {
         chunk: usize,
         detail: &'static str,
     },
+    /// A chunk's record header is intact but its `seq` is not the chunk's position in its data
+    /// file (records are numbered 0, 1, 2, ... in file order).
+    #[error(
+        "{file}: chunk {chunk} record header: seq is {found}, but the record is number {expected} in the file ({DAMAGED})"
+    )]
+    ChunkSeq {
+        file: String,
+        chunk: usize,
+        expected: u64,
+        found: u64,
+    },
     /// A chunk's stored bytes do not match their checksum.
     #[error("{file}: chunk {chunk} checksum mismatch ({DAMAGED})")]
     ChunkChecksum { file: String, chunk: usize },

@@ -201,13 +201,16 @@ impl DataFileReader {
     /// record header against the manifest. Returns the chunk's number (for errors).
     fn check_record(&self, entry: &ChunkEntry) -> Result<usize, ImageError> {
         let name = || self.name.clone();
-        let chunk = match self
+        // `position`: the record's number in the file. The manifest's chunks of a file tile it
+        // from the header to the end (validated sums, no overlaps), so in file order the k-th
+        // entry is the k-th record.
+        let (chunk, position) = match self
             .chunks
             .binary_search_by_key(&entry.file_offset, |(_, c)| c.file_offset)
         {
             // A reference names the ancestor's entry with its depth; everything else must agree.
             Ok(k) if self.chunks[k].1.same_stored_chunk(entry) && entry.file == self.index => {
-                self.chunks[k].0
+                (self.chunks[k].0, k)
             }
             _ => {
                 return Err(ImageError::UnknownChunk {
@@ -257,6 +260,14 @@ impl DataFileReader {
                 file: name(),
                 chunk,
                 detail: "disagrees with the manifest",
+            });
+        }
+        if rec.seq as usize != position {
+            return Err(ImageError::ChunkSeq {
+                file: name(),
+                chunk,
+                expected: position as u64,
+                found: rec.seq.into(),
             });
         }
 
@@ -443,7 +454,12 @@ pub fn scan_data_file(
         };
         let payload = scan.end + RECORD_LEN;
         if rec.seq as usize != chunk {
-            scan.stopped = Some(stop("out of sequence"));
+            scan.stopped = Some(ImageError::ChunkSeq {
+                file: name.clone(),
+                chunk,
+                expected: chunk as u64,
+                found: rec.seq.into(),
+            });
             break;
         }
         if let Err(detail) = check_chunk_lengths(rec.len, rec.stored_len, rec.codec) {

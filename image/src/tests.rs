@@ -1240,3 +1240,73 @@ fn zstd_frame_of_the_wrong_size_is_refused() {
         );
     }
 }
+
+#[test]
+fn a_record_whose_seq_is_not_its_position_in_the_file_is_refused() {
+    use crate::header::{decode_record, encode_record};
+    let t = TempDir::new();
+    let img = make_image(t.fd());
+    // Chunk 1 is the second record of data file 0. Rewrite its header with seq 5 and a
+    // recomputed header checksum, so only seq is wrong.
+    let c = &img.m.chunks[1];
+    assert_eq!(c.file, 0);
+    let path = t.file(&data_file_name(NSPID, 0));
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&path)
+        .unwrap();
+    let at = c.file_offset - RECORD_LEN;
+    let mut rh = [0u8; RECORD_LEN as usize];
+    f.read_exact_at(&mut rh, at).unwrap();
+    let mut rec = decode_record(&rh).unwrap();
+    assert_eq!(rec.seq, 1);
+    rec.seq = 5;
+    f.write_all_at(&encode_record(&rec), at).unwrap();
+    drop(f);
+
+    // Sizes and header checksums are intact: the manifest still reads.
+    let m = read_manifest(t.fd(), NSPID).unwrap();
+    let e = verify_image(t.fd(), &m, 1).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            ImageError::ChunkSeq {
+                chunk: 1,
+                expected: 1,
+                found: 5,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "{}: chunk 1 record header: seq is 5, but the record is number 1 in the file (image damaged; do not restore from it)",
+            data_file_name(NSPID, 0)
+        )
+    );
+    let r = DataFileReader::open(t.fd(), &m, 0).unwrap();
+    let mut out = vec![0u8; c.len as usize];
+    let e = r.read_chunk(c, &mut out, &mut Vec::new()).unwrap_err();
+    assert!(matches!(e, ImageError::ChunkSeq { chunk: 1, .. }), "{e}");
+    // The other chunks of the file still read; a walk without the manifest stops there too.
+    let c0 = &m.chunks[0];
+    let mut out = vec![0u8; c0.len as usize];
+    r.read_chunk(c0, &mut out, &mut Vec::new()).unwrap();
+    let s = scan_data_file(t.fd(), NSPID, 0).unwrap();
+    assert_eq!(s.chunks.len(), 1);
+    assert!(
+        matches!(
+            s.stopped,
+            Some(ImageError::ChunkSeq {
+                chunk: 1,
+                found: 5,
+                ..
+            })
+        ),
+        "{:?}",
+        s.stopped
+    );
+}

@@ -10,7 +10,7 @@ use crate::hold::Hold;
 use crate::process::{ImpossibleMove, MovedData, Phase, Route, SplitPlan, Tracked};
 use crate::procfs::{self, Stat};
 use crate::ptrace::{self, PtraceError, RunningThread};
-use crate::staging::Staging;
+use crate::staging::{RingShape, Staging};
 use crate::stall::{self, DriverCall, StallError, Watched};
 use gpusnap_config::Mode;
 use gpusnap_cuda::{DriverError, ProcessState};
@@ -478,13 +478,9 @@ fn move_data_out(
     let t0 = Instant::now();
     session.hello_intact()?;
     let allocations = session.list()?;
-    let chunks: u64 = allocations
-        .iter()
-        .filter(|a| a.moved)
-        .map(|a| a.size.div_ceil(ctx.slot_size() as u64))
-        .sum();
-    let staging =
-        Staging::new(ctx.slot_size(), ring_slots(ctx, chunks)).map_err(DataError::Ring)?;
+    let moved_sizes = allocations.iter().filter(|a| a.moved).map(|a| a.size);
+    let ring = RingShape::for_dump(ctx.slot_size(), ctx.cfg.staging_slots as usize, moved_sizes);
+    let staging = Staging::new(ring.slot_size, ring.slots).map_err(DataError::Ring)?;
     t.time("prepare", t0.elapsed().as_secs_f64());
 
     let dir = ctx.image_dir();
@@ -801,10 +797,9 @@ pub fn load_with_agent_running(
     fault_point: &'static str,
 ) -> Result<datapath::LoadStats, DataError> {
     let session = AgentSession::connect_expected(pid, ctx.agent_timeout())?;
-    let biggest = manifest.chunks.iter().map(|c| c.len).max().unwrap_or(0) as usize;
-    let slot = ctx.slot_size().max(biggest.next_multiple_of(4096));
-    let staging = Staging::new(slot, ring_slots(ctx, manifest.chunks.len() as u64))
-        .map_err(DataError::Ring)?;
+    let chunk_lens = manifest.chunks.iter().map(|c| c.len);
+    let ring = RingShape::for_restore(ctx.cfg.staging_slots as usize, chunk_lens);
+    let staging = Staging::new(ring.slot_size, ring.slots).map_err(DataError::Ring)?;
     let hello = session.hello()?;
     log::debug!("pid {pid}: agent tid {} ready to load", hello.ns_tid);
     datapath::copy_in(
@@ -816,13 +811,6 @@ pub fn load_with_agent_running(
         ctx.limits(),
         fault_point,
     )
-}
-
-/// Ring slots for a transfer of `chunks` chunks: the configured number, but no more than there
-/// are chunks (populating and pinning an unused slot costs time for nothing; small processes
-/// would otherwise pay for a 512 MiB ring).
-fn ring_slots(ctx: &Ctx, chunks: u64) -> usize {
-    (ctx.cfg.staging_slots as u64).min(chunks).max(1) as usize
 }
 
 /// Bytes moved per device (the agent copies every device's allocations on that device's own

@@ -8,6 +8,67 @@
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
+/// Slot sizes are whole pages (the agent refuses anything else, `agent/src/plan.rs`).
+const PAGE: u64 = 4096;
+
+/// How big a ring is: `slots` slots of `slot_size` bytes. The whole ring is populated (and, by
+/// the agent, pinned) up front, so it is sized by what one transfer moves, not by the
+/// configuration alone: the slot is no larger than the largest chunk, and the ring no larger than
+/// all the data, rounded up to a page. Slots stay whole pages, between 1 and the configured
+/// number, and no more than there are chunks (what the agent's `validate_ring` accepts, given a
+/// configuration it accepts).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RingShape {
+    pub slot_size: usize,
+    pub slots: usize,
+}
+
+impl RingShape {
+    /// For a dump of allocations of `moved_sizes` bytes, which the agent cuts into chunks of at
+    /// most the slot size. With `configured_slot` bytes configured (a whole number of pages), the
+    /// slot is that, or the largest allocation rounded up to a page if that is smaller: either way
+    /// every allocation is cut exactly as `configured_slot` would cut it (an allocation no larger
+    /// than the slot is one chunk), so chunks still line up with a parent image's for dedup.
+    pub fn for_dump(
+        configured_slot: usize,
+        configured_slots: usize,
+        moved_sizes: impl Iterator<Item = u64> + Clone,
+    ) -> RingShape {
+        let largest = moved_sizes.clone().max().unwrap_or(0);
+        let slot = (configured_slot as u64).min(largest.next_multiple_of(PAGE));
+        let slot = slot.max(PAGE);
+        let chunks = moved_sizes.clone().map(|s| s.div_ceil(slot)).sum();
+        let bytes = moved_sizes.fold(0u64, u64::saturating_add);
+        Self::bounded(slot, configured_slots, chunks, bytes)
+    }
+
+    /// For a restore of chunks of `chunk_lens` bytes (as the image holds them): the slot is the
+    /// largest chunk rounded up to a page, whatever the configuration says now, since every chunk
+    /// must fit one slot and a larger slot is never used.
+    pub fn for_restore(
+        configured_slots: usize,
+        chunk_lens: impl Iterator<Item = u64> + Clone,
+    ) -> RingShape {
+        let largest = chunk_lens.clone().max().unwrap_or(0);
+        let slot = largest.next_multiple_of(PAGE).max(PAGE);
+        let chunks = chunk_lens.clone().count() as u64;
+        let bytes = chunk_lens.fold(0u64, u64::saturating_add);
+        Self::bounded(slot, configured_slots, chunks, bytes)
+    }
+
+    /// `slot` (a page multiple, at least the largest chunk, so no larger than `bytes` rounded up
+    /// unless there is no data) and as many slots as are configured, there are chunks, and fit in
+    /// `bytes` rounded up to a page; at least one.
+    fn bounded(slot: u64, configured_slots: usize, chunks: u64, bytes: u64) -> RingShape {
+        let fit = bytes.next_multiple_of(PAGE) / slot;
+        let slots = (configured_slots as u64).min(chunks).min(fit).max(1);
+        RingShape {
+            slot_size: slot as usize,
+            slots: slots as usize,
+        }
+    }
+}
+
 pub struct Staging {
     fd: OwnedFd,
     base: *mut u8,
@@ -22,9 +83,9 @@ unsafe impl Send for Staging {}
 unsafe impl Sync for Staging {}
 
 impl Staging {
-    /// Creates and populates the ring. First touch of fresh memory is slow (0.3 s for 512 MiB
-    /// from one thread on the H200 VM), so it is paid here, by several threads at once, rather
-    /// than in the middle of the copy.
+    /// Creates and populates the ring (size it with [`RingShape`]). First touch of fresh memory
+    /// is slow (0.3 s for 512 MiB from one thread on the H200 VM), so it is paid here, by several
+    /// threads at once, rather than in the middle of the copy.
     pub fn new(slot_size: usize, slots: usize) -> io::Result<Self> {
         let len = slot_size
             .checked_mul(slots)
@@ -151,6 +212,137 @@ impl Drop for Staging {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    fn ring_bytes(r: RingShape) -> u64 {
+        (r.slot_size * r.slots) as u64
+    }
+
+    #[test]
+    fn a_ring_is_bounded_by_the_data_it_moves() {
+        // The case: staging_slot_mib = 1024 and 16 MiB of data used to populate 2 GiB
+        // and more; now one 16 MiB slot, both ways.
+        let dump = RingShape::for_dump(1 << 30, 16, [16 * MIB].into_iter());
+        assert_eq!(
+            dump,
+            RingShape {
+                slot_size: 16 << 20,
+                slots: 1
+            }
+        );
+        let restore = RingShape::for_restore(16, [16 * MIB].into_iter());
+        assert_eq!(restore, dump);
+
+        // Small allocations: the slot is the largest one rounded up to a page, and the ring
+        // holds no more than all of them, rounded up to a page.
+        let sizes = [100u64, 5000, 3 * 4096];
+        let r = RingShape::for_dump(32 << 20, 16, sizes.into_iter());
+        assert_eq!(
+            r,
+            RingShape {
+                slot_size: 3 * 4096,
+                slots: 1
+            }
+        );
+        assert!(ring_bytes(r) <= sizes.iter().sum::<u64>().next_multiple_of(4096));
+
+        // Large data: the configured shape, as before.
+        let r = RingShape::for_dump(32 << 20, 16, [8 << 30].into_iter());
+        assert_eq!(
+            r,
+            RingShape {
+                slot_size: 32 << 20,
+                slots: 16
+            }
+        );
+        // Fewer chunks than slots: one slot per chunk.
+        let r = RingShape::for_dump(32 << 20, 16, [64 * MIB, 32 * MIB].into_iter());
+        assert_eq!(
+            r,
+            RingShape {
+                slot_size: 32 << 20,
+                slots: 3
+            }
+        );
+        // Many chunks, little data: as many slots as the data fills.
+        let r = RingShape::for_dump(64 << 20, 8, [100 * MIB, 4096, 4096].into_iter());
+        assert_eq!(
+            r,
+            RingShape {
+                slot_size: 64 << 20,
+                slots: 1
+            }
+        );
+
+        // Restore: the slot fits the largest chunk whatever is configured now.
+        let r = RingShape::for_restore(4, [MIB, 3 * MIB + 1, 2 * MIB, 2 * MIB].into_iter());
+        assert_eq!(
+            r,
+            RingShape {
+                slot_size: (3 * MIB + 4096) as usize,
+                slots: 2
+            }
+        );
+
+        // Nothing to move: the smallest ring the agent accepts.
+        let none = RingShape {
+            slot_size: 4096,
+            slots: 1,
+        };
+        assert_eq!(RingShape::for_dump(1 << 30, 16, std::iter::empty()), none);
+        assert_eq!(RingShape::for_restore(16, std::iter::empty()), none);
+    }
+
+    /// Over many shapes: what the agent accepts (page-multiple slot of at most 1 GiB, 1..=256
+    /// slots), every chunk fits a slot, the ring is no larger than the data rounded up to a page,
+    /// and a dump cuts allocations exactly as the configured slot would.
+    #[test]
+    fn ring_shapes_stay_within_the_agent_rules_and_the_data() {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = |m: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % m
+        };
+        for _ in 0..2000 {
+            let configured_slot = (1 + next(1024)) as usize * MIB as usize;
+            let configured_slots = 2 + next(255) as usize;
+            let n = next(20) as usize;
+            let scale = [4096, MIB, 256 * MIB, 4 << 30][next(4) as usize];
+            let sizes: Vec<u64> = (0..n).map(|_| 1 + next(scale)).collect();
+            let r = RingShape::for_dump(configured_slot, configured_slots, sizes.iter().copied());
+            let data: u64 = sizes.iter().sum();
+            assert!(r.slot_size.is_multiple_of(4096) && r.slot_size > 0 && r.slot_size <= 1 << 30);
+            assert!(r.slots >= 1 && r.slots <= configured_slots);
+            assert!(r.slot_size <= configured_slot);
+            if n > 0 {
+                assert!(
+                    ring_bytes(r) <= data.next_multiple_of(4096),
+                    "{sizes:?} {r:?}"
+                );
+            }
+            let cut = |slot: u64| sizes.iter().map(|s| s.div_ceil(slot)).collect::<Vec<_>>();
+            assert_eq!(cut(r.slot_size as u64), cut(configured_slot as u64));
+
+            // Restore of what that dump wrote: chunks of at most the dump's slot.
+            let chunks: Vec<u64> = sizes
+                .iter()
+                .flat_map(|&s| {
+                    let slot = r.slot_size as u64;
+                    (0..s.div_ceil(slot)).map(move |k| slot.min(s - k * slot))
+                })
+                .collect();
+            let back = RingShape::for_restore(configured_slots, chunks.iter().copied());
+            assert!(back.slot_size.is_multiple_of(4096) && back.slot_size <= 1 << 30);
+            assert!(back.slots >= 1 && back.slots <= configured_slots.min(chunks.len().max(1)));
+            assert!(chunks.iter().all(|&c| c <= back.slot_size as u64));
+            if n > 0 {
+                assert!(ring_bytes(back) <= data.next_multiple_of(4096));
+            }
+        }
+    }
 
     #[test]
     fn slots_are_disjoint_and_shared_through_the_fd() {

@@ -154,8 +154,8 @@ fn check(
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct GpuInfo {
     pub ordinal: u32,
-    /// The [`GpuUuid`] as 32 lowercase hex digits (its `Display`), the form images record.
-    pub uuid: String,
+    /// Images record it as 32 lowercase hex digits (its `Display`).
+    pub uuid: GpuUuid,
     pub name: String,
     pub total_mem: u64,
 }
@@ -336,7 +336,7 @@ impl CheckpointApi {
             self.check(code, "cuDeviceTotalMem_v2")?;
             out.push(GpuInfo {
                 ordinal: ordinal as u32,
-                uuid: GpuUuid::from(uuid).to_string(),
+                uuid: GpuUuid::from(uuid),
                 name: c_string(&name),
                 total_mem: total as u64,
             });

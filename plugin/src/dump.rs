@@ -855,7 +855,7 @@ fn new_manifest(
             .iter()
             .map(|g| gpusnap_image::GpuRecord {
                 ordinal: g.ordinal,
-                uuid: g.uuid.clone(),
+                uuid: g.uuid.to_string(),
                 name: g.name.clone(),
                 total_mem: g.total_mem,
             })

@@ -608,7 +608,7 @@ pub fn gpu_plan(ctx: &Ctx, m: &Manifest) -> Result<Vec<gpumap::Pair>, gpumap::Pl
         .gpus
         .iter()
         .map(|g| gpumap::HostGpu {
-            uuid: g.uuid.clone(),
+            uuid: g.uuid.to_string(),
             name: g.name.clone(),
             free: gpusnap_cuda::nvml::free_memory(&g.uuid),
         })

@@ -36,6 +36,9 @@ mod chain_tests;
 #[cfg(test)]
 mod cut_short_tests;
 
+#[cfg(test)]
+mod mutation_tests;
+
 pub use chain::{
     Ancestors, ChunkSources, DedupIndex, MAX_CHAIN_DEPTH, PARENT_LINK, ParentImage, open_ancestors,
     open_parent_dir, parent_for_dedup,

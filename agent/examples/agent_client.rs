@@ -290,13 +290,14 @@ fn driver(pid: i32, checkpoint: bool) -> Res<()> {
     Ok(())
 }
 
-/// Seizes every thread of `pid` and lets the agent's run; dropping the pair stops the agent's
-/// thread and detaches.
-fn hold(pid: i32) -> Res<(SeizedProcess, RunningThread)> {
+/// Seizes every thread of `pid` and lets the agent's run. Dropping the pair stops the agent's
+/// thread first (a tuple drops its fields in order), then detaches every thread: a detach
+/// needs the thread stopped.
+fn hold(pid: i32) -> Res<(RunningThread, SeizedProcess)> {
     let tid = gpusnap::agent::agent_thread(pid).ok_or("no gpusnap-agent thread in the target")?;
     let seized = SeizedProcess::seize(pid).map_err(|e| format!("seize {pid}: {e}"))?;
     let agent = RunningThread::resume(tid).map_err(|e| format!("resume the agent thread: {e}"))?;
-    Ok((seized, agent))
+    Ok((agent, seized))
 }
 
 fn run() -> Res<()> {

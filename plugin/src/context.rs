@@ -25,6 +25,16 @@ pub struct Ctx {
     pub gpus: Vec<GpuInfo>,
 }
 
+/// Why no usable NVIDIA driver is here, if none is.
+pub fn driver_absent_reason() -> Option<String> {
+    // A named driver library is taken as it is; otherwise the kernel module must be there.
+    let named = std::env::var_os(gpusnap_cuda::driver::LIBCUDA_ENV).is_some_and(|v| !v.is_empty());
+    if !named && !std::path::Path::new("/proc/driver/nvidia/gpus").exists() {
+        return Some("no /proc/driver/nvidia/gpus".into());
+    }
+    gpusnap_cuda::driver::api().err().map(|e| e.to_string())
+}
+
 /// The driver could not be loaded for a run, or CRIU gave no image directory.
 #[derive(Debug, thiserror::Error)]
 pub enum CtxError {

@@ -91,6 +91,9 @@ criu_fn!(fn check_inventory_fn = c"check_and_remove_inventory_plugin": unsafe ex
 criu_fn!(fn interrupt_only_fn = c"set_compel_interrupt_only_mode": unsafe extern "C" fn());
 criu_fn!(fn alarm_timeouted_fn = c"alarm_timeouted": unsafe extern "C" fn() -> bool);
 
+/// The plugin's name: in its descriptor and in the image's plugin inventory.
+pub const PLUGIN_NAME: &CStr = c"gpusnap";
+
 /// True when running inside a `criu` binary (its logging function is there).
 pub fn inside_criu() -> bool {
     print_on_level().is_some() && image_dir_fn().is_some()

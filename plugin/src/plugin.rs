@@ -11,7 +11,7 @@ use crate::restore::{RestoreInit, RestoreRun};
 use gpusnap_config::Mode;
 use std::sync::Mutex;
 
-pub const NAME: &std::ffi::CStr = c"gpusnap";
+pub use crate::criu::PLUGIN_NAME as NAME;
 pub const ENOTSUP: i32 = -libc::ENOTSUP;
 
 /// What gpusnap does with the GPU processes of this run.
@@ -43,16 +43,6 @@ pub fn with<R>(default: R, f: impl FnOnce(&mut Plugin) -> R) -> R {
         Some(p) => f(p),
         None => default,
     }
-}
-
-/// Why no usable NVIDIA driver is here, if none is.
-pub fn driver_absent_reason() -> Option<String> {
-    // A named driver library is taken as it is; otherwise the kernel module must be there.
-    let named = std::env::var_os(gpusnap_cuda::driver::LIBCUDA_ENV).is_some_and(|v| !v.is_empty());
-    if !named && !std::path::Path::new("/proc/driver/nvidia/gpus").exists() {
-        return Some("no /proc/driver/nvidia/gpus".into());
-    }
-    gpusnap_cuda::driver::api().err().map(|e| e.to_string())
 }
 
 /// A hook's answer for one pid.
@@ -133,7 +123,7 @@ fn init_dump(cfg: gpusnap_config::Config) -> Run {
         log::info!("disabled by configuration (mode = off)");
         return Run::Disabled("mode = off".into());
     }
-    if let Some(why) = driver_absent_reason() {
+    if let Some(why) = crate::context::driver_absent_reason() {
         log::info!("no usable NVIDIA driver on this host ({why}); GPU checkpointing disabled");
         return Run::Disabled(why);
     }

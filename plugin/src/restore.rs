@@ -210,7 +210,7 @@ impl RestoreRun {
     /// `init(RESTORE)`: checks every manifest and the GPUs, before CRIU restores any process.
     pub fn init(cfg: Config) -> RestoreInit {
         // `None`: CRIU 4.0 keeps no plugin list; go by our manifests alone.
-        if crate::criu::check_and_remove_inventory_plugin(crate::plugin::NAME) == Some(false) {
+        if crate::criu::check_and_remove_inventory_plugin(crate::criu::PLUGIN_NAME) == Some(false) {
             log::debug!("the image holds no GPU state; nothing to do");
             return RestoreInit::NothingToDo("no GPU state in this image".into());
         }
@@ -260,7 +260,7 @@ impl RestoreRun {
             );
             return RestoreInit::Refused;
         }
-        if let Some(why) = crate::plugin::driver_absent_reason() {
+        if let Some(why) = crate::context::driver_absent_reason() {
             // The restore fails either way; first say whether the image itself is damaged.
             if run.cfg.verify_before_restore
                 && let Err(e) = run.verify_now()

@@ -131,10 +131,6 @@ impl AgentSession {
         self.pid
     }
 
-    pub fn timeout(&self) -> Duration {
-        self.timeout
-    }
-
     /// The connection, for the per-chunk messages of a transfer.
     pub fn channel(&self) -> &Channel {
         &self.chan

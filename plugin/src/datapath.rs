@@ -450,7 +450,6 @@ fn pump_load_replies(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gpusnap_image::CheckpointPath;
 
     fn chunk(file: u32, addr: u64) -> ChunkEntry {
         ChunkEntry {
@@ -470,15 +469,6 @@ mod tests {
     fn file_indexes_follow_the_chunks_not_the_file_count() {
         // Regression: with 9 of 16 writers busy, files 0..9 were assumed and data-0 was missing.
         let m = Manifest {
-            format_version: 1,
-            nspid: 1,
-            path: CheckpointPath::Split,
-            created_unix_s: 0,
-            gpusnap_version: String::new(),
-            driver_version: 0,
-            gpus: vec![],
-            allocations: vec![],
-            files: vec![],
             chunks: vec![
                 chunk(5, 0),
                 chunk(2, 4096),
@@ -489,7 +479,7 @@ mod tests {
                     ..chunk(5, 16384)
                 },
             ],
-            timings_s: Default::default(),
+            ..crate::test_manifest()
         };
         assert_eq!(file_groups(&m), vec![(0, 2), (0, 5), (0, 11), (2, 5)]);
     }

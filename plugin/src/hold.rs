@@ -116,10 +116,6 @@ impl Hold {
         Ok(hold)
     }
 
-    pub fn pid(&self) -> i32 {
-        self.pid
-    }
-
     /// Drains the queued `SIGSTOP` of every held thread without letting it run; only the
     /// tracer may call this. On failure the remaining threads stay held (and the error says
     /// which one failed).

@@ -37,6 +37,24 @@ pub mod staging;
 pub mod stall;
 
 use criu::{HOOK_SLOTS, PluginDesc, hook};
+
+/// An empty split-path manifest of nspid 1, for tests to fill in what they look at.
+#[cfg(test)]
+pub(crate) fn test_manifest() -> gpusnap_image::Manifest {
+    gpusnap_image::Manifest {
+        format_version: 1,
+        nspid: 1,
+        path: gpusnap_image::CheckpointPath::Split,
+        created_unix_s: 0,
+        gpusnap_version: String::new(),
+        driver_version: 0,
+        gpus: vec![],
+        allocations: vec![],
+        files: vec![],
+        chunks: vec![],
+        timings_s: Default::default(),
+    }
+}
 use std::ffi::{c_int, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 

@@ -132,13 +132,6 @@ impl Phase {
         }
     }
 
-    pub fn moved_mut(&mut self) -> Option<&mut MovedData> {
-        match self {
-            Phase::Released(d) | Phase::Relocked(d) | Phase::Checkpointed(Some(d)) => Some(d),
-            _ => None,
-        }
-    }
-
     /// Whether device memory is (maybe) absent: from the release until a reload.
     pub fn memory_released(&self) -> bool {
         self.moved().is_some()
@@ -255,23 +248,10 @@ impl Tracked {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gpusnap_image::CheckpointPath;
 
     fn moved() -> MovedData {
         MovedData {
-            manifest: Box::new(Manifest {
-                format_version: 1,
-                nspid: 1,
-                path: CheckpointPath::Split,
-                created_unix_s: 0,
-                gpusnap_version: String::new(),
-                driver_version: 0,
-                gpus: vec![],
-                allocations: vec![],
-                files: vec![],
-                chunks: vec![],
-                timings_s: Default::default(),
-            }),
+            manifest: Box::new(crate::test_manifest()),
             stats: None,
         }
     }

@@ -883,17 +883,9 @@ mod tests {
 
     fn manifest(gpus: Vec<GpuRecord>) -> Manifest {
         Manifest {
-            format_version: 1,
             nspid: 7,
-            path: CheckpointPath::Split,
-            created_unix_s: 0,
-            gpusnap_version: String::new(),
-            driver_version: 0,
             gpus,
-            allocations: vec![],
-            files: vec![],
-            chunks: vec![],
-            timings_s: Default::default(),
+            ..crate::test_manifest()
         }
     }
 

@@ -1,17 +1,17 @@
-//! The agent thread: listens on `\0gpusnap-agent-<pid>`, accepts one connection at a time from
-//! root or the process's own user, and serves requests until the peer closes or an operation
-//! ends (after `Released`, `Restored`, `Aborted` or an operation's error the connection is
+//! The agent thread: waits at its door (`gpusnap_proto`'s `door`: no socket name, reached with
+//! `pidfd_getfd`), takes one connection at a time from root or the process's own user, and
+//! serves requests until the peer closes or an operation ends (after `Released`, `Restored`, `Aborted` or an operation's error the connection is
 //! closed: the agent must hold no connection when CRIU dumps the process's descriptors).
 //!
 //! The thread is started once (first conversion, or at load with `GPUSNAP_AGENT_EAGER=1`),
 //! named `gpusnap-agent`, with every signal blocked.
 
-use std::os::fd::{AsFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 
 use gpusnap_proto::{
-    AGENT_SOCKET_PREFIX, AllocKind, Channel, ErrorCode, PROTOCOL_VERSION, ProtoError, Reply,
-    Request, accept_connection, bind_agent_listener, peer_cred,
+    AllocKind, Channel, DoorInside, ErrorCode, Knock, PROTOCOL_VERSION, ProtoError, Reply, Request,
+    peer_cred, take_knock,
 };
 
 use crate::gpu::Gpu;
@@ -58,89 +58,125 @@ fn block_all_signals() -> Option<libc::sigset_t> {
     }
 }
 
+/// Descriptor numbers a forked child inherits from the agent and must close: the door's two
+/// ends, its label, and the connection being served (-1: none). Written only under the fork
+/// fence (the table lock, which fork's prepare handler takes), so a child sees them exactly as
+/// they were when it was forked.
+static AGENT_FDS: [AtomicI32; 4] = [const { AtomicI32::new(-1) }; 4];
+const DOOR_AGENT_END: usize = 0;
+const DOOR_CLIENT_END: usize = 1;
+const DOOR_LABEL: usize = 2;
+const CONNECTION: usize = 3;
+
 /// In a forked child: no agent thread exists; let a child that uses CUDA start its own, and
-/// close the parent agent's listener and connection, which the child inherited. They are found
-/// by their bound name (an accepted unix socket carries its listener's name), not by recorded
-/// numbers: a fork may land between the agent thread's `socket`/`accept4` and any bookkeeping.
+/// close the parent agent's door and connection, which the child inherited (a client would
+/// otherwise find the parent's door in the child, and the parent's connection would stay open).
 pub fn forget_in_child() {
     if STARTED.swap(false, Ordering::AcqRel) {
-        close_agent_sockets();
+        for slot in &AGENT_FDS {
+            let fd = slot.swap(-1, Ordering::AcqRel);
+            if fd >= 0 {
+                // SAFETY: fd is an inherited copy of the parent agent's descriptor, recorded
+                // under the fork fence; nothing in the child uses it (the thread that owned it
+                // does not exist here).
+                unsafe { libc::close(fd) };
+            }
+        }
     }
-}
-
-fn close_agent_sockets() {
-    let Ok(dir) = std::fs::read_dir("/proc/self/fd") else {
-        return;
-    };
-    let fds: Vec<i32> = dir
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
-        .collect();
-    for fd in fds.into_iter().filter(|&fd| is_agent_socket(fd)) {
-        // SAFETY: fd is an inherited copy of the parent agent's socket; nothing in the child
-        // uses it (the thread that owned it does not exist here).
-        unsafe { libc::close(fd) };
-    }
-}
-
-/// Whether `fd` is a unix socket bound to (or accepted on) an agent name.
-fn is_agent_socket(fd: i32) -> bool {
-    // SAFETY: sockaddr_un is plain data; getsockname writes at most `len` bytes into it.
-    let (rc, addr, len) = unsafe {
-        let mut addr: libc::sockaddr_un = std::mem::zeroed();
-        let mut len = std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t;
-        let rc = libc::getsockname(fd, (&raw mut addr).cast(), &mut len);
-        (rc, addr, len)
-    };
-    let off = std::mem::offset_of!(libc::sockaddr_un, sun_path);
-    if rc != 0 || addr.sun_family != libc::AF_UNIX as libc::sa_family_t || (len as usize) <= off {
-        return false;
-    }
-    let n = (len as usize - off).min(addr.sun_path.len());
-    let name: Vec<u8> = addr.sun_path[..n].iter().map(|&c| c as u8).collect();
-    name.first() == Some(&0) && name[1..].starts_with(AGENT_SOCKET_PREFIX.as_bytes())
 }
 
 fn agent_main() {
     block_all_signals();
-    // SAFETY: getpid has no preconditions.
-    let pid = unsafe { libc::getpid() };
-    // fork's prepare handler takes the table lock: holding it from socket() to bind() means no
-    // child ever inherits the listener before it has the name close_agent_sockets() looks for.
+    // fork's prepare handler takes the table lock: holding it while the door is made and its
+    // numbers recorded means a child inherits either nothing or a door it knows to close.
     // Bounded, like every table lock the agent thread takes; on timeout go on unfenced.
     let fence = table::try_lock_for(AGENT_LOCK_WAIT);
-    let bound = bind_agent_listener(pid);
+    let installed = gpusnap_proto::install_door();
+    if let Ok(d) = &installed {
+        AGENT_FDS[DOOR_AGENT_END].store(d.agent_end.as_raw_fd(), Ordering::Release);
+        AGENT_FDS[DOOR_CLIENT_END].store(d.client_end.as_raw_fd(), Ordering::Release);
+        AGENT_FDS[DOOR_LABEL].store(d.label.as_raw_fd(), Ordering::Release);
+    }
     drop(fence);
-    let listener = match bound {
-        Ok(l) => l,
+    let DoorInside {
+        agent_end,
+        // Kept open for the life of the thread: clients copy the client end, find the label.
+        client_end: _client_end,
+        label: _label,
+    } = match installed {
+        Ok(d) => d,
         Err(e) => {
-            debug!("agent socket gpusnap-agent-{pid} unavailable, agent stays idle: {e}");
+            debug!("cannot make the agent's door, agent stays idle: {e}");
             return;
         }
     };
-    debug!("agent listening on @gpusnap-agent-{pid}");
+    let door = Channel::new(agent_end);
+    debug!("agent door open");
     let mut agent = Agent { gpu: Gpu::new() };
     loop {
-        let conn = match accept_connection(listener.as_fd()) {
-            Ok(c) => c,
-            Err(e) => {
-                debug!("accept: {e}");
-                match e.raw_os_error() {
-                    Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM) => {
-                        std::thread::sleep(std::time::Duration::from_millis(100));
-                        continue;
-                    }
-                    _ => return,
-                }
-            }
-        };
-        if !peer_allowed(&conn) {
+        if let Err(e) = wait_readable(&door) {
+            debug!("waiting at the door: {e}");
+            std::thread::sleep(std::time::Duration::from_millis(100));
             continue;
         }
-        let ch = Channel::new(conn);
-        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| agent.serve(&ch))).is_err() {
-            debug!("agent: panic while serving a connection; closing it");
+        let fence = table::try_lock_for(AGENT_LOCK_WAIT);
+        let knock = take_knock(&door);
+        if let Ok(Knock::Connection(c)) = &knock {
+            AGENT_FDS[CONNECTION].store(c.as_raw_fd(), Ordering::Release);
         }
-        drop(ch);
+        drop(fence);
+        let conn = match knock {
+            Ok(Knock::Connection(c)) => c,
+            Ok(Knock::Nothing) | Err(ProtoError::Interrupted) => continue,
+            Ok(Knock::Malformed(why)) => {
+                debug!("ignoring {why} at the door");
+                continue;
+            }
+            Err(e) => {
+                // E.g. no descriptor left for the attached socket: try again later.
+                debug!("taking a knock: {e}");
+                std::thread::sleep(std::time::Duration::from_millis(100));
+                continue;
+            }
+        };
+        if peer_allowed(&conn) {
+            let ch = Channel::new(conn);
+            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| agent.serve(&ch))).is_err()
+            {
+                debug!("agent: panic while serving a connection; closing it");
+            }
+            close_connection(ch.into_fd());
+        } else {
+            close_connection(conn);
+        }
+    }
+}
+
+/// Closes the served connection and forgets its number, under the fork fence (a child forked
+/// in between would otherwise close whatever file next got that number).
+fn close_connection(conn: OwnedFd) {
+    let fence = table::try_lock_for(AGENT_LOCK_WAIT);
+    drop(conn);
+    AGENT_FDS[CONNECTION].store(-1, Ordering::Release);
+    drop(fence);
+}
+
+/// Blocks until a record is queued at the door (signals are blocked in this thread).
+fn wait_readable(door: &Channel) -> std::io::Result<()> {
+    let mut pfd = libc::pollfd {
+        fd: door.fd().as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    loop {
+        // SAFETY: pfd is one valid pollfd.
+        if unsafe { libc::poll(&mut pfd, 1, -1) } >= 0 {
+            return Ok(());
+        }
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EINTR) {
+            return Err(e);
+        }
     }
 }
 
@@ -178,7 +214,7 @@ impl Agent {
     /// Serves one connection until the peer closes, an operation ends, or the peer idles: the
     /// agent serves one connection at a time, and a client that holds one without using it
     /// (or keeps it with requests outside an operation) would otherwise keep the plugin's
-    /// connection queued on the listener, which makes CRIU's dump fail on an in-flight socket.
+    /// knock queued at the door, which makes CRIU's dump fail on an in-flight socket.
     fn serve(&mut self, ch: &Channel) {
         let deadline = std::time::Instant::now() + SESSION_LIMIT;
         loop {
@@ -333,34 +369,4 @@ fn list(ch: &Channel) -> Result<(), ProtoError> {
     ch.send_reply(&Reply::AllocationsEnd {
         count: u32::try_from(entries.len()).unwrap_or(u32::MAX),
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::os::fd::AsRawFd;
-
-    #[test]
-    fn agent_sockets_are_recognised_by_name() {
-        let name = gpusnap_proto::agent_socket_name(-(std::process::id() as i32) - 7);
-        let listener = gpusnap_proto::bind_abstract_listener(&name).unwrap();
-        assert!(is_agent_socket(listener.as_raw_fd()));
-        let client = gpusnap_proto::connect_abstract(&name).unwrap();
-        let accepted = accept_connection(listener.as_fd()).unwrap();
-        assert!(
-            is_agent_socket(accepted.as_raw_fd()),
-            "accepted sockets carry the name"
-        );
-        assert!(
-            !is_agent_socket(client.as_raw_fd()),
-            "the client end is unnamed"
-        );
-        let other = gpusnap_proto::bind_abstract_listener(b"\0gpusnap-something-else").unwrap();
-        assert!(!is_agent_socket(other.as_raw_fd()));
-        let (a, _b) = gpusnap_proto::seqpacket_pair().unwrap();
-        assert!(!is_agent_socket(a.as_raw_fd()));
-        let f = std::fs::File::open("/proc/self/status").unwrap();
-        assert!(!is_agent_socket(f.as_raw_fd()));
-        assert!(!is_agent_socket(-1));
-    }
 }

@@ -4,13 +4,12 @@
 
 use std::io::Read;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
-use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use gpusnap_proto::{
-    Channel, ErrorCode, PROTOCOL_VERSION, ProtoError, Reply, Request, connect_agent,
+    Channel, Door, ErrorCode, PROTOCOL_VERSION, ProtoError, Reply, Request, connect_agent,
 };
 
 /// The cdylib cargo built next to this test binary (target/<profile>/deps or target/<profile>).
@@ -372,36 +371,73 @@ fn garbage_on_the_socket_is_answered_not_fatal() {
     assert!(child.finish().is_empty());
 }
 
+/// Runs `f` in a forked child as uid/gid 65534 and returns its exit code.
+fn as_nobody(f: impl FnOnce() -> i32) -> i32 {
+    // SAFETY: the child only switches credentials, runs `f` (which reads /proc and uses
+    // sockets; glibc's malloc is fork-safe) and leaves with _exit.
+    match unsafe { libc::fork() } {
+        0 => {
+            // SAFETY: credential calls with valid ids; _exit never returns.
+            unsafe {
+                let ok = libc::setgroups(0, std::ptr::null()) == 0
+                    && libc::setresgid(65534, 65534, 65534) == 0
+                    && libc::setresuid(65534, 65534, 65534) == 0;
+                libc::_exit(if ok { f() } else { 99 })
+            }
+        }
+        child => {
+            assert!(child > 0, "fork failed");
+            let mut status = 0;
+            // SAFETY: waiting for our own child.
+            assert_eq!(unsafe { libc::waitpid(child, &mut status, 0) }, child);
+            assert!(libc::WIFEXITED(status), "child died: {status:#x}");
+            libc::WEXITSTATUS(status)
+        }
+    }
+}
+
+/// Another user can neither open the agent's door (its `/proc/<pid>/fd` and `pidfd_getfd` need
+/// ptrace rights) nor be served if it got in some other way: a connection whose socket another
+/// user made (`SO_PEERCRED`) is closed unanswered. Root is served.
 #[test]
 fn other_users_are_refused() {
     // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 || !have("python3") {
-        eprintln!("needs root and python3: skipped");
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("needs root: skipped");
         return;
     }
     let child = EagerChild::start("30");
-    drop(child.connect()); // wait until it listens
-    let script = format!(
-        "import socket, os\n\
-         s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)\n\
-         s.connect(b'\\0gpusnap-agent-{}')\n\
-         s.settimeout(10)\n\
-         try:\n    s.send(b'GSNP\\x01\\x00\\x01\\x00\\x01\\x00')\n    got = s.recv(512)\n\
-         except (BrokenPipeError, ConnectionResetError):\n    got = b''\n\
-         print('closed' if got == b'' else 'answered')",
-        child.pid()
-    );
-    let out = Command::new("python3")
-        .args(["-c", &script])
-        .uid(65534)
-        .gid(65534)
-        .output()
-        .unwrap();
+    drop(child.connect()); // wait until the door is open
+    let pid = child.pid();
+    let opened = as_nobody(|| match Door::open(pid) {
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => 0,
+        Err(_) => 2,
+        Ok(_) => 1,
+    });
     assert_eq!(
-        String::from_utf8_lossy(&out.stdout).trim(),
-        "closed",
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+        opened, 0,
+        "another user opened the agent's door (1) or failed oddly (2)"
+    );
+    // Root opens the door and hands it over; the other user makes the connection and knocks.
+    let door = Door::open(pid).unwrap().expect("the agent's door");
+    let served = as_nobody(|| {
+        let Ok(fd) = door.knock() else { return 3 };
+        let ch = Channel::new(fd);
+        let hello = Request::Hello {
+            version: PROTOCOL_VERSION,
+        };
+        if ch.send_request(&hello, None).is_err() {
+            return 0; // closed before we could even ask
+        }
+        match ch.recv_reply(WAIT) {
+            Err(ProtoError::Closed) => 0,
+            Ok(_) => 1,
+            Err(_) => 2,
+        }
+    });
+    assert_eq!(
+        served, 0,
+        "the agent served another user's connection (1) or hung (2)"
     );
     // Root is still served.
     let ch = child.connect();
@@ -462,7 +498,7 @@ fn forked_child_inherits_no_agent() {
     )
     .unwrap();
     assert!(matches!(ch.recv_reply(WAIT).unwrap(), Reply::Hello { .. }));
-    // The child has no agent thread, no socket, and closed the inherited listener.
+    // The child has no agent thread, no socket, and closed the inherited door.
     assert!(connect_agent(forked).is_err());
     let comms: Vec<String> = std::fs::read_dir(format!("/proc/{forked}/task"))
         .unwrap()
@@ -475,9 +511,15 @@ fn forked_child_inherits_no_agent() {
     let sockets = std::fs::read_dir(format!("/proc/{forked}/fd"))
         .unwrap()
         .filter_map(|e| std::fs::read_link(e.unwrap().path()).ok())
-        .filter(|l| l.to_string_lossy().starts_with("socket:"))
+        .filter(|l| {
+            let l = l.to_string_lossy();
+            l.starts_with("socket:") || l.starts_with("/memfd:gpusnap-agent-door:")
+        })
         .count();
-    assert_eq!(sockets, 0, "the child kept the parent's agent socket");
+    assert_eq!(
+        sockets, 0,
+        "the child kept the parent's agent door or connection"
+    );
     drop(ch);
     // SAFETY: killing our own test processes by pid.
     unsafe { libc::kill(forked, libc::SIGKILL) };

@@ -463,7 +463,7 @@ fn damaged_gpusnap_image_refused_before_restore() {
 
 /// Says hello to the agent of `pid` (retrying the connection for a while, the agent thread may
 /// still be starting) and waits until the agent has closed the connection again, so that a
-/// following dump sees only its listening socket.
+/// following dump sees only its door.
 fn agent_hello(pid: i32, what: &str) -> Reply {
     let baseline = procs::socket_fds(pid);
     let mut fd = None;
@@ -473,7 +473,7 @@ fn agent_hello(pid: i32, what: &str) -> Reply {
     });
     assert!(
         connected,
-        "{what}: cannot connect to @gpusnap-agent-{pid}: {}",
+        "{what}: cannot reach the agent of pid {pid} through its door: {}",
         connect_agent(pid).unwrap_err()
     );
     let ch = Channel::new(fd.unwrap());

@@ -344,6 +344,99 @@ fn an_idle_client_of_the_agent_does_not_break_a_dump() {
     s.assert_runs_on(&last, &restore);
 }
 
+/// The unix sockets of `pid` that have a name (abstract or a path), as `/proc/<pid>/net/unix`
+/// lists them: a name is what another user could take before a restore.
+fn named_sockets_of(pid: i32) -> Vec<String> {
+    let inodes: Vec<String> = fs::read_dir(format!("/proc/{pid}/fd"))
+        .expect("the process's fds")
+        .flatten()
+        .filter_map(|e| fs::read_link(e.path()).ok())
+        .filter_map(|l| {
+            let l = l.to_string_lossy().into_owned();
+            Some(l.strip_prefix("socket:[")?.strip_suffix(']')?.to_string())
+        })
+        .collect();
+    let table = fs::read_to_string(format!("/proc/{pid}/net/unix")).expect("net/unix");
+    table
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            (f.len() >= 8 && inodes.iter().any(|i| i == f[6])).then(|| f[7..].join(" "))
+        })
+        .collect()
+}
+
+/// Binds `name` (an abstract unix name) as uid/gid 65534 in a forked child that then waits to
+/// be killed; returns the child's pid once the name is taken.
+fn squat_as_nobody(name: &[u8]) -> i32 {
+    let mut pipe = [0i32; 2];
+    // SAFETY: pipe writes two descriptors into the array.
+    assert_eq!(unsafe { libc::pipe(pipe.as_mut_ptr()) }, 0);
+    // SAFETY: the child only makes raw syscalls (no allocation) and never returns.
+    let child = unsafe { libc::fork() };
+    if child == 0 {
+        // SAFETY: raw syscalls on valid arguments; _exit on any failure.
+        unsafe {
+            let mut addr: libc::sockaddr_un = std::mem::zeroed();
+            addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+            for (d, s) in addr.sun_path.iter_mut().zip(name) {
+                *d = *s as libc::c_char;
+            }
+            let len = (std::mem::offset_of!(libc::sockaddr_un, sun_path) + name.len()) as u32;
+            let ok = libc::setgroups(0, std::ptr::null()) == 0
+                && libc::setresgid(65534, 65534, 65534) == 0
+                && libc::setresuid(65534, 65534, 65534) == 0;
+            let fd = libc::socket(libc::AF_UNIX, libc::SOCK_SEQPACKET, 0);
+            if !ok || fd < 0 || libc::bind(fd, (&raw const addr).cast(), len) != 0 {
+                libc::_exit(1);
+            }
+            libc::listen(fd, 1);
+            libc::write(pipe[1], b"k".as_ptr().cast(), 1);
+            loop {
+                libc::pause();
+            }
+        }
+    }
+    assert!(child > 0);
+    // SAFETY: closing our copy of the write end; then reading one byte from the read end.
+    unsafe { libc::close(pipe[1]) };
+    let mut byte = 0u8;
+    // SAFETY: reading one byte into `byte`.
+    let n = unsafe { libc::read(pipe[0], (&raw mut byte).cast(), 1) };
+    // SAFETY: our descriptor.
+    unsafe { libc::close(pipe[0]) };
+    assert_eq!(n, 1, "the squatter could not bind its name");
+    child
+}
+
+/// Nothing of the agent's has a name: the process holds no named unix socket, before or after
+/// a dump, so another user who binds the agent's old name (`@gpusnap-agent-<pid>`, which the
+/// agent listened on until 2026-12) after the dump cannot deny the restore (it used to fail
+/// with `EADDRINUSE`, CRIU re-creating the listener).
+#[test]
+fn another_user_cannot_block_a_restore_by_taking_a_name() {
+    let Some(mut s) = Split::start("split-squat") else {
+        return;
+    };
+    let pid = s.vmm.pid();
+    assert_eq!(named_sockets_of(pid), Vec::<String>::new());
+    let dump = s.dump(false);
+    s.assert_ok(&dump);
+    s.assert_split_dump(&dump);
+    let last = s.reap_dumped();
+    let squatter = squat_as_nobody(format!("\0gpusnap-agent-{pid}").as_bytes());
+    let restore = s.restore();
+    // SAFETY: killing and reaping our own forked child.
+    unsafe {
+        libc::kill(squatter, libc::SIGKILL);
+        libc::waitpid(squatter, std::ptr::null_mut(), 0);
+    }
+    s.assert_ok(&restore);
+    s.assert_runs_on(&last, &restore);
+    assert_eq!(named_sockets_of(pid), Vec::<String>::new());
+}
+
 /// A client outside a checkpoint (root, here) asks the agent of a running workload to release
 /// its memory after a full copy, and to load data into it: both are refused, the connection
 /// says why, and the workload never notices (every tick stays good).

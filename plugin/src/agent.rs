@@ -2,17 +2,17 @@
 //! connection, with one method per step of the protocol (`docs/design-notes.md`). The data
 //! pumps of [`crate::datapath`] use its channel for the per-chunk messages.
 //!
-//! The agent listens on an abstract unix socket named after its pid *in its own pid namespace*,
-//! inside its own network namespace. Hooks get host pids, so the session translates: the
-//! namespace pid from `/proc`, and (for containers) it connects from a short-lived thread that
-//! has joined the target's network namespace. The peer is checked with `SO_PEERCRED` before
-//! anything is sent: the listening socket must belong to the target process.
+//! The agent has no socket name: the session copies the client end of the agent's door out of
+//! the target with `pidfd_getfd` and knocks (`gpusnap_proto`'s `door`), which works across pid
+//! and network namespaces alike and needs the ptrace rights CRIU has anyway. The agent's
+//! `Hello` must name the target's namespace pid. A knock the agent never answered is withdrawn
+//! when the session ends, so CRIU never finds it queued in the process.
 
 use crate::procfs;
 use gpusnap_image::AllocationRecord;
 use gpusnap_proto::{AllocKind, Channel, PROTOCOL_VERSION, ProtoError, Reply, Request};
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::BorrowedFd;
 use std::time::Duration;
 
 /// The agent's thread names itself so (a restored process's agent thread can be found without
@@ -23,14 +23,16 @@ pub const AGENT_THREAD_COMM: &str = "gpusnap-agent";
 pub enum AgentError {
     #[error("pid {pid}: {err}")]
     Proc { pid: i32, err: io::Error },
-    #[error("cannot join the network namespace of pid {pid}: {err}")]
-    Netns { pid: i32, err: io::Error },
     #[error("connecting to the agent of pid {pid}: {err}")]
     Connect { pid: i32, err: io::Error },
     #[error(
-        "the socket of the agent of pid {pid} belongs to pid {owner}, not to the target: refusing to talk to it"
+        "the agent behind the door of pid {pid} says it is namespace pid {claimed}, not the target's {expected}: refusing to talk to it"
     )]
-    Impostor { pid: i32, owner: i32 },
+    Impostor {
+        pid: i32,
+        claimed: i32,
+        expected: i32,
+    },
     #[error("agent of pid {pid}: {err}")]
     Proto { pid: i32, err: ProtoError },
     #[error("agent of pid {pid} answered {got} where {expected} was expected")]
@@ -86,36 +88,48 @@ pub struct AgentSession {
     pid: i32,
     chan: Channel,
     timeout: Duration,
+    /// The door knocked at; `None` in unit tests that play the agent over a plain pair.
+    door: Option<gpusnap_proto::Door>,
+    /// Whether the agent has answered anything (else the knock may still be queued).
+    answered: std::sync::atomic::AtomicBool,
+}
+
+impl Drop for AgentSession {
+    fn drop(&mut self) {
+        if self.answered.load(std::sync::atomic::Ordering::Relaxed) {
+            return;
+        }
+        if let Some(door) = &self.door {
+            match door.withdraw() {
+                Ok(0) => {}
+                Ok(n) => log::warn!(
+                    "pid {}: the agent took no knock; withdrew {n} from its door",
+                    self.pid
+                ),
+                Err(e) => log::warn!(
+                    "pid {}: cannot withdraw an unanswered knock from the agent's door: {e}",
+                    self.pid
+                ),
+            }
+        }
+    }
 }
 
 impl AgentSession {
     /// Connects to the agent of host pid `pid`. `Ok(None)`: no agent listens there (the process
     /// goes the driver path). `timeout` bounds every wait for an answer.
     pub fn connect(pid: i32, timeout: Duration) -> Result<Option<Self>, AgentError> {
-        let proc_err = |err| AgentError::Proc { pid, err };
-        let nspid = procfs::ns_pid(pid).map_err(proc_err)?;
-        let fd = if procfs::in_our_netns(pid).map_err(proc_err)? {
-            gpusnap_proto::connect_agent(nspid)
-        } else {
-            connect_in_netns(pid, nspid)?
+        let connect_err = |err| AgentError::Connect { pid, err };
+        let Some(door) = gpusnap_proto::Door::open(pid).map_err(connect_err)? else {
+            return Ok(None);
         };
-        let fd = match fd {
-            Ok(fd) => fd,
-            Err(e) if matches!(e.raw_os_error(), Some(libc::ECONNREFUSED | libc::ENOENT)) => {
-                return Ok(None);
-            }
-            Err(err) => return Err(AgentError::Connect { pid, err }),
-        };
-        let cred =
-            gpusnap_proto::peer_cred(fd.as_fd()).map_err(|err| AgentError::Connect { pid, err })?;
-        let owner = cred.pid;
-        if owner != pid && procfs::thread_group_of(owner).ok() != Some(pid) {
-            return Err(AgentError::Impostor { pid, owner });
-        }
+        let fd = door.knock().map_err(connect_err)?;
         Ok(Some(Self {
             pid,
             chan: Channel::new(fd),
             timeout,
+            door: Some(door),
+            answered: std::sync::atomic::AtomicBool::new(false),
         }))
     }
 
@@ -146,7 +160,10 @@ impl AgentSession {
 
     /// The next reply; an agent's `Error` becomes [`AgentError::Refused`].
     pub fn recv(&self, timeout: Duration) -> Result<Reply, AgentError> {
-        match self.chan.recv_reply(Some(timeout)).map_err(self.proto())? {
+        let reply = self.chan.recv_reply(Some(timeout)).map_err(self.proto())?;
+        self.answered
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        match reply {
             Reply::Error { message, .. } => Err(AgentError::Refused {
                 pid: self.pid,
                 message,
@@ -181,15 +198,28 @@ impl AgentSession {
                 devices,
                 released,
                 hazards,
-            } => Ok(AgentHello {
-                ns_pid,
-                ns_tid: tid,
-                hazards,
-                allocations,
-                converted_bytes,
-                devices,
-                released,
-            }),
+            } => {
+                if self.door.is_some() {
+                    let expected = procfs::ns_pid(self.pid)
+                        .map_err(|err| AgentError::Proc { pid: self.pid, err })?;
+                    if ns_pid != expected {
+                        return Err(AgentError::Impostor {
+                            pid: self.pid,
+                            claimed: ns_pid,
+                            expected,
+                        });
+                    }
+                }
+                Ok(AgentHello {
+                    ns_pid,
+                    ns_tid: tid,
+                    hazards,
+                    allocations,
+                    converted_bytes,
+                    devices,
+                    released,
+                })
+            }
             got => Err(self.unexpected("Hello", got)),
         }
     }
@@ -337,33 +367,6 @@ pub fn agent_thread(pid: i32) -> Option<i32> {
     procfs::thread_named(pid, AGENT_THREAD_COMM).ok().flatten()
 }
 
-/// Connects from a short-lived thread that joins the target's network namespace: abstract unix
-/// sockets are per network namespace, and the socket keeps its namespace after the thread exits.
-fn connect_in_netns(pid: i32, nspid: i32) -> Result<io::Result<OwnedFd>, AgentError> {
-    let ns = std::fs::File::open(format!("/proc/{pid}/ns/net"))
-        .map_err(|err| AgentError::Netns { pid, err })?;
-    std::thread::scope(|s| {
-        s.spawn(|| {
-            // SAFETY: setns on this thread only (CLONE_NEWNET affects the calling thread); `ns`
-            // is an open namespace fd that lives for the whole call.
-            if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-                return Err(AgentError::Netns {
-                    pid,
-                    err: io::Error::last_os_error(),
-                });
-            }
-            Ok(gpusnap_proto::connect_agent(nspid))
-        })
-        .join()
-        .unwrap_or_else(|_| {
-            Err(AgentError::Netns {
-                pid,
-                err: io::Error::other("helper thread panicked"),
-            })
-        })
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -389,6 +392,8 @@ mod tests {
             pid: 1,
             chan: ours,
             timeout: Duration::from_secs(5),
+            door: None,
+            answered: std::sync::atomic::AtomicBool::new(false),
         };
         let agent = std::thread::spawn(move || {
             let (r, _) = theirs.recv_request(Some(Duration::from_secs(5))).unwrap();

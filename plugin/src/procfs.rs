@@ -50,11 +50,6 @@ pub fn parse_sig_pending(status: &str) -> Option<u64> {
     u64::from_str_radix(&hex, 16).ok()
 }
 
-/// `Tgid:` of a `status` text: the process a thread belongs to.
-pub fn parse_tgid(status: &str) -> Option<i32> {
-    status_field(status, "Tgid")
-}
-
 /// `VmRSS:` of a `status` text, in KiB.
 pub fn parse_vm_rss_kib(status: &str) -> Option<u64> {
     status_field(status, "VmRSS")
@@ -169,12 +164,6 @@ pub fn pending_signals(pid: i32, tid: i32) -> io::Result<u64> {
     parse_sig_pending(&read(&path)?).ok_or_else(|| invalid("SigPnd line", &path))
 }
 
-/// The process (thread group) thread `tid` belongs to.
-pub fn thread_group_of(tid: i32) -> io::Result<i32> {
-    let path = format!("/proc/{tid}/status");
-    parse_tgid(&read(&path)?).ok_or_else(|| invalid("Tgid line", &path))
-}
-
 /// The state letter and start time of `pid`.
 pub fn state_and_start(pid: i32) -> io::Result<(String, u64)> {
     let text = stat_text(pid, None)?;
@@ -271,11 +260,6 @@ pub fn namespace(pid: i32, kind: &str) -> io::Result<(u64, u64)> {
     Ok((m.dev(), m.ino()))
 }
 
-/// Whether `pid` lives in the network namespace of this process.
-pub fn in_our_netns(pid: i32) -> io::Result<bool> {
-    Ok(namespace(pid, "net")? == namespace(std::process::id() as i32, "net")?)
-}
-
 /// Reads 4 bytes of `pid`'s memory (a tracer may read `/proc/<pid>/mem`).
 pub fn read_u32(pid: i32, addr: u64) -> io::Result<u32> {
     use std::os::unix::fs::FileExt;
@@ -294,7 +278,6 @@ mod tests {
         let s =
             "Name:\tpython3\nTgid:\t77\nNSpid:\t4242\t7\nVmPeak:\t  100 kB\nVmRSS:\t  123456 kB\n";
         assert_eq!(parse_ns_id(s), Some(7));
-        assert_eq!(parse_tgid(s), Some(77));
         assert_eq!(parse_vm_rss_kib(s), Some(123456));
         assert_eq!(parse_vm_rss_kib("Name:\tx\n"), None);
         assert_eq!(parse_ns_id("Name:\tx\nNSpid:\n"), None);
@@ -358,8 +341,6 @@ mod tests {
         assert_eq!(ns_pid(me).unwrap(), me);
         assert_eq!(host_tid(me, me).unwrap(), Some(me));
         assert_eq!(host_tid(me, -5).unwrap(), None);
-        assert_eq!(thread_group_of(me).unwrap(), me);
-        assert!(in_our_netns(me).unwrap());
         assert!(thread_ids(me).unwrap().contains(&me));
         assert!(vm_rss_kib(me).unwrap() > 0);
         assert!(processes().unwrap().contains(&me));

@@ -23,6 +23,19 @@ const _: () = assert!(
         <= 128
 );
 
+/// Whether a send may wait for room in the peer's queue.
+#[derive(Clone, Copy)]
+enum Blocking {
+    Wait,
+    Never,
+}
+
+/// One record as received, undecoded.
+pub(crate) struct RawRecord {
+    pub bytes: Vec<u8>,
+    pub fd: Option<OwnedFd>,
+}
+
 /// One received message: its bytes and the descriptors that came with it.
 struct Received {
     buf: [u8; MAX_MESSAGE],
@@ -46,6 +59,11 @@ impl Channel {
     pub fn pair() -> std::io::Result<(Channel, Channel)> {
         let (a, b) = crate::seqpacket_pair()?;
         Ok((Channel::new(a), Channel::new(b)))
+    }
+
+    /// The socket, given back (e.g. to close it at a chosen moment).
+    pub fn into_fd(self) -> OwnedFd {
+        self.fd
     }
 
     /// The socket.
@@ -114,6 +132,34 @@ impl Channel {
     }
 
     fn send_raw(&self, bytes: &[u8], attach: Option<BorrowedFd<'_>>) -> Result<(), ProtoError> {
+        self.send_raw_with(bytes, attach, Blocking::Wait)
+    }
+
+    /// Sends one record without waiting for room (`MSG_DONTWAIT`): a full queue is an `EAGAIN`
+    /// I/O error. For the agent's door, whose other end may belong to a busy agent.
+    pub(crate) fn send_raw_now(
+        &self,
+        bytes: &[u8],
+        attach: Option<BorrowedFd<'_>>,
+    ) -> Result<(), ProtoError> {
+        self.send_raw_with(bytes, attach, Blocking::Never)
+    }
+
+    /// The bytes and descriptor of one record if one is queued now (`MSG_DONTWAIT`), without
+    /// decoding it: for the agent's door, whose records are not protocol messages.
+    pub(crate) fn try_recv_raw(&self) -> Result<Option<RawRecord>, ProtoError> {
+        Ok(self.recv_once(libc::MSG_DONTWAIT)?.map(|m| RawRecord {
+            bytes: m.buf[..m.len].to_vec(),
+            fd: m.fd,
+        }))
+    }
+
+    fn send_raw_with(
+        &self,
+        bytes: &[u8],
+        attach: Option<BorrowedFd<'_>>,
+        blocking: Blocking,
+    ) -> Result<(), ProtoError> {
         let mut iov = libc::iovec {
             iov_base: bytes.as_ptr() as *mut libc::c_void,
             iov_len: bytes.len(),
@@ -144,8 +190,12 @@ impl Channel {
             }
         }
         loop {
+            let flags = match blocking {
+                Blocking::Wait => libc::MSG_NOSIGNAL,
+                Blocking::Never => libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
+            };
             // SAFETY: msg points at a live iovec over `bytes` and, if set, at the control buffer.
-            let n = unsafe { libc::sendmsg(self.fd.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
+            let n = unsafe { libc::sendmsg(self.fd.as_raw_fd(), &msg, flags) };
             if n >= 0 {
                 if n as usize != bytes.len() {
                     return Err(ProtoError::Io(std::io::Error::other(
@@ -155,7 +205,7 @@ impl Channel {
                 return Ok(());
             }
             let e = std::io::Error::last_os_error();
-            if e.raw_os_error() == Some(libc::EAGAIN) {
+            if e.raw_os_error() == Some(libc::EAGAIN) && matches!(blocking, Blocking::Wait) {
                 // Only on a socket someone made non-blocking: wait until it drains.
                 self.poll(libc::POLLOUT, -1)?;
                 continue;

@@ -7,11 +7,13 @@
 //! Modules:
 //! - `message`: [`Request`] / [`Reply`] and their encoding; decoding checks untrusted bytes exactly.
 //! - `wire`: the bounds-checked little-endian reader and writer the messages are built from.
-//! - `socket`: abstract `SOCK_SEQPACKET` names, listen/connect/accept, `SO_PEERCRED`.
+//! - `socket`: `SOCK_SEQPACKET` pairs, `SO_PEERCRED`.
+//! - `door`: how a client reaches a process's agent (no socket name; `pidfd_getfd`).
 //! - `channel`: [`Channel`], one connection; whole messages, at most one fd attached, timeouts.
 //! - `error`: [`ProtoError`].
 
 mod channel;
+mod door;
 mod error;
 mod message;
 mod socket;
@@ -21,15 +23,15 @@ mod wire;
 mod tests;
 
 pub use channel::Channel;
+pub use door::{
+    DOOR_LABEL_PREFIX, Door, DoorInside, KNOCK, Knock, connect_agent, install_door, parse_label,
+    take_knock,
+};
 pub use error::ProtoError;
 pub use message::{
     AllocKind, ErrorCode, HEADER_LEN, MAGIC, MAX_ERROR_MESSAGE, Reply, Request, hazard,
 };
-pub use socket::{
-    AGENT_SOCKET_PREFIX, LISTEN_BACKLOG, accept_connection, agent_socket_name,
-    bind_abstract_listener, bind_agent_listener, connect_abstract, connect_agent, peer_cred,
-    seqpacket_pair,
-};
+pub use socket::{peer_cred, seqpacket_pair};
 
 /// Version carried in every message header and in `Hello`.
 pub const PROTOCOL_VERSION: u16 = 2;

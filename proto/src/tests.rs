@@ -329,8 +329,25 @@ fn largest_message_fits() {
 }
 
 #[test]
-fn socket_name_is_abstract() {
-    assert_eq!(agent_socket_name(42), b"\0gpusnap-agent-42".to_vec());
+fn door_labels_parse_exactly() {
+    assert_eq!(
+        parse_label("/memfd:gpusnap-agent-door:12:11 (deleted)"),
+        Some((12, 11))
+    );
+    assert_eq!(parse_label("/memfd:gpusnap-agent-door:3:4"), Some((3, 4)));
+    for bad in [
+        "/memfd:gpusnap-agent-door:12 (deleted)",
+        "/memfd:gpusnap-agent-door::4 (deleted)",
+        "/memfd:gpusnap-agent-door:+1:4 (deleted)",
+        "/memfd:gpusnap-agent-door:1:-4 (deleted)",
+        "/memfd:gpusnap-agent-door:1:4:5 (deleted)",
+        "/memfd:gpusnap-agent-door:99999999999:4 (deleted)",
+        "/memfd:gpusnap-staging (deleted)",
+        "/tmp/gpusnap-agent-door:1:2",
+        "socket:[1234]",
+    ] {
+        assert_eq!(parse_label(bad), None, "{bad}");
+    }
 }
 
 fn memfd_with(content: &[u8]) -> std::fs::File {
@@ -510,39 +527,72 @@ fn concurrent_senders_keep_messages_whole() {
     assert_eq!(seen, want);
 }
 
+/// The whole door in one process (one test, so no other test's door makes two labels): a
+/// client finds it by its label, knocks, and the agent's end takes a connection whose
+/// `SO_PEERCRED` is the knocker's; a knock nobody takes is withdrawn; junk is not a knock.
 #[test]
-fn abstract_listener_connect_and_peer_cred() {
-    // A name no real agent uses (negative) and no concurrent test run either (our pid).
-    let nspid = -(std::process::id() as i32);
-    let listener = bind_agent_listener(nspid).unwrap();
-    // The name is taken now.
-    assert!(bind_agent_listener(nspid).is_err());
-    let client = std::thread::spawn(move || {
-        let c = Channel::new(connect_agent(nspid).unwrap());
-        c.send_request(
-            &Request::Hello {
-                version: PROTOCOL_VERSION,
-            },
-            None,
-        )
-        .unwrap();
-        c.recv_reply(Some(Duration::from_secs(5))).unwrap()
-    });
-    let conn = accept_connection(listener.as_fd()).unwrap();
+fn door_knock_take_and_withdraw() {
+    let me = std::process::id() as i32;
+    assert!(Door::open(me).unwrap().is_none(), "no door before install");
+    let inside = install_door().unwrap();
+    let agent = Channel::new(inside.agent_end);
+    assert!(matches!(take_knock(&agent).unwrap(), Knock::Nothing));
+
+    let door = Door::open(me).unwrap().expect("the label is found");
+    let ours = Channel::new(door.knock().unwrap());
+    let Knock::Connection(conn) = take_knock(&agent).unwrap() else {
+        panic!("no connection taken");
+    };
     let cred = peer_cred(conn.as_fd()).unwrap();
-    assert_eq!(cred.pid, std::process::id() as i32);
+    assert_eq!(cred.pid, me);
     // SAFETY: geteuid has no preconditions.
     assert_eq!(cred.uid, unsafe { libc::geteuid() });
-    let server = Channel::new(conn);
+    let served = Channel::new(conn);
+    ours.send_request(
+        &Request::Hello {
+            version: PROTOCOL_VERSION,
+        },
+        None,
+    )
+    .unwrap();
     assert_eq!(
-        server.recv_request(None).unwrap().0,
+        served.recv_request(Some(Duration::from_secs(5))).unwrap().0,
         Request::Hello {
             version: PROTOCOL_VERSION
         }
     );
-    server.send_reply(&Reply::Aborted).unwrap();
-    assert_eq!(client.join().unwrap(), Reply::Aborted);
-    drop(listener);
-    assert!(connect_agent(nspid).is_err());
-    assert!(bind_abstract_listener(b"no-leading-nul").is_err());
+    served.send_reply(&Reply::Aborted).unwrap();
+    assert_eq!(
+        ours.recv_reply(Some(Duration::from_secs(5))).unwrap(),
+        Reply::Aborted
+    );
+
+    // Two knocks nobody takes: withdrawn, and their connections see the close.
+    let a = Channel::new(door.knock().unwrap());
+    let b = Channel::new(connect_agent(me).unwrap());
+    assert_eq!(door.withdraw().unwrap(), 2);
+    assert!(matches!(take_knock(&agent).unwrap(), Knock::Nothing));
+    for c in [&a, &b] {
+        assert!(matches!(
+            c.recv_reply(Some(Duration::from_secs(5))),
+            Err(ProtoError::Closed)
+        ));
+    }
+
+    // Records that are not knocks are refused and their descriptors closed.
+    let raw = Channel::new(inside.client_end);
+    raw.send_raw_now(b"hello", None).unwrap();
+    assert!(matches!(take_knock(&agent).unwrap(), Knock::Malformed(_)));
+    raw.send_raw_now(KNOCK, None).unwrap();
+    assert!(matches!(take_knock(&agent).unwrap(), Knock::Malformed(_)));
+    let f = std::fs::File::open("/proc/self/status").unwrap();
+    raw.send_raw_now(KNOCK, Some(f.as_fd())).unwrap();
+    assert!(matches!(take_knock(&agent).unwrap(), Knock::Malformed(_)));
+
+    // A second label is refused, not guessed between.
+    let second = install_door().unwrap();
+    assert!(Door::open(me).is_err());
+    drop(second);
+    drop(inside.label);
+    assert!(Door::open(me).unwrap().is_none(), "no label, no door");
 }

@@ -76,6 +76,9 @@ def main():
     ap.add_argument("--no-pcie", action="store_true")
     ap.add_argument("--verify", action="store_true", help="also run gpusnap verify (untimed)")
     ap.add_argument("--budget-s", type=float, default=0, help="start no new case after this many s")
+    ap.add_argument("--reserve-gib", type=float, default=0,
+                    help="the workload also reserves this much device memory it never writes "
+                         "(records case sparse-<reserved+written>g-touch-<written>g)")
     ap.add_argument("--cmdline", default=None, help="command line to record (default: this one)")
     a = ap.parse_args()
 
@@ -105,7 +108,8 @@ def main():
         workload=os.path.join(crlib.REPO, "gpu", "mock_workload.py") if a.mock else os.path.join(a.bin, "workload"),
         workload_prefix=[sys.executable] if a.mock else [], plugdir=a.plugdir, images=a.images,
         work=a.work, alloc=a.alloc, chunk_mib=a.chunk_mib, interval_ms=100, ticks_before=3,
-        ticks_after=5, verify=a.verify, inspect=True, archive_prefix="bench")
+        ticks_after=5, verify=a.verify, inspect=True, archive_prefix="bench",
+        workload_args=["--reserve-gib", str(a.reserve_gib)] if a.reserve_gib else [])
     os.makedirs(a.images, exist_ok=True)
     paths = [p.strip() for p in a.paths.split(",") if p.strip()]
     failed = 0
@@ -113,7 +117,11 @@ def main():
         gib = int(gib) if float(gib).is_integer() else gib
         for path in paths:
             rec = dict(base, date=output.iso_now(), gib=gib, path=path)
-            need = need_gib(path, gib)
+            if a.reserve_gib:
+                rec.update(case="sparse-%gg-touch-%gg" % (gib + a.reserve_gib, gib),
+                           reserve_gib=a.reserve_gib, touched_bytes=int(gib * 2**30))
+            # The transparent path (and a split path without zero chunks) saves reserved memory too.
+            need = need_gib(path, gib + (a.reserve_gib if path == "transparent" else 0))
             usable, m = usable_gib(a.ram_gib)
             if need > a.ram_gib or need > usable:
                 why = "%s %s GiB needs ~%d GiB RAM; usable ~%.0f GiB (MemTotal %.0f, MemAvailable %.0f, nominal %.0f)" % (

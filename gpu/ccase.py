@@ -35,6 +35,7 @@ class CaseConfig:
         self.modes = kw.get("modes", {"split": "auto", "transparent": "transparent"})
         self.devices = kw.get("devices")  # workload --devices (e.g. "0,1"); None: its default
         self.restore_env = kw.get("restore_env", {})  # e.g. {"GPUSNAP_DEVICE_MAP": "..."}
+        self.workload_args = kw.get("workload_args", [])  # e.g. ["--reserve-gib", "92"]
 
 
 def _ticks(wlog):
@@ -65,7 +66,7 @@ def run_c_case(cfg, log, path, gib, leave_running, tag="e2e"):
     try:
         cmd = list(cfg.workload_prefix) + [
             cfg.workload, "--gib", str(gib), "--chunk-mib", str(cfg.chunk_mib), "--alloc", cfg.alloc,
-            "--log", wlog, "--interval-ms", str(cfg.interval_ms)]
+            "--log", wlog, "--interval-ms", str(cfg.interval_ms)] + list(cfg.workload_args)
         if cfg.devices is not None:
             cmd += ["--devices", cfg.devices]
         popen = procs.start_process(cmd, wout, procs.workload_env(path), log)

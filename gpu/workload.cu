@@ -20,7 +20,11 @@
 //
 // Build: nvcc -O2 -o /tmp/workload gpu/workload.cu -lcuda
 // Usage: workload --gib N [--chunk-mib M] [--alloc driver|runtime]
-//                 [--log FILE] [--interval-ms MS] [--devices 0,1]
+//                 [--log FILE] [--interval-ms MS] [--devices 0,1] [--reserve-gib R]
+//
+// --reserve-gib R also allocates R GiB (in chunk-sized allocations on the first device) that
+// the workload never writes, as JAX's preallocation or a server's KV-cache reservation does;
+// every tick checks that the first, middle and last word of each reserved allocation read 0.
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -258,12 +262,13 @@ static void usage(const char *argv0) {
           "  --alloc A       driver: cuMemAlloc (driver API); runtime: cudaMalloc (default driver)\n"
           "  --log FILE      log file, appended (default /tmp/workload.log)\n"
           "  --interval-ms   pause between ticks (default 100)\n"
-          "  --devices LIST  CUDA ordinals, comma separated; allocations round robin (default 0)\n",
+          "  --devices LIST  CUDA ordinals, comma separated; allocations round robin (default 0)\n"
+          "  --reserve-gib R also allocate R GiB never written (checked to read 0 every tick)\n",
           argv0);
 }
 
 int main(int argc, char **argv) {
-  double gib = 1.0;
+  double gib = 1.0, reserve_gib = 0.0;
   long chunk_mib = 1024;
   long interval_ms = 100;
   std::string alloc = "driver";
@@ -284,6 +289,7 @@ int main(int argc, char **argv) {
     else if (a == "--log") g_log = need();
     else if (a == "--interval-ms") interval_ms = atol(need());
     else if (a == "--devices") devices = need();
+    else if (a == "--reserve-gib") reserve_gib = atof(need());
     else if (a == "-h" || a == "--help") { usage(argv[0]); return 0; }
     else { fprintf(stderr, "workload: unknown argument %s\n", a.c_str()); usage(argv[0]); return 2; }
   }
@@ -378,6 +384,28 @@ int main(int argc, char **argv) {
       return 1;
     }
   }
+  // Reserved, never written: in chunk-sized allocations on the first device.
+  std::vector<std::pair<u64, u64>> reserved;  // (device address, bytes)
+  u64 reserve_total = (u64)(reserve_gib * 1073741824.0) & ~(u64)((2ull << 20) - 1);
+  use_dev(0, err, -1);
+  for (u64 off = 0, no = 0; off < reserve_total; no++) {
+    u64 bytes = reserve_total - off < chunk_bytes ? reserve_total - off : chunk_bytes;
+    void *p = nullptr;
+    if (g_driver) {
+      CUdeviceptr d = 0;
+      CUresult r = cuMemAlloc(&d, (size_t)bytes);
+      err.drv(r, "cuMemAlloc reserve", -1);
+      if (r != CUDA_SUCCESS) { logf_("fatal: reserve %llu of %llu bytes failed", no, bytes); return 1; }
+      p = (void *)(uintptr_t)d;
+    } else {
+      cudaError_t e = cudaMalloc(&p, (size_t)bytes);
+      err.rt(e, "cudaMalloc reserve", -1);
+      if (e != cudaSuccess) { logf_("fatal: reserve %llu of %llu bytes failed", no, bytes); return 1; }
+    }
+    reserved.push_back({(u64)(uintptr_t)p, bytes});
+    logf_("reserve %llu ptr 0x%llx bytes %llu device %d", no, (u64)(uintptr_t)p, bytes, g_devs[0]);
+    off += bytes;
+  }
   double t_alloc = mono_s();
   for (size_t c = 0; c < g_chunks.size(); c++) {
     use_dev(g_chunks[c].dev, err, -1);
@@ -437,8 +465,19 @@ int main(int argc, char **argv) {
     sync_all(te, "sync tick", tick);
     u64 h[3] = {0, 0, 0};
     read_ctrl(h, te, "copy ctrl", tick);
+    // The reserved memory still reads 0 (first, middle and last word of each allocation).
+    int reserve_ok = 1;
+    if (!reserved.empty()) use_dev(0, te, tick);
+    for (auto &r : reserved) {
+      u64 at[3] = {0, r.second / 16 * 8, r.second - 8};
+      for (u64 o : at) {
+        u64 v = 1;
+        copy_d2h(&v, (u64 *)(uintptr_t)(r.first + o), 8, te, "reserve check", tick);
+        if (v != 0) reserve_ok = 0;
+      }
+    }
     double b = mono_s();
-    int ok = (te.code == 0 && h[C_SUM] == ref) ? 1 : 0;
+    int ok = (te.code == 0 && h[C_SUM] == ref && reserve_ok) ? 1 : 0;
     logf_("tick %ld counter %llu state 0x%016llx sum 0x%016llx ok %d err %d us %llu dt_us %llu",
           tick, h[C_COUNTER], h[C_STATE], h[C_SUM], ok, te.code, now_us(),
           (u64)((b - a) * 1e6));

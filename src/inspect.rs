@@ -233,6 +233,9 @@ struct ManifestJson<'a> {
     chunks_here: u64,
     referenced_bytes: u64,
     referenced_chunks: u64,
+    zero_bytes: u64,
+    zero_chunks: u64,
+    device_hashed_chunks: u64,
     chain_depth: u32,
     referenced_by_depth: Vec<DepthJson>,
     file_count: usize,
@@ -284,6 +287,11 @@ struct Totals {
     stored_here: u64,
     /// Chunks and device bytes referenced in ancestor images, by depth (1 = `parent`).
     referenced: BTreeMap<u32, (u64, u64)>,
+    /// Chunks and device bytes recorded as all zero (nothing stored).
+    zero_chunks: u64,
+    zero_bytes: u64,
+    /// Chunks that carry a hash computed on the GPU.
+    device_hashed: u64,
 }
 
 impl Totals {
@@ -302,8 +310,16 @@ fn totals(m: &Manifest) -> Totals {
         e.0 += 1;
         e.1 += c.len;
     }
-    let own = || m.chunks.iter().filter(|c| !c.is_reference());
+    let own = || {
+        m.chunks
+            .iter()
+            .filter(|c| c.is_stored() && !c.is_reference())
+    };
+    let zero = || m.chunks.iter().filter(|c| !c.is_stored());
     Totals {
+        zero_chunks: zero().count() as u64,
+        zero_bytes: zero().map(|c| c.len).sum(),
+        device_hashed: m.chunks.iter().filter(|c| c.device_hash.is_some()).count() as u64,
         here_chunks: own().count() as u64,
         stored_here: own().map(|c| c.stored_len).sum(),
         referenced,
@@ -346,6 +362,9 @@ fn process_json(m: &Manifest) -> ManifestJson<'_> {
         chunks_here: t.here_chunks,
         referenced_bytes: t.referenced_bytes(),
         referenced_chunks: t.referenced_chunks(),
+        zero_bytes: t.zero_bytes,
+        zero_chunks: t.zero_chunks,
+        device_hashed_chunks: t.device_hashed,
         chain_depth: t.referenced.keys().max().copied().unwrap_or(0),
         referenced_by_depth: t
             .referenced
@@ -417,6 +436,14 @@ fn write_process_text(out: &mut impl Write, m: &Manifest) -> io::Result<()> {
         m.files.len(),
         util::bytes(t.stored),
         util::bytes(t.driver_saved),
+    )?;
+    writeln!(
+        out,
+        "  device: {} of {} chunks hashed on the GPU; {} all zero ({}, recorded, not stored)",
+        t.device_hashed,
+        m.chunks.len(),
+        t.zero_chunks,
+        util::bytes(t.zero_bytes),
     )?;
     if !t.referenced.is_empty() {
         let parts: Vec<String> = t

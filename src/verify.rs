@@ -78,10 +78,19 @@ pub fn run(args: &[String]) -> ExitCode {
                         util::bytes(r.referenced_bytes),
                         r.referenced_chunks,
                         r.chain_depth,
-                        util::bytes(r.bytes - r.referenced_bytes)
+                        util::bytes(r.bytes - r.referenced_bytes - r.zero_bytes)
                     )
                 } else {
                     String::new()
+                };
+                let refs = if r.zero_chunks > 0 {
+                    format!(
+                        "{refs}; {} in {} zero chunks (recorded, not stored)",
+                        util::bytes(r.zero_bytes),
+                        r.zero_chunks
+                    )
+                } else {
+                    refs
                 };
                 println!(
                     "ok    process {nspid}: {} chunks, {} (stored {}) verified in {:.2} s{rate}{refs}",

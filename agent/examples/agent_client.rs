@@ -86,6 +86,7 @@ fn dump(pid: i32, ring: &Staging, streams: u32, abort_after: Option<usize>) -> R
                 }
                 s.slot_free(slot).map_err(|e| e.to_string())?;
             }
+            Reply::ChunkZero { addr, len, .. } => saved.push((addr, vec![0u8; len as usize])),
             Reply::DumpDataDone {
                 chunks,
                 bytes,
@@ -163,13 +164,14 @@ fn load(
         let slot = slots.take(&s)?;
         // SAFETY: the slot came back from the agent (SlotFree) or was never handed out.
         data(i, unsafe { ring.slot_mut(slot as usize, len as usize) });
-        s.chunk_load(slot, addr, len).map_err(|e| e.to_string())?;
+        s.chunk_load(slot, addr, len, None)
+            .map_err(|e| e.to_string())?;
     }
     // As the plugin does: every slot back before the end of the data.
     while slots.returned < chunks.len() {
         slots.returned_one(s.recv(WAIT).map_err(|e| e.to_string())?)?;
     }
-    let bytes = s.finish_restore().map_err(|e| e.to_string())?;
+    let (bytes, _) = s.finish_restore().map_err(|e| e.to_string())?;
     let secs = t0.elapsed().as_secs_f64();
     println!(
         "restore: {bytes} bytes, client {secs:.3} s = {:.2} GB/s",
@@ -249,6 +251,7 @@ fn bench(pid: i32, ring: &Staging, streams: u32) -> Res<()> {
                 s.slot_free(slot).map_err(|e| e.to_string())?;
                 chunks.push((addr, len));
             }
+            Reply::ChunkZero { .. } => {}
             Reply::DumpDataDone { bytes, .. } => break bytes,
             other => return Err(format!("bench dump: {other:?}")),
         }

@@ -2,14 +2,14 @@
 //! code into a `Result` whose error names the call, its arguments and the driver's error name,
 //! e.g. `cuMemCreate(addr 0x7f0000000000, 2097152 bytes, device 0) failed: CUDA_ERROR_OUT_OF_MEMORY`.
 
-use std::ffi::c_void;
+use std::ffi::{CStr, c_void};
 use std::fmt;
 
 use cudarc::driver::sys::{
-    CUcontext, CUdevice, CUdeviceptr, CUevent, CUmemAccess_flags, CUmemAccessDesc,
+    CUcontext, CUdevice, CUdeviceptr, CUevent, CUfunction, CUmemAccess_flags, CUmemAccessDesc,
     CUmemAllocationGranularity_flags, CUmemAllocationHandleType, CUmemAllocationProp,
     CUmemAllocationProp_st__bindgen_ty_1, CUmemAllocationType, CUmemGenericAllocationHandle,
-    CUmemLocation, CUmemLocationType, CUstream,
+    CUmemLocation, CUmemLocationType, CUmodule, CUstream,
 };
 
 use crate::real::{CUDA_ERROR_NOT_READY, CUDA_SUCCESS, CuRes, Driver};
@@ -304,6 +304,92 @@ impl Driver {
             unsafe { (self.memcpy_htod_async)(dst, src, len as usize, s) },
             || format!("cuMemcpyHtoDAsync(addr {dst:#x}, {len} bytes)"),
         )
+    }
+}
+
+impl Driver {
+    /// `len` bytes of `value` at `dst`, on stream `s`.
+    pub fn memset_async(
+        &self,
+        dst: CUdeviceptr,
+        value: u8,
+        len: u64,
+        s: CUstream,
+    ) -> Result<(), CuError> {
+        // SAFETY: dst..dst+len is device memory of ours (the callers' ranges are checked or
+        // their own allocation); s is a live stream.
+        self.check(
+            unsafe { (self.memset_d8_async)(dst, value, len as usize, s) },
+            || format!("cuMemsetD8Async(addr {dst:#x}, {value}, {len} bytes)"),
+        )
+    }
+
+    /// Device memory of `len` bytes from the real `cuMemAlloc` (not converted: the agent's own).
+    pub fn alloc_plain(&self, len: u64) -> Result<CUdeviceptr, CuError> {
+        let mut p: CUdeviceptr = 0;
+        // SAFETY: p is a valid out pointer.
+        self.check(unsafe { (self.mem_alloc)(&mut p, len as usize) }, || {
+            format!("cuMemAlloc({len} bytes)")
+        })?;
+        Ok(p)
+    }
+
+    pub fn free_plain(&self, p: CUdeviceptr) -> Result<(), CuError> {
+        // SAFETY: p came from alloc_plain and is freed once.
+        self.check(unsafe { (self.mem_free)(p) }, || {
+            format!("cuMemFree({p:#x})")
+        })
+    }
+
+    /// Loads a module from a NUL-terminated PTX text and returns its function `name`.
+    pub fn load_function(&self, ptx: &CStr, name: &CStr) -> Result<CUfunction, CuError> {
+        let mut m: CUmodule = std::ptr::null_mut();
+        self.check(
+            // SAFETY: ptx is NUL-terminated text that lives for the call; m is an out pointer.
+            unsafe { (self.module_load_data)(&mut m, ptx.as_ptr().cast()) },
+            || "cuModuleLoadData(the agent's PTX)".into(),
+        )?;
+        let mut f: CUfunction = std::ptr::null_mut();
+        self.check(
+            // SAFETY: m is the module just loaded; name is NUL-terminated; f is an out pointer.
+            unsafe { (self.module_get_function)(&mut f, m, name.as_ptr()) },
+            || format!("cuModuleGetFunction({name:?})"),
+        )?;
+        Ok(f)
+    }
+
+    /// Launches `f` on a 1-D grid with no shared memory.
+    ///
+    /// # Safety
+    /// `params` must hold one pointer per kernel parameter, each to a value of that parameter's
+    /// type, valid for the call; the kernel must touch only memory valid for it.
+    pub unsafe fn launch_1d(
+        &self,
+        f: CUfunction,
+        blocks: u32,
+        threads: u32,
+        s: CUstream,
+        params: &mut [*mut c_void],
+    ) -> Result<(), CuError> {
+        // SAFETY: the caller guarantees the parameters; no extra options are passed.
+        let rc = unsafe {
+            (self.launch_kernel)(
+                f,
+                blocks,
+                1,
+                1,
+                threads,
+                1,
+                1,
+                0,
+                s,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        };
+        self.check(rc, || {
+            format!("cuLaunchKernel({blocks} blocks of {threads} threads)")
+        })
     }
 }
 

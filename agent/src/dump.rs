@@ -13,6 +13,7 @@ use std::time::Instant;
 
 use gpusnap_proto::{Channel, ErrorCode, ProtoError, Reply, Request};
 
+use crate::devhash::ChunkHash;
 use crate::gpu::Gpu;
 use crate::log::debug;
 use crate::plan::{self, Chunk, Span};
@@ -63,7 +64,14 @@ fn dump(
         ring.slot_size
     );
 
-    let bytes = copy_out(gpu, drv, ch, st, ring, &chunks)?;
+    let hashes = crate::devhash::hash_chunks(gpu, drv, &chunks);
+    debug!(
+        "dump: {} of {} chunks hashed on the GPU, {} all zero",
+        hashes.iter().flatten().count(),
+        chunks.len(),
+        hashes.iter().flatten().filter(|h| h.zero).count()
+    );
+    let bytes = copy_out(gpu, drv, ch, st, ring, &chunks, &hashes)?;
     let micros = t0.elapsed().as_micros() as u64;
     debug!("dump: {bytes} bytes in {micros} us");
     ch.send_reply(&Reply::DumpDataDone {
@@ -139,7 +147,8 @@ impl Slots {
     }
 }
 
-/// The copy-out loop; returns the bytes sent.
+/// The copy-out loop; returns the bytes sent. A chunk its hash found all zero is announced
+/// (`ChunkZero`) instead of copied.
 fn copy_out(
     gpu: &mut Gpu,
     drv: &Driver,
@@ -147,6 +156,7 @@ fn copy_out(
     st: &Staging,
     ring: Ring,
     chunks: &[Chunk],
+    hashes: &[Option<ChunkHash>],
 ) -> Result<u64, Fail> {
     let mut slots = Slots::new(ring.slots);
     let mut inflight: VecDeque<(u32, usize)> = VecDeque::new();
@@ -157,6 +167,17 @@ fn copy_out(
             slots.on_request(req, fd)?;
         }
         while next < chunks.len() {
+            if let Some(h) = hashes[next].filter(|h| h.zero) {
+                let c = &chunks[next];
+                ch.send_reply(&Reply::ChunkZero {
+                    alloc_id: c.alloc_id,
+                    addr: c.addr,
+                    len: c.len,
+                    device_hash: h.hash,
+                })?;
+                next += 1;
+                continue;
+            }
             let Some(slot) = slots.free.pop_front() else {
                 break;
             };
@@ -180,6 +201,7 @@ fn copy_out(
                 alloc_id: c.alloc_id,
                 addr: c.addr,
                 len: c.len,
+                device_hash: hashes[i].map(|h| h.hash),
             })?;
             slots.hand_out(slot);
             bytes += c.len;

@@ -3,7 +3,7 @@
 //! kept for the life of the thread: creating them again later would be fine, but a dump must
 //! not create threads and these are cheap to hold.
 
-use cudarc::driver::sys::{CUcontext, CUevent, CUstream};
+use cudarc::driver::sys::{CUcontext, CUevent, CUfunction, CUstream};
 
 use crate::cu::CuError;
 use crate::real::{CUDA_ERROR_UNKNOWN, Driver};
@@ -14,6 +14,8 @@ pub struct DeviceRes {
     ctx: CUcontext,
     pub streams: Vec<CUstream>,
     pub events: Vec<CUevent>,
+    /// The device-hash kernel once loaded, or why it cannot be (tried once per device).
+    hasher: Option<Result<CUfunction, String>>,
 }
 
 /// All devices the agent thread has worked with.
@@ -46,6 +48,7 @@ impl Gpu {
                 ctx,
                 streams: Vec::new(),
                 events: Vec::new(),
+                hasher: None,
             });
         }
         self.activate(drv, ordinal)?;
@@ -79,6 +82,34 @@ impl Gpu {
             self.current = Some(ordinal);
         }
         Ok(&self.devs[i])
+    }
+
+    /// The device-hash kernel on `ordinal` (prepared), loaded on first use; the reason it
+    /// cannot be, remembered, otherwise.
+    pub fn hasher(&mut self, drv: &Driver, ordinal: i32) -> Result<CUfunction, String> {
+        self.activate(drv, ordinal).map_err(|e| e.to_string())?;
+        let i = self.index(ordinal).map_err(|e| e.to_string())?;
+        let d = &mut self.devs[i];
+        if d.hasher.is_none() {
+            let loaded = crate::devhash::load(drv).map_err(|e| e.to_string());
+            if let Err(e) = &loaded {
+                crate::log::debug!("device {ordinal}: no device hashes: {e}");
+            }
+            d.hasher = Some(loaded);
+        }
+        d.hasher.clone().expect("set above")
+    }
+
+    /// Waits for all work the agent issued on any device; the first error is returned.
+    pub fn sync_all(&mut self, drv: &Driver) -> Result<(), CuError> {
+        let ordinals: Vec<i32> = self.devs.iter().map(|d| d.ordinal).collect();
+        for o in ordinals {
+            let d = self.activate(drv, o)?;
+            for &s in &d.streams {
+                drv.sync_stream(s)?;
+            }
+        }
+        Ok(())
     }
 
     /// Waits for every copy the agent issued on any device (errors ignored: this runs on the

@@ -21,12 +21,14 @@
 //! - `server`: the agent thread, its socket and request dispatch.
 //! - `session`, `dump`, `restore`: the data operations; `plan`: their pure planning; `held`:
 //!   whether a tracer holds the process (releases and loads happen only then).
-//! - `gpu`: the agent thread's contexts, streams and events; `staging`: the shared ring.
+//! - `gpu`: the agent thread's contexts, streams and events; `staging`: the shared ring;
+//!   `devhash`: chunk hashes computed on the GPU by the agent's own kernel.
 //! - `fork`: `pthread_atfork` handlers.
 
 mod config;
 mod convert;
 mod cu;
+mod devhash;
 mod dump;
 mod fork;
 mod gpu;

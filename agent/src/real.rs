@@ -12,9 +12,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 use cudarc::driver::sys::{
-    CUcontext, CUdevice, CUdeviceptr, CUdriverProcAddressQueryResult, CUevent, CUipcMemHandle,
-    CUmemAccessDesc, CUmemAllocationGranularity_flags, CUmemAllocationProp,
-    CUmemGenericAllocationHandle, CUresult, CUstream, cuuint64_t,
+    CUcontext, CUdevice, CUdeviceptr, CUdriverProcAddressQueryResult, CUevent, CUfunction,
+    CUipcMemHandle, CUmemAccessDesc, CUmemAllocationGranularity_flags, CUmemAllocationProp,
+    CUmemGenericAllocationHandle, CUmodule, CUresult, CUstream, cuuint64_t,
 };
 
 /// A driver status code, as returned (see the module doc for why not `CUresult`).
@@ -158,6 +158,12 @@ crate::hooks::hooked_calls!(driver_table! {
         mem_host_unregister = "cuMemHostUnregister"(*mut c_void);
         memcpy_dtoh_async = "cuMemcpyDtoHAsync_v2"(*mut c_void, CUdeviceptr, usize, CUstream);
         memcpy_htod_async = "cuMemcpyHtoDAsync_v2"(CUdeviceptr, *const c_void, usize, CUstream);
+        memset_d8_async = "cuMemsetD8Async"(CUdeviceptr, u8, usize, CUstream);
+        module_load_data = "cuModuleLoadData"(*mut CUmodule, *const c_void);
+        module_get_function = "cuModuleGetFunction"(*mut CUfunction, CUmodule, *const c_char);
+        launch_kernel = "cuLaunchKernel"(
+            CUfunction, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, CUstream,
+            *mut *mut c_void, *mut *mut c_void);
     }
 });
 

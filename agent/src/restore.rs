@@ -13,7 +13,7 @@ use gpusnap_proto::{Channel, ErrorCode, ProtoError, Reply, Request};
 
 use crate::gpu::Gpu;
 use crate::log::debug;
-use crate::plan::{self, Span};
+use crate::plan::{self, Chunk, Span};
 use crate::real::Driver;
 use crate::session::{self, Fail, PEER_WAIT, Ring, need_driver, no_fd};
 use crate::staging::Staging;
@@ -71,14 +71,20 @@ fn restore(
     let st = staging.insert(st);
     ch.send_reply(&Reply::Ready)?;
 
-    let bytes = copy_in(gpu, drv, ch, st, ring, &spans)?;
-    // copy_in waited for every copy before it returned.
+    let loaded = copy_in(gpu, drv, ch, st, ring, &spans)?;
+    // copy_in waited for every copy and fill before it returned.
+    let verified = check_on_device(gpu, drv, &loaded.expected)?;
     table::try_lock_for(AGENT_LOCK_WAIT)
         .ok_or_else(Fail::busy)?
         .reload_complete();
     let micros = t0.elapsed().as_micros() as u64;
-    debug!("restore: {bytes} bytes in {micros} us");
-    Ok(Reply::Restored { bytes, micros })
+    let bytes = loaded.bytes;
+    debug!("restore: {bytes} bytes in {micros} us, {verified} chunks checked on the GPU");
+    Ok(Reply::Restored {
+        bytes,
+        micros,
+        verified,
+    })
 }
 
 /// Backs every released span with new physical memory at its address (state Mapped), with the
@@ -111,7 +117,51 @@ fn recreate(drv: &Driver, spans: &[Span], released: &[bool]) -> Result<usize, Fa
     Ok(n)
 }
 
-/// The copy-in loop; returns the bytes copied.
+fn chunk_of(span: &Span, addr: u64, len: u64) -> Chunk {
+    Chunk {
+        alloc_id: span.id,
+        device: span.device,
+        addr,
+        len,
+    }
+}
+
+/// What the copy-in loop did.
+struct Loaded {
+    /// Bytes copied from the ring.
+    bytes: u64,
+    /// Every chunk loaded or zero-filled whose device hash the plugin sent, with that hash.
+    expected: Vec<(Chunk, u64)>,
+}
+
+/// The loaded chunks' device hashes, computed on the GPU, against the image's. A chunk that
+/// differs fails the restore naming it (the memory stays counted as released, so the process
+/// is never taken for whole); chunks the GPU could not hash are left to the host checks the
+/// plugin made as it read them. Returns how many were checked.
+fn check_on_device(gpu: &mut Gpu, drv: &Driver, expected: &[(Chunk, u64)]) -> Result<u64, Fail> {
+    if expected.is_empty() {
+        return Ok(0);
+    }
+    let chunks: Vec<Chunk> = expected.iter().map(|(c, _)| *c).collect();
+    let got = crate::devhash::hash_chunks(gpu, drv, &chunks);
+    let mut checked = 0;
+    for ((c, want), got) in expected.iter().zip(got) {
+        let Some(got) = got else { continue };
+        if got.hash != *want {
+            return Err(Fail::Reply(
+                ErrorCode::DataMismatch,
+                format!(
+                    "the chunk at {:#x} ({} bytes) hashes to {:016x} on the GPU after loading, the image recorded {want:016x}",
+                    c.addr, c.len, got.hash
+                ),
+            ));
+        }
+        checked += 1;
+    }
+    Ok(checked)
+}
+
+/// The copy-in loop.
 fn copy_in(
     gpu: &mut Gpu,
     drv: &Driver,
@@ -119,7 +169,8 @@ fn copy_in(
     st: &Staging,
     ring: Ring,
     spans: &[Span],
-) -> Result<u64, Fail> {
+) -> Result<Loaded, Fail> {
+    let mut expected = Vec::new();
     let mut busy = vec![false; ring.slots as usize];
     // (slot, device) in issue order.
     let mut inflight: Vec<(u32, i32)> = Vec::new();
@@ -158,10 +209,18 @@ fn copy_in(
         };
         no_fd(fd)?;
         match req {
-            Request::ChunkLoad { slot, addr, len } => {
+            Request::ChunkLoad {
+                slot,
+                addr,
+                len,
+                device_hash,
+            } => {
                 let span =
                     plan::check_chunk_load(spans, slot, addr, len, ring.slots, ring.slot_size)
                         .map_err(Fail::bad_request)?;
+                if let Some(h) = device_hash {
+                    expected.push((chunk_of(span, addr, len), h));
+                }
                 if busy[slot as usize] {
                     return Err(Fail::bad_request(format!(
                         "ChunkLoad into slot {slot}, which is still being copied"
@@ -179,13 +238,37 @@ fn copy_in(
                 issued += 1;
                 bytes += len;
             }
+            Request::ChunkZero {
+                addr,
+                len,
+                device_hash,
+            } => {
+                let span = plan::containing(spans, addr, len)
+                    .filter(|_| len > 0)
+                    .ok_or_else(|| {
+                        Fail::bad_request(format!(
+                            "ChunkZero [{addr:#x}, +{len}) is not inside one converted allocation"
+                        ))
+                    })?;
+                if let Some(h) = device_hash {
+                    expected.push((chunk_of(span, addr, len), h));
+                }
+                let d = gpu.activate(drv, span.device)?;
+                let stream = d.streams[issued % ring.streams as usize];
+                // Fresh device memory reads as zeros on the GPUs measured, but nothing promises
+                // it: fill it (HBM speed, milliseconds even for tens of GiB).
+                drv.memset_async(addr, 0, len, stream)?;
+                issued += 1;
+            }
             Request::RestoreDataDone => {
                 for (slot, dev) in std::mem::take(&mut inflight) {
                     let d = gpu.activate(drv, dev)?;
                     drv.wait_event(d.events[slot as usize])?;
                     ch.send_reply(&Reply::SlotFree { slot })?;
                 }
-                return Ok(bytes);
+                // The fills are on the same streams, tracked by no event.
+                gpu.sync_all(drv)?;
+                return Ok(Loaded { bytes, expected });
             }
             Request::Abort => return Err(Fail::Aborted),
             other => return Err(Fail::unexpected(&other, "while data is copied in")),

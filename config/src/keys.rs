@@ -2,7 +2,7 @@
 //! value (from the file or from the environment) into [`Config`].
 
 use crate::error::{ConfigError, Origin};
-use crate::{Compress, Config, LogLevel, Mode, device_map};
+use crate::{Compress, Config, LogLevel, Mode, Verify, device_map};
 
 /// A value before validation.
 #[derive(Clone, Copy)]
@@ -92,7 +92,17 @@ pub(crate) const KEYS: &[Key] = &[
     Key {
         name: "verify_before_restore",
         set: |c, r, o| {
-            c.verify_before_restore = boolean(r, o)?;
+            // The old boolean spellings still mean what they did: true = a host pass always.
+            c.verify_before_restore = match boolean(r, o) {
+                Ok(true) => Verify::Host,
+                Ok(false) => Verify::Off,
+                Err(_) => match string(r, o, VERIFY)? {
+                    "auto" => Verify::Auto,
+                    "host" => Verify::Host,
+                    "off" => Verify::Off,
+                    _ => return Err(invalid(r, o, VERIFY)),
+                },
+            };
             Ok(())
         },
     },
@@ -160,6 +170,7 @@ pub(crate) const KEYS: &[Key] = &[
 
 const MODES: &str = "one of \"auto\", \"transparent\", \"off\"";
 const COMPRESS: &str = "one of \"off\", \"zstd\"";
+const VERIFY: &str = "one of \"auto\", \"host\", \"off\" (or true = host, false = off)";
 const LOG_LEVELS: &str =
     "one of \"error\", \"warn\", \"info\", \"debug\", or \"\" to follow CRIU's log level";
 

@@ -107,6 +107,31 @@ impl Compress {
     }
 }
 
+/// How a restore checks the image's data before any restored process runs. Every chunk is
+/// always checked against its stored checksum as it is read for loading; this adds:
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Verify {
+    /// A host pass over every chunk before the GPU is touched, unless every chunk carries a
+    /// device hash: then the GPU checks the loaded data instead (no host pass on the critical
+    /// path; damage is found during the load and the process killed, the image untouched).
+    #[default]
+    Auto,
+    /// Always the host pass before the GPU is touched (`true`, the old default).
+    Host,
+    /// No pass before the load (`false`).
+    Off,
+}
+
+impl Verify {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Verify::Auto => "auto",
+            Verify::Host => "host",
+            Verify::Off => "off",
+        }
+    }
+}
+
 /// The plugin's own log level, when it should differ from CRIU's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum LogLevel {
@@ -152,8 +177,8 @@ pub struct Config {
     /// Concurrent device↔host copy streams per GPU.
     pub copy_streams: u32,
     pub compress: Compress,
-    /// Check every checksum of the image before the GPU is touched on restore.
-    pub verify_before_restore: bool,
+    /// How a restore checks the image's data before the processes run.
+    pub verify_before_restore: Verify,
     /// When the image directory has a `parent` link (`criu dump --prev-images-dir`), store only
     /// the chunks that changed since the parent image and reference the others.
     pub incremental: bool,
@@ -182,7 +207,7 @@ impl Default for Config {
             staging_slots: 16,
             copy_streams: 4,
             compress: Compress::Off,
-            verify_before_restore: true,
+            verify_before_restore: Verify::Auto,
             incremental: true,
             durable: false,
             agent_timeout_ms: 30_000,
@@ -260,7 +285,7 @@ impl Config {
             self.staging_slots,
             self.copy_streams,
             self.compress.as_str(),
-            self.verify_before_restore,
+            self.verify_before_restore.as_str(),
             self.incremental,
             self.durable,
             self.agent_timeout_ms,

@@ -57,7 +57,7 @@ fn defaults() {
     assert_eq!((c.staging_slot_mib, c.staging_slots), (32, 16));
     assert_eq!(c.copy_streams, 4);
     assert_eq!(c.compress, Compress::Off);
-    assert!(c.verify_before_restore);
+    assert_eq!(c.verify_before_restore, Verify::Auto);
     assert!(c.incremental);
     assert!(!c.durable);
     assert_eq!(c.agent_timeout_ms, 30_000);
@@ -131,7 +131,7 @@ log_level = "debug"
         staging_slots: 2,
         copy_streams: 16,
         compress: Compress::Zstd,
-        verify_before_restore: false,
+        verify_before_restore: Verify::Off,
         incremental: false,
         durable: true,
         agent_timeout_ms: 100,
@@ -201,7 +201,7 @@ fn env_value_forms() {
         ("GPUSNAP_DEVICE_MAP", &format!("{HEX_A}={UUID_B},")),
     ])
     .unwrap();
-    assert!(!c.verify_before_restore);
+    assert_eq!(c.verify_before_restore, Verify::Off);
     assert!(!c.incremental);
     assert!(c.durable);
     assert_eq!(c.staging_slots, 64);
@@ -368,8 +368,18 @@ fn wrong_types() {
     assert_invalid(
         from_file("verify_before_restore = \"yes\"\n").unwrap_err(),
         "verify_before_restore",
-        "true or false",
+        "\"auto\", \"host\", \"off\"",
     );
+    for (text, want) in [
+        ("\"auto\"", Verify::Auto),
+        ("\"host\"", Verify::Host),
+        ("\"off\"", Verify::Off),
+        ("true", Verify::Host),
+        ("false", Verify::Off),
+    ] {
+        let c = from_file(&format!("verify_before_restore = {text}\n")).unwrap();
+        assert_eq!(c.verify_before_restore, want, "{text}");
+    }
     assert_invalid(
         from_file("incremental = 1\n").unwrap_err(),
         "incremental",
@@ -393,7 +403,7 @@ fn wrong_types() {
     assert_invalid(
         from_env(&[("GPUSNAP_VERIFY_BEFORE_RESTORE", "maybe")]).unwrap_err(),
         "GPUSNAP_VERIFY_BEFORE_RESTORE",
-        "true, false, 1, 0",
+        "\"auto\", \"host\", \"off\"",
     );
     assert_invalid(
         from_file("mode = 1\n").unwrap_err(),

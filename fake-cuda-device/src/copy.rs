@@ -122,18 +122,30 @@ pub unsafe extern "C" fn memcpy_async(
     })
 }
 
+/// `cuMemsetD8Async`: as [`memset_d8`], done at once.
+pub unsafe extern "C" fn memset_d8_async(
+    dst: CUdeviceptr,
+    value: u8,
+    len: usize,
+    _stream: CUstream,
+) -> CUresult {
+    call::run("cuMemsetD8Async", || fill(dst, value, len))
+}
+
 /// `cuMemsetD8_v2`: `len` bytes of `value` at `dst`.
 pub unsafe extern "C" fn memset_d8(dst: CUdeviceptr, value: u8, len: usize) -> CUresult {
-    call::run("cuMemsetD8_v2", || {
-        let buf = [value; 64 << 10];
-        let mut done = 0usize;
-        while done < len {
-            let n = (len - done).min(buf.len());
-            copy_bytes("cuMemsetD8_v2", dst + done as u64, buf.as_ptr() as u64, n)?;
-            done += n;
-        }
-        Ok(())
-    })
+    call::run("cuMemsetD8_v2", || fill(dst, value, len))
+}
+
+fn fill(dst: CUdeviceptr, value: u8, len: usize) -> CuResult {
+    let buf = [value; 64 << 10];
+    let mut done = 0usize;
+    while done < len {
+        let n = (len - done).min(buf.len());
+        copy_bytes("cuMemsetD8", dst + done as u64, buf.as_ptr() as u64, n)?;
+        done += n;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

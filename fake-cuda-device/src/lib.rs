@@ -18,6 +18,7 @@
 //! - `cuMemAlloc_v2`: a private anonymous mapping (what the agent leaves to the driver).
 //! - Copies are synchronous, through `process_vm_readv` on the process itself, so an invalid
 //!   address fails the call instead of crashing; streams and events are plain handles.
+//! - Kernels: only the agent's device hash, run on the host ([`kernel`]).
 //!
 //! Tests can inject faults into the workload's driver calls (`fail` or `hang` a named call)
 //! through a file under `$FAKECUDA_DIR` ([`inject`]).
@@ -37,6 +38,7 @@ mod copy;
 mod ctx;
 mod errors;
 mod inject;
+mod kernel;
 mod lock;
 mod maps;
 mod procaddr;
@@ -142,6 +144,16 @@ exports! {
     cuMemcpyAsync => copy::memcpy_async
         [dst: CUdeviceptr, src: CUdeviceptr, len: usize, stream: CUstream];
     cuMemsetD8_v2 => copy::memset_d8 [dst: CUdeviceptr, value: u8, len: usize];
+    cuMemsetD8Async => copy::memset_d8_async
+        [dst: CUdeviceptr, value: u8, len: usize, stream: CUstream];
+
+    // The agent's device hash kernel (and no other code).
+    cuModuleLoadData => kernel::module_load_data [module: *mut kernel::CUmodule, image: *const c_void];
+    cuModuleGetFunction => kernel::module_get_function
+        [f: *mut kernel::CUfunction, module: kernel::CUmodule, name: *const c_char];
+    cuLaunchKernel => kernel::launch_kernel
+        [f: kernel::CUfunction, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32,
+         shared: u32, stream: CUstream, params: *mut *mut c_void, extra: *mut *mut c_void];
 
     cuStreamCreate => sync::stream_create [stream: *mut CUstream, flags: u32];
     cuStreamDestroy_v2 => sync::stream_destroy [stream: CUstream];

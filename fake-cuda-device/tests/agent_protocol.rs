@@ -112,6 +112,15 @@ fn sends() -> Vec<Send> {
             slot: SLOTS,
             addr: 0x1000,
             len: 16,
+            device_hash: None,
+        },
+        false,
+    ));
+    v.push(Send::Req(
+        Request::ChunkZero {
+            addr: 0x1000,
+            len: 16,
+            device_hash: Some(1),
         },
         false,
     ));
@@ -132,6 +141,7 @@ fn sends() -> Vec<Send> {
             slot: 0,
             addr: 0,
             len: 1,
+            device_hash: None,
         })[..12]
             .to_vec(),
     ));
@@ -163,6 +173,7 @@ fn enter(pid: i32, ring: &Staging, phase: Phase) -> (AgentSession, Option<u32>) 
         match a.recv(WAIT).expect("a reply in the dump") {
             Reply::ChunkReady { slot, .. } if phase == Phase::Dumping => return (a, Some(slot)),
             Reply::ChunkReady { slot, .. } => a.slot_free(slot).expect("SlotFree"),
+            Reply::ChunkZero { .. } => {}
             Reply::DumpDataDone { .. } => return (a, None),
             other => panic!("in the dump: {other:?}"),
         }
@@ -332,27 +343,53 @@ fn the_agent_answers_or_refuses_every_request_in_every_phase() {
     let a = AgentSession::connect_expected(pid, WAIT).expect("connect");
     a.begin(Transfer::Out, ring.fd().as_fd(), shape())
         .expect("DumpBegin");
-    let mut saved: Vec<(u64, Vec<u8>)> = Vec::new();
+    // (addr, bytes, device hash); zero chunks in `zeros` as (addr, len, device hash).
+    let mut saved: Vec<(u64, Vec<u8>, Option<u64>)> = Vec::new();
+    let mut zeros: Vec<(u64, u64, u64)> = Vec::new();
     loop {
         match a.recv(WAIT).expect("a reply in the dump") {
             Reply::ChunkReady {
-                slot, addr, len, ..
+                slot,
+                addr,
+                len,
+                device_hash,
+                ..
             } => {
                 // SAFETY: the slot is ours until SlotFree.
                 let bytes = unsafe { ring.slot(slot as usize, len as usize) }.to_vec();
-                saved.push((addr, bytes));
+                assert_eq!(
+                    device_hash,
+                    gpusnap_proto::devhash::device_hash(&bytes),
+                    "the device hash of the chunk at {addr:#x} is not the hash of its bytes"
+                );
+                saved.push((addr, bytes, device_hash));
                 a.slot_free(slot).expect("SlotFree");
+            }
+            Reply::ChunkZero {
+                addr,
+                len,
+                device_hash,
+                ..
+            } => {
+                assert_eq!(Some(device_hash), gpusnap_proto::devhash::zero_hash(len));
+                zeros.push((addr, len, device_hash));
             }
             Reply::DumpDataDone { .. } => break,
             other => panic!("in the held dump: {other:?}"),
         }
     }
+    assert!(
+        !saved.is_empty() && !zeros.is_empty(),
+        "the workload has written and unwritten memory: {} chunks, {} zero",
+        saved.len(),
+        zeros.len()
+    );
     let (count, bytes) = a.release().expect("Release of a held workload");
     assert!(
         count > 0 && bytes > 0,
         "released {count} allocations, {bytes} bytes"
     );
-    let (addr0, _) = saved[0];
+    let (addr0, _, _) = saved[0];
     let bad_loads = [
         ("a slot out of range", SLOTS, addr0, 16),
         ("a length of 0", 0, addr0, 0),
@@ -364,7 +401,7 @@ fn the_agent_answers_or_refuses_every_request_in_every_phase() {
         let a = AgentSession::connect_expected(pid, WAIT).expect("connect");
         a.begin(Transfer::In, ring.fd().as_fd(), shape())
             .expect("RestoreBegin of a held, released workload");
-        a.chunk_load(slot, addr, len).expect("send ChunkLoad");
+        a.chunk_load(slot, addr, len, None).expect("send ChunkLoad");
         let (got, _) = replies(&a);
         assert!(
             got.first().is_some_and(is_error),
@@ -379,6 +416,45 @@ fn the_agent_answers_or_refuses_every_request_in_every_phase() {
             "after a refused load the memory is still to be loaded"
         );
     }
+    // A zero fill outside every allocation is refused too.
+    let a = AgentSession::connect_expected(pid, WAIT).expect("connect");
+    a.begin(Transfer::In, ring.fd().as_fd(), shape())
+        .expect("RestoreBegin");
+    a.chunk_zero(0x1000, 16, None).expect("send ChunkZero");
+    let (got, _) = replies(&a);
+    assert!(
+        got.first().is_some_and(is_error),
+        "ChunkZero outside: {got:?}"
+    );
+    // Data that does not match its device hash: the load ends in an Error naming the chunk,
+    // and the memory still counts as released.
+    let a = AgentSession::connect_expected(pid, WAIT).expect("connect");
+    a.begin(Transfer::In, ring.fd().as_fd(), shape())
+        .expect("RestoreBegin");
+    let (first, data, hash) = &saved[0];
+    // SAFETY: slot 0 is ours: nothing was loaded on this connection yet.
+    unsafe { ring.slot_mut(0, data.len()) }.copy_from_slice(data);
+    let wrong = hash.map(|h| h ^ 1);
+    a.chunk_load(0, *first, data.len() as u64, wrong)
+        .expect("ChunkLoad");
+    a.channel()
+        .send_request(&Request::RestoreDataDone, None)
+        .expect("RestoreDataDone");
+    let (got, _) = replies(&a);
+    assert!(
+        got.iter().any(
+            |r| matches!(r, Reply::Error { message, .. } if message.contains(&format!("{first:#x}")))
+        ),
+        "a load whose device hash differs: {got:?}"
+    );
+    let h = AgentSession::connect_expected(pid, WAIT)
+        .expect("connect")
+        .hello()
+        .expect("Hello after a mismatch");
+    assert!(
+        h.released,
+        "after a mismatch the memory is still to be loaded"
+    );
     // Inside a restore, a request of another phase ends it with an Error.
     for r in [Request::Release, Request::ListAllocations] {
         let a = AgentSession::connect_expected(pid, WAIT).expect("connect");
@@ -396,7 +472,10 @@ fn the_agent_answers_or_refuses_every_request_in_every_phase() {
     a.begin(Transfer::In, ring.fd().as_fd(), shape())
         .expect("RestoreBegin");
     let mut free: Vec<u32> = (0..SLOTS).collect();
-    for (addr, bytes) in &saved {
+    for (addr, len, hash) in &zeros {
+        a.chunk_zero(*addr, *len, Some(*hash)).expect("ChunkZero");
+    }
+    for (addr, bytes, hash) in &saved {
         while free.is_empty() {
             match a.recv(WAIT).expect("SlotFree") {
                 Reply::SlotFree { slot } => free.push(slot),
@@ -406,7 +485,7 @@ fn the_agent_answers_or_refuses_every_request_in_every_phase() {
         let slot = free.pop().unwrap();
         // SAFETY: the slot is ours (free) until ChunkLoad.
         unsafe { ring.slot_mut(slot as usize, bytes.len()) }.copy_from_slice(bytes);
-        a.chunk_load(slot, *addr, bytes.len() as u64)
+        a.chunk_load(slot, *addr, bytes.len() as u64, *hash)
             .expect("ChunkLoad");
     }
     a.channel()
@@ -415,8 +494,16 @@ fn the_agent_answers_or_refuses_every_request_in_every_phase() {
     loop {
         match a.recv(WAIT).expect("Restored") {
             Reply::SlotFree { .. } => {}
-            Reply::Restored { bytes: b, .. } => {
-                assert_eq!(b, bytes, "loaded back what was released");
+            Reply::Restored {
+                bytes: b, verified, ..
+            } => {
+                let zero_bytes: u64 = zeros.iter().map(|z| z.1).sum();
+                assert_eq!(b + zero_bytes, bytes, "loaded back what was released");
+                assert_eq!(
+                    verified as usize,
+                    saved.len() + zeros.len(),
+                    "every chunk checked on the device"
+                );
                 break;
             }
             other => panic!("after RestoreDataDone: {other:?}"),

@@ -143,12 +143,17 @@ fn incremental_dump_writes_only_what_changed() {
     // 4 + 4 + 6 (the odd size, rounded to the granularity) + 2 MiB of counter + the 2 MiB
     // the process mapped itself (moved by the agent too).
     assert_eq!(device, 18 * MIB, "{full}");
-    assert_eq!(num(&full, "bytes_written"), device, "{full}");
+    // Memory never written is all zero on the device: recorded as zero, not written (4 MiB
+    // of the workload's allocations here).
+    let zero = num(&full, "bytes_zero");
+    assert!(zero > 0, "{full}");
+    assert_eq!(num(&full, "bytes_written"), device - zero, "{full}");
     assert_eq!(num(&full, "bytes_referenced"), 0, "{full}");
     assert_eq!(num(&incr, "device_bytes"), device, "{incr}");
     // The first MiB of allocation 0 and the counter's first chunk; nothing else.
     assert_eq!(num(&incr, "bytes_written"), 2 * MIB, "{incr}");
-    assert_eq!(num(&incr, "bytes_referenced"), 16 * MIB, "{incr}");
+    assert_eq!(num(&incr, "bytes_zero"), zero, "{incr}");
+    assert_eq!(num(&incr, "bytes_referenced"), 16 * MIB - zero, "{incr}");
     eprintln!(
         "incremental: full dump wrote {} bytes, incremental dump wrote {} and referenced {}",
         num(&full, "bytes_written"),
@@ -164,7 +169,9 @@ fn incremental_dump_writes_only_what_changed() {
         .expect("run gpusnap verify");
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
-        out.status.success() && text.contains("16 chunks referenced from parent images"),
+        out.status.success()
+            && text.contains("12 chunks referenced from parent images")
+            && text.contains("in 4 zero chunks"),
         "{text}"
     );
     let out = std::process::Command::new(&s.cli)
@@ -174,7 +181,8 @@ fn incremental_dump_writes_only_what_changed() {
         .expect("run gpusnap inspect");
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("inspect JSON");
     let p = &v["processes"][0];
-    assert_eq!(p["referenced_bytes"].as_u64(), Some(16 * MIB), "{p}");
+    assert_eq!(p["referenced_bytes"].as_u64(), Some(12 * MIB), "{p}");
+    assert_eq!(p["zero_bytes"].as_u64(), Some(4 * MIB), "{p}");
     assert_eq!(p["stored_here_bytes"].as_u64(), Some(2 * MIB), "{p}");
     assert_eq!(p["chain_depth"].as_u64(), Some(1), "{p}");
 
@@ -228,7 +236,7 @@ fn restore_refuses_a_damaged_or_missing_parent() {
         "restore",
         "restore-damaged.log",
         &["--restore-detached"],
-        &CONFIG,
+        &[CONFIG[0], ("GPUSNAP_VERIFY_BEFORE_RESTORE", "host")],
     );
     assert!(!restore.status.success(), "{}", s.describe(&restore));
     s.assert_line(
@@ -273,7 +281,12 @@ fn incremental_dump_across_two_gpus_with_zstd() {
     assert_eq!(num(&full, "bytes_referenced"), 0, "{full}");
     assert_eq!(num(&incr, "device_bytes"), device, "{incr}");
     // Only the rewritten MiB and the counter's chunk are new; everything else is referenced.
-    assert_eq!(num(&incr, "bytes_referenced"), device - 2 * MIB, "{incr}");
+    let zero = num(&incr, "bytes_zero");
+    assert_eq!(
+        num(&incr, "bytes_referenced"),
+        device - 2 * MIB - zero,
+        "{incr}"
+    );
     assert!(num(&incr, "bytes_written") <= 2 * MIB, "{incr}");
     let restore = s.criu_at(
         &d2,

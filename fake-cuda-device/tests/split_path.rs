@@ -171,21 +171,33 @@ impl Split {
         self.assert_nothing_runs(&last, &restore);
     }
 
-    /// The restore took the split path for every process and loaded data, after a checksum
-    /// pass that ran beside CRIU's restore where CRIU has POST_FORKING (4.2+) and before it
-    /// otherwise.
+    /// The restore took the split path for every process and loaded data, which the GPU (the
+    /// stand-in's play of the agent's kernel) checked against the dump's device hashes: every
+    /// chunk has one, so there was no host checksum pass.
     fn assert_split_restore(&self, restore: &CriuRun) {
         for pid in &self.vmm.pids {
             let p = format!("pid {pid} ");
             self.assert_line(restore, &[&p, "restored (Split path)", "data"]);
+            let checked = restore
+                .gpusnap_lines()
+                .iter()
+                .filter(|l| l.contains(&p) && l.contains("restored (Split path)"))
+                .filter_map(|l| {
+                    let before = l.split(" chunks checked there").next()?;
+                    before.rsplit(' ').next()?.parse::<u64>().ok()
+                })
+                .next();
+            assert!(
+                checked.is_some_and(|n| n > 0),
+                "pid {pid}: no chunk checked on the device after loading ({checked:?})\n{}",
+                self.describe(restore)
+            );
         }
+        self.assert_line(
+            restore,
+            &["every chunk has a device hash", "no host checksum pass"],
+        );
         let post_forking = self.w.harness().criu_version >= (4, 2, 0);
-        let when = if post_forking {
-            "overlapped with CRIU's restore"
-        } else {
-            "before CRIU's restore, which waited for it"
-        };
-        self.assert_line(restore, &["image data verified", when]);
         let warmed = restore.log.contains("cuInit ran beside CRIU's restore");
         assert_eq!(
             warmed,
@@ -263,8 +275,10 @@ fn dump_and_damage(s: &mut Split) -> (String, Vec<u64>) {
     (name.to_owned(), last)
 }
 
-/// One flipped payload byte in a data file: the restore is refused before anything runs,
-/// naming the file and the chunk.
+/// One flipped payload byte in a data file: the chunk's checksum does not match when it is read
+/// for loading, the restore fails naming the file and the chunk, and nothing runs. (With device
+/// hashes there is no host pass before the load; `damaged_data_found_by_the_host_pass` keeps
+/// the pass.)
 #[test]
 fn damaged_data_is_refused() {
     let Some(mut s) = Split::start("split-damaged") else {
@@ -277,11 +291,112 @@ fn damaged_data_is_refused() {
         "the restore of a damaged image succeeded\n{}",
         s.describe(&restore)
     );
+    s.assert_line(&restore, &[&name, "chunk", "checksum mismatch"]);
+    s.assert_nothing_runs(&last, &restore);
+}
+
+/// The same with `verify_before_restore = "host"`: the host checksum pass refuses the damaged
+/// chunk before anything is restored or the GPU touched, naming the file and the chunk.
+#[test]
+fn damaged_data_found_by_the_host_pass() {
+    let Some(mut s) = Split::start("split-damaged-hostpass") else {
+        return;
+    };
+    let (name, last) = dump_and_damage(&mut s);
+    let dir = fs::File::open(&s.w.images).expect("open image dir");
+    let dir = std::os::fd::AsFd::as_fd(&dir);
+    let nspid = s.vmm.pid() as u32;
+    let mut m = gpusnap_image::read_manifest(dir, nspid).expect("the dump's manifest");
+    for c in m.chunks.iter_mut().filter(|c| c.is_stored()) {
+        c.device_hash = None;
+    }
+    let bytes = gpusnap_image::encode_manifest_unchecked(&m);
+    fs::write(
+        s.w.images.join(format!("gpusnap-{nspid}-manifest.img")),
+        bytes,
+    )
+    .expect("write the manifest");
+    let restore = s.restore();
+    assert!(!restore.status.success(), "{}", s.describe(&restore));
     s.assert_line(
         &restore,
         &["restore refused", &name, "chunk", "checksum mismatch"],
     );
     s.assert_nothing_runs(&last, &restore);
+}
+
+/// A chunk whose bytes are intact but whose device hash in the manifest differs (the manifest
+/// sealed again): only the GPU's check after loading can tell. The restore fails naming the
+/// chunk's address, and nothing runs.
+#[test]
+fn a_device_hash_mismatch_fails_the_restore() {
+    let Some(mut s) = Split::start("split-devhash-mismatch") else {
+        return;
+    };
+    let dump = s.dump(false);
+    s.assert_ok(&dump);
+    let last = s.reap_dumped();
+    let dir = fs::File::open(&s.w.images).expect("open image dir");
+    let dir = std::os::fd::AsFd::as_fd(&dir);
+    let nspid = s.vmm.pid() as u32;
+    let mut m = gpusnap_image::read_manifest(dir, nspid).expect("the dump's manifest");
+    let c = m
+        .chunks
+        .iter_mut()
+        .find(|c| c.is_stored())
+        .expect("a stored chunk");
+    c.device_hash = c.device_hash.map(|h| h ^ 1);
+    let addr = c.addr;
+    let bytes = gpusnap_image::encode_manifest_unchecked(&m);
+    fs::write(
+        s.w.images.join(format!("gpusnap-{nspid}-manifest.img")),
+        bytes,
+    )
+    .expect("write the manifest");
+    let restore = s.restore();
+    assert!(!restore.status.success(), "{}", s.describe(&restore));
+    s.assert_line(
+        &restore,
+        &[&format!("{addr:#x}"), "on the GPU after loading"],
+    );
+    s.assert_nothing_runs(&last, &restore);
+}
+
+/// Memory the workload never wrote is all zero on the device: the dump records those chunks
+/// as zero (no bytes in any file), the data files hold less than the device memory, and the
+/// restore fills them on the device and runs on bit-exact.
+#[test]
+fn zero_chunks_are_recorded_not_copied() {
+    let Some(mut s) = Split::start("split-zero-chunks") else {
+        return;
+    };
+    // 1 MiB chunks: the workload leaves whole MiBs of its allocations unwritten.
+    let dump = s.dump_with(false, &[("GPUSNAP_STAGING_SLOT_MIB", "1")]);
+    s.assert_ok(&dump);
+    s.assert_split_dump(&dump);
+    let dir = fs::File::open(&s.w.images).expect("open image dir");
+    let m = gpusnap_image::read_manifest(std::os::fd::AsFd::as_fd(&dir), s.vmm.pid() as u32)
+        .expect("the dump's manifest");
+    let zero: u64 = m
+        .chunks
+        .iter()
+        .filter(|c| !c.is_stored())
+        .map(|c| c.len)
+        .sum();
+    let moved: u64 = m.chunks.iter().map(|c| c.len).sum();
+    let files: u64 = m.files.iter().map(|f| f.size).sum();
+    assert!(zero > 0, "no zero chunk recorded\n{}", s.describe(&dump));
+    assert!(
+        files < moved - zero + (1 << 20),
+        "data files hold {files} bytes for {moved} bytes of which {zero} are zero"
+    );
+    s.assert_line(&dump, &["hashed on the GPU", "all zero", "not copied"]);
+    let last = s.reap_dumped();
+    let restore = s.restore();
+    s.assert_ok(&restore);
+    s.assert_split_restore(&restore);
+    s.assert_line(&restore, &["zero chunks filled on the GPU"]);
+    s.assert_runs_on(&last, &restore);
 }
 
 /// The manifest rewritten and sealed again (valid checksum) to claim the transparent path, and
@@ -463,6 +578,7 @@ fn the_agent_releases_and_loads_only_while_the_process_is_held() {
     loop {
         match agent.recv(wait).expect("a reply") {
             Reply::ChunkReady { slot, .. } => agent.slot_free(slot).expect("SlotFree"),
+            Reply::ChunkZero { .. } => {}
             Reply::DumpDataDone { .. } => break,
             other => panic!("{other:?}"),
         }

@@ -228,6 +228,7 @@ impl<'a> ChunkSources<'a> {
             .manifest
             .chunks
             .iter()
+            .filter(|c| c.is_stored())
             .map(|c| (c.parent_depth, c.file))
             .collect();
         set.into_iter().collect()
@@ -241,7 +242,7 @@ impl<'a> ChunkSources<'a> {
             .chunks
             .iter()
             .enumerate()
-            .filter(|(_, c)| c.parent_depth == depth && c.file == file)
+            .filter(|(_, c)| c.is_stored() && c.parent_depth == depth && c.file == file)
             .collect();
         v.sort_by_key(|(_, c)| c.file_offset);
         v

@@ -186,6 +186,9 @@ pub enum ImageError {
     /// A chunk's stored bytes do not match their checksum.
     #[error("{file}: chunk {chunk} checksum mismatch ({DAMAGED})")]
     ChunkChecksum { file: String, chunk: usize },
+    /// A chunk's device bytes do not match the hash the GPU computed for them at the dump.
+    #[error("{file}: chunk {chunk} does not match its device hash ({DAMAGED})")]
+    ChunkDeviceHash { file: String, chunk: usize },
     /// A zstd chunk passed its checksum but does not decompress to exactly its recorded length.
     #[error("{file}: chunk {chunk} does not decompress to its {len} bytes: {detail} ({DAMAGED})")]
     ChunkDecompress {

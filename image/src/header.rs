@@ -125,6 +125,8 @@ pub(crate) fn codec_id(c: Codec) -> u32 {
     match c {
         Codec::Raw => 0,
         Codec::Zstd => 1,
+        // Never written: a zero chunk has no record. Decoding refuses it as unknown.
+        Codec::Zero => 2,
     }
 }
 

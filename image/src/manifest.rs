@@ -33,6 +33,9 @@ pub enum Codec {
     Raw,
     /// One zstd frame that decompresses to exactly `len` bytes.
     Zstd,
+    /// Nothing stored: the chunk was all zeros on the device (found by its device hash pass),
+    /// and a restore fills it with zeros there (version 3).
+    Zero,
 }
 
 /// Where one chunk of device memory is stored.
@@ -62,6 +65,11 @@ pub struct ChunkEntry {
     /// links up, where the same chunk is recorded with depth 0 (version 2 only).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub parent_depth: u32,
+    /// gpusnap-sum64 of the chunk's device bytes, computed on the GPU by the agent
+    /// (`gpusnap_proto::devhash`); a restore checks it on the GPU after loading (version 3;
+    /// absent where the agent could not hash on the device).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_hash: Option<u64>,
 }
 
 fn is_zero(v: &u32) -> bool {
@@ -80,6 +88,28 @@ impl ChunkEntry {
             && self.codec == other.codec
             && self.checksum == other.checksum
             && self.content_xxh128 == other.content_xxh128
+            && self.device_hash == other.device_hash
+    }
+
+    /// A chunk recorded as all zeros (`Codec::Zero`): nothing stored, no file.
+    pub fn zero(addr: u64, len: u64, device_hash: u64) -> Self {
+        ChunkEntry {
+            file: 0,
+            file_offset: 0,
+            addr,
+            len,
+            stored_len: 0,
+            codec: Codec::Zero,
+            checksum: 0,
+            content_xxh128: None,
+            parent_depth: 0,
+            device_hash: Some(device_hash),
+        }
+    }
+
+    /// True if the chunk is stored in a data file (not `Codec::Zero`).
+    pub fn is_stored(&self) -> bool {
+        self.codec != Codec::Zero
     }
 
     /// True if the bytes are in an ancestor image's data file, not in this image's.

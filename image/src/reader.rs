@@ -12,6 +12,7 @@ use std::time::Instant;
 /// in the CPU's cache.
 const PIECE: usize = 256 << 10;
 
+use gpusnap_proto::devhash;
 use xxhash_rust::xxh3::Xxh3Default;
 
 use crate::header::{Record, check_data_header, decode_record};
@@ -50,7 +51,7 @@ impl DataFileReader {
             .chunks
             .iter()
             .enumerate()
-            .filter(|(_, c)| c.file == file && !c.is_reference())
+            .filter(|(_, c)| c.is_stored() && c.file == file && !c.is_reference())
             .map(|(i, c)| (i, c.clone()))
             .collect();
         chunks.sort_by_key(|(_, c)| c.file_offset);
@@ -87,6 +88,19 @@ impl DataFileReader {
         out: &mut [u8],
         scratch: &mut Vec<u8>,
     ) -> Result<(), ImageError> {
+        if !entry.is_stored() {
+            // A zero chunk: nothing in the file. (The structure check saw to its fields.)
+            if out.len() as u64 != entry.len {
+                return Err(ImageError::BufferSize {
+                    file: self.name.clone(),
+                    chunk: usize::MAX,
+                    expected: entry.len,
+                    got: out.len() as u64,
+                });
+            }
+            out.fill(0);
+            return Ok(());
+        }
         let chunk = self.check_record(entry)?;
         if out.len() as u64 != entry.len {
             return Err(ImageError::BufferSize {
@@ -111,6 +125,10 @@ impl DataFileReader {
         match entry.codec {
             // Straight into the caller's buffer; no copy.
             Codec::Raw => self.read_checked(out, entry, chunk),
+            Codec::Zero => {
+                out.fill(0);
+                Ok(())
+            }
             Codec::Zstd => {
                 let n = entry.stored_len as usize; // <= 1 GiB and inside the file, checked
                 if scratch.len() < n {
@@ -149,20 +167,37 @@ impl DataFileReader {
         scratch: &mut Vec<u8>,
     ) -> Result<(), ImageError> {
         let chunk = self.check_record(entry)?;
+        let device_hash_ok = |sum: u64| match entry.device_hash {
+            Some(h) if devhash::finish(sum, entry.len) != h => Err(ImageError::ChunkDeviceHash {
+                file: self.name.clone(),
+                chunk,
+            }),
+            _ => Ok(()),
+        };
         if entry.codec != Codec::Raw {
             let n = entry.len as usize; // <= 1 GiB: check_record bounded it
             if out.len() < n {
                 out.resize(n, 0);
             }
-            return self.read_payload(entry, chunk, &mut out[..n], scratch);
+            self.read_payload(entry, chunk, &mut out[..n], scratch)?;
+            let mut parts = devhash::Sum64Parts::default();
+            if entry.device_hash.is_some() {
+                parts.add_words(0, &out[..n]);
+            }
+            return device_hash_ok(parts.sum);
         }
         piece.resize(PIECE, 0);
         let mut hasher = Xxh3Default::new();
+        let mut parts = devhash::Sum64Parts::default();
         let (mut done, len) = (0u64, entry.stored_len);
         while done < len {
             let n = (len - done).min(PIECE as u64) as usize;
             self.pread(&mut piece[..n], entry.file_offset + done)?;
             hasher.update(&piece[..n]);
+            if entry.device_hash.is_some() {
+                // PIECE is a multiple of 8, so pieces start on word boundaries.
+                parts.add_words(done / 8, &piece[..n]);
+            }
             done += n as u64;
         }
         if hasher.digest() != entry.checksum {
@@ -171,7 +206,7 @@ impl DataFileReader {
                 chunk,
             });
         }
-        Ok(())
+        device_hash_ok(parts.sum)
     }
 
     /// Reads the stored bytes of `entry` into `buf` (`buf.len() == stored_len`) a piece at a
@@ -303,6 +338,9 @@ pub struct VerifyReport {
     pub referenced_bytes: u64,
     /// How many `parent` links deep the references went (0: none).
     pub chain_depth: u32,
+    /// Chunks, and their device bytes, recorded as all zero (no stored bytes).
+    pub zero_chunks: u64,
+    pub zero_bytes: u64,
     pub seconds: f64,
 }
 
@@ -358,6 +396,7 @@ pub fn verify_image(
     if let Some(e) = first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
         return Err(e);
     }
+    check_zero_chunks(m)?;
     let refs = || m.chunks.iter().filter(|c| c.is_reference());
     Ok(VerifyReport {
         chunks: m.chunks.len() as u64,
@@ -366,8 +405,32 @@ pub fn verify_image(
         referenced_chunks: refs().count() as u64,
         referenced_bytes: refs().map(|c| c.len).sum(),
         chain_depth: sources.ancestors().depth(),
+        zero_chunks: m.chunks.iter().filter(|c| !c.is_stored()).count() as u64,
+        zero_bytes: m
+            .chunks
+            .iter()
+            .filter(|c| !c.is_stored())
+            .map(|c| c.len)
+            .sum(),
         seconds: start.elapsed().as_secs_f64(),
     })
+}
+
+/// Every zero chunk's device hash is the hash of that many zero bytes (computed once per length).
+fn check_zero_chunks(m: &Manifest) -> Result<(), ImageError> {
+    let mut known: std::collections::HashMap<u64, Option<u64>> = Default::default();
+    for (i, c) in m.chunks.iter().enumerate().filter(|(_, c)| !c.is_stored()) {
+        let want = *known
+            .entry(c.len)
+            .or_insert_with(|| devhash::zero_hash(c.len));
+        if want.is_none() || c.device_hash != want {
+            return Err(ImageError::ChunkDeviceHash {
+                file: manifest_file_name(m.nspid),
+                chunk: i,
+            });
+        }
+    }
+    Ok(())
 }
 
 fn verify_file(
@@ -488,6 +551,7 @@ pub fn scan_data_file(
             checksum: rec.checksum,
             content_xxh128: None,
             parent_depth: 0,
+            device_hash: None,
         });
         scan.end = payload + rec.stored_len;
     }

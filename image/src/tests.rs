@@ -511,14 +511,14 @@ fn unknown_version_is_refused() {
     let good = std::fs::read(&path).unwrap();
     // In the header line.
     let bad = String::from_utf8(good.clone()).unwrap().replacen(
-        "GPUSNAP-MANIFEST 2 ",
         "GPUSNAP-MANIFEST 3 ",
+        "GPUSNAP-MANIFEST 4 ",
         1,
     );
     std::fs::write(&path, bad).unwrap();
     let e = read_manifest(t.fd(), NSPID).unwrap_err();
     assert!(
-        matches!(e, ImageError::UnsupportedVersion { found: 3, .. }),
+        matches!(e, ImageError::UnsupportedVersion { found: 4, .. }),
         "{e}"
     );
     // In the JSON body, with a correct checksum.
@@ -1229,6 +1229,7 @@ fn zstd_frame_of_the_wrong_size_is_refused() {
             checksum: rec.checksum,
             content_xxh128: Some("0".repeat(32)),
             parent_depth: 0,
+            device_hash: None,
         }];
         m.allocations.truncate(1);
         m.allocations[0].size = len;
@@ -1308,5 +1309,89 @@ fn a_record_whose_seq_is_not_its_position_in_the_file_is_refused() {
         ),
         "{:?}",
         s.stopped
+    );
+}
+
+/// Version 3: zero chunks (nothing stored) and device hashes. A zero chunk validates with no
+/// file, reads back as zeros and passes `verify` with the hash of zeros; every field it must not
+/// have, a missing or wrong hash, and a version that has no zero chunks are refused; a stored
+/// chunk's device hash is checked by `verify` against its bytes.
+#[test]
+fn zero_chunks_and_device_hashes() {
+    use gpusnap_proto::devhash;
+    let t = TempDir::new();
+    let img = make_image(t.fd());
+    let zbase = BASE + 0x30_0000;
+    let zlen = CHUNK as u64;
+    let zhash = devhash::zero_hash(zlen).unwrap();
+    let mut m = img.m.clone();
+    m.allocations.push(AllocationRecord {
+        id: 4,
+        device: 0,
+        addr: zbase,
+        size: 2 * zlen,
+        moved: true,
+    });
+    m.chunks.push(ChunkEntry::zero(zbase, zlen, zhash));
+    m.chunks.push(ChunkEntry::zero(zbase + zlen, zlen, zhash));
+    // The stored chunks' device hashes, as the GPU would have computed them.
+    for (c, d) in m.chunks.iter_mut().zip(&img.data) {
+        c.device_hash = devhash::device_hash(d);
+    }
+    write_manifest(t.fd(), &m).unwrap();
+    let back = read_manifest(t.fd(), NSPID).unwrap();
+    assert_eq!(back, m);
+    let data = read_all(t.fd(), &back).unwrap();
+    assert!(data[5..].iter().all(|d| d.iter().all(|&b| b == 0)));
+    let r = verify_image(t.fd(), &back, 2).unwrap();
+    assert_eq!((r.zero_chunks, r.zero_bytes), (2, 2 * zlen));
+
+    // verify checks device hashes: a wrong one on a stored chunk (raw, then zstd) or on a zero
+    // chunk is named.
+    for i in [0usize, 3, 5] {
+        let mut bad = m.clone();
+        bad.chunks[i].device_hash = bad.chunks[i].device_hash.map(|h| h ^ 1);
+        plant(t.fd(), &bad);
+        let bad = read_manifest(t.fd(), NSPID).unwrap();
+        let e = verify_image(t.fd(), &bad, 2).unwrap_err();
+        assert!(
+            matches!(e, ImageError::ChunkDeviceHash { .. }),
+            "chunk {i}: {e}"
+        );
+    }
+
+    // What a zero chunk must not have, and what it must.
+    let refused = |edit: &dyn Fn(&mut ChunkEntry), what: &str| {
+        let mut bad = m.clone();
+        edit(&mut bad.chunks[5]);
+        let e = validate_manifest_structure(&bad).unwrap_err();
+        assert!(!e.to_string().is_empty(), "{what}");
+    };
+    refused(&|c| c.stored_len = 1, "stored bytes");
+    refused(&|c| c.file = 1, "a file");
+    refused(&|c| c.file_offset = 128, "an offset");
+    refused(&|c| c.checksum = 7, "a checksum");
+    refused(
+        &|c| c.content_xxh128 = Some("0".repeat(32)),
+        "a content hash",
+    );
+    refused(&|c| c.parent_depth = 1, "a parent");
+    refused(&|c| c.device_hash = None, "no device hash");
+    let mut v2 = m.clone();
+    v2.format_version = 2;
+    for c in &mut v2.chunks {
+        c.device_hash = None;
+    }
+    v2.chunks[5].device_hash = Some(zhash);
+    assert!(
+        validate_manifest_structure(&v2).is_err(),
+        "zero chunk in v2"
+    );
+    v2.chunks.truncate(5);
+    v2.chunks[0].device_hash = Some(1);
+    v2.allocations.pop();
+    assert!(
+        validate_manifest_structure(&v2).is_err(),
+        "device hash in v2"
     );
 }

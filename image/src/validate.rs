@@ -135,7 +135,9 @@ pub(crate) fn validate_structure(m: &Manifest, mf: &str) -> Result<(), ImageErro
         })?;
         let start = c.file_offset.saturating_sub(RECORD_LEN);
         let end = c.file_offset.checked_add(c.stored_len);
-        if c.is_reference() {
+        if !c.is_stored() {
+            // A zero chunk: nothing in any file (check_version_fields saw to its fields).
+        } else if c.is_reference() {
             if c.file_offset < DATA_HEADER_LEN + RECORD_LEN || end.is_none() {
                 return Err(invalid(format!(
                     "chunk {i} references offset {} of an ancestor's data file, outside any data area",
@@ -187,7 +189,7 @@ pub(crate) fn validate_structure(m: &Manifest, mf: &str) -> Result<(), ImageErro
     // References may share: two images can both point at one chunk of an ancestor, but one
     // image never references one stored chunk twice (that would put it at two addresses).
     let mut by_offset: Vec<usize> = (0..m.chunks.len())
-        .filter(|&i| !m.chunks[i].is_reference())
+        .filter(|&i| m.chunks[i].is_stored() && !m.chunks[i].is_reference())
         .collect();
     by_offset.sort_by_key(|&i| (m.chunks[i].file, m.chunks[i].file_offset));
     for w in by_offset.windows(2) {
@@ -214,7 +216,11 @@ pub(crate) fn validate_structure(m: &Manifest, mf: &str) -> Result<(), ImageErro
     // Sums: each data file is its header plus its records, with nothing in between; each moved
     // allocation is covered by its chunks exactly.
     let mut file_sums = vec![DATA_HEADER_LEN; m.files.len()];
-    for c in m.chunks.iter().filter(|c| !c.is_reference()) {
+    for c in m
+        .chunks
+        .iter()
+        .filter(|c| c.is_stored() && !c.is_reference())
+    {
         // Each term is at most 1 GiB + 64 and at most ~2^28 chunks fit in a manifest, but a
         // hand-made manifest is not bound by that: saturate instead of wrapping.
         let s = &mut file_sums[positions[&c.file]];
@@ -260,8 +266,34 @@ fn addr_overlap(m: &Manifest, mf: &str) -> ImageError {
 
 /// The fields that exist only in some versions: version 1 has no `content_xxh128` and no
 /// references; version 2 has a `content_xxh128` (32 lowercase hex digits) on every chunk and
-/// references at most [`MAX_CHAIN_DEPTH`] links up.
+/// references at most [`MAX_CHAIN_DEPTH`] links up; version 3 may add `device_hash`, and has
+/// zero chunks (`Codec::Zero`: no file, offset, stored bytes, checksum, content hash or
+/// reference, and a device hash).
 fn check_version_fields(version: u32, c: &ChunkEntry) -> Result<(), String> {
+    if version < 3 && c.device_hash.is_some() {
+        return Err(format!("device_hash is not a version-{version} field"));
+    }
+    if c.codec == Codec::Zero {
+        if version < 3 {
+            return Err(format!("codec zero is not a version-{version} codec"));
+        }
+        if c.file != 0
+            || c.file_offset != 0
+            || c.stored_len != 0
+            || c.checksum != 0
+            || c.content_xxh128.is_some()
+            || c.parent_depth != 0
+        {
+            return Err(
+                "a zero chunk has a file, offset, stored length, checksum, content hash or parent"
+                    .into(),
+            );
+        }
+        if c.device_hash.is_none() {
+            return Err("a zero chunk has no device_hash".into());
+        }
+        return Ok(());
+    }
     match (version, &c.content_xxh128) {
         (1, Some(_)) => return Err("content_xxh128 is not a version-1 field".into()),
         (1, None) if c.parent_depth != 0 => {
@@ -289,10 +321,17 @@ fn is_hex128(s: &str) -> bool {
     s.len() == 32 && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
 }
 
-/// `len` and `stored_len` in 1..=1 GiB; Raw stores exactly `len`, Zstd at most `len`.
+/// `len` and `stored_len` in 1..=1 GiB; Raw stores exactly `len`, Zstd at most `len`, Zero
+/// nothing.
 pub(crate) fn check_chunk_lengths(len: u64, stored_len: u64, codec: Codec) -> Result<(), String> {
     if len == 0 || len > MAX_CHUNK_LEN {
         return Err(format!("length {len} is not in 1..={MAX_CHUNK_LEN}"));
+    }
+    if codec == Codec::Zero {
+        return match stored_len {
+            0 => Ok(()),
+            n => Err(format!("zero chunk stores {n} bytes")),
+        };
     }
     if stored_len == 0 || stored_len > MAX_CHUNK_LEN {
         return Err(format!(

@@ -143,7 +143,9 @@ impl DataFileWriter {
     ) -> Result<ChunkEntry, ImageError> {
         self.check_append(addr, data.len() as u64)?;
         let (stored, codec): (&[u8], Codec) = match codec {
-            Codec::Raw => (data, Codec::Raw),
+            // A zero chunk is recorded without any file (`ChunkEntry::zero`); asked to store
+            // one anyway, store its bytes.
+            Codec::Raw | Codec::Zero => (data, Codec::Raw),
             Codec::Zstd => match compress(&mut self.compressor, &mut self.scratch, data) {
                 Some(n) => (&self.scratch[..n], Codec::Zstd),
                 None => (data, Codec::Raw),
@@ -156,8 +158,8 @@ impl DataFileWriter {
             len: data.len() as u64,
             stored_len: stored.len() as u64,
             checksum: match codec {
-                Codec::Raw => hashes.xxh3_64,
                 Codec::Zstd => xxh3_64(stored),
+                Codec::Raw | Codec::Zero => hashes.xxh3_64,
             },
         };
         let result = write_all_at(&self.file, &self.name, &encode_record(&record), self.offset)
@@ -240,6 +242,7 @@ impl DataFileWriter {
             checksum: record.checksum,
             content_xxh128: Some(hashes.content_hex()),
             parent_depth: 0,
+            device_hash: None,
         };
         self.offset += RECORD_LEN + record.stored_len;
         self.seq += 1;

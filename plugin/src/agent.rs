@@ -295,9 +295,37 @@ impl AgentSession {
         self.send(&Request::SlotFree { slot }, None)
     }
 
-    /// `ChunkLoad`: a restore's slot holds `len` bytes for device address `addr`.
-    pub fn chunk_load(&self, slot: u32, addr: u64, len: u64) -> Result<(), AgentError> {
-        self.send(&Request::ChunkLoad { slot, addr, len }, None)
+    /// `ChunkLoad`: a restore's slot holds `len` bytes for device address `addr`, whose device
+    /// hash the agent checks after the load if the image recorded one.
+    pub fn chunk_load(
+        &self,
+        slot: u32,
+        addr: u64,
+        len: u64,
+        device_hash: Option<u64>,
+    ) -> Result<(), AgentError> {
+        let req = Request::ChunkLoad {
+            slot,
+            addr,
+            len,
+            device_hash,
+        };
+        self.send(&req, None)
+    }
+
+    /// `ChunkZero`: a restore's chunk recorded as all zeros; the agent fills it on the device.
+    pub fn chunk_zero(
+        &self,
+        addr: u64,
+        len: u64,
+        device_hash: Option<u64>,
+    ) -> Result<(), AgentError> {
+        let req = Request::ChunkZero {
+            addr,
+            len,
+            device_hash,
+        };
+        self.send(&req, None)
     }
 
     /// `Abort`: the agent stops and keeps its memory. Best effort, bounded; true when the agent
@@ -334,16 +362,19 @@ impl AgentSession {
         Ok(r)
     }
 
-    /// `RestoreDataDone` after the last `ChunkLoad`: the agent synchronises, answers with the
-    /// bytes it loaded and closes the connection.
-    pub fn finish_restore(self) -> Result<u64, AgentError> {
+    /// `RestoreDataDone` after the last `ChunkLoad`: the agent synchronises, checks the device
+    /// hashes it was given on the GPU, answers with the bytes it loaded and the chunks it
+    /// checked, and closes the connection.
+    pub fn finish_restore(self) -> Result<(u64, u64), AgentError> {
         self.send(&Request::RestoreDataDone, None)?;
-        let bytes = match self.recv(self.timeout)? {
-            Reply::Restored { bytes, .. } => bytes,
+        let done = match self.recv(self.timeout)? {
+            Reply::Restored {
+                bytes, verified, ..
+            } => (bytes, verified),
             got => return Err(self.unexpected("Restored", got)),
         };
         self.wait_closed()?;
-        Ok(bytes)
+        Ok(done)
     }
 
     fn wait_closed(&self) -> Result<(), AgentError> {

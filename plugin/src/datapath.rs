@@ -56,6 +56,11 @@ pub struct DumpData {
     /// there instead of written (incremental dump).
     pub referenced_chunks: u64,
     pub referenced_bytes: u64,
+    /// Chunks, and their device bytes, the GPU found all zero: recorded, not copied.
+    pub zero_chunks: u64,
+    pub zero_bytes: u64,
+    /// Chunks that carry a hash computed on the GPU.
+    pub device_hashed: u64,
     pub seconds: f64,
 }
 
@@ -63,6 +68,7 @@ struct Work {
     slot: u32,
     addr: u64,
     len: u64,
+    device_hash: Option<u64>,
 }
 
 /// Blocks every signal in the calling (helper) thread.
@@ -129,9 +135,9 @@ pub fn copy_out(
             })
             .collect();
         drop(work_rx);
-        let outcome = pump_dump_replies(agent, &work_tx, &err_rx, limits.stall);
-        drop(work_tx);
         let mut data = DumpData::default();
+        let outcome = pump_dump_replies(agent, &work_tx, &err_rx, limits.stall, &mut data.chunks);
+        drop(work_tx);
         for h in handles {
             match h.join() {
                 Ok(Some((file, mut chunks))) => {
@@ -161,6 +167,18 @@ pub fn copy_out(
     data.files.sort_by(|a, b| a.name.cmp(&b.name));
     data.chunks.sort_by_key(|c| c.addr);
     data.bytes = data.chunks.iter().map(|c| c.len).sum();
+    data.zero_chunks = data.chunks.iter().filter(|c| !c.is_stored()).count() as u64;
+    data.zero_bytes = data
+        .chunks
+        .iter()
+        .filter(|c| !c.is_stored())
+        .map(|c| c.len)
+        .sum();
+    data.device_hashed = data
+        .chunks
+        .iter()
+        .filter(|c| c.device_hash.is_some())
+        .count() as u64;
     let (refs, own): (Vec<&ChunkEntry>, Vec<&ChunkEntry>) =
         data.chunks.iter().partition(|c| c.is_reference());
     data.stored_bytes = own.iter().map(|c| c.stored_len).sum();
@@ -170,12 +188,14 @@ pub fn copy_out(
     Ok(data)
 }
 
-/// Main-thread side of a dump: route `ChunkReady` to writers until `DumpDataDone`.
+/// Main-thread side of a dump: route `ChunkReady` to writers until `DumpDataDone`; record each
+/// `ChunkZero` (nothing to write) in `zeros`.
 fn pump_dump_replies(
     agent: &AgentSession,
     work: &Sender<Work>,
     errors: &Receiver<DataError>,
     stall: Duration,
+    zeros: &mut Vec<ChunkEntry>,
 ) -> Result<(), DataError> {
     let mut last = Instant::now();
     // The second announcement means the first chunk was handed to a writer (a point for a
@@ -187,16 +207,35 @@ fn pump_dump_replies(
         }
         match agent.recv(Duration::from_millis(200)) {
             Ok(Reply::ChunkReady {
-                slot, addr, len, ..
+                slot,
+                addr,
+                len,
+                device_hash,
+                ..
             }) => {
                 last = Instant::now();
                 if sent == 1 {
                     crate::fault::kill_criu_at("dump-data-out");
                 }
                 sent += 1;
-                if work.send(Work { slot, addr, len }).is_err() {
+                let w = Work {
+                    slot,
+                    addr,
+                    len,
+                    device_hash,
+                };
+                if work.send(w).is_err() {
                     return Err(DataError::WritersGone);
                 }
+            }
+            Ok(Reply::ChunkZero {
+                addr,
+                len,
+                device_hash,
+                ..
+            }) => {
+                last = Instant::now();
+                zeros.push(ChunkEntry::zero(addr, len, device_hash));
             }
             Ok(Reply::DumpDataDone { .. }) => return Ok(()),
             Ok(other) => return Err(unexpected(agent, "ChunkReady", other)),
@@ -254,11 +293,16 @@ fn writer(
                     file = Some(f);
                 }
                 let f = file.as_mut().expect("created above");
-                match hashes {
+                let entry = match hashes {
                     None => f.append_raw(w.addr, data).map(|(entry, _)| entry),
                     Some(h) => f.append_chunk_hashed(w.addr, data, out.codec, &h),
-                }
-                .map_err(DataError::from)
+                };
+                entry
+                    .map(|e| ChunkEntry {
+                        device_hash: w.device_hash,
+                        ..e
+                    })
+                    .map_err(DataError::from)
             })();
             match res {
                 Ok(entry) => chunks.push(entry),
@@ -322,6 +366,11 @@ fn unexpected(agent: &AgentSession, expected: &'static str, got: Reply) -> DataE
 #[derive(Debug, Default)]
 pub struct LoadStats {
     pub bytes: u64,
+    /// Chunks filled with zeros on the device, and their bytes.
+    pub zero_chunks: u64,
+    pub zero_bytes: u64,
+    /// Chunks whose device hash the agent checked on the GPU after loading.
+    pub verified_on_device: u64,
     pub seconds: f64,
 }
 
@@ -348,7 +397,12 @@ pub fn copy_in(
     let (err_tx, err_rx) = unbounded::<DataError>();
     let files = file_groups(manifest);
     let readers = readers.clamp(1, files.len().max(1));
-    let total = manifest.chunks.len();
+    // Zero chunks use no slot: the agent fills them on the device, before any load is queued.
+    let zeros: Vec<&ChunkEntry> = manifest.chunks.iter().filter(|c| !c.is_stored()).collect();
+    for c in &zeros {
+        agent.chunk_zero(c.addr, c.len, c.device_hash)?;
+    }
+    let total = manifest.chunks.len() - zeros.len();
     let outcome = std::thread::scope(|s| {
         for r in 0..readers {
             let free_rx = free_rx.clone();
@@ -372,9 +426,12 @@ pub fn copy_in(
     if let Ok(e) = err_rx.try_recv() {
         return Err(e);
     }
-    let bytes = agent.finish_restore()?;
+    let (bytes, verified_on_device) = agent.finish_restore()?;
     Ok(LoadStats {
         bytes,
+        zero_chunks: zeros.len() as u64,
+        zero_bytes: zeros.iter().map(|c| c.len).sum(),
+        verified_on_device,
         seconds: t0.elapsed().as_secs_f64(),
     })
 }
@@ -386,6 +443,7 @@ fn file_groups(manifest: &Manifest) -> Vec<(u32, u32)> {
     let mut v: Vec<(u32, u32)> = manifest
         .chunks
         .iter()
+        .filter(|c| c.is_stored())
         .map(|c| (c.parent_depth, c.file))
         .collect();
     v.sort_unstable();
@@ -411,7 +469,7 @@ fn read_files(
             // other reader holds it.
             let out = unsafe { staging.slot_mut(slot as usize, c.len as usize) };
             reader.read_chunk(c, out, &mut scratch)?;
-            agent.chunk_load(slot, c.addr, c.len)?;
+            agent.chunk_load(slot, c.addr, c.len, c.device_hash)?;
         }
     }
     Ok(())
@@ -462,6 +520,7 @@ mod tests {
             checksum: 0,
             content_xxh128: None,
             parent_depth: 0,
+            device_hash: None,
         }
     }
 

@@ -508,6 +508,13 @@ fn move_data_out(
         data.referenced_bytes,
         data.referenced_chunks,
     );
+    log::info!(
+        "pid {pid}: {} of {} chunks hashed on the GPU; {} all zero ({:.2} GiB, not copied)",
+        data.device_hashed,
+        data.chunks.len(),
+        data.zero_chunks,
+        gib(data.zero_bytes),
+    );
     let per_gpu = bytes_per_device(&allocations, &data.chunks);
     if per_gpu.len() > 1 {
         for (device, bytes) in &per_gpu {
@@ -1026,6 +1033,9 @@ fn stats_of(t: &Tracked) -> serde_json::Value {
             "bytes_written": d.stored_bytes,
             "chunks_referenced": d.referenced_chunks,
             "bytes_referenced": d.referenced_bytes,
+            "chunks_zero": d.zero_chunks,
+            "bytes_zero": d.zero_bytes,
+            "chunks_device_hashed": d.device_hashed,
             "incremental": d.referenced_chunks > 0,
         });
     }
@@ -1129,6 +1139,7 @@ mod tests {
             checksum: 0,
             content_xxh128: None,
             parent_depth: 0,
+            device_hash: None,
         };
         let allocs = [
             alloc(1, 0, 0x1000_0000, 0x400),

@@ -11,7 +11,7 @@ use crate::gpumap;
 use crate::procfs;
 use crate::ptrace::{self, PtraceError, RunningThread};
 use crate::stall::{self, DriverCall, StallError, Watched};
-use gpusnap_config::{Config, Mode};
+use gpusnap_config::{Config, Mode, Verify};
 use gpusnap_cuda::{DriverError, GpuUuid, ParseGpuUuidError};
 use gpusnap_image::{CheckpointPath, ImageError, Manifest};
 use std::collections::HashMap;
@@ -100,12 +100,21 @@ impl RestoredProcess {
             timings["data"] = serde_json::json!(d.seconds);
         }
         timings["total"] = serde_json::json!(self.total_s);
-        serde_json::json!({
+        let mut v = serde_json::json!({
             "nspid": self.nspid,
             "path": if self.path == CheckpointPath::Split { "split" } else { "transparent" },
             "gpu_pairs": self.gpu_pairs.iter().map(|p| format!("{}={}", p.old, p.new)).collect::<Vec<_>>(),
             "timings_s": timings,
-        })
+        });
+        if let Some(d) = &self.data {
+            v["data"] = serde_json::json!({
+                "device_bytes_loaded": d.bytes,
+                "chunks_zero": d.zero_chunks,
+                "bytes_zero": d.zero_bytes,
+                "chunks_checked_on_device": d.verified_on_device,
+            });
+        }
+        v
     }
 }
 
@@ -173,8 +182,12 @@ impl Verification {
 
 /// The checksum pass of a restore, through its life.
 enum Checksums {
-    /// `verify_before_restore = false`.
+    /// `verify_before_restore = off`.
     Skipped,
+    /// Every chunk of every manifest carries a device hash: no host pass; each chunk is
+    /// checked as it is read (its stored checksum) and on the GPU after the load, before any
+    /// application thread runs (a mismatch kills the process; the image is untouched).
+    OnDevice,
     /// To start in POST_FORKING (CRIU 4.2+).
     AfterFork(BorrowedFd<'static>),
     /// Running beside CRIU's restore.
@@ -241,10 +254,17 @@ impl RestoreRun {
             }
         }
         let mut run = RestoreRun {
-            checksums: if cfg.verify_before_restore {
-                Checksums::AfterFork(dir)
-            } else {
+            checksums: if cfg.verify_before_restore == Verify::Off {
                 Checksums::Skipped
+            } else if cfg.verify_before_restore == Verify::Auto
+                && manifests.values().all(every_chunk_device_hashed)
+            {
+                log::info!(
+                    "every chunk has a device hash: no host checksum pass; chunks are checked as they are read and on the GPU after loading, before the processes run"
+                );
+                Checksums::OnDevice
+            } else {
+                Checksums::AfterFork(dir)
             },
             cfg,
             dir,
@@ -262,7 +282,7 @@ impl RestoreRun {
         }
         if let Some(why) = crate::context::driver_absent_reason() {
             // The restore fails either way; first say whether the image itself is damaged.
-            if run.cfg.verify_before_restore
+            if run.cfg.verify_before_restore != Verify::Off
                 && let Err(e) = run.verify_now()
             {
                 log::error!("restore refused: {e}; nothing was restored and no GPU was touched");
@@ -282,7 +302,7 @@ impl RestoreRun {
         // No thread may live while CRIU forks the process tree: on CRIU 4.2+ the checksum pass
         // starts in POST_FORKING (after the forks) and overlaps the rest of CRIU's restore; on
         // older CRIU it runs here.
-        if run.cfg.verify_before_restore && !crate::criu::has_post_forking() {
+        if matches!(run.checksums, Checksums::AfterFork(_)) && !crate::criu::has_post_forking() {
             match run.verify_now() {
                 Ok(secs) => run.checksums = Checksums::Passed(secs),
                 Err(e) => {
@@ -342,7 +362,10 @@ impl RestoreRun {
             Checksums::Running(mut v) => v.finish()?,
             Checksums::AfterFork(_) => self.verify_now()?,
             Checksums::Passed(s) => s,
-            Checksums::Skipped => return Ok(()),
+            c @ (Checksums::Skipped | Checksums::OnDevice) => {
+                self.checksums = c;
+                return Ok(());
+            }
         };
         self.checksums = Checksums::Passed(secs);
         Ok(())
@@ -461,18 +484,26 @@ impl RestoreRun {
             .flatten()
             .filter(|v| v.is_object())
             .unwrap_or_else(|| serde_json::json!({}));
-        let verify_s = match self.checksums {
-            Checksums::Passed(s) => Some(s),
-            _ => None,
+        let (verify_s, checksums) = match self.checksums {
+            Checksums::Passed(s) => (Some(s), "host pass"),
+            Checksums::OnDevice => (None, "on the GPU after loading"),
+            _ => (None, "as read only"),
         };
         doc["restore"] = serde_json::json!({
             "verify_s": verify_s,
+            "checksums": checksums,
             "processes": processes,
         });
         if let Err(e) = gpusnap_image::write_stats(self.dir, &doc) {
             log::debug!("restore timings not added to gpusnap-stats.json: {e}");
         }
     }
+}
+
+/// Whether every chunk of `m` carries a hash computed on the GPU (a manifest without chunks
+/// counts: there is nothing to check).
+fn every_chunk_device_hashed(m: &Manifest) -> bool {
+    m.chunks.iter().all(|c| c.device_hash.is_some())
 }
 
 /// Kills a restored process whose GPU state cannot be brought back (CRIU holds it stopped),
@@ -860,9 +891,11 @@ fn resume_one(
     let data = out.data.as_ref().map_or(String::new(), |d| {
         let gib = d.bytes as f64 / (1u64 << 30) as f64;
         format!(
-            ", data {:.3} s ({gib:.2} GiB, {:.1} GiB/s)",
+            ", data {:.3} s ({gib:.2} GiB, {:.1} GiB/s; {} zero chunks filled on the GPU, {} chunks checked there)",
             d.seconds,
-            gib / d.seconds.max(1e-9)
+            gib / d.seconds.max(1e-9),
+            d.zero_chunks,
+            d.verified_on_device
         )
     });
     log::info!(

@@ -13,6 +13,7 @@
 //! - `error`: [`ProtoError`].
 
 mod channel;
+pub mod devhash;
 mod door;
 mod error;
 mod message;
@@ -34,6 +35,6 @@ pub use message::{
 pub use socket::{peer_cred, seqpacket_pair};
 
 /// Version carried in every message header and in `Hello`.
-pub const PROTOCOL_VERSION: u16 = 2;
+pub const PROTOCOL_VERSION: u16 = 3;
 /// Largest message on the wire, header included.
 pub const MAX_MESSAGE: usize = 512;

@@ -52,6 +52,8 @@ pub enum ErrorCode {
     Timeout = 6,
     /// The peer speaks another protocol version.
     VersionMismatch = 7,
+    /// Data on the device does not match the hash the image recorded for it.
+    DataMismatch = 8,
 }
 
 impl ErrorCode {
@@ -64,6 +66,7 @@ impl ErrorCode {
             5 => ErrorCode::Staging,
             6 => ErrorCode::Timeout,
             7 => ErrorCode::VersionMismatch,
+            8 => ErrorCode::DataMismatch,
             _ => return Err(ProtoError::Malformed("unknown error code")),
         })
     }
@@ -114,6 +117,19 @@ pub enum Request {
         addr: u64,
         /// Bytes to copy (at most the slot size).
         len: u64,
+        /// The chunk's recorded device hash (`crate::devhash`), checked on the device after
+        /// the last chunk is loaded and before `Restored`.
+        device_hash: Option<u64>,
+    },
+    /// Fill `len` bytes at device address `addr` with zeros (a chunk recorded as all zero;
+    /// no slot is used and no reply is sent).
+    ChunkZero {
+        /// Destination device address.
+        addr: u64,
+        /// Bytes to fill.
+        len: u64,
+        /// As for `ChunkLoad`.
+        device_hash: Option<u64>,
     },
     /// No more chunks: finish the copies and report.
     RestoreDataDone,
@@ -203,6 +219,20 @@ pub enum Reply {
         addr: u64,
         /// Bytes in the slot.
         len: u64,
+        /// The chunk's hash computed on the device (`crate::devhash`); `None` when the agent
+        /// could not hash on the device.
+        device_hash: Option<u64>,
+    },
+    /// The chunk at `addr` is all zeros on the device: it was not copied and uses no slot.
+    ChunkZero {
+        /// Allocation id.
+        alloc_id: u64,
+        /// Device address of the chunk's first byte.
+        addr: u64,
+        /// Bytes.
+        len: u64,
+        /// As for `ChunkReady` (always known: zeros are only found by hashing).
+        device_hash: u64,
     },
     /// Every chunk was copied out and every slot came back.
     DumpDataDone {
@@ -233,6 +263,8 @@ pub enum Reply {
         bytes: u64,
         /// Time since `RestoreBegin`.
         micros: u64,
+        /// Chunks whose device hash was checked on the device after the load (all matched).
+        verified: u64,
     },
     /// The operation was abandoned; memory is mapped.
     Aborted,
@@ -255,6 +287,7 @@ mod kind {
     pub const REQ_RESTORE_BEGIN: u16 = 0x0007;
     pub const REQ_CHUNK_LOAD: u16 = 0x0008;
     pub const REQ_RESTORE_DONE: u16 = 0x0009;
+    pub const REQ_CHUNK_ZERO: u16 = 0x000A;
 
     pub const REP_HELLO: u16 = 0x0101;
     pub const REP_ALLOCATION: u16 = 0x0102;
@@ -267,6 +300,23 @@ mod kind {
     pub const REP_RESTORED: u16 = 0x0109;
     pub const REP_ABORTED: u16 = 0x010A;
     pub const REP_ERROR: u16 = 0x010B;
+    pub const REP_CHUNK_ZERO: u16 = 0x010C;
+}
+
+/// An optional u64: a presence byte (0/1), then the value (0 when absent).
+fn opt_u64(w: &mut Writer<'_>, v: Option<u64>) {
+    w.bool(v.is_some());
+    w.u64(v.unwrap_or(0));
+}
+
+fn read_opt_u64(r: &mut Reader<'_>) -> Result<Option<u64>, ProtoError> {
+    let present = r.bool()?;
+    let v = r.u64()?;
+    match (present, v) {
+        (true, v) => Ok(Some(v)),
+        (false, 0) => Ok(None),
+        (false, _) => Err(ProtoError::Malformed("a value where none is present")),
+    }
 }
 
 fn header(w: &mut Writer<'_>, kind: u16) {
@@ -350,11 +400,27 @@ impl Request {
                 w.u32(*slots);
                 w.u32(*streams);
             }
-            Request::ChunkLoad { slot, addr, len } => {
+            Request::ChunkLoad {
+                slot,
+                addr,
+                len,
+                device_hash,
+            } => {
                 header(&mut w, kind::REQ_CHUNK_LOAD);
                 w.u32(*slot);
                 w.u64(*addr);
                 w.u64(*len);
+                opt_u64(&mut w, *device_hash);
+            }
+            Request::ChunkZero {
+                addr,
+                len,
+                device_hash,
+            } => {
+                header(&mut w, kind::REQ_CHUNK_ZERO);
+                w.u64(*addr);
+                w.u64(*len);
+                opt_u64(&mut w, *device_hash);
             }
             Request::RestoreDataDone => header(&mut w, kind::REQ_RESTORE_DONE),
         }
@@ -384,6 +450,12 @@ impl Request {
                 slot: r.u32()?,
                 addr: r.u64()?,
                 len: r.u64()?,
+                device_hash: read_opt_u64(&mut r)?,
+            },
+            kind::REQ_CHUNK_ZERO => Request::ChunkZero {
+                addr: r.u64()?,
+                len: r.u64()?,
+                device_hash: read_opt_u64(&mut r)?,
             },
             kind::REQ_RESTORE_DONE => Request::RestoreDataDone,
             other => return Err(ProtoError::UnknownKind(other)),
@@ -443,12 +515,26 @@ impl Reply {
                 alloc_id,
                 addr,
                 len,
+                device_hash,
             } => {
                 header(&mut w, kind::REP_CHUNK_READY);
                 w.u32(*slot);
                 w.u64(*alloc_id);
                 w.u64(*addr);
                 w.u64(*len);
+                opt_u64(&mut w, *device_hash);
+            }
+            Reply::ChunkZero {
+                alloc_id,
+                addr,
+                len,
+                device_hash,
+            } => {
+                header(&mut w, kind::REP_CHUNK_ZERO);
+                w.u64(*alloc_id);
+                w.u64(*addr);
+                w.u64(*len);
+                w.u64(*device_hash);
             }
             Reply::DumpDataDone {
                 chunks,
@@ -474,10 +560,15 @@ impl Reply {
                 header(&mut w, kind::REP_SLOT_FREE);
                 w.u32(*slot);
             }
-            Reply::Restored { bytes, micros } => {
+            Reply::Restored {
+                bytes,
+                micros,
+                verified,
+            } => {
                 header(&mut w, kind::REP_RESTORED);
                 w.u64(*bytes);
                 w.u64(*micros);
+                w.u64(*verified);
             }
             Reply::Aborted => header(&mut w, kind::REP_ABORTED),
             Reply::Error { code, message } => {
@@ -517,6 +608,13 @@ impl Reply {
                 alloc_id: r.u64()?,
                 addr: r.u64()?,
                 len: r.u64()?,
+                device_hash: read_opt_u64(&mut r)?,
+            },
+            kind::REP_CHUNK_ZERO => Reply::ChunkZero {
+                alloc_id: r.u64()?,
+                addr: r.u64()?,
+                len: r.u64()?,
+                device_hash: r.u64()?,
             },
             kind::REP_DUMP_DONE => Reply::DumpDataDone {
                 chunks: r.u64()?,
@@ -532,6 +630,7 @@ impl Reply {
             kind::REP_RESTORED => Reply::Restored {
                 bytes: r.u64()?,
                 micros: r.u64()?,
+                verified: r.u64()?,
             },
             kind::REP_ABORTED => Reply::Aborted,
             kind::REP_ERROR => Reply::Error {

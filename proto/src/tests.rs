@@ -29,6 +29,23 @@ fn all_requests() -> Vec<Request> {
             slot: 3,
             addr: 0x7f00_0000_0000,
             len: 4096,
+            device_hash: Some(u64::MAX),
+        },
+        Request::ChunkLoad {
+            slot: 0,
+            addr: 1,
+            len: 2,
+            device_hash: None,
+        },
+        Request::ChunkZero {
+            addr: 0x7f00_0020_0000,
+            len: 32 << 20,
+            device_hash: Some(0),
+        },
+        Request::ChunkZero {
+            addr: 0,
+            len: 0,
+            device_hash: None,
         },
         Request::RestoreDataDone,
     ]
@@ -67,6 +84,20 @@ fn all_replies() -> Vec<Reply> {
             alloc_id: 9,
             addr: 0x7000_0020_0000,
             len: 1 << 20,
+            device_hash: Some(0x1234_5678_9abc_def0),
+        },
+        Reply::ChunkReady {
+            slot: 0,
+            alloc_id: 0,
+            addr: 0,
+            len: 0,
+            device_hash: None,
+        },
+        Reply::ChunkZero {
+            alloc_id: 9,
+            addr: 0x7000_0040_0000,
+            len: 1 << 21,
+            device_hash: 7,
         },
         Reply::DumpDataDone {
             chunks: 3,
@@ -82,6 +113,7 @@ fn all_replies() -> Vec<Reply> {
         Reply::Restored {
             bytes: 42,
             micros: 43,
+            verified: 44,
         },
         Reply::Aborted,
         Reply::Error {
@@ -190,10 +222,10 @@ fn header_errors_are_typed() {
     b[0] ^= 1;
     assert!(matches!(Request::decode(&b), Err(ProtoError::BadMagic)));
     let mut b = enc_req(&Request::Release);
-    b[4] = 3;
+    b[4] = 4;
     assert!(matches!(
         Request::decode(&b),
-        Err(ProtoError::VersionMismatch { ours: 2, theirs: 3 })
+        Err(ProtoError::VersionMismatch { ours: 3, theirs: 4 })
     ));
     let mut b = enc_req(&Request::Release);
     b[6] = 0x77;
@@ -243,8 +275,8 @@ fn bad_field_values_are_rejected() {
     let n = b.len();
     b[n - 5] = 2;
     assert!(matches!(Reply::decode(&b), Err(ProtoError::Malformed(_))));
-    // Error code 0 and 8.
-    for code in [0u16, 8] {
+    // Error code 0 and 9.
+    for code in [0u16, 9] {
         let mut b = enc_rep(&Reply::Error {
             code: ErrorCode::Busy,
             message: "x".into(),
@@ -326,6 +358,26 @@ fn largest_message_fits() {
     });
     assert_eq!(b.len(), HEADER_LEN + 2 + 2 + MAX_ERROR_MESSAGE);
     assert!(b.len() <= MAX_MESSAGE);
+}
+
+#[test]
+fn an_absent_optional_value_must_be_zero() {
+    let mut buf = [0u8; MAX_MESSAGE];
+    let n = Request::ChunkLoad {
+        slot: 1,
+        addr: 2,
+        len: 3,
+        device_hash: None,
+    }
+    .encode(&mut buf);
+    // The last 8 bytes are the value; its presence byte says absent.
+    buf[n - 1] = 1;
+    assert!(matches!(
+        Request::decode(&buf[..n]),
+        Err(ProtoError::Malformed(_))
+    ));
+    buf[n - 9] = 2;
+    assert!(Request::decode(&buf[..n]).is_err(), "a presence byte of 2");
 }
 
 #[test]

@@ -1,0 +1,117 @@
+//! gpusnap-sum64: the chunk hash the agent computes on the GPU, defined here once for every
+//! side that must agree on it (the agent's kernel `agent/src/devhash/sum64.ptx`, built from
+//! `gpu/devhash/sum64.cu`; the stand-in driver that plays that kernel in CI; `gpusnap verify`'s
+//! host pass). `docs/image-format.md` ("Device hash") states the same in words.
+//!
+//! For the 8-byte little-endian words `w[0..n)` of a chunk of `len = 8n` bytes:
+//! `sum = Σ fmix64(w[i] ^ i·K) mod 2^64`, `any = OR of all w[i]`, and the recorded hash is
+//! [`finish`]`(sum, len) = fmix64(sum ^ fmix64(len + K))`. `fmix64` is MurmurHash3's 64-bit
+//! finalizer, a bijection, so one changed word always changes the sum; the position term makes
+//! moved words count. An integrity check against damage, not a defence against forgery. The
+//! sum is order-free, so the GPU adds in any order; `any == 0` means the chunk is all zeros.
+
+/// The position multiplier (2^64 / golden ratio).
+pub const K: u64 = 0x9E37_79B9_7F4A_7C15;
+
+/// MurmurHash3's 64-bit finalizer.
+pub const fn fmix64(mut k: u64) -> u64 {
+    k ^= k >> 33;
+    k = k.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    k ^= k >> 33;
+    k = k.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    k ^ (k >> 33)
+}
+
+/// What the kernel leaves in its two output words for one chunk.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Sum64Parts {
+    pub sum: u64,
+    pub any: u64,
+}
+
+impl Sum64Parts {
+    /// Adds words `w` whose first has index `first` in the chunk.
+    pub fn add_words(&mut self, first: u64, w: &[u8]) {
+        for (j, b) in w.chunks_exact(8).enumerate() {
+            let word = u64::from_le_bytes(b.try_into().expect("8 bytes"));
+            self.any |= word;
+            self.sum = self
+                .sum
+                .wrapping_add(fmix64(word ^ (first + j as u64).wrapping_mul(K)));
+        }
+    }
+}
+
+/// The recorded device hash of a chunk of `len` bytes from its kernel outputs.
+pub const fn finish(sum: u64, len: u64) -> u64 {
+    fmix64(sum ^ fmix64(len.wrapping_add(K)))
+}
+
+/// The device hash of `bytes` computed on the host, or `None` when the length is not a
+/// multiple of 8 (the agent hashes no such chunk on the GPU).
+pub fn device_hash(bytes: &[u8]) -> Option<u64> {
+    if !bytes.len().is_multiple_of(8) {
+        return None;
+    }
+    let mut p = Sum64Parts::default();
+    p.add_words(0, bytes);
+    Some(finish(p.sum, bytes.len() as u64))
+}
+
+/// The device hash of `len` zero bytes, without touching memory (every word is 0, so the sum
+/// is `Σ fmix64(i·K)`, which still needs the loop; cached by callers per length).
+pub fn zero_hash(len: u64) -> Option<u64> {
+    if !len.is_multiple_of(8) {
+        return None;
+    }
+    let mut sum = 0u64;
+    for i in 0..len / 8 {
+        sum = sum.wrapping_add(fmix64(i.wrapping_mul(K)));
+    }
+    Some(finish(sum, len))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fmix64_is_murmur3s_finalizer() {
+        assert_eq!(fmix64(0), 0);
+        // Computed independently with arbitrary-precision integers (Python).
+        assert_eq!(fmix64(1), 0xb456_bcfc_34c2_cb2c);
+    }
+
+    #[test]
+    fn one_changed_or_moved_word_changes_the_hash() {
+        let mut a = vec![0u8; 4096];
+        for (i, b) in a.iter_mut().enumerate() {
+            *b = (i * 7 % 251) as u8;
+        }
+        let h = device_hash(&a).unwrap();
+        let mut b = a.clone();
+        b[100] ^= 1;
+        assert_ne!(device_hash(&b).unwrap(), h);
+        let mut c = a.clone();
+        c.copy_within(0..8, 8);
+        c[..8].copy_from_slice(&a[8..16]);
+        assert_ne!(device_hash(&c).unwrap(), h, "two words swapped");
+        assert_eq!(device_hash(&a[..4095]), None);
+        assert_ne!(device_hash(&a[..4088]).unwrap(), h, "the length counts");
+    }
+
+    #[test]
+    fn parts_add_up_in_any_split() {
+        let data: Vec<u8> = (0..8192u32).map(|i| (i * 31 % 256) as u8).collect();
+        let mut whole = Sum64Parts::default();
+        whole.add_words(0, &data);
+        let mut split = Sum64Parts::default();
+        split.add_words(512, &data[4096..]);
+        split.add_words(0, &data[..4096]);
+        assert_eq!(whole, split);
+        assert_eq!(zero_hash(4096), device_hash(&[0u8; 4096]));
+        let mut z = Sum64Parts::default();
+        z.add_words(0, &[0u8; 64]);
+        assert_eq!(z.any, 0);
+    }
+}

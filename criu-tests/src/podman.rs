@@ -17,6 +17,42 @@ use crate::procs;
 /// How long one podman command may take before it counts as hung.
 pub const COMMAND_LIMIT: Duration = Duration::from_secs(90);
 
+/// A host-wide lock (`flock` on [`LOCK_PATH`]): the test installs a package into the system,
+/// so two checkouts must not run it at once. Released when dropped.
+#[derive(Debug)]
+pub struct HostLock {
+    /// The locked file: the lock lives as long as this descriptor.
+    _file: fs::File,
+}
+
+pub const LOCK_PATH: &str = "/run/lock/gpusnap-podman-test.lock";
+
+impl HostLock {
+    /// Waits at most `limit` for the lock.
+    pub fn take(limit: Duration) -> Result<HostLock, String> {
+        use std::os::fd::AsRawFd;
+        let f = fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(LOCK_PATH)
+            .map_err(|e| format!("{LOCK_PATH}: {e}"))?;
+        let t0 = Instant::now();
+        loop {
+            // SAFETY: flock on a descriptor this function owns; no memory is involved.
+            if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+                return Ok(HostLock { _file: f });
+            }
+            if t0.elapsed() > limit {
+                return Err(format!(
+                    "{LOCK_PATH} is held for more than {limit:?}: another gpusnap Podman test runs on this host"
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+}
+
 /// Why the test cannot run here (printed as the reason it was skipped), or `None`.
 pub fn cannot_run() -> Option<String> {
     for tool in ["podman", "runc"] {
@@ -260,12 +296,21 @@ pub fn reap_zombies() {
     }
 }
 
-/// The shared libraries `ldd` lists for `bin` (absolute paths, the loader included).
+/// The shared libraries `ldd` lists for `bin` (absolute paths, the loader included); none for
+/// a static binary.
 pub fn shared_libraries(bin: &Path) -> Result<Vec<PathBuf>, String> {
     let out = Command::new("ldd")
         .arg(bin)
         .output()
         .map_err(|e| format!("ldd {}: {e}", bin.display()))?;
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    if said.contains("not a dynamic executable") || said.contains("statically linked") {
+        return Ok(Vec::new());
+    }
     if !out.status.success() {
         return Err(format!(
             "ldd {}: {}\n{}",

@@ -66,6 +66,8 @@ struct Setup {
     installed: bool,
     /// Unique part of every name (the test's pid).
     tag: String,
+    /// Held while the package is installed (dropped last).
+    _lock: podman::HostLock,
 }
 
 impl Drop for Setup {
@@ -107,6 +109,7 @@ fn setup() -> Option<Setup> {
         skipped(TEST, &why);
         return None;
     }
+    let lock = podman::HostLock::take(Duration::from_secs(300)).unwrap_or_else(|e| panic!("{e}"));
     let tag = std::process::id().to_string();
     let work = h
         .profile_dir
@@ -148,6 +151,7 @@ fn setup() -> Option<Setup> {
         installed: false,
         tag,
         work,
+        _lock: lock,
     };
     install_package(&mut s);
     make_image(&mut s);
@@ -221,30 +225,31 @@ fn install_package(s: &mut Setup) {
     fs::write(CONF, format!("{conf}\nlog_level = \"debug\"\n")).unwrap();
 }
 
-/// The image: busybox, this build's `fakegpu` and `counter`, and their shared libraries.
+/// The image: busybox, this build's `fakegpu` and `counter`, and their shared libraries (if any).
 fn make_image(s: &mut Setup) {
     let rootfs = s.work.join("rootfs");
-    let busybox = Path::new("/bin/busybox");
     assert!(
-        busybox.is_file(),
-        "{} is missing: install busybox-static (.ci/run does)",
-        busybox.display()
+        Path::new("/bin/busybox").is_file(),
+        "/bin/busybox is missing: install busybox-static (.ci/run does)"
     );
     let put = |src: &Path, dst: &str| {
         let to = rootfs.join(dst.trim_start_matches('/'));
         fs::create_dir_all(to.parent().unwrap()).unwrap();
         fs::copy(src, &to).unwrap_or_else(|e| panic!("{} -> {}: {e}", src.display(), to.display()));
     };
-    put(busybox, "/bin/busybox");
-    for tool in ["sh", "sleep", "cat", "true"] {
-        std::os::unix::fs::symlink("busybox", rootfs.join("bin").join(tool)).unwrap();
-    }
-    for (bin, name) in [(FAKEGPU, "fakegpu"), (COUNTER, "counter")] {
+    for (bin, at) in [
+        ("/bin/busybox", "/bin/busybox"),
+        (FAKEGPU, "/usr/local/bin/fakegpu"),
+        (COUNTER, "/usr/local/bin/counter"),
+    ] {
         let bin = Path::new(bin);
-        put(bin, &format!("/usr/local/bin/{name}"));
+        put(bin, at);
         for lib in podman::shared_libraries(bin).unwrap_or_else(|e| panic!("{e}")) {
             put(&lib, &lib.display().to_string());
         }
+    }
+    for tool in ["sh", "sleep", "cat", "true"] {
+        std::os::unix::fs::symlink("busybox", rootfs.join("bin").join(tool)).unwrap();
     }
     fs::create_dir_all(rootfs.join("logs")).unwrap();
     fs::create_dir_all(rootfs.join("tmp")).unwrap();

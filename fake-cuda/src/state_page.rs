@@ -19,7 +19,9 @@
 //! - 32..32 + 16 n: their UUIDs.
 //!
 //! A process without the page (only a `fakecuda-rt` thread) keeps its state in files named by
-//! its pid (the crate docs): the unit tests' targets, and any process a test set up that way.
+//! its pid (the crate docs): the unit tests' targets, and the split-path workloads of
+//! `libfakecudadev.so` (`fake-cuda-device`), whose in-process lock and whose tests read and write
+//! `<pid>.state` directly. Those are never restored under another host pid.
 
 use std::fs::{self, OpenOptions};
 use std::io;

@@ -8,7 +8,8 @@
 # 3. cargo clippy --workspace --all-targets -- -D warnings
 # 4. the GPU harness's Python unit tests (gpu/test_*.py: the tick checker), on the CPU; skipped
 #    with a message if python3 is missing
-# 5. cargo test --workspace --no-fail-fast  (includes criu-tests: real criu dump/restore, needs root)
+# 5. cargo test --workspace --no-fail-fast  (includes criu-tests: real criu dump/restore, and the
+#    Podman test, which installs the gpusnap package, runs containers and purges it; needs root)
 # 6. the same tests again against CRIU 4.2.x (Debian sid, in .criu-root-sid): the first CRIU with
 #    the POST_FORKING hook, where gpusnap's restore-time checksum pass runs beside CRIU's restore
 #

@@ -1,6 +1,8 @@
 //! `gpusnap check`: is this host ready for GPU checkpoints? Each finding is one line,
 //! `ok|warn|fail  <what>  — <what to do>`; exit 1 if any is `fail`.
 //!
+//! Where Podman is installed, [`crate::check_containers`] adds what container checkpoints need.
+//!
 //! Environment: `GPUSNAP_CRIU` (criu binary), `CRIU_LIBS_DIR` (CRIU's plugin directory),
 //! `GPUSNAP_AGENT_LIB` (the agent library), `GPUSNAP_LIBCUDA` (driver library to probe, default
 //! `libcuda.so.1`).
@@ -11,7 +13,7 @@ use std::process::{Command, ExitCode};
 
 use crate::util::{EXIT_PROBLEM, EXIT_USAGE};
 
-const MIN_CRIU: (u32, u32, u32) = (4, 1, 1);
+pub(crate) const MIN_CRIU: (u32, u32, u32) = (4, 1, 1);
 /// The first CRIU with the POST_FORKING plugin hook.
 const FIRST_POST_FORKING_CRIU: (u32, u32, u32) = (4, 2, 0);
 const DEFAULT_PLUGIN_DIR: &str = "/usr/lib/criu/";
@@ -25,42 +27,42 @@ const CUDA_SYMBOLS: [&str; 2] = [
 const CAP_SYS_PTRACE: u32 = 19;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Level {
+pub(crate) enum Level {
     Ok,
     Warn,
     Fail,
 }
 
 #[derive(Debug)]
-struct Finding {
-    level: Level,
+pub(crate) struct Finding {
+    pub(crate) level: Level,
     what: String,
     todo: String,
 }
 
 impl Finding {
-    fn ok(what: impl Into<String>) -> Self {
+    pub(crate) fn ok(what: impl Into<String>) -> Self {
         Finding {
             level: Level::Ok,
             what: what.into(),
             todo: String::new(),
         }
     }
-    fn warn(what: impl Into<String>, todo: impl Into<String>) -> Self {
+    pub(crate) fn warn(what: impl Into<String>, todo: impl Into<String>) -> Self {
         Finding {
             level: Level::Warn,
             what: what.into(),
             todo: todo.into(),
         }
     }
-    fn fail(what: impl Into<String>, todo: impl Into<String>) -> Self {
+    pub(crate) fn fail(what: impl Into<String>, todo: impl Into<String>) -> Self {
         Finding {
             level: Level::Fail,
             what: what.into(),
             todo: todo.into(),
         }
     }
-    fn line(&self) -> String {
+    pub(crate) fn line(&self) -> String {
         let tag = match self.level {
             Level::Ok => "ok  ",
             Level::Warn => "warn",
@@ -90,6 +92,7 @@ pub fn run(args: &[String]) -> ExitCode {
     if let Ok(mounts) = std::fs::read_to_string("/proc/mounts") {
         findings.extend(shm_huge_pages(&mounts));
     }
+    findings.extend(crate::check_containers::findings());
     for f in &findings {
         println!("{}", f.line());
     }
@@ -122,7 +125,7 @@ fn is_executable(p: &Path) -> bool {
 }
 
 /// `Version: 4.1.1` (from `criu --version`) as (4, 1, 1); a missing patch level is 0.
-fn parse_criu_version(out: &str) -> Option<(u32, u32, u32)> {
+pub(crate) fn parse_criu_version(out: &str) -> Option<(u32, u32, u32)> {
     let v = out
         .lines()
         .find_map(|l| l.trim().strip_prefix("Version:"))?

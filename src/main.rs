@@ -9,6 +9,7 @@
 //! Exit codes: 0 success, 1 a problem was found (damage, failed check), 2 usage error.
 
 mod check;
+mod check_containers;
 mod inspect;
 mod recover;
 mod util;
@@ -44,7 +45,7 @@ const COMMANDS: &[Command] = &[
     Command {
         name: "check",
         args: "",
-        about: "diagnose this host: CRIU, plugin, NVIDIA driver, agent, ptrace, GPU memory",
+        about: "diagnose this host: CRIU, plugin, NVIDIA driver, agent, ptrace, GPU memory, Podman",
         run: check::run,
     },
     Command {

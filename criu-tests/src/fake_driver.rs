@@ -2,7 +2,8 @@
 //!
 //! gpusnap loads it instead of `libcuda.so.1` when CRIU's environment has `GPUSNAP_LIBCUDA`;
 //! it takes a process with a thread named [`RESTORE_THREAD_COMM`] for a CUDA process, keeps the
-//! driver state of each pid in `FAKECUDA_DIR/<pid>.state` and logs every call in
+//! driver state of each process in the process's state page (restored with it by CRIU), records
+//! the last state of each pid in `FAKECUDA_DIR/<pid>.state` and logs every call in
 //! `FAKECUDA_DIR/<pid>.log` (format: the `fake-cuda` crate docs). This module builds it, starts
 //! the restore thread in workloads ([`spawn_restore_thread`]), runs criu with it
 //! ([`FakeDriver::dump`], [`FakeDriver::restore`]) and reads its logs ([`Call`]).
@@ -21,10 +22,14 @@ use crate::harness::{Harness, WorkDir};
 /// The thread name that makes the fake driver see CUDA state.
 pub const RESTORE_THREAD_COMM: &str = "fakecuda-rt";
 
-/// Starts the stand-in for the driver's restore thread in this process: a thread named
-/// `fakecuda-rt` that sleeps in a loop forever. Call it before anything that must happen in a
-/// single-threaded process (`fork`).
+/// Sets up the stand-in driver's state in this process, as `cuInit` would: its state page
+/// (`fakecuda::state_page`, where the stand-in keeps the process's driver state, in the
+/// process's memory as the real driver does, so that it survives a restore under another host
+/// pid) and the stand-in for the driver's restore thread, a thread named `fakecuda-rt` that
+/// sleeps in a loop forever. Call it before anything that must happen in a single-threaded
+/// process (`fork`).
 pub fn spawn_restore_thread() -> io::Result<()> {
+    fakecuda::state_page::create_in_this_process()?;
     std::thread::Builder::new()
         .name(RESTORE_THREAD_COMM.into())
         .spawn(|| {
@@ -177,7 +182,7 @@ impl FakeDriver {
             .collect()
     }
 
-    /// The driver state of `pid` as the fake records it (no file: `running`).
+    /// The last driver state the fake recorded for `pid` (its state file; none: `running`).
     pub fn state(&self, pid: i32) -> String {
         match fs::read_to_string(self.dir.join(format!("{pid}.state"))) {
             Ok(s) => s.trim().to_owned(),
@@ -186,10 +191,22 @@ impl FakeDriver {
         }
     }
 
-    /// Sets the driver state of `pid` (e.g. `locked`: a process locked by someone else).
+    /// Sets the driver state of `pid` (e.g. `locked`: a process locked by someone else), in its
+    /// state page if it has one, and in its state file.
     pub fn set_state(&self, pid: i32, state: &str) {
-        let p = self.dir.join(format!("{pid}.state"));
-        fs::write(&p, format!("{state}\n")).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+        let st = fakecuda::State::parse(state)
+            .unwrap_or_else(|| panic!("{state:?} is not a fake driver state"));
+        fakecuda::write_state(&self.dir, pid, st)
+            .unwrap_or_else(|e| panic!("setting the fake driver state of {pid}: {e}"));
+    }
+
+    /// The driver state the stand-in keeps in `pid`'s own memory (its state page), if it has
+    /// one; `None` for a process without one (or gone).
+    pub fn state_in_memory(&self, pid: i32) -> Option<String> {
+        let addr = fakecuda::state_page::find(pid).ok()??;
+        fakecuda::state_page::read(pid, addr)
+            .ok()
+            .map(|s| s.state.name().to_owned())
     }
 }
 

@@ -20,6 +20,7 @@ pub mod criu;
 pub mod fake_driver;
 pub mod harness;
 pub mod inventory;
+pub mod podman;
 pub mod procs;
 pub mod workload;
 

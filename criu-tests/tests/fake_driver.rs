@@ -784,24 +784,23 @@ struct NamespaceInit {
 }
 
 impl NamespaceInit {
-    fn spawn(w: &WorkDir, seed: u64) -> NamespaceInit {
+    /// `kill_child`: `unshare --kill-child`, which gives the init a parent-death signal
+    /// (SIGKILL); CRIU restores it, so a restored init is killed when CRIU exits.
+    fn spawn(w: &WorkDir, seed: u64, kill_child: bool) -> NamespaceInit {
         let log = w.path.join("fakegpu-init.log");
         let mut cmd = std::process::Command::new("unshare");
-        cmd.args([
-            "--pid",
-            "--fork",
-            "--kill-child",
-            "setsid",
-            FAKEGPU,
-            "--log",
-        ])
-        .arg(&log)
-        .args(["--seed", &seed.to_string()])
-        .current_dir(&w.path)
-        // Not a file: `unshare` reports on stderr after the dump, and CRIU refuses to restore
-        // a regular file whose size changed.
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null());
+        cmd.args(["--pid", "--fork"]);
+        if kill_child {
+            cmd.arg("--kill-child");
+        }
+        cmd.args(["setsid", FAKEGPU, "--log"])
+            .arg(&log)
+            .args(["--seed", &seed.to_string()])
+            .current_dir(&w.path)
+            // Not a file: `unshare` reports on stderr after the dump, and CRIU refuses to restore
+            // a regular file whose size changed.
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null());
         let unshare = procs::spawn_in_new_session(&mut cmd)
             .unwrap_or_else(|e| panic!("unshare --pid --fork (util-linux) is needed: {e}"));
         let mut init = NamespaceInit {
@@ -844,7 +843,7 @@ fn failed_driver_restore_of_a_namespace_init_ends_promptly() {
     let Some((_, w, fake)) = setup("fake-pidns-init-restore-fails") else {
         return;
     };
-    let mut init = NamespaceInit::spawn(&w, 214);
+    let mut init = NamespaceInit::spawn(&w, 214, true);
     let pid = init.pid;
     let dump = fake.dump(&w, pid, false, &[], &[]);
     dump.assert_ok();
@@ -892,14 +891,13 @@ fn failed_driver_restore_of_a_namespace_init_ends_promptly() {
         .unwrap_or_else(|| panic!("no pid in {line:?}\n{ctx}"));
     init.pid = restored;
     let ctx = context(&fake, &[restored], &[&restore]);
-    // One driver call, the restore, and it failed: the stand-in keys its driver state by host
-    // pid, so it finds the restored init (a new host pid) not checkpointed (401) before the
-    // injected failure (999) would apply; FAKECUDA_FAIL keeps the failure if that changes.
+    // One driver call, the restore, and it failed as injected (999). The restored init has
+    // another host pid than the dumped one; the stand-in keeps the driver state in the
+    // process's memory, as the real driver does, so it found the init checkpointed (not 401).
+    assert_ne!(restored, pid, "the restored init kept its host pid\n{ctx}");
     let ops = fake.ops(restored);
-    assert!(
-        matches!(shorts(&ops).as_slice(), [r] if r.starts_with("restore:") && r != "restore:0"),
-        "{ctx}"
-    );
+    assert_eq!(shorts(&ops), ["restore:999"], "{ctx}");
+    assert_eq!(ops[0].before.as_deref(), Some("checkpointed"), "{ctx}");
     procs::reap(restored, PROMPTLY).unwrap_or_else(|e| panic!("{e}\n{ctx}"));
     assert!(!procs::is_alive(restored), "{ctx}");
     assert_eq!(
@@ -908,4 +906,57 @@ fn failed_driver_restore_of_a_namespace_init_ends_promptly() {
         "the process ran after its failed restore\n{ctx}"
     );
     eprintln!("criu restore failed, as it must, in {took:?}");
+}
+
+/// The GPU process is PID 1 of a pid namespace (a container's init), dumped and restored: the
+/// restored init gets another host pid, and its driver restore must still find it checkpointed
+/// (the stand-in keeps the state in the process's memory, as the real driver does; it used to
+/// key it by host pid, and the restore of a container failed with `CUDA_ERROR_ILLEGAL_STATE`).
+#[test]
+fn namespace_init_restored_under_another_host_pid_runs_on() {
+    let Some((_, w, fake)) = setup("fake-pidns-init-restore") else {
+        return;
+    };
+    let mut init = NamespaceInit::spawn(&w, 215, false);
+    let pid = init.pid;
+    let dump = fake.dump(&w, pid, false, &[], &[]);
+    dump.assert_ok();
+    assert_eq!(fake.state(pid), "checkpointed");
+    let _ = init.unshare.wait();
+    procs::reap(pid, PROMPTLY).unwrap();
+    let at_dump = CounterLog::read(&init.log).unwrap().unwrap().last();
+
+    let log = w.images.join("restore.log");
+    let pidfile = w.path.join("restored.pid");
+    let mut args = w.criu_args_in("restore", &w.images, &log);
+    args.push("--restore-detached".into());
+    args.push("--pidfile".into());
+    args.push(pidfile.display().to_string());
+    let env = fake.env();
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let restore = w.run_criu(&args, &env, &log);
+    restore.assert_ok();
+    let restored: i32 = fs::read_to_string(&pidfile)
+        .unwrap_or_else(|e| panic!("{}: {e}", pidfile.display()))
+        .trim()
+        .parse()
+        .unwrap();
+    init.pid = restored;
+    let ctx = context(&fake, &[restored], &[&restore]);
+    assert_ne!(restored, pid, "the restored init kept its host pid\n{ctx}");
+    let ops = fake.ops(restored);
+    assert_eq!(shorts(&ops), ["restore:0", "unlock:0"], "{ctx}");
+    assert_eq!(ops[0].before.as_deref(), Some("checkpointed"), "{ctx}");
+    assert_ptrace_protocol(&ops, &ctx);
+    assert_eq!(
+        fake.state_in_memory(restored).as_deref(),
+        Some("running"),
+        "{ctx}\nmaps of {restored}:\n{}",
+        fs::read_to_string(format!("/proc/{restored}/maps")).unwrap_or_default()
+    );
+    let after = CounterLog::wait_for(&init.log, at_dump + MORE_TICKS, PROMPTLY)
+        .unwrap_or_else(|e| panic!("the restored init does not run on: {e}\n{ctx}"));
+    after
+        .verify()
+        .unwrap_or_else(|e| panic!("the restored init's state is damaged: {e}\n{ctx}"));
 }

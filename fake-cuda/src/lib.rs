@@ -13,9 +13,20 @@
 //! returns `CUDA_ERROR_NOT_INITIALIZED` (3), which is what the real driver answers for a process
 //! without CUDA state. A thread id is accepted in place of a pid, as by the real driver.
 //!
-//! # State and log (under `$FAKECUDA_DIR`, default [`DEFAULT_DIR`])
-//! - `<pid>.state`: `running`, `locked`, `checkpointed` or `failed`; a missing file is
-//!   `running`. A test may write it before a dump (a process locked by someone else).
+//! # State
+//! The driver state of a process (`running`, `locked`, `checkpointed` or `failed`) and the GPUs
+//! of its last checkpoint live in the process's own memory when it has a state page
+//! ([`state_page`]: the workload maps it where the real driver would set up its state), as the
+//! real driver's checkpoint does: CRIU dumps and restores it with the process, so a restore
+//! finds it whatever host pid the restored process gets (a container restored into a new pid
+//! namespace, a copy imported into a fresh container). A process without the page keeps them in
+//! files named by its pid, below.
+//!
+//! # Files and log (under `$FAKECUDA_DIR`, default [`DEFAULT_DIR`])
+//! - `<pid>.state`: the state of a process without a state page (a missing file is
+//!   `running`); for a process with one, the last state the driver recorded for that pid (so
+//!   that a test can read it after the process is gone), never read back by the driver. A test
+//!   sets a state (a process locked by someone else) with [`write_state`], which writes both.
 //! - `<pid>.log`: one line per call about `pid`, appended, in the format of [`Record::line`]:
 //!   `<call> rc=<CUresult> pid=<pid> state=<before>-><after> rt=<tid> rt_state=<c> app=<cs>
 //!   ... start_us=<t> end_us=<t> msg=<text>` (`rt_state` and `app` are the `/proc` states of
@@ -31,12 +42,12 @@
 //!   when the call begins or ends, the call fails with `CUDA_ERROR_OPERATING_SYSTEM` (304) and
 //!   the log says "restore thread stopped".
 //! - The restore needs `cuInit` in the calling process (as documented for the real driver).
-//! - A successful checkpoint records the GPUs of the host (`<pid>.gpus`, one UUID in hex a
-//!   line): those are the process's checkpointed GPUs. A restore without GPU pairs needs every
+//! - A successful checkpoint records the GPUs of the host (in the state page, else in
+//!   `<pid>.gpus`, one UUID in hex a line): those are the process's checkpointed GPUs. A restore without GPU pairs needs every
 //!   one of them on the host; a restore with pairs must list every checkpointed GPU once as
 //!   the old UUID, and name as new UUIDs distinct GPUs of the host. The pairs received are
-//!   logged (`gpu_pairs=<old>=<new>,...`). Without a `<pid>.gpus` file (a state file a test
-//!   wrote), the host's GPUs count as the checkpointed ones.
+//!   logged (`gpu_pairs=<old>=<new>,...`). With none recorded (a state a test wrote), the
+//!   host's GPUs count as the checkpointed ones.
 //! - Argument structs must be zeroed except for their documented fields.
 //!
 //! # Failure injection (environment of the *calling* process, i.e. CRIU's)
@@ -454,8 +465,12 @@ pub fn gpus_path(dir: &Path, pid: i32) -> PathBuf {
     dir.join(format!("{pid}.gpus"))
 }
 
-/// The GPUs recorded at `pid`'s checkpoint; no file: `None`.
+/// The GPUs recorded at `pid`'s checkpoint (in its state page, else in `<pid>.gpus`); none
+/// recorded: `None`.
 pub fn read_gpus(dir: &Path, pid: i32) -> Result<Option<Vec<[u8; 16]>>, String> {
+    if let Some(addr) = state_page::find(pid)? {
+        return Ok(state_page::read(pid, addr)?.gpus);
+    }
     let p = gpus_path(dir, pid);
     let text = match fs::read_to_string(&p) {
         Ok(t) => t,
@@ -480,10 +495,16 @@ fn parse_hex_uuid(s: &str) -> Option<[u8; 16]> {
     Some(out)
 }
 
-/// Records `gpus` as `pid`'s checkpointed GPUs.
-fn write_gpus(dir: &Path, pid: i32, gpus: &[[u8; 16]]) -> io::Result<()> {
+/// Records `gpus` as `pid`'s checkpointed GPUs (in its state page, else in `<pid>.gpus`).
+fn write_gpus(dir: &Path, pid: i32, gpus: &[[u8; 16]]) -> Result<(), String> {
+    if let Some(addr) = state_page::find(pid)? {
+        let mut st = state_page::read(pid, addr)?;
+        st.gpus = Some(gpus.to_vec());
+        return state_page::write(pid, addr, &st);
+    }
     let text: String = gpus.iter().map(|g| format!("{}\n", hex(g))).collect();
-    fs::write(gpus_path(dir, pid), text)
+    let p = gpus_path(dir, pid);
+    fs::write(&p, text).map_err(|e| format!("{}: {e}", p.display()))
 }
 
 /// `Err(why)` unless `pairs` may be given to the restore of a process checkpointed on
@@ -537,8 +558,12 @@ pub fn check_pairs(
     }
 }
 
-/// The state recorded for `pid`; no file: running.
+/// The state recorded for `pid`: in its state page ([`state_page`]) if it has one, else in
+/// `<pid>.state`; no file: running.
 pub fn read_state(dir: &Path, pid: i32) -> Result<State, String> {
+    if let Some(addr) = state_page::find(pid)? {
+        return Ok(state_page::read(pid, addr)?.state);
+    }
     let p = state_path(dir, pid);
     match fs::read_to_string(&p) {
         Ok(s) => State::parse(s.trim()).ok_or_else(|| format!("{}: bad state {s:?}", p.display())),
@@ -547,8 +572,17 @@ pub fn read_state(dir: &Path, pid: i32) -> Result<State, String> {
     }
 }
 
-/// Replaces the state file atomically.
+/// Sets `pid`'s state: in its state page ([`state_page`]) if it has one, and in `<pid>.state`
+/// (replaced atomically), which holds the state of a process without a page and, for one with
+/// a page, the last state recorded for that pid (for tests and diagnostics; never read back
+/// for it).
 pub fn write_state(dir: &Path, pid: i32, state: State) -> io::Result<()> {
+    let page = state_page::find(pid).map_err(io::Error::other)?;
+    if let Some(addr) = page {
+        let mut st = state_page::read(pid, addr).map_err(io::Error::other)?;
+        st.state = state;
+        state_page::write(pid, addr, &st).map_err(io::Error::other)?;
+    }
     fs::create_dir_all(dir)?;
     let p = state_path(dir, pid);
     let tmp = dir.join(format!("{pid}.state.{}.tmp", gettid()));
@@ -1252,6 +1286,8 @@ pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: c_int) -> C
         rc
     })
 }
+
+pub mod state_page;
 
 #[cfg(test)]
 mod tests;

@@ -96,7 +96,9 @@ impl Report {
         let leftovers = files
             .iter()
             .filter(|(k, _)| match k {
-                ImageFileKind::Data { nspid, .. } => !with_manifest.contains(nspid),
+                ImageFileKind::Data { nspid, .. } | ImageFileKind::Kfd { nspid } => {
+                    !with_manifest.contains(nspid)
+                }
                 ImageFileKind::ManifestTmp { .. } | ImageFileKind::StatsTmp => true,
                 ImageFileKind::Manifest { .. } | ImageFileKind::Stats => false,
             })
@@ -322,6 +324,7 @@ fn path_name(p: &CheckpointPath) -> &'static str {
     match p {
         CheckpointPath::Split => "split",
         CheckpointPath::Transparent => "transparent",
+        CheckpointPath::Kfd => "kfd",
     }
 }
 

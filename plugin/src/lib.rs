@@ -14,9 +14,11 @@
 //! - [`ptrace`]: running one seized thread while CRIU holds the others;
 //! - [`stall`]: a driver checkpoint that waits on a stopped thread of its process;
 //! - [`hold`]: keeping a process from running on absent device memory should CRIU die;
-//! - [`procfs`]: everything read from `/proc`.
+//! - [`procfs`]: everything read from `/proc`;
+//! - [`amd`]: AMD GPU processes through the KFD's CRIU interface (the kfd path).
 
 pub mod agent;
+pub mod amd;
 pub mod context;
 pub mod criu;
 pub mod datapath;

@@ -17,6 +17,8 @@
 //! ioctl numbers, a fake sysfs tree, and the failure paths (no `/dev/kfd`, ioctls on a non-KFD
 //! file).
 
+pub mod bo;
+pub mod gpumatch;
 pub mod kfd;
 pub mod topology;
 

@@ -11,6 +11,9 @@
 //!
 //! None of this has been run against a real KFD: the build machine has no AMD GPU.
 
+pub mod criu;
+pub mod device;
+pub mod standin;
 pub mod sys;
 
 #[cfg(test)]
@@ -208,7 +211,7 @@ impl AsFd for Kfd {
     }
 }
 
-fn op_name(op: KfdCriuOp) -> &'static str {
+pub(crate) fn op_name(op: KfdCriuOp) -> &'static str {
     match op {
         KfdCriuOp::ProcessInfo => "PROCESS_INFO",
         KfdCriuOp::Checkpoint => "CHECKPOINT",

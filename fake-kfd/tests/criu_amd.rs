@@ -495,3 +495,73 @@ fn amd_two_gpus_dump_and_restore() {
     assert_log_has(&dump, "checkpointed: 2 GPUs");
     assert_eq!(c.process()["devices"].as_array().unwrap().len(), 2);
 }
+
+/// Builds this crate's cdylib (`cargo test` builds only the rlib) in the test's own profile.
+fn build_fake_amdgpu_plugin(profile_dir: &Path) -> PathBuf {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let profile = match profile_dir.file_name().and_then(|n| n.to_str()) {
+        Some("debug") | None => "dev".to_owned(),
+        Some(p) => p.to_owned(),
+    };
+    let st = std::process::Command::new(cargo)
+        .args([
+            "build",
+            "--quiet",
+            "-p",
+            "fake-kfd",
+            "--lib",
+            "--profile",
+            &profile,
+        ])
+        .arg("--target-dir")
+        .arg(profile_dir.parent().expect("target dir"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .status()
+        .expect("cargo build -p fake-kfd --lib");
+    assert!(st.success(), "cargo build -p fake-kfd --lib: {st}");
+    profile_dir.join("libfake_kfd.so")
+}
+
+/// CRIU's own amdgpu plugin in the same plugin directory (a stand-in of it): gpusnap leaves
+/// every AMD file to it, so exactly one plugin handles `/dev/kfd`, and never gpusnap twice.
+#[test]
+fn amd_coexists_with_criu_amdgpu_plugin() {
+    let Some(c) = Case::start("amd-coexist", &[FakeGpu::mi210(4660, 128)], 1) else {
+        return;
+    };
+    let so = build_fake_amdgpu_plugin(&c.w.harness().profile_dir);
+    std::fs::copy(&so, c.w.plugins.join("amdgpu_plugin.so"))
+        .unwrap_or_else(|e| panic!("{}: {e}", so.display()));
+    // A loaded amdgpu plugin that takes nothing: gpusnap still defers, nobody dumps the file,
+    // CRIU refuses it, the process runs on untouched.
+    let d = c.dump(true);
+    assert!(!d.succeeded());
+    assert_log_has(&d, "amdgpu_plugin.so is loaded");
+    assert_log_has(&d, "left to it");
+    assert_log_has(&d, "Can't dump file");
+    // The amdgpu plugin takes the files: the dump succeeds without gpusnap touching the KFD.
+    let mut args =
+        c.w.criu_args_in("dump", &c.w.images, &c.w.images.join("dump2.log"));
+    args.splice(1..1, ["-t".to_owned(), c.app.root().to_string()]);
+    args.push("--leave-running".into());
+    let env = [
+        (STANDIN_ENV, c.sdir.0.display().to_string()),
+        ("GPUSNAP_TEST_FAKE_AMDGPU", "claim".to_owned()),
+    ];
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let d = c.w.run_criu(&args, &env, &c.w.images.join("dump2.log"));
+    d.assert_ok();
+    assert_log_has(&d, "fake amdgpu_plugin: took file");
+    assert!(!d.log.contains("queues paused"), "gpusnap acted too");
+    assert!(
+        !c.files().iter().any(|f| f.ends_with("-kfd.img")),
+        "{:?}",
+        c.files()
+    );
+    assert!(
+        !c.kfd.log().contains("PROCESS_INFO"),
+        "the KFD was asked to pause:\n{}",
+        c.kfd.log()
+    );
+    assert_eq!(state(&c.process()), "running");
+}

@@ -374,13 +374,21 @@ fn parent_path(depth: u32) -> String {
 
 fn write_process_text(out: &mut impl Write, m: &Manifest) -> io::Result<()> {
     let t = totals(m);
+    // A kfd-path manifest records the KFD ioctl version as major * 1000 + minor.
+    let driver = match m.path {
+        CheckpointPath::Kfd => format!(
+            "AMD KFD ioctl {}.{}",
+            m.driver_version / 1000,
+            m.driver_version % 1000
+        ),
+        _ => format!("driver {}", m.driver_version),
+    };
     writeln!(
         out,
-        "process {} ({} path), gpusnap {}, driver {}, created {} (unix)",
+        "process {} ({} path), gpusnap {}, {driver}, created {} (unix)",
         m.nspid,
         path_name(&m.path),
         m.gpusnap_version,
-        m.driver_version,
         m.created_unix_s
     )?;
     for g in &m.gpus {

@@ -116,6 +116,9 @@ unsafe extern "C" fn handle_device_vma(_fd: c_int, st: *const libc::stat) -> c_i
         }
         // SAFETY: CRIU passes a pointer to the stat of the mapped device file.
         let rdev = unsafe { (*st).st_rdev };
+        if crate::amd::explain_device_vma(rdev) {
+            return plugin::ENOTSUP;
+        }
         if libc::major(rdev) == NVIDIA_MAJOR {
             log::error!(
                 "a process maps an NVIDIA device ({}:{}) but has no CUDA state the driver can checkpoint \

@@ -110,3 +110,49 @@ impl AmdSide {
         }
     }
 }
+
+/// Character-device major of DRM (`/dev/dri/*`).
+const DRM_MAJOR: u32 = gpusnap_rocm::kfd::device::DRM_MAJOR;
+
+/// The major of `/dev/kfd` on this host (allocated at driver load), from `/proc/devices`.
+fn kfd_major() -> Option<u32> {
+    let text = std::fs::read_to_string("/proc/devices").ok()?;
+    parse_kfd_major(&text)
+}
+
+fn parse_kfd_major(devices: &str) -> Option<u32> {
+    devices.lines().find_map(|l| {
+        let mut w = l.split_whitespace();
+        let major = w.next()?.parse().ok()?;
+        (w.next()? == "kfd").then_some(major)
+    })
+}
+
+/// `HANDLE_DEVICE_VMA` of a mapping of an AMD device (`/dev/kfd` or a DRM node): gpusnap
+/// does not handle device mappings (doorbells, events, CPU-mapped BOs) yet, so such a process
+/// cannot be checkpointed; this says so before CRIU's own error. Every real ROCm process has
+/// such mappings. Returns whether `rdev` is an AMD device.
+pub fn explain_device_vma(rdev: u64) -> bool {
+    let major = libc::major(rdev);
+    let amd = major == DRM_MAJOR || kfd_major() == Some(major);
+    if amd {
+        log::error!(
+            "amd: a process maps a GPU device ({major}:{}: /dev/kfd or a DRM node such as an AMD render node); gpusnap's kfd path does not handle device mappings yet (HANDLE_DEVICE_VMA/UPDATE_VMA_MAP), so this process cannot be checkpointed by gpusnap",
+            libc::minor(rdev)
+        );
+    }
+    amd
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn kfd_major_from_proc_devices() {
+        let text = "Character devices:\n  1 mem\n226 drm\n510 kfd\n\nBlock devices:\n  8 sd\n";
+        assert_eq!(super::parse_kfd_major(text), Some(510));
+        assert_eq!(
+            super::parse_kfd_major("Character devices:\n  1 mem\n"),
+            None
+        );
+    }
+}

@@ -248,6 +248,12 @@ fn amd_process_dumps_and_restores() {
         !log.contains("UNPAUSE"),
         "a plain dump must not unpause:\n{log}"
     );
+    // The restored process is a KFD process like any other: it checkpoints again (its KFD file
+    // is the one RESTORE_EXT_FILE opened, now under the fd number CRIU gave it).
+    let again = c.dump(true);
+    again.assert_ok();
+    assert_log_has(&again, "checkpointed:");
+    assert_eq!(state(&c.process()), "running");
 }
 
 #[test]
@@ -403,6 +409,22 @@ fn amd_damaged_image_is_refused() {
     c.dump(false).assert_ok();
     c.app.reap_dumped();
     let pid = c.app.root();
+    // gpusnap switched off: an image with AMD state is refused, not restored without it.
+    let mut args =
+        c.w.criu_args_in("restore", &c.w.images, &c.w.images.join("off.log"));
+    args.push("--restore-detached".into());
+    let sdir = c.sdir.0.display().to_string();
+    let r = c.w.run_criu(
+        &args,
+        &[(STANDIN_ENV, sdir.as_str()), ("GPUSNAP_MODE", "off")],
+        &c.w.images.join("off.log"),
+    );
+    assert!(!r.succeeded());
+    assert_log_has(
+        &r,
+        "holds AMD GPU state but gpusnap is disabled (mode = off)",
+    );
+    assert!(!criu_tests::procs::is_alive(pid));
     let data = c.w.images.join(format!("gpusnap-{pid}-data-0.img"));
     let mut b = std::fs::read(&data).unwrap();
     let at = b.len() - 100;

@@ -39,6 +39,17 @@ pub fn kfd_device() -> Option<Box<dyn KfdDevice>> {
         .then(|| Box::new(RealKfd) as Box<dyn KfdDevice>)
 }
 
+/// Whether CRIU's image directory holds a KFD state file.
+fn image_has_kfd_state() -> bool {
+    crate::criu::image_dir()
+        .and_then(|dir| gpusnap_image::list_image_files(dir).ok())
+        .is_some_and(|files| {
+            files
+                .iter()
+                .any(|(k, _)| matches!(k, gpusnap_image::ImageFileKind::Kfd { .. }))
+        })
+}
+
 /// A restore gpusnap refused (the reason is in CRIU's log).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Refused;
@@ -55,6 +66,12 @@ impl AmdSide {
     /// The AMD side of a run; `Err(Refused)` when a restore must be refused (already logged).
     pub fn init(stage: Stage, cfg: &Config) -> Result<AmdSide, Refused> {
         if cfg.mode == gpusnap_config::Mode::Off {
+            if stage == Stage::Restore && image_has_kfd_state() {
+                log::error!(
+                    "amd: the image holds AMD GPU state but gpusnap is disabled (mode = off): the processes would run without it; enable gpusnap to restore"
+                );
+                return Err(Refused);
+            }
             return Ok(AmdSide::Idle("mode = off".into()));
         }
         match stage {

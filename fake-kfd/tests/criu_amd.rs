@@ -587,3 +587,69 @@ fn amd_coexists_with_criu_amdgpu_plugin() {
     );
     assert_eq!(state(&c.process()), "running");
 }
+
+/// A tree of three AMD processes (a parent and two children, each its own KFD process) in one
+/// dump and one restore: each is paused, checkpointed, restored and resumed on its own.
+#[test]
+fn amd_process_tree_dumps_and_restores() {
+    let Some(h) = harness("amd_process_tree_dumps_and_restores") else {
+        return;
+    };
+    let w = h.workdir("amd-tree");
+    let sdir = StandinDir::new();
+    let kfd = StandinSetup::start(&sdir.0, &[FakeGpu::mi210(4660, 128)], Path::new(DAEMON))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let d = sdir.0.display().to_string();
+    let app = w.spawn(
+        "amd-app",
+        APP,
+        &[
+            "--dir",
+            &d,
+            "--log",
+            "counter.log",
+            "--seed",
+            "11",
+            "--children",
+            "2",
+        ],
+        &[],
+        &["counter.log", "child0.log", "child1.log"],
+    );
+    let mut c = Case { w, kfd, sdir, app };
+    let pids = c.app.pids.clone();
+    let hashes: Vec<Vec<(u64, u64)>> = pids
+        .iter()
+        .map(|&p| {
+            c.wait_counter(p, 2);
+            bo_hashes(&c.kfd.process(p as u32))
+        })
+        .collect();
+    assert_ne!(
+        hashes[0], hashes[1],
+        "the processes' buffers should differ (seeds)"
+    );
+    let dump = c.dump(false);
+    dump.assert_ok();
+    assert_eq!(
+        dump.log.matches("checkpointed:").count(),
+        3,
+        "{}",
+        dump.gpusnap_lines().join("\n")
+    );
+    c.app.reap_dumped();
+    let at_dump: Vec<u64> = (0..3).map(|i| c.app.log(i).last()).collect();
+    let restore = c.restore();
+    restore.assert_ok();
+    assert_eq!(
+        restore.log.matches("GPU queues resumed (RESUME)").count(),
+        3
+    );
+    for (i, &p) in pids.iter().enumerate() {
+        let st = c.kfd.process(p as u32);
+        assert_eq!(state(&st), "running", "{st}");
+        assert_eq!(bo_hashes(&st), hashes[i], "pid {p}: BO contents differ");
+        c.wait_counter(p, st["counter"].as_u64().unwrap() + 2);
+        c.app.wait_for(i, at_dump[i] + 3).verify().unwrap();
+    }
+}

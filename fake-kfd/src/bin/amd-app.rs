@@ -4,7 +4,10 @@
 //! GTT counter buffer that its queue counts in, starts its queue, then runs the usual counter
 //! workload on the CPU (`criu_tests::workload`), holding the files open.
 //!
-//! Usage: `amd-app --dir DIR --log FILE --seed N [--gpus K] [--bo-kib N]`
+//! Usage: `amd-app --dir DIR --log FILE --seed N [--gpus K] [--bo-kib N] [--children C]`
+//!
+//! With `--children C` it first forks C children, each an AMD process of its own (log
+//! `child<i>.log` beside FILE, seed N+i+1).
 
 use std::fs::OpenOptions;
 use std::os::fd::{AsFd, OwnedFd};
@@ -38,7 +41,26 @@ fn main() -> ExitCode {
     let bo_kib: u64 = arg(&args, "--bo-kib")
         .and_then(|v| v.parse().ok())
         .unwrap_or(1024);
+    let children: u32 = arg(&args, "--children")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
     let dir = PathBuf::from(dir);
+    let mut log = PathBuf::from(log);
+    let mut seed = seed;
+    for i in 0..children {
+        // SAFETY: fork in a single-threaded program; the child only runs this program's code.
+        let pid = unsafe { libc::fork() };
+        if pid < 0 {
+            eprintln!("amd-app: fork: {}", std::io::Error::last_os_error());
+            return ExitCode::FAILURE;
+        }
+        if pid == 0 {
+            // A child: its own KFD process, log and seed.
+            log = log.with_file_name(format!("child{i}.log"));
+            seed += u64::from(i) + 1;
+            break;
+        }
+    }
     let files = match setup(&dir, ngpus, bo_kib << 10, seed) {
         Ok(f) => f,
         Err(e) => {
@@ -47,7 +69,7 @@ fn main() -> ExitCode {
         }
     };
     let buf = fill_buffer(seed, BUFFER_BYTES);
-    let r = run_counter(&PathBuf::from(log), seed, &buf);
+    let r = run_counter(&log, seed, &buf);
     drop(files);
     match r {
         Ok(()) => ExitCode::SUCCESS,

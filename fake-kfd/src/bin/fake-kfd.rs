@@ -13,12 +13,12 @@
 //!   New --RESTORE--> Restored --RESUME--> Running
 //! ```
 //!
-//! While Running, its queue runs a "kernel" that adds 1 to the u64 at the start of its counter
-//! BO every 5 ms; in every other state the queue is stopped, so a checkpoint sees still memory.
-//! CRIU ops follow the kernel's rules as far as the stand-in can: the op acts on the process
-//! whose file was passed (found with `kcmp`), the caller must be that process or its ptrace
-//! tracer (else `EBADF`), counts must match PROCESS_INFO's (`EINVAL`), ops out of order are
-//! `EINVAL`, RESUME of an unknown pid is `ESRCH`, a RESTORE device's `drm_fd` must be the
+//! While Running, its queue runs a "kernel" that adds 1 to the u64 at the start of its counter BO
+//! every 5 ms; in every other state the queue is stopped, so a checkpoint sees still memory. CRIU
+//! ops follow the kernel's rules as far as the stand-in can: the op acts on the process whose file
+//! was passed (found with `kcmp`), the caller must be that process, or that process must be ptraced
+//! (else `EBADF`, the kernel's rule), counts must match PROCESS_INFO's (`EINVAL`), ops out of order
+//! are `EINVAL`, RESUME of an unknown pid is `ESRCH`, a RESTORE device's `drm_fd` must be the
 //! caller's render node of that GPU. User pointers are read and written in the caller with
 //! `process_vm_readv`/`writev`. Failures can be injected per op.
 
@@ -726,9 +726,11 @@ impl Daemon {
         }
         let i = self.find_by_file(file).ok_or_else(|| errno(libc::EBADF))?;
         let target = self.processes[i].pid;
-        if peer != target && tracer_of(target) != Some(peer) {
+        // The kernel's rule (kfd_ioctl): a file of another process may be used only while that
+        // process is ptraced (`ptrace_parent(lead_thread)`), as CRIU's seized tasks are.
+        if peer != target && tracer_of(target).unwrap_or(0) == 0 {
             log(&format!(
-                "CRIU op {} from pid {peer} on pid {target}'s file: not its tracer (EBADF)",
+                "CRIU op {} from pid {peer} on pid {target}'s file: that process is not traced (EBADF)",
                 args.op
             ));
             return Err(errno(libc::EBADF));

@@ -111,9 +111,13 @@ pub fn init(raw_stage: i32) -> i32 {
             },
         }
     };
-    let (rc, amd) = match crate::amd::AmdSide::init(stage, &amd_cfg) {
-        Ok(a) => (rc, a),
-        Err(crate::amd::Refused) => (-1, crate::amd::AmdSide::Idle("restore refused".into())),
+    let (rc, amd) = if !criu::is_4_1_or_newer() && criu::inside_criu() {
+        (rc, crate::amd::AmdSide::Idle("CRIU older than 4.1".into()))
+    } else {
+        match crate::amd::AmdSide::init(stage, &amd_cfg) {
+            Ok(a) => (rc, a),
+            Err(crate::amd::Refused) => (-1, crate::amd::AmdSide::Idle("restore refused".into())),
+        }
     };
     *PLUGIN.lock().unwrap_or_else(|e| e.into_inner()) = Some(Plugin {
         stage,
@@ -132,7 +136,9 @@ fn init_dump(cfg: gpusnap_config::Config) -> Run {
         return Run::Disabled("mode = off".into());
     }
     if let Some(why) = crate::context::driver_absent_reason() {
-        log::info!("no usable NVIDIA driver on this host ({why}); GPU checkpointing disabled");
+        log::info!(
+            "no usable NVIDIA driver on this host ({why}); NVIDIA GPU checkpointing disabled"
+        );
         return Run::Disabled(why);
     }
     // Driver calls must run while CRIU holds the other threads with ptrace, not a frozen cgroup.

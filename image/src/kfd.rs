@@ -606,6 +606,36 @@ mod tests {
     }
 
     #[test]
+    fn the_state_file_is_a_file_of_its_process() {
+        use crate::{ImageFileKind, parse_file_name};
+        assert_eq!(
+            parse_file_name("gpusnap-42-kfd.img"),
+            Some(ImageFileKind::Kfd { nspid: 42 })
+        );
+        assert_eq!(parse_file_name("gpusnap-042-kfd.img"), None);
+        assert_eq!(parse_file_name("gpusnap-kfdfile-3.img"), None);
+        assert_eq!(ImageFileKind::Kfd { nspid: 42 }.nspid(), Some(42));
+        // A state without its manifest is an unfinished dump, and goes with the process.
+        let dir = std::env::temp_dir().join(format!("gpusnap-kfd-names-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = std::fs::File::open(&dir).unwrap();
+        use std::os::fd::AsFd;
+        write_kfd_state(f.as_fd(), &state()).unwrap();
+        assert_eq!(
+            crate::unfinished_dumps(f.as_fd()).unwrap(),
+            vec![(42, "gpusnap-42-kfd.img".to_owned())]
+        );
+        assert_eq!(read_kfd_state(f.as_fd(), 42).unwrap(), state());
+        assert_eq!(crate::remove_process_files(f.as_fd(), 42).unwrap(), 1);
+        assert!(matches!(
+            read_kfd_state(f.as_fd(), 42),
+            Err(ImageError::MissingFile { .. })
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
     fn file_records() {
         let r = KfdFileRecord {
             format_version: 1,

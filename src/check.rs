@@ -13,6 +13,8 @@ use std::process::{Command, ExitCode};
 
 use crate::util::{EXIT_PROBLEM, EXIT_USAGE};
 
+mod amd;
+
 pub(crate) const MIN_CRIU: (u32, u32, u32) = (4, 1, 1);
 /// The first CRIU with the POST_FORKING plugin hook.
 const FIRST_POST_FORKING_CRIU: (u32, u32, u32) = (4, 2, 0);
@@ -89,6 +91,7 @@ pub fn run(args: &[String]) -> ExitCode {
     findings.push(check_agent());
     findings.extend(check_ptrace());
     findings.extend(check_gpu_memory());
+    findings.extend(amd::check_amd());
     if let Ok(mounts) = std::fs::read_to_string("/proc/mounts") {
         findings.extend(shm_huge_pages(&mounts));
     }

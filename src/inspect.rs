@@ -96,7 +96,9 @@ impl Report {
         let leftovers = files
             .iter()
             .filter(|(k, _)| match k {
-                ImageFileKind::Data { nspid, .. } => !with_manifest.contains(nspid),
+                ImageFileKind::Data { nspid, .. } | ImageFileKind::Kfd { nspid } => {
+                    !with_manifest.contains(nspid)
+                }
                 ImageFileKind::ManifestTmp { .. } | ImageFileKind::StatsTmp => true,
                 ImageFileKind::Manifest { .. } | ImageFileKind::Stats => false,
             })
@@ -338,6 +340,7 @@ fn path_name(p: &CheckpointPath) -> &'static str {
     match p {
         CheckpointPath::Split => "split",
         CheckpointPath::Transparent => "transparent",
+        CheckpointPath::Kfd => "kfd",
     }
 }
 
@@ -390,13 +393,21 @@ fn parent_path(depth: u32) -> String {
 
 fn write_process_text(out: &mut impl Write, m: &Manifest) -> io::Result<()> {
     let t = totals(m);
+    // A kfd-path manifest records the KFD ioctl version as major * 1000 + minor.
+    let driver = match m.path {
+        CheckpointPath::Kfd => format!(
+            "AMD KFD ioctl {}.{}",
+            m.driver_version / 1000,
+            m.driver_version % 1000
+        ),
+        _ => format!("driver {}", m.driver_version),
+    };
     writeln!(
         out,
-        "process {} ({} path), gpusnap {}, driver {}, created {} (unix)",
+        "process {} ({} path), gpusnap {}, {driver}, created {} (unix)",
         m.nspid,
         path_name(&m.path),
         m.gpusnap_version,
-        m.driver_version,
         m.created_unix_s
     )?;
     for g in &m.gpus {

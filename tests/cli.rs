@@ -107,6 +107,101 @@ fn make_image(dir: BorrowedFd<'_>, nspid: u32) -> Manifest {
     m
 }
 
+/// A kfd-path (AMD) image of process `nspid`: one VRAM buffer object of 64 KiB in one data
+/// file, its KFD state, and the manifest.
+fn make_amd_image(dir: BorrowedFd<'_>, nspid: u32) -> Manifest {
+    let addr = 0x7f00_0000_0000u64;
+    let data: Vec<u8> = (0..65536u32).map(|i| (i % 253) as u8).collect();
+    let mut w = DataFileWriter::create(dir, nspid, 0).unwrap();
+    let chunk = w.append_chunk(addr, &data, Codec::Raw).unwrap();
+    let state = KfdState {
+        format_version: KFD_FORMAT_VERSION,
+        nspid,
+        kfd_version: [1, 16],
+        gpus: vec![KfdGpuRecord {
+            gpu_id: 4660,
+            vendor_id: 0x1002,
+            device_id: 0x740f,
+            gfx_target_version: 90010,
+            simd_count: 416,
+            local_mem_bytes: 64 << 30,
+            name: "gfx90a".into(),
+            drm_render_minor: 128,
+        }],
+        bos: vec![KfdBoRecord {
+            addr,
+            size: 65536,
+            offset: 0x1000,
+            gpu_id: 4660,
+            alloc_flags: 1,
+            content: true,
+        }],
+        num_objects: 1,
+        priv_data: priv_data_hex(b"opaque"),
+    };
+    write_kfd_state(dir, &state).unwrap();
+    let m = Manifest {
+        format_version: FORMAT_VERSION,
+        nspid,
+        path: CheckpointPath::Kfd,
+        created_unix_s: 1_764_000_000,
+        gpusnap_version: gpusnap_image::BUILD.into(),
+        driver_version: 1016,
+        gpus: vec![GpuRecord {
+            ordinal: 0,
+            uuid: format!("{:032x}", 4660),
+            name: "gfx90a".into(),
+            total_mem: 64 << 30,
+        }],
+        allocations: vec![AllocationRecord {
+            id: 0,
+            device: 0,
+            addr,
+            size: 65536,
+            moved: true,
+        }],
+        files: vec![w.finish().unwrap()],
+        chunks: vec![chunk],
+        timings_s: BTreeMap::new(),
+    };
+    write_manifest(dir, &m).unwrap();
+    m
+}
+
+#[test]
+fn inspect_and_verify_show_an_amd_image() {
+    let t = TempDir::new();
+    make_amd_image(t.fd(), 44);
+    let o = gpusnap(&["inspect", t.arg()]);
+    assert!(o.status.success(), "{o:?}");
+    let s = stdout(&o);
+    assert!(s.contains("process 44 (kfd path)"), "{s}");
+    assert!(s.contains("AMD KFD ioctl 1.16"), "{s}");
+    assert!(s.contains("gfx90a"), "{s}");
+    let o = gpusnap(&["verify", t.arg()]);
+    assert_eq!(o.status.code(), Some(0), "{o:?}");
+    assert!(
+        stdout(&o).contains("ok    process 44: 1 chunks"),
+        "{}",
+        stdout(&o)
+    );
+    // The KFD state is part of the image: damage to it is named.
+    let state = t.path.join("gpusnap-44-kfd.img");
+    let len = std::fs::metadata(&state).unwrap().len();
+    flip(&state, len - 2);
+    let o = gpusnap(&["verify", t.arg()]);
+    assert_ne!(o.status.code(), Some(0));
+    assert!(stdout(&o).contains("gpusnap-44-kfd.img"), "{}", stdout(&o));
+    // Without it, the manifest is refused too.
+    std::fs::remove_file(&state).unwrap();
+    let o = gpusnap(&["verify", t.arg()]);
+    assert!(
+        stdout(&o).contains("gpusnap-44-kfd.img: missing"),
+        "{}",
+        stdout(&o)
+    );
+}
+
 fn flip(path: &Path, offset: u64) {
     let f = OpenOptions::new()
         .read(true)

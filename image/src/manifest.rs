@@ -134,6 +134,10 @@ pub enum CheckpointPath {
     Split,
     /// Everything is in the driver's checkpoint (CRIU's pages); gpusnap holds no data.
     Transparent,
+    /// An AMD GPU process checkpointed through the KFD's CRIU interface: every allocation is a
+    /// VRAM/GTT buffer object whose contents are in gpusnap's data files, and the kernel's own
+    /// state is in `gpusnap-<nspid>-kfd.img` ([`crate::KfdState`]).
+    Kfd,
 }
 
 /// A GPU the process used.
@@ -222,6 +226,7 @@ pub fn write_manifest(dir: BorrowedFd<'_>, m: &Manifest) -> Result<(), ImageErro
     }
     validate::validate_structure(m, &name)?;
     validate::validate_files(dir, m, &name)?;
+    check_kfd_state(dir, m)?;
     chain::open_ancestors(dir, m)?;
     write_manifest_bytes(dir, m.nspid, &encode_manifest_unchecked(m))
 }
@@ -415,5 +420,15 @@ pub(crate) fn read_manifest_local(dir: BorrowedFd<'_>, nspid: u32) -> Result<Man
     }
     validate::validate_structure(&m, &name)?;
     validate::validate_files(dir, &m, &name)?;
+    check_kfd_state(dir, &m)?;
     Ok(m)
+}
+
+/// A `kfd`-path manifest goes with the process's KFD state file, and the two must agree.
+fn check_kfd_state(dir: BorrowedFd<'_>, m: &Manifest) -> Result<(), ImageError> {
+    if m.path == CheckpointPath::Kfd {
+        let s = crate::read_kfd_state(dir, m.nspid)?;
+        crate::check_kfd_state_against_manifest(&s, m)?;
+    }
+    Ok(())
 }

@@ -41,6 +41,10 @@ pub enum ImageFileKind {
         nspid: u32,
         index: u32,
     },
+    /// The KFD state of an AMD process (`gpusnap-<nspid>-kfd.img`, [`crate::KfdState`]).
+    Kfd {
+        nspid: u32,
+    },
     Stats,
     StatsTmp,
 }
@@ -51,7 +55,8 @@ impl ImageFileKind {
         match self {
             ImageFileKind::Manifest { nspid }
             | ImageFileKind::ManifestTmp { nspid }
-            | ImageFileKind::Data { nspid, .. } => Some(nspid),
+            | ImageFileKind::Data { nspid, .. }
+            | ImageFileKind::Kfd { nspid } => Some(nspid),
             ImageFileKind::Stats | ImageFileKind::StatsTmp => None,
         }
     }
@@ -79,6 +84,7 @@ pub fn parse_file_name(name: &str) -> Option<ImageFileKind> {
     match rest {
         "manifest.img" => Some(ImageFileKind::Manifest { nspid }),
         "manifest.img.tmp" => Some(ImageFileKind::ManifestTmp { nspid }),
+        "kfd.img" => Some(ImageFileKind::Kfd { nspid }),
         _ => {
             let index = canonical_u32(rest.strip_prefix("data-")?.strip_suffix(".img")?)?;
             Some(ImageFileKind::Data { nspid, index })
@@ -124,7 +130,9 @@ pub fn unfinished_dumps(dir: BorrowedFd<'_>) -> Result<Vec<(u32, String)>, Image
     let mut out: Vec<(u32, String)> = Vec::new();
     for (kind, name) in files {
         let nspid = match kind {
-            ImageFileKind::ManifestTmp { nspid } | ImageFileKind::Data { nspid, .. } => nspid,
+            ImageFileKind::ManifestTmp { nspid }
+            | ImageFileKind::Data { nspid, .. }
+            | ImageFileKind::Kfd { nspid } => nspid,
             _ => continue,
         };
         if !finished.contains(&nspid) && !out.iter().any(|(p, _)| *p == nspid) {

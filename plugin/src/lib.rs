@@ -14,9 +14,11 @@
 //! - [`ptrace`]: running one seized thread while CRIU holds the others;
 //! - [`stall`]: a driver checkpoint that waits on a stopped thread of its process;
 //! - [`hold`]: keeping a process from running on absent device memory should CRIU die;
-//! - [`procfs`]: everything read from `/proc`.
+//! - [`procfs`]: everything read from `/proc`;
+//! - [`amd`]: AMD GPU processes through the KFD's CRIU interface (the kfd path).
 
 pub mod agent;
+pub mod amd;
 pub mod context;
 pub mod criu;
 pub mod datapath;
@@ -114,6 +116,9 @@ unsafe extern "C" fn handle_device_vma(_fd: c_int, st: *const libc::stat) -> c_i
         }
         // SAFETY: CRIU passes a pointer to the stat of the mapped device file.
         let rdev = unsafe { (*st).st_rdev };
+        if crate::amd::explain_device_vma(rdev) {
+            return plugin::ENOTSUP;
+        }
         if libc::major(rdev) == NVIDIA_MAJOR {
             log::error!(
                 "a process maps an NVIDIA device ({}:{}) but has no CUDA state the driver can checkpoint \

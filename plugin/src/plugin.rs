@@ -32,6 +32,8 @@ pub struct Plugin {
     /// `gpusnap` is in the image's plugin inventory (dump).
     in_inventory: bool,
     run: Run,
+    /// AMD GPU processes (`crate::amd`), beside the CUDA run.
+    amd: crate::amd::AmdSide,
 }
 
 static PLUGIN: Mutex<Option<Plugin>> = Mutex::new(None);
@@ -86,6 +88,7 @@ pub fn init(raw_stage: i32) -> i32 {
     log::debug!("configuration: {}", cfg.describe());
     log::debug!("{}", gpusnap_rocm::status_line(&gpusnap_rocm::detect()));
     let device_files = cfg.mode != Mode::Off;
+    let amd_cfg = cfg.clone();
     let durable = cfg.durable;
     let (rc, run) = if stage != Stage::PreDump && !criu::is_4_1_or_newer() && criu::inside_criu() {
         // CRIU 4.0 lacks the plugin inventory and the `opts` layout gpusnap relies on to tell
@@ -108,12 +111,21 @@ pub fn init(raw_stage: i32) -> i32 {
             },
         }
     };
+    let (rc, amd) = if !criu::is_4_1_or_newer() && criu::inside_criu() {
+        (rc, crate::amd::AmdSide::Idle("CRIU older than 4.1".into()))
+    } else {
+        match crate::amd::AmdSide::init(stage, &amd_cfg) {
+            Ok(a) => (rc, a),
+            Err(crate::amd::Refused) => (-1, crate::amd::AmdSide::Idle("restore refused".into())),
+        }
+    };
     *PLUGIN.lock().unwrap_or_else(|e| e.into_inner()) = Some(Plugin {
         stage,
         device_files: device_files && stage != Stage::PreDump,
         durable,
         in_inventory: false,
         run,
+        amd,
     });
     rc
 }
@@ -124,7 +136,9 @@ fn init_dump(cfg: gpusnap_config::Config) -> Run {
         return Run::Disabled("mode = off".into());
     }
     if let Some(why) = crate::context::driver_absent_reason() {
-        log::info!("no usable NVIDIA driver on this host ({why}); GPU checkpointing disabled");
+        log::info!(
+            "no usable NVIDIA driver on this host ({why}); NVIDIA GPU checkpointing disabled"
+        );
         return Run::Disabled(why);
     }
     // Driver calls must run while CRIU holds the other threads with ptrace, not a frozen cgroup.
@@ -149,6 +163,12 @@ impl Plugin {
         if self.stage != Stage::Dump || !self.device_files || id < 0 {
             return ENOTSUP;
         }
+        if let Some(rc) = self.amd.dump_ext_file(fd, id as u32) {
+            if rc == 0 {
+                self.note_gpu_state();
+            }
+            return rc;
+        }
         let Some(dir) = criu::image_dir() else {
             return ENOTSUP;
         };
@@ -169,6 +189,9 @@ impl Plugin {
     pub fn restore_ext_file(&mut self, id: i32) -> i32 {
         if self.stage != Stage::Restore || !self.device_files || id < 0 {
             return ENOTSUP;
+        }
+        if let Some(rc) = self.amd.restore_ext_file(id as u32) {
+            return rc;
         }
         let Some(dir) = criu::image_dir() else {
             return ENOTSUP;
@@ -211,6 +234,9 @@ impl Plugin {
     }
 
     pub fn resume_devices_late(&mut self, pid: i32) -> i32 {
+        if let Some(rc) = self.amd.resume_devices_late(pid) {
+            return rc;
+        }
         match &mut self.run {
             Run::Restore(r) => answer(r.resume_devices_late(pid)),
             _ => ENOTSUP,
@@ -218,6 +244,7 @@ impl Plugin {
     }
 
     pub fn exit(&mut self, ret: i32) {
+        self.amd.exit(ret);
         match &mut self.run {
             Run::Dump(d) => d.exit(ret),
             Run::Restore(r) => r.exit(),

@@ -125,7 +125,11 @@ pub type Restored = Vec<(i32, Result<RestoredProcess, RestoreError>)>;
 /// gpusnap files of a process without a manifest (a dump that did not finish) refuse them all.
 /// Runs in `init`, so a truncated or foreign image fails the restore before anything is created.
 pub fn read_manifests(dir: BorrowedFd<'_>) -> Result<HashMap<u32, Manifest>, ImageError> {
-    Ok(gpusnap_image::read_manifests(dir)?.into_iter().collect())
+    // AMD (kfd-path) processes are restored by `crate::amd`.
+    Ok(gpusnap_image::read_manifests(dir)?
+        .into_iter()
+        .filter(|(_, m)| m.path != CheckpointPath::Kfd)
+        .collect())
 }
 
 /// The full checksum pass over every data chunk on a thread of its own. On CRIU 4.2+ it starts

@@ -1,22 +1,27 @@
-//! ROCm (AMD) backend of gpusnap: **a skeleton**, built and unit-tested without AMD hardware.
+//! ROCm (AMD) backend of gpusnap, built and tested without AMD hardware.
 //!
 //! What exists:
 //! - [`kfd`]: handwritten `#[repr(C)]` mirrors of the KFD CRIU ioctl interface
-//!   (`AMDKFD_IOC_CRIU_OP`, `AMDKFD_IOC_GET_VERSION`) checked against `linux/kfd_ioctl.h`, and
-//!   thin safe calls: open `/dev/kfd`, query the version, PROCESS_INFO (with a guard that
-//!   UNPAUSEs), UNPAUSE, RESUME.
+//!   (`AMDKFD_IOC_CRIU_OP`, `AMDKFD_IOC_GET_VERSION`) checked against `linux/kfd_ioctl.h`;
+//!   [`kfd::device::KfdDevice`], where the calls go (the kernel, or the tests' stand-in KFD
+//!   [`kfd::standin`], which carries the same structures' bytes); and [`kfd::criu`], the CRIU
+//!   sequence written once: PROCESS_INFO, CHECKPOINT, UNPAUSE, RESTORE, RESUME.
+//! - [`bo`]: buffer-object contents through their dma-bufs (`mmap`).
+//! - [`gpumatch`]: which local GPU takes the place of each GPU of an image.
 //! - [`topology`]: the GPUs of the KFD topology in sysfs.
 //! - [`detect`] and [`status_line`]: what the plugin logs at init.
 //!
-//! What does not exist: CHECKPOINT and RESTORE (BO buckets, private data, dma-buf/SDMA copies of
-//! BO contents), render-node handling, image files, and any CRIU hook. The plugin does not
-//! checkpoint AMD GPUs.
+//! The plugin's `amd` module drives these from CRIU's hooks. What does not exist: an SDMA
+//! copy for VRAM that the CPU cannot map, device mappings of `/dev/kfd` and render nodes
+//! (`HANDLE_DEVICE_VMA`/`UPDATE_VMA_MAP`), the HIP split path.
 //!
 //! What was never run: every ioctl against a real KFD and the topology reader against a real
 //! sysfs tree. The build machine has no AMD GPU and no ROCm; the tests cover the layouts, the
-//! ioctl numbers, a fake sysfs tree, and the failure paths (no `/dev/kfd`, ioctls on a non-KFD
-//! file).
+//! ioctl numbers, a fake sysfs tree, the failure paths, and the whole sequence with real CRIU
+//! against the stand-in KFD (`fake-kfd/`).
 
+pub mod bo;
+pub mod gpumatch;
 pub mod kfd;
 pub mod topology;
 
@@ -95,8 +100,8 @@ pub fn status_line(detection: &Detection) -> String {
         Detection::Present { version, gpus } => {
             let list: Vec<String> = gpus.iter().map(describe_gpu).collect();
             format!(
-                "rocm: KFD ioctl {version}, {} GPU(s){}{}; checkpointing AMD GPUs is not \
-                 implemented (skeleton backend)",
+                "rocm: KFD ioctl {version}, {} GPU(s){}{}; AMD GPU processes are checkpointed \
+                 through the KFD's CRIU interface (tested on a stand-in KFD only)",
                 gpus.len(),
                 if list.is_empty() { "" } else { ": " },
                 list.join(", ")
@@ -105,7 +110,8 @@ pub fn status_line(detection: &Detection) -> String {
     }
 }
 
-fn describe_gpu(g: &Gpu) -> String {
+/// One GPU in one phrase: `gpu_id N vvvv:dddd gfxNNN "name" S SIMDs M MiB at PCI`.
+pub fn describe_gpu(g: &Gpu) -> String {
     let mut s = format!(
         "gpu_id {} {:04x}:{:04x}",
         g.gpu_id, g.vendor_id, g.device_id
@@ -191,7 +197,7 @@ mod tests {
             line.contains("gpu_id 777 1002:744c gfx1100 \"gfx1100\""),
             "{line}"
         );
-        assert!(line.contains("not implemented"), "{line}");
+        assert!(line.contains("stand-in KFD only"), "{line}");
 
         let none = status_line(&Detection::Present {
             version: KfdVersion { major: 1, minor: 8 },

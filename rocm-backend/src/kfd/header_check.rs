@@ -267,6 +267,15 @@ fn alloc_flags_match_header() {
 }
 
 #[test]
+fn invalid_fd_matches_header() {
+    let Some(text) = header() else { return };
+    let text = strip_comments(&text);
+    let v = c_define(&text, "KFD_INVALID_FD");
+    let v = u32::from_str_radix(v.trim_start_matches("0x"), 16).unwrap();
+    assert_eq!(v, KFD_INVALID_FD);
+}
+
+#[test]
 fn header_supports_criu() {
     let Some(text) = header() else { return };
     let major: u32 = c_define(&text, "KFD_IOCTL_MAJOR_VERSION").parse().unwrap();

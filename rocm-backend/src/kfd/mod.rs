@@ -5,12 +5,18 @@
 //! - PROCESS_INFO, CHECKPOINT, UNPAUSE and RESTORE act on the process that **opened** the
 //!   `/dev/kfd` file the ioctl is made on, never on a pid. CRIU makes them on the target's own
 //!   KFD fd (drained from the target), which the kernel allows because CRIU is the target's
-//!   ptrace parent. Use [`Kfd::from_fd`] for that fd.
+//!   ptrace parent (the kernel lets a KFD file of another process be used only while that
+//!   process is ptraced). Use [`Kfd::from_fd`] for that fd.
 //! - RESUME acts on the process named by `pid`, and may be made on any KFD fd ([`Kfd::open`]).
 //! - Every CRIU op needs `CAP_CHECKPOINT_RESTORE` or `CAP_SYS_ADMIN`, else `EACCES`.
 //!
-//! None of this has been run against a real KFD: the build machine has no AMD GPU.
+//! The ops themselves are in [`criu`], written once against [`device::KfdDevice`]; [`Kfd`] is
+//! what detection uses (open, GET_VERSION). None of this has been run against a real KFD: the
+//! build machine has no AMD GPU.
 
+pub mod criu;
+pub mod device;
+pub mod standin;
 pub mod sys;
 
 #[cfg(test)]
@@ -21,7 +27,7 @@ use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
-use sys::{KfdCriuOp, KfdIoctlCriuArgs, KfdIoctlGetVersionArgs};
+use sys::KfdCriuOp;
 
 /// Errors of the KFD calls, each with what the errno most likely means for that call.
 #[derive(Debug, thiserror::Error)]
@@ -130,75 +136,8 @@ impl Kfd {
 
     /// The KFD ioctl interface version.
     pub fn version(&self) -> Result<KfdVersion, KfdError> {
-        let mut args = KfdIoctlGetVersionArgs::default();
-        // SAFETY: GET_VERSION takes a `KfdIoctlGetVersionArgs`, which holds no pointers. It has
-        // no side effect, so retrying on EINTR is safe.
-        unsafe {
-            sys::ioctl(
-                self.fd.as_fd(),
-                sys::AMDKFD_IOC_GET_VERSION,
-                &mut args,
-                true,
-            )
-        }
-        .map_err(|source| KfdError::Ioctl {
-            op: "GET_VERSION",
-            source,
-        })?;
-        Ok(KfdVersion {
-            major: args.major_version,
-            minor: args.minor_version,
-        })
-    }
-
-    /// A CRIU op whose arguments carry no user pointers.
-    fn criu_op(&self, op: KfdCriuOp, pid: u32) -> Result<KfdIoctlCriuArgs, KfdError> {
-        let mut args = KfdIoctlCriuArgs {
-            op: op as u32,
-            pid,
-            ..Default::default()
-        };
-        // SAFETY: CRIU_OP takes a `KfdIoctlCriuArgs`. Its user pointers (devices, bos,
-        // priv_data) are all null, which the ops used here (PROCESS_INFO, UNPAUSE, RESUME) do not
-        // dereference. No retry on EINTR: these ops change the process's state, so an
-        // interrupted one is reported rather than repeated.
-        unsafe { sys::ioctl(self.fd.as_fd(), sys::AMDKFD_IOC_CRIU_OP, &mut args, false) }.map_err(
-            |source| KfdError::Ioctl {
-                op: op_name(op),
-                source,
-            },
-        )?;
-        Ok(args)
-    }
-
-    /// PROCESS_INFO: pauses (evicts) the queues of the process that opened this fd and reports
-    /// the sizes a checkpoint needs. The queues stay paused until the returned guard is unpaused
-    /// or dropped. On failure the kernel has already restored the queues.
-    pub fn process_info(&self) -> Result<PausedProcess<'_>, KfdError> {
-        let args = self.criu_op(KfdCriuOp::ProcessInfo, 0)?;
-        Ok(PausedProcess {
-            kfd: self,
-            info: ProcessInfo {
-                pid: args.pid,
-                num_devices: args.num_devices,
-                num_bos: args.num_bos,
-                num_objects: args.num_objects,
-                priv_data_size: args.priv_data_size,
-            },
-            unpaused: false,
-        })
-    }
-
-    /// UNPAUSE: restores the queues a PROCESS_INFO on this fd paused. Prefer
-    /// [`PausedProcess::unpause`]; this is for a pause made by another holder of the same file.
-    pub fn unpause(&self) -> Result<(), KfdError> {
-        self.criu_op(KfdCriuOp::Unpause, 0).map(drop)
-    }
-
-    /// RESUME: after restore, starts MMU notifiers and queues of the KFD process `pid` (as seen
-    /// from the caller's pid namespace).
-    pub fn resume(&self, pid: u32) -> Result<(), KfdError> {
-        self.criu_op(KfdCriuOp::Resume, pid).map(drop)
+        use device::KfdDevice;
+        device::RealKfd.version(self.fd.as_fd())
     }
 }
 
@@ -208,48 +147,13 @@ impl AsFd for Kfd {
     }
 }
 
-fn op_name(op: KfdCriuOp) -> &'static str {
+pub(crate) fn op_name(op: KfdCriuOp) -> &'static str {
     match op {
         KfdCriuOp::ProcessInfo => "PROCESS_INFO",
         KfdCriuOp::Checkpoint => "CHECKPOINT",
         KfdCriuOp::Unpause => "UNPAUSE",
         KfdCriuOp::Restore => "RESTORE",
         KfdCriuOp::Resume => "RESUME",
-    }
-}
-
-/// A process whose GPU queues PROCESS_INFO has paused. Dropping it unpauses them (and logs a
-/// failure); [`PausedProcess::unpause`] does so and reports the result. CHECKPOINT, which must
-/// happen while paused, is not implemented yet.
-#[derive(Debug)]
-pub struct PausedProcess<'a> {
-    kfd: &'a Kfd,
-    info: ProcessInfo,
-    unpaused: bool,
-}
-
-impl PausedProcess<'_> {
-    pub fn info(&self) -> &ProcessInfo {
-        &self.info
-    }
-
-    /// Restores the queues.
-    pub fn unpause(mut self) -> Result<(), KfdError> {
-        self.unpaused = true;
-        self.kfd.unpause()
-    }
-}
-
-impl Drop for PausedProcess<'_> {
-    fn drop(&mut self) {
-        if !self.unpaused
-            && let Err(e) = self.kfd.unpause()
-        {
-            log::warn!(
-                "gpusnap-rocm: could not unpause GPU queues of pid {}: {e}",
-                self.info.pid
-            );
-        }
     }
 }
 
@@ -279,14 +183,11 @@ mod tests {
         let kfd = Kfd::open_path(Path::new("/dev/null")).unwrap();
         let err = kfd.version().unwrap_err();
         assert!(err.to_string().contains("not a KFD device"), "{err}");
-        let err = kfd.process_info().unwrap_err();
         let KfdError::Ioctl { op, source } = &err else {
             panic!("{err}")
         };
-        assert_eq!(*op, "PROCESS_INFO");
+        assert_eq!(*op, "GET_VERSION");
         assert_eq!(source.raw_os_error(), Some(libc::ENOTTY));
-        assert!(kfd.unpause().is_err());
-        assert!(kfd.resume(1).is_err());
     }
 
     #[test]

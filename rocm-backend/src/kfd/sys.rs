@@ -141,6 +141,125 @@ pub const KFD_IOC_ALLOC_MEM_FLAGS_USERPTR: u32 = 1 << 2;
 pub const KFD_IOC_ALLOC_MEM_FLAGS_DOORBELL: u32 = 1 << 3;
 pub const KFD_IOC_ALLOC_MEM_FLAGS_MMIO_REMAP: u32 = 1 << 4;
 
+/// `KFD_INVALID_FD`: a bucket's `dmabuf_fd` when the kernel made no dma-buf for the BO.
+pub const KFD_INVALID_FD: u32 = 0xffff_ffff;
+
+/// Little-endian byte forms of the CRIU structures, field by field (never the padding), for
+/// carrying them where a pointer cannot go: the stand-in KFD reads and writes them as the
+/// kernel's `copy_from_user`/`copy_to_user` would.
+pub mod wire {
+    use super::*;
+
+    fn u32_at(b: &[u8], at: usize) -> u32 {
+        u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
+    }
+    fn u64_at(b: &[u8], at: usize) -> u64 {
+        u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
+    }
+    fn put32(b: &mut [u8], at: usize, v: u32) {
+        b[at..at + 4].copy_from_slice(&v.to_le_bytes());
+    }
+    fn put64(b: &mut [u8], at: usize, v: u64) {
+        b[at..at + 8].copy_from_slice(&v.to_le_bytes());
+    }
+
+    pub const CRIU_ARGS_LEN: usize = size_of::<KfdIoctlCriuArgs>();
+    pub const DEVICE_BUCKET_LEN: usize = size_of::<KfdCriuDeviceBucket>();
+    pub const BO_BUCKET_LEN: usize = size_of::<KfdCriuBoBucket>();
+    pub const VERSION_ARGS_LEN: usize = size_of::<KfdIoctlGetVersionArgs>();
+
+    impl KfdIoctlCriuArgs {
+        pub fn to_bytes(&self) -> [u8; CRIU_ARGS_LEN] {
+            let mut b = [0u8; CRIU_ARGS_LEN];
+            put64(&mut b, 0, self.devices);
+            put64(&mut b, 8, self.bos);
+            put64(&mut b, 16, self.priv_data);
+            put64(&mut b, 24, self.priv_data_size);
+            put32(&mut b, 32, self.num_devices);
+            put32(&mut b, 36, self.num_bos);
+            put32(&mut b, 40, self.num_objects);
+            put32(&mut b, 44, self.pid);
+            put32(&mut b, 48, self.op);
+            b
+        }
+        /// `None` unless `b` is exactly [`CRIU_ARGS_LEN`] bytes.
+        pub fn from_bytes(b: &[u8]) -> Option<Self> {
+            (b.len() == CRIU_ARGS_LEN).then(|| KfdIoctlCriuArgs {
+                devices: u64_at(b, 0),
+                bos: u64_at(b, 8),
+                priv_data: u64_at(b, 16),
+                priv_data_size: u64_at(b, 24),
+                num_devices: u32_at(b, 32),
+                num_bos: u32_at(b, 36),
+                num_objects: u32_at(b, 40),
+                pid: u32_at(b, 44),
+                op: u32_at(b, 48),
+            })
+        }
+    }
+
+    impl KfdCriuDeviceBucket {
+        pub fn to_bytes(&self) -> [u8; DEVICE_BUCKET_LEN] {
+            let mut b = [0u8; DEVICE_BUCKET_LEN];
+            put32(&mut b, 0, self.user_gpu_id);
+            put32(&mut b, 4, self.actual_gpu_id);
+            put32(&mut b, 8, self.drm_fd);
+            put32(&mut b, 12, self.pad);
+            b
+        }
+        pub fn from_bytes(b: &[u8]) -> Option<Self> {
+            (b.len() == DEVICE_BUCKET_LEN).then(|| KfdCriuDeviceBucket {
+                user_gpu_id: u32_at(b, 0),
+                actual_gpu_id: u32_at(b, 4),
+                drm_fd: u32_at(b, 8),
+                pad: u32_at(b, 12),
+            })
+        }
+    }
+
+    impl KfdCriuBoBucket {
+        pub fn to_bytes(&self) -> [u8; BO_BUCKET_LEN] {
+            let mut b = [0u8; BO_BUCKET_LEN];
+            put64(&mut b, 0, self.addr);
+            put64(&mut b, 8, self.size);
+            put64(&mut b, 16, self.offset);
+            put64(&mut b, 24, self.restored_offset);
+            put32(&mut b, 32, self.gpu_id);
+            put32(&mut b, 36, self.alloc_flags);
+            put32(&mut b, 40, self.dmabuf_fd);
+            put32(&mut b, 44, self.pad);
+            b
+        }
+        pub fn from_bytes(b: &[u8]) -> Option<Self> {
+            (b.len() == BO_BUCKET_LEN).then(|| KfdCriuBoBucket {
+                addr: u64_at(b, 0),
+                size: u64_at(b, 8),
+                offset: u64_at(b, 16),
+                restored_offset: u64_at(b, 24),
+                gpu_id: u32_at(b, 32),
+                alloc_flags: u32_at(b, 36),
+                dmabuf_fd: u32_at(b, 40),
+                pad: u32_at(b, 44),
+            })
+        }
+    }
+
+    impl KfdIoctlGetVersionArgs {
+        pub fn to_bytes(&self) -> [u8; VERSION_ARGS_LEN] {
+            let mut b = [0u8; VERSION_ARGS_LEN];
+            put32(&mut b, 0, self.major_version);
+            put32(&mut b, 4, self.minor_version);
+            b
+        }
+        pub fn from_bytes(b: &[u8]) -> Option<Self> {
+            (b.len() == VERSION_ARGS_LEN).then(|| KfdIoctlGetVersionArgs {
+                major_version: u32_at(b, 0),
+                minor_version: u32_at(b, 4),
+            })
+        }
+    }
+}
+
 /// `ioctl(fd, request, arg)`, retried on `EINTR` when `retry_eintr`, with errno preserved.
 ///
 /// # Safety
@@ -230,6 +349,53 @@ mod tests {
         assert_eq!(size_of::<KfdIoctlGetVersionArgs>(), 8);
         assert_eq!(offset_of!(KfdIoctlGetVersionArgs, major_version), 0);
         assert_eq!(offset_of!(KfdIoctlGetVersionArgs, minor_version), 4);
+    }
+
+    #[test]
+    fn wire_forms_round_trip_at_the_c_offsets() {
+        let a = KfdIoctlCriuArgs {
+            devices: 1,
+            bos: 2,
+            priv_data: 3,
+            priv_data_size: 4,
+            num_devices: 5,
+            num_bos: 6,
+            num_objects: 7,
+            pid: 8,
+            op: 9,
+        };
+        let b = a.to_bytes();
+        assert_eq!(KfdIoctlCriuArgs::from_bytes(&b), Some(a));
+        assert_eq!(b[offset_of!(KfdIoctlCriuArgs, pid)], 8);
+        assert_eq!(b[offset_of!(KfdIoctlCriuArgs, op)], 9);
+        assert_eq!(KfdIoctlCriuArgs::from_bytes(&b[..55]), None);
+        let bo = KfdCriuBoBucket {
+            addr: 10,
+            size: 11,
+            offset: 12,
+            restored_offset: 13,
+            gpu_id: 14,
+            alloc_flags: 15,
+            dmabuf_fd: 16,
+            pad: 0,
+        };
+        let b = bo.to_bytes();
+        assert_eq!(KfdCriuBoBucket::from_bytes(&b), Some(bo));
+        assert_eq!(b[offset_of!(KfdCriuBoBucket, dmabuf_fd)], 16);
+        let d = KfdCriuDeviceBucket {
+            user_gpu_id: 1,
+            actual_gpu_id: 2,
+            drm_fd: 3,
+            pad: 0,
+        };
+        let b = d.to_bytes();
+        assert_eq!(KfdCriuDeviceBucket::from_bytes(&b), Some(d));
+        assert_eq!(b[offset_of!(KfdCriuDeviceBucket, drm_fd)], 3);
+        let v = KfdIoctlGetVersionArgs {
+            major_version: 1,
+            minor_version: 16,
+        };
+        assert_eq!(KfdIoctlGetVersionArgs::from_bytes(&v.to_bytes()), Some(v));
     }
 
     #[test]

@@ -1,0 +1,175 @@
+//! AMD GPU processes, checkpointed through the KFD's CRIU interface (the "kfd" path).
+//!
+//! The hooks are the ones CRIU calls for the files a ROCm process holds: `/dev/kfd` and the
+//! render nodes are character devices CRIU does not dump itself, so it hands each to the
+//! plugins' `DUMP_EXT_FILE`, and at restore asks `RESTORE_EXT_FILE` for a new fd.
+//! - dump, `DUMP_EXT_FILE` of `/dev/kfd` ([`dump`]): PROCESS_INFO (pauses the process's
+//!   queues), CHECKPOINT, the VRAM/GTT BOs' contents into gpusnap's data files ([`data`]), the
+//!   KFD state file, then the manifest (last). Failure: UNPAUSE (the process runs on) or, if
+//!   that fails, the process is killed. `exit` UNPAUSEs after `-R` or a failed dump.
+//! - restore ([`restore`]): at init, every kfd image is checked (checksums included) and its
+//!   GPUs matched to this host's before CRIU forks anything; `RESTORE_EXT_FILE` of `/dev/kfd`,
+//!   in the restored task, opens the KFD, RESTOREs, and writes the BOs' contents back;
+//!   render nodes are opened again (on the GPU that now stands in); `RESUME_DEVICES_LATE`
+//!   RESUMEs the process before CRIU lets it run.
+//!
+//! Which KFD: `GPUSNAP_TEST_STANDIN_KFD=<dir>` (tests only) selects the stand-in KFD of that
+//! directory; otherwise `/dev/kfd`. Never run on AMD hardware.
+
+pub mod coexist;
+pub mod data;
+pub mod dump;
+pub mod restore;
+
+use std::os::fd::{AsRawFd, BorrowedFd};
+
+use gpusnap_config::Config;
+use gpusnap_rocm::kfd::device::{KfdDevice, RealKfd};
+use gpusnap_rocm::kfd::standin::StandinKfd;
+
+use crate::criu::Stage;
+
+/// The KFD this run talks to, if there is one.
+pub fn kfd_device() -> Option<Box<dyn KfdDevice>> {
+    if let Some(s) = StandinKfd::from_env() {
+        return Some(Box::new(s));
+    }
+    std::path::Path::new(gpusnap_rocm::kfd::sys::KFD_DEVICE)
+        .exists()
+        .then(|| Box::new(RealKfd) as Box<dyn KfdDevice>)
+}
+
+/// Whether CRIU's image directory holds a KFD state file.
+fn image_has_kfd_state() -> bool {
+    crate::criu::image_dir()
+        .and_then(|dir| gpusnap_image::list_image_files(dir).ok())
+        .is_some_and(|files| {
+            files
+                .iter()
+                .any(|(k, _)| matches!(k, gpusnap_image::ImageFileKind::Kfd { .. }))
+        })
+}
+
+/// A restore gpusnap refused (the reason is in CRIU's log).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Refused;
+
+/// What gpusnap does with AMD GPU processes in this CRIU run.
+pub enum AmdSide {
+    /// Nothing, and why (no KFD, mode = off, pre-dump, no kfd image).
+    Idle(String),
+    Dump(Box<dump::AmdDump>),
+    Restore(Box<restore::AmdRestore>),
+}
+
+impl AmdSide {
+    /// The AMD side of a run; `Err(Refused)` when a restore must be refused (already logged).
+    pub fn init(stage: Stage, cfg: &Config) -> Result<AmdSide, Refused> {
+        if cfg.mode == gpusnap_config::Mode::Off {
+            if stage == Stage::Restore && image_has_kfd_state() {
+                log::error!(
+                    "amd: the image holds AMD GPU state but gpusnap is disabled (mode = off): the processes would run without it; enable gpusnap to restore"
+                );
+                return Err(Refused);
+            }
+            return Ok(AmdSide::Idle("mode = off".into()));
+        }
+        match stage {
+            Stage::PreDump => Ok(AmdSide::Idle("pre-dump".into())),
+            Stage::Dump => Ok(match kfd_device() {
+                Some(dev) => {
+                    log::debug!("amd: dump through {}", dev.describe());
+                    AmdSide::Dump(Box::new(dump::AmdDump::new(dev, cfg.clone())))
+                }
+                None => AmdSide::Idle("no /dev/kfd".into()),
+            }),
+            Stage::Restore => Ok(match restore::AmdRestore::init(cfg.clone())? {
+                Some(r) => AmdSide::Restore(Box::new(r)),
+                None => AmdSide::Idle("no kfd images".into()),
+            }),
+        }
+    }
+
+    /// `DUMP_EXT_FILE`: `None` when the file is not an AMD one gpusnap handles.
+    pub fn dump_ext_file(&mut self, fd: i32, id: u32) -> Option<i32> {
+        let AmdSide::Dump(d) = self else { return None };
+        if fd < 0 {
+            return None;
+        }
+        // SAFETY: CRIU keeps `fd` open for the duration of the hook.
+        let fd = unsafe { BorrowedFd::borrow_raw(fd) };
+        debug_assert!(fd.as_raw_fd() >= 0);
+        d.dump_ext_file(fd, id)
+    }
+
+    /// `RESTORE_EXT_FILE`, in the restored task: `None` when `id` is not a file gpusnap
+    /// recorded as an AMD one.
+    pub fn restore_ext_file(&mut self, id: u32) -> Option<i32> {
+        let AmdSide::Restore(r) = self else {
+            return None;
+        };
+        r.restore_ext_file(id)
+    }
+
+    /// `RESUME_DEVICES_LATE`: `None` when `pid` is not a restored AMD process.
+    pub fn resume_devices_late(&mut self, pid: i32) -> Option<i32> {
+        let AmdSide::Restore(r) = self else {
+            return None;
+        };
+        r.resume_devices_late(pid)
+    }
+
+    pub fn exit(&mut self, ret: i32) {
+        match self {
+            AmdSide::Dump(d) => d.exit(ret),
+            AmdSide::Restore(r) => r.exit(),
+            AmdSide::Idle(_) => {}
+        }
+    }
+}
+
+/// Character-device major of DRM (`/dev/dri/*`).
+const DRM_MAJOR: u32 = gpusnap_rocm::kfd::device::DRM_MAJOR;
+
+/// The major of `/dev/kfd` on this host (allocated at driver load), from `/proc/devices`.
+fn kfd_major() -> Option<u32> {
+    let text = std::fs::read_to_string("/proc/devices").ok()?;
+    parse_kfd_major(&text)
+}
+
+fn parse_kfd_major(devices: &str) -> Option<u32> {
+    devices.lines().find_map(|l| {
+        let mut w = l.split_whitespace();
+        let major = w.next()?.parse().ok()?;
+        (w.next()? == "kfd").then_some(major)
+    })
+}
+
+/// `HANDLE_DEVICE_VMA` of a mapping of an AMD device (`/dev/kfd` or a DRM node): gpusnap
+/// does not handle device mappings (doorbells, events, CPU-mapped BOs) yet, so such a process
+/// cannot be checkpointed; this says so before CRIU's own error. Every real ROCm process has
+/// such mappings. Returns whether `rdev` is an AMD device.
+pub fn explain_device_vma(rdev: u64) -> bool {
+    let major = libc::major(rdev);
+    let amd = major == DRM_MAJOR || kfd_major() == Some(major);
+    if amd {
+        log::error!(
+            "amd: a process maps a GPU device ({major}:{}: /dev/kfd or a DRM node such as an AMD render node); gpusnap's kfd path does not handle device mappings yet (HANDLE_DEVICE_VMA/UPDATE_VMA_MAP), so this process cannot be checkpointed by gpusnap",
+            libc::minor(rdev)
+        );
+    }
+    amd
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn kfd_major_from_proc_devices() {
+        let text = "Character devices:\n  1 mem\n226 drm\n510 kfd\n\nBlock devices:\n  8 sd\n";
+        assert_eq!(super::parse_kfd_major(text), Some(510));
+        assert_eq!(
+            super::parse_kfd_major("Character devices:\n  1 mem\n"),
+            None
+        );
+    }
+}

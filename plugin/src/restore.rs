@@ -261,6 +261,7 @@ impl RestoreRun {
             checksums: if cfg.verify_before_restore == Verify::Off {
                 Checksums::Skipped
             } else if cfg.verify_before_restore == Verify::Auto
+                && manifests.values().any(|m| !m.chunks.is_empty())
                 && manifests.values().all(every_chunk_device_hashed)
             {
                 log::info!(

@@ -7,7 +7,7 @@
 //! blocks on the socket (at most [`PEER_WAIT`]) only when no slot is free and nothing is in
 //! flight.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::os::fd::OwnedFd;
 use std::time::Instant;
 
@@ -22,10 +22,33 @@ use crate::session::{self, Fail, PEER_WAIT, Ring, need_driver, no_fd};
 use crate::staging::Staging;
 use crate::table::{self, AGENT_LOCK_WAIT, TableError};
 
+/// The parent image's chunks a connection announced before its `DumpBegin`: (address,
+/// length) → device hash. Bounded, as every input from the socket is.
+#[derive(Default)]
+pub struct KnownChunks(HashMap<(u64, u64), u64>);
+
+/// Most `KnownChunk`s one connection may send (a million chunks: 32 TiB at 32 MiB).
+const MAX_KNOWN: usize = 1 << 20;
+
+impl KnownChunks {
+    pub fn insert(&mut self, addr: u64, len: u64, device_hash: u64) -> Result<(), String> {
+        if self.0.len() >= MAX_KNOWN {
+            return Err(format!("more than {MAX_KNOWN} KnownChunk requests"));
+        }
+        self.0.insert((addr, len), device_hash);
+        Ok(())
+    }
+
+    /// Whether the parent holds exactly this chunk (same range, same device hash).
+    fn unchanged(&self, c: &Chunk, h: &ChunkHash) -> bool {
+        self.0.get(&(c.addr, c.len)) == Some(&h.hash)
+    }
+}
+
 /// Runs a whole dump on this connection; the connection is to be closed afterwards.
-pub fn run(gpu: &mut Gpu, ch: &Channel, ring: Ring, memfd: OwnedFd) {
+pub fn run(gpu: &mut Gpu, ch: &Channel, ring: Ring, memfd: OwnedFd, known: &KnownChunks) {
     let mut staging = None;
-    let result = dump(gpu, ch, ring, memfd, &mut staging);
+    let result = dump(gpu, ch, ring, memfd, &mut staging, known);
     session::conclude(ch, gpu, staging, result);
 }
 
@@ -35,6 +58,7 @@ fn dump(
     ring: Ring,
     memfd: OwnedFd,
     staging: &mut Option<Staging>,
+    known: &KnownChunks,
 ) -> Result<Reply, Fail> {
     let t0 = Instant::now();
     plan::validate_ring(ring.slot_size, ring.slots, ring.streams).map_err(Fail::bad_request)?;
@@ -71,7 +95,7 @@ fn dump(
         chunks.len(),
         hashes.iter().flatten().filter(|h| h.zero).count()
     );
-    let bytes = copy_out(gpu, drv, ch, st, ring, &chunks, &hashes)?;
+    let bytes = copy_out(gpu, drv, ch, st, ring, &chunks, &hashes, known)?;
     let micros = t0.elapsed().as_micros() as u64;
     debug!("dump: {bytes} bytes in {micros} us");
     ch.send_reply(&Reply::DumpDataDone {
@@ -148,7 +172,9 @@ impl Slots {
 }
 
 /// The copy-out loop; returns the bytes sent. A chunk its hash found all zero is announced
-/// (`ChunkZero`) instead of copied.
+/// (`ChunkZero`), and one the parent image holds with the same hash (`ChunkUnchanged`),
+/// instead of copied.
+#[allow(clippy::too_many_arguments)]
 fn copy_out(
     gpu: &mut Gpu,
     drv: &Driver,
@@ -157,6 +183,7 @@ fn copy_out(
     ring: Ring,
     chunks: &[Chunk],
     hashes: &[Option<ChunkHash>],
+    known: &KnownChunks,
 ) -> Result<u64, Fail> {
     let mut slots = Slots::new(ring.slots);
     let mut inflight: VecDeque<(u32, usize)> = VecDeque::new();
@@ -170,6 +197,17 @@ fn copy_out(
             if let Some(h) = hashes[next].filter(|h| h.zero) {
                 let c = &chunks[next];
                 ch.send_reply(&Reply::ChunkZero {
+                    alloc_id: c.alloc_id,
+                    addr: c.addr,
+                    len: c.len,
+                    device_hash: h.hash,
+                })?;
+                next += 1;
+                continue;
+            }
+            if let Some(h) = hashes[next].filter(|h| known.unchanged(&chunks[next], h)) {
+                let c = &chunks[next];
+                ch.send_reply(&Reply::ChunkUnchanged {
                     alloc_id: c.alloc_id,
                     addr: c.addr,
                     len: c.len,

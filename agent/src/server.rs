@@ -217,6 +217,8 @@ impl Agent {
     /// knock queued at the door, which makes CRIU's dump fail on an in-flight socket.
     fn serve(&mut self, ch: &Channel) {
         let deadline = std::time::Instant::now() + SESSION_LIMIT;
+        // The parent image's chunks this connection announced (`KnownChunk`), for its dump.
+        let mut known = dump::KnownChunks::default();
         loop {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
             if left.is_zero() {
@@ -259,6 +261,7 @@ impl Agent {
                             streams,
                         },
                         memfd,
+                        &known,
                     );
                 }
                 (
@@ -292,6 +295,19 @@ impl Agent {
                     ErrorCode::BadRequest,
                     format!("{r:?} carries no file descriptor"),
                 ),
+                (
+                    Request::KnownChunk {
+                        addr,
+                        len,
+                        device_hash,
+                    },
+                    None,
+                ) => {
+                    if let Err(e) = known.insert(addr, len, device_hash) {
+                        reply(ch, ErrorCode::BadRequest, e);
+                        return;
+                    }
+                }
                 (r, None) => {
                     if !self.simple(ch, r) {
                         return;

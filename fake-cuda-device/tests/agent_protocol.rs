@@ -126,6 +126,14 @@ fn sends() -> Vec<Send> {
     ));
     v.push(Send::Req(Request::RestoreDataDone, false));
     v.push(Send::Req(
+        Request::KnownChunk {
+            addr: 0x1000,
+            len: 16,
+            device_hash: 3,
+        },
+        false,
+    ));
+    v.push(Send::Req(
         Request::Hello {
             version: PROTOCOL_VERSION + 1,
         },
@@ -228,6 +236,14 @@ fn allowed(phase: Phase, s: &Send, got: &[Reply], closed: bool) -> Result<(), St
         && closed
     {
         return Ok(());
+    }
+    // Before a dump, a parent's chunk is taken in silence (it changes nothing by itself).
+    if let (Phase::Idle, Send::Req(Request::KnownChunk { .. }, false)) = (phase, s) {
+        return if got.is_empty() && !closed {
+            Ok(())
+        } else {
+            Err(format!("KnownChunk before a dump: {got:?} closed {closed}"))
+        };
     }
     // While data is copied out, the agent may announce the chunk in the other slot first.
     let skip = if phase == Phase::Dumping {

@@ -153,6 +153,25 @@ fn incremental_dump_writes_only_what_changed() {
     // The first MiB of allocation 0 and the counter's first chunk; nothing else.
     assert_eq!(num(&incr, "bytes_written"), 2 * MIB, "{incr}");
     assert_eq!(num(&incr, "bytes_zero"), zero, "{incr}");
+    // Unchanged chunks were not even copied off the device: the agent compared their device
+    // hashes with the parent's on the GPU. Its last dump sent the 2 changed MiB only.
+    let out = fs::read_to_string(&s.vmm.out).expect("the workload's output");
+    let sent: Vec<u64> = out
+        .lines()
+        .filter_map(|l| {
+            l.split("dump: ")
+                .nth(1)?
+                .split(" bytes in ")
+                .next()?
+                .parse()
+                .ok()
+        })
+        .collect();
+    assert_eq!(
+        sent.last(),
+        Some(&(2 * MIB)),
+        "bytes the agent copied off the device, per dump: {sent:?}"
+    );
     assert_eq!(num(&incr, "bytes_referenced"), 16 * MIB - zero, "{incr}");
     eprintln!(
         "incremental: full dump wrote {} bytes, incremental dump wrote {} and referenced {}",

@@ -272,6 +272,9 @@ impl<'a> ChunkSources<'a> {
 pub struct DedupIndex {
     /// (addr, len) → (XXH3-128 of the device bytes, the entry to store: depth already + 1).
     by_range: HashMap<(u64, u64), (u128, ChunkEntry)>,
+    /// (addr, len) → (device hash, the entry to store), for parent chunks that have one: what
+    /// the agent compares on the GPU, so that unchanged chunks are never copied off it.
+    by_device_hash: HashMap<(u64, u64), (u64, ChunkEntry)>,
     /// Parent chunks that are already [`MAX_CHAIN_DEPTH`] deep, so cannot be referenced.
     pub too_deep: usize,
 }
@@ -282,6 +285,27 @@ impl DedupIndex {
     pub fn reference(&self, addr: u64, len: u64, h: &ChunkHashes) -> Option<ChunkEntry> {
         match self.by_range.get(&(addr, len)) {
             Some((hash, entry)) if *hash == h.xxh3_128 => Some(entry.clone()),
+            _ => None,
+        }
+    }
+
+    /// Every referencable parent chunk with a device hash, as (addr, len, device hash).
+    pub fn device_hashes(&self) -> Vec<(u64, u64, u64)> {
+        let mut v: Vec<_> = self
+            .by_device_hash
+            .iter()
+            .map(|(&(a, l), (h, _))| (a, l, *h))
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// The reference to record for a chunk the agent found unchanged on the GPU: the parent
+    /// chain's chunk of this range and device hash. `None`: the parent has no such chunk (the
+    /// agent's claim is then wrong, and nothing may be referenced).
+    pub fn reference_by_device_hash(&self, addr: u64, len: u64, hash: u64) -> Option<ChunkEntry> {
+        match self.by_device_hash.get(&(addr, len)) {
+            Some((h, entry)) if *h == hash => Some(entry.clone()),
             _ => None,
         }
     }
@@ -370,6 +394,7 @@ pub fn parent_for_dedup(
     }
     let mut index = DedupIndex {
         by_range: HashMap::with_capacity(m.chunks.len()),
+        by_device_hash: HashMap::with_capacity(m.chunks.len()),
         too_deep: 0,
     };
     for c in m.chunks {
@@ -377,6 +402,7 @@ pub fn parent_for_dedup(
             index.too_deep += 1;
             continue;
         }
+        // Zero chunks have no content hash and are never referenced: a dump finds them again.
         let Some(hash) = c
             .content_xxh128
             .as_deref()
@@ -388,6 +414,11 @@ pub fn parent_for_dedup(
             parent_depth: c.parent_depth + 1,
             ..c
         };
+        if let Some(d) = entry.device_hash {
+            index
+                .by_device_hash
+                .insert((entry.addr, entry.len), (d, entry.clone()));
+        }
         index
             .by_range
             .insert((entry.addr, entry.len), (hash, entry));

@@ -313,6 +313,17 @@ impl AgentSession {
         self.send(&req, None)
     }
 
+    /// `KnownChunk` (before `begin(Transfer::Out)`): the parent image holds this chunk with this
+    /// device hash; the dump announces it `ChunkUnchanged` instead of copying it if it is.
+    pub fn known_chunk(&self, addr: u64, len: u64, device_hash: u64) -> Result<(), AgentError> {
+        let req = Request::KnownChunk {
+            addr,
+            len,
+            device_hash,
+        };
+        self.send(&req, None)
+    }
+
     /// `ChunkZero`: a restore's chunk recorded as all zeros; the agent fills it on the device.
     pub fn chunk_zero(
         &self,

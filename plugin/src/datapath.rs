@@ -97,9 +97,10 @@ fn hand_over_ring(
 }
 
 /// Copies every converted allocation of the agent into image files `gpusnap-<nspid>-data-*`.
-/// With `parent` (an incremental dump), a chunk whose device range and XXH3-128 match a chunk
-/// of the parent chain is recorded as a reference to it instead of written. Every chunk is
-/// still copied off the device and hashed. With `durable`, each writer fsyncs its file when it
+/// With `parent` (an incremental dump), a chunk whose device range and device hash match a
+/// chunk of the parent chain is not even copied off the GPU (the agent compares the hashes
+/// there) and is recorded as a reference to it; a chunk without device hashes on either side
+/// is copied and compared by XXH3-128 as before. With `durable`, each writer fsyncs its file when it
 /// is done. On success the agent holds its data in the ring no more; memory is not yet released.
 #[allow(clippy::too_many_arguments)]
 pub fn copy_out(
@@ -114,6 +115,13 @@ pub fn copy_out(
     durable: bool,
 ) -> Result<DumpData, DataError> {
     let t0 = Instant::now();
+    // The parent's chunks with device hashes: the agent compares them on the GPU and does not
+    // copy what is unchanged.
+    if let Some(p) = parent {
+        for (addr, len, hash) in p.device_hashes() {
+            agent.known_chunk(addr, len, hash)?;
+        }
+    }
     hand_over_ring(agent, staging, limits, Transfer::Out)?;
 
     let (work_tx, work_rx) = bounded::<Work>(staging.slots());
@@ -136,7 +144,14 @@ pub fn copy_out(
             .collect();
         drop(work_rx);
         let mut data = DumpData::default();
-        let outcome = pump_dump_replies(agent, &work_tx, &err_rx, limits.stall, &mut data.chunks);
+        let outcome = pump_dump_replies(
+            agent,
+            &work_tx,
+            &err_rx,
+            limits.stall,
+            parent,
+            &mut data.chunks,
+        );
         drop(work_tx);
         for h in handles {
             match h.join() {
@@ -189,13 +204,14 @@ pub fn copy_out(
 }
 
 /// Main-thread side of a dump: route `ChunkReady` to writers until `DumpDataDone`; record each
-/// `ChunkZero` (nothing to write) in `zeros`.
+/// `ChunkZero` and `ChunkUnchanged` (nothing to write) in `unwritten`.
 fn pump_dump_replies(
     agent: &AgentSession,
     work: &Sender<Work>,
     errors: &Receiver<DataError>,
     stall: Duration,
-    zeros: &mut Vec<ChunkEntry>,
+    parent: Option<&DedupIndex>,
+    unwritten: &mut Vec<ChunkEntry>,
 ) -> Result<(), DataError> {
     let mut last = Instant::now();
     // The second announcement means the first chunk was handed to a writer (a point for a
@@ -235,7 +251,27 @@ fn pump_dump_replies(
                 ..
             }) => {
                 last = Instant::now();
-                zeros.push(ChunkEntry::zero(addr, len, device_hash));
+                unwritten.push(ChunkEntry::zero(addr, len, device_hash));
+            }
+            Ok(Reply::ChunkUnchanged {
+                addr,
+                len,
+                device_hash,
+                ..
+            }) => {
+                last = Instant::now();
+                let r = parent.and_then(|p| p.reference_by_device_hash(addr, len, device_hash));
+                match r {
+                    Some(r) => unwritten.push(r),
+                    None => {
+                        return Err(AgentError::Unexpected {
+                            pid: agent.pid(),
+                            expected: "ChunkReady (no parent chunk of that range and hash)",
+                            got: format!("ChunkUnchanged at {addr:#x}, {len} bytes"),
+                        }
+                        .into());
+                    }
+                }
             }
             Ok(Reply::DumpDataDone { .. }) => return Ok(()),
             Ok(other) => return Err(unexpected(agent, "ChunkReady", other)),

@@ -133,6 +133,17 @@ pub enum Request {
     },
     /// No more chunks: finish the copies and report.
     RestoreDataDone,
+    /// Before a `DumpBegin` on this connection (no reply): the parent image holds the chunk at
+    /// `addr` of `len` bytes with this device hash. The dump that follows announces such a chunk
+    /// as [`Reply::ChunkUnchanged`] instead of copying it if its device hash is still the same.
+    KnownChunk {
+        /// Device address of the chunk's first byte.
+        addr: u64,
+        /// Bytes.
+        len: u64,
+        /// Its device hash in the parent image.
+        device_hash: u64,
+    },
 }
 
 /// Bits of [`Reply::Hello::hazards`]: what the process did that the driver's checkpoint cannot
@@ -234,6 +245,18 @@ pub enum Reply {
         /// As for `ChunkReady` (always known: zeros are only found by hashing).
         device_hash: u64,
     },
+    /// The chunk at `addr` hashes on the device as the [`Request::KnownChunk`] said: it was not
+    /// copied and uses no slot.
+    ChunkUnchanged {
+        /// Allocation id.
+        alloc_id: u64,
+        /// Device address of the chunk's first byte.
+        addr: u64,
+        /// Bytes.
+        len: u64,
+        /// Its device hash (the known one).
+        device_hash: u64,
+    },
     /// Every chunk was copied out and every slot came back.
     DumpDataDone {
         /// Chunks sent.
@@ -288,6 +311,7 @@ mod kind {
     pub const REQ_CHUNK_LOAD: u16 = 0x0008;
     pub const REQ_RESTORE_DONE: u16 = 0x0009;
     pub const REQ_CHUNK_ZERO: u16 = 0x000A;
+    pub const REQ_KNOWN_CHUNK: u16 = 0x000B;
 
     pub const REP_HELLO: u16 = 0x0101;
     pub const REP_ALLOCATION: u16 = 0x0102;
@@ -301,6 +325,7 @@ mod kind {
     pub const REP_ABORTED: u16 = 0x010A;
     pub const REP_ERROR: u16 = 0x010B;
     pub const REP_CHUNK_ZERO: u16 = 0x010C;
+    pub const REP_CHUNK_UNCHANGED: u16 = 0x010D;
 }
 
 /// An optional u64: a presence byte (0/1), then the value (0 when absent).
@@ -423,6 +448,16 @@ impl Request {
                 opt_u64(&mut w, *device_hash);
             }
             Request::RestoreDataDone => header(&mut w, kind::REQ_RESTORE_DONE),
+            Request::KnownChunk {
+                addr,
+                len,
+                device_hash,
+            } => {
+                header(&mut w, kind::REQ_KNOWN_CHUNK);
+                w.u64(*addr);
+                w.u64(*len);
+                w.u64(*device_hash);
+            }
         }
         w.len()
     }
@@ -458,6 +493,11 @@ impl Request {
                 device_hash: read_opt_u64(&mut r)?,
             },
             kind::REQ_RESTORE_DONE => Request::RestoreDataDone,
+            kind::REQ_KNOWN_CHUNK => Request::KnownChunk {
+                addr: r.u64()?,
+                len: r.u64()?,
+                device_hash: r.u64()?,
+            },
             other => return Err(ProtoError::UnknownKind(other)),
         };
         r.finish()?;
@@ -531,6 +571,18 @@ impl Reply {
                 device_hash,
             } => {
                 header(&mut w, kind::REP_CHUNK_ZERO);
+                w.u64(*alloc_id);
+                w.u64(*addr);
+                w.u64(*len);
+                w.u64(*device_hash);
+            }
+            Reply::ChunkUnchanged {
+                alloc_id,
+                addr,
+                len,
+                device_hash,
+            } => {
+                header(&mut w, kind::REP_CHUNK_UNCHANGED);
                 w.u64(*alloc_id);
                 w.u64(*addr);
                 w.u64(*len);
@@ -611,6 +663,12 @@ impl Reply {
                 device_hash: read_opt_u64(&mut r)?,
             },
             kind::REP_CHUNK_ZERO => Reply::ChunkZero {
+                alloc_id: r.u64()?,
+                addr: r.u64()?,
+                len: r.u64()?,
+                device_hash: r.u64()?,
+            },
+            kind::REP_CHUNK_UNCHANGED => Reply::ChunkUnchanged {
                 alloc_id: r.u64()?,
                 addr: r.u64()?,
                 len: r.u64()?,

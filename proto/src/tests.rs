@@ -48,6 +48,11 @@ fn all_requests() -> Vec<Request> {
             device_hash: None,
         },
         Request::RestoreDataDone,
+        Request::KnownChunk {
+            addr: 0x7f00_0000_0000,
+            len: 32 << 20,
+            device_hash: u64::MAX,
+        },
     ]
 }
 
@@ -92,6 +97,12 @@ fn all_replies() -> Vec<Reply> {
             addr: 0,
             len: 0,
             device_hash: None,
+        },
+        Reply::ChunkUnchanged {
+            alloc_id: 9,
+            addr: 0x7000_0060_0000,
+            len: 1 << 21,
+            device_hash: 8,
         },
         Reply::ChunkZero {
             alloc_id: 9,

@@ -115,6 +115,11 @@ fn agent_main() {
     let mut agent = Agent { gpu: Gpu::new() };
     loop {
         if let Err(e) = wait_readable(&door) {
+            if matches!(e.raw_os_error(), Some(libc::EBADF | libc::ENOTSOCK)) {
+                // The application closed our descriptor: never read from that number again.
+                debug!("the agent's door is gone ({e}); agent stays idle");
+                return;
+            }
             debug!("waiting at the door: {e}");
             std::thread::sleep(std::time::Duration::from_millis(100));
             continue;
@@ -131,6 +136,12 @@ fn agent_main() {
             Ok(Knock::Malformed(why)) => {
                 debug!("ignoring {why} at the door");
                 continue;
+            }
+            Err(ProtoError::Io(e))
+                if matches!(e.raw_os_error(), Some(libc::EBADF | libc::ENOTSOCK)) =>
+            {
+                debug!("the agent's door is gone ({e}); agent stays idle");
+                return;
             }
             Err(e) => {
                 // E.g. no descriptor left for the attached socket: try again later.
@@ -156,8 +167,10 @@ fn agent_main() {
 /// in between would otherwise close whatever file next got that number).
 fn close_connection(conn: OwnedFd) {
     let fence = table::try_lock_for(AGENT_LOCK_WAIT);
-    drop(conn);
+    // Forgotten first: should the fence have timed out and a fork land in between, the child
+    // leaks one descriptor rather than closing whatever file next got this number.
     AGENT_FDS[CONNECTION].store(-1, Ordering::Release);
+    drop(conn);
     drop(fence);
 }
 
@@ -171,6 +184,9 @@ fn wait_readable(door: &Channel) -> std::io::Result<()> {
     loop {
         // SAFETY: pfd is one valid pollfd.
         if unsafe { libc::poll(&mut pfd, 1, -1) } >= 0 {
+            if pfd.revents & libc::POLLNVAL != 0 {
+                return Err(std::io::Error::from_raw_os_error(libc::EBADF));
+            }
             return Ok(());
         }
         let e = std::io::Error::last_os_error();
@@ -242,7 +258,9 @@ impl Agent {
                     continue;
                 }
             };
-            debug!("request {req:?}");
+            if !matches!(req, Request::KnownChunk { .. }) {
+                debug!("request {req:?}");
+            }
             match (req, fd) {
                 (
                     Request::DumpBegin {

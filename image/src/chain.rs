@@ -21,8 +21,8 @@ use std::os::unix::fs::MetadataExt;
 use crate::manifest::read_manifest_local;
 use crate::validate::validate_structure;
 use crate::{
-    AllocationRecord, CheckpointPath, ChunkEntry, ChunkHashes, DataFileReader, FORMAT_VERSION,
-    ImageError, Manifest, manifest_file_name, sys,
+    AllocationRecord, CheckpointPath, ChunkEntry, ChunkHashes, DataFileReader, ImageError,
+    Manifest, manifest_file_name, sys,
 };
 
 /// Longest chain of `parent` links a reference may cross. A dump whose parent's chunk is
@@ -154,7 +154,7 @@ pub fn open_ancestors(dir: BorrowedFd<'_>, m: &Manifest) -> Result<Ancestors, Im
             .chunks
             .iter()
             .enumerate()
-            .filter(|(_, c)| !c.is_reference())
+            .filter(|(_, c)| c.is_stored() && !c.is_reference())
             .map(|(i, c)| ((c.file, c.file_offset), i))
             .collect();
         levels.push(Ancestor {
@@ -345,8 +345,9 @@ fn moved_set(allocs: &[AllocationRecord]) -> Vec<(u64, u64, u32)> {
 /// For a dump of process `nspid` into `dir`, whose agent holds `allocations`: the parent
 /// image's chunks that it may reference. The parent is read as a restore would read it
 /// (`read_manifest`, its own ancestors included), so a reference is only ever made to data
-/// that a reader accepts. It must be a split-path image of version 2 for the same process
-/// with the same moved allocations (address, size, device).
+/// that a reader accepts. It must be a split-path image of version 2 or later (version 3 adds
+/// device hashes, compared on the GPU) for the same process with the same moved allocations
+/// (address, size, device).
 pub fn parent_for_dedup(
     dir: BorrowedFd<'_>,
     nspid: u32,
@@ -380,7 +381,7 @@ pub fn parent_for_dedup(
     if m.path != CheckpointPath::Split {
         return ParentImage::Unusable("the parent image took the transparent path".into());
     }
-    if m.format_version != FORMAT_VERSION {
+    if m.format_version < 2 {
         return ParentImage::Unusable(format!(
             "the parent image is format version {} (no content hashes to compare)",
             m.format_version

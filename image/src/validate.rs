@@ -273,6 +273,14 @@ fn check_version_fields(version: u32, c: &ChunkEntry) -> Result<(), String> {
     if version < 3 && c.device_hash.is_some() {
         return Err(format!("device_hash is not a version-{version} field"));
     }
+    // The GPU hashes whole 8-byte words only; a hash or zero chunk of another length is no
+    // chunk the agent made.
+    if (c.device_hash.is_some() || c.codec == Codec::Zero) && !c.len.is_multiple_of(8) {
+        return Err(format!(
+            "a device hash or zero chunk of {} bytes, not a multiple of 8",
+            c.len
+        ));
+    }
     if c.codec == Codec::Zero {
         if version < 3 {
             return Err(format!("codec zero is not a version-{version} codec"));

@@ -26,7 +26,7 @@ pub enum AgentError {
     #[error("connecting to the agent of pid {pid}: {err}")]
     Connect { pid: i32, err: io::Error },
     #[error(
-        "the agent behind the door of pid {pid} says it is namespace pid {claimed}, not the target's {expected}: refusing to talk to it"
+        "the agent behind the door of pid {pid} says it is namespace pid {claimed} (the target is {expected}), or its thread is not the target's gpusnap-agent thread: refusing to talk to it"
     )]
     Impostor {
         pid: i32,
@@ -202,7 +202,14 @@ impl AgentSession {
                 if self.door.is_some() {
                     let expected = procfs::ns_pid(self.pid)
                         .map_err(|err| AgentError::Proc { pid: self.pid, err })?;
-                    if ns_pid != expected {
+                    // And the thread that answers is the target's agent thread (a child that
+                    // inherited the door without fork's handlers could share the pid number in
+                    // a pid namespace of its own).
+                    let answering = procfs::host_tid(self.pid, tid).ok().flatten();
+                    if ns_pid != expected
+                        || answering.is_none()
+                        || answering != agent_thread(self.pid)
+                    {
                         return Err(AgentError::Impostor {
                             pid: self.pid,
                             claimed: ns_pid,

@@ -43,6 +43,9 @@ pub enum DataError {
     Ring(std::io::Error),
 }
 
+/// Most parent chunks announced to the agent (`KnownChunk`) in one dump: the agent's own limit.
+const MAX_KNOWN_CHUNKS: usize = 1 << 20;
+
 /// What a dump wrote.
 #[derive(Debug, Default)]
 pub struct DumpData {
@@ -118,7 +121,9 @@ pub fn copy_out(
     // The parent's chunks with device hashes: the agent compares them on the GPU and does not
     // copy what is unchanged.
     if let Some(p) = parent {
-        for (addr, len, hash) in p.device_hashes() {
+        // At most what the agent takes on one connection; the rest are copied and compared on
+        // the host, as chunks without device hashes are.
+        for (addr, len, hash) in p.device_hashes().into_iter().take(MAX_KNOWN_CHUNKS) {
             agent.known_chunk(addr, len, hash)?;
         }
     }
@@ -407,6 +412,8 @@ pub struct LoadStats {
     pub zero_bytes: u64,
     /// Chunks whose device hash the agent checked on the GPU after loading.
     pub verified_on_device: u64,
+    /// Chunks sent with a device hash (what the agent was asked to check).
+    pub device_hashed: u64,
     pub seconds: f64,
 }
 
@@ -468,6 +475,11 @@ pub fn copy_in(
         zero_chunks: zeros.len() as u64,
         zero_bytes: zeros.iter().map(|c| c.len).sum(),
         verified_on_device,
+        device_hashed: manifest
+            .chunks
+            .iter()
+            .filter(|c| c.device_hash.is_some())
+            .count() as u64,
         seconds: t0.elapsed().as_secs_f64(),
     })
 }

@@ -804,7 +804,12 @@ pub fn load_with_agent_running(
     fault_point: &'static str,
 ) -> Result<datapath::LoadStats, DataError> {
     let session = AgentSession::connect_expected(pid, ctx.agent_timeout())?;
-    let chunk_lens = manifest.chunks.iter().map(|c| c.len);
+    // Zero chunks are filled on the device and take no slot.
+    let chunk_lens = manifest
+        .chunks
+        .iter()
+        .filter(|c| c.is_stored())
+        .map(|c| c.len);
     let ring = RingShape::for_restore(ctx.cfg.staging_slots as usize, chunk_lens);
     let staging = Staging::new(ring.slot_size, ring.slots).map_err(DataError::Ring)?;
     let hello = session.hello()?;

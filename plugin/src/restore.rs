@@ -893,6 +893,20 @@ fn resume_one(
         };
     }
     out.total_s = t0.elapsed().as_secs_f64();
+    if let Some(d) = out
+        .data
+        .as_ref()
+        .filter(|d| d.verified_on_device < d.device_hashed)
+    {
+        // The agent could not run its kernel (the reason is in its own log); every chunk was
+        // still checked against its stored checksum as it was read.
+        log::warn!(
+            "pid {pid} (nspid {}): the GPU checked only {} of the {} chunks with device hashes after loading; the others were checked only as they were read (stored checksums), not on the device",
+            m.nspid,
+            d.verified_on_device,
+            d.device_hashed
+        );
+    }
     let data = out.data.as_ref().map_or(String::new(), |d| {
         let gib = d.bytes as f64 / (1u64 << 30) as f64;
         format!(

@@ -14,7 +14,7 @@
 //! CRIU dumps and restores the pair and the label with the process, at the same numbers.
 //!
 //! A knock the agent never takes (agent hung or busy) would stay queued with a descriptor whose
-//! peer lives in the client, which CRIU cannot dump: [`Door::withdraw`] takes such knocks back.
+//! peer lives in the client, which CRIU cannot dump: [`Door::withdraw`] takes one's own back.
 
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
@@ -93,6 +93,9 @@ pub struct Door {
     pidfd: OwnedFd,
     client: Channel,
     agent_end: RawFd,
+    /// Inode of the socket this door's last knock carried (0: none), so that [`Door::withdraw`]
+    /// takes back its own knock and leaves other clients' queued.
+    knocked: std::sync::atomic::AtomicU64,
 }
 
 impl Door {
@@ -120,6 +123,7 @@ impl Door {
             pidfd,
             client: Channel::new(client),
             agent_end,
+            knocked: std::sync::atomic::AtomicU64::new(0),
         }))
     }
 
@@ -128,6 +132,8 @@ impl Door {
     /// door's queue is full.
     pub fn knock(&self) -> io::Result<OwnedFd> {
         let (ours, theirs) = crate::seqpacket_pair()?;
+        self.knocked
+            .store(inode(theirs.as_fd())?, std::sync::atomic::Ordering::Relaxed);
         self.client
             .send_raw_now(KNOCK, Some(theirs.as_fd()))
             .map_err(|e| match e {
@@ -137,20 +143,31 @@ impl Door {
         Ok(ours)
     }
 
-    /// Takes back every knock still queued at the agent's end (the agent is not taking them),
-    /// closing their descriptors, so that CRIU never finds one in the process. Returns how many.
+    /// Takes back this door's last knock if it is still queued at the agent's end (the agent
+    /// is not taking knocks), closing its descriptor, so that CRIU never finds it in the
+    /// process. Other clients' knocks are queued again, in their order; records that are not
+    /// knocks are dropped. Returns how many of ours were taken (0 or 1).
     pub fn withdraw(&self) -> io::Result<usize> {
+        let mine = self.knocked.load(std::sync::atomic::Ordering::Relaxed);
         let agent_end = Channel::new(pidfd_getfd(self.pidfd.as_fd(), self.agent_end)?);
+        let mut others = Vec::new();
         let mut taken = 0;
         loop {
             match take_knock(&agent_end) {
-                Ok(Knock::Nothing) => return Ok(taken),
-                Ok(_) => taken += 1,
+                Ok(Knock::Nothing) | Err(ProtoError::Closed) => break,
+                Ok(Knock::Connection(fd)) if inode(fd.as_fd()).ok() == Some(mine) => taken += 1,
+                Ok(Knock::Connection(fd)) => others.push(fd),
+                Ok(Knock::Malformed(_)) => {}
                 Err(ProtoError::Interrupted) => continue,
-                Err(ProtoError::Closed) => return Ok(taken),
                 Err(e) => return Err(io::Error::other(format!("pid {}: {e}", self.pid))),
             }
         }
+        for fd in others {
+            // Best effort: a knock that cannot be queued again is closed, and its client sees
+            // the connection end (as if the agent had refused it).
+            let _ = self.client.send_raw_now(KNOCK, Some(fd.as_fd()));
+        }
+        Ok(taken)
     }
 }
 
@@ -220,6 +237,17 @@ fn pidfd_getfd(pidfd: BorrowedFd<'_>, target_fd: RawFd) -> io::Result<OwnedFd> {
     }
     // SAFETY: a new descriptor that nothing else owns.
     Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
+/// The inode of `fd` (for a socket: what `/proc/<pid>/fd` shows as `socket:[inode]`).
+fn inode(fd: BorrowedFd<'_>) -> io::Result<u64> {
+    // SAFETY: stat is plain data; fstat fills it or fails.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fd is an open descriptor; st is writable.
+    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(st.st_ino)
 }
 
 /// Whether `fd` is a unix `SOCK_SEQPACKET` socket.

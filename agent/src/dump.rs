@@ -194,25 +194,8 @@ fn copy_out(
             slots.on_request(req, fd)?;
         }
         while next < chunks.len() {
-            if let Some(h) = hashes[next].filter(|h| h.zero) {
-                let c = &chunks[next];
-                ch.send_reply(&Reply::ChunkZero {
-                    alloc_id: c.alloc_id,
-                    addr: c.addr,
-                    len: c.len,
-                    device_hash: h.hash,
-                })?;
-                next += 1;
-                continue;
-            }
-            if let Some(h) = hashes[next].filter(|h| known.unchanged(&chunks[next], h)) {
-                let c = &chunks[next];
-                ch.send_reply(&Reply::ChunkUnchanged {
-                    alloc_id: c.alloc_id,
-                    addr: c.addr,
-                    len: c.len,
-                    device_hash: h.hash,
-                })?;
+            if let Some(announcement) = not_copied(&chunks[next], hashes[next], known) {
+                ch.send_reply(&announcement)?;
                 next += 1;
                 continue;
             }
@@ -253,6 +236,30 @@ fn copy_out(
             Err(ProtoError::Interrupted) => {}
             Err(e) => return Err(e.into()),
         }
+    }
+}
+
+/// The announcement of a chunk that is not copied: all zero (`ChunkZero`), or as the parent
+/// image holds it (`ChunkUnchanged`); `None`: copy it.
+fn not_copied(c: &Chunk, hash: Option<ChunkHash>, known: &KnownChunks) -> Option<Reply> {
+    let h = hash?;
+    let (alloc_id, addr, len, device_hash) = (c.alloc_id, c.addr, c.len, h.hash);
+    if h.zero {
+        Some(Reply::ChunkZero {
+            alloc_id,
+            addr,
+            len,
+            device_hash,
+        })
+    } else if known.unchanged(c, &h) {
+        Some(Reply::ChunkUnchanged {
+            alloc_id,
+            addr,
+            len,
+            device_hash,
+        })
+    } else {
+        None
     }
 }
 

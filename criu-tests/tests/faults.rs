@@ -515,11 +515,12 @@ fn assert_agent_answers(pid: i32, what: &str) {
     }
 }
 
-/// Contract 4: the agent's listening socket is checkpointed and restored by CRIU: a process with
-/// the agent preloaded survives `dump -R` and dump + restore, and its agent answers after each.
+/// Contract 4: the agent's door (a socket pair and its label memfd) is checkpointed and restored
+/// by CRIU: a process with the agent preloaded survives `dump -R` and dump + restore, and its
+/// agent answers through the door after each.
 #[test]
-fn agent_socket_survives_dump_and_restore() {
-    let Some(h) = harness("agent_socket_survives_dump_and_restore") else {
+fn agent_door_survives_dump_and_restore() {
+    let Some(h) = harness("agent_door_survives_dump_and_restore") else {
         return;
     };
     let agent = h

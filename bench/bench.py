@@ -59,6 +59,52 @@ def pcie(binary, gib, log):
     return None
 
 
+def tmpfs_floor(images, gib, log):
+    """gpu/tmpfs_probe.py at `gib` in the image directory, twice (the first run pays the VM's
+    first touch of guest memory, the second is the floor); the second run's record, or None."""
+    cmd = [sys.executable, os.path.join(crlib.REPO, "gpu", "tmpfs_probe.py"), "--gib", str(gib), str(gib),
+           "--dir", os.path.join(images, "floor-probe")]
+    log("$ " + " ".join(cmd))
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        log("tmpfs_probe timed out")
+        return None
+    log.block("tmpfs_probe output (rc %d)" % r.returncode, r.stdout + r.stderr)
+    recs = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+    return recs[-1] if len(recs) == 2 else None
+
+
+def floor_of(rec, pcie, probe):
+    """The machine's floor for a split case, from the same run: the data the case moved at the
+    slower of pinned PCIe and tmpfs (probe), plus the driver's control checkpoint (restore) and
+    CRIU's own part of the call (the call's time less gpusnap's phases), all as measured in this
+    case. gpusnap's own set-up (ring, release) is what the floor leaves out."""
+    st = rec.get("phases") or {}
+    try:
+        p = st["processes"][0]
+        t = p["timings_s"]
+        d = p["data"]
+        rt = st["restore"]["processes"][0]["timings_s"]
+    except (KeyError, IndexError, TypeError):
+        return {}
+    moved = d.get("device_bytes", 0) - d.get("bytes_zero", 0) - d.get("bytes_referenced", 0)
+    out_gbps = min(x for x in (pcie.get("d2h_gbps"), probe.get("write_gbps")) if x)
+    in_gbps = min(x for x in (pcie.get("h2d_gbps"), probe.get("read_gbps")) if x)
+    criu_dump = rec["dump_s"] - sum(v for v in t.values() if isinstance(v, (int, float)))
+    criu_restore = rec["restore_s"] - rt.get("total", 0)
+    f = {
+        "floor_dump_s": round(moved / (out_gbps * 1e9) + t.get("control", 0) + max(criu_dump, 0), 3),
+        "floor_restore_s": round(moved / (in_gbps * 1e9) + rt.get("control", 0) + max(criu_restore, 0), 3),
+        "floor_out_gbps": out_gbps, "floor_in_gbps": in_gbps, "moved_bytes": moved,
+    }
+    if t.get("data"):
+        f["data_out_share_of_pcie"] = round(moved / t["data"] / (pcie["d2h_gbps"] * 1e9), 3)
+    if rt.get("data"):
+        f["data_in_share_of_pcie"] = round(moved / rt["data"] / (pcie["h2d_gbps"] * 1e9), 3)
+    return f
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=float, nargs="+", default=[4, 16, 64])
@@ -80,6 +126,8 @@ def main():
                     help="the workload also reserves this much device memory it never writes "
                          "(records case sparse-<reserved+written>g-touch-<written>g)")
     ap.add_argument("--cmdline", default=None, help="command line to record (default: this one)")
+    ap.add_argument("--no-floor", action="store_true",
+                    help="do not measure the floor (tmpfs probe at each size; needs PCIe too)")
     a = ap.parse_args()
 
     t_start = time.time()
@@ -94,6 +142,7 @@ def main():
                                     shm_options=mi.get("shm_options"), sizes=a.sizes, paths=a.paths,
                                     alloc=a.alloc, chunk_mib=a.chunk_mib, mock=a.mock))
 
+    p = None
     if not a.no_pcie and not a.mock:
         p = pcie(os.path.join(a.bin, "pcie_bw"), a.pcie_gib, log)
         if p:
@@ -103,6 +152,16 @@ def main():
                                             h2d_mean_gbps=p.get("h2d_mean_gbps"),
                                             bytes=p.get("bytes"), chunk_mib=p.get("chunk_mib"),
                                             streams=p.get("streams")))
+
+    # The floor: tmpfs at each size (with the PCIe numbers above), before the cases, so that they
+    # and the probe see the same, already touched, guest memory.
+    probes = {}
+    if p and not a.mock and not a.no_floor:
+        for gib in a.sizes:
+            pr = tmpfs_floor(a.images, gib, log)
+            if pr:
+                probes[gib] = pr
+                output.append_jsonl(jsonls, dict(base, date=output.iso_now(), kind="floor-probe", **pr))
 
     cfg = ccase.CaseConfig(
         workload=os.path.join(crlib.REPO, "gpu", "mock_workload.py") if a.mock else os.path.join(a.bin, "workload"),
@@ -146,6 +205,8 @@ def main():
                 "dump_gpusnap_lines": r.get("dump_gpusnap_lines"),
                 "restore_gpusnap_lines": r.get("restore_gpusnap_lines"),
             })
+            if path == "split" and r["pass"] and probes.get(gib) and p:
+                rec.update(floor_of(rec, p, probes[gib]))
             output.append_jsonl(jsonls, rec)
             if not r["pass"]:
                 failed += 1

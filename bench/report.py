@@ -128,6 +128,32 @@ def render(recs, run):
                     g, 100 * float(g) * GIB / s["dump_s"] / (d2h * 1e9),
                     100 * float(g) * GIB / s["restore_s"] / (h2d * 1e9)))
         L.append("")
+    floors = [r for r in cases if r.get("floor_dump_s")]
+    if floors:
+        probes = {r.get("gib"): r for r in recs if r.get("kind") == "floor-probe"}
+        L.append("## Floor (this machine, this run)")
+        L.append("")
+        L.append("The floor of a split case: its moved bytes at the slower of pinned PCIe and tmpfs "
+                 "(`gpu/tmpfs_probe.py` at the same size, second of two runs, so on touched memory), "
+                 "plus the driver's control checkpoint or restore and CRIU's own part of the call, both "
+                 "as measured in the case. What it leaves out is gpusnap's own set-up (ring, release). The "
+                 "probe is Python: its reads can be slower than gpusnap's own, so a restore may come "
+                 "out at or below its floor.")
+        L.append("")
+        L.append("| GiB | tmpfs write / read GB/s | floor dump s | split dump s | × floor | floor restore s "
+                 "| split restore s | × floor | data out, share of PCIe | data in, share of PCIe |")
+        L.append("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for r in floors:
+            pr = probes.get(r["gib"]) or {}
+            L.append("| %s | %s / %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (
+                r["gib"], fmt(pr.get("write_gbps")), fmt(pr.get("read_gbps")),
+                fmt(r["floor_dump_s"], 3), fmt(r.get("dump_s")),
+                fmt(ratio(r.get("dump_s"), r["floor_dump_s"]), 2),
+                fmt(r.get("floor_restore_s"), 3), fmt(r.get("restore_s")),
+                fmt(ratio(r.get("restore_s"), r.get("floor_restore_s")), 2),
+                fmt((r.get("data_out_share_of_pcie") or 0) * 100, 0) + "%",
+                fmt((r.get("data_in_share_of_pcie") or 0) * 100, 0) + "%"))
+        L.append("")
     L.append("## Cases")
     L.append("")
     L.append("| GiB | path | result | dump s | restore s | image GiB | first tick after restore s | notes |")

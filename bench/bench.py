@@ -161,7 +161,7 @@ def main():
             pr = tmpfs_floor(a.images, gib, log)
             if pr:
                 probes[gib] = pr
-                output.append_jsonl(jsonls, dict(base, date=output.iso_now(), kind="floor-probe", **pr))
+                output.append_jsonl(jsonls, dict(base, **dict(pr, kind="floor-probe", date=output.iso_now())))
 
     cfg = ccase.CaseConfig(
         workload=os.path.join(crlib.REPO, "gpu", "mock_workload.py") if a.mock else os.path.join(a.bin, "workload"),

@@ -109,6 +109,23 @@ impl Split {
         );
     }
 
+    /// The dump's manifest of the (first) workload process.
+    fn manifest(&self) -> gpusnap_image::Manifest {
+        let dir = fs::File::open(&self.w.images).expect("open image dir");
+        gpusnap_image::read_manifest(std::os::fd::AsFd::as_fd(&dir), self.vmm.pid() as u32)
+            .expect("the dump's manifest")
+    }
+
+    /// Writes `m` as its process's manifest, sealed again with a valid checksum but without the
+    /// checks a dump makes (as someone who can write the image directory could).
+    fn reseal(&self, m: &gpusnap_image::Manifest) {
+        let path = self
+            .w
+            .images
+            .join(format!("gpusnap-{}-manifest.img", m.nspid));
+        fs::write(path, gpusnap_image::encode_manifest_unchecked(m)).expect("write the manifest");
+    }
+
     /// How many device-memory memfds (the stand-in's physical memory) CRIU dumped.
     fn dumped_device_memfds(&self) -> usize {
         let memfds = fs::read(self.w.images.join("memfd.img")).unwrap_or_default();
@@ -295,27 +312,21 @@ fn damaged_data_is_refused() {
     s.assert_nothing_runs(&last, &restore);
 }
 
-/// The same with `verify_before_restore = "host"`: the host checksum pass refuses the damaged
-/// chunk before anything is restored or the GPU touched, naming the file and the chunk.
+/// The same image with its device hashes removed (sealed again): with nothing for the GPU to
+/// check, the restore runs the host checksum pass (`verify_before_restore = "auto"`), which
+/// refuses the damaged chunk before anything is restored or the GPU touched, naming the file
+/// and the chunk. (`"host"` forces the pass: `incremental.rs`.)
 #[test]
 fn damaged_data_found_by_the_host_pass() {
     let Some(mut s) = Split::start("split-damaged-hostpass") else {
         return;
     };
     let (name, last) = dump_and_damage(&mut s);
-    let dir = fs::File::open(&s.w.images).expect("open image dir");
-    let dir = std::os::fd::AsFd::as_fd(&dir);
-    let nspid = s.vmm.pid() as u32;
-    let mut m = gpusnap_image::read_manifest(dir, nspid).expect("the dump's manifest");
+    let mut m = s.manifest();
     for c in m.chunks.iter_mut().filter(|c| c.is_stored()) {
         c.device_hash = None;
     }
-    let bytes = gpusnap_image::encode_manifest_unchecked(&m);
-    fs::write(
-        s.w.images.join(format!("gpusnap-{nspid}-manifest.img")),
-        bytes,
-    )
-    .expect("write the manifest");
+    s.reseal(&m);
     let restore = s.restore();
     assert!(!restore.status.success(), "{}", s.describe(&restore));
     s.assert_line(
@@ -336,10 +347,7 @@ fn a_device_hash_mismatch_fails_the_restore() {
     let dump = s.dump(false);
     s.assert_ok(&dump);
     let last = s.reap_dumped();
-    let dir = fs::File::open(&s.w.images).expect("open image dir");
-    let dir = std::os::fd::AsFd::as_fd(&dir);
-    let nspid = s.vmm.pid() as u32;
-    let mut m = gpusnap_image::read_manifest(dir, nspid).expect("the dump's manifest");
+    let mut m = s.manifest();
     let c = m
         .chunks
         .iter_mut()
@@ -347,12 +355,7 @@ fn a_device_hash_mismatch_fails_the_restore() {
         .expect("a stored chunk");
     c.device_hash = c.device_hash.map(|h| h ^ 1);
     let addr = c.addr;
-    let bytes = gpusnap_image::encode_manifest_unchecked(&m);
-    fs::write(
-        s.w.images.join(format!("gpusnap-{nspid}-manifest.img")),
-        bytes,
-    )
-    .expect("write the manifest");
+    s.reseal(&m);
     let restore = s.restore();
     assert!(!restore.status.success(), "{}", s.describe(&restore));
     s.assert_line(
@@ -374,9 +377,7 @@ fn zero_chunks_are_recorded_not_copied() {
     let dump = s.dump_with(false, &[("GPUSNAP_STAGING_SLOT_MIB", "1")]);
     s.assert_ok(&dump);
     s.assert_split_dump(&dump);
-    let dir = fs::File::open(&s.w.images).expect("open image dir");
-    let m = gpusnap_image::read_manifest(std::os::fd::AsFd::as_fd(&dir), s.vmm.pid() as u32)
-        .expect("the dump's manifest");
+    let m = s.manifest();
     let zero: u64 = m
         .chunks
         .iter()
@@ -412,10 +413,7 @@ fn resealed_manifest_without_the_data_is_refused() {
     s.assert_ok(&dump);
     s.assert_split_dump(&dump);
     let last = s.reap_dumped();
-    let dir = fs::File::open(&s.w.images).expect("open image dir");
-    let dir = std::os::fd::AsFd::as_fd(&dir);
-    let nspid = s.vmm.pid() as u32;
-    let m = gpusnap_image::read_manifest(dir, nspid).expect("the dump's manifest");
+    let m = s.manifest();
     let forged = gpusnap_image::Manifest {
         path: gpusnap_image::CheckpointPath::Transparent,
         allocations: vec![],
@@ -423,7 +421,9 @@ fn resealed_manifest_without_the_data_is_refused() {
         chunks: vec![],
         ..m
     };
-    gpusnap_image::write_manifest(dir, &forged).expect("seal the forged manifest");
+    let dir = fs::File::open(&s.w.images).expect("open image dir");
+    gpusnap_image::write_manifest(std::os::fd::AsFd::as_fd(&dir), &forged)
+        .expect("seal the forged manifest");
     for f in s.data_files() {
         fs::remove_file(&f).expect("remove a data file");
     }

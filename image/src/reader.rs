@@ -416,30 +416,18 @@ pub fn verify_image(
     })
 }
 
-/// Every zero chunk's device hash is the hash of that many zero bytes. The hashes of all the
-/// lengths present come from one running sum up to the largest (at most 1 GiB: 2^27 steps),
-/// however many distinct lengths a manifest lists.
+/// Every zero chunk's device hash is the hash of that many zero bytes (all lengths from one
+/// running sum, `devhash::zero_hashes`: at most 1 GiB, 2^27 steps, however many lengths a
+/// manifest lists).
 fn check_zero_chunks(m: &Manifest) -> Result<(), ImageError> {
-    let mut lens: Vec<u64> = m
+    let lens: Vec<u64> = m
         .chunks
         .iter()
         .filter(|c| !c.is_stored())
         .map(|c| c.len)
         .collect();
-    lens.sort_unstable();
-    lens.dedup();
-    let mut known = std::collections::HashMap::with_capacity(lens.len());
-    let (mut words, mut sum) = (0u64, 0u64);
-    for &len in &lens {
-        while words < len / 8 {
-            sum = sum.wrapping_add(devhash::fmix64(words.wrapping_mul(devhash::K)));
-            words += 1;
-        }
-        known.insert(
-            len,
-            len.is_multiple_of(8).then(|| devhash::finish(sum, len)),
-        );
-    }
+    let known: std::collections::HashMap<u64, Option<u64>> =
+        devhash::zero_hashes(&lens).into_iter().collect();
     for (i, c) in m.chunks.iter().enumerate().filter(|(_, c)| !c.is_stored()) {
         let want = known.get(&c.len).copied().flatten();
         if want.is_none() || c.device_hash != want {

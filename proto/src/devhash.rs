@@ -59,16 +59,29 @@ pub fn device_hash(bytes: &[u8]) -> Option<u64> {
 }
 
 /// The device hash of `len` zero bytes, without touching memory (every word is 0, so the sum
-/// is `Σ fmix64(i·K)`, which still needs the loop; cached by callers per length).
+/// is `Σ fmix64(i·K)`, which still needs the loop).
 pub fn zero_hash(len: u64) -> Option<u64> {
-    if !len.is_multiple_of(8) {
-        return None;
-    }
-    let mut sum = 0u64;
-    for i in 0..len / 8 {
-        sum = sum.wrapping_add(fmix64(i.wrapping_mul(K)));
-    }
-    Some(finish(sum, len))
+    zero_hashes(&[len])[0].1
+}
+
+/// [`zero_hash`] of every length in `lens`, as (length, hash) in ascending order of length
+/// without repeats, from one running sum up to the largest: however many lengths, the cost is
+/// that of the longest.
+pub fn zero_hashes(lens: &[u64]) -> Vec<(u64, Option<u64>)> {
+    let mut sorted = lens.to_vec();
+    sorted.sort_unstable();
+    sorted.dedup();
+    let (mut words, mut sum) = (0u64, 0u64);
+    sorted
+        .into_iter()
+        .map(|len| {
+            while words < len / 8 {
+                sum = sum.wrapping_add(fmix64(words.wrapping_mul(K)));
+                words += 1;
+            }
+            (len, len.is_multiple_of(8).then(|| finish(sum, len)))
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -110,6 +123,16 @@ mod tests {
         split.add_words(0, &data[..4096]);
         assert_eq!(whole, split);
         assert_eq!(zero_hash(4096), device_hash(&[0u8; 4096]));
+        let many = zero_hashes(&[4096, 8, 4096, 12, 64]);
+        assert_eq!(
+            many,
+            vec![
+                (8, device_hash(&[0u8; 8])),
+                (12, None),
+                (64, device_hash(&[0u8; 64])),
+                (4096, device_hash(&[0u8; 4096])),
+            ]
+        );
         let mut z = Sum64Parts::default();
         z.add_words(0, &[0u8; 64]);
         assert_eq!(z.any, 0);

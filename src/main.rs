@@ -3,7 +3,9 @@
 //! - `inspect DIR [--json]`: what a checkpoint image holds, per process;
 //! - `verify DIR`: full integrity check of every gpusnap image in DIR;
 //! - `check`: is this host ready for GPU checkpoints (CRIU, plugin, driver, agent, ptrace)?
-//! - `recover PID [--images DIR]`: bring a process back after a dump that was cut short.
+//! - `recover PID [--images DIR]`: bring a process back after a dump that was cut short;
+//! - `precopy PID --images DIR [--parent PATH]`: copy a running process's device data ahead of
+//!   its dump, so the dump copies only what changed.
 //!
 //! Image bytes are parsed only by the `gpusnap-image` crate; this binary formats what it returns.
 //! Exit codes: 0 success, 1 a problem was found (damage, failed check), 2 usage error.
@@ -11,6 +13,7 @@
 mod check;
 mod check_containers;
 mod inspect;
+mod precopy;
 mod recover;
 mod util;
 mod verify;
@@ -53,6 +56,12 @@ const COMMANDS: &[Command] = &[
         args: "PID [--images DIR]",
         about: "after a dump cut short: unlock the process and reload its GPU data",
         run: recover::run,
+    },
+    Command {
+        name: "precopy",
+        args: "PID --images DIR [--parent PATH] [--json]",
+        about: "copy a running process's GPU data ahead of its dump (it keeps running)",
+        run: precopy::run,
     },
 ];
 

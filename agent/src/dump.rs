@@ -20,7 +20,12 @@ use crate::plan::{self, Chunk, Span};
 use crate::real::Driver;
 use crate::session::{self, Fail, PEER_WAIT, Ring, need_driver, no_fd};
 use crate::staging::Staging;
-use crate::table::{self, AGENT_LOCK_WAIT, TableError};
+use crate::table::{self, AGENT_LOCK_WAIT, LiveState, TableError};
+use cudarc::driver::sys::CUmemGenericAllocationHandle as Handle;
+
+/// How long a pre-copy round waits for an application handle, unmapped where it was, to be
+/// mapped there again (allocators unmap and map their handles) before giving up.
+const REMAP_WAIT: std::time::Duration = std::time::Duration::from_millis(200);
 
 /// The parent image's chunks a connection announced before its `DumpBegin`: (address,
 /// length) → device hash. Bounded, as every input from the socket is.
@@ -45,13 +50,48 @@ impl KnownChunks {
     }
 }
 
-/// Runs a whole dump on this connection; the connection is to be closed afterwards.
-pub fn run(gpu: &mut Gpu, ch: &Channel, ring: Ring, memfd: OwnedFd, known: &KnownChunks) {
+/// What the application does while data is copied out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// `DumpBegin`: its threads are stopped (CRIU holds them), so nothing changes the table or
+    /// the memory. Copies are pipelined over the ring's slots and streams, chunks announced
+    /// with their device hashes, and `Release` (or `Abort`) follows.
+    Stopped,
+    /// `PreCopyBegin`: it runs on. The table lock is held while the GPU hashes and while each
+    /// chunk is copied, so no allocation is freed or unmapped under a copy (the application's
+    /// allocation calls wait for at most one chunk's copy); a copied chunk is announced
+    /// without a device hash, and the round ends with `DumpDataDone`.
+    Live,
+}
+
+/// Runs a whole dump or pre-copy round on this connection; the connection is to be closed
+/// afterwards.
+pub fn run(
+    gpu: &mut Gpu,
+    ch: &Channel,
+    ring: Ring,
+    memfd: OwnedFd,
+    known: &KnownChunks,
+    mode: Mode,
+) {
     let mut staging = None;
-    let result = dump(gpu, ch, ring, memfd, &mut staging, known);
+    let result = dump(gpu, ch, ring, memfd, &mut staging, known, mode);
     session::conclude(ch, gpu, staging, result);
 }
 
+/// The spans to copy; refuses when a dump released memory that no restore brought back.
+fn spans_to_copy(t: &table::Table) -> Result<Vec<Span>, Fail> {
+    let (spans, released) = session::spans_of(t);
+    if let Some(i) = released.iter().position(|&r| r) {
+        return Err(Fail::bad_state(format!(
+            "allocation #{} at {:#x} is released: restore before dumping again",
+            spans[i].id, spans[i].addr
+        )));
+    }
+    Ok(spans)
+}
+
+#[allow(clippy::too_many_arguments)]
 fn dump(
     gpu: &mut Gpu,
     ch: &Channel,
@@ -59,21 +99,15 @@ fn dump(
     memfd: OwnedFd,
     staging: &mut Option<Staging>,
     known: &KnownChunks,
+    mode: Mode,
 ) -> Result<Reply, Fail> {
     let t0 = Instant::now();
     plan::validate_ring(ring.slot_size, ring.slots, ring.streams).map_err(Fail::bad_request)?;
     let drv = need_driver()?;
-    let (spans, released) = session::snapshot()?;
-    if let Some(i) = released.iter().position(|&r| r) {
-        return Err(Fail::bad_state(format!(
-            "allocation #{} at {:#x} is released: restore before dumping again",
-            spans[i].id, spans[i].addr
-        )));
-    }
-    let chunks = plan::chunks(&spans, ring.slot_size);
+    let spans = spans_to_copy(&*table::try_lock_for(AGENT_LOCK_WAIT).ok_or_else(Fail::busy)?)?;
     let mut st = Staging::map(memfd, ring.slot_size, ring.slots)
         .map_err(|e| Fail::Reply(ErrorCode::Staging, e))?;
-    if !chunks.is_empty() {
+    if !spans.is_empty() {
         for dev in session::devices(&spans) {
             gpu.prepare(drv, dev, ring.streams as usize, ring.slots as usize)?;
         }
@@ -81,28 +115,54 @@ fn dump(
     }
     let st = staging.insert(st);
     ch.send_reply(&Reply::Ready)?;
-    debug!(
-        "dump: {} allocations, {} chunks of at most {} bytes",
-        spans.len(),
-        chunks.len(),
-        ring.slot_size
-    );
 
-    let hashes = crate::devhash::hash_chunks(gpu, drv, &chunks);
+    // Live: the application handle each allocation maps, if any (it may be unmapped and
+    // mapped again during the round, as a new entry of the same memory).
+    let mut handles = HashMap::new();
+    let (chunks, hashes) = match mode {
+        Mode::Stopped => {
+            let chunks = plan::chunks(&spans, ring.slot_size);
+            let hashes = crate::devhash::hash_chunks(gpu, drv, &chunks);
+            (chunks, hashes)
+        }
+        Mode::Live => {
+            // The application may have allocated or freed since: look again, and hash while
+            // holding the lock, so that nothing the kernel reads is unmapped under it.
+            let t = table::try_lock_for(AGENT_LOCK_WAIT).ok_or_else(Fail::busy)?;
+            let spans = spans_to_copy(&t)?;
+            for dev in session::devices(&spans) {
+                gpu.prepare(drv, dev, ring.streams as usize, ring.slots as usize)?;
+            }
+            let chunks = plan::chunks(&spans, ring.slot_size);
+            let hashes = crate::devhash::hash_chunks(gpu, drv, &chunks);
+            handles.extend(t.converted().map(|c| (c.id, c.app_handle)));
+            drop(t);
+            (chunks, hashes)
+        }
+    };
     debug!(
-        "dump: {} of {} chunks hashed on the GPU, {} all zero",
-        hashes.iter().flatten().count(),
+        "dump ({mode:?}): {} chunks of at most {} bytes; {} hashed on the GPU, {} all zero",
         chunks.len(),
+        ring.slot_size,
+        hashes.iter().flatten().count(),
         hashes.iter().flatten().filter(|h| h.zero).count()
     );
-    let bytes = copy_out(gpu, drv, ch, st, ring, &chunks, &hashes, known)?;
+    let bytes = match mode {
+        Mode::Stopped => copy_out(gpu, drv, ch, st, ring, &chunks, &hashes, known)?,
+        Mode::Live => copy_out_live(gpu, drv, ch, st, ring, &chunks, &hashes, known, &handles)?,
+    };
     let micros = t0.elapsed().as_micros() as u64;
-    debug!("dump: {bytes} bytes in {micros} us");
-    ch.send_reply(&Reply::DumpDataDone {
+    debug!("dump: {bytes} bytes in {micros} us ({mode:?})");
+    let done = Reply::DumpDataDone {
         chunks: chunks.len() as u64,
         bytes,
         micros,
-    })?;
+    };
+    if mode == Mode::Live {
+        // The round is over; `conclude` sends this once the ring is let go.
+        return Ok(done);
+    }
+    ch.send_reply(&done)?;
 
     let (req, fd) = ch.recv_request(None)?;
     no_fd(fd)?;
@@ -237,6 +297,94 @@ fn copy_out(
             Err(e) => return Err(e.into()),
         }
     }
+}
+
+/// The copy-out loop of a pre-copy round, with the application running; returns the bytes
+/// sent. Each chunk is copied and waited for while the table lock is held and after checking
+/// that its allocation is still mapped, so the application cannot free or unmap it under the
+/// copy. An allocation gone since the round began fails the round (nothing is lost: the
+/// application's memory is untouched, and the round can be run again).
+#[allow(clippy::too_many_arguments)]
+fn copy_out_live(
+    gpu: &mut Gpu,
+    drv: &Driver,
+    ch: &Channel,
+    st: &Staging,
+    ring: Ring,
+    chunks: &[Chunk],
+    hashes: &[Option<ChunkHash>],
+    known: &KnownChunks,
+    handles: &HashMap<u64, Option<Handle>>,
+) -> Result<u64, Fail> {
+    let mut slots = Slots::new(ring.slots);
+    let mut bytes = 0u64;
+    for (i, c) in chunks.iter().enumerate() {
+        if let Some(announcement) = not_copied(c, hashes[i], known) {
+            ch.send_reply(&announcement)?;
+            continue;
+        }
+        let slot = loop {
+            while let Some((req, fd)) = ch.try_recv_request()? {
+                slots.on_request(req, fd)?;
+            }
+            if let Some(slot) = slots.free.pop_front() {
+                break slot;
+            }
+            match ch.recv_request(Some(PEER_WAIT)) {
+                Ok((req, fd)) => slots.on_request(req, fd)?,
+                Err(ProtoError::Interrupted) => {}
+                Err(e) => return Err(e.into()),
+            }
+        };
+        let handle = handles.get(&c.alloc_id).copied().flatten();
+        let deadline = Instant::now() + REMAP_WAIT;
+        loop {
+            let t = table::try_lock_for(AGENT_LOCK_WAIT).ok_or_else(Fail::busy)?;
+            match t.live_state(c.alloc_id, handle, c.addr, c.len) {
+                LiveState::Mapped => {}
+                LiveState::Remapping if Instant::now() < deadline => {
+                    drop(t);
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                    continue;
+                }
+                LiveState::Remapping | LiveState::Gone => {
+                    return Err(Fail::bad_state(format!(
+                        "allocation #{} (chunk at {:#x}) was freed or unmapped during the pre-copy round; \
+                         nothing of the application was changed: run the round again",
+                        c.alloc_id, c.addr
+                    )));
+                }
+            }
+            let dev = gpu.activate(drv, c.device)?;
+            let stream = dev.streams[0];
+            // SAFETY: the slot lies in the registered staging, which stays mapped until every
+            // copy is waited for; c lies inside a mapped allocation (checked above) that cannot
+            // be freed or unmapped before the table lock is released, after the wait below.
+            unsafe { drv.copy_dtoh_async(st.slot_ptr(slot), c.addr, c.len, stream)? };
+            drv.record(dev.events[slot as usize], stream)?;
+            drv.wait_event(dev.events[slot as usize])?;
+            break;
+        }
+        ch.send_reply(&Reply::ChunkReady {
+            slot,
+            alloc_id: c.alloc_id,
+            addr: c.addr,
+            len: c.len,
+            device_hash: None,
+        })?;
+        slots.hand_out(slot);
+        bytes += c.len;
+        // Let an application thread waiting for the table have it before the next chunk.
+        std::thread::yield_now();
+    }
+    while slots.held_count > 0 {
+        match ch.recv_request(Some(PEER_WAIT)) {
+            Ok((req, fd)) => slots.on_request(req, fd)?,
+            Err(ProtoError::Interrupted) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(bytes)
 }
 
 /// The announcement of a chunk that is not copied: all zero (`ChunkZero`), or as the parent

@@ -589,7 +589,8 @@ pub unsafe extern "C" fn cuMemMap(
     })
 }
 
-/// Interposes libcuda's `cuMemUnmap`: passes through, forgets the mappings.
+/// Interposes libcuda's `cuMemUnmap`: passes through, forgets the mappings. They stop being
+/// movable before the driver is called (a dump must not copy from a range being unmapped).
 ///
 /// # Safety
 /// As the driver function.
@@ -600,6 +601,7 @@ pub unsafe extern "C" fn cuMemUnmap(ptr: CUdeviceptr, size: usize) -> CuRes {
             Ok(d) => d,
             Err(rc) => return rc,
         };
+        table::lock().begin_app_unmap(ptr, size as u64);
         // SAFETY: the caller's arguments are passed to the real function unchanged.
         let rc = unsafe { (drv.mem_unmap)(ptr, size) };
         if rc == CUDA_SUCCESS {

@@ -280,6 +280,28 @@ impl Agent {
                         },
                         memfd,
                         &known,
+                        dump::Mode::Stopped,
+                    );
+                }
+                (
+                    Request::PreCopyBegin {
+                        slot_size,
+                        slots,
+                        streams,
+                    },
+                    Some(memfd),
+                ) => {
+                    return dump::run(
+                        &mut self.gpu,
+                        ch,
+                        Ring {
+                            slot_size,
+                            slots,
+                            streams,
+                        },
+                        memfd,
+                        &known,
+                        dump::Mode::Live,
                     );
                 }
                 (
@@ -301,7 +323,12 @@ impl Agent {
                         memfd,
                     );
                 }
-                (r @ (Request::DumpBegin { .. } | Request::RestoreBegin { .. }), None) => {
+                (
+                    r @ (Request::DumpBegin { .. }
+                    | Request::PreCopyBegin { .. }
+                    | Request::RestoreBegin { .. }),
+                    None,
+                ) => {
                     reply(
                         ch,
                         ErrorCode::BadRequest,

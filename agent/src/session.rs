@@ -108,7 +108,12 @@ pub fn no_fd(fd: Option<OwnedFd>) -> Result<(), Fail> {
 /// when the table cannot be locked in time.
 pub fn snapshot() -> Result<(Vec<Span>, Vec<bool>), Fail> {
     let t = table::try_lock_for(AGENT_LOCK_WAIT).ok_or_else(Fail::busy)?;
-    Ok(t.converted()
+    Ok(spans_of(&t))
+}
+
+/// [`snapshot`] of a table the caller has locked.
+pub fn spans_of(t: &table::Table) -> (Vec<Span>, Vec<bool>) {
+    t.converted()
         .map(|c| {
             (
                 Span {
@@ -120,7 +125,7 @@ pub fn snapshot() -> Result<(Vec<Span>, Vec<bool>), Fail> {
                 c.backing == Backing::Released,
             )
         })
-        .unzip())
+        .unzip()
 }
 
 /// Distinct devices of the spans.

@@ -93,6 +93,19 @@ pub struct AppMapping {
     pub handle: Handle,
 }
 
+/// What a pre-copy round finds where it is about to copy ([`Table::live_state`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LiveState {
+    /// Mapped as it was (for an application handle: the same handle mapped again at the same
+    /// place, so the same physical memory): copy it now, under the lock.
+    Mapped,
+    /// An application handle that is not mapped there at the moment but still exists: it may
+    /// be mapped again soon (allocators unmap and map their handles).
+    Remapping,
+    /// Freed, or its handle released: the round cannot finish.
+    Gone,
+}
+
 /// An impossible transition or a missing entry.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum TableError {
@@ -413,6 +426,51 @@ impl Table {
         }
     }
 
+    /// The application is about to unmap `[addr, addr+size)`: its movable mappings that start
+    /// inside it become mappings left to the driver checkpoint, before the driver is called. A
+    /// dump (or pre-copy) that looks at the table while the unmap is under way then never
+    /// copies from an address that may already be unmapped. Should the driver refuse the
+    /// unmap, they stay left to the driver: slower to checkpoint, never wrong.
+    pub fn begin_app_unmap(&mut self, addr: u64, size: u64) {
+        let end = addr.saturating_add(size);
+        let moving: Vec<u64> = self
+            .converted
+            .range(addr..end)
+            .filter(|(_, c)| c.app_handle.is_some())
+            .map(|(a, _)| *a)
+            .collect();
+        for a in moving {
+            if let Some(c) = self.converted.remove(&a) {
+                let v = c.app_handle.expect("filtered on app_handle above");
+                self.insert_app_mapping(c.device, c.addr, c.size, v);
+            }
+        }
+    }
+
+    /// Where `[addr, addr+len)` of the memory a pre-copy round found as entry `id` (a mapping
+    /// of application handle `handle`, if it was one) stands now: see [`LiveState`].
+    pub fn live_state(&self, id: u64, handle: Option<Handle>, addr: u64, len: u64) -> LiveState {
+        let inside = self
+            .converted
+            .range(..=addr)
+            .next_back()
+            .map(|(_, c)| c)
+            .filter(|c| {
+                addr.checked_add(len)
+                    .is_some_and(|end| end <= c.addr.saturating_add(c.size))
+            });
+        if let Some(c) = inside
+            && matches!(c.backing, Backing::Mapped(_))
+            && (c.id == id || (handle.is_some() && c.app_handle == handle))
+        {
+            return LiveState::Mapped;
+        }
+        match handle.and_then(|v| self.virtual_handles.get(&v)) {
+            Some(h) if h.real.is_some() => LiveState::Remapping,
+            _ => LiveState::Gone,
+        }
+    }
+
     /// The application unmapped `[addr, addr+size)`: forget the mappings that start inside it
     /// (and a virtual handle left with neither mappings nor application references).
     pub fn record_app_unmap(&mut self, addr: u64, size: u64) {
@@ -708,6 +766,78 @@ mod tests {
         t.pin(x); // bound to a multicast object
         assert!(t.listing().iter().all(|e| !e.converted), "pinned");
         assert_eq!(t.real_handle(x), Some(Some(502)), "still translated");
+    }
+
+    #[test]
+    fn an_app_mapping_being_unmapped_is_no_longer_movable() {
+        let mut t = Table::new();
+        let v = t.virtualize(0x51, 2 << 20, 0, [0; std::mem::size_of::<PropBytes>()]);
+        t.app_map_virtual(0x4000_0000, 2 << 20, 0, v);
+        // A thread stopped between this and the driver's unmap leaves it to the driver.
+        t.begin_app_unmap(0x4000_0000, 2 << 20);
+        assert_eq!(t.converted().count(), 0);
+        assert!(
+            t.listing()
+                .iter()
+                .any(|l| l.addr == 0x4000_0000 && !l.converted)
+        );
+        // The unmap done: nothing of it is left, and the handle may be mapped (and moved) again.
+        t.record_app_unmap(0x4000_0000, 2 << 20);
+        assert!(t.listing().is_empty());
+        t.app_map_virtual(0x4000_0000, 2 << 20, 0, v);
+        assert_eq!(t.converted().count(), 1);
+    }
+
+    #[test]
+    fn live_state_checks_id_range_and_backing() {
+        use LiveState::*;
+        let mut t = Table::new();
+        let id = t.insert_converted(0, 0x1000_0000, 4 << 20, 7);
+        assert_eq!(t.live_state(id, None, 0x1000_0000, 4 << 20), Mapped);
+        assert_eq!(t.live_state(id, None, 0x1020_0000, 2 << 20), Mapped);
+        assert_eq!(
+            t.live_state(id, None, 0x1020_0000, (2 << 20) + 1),
+            Gone,
+            "past the end"
+        );
+        assert_eq!(
+            t.live_state(id + 1, None, 0x1000_0000, 1),
+            Gone,
+            "another id there"
+        );
+        assert_eq!(
+            t.live_state(id, None, 0x0fff_f000, 1),
+            Gone,
+            "below the base"
+        );
+        t.mark_released(0x1000_0000).unwrap();
+        assert_eq!(t.live_state(id, None, 0x1000_0000, 1), Gone, "released");
+        t.mark_mapped(0x1000_0000, 8).unwrap();
+        t.remove_converted(0x1000_0000);
+        assert_eq!(t.live_state(id, None, 0x1000_0000, 1), Gone, "freed");
+    }
+
+    #[test]
+    fn live_state_follows_an_application_handle_through_a_remap() {
+        use LiveState::*;
+        let mut t = Table::new();
+        let v = t.virtualize(0x51, 2 << 20, 0, [0; std::mem::size_of::<PropBytes>()]);
+        t.app_map_virtual(0x4000_0000, 2 << 20, 0, v);
+        let id = t.converted().next().expect("movable").id;
+        assert_eq!(t.live_state(id, Some(v), 0x4000_0000, 1 << 20), Mapped);
+        t.begin_app_unmap(0x4000_0000, 2 << 20);
+        assert_eq!(t.live_state(id, Some(v), 0x4000_0000, 1 << 20), Remapping);
+        t.record_app_unmap(0x4000_0000, 2 << 20);
+        assert_eq!(t.live_state(id, Some(v), 0x4000_0000, 1 << 20), Remapping);
+        // Mapped again: a new entry, the same handle and so the same memory.
+        t.app_map_virtual(0x4000_0000, 2 << 20, 0, v);
+        assert_ne!(t.converted().next().unwrap().id, id);
+        assert_eq!(t.live_state(id, Some(v), 0x4000_0000, 1 << 20), Mapped);
+        // Unmapped and released by the application: gone for good.
+        t.begin_app_unmap(0x4000_0000, 2 << 20);
+        t.record_app_unmap(0x4000_0000, 2 << 20);
+        assert_eq!(t.app_release(v), AppRelease::ReleaseReal(0x51));
+        assert_eq!(t.live_state(id, Some(v), 0x4000_0000, 1 << 20), Gone);
     }
 
     #[test]

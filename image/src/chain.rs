@@ -346,8 +346,8 @@ fn moved_set(allocs: &[AllocationRecord]) -> Vec<(u64, u64, u32)> {
 /// image's chunks that it may reference. The parent is read as a restore would read it
 /// (`read_manifest`, its own ancestors included), so a reference is only ever made to data
 /// that a reader accepts. It must be a split-path image of version 2 or later (version 3 adds
-/// device hashes, compared on the GPU) for the same process with the same moved allocations
-/// (address, size, device).
+/// device hashes, compared on the GPU) for the same process; only chunks of the moved
+/// allocations both hold alike (address, size, device) are offered, and at least one must be.
 pub fn parent_for_dedup(
     dir: BorrowedFd<'_>,
     nspid: u32,
@@ -387,18 +387,34 @@ pub fn parent_for_dedup(
             m.format_version
         ));
     }
-    if moved_set(&m.allocations) != moved_set(allocations) {
+    // Only chunks of allocations the process still holds as they were (same address, size and
+    // device) may be referenced: an allocation that grew, moved or was replaced is stored anew.
+    let now = moved_set(allocations);
+    let common: Vec<(u64, u64, u32)> = moved_set(&m.allocations)
+        .into_iter()
+        .filter(|a| now.binary_search(a).is_ok())
+        .collect();
+    if common.is_empty() {
         return ParentImage::Unusable(
-            "the process's allocations differ from the parent image's (address, size, device)"
+            "the process's allocations differ from the parent image's (address, size, device): none in common"
                 .into(),
         );
     }
+    let in_common = |addr: u64, len: u64| {
+        let k = common.partition_point(|&(a, _, _)| a <= addr);
+        k.checked_sub(1)
+            .map(|k| common[k])
+            .is_some_and(|(a, size, _)| addr.saturating_add(len) <= a.saturating_add(size))
+    };
     let mut index = DedupIndex {
         by_range: HashMap::with_capacity(m.chunks.len()),
         by_device_hash: HashMap::with_capacity(m.chunks.len()),
         too_deep: 0,
     };
     for c in m.chunks {
+        if !in_common(c.addr, c.len) {
+            continue;
+        }
         if c.parent_depth >= MAX_CHAIN_DEPTH {
             index.too_deep += 1;
             continue;

@@ -437,3 +437,58 @@ fn version_1_manifests_are_still_read_and_not_referenced() {
     let e = read_manifest(d1.as_fd(), NSPID).unwrap_err();
     assert!(e.to_string().contains("content_xxh128 is missing"), "{e}");
 }
+
+#[test]
+fn only_allocations_held_alike_are_referenced() {
+    let imgs = Images::new();
+    let v = data(9);
+    let d1 = imgs.mkdir(1, None);
+    let (mut m1, _) = dump(d1.as_fd(), NSPID, &v);
+    // The parent held two allocations of two chunks each.
+    let half = (2 * CHUNK) as u64;
+    m1.allocations = vec![
+        AllocationRecord {
+            id: 1,
+            device: 0,
+            addr: BASE,
+            size: half,
+            moved: true,
+        },
+        AllocationRecord {
+            id: 2,
+            device: 0,
+            addr: BASE + half,
+            size: half,
+            moved: true,
+        },
+    ];
+    write_manifest(d1.as_fd(), &m1).unwrap();
+    let d2 = imgs.mkdir(2, Some(1));
+    // Now the first is as it was and the second grew: only the first one's chunks are offered.
+    let mut now = m1.allocations.clone();
+    now[1].size += CHUNK as u64;
+    let index = match parent_for_dedup(d2.as_fd(), NSPID, &now) {
+        ParentImage::Usable(i) => i,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(index.len(), 2);
+    let at = |i: usize| BASE + (i * CHUNK) as u64;
+    assert!(
+        index
+            .reference(at(1), CHUNK as u64, &hash_chunk(&v[1]))
+            .is_some()
+    );
+    assert!(
+        index
+            .reference(at(2), CHUNK as u64, &hash_chunk(&v[2]))
+            .is_none()
+    );
+    // An allocation now left to the driver offers nothing either.
+    now[1].size -= CHUNK as u64;
+    now[0].moved = false;
+    let d3 = imgs.mkdir(3, Some(1));
+    match parent_for_dedup(d3.as_fd(), NSPID, &now) {
+        ParentImage::Usable(i) => assert_eq!(i.len(), 2, "only the second allocation's chunks"),
+        other => panic!("{other:?}"),
+    }
+}

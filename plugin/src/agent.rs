@@ -73,6 +73,8 @@ pub enum Transfer {
     Out,
     /// Ring to device (`RestoreBegin`: the agent re-creates its memory first).
     In,
+    /// Device to ring while the application runs (`PreCopyBegin`, a pre-copy round).
+    OutLive,
 }
 
 /// The staging ring as the agent is told about it.
@@ -285,6 +287,11 @@ impl AgentSession {
                 streams,
             },
             Transfer::In => Request::RestoreBegin {
+                slot_size,
+                slots,
+                streams,
+            },
+            Transfer::OutLive => Request::PreCopyBegin {
                 slot_size,
                 slots,
                 streams,

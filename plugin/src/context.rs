@@ -84,17 +84,27 @@ impl Ctx {
     }
 
     pub fn codec(&self) -> Codec {
-        match self.cfg.compress {
-            Compress::Off => Codec::Raw,
-            Compress::Zstd => Codec::Zstd,
-        }
+        codec_of(&self.cfg)
     }
 
     pub fn limits(&self) -> Limits {
-        Limits {
-            stall: self.agent_timeout(),
-            streams: self.cfg.copy_streams,
-        }
+        limits_of(&self.cfg)
+    }
+}
+
+/// The codec data chunks are written with.
+pub fn codec_of(cfg: &Config) -> Codec {
+    match cfg.compress {
+        Compress::Off => Codec::Raw,
+        Compress::Zstd => Codec::Zstd,
+    }
+}
+
+/// The data path's limits: how long the agent may show no progress, and its copy streams.
+pub fn limits_of(cfg: &Config) -> Limits {
+    Limits {
+        stall: Duration::from_millis(cfg.agent_timeout_ms),
+        streams: cfg.copy_streams,
     }
 }
 

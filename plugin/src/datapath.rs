@@ -67,6 +67,18 @@ pub struct DumpData {
     pub seconds: f64,
 }
 
+/// Whose data a copy-out moves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Round {
+    /// A paused process's (`criu dump`): the agent's device hashes are of the bytes it sends.
+    Paused,
+    /// A running process's (a pre-copy round): its memory may change while it is copied, so
+    /// the writers hash what they received, both ways (XXH3-128 for the next dump's host-side
+    /// comparison and gpusnap-sum64 as the chunk's device hash, which that dump compares on
+    /// the GPU).
+    Live,
+}
+
 struct Work {
     slot: u32,
     addr: u64,
@@ -116,6 +128,7 @@ pub fn copy_out(
     parent: Option<&DedupIndex>,
     limits: Limits,
     durable: bool,
+    round: Round,
 ) -> Result<DumpData, DataError> {
     let t0 = Instant::now();
     // The parent's chunks with device hashes: the agent compares them on the GPU and does not
@@ -127,7 +140,11 @@ pub fn copy_out(
             agent.known_chunk(addr, len, hash)?;
         }
     }
-    hand_over_ring(agent, staging, limits, Transfer::Out)?;
+    let way = match round {
+        Round::Paused => Transfer::Out,
+        Round::Live => Transfer::OutLive,
+    };
+    hand_over_ring(agent, staging, limits, way)?;
 
     let (work_tx, work_rx) = bounded::<Work>(staging.slots());
     let (err_tx, err_rx) = unbounded::<DataError>();
@@ -143,6 +160,7 @@ pub fn copy_out(
                     codec,
                     parent,
                     durable,
+                    round,
                 };
                 s.spawn(move || writer(index as u32, rx, err_tx, agent, staging, out))
             })
@@ -294,6 +312,7 @@ struct Out<'a> {
     parent: Option<&'a DedupIndex>,
     /// fsync each file when it is finished.
     durable: bool,
+    round: Round,
 }
 
 /// One writer thread: its file (created with the first chunk it writes; a thread whose chunks
@@ -318,9 +337,13 @@ fn writer(
                 let data = unsafe { staging.slot(w.slot as usize, w.len as usize) };
                 // An incremental dump must hash a chunk before it knows whether to write it; a
                 // full dump of raw chunks hashes each piece as it writes it (one memory pass less).
-                let hashes = match (out.parent, out.codec) {
-                    (None, Codec::Raw) => None,
+                let hashes = match (out.parent, out.codec, out.round) {
+                    (None, Codec::Raw, Round::Paused) => None,
                     _ => Some(hash_chunk(data)),
+                };
+                let device_hash = match out.round {
+                    Round::Paused => w.device_hash,
+                    Round::Live => gpusnap_proto::devhash::device_hash(data),
                 };
                 if let (Some(p), Some(h)) = (out.parent, &hashes)
                     && let Some(r) = p.reference(w.addr, w.len, h)
@@ -339,10 +362,7 @@ fn writer(
                     Some(h) => f.append_chunk_hashed(w.addr, data, out.codec, &h),
                 };
                 entry
-                    .map(|e| ChunkEntry {
-                        device_hash: w.device_hash,
-                        ..e
-                    })
+                    .map(|e| ChunkEntry { device_hash, ..e })
                     .map_err(DataError::from)
             })();
             match res {

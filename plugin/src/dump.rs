@@ -495,6 +495,7 @@ fn move_data_out(
         parent.as_ref(),
         ctx.limits(),
         ctx.cfg.durable,
+        datapath::Round::Paused,
     )?;
     log::info!(
         "pid {pid}: data {:.2} GiB in {:.3} s ({:.1} GiB/s) into {} files, {} chunks, written {} bytes ({:.2} GiB), referenced {} bytes unchanged in {} chunks",
@@ -853,17 +854,38 @@ fn new_manifest(
     data: &datapath::DumpData,
 ) -> Manifest {
     Manifest {
+        timings_s: t.timings.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+        ..manifest_of(
+            t.nspid as u32,
+            path,
+            (ctx.driver_version, &ctx.gpus),
+            allocations,
+            data,
+        )
+    }
+}
+
+/// A manifest of process `nspid` from what a data phase wrote, on this host's driver and GPUs
+/// (`driver`: the driver's version and its GPUs); no timings.
+pub fn manifest_of(
+    nspid: u32,
+    path: CheckpointPath,
+    driver: (i32, &[gpusnap_cuda::driver::GpuInfo]),
+    allocations: Vec<AllocationRecord>,
+    data: &datapath::DumpData,
+) -> Manifest {
+    let (driver_version, gpus) = driver;
+    Manifest {
         format_version: gpusnap_image::FORMAT_VERSION,
-        nspid: t.nspid as u32,
+        nspid,
         path,
         created_unix_s: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0),
         gpusnap_version: gpusnap_image::BUILD.to_owned(),
-        driver_version: ctx.driver_version,
-        gpus: ctx
-            .gpus
+        driver_version,
+        gpus: gpus
             .iter()
             .map(|g| gpusnap_image::GpuRecord {
                 ordinal: g.ordinal,
@@ -875,7 +897,7 @@ fn new_manifest(
         allocations,
         files: data.files.clone(),
         chunks: data.chunks.clone(),
-        timings_s: t.timings.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+        timings_s: Default::default(),
     }
 }
 

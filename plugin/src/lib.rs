@@ -15,6 +15,7 @@
 //! - [`stall`]: a driver checkpoint that waits on a stopped thread of its process;
 //! - [`hold`]: keeping a process from running on absent device memory should CRIU die;
 //! - [`procfs`]: everything read from `/proc`;
+//! - [`precopy`]: a pre-copy round of a running process (`gpusnap precopy`);
 //! - [`amd`]: AMD GPU processes through the KFD's CRIU interface (the kfd path).
 
 pub mod agent;
@@ -30,6 +31,7 @@ pub mod hold;
 pub mod host_gpus;
 pub mod logger;
 pub mod plugin;
+pub mod precopy;
 pub mod process;
 pub mod procfs;
 pub mod ptrace;

@@ -91,6 +91,19 @@ pub enum Request {
         /// Number of copy streams to use.
         streams: u32,
     },
+    /// A pre-copy round (the staging memfd attached, as for `DumpBegin`): copy every
+    /// allocation out while the application runs on, then end with `DumpDataDone` (no
+    /// `Release`). Chunks are announced as in a dump, but a copied chunk's `ChunkReady` carries
+    /// no device hash: the bytes copied from memory the application may be writing are not the
+    /// bytes the GPU hashed, so the plugin hashes what it received.
+    PreCopyBegin {
+        /// Bytes per slot (a multiple of 4096).
+        slot_size: u64,
+        /// Number of slots in the staging ring.
+        slots: u32,
+        /// Number of copy streams to use.
+        streams: u32,
+    },
     /// The plugin has finished with a slot's data (dump) — the agent may reuse it.
     SlotFree {
         /// Slot index.
@@ -312,6 +325,7 @@ mod kind {
     pub const REQ_RESTORE_DONE: u16 = 0x0009;
     pub const REQ_CHUNK_ZERO: u16 = 0x000A;
     pub const REQ_KNOWN_CHUNK: u16 = 0x000B;
+    pub const REQ_PRECOPY_BEGIN: u16 = 0x000C;
 
     pub const REP_HELLO: u16 = 0x0101;
     pub const REP_ALLOCATION: u16 = 0x0102;
@@ -409,6 +423,16 @@ impl Request {
                 w.u32(*slots);
                 w.u32(*streams);
             }
+            Request::PreCopyBegin {
+                slot_size,
+                slots,
+                streams,
+            } => {
+                header(&mut w, kind::REQ_PRECOPY_BEGIN);
+                w.u64(*slot_size);
+                w.u32(*slots);
+                w.u32(*streams);
+            }
             Request::SlotFree { slot } => {
                 header(&mut w, kind::REQ_SLOT_FREE);
                 w.u32(*slot);
@@ -469,6 +493,11 @@ impl Request {
             kind::REQ_HELLO => Request::Hello { version: r.u16()? },
             kind::REQ_LIST => Request::ListAllocations,
             kind::REQ_DUMP_BEGIN => Request::DumpBegin {
+                slot_size: r.u64()?,
+                slots: r.u32()?,
+                streams: r.u32()?,
+            },
+            kind::REQ_PRECOPY_BEGIN => Request::PreCopyBegin {
                 slot_size: r.u64()?,
                 slots: r.u32()?,
                 streams: r.u32()?,

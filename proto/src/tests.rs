@@ -17,6 +17,11 @@ fn all_requests() -> Vec<Request> {
             slots: 16,
             streams: 4,
         },
+        Request::PreCopyBegin {
+            slot_size: 32 << 20,
+            slots: 8,
+            streams: 2,
+        },
         Request::SlotFree { slot: 15 },
         Request::Release,
         Request::Abort,
@@ -233,10 +238,10 @@ fn header_errors_are_typed() {
     b[0] ^= 1;
     assert!(matches!(Request::decode(&b), Err(ProtoError::BadMagic)));
     let mut b = enc_req(&Request::Release);
-    b[4] = 4;
+    b[4] = 5;
     assert!(matches!(
         Request::decode(&b),
-        Err(ProtoError::VersionMismatch { ours: 3, theirs: 4 })
+        Err(ProtoError::VersionMismatch { ours: 4, theirs: 5 })
     ));
     let mut b = enc_req(&Request::Release);
     b[6] = 0x77;

@@ -1,0 +1,265 @@
+//! Pre-copy rounds (`gpusnap precopy`) with real CRIU and the stand-in drivers: rounds copy
+//! the device data of the running workload into directories of their own while it ticks on,
+//! each round against the one before; the final `criu dump` into a directory whose `parent`
+//! link leads to the last round copies only what changed since, and the restore is bit-exact
+//! (the workload checks every byte of its device memory every tick).
+//!
+//! As in `incremental.rs`, the tests make the `parent` link themselves: CRIU's own
+//! `--prev-images-dir` needs soft-dirty tracking, which the CI kernel lacks.
+//!
+//! Root and CRIU are needed (`GPUSNAP_SKIP_CRIU_TESTS=1` skips).
+
+mod common;
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::thread::sleep;
+use std::time::{Duration, Instant};
+
+use common::split::Split;
+
+const MIB: u64 = 1 << 20;
+/// 1 MiB chunks, so that an allocation is several chunks and a change can hit only one.
+const CONFIG: [(&str, &str); 1] = [("GPUSNAP_STAGING_SLOT_MIB", "1")];
+
+fn dir(s: &Split, name: &str) -> PathBuf {
+    s.w.path.join(name)
+}
+
+/// `gpusnap precopy <workload> --images <name> [--parent ../<parent>] --json`, with the
+/// plugin's stand-in driver and `CONFIG` in its environment.
+fn precopy(s: &Split, name: &str, parent: Option<&str>) -> Output {
+    let mut c = Command::new(&s.cli);
+    c.arg("precopy")
+        .arg(s.vmm.pid().to_string())
+        .arg("--images")
+        .arg(dir(s, name))
+        .arg("--json");
+    if let Some(p) = parent {
+        c.arg("--parent").arg(format!("../{p}"));
+    }
+    c.env("GPUSNAP_LIBCUDA", &s.fakecuda_so)
+        .env("FAKECUDA_DIR", &s.state)
+        .envs(s.common_env.iter().copied())
+        .envs(CONFIG)
+        .output()
+        .expect("run gpusnap precopy")
+}
+
+/// The JSON report of a round that succeeded.
+fn report(s: &Split, out: &Output) -> serde_json::Value {
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "gpusnap precopy failed: {}{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        s.vmm.describe()
+    );
+    serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{e}: {stdout}"))
+}
+
+fn num(v: &serde_json::Value, key: &str) -> u64 {
+    v[key].as_u64().unwrap_or_else(|| panic!("no {key} in {v}"))
+}
+
+/// Has the workload rewrite the first MiB of its allocation 0 and waits for a tick after it.
+fn change_some_data(s: &Split) {
+    let log = &s.vmm.logs[0];
+    let done = PathBuf::from(format!("{}.mutated", log.display()));
+    let _ = fs::remove_file(&done);
+    fs::write(format!("{}.mutate", log.display()), b"").expect("request a change");
+    let t0 = Instant::now();
+    while !done.exists() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the workload did not change its data\n{}",
+            s.vmm.describe()
+        );
+        sleep(Duration::from_millis(20));
+    }
+    let after = s.vmm.last_ticks()[0] + 1;
+    s.vmm.wait_for_tick(after);
+}
+
+/// The workload ticked on, every tick correct, during and after `what`.
+fn still_running(s: &Split, what: &str) {
+    let after = s.vmm.last_ticks()[0] + 2;
+    for log in s.vmm.wait_for_tick(after) {
+        if let Err(e) = log.check() {
+            panic!("after {what}: {e}\n{}", s.vmm.describe());
+        }
+    }
+}
+
+fn dump_stats(dir: &Path) -> serde_json::Value {
+    let text = fs::read_to_string(dir.join("gpusnap-stats.json")).expect("gpusnap-stats.json");
+    let v: serde_json::Value = serde_json::from_str(&text).expect("stats JSON");
+    v["processes"][0]["data"].clone()
+}
+
+/// Two rounds while the workload runs (the second against the first), a change, then the
+/// final dump against the second round: it writes only the changed MiB and the counter's
+/// chunk, and the restore brings everything back bit for bit.
+#[test]
+fn rounds_then_a_dump_that_copies_only_what_changed() {
+    let Some(mut s) = Split::launch(
+        "precopy",
+        1,
+        &["--seed", "31", "--allocs", "3", "--mib", "4", "--app-vmm"],
+        &[],
+    ) else {
+        return;
+    };
+    s.vmm.wait_for_tick(3);
+    let r1 = report(&s, &precopy(&s, "pre1", None));
+    still_running(&s, "round 1");
+    // 4 + 4 + 6 (the odd size, rounded) + 2 MiB counter + the 2 MiB the workload maps itself.
+    assert_eq!(num(&r1, "device_bytes"), 18 * MIB, "{r1}");
+    let zero = num(&r1, "bytes_zero");
+    assert_eq!(num(&r1, "bytes_written"), 18 * MIB - zero, "{r1}");
+    assert_eq!(num(&r1, "bytes_referenced"), 0, "{r1}");
+    // 3 data allocations, the counter and the workload's own mapping (the 64 KiB the agent
+    // leaves to the driver is not in its table at all).
+    assert_eq!(num(&r1, "allocations_saved"), 5, "{r1}");
+    assert_eq!(num(&r1, "allocations_left"), 0, "{r1}");
+    // The round's image is whole: gpusnap verify reads every chunk.
+    let v = Command::new(&s.cli)
+        .arg("verify")
+        .arg(dir(&s, "pre1"))
+        .output()
+        .expect("gpusnap verify");
+    assert!(v.status.success(), "{}", String::from_utf8_lossy(&v.stdout));
+    // A directory holding an image of this process is not written over.
+    let again = precopy(&s, "pre1", None);
+    assert!(!again.status.success());
+    assert!(
+        String::from_utf8_lossy(&again.stderr).contains("already holds a gpusnap image"),
+        "{}",
+        String::from_utf8_lossy(&again.stderr)
+    );
+
+    change_some_data(&s);
+    let r2 = report(&s, &precopy(&s, "pre2", Some("pre1")));
+    still_running(&s, "round 2");
+    assert_eq!(r2["incremental"], true, "{r2}");
+    // The changed MiB and the counter's chunk are copied again; the rest is referenced.
+    assert_eq!(num(&r2, "bytes_written"), 2 * MIB, "{r2}");
+    assert_eq!(num(&r2, "bytes_referenced"), 16 * MIB - zero, "{r2}");
+
+    change_some_data(&s);
+    let d = dir(&s, "final");
+    fs::create_dir_all(&d).expect("mkdir final");
+    std::os::unix::fs::symlink("../pre2", d.join("parent")).expect("parent link");
+    let pid = s.vmm.pid().to_string();
+    let dump = s.criu_at(&d, "dump", "dump.log", &["-t", &pid], &CONFIG);
+    s.assert_ok(&dump);
+    s.assert_line(&dump, &["incremental dump against the parent image"]);
+    let st = dump_stats(&d);
+    assert_eq!(st["bytes_written"].as_u64(), Some(2 * MIB), "{st}");
+    assert_eq!(
+        st["bytes_referenced"].as_u64(),
+        Some(16 * MIB - zero),
+        "{st}"
+    );
+    let last = s.reap_dumped();
+    let restore = s.criu_at(
+        &d,
+        "restore",
+        "restore.log",
+        &["--restore-detached"],
+        &CONFIG,
+    );
+    s.assert_ok(&restore);
+    s.assert_line(&restore, &["incremental image", "come from parent images"]);
+    s.assert_runs_on(&last, &restore);
+}
+
+/// Rounds while the workload unmaps and maps its own VMM memory every tick: a round either
+/// completes or fails saying the memory changed under it; the workload never sees a wrong
+/// byte, and a dump against the last complete round restores bit-exact.
+#[test]
+fn rounds_under_remapping_never_harm_the_job() {
+    let Some(mut s) = Split::launch(
+        "precopy-remap",
+        1,
+        &[
+            "--seed",
+            "32",
+            "--allocs",
+            "2",
+            "--mib",
+            "4",
+            "--app-vmm",
+            "--app-vmm-remap",
+        ],
+        &[],
+    ) else {
+        return;
+    };
+    s.vmm.wait_for_tick(3);
+    let mut complete = None;
+    for k in 0..6 {
+        let name = format!("pre{k}");
+        let out = precopy(&s, &name, None);
+        if out.status.success() {
+            report(&s, &out);
+            complete = Some(name);
+        } else {
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(err.contains("run the round again"), "round {k}: {err}");
+            // A failed round leaves no image behind.
+            let left: Vec<_> = fs::read_dir(dir(&s, &name))
+                .map(|d| d.flatten().map(|e| e.file_name()).collect())
+                .unwrap_or_default();
+            assert!(left.is_empty(), "round {k} left {left:?}");
+        }
+        still_running(&s, &format!("round {k}"));
+    }
+    let Some(parent) = complete else {
+        panic!("no round of six completed\n{}", s.vmm.describe());
+    };
+    let d = dir(&s, "final");
+    fs::create_dir_all(&d).expect("mkdir final");
+    std::os::unix::fs::symlink(format!("../{parent}"), d.join("parent")).expect("parent link");
+    let pid = s.vmm.pid().to_string();
+    let dump = s.criu_at(&d, "dump", "dump.log", &["-t", &pid], &CONFIG);
+    s.assert_ok(&dump);
+    let last = s.reap_dumped();
+    let restore = s.criu_at(
+        &d,
+        "restore",
+        "restore.log",
+        &["--restore-detached"],
+        &CONFIG,
+    );
+    s.assert_ok(&restore);
+    s.assert_runs_on(&last, &restore);
+}
+
+/// A process without the agent gets a clear refusal, and nothing is written.
+#[test]
+fn a_round_needs_the_agent() {
+    let Some(s) = Split::launch("precopy-no-agent", 1, &["--allocs", "1", "--mib", "1"], &[])
+    else {
+        return;
+    };
+    s.vmm.wait_for_tick(2);
+    // Our own process (the test binary) holds no agent.
+    let out = Command::new(&s.cli)
+        .arg("precopy")
+        .arg(std::process::id().to_string())
+        .arg("--images")
+        .arg(dir(&s, "none"))
+        .env("GPUSNAP_LIBCUDA", &s.fakecuda_so)
+        .env("FAKECUDA_DIR", &s.state)
+        .output()
+        .expect("run gpusnap precopy");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("has no gpusnap agent"), "{err}");
+    let left: Vec<_> = fs::read_dir(dir(&s, "none"))
+        .map(|d| d.flatten().collect())
+        .unwrap_or_default();
+    assert!(left.is_empty());
+}

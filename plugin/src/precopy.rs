@@ -1,0 +1,309 @@
+//! A pre-copy round (`gpusnap precopy PID --images DIR`): the device data of a running split-path
+//! process copied into gpusnap image files while the process runs on, so that a later
+//! `criu dump` whose image directory has a `parent` link to DIR copies only what changed since.
+//!
+//! The process is never stopped or locked. The agent holds its allocation table while the GPU
+//! hashes and while each chunk is copied (the application's allocation calls wait for at most
+//! one chunk's copy; its kernels and copies run on). Bytes copied from memory the application
+//! may be writing are not the bytes the GPU hashed before, so the writers hash what they
+//! received and record that as each chunk's device hash (`datapath::Round::Live`); the final
+//! dump compares the GPU's hash of the memory as it is then with it, so a chunk that changed
+//! after it was copied is copied again. The round's directory holds gpusnap files only (no CRIU
+//! images): it is a parent for dumps, never restored by itself.
+//!
+//! Failure leaves the process as it was: the round's files are removed, and the round can be
+//! run again.
+
+use crate::agent::{AgentError, AgentSession};
+use crate::context::{codec_of, limits_of};
+use crate::datapath::{self, DataError, DumpData, Round};
+use crate::procfs;
+use crate::staging::{RingShape, Staging};
+use gpusnap_image::{AllocationRecord, CheckpointPath, ChunkEntry, ImageError, PARENT_LINK};
+use std::fs;
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+#[derive(Debug, thiserror::Error)]
+pub enum PreCopyError {
+    #[error("configuration: {0}")]
+    Config(String),
+    #[error("pid {pid}: {err}")]
+    Proc { pid: i32, err: std::io::Error },
+    #[error(
+        "pid {pid} has no gpusnap agent (start it with LD_PRELOAD of libgpusnap_agent.so): a pre-copy round needs the split path"
+    )]
+    NoAgent { pid: i32 },
+    #[error(transparent)]
+    Agent(#[from] AgentError),
+    #[error("{0}")]
+    Data(#[from] DataError),
+    #[error("{}: {err}", dir.display())]
+    ImageDir { dir: PathBuf, err: std::io::Error },
+    #[error(
+        "{} already holds a gpusnap image of nspid {nspid}: a pre-copy round writes into a directory of its own (it may be the parent of other images)",
+        dir.display()
+    )]
+    NotEmpty { dir: PathBuf, nspid: u32 },
+    #[error(
+        "{}: its `parent` link leads to {}, not to {}",
+        dir.display(),
+        found.display(),
+        wanted.display()
+    )]
+    OtherParent {
+        dir: PathBuf,
+        found: PathBuf,
+        wanted: PathBuf,
+    },
+    #[error("the NVIDIA driver: {0}")]
+    Driver(#[from] gpusnap_cuda::DriverError),
+    #[error(
+        "the process's allocations changed during the round ({0}); nothing of the process was changed: run the round again"
+    )]
+    Changed(String),
+    #[error("writing the manifest: {0}")]
+    Manifest(ImageError),
+}
+
+/// What a round saved.
+#[derive(Debug)]
+pub struct PreCopyReport {
+    pub pid: i32,
+    pub nspid: u32,
+    pub data: DumpData,
+    /// Allocations whose data the round holds, and those it left to the final dump (the
+    /// application's own mappings that are not movable, memory allocated during the round).
+    pub allocations_saved: usize,
+    pub allocations_left: usize,
+    /// Whether a parent image was compared against, and why not where one was given.
+    pub incremental: bool,
+    pub parent_unused: Option<String>,
+    pub seconds: f64,
+}
+
+/// Runs one pre-copy round of `pid` into `images` (created if missing), against `parent` if
+/// given (the `parent` link is made as `criu dump --prev-images-dir` makes it: relative paths
+/// are taken from `images`).
+pub fn precopy(
+    pid: i32,
+    images: &Path,
+    parent: Option<&Path>,
+) -> Result<PreCopyReport, PreCopyError> {
+    let t0 = Instant::now();
+    let cfg = gpusnap_config::load().map_err(|e| PreCopyError::Config(e.to_string()))?;
+    let nspid = procfs::ns_pid(pid).map_err(|err| PreCopyError::Proc { pid, err })? as u32;
+    let api = gpusnap_cuda::driver::api()?;
+    api.init()?;
+    let driver = (api.driver_version().unwrap_or(0), api.gpus()?);
+
+    let dir = open_round_dir(images, nspid, parent)?;
+    let session =
+        AgentSession::connect(pid, cfg.agent_timeout())?.ok_or(PreCopyError::NoAgent { pid })?;
+    session.hello_intact()?;
+    let before = session.list()?;
+    let (index, parent_unused) = match gpusnap_image::parent_for_dedup(dir.as_fd(), nspid, &before)
+    {
+        gpusnap_image::ParentImage::None => (None, None),
+        _ if !cfg.incremental => (None, Some("incremental = false".to_owned())),
+        gpusnap_image::ParentImage::Usable(i) => (Some(i), None),
+        gpusnap_image::ParentImage::Unusable(why) => (None, Some(why)),
+    };
+    let ring = RingShape::for_dump(
+        cfg.staging_slot_bytes(),
+        cfg.staging_slots as usize,
+        before.iter().filter(|a| a.moved).map(|a| a.size),
+    );
+    let staging = Staging::new(ring.slot_size, ring.slots).map_err(DataError::Ring)?;
+    let copied = datapath::copy_out(
+        &session,
+        &staging,
+        dir.as_fd(),
+        nspid,
+        cfg.effective_writer_threads(),
+        codec_of(&cfg),
+        index.as_ref(),
+        limits_of(&cfg),
+        cfg.durable,
+        Round::Live,
+    );
+    drop(session);
+    let written = copied.map_err(PreCopyError::from).and_then(|data| {
+        // The agent ended the connection with the round; what it holds now says which
+        // allocations the chunks belong to (some may have been made after the first list). An
+        // application mapping caught between its unmap and map again lists as left to the
+        // driver: ask again a few times before calling the round spoilt.
+        let mut tries = 0;
+        let allocations = loop {
+            let after = AgentSession::connect(pid, cfg.agent_timeout())?
+                .ok_or(PreCopyError::NoAgent { pid })?
+                .list()?;
+            match saved_allocations(after, &data.chunks) {
+                Ok(a) => break a,
+                Err(_) if tries < 5 => {
+                    tries += 1;
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
+                Err(why) => return Err(PreCopyError::Changed(why)),
+            }
+        };
+        let mut m = crate::dump::manifest_of(
+            nspid,
+            CheckpointPath::Split,
+            (driver.0, &driver.1),
+            allocations,
+            &data,
+        );
+        m.timings_s
+            .insert("precopy".into(), t0.elapsed().as_secs_f64());
+        gpusnap_image::write_manifest(dir.as_fd(), &m).map_err(PreCopyError::Manifest)?;
+        if cfg.durable {
+            gpusnap_image::sync_dir(dir.as_fd()).map_err(PreCopyError::Manifest)?;
+        }
+        Ok((data, m.allocations))
+    });
+    let (data, allocations) = match written {
+        Ok(w) => w,
+        Err(e) => {
+            if let Err(r) = gpusnap_image::remove_process_files(dir.as_fd(), nspid) {
+                log::warn!("removing the round's partial files: {r}");
+            }
+            return Err(e);
+        }
+    };
+    let saved = allocations.iter().filter(|a| a.moved).count();
+    Ok(PreCopyReport {
+        pid,
+        nspid,
+        allocations_saved: saved,
+        allocations_left: allocations.len() - saved,
+        incremental: index.is_some(),
+        parent_unused,
+        data,
+        seconds: t0.elapsed().as_secs_f64(),
+    })
+}
+
+/// Opens (creating it if needed) the round's directory, refusing one that already holds an
+/// image of `nspid`, and makes its `parent` link.
+fn open_round_dir(
+    images: &Path,
+    nspid: u32,
+    parent: Option<&Path>,
+) -> Result<OwnedFd, PreCopyError> {
+    let at = |err| PreCopyError::ImageDir {
+        dir: images.to_owned(),
+        err,
+    };
+    fs::create_dir_all(images).map_err(at)?;
+    let dir: OwnedFd = fs::File::open(images).map_err(at)?.into();
+    let ours = gpusnap_image::list_image_files(dir.as_fd())
+        .map_err(|e| at(std::io::Error::other(e.to_string())))?
+        .iter()
+        .any(|(kind, _)| kind.nspid() == Some(nspid));
+    if ours {
+        return Err(PreCopyError::NotEmpty {
+            dir: images.to_owned(),
+            nspid,
+        });
+    }
+    if let Some(wanted) = parent {
+        let link = images.join(PARENT_LINK);
+        match fs::read_link(&link) {
+            Ok(found) if found == wanted => {}
+            Ok(found) => {
+                return Err(PreCopyError::OtherParent {
+                    dir: images.to_owned(),
+                    found,
+                    wanted: wanted.to_owned(),
+                });
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                std::os::unix::fs::symlink(wanted, &link).map_err(at)?;
+            }
+            Err(e) => return Err(at(e)),
+        }
+    }
+    Ok(dir)
+}
+
+/// The manifest's allocations: every allocation the agent lists after the round, marked moved
+/// where the round's chunks cover it exactly, left (not moved) where it has none. Any other
+/// case (a chunk outside every allocation, or an allocation covered in part) means allocations
+/// were freed or replaced during the round.
+fn saved_allocations(
+    mut listed: Vec<AllocationRecord>,
+    chunks: &[ChunkEntry],
+) -> Result<Vec<AllocationRecord>, String> {
+    listed.sort_by_key(|a| a.addr);
+    let mut covered = vec![0u64; listed.len()];
+    for c in chunks {
+        let k = listed.partition_point(|a| a.addr <= c.addr);
+        let inside = k.checked_sub(1).filter(|&i| {
+            let a = &listed[i];
+            a.moved && c.addr.saturating_add(c.len) <= a.addr.saturating_add(a.size)
+        });
+        let Some(i) = inside else {
+            return Err(format!(
+                "the chunk at {:#x} lies in no allocation the agent holds now",
+                c.addr
+            ));
+        };
+        covered[i] += c.len;
+    }
+    for (a, &sum) in listed.iter_mut().zip(&covered) {
+        if sum == 0 {
+            a.moved = false;
+        } else if sum != a.size {
+            return Err(format!(
+                "allocation #{} at {:#x}: {sum} of {} bytes saved",
+                a.id, a.addr, a.size
+            ));
+        }
+    }
+    Ok(listed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn alloc(id: u64, addr: u64, size: u64, moved: bool) -> AllocationRecord {
+        AllocationRecord {
+            id,
+            device: 0,
+            addr,
+            size,
+            moved,
+        }
+    }
+
+    #[test]
+    fn allocations_are_saved_whole_or_left() {
+        let chunks = vec![
+            ChunkEntry::zero(0x1000_0000, 1 << 20, 0),
+            ChunkEntry::zero(0x1010_0000, 1 << 20, 0),
+        ];
+        let listed = vec![
+            alloc(2, 0x2000_0000, 1 << 20, true),
+            alloc(1, 0x1000_0000, 2 << 20, true),
+            alloc(3, 0x3000_0000, 4096, false),
+        ];
+        let got = saved_allocations(listed, &chunks).unwrap();
+        let moved: Vec<(u64, bool)> = got.iter().map(|a| (a.id, a.moved)).collect();
+        assert_eq!(moved, vec![(1, true), (2, false), (3, false)]);
+
+        // Covered in part: it was freed and replaced during the round.
+        let listed = vec![alloc(1, 0x1000_0000, 4 << 20, true)];
+        let e = saved_allocations(listed, &chunks).unwrap_err();
+        assert!(e.contains("2097152 of 4194304 bytes"), "{e}");
+        // A chunk in no allocation held now.
+        let e = saved_allocations(vec![alloc(5, 0x1010_0000, 1 << 20, true)], &chunks).unwrap_err();
+        assert!(e.contains("0x10000000 lies in no allocation"), "{e}");
+        // A chunk in an allocation now left to the driver.
+        let e =
+            saved_allocations(vec![alloc(1, 0x1000_0000, 2 << 20, false)], &chunks).unwrap_err();
+        assert!(e.contains("lies in no allocation"), "{e}");
+    }
+}

@@ -18,6 +18,7 @@
 #            cycles  gpu/cycles.sh --path both (20 cycles, 4 GiB)             (~4-5 min)
 #            incr    gpu/incremental.sh (16 GiB)                              (~1 min)
 #            precopy gpu/precopy.sh (16 GiB: two live rounds, then the dump)  (~1 min)
+#            disk    gpu/disk.sh (16 GiB durable dumps onto the disk)         (~1.5 min)
 #            bench16 bench/run.sh --sizes 16                                  (~1 min)
 #            mgpu    gpu/multi_gpu.sh (two GPUs: device kind nvidia-h200-x2)  (~1.5 min)
 #   Default PARTs: e2e bench.
@@ -40,7 +41,7 @@ while [[ $# -gt 0 ]]; do
         --quick) quick=1; shift ;;
         --deadline-s) deadline=$2; shift 2 ;;
         -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
-        e2e|bench|torch1|torch2|faults|faults-matrix|alloc|cycles|incr|precopy|bench16|mgpu) parts+=("$1"); shift ;;
+        e2e|bench|torch1|torch2|faults|faults-matrix|alloc|cycles|incr|precopy|disk|bench16|mgpu) parts+=("$1"); shift ;;
         torch) parts+=(torch1 torch2); shift ;;
         *) echo "run-all.sh: unknown argument $1" >&2; exit 2 ;;
     esac
@@ -123,6 +124,7 @@ for p in "${parts[@]}"; do
         cycles) run_part cycles gpu/cycles.sh --path both ;;
         incr) run_part incr gpu/incremental.sh ;;
         precopy) run_part precopy gpu/precopy.sh ;;
+        disk) run_part disk gpu/disk.sh ;;
         bench16) run_part bench16 bench/run.sh --sizes 16 ;;
         mgpu) run_part mgpu gpu/multi_gpu.sh ;;
     esac

@@ -84,6 +84,7 @@ pub(crate) const KEYS: &[Key] = &[
             c.compress = match string(r, o, COMPRESS)? {
                 "off" => Compress::Off,
                 "zstd" => Compress::Zstd,
+                "auto" => Compress::Auto,
                 _ => return Err(invalid(r, o, COMPRESS)),
             };
             Ok(())
@@ -169,7 +170,7 @@ pub(crate) const KEYS: &[Key] = &[
 ];
 
 const MODES: &str = "one of \"auto\", \"transparent\", \"off\"";
-const COMPRESS: &str = "one of \"off\", \"zstd\"";
+const COMPRESS: &str = "one of \"off\", \"zstd\", \"auto\"";
 const VERIFY: &str = "one of \"auto\", \"host\", \"off\" (or true = host, false = off)";
 const LOG_LEVELS: &str =
     "one of \"error\", \"warn\", \"info\", \"debug\", or \"\" to follow CRIU's log level";

@@ -96,6 +96,9 @@ pub enum Compress {
     #[default]
     Off,
     Zstd,
+    /// zstd where the image directory is on a disk (slower than the compressor), raw where it
+    /// is in memory (tmpfs, ramfs, hugetlbfs), where compressing would only cost time.
+    Auto,
 }
 
 impl Compress {
@@ -103,6 +106,7 @@ impl Compress {
         match self {
             Compress::Off => "off",
             Compress::Zstd => "zstd",
+            Compress::Auto => "auto",
         }
     }
 }

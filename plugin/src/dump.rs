@@ -485,13 +485,17 @@ fn move_data_out(
 
     let dir = ctx.image_dir();
     let parent = dedup_parent(ctx, t, &allocations);
+    let (codec, why) = crate::context::codec_for(&ctx.cfg, dir);
+    if ctx.cfg.compress == gpusnap_config::Compress::Auto {
+        log::info!("pid {pid}: chunks stored as {codec:?}: {why}");
+    }
     let data = datapath::copy_out(
         &session,
         &staging,
         dir,
         t.nspid as u32,
         ctx.cfg.effective_writer_threads(),
-        ctx.codec(),
+        codec,
         parent.as_ref(),
         ctx.limits(),
         ctx.cfg.durable,

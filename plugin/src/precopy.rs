@@ -15,7 +15,7 @@
 //! run again.
 
 use crate::agent::{AgentError, AgentSession};
-use crate::context::{codec_of, limits_of};
+use crate::context::{codec_for, limits_of};
 use crate::datapath::{self, DataError, DumpData, Round};
 use crate::procfs;
 use crate::staging::{RingShape, Staging};
@@ -122,7 +122,7 @@ pub fn precopy(
         dir.as_fd(),
         nspid,
         cfg.effective_writer_threads(),
-        codec_of(&cfg),
+        codec_for(&cfg, dir.as_fd()).0,
         index.as_ref(),
         limits_of(&cfg),
         cfg.durable,

@@ -13,9 +13,9 @@ use std::collections::BTreeMap;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use gpusnap_config::{Compress, Config};
+use gpusnap_config::Config;
 use gpusnap_image::{
-    AllocationRecord, CheckpointPath, Codec, GpuRecord, KfdBoRecord, KfdFileKind, KfdFileRecord,
+    AllocationRecord, CheckpointPath, GpuRecord, KfdBoRecord, KfdFileKind, KfdFileRecord,
     KfdGpuRecord, KfdState, Manifest,
 };
 use gpusnap_rocm::bo::BoMapping;
@@ -309,10 +309,7 @@ impl AmdDump {
                 gpu: gpu_index(ckpt.bos[*i].gpu_id),
             })
             .collect();
-        let codec = match self.cfg.compress {
-            Compress::Off => Codec::Raw,
-            Compress::Zstd => Codec::Zstd,
-        };
+        let codec = crate::context::codec_for(&self.cfg, dir).0;
         gpusnap_image::remove_process_files(dir, nspid).map_err(|e| e.to_string())?;
         let written = data::write_bos(
             dir,

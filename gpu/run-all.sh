@@ -18,6 +18,10 @@
 #            cycles  gpu/cycles.sh --path both (20 cycles, 4 GiB)             (~4-5 min)
 #            incr    gpu/incremental.sh (16 GiB)                              (~1 min)
 #            bench16 bench/run.sh --sizes 16                                  (~1 min)
+#            floor16 bench/run.sh --sizes 16 --name floor-h200 (the floor: ring probe at
+#                    16 GiB, then both paths)                                  (~1.5 min)
+#            jax     gpu/jax_case.sh (JAX default config, split; transparent recorded
+#                    as skipped when 2x the reservation does not fit in RAM)  (~2 min)
 #            mgpu    gpu/multi_gpu.sh (two GPUs: device kind nvidia-h200-x2)  (~1.5 min)
 #   Default PARTs: e2e bench.
 #   --deadline-s N   start no new case N s after run-all started (default 510, for the
@@ -38,8 +42,8 @@ while [[ $# -gt 0 ]]; do
     case $1 in
         --quick) quick=1; shift ;;
         --deadline-s) deadline=$2; shift 2 ;;
-        -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
-        e2e|bench|torch1|torch2|faults|faults-matrix|alloc|cycles|incr|bench16|mgpu) parts+=("$1"); shift ;;
+        -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+        e2e|bench|torch1|torch2|faults|faults-matrix|alloc|cycles|incr|bench16|floor16|jax|mgpu) parts+=("$1"); shift ;;
         torch) parts+=(torch1 torch2); shift ;;
         *) echo "run-all.sh: unknown argument $1" >&2; exit 2 ;;
     esac
@@ -67,6 +71,7 @@ say "gpu/run-all.sh $*  (quick=$quick parts=${parts[*]:-none} deadline=${deadlin
     scripts/criu check 2>&1 | tail -n 5 || true
     command -v nvcc && nvcc --version | tail -n 1 || echo "no nvcc on PATH"
     "$PY" -c 'import sys, torch, transformers; print(sys.executable, "torch", torch.__version__, "transformers", transformers.__version__)' || true
+    "$PY" -c 'import jax; print("jax", jax.__version__)' || true
     env | grep -E '^(GPUSNAP_|CUDA_|PYTORCH_|NCCL_|LD_PRELOAD)' || true
     echo "--- end preflight"
 } 2>&1 | tee -a "$log" || true
@@ -77,7 +82,7 @@ gpu_pids=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null
 for pid in $gpu_pids; do
     [[ $pid =~ ^[0-9]+$ ]] || continue
     cmd=$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null || true)
-    if [[ $cmd == */tmp/gpusnap-bin/workload* || $cmd == *gpu/torch_work.py* ]]; then
+    if [[ $cmd == */tmp/gpusnap-bin/workload* || $cmd == */tmp/gpusnap-bin/ring_probe* || $cmd == *gpu/torch_work.py* || $cmd == *gpu/jax_work.py* ]]; then
         say "killing leftover workload $pid: $cmd"
         kill -9 "$pid" 2>/dev/null || true
     else
@@ -122,6 +127,8 @@ for p in "${parts[@]}"; do
         cycles) run_part cycles gpu/cycles.sh --path both ;;
         incr) run_part incr gpu/incremental.sh ;;
         bench16) run_part bench16 bench/run.sh --sizes 16 ;;
+        floor16) run_part floor16 bench/run.sh --sizes 16 --name floor-h200 ;;
+        jax) run_part jax gpu/jax_case.sh ;;
         mgpu) run_part mgpu gpu/multi_gpu.sh ;;
     esac
 done

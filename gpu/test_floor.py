@@ -1,4 +1,5 @@
-"""Tests of the floor's harness code without a GPU: python3 bench/test_floor.py
+"""Tests of the floor's harness code (bench/bench.py, bench/report.py, gpu/ring_probe.cu) without
+a GPU: python3 gpu/test_floor.py (scripts/test.sh runs it with the other gpu/test_*.py)
 
 - bench.ring_floor against gpu/ring_probe.cu built as its host mock (g++ -DRING_PROBE_HOST_MOCK;
   skipped where g++ is missing): two runs parsed, the second kept with the first's rates, a
@@ -18,6 +19,7 @@ import unittest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(REPO, "bench"))
 sys.path.insert(0, HERE)
 import bench  # noqa: E402
 import report  # noqa: E402

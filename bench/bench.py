@@ -13,6 +13,7 @@ bench/report.py. Log: $OUT/bench.log; per-case logs in $OUT/logs.tar.
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -66,7 +67,8 @@ def ring_floor(binary, images, gib, shape, log):
     rates added, or None; why not). shape: the probe's ring (slots, slot_mib, streams, threads)."""
     if not os.path.exists(binary):
         return None, "ring_probe binary %s missing (gpu/build.sh builds it)" % binary
-    cmd = [binary, "--gib", str(gib), "--repeat", "2", "--dir", os.path.join(images, "floor-probe")]
+    pdir = os.path.join(images, "floor-probe")
+    cmd = [binary, "--gib", str(gib), "--repeat", "2", "--dir", pdir]
     for k in ("slots", "slot_mib", "streams", "threads"):
         cmd += ["--" + k.replace("_", "-"), str(shape[k])]
     log("$ " + " ".join(cmd))
@@ -74,6 +76,9 @@ def ring_floor(binary, images, gib, shape, log):
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=120 + 6 * float(gib))
     except subprocess.TimeoutExpired:
         return None, "ring_probe timed out"
+    finally:
+        # a probe that died leaves its files (GiB of /dev/shm) behind
+        shutil.rmtree(pdir, ignore_errors=True)
     log.block("ring_probe output (rc %d)" % r.returncode, r.stdout + r.stderr)
     recs = []
     for x in r.stdout.splitlines():

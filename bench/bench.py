@@ -1,6 +1,7 @@
 """Split path vs transparent path benchmark (issue "split path benchmark"); run by bench/run.sh.
 
-One run: pinned PCIe bandwidth (gpu/pcie_bw.cu), then for each size (default 4 16 64 GiB) and
+One run: pinned PCIe bandwidth (gpu/pcie_bw.cu), the floor's ring probe at each size
+(gpu/ring_probe.cu, two runs, the second counts; see floor_of), then for each size (default 4 16 64 GiB) and
 path (transparent, split): gpu/workload.cu, criu dump (timed: start to return), criu restore
 --restore-detached (timed: start to return; the plugin restores all data before criu returns),
 the tick checker after restore ("identical"). Cases that do not fit in RAM are skipped with a
@@ -12,6 +13,7 @@ bench/report.py. Log: $OUT/bench.log; per-case logs in $OUT/logs.tar.
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -59,9 +61,46 @@ def pcie(binary, gib, log):
     return None
 
 
+def ring_floor(binary, images, gib, shape, log):
+    """gpu/ring_probe.cu at `gib` in the image directory, two runs (the first pays the VM's first
+    touch of guest memory, the second is the floor): (the second run's record, with the first's
+    rates added, or None; why not). shape: the probe's ring (slots, slot_mib, streams, threads)."""
+    if not os.path.exists(binary):
+        return None, "ring_probe binary %s missing (gpu/build.sh builds it)" % binary
+    pdir = os.path.join(images, "floor-probe")
+    cmd = [binary, "--gib", str(gib), "--repeat", "2", "--dir", pdir]
+    for k in ("slots", "slot_mib", "streams", "threads"):
+        cmd += ["--" + k.replace("_", "-"), str(shape[k])]
+    log("$ " + " ".join(cmd))
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120 + 6 * float(gib))
+    except subprocess.TimeoutExpired:
+        return None, "ring_probe timed out"
+    finally:
+        # a probe that died leaves its files (GiB of /dev/shm) behind
+        shutil.rmtree(pdir, ignore_errors=True)
+    log.block("ring_probe output (rc %d)" % r.returncode, r.stdout + r.stderr)
+    recs = []
+    for x in r.stdout.splitlines():
+        if x.startswith("{"):
+            try:
+                recs.append(json.loads(x))
+            except ValueError:
+                pass
+    if r.returncode != 0 or len(recs) != 2:
+        return None, "ring_probe rc %d with %d record(s): %s" % (
+            r.returncode, len(recs), (r.stderr.strip().splitlines() or ["no message"])[-1])
+    if not all(x.get("verified") for x in recs):
+        return None, "ring_probe: the restored data did not verify"
+    last = dict(recs[-1])
+    last.update(first_write_gbps=recs[0].get("write_gbps"), first_read_gbps=recs[0].get("read_gbps"))
+    return last, None
+
+
 def tmpfs_floor(images, gib, log):
     """gpu/tmpfs_probe.py at `gib` in the image directory, twice (the first run pays the VM's
-    first touch of guest memory, the second is the floor); the second run's record, or None."""
+    first touch of guest memory, the second counts); the second run's record, or None. Only with
+    --tmpfs-probe, as a column beside the floor: tmpfs alone, from one cache-hot buffer."""
     cmd = [sys.executable, os.path.join(crlib.REPO, "gpu", "tmpfs_probe.py"), "--gib", str(gib), str(gib),
            "--dir", os.path.join(images, "floor-probe")]
     log("$ " + " ".join(cmd))
@@ -76,10 +115,12 @@ def tmpfs_floor(images, gib, log):
 
 
 def floor_of(rec, pcie, probe):
-    """The machine's floor for a split case, from the same run: the data the case moved at the
-    slower of pinned PCIe and tmpfs (probe), plus the driver's control checkpoint (restore) and
-    CRIU's own part of the call (the call's time less gpusnap's phases), all as measured in this
-    case. gpusnap's own set-up (ring, release) is what the floor leaves out."""
+    """The machine's floor for a split case, from the same run (issue 14): the data the case
+    moved at the ring probe's rates (gpu/ring_probe.cu at the same size: device -> pinned ring ->
+    tmpfs files and back, PCIe and tmpfs together), plus the driver's control checkpoint
+    (restore) and CRIU's own part of the call (the call's time less gpusnap's phases), both as
+    measured in this case. gpusnap's own set-up (ring, release) and its per-chunk work are what
+    the floor leaves out. pcie (may be None) only gives the shares of PCIe."""
     st = rec.get("phases") or {}
     try:
         p = st["processes"][0]
@@ -89,19 +130,26 @@ def floor_of(rec, pcie, probe):
     except (KeyError, IndexError, TypeError):
         return {}
     moved = d.get("device_bytes", 0) - d.get("bytes_zero", 0) - d.get("bytes_referenced", 0)
-    out_gbps = min(x for x in (pcie.get("d2h_gbps"), probe.get("write_gbps")) if x)
-    in_gbps = min(x for x in (pcie.get("h2d_gbps"), probe.get("read_gbps")) if x)
+    out_gbps, in_gbps = probe.get("write_gbps"), probe.get("read_gbps")
+    if not out_gbps or not in_gbps:
+        return {}
     criu_dump = rec["dump_s"] - sum(v for v in t.values() if isinstance(v, (int, float)))
     criu_restore = rec["restore_s"] - rt.get("total", 0)
     f = {
         "floor_dump_s": round(moved / (out_gbps * 1e9) + t.get("control", 0) + max(criu_dump, 0), 3),
         "floor_restore_s": round(moved / (in_gbps * 1e9) + rt.get("control", 0) + max(criu_restore, 0), 3),
         "floor_out_gbps": out_gbps, "floor_in_gbps": in_gbps, "moved_bytes": moved,
+        "floor_probe": "ring",
+        "floor_probe_params": {k: probe.get(k) for k in ("gib", "slots", "slot_mib", "streams", "threads")},
     }
     if t.get("data"):
-        f["data_out_share_of_pcie"] = round(moved / t["data"] / (pcie["d2h_gbps"] * 1e9), 3)
+        f["data_out_share_of_floor"] = round(moved / t["data"] / (out_gbps * 1e9), 3)
+        if pcie and pcie.get("d2h_gbps"):
+            f["data_out_share_of_pcie"] = round(moved / t["data"] / (pcie["d2h_gbps"] * 1e9), 3)
     if rt.get("data"):
-        f["data_in_share_of_pcie"] = round(moved / rt["data"] / (pcie["h2d_gbps"] * 1e9), 3)
+        f["data_in_share_of_floor"] = round(moved / rt["data"] / (in_gbps * 1e9), 3)
+        if pcie and pcie.get("h2d_gbps"):
+            f["data_in_share_of_pcie"] = round(moved / rt["data"] / (pcie["h2d_gbps"] * 1e9), 3)
     return f
 
 
@@ -127,8 +175,17 @@ def main():
                          "(records case sparse-<reserved+written>g-touch-<written>g)")
     ap.add_argument("--cmdline", default=None, help="command line to record (default: this one)")
     ap.add_argument("--no-floor", action="store_true",
-                    help="do not measure the floor (tmpfs probe at each size; needs PCIe too)")
+                    help="do not measure the floor (gpu/ring_probe.cu at each size)")
+    ap.add_argument("--probe-slots", type=int, default=16, help="ring probe: ring slots (default 16)")
+    ap.add_argument("--probe-slot-mib", type=int, default=32, help="ring probe: MiB per slot (default 32)")
+    ap.add_argument("--probe-streams", type=int, default=4, help="ring probe: copy streams (default 4)")
+    ap.add_argument("--probe-threads", type=int, default=16,
+                    help="ring probe: writer/reader threads, one file each (default 16)")
+    ap.add_argument("--tmpfs-probe", action="store_true",
+                    help="also run gpu/tmpfs_probe.py at each size (tmpfs alone, a column beside the floor)")
     a = ap.parse_args()
+    shape = {"slots": a.probe_slots, "slot_mib": a.probe_slot_mib, "streams": a.probe_streams,
+             "threads": a.probe_threads}
 
     t_start = time.time()
     run_id = time.strftime("%Y%m%dT%H%M%S") + "-%d" % os.getpid()
@@ -140,7 +197,9 @@ def main():
                                     ram_gib=mi.get("ram_gib"), kernel=mi.get("kernel"),
                                     gpu_mem=mi.get("gpu_mem"), criu=mi.get("criu"),
                                     shm_options=mi.get("shm_options"), sizes=a.sizes, paths=a.paths,
-                                    alloc=a.alloc, chunk_mib=a.chunk_mib, mock=a.mock))
+                                    alloc=a.alloc, chunk_mib=a.chunk_mib, mock=a.mock,
+                                    floor_probe=None if a.no_floor or a.mock else "ring",
+                                    floor_probe_params=shape))
 
     p = None
     if not a.no_pcie and not a.mock:
@@ -153,15 +212,30 @@ def main():
                                             bytes=p.get("bytes"), chunk_mib=p.get("chunk_mib"),
                                             streams=p.get("streams")))
 
-    # The floor: tmpfs at each size (with the PCIe numbers above), before the cases, so that they
-    # and the probe see the same, already touched, guest memory.
-    probes = {}
-    if p and not a.mock and not a.no_floor:
+    # The floor: the ring probe at each size, before the cases, so that they and the probe see the
+    # same, already touched, guest memory. The harness test (--mock) has no GPU: no floor.
+    probes, tmpfs = {}, {}
+    if a.mock:
+        log("floor: not measured (--mock: the ring probe needs a GPU)")
+    elif not a.no_floor:
+        os.makedirs(a.images, exist_ok=True)
         for gib in a.sizes:
-            pr = tmpfs_floor(a.images, gib, log)
+            pr, why = ring_floor(os.path.join(a.bin, "ring_probe"), a.images, gib, shape, log)
+            rec = dict(base, kind="floor-probe", probe="ring", date=output.iso_now(), gib=gib)
             if pr:
                 probes[gib] = pr
-                output.append_jsonl(jsonls, dict(base, **dict(pr, kind="floor-probe", date=output.iso_now())))
+                # the probe's own "run" (1, 2) must not replace the bench's run id
+                rec.update({{"run": "probe_run", "runs": "probe_runs"}.get(k, k): v
+                            for k, v in pr.items() if k not in ("kind", "gib")})
+            else:
+                log("floor at %s GiB: none (%s)" % (gib, why))
+                rec.update(shape, failed=why)
+            output.append_jsonl(jsonls, rec)
+            if a.tmpfs_probe:
+                tp = tmpfs_floor(a.images, gib, log)
+                if tp:
+                    tmpfs[gib] = tp
+                    output.append_jsonl(jsonls, dict(base, **dict(tp, kind="tmpfs-probe", date=output.iso_now())))
 
     cfg = ccase.CaseConfig(
         workload=os.path.join(crlib.REPO, "gpu", "mock_workload.py") if a.mock else os.path.join(a.bin, "workload"),
@@ -205,8 +279,11 @@ def main():
                 "dump_gpusnap_lines": r.get("dump_gpusnap_lines"),
                 "restore_gpusnap_lines": r.get("restore_gpusnap_lines"),
             })
-            if path == "split" and r["pass"] and probes.get(gib) and p:
+            if path == "split" and r["pass"] and probes.get(gib):
                 rec.update(floor_of(rec, p, probes[gib]))
+                if tmpfs.get(gib):
+                    rec.update(tmpfs_write_gbps=tmpfs[gib].get("write_gbps"),
+                               tmpfs_read_gbps=tmpfs[gib].get("read_gbps"))
             output.append_jsonl(jsonls, rec)
             if not r["pass"]:
                 failed += 1

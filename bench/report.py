@@ -129,10 +129,62 @@ def render(recs, run):
                     100 * float(g) * GIB / s["restore_s"] / (h2d * 1e9)))
         L.append("")
     floors = [r for r in cases if r.get("floor_dump_s")]
-    if floors:
-        probes = {r.get("gib"): r for r in recs if r.get("kind") == "floor-probe"}
+    probes = {r.get("gib"): r for r in recs if r.get("kind") == "floor-probe"}
+    failed_probes = [r for r in probes.values() if r.get("failed")]
+    if floors or failed_probes:
         L.append("## Floor (this machine, this run)")
         L.append("")
+    if floors and any(p.get("probe") == "ring" for p in probes.values()):
+        tmpfs = {r.get("gib"): r for r in recs if r.get("kind") == "tmpfs-probe"}
+        shape = next((p for p in probes.values() if p.get("probe") == "ring"), {})
+        L.append("The floor of a split case (issue 14): its moved bytes (device bytes less zero and "
+                 "referenced chunks) at the ring probe's rates, plus the driver's control checkpoint "
+                 "or restore and CRIU's own part of the call (the call's time less gpusnap's phases), "
+                 "both as measured in the case. The ring probe (`gpu/ring_probe.cu`) runs the split "
+                 "path's data path without gpusnap at the case's size: device to a pinned ring of %s "
+                 "x %s MiB on %s copy streams, %s writer threads each writing its own fresh file in "
+                 "the image directory, then the same back (%s readers, host to device), every word "
+                 "checked on the GPU afterwards; it is run twice and the second run counts (the "
+                 "first pays the VM's first touch of guest memory). So the floor has the PCIe copies "
+                 "and fresh data from RAM in it; what it leaves out is gpusnap's own set-up (ring, "
+                 "release) and its per-chunk work (device hashes, manifest, hand-offs)." % (
+                     shape.get("slots", "?"), shape.get("slot_mib", "?"), shape.get("streams", "?"),
+                     shape.get("threads", "?"), shape.get("threads", "?")))
+        L.append("")
+        head = ("| GiB | ring probe write / read GB/s (first run) | floor dump s | split dump s | × floor "
+                "| floor restore s | split restore s | × floor | data out, share of probe / PCIe "
+                "| data in, share of probe / PCIe |")
+        sep = "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+        if tmpfs:
+            head += " tmpfs alone write / read GB/s |"
+            sep += "---|"
+        L.append(head)
+        L.append(sep)
+
+        def pct(x):
+            return fmt((x or 0) * 100, 0) + "%" if x is not None else "-"
+
+        for r in floors:
+            pr = probes.get(r["gib"]) or {}
+            row = "| %s | %s / %s (%s / %s) | %s | %s | %s | %s | %s | %s | %s / %s | %s / %s |" % (
+                r["gib"], fmt(pr.get("write_gbps")), fmt(pr.get("read_gbps")),
+                fmt(pr.get("first_write_gbps")), fmt(pr.get("first_read_gbps")),
+                fmt(r["floor_dump_s"], 3), fmt(r.get("dump_s")),
+                fmt(ratio(r.get("dump_s"), r["floor_dump_s"]), 2),
+                fmt(r.get("floor_restore_s"), 3), fmt(r.get("restore_s")),
+                fmt(ratio(r.get("restore_s"), r.get("floor_restore_s")), 2),
+                pct(r.get("data_out_share_of_floor")), pct(r.get("data_out_share_of_pcie")),
+                pct(r.get("data_in_share_of_floor")), pct(r.get("data_in_share_of_pcie")))
+            if tmpfs:
+                tp = tmpfs.get(r["gib"]) or {}
+                row += " %s / %s |" % (fmt(tp.get("write_gbps")), fmt(tp.get("read_gbps")))
+            L.append(row)
+        L.append("")
+        L.append("Share of probe: gpusnap's data phase (`timings_s.data`) against the probe's rate "
+                 "for the same bytes; share of PCIe: against pinned PCIe alone.")
+        L.append("")
+    elif floors:
+        # runs before the ring probe (harness up to 0bb4bbb): the floor came from the tmpfs probe
         L.append("The floor of a split case: its moved bytes at the slower of pinned PCIe and tmpfs "
                  "(`gpu/tmpfs_probe.py` at the same size, second of two runs, so on touched memory), "
                  "plus the driver's control checkpoint or restore and CRIU's own part of the call, both "
@@ -153,6 +205,10 @@ def render(recs, run):
                 fmt(ratio(r.get("restore_s"), r.get("floor_restore_s")), 2),
                 fmt((r.get("data_out_share_of_pcie") or 0) * 100, 0) + "%",
                 fmt((r.get("data_in_share_of_pcie") or 0) * 100, 0) + "%"))
+        L.append("")
+    for r in failed_probes:
+        L.append("- no floor at %s GiB: %s" % (r.get("gib"), r["failed"]))
+    if failed_probes:
         L.append("")
     L.append("## Cases")
     L.append("")

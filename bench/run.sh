@@ -3,11 +3,15 @@
 #
 # Usage: bench/run.sh [--sizes "4 16 64"] [--paths transparent,split] [--name NAME]
 #                     [--images DIR] [--alloc driver|runtime] [--ram-gib 128] [--pcie-gib 4]
-#                     [--no-pcie] [--verify] [--budget-s S] [--mock]
+#                     [--no-pcie] [--no-floor] [--tmpfs-probe] [--probe-slots 16]
+#                     [--probe-slot-mib 32] [--probe-streams 4] [--probe-threads 16]
+#                     [--verify] [--budget-s S] [--mock]
 #
-# In one run on the H200: builds gpu/workload.cu and gpu/pcie_bw.cu (gpu/build.sh), installs the
-# plugin (/tmp/gpusnap-plugins/gpusnap.so), remounts /dev/shm at 120G, measures pinned PCIe
-# D2H/H2D, then for each size and path: starts the workload (split: LD_PRELOAD the agent),
+# In one run on the H200: builds gpu/workload.cu, gpu/pcie_bw.cu and gpu/ring_probe.cu
+# (gpu/build.sh, into /tmp/gpusnap-bin, where bench.py looks: --bin), installs the plugin
+# (/tmp/gpusnap-plugins/gpusnap.so), remounts /dev/shm at 120G, measures pinned PCIe D2H/H2D,
+# runs the floor's ring probe at each size (two runs in the image dir, the second counts; not
+# with --mock or --no-floor), then for each size and path: starts the workload (split: LD_PRELOAD the agent),
 # times `criu dump` and `criu restore` (images on /dev/shm), checks that the restored
 # computation goes on bit-exact. Cases that do not fit in RAM (transparent 64 GiB needs ~134 GiB)
 # are recorded as skipped. NAME defaults to split-vs-transparent-h200.
@@ -18,7 +22,7 @@ cd "$(dirname "$0")/.."
 repo=$PWD
 
 if [[ ${1:-} == -h || ${1:-} == --help ]]; then
-    sed -n '2,17p' "$0"
+    sed -n '2,21p' "$0"
     exit 0
 fi
 

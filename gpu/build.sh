@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Build gpu/workload.cu and gpu/pcie_bw.cu into a bin dir (default /tmp/gpusnap-bin),
-# only when missing or older than the source. Prints the paths it built or found.
+# Build gpu/workload.cu, gpu/pcie_bw.cu and gpu/ring_probe.cu into a bin dir (default
+# /tmp/gpusnap-bin), only when missing or older than the source. Prints the paths it built or found.
 #
 # Usage: gpu/build.sh [--bin DIR] [--force]
 # Needs nvcc (CUDA 13) on PATH or in /usr/local/cuda/bin. Targets sm_90 (H100/H200); falls
@@ -49,6 +49,8 @@ link_variants() {
 
 build_one() {
     local src=$1 out=$2
+    shift 2
+    local extra=("$@")  # more nvcc arguments (libraries)
     if [[ $force == 0 && -x $out && $out -nt $src ]]; then
         echo "build.sh: $out is up to date"
         return 0
@@ -57,12 +59,12 @@ build_one() {
     for arch in "-arch=sm_90" ""; do
         while IFS= read -r link; do
             # shellcheck disable=SC2086  # word splitting of the flag strings is intended
-            if nvcc -O2 $arch -o "$out.tmp" "$src" $link 2>"$out.err"; then
+            if nvcc -O2 $arch -o "$out.tmp" "$src" $link ${extra[@]+"${extra[@]}"} 2>"$out.err"; then
                 mv -f "$out.tmp" "$out"; rm -f "$out.err"
-                echo "build.sh: built $out (nvcc -O2 $arch $src $link)"
+                echo "build.sh: built $out (nvcc -O2 $arch $src $link ${extra[*]:-})"
                 return 0
             fi
-            echo "build.sh: nvcc -O2 $arch $src $link failed:" >&2
+            echo "build.sh: nvcc -O2 $arch $src $link ${extra[*]:-} failed:" >&2
             sed 's/^/    /' "$out.err" | tail -n 15 >&2
         done < <(link_variants)
     done
@@ -73,3 +75,5 @@ build_one() {
 nvcc --version | tail -n 2
 build_one "$repo/gpu/workload.cu" "$bin/workload"
 build_one "$repo/gpu/pcie_bw.cu" "$bin/pcie_bw"
+# runtime API only (libcuda linked as above anyway); std::thread needs pthreads on older glibc
+build_one "$repo/gpu/ring_probe.cu" "$bin/ring_probe" -lpthread

@@ -20,6 +20,10 @@
 #            precopy gpu/precopy.sh (16 GiB: two live rounds, then the dump)  (~1 min)
 #            disk    gpu/disk.sh (16 GiB durable dumps onto the disk)         (~1.5 min)
 #            bench16 bench/run.sh --sizes 16                                  (~1 min)
+#            floor16 bench/run.sh --sizes 16 --name floor-h200 (the floor: ring probe at
+#                    16 GiB, then both paths)                                  (~1.5 min)
+#            jax     gpu/jax_case.sh (JAX default config, split; transparent recorded
+#                    as skipped when 2x the reservation does not fit in RAM)  (~2 min)
 #            mgpu    gpu/multi_gpu.sh (two GPUs: device kind nvidia-h200-x2)  (~1.5 min)
 #   Default PARTs: e2e bench.
 #   --deadline-s N   start no new case N s after run-all started (default 510, for the
@@ -40,8 +44,8 @@ while [[ $# -gt 0 ]]; do
     case $1 in
         --quick) quick=1; shift ;;
         --deadline-s) deadline=$2; shift 2 ;;
-        -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
-        e2e|bench|torch1|torch2|faults|faults-matrix|alloc|cycles|incr|precopy|disk|bench16|mgpu) parts+=("$1"); shift ;;
+        -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
+        e2e|bench|torch1|torch2|faults|faults-matrix|alloc|cycles|incr|precopy|disk|bench16|floor16|jax|mgpu) parts+=("$1"); shift ;;
         torch) parts+=(torch1 torch2); shift ;;
         *) echo "run-all.sh: unknown argument $1" >&2; exit 2 ;;
     esac
@@ -69,6 +73,7 @@ say "gpu/run-all.sh $*  (quick=$quick parts=${parts[*]:-none} deadline=${deadlin
     scripts/criu check 2>&1 | tail -n 5 || true
     command -v nvcc && nvcc --version | tail -n 1 || echo "no nvcc on PATH"
     "$PY" -c 'import sys, torch, transformers; print(sys.executable, "torch", torch.__version__, "transformers", transformers.__version__)' || true
+    "$PY" -c 'import jax; print("jax", jax.__version__)' || true
     env | grep -E '^(GPUSNAP_|CUDA_|PYTORCH_|NCCL_|LD_PRELOAD)' || true
     echo "--- end preflight"
 } 2>&1 | tee -a "$log" || true
@@ -79,7 +84,7 @@ gpu_pids=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null
 for pid in $gpu_pids; do
     [[ $pid =~ ^[0-9]+$ ]] || continue
     cmd=$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null || true)
-    if [[ $cmd == */tmp/gpusnap-bin/workload* || $cmd == *gpu/torch_work.py* ]]; then
+    if [[ $cmd == */tmp/gpusnap-bin/workload* || $cmd == */tmp/gpusnap-bin/ring_probe* || $cmd == *gpu/torch_work.py* || $cmd == *gpu/jax_work.py* ]]; then
         say "killing leftover workload $pid: $cmd"
         kill -9 "$pid" 2>/dev/null || true
     else
@@ -126,6 +131,8 @@ for p in "${parts[@]}"; do
         precopy) run_part precopy gpu/precopy.sh ;;
         disk) run_part disk gpu/disk.sh ;;
         bench16) run_part bench16 bench/run.sh --sizes 16 ;;
+        floor16) run_part floor16 bench/run.sh --sizes 16 --name floor-h200 ;;
+        jax) run_part jax gpu/jax_case.sh ;;
         mgpu) run_part mgpu gpu/multi_gpu.sh ;;
     esac
 done

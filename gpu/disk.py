@@ -93,17 +93,11 @@ def one(a, compress, dd_gbps, log, mi, version):
         subprocess.run(["sync"])
         with open("/proc/sys/vm/drop_caches", "w") as f:
             f.write("3\n")
-        restore = criu.criu_restore(img, a.plugdir, "auto", log, timeout=300 + 10 * a.gib)
-        rec["restore_cold_s"] = round(restore["secs"], 3)
-        rpid = restore["pid"]
-        if restore["rc"] != 0:
-            raise RuntimeError("restore failed with rc %d" % restore["rc"])
-        procs.wait_until(lambda: len(ticks()) >= n_dump + 5, 60)
-        ready, all_ticks, errors = ticklog.parse_workload_log(wlog)
-        chk = ticklog.check_ticks(ready, all_ticks, errors, need_after=5, after_index=n_dump)
-        rec["problems"].extend("checker: " + p for p in chk["problems"])
-        rec["identical"] = chk["pass"]
+        rec["restore_cold_s"], rpid, problems, rec["identical"] = criu.restore_and_check(
+            img, a.plugdir, log, wlog, n_dump, 300 + 10 * a.gib)
+        rec["problems"].extend("checker: " + p for p in problems)
     except Exception as e:
+        rpid = rpid or getattr(e, "pid", None)  # a failed restore's process, to clean up
         output.note_failure(rec, log, e, expected=RuntimeError)
     finally:
         targets = [x for x in {rpid, pid} if x]
@@ -128,7 +122,7 @@ def main():
     ap.add_argument("--name", default="disk-h200")
     ap.add_argument("--budget-s", type=float, default=0, help="accepted for gpu/run-all.sh")
     a = ap.parse_args()
-    a.gib = int(a.gib) if a.gib.is_integer() else a.gib
+    a.gib = int(a.gib) if float(a.gib).is_integer() else a.gib
     out, log, mi = output.start_run("disk", "gpusnap disk: %s" % " ".join(sys.argv), a.plugdir)
     os.makedirs(a.dir, exist_ok=True)
     os.makedirs(a.work, exist_ok=True)

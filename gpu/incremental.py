@@ -56,7 +56,7 @@ def main():
     ap.add_argument("--budget-s", type=float, default=0,
                     help="accepted for gpu/run-all.sh; one run of this script takes about a minute")
     a = ap.parse_args()
-    a.gib = int(a.gib) if a.gib.is_integer() else a.gib
+    a.gib = int(a.gib) if float(a.gib).is_integer() else a.gib
     out, log, mi = output.start_run("incremental", "gpusnap incremental: %s" % " ".join(sys.argv),
                                    a.plugdir)
     shutil.rmtree(a.images, ignore_errors=True)
@@ -113,17 +113,11 @@ def main():
         rec["verify_rc"] = vrc
         if vrc not in (0, None):
             rec["problems"].append("gpusnap verify rc %s" % vrc)
-        restore = criu.criu_restore(last, a.plugdir, "auto", log, timeout=120 + 10 * a.gib)
-        rec["restore_s"] = round(restore["secs"], 3)
-        rpid = restore["pid"]
-        if restore["rc"] != 0:
-            raise RuntimeError("restore failed with rc %d" % restore["rc"])
-        procs.wait_until(lambda: len(ticks()) >= n_dump + 5, 60)
-        ready, all_ticks, errors = ticklog.parse_workload_log(wlog)
-        chk = ticklog.check_ticks(ready, all_ticks, errors, need_after=5, after_index=n_dump)
-        rec["problems"].extend("checker: " + p for p in chk["problems"])
-        rec["identical"] = chk["pass"]
+        rec["restore_s"], rpid, problems, rec["identical"] = criu.restore_and_check(
+            last, a.plugdir, log, wlog, n_dump, 120 + 10 * a.gib)
+        rec["problems"].extend("checker: " + p for p in problems)
     except Exception as e:
+        rpid = rpid or getattr(e, "pid", None)  # a failed restore's process, to clean up
         output.note_failure(rec, log, e, expected=RuntimeError)
     finally:
         criu.log_agent_lines(log, wout)

@@ -147,9 +147,18 @@ fn dump(
         hashes.iter().flatten().count(),
         hashes.iter().flatten().filter(|h| h.zero).count()
     );
+    let job = CopyJob {
+        drv,
+        ch,
+        st,
+        ring,
+        chunks: &chunks,
+        hashes: &hashes,
+        known,
+    };
     let bytes = match mode {
-        Mode::Stopped => copy_out(gpu, drv, ch, st, ring, &chunks, &hashes, known)?,
-        Mode::Live => copy_out_live(gpu, drv, ch, st, ring, &chunks, &hashes, known, &handles)?,
+        Mode::Stopped => copy_out(gpu, job)?,
+        Mode::Live => copy_out_live(gpu, job, &handles)?,
     };
     let micros = t0.elapsed().as_micros() as u64;
     debug!("dump: {bytes} bytes in {micros} us ({mode:?})");
@@ -229,22 +238,43 @@ impl Slots {
             other => Err(Fail::unexpected(&other, "while data is copied out")),
         }
     }
+
+    /// Waits (at most [`PEER_WAIT`]) for the plugin's next request and takes it.
+    fn wait_for_peer(&mut self, ch: &Channel) -> Result<(), Fail> {
+        match ch.recv_request(Some(PEER_WAIT)) {
+            Ok((req, fd)) => self.on_request(req, fd),
+            Err(ProtoError::Interrupted) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+}
+
+/// What a copy-out loop works with: the connection, the registered ring, the chunks with their
+/// GPU hashes, and the parent's chunks (`KnownChunk`).
+#[derive(Clone, Copy)]
+struct CopyJob<'a> {
+    drv: &'a Driver,
+    ch: &'a Channel,
+    st: &'a Staging,
+    ring: Ring,
+    chunks: &'a [Chunk],
+    hashes: &'a [Option<ChunkHash>],
+    known: &'a KnownChunks,
 }
 
 /// The copy-out loop; returns the bytes sent. A chunk its hash found all zero is announced
 /// (`ChunkZero`), and one the parent image holds with the same hash (`ChunkUnchanged`),
 /// instead of copied.
-#[allow(clippy::too_many_arguments)]
-fn copy_out(
-    gpu: &mut Gpu,
-    drv: &Driver,
-    ch: &Channel,
-    st: &Staging,
-    ring: Ring,
-    chunks: &[Chunk],
-    hashes: &[Option<ChunkHash>],
-    known: &KnownChunks,
-) -> Result<u64, Fail> {
+fn copy_out(gpu: &mut Gpu, job: CopyJob<'_>) -> Result<u64, Fail> {
+    let CopyJob {
+        drv,
+        ch,
+        st,
+        ring,
+        chunks,
+        hashes,
+        known,
+    } = job;
     let mut slots = Slots::new(ring.slots);
     let mut inflight: VecDeque<(u32, usize)> = VecDeque::new();
     let mut next = 0usize;
@@ -291,11 +321,7 @@ fn copy_out(
         if next == chunks.len() && slots.held_count == 0 {
             return Ok(bytes);
         }
-        match ch.recv_request(Some(PEER_WAIT)) {
-            Ok((req, fd)) => slots.on_request(req, fd)?,
-            Err(ProtoError::Interrupted) => {}
-            Err(e) => return Err(e.into()),
-        }
+        slots.wait_for_peer(ch)?;
     }
 }
 
@@ -304,18 +330,20 @@ fn copy_out(
 /// that its allocation is still mapped, so the application cannot free or unmap it under the
 /// copy. An allocation gone since the round began fails the round (nothing is lost: the
 /// application's memory is untouched, and the round can be run again).
-#[allow(clippy::too_many_arguments)]
 fn copy_out_live(
     gpu: &mut Gpu,
-    drv: &Driver,
-    ch: &Channel,
-    st: &Staging,
-    ring: Ring,
-    chunks: &[Chunk],
-    hashes: &[Option<ChunkHash>],
-    known: &KnownChunks,
+    job: CopyJob<'_>,
     handles: &HashMap<u64, Option<Handle>>,
 ) -> Result<u64, Fail> {
+    let CopyJob {
+        drv,
+        ch,
+        st,
+        ring,
+        chunks,
+        hashes,
+        known,
+    } = job;
     let mut slots = Slots::new(ring.slots);
     let mut bytes = 0u64;
     for (i, c) in chunks.iter().enumerate() {
@@ -330,11 +358,7 @@ fn copy_out_live(
             if let Some(slot) = slots.free.pop_front() {
                 break slot;
             }
-            match ch.recv_request(Some(PEER_WAIT)) {
-                Ok((req, fd)) => slots.on_request(req, fd)?,
-                Err(ProtoError::Interrupted) => {}
-                Err(e) => return Err(e.into()),
-            }
+            slots.wait_for_peer(ch)?;
         };
         let handle = handles.get(&c.alloc_id).copied().flatten();
         let deadline = Instant::now() + REMAP_WAIT;
@@ -378,11 +402,7 @@ fn copy_out_live(
         std::thread::yield_now();
     }
     while slots.held_count > 0 {
-        match ch.recv_request(Some(PEER_WAIT)) {
-            Ok((req, fd)) => slots.on_request(req, fd)?,
-            Err(ProtoError::Interrupted) => {}
-            Err(e) => return Err(e.into()),
-        }
+        slots.wait_for_peer(ch)?;
     }
     Ok(bytes)
 }

@@ -261,48 +261,30 @@ impl Agent {
             if !matches!(req, Request::KnownChunk { .. }) {
                 debug!("request {req:?}");
             }
+            let mode = match req {
+                Request::PreCopyBegin { .. } => dump::Mode::Live,
+                _ => dump::Mode::Stopped,
+            };
             match (req, fd) {
                 (
                     Request::DumpBegin {
                         slot_size,
                         slots,
                         streams,
-                    },
-                    Some(memfd),
-                ) => {
-                    return dump::run(
-                        &mut self.gpu,
-                        ch,
-                        Ring {
-                            slot_size,
-                            slots,
-                            streams,
-                        },
-                        memfd,
-                        &known,
-                        dump::Mode::Stopped,
-                    );
-                }
-                (
-                    Request::PreCopyBegin {
+                    }
+                    | Request::PreCopyBegin {
                         slot_size,
                         slots,
                         streams,
                     },
                     Some(memfd),
                 ) => {
-                    return dump::run(
-                        &mut self.gpu,
-                        ch,
-                        Ring {
-                            slot_size,
-                            slots,
-                            streams,
-                        },
-                        memfd,
-                        &known,
-                        dump::Mode::Live,
-                    );
+                    let ring = Ring {
+                        slot_size,
+                        slots,
+                        streams,
+                    };
+                    return dump::run(&mut self.gpu, ch, ring, memfd, &known, mode);
                 }
                 (
                     Request::RestoreBegin {

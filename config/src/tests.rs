@@ -683,6 +683,8 @@ fn compress_takes_auto_and_names_the_choices() {
     let c = from_env(&[("GPUSNAP_COMPRESS", "auto")]).unwrap();
     assert_eq!(c.compress, Compress::Auto);
     assert!(c.describe().contains("compress=auto"));
-    let e = from_env(&[("GPUSNAP_COMPRESS", "lz4")]).unwrap_err().to_string();
+    let e = from_env(&[("GPUSNAP_COMPRESS", "lz4")])
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("\"off\", \"zstd\", \"auto\""), "{e}");
 }

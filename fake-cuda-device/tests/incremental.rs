@@ -25,8 +25,6 @@ mod common;
 use std::fs;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::thread::sleep;
-use std::time::{Duration, Instant};
 
 use common::split::Split;
 use criu_tests::CriuRun;
@@ -62,25 +60,6 @@ fn num(v: &serde_json::Value, key: &str) -> u64 {
     v[key].as_u64().unwrap_or_else(|| panic!("no {key} in {v}"))
 }
 
-/// Has the workload rewrite the first MiB of its allocation 0 and waits until a tick after
-/// that has been logged.
-fn change_some_data(s: &Split) {
-    let log = &s.vmm.logs[0];
-    let done = PathBuf::from(format!("{}.mutated", log.display()));
-    fs::write(format!("{}.mutate", log.display()), b"").expect("request a change");
-    let t0 = Instant::now();
-    while !done.exists() {
-        assert!(
-            t0.elapsed() < Duration::from_secs(20),
-            "the workload did not change its data\n{}",
-            s.vmm.describe()
-        );
-        sleep(Duration::from_millis(20));
-    }
-    let after = s.vmm.last_ticks()[0] + 1;
-    s.vmm.wait_for_tick(after);
-}
-
 /// dump 1 (`-R`), a change, dump 2 against dump 1 (the workload is killed). Returns the parent
 /// image dir and dump 2's, both dumps' stats and the last tick.
 fn two_dumps(s: &mut Split) -> (PathBuf, PathBuf, [serde_json::Value; 2], Vec<u64>) {
@@ -105,7 +84,7 @@ fn two_dumps_with(
     s.assert_line(&dump1, &["device data reloaded"]);
     let stats1 = dump_stats(s, &d1, &dump1);
 
-    change_some_data(s);
+    s.change_some_data();
 
     // The GPU part of dump 1 alone, as the parent (see the module comment).
     let g1 = images(s, "gpu1");

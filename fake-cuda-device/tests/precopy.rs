@@ -14,8 +14,6 @@ mod common;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-use std::thread::sleep;
-use std::time::{Duration, Instant};
 
 use common::split::Split;
 
@@ -61,25 +59,6 @@ fn report(s: &Split, out: &Output) -> serde_json::Value {
 
 fn num(v: &serde_json::Value, key: &str) -> u64 {
     v[key].as_u64().unwrap_or_else(|| panic!("no {key} in {v}"))
-}
-
-/// Has the workload rewrite the first MiB of its allocation 0 and waits for a tick after it.
-fn change_some_data(s: &Split) {
-    let log = &s.vmm.logs[0];
-    let done = PathBuf::from(format!("{}.mutated", log.display()));
-    let _ = fs::remove_file(&done);
-    fs::write(format!("{}.mutate", log.display()), b"").expect("request a change");
-    let t0 = Instant::now();
-    while !done.exists() {
-        assert!(
-            t0.elapsed() < Duration::from_secs(20),
-            "the workload did not change its data\n{}",
-            s.vmm.describe()
-        );
-        sleep(Duration::from_millis(20));
-    }
-    let after = s.vmm.last_ticks()[0] + 1;
-    s.vmm.wait_for_tick(after);
 }
 
 /// The workload ticked on, every tick correct, during and after `what`.
@@ -139,7 +118,7 @@ fn rounds_then_a_dump_that_copies_only_what_changed() {
         String::from_utf8_lossy(&again.stderr)
     );
 
-    change_some_data(&s);
+    s.change_some_data();
     let r2 = report(&s, &precopy(&s, "pre2", Some("pre1")));
     still_running(&s, "round 2");
     assert_eq!(r2["incremental"], true, "{r2}");
@@ -147,21 +126,27 @@ fn rounds_then_a_dump_that_copies_only_what_changed() {
     assert_eq!(num(&r2, "bytes_written"), 2 * MIB, "{r2}");
     assert_eq!(num(&r2, "bytes_referenced"), 16 * MIB - zero, "{r2}");
 
-    change_some_data(&s);
-    let d = dir(&s, "final");
-    fs::create_dir_all(&d).expect("mkdir final");
-    std::os::unix::fs::symlink("../pre2", d.join("parent")).expect("parent link");
-    let pid = s.vmm.pid().to_string();
-    let dump = s.criu_at(&d, "dump", "dump.log", &["-t", &pid], &CONFIG);
-    s.assert_ok(&dump);
-    s.assert_line(&dump, &["incremental dump against the parent image"]);
-    let st = dump_stats(&d);
+    s.change_some_data();
+    let st = final_dump_and_restore(&mut s, "pre2");
     assert_eq!(st["bytes_written"].as_u64(), Some(2 * MIB), "{st}");
     assert_eq!(
         st["bytes_referenced"].as_u64(),
         Some(16 * MIB - zero),
         "{st}"
     );
+}
+
+/// `criu dump` into `final`, whose `parent` link leads to round `parent`, then a restore that
+/// must run on bit-exact from its references. Returns the dump's data stats.
+fn final_dump_and_restore(s: &mut Split, parent: &str) -> serde_json::Value {
+    let d = dir(s, "final");
+    fs::create_dir_all(&d).expect("mkdir final");
+    std::os::unix::fs::symlink(format!("../{parent}"), d.join("parent")).expect("parent link");
+    let pid = s.vmm.pid().to_string();
+    let dump = s.criu_at(&d, "dump", "dump.log", &["-t", &pid], &CONFIG);
+    s.assert_ok(&dump);
+    s.assert_line(&dump, &["incremental dump against the parent image"]);
+    let st = dump_stats(&d);
     let last = s.reap_dumped();
     let restore = s.criu_at(
         &d,
@@ -173,6 +158,7 @@ fn rounds_then_a_dump_that_copies_only_what_changed() {
     s.assert_ok(&restore);
     s.assert_line(&restore, &["incremental image", "come from parent images"]);
     s.assert_runs_on(&last, &restore);
+    st
 }
 
 /// Rounds while the workload unmaps and maps its own VMM memory every tick: a round either
@@ -219,22 +205,7 @@ fn rounds_under_remapping_never_harm_the_job() {
     let Some(parent) = complete else {
         panic!("no round of six completed\n{}", s.vmm.describe());
     };
-    let d = dir(&s, "final");
-    fs::create_dir_all(&d).expect("mkdir final");
-    std::os::unix::fs::symlink(format!("../{parent}"), d.join("parent")).expect("parent link");
-    let pid = s.vmm.pid().to_string();
-    let dump = s.criu_at(&d, "dump", "dump.log", &["-t", &pid], &CONFIG);
-    s.assert_ok(&dump);
-    let last = s.reap_dumped();
-    let restore = s.criu_at(
-        &d,
-        "restore",
-        "restore.log",
-        &["--restore-detached"],
-        &CONFIG,
-    );
-    s.assert_ok(&restore);
-    s.assert_runs_on(&last, &restore);
+    final_dump_and_restore(&mut s, &parent);
 }
 
 /// A process without the agent gets a clear refusal, and nothing is written.

@@ -8,7 +8,8 @@ import subprocess
 import time
 
 from crlib import CRIU, GPUSNAP_CLI, PLUGIN_SO, REPO
-from crlib.procs import all_stats
+from crlib import ticklog
+from crlib.procs import all_stats, wait_until
 
 
 def install_plugin(plugdir, log):
@@ -240,3 +241,19 @@ def save_criu_logs(imgdir, work, name):
             shutil.copy(p, q)
             saved.append(q)
     return saved
+
+
+def restore_and_check(imgdir, plugdir, log, wlog, n_dump, timeout):
+    """criu restore from IMGDIR, then 5 more ticks of gpu/workload.cu's log WLOG after the
+    N_DUMP ticks it had at the dump, and the checker over the whole log. Returns (restore
+    seconds, restored pid, checker problems, identical); raises RuntimeError when the restore
+    fails (its pid then comes with the error, for the caller's cleanup, as .pid)."""
+    restore = criu_restore(imgdir, plugdir, "auto", log, timeout=timeout)
+    if restore["rc"] != 0:
+        e = RuntimeError("restore failed with rc %d" % restore["rc"])
+        e.pid = restore["pid"]
+        raise e
+    wait_until(lambda: len(ticklog.parse_workload_log(wlog)[1]) >= n_dump + 5, 60)
+    ready, ticks, errors = ticklog.parse_workload_log(wlog)
+    chk = ticklog.check_ticks(ready, ticks, errors, need_after=5, after_index=n_dump)
+    return round(restore["secs"], 3), restore["pid"], chk["problems"], chk["pass"]

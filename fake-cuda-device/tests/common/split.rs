@@ -237,6 +237,26 @@ impl Split {
         );
     }
 
+    /// Has the workload rewrite the first MiB of its allocation 0 and waits until a tick after
+    /// that has been logged.
+    pub fn change_some_data(&self) {
+        let log = &self.vmm.logs[0];
+        let done = PathBuf::from(format!("{}.mutated", log.display()));
+        let _ = fs::remove_file(&done);
+        fs::write(format!("{}.mutate", log.display()), b"").expect("request a change");
+        let t0 = std::time::Instant::now();
+        while !done.exists() {
+            assert!(
+                t0.elapsed() < std::time::Duration::from_secs(20),
+                "the workload did not change its data\n{}",
+                self.vmm.describe()
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        let after = self.vmm.last_ticks()[0] + 1;
+        self.vmm.wait_for_tick(after);
+    }
+
     /// The workload runs on: every process writes `MORE_TICKS` more ticks after `last`, and
     /// its whole log is consistent (every tick `ok 1`, consecutive, the device counter equal
     /// to the tick).

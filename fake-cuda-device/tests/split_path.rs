@@ -235,6 +235,8 @@ fn split_dump_and_restore() {
     let dump = s.dump(false);
     s.assert_ok(&dump);
     s.assert_split_dump(&dump);
+    // The ring was made at PAUSE, while the workload still ran, not in its pause.
+    s.assert_line(&dump, &["staging ring made while the process ran"]);
     let last = s.reap_dumped();
 
     let restore = s.restore();

@@ -160,8 +160,10 @@ mod tests {
     #[test]
     fn compress_auto_follows_the_filesystem() {
         use std::os::fd::AsFd;
-        let mut cfg = gpusnap_config::Config::default();
-        cfg.compress = gpusnap_config::Compress::Auto;
+        let mut cfg = gpusnap_config::Config {
+            compress: gpusnap_config::Compress::Auto,
+            ..Default::default()
+        };
         let shm = std::fs::File::open("/dev/shm").expect("/dev/shm");
         assert_eq!(super::codec_for(&cfg, shm.as_fd()).0, super::Codec::Raw);
         // The build tree is on a disk here (CI and the development machine).

@@ -203,6 +203,9 @@ pub struct SplitPlan {
     pub agent_ns_tid: i32,
     pub allocations_at_pause: u32,
     pub converted_bytes_at_pause: u64,
+    /// The staging ring, made while the process still ran (populating it is not free), for
+    /// the allocations the agent listed then; used if they are the same at the checkpoint.
+    pub early_ring: Option<(crate::staging::RingShape, crate::staging::Staging)>,
 }
 
 /// One GPU process of a dump.

@@ -76,6 +76,15 @@ pub struct Staging {
     slots: usize,
 }
 
+impl std::fmt::Debug for Staging {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Staging")
+            .field("slot_size", &self.slot_size)
+            .field("slots", &self.slots)
+            .finish_non_exhaustive()
+    }
+}
+
 // SAFETY: the mapping is plain shared memory; concurrent access to distinct slots is what the
 // protocol guarantees (see the module doc).
 unsafe impl Send for Staging {}

@@ -158,6 +158,43 @@ fn bo_hashes(p: &Value) -> Vec<(u64, u64)> {
     v
 }
 
+/// The process's mappings of the stand-in's nodes: (start, offset, what the mapping shows at
+/// its start: `Ok(addr)` for the stand-in's tag of the BO at `addr`, `Err(first bytes)`
+/// otherwise).
+fn device_mappings(sdir: &Path, pid: i32) -> Vec<(u64, u64, Result<u64, Vec<u8>>)> {
+    use std::os::unix::fs::FileExt;
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+    let mem = std::fs::File::open(format!("/proc/{pid}/mem")).unwrap();
+    gpusnap_rocm::kfd::vma::parse_maps(&maps)
+        .into_iter()
+        .filter(|m| Path::new(&m.path).parent() == Some(sdir))
+        .map(|m| {
+            let mut b = [0u8; 16];
+            mem.read_exact_at(&mut b, m.start).unwrap();
+            let shows = if &b[..8] == b"SKFDMAP1" {
+                Ok(u64::from_le_bytes(b[8..].try_into().unwrap()))
+            } else {
+                Err(b.to_vec())
+            };
+            (m.start, m.offset, shows)
+        })
+        .collect()
+}
+
+/// Every device mapping of `pid` shows the tag of the BO at its own address.
+fn assert_mappings_show_their_bos(sdir: &Path, pid: i32, want: usize) -> Vec<(u64, u64)> {
+    let m = device_mappings(sdir, pid);
+    assert_eq!(m.len(), want, "device mappings of pid {pid}: {m:?}");
+    for (start, off, shows) in &m {
+        assert_eq!(
+            shows,
+            &Ok(*start),
+            "the mapping at {start:#x} (offset {off:#x}) does not show its BO"
+        );
+    }
+    m.into_iter().map(|(s, o, _)| (s, o)).collect()
+}
+
 fn state(p: &Value) -> &str {
     p["state"].as_str().unwrap_or("?")
 }
@@ -178,8 +215,12 @@ fn dump_restore_and_check(c: &mut Case) -> (CriuRun, CriuRun) {
     assert_eq!(state(&before), "running");
     let hashes = bo_hashes(&before);
     assert!(!hashes.is_empty());
+    // One VRAM buffer and one doorbell page mapped per GPU.
+    let n_maps = 2 * before["devices"].as_array().unwrap().len();
+    let maps_before = assert_mappings_show_their_bos(&c.sdir.0, c.app.root(), n_maps);
     let dump = c.dump(false);
     dump.assert_ok();
+    assert_log_has(&dump, &format!("{n_maps} device mappings"));
     assert_log_has(&dump, "queues paused (PROCESS_INFO");
     assert_log_has(&dump, "checkpointed:");
     c.app.reap_dumped();
@@ -215,6 +256,13 @@ fn dump_restore_and_check(c: &mut Case) -> (CriuRun, CriuRun) {
     restore.assert_ok();
     assert_log_has(&restore, "KFD state restored");
     assert_log_has(&restore, "GPU queues resumed (RESUME)");
+    assert_log_has(&restore, "device mappings translated");
+    // The mappings are back at their addresses, at the BOs' new offsets, showing their BOs.
+    let maps_after = assert_mappings_show_their_bos(&c.sdir.0, pid, n_maps);
+    for ((s0, o0), (s1, o1)) in maps_before.iter().zip(&maps_after) {
+        assert_eq!(s0, s1);
+        assert_ne!(o0, o1, "the mapping at {s0:#x} kept its old offset");
+    }
     let after = c.process();
     assert_eq!(state(&after), "running", "{after}");
     assert_eq!(

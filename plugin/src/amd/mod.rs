@@ -12,6 +12,10 @@
 //!   in the restored task, opens the KFD, RESTOREs, and writes the BOs' contents back;
 //!   render nodes are opened again (on the GPU that now stands in); `RESUME_DEVICES_LATE`
 //!   RESUMEs the process before CRIU lets it run.
+//! - device mappings: `HANDLE_DEVICE_VMA` accepts exactly the mappings of the KFD node and of
+//!   its GPUs' render nodes; the kfd `DUMP_EXT_FILE` records which BO each shows; at restore
+//!   `UPDATE_VMA_MAP` maps each at its BO's restored offset through the restored task's own
+//!   files (see `restore::TaskFiles`), or ends the task before it runs, naming the mapping.
 //!
 //! Which KFD: `GPUSNAP_TEST_STANDIN_KFD=<dir>` (tests only) selects the stand-in KFD of that
 //! directory; otherwise `/dev/kfd`. Never run on AMD hardware.

@@ -138,6 +138,8 @@ fn make_amd_image(dir: BorrowedFd<'_>, nspid: u32) -> Manifest {
         }],
         num_objects: 1,
         priv_data: priv_data_hex(b"opaque"),
+        vmas: vec![],
+        max_fd: 0,
     };
     write_kfd_state(dir, &state).unwrap();
     let m = Manifest {

@@ -1,7 +1,7 @@
 //! A stand-in for CRIU's own `amdgpu_plugin.so`, for the coexistence test: this crate's cdylib,
 //! copied into CRIU's plugin directory under that name, is a CRIU plugin named
 //! `amdgpu_plugin` with one hook, `DUMP_EXT_FILE`. With `GPUSNAP_TEST_FAKE_AMDGPU=claim` it
-//! takes every file of the stand-in KFD's device (10:229) and logs `fake amdgpu_plugin: took
+//! takes every file and device mapping of the stand-in KFD's nodes and logs `fake amdgpu_plugin: took
 //! file <id>` into CRIU's log; otherwise it takes nothing. It saves nothing: it only shows
 //! which plugin CRIU gave a file to.
 
@@ -44,16 +44,30 @@ fn criu_log(text: &str) {
     }
 }
 
+/// Whether `fd` is a node of the stand-in KFD (a file in its directory).
+fn is_standin(fd: c_int) -> bool {
+    let Some(dir) = std::env::var_os(gpusnap_rocm::kfd::standin::STANDIN_ENV) else {
+        return false;
+    };
+    std::fs::read_link(format!("/proc/self/fd/{fd}"))
+        .is_ok_and(|p| p.parent() == Some(std::path::Path::new(&dir)))
+}
+
+fn claiming() -> bool {
+    std::env::var("GPUSNAP_TEST_FAKE_AMDGPU").is_ok_and(|v| v == "claim")
+}
+
 unsafe extern "C" fn dump_ext_file(fd: c_int, id: c_int) -> c_int {
-    let claim = std::env::var("GPUSNAP_TEST_FAKE_AMDGPU").is_ok_and(|v| v == "claim");
-    // SAFETY: a zeroed stat is a valid out-buffer.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: fstat on the fd CRIU passes, into a local buffer.
-    let is_standin = unsafe { libc::fstat(fd, &mut st) } == 0
-        && st.st_mode & libc::S_IFMT == libc::S_IFCHR
-        && st.st_rdev == libc::makedev(crate::NODE_MAJOR, crate::NODE_MINOR);
-    if claim && is_standin {
+    if claiming() && is_standin(fd) {
         criu_log(&format!("fake amdgpu_plugin: took file {id}"));
+        return 0;
+    }
+    -libc::ENOTSUP
+}
+
+unsafe extern "C" fn handle_device_vma(fd: c_int, _st: *const libc::stat) -> c_int {
+    if claiming() && is_standin(fd) {
+        criu_log("fake amdgpu_plugin: took a device mapping");
         return 0;
     }
     -libc::ENOTSUP
@@ -62,6 +76,7 @@ unsafe extern "C" fn dump_ext_file(fd: c_int, id: c_int) -> c_int {
 const fn hooks() -> [*const c_void; 12] {
     let mut h = [std::ptr::null(); 12];
     h[2] = dump_ext_file as *const c_void;
+    h[7] = handle_device_vma as *const c_void;
     h
 }
 

@@ -103,12 +103,80 @@ pub fn make_node(path: &Path) -> std::io::Result<()> {
     Ok(())
 }
 
+/// Size of the sparse store behind each block node: the stand-in's mmap offsets (which the
+/// daemon gives out 4 GiB apart per KFD process) must lie inside it.
+pub const NODE_STORE_BYTES: u64 = 1 << 40;
+
+/// A loop block device over a sparse file, detached when dropped.
+#[derive(Debug)]
+pub struct LoopDevice {
+    pub dev: PathBuf,
+    pub rdev: u64,
+}
+
+impl LoopDevice {
+    /// Attaches a loop device to a new sparse file `store` of [`NODE_STORE_BYTES`].
+    pub fn attach(store: &Path) -> Result<LoopDevice, String> {
+        let f = std::fs::File::create(store).map_err(|e| format!("{}: {e}", store.display()))?;
+        f.set_len(NODE_STORE_BYTES)
+            .map_err(|e| format!("{}: {e}", store.display()))?;
+        drop(f);
+        let out = Command::new("losetup")
+            .args(["-f", "--show"])
+            .arg(store)
+            .output()
+            .map_err(|e| format!("losetup: {e}"))?;
+        if !out.status.success() {
+            return Err(format!(
+                "losetup -f --show {}: {}",
+                store.display(),
+                String::from_utf8_lossy(&out.stderr)
+            ));
+        }
+        let dev = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+        use std::os::unix::fs::MetadataExt;
+        let rdev = std::fs::metadata(&dev)
+            .map_err(|e| format!("{}: {e}", dev.display()))?
+            .rdev();
+        Ok(LoopDevice { dev, rdev })
+    }
+}
+
+impl Drop for LoopDevice {
+    fn drop(&mut self) {
+        let _ = Command::new("losetup").arg("-d").arg(&self.dev).status();
+    }
+}
+
+/// `mknod path b <major> <minor>` of `rdev`, replacing what is there.
+pub fn make_block_node(path: &Path, rdev: u64) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let _ = std::fs::remove_file(path);
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+    // SAFETY: mknod with a NUL-terminated path.
+    if unsafe { libc::mknod(c.as_ptr(), libc::S_IFBLK | 0o600, rdev) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// A stand-in KFD directory with its daemon running. The daemon is killed when dropped.
+///
+/// The `kfd` and `renderD*` nodes are block-device nodes of loop devices over sparse files:
+/// a block device is a non-regular file CRIU does not dump itself, so a process holding one
+/// reaches the plugins' `DUMP_EXT_FILE`/`RESTORE_EXT_FILE` (as `/dev/kfd` does), and, unlike
+/// the FUSE device, it can be mapped, so a process's mappings of it reach `HANDLE_DEVICE_VMA`
+/// and `UPDATE_VMA_MAP` as the real device's do. The daemon writes, at each buffer object's
+/// mmap offset of the node it is mapped through, a tag naming the BO (and a stale mark at the
+/// old offset once a BO is restored elsewhere): a mapping shows the tag of its BO only when it
+/// was made at the BO's current offset of the right node.
 #[derive(Debug)]
 pub struct StandinSetup {
     pub dir: PathBuf,
     pub gpus: Vec<FakeGpu>,
     daemon: Option<Child>,
+    loops: Vec<LoopDevice>,
 }
 
 impl StandinSetup {
@@ -116,10 +184,16 @@ impl StandinSetup {
     /// until it answers.
     pub fn start(dir: &Path, gpus: &[FakeGpu], daemon_bin: &Path) -> Result<StandinSetup, String> {
         std::fs::create_dir_all(dir).map_err(|e| format!("mkdir {}: {e}", dir.display()))?;
-        make_node(&dir.join(standin::KFD_NODE)).map_err(|e| format!("mknod kfd: {e}"))?;
-        for g in gpus {
-            make_node(&dir.join(standin::render_node_name(g.render_minor)))
-                .map_err(|e| format!("mknod render node: {e}"))?;
+        let mut loops = Vec::new();
+        let mut names = vec![standin::KFD_NODE.to_owned()];
+        names.extend(
+            gpus.iter()
+                .map(|g| standin::render_node_name(g.render_minor)),
+        );
+        for name in &names {
+            let l = LoopDevice::attach(&dir.join(format!("{name}.store")))?;
+            make_block_node(&dir.join(name), l.rdev).map_err(|e| format!("mknod {name}: {e}"))?;
+            loops.push(l);
         }
         write_topology(&dir.join(standin::TOPOLOGY), gpus).map_err(|e| format!("topology: {e}"))?;
         let log = std::fs::File::create(dir.join("fake-kfd.log")).map_err(|e| e.to_string())?;
@@ -135,6 +209,7 @@ impl StandinSetup {
             dir: dir.to_owned(),
             gpus: gpus.to_vec(),
             daemon: Some(child),
+            loops,
         };
         let t0 = Instant::now();
         while s
@@ -204,6 +279,7 @@ impl StandinSetup {
             let _ = c.kill();
             let _ = c.wait();
         }
+        self.loops.clear();
     }
 }
 

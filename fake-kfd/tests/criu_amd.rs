@@ -158,6 +158,43 @@ fn bo_hashes(p: &Value) -> Vec<(u64, u64)> {
     v
 }
 
+/// The process's mappings of the stand-in's nodes: (start, offset, what the mapping shows at
+/// its start: `Ok(addr)` for the stand-in's tag of the BO at `addr`, `Err(first bytes)`
+/// otherwise).
+fn device_mappings(sdir: &Path, pid: i32) -> Vec<(u64, u64, Result<u64, Vec<u8>>)> {
+    use std::os::unix::fs::FileExt;
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+    let mem = std::fs::File::open(format!("/proc/{pid}/mem")).unwrap();
+    gpusnap_rocm::kfd::vma::parse_maps(&maps)
+        .into_iter()
+        .filter(|m| Path::new(&m.path).parent() == Some(sdir))
+        .map(|m| {
+            let mut b = [0u8; 16];
+            mem.read_exact_at(&mut b, m.start).unwrap();
+            let shows = if &b[..8] == b"SKFDMAP1" {
+                Ok(u64::from_le_bytes(b[8..].try_into().unwrap()))
+            } else {
+                Err(b.to_vec())
+            };
+            (m.start, m.offset, shows)
+        })
+        .collect()
+}
+
+/// Every device mapping of `pid` shows the tag of the BO at its own address.
+fn assert_mappings_show_their_bos(sdir: &Path, pid: i32, want: usize) -> Vec<(u64, u64)> {
+    let m = device_mappings(sdir, pid);
+    assert_eq!(m.len(), want, "device mappings of pid {pid}: {m:?}");
+    for (start, off, shows) in &m {
+        assert_eq!(
+            shows,
+            &Ok(*start),
+            "the mapping at {start:#x} (offset {off:#x}) does not show its BO"
+        );
+    }
+    m.into_iter().map(|(s, o, _)| (s, o)).collect()
+}
+
 fn state(p: &Value) -> &str {
     p["state"].as_str().unwrap_or("?")
 }
@@ -178,8 +215,12 @@ fn dump_restore_and_check(c: &mut Case) -> (CriuRun, CriuRun) {
     assert_eq!(state(&before), "running");
     let hashes = bo_hashes(&before);
     assert!(!hashes.is_empty());
+    // One VRAM buffer and one doorbell page mapped per GPU.
+    let n_maps = 2 * before["devices"].as_array().unwrap().len();
+    let maps_before = assert_mappings_show_their_bos(&c.sdir.0, c.app.root(), n_maps);
     let dump = c.dump(false);
     dump.assert_ok();
+    assert_log_has(&dump, &format!("{n_maps} device mappings"));
     assert_log_has(&dump, "queues paused (PROCESS_INFO");
     assert_log_has(&dump, "checkpointed:");
     c.app.reap_dumped();
@@ -215,6 +256,13 @@ fn dump_restore_and_check(c: &mut Case) -> (CriuRun, CriuRun) {
     restore.assert_ok();
     assert_log_has(&restore, "KFD state restored");
     assert_log_has(&restore, "GPU queues resumed (RESUME)");
+    assert_log_has(&restore, "device mappings translated");
+    // The mappings are back at their addresses, at the BOs' new offsets, showing their BOs.
+    let maps_after = assert_mappings_show_their_bos(&c.sdir.0, pid, n_maps);
+    for ((s0, o0), (s1, o1)) in maps_before.iter().zip(&maps_after) {
+        assert_eq!(s0, s1);
+        assert_ne!(o0, o1, "the mapping at {s0:#x} kept its old offset");
+    }
     let after = c.process();
     assert_eq!(state(&after), "running", "{after}");
     assert_eq!(
@@ -554,13 +602,14 @@ fn amd_coexists_with_criu_amdgpu_plugin() {
     let so = build_fake_amdgpu_plugin(&c.w.harness().profile_dir);
     std::fs::copy(&so, c.w.plugins.join("amdgpu_plugin.so"))
         .unwrap_or_else(|e| panic!("{}: {e}", so.display()));
-    // A loaded amdgpu plugin that takes nothing: gpusnap still defers, nobody dumps the file,
-    // CRIU refuses it, the process runs on untouched.
+    // A loaded amdgpu plugin that takes nothing: gpusnap still defers, nobody takes the
+    // process's device mappings (CRIU meets them before its files), CRIU refuses the dump, the
+    // process runs on untouched.
     let d = c.dump(true);
     assert!(!d.succeeded());
     assert_log_has(&d, "amdgpu_plugin.so is loaded");
     assert_log_has(&d, "left to it");
-    assert_log_has(&d, "Can't dump file");
+    assert_log_has(&d, "Can't handle non-regular mapping");
     // The amdgpu plugin takes the files: the dump succeeds without gpusnap touching the KFD.
     let mut args =
         c.w.criu_args_in("dump", &c.w.images, &c.w.images.join("dump2.log"));
@@ -574,6 +623,7 @@ fn amd_coexists_with_criu_amdgpu_plugin() {
     let d = c.w.run_criu(&args, &env, &c.w.images.join("dump2.log"));
     d.assert_ok();
     assert_log_has(&d, "fake amdgpu_plugin: took file");
+    assert_log_has(&d, "fake amdgpu_plugin: took a device mapping");
     assert!(!d.log.contains("queues paused"), "gpusnap acted too");
     assert!(
         !c.files().iter().any(|f| f.ends_with("-kfd.img")),
@@ -652,4 +702,94 @@ fn amd_process_tree_dumps_and_restores() {
         c.wait_counter(p, st["counter"].as_u64().unwrap() + 2);
         c.app.wait_for(i, at_dump[i] + 3).verify().unwrap();
     }
+}
+
+/// A mapping of a device gpusnap does not own (another block device) is not claimed: CRIU
+/// refuses the dump, and the process runs on with its GPU queues running.
+#[test]
+fn amd_foreign_device_mapping_is_refused() {
+    let Some(h) = harness("amd_foreign_device_mapping_is_refused") else {
+        return;
+    };
+    let w = h.workdir("amd-foreign-map");
+    let sdir = StandinDir::new();
+    let kfd = StandinSetup::start(&sdir.0, &[FakeGpu::mi210(4660, 128)], Path::new(DAEMON))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let other = fake_kfd::LoopDevice::attach(&sdir.0.join("other.store")).unwrap();
+    let node = w.path.join("other-dev");
+    fake_kfd::make_block_node(&node, other.rdev).unwrap();
+    let d = sdir.0.display().to_string();
+    let n = node.display().to_string();
+    let app = w.spawn(
+        "amd-app",
+        APP,
+        &[
+            "--dir",
+            &d,
+            "--log",
+            "counter.log",
+            "--seed",
+            "5",
+            "--map-foreign",
+            &n,
+        ],
+        &[],
+        &["counter.log"],
+    );
+    let c = Case { w, kfd, sdir, app };
+    c.wait_counter(c.app.root(), 3);
+    let d = c.dump(false);
+    assert!(!d.succeeded(), "a foreign mapping was claimed");
+    assert_log_has(&d, "Can't handle non-regular mapping");
+    assert!(
+        !c.kfd.log().contains("PROCESS_INFO"),
+        "the KFD was asked to pause"
+    );
+    assert_eq!(state(&c.process()), "running");
+    c.app.assert_alive();
+    let last = c.app.log(0).last();
+    c.app.wait_for(0, last + 2).verify().unwrap();
+}
+
+/// A device mapping the image does not record (here: removed from the KFD state, as an image
+/// of a gpusnap that did not record mappings would be) cannot be made again: the restore fails
+/// before the process runs, naming the mapping, and no KFD process is left running.
+#[test]
+fn amd_untranslatable_mapping_fails_the_restore() {
+    let Some(mut c) = Case::start("amd-untranslatable", &[FakeGpu::mi210(4660, 128)], 1) else {
+        return;
+    };
+    c.dump(false).assert_ok();
+    c.app.reap_dumped();
+    let pid = c.app.root();
+    let dir = std::fs::File::open(&c.w.images).unwrap();
+    use std::os::fd::AsFd;
+    let mut st = gpusnap_image::read_kfd_state(dir.as_fd(), pid as u32).unwrap();
+    assert_eq!(st.vmas.len(), 2);
+    let dropped = st.vmas.remove(0);
+    std::fs::write(
+        c.w.images.join(format!("gpusnap-{pid}-kfd.img")),
+        gpusnap_image::encode_kfd_state_unchecked(&st),
+    )
+    .unwrap();
+    let r = c.restore();
+    assert!(
+        !r.succeeded(),
+        "a restore with an untranslatable mapping succeeded"
+    );
+    assert_log_has(&r, &format!("device mapping at {:#x}", dropped.start));
+    assert_log_has(&r, "records no such mapping");
+    assert_log_has(&r, "ended before it runs");
+    let _ = criu_tests::procs::reap(pid, Duration::from_secs(5));
+    criu_tests::procs::wait_pid_free(pid, Duration::from_secs(20)).unwrap();
+    let left = c.kfd.status(pid as u32);
+    assert!(
+        left["processes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|p| state(p) != "running"),
+        "a KFD process runs after a failed restore: {left}"
+    );
+    assert!(!c.kfd.log().contains("RESUME:"), "{}", c.kfd.log());
 }

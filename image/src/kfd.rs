@@ -8,6 +8,12 @@
 //! - `gpusnap-kfdfile-<id>.img` ([`KfdFileRecord`]): one per `/dev/kfd` or render-node file
 //!   CRIU handed to the plugin (`id`: CRIU's file id), saying which it is.
 //!
+//! Versions: 2 (written now) adds to the state the process's device mappings ([`KfdVmaRecord`]:
+//! which buffer object each mapping of `/dev/kfd` or a render node shows, at which file offset)
+//! and its highest fd number at dump. Version 1 records (no mappings) are still read: a version 1
+//! state has no mapping list, and a process of such an image that maps a device is refused at
+//! restore when CRIU asks for its mapping. Other versions are refused.
+//!
 //! Both are sealed the same way: one ASCII line `<MAGIC> 1 <body_len> <xxh3_64 hex>\n`, then
 //! `body_len` bytes of compact JSON (unknown fields refused). The contents of the buffer objects
 //! are not here: they are chunks of the data files, listed by the manifest like any moved
@@ -26,8 +32,10 @@ use crate::{CheckpointPath, ImageError, Manifest, manifest_file_name, sys};
 pub const KFD_STATE_MAGIC: &str = "GPUSNAP-KFD";
 /// First word of `gpusnap-kfdfile-<id>.img`.
 pub const KFD_FILE_MAGIC: &str = "GPUSNAP-KFDFILE";
-/// The version of both records.
-pub const KFD_FORMAT_VERSION: u32 = 1;
+/// The version of both records, as written.
+pub const KFD_FORMAT_VERSION: u32 = 2;
+/// The oldest version still read (no device mappings recorded).
+pub const KFD_FORMAT_VERSION_MIN: u32 = 1;
 /// Largest KFD state body accepted (the private data, hex-encoded, dominates): 256 MiB.
 pub const MAX_KFD_STATE_BODY: u64 = 256 << 20;
 /// Largest file record body accepted.
@@ -35,6 +43,8 @@ const MAX_KFD_FILE_BODY: u64 = 4096;
 /// Most buffer objects and GPUs a state may list.
 const MAX_BOS: usize = 1 << 20;
 const MAX_GPUS: usize = 64;
+/// Most device mappings a state may list.
+const MAX_VMAS: usize = 1 << 20;
 /// Longest GPU name.
 const MAX_NAME: usize = 256;
 
@@ -74,6 +84,33 @@ pub struct KfdBoRecord {
     pub content: bool,
 }
 
+/// Which device file a mapping is of.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KfdVmaNode {
+    /// The KFD device (`/dev/kfd`): doorbell and MMIO-remap pages.
+    Kfd,
+    /// A render node: CPU mappings of VRAM/GTT buffer objects.
+    Render,
+}
+
+/// One device mapping of the process at dump: `[start, end)` of `node` at file offset `offset`
+/// (bytes, as `/proc/<pid>/maps` and CRIU's VMA entry give it), showing bytes
+/// `[offset - bo_offset, ...)` of buffer object `bo` (an index into [`KfdState::bos`], whose
+/// `offset` is its mmap offset at dump). At restore the new offset is the BO's restored offset
+/// plus the same distance.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KfdVmaRecord {
+    pub start: u64,
+    pub end: u64,
+    pub offset: u64,
+    pub node: KfdVmaNode,
+    /// Render node: its minor at dump (0 for `/dev/kfd`).
+    pub render_minor: u32,
+    pub bo: u32,
+}
+
 /// A process's KFD checkpoint.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -90,6 +127,13 @@ pub struct KfdState {
     pub num_objects: u32,
     /// The kernel's private data, lowercase hex.
     pub priv_data: String,
+    /// Version 2: the process's device mappings (empty in version 1).
+    #[serde(default)]
+    pub vmas: Vec<KfdVmaRecord>,
+    /// Version 2: the highest fd number the process had at dump (0 if unknown, version 1).
+    /// The restore keeps its own files above it, clear of the fds CRIU restores.
+    #[serde(default)]
+    pub max_fd: u32,
 }
 
 impl KfdState {
@@ -101,6 +145,13 @@ impl KfdState {
     /// The index of the GPU with user gpu_id `gpu_id`.
     pub fn gpu_index(&self, gpu_id: u32) -> Option<usize> {
         self.gpus.iter().position(|g| g.gpu_id == gpu_id)
+    }
+
+    /// The mapping recorded at `start` with file offset `offset`.
+    pub fn vma_at(&self, start: u64, offset: u64) -> Option<&KfdVmaRecord> {
+        self.vmas
+            .iter()
+            .find(|v| v.start == start && v.offset == offset)
     }
 }
 
@@ -176,20 +227,26 @@ pub fn priv_data_hex(b: &[u8]) -> String {
     encode_hex(b)
 }
 
-/// `<magic> 1 <len> <xxh3>\n<body>`.
+/// `<magic> <version> <len> <xxh3>\n<body>`, at the current version.
+#[cfg(test)]
 fn seal(magic: &str, body: &[u8]) -> Vec<u8> {
-    let mut out = format!(
-        "{magic} {KFD_FORMAT_VERSION} {} {:016x}\n",
-        body.len(),
-        xxh3_64(body)
-    )
-    .into_bytes();
+    seal_version(magic, KFD_FORMAT_VERSION, body)
+}
+
+fn seal_version(magic: &str, version: u32, body: &[u8]) -> Vec<u8> {
+    let mut out = format!("{magic} {version} {} {:016x}\n", body.len(), xxh3_64(body)).into_bytes();
     out.extend_from_slice(body);
     out
 }
 
-/// The body of a sealed record, after checking its header line, length and checksum.
-fn unseal<'a>(magic: &str, b: &'a [u8], file: &str, max: u64) -> Result<&'a [u8], ImageError> {
+/// The body of a sealed record and its version, after checking its header line, length and
+/// checksum.
+fn unseal<'a>(
+    magic: &str,
+    b: &'a [u8],
+    file: &str,
+    max: u64,
+) -> Result<(u32, &'a [u8]), ImageError> {
     let bad = |detail: &'static str| ImageError::ManifestHeader {
         file: file.to_owned(),
         detail,
@@ -213,12 +270,13 @@ fn unseal<'a>(magic: &str, b: &'a [u8], file: &str, max: u64) -> Result<&'a [u8]
         .and_then(|w| w.parse::<u64>().ok())
     };
     let version = canonical(words.next()).ok_or(bad("bad version field"))?;
-    if version != u64::from(KFD_FORMAT_VERSION) {
+    if !(u64::from(KFD_FORMAT_VERSION_MIN)..=u64::from(KFD_FORMAT_VERSION)).contains(&version) {
         return Err(ImageError::UnsupportedVersion {
             file: file.to_owned(),
             found: version,
         });
     }
+    let version = version as u32;
     let len = canonical(words.next()).ok_or(bad("bad length field"))?;
     let sum = words.next().ok_or(bad("no checksum field"))?;
     if sum.len() != 16 || !sum.bytes().all(|c| matches!(c, b'0'..=b'9' | b'a'..=b'f')) {
@@ -255,7 +313,7 @@ fn unseal<'a>(magic: &str, b: &'a [u8], file: &str, max: u64) -> Result<&'a [u8]
             file: file.to_owned(),
         });
     }
-    Ok(body)
+    Ok((version, body))
 }
 
 fn read_sealed(dir: BorrowedFd<'_>, name: &str, max: u64) -> Result<Vec<u8>, ImageError> {
@@ -271,11 +329,14 @@ fn read_sealed(dir: BorrowedFd<'_>, name: &str, max: u64) -> Result<Vec<u8>, Ima
 pub fn validate_kfd_state(s: &KfdState) -> Result<(), ImageError> {
     let file = kfd_state_name(s.nspid);
     let bad = |d: String| invalid(&file, d);
-    if s.format_version != KFD_FORMAT_VERSION {
+    if !(KFD_FORMAT_VERSION_MIN..=KFD_FORMAT_VERSION).contains(&s.format_version) {
         return Err(ImageError::UnsupportedVersion {
             file,
             found: s.format_version.into(),
         });
+    }
+    if s.format_version < 2 && (!s.vmas.is_empty() || s.max_fd != 0) {
+        return Err(bad("a version 1 state lists device mappings".into()));
     }
     if s.gpus.is_empty() || s.gpus.len() > MAX_GPUS {
         return Err(bad(format!(
@@ -313,6 +374,57 @@ pub fn validate_kfd_state(s: &KfdState) -> Result<(), ImageError> {
     }
     if decode_hex(&s.priv_data).is_none() {
         return Err(bad("priv_data is not lowercase hex of whole bytes".into()));
+    }
+    if s.vmas.len() > MAX_VMAS {
+        return Err(bad(format!(
+            "{} device mappings (at most {MAX_VMAS})",
+            s.vmas.len()
+        )));
+    }
+    for (i, v) in s.vmas.iter().enumerate() {
+        let page = |x: u64| x.is_multiple_of(4096);
+        if v.end <= v.start || !page(v.start) || !page(v.end) || !page(v.offset) {
+            return Err(bad(format!(
+                "device mapping {i} ({:#x}-{:#x} at offset {:#x}) is empty or not page-aligned",
+                v.start, v.end, v.offset
+            )));
+        }
+        if s.vmas[..i]
+            .iter()
+            .any(|w| w.start < v.end && v.start < w.end)
+        {
+            return Err(bad(format!(
+                "device mapping {i} ({:#x}-{:#x}) overlaps another",
+                v.start, v.end
+            )));
+        }
+        let Some(bo) = s.bos.get(v.bo as usize) else {
+            return Err(bad(format!(
+                "device mapping {i} shows buffer object {}, which is not listed",
+                v.bo
+            )));
+        };
+        let inside = v
+            .offset
+            .checked_sub(bo.offset)
+            .and_then(|d| d.checked_add(v.end - v.start))
+            .is_some_and(|e| e <= bo.size);
+        if !inside {
+            return Err(bad(format!(
+                "device mapping {i} ({:#x} bytes at offset {:#x}) lies outside buffer object {} (offset {:#x}, {:#x} bytes)",
+                v.end - v.start,
+                v.offset,
+                v.bo,
+                bo.offset,
+                bo.size
+            )));
+        }
+        if (v.node == KfdVmaNode::Kfd) != (v.render_minor == 0) {
+            return Err(bad(format!(
+                "device mapping {i}: render minor {} does not go with a {:?} mapping",
+                v.render_minor, v.node
+            )));
+        }
     }
     Ok(())
 }
@@ -372,24 +484,32 @@ pub fn check_kfd_state_against_manifest(s: &KfdState, m: &Manifest) -> Result<()
 /// Writes `gpusnap-<nspid>-kfd.img` atomically, after [`validate_kfd_state`].
 pub fn write_kfd_state(dir: BorrowedFd<'_>, s: &KfdState) -> Result<(), ImageError> {
     validate_kfd_state(s)?;
-    let body = serde_json::to_vec(s).expect("a KfdState always serializes");
     let name = kfd_state_name(s.nspid);
     atomic_write(
         dir,
         &name,
         &format!("{name}.tmp"),
-        &seal(KFD_STATE_MAGIC, &body),
+        &encode_kfd_state_unchecked(s),
     )
 }
 
 /// Decodes and checks the bytes of `gpusnap-<nspid>-kfd.img`.
 pub fn decode_kfd_state(nspid: u32, b: &[u8]) -> Result<KfdState, ImageError> {
     let file = kfd_state_name(nspid);
-    let body = unseal(KFD_STATE_MAGIC, b, &file, MAX_KFD_STATE_BODY)?;
+    let (version, body) = unseal(KFD_STATE_MAGIC, b, &file, MAX_KFD_STATE_BODY)?;
     let s: KfdState = serde_json::from_slice(body).map_err(|source| ImageError::ManifestJson {
         file: file.clone(),
         source,
     })?;
+    if s.format_version != version {
+        return Err(invalid(
+            &file,
+            format!(
+                "header says version {version}, body says {}",
+                s.format_version
+            ),
+        ));
+    }
     if s.nspid != nspid {
         return Err(ImageError::NspidMismatch {
             file,
@@ -410,15 +530,23 @@ pub fn read_kfd_state(dir: BorrowedFd<'_>, nspid: u32) -> Result<KfdState, Image
 /// The bytes of `gpusnap-<nspid>-kfd.img` without validation, for tests that damage images.
 #[doc(hidden)]
 pub fn encode_kfd_state_unchecked(s: &KfdState) -> Vec<u8> {
-    seal(
-        KFD_STATE_MAGIC,
-        &serde_json::to_vec(s).expect("a KfdState always serializes"),
-    )
+    let body = if s.format_version < 2 {
+        // Version 1 had neither field: written as a version 1 dump wrote it.
+        let mut v = serde_json::to_value(s).expect("a KfdState always serializes");
+        if let Some(o) = v.as_object_mut() {
+            o.remove("vmas");
+            o.remove("max_fd");
+        }
+        serde_json::to_vec(&v).expect("JSON always serializes")
+    } else {
+        serde_json::to_vec(s).expect("a KfdState always serializes")
+    };
+    seal_version(KFD_STATE_MAGIC, s.format_version, &body)
 }
 
 fn check_file_record(id: u32, r: &KfdFileRecord) -> Result<(), ImageError> {
     let file = kfd_file_name(id);
-    if r.format_version != KFD_FORMAT_VERSION {
+    if !(KFD_FORMAT_VERSION_MIN..=KFD_FORMAT_VERSION).contains(&r.format_version) {
         return Err(ImageError::UnsupportedVersion {
             file,
             found: r.format_version.into(),
@@ -442,19 +570,28 @@ pub fn write_kfd_file(dir: BorrowedFd<'_>, id: u32, r: &KfdFileRecord) -> Result
         dir,
         &name,
         &format!("{name}.tmp"),
-        &seal(KFD_FILE_MAGIC, &body),
+        &seal_version(KFD_FILE_MAGIC, r.format_version, &body),
     )
 }
 
 /// Decodes and checks the bytes of `gpusnap-kfdfile-<id>.img`.
 pub fn decode_kfd_file(id: u32, b: &[u8]) -> Result<KfdFileRecord, ImageError> {
     let file = kfd_file_name(id);
-    let body = unseal(KFD_FILE_MAGIC, b, &file, MAX_KFD_FILE_BODY)?;
+    let (version, body) = unseal(KFD_FILE_MAGIC, b, &file, MAX_KFD_FILE_BODY)?;
     let r: KfdFileRecord =
         serde_json::from_slice(body).map_err(|source| ImageError::ManifestJson {
             file: file.clone(),
             source,
         })?;
+    if r.format_version != version {
+        return Err(invalid(
+            &file,
+            format!(
+                "header says version {version}, body says {}",
+                r.format_version
+            ),
+        ));
+    }
     check_file_record(id, &r)?;
     Ok(r)
 }
@@ -473,7 +610,7 @@ mod tests {
 
     fn state() -> KfdState {
         KfdState {
-            format_version: 1,
+            format_version: 2,
             nspid: 42,
             kfd_version: [1, 16],
             gpus: vec![KfdGpuRecord {
@@ -506,6 +643,25 @@ mod tests {
             ],
             num_objects: 1,
             priv_data: priv_data_hex(b"\x00\x01\xfe\xff"),
+            vmas: vec![
+                KfdVmaRecord {
+                    start: 0x7000_0000,
+                    end: 0x7010_0000,
+                    offset: 0x1000,
+                    node: KfdVmaNode::Render,
+                    render_minor: 128,
+                    bo: 0,
+                },
+                KfdVmaRecord {
+                    start: 0x8000_0000,
+                    end: 0x8000_1000,
+                    offset: 0x2000,
+                    node: KfdVmaNode::Kfd,
+                    render_minor: 0,
+                    bo: 1,
+                },
+            ],
+            max_fd: 9,
         }
     }
 
@@ -573,7 +729,36 @@ mod tests {
             ("unknown GPU", Box::new(|s| s.bos[1].gpu_id = 5)),
             ("odd hex", Box::new(|s| s.priv_data.push('a'))),
             ("upper hex", Box::new(|s| s.priv_data = "AB".into())),
-            ("version", Box::new(|s| s.format_version = 2)),
+            ("version", Box::new(|s| s.format_version = 3)),
+            ("version 0", Box::new(|s| s.format_version = 0)),
+            (
+                "empty mapping",
+                Box::new(|s| s.vmas[0].end = s.vmas[0].start),
+            ),
+            ("unaligned mapping", Box::new(|s| s.vmas[0].offset += 1)),
+            ("mapping of no BO", Box::new(|s| s.vmas[0].bo = 7)),
+            ("mapping past its BO", Box::new(|s| s.vmas[1].end += 0x1000)),
+            (
+                "mapping before its BO",
+                Box::new(|s| s.vmas[1].offset = 0x1000),
+            ),
+            (
+                "overlapping mappings",
+                Box::new(|s| {
+                    let mut v = s.vmas[0].clone();
+                    v.start += 0x1000;
+                    v.end = v.start + 0x1000;
+                    s.vmas.push(v)
+                }),
+            ),
+            (
+                "kfd mapping with a minor",
+                Box::new(|s| s.vmas[1].render_minor = 128),
+            ),
+            (
+                "render mapping without one",
+                Box::new(|s| s.vmas[0].render_minor = 0),
+            ),
         ];
         for (what, f) in cases {
             let mut s = state();
@@ -584,6 +769,55 @@ mod tests {
                 "{what}: {err}"
             );
         }
+    }
+
+    #[test]
+    fn version_1_states_are_still_read() {
+        let mut s = state();
+        s.format_version = 1;
+        s.vmas.clear();
+        s.max_fd = 0;
+        let b = encode_kfd_state_unchecked(&s);
+        assert!(b.starts_with(b"GPUSNAP-KFD 1 "));
+        let body =
+            std::str::from_utf8(&b[b.iter().position(|&c| c == b'\n').unwrap() + 1..]).unwrap();
+        assert!(!body.contains("vmas") && !body.contains("max_fd"), "{body}");
+        assert_eq!(decode_kfd_state(42, &b).unwrap(), s);
+        let mut with_maps = state();
+        with_maps.format_version = 1;
+        assert!(validate_kfd_state(&with_maps).is_err());
+        // A header and body that disagree on the version are refused.
+        let mut v2 = state();
+        v2.vmas.clear();
+        let body = serde_json::to_vec(&v2).unwrap();
+        let err = decode_kfd_state(42, &seal_version(KFD_STATE_MAGIC, 1, &body)).unwrap_err();
+        assert!(err.to_string().contains("header says version 1"), "{err}");
+        // A version from the future is refused by its number.
+        let err = decode_kfd_state(42, &seal_version(KFD_STATE_MAGIC, 3, &body)).unwrap_err();
+        assert!(
+            matches!(err, ImageError::UnsupportedVersion { found: 3, .. }),
+            "{err}"
+        );
+        // Version 1 file records too.
+        let r = KfdFileRecord {
+            format_version: 1,
+            kind: KfdFileKind::Kfd,
+            nspid: 42,
+            flags: libc::O_RDWR,
+            gpu_id: 0,
+            render_minor: 0,
+        };
+        let b = seal_version(KFD_FILE_MAGIC, 1, &serde_json::to_vec(&r).unwrap());
+        assert_eq!(decode_kfd_file(3, &b).unwrap(), r);
+    }
+
+    #[test]
+    fn mappings_are_found_by_address_and_offset() {
+        let s = state();
+        assert_eq!(s.vma_at(0x7000_0000, 0x1000).map(|v| v.bo), Some(0));
+        assert_eq!(s.vma_at(0x8000_0000, 0x2000).map(|v| v.bo), Some(1));
+        assert!(s.vma_at(0x7000_0000, 0x2000).is_none());
+        assert!(s.vma_at(0x7000_1000, 0x1000).is_none());
     }
 
     #[test]
@@ -638,7 +872,7 @@ mod tests {
     #[test]
     fn file_records() {
         let r = KfdFileRecord {
-            format_version: 1,
+            format_version: 2,
             kind: KfdFileKind::Render,
             nspid: 42,
             flags: libc::O_RDWR,

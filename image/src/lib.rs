@@ -52,10 +52,11 @@ pub use durable::{IMAGE_DIR, sync_dir};
 pub use error::ImageError;
 pub use header::{DATA_HEADER_LEN, DATA_MAGIC, RECORD_LEN, RECORD_MAGIC};
 pub use kfd::{
-    KFD_FILE_MAGIC, KFD_FORMAT_VERSION, KFD_STATE_MAGIC, KfdBoRecord, KfdFileKind, KfdFileRecord,
-    KfdGpuRecord, KfdState, MAX_KFD_STATE_BODY, check_kfd_state_against_manifest, decode_kfd_file,
-    decode_kfd_state, encode_kfd_state_unchecked, kfd_file_name, kfd_state_name, priv_data_hex,
-    read_kfd_file, read_kfd_state, validate_kfd_state, write_kfd_file, write_kfd_state,
+    KFD_FILE_MAGIC, KFD_FORMAT_VERSION, KFD_FORMAT_VERSION_MIN, KFD_STATE_MAGIC, KfdBoRecord,
+    KfdFileKind, KfdFileRecord, KfdGpuRecord, KfdState, KfdVmaNode, KfdVmaRecord,
+    MAX_KFD_STATE_BODY, check_kfd_state_against_manifest, decode_kfd_file, decode_kfd_state,
+    encode_kfd_state_unchecked, kfd_file_name, kfd_state_name, priv_data_hex, read_kfd_file,
+    read_kfd_state, validate_kfd_state, write_kfd_file, write_kfd_state,
 };
 pub use manifest::{
     AllocationRecord, CheckpointPath, ChunkEntry, Codec, FileEntry, GpuRecord, MANIFEST_MAGIC,

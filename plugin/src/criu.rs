@@ -21,6 +21,11 @@ pub mod hook {
     pub const DUMP_EXT_FILE: usize = 2;
     pub const RESTORE_EXT_FILE: usize = 3;
     pub const HANDLE_DEVICE_VMA: usize = 7;
+    /// `int(const char *path, uint64_t addr, uint64_t old_pgoff, uint64_t *new_pgoff,
+    /// int *plugin_fd)`, in the restored task (since CRIU 3.17, inside every `max_hooks` gpusnap
+    /// sets). CRIU 4.1 and 4.2 use the answer only when it is 1, and then take ownership of
+    /// `*plugin_fd` when it is >= 0; other answers leave the mapping as dumped.
+    pub const UPDATE_VMA_MAP: usize = 8;
     pub const RESUME_DEVICES_LATE: usize = 9;
     pub const PAUSE_DEVICES: usize = 10;
     pub const CHECKPOINT_DEVICES: usize = 11;

@@ -111,13 +111,17 @@ unsafe extern "C" fn post_forking() -> c_int {
     guard(-1, || plugin::with(plugin::ENOTSUP, |p| p.post_forking()))
 }
 
-unsafe extern "C" fn handle_device_vma(_fd: c_int, st: *const libc::stat) -> c_int {
+unsafe extern "C" fn handle_device_vma(fd: c_int, st: *const libc::stat) -> c_int {
     guard(plugin::ENOTSUP, || {
         if st.is_null() {
             return plugin::ENOTSUP;
         }
         // SAFETY: CRIU passes a pointer to the stat of the mapped device file.
-        let rdev = unsafe { (*st).st_rdev };
+        let (mode, rdev) = unsafe { ((*st).st_mode, (*st).st_rdev) };
+        let rc = plugin::with(plugin::ENOTSUP, |p| p.handle_device_vma(fd, mode, rdev));
+        if rc != plugin::ENOTSUP {
+            return rc;
+        }
         if crate::amd::explain_device_vma(rdev) {
             return plugin::ENOTSUP;
         }
@@ -133,6 +137,35 @@ unsafe extern "C" fn handle_device_vma(_fd: c_int, st: *const libc::stat) -> c_i
     })
 }
 
+/// UPDATE_VMA_MAP, in a restored task: 1 with the new offset and an fd (CRIU takes it) for a
+/// device mapping gpusnap recorded; -ENOTSUP (left as dumped) for any other.
+unsafe extern "C" fn update_vma_map(
+    path: *const std::ffi::c_char,
+    addr: u64,
+    old_pgoff: u64,
+    new_pgoff: *mut u64,
+    plugin_fd: *mut c_int,
+) -> c_int {
+    guard(plugin::ENOTSUP, || {
+        if path.is_null() || new_pgoff.is_null() || plugin_fd.is_null() {
+            return plugin::ENOTSUP;
+        }
+        // SAFETY: CRIU passes the mapped file's NUL-terminated path, valid for the call.
+        let path = unsafe { std::ffi::CStr::from_ptr(path) }.to_string_lossy();
+        match plugin::with(None, |p| p.update_vma_map(&path, addr, old_pgoff)) {
+            Some((new, fd)) => {
+                // SAFETY: both out-pointers are CRIU's locals, valid and writable for the call.
+                unsafe {
+                    new_pgoff.write(new);
+                    plugin_fd.write(fd);
+                }
+                1
+            }
+            None => plugin::ENOTSUP,
+        }
+    })
+}
+
 /// Character-device major of `/dev/nvidia*` (fixed by the NVIDIA driver).
 const NVIDIA_MAJOR: u32 = 195;
 
@@ -141,6 +174,7 @@ const fn hooks() -> [*const c_void; HOOK_SLOTS] {
     h[hook::DUMP_EXT_FILE] = dump_ext_file as *const c_void;
     h[hook::RESTORE_EXT_FILE] = restore_ext_file as *const c_void;
     h[hook::HANDLE_DEVICE_VMA] = handle_device_vma as *const c_void;
+    h[hook::UPDATE_VMA_MAP] = update_vma_map as *const c_void;
     h[hook::RESUME_DEVICES_LATE] = resume_devices_late as *const c_void;
     h[hook::PAUSE_DEVICES] = pause_devices as *const c_void;
     h[hook::CHECKPOINT_DEVICES] = checkpoint_devices as *const c_void;
@@ -192,6 +226,10 @@ mod tests {
         assert!(!d.hooks[hook::CHECKPOINT_DEVICES].is_null());
         assert!(!d.hooks[hook::RESUME_DEVICES_LATE].is_null());
         assert!(!d.hooks[hook::POST_FORKING].is_null());
+        assert!(!d.hooks[hook::HANDLE_DEVICE_VMA].is_null());
+        assert!(!d.hooks[hook::UPDATE_VMA_MAP].is_null());
+        // Both lie inside the hook count of every CRIU gpusnap supports.
+        assert!(hook::UPDATE_VMA_MAP < criu::MAX_HOOKS_4_1 as usize);
         assert!(d.hooks[0].is_null());
         // SAFETY: the name is a static C string.
         let name = unsafe { std::ffi::CStr::from_ptr(d.name) };
@@ -205,6 +243,20 @@ mod tests {
             assert_eq!(pause_devices(1), plugin::ENOTSUP);
             assert_eq!(checkpoint_devices(1), plugin::ENOTSUP);
             assert_eq!(resume_devices_late(1), plugin::ENOTSUP);
+            let (mut off, mut fd) = (7u64, -1);
+            assert_eq!(
+                update_vma_map(c"/dev/kfd".as_ptr(), 0x1000, 0, &mut off, &mut fd),
+                plugin::ENOTSUP
+            );
+            assert_eq!((off, fd), (7, -1));
+            assert_eq!(
+                update_vma_map(std::ptr::null(), 0, 0, &mut off, &mut fd),
+                plugin::ENOTSUP
+            );
+            // SAFETY: a zeroed stat is a valid value to pass.
+            let st: libc::stat = std::mem::zeroed();
+            assert_eq!(handle_device_vma(-1, &st), plugin::ENOTSUP);
+            assert_eq!(handle_device_vma(-1, std::ptr::null()), plugin::ENOTSUP);
         }
     }
 }

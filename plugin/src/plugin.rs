@@ -206,6 +206,32 @@ impl Plugin {
         }
     }
 
+    /// HANDLE_DEVICE_VMA: 0 for a mapping of an AMD device file this dump handles (recorded
+    /// with its process's KFD state), "not mine" for anything else.
+    pub fn handle_device_vma(&mut self, fd: i32, mode: u32, rdev: u64) -> i32 {
+        if self.stage != Stage::Dump || !self.device_files {
+            return ENOTSUP;
+        }
+        match self.amd.handle_device_vma(fd, mode, rdev) {
+            Some(rc) => {
+                if rc == 0 {
+                    self.note_gpu_state();
+                }
+                rc
+            }
+            None => ENOTSUP,
+        }
+    }
+
+    /// UPDATE_VMA_MAP, in a restored task: `Some((new offset, fd))` for a device mapping gpusnap
+    /// recorded; `None` for any other mapping.
+    pub fn update_vma_map(&mut self, path: &str, addr: u64, old: u64) -> Option<(u64, i32)> {
+        if self.stage != Stage::Restore || !self.device_files {
+            return None;
+        }
+        self.amd.update_vma_map(path, addr, old)
+    }
+
     /// POST_FORKING (CRIU 4.2+): every task is forked; background work may start now. Always
     /// answers "not mine" so that other plugins' POST_FORKING hooks run too.
     pub fn post_forking(&mut self) -> i32 {

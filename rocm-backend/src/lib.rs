@@ -11,9 +11,11 @@
 //! - [`topology`]: the GPUs of the KFD topology in sysfs.
 //! - [`detect`] and [`status_line`]: what the plugin logs at init.
 //!
+//! - [`kfd::vma`]: which BO a mapping of `/dev/kfd` or a render node shows, and its offset
+//!   after RESTORE (for the plugin's `HANDLE_DEVICE_VMA`/`UPDATE_VMA_MAP`).
+//!
 //! The plugin's `amd` module drives these from CRIU's hooks. What does not exist: an SDMA
-//! copy for VRAM that the CPU cannot map, device mappings of `/dev/kfd` and render nodes
-//! (`HANDLE_DEVICE_VMA`/`UPDATE_VMA_MAP`), the HIP split path.
+//! copy for VRAM that the CPU cannot map, the HIP split path.
 //!
 //! What was never run: every ioctl against a real KFD and the topology reader against a real
 //! sysfs tree. The build machine has no AMD GPU and no ROCm; the tests cover the layouts, the

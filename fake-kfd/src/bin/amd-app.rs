@@ -8,6 +8,12 @@
 //!
 //! With `--children C` it first forks C children, each an AMD process of its own (log
 //! `child<i>.log` beside FILE, seed N+i+1).
+//!
+//! Like a ROCm process, it maps its buffer objects into its address space at their GPU virtual
+//! addresses: each VRAM buffer through its GPU's render node and each doorbell page through
+//! the `kfd` node, at the mmap offsets the KFD gave them (the stand-in KFD writes a tag naming
+//! the BO there). `--map-foreign PATH` also maps the first page of PATH (another device,
+//! which gpusnap must not take).
 
 use std::fs::OpenOptions;
 use std::os::fd::{AsFd, OwnedFd};
@@ -24,6 +30,8 @@ use gpusnap_rocm::kfd::sys::{
 const VA_BASE: u64 = 0x7f00_0000_0000;
 const VA_STEP: u64 = 0x1_0000_0000;
 pub const COUNTER_VA: u64 = 0x7e00_0000_0000;
+/// Where `--map-foreign` maps its page.
+pub const FOREIGN_VA: u64 = 0x7d00_0000_0000;
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().collect();
@@ -61,7 +69,8 @@ fn main() -> ExitCode {
             break;
         }
     }
-    let files = match setup(&dir, ngpus, bo_kib << 10, seed) {
+    let foreign = arg(&args, "--map-foreign");
+    let files = match setup(&dir, ngpus, bo_kib << 10, seed, foreign.as_deref()) {
         Ok(f) => f,
         Err(e) => {
             eprintln!("amd-app: {e}");
@@ -90,11 +99,37 @@ fn open_rw(p: &std::path::Path) -> Result<OwnedFd, String> {
 }
 
 /// Opens and binds everything; returns the files to hold open.
+/// `mmap(addr, len, RW, MAP_SHARED | MAP_FIXED_NOREPLACE, fd, offset)`, kept for the life of
+/// the process.
+fn map_at(fd: &OwnedFd, addr: u64, len: u64, offset: u64) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: a new shared mapping at an address nothing else uses (MAP_FIXED_NOREPLACE fails
+    // rather than replace a mapping); it is never unmapped, so nothing dangles.
+    let p = unsafe {
+        libc::mmap(
+            addr as *mut libc::c_void,
+            len as usize,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED | libc::MAP_FIXED_NOREPLACE,
+            fd.as_raw_fd(),
+            offset as libc::off_t,
+        )
+    };
+    if p == libc::MAP_FAILED || p as u64 != addr {
+        return Err(format!(
+            "mmap {len:#x} bytes at {addr:#x} (offset {offset:#x}): {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    Ok(())
+}
+
 fn setup(
     dir: &std::path::Path,
     ngpus: usize,
     bo_size: u64,
     seed: u64,
+    foreign: Option<&str>,
 ) -> Result<Vec<OwnedFd>, String> {
     let k = StandinKfd::new(dir);
     let gpus = gpusnap_rocm::topology::read_gpus(&dir.join(standin::TOPOLOGY))
@@ -112,12 +147,16 @@ fn setup(
     };
     call(request::OPEN, &[], &[kfd.as_fd()])?;
     let mut files = vec![];
-    let alloc = |gpu_id: u32, flags: u32, va: u64, size: u64| {
+    let alloc = |gpu_id: u32, flags: u32, va: u64, size: u64| -> Result<u64, String> {
         let mut p = gpu_id.to_le_bytes().to_vec();
         p.extend_from_slice(&flags.to_le_bytes());
         p.extend_from_slice(&va.to_le_bytes());
         p.extend_from_slice(&size.to_le_bytes());
-        call(request::ALLOC, &p, &[kfd.as_fd()])
+        let (reply, _) = call(request::ALLOC, &p, &[kfd.as_fd()])?;
+        reply
+            .get(..8)
+            .map(|b| u64::from_le_bytes(b.try_into().expect("8")))
+            .ok_or_else(|| "ALLOC: short reply".to_owned())
     };
     for (i, g) in gpus.iter().take(ngpus).enumerate() {
         let minor = g.drm_render_minor.ok_or("a GPU without render node")?;
@@ -128,13 +167,11 @@ fn setup(
             &[kfd.as_fd(), render.as_fd()],
         )?;
         let va = VA_BASE + i as u64 * VA_STEP;
-        alloc(g.gpu_id, KFD_IOC_ALLOC_MEM_FLAGS_VRAM, va, bo_size)?;
-        alloc(
-            g.gpu_id,
-            KFD_IOC_ALLOC_MEM_FLAGS_DOORBELL,
-            va + bo_size.next_multiple_of(1 << 21),
-            8192,
-        )?;
+        let off = alloc(g.gpu_id, KFD_IOC_ALLOC_MEM_FLAGS_VRAM, va, bo_size)?;
+        map_at(&render, va, bo_size.next_multiple_of(4096), off)?;
+        let db_va = va + bo_size.next_multiple_of(1 << 21);
+        let db = alloc(g.gpu_id, KFD_IOC_ALLOC_MEM_FLAGS_DOORBELL, db_va, 8192)?;
+        map_at(&kfd, db_va, 8192, db)?;
         files.push(render);
     }
     alloc(
@@ -146,6 +183,10 @@ fn setup(
     let mut p = COUNTER_VA.to_le_bytes().to_vec();
     p.extend_from_slice(&seed.to_le_bytes());
     call(request::START, &p, &[kfd.as_fd()])?;
+    if let Some(path) = foreign {
+        let f = open_rw(std::path::Path::new(path))?;
+        map_at(&f, FOREIGN_VA, 4096, 0)?;
+    }
     files.push(kfd);
     Ok(files)
 }

@@ -479,7 +479,40 @@ fn state_name(s: State) -> &'static str {
     }
 }
 
+/// What the daemon writes at a BO's mmap offset of the node it is mapped through.
+pub const MAP_TAG: &[u8; 8] = b"SKFDMAP1";
+/// What it writes at a restored BO's old offset.
+pub const STALE_TAG: &[u8; 8] = b"STALEMAP";
+
 impl Daemon {
+    /// The node a BO of these flags on `gpu_id` is mapped through (`None`: not device-mapped).
+    fn node_of(&self, flags: u32, gpu_id: u32) -> Option<PathBuf> {
+        let through_kfd = gpusnap_rocm::kfd::vma::mapped_through_kfd(flags)?;
+        if through_kfd {
+            return Some(self.dir.join(standin::KFD_NODE));
+        }
+        let minor = self
+            .gpus
+            .iter()
+            .find(|g| g.gpu_id == gpu_id)?
+            .drm_render_minor?;
+        Some(self.dir.join(standin::render_node_name(minor)))
+    }
+
+    /// Writes `tag` + `addr` at `offset` of the node a BO is mapped through (the CPU view of
+    /// the BO there). Errors are logged: the tests read the tags and say what is missing.
+    fn write_tag(&self, flags: u32, gpu_id: u32, offset: u64, tag: &[u8; 8], addr: u64) {
+        let Some(node) = self.node_of(flags, gpu_id) else {
+            return;
+        };
+        let mut b = tag.to_vec();
+        b.extend_from_slice(&addr.to_le_bytes());
+        match std::fs::OpenOptions::new().write(true).open(&node) {
+            Ok(f) => pwrite_all(f.as_fd(), &b, offset),
+            Err(e) => log(&format!("tag at {offset:#x} of {}: {e}", node.display())),
+        }
+    }
+
     /// Forgets processes that have exited.
     fn reap(&mut self) {
         self.processes.retain(|p| {
@@ -602,6 +635,7 @@ impl Daemon {
                     flags,
                     mem,
                 });
+                self.write_tag(flags, gpu_id, offset, MAP_TAG, va);
                 Ok((offset.to_le_bytes().to_vec(), vec![]))
             }
             request::START => {
@@ -927,6 +961,11 @@ impl Daemon {
         }
         let out: Vec<u8> = bos.iter().flat_map(|b| b.to_bytes()).collect();
         write_user(peer, args.bos, &out)?;
+        for b in &bos {
+            let actual = map.get(&b.gpu_id).copied().unwrap_or(b.gpu_id);
+            self.write_tag(b.alloc_flags, b.gpu_id, b.offset, STALE_TAG, b.addr);
+            self.write_tag(b.alloc_flags, actual, b.restored_offset, MAP_TAG, b.addr);
+        }
         let p = &mut self.processes[i];
         p.devices = devs.iter().map(|d| d.user_gpu_id).collect();
         p.bos = new_bos;

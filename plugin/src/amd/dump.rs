@@ -16,11 +16,12 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use gpusnap_config::Config;
 use gpusnap_image::{
     AllocationRecord, CheckpointPath, GpuRecord, KfdBoRecord, KfdFileKind, KfdFileRecord,
-    KfdGpuRecord, KfdState, Manifest,
+    KfdGpuRecord, KfdState, KfdVmaNode, KfdVmaRecord, Manifest,
 };
 use gpusnap_rocm::bo::BoMapping;
 use gpusnap_rocm::kfd::criu::{self, KfdCheckpoint};
-use gpusnap_rocm::kfd::device::{DeviceFile, KfdDevice, char_device_of};
+use gpusnap_rocm::kfd::device::{DeviceFile, KfdDevice, device_of, device_of_stat};
+use gpusnap_rocm::kfd::vma::{self, BoView, VmaNode};
 use gpusnap_rocm::kfd::{KfdVersion, ProcessInfo};
 use gpusnap_rocm::topology::{self, Gpu};
 
@@ -50,6 +51,10 @@ pub struct AmdDump {
     processes: Vec<Tracked>,
     /// `Some(path)` once seen: CRIU's amdgpu plugin is loaded, and gets every AMD file.
     deferred_to: Option<Option<String>>,
+    /// Device mappings accepted in `HANDLE_DEVICE_VMA` (all processes), and recorded with a
+    /// process's KFD state: the two must agree by the end of the dump.
+    vmas_accepted: u64,
+    vmas_recorded: u64,
 }
 
 fn unix_now() -> u64 {
@@ -117,7 +122,124 @@ impl AmdDump {
             cfg,
             processes: Vec::new(),
             deferred_to: None,
+            vmas_accepted: 0,
+            vmas_recorded: 0,
         }
+    }
+
+    /// `HANDLE_DEVICE_VMA`: `Some(0)` for a mapping of this KFD's node or of the render node
+    /// of one of its GPUs (its contents are the process's buffer objects, which the KFD
+    /// checkpoint saves; the mapping itself is recorded with the process's KFD state and made
+    /// again at restore); `None` for anything else, which another plugin or CRIU must handle.
+    pub fn handle_device_vma(&mut self, fd: BorrowedFd<'_>, mode: u32, rdev: u64) -> Option<i32> {
+        let (path, rdev) = device_of_stat(fd, mode, rdev, self.dev.block_nodes())?;
+        let kind = self.dev.classify(&path, rdev)?;
+        if self.deferred() {
+            return None;
+        }
+        if let DeviceFile::Render { minor } = kind {
+            let ours = topology::read_gpus(&self.dev.topology_dir())
+                .ok()
+                .is_some_and(|g| g.iter().any(|g| g.drm_render_minor == Some(minor)));
+            if !ours {
+                log::info!(
+                    "amd: a mapping of {} is not gpusnap's: no GPU of {} has render minor {minor}",
+                    path.display(),
+                    self.dev.describe()
+                );
+                return None;
+            }
+        }
+        self.vmas_accepted += 1;
+        log::debug!(
+            "amd: a mapping of {} accepted (HANDLE_DEVICE_VMA); it is recorded with the process's KFD state",
+            path.display()
+        );
+        Some(0)
+    }
+
+    /// The device mappings of `pid` (seized), each matched to the BO it shows. An error names
+    /// the first mapping gpusnap could not map again at restore.
+    fn record_vmas(
+        &self,
+        pid: i32,
+        ckpt: &KfdCheckpoint,
+        gpus: &[KfdGpuRecord],
+    ) -> Result<Vec<KfdVmaRecord>, String> {
+        let maps = std::fs::read_to_string(format!("/proc/{pid}/maps"))
+            .map_err(|e| format!("reading /proc/{pid}/maps: {e}"))?;
+        let bos: Vec<BoView> = ckpt
+            .bos
+            .iter()
+            .map(|b| BoView {
+                offset: b.offset,
+                size: b.size,
+                alloc_flags: b.alloc_flags,
+                gpu_id: b.gpu_id,
+            })
+            .collect();
+        let mut out = Vec::new();
+        for m in vma::parse_maps(&maps) {
+            if m.path.is_empty() {
+                continue;
+            }
+            // The mapped file itself (not its path, which may be gone): its device number.
+            let link = format!("/proc/{pid}/map_files/{:x}-{:x}", m.start, m.end);
+            let Ok(meta) = std::fs::metadata(&link) else {
+                continue;
+            };
+            use std::os::unix::fs::{FileTypeExt, MetadataExt};
+            let ft = meta.file_type();
+            if !(ft.is_char_device() || (self.dev.block_nodes() && ft.is_block_device())) {
+                continue;
+            }
+            let path = std::path::Path::new(&m.path);
+            let Some(kind) = self.dev.classify(path, meta.rdev()) else {
+                continue;
+            };
+            let node = match kind {
+                DeviceFile::Kfd => VmaNode::Kfd,
+                DeviceFile::Render { minor } => VmaNode::Render { minor },
+            };
+            let gpu_of_minor = |minor: u32| {
+                gpus.iter()
+                    .find(|g| g.drm_render_minor == minor)
+                    .map(|g| g.gpu_id)
+            };
+            let bo = vma::identify(node, m.start, m.end, m.offset, &bos, gpu_of_minor).map_err(
+                |e| {
+                    format!(
+                        "its mapping {:#x}-{:#x} of {} at offset {:#x} cannot be made again at restore: {e}",
+                        m.start, m.end, m.path, m.offset
+                    )
+                },
+            )?;
+            let b = &ckpt.bos[bo];
+            log::debug!(
+                "amd: mapping {:#x}-{:#x} of {} at offset {:#x}: {} BO {bo} at {:#x}",
+                m.start,
+                m.end,
+                m.path,
+                m.offset,
+                vma::bo_kind(b.alloc_flags),
+                b.addr
+            );
+            out.push(KfdVmaRecord {
+                start: m.start,
+                end: m.end,
+                offset: m.offset,
+                node: match node {
+                    VmaNode::Kfd => KfdVmaNode::Kfd,
+                    VmaNode::Render { .. } => KfdVmaNode::Render,
+                },
+                render_minor: match node {
+                    VmaNode::Kfd => 0,
+                    VmaNode::Render { minor } => minor,
+                },
+                bo: bo as u32,
+            });
+        }
+        Ok(out)
     }
 
     /// Whether CRIU's amdgpu plugin takes the AMD files of this run (decided once, logged).
@@ -136,7 +258,7 @@ impl AmdDump {
     }
 
     pub fn dump_ext_file(&mut self, fd: BorrowedFd<'_>, id: u32) -> Option<i32> {
-        let (path, rdev) = char_device_of(fd)?;
+        let (path, rdev) = device_of(fd, self.dev.block_nodes())?;
         let kind = self.dev.classify(&path, rdev)?;
         if self.deferred() {
             return None;
@@ -242,8 +364,9 @@ impl AmdDump {
             info.priv_data_size,
             t_info
         );
-        match self.save(dir, kfd.as_fd(), &info, version, id, t0, t_info) {
-            Ok(()) => {
+        match self.save(dir, kfd.as_fd(), &info, version, id, host_pid, t0, t_info) {
+            Ok(n_vmas) => {
+                self.vmas_recorded += n_vmas;
                 self.processes.push(Tracked {
                     nspid: info.pid,
                     host_pid,
@@ -272,14 +395,26 @@ impl AmdDump {
         info: &ProcessInfo,
         version: KfdVersion,
         id: u32,
+        host_pid: Option<i32>,
         t0: Instant,
         t_info: f64,
-    ) -> Result<(), String> {
+    ) -> Result<u64, String> {
         let nspid = info.pid;
         let ckpt = criu::checkpoint(self.dev.as_ref(), kfd, info).map_err(|e| e.to_string())?;
         let t_ckpt = t0.elapsed().as_secs_f64() - t_info;
         let local = topology::read_gpus(&self.dev.topology_dir()).map_err(|e| e.to_string())?;
         let gpus = describe_gpus(&ckpt, &local)?;
+        // Its device mappings, read while CRIU holds it seized (they cannot change).
+        let pid = host_pid.ok_or(
+            "the process holding the KFD file was not found, so its device mappings cannot be recorded",
+        )?;
+        let vmas = self.record_vmas(pid, &ckpt, &gpus)?;
+        let max_fd = std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .map_err(|e| format!("reading /proc/{pid}/fd: {e}"))?
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+            .max()
+            .unwrap_or(0);
         // Map every content BO through its dma-buf.
         let mut maps: Vec<(usize, BoMapping)> = Vec::new();
         for (i, b) in ckpt.bos.iter().enumerate() {
@@ -340,6 +475,8 @@ impl AmdDump {
                 .collect(),
             num_objects: info.num_objects,
             priv_data: gpusnap_image::priv_data_hex(&ckpt.priv_data),
+            vmas,
+            max_fd,
         };
         gpusnap_image::write_kfd_state(dir, &state).map_err(|e| e.to_string())?;
         let mut timings = BTreeMap::new();
@@ -394,19 +531,20 @@ impl AmdDump {
             crate::fault::sync_dir(dir).map_err(|e| e.to_string())?;
         }
         log::info!(
-            "amd: nspid {nspid}: checkpointed: {} GPUs, {} BOs ({} with contents, {} bytes in {} chunks, {} data files); timings: process_info {:.3} s, checkpoint {:.3} s, data {:.3} s, total {:.3} s",
+            "amd: nspid {nspid}: checkpointed: {} GPUs, {} BOs ({} with contents, {} bytes in {} chunks, {} data files), {} device mappings; timings: process_info {:.3} s, checkpoint {:.3} s, data {:.3} s, total {:.3} s",
             gpus.len(),
             ckpt.bos.len(),
             manifest.allocations.len(),
             written.bytes,
             written.chunks.len(),
             written.files.len(),
+            state.vmas.len(),
             t_info,
             t_ckpt,
             written.seconds,
             t0.elapsed().as_secs_f64()
         );
-        Ok(())
+        Ok(state.vmas.len() as u64)
     }
 
     /// UNPAUSE a process whose queues gpusnap paused; kill it when that fails.
@@ -436,6 +574,13 @@ impl AmdDump {
 
     /// After CRIU's dump: UNPAUSE after `-R` or a failed dump; a failed dump's files go.
     pub fn exit(&mut self, ret: i32) {
+        if ret == 0 && self.vmas_accepted != self.vmas_recorded {
+            log::error!(
+                "amd: {} device mappings were accepted but {} recorded with a process's KFD state: a process maps /dev/kfd or a render node without holding a KFD file gpusnap checkpointed; its restore will be refused when CRIU asks for that mapping",
+                self.vmas_accepted,
+                self.vmas_recorded
+            );
+        }
         let leave_running = crate::criu::leave_running();
         let dir = crate::criu::image_dir();
         for i in 0..self.processes.len() {

@@ -12,6 +12,10 @@
 //!   in the restored task, opens the KFD, RESTOREs, and writes the BOs' contents back;
 //!   render nodes are opened again (on the GPU that now stands in); `RESUME_DEVICES_LATE`
 //!   RESUMEs the process before CRIU lets it run.
+//! - device mappings: `HANDLE_DEVICE_VMA` accepts exactly the mappings of the KFD node and of
+//!   its GPUs' render nodes; the kfd `DUMP_EXT_FILE` records which BO each shows; at restore
+//!   `UPDATE_VMA_MAP` maps each at its BO's restored offset through the restored task's own
+//!   files (see `restore::TaskFiles`), or ends the task before it runs, naming the mapping.
 //!
 //! Which KFD: `GPUSNAP_TEST_STANDIN_KFD=<dir>` (tests only) selects the stand-in KFD of that
 //! directory; otherwise `/dev/kfd`. Never run on AMD hardware.
@@ -21,7 +25,7 @@ pub mod data;
 pub mod dump;
 pub mod restore;
 
-use std::os::fd::{AsRawFd, BorrowedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, IntoRawFd};
 
 use gpusnap_config::Config;
 use gpusnap_rocm::kfd::device::{KfdDevice, RealKfd};
@@ -111,6 +115,37 @@ impl AmdSide {
         r.restore_ext_file(id)
     }
 
+    /// `HANDLE_DEVICE_VMA`: `Some(0)` for a mapping of an AMD device file this dump handles;
+    /// `None` otherwise.
+    pub fn handle_device_vma(&mut self, fd: i32, mode: u32, rdev: u64) -> Option<i32> {
+        let AmdSide::Dump(d) = self else { return None };
+        if fd < 0 {
+            return None;
+        }
+        // SAFETY: CRIU keeps `fd` (the mapped file, opened through map_files) open for the
+        // duration of the hook.
+        let fd = unsafe { BorrowedFd::borrow_raw(fd) };
+        d.handle_device_vma(fd, mode, rdev)
+    }
+
+    /// `UPDATE_VMA_MAP`, in the restored task: `None` when `path` is no AMD file of this
+    /// restore; else the new offset and an fd for CRIU (which takes it). A mapping that cannot
+    /// be made again ends the restored task here, after saying which mapping.
+    pub fn update_vma_map(&mut self, path: &str, addr: u64, old: u64) -> Option<(u64, i32)> {
+        let AmdSide::Restore(r) = self else {
+            return None;
+        };
+        match r.update_vma_map(path, addr, old)? {
+            Ok((new, fd)) => Some((new, fd.into_raw_fd())),
+            Err(e) => {
+                log::error!(
+                    "amd: {e}; the restored process is ended before it runs (CRIU fails the restore)"
+                );
+                restore::end_restored_task()
+            }
+        }
+    }
+
     /// `RESUME_DEVICES_LATE`: `None` when `pid` is not a restored AMD process.
     pub fn resume_devices_late(&mut self, pid: i32) -> Option<i32> {
         let AmdSide::Restore(r) = self else {
@@ -145,16 +180,15 @@ fn parse_kfd_major(devices: &str) -> Option<u32> {
     })
 }
 
-/// `HANDLE_DEVICE_VMA` of a mapping of an AMD device (`/dev/kfd` or a DRM node): gpusnap
-/// does not handle device mappings (doorbells, events, CPU-mapped BOs) yet, so such a process
-/// cannot be checkpointed; this says so before CRIU's own error. Every real ROCm process has
-/// such mappings. Returns whether `rdev` is an AMD device.
+/// `HANDLE_DEVICE_VMA` of a mapping of an AMD device (`/dev/kfd` or a DRM node) that gpusnap
+/// did not take (no KFD here, a DRM node of no GPU of the KFD, pre-dump, CRIU's amdgpu plugin
+/// loaded, gpusnap off): says so before CRIU's own error. Returns whether `rdev` is one.
 pub fn explain_device_vma(rdev: u64) -> bool {
     let major = libc::major(rdev);
     let amd = major == DRM_MAJOR || kfd_major() == Some(major);
     if amd {
         log::error!(
-            "amd: a process maps a GPU device ({major}:{}: /dev/kfd or a DRM node such as an AMD render node); gpusnap's kfd path does not handle device mappings yet (HANDLE_DEVICE_VMA/UPDATE_VMA_MAP), so this process cannot be checkpointed by gpusnap",
+            "amd: a process maps a GPU device ({major}:{}: /dev/kfd or a DRM node) that gpusnap does not checkpoint in this run (no KFD, a DRM node of no GPU of the KFD, pre-dump, CRIU's amdgpu plugin loaded, or gpusnap off); CRIU refuses the mapping",
             libc::minor(rdev)
         );
     }

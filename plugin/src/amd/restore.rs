@@ -10,6 +10,11 @@
 //!   device buckets, RESTORE re-creates devices, BOs, queues, events; each VRAM/GTT BO's
 //!   contents are written back through its dma-buf; the KFD fd is returned to CRIU. A render
 //!   node is opened again on the GPU that stands in for the one it was.
+//! - `UPDATE_VMA_MAP`, in the restored task, after its files and before its memory is mapped:
+//!   each mapping of `/dev/kfd` or a render node recorded at dump is found by its address and
+//!   old offset and given the new offset RESTORE reported for its buffer object, and the file to
+//!   map it from (see [`TaskFiles`]). A device mapping that cannot be translated ends the
+//!   restored task before it runs, naming the mapping.
 //! - `RESUME_DEVICES_LATE`, in CRIU: RESUME of each restored AMD process, before it runs. A
 //!   failure answers -1, and CRIU kills the restored tree.
 
@@ -18,12 +23,13 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, IntoRawFd, OwnedFd};
 use std::time::Instant;
 
 use gpusnap_config::Config;
-use gpusnap_image::{CheckpointPath, KfdFileKind, KfdState, Manifest};
+use gpusnap_image::{CheckpointPath, KfdFileKind, KfdState, KfdVmaNode, Manifest};
 use gpusnap_rocm::bo::BoMapping;
 use gpusnap_rocm::gpumatch::{WantedGpu, match_gpus};
 use gpusnap_rocm::kfd::criu;
-use gpusnap_rocm::kfd::device::{KfdDevice, open_device};
+use gpusnap_rocm::kfd::device::{DeviceFile, KfdDevice, open_device};
 use gpusnap_rocm::kfd::sys::{KFD_IOC_ALLOC_MEM_FLAGS_VRAM, KfdCriuBoBucket, KfdCriuDeviceBucket};
+use gpusnap_rocm::kfd::vma;
 use gpusnap_rocm::topology::{self, Gpu};
 
 use super::data::{self, BoTarget};
@@ -36,6 +42,72 @@ struct Plan {
     local: Vec<Gpu>,
 }
 
+/// Which file of the restored task a translated mapping is made through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum MapThrough {
+    Kfd,
+    /// The render node of this local minor.
+    Render(u32),
+}
+
+/// A device mapping of the image, translated after RESTORE.
+#[derive(Debug, Clone)]
+struct Translated {
+    start: u64,
+    end: u64,
+    old: u64,
+    /// `None`: the BO's restored offset does not give one (reported when CRIU asks).
+    new: Option<u64>,
+    through: MapThrough,
+    what: String,
+}
+
+/// The files a restored task keeps for its device mappings, in the task's own copy of the
+/// plugin (the hooks that use them, `RESTORE_EXT_FILE` and `UPDATE_VMA_MAP`, run in the
+/// restored task; CRIU forks a task's children before it restores the task's files, so none
+/// inherits them).
+///
+/// Why these files: DRM lets a process map a buffer object only through the open file the BO
+/// was created with. RESTORE creates the BOs with the render-node file of each GPU it is given
+/// (the device buckets' `drm_fd`), so that one open file per GPU must serve RESTORE, every
+/// render-node fd CRIU restores for the process (they are dups of it, so the process keeps
+/// using the file its BOs belong to) and every render-node mapping (CRIU maps from a dup of it).
+/// `/dev/kfd` mappings act on the calling process through any of its KFD files; they are made
+/// from a dup of the KFD file RESTORE ran on. The files sit at fd numbers above the highest fd
+/// the process had at dump (close-on-exec), where CRIU restores none of the process's own fds;
+/// they are closed once every recorded mapping of the task was handed out. CRIU 4.1/4.2 take
+/// ownership of the fd `UPDATE_VMA_MAP` returns, so each answer is a fresh dup.
+struct TaskFiles {
+    nspid: u32,
+    /// The task that opened them (`getpid()`).
+    pid: i32,
+    /// Lowest fd number used.
+    base: i32,
+    kfd: Option<OwnedFd>,
+    renders: BTreeMap<u32, OwnedFd>,
+    vmas: Vec<Translated>,
+    served: usize,
+}
+
+/// Moves `fd` to the lowest free number at or above `base`, close-on-exec.
+fn above(fd: OwnedFd, base: i32) -> std::io::Result<OwnedFd> {
+    // SAFETY: F_DUPFD_CLOEXEC on an open fd we own; the new fd is returned to us alone.
+    let n = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_DUPFD_CLOEXEC, base) };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `n` is a fresh fd nothing else owns.
+    Ok(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(n) })
+}
+
+/// Ends the restored task: a device mapping it needs cannot be made, and it must not run
+/// without it. CRIU sees a task die during restore and fails the whole restore.
+pub(super) fn end_restored_task() -> ! {
+    // SAFETY: _exit(2) ends this (restored, not yet running) task at once; nothing of the
+    // process's own has run yet, and CRIU's state in this task dies with it.
+    unsafe { libc::_exit(1) }
+}
+
 /// The AMD part of a `criu restore`.
 pub struct AmdRestore {
     dev: Box<dyn KfdDevice>,
@@ -43,6 +115,8 @@ pub struct AmdRestore {
     plans: BTreeMap<u32, Plan>,
     /// A KFD file of CRIU's own, for RESUME (which names its process by pid).
     resume_kfd: Option<OwnedFd>,
+    /// In a restored task: its files for device mappings.
+    task: Option<TaskFiles>,
 }
 
 fn wanted(state: &KfdState) -> Vec<WantedGpu> {
@@ -171,7 +245,42 @@ impl AmdRestore {
             cfg,
             plans,
             resume_kfd: None,
+            task: None,
         }))
+    }
+
+    /// The task's files (made on first use in this task).
+    fn task_files(&mut self, nspid: u32) -> &mut TaskFiles {
+        // SAFETY: getpid has no preconditions.
+        let me = unsafe { libc::getpid() };
+        if self.task.as_ref().is_none_or(|t| t.pid != me) {
+            let max_fd = self.plans.get(&nspid).map_or(0, |p| p.state.max_fd);
+            // A version 1 image does not say; 1024 is above what most processes hold.
+            let base = if max_fd > 0 { max_fd as i32 + 1 } else { 1024 };
+            self.task = Some(TaskFiles {
+                nspid,
+                pid: me,
+                base,
+                kfd: None,
+                renders: BTreeMap::new(),
+                vmas: Vec::new(),
+                served: 0,
+            });
+        }
+        self.task.as_mut().expect("set above")
+    }
+
+    /// The task's render-node file of local minor `minor`, opened once.
+    fn render_file(&mut self, nspid: u32, minor: u32) -> Result<BorrowedFd<'_>, String> {
+        let path = self.dev.render_path(minor);
+        let t = self.task_files(nspid);
+        if !t.renders.contains_key(&minor) {
+            let f = open_device(&path).map_err(|e| e.to_string())?;
+            let f = above(f, t.base)
+                .map_err(|e| format!("keeping render node {}: {e}", path.display()))?;
+            t.renders.insert(minor, f);
+        }
+        Ok(t.renders[&minor].as_fd())
     }
 
     /// The local GPU standing in for user gpu_id `gpu_id` of process `nspid`.
@@ -199,12 +308,23 @@ impl AmdRestore {
                     .and_then(|g| g.drm_render_minor)
                     .unwrap_or(rec.render_minor);
                 let path = self.dev.render_path(minor);
-                match std::fs::OpenOptions::new()
-                    .read(true)
-                    .write(rec.flags & libc::O_ACCMODE != libc::O_RDONLY)
-                    .open(&path)
-                {
-                    Ok(f) => OwnedFd::from(f).into_raw_fd(),
+                // A GPU of the process: the one open file its BOs belong to (see
+                // `TaskFiles`). Any other render node: opened as it was.
+                let shared = self.plans.contains_key(&rec.nspid)
+                    && self.local_gpu(rec.nspid, rec.gpu_id).is_some();
+                let opened = if shared {
+                    self.render_file(rec.nspid, minor)
+                        .and_then(|f| f.try_clone_to_owned().map_err(|e| e.to_string()))
+                } else {
+                    std::fs::OpenOptions::new()
+                        .read(true)
+                        .write(rec.flags & libc::O_ACCMODE != libc::O_RDONLY)
+                        .open(&path)
+                        .map(OwnedFd::from)
+                        .map_err(|e| e.to_string())
+                };
+                match opened {
+                    Ok(f) => f.into_raw_fd(),
                     Err(e) => {
                         log::error!(
                             "amd: file {id}: cannot open render node {}: {e}",
@@ -227,13 +347,13 @@ impl AmdRestore {
         })
     }
 
-    /// In the restored task: open the KFD, RESTORE, write the BOs' contents back.
-    fn restore_process(&self, dir: BorrowedFd<'_>, nspid: u32) -> Result<OwnedFd, String> {
+    /// In the restored task: open the KFD, RESTORE, write the BOs' contents back, translate
+    /// the device mappings.
+    fn restore_process(&mut self, dir: BorrowedFd<'_>, nspid: u32) -> Result<OwnedFd, String> {
         let t0 = Instant::now();
-        let plan = self
-            .plans
-            .get(&nspid)
-            .ok_or_else(|| format!("the image has no KFD state for process {nspid}"))?;
+        if !self.plans.contains_key(&nspid) {
+            return Err(format!("the image has no KFD state for process {nspid}"));
+        }
         // SAFETY: getpid has no preconditions.
         let me = unsafe { libc::getpid() };
         match crate::procfs::ns_pid(me) {
@@ -245,21 +365,29 @@ impl AmdRestore {
             }
         }
         let kfd = self.dev.open_kfd().map_err(|e| e.to_string())?;
-        let mut renders = Vec::new();
+        let pairs: Vec<(u32, u32, Option<u32>)> = {
+            let plan = &self.plans[&nspid];
+            plan.state
+                .gpus
+                .iter()
+                .zip(&plan.local)
+                .map(|(g, l)| (g.gpu_id, l.gpu_id, l.drm_render_minor))
+                .collect()
+        };
         let mut devices = Vec::new();
-        for (g, l) in plan.state.gpus.iter().zip(&plan.local) {
-            let minor = l
-                .drm_render_minor
-                .ok_or_else(|| format!("local gpu_id {} has no render node", l.gpu_id))?;
-            let r = open_device(&self.dev.render_path(minor)).map_err(|e| e.to_string())?;
+        let mut local_minor = BTreeMap::new();
+        for (user, actual, minor) in pairs {
+            let minor = minor.ok_or_else(|| format!("local gpu_id {actual} has no render node"))?;
+            let r = self.render_file(nspid, minor)?;
             devices.push(KfdCriuDeviceBucket {
-                user_gpu_id: g.gpu_id,
-                actual_gpu_id: l.gpu_id,
+                user_gpu_id: user,
+                actual_gpu_id: actual,
                 drm_fd: r.as_raw_fd() as u32,
                 pad: 0,
             });
-            renders.push(r);
+            local_minor.insert(user, minor);
         }
+        let plan = &self.plans[&nspid];
         let bos: Vec<KfdCriuBoBucket> = plan
             .state
             .bos
@@ -311,14 +439,125 @@ impl AmdRestore {
         )?;
         drop(targets);
         drop(maps);
-        drop(renders);
+        // Every recorded mapping's new offset, from its BO's restored offset.
+        let translated: Vec<Translated> = plan
+            .state
+            .vmas
+            .iter()
+            .map(|v| {
+                let old_bo = &plan.state.bos[v.bo as usize];
+                let new_bo = &restored.bos[v.bo as usize];
+                let through = match v.node {
+                    KfdVmaNode::Kfd => MapThrough::Kfd,
+                    KfdVmaNode::Render => MapThrough::Render(
+                        local_minor
+                            .get(&old_bo.gpu_id)
+                            .copied()
+                            .unwrap_or(v.render_minor),
+                    ),
+                };
+                Translated {
+                    start: v.start,
+                    end: v.end,
+                    old: v.offset,
+                    new: vma::translate(v.offset, old_bo.offset, new_bo.restored_offset),
+                    through,
+                    what: format!(
+                        "{} BO {} at {:#x}",
+                        vma::bo_kind(old_bo.alloc_flags),
+                        v.bo,
+                        old_bo.addr
+                    ),
+                }
+            })
+            .collect();
+        let (n_gpus, n_bos) = (plan.state.gpus.len(), plan.state.bos.len());
+        let kfd_kept = kfd.try_clone().map_err(|e| e.to_string()).and_then(|k| {
+            let base = self.task_files(nspid).base;
+            above(k, base).map_err(|e| format!("keeping the KFD file: {e}"))
+        })?;
+        let t = self.task_files(nspid);
+        t.kfd = Some(kfd_kept);
+        let n_vmas = translated.len();
+        t.vmas = translated;
+        t.served = 0;
         log::info!(
-            "amd: nspid {nspid}: KFD state restored ({} GPUs, {} BOs; RESTORE {:.3} s), {bytes} bytes of BO contents written back in {secs:.3} s; queues wait for RESUME",
-            plan.state.gpus.len(),
-            plan.state.bos.len(),
-            t_restore
+            "amd: nspid {nspid}: KFD state restored ({n_gpus} GPUs, {n_bos} BOs; RESTORE {t_restore:.3} s), {bytes} bytes of BO contents written back in {secs:.3} s, {n_vmas} device mappings translated; queues wait for RESUME"
         );
         Ok(kfd)
+    }
+
+    /// Whether `path` (as CRIU recorded it at dump) is a file of this KFD.
+    fn classify_path(&self, path: &str) -> Option<DeviceFile> {
+        use std::os::unix::fs::MetadataExt;
+        let p = std::path::Path::new(path);
+        let rdev = std::fs::metadata(p).map_or(0, |m| m.rdev());
+        self.dev.classify(p, rdev).or_else(|| {
+            // A render node of the dump that this host lacks (restored on another GPU).
+            let minor = path.strip_prefix("/dev/dri/renderD")?.parse().ok()?;
+            Some(DeviceFile::Render { minor })
+        })
+    }
+
+    /// `UPDATE_VMA_MAP`, in the restored task: `None` when `path` is no file of this KFD;
+    /// otherwise the new offset and a fresh fd to map from (CRIU takes it), or why not.
+    pub fn update_vma_map(
+        &mut self,
+        path: &str,
+        addr: u64,
+        old: u64,
+    ) -> Option<Result<(u64, OwnedFd), String>> {
+        self.classify_path(path)?;
+        // SAFETY: getpid has no preconditions.
+        let me = unsafe { libc::getpid() };
+        let named = |why: &str| {
+            format!(
+                "device mapping at {addr:#x} of {path} (offset {old:#x}) cannot be made again: {why}"
+            )
+        };
+        let Some(t) = self.task.as_mut().filter(|t| t.pid == me) else {
+            return Some(Err(named(
+                "this task restored no KFD state (its image records no KFD file for it, or the mapping belongs to a process gpusnap did not checkpoint)",
+            )));
+        };
+        let Some(i) = t.vmas.iter().position(|v| v.start == addr && v.old == old) else {
+            return Some(Err(named(&format!(
+                "the image of nspid {} records no such mapping (written by a gpusnap that did not record device mappings, or damaged)",
+                t.nspid
+            ))));
+        };
+        let v = t.vmas[i].clone();
+        let Some(new) = v.new else {
+            return Some(Err(named(&format!(
+                "RESTORE gave its {} an offset that does not fit the mapping",
+                v.what
+            ))));
+        };
+        let file = match v.through {
+            MapThrough::Kfd => t.kfd.as_ref(),
+            MapThrough::Render(minor) => t.renders.get(&minor),
+        };
+        let Some(file) = file else {
+            return Some(Err(named("its file is no longer open in this task")));
+        };
+        let fd = match file.try_clone() {
+            Ok(f) => f,
+            Err(e) => return Some(Err(named(&format!("dup: {e}")))),
+        };
+        log::info!(
+            "amd: nspid {}: mapping {:#x}-{:#x} ({}): offset {old:#x} -> {new:#x}",
+            t.nspid,
+            v.start,
+            v.end,
+            v.what
+        );
+        t.served += 1;
+        if t.served >= t.vmas.len() {
+            // Every recorded mapping has its own dup now: the task's own copies can go.
+            t.kfd = None;
+            t.renders.clear();
+        }
+        Some(Ok((new, fd)))
     }
 
     pub fn resume_devices_late(&mut self, pid: i32) -> Option<i32> {
@@ -371,5 +610,6 @@ impl AmdRestore {
 
     pub fn exit(&mut self) {
         self.resume_kfd = None;
+        self.task = None;
     }
 }

@@ -35,6 +35,12 @@ pub trait KfdDevice: Debug + Send + Sync {
     /// this KFD's device or one of its render nodes.
     fn classify(&self, path: &Path, rdev: u64) -> Option<DeviceFile>;
 
+    /// Whether this KFD's nodes may be block devices (the stand-in's are, so that they can be
+    /// mapped; the kernel's are character devices).
+    fn block_nodes(&self) -> bool {
+        false
+    }
+
     /// Opens the KFD device for the calling process (which the kernel then acts on).
     fn open_kfd(&self) -> Result<OwnedFd, KfdError>;
 
@@ -129,16 +135,41 @@ pub fn open_device(path: &Path) -> Result<OwnedFd, KfdError> {
 
 /// The `/proc/self/fd` link and the device number of `fd`, if it is a character device.
 pub fn char_device_of(fd: BorrowedFd<'_>) -> Option<(PathBuf, u64)> {
+    device_of(fd, false)
+}
+
+/// The `/proc/self/fd` link and the device number of `fd`, if it is a character device (or,
+/// with `block`, a block device).
+pub fn device_of(fd: BorrowedFd<'_>, block: bool) -> Option<(PathBuf, u64)> {
     // SAFETY: a zeroed `stat` is a valid out-buffer for fstat.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: fstat on a borrowed (open) fd into a local buffer.
-    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0
-        || st.st_mode & libc::S_IFMT != libc::S_IFCHR
-    {
+    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+        return None;
+    }
+    let kind = st.st_mode & libc::S_IFMT;
+    if kind != libc::S_IFCHR && !(block && kind == libc::S_IFBLK) {
         return None;
     }
     let path = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())).ok()?;
     Some((path, st.st_rdev))
+}
+
+/// The path and device number of a device node `st` describes, opened as `fd` (CRIU's
+/// `HANDLE_DEVICE_VMA` passes both): `None` unless a character device (or, with `block`, a
+/// block device).
+pub fn device_of_stat(
+    fd: BorrowedFd<'_>,
+    mode: libc::mode_t,
+    rdev: u64,
+    block: bool,
+) -> Option<(PathBuf, u64)> {
+    let kind = mode & libc::S_IFMT;
+    if kind != libc::S_IFCHR && !(block && kind == libc::S_IFBLK) {
+        return None;
+    }
+    let path = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())).ok()?;
+    Some((path, rdev))
 }
 
 #[cfg(test)]

@@ -18,6 +18,7 @@ pub mod criu;
 pub mod device;
 pub mod standin;
 pub mod sys;
+pub mod vma;
 
 #[cfg(test)]
 mod header_check;

@@ -140,6 +140,10 @@ impl KfdDevice for StandinKfd {
         self.dir.join(render_node_name(minor))
     }
 
+    fn block_nodes(&self) -> bool {
+        true
+    }
+
     fn classify(&self, path: &Path, _rdev: u64) -> Option<DeviceFile> {
         if path.parent() != Some(self.dir.as_path()) {
             return None;

@@ -112,12 +112,14 @@ impl Compress {
 }
 
 /// How a restore checks the image's data before any restored process runs. Every chunk is
-/// always checked against its stored checksum as it is read for loading; this adds:
+/// checked as it is loaded: against its stored checksum as it is read, or, under `Auto` with
+/// device hashes, on the GPU after loading. This chooses:
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Verify {
     /// A host pass over every chunk before the GPU is touched, unless every chunk carries a
     /// device hash: then the GPU checks the loaded data instead (no host pass on the critical
-    /// path; damage is found during the load and the process killed, the image untouched).
+    /// path, and no host checksum as chunks are read; damage is found during the load and the
+    /// process killed, the image untouched).
     #[default]
     Auto,
     /// Always the host pass before the GPU is touched (`true`, the old default).

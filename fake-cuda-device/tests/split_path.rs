@@ -294,10 +294,11 @@ fn dump_and_damage(s: &mut Split) -> (String, Vec<u64>) {
     (name.to_owned(), last)
 }
 
-/// One flipped payload byte in a data file: the chunk's checksum does not match when it is read
-/// for loading, the restore fails naming the file and the chunk, and nothing runs. (With device
-/// hashes there is no host pass before the load; `damaged_data_found_by_the_host_pass` keeps
-/// the pass.)
+/// One flipped payload byte in a data file. With device hashes (`verify_before_restore =
+/// "auto"`) there is no host pass and the readers do not hash what the GPU will: the GPU's
+/// check after loading finds the chunk, the restore fails naming its address, and nothing runs.
+/// With the host's checks forced, the chunk's stored checksum does not match as it is read,
+/// naming the file. (`damaged_data_found_by_the_host_pass` covers the pass before the load.)
 #[test]
 fn damaged_data_is_refused() {
     let Some(mut s) = Split::start("split-damaged") else {
@@ -310,8 +311,50 @@ fn damaged_data_is_refused() {
         "the restore of a damaged image succeeded\n{}",
         s.describe(&restore)
     );
+    s.assert_line(&restore, &["chunk at 0x", "on the GPU after loading"]);
+    s.assert_nothing_runs(&last, &restore);
+    let restore = s.restore_in(
+        "restore-host.log",
+        &[("GPUSNAP_VERIFY_BEFORE_RESTORE", "host")],
+    );
+    assert!(!restore.status.success(), "{}", s.describe(&restore));
     s.assert_line(&restore, &[&name, "chunk", "checksum mismatch"]);
     s.assert_nothing_runs(&last, &restore);
+}
+
+/// The GPU cannot run its check after loading (its kernel launch fails in the restored
+/// process), and no host pass ran (`"auto"`): the readers skipped the host checksum of those
+/// chunks, so the data counts as unchecked: the restore fails, nothing runs, the log says to
+/// restore with `"host"`, and the image is intact (`gpusnap verify`).
+#[test]
+fn chunks_the_gpu_could_not_check_fail_the_restore() {
+    let Some(mut s) = Split::start("split-gpu-unchecked") else {
+        return;
+    };
+    let dump = s.dump(false);
+    s.assert_ok(&dump);
+    let last = s.reap_dumped();
+    s.inject("fail cuLaunchKernel");
+    let restore = s.restore();
+    assert!(!restore.status.success(), "{}", s.describe(&restore));
+    s.assert_line(
+        &restore,
+        &[
+            "the GPU checked only 0 of the",
+            "verify_before_restore = \"host\"",
+        ],
+    );
+    s.assert_nothing_runs(&last, &restore);
+    let verify = std::process::Command::new(&s.cli)
+        .arg("verify")
+        .arg(&s.w.images)
+        .output()
+        .expect("run gpusnap verify");
+    assert!(
+        verify.status.success(),
+        "{}",
+        String::from_utf8_lossy(&verify.stdout)
+    );
 }
 
 /// The same image with its device hashes removed (sealed again): with nothing for the GPU to

@@ -113,6 +113,31 @@ impl DataFileReader {
         self.read_payload(entry, chunk, out, scratch)
     }
 
+    /// [`read_chunk`](Self::read_chunk) for a chunk whose bytes the GPU checks against its
+    /// device hash after loading: a raw chunk with a device hash is read without the host
+    /// checksum pass (its record is still checked); any other is read as `read_chunk` does.
+    /// The caller must then make sure the GPU did check it.
+    pub fn read_chunk_for_device_check(
+        &self,
+        entry: &ChunkEntry,
+        out: &mut [u8],
+        scratch: &mut Vec<u8>,
+    ) -> Result<(), ImageError> {
+        if entry.codec != Codec::Raw || entry.device_hash.is_none() {
+            return self.read_chunk(entry, out, scratch);
+        }
+        let chunk = self.check_record(entry)?;
+        if out.len() as u64 != entry.len {
+            return Err(ImageError::BufferSize {
+                file: self.name.clone(),
+                chunk,
+                expected: entry.len,
+                got: out.len() as u64,
+            });
+        }
+        self.pread(out, entry.file_offset)
+    }
+
     /// The stored bytes of `entry` (its record already checked by `check_record`) into `out`,
     /// checksummed and, for zstd, decompressed.
     fn read_payload(

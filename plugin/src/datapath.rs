@@ -41,6 +41,22 @@ pub enum DataError {
     Sync(gpusnap_image::ImageError),
     #[error("creating the staging ring: {0}")]
     Ring(std::io::Error),
+    /// Chunks read without the host checksum were not all checked on the GPU.
+    #[error(
+        "the GPU checked only {checked} of the {hashed} chunks with device hashes after loading, and the rest were read without the host checksum (verify_before_restore = \"auto\"); the data may be damaged, so it must not run. The image is untouched: restore again with verify_before_restore = \"host\""
+    )]
+    Unchecked { checked: u64, hashed: u64 },
+}
+
+/// How a load checks the chunks it reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReadChecks {
+    /// Every chunk against its stored checksum as it is read.
+    Host,
+    /// Raw chunks with a device hash are read without the host pass: the GPU checks them after
+    /// loading, before any application thread runs, and every one of them must have been
+    /// checked there or the load fails. Others as `Host`.
+    GpuWhereHashed,
 }
 
 /// Most parent chunks announced to the agent (`KnownChunk`) in one dump: the agent's own limit.
@@ -440,6 +456,7 @@ pub struct LoadStats {
 /// Re-creates the agent's memory at the recorded addresses and fills it from the image (and,
 /// for chunks an incremental dump referenced, from its ancestors through `parent` links; they
 /// are opened and checked before the agent is asked to re-create anything).
+#[allow(clippy::too_many_arguments)]
 pub fn copy_in(
     agent: AgentSession,
     staging: &Staging,
@@ -448,6 +465,7 @@ pub fn copy_in(
     readers: usize,
     limits: Limits,
     fault_point: &'static str,
+    checks: ReadChecks,
 ) -> Result<LoadStats, DataError> {
     let t0 = Instant::now();
     let sources = ChunkSources::open(dir, manifest)?;
@@ -474,7 +492,7 @@ pub fn copy_in(
             s.spawn(move || {
                 block_signals();
                 let mine = files.iter().copied().skip(r).step_by(readers);
-                if let Err(e) = read_files(mine, &free_rx, agent, staging, sources) {
+                if let Err(e) = read_files(mine, &free_rx, agent, staging, sources, checks) {
                     let _ = err_tx.send(e);
                 }
             });
@@ -490,16 +508,23 @@ pub fn copy_in(
         return Err(e);
     }
     let (bytes, verified_on_device) = agent.finish_restore()?;
+    let device_hashed = manifest
+        .chunks
+        .iter()
+        .filter(|c| c.device_hash.is_some())
+        .count() as u64;
+    if checks == ReadChecks::GpuWhereHashed && verified_on_device < device_hashed {
+        return Err(DataError::Unchecked {
+            checked: verified_on_device,
+            hashed: device_hashed,
+        });
+    }
     Ok(LoadStats {
         bytes,
         zero_chunks: zeros.len() as u64,
         zero_bytes: zeros.iter().map(|c| c.len).sum(),
         verified_on_device,
-        device_hashed: manifest
-            .chunks
-            .iter()
-            .filter(|c| c.device_hash.is_some())
-            .count() as u64,
+        device_hashed,
         seconds: t0.elapsed().as_secs_f64(),
     })
 }
@@ -525,6 +550,7 @@ fn read_files(
     agent: &AgentSession,
     staging: &Staging,
     sources: &ChunkSources<'_>,
+    checks: ReadChecks,
 ) -> Result<(), DataError> {
     let mut scratch = Vec::new();
     for (depth, file) in files {
@@ -536,7 +562,12 @@ fn read_files(
             // SAFETY: the slot came from the free list: the agent is done with it and no
             // other reader holds it.
             let out = unsafe { staging.slot_mut(slot as usize, c.len as usize) };
-            reader.read_chunk(c, out, &mut scratch)?;
+            match checks {
+                ReadChecks::Host => reader.read_chunk(c, out, &mut scratch)?,
+                ReadChecks::GpuWhereHashed => {
+                    reader.read_chunk_for_device_check(c, out, &mut scratch)?
+                }
+            }
             agent.chunk_load(slot, c.addr, c.len, c.device_hash)?;
         }
     }

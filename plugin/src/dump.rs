@@ -831,7 +831,9 @@ pub fn load_through_agent(
     fault_point: &'static str,
 ) -> Result<datapath::LoadStats, DumpError> {
     let agent_thread = ptrace::resume(agent_tid, "agent thread")?;
-    let stats = load_with_agent_running(ctx, pid, dir, manifest, fault_point)?;
+    // A rollback's reload checks every chunk on the host as it reads it.
+    let checks = datapath::ReadChecks::Host;
+    let stats = load_with_agent_running(ctx, pid, dir, manifest, fault_point, checks)?;
     agent_thread
         .stop()
         .map_err(PtraceError::on(agent_tid, "stopping the agent thread"))?;
@@ -846,6 +848,7 @@ pub fn load_with_agent_running(
     dir: BorrowedFd<'_>,
     manifest: &Manifest,
     fault_point: &'static str,
+    checks: datapath::ReadChecks,
 ) -> Result<datapath::LoadStats, DataError> {
     let session = AgentSession::connect_expected(pid, ctx.agent_timeout())?;
     // Zero chunks are filled on the device and take no slot.
@@ -866,6 +869,7 @@ pub fn load_with_agent_running(
         ctx.cfg.effective_reader_threads(),
         ctx.limits(),
         fault_point,
+        checks,
     )
 }
 

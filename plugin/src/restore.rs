@@ -265,7 +265,7 @@ impl RestoreRun {
                 && manifests.values().all(every_chunk_device_hashed)
             {
                 log::info!(
-                    "every chunk has a device hash: no host checksum pass; chunks are checked as they are read and on the GPU after loading, before the processes run"
+                    "every chunk has a device hash: no host checksum pass; each chunk is checked on the GPU after loading, before the processes run (a chunk the GPU cannot check fails the restore)"
                 );
                 Checksums::OnDevice
             } else {
@@ -439,7 +439,13 @@ impl RestoreRun {
             }
         }
         let ctx = self.ctx.as_ref().expect("opened above");
-        let restored = resume_all(ctx, &items);
+        // With no host pass, the GPU's check after loading is the check: the readers do not
+        // hash what it will hash, and a chunk it could not check fails the load.
+        let checks = match self.checksums {
+            Checksums::OnDevice => datapath::ReadChecks::GpuWhereHashed,
+            _ => datapath::ReadChecks::Host,
+        };
+        let restored = resume_all(ctx, &items, checks);
         let several = restored.len() > 1;
         for (p, r) in &restored {
             if let Err(e) = r {
@@ -694,7 +700,7 @@ pub fn find_restored(any_pid: i32, nspids: &[u32]) -> HashMap<u32, i32> {
 /// RESUME_DEVICES_LATE for every GPU process of the image at once: threads are resumed here
 /// (CRIU's main thread, the tracer), the driver and data work of each process runs on a worker
 /// of its own, and the threads are stopped here again.
-pub fn resume_all(ctx: &Ctx, items: &[(i32, Manifest)]) -> Restored {
+pub fn resume_all(ctx: &Ctx, items: &[(i32, Manifest)], checks: datapath::ReadChecks) -> Restored {
     let t0 = Instant::now();
     let mut results = Vec::new();
     let mut work = Vec::new();
@@ -728,7 +734,7 @@ pub fn resume_all(ctx: &Ctx, items: &[(i32, Manifest)]) -> Restored {
             .map(|((pid, m, pairs, _), call)| {
                 s.spawn(move || {
                     crate::datapath::block_signals();
-                    resume_one(ctx, *pid, m, pairs, call)
+                    resume_one(ctx, *pid, m, pairs, call, checks)
                 })
             })
             .collect();
@@ -845,6 +851,7 @@ fn resume_one(
     m: &Manifest,
     pairs: &[gpumap::Pair],
     call: &DriverCall,
+    checks: datapath::ReadChecks,
 ) -> Result<RestoredProcess, RestoreError> {
     let t0 = Instant::now();
     let driver = |what| move |err| RestoreError::Driver { what, err };
@@ -885,6 +892,7 @@ fn resume_one(
                         ctx.image_dir(),
                         m,
                         "restore-data",
+                        checks,
                     )?);
                 }
                 RestorePhase::Whole

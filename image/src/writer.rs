@@ -59,6 +59,16 @@ pub struct DataFileWriter {
     compressor: Option<zstd::bulk::Compressor<'static>>,
     /// Compressed output, kept between chunks so its capacity is reused.
     scratch: Vec<u8>,
+    /// Where this writer's time went ([`WriterTimes`]).
+    times: WriterTimes,
+}
+
+/// Where a data file writer's time went, for the dump's statistics: hashing chunks as they are
+/// written ([`DataFileWriter::append_raw`]), and writing them (`pwrite`, compression included).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct WriterTimes {
+    pub hash: std::time::Duration,
+    pub write: std::time::Duration,
 }
 
 impl std::fmt::Debug for DataFileWriter {
@@ -99,6 +109,7 @@ impl DataFileWriter {
             failed: false,
             compressor: None,
             scratch: Vec::new(),
+            times: WriterTimes::default(),
         })
     }
 
@@ -119,6 +130,11 @@ impl DataFileWriter {
     /// Bytes written so far (header included).
     pub fn bytes_written(&self) -> u64 {
         self.offset
+    }
+
+    /// Where this writer's time went so far.
+    pub fn times(&self) -> WriterTimes {
+        self.times
     }
 
     /// Appends one chunk: the device bytes at `addr`. With `Codec::Zstd` the chunk is compressed
@@ -143,6 +159,7 @@ impl DataFileWriter {
         hashes: &ChunkHashes,
     ) -> Result<ChunkEntry, ImageError> {
         self.check_append(addr, data.len() as u64)?;
+        let t0 = std::time::Instant::now();
         let (stored, codec): (&[u8], Codec) = match codec {
             // A zero chunk is recorded without any file (`ChunkEntry::zero`); asked to store
             // one anyway, store its bytes.
@@ -165,6 +182,7 @@ impl DataFileWriter {
         };
         let result = write_all_at(&self.file, &self.name, &encode_record(&record), self.offset)
             .and_then(|()| write_all_at(&self.file, &self.name, stored, self.offset + RECORD_LEN));
+        self.times.write += t0.elapsed();
         if let Err(e) = result {
             self.failed = true;
             return Err(e);
@@ -186,8 +204,12 @@ impl DataFileWriter {
         let base = self.offset + RECORD_LEN;
         let mut result = Ok(());
         for (k, piece) in data.chunks(PIECE).enumerate() {
+            let t0 = std::time::Instant::now();
             hasher.update(piece);
+            let t1 = std::time::Instant::now();
             result = write_all_at(&self.file, &self.name, piece, base + (k * PIECE) as u64);
+            self.times.hash += t1 - t0;
+            self.times.write += t1.elapsed();
             if result.is_err() {
                 break;
             }

@@ -81,6 +81,27 @@ pub struct DumpData {
     /// Chunks that carry a hash computed on the GPU.
     pub device_hashed: u64,
     pub seconds: f64,
+    /// The writer threads' time, summed over them: where the data phase's host side went.
+    pub writers: WritersTime,
+}
+
+/// Seconds the writer threads spent, summed over the threads: hashing on the host, writing
+/// (`pwrite`, compression included) and waiting for the agent's next chunk.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct WritersTime {
+    pub threads: usize,
+    pub hash_s: f64,
+    pub write_s: f64,
+    pub wait_s: f64,
+}
+
+impl WritersTime {
+    fn add(&mut self, t: gpusnap_image::WriterTimes, extra_hash: Duration, wait: Duration) {
+        self.threads += 1;
+        self.hash_s += (t.hash + extra_hash).as_secs_f64();
+        self.write_s += t.write.as_secs_f64();
+        self.wait_s += wait.as_secs_f64();
+    }
 }
 
 /// Whose data a copy-out moves.
@@ -194,9 +215,10 @@ pub fn copy_out(
         drop(work_tx);
         for h in handles {
             match h.join() {
-                Ok(Some((file, mut chunks))) => {
-                    data.files.extend(file);
-                    data.chunks.append(&mut chunks);
+                Ok(Some(w)) => {
+                    data.files.extend(w.file);
+                    data.chunks.extend(w.chunks);
+                    data.writers.add(w.times, w.hash_outside, w.waited);
                 }
                 Ok(None) => {}
                 Err(_) => return Err(DataError::WriterPanicked),
@@ -331,8 +353,19 @@ struct Out<'a> {
     round: Round,
 }
 
-/// One writer thread: its file (created with the first chunk it writes; a thread whose chunks
-/// were all references leaves none) and every chunk entry it made, references included.
+/// What one writer thread made: its file (created with the first chunk it writes; a thread
+/// whose chunks were all references leaves none), every chunk entry it made, references
+/// included, and where its time went.
+struct Written {
+    file: Option<FileEntry>,
+    chunks: Vec<ChunkEntry>,
+    times: gpusnap_image::WriterTimes,
+    /// Hashing done before the file writer saw the chunk (incremental or compressed dumps).
+    hash_outside: Duration,
+    waited: Duration,
+}
+
+/// One writer thread.
 fn writer(
     index: u32,
     work: Receiver<Work>,
@@ -340,12 +373,15 @@ fn writer(
     agent: &AgentSession,
     staging: &Staging,
     out: Out<'_>,
-) -> Option<(Option<FileEntry>, Vec<ChunkEntry>)> {
+) -> Option<Written> {
     block_signals();
     let mut file: Option<DataFileWriter> = None;
     let mut chunks = Vec::new();
     let mut failed = false;
+    let (mut waited, mut hash_outside) = (Duration::ZERO, Duration::ZERO);
+    let mut idle_since = Instant::now();
     for w in work.iter() {
+        waited += idle_since.elapsed();
         if !failed {
             let res = (|| {
                 // SAFETY: the agent announced this slot with ChunkReady and will not touch it
@@ -353,6 +389,7 @@ fn writer(
                 let data = unsafe { staging.slot(w.slot as usize, w.len as usize) };
                 // An incremental dump must hash a chunk before it knows whether to write it; a
                 // full dump of raw chunks hashes each piece as it writes it (one memory pass less).
+                let t0 = Instant::now();
                 let hashes = match (out.parent, out.codec, out.round) {
                     (None, Codec::Raw, Round::Paused) => None,
                     _ => Some(hash_chunk(data)),
@@ -361,6 +398,7 @@ fn writer(
                     Round::Paused => w.device_hash,
                     Round::Live => gpusnap_proto::devhash::device_hash(data),
                 };
+                hash_outside += t0.elapsed();
                 if let (Some(p), Some(h)) = (out.parent, &hashes)
                     && let Some(r) = p.reference(w.addr, w.len, h)
                 {
@@ -391,13 +429,21 @@ fn writer(
         }
         // Free the slot even after a failure, so the agent is never left waiting.
         let _ = agent.slot_free(w.slot);
+        idle_since = Instant::now();
     }
     if failed {
         return None;
     }
+    let times = file.as_ref().map(DataFileWriter::times).unwrap_or_default();
     // Only the fsync can fail here: a failed write stopped the loop's work above.
     match file.map(DataFileWriter::finish).transpose() {
-        Ok(entry) => Some((entry, chunks)),
+        Ok(entry) => Some(Written {
+            file: entry,
+            chunks,
+            times,
+            hash_outside,
+            waited,
+        }),
         Err(e) => {
             let _ = errors.send(DataError::Sync(e));
             None

@@ -559,6 +559,14 @@ fn move_data_out(
         data.zero_chunks,
         gib(data.zero_bytes),
     );
+    let w = &data.writers;
+    log::info!(
+        "pid {pid}: {} writer threads, summed: hashing {:.3} s, writing {:.3} s, waiting for data {:.3} s",
+        w.threads,
+        w.hash_s,
+        w.write_s,
+        w.wait_s
+    );
     let per_gpu = bytes_per_device(&allocations, &data.chunks);
     if per_gpu.len() > 1 {
         for (device, bytes) in &per_gpu {
@@ -587,7 +595,7 @@ fn move_data_out(
     // reloading.
     t.phase.released(MovedData {
         manifest: Box::new(manifest),
-        stats: Some(data),
+        stats: Some(Box::new(data)),
     })?;
     let t0 = Instant::now();
     let (n, bytes) = session.release()?;
@@ -1111,6 +1119,13 @@ fn stats_of(t: &Tracked) -> serde_json::Value {
             "bytes_zero": d.zero_bytes,
             "chunks_device_hashed": d.device_hashed,
             "incremental": d.referenced_chunks > 0,
+            // Summed over the writer threads: where the host side of the data phase went.
+            "writers": {
+                "threads": d.writers.threads,
+                "hash_s": d.writers.hash_s,
+                "write_s": d.writers.write_s,
+                "wait_s": d.writers.wait_s,
+            },
         });
     }
     v

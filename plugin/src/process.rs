@@ -25,7 +25,7 @@ use gpusnap_image::Manifest;
 #[derive(Debug)]
 pub struct MovedData {
     pub manifest: Box<Manifest>,
-    pub stats: Option<DumpData>,
+    pub stats: Option<Box<DumpData>>,
 }
 
 /// Where one GPU process stands in a dump.

@@ -237,6 +237,16 @@ fn split_dump_and_restore() {
     s.assert_split_dump(&dump);
     // The ring was made at PAUSE, while the workload still ran, not in its pause.
     s.assert_line(&dump, &["staging ring made while the process ran"]);
+    // Every stored chunk was hashed on the GPU only: written as `raw_sum64`.
+    let m = s.manifest();
+    assert!(
+        m.chunks
+            .iter()
+            .filter(|c| c.is_stored())
+            .all(|c| c.codec == gpusnap_image::Codec::RawSum64 && c.content_xxh128.is_none()),
+        "{:?}",
+        m.chunks
+    );
     let last = s.reap_dumped();
 
     let restore = s.restore();
@@ -305,6 +315,8 @@ fn damaged_data_is_refused() {
         return;
     };
     let (name, last) = dump_and_damage(&mut s);
+    // The workload's output as the dump left it (CRIU checks its size at a restore).
+    let out_len = fs::metadata(&s.vmm.out).expect("workload output").len();
     let restore = s.restore();
     assert!(
         !restore.status.success(),
@@ -313,6 +325,12 @@ fn damaged_data_is_refused() {
     );
     s.assert_line(&restore, &["chunk at 0x", "on the GPU after loading"]);
     s.assert_nothing_runs(&last, &restore);
+    // The killed process wrote to it before its GPU data failed the check.
+    fs::OpenOptions::new()
+        .write(true)
+        .open(&s.vmm.out)
+        .and_then(|f| f.set_len(out_len))
+        .expect("truncate the workload output");
     let restore = s.restore_in(
         "restore-host.log",
         &[("GPUSNAP_VERIFY_BEFORE_RESTORE", "host")],
@@ -357,21 +375,25 @@ fn chunks_the_gpu_could_not_check_fail_the_restore() {
     );
 }
 
-/// The same image with its device hashes removed (sealed again): with nothing for the GPU to
-/// check, the restore runs the host checksum pass (`verify_before_restore = "auto"`), which
-/// refuses the damaged chunk before anything is restored or the GPU touched, naming the file
-/// and the chunk. (`"host"` forces the pass: `incremental.rs`.)
+/// An image without device hashes (the GPU could not run the hash kernel at the dump, so the
+/// chunks are raw with XXH3 checksums), damaged: with nothing for the GPU to check, the restore
+/// runs the host checksum pass (`verify_before_restore = "auto"`), which refuses the damaged
+/// chunk before anything is restored or the GPU touched, naming the file and the chunk.
+/// (`"host"` forces the pass: `incremental.rs`.)
 #[test]
 fn damaged_data_found_by_the_host_pass() {
     let Some(mut s) = Split::start("split-damaged-hostpass") else {
         return;
     };
+    s.inject("fail cuLaunchKernel");
     let (name, last) = dump_and_damage(&mut s);
-    let mut m = s.manifest();
-    for c in m.chunks.iter_mut().filter(|c| c.is_stored()) {
-        c.device_hash = None;
-    }
-    s.reseal(&m);
+    let m = s.manifest();
+    assert!(
+        m.chunks
+            .iter()
+            .all(|c| c.device_hash.is_none() && c.codec == gpusnap_image::Codec::Raw),
+        "the dump hashed on the GPU although its kernel failed"
+    );
     let restore = s.restore();
     assert!(!restore.status.success(), "{}", s.describe(&restore));
     s.assert_line(
@@ -389,15 +411,17 @@ fn a_device_hash_mismatch_fails_the_restore() {
     let Some(mut s) = Split::start("split-devhash-mismatch") else {
         return;
     };
-    let dump = s.dump(false);
+    // Compressed, so the device hash is not also the chunk's stored checksum (as it is for a
+    // `raw_sum64` chunk, where changing one changes the other).
+    let dump = s.dump_with(false, &[("GPUSNAP_COMPRESS", "zstd")]);
     s.assert_ok(&dump);
     let last = s.reap_dumped();
     let mut m = s.manifest();
     let c = m
         .chunks
         .iter_mut()
-        .find(|c| c.is_stored())
-        .expect("a stored chunk");
+        .find(|c| c.is_stored() && c.codec != gpusnap_image::Codec::RawSum64)
+        .expect("a stored chunk with a checksum of its own");
     c.device_hash = c.device_hash.map(|h| h ^ 1);
     let addr = c.addr;
     s.reseal(&m);

@@ -310,13 +310,24 @@ impl DedupIndex {
         }
     }
 
-    /// How many parent chunks can be referenced.
+    /// How many parent chunks can be referenced, by either hash.
     pub fn len(&self) -> usize {
-        self.by_range.len()
+        let only_device = self
+            .by_device_hash
+            .keys()
+            .filter(|k| !self.by_range.contains_key(k))
+            .count();
+        self.by_range.len() + only_device
     }
 
     pub fn is_empty(&self) -> bool {
-        self.by_range.is_empty()
+        self.len() == 0
+    }
+
+    /// Whether a chunk at this range is worth hashing on the host to compare with the parent:
+    /// the parent holds one there that only a host hash can match (it has no device hash).
+    pub fn wants_host_compare(&self, addr: u64, len: u64) -> bool {
+        self.by_range.contains_key(&(addr, len)) && !self.by_device_hash.contains_key(&(addr, len))
     }
 }
 
@@ -419,14 +430,14 @@ pub fn parent_for_dedup(
             index.too_deep += 1;
             continue;
         }
-        // Zero chunks have no content hash and are never referenced: a dump finds them again.
-        let Some(hash) = c
+        // Zero chunks are never referenced: a dump finds them again.
+        if !c.is_stored() {
+            continue;
+        }
+        let content = c
             .content_xxh128
             .as_deref()
-            .and_then(|h| u128::from_str_radix(h, 16).ok())
-        else {
-            continue;
-        };
+            .and_then(|h| u128::from_str_radix(h, 16).ok());
         let entry = ChunkEntry {
             parent_depth: c.parent_depth + 1,
             ..c
@@ -436,9 +447,12 @@ pub fn parent_for_dedup(
                 .by_device_hash
                 .insert((entry.addr, entry.len), (d, entry.clone()));
         }
-        index
-            .by_range
-            .insert((entry.addr, entry.len), (hash, entry));
+        // A `raw_sum64` chunk has no content hash: it can only be matched on the GPU.
+        if let Some(hash) = content {
+            index
+                .by_range
+                .insert((entry.addr, entry.len), (hash, entry));
+        }
     }
     ParentImage::Usable(index)
 }

@@ -492,3 +492,38 @@ fn only_allocations_held_alike_are_referenced() {
         other => panic!("{other:?}"),
     }
 }
+
+#[test]
+fn raw_sum64_parent_chunks_are_offered_by_device_hash_only() {
+    use gpusnap_proto::devhash;
+    let imgs = Images::new();
+    let v = data(11);
+    let d1 = imgs.mkdir(1, None);
+    let mut w = DataFileWriter::create(d1.as_fd(), NSPID, 0).unwrap();
+    let chunks: Vec<ChunkEntry> = v
+        .iter()
+        .enumerate()
+        .map(|(i, d)| {
+            let h = devhash::device_hash(d).unwrap();
+            w.append_raw_sum64(BASE + (i * CHUNK) as u64, d, h).unwrap()
+        })
+        .collect();
+    let m1 = manifest(NSPID, chunks, vec![w.finish().unwrap()]);
+    write_manifest(d1.as_fd(), &m1).unwrap();
+    let d2 = imgs.mkdir(2, Some(1));
+    let index = match parent_for_dedup(d2.as_fd(), NSPID, &allocations(v.len())) {
+        ParentImage::Usable(i) => i,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(index.len(), v.len());
+    assert_eq!(index.device_hashes().len(), v.len());
+    let (addr, len) = (BASE, CHUNK as u64);
+    let h = devhash::device_hash(&v[0]).unwrap();
+    let r = index
+        .reference_by_device_hash(addr, len, h)
+        .expect("offered");
+    assert_eq!((r.codec, r.parent_depth), (Codec::RawSum64, 1));
+    // No host hash to compare with: a dump need not hash such a chunk on the host.
+    assert!(!index.wants_host_compare(addr, len));
+    assert!(index.reference(addr, len, &hash_chunk(&v[0])).is_none());
+}

@@ -117,7 +117,7 @@ pub(crate) struct Record {
     pub addr: u64,
     pub len: u64,
     pub stored_len: u64,
-    /// xxh3_64 of the stored bytes.
+    /// xxh3_64 of the stored bytes (gpusnap-sum64 for `RawSum64`).
     pub checksum: u64,
 }
 
@@ -127,6 +127,7 @@ pub(crate) fn codec_id(c: Codec) -> u32 {
         Codec::Zstd => 1,
         // Never written: a zero chunk has no record. Decoding refuses it as unknown.
         Codec::Zero => 2,
+        Codec::RawSum64 => 3,
     }
 }
 
@@ -160,6 +161,7 @@ pub(crate) fn decode_record(b: &[u8; 64]) -> Result<Record, &'static str> {
     let codec = match get_u32(b, 12) {
         0 => Codec::Raw,
         1 => Codec::Zstd,
+        3 => Codec::RawSum64,
         _ => return Err("unknown codec"),
     };
     Ok(Record {

@@ -80,12 +80,13 @@ pub const BUILD: &str = env!("GPUSNAP_BUILD");
 
 /// The manifest version this gpusnap writes. Version 2 added `content_xxh128` and
 /// `parent_depth` to chunk entries (incremental checkpoints); version 3 `device_hash` and the
-/// `zero` codec (chunks hashed and found all zero on the GPU). Readers accept
-/// [`READ_MANIFEST_VERSIONS`].
-pub const FORMAT_VERSION: u32 = 3;
+/// `zero` codec (chunks hashed and found all zero on the GPU); version 4 the `raw_sum64` codec
+/// (raw chunks checked by their device hash, so the dump hashes nothing on the host). Readers
+/// accept [`READ_MANIFEST_VERSIONS`].
+pub const FORMAT_VERSION: u32 = 4;
 
-/// Manifest versions readers accept: 1 (no incremental fields), 2 and 3.
-pub const READ_MANIFEST_VERSIONS: [u32; 3] = [1, 2, 3];
+/// Manifest versions readers accept: 1 (no incremental fields), 2, 3 and 4.
+pub const READ_MANIFEST_VERSIONS: [u32; 4] = [1, 2, 3, 4];
 
 /// The version of the data-file header and of the device-file record. Their layout did not
 /// change with manifest version 2, so it is still 1, and readers accept only 1.

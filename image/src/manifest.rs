@@ -36,6 +36,11 @@ pub enum Codec {
     /// Nothing stored: the chunk was all zeros on the device (found by its device hash pass),
     /// and a restore fills it with zeros there (version 3).
     Zero,
+    /// The device bytes as they are, checked by their device hash (gpusnap-sum64, computed on
+    /// the GPU at the dump) instead of XXH3: `checksum` and `device_hash` are that hash, and
+    /// there is no `content_xxh128`. The dump then hashes nothing on the host (version 4).
+    #[serde(rename = "raw_sum64")]
+    RawSum64,
 }
 
 /// Where one chunk of device memory is stored.
@@ -53,7 +58,7 @@ pub struct ChunkEntry {
     /// Length of the stored bytes in the file (`len` for `Raw`).
     pub stored_len: u64,
     pub codec: Codec,
-    /// xxh3_64 of the stored bytes.
+    /// xxh3_64 of the stored bytes; for `RawSum64`, their gpusnap-sum64 (the device hash).
     pub checksum: u64,
     /// XXH3-128 of the chunk's device bytes (before compression), as 32 lowercase hex digits.
     /// Present in every chunk of a version-2 manifest, absent in version 1. This, with `addr`

@@ -123,7 +123,7 @@ impl DataFileReader {
         out: &mut [u8],
         scratch: &mut Vec<u8>,
     ) -> Result<(), ImageError> {
-        if entry.codec != Codec::Raw || entry.device_hash.is_none() {
+        if !matches!(entry.codec, Codec::Raw | Codec::RawSum64) || entry.device_hash.is_none() {
             return self.read_chunk(entry, out, scratch);
         }
         let chunk = self.check_record(entry)?;
@@ -150,6 +150,7 @@ impl DataFileReader {
         match entry.codec {
             // Straight into the caller's buffer; no copy.
             Codec::Raw => self.read_checked(out, entry, chunk),
+            Codec::RawSum64 => self.read_checked_sum64(out, entry, chunk),
             Codec::Zero => {
                 out.fill(0);
                 Ok(())
@@ -199,7 +200,7 @@ impl DataFileReader {
             }),
             _ => Ok(()),
         };
-        if entry.codec != Codec::Raw {
+        if !matches!(entry.codec, Codec::Raw | Codec::RawSum64) {
             let n = entry.len as usize; // <= 1 GiB: check_record bounded it
             if out.len() < n {
                 out.resize(n, 0);
@@ -218,14 +219,20 @@ impl DataFileReader {
         while done < len {
             let n = (len - done).min(PIECE as u64) as usize;
             self.pread(&mut piece[..n], entry.file_offset + done)?;
-            hasher.update(&piece[..n]);
+            if entry.codec == Codec::Raw {
+                hasher.update(&piece[..n]);
+            }
             if entry.device_hash.is_some() {
                 // PIECE is a multiple of 8, so pieces start on word boundaries.
                 parts.add_words(done / 8, &piece[..n]);
             }
             done += n as u64;
         }
-        if hasher.digest() != entry.checksum {
+        let stored_sum = match entry.codec {
+            Codec::RawSum64 => devhash::finish(parts.sum, entry.len),
+            _ => hasher.digest(),
+        };
+        if stored_sum != entry.checksum {
             return Err(ImageError::ChunkChecksum {
                 file: self.name.clone(),
                 chunk,
@@ -237,6 +244,28 @@ impl DataFileReader {
     /// Reads the stored bytes of `entry` into `buf` (`buf.len() == stored_len`) a piece at a
     /// time, hashing each piece while it is still in the CPU cache (one pass over memory fewer
     /// than reading all, then hashing all), and checks the checksum.
+    /// `read_checked` for `RawSum64`: the bytes against their gpusnap-sum64.
+    fn read_checked_sum64(
+        &self,
+        buf: &mut [u8],
+        entry: &ChunkEntry,
+        chunk: usize,
+    ) -> Result<(), ImageError> {
+        let mut parts = devhash::Sum64Parts::default();
+        for (k, piece) in buf.chunks_mut(PIECE).enumerate() {
+            self.pread(piece, entry.file_offset + (k * PIECE) as u64)?;
+            // PIECE is a multiple of 8, so pieces start on word boundaries.
+            parts.add_words((k * PIECE / 8) as u64, piece);
+        }
+        if devhash::finish(parts.sum, entry.len) != entry.checksum {
+            return Err(ImageError::ChunkChecksum {
+                file: self.name.clone(),
+                chunk,
+            });
+        }
+        Ok(())
+    }
+
     fn read_checked(
         &self,
         buf: &mut [u8],

@@ -511,14 +511,14 @@ fn unknown_version_is_refused() {
     let good = std::fs::read(&path).unwrap();
     // In the header line.
     let bad = String::from_utf8(good.clone()).unwrap().replacen(
-        "GPUSNAP-MANIFEST 3 ",
         "GPUSNAP-MANIFEST 4 ",
+        "GPUSNAP-MANIFEST 5 ",
         1,
     );
     std::fs::write(&path, bad).unwrap();
     let e = read_manifest(t.fd(), NSPID).unwrap_err();
     assert!(
-        matches!(e, ImageError::UnsupportedVersion { found: 4, .. }),
+        matches!(e, ImageError::UnsupportedVersion { found: 5, .. }),
         "{e}"
     );
     // In the JSON body, with a correct checksum.
@@ -1393,5 +1393,85 @@ fn zero_chunks_and_device_hashes() {
     assert!(
         validate_manifest_structure(&v2).is_err(),
         "device hash in v2"
+    );
+}
+
+/// Version 4: `raw_sum64` chunks, written with no host hash (their checksum is the device hash
+/// the GPU computed). They read back, and a damaged byte is found by the host (read and
+/// `verify`, through gpusnap-sum64); a read for the GPU's check skips the host pass. A version
+/// that has no such codec, a checksum other than the device hash, a content hash or no device
+/// hash are refused.
+#[test]
+fn raw_sum64_chunks_are_checked_by_their_device_hash() {
+    use gpusnap_proto::devhash;
+    let t = TempDir::new();
+    let data: Vec<Vec<u8>> = (0..2).map(|i| noise(CHUNK, 40 + i)).collect();
+    let mut w = DataFileWriter::create(t.fd(), NSPID, 0).unwrap();
+    let chunks: Vec<ChunkEntry> = data
+        .iter()
+        .enumerate()
+        .map(|(i, d)| {
+            let h = devhash::device_hash(d).unwrap();
+            w.append_raw_sum64(BASE + (i * CHUNK) as u64, d, h).unwrap()
+        })
+        .collect();
+    assert!(chunks.iter().all(|c| c.codec == Codec::RawSum64
+        && c.device_hash == Some(c.checksum)
+        && c.content_xxh128.is_none()));
+    // An odd length has no device hash: refused.
+    assert!(w.append_raw_sum64(BASE + 0x10_0000, &[1; 12], 0).is_err());
+    let m = Manifest {
+        allocations: vec![AllocationRecord {
+            id: 1,
+            device: 0,
+            addr: BASE,
+            size: 2 * CHUNK as u64,
+            moved: true,
+        }],
+        files: vec![w.finish().unwrap()],
+        chunks,
+        ..make_image(TempDir::new().fd()).m
+    };
+    write_manifest(t.fd(), &m).unwrap();
+    let back = read_manifest(t.fd(), NSPID).unwrap();
+    assert_eq!(back, m);
+    assert_eq!(read_all(t.fd(), &back).unwrap(), data);
+    verify_image(t.fd(), &back, 1).unwrap();
+
+    // One flipped payload byte.
+    flip(
+        &t.file(&data_file_name(NSPID, 0)),
+        DATA_HEADER_LEN + RECORD_LEN + 100,
+    );
+    let e = read_all(t.fd(), &back).unwrap_err();
+    assert!(
+        matches!(e, ImageError::ChunkChecksum { chunk: 0, .. }),
+        "{e}"
+    );
+    let e = verify_image(t.fd(), &back, 1).unwrap_err();
+    assert!(
+        matches!(e, ImageError::ChunkChecksum { chunk: 0, .. }),
+        "{e}"
+    );
+    let r = DataFileReader::open(t.fd(), &back, 0).unwrap();
+    let mut out = vec![0u8; CHUNK];
+    r.read_chunk_for_device_check(&back.chunks[0], &mut out, &mut Vec::new())
+        .unwrap();
+    assert_ne!(out, data[0], "read as stored, for the GPU to find");
+
+    let refused = |edit: &dyn Fn(&mut Manifest), what: &str| {
+        let mut bad = m.clone();
+        edit(&mut bad);
+        assert!(validate_manifest_structure(&bad).is_err(), "{what}");
+    };
+    refused(&|m| m.format_version = 3, "raw_sum64 in version 3");
+    refused(
+        &|m| m.chunks[0].checksum ^= 1,
+        "checksum not the device hash",
+    );
+    refused(&|m| m.chunks[1].device_hash = None, "no device hash");
+    refused(
+        &|m| m.chunks[1].content_xxh128 = Some("0".repeat(32)),
+        "a content hash",
     );
 }

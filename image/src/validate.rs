@@ -268,7 +268,8 @@ fn addr_overlap(m: &Manifest, mf: &str) -> ImageError {
 /// references; version 2 has a `content_xxh128` (32 lowercase hex digits) on every chunk and
 /// references at most [`MAX_CHAIN_DEPTH`] links up; version 3 may add `device_hash`, and has
 /// zero chunks (`Codec::Zero`: no file, offset, stored bytes, checksum, content hash or
-/// reference, and a device hash).
+/// reference, and a device hash); version 4 has `raw_sum64` chunks (checksum = device hash,
+/// no content hash).
 fn check_version_fields(version: u32, c: &ChunkEntry) -> Result<(), String> {
     if version < 3 && c.device_hash.is_some() {
         return Err(format!("device_hash is not a version-{version} field"));
@@ -280,6 +281,24 @@ fn check_version_fields(version: u32, c: &ChunkEntry) -> Result<(), String> {
             "a device hash or zero chunk of {} bytes, not a multiple of 8",
             c.len
         ));
+    }
+    if c.codec == Codec::RawSum64 {
+        if version < 4 {
+            return Err(format!("codec raw_sum64 is not a version-{version} codec"));
+        }
+        if c.device_hash != Some(c.checksum) || c.content_xxh128.is_some() {
+            return Err(
+                "a raw_sum64 chunk's checksum is its device hash, and it has no content hash"
+                    .into(),
+            );
+        }
+        if c.parent_depth > MAX_CHAIN_DEPTH {
+            return Err(format!(
+                "parent_depth {} exceeds the limit of {MAX_CHAIN_DEPTH}",
+                c.parent_depth
+            ));
+        }
+        return Ok(());
     }
     if c.codec == Codec::Zero {
         if version < 3 {
@@ -329,8 +348,8 @@ fn is_hex128(s: &str) -> bool {
     s.len() == 32 && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
 }
 
-/// `len` and `stored_len` in 1..=1 GiB; Raw stores exactly `len`, Zstd at most `len`, Zero
-/// nothing.
+/// `len` and `stored_len` in 1..=1 GiB; Raw and RawSum64 store exactly `len`, Zstd at most
+/// `len`, Zero nothing.
 pub(crate) fn check_chunk_lengths(len: u64, stored_len: u64, codec: Codec) -> Result<(), String> {
     if len == 0 || len > MAX_CHUNK_LEN {
         return Err(format!("length {len} is not in 1..={MAX_CHUNK_LEN}"));
@@ -347,7 +366,7 @@ pub(crate) fn check_chunk_lengths(len: u64, stored_len: u64, codec: Codec) -> Re
         ));
     }
     match codec {
-        Codec::Raw if stored_len != len => Err(format!(
+        Codec::Raw | Codec::RawSum64 if stored_len != len => Err(format!(
             "raw chunk stores {stored_len} bytes for {len} bytes of data"
         )),
         Codec::Zstd if stored_len > len => Err(format!(

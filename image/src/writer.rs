@@ -163,7 +163,7 @@ impl DataFileWriter {
         let (stored, codec): (&[u8], Codec) = match codec {
             // A zero chunk is recorded without any file (`ChunkEntry::zero`); asked to store
             // one anyway, store its bytes.
-            Codec::Raw | Codec::Zero => (data, Codec::Raw),
+            Codec::Raw | Codec::Zero | Codec::RawSum64 => (data, Codec::Raw),
             Codec::Zstd => match compress(&mut self.compressor, &mut self.scratch, data) {
                 Some(n) => (&self.scratch[..n], Codec::Zstd),
                 None => (data, Codec::Raw),
@@ -177,7 +177,7 @@ impl DataFileWriter {
             stored_len: stored.len() as u64,
             checksum: match codec {
                 Codec::Zstd => xxh3_64(stored),
-                Codec::Raw | Codec::Zero => hashes.xxh3_64,
+                Codec::Raw | Codec::Zero | Codec::RawSum64 => hashes.xxh3_64,
             },
         };
         let result = write_all_at(&self.file, &self.name, &encode_record(&record), self.offset)
@@ -187,7 +187,7 @@ impl DataFileWriter {
             self.failed = true;
             return Err(e);
         }
-        Ok(self.committed(&record, hashes))
+        Ok(self.committed(&record, Some(hashes)))
     }
 
     /// Appends one chunk stored raw, hashing it on the way: each piece is hashed and then written
@@ -233,7 +233,49 @@ impl DataFileWriter {
             self.failed = true;
             return Err(e);
         }
-        Ok((self.committed(&record, &hashes), hashes))
+        Ok((self.committed(&record, Some(&hashes)), hashes))
+    }
+
+    /// Appends a raw chunk whose device hash the GPU computed (`Codec::RawSum64`): its record's
+    /// checksum is that hash, so nothing is hashed here and the bytes go to the file in one
+    /// write. The caller vouches that `device_hash` is the gpusnap-sum64 of `data` (the agent
+    /// hashed the device memory the bytes were copied from, with the application stopped); a
+    /// reader checks it, on the host or on the GPU.
+    pub fn append_raw_sum64(
+        &mut self,
+        addr: u64,
+        data: &[u8],
+        device_hash: u64,
+    ) -> Result<ChunkEntry, ImageError> {
+        self.check_append(addr, data.len() as u64)?;
+        if !data.len().is_multiple_of(8) {
+            return Err(ImageError::BadChunk {
+                file: self.name.clone(),
+                addr,
+                len: data.len() as u64,
+            });
+        }
+        let t0 = std::time::Instant::now();
+        let record = Record {
+            seq: self.seq,
+            codec: Codec::RawSum64,
+            addr,
+            len: data.len() as u64,
+            stored_len: data.len() as u64,
+            checksum: device_hash,
+        };
+        let result =
+            write_all_at(&self.file, &self.name, data, self.offset + RECORD_LEN).and_then(|()| {
+                write_all_at(&self.file, &self.name, &encode_record(&record), self.offset)
+            });
+        self.times.write += t0.elapsed();
+        if let Err(e) = result {
+            self.failed = true;
+            return Err(e);
+        }
+        let mut entry = self.committed(&record, None);
+        entry.device_hash = Some(device_hash);
+        Ok(entry)
     }
 
     /// Refuses an append after a failed write, and chunks of no or too many bytes.
@@ -254,7 +296,7 @@ impl DataFileWriter {
     }
 
     /// The entry of the chunk just written at `self.offset`, which then moves past it.
-    fn committed(&mut self, record: &Record, hashes: &ChunkHashes) -> ChunkEntry {
+    fn committed(&mut self, record: &Record, hashes: Option<&ChunkHashes>) -> ChunkEntry {
         let entry = ChunkEntry {
             file: self.index,
             file_offset: self.offset + RECORD_LEN,
@@ -263,7 +305,7 @@ impl DataFileWriter {
             stored_len: record.stored_len,
             codec: record.codec,
             checksum: record.checksum,
-            content_xxh128: Some(hashes.content_hex()),
+            content_xxh128: hashes.map(ChunkHashes::content_hex),
             parent_depth: 0,
             device_hash: None,
         };

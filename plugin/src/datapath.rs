@@ -390,7 +390,17 @@ fn writer(
                 // An incremental dump must hash a chunk before it knows whether to write it; a
                 // full dump of raw chunks hashes each piece as it writes it (one memory pass less).
                 let t0 = Instant::now();
+                // A raw chunk of a paused process with a device hash needs no host hash at all
+                // (`raw_sum64`), unless a parent chunk without one could match it on the host.
+                let host_compare = out
+                    .parent
+                    .is_some_and(|p| p.wants_host_compare(w.addr, w.len));
+                let sum64_only = out.round == Round::Paused
+                    && out.codec == Codec::Raw
+                    && w.device_hash.is_some()
+                    && !host_compare;
                 let hashes = match (out.parent, out.codec, out.round) {
+                    _ if sum64_only => None,
                     (None, Codec::Raw, Round::Paused) => None,
                     _ => Some(hash_chunk(data)),
                 };
@@ -411,9 +421,10 @@ fn writer(
                     file = Some(f);
                 }
                 let f = file.as_mut().expect("created above");
-                let entry = match hashes {
-                    None => f.append_raw(w.addr, data).map(|(entry, _)| entry),
-                    Some(h) => f.append_chunk_hashed(w.addr, data, out.codec, &h),
+                let entry = match (hashes, device_hash) {
+                    (None, Some(d)) if sum64_only => f.append_raw_sum64(w.addr, data, d),
+                    (None, _) => f.append_raw(w.addr, data).map(|(entry, _)| entry),
+                    (Some(h), _) => f.append_chunk_hashed(w.addr, data, out.codec, &h),
                 };
                 entry
                     .map(|e| ChunkEntry { device_hash, ..e })

@@ -10,7 +10,7 @@ use crate::hold::Hold;
 use crate::process::{ImpossibleMove, MovedData, Phase, Route, SplitPlan, Tracked};
 use crate::procfs::{self, Stat};
 use crate::ptrace::{self, PtraceError, RunningThread};
-use crate::staging::{RingShape, Staging};
+use crate::staging::{RingMaker, RingShape, Staging};
 use crate::stall::{self, DriverCall, StallError, Watched};
 use gpusnap_config::Mode;
 use gpusnap_cuda::{DriverError, ProcessState};
@@ -829,6 +829,17 @@ fn reload(ctx: &Ctx, target: &Target<'_>, moved: &MovedData) -> Result<(), DumpE
     Ok(())
 }
 
+/// The staging ring for loading `manifest`'s chunks (zero chunks are filled on the device and
+/// take no slot).
+pub fn load_ring_shape(ctx: &Ctx, manifest: &Manifest) -> RingShape {
+    let chunk_lens = manifest
+        .chunks
+        .iter()
+        .filter(|c| c.is_stored())
+        .map(|c| c.len);
+    RingShape::for_restore(ctx.cfg.staging_slots as usize, chunk_lens)
+}
+
 /// Runs only the agent thread and streams `manifest`'s data into re-created memory.
 pub fn load_through_agent(
     ctx: &Ctx,
@@ -841,7 +852,7 @@ pub fn load_through_agent(
     let agent_thread = ptrace::resume(agent_tid, "agent thread")?;
     // A rollback's reload checks every chunk on the host as it reads it.
     let checks = datapath::ReadChecks::Host;
-    let stats = load_with_agent_running(ctx, pid, dir, manifest, fault_point, checks)?;
+    let stats = load_with_agent_running(ctx, pid, dir, manifest, fault_point, checks, None)?;
     agent_thread
         .stop()
         .map_err(PtraceError::on(agent_tid, "stopping the agent thread"))?;
@@ -857,16 +868,15 @@ pub fn load_with_agent_running(
     manifest: &Manifest,
     fault_point: &'static str,
     checks: datapath::ReadChecks,
+    early: Option<RingMaker>,
 ) -> Result<datapath::LoadStats, DataError> {
     let session = AgentSession::connect_expected(pid, ctx.agent_timeout())?;
-    // Zero chunks are filled on the device and take no slot.
-    let chunk_lens = manifest
-        .chunks
-        .iter()
-        .filter(|c| c.is_stored())
-        .map(|c| c.len);
-    let ring = RingShape::for_restore(ctx.cfg.staging_slots as usize, chunk_lens);
-    let staging = Staging::new(ring.slot_size, ring.slots).map_err(DataError::Ring)?;
+    let ring = load_ring_shape(ctx, manifest);
+    let staging = match early {
+        Some(m) if m.shape() == ring => m.take(),
+        _ => Staging::new(ring.slot_size, ring.slots),
+    }
+    .map_err(DataError::Ring)?;
     let hello = session.hello()?;
     log::debug!("pid {pid}: agent tid {} ready to load", hello.ns_tid);
     datapath::copy_in(

@@ -6,10 +6,11 @@
 use crate::agent::{self, AgentError};
 use crate::context::{Ctx, CtxError};
 use crate::datapath::{self, DataError};
-use crate::dump::load_with_agent_running;
+use crate::dump::{load_ring_shape, load_with_agent_running};
 use crate::gpumap;
 use crate::procfs;
 use crate::ptrace::{self, PtraceError, RunningThread};
+use crate::staging::RingMaker;
 use crate::stall::{self, DriverCall, StallError, Watched};
 use gpusnap_config::{Config, Mode, Verify};
 use gpusnap_cuda::{DriverError, GpuUuid, ParseGpuUuidError};
@@ -855,6 +856,8 @@ fn resume_one(
 ) -> Result<RestoredProcess, RestoreError> {
     let t0 = Instant::now();
     let driver = |what| move |err| RestoreError::Driver { what, err };
+    // The ring is made while the driver restores the control state.
+    let mut ring = has_data(m).then(|| RingMaker::start(load_ring_shape(ctx, m)));
     let mut phase = RestorePhase::Stopped;
     let mut out = RestoredProcess {
         nspid: m.nspid,
@@ -893,6 +896,7 @@ fn resume_one(
                         m,
                         "restore-data",
                         checks,
+                        ring.take(),
                     )?);
                 }
                 RestorePhase::Whole

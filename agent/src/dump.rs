@@ -335,16 +335,9 @@ fn copy_out_live(
     job: CopyJob<'_>,
     handles: &HashMap<u64, Option<Handle>>,
 ) -> Result<u64, Fail> {
-    let CopyJob {
-        drv,
-        ch,
-        st,
-        ring,
-        chunks,
-        hashes,
-        known,
-    } = job;
-    let mut slots = Slots::new(ring.slots);
+    let (drv, ch, st) = (job.drv, job.ch, job.st);
+    let (chunks, hashes, known) = (job.chunks, job.hashes, job.known);
+    let mut slots = Slots::new(job.ring.slots);
     let mut bytes = 0u64;
     for (i, c) in chunks.iter().enumerate() {
         if let Some(announcement) = not_copied(c, hashes[i], known) {

@@ -101,6 +101,12 @@ impl DataFileReader {
             out.fill(0);
             return Ok(());
         }
+        let chunk = self.check_record_for(entry, out)?;
+        self.read_payload(entry, chunk, out, scratch)
+    }
+
+    /// [`check_record`](Self::check_record), and that `out` holds exactly the chunk's bytes.
+    fn check_record_for(&self, entry: &ChunkEntry, out: &[u8]) -> Result<usize, ImageError> {
         let chunk = self.check_record(entry)?;
         if out.len() as u64 != entry.len {
             return Err(ImageError::BufferSize {
@@ -110,7 +116,7 @@ impl DataFileReader {
                 got: out.len() as u64,
             });
         }
-        self.read_payload(entry, chunk, out, scratch)
+        Ok(chunk)
     }
 
     /// [`read_chunk`](Self::read_chunk) for a chunk whose bytes the GPU checks against its
@@ -126,15 +132,7 @@ impl DataFileReader {
         if !matches!(entry.codec, Codec::Raw | Codec::RawSum64) || entry.device_hash.is_none() {
             return self.read_chunk(entry, out, scratch);
         }
-        let chunk = self.check_record(entry)?;
-        if out.len() as u64 != entry.len {
-            return Err(ImageError::BufferSize {
-                file: self.name.clone(),
-                chunk,
-                expected: entry.len,
-                got: out.len() as u64,
-            });
-        }
+        self.check_record_for(entry, out)?;
         self.pread(out, entry.file_offset)
     }
 

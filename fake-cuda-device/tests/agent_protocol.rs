@@ -102,6 +102,14 @@ fn sends() -> Vec<Send> {
             },
             with_fd,
         ));
+        v.push(Send::Req(
+            Request::PreCopyBegin {
+                slot_size,
+                slots,
+                streams,
+            },
+            with_fd,
+        ));
     }
     v.push(Send::Req(Request::SlotFree { slot: SLOTS + 7 }, false));
     v.push(Send::Req(Request::SlotFree { slot: 0 }, false));
@@ -277,10 +285,12 @@ fn allowed(phase: Phase, s: &Send, got: &[Reply], closed: bool) -> Result<(), St
                 && matches!(got.last(), Some(Reply::AllocationsEnd { .. }))
         }
         (Phase::Idle, Send::Req(Request::Abort, _)) => matches!(first, Reply::Aborted),
-        // A whole copy out is harmless.
-        (Phase::Idle, Send::Req(Request::DumpBegin { .. }, true)) => {
-            matches!(first, Reply::Ready)
-        }
+        // A whole copy out is harmless, and so is a pre-copy round (it copies while the
+        // workload runs, and never releases).
+        (
+            Phase::Idle,
+            Send::Req(Request::DumpBegin { .. } | Request::PreCopyBegin { .. }, true),
+        ) => matches!(first, Reply::Ready),
         // Good SlotFree in a dump: the copy goes on.
         (Phase::Dumping, Send::Req(Request::SlotFree { slot: 0 }, false)) => {
             got.iter().all(|r| {

@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use gpusnap_proto::{Channel, ErrorCode, ProtoError, Reply, Request};
 
-use crate::devhash::ChunkHash;
+use crate::devhash::{self, ChunkHash};
 use crate::gpu::Gpu;
 use crate::log::debug;
 use crate::plan::{self, Chunk, Span};
@@ -59,8 +59,9 @@ pub enum Mode {
     Stopped,
     /// `PreCopyBegin`: it runs on. The table lock is held while the GPU hashes and while each
     /// chunk is copied, so no allocation is freed or unmapped under a copy (the application's
-    /// allocation calls wait for at most one chunk's copy); a copied chunk is announced
-    /// without a device hash, and the round ends with `DumpDataDone`.
+    /// allocation calls wait for at most the hash kernels or one chunk's copy, both waited for
+    /// on the agent's own stream); a copied chunk is announced without a device hash, and the
+    /// round ends with `DumpDataDone`.
     Live,
 }
 
@@ -107,6 +108,8 @@ fn dump(
     let spans = spans_to_copy(&*table::try_lock_for(AGENT_LOCK_WAIT).ok_or_else(Fail::busy)?)?;
     let mut st = Staging::map(memfd, ring.slot_size, ring.slots)
         .map_err(|e| Fail::Reply(ErrorCode::Staging, e))?;
+    // With nothing to copy, the ring is not registered; a round then copies nothing either (its
+    // second look must find the devices prepared here).
     if !spans.is_empty() {
         for dev in session::devices(&spans) {
             gpu.prepare(drv, dev, ring.streams as usize, ring.slots as usize)?;
@@ -122,22 +125,41 @@ fn dump(
     let (chunks, hashes) = match mode {
         Mode::Stopped => {
             let chunks = plan::chunks(&spans, ring.slot_size);
-            let hashes = crate::devhash::hash_chunks(gpu, drv, &chunks);
+            let hashes = devhash::hash_chunks(gpu, drv, &chunks);
             (chunks, hashes)
         }
         Mode::Live => {
-            // The application may have allocated or freed since: look again, and hash while
-            // holding the lock, so that nothing the kernel reads is unmapped under it.
+            // Whatever may wait for the application's own GPU work (loading the kernel,
+            // allocating and freeing its result buffers) is done without the table; only the
+            // launches and the wait for them, on the agent's own stream, hold it. The buffers
+            // have room for what the application may allocate meanwhile.
+            let room: Vec<(i32, usize)> = devhash::counts(&plan::chunks(&spans, ring.slot_size))
+                .into_iter()
+                .map(|(dev, n)| (dev, n + n / 2 + 64))
+                .collect();
+            let passes = devhash::Passes::prepare(gpu, drv, &room);
+            let prepared = session::devices(&spans);
+            // The application may have allocated or freed since: look again, under the table,
+            // so that nothing the kernel reads is unmapped under it.
             let t = table::try_lock_for(AGENT_LOCK_WAIT).ok_or_else(Fail::busy)?;
-            let spans = spans_to_copy(&t)?;
-            for dev in session::devices(&spans) {
-                gpu.prepare(drv, dev, ring.streams as usize, ring.slots as usize)?;
-            }
-            let chunks = plan::chunks(&spans, ring.slot_size);
-            let hashes = crate::devhash::hash_chunks(gpu, drv, &chunks);
-            handles.extend(t.converted().map(|c| (c.id, c.app_handle)));
+            let taken = spans_to_copy(&t).and_then(|now| {
+                let chunks = plan::chunks(&now, ring.slot_size);
+                let fits = passes.fit(&devhash::counts(&chunks))
+                    && session::devices(&now).iter().all(|d| prepared.contains(d));
+                if !fits {
+                    return Err(Fail::bad_state(
+                        "the process allocated too much, or on another GPU, while the round \
+                         began; nothing of the application was changed: run the round again"
+                            .to_owned(),
+                    ));
+                }
+                let hashes = passes.run(gpu, drv, &chunks);
+                handles.extend(t.converted().map(|c| (c.id, c.app_handle)));
+                Ok((chunks, hashes))
+            });
             drop(t);
-            (chunks, hashes)
+            passes.free(gpu, drv);
+            taken?
         }
     };
     debug!(

@@ -601,7 +601,15 @@ pub unsafe extern "C" fn cuMemUnmap(ptr: CUdeviceptr, size: usize) -> CuRes {
             Ok(d) => d,
             Err(rc) => return rc,
         };
-        table::lock().begin_app_unmap(ptr, size as u64);
+        {
+            let mut t = table::lock();
+            // The driver would unmap the agent's mapping of a converted cuMemAlloc, which the
+            // application never mapped (and which cuMemUnmap refuses without the agent).
+            if t.overlaps_converted_alloc(ptr, size as u64) {
+                return CUDA_ERROR_INVALID_VALUE;
+            }
+            t.begin_app_unmap(ptr, size as u64);
+        }
         // SAFETY: the caller's arguments are passed to the real function unchanged.
         let rc = unsafe { (drv.mem_unmap)(ptr, size) };
         if rc == CUDA_SUCCESS {

@@ -447,6 +447,21 @@ impl Table {
         }
     }
 
+    /// Whether `[addr, addr+size)` overlaps a converted `cuMemAlloc` (not an application
+    /// mapping): memory the application did not map itself, which `cuMemUnmap` must not touch.
+    pub fn overlaps_converted_alloc(&self, addr: u64, size: u64) -> bool {
+        let end = addr.saturating_add(size);
+        // One starting below `addr` that reaches into the range, or one starting inside it.
+        self.converted
+            .range(..addr)
+            .next_back()
+            .is_some_and(|(_, c)| c.app_handle.is_none() && c.addr.saturating_add(c.size) > addr)
+            || self
+                .converted
+                .range(addr..end)
+                .any(|(_, c)| c.app_handle.is_none())
+    }
+
     /// Where `[addr, addr+len)` of the memory a pre-copy round found as entry `id` (a mapping
     /// of application handle `handle`, if it was one) stands now: see [`LiveState`].
     pub fn live_state(&self, id: u64, handle: Option<Handle>, addr: u64, len: u64) -> LiveState {
@@ -786,6 +801,32 @@ mod tests {
         assert!(t.listing().is_empty());
         t.app_map_virtual(0x4000_0000, 2 << 20, 0, v);
         assert_eq!(t.converted().count(), 1);
+    }
+
+    #[test]
+    fn converted_allocs_are_found_by_any_overlap() {
+        let mut t = Table::new();
+        t.insert_converted(0, 0x1000_0000, 4 << 20, 7);
+        let v = t.virtualize(0x51, 2 << 20, 0, [0; std::mem::size_of::<PropBytes>()]);
+        t.app_map_virtual(0x2000_0000, 2 << 20, 0, v);
+        assert!(t.overlaps_converted_alloc(0x1000_0000, 4096));
+        assert!(t.overlaps_converted_alloc(0x1020_0000, 1 << 20), "inside");
+        assert!(
+            t.overlaps_converted_alloc(0x0f00_0000, 0x0100_1000),
+            "reaching into it"
+        );
+        assert!(
+            !t.overlaps_converted_alloc(0x1040_0000, 4096),
+            "just past its end"
+        );
+        assert!(
+            !t.overlaps_converted_alloc(0x0f00_0000, 0x0100_0000),
+            "just before it"
+        );
+        assert!(
+            !t.overlaps_converted_alloc(0x2000_0000, 2 << 20),
+            "the application's own"
+        );
     }
 
     #[test]

@@ -33,7 +33,7 @@ use std::process::Command;
 use std::thread::sleep;
 use std::time::Duration;
 
-use common::split::Split;
+use common::split::{AtDump, Split};
 use criu_tests::{CriuRun, procs};
 
 /// The knob (the plugin's `fault::ENV`).
@@ -231,41 +231,6 @@ fn assert_verifies(s: &Split, run: &CriuRun) {
     );
 }
 
-/// What lives outside CRIU's images but must be as at the dump for a restore: the stand-in's
-/// driver state of the process (the real driver keeps it inside the process) and the size of the
-/// workload's output file (CRIU checks a regular file's size; the agent thread of a killed
-/// restore may have written debug lines to it, the application threads never ran).
-#[derive(Default)]
-struct Image {
-    driver_state: String,
-    out_len: u64,
-}
-
-impl Image {
-    fn of(s: &Split) -> Image {
-        Image {
-            driver_state: driver_state(s),
-            out_len: fs::metadata(&s.vmm.out).expect("workload output").len(),
-        }
-    }
-
-    fn put_back(&self, s: &Split) {
-        let state = s.state.join(format!("{}.state", s.vmm.pid()));
-        fs::write(state, format!("{}\n", self.driver_state)).expect("reset the driver state");
-        fs::OpenOptions::new()
-            .write(true)
-            .open(&s.vmm.out)
-            .and_then(|f| f.set_len(self.out_len))
-            .expect("truncate the workload output");
-    }
-}
-
-/// The driver state the stand-in keeps for the workload (`running` without a file).
-fn driver_state(s: &Split) -> String {
-    fs::read_to_string(s.state.join(format!("{}.state", s.vmm.pid())))
-        .map_or_else(|_| "running".into(), |t| t.trim().to_owned())
-}
-
 /// Every tick logged so far is good (`ok 1`, consecutive, the device counter equal to it).
 fn assert_no_bad_tick(s: &Split, run: &CriuRun, what: &str) {
     for log in s.vmm.read() {
@@ -286,12 +251,12 @@ fn cell(route: Route, op: Op, point: &'static str) {
     // A restore needs a good image first; the driver state the stand-in keeps in a file plays
     // the one inside the process image (checkpointed), which a new restore must find again.
     let mut last = Vec::new();
-    let mut image = Image::default();
+    let mut image = AtDump::default();
     if op == Op::Restore {
         let dump = run_op(&s, route, Op::Dump, &[]);
         s.assert_ok(&dump);
         last = s.reap_dumped();
-        image = Image::of(&s);
+        image = AtDump::of(&s);
         assert_eq!(image.driver_state, "checkpointed", "{}", s.describe(&dump));
     }
     let before = s.vmm.last_ticks();
@@ -404,7 +369,7 @@ fn dump_killed(s: &mut Split, run: &CriuRun, left: Left, what: &str) {
         "{what}: gpusnap recover: ok {ok}, expected {said:?}:\n{text}\n{}",
         s.describe(run)
     );
-    assert_eq!(driver_state(s), "running", "{what}\n{}", s.describe(run));
+    assert_eq!(s.driver_state(), "running", "{what}\n{}", s.describe(run));
     s.assert_runs_on(&at_kill, run);
     let (states, traced) = threads(pid);
     assert!(
@@ -421,7 +386,7 @@ fn restore_killed(
     route: Route,
     run: &CriuRun,
     dumped_at: &[u64],
-    image: &Image,
+    image: &AtDump,
     what: &str,
 ) {
     let pid = s.vmm.pid();
@@ -702,7 +667,7 @@ fn dump_into_a_full_fs(s: &mut Split, size: &str) -> (CriuRun, std::path::PathBu
         "threads {states:?}, traced {traced}\n{}",
         s.describe(&dump)
     );
-    assert_eq!(driver_state(s), "running", "{}", s.describe(&dump));
+    assert_eq!(s.driver_state(), "running", "{}", s.describe(&dump));
     (dump, images, mount)
 }
 

@@ -34,7 +34,7 @@ use std::path::PathBuf;
 use std::thread::sleep;
 use std::time::{Duration, Instant};
 
-use common::split::Split;
+use common::split::{AtDump, Split};
 use criu_tests::{CriuRun, procs};
 
 impl Split {
@@ -315,8 +315,7 @@ fn damaged_data_is_refused() {
         return;
     };
     let (name, last) = dump_and_damage(&mut s);
-    // The workload's output as the dump left it (CRIU checks its size at a restore).
-    let out_len = fs::metadata(&s.vmm.out).expect("workload output").len();
+    let at_dump = AtDump::of(&s);
     let restore = s.restore();
     assert!(
         !restore.status.success(),
@@ -325,12 +324,8 @@ fn damaged_data_is_refused() {
     );
     s.assert_line(&restore, &["chunk at 0x", "on the GPU after loading"]);
     s.assert_nothing_runs(&last, &restore);
-    // The killed process wrote to it before its GPU data failed the check.
-    fs::OpenOptions::new()
-        .write(true)
-        .open(&s.vmm.out)
-        .and_then(|f| f.set_len(out_len))
-        .expect("truncate the workload output");
+    // The killed process wrote to its output before its GPU data failed the check.
+    at_dump.put_back(&s);
     let restore = s.restore_in(
         "restore-host.log",
         &[("GPUSNAP_VERIFY_BEFORE_RESTORE", "host")],
@@ -341,38 +336,46 @@ fn damaged_data_is_refused() {
 }
 
 /// The GPU cannot run its check after loading (its kernel launch fails in the restored
-/// process), and no host pass ran (`"auto"`): the readers skipped the host checksum of those
-/// chunks, so the data counts as unchecked: the restore fails, nothing runs, the log says to
-/// restore with `"host"`, and the image is intact (`gpusnap verify`).
+/// process), and no host pass ran (`"auto"`), so the readers skipped the host checksum of those
+/// chunks: the image is then checked on the host before anything runs. A damaged image fails
+/// the restore there, naming the file, and nothing runs; the intact image restores and runs on
+/// bit-exact, with a warning.
 #[test]
-fn chunks_the_gpu_could_not_check_fail_the_restore() {
+fn chunks_the_gpu_could_not_check_are_checked_on_the_host() {
     let Some(mut s) = Split::start("split-gpu-unchecked") else {
         return;
     };
-    let dump = s.dump(false);
-    s.assert_ok(&dump);
-    let last = s.reap_dumped();
+    let (name, last) = dump_and_damage(&mut s);
+    let at_dump = AtDump::of(&s);
     s.inject("fail cuLaunchKernel");
     let restore = s.restore();
     assert!(!restore.status.success(), "{}", s.describe(&restore));
+    s.assert_line(&restore, &[&name, "chunk", "checksum mismatch"]);
+    s.assert_nothing_runs(&last, &restore);
+
+    // Mend the byte dump_and_damage flipped, and put the workload's output back as the dump
+    // left it (the killed process wrote to it).
+    let file = s.w.images.join(&name);
+    let f = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&file)
+        .expect("open data file");
+    let mut b = [0u8; 1];
+    f.read_exact_at(&mut b, 64 + 64 + 1000).expect("read");
+    b[0] ^= 0x40;
+    f.write_all_at(&b, 64 + 64 + 1000).expect("write");
+    at_dump.put_back(&s);
+    let restore = s.restore_in("restore-intact.log", &[]);
+    s.assert_ok(&restore);
     s.assert_line(
         &restore,
         &[
             "the GPU checked only 0 of the",
-            "verify_before_restore = \"host\"",
+            "checked on the host instead",
         ],
     );
-    s.assert_nothing_runs(&last, &restore);
-    let verify = std::process::Command::new(&s.cli)
-        .arg("verify")
-        .arg(&s.w.images)
-        .output()
-        .expect("run gpusnap verify");
-    assert!(
-        verify.status.success(),
-        "{}",
-        String::from_utf8_lossy(&verify.stdout)
-    );
+    s.assert_runs_on(&last, &restore);
 }
 
 /// An image without device hashes (the GPU could not run the hash kernel at the dump, so the

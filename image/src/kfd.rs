@@ -34,6 +34,9 @@ pub const KFD_STATE_MAGIC: &str = "GPUSNAP-KFD";
 pub const KFD_FILE_MAGIC: &str = "GPUSNAP-KFDFILE";
 /// The version of both records, as written.
 pub const KFD_FORMAT_VERSION: u32 = 2;
+
+/// Largest `max_fd` a KFD state may record (Linux's `nr_open` is at most 2^30).
+pub const MAX_FD: u32 = 1 << 30;
 /// The oldest version still read (no device mappings recorded).
 pub const KFD_FORMAT_VERSION_MIN: u32 = 1;
 /// Largest KFD state body accepted (the private data, hex-encoded, dominates): 256 MiB.
@@ -337,6 +340,10 @@ pub fn validate_kfd_state(s: &KfdState) -> Result<(), ImageError> {
     }
     if s.format_version < 2 && (!s.vmas.is_empty() || s.max_fd != 0) {
         return Err(bad("a version 1 state lists device mappings".into()));
+    }
+    // A descriptor number: the kernel's limit on open files is far below this.
+    if s.max_fd > MAX_FD {
+        return Err(bad(format!("max_fd {} exceeds {MAX_FD}", s.max_fd)));
     }
     if s.gpus.is_empty() || s.gpus.len() > MAX_GPUS {
         return Err(bad(format!(
@@ -894,4 +901,15 @@ mod tests {
         // A state is not a file record.
         assert!(decode_kfd_file(3, &encode_kfd_state_unchecked(&state())).is_err());
     }
+
+    #[test]
+    fn max_fd_is_bounded() {
+        let mut s = state();
+        s.max_fd = MAX_FD;
+        validate_kfd_state(&s).unwrap();
+        s.max_fd = MAX_FD + 1;
+        let e = validate_kfd_state(&s).unwrap_err().to_string();
+        assert!(e.contains("max_fd"), "{e}");
+    }
+
 }

@@ -220,7 +220,7 @@ impl DataFileReader {
             if entry.codec == Codec::Raw {
                 hasher.update(&piece[..n]);
             }
-            if entry.device_hash.is_some() {
+            if entry.device_hash.is_some() || entry.codec == Codec::RawSum64 {
                 // PIECE is a multiple of 8, so pieces start on word boundaries.
                 parts.add_words(done / 8, &piece[..n]);
             }

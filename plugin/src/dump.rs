@@ -518,7 +518,11 @@ fn move_data_out(
             log::debug!("pid {pid}: staging ring made while the process ran: {shape:?}");
             staging
         }
-        _ => Staging::new(ring.slot_size, ring.slots).map_err(DataError::Ring)?,
+        other => {
+            // The allocations changed since PAUSE: let that ring go before making another.
+            drop(other);
+            Staging::new(ring.slot_size, ring.slots).map_err(DataError::Ring)?
+        }
     };
     t.time("prepare", t0.elapsed().as_secs_f64());
 

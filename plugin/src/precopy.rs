@@ -4,7 +4,7 @@
 //!
 //! The process is never stopped or locked. The agent holds its allocation table while the GPU
 //! hashes and while each chunk is copied (the application's allocation calls wait for at most
-//! one chunk's copy; its kernels and copies run on). Bytes copied from memory the application
+//! the hash kernels or one chunk's copy; its kernels and copies run on). Bytes copied from memory the application
 //! may be writing are not the bytes the GPU hashed before, so the writers hash what they
 //! received and record that as each chunk's device hash (`datapath::Round::Live`); the final
 //! dump compares the GPU's hash of the memory as it is then with it, so a chunk that changed

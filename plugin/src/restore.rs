@@ -266,7 +266,7 @@ impl RestoreRun {
                 && manifests.values().all(every_chunk_device_hashed)
             {
                 log::info!(
-                    "every chunk has a device hash: no host checksum pass; each chunk is checked on the GPU after loading, before the processes run (a chunk the GPU cannot check fails the restore)"
+                    "every chunk has a device hash: no host checksum pass; each chunk is checked on the GPU after loading, before the processes run (if the GPU cannot check them all, the host checks the image before they run)"
                 );
                 Checksums::OnDevice
             } else {
@@ -905,10 +905,11 @@ fn resume_one(
         };
     }
     out.total_s = t0.elapsed().as_secs_f64();
+    // (With `GpuWhereHashed` the load checked the image on the host instead, and said so.)
     if let Some(d) = out
         .data
         .as_ref()
-        .filter(|d| d.verified_on_device < d.device_hashed)
+        .filter(|d| checks == datapath::ReadChecks::Host && d.verified_on_device < d.device_hashed)
     {
         // The agent could not run its kernel (the reason is in its own log); every chunk was
         // still checked against its stored checksum as it was read.

@@ -191,6 +191,8 @@ impl Staging {
             for start in (0..total).step_by(per) {
                 let len = per.min(total - start);
                 s.spawn(move || {
+                    // CRIU's signals are for its main thread (a ring made at PAUSE is made there).
+                    crate::datapath::block_signals();
                     let p = (base + start) as *mut libc::c_void;
                     // SAFETY: [p, p+len) lies inside our mapping; MADV_POPULATE_WRITE only
                     // faults pages in (Linux 5.14+).

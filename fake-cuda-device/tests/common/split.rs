@@ -20,6 +20,36 @@ pub fn built() -> &'static (PathBuf, PathBuf) {
     })
 }
 
+/// What lives outside CRIU's images but must be as at the dump for a restore: the stand-in's
+/// driver state of the process (the real driver keeps it inside the process) and the size of the
+/// workload's output file (CRIU checks a regular file's size; the agent thread of a killed
+/// restore may have written debug lines to it, the application threads never ran).
+#[derive(Default)]
+pub struct AtDump {
+    pub driver_state: String,
+    pub out_len: u64,
+}
+
+impl AtDump {
+    pub fn of(s: &Split) -> AtDump {
+        AtDump {
+            driver_state: s.driver_state(),
+            out_len: fs::metadata(&s.vmm.out).expect("workload output").len(),
+        }
+    }
+
+    /// Puts both back, for another restore from the same image after a failed one.
+    pub fn put_back(&self, s: &Split) {
+        let state = s.state.join(format!("{}.state", s.vmm.pid()));
+        fs::write(state, format!("{}\n", self.driver_state)).expect("reset the driver state");
+        fs::OpenOptions::new()
+            .write(true)
+            .open(&s.vmm.out)
+            .and_then(|f| f.set_len(self.out_len))
+            .expect("truncate the workload output");
+    }
+}
+
 /// One test's setup: the work dir, the stand-in drivers' shared state dir, the workload.
 pub struct Split {
     pub w: WorkDir,
@@ -235,6 +265,12 @@ impl Split {
             run.log_path.display(),
             self.describe(run)
         );
+    }
+
+    /// The driver state the stand-in keeps for the workload (`running` without a file).
+    pub fn driver_state(&self) -> String {
+        fs::read_to_string(self.state.join(format!("{}.state", self.vmm.pid())))
+            .map_or_else(|_| "running".into(), |t| t.trim().to_owned())
     }
 
     /// Has the workload rewrite the first MiB of its allocation 0 and waits until a tick after

@@ -256,7 +256,10 @@ impl AmdRestore {
         if self.task.as_ref().is_none_or(|t| t.pid != me) {
             let max_fd = self.plans.get(&nspid).map_or(0, |p| p.state.max_fd);
             // A version 1 image does not say; 1024 is above what most processes hold.
-            let base = if max_fd > 0 { max_fd as i32 + 1 } else { 1024 };
+            let base = match i32::try_from(max_fd).ok().and_then(|f| f.checked_add(1)) {
+                Some(b) if max_fd > 0 => b,
+                _ => 1024,
+            };
             self.task = Some(TaskFiles {
                 nspid,
                 pid: me,

@@ -911,5 +911,4 @@ mod tests {
         let e = validate_kfd_state(&s).unwrap_err().to_string();
         assert!(e.contains("max_fd"), "{e}");
     }
-
 }

@@ -119,16 +119,6 @@ struct Work {
     device_hash: Option<u64>,
 }
 
-/// Blocks every signal in the calling (helper) thread.
-pub fn block_signals() {
-    // SAFETY: sigfillset on a local set, then pthread_sigmask for this thread only.
-    unsafe {
-        let mut set: libc::sigset_t = std::mem::zeroed();
-        libc::sigfillset(&mut set);
-        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
-    }
-}
-
 /// Tells the agent about the ring (its memfd attached) and waits until it is mapped and pinned.
 fn hand_over_ring(
     agent: &AgentSession,
@@ -370,7 +360,7 @@ fn writer(
     staging: &Staging,
     out: Out<'_>,
 ) -> Option<Written> {
-    block_signals();
+    crate::signals::block_all();
     let mut file: Option<DataFileWriter> = None;
     let mut chunks = Vec::new();
     let mut failed = false;
@@ -543,7 +533,7 @@ pub fn copy_in(
             let err_tx = err_tx.clone();
             let (files, sources, agent) = (&files, &sources, &agent);
             s.spawn(move || {
-                block_signals();
+                crate::signals::block_all();
                 let mine = files.iter().copied().skip(r).step_by(readers);
                 if let Err(e) = read_files(mine, &free_rx, agent, staging, sources, checks) {
                     let _ = err_tx.send(e);

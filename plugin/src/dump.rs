@@ -317,7 +317,7 @@ pub fn checkpoint_all(ctx: &Ctx, procs: &mut [Tracked]) -> Vec<(i32, Result<(), 
             .map(|(((t, _), call), release)| {
                 let pid = t.pid;
                 let h = s.spawn(move || {
-                    datapath::block_signals();
+                    crate::signals::block_all();
                     checkpoint_one(ctx, t, call, release)
                 });
                 (pid, h)

@@ -11,6 +11,7 @@
 //! - [`process`]: a dump's per-process state machine ([`process::Phase`]);
 //! - [`agent`]: the conversation with the in-process agent ([`agent::AgentSession`]);
 //! - [`datapath`] / [`staging`]: moving device data through the shared ring into image files;
+//! - [`signals`]: every thread gpusnap starts blocks CRIU's signals;
 //! - [`ptrace`]: running one seized thread while CRIU holds the others;
 //! - [`stall`]: a driver checkpoint that waits on a stopped thread of its process;
 //! - [`hold`]: keeping a process from running on absent device memory should CRIU die;
@@ -37,6 +38,7 @@ pub mod procfs;
 pub mod ptrace;
 pub mod recover;
 pub mod restore;
+pub mod signals;
 pub mod staging;
 pub mod stall;
 

@@ -154,7 +154,7 @@ impl Verification {
         let handle = std::thread::Builder::new()
             .name("gpusnap-verify".into())
             .spawn(move || {
-                crate::datapath::block_signals();
+                crate::signals::block_all();
                 let t0 = Instant::now();
                 let mut bytes = 0;
                 for m in manifests.iter().filter(|m| !m.chunks.is_empty()) {
@@ -350,7 +350,7 @@ impl RestoreRun {
             self.driver_warmup = std::thread::Builder::new()
                 .name("gpusnap-cuinit".into())
                 .spawn(|| {
-                    crate::datapath::block_signals();
+                    crate::signals::block_all();
                     if let Ok(api) = gpusnap_cuda::driver::api()
                         && let Err(e) = api.init()
                     {
@@ -734,7 +734,7 @@ pub fn resume_all(ctx: &Ctx, items: &[(i32, Manifest)], checks: datapath::ReadCh
             .zip(&calls)
             .map(|((pid, m, pairs, _), call)| {
                 s.spawn(move || {
-                    crate::datapath::block_signals();
+                    crate::signals::block_all();
                     resume_one(ctx, *pid, m, pairs, call, checks)
                 })
             })

@@ -86,7 +86,7 @@ pub fn write_bos(
                 let rx = rx.clone();
                 s.spawn(
                     move || -> Result<(Option<FileEntry>, Vec<ChunkEntry>), String> {
-                        crate::datapath::block_signals();
+                        crate::signals::block_all();
                         let mut w: Option<DataFileWriter> = None;
                         let mut chunks = Vec::new();
                         for item in rx {
@@ -171,7 +171,7 @@ pub fn read_bos(
             .map(|_| {
                 let rx = rx.clone();
                 s.spawn(move || -> Result<u64, String> {
-                    crate::datapath::block_signals();
+                    crate::signals::block_all();
                     let mut bytes = 0;
                     let mut scratch = Vec::new();
                     for f in rx {

@@ -2,7 +2,7 @@
 //! never a panic.
 //!
 //! The campaign against the image readers in small form: one real image (a manifest, two data
-//! files with raw, fused raw, shrinking zstd and zstd-stored-raw chunks, and a device-file
+//! files with raw, fused raw, raw_sum64, shrinking zstd and zstd-stored-raw chunks, and a device-file
 //! record), and for every file of it, deterministically: single bit flips spread over its
 //! headers, record headers and payloads; cuts at many lengths; garbage appended; its contents
 //! swapped with another file's; and, for the manifest, hostile edits sealed again with a correct
@@ -62,6 +62,7 @@ fn build_image() -> Image {
     let fd = dir.fd();
     let a0 = BASE;
     let a1 = BASE + 0x10_0000;
+    let a2 = BASE + 0x20_0000;
     let mut w0 = DataFileWriter::create(fd, NSPID, 0).unwrap();
     let mut w1 = DataFileWriter::create(fd, NSPID, 1).unwrap();
     let planned: Vec<(u32, u64, Vec<u8>, u8)> = vec![
@@ -70,6 +71,7 @@ fn build_image() -> Image {
         (0, a0 + 2100, compressible(700, 3), 1),
         (1, a1, compressible(3000, 4), 2),
         (1, a1 + 3000, noise(800, 35), 2),
+        (0, a2, noise(1024, 36), 3),
     ];
     let mut chunks = Vec::new();
     for (file, addr, data, how) in planned {
@@ -77,6 +79,11 @@ fn build_image() -> Image {
         let entry = match how {
             0 => w.append_chunk(addr, &data, Codec::Raw).unwrap(),
             1 => w.append_raw(addr, &data).unwrap().0,
+            // Checked by its device hash (format 4).
+            3 => {
+                let h = gpusnap_proto::devhash::device_hash(&data).unwrap();
+                w.append_raw_sum64(addr, &data, h).unwrap()
+            }
             _ => w.append_chunk(addr, &data, Codec::Zstd).unwrap(),
         };
         chunks.push((entry, data));
@@ -105,6 +112,13 @@ fn build_image() -> Image {
             device: 0,
             addr: a1,
             size: 3800,
+            moved: true,
+        },
+        AllocationRecord {
+            id: 3,
+            device: 0,
+            addr: a2,
+            size: 1024,
             moved: true,
         },
     ];

@@ -39,6 +39,9 @@ enum How {
     Raw,
     /// `append_chunk` with `Codec::Zstd` (stored raw where it does not shrink).
     Zstd,
+    /// `append_raw_sum64` (a full dump's raw chunk checked by its device hash, format 4:
+    /// payload first, record header last).
+    RawSum64,
 }
 
 /// Bytes zstd shrinks a lot.
@@ -46,8 +49,9 @@ fn compressible(len: usize, seed: u8) -> Vec<u8> {
     (0..len).map(|i| (i / 97) as u8 ^ seed).collect()
 }
 
-/// The chunks of the image: process 12 in three files (raw both ways, zstd that shrinks and
-/// zstd that falls back to raw), process 13 in one; each file's chunks make one allocation.
+/// The chunks of the image: process 12 in four files (raw both ways, zstd that shrinks and
+/// zstd that falls back to raw, raw_sum64), process 13 in one; each file's chunks make one
+/// allocation.
 fn plan() -> Vec<Planned> {
     let chunk = |nspid, file, addr, data, how| Planned {
         nspid,
@@ -60,6 +64,7 @@ fn plan() -> Vec<Planned> {
     let a1 = BASE + 0x10_0000;
     let a2 = BASE + 0x20_0000;
     let a3 = BASE + 0x30_0000;
+    let a4 = BASE + 0x40_0000;
     vec![
         chunk(SPLIT, 0, a0, noise(3000, 1), How::Raw),
         chunk(SPLIT, 0, a0 + 3000, noise(4096, 2), How::RawFused),
@@ -69,6 +74,8 @@ fn plan() -> Vec<Planned> {
         chunk(SPLIT, 2, a2, noise(2500, 6), How::RawFused),
         chunk(SPLIT, 2, a2 + 2500, compressible(3500, 7), How::Zstd),
         chunk(OTHER, 0, a3, noise(1800, 8), How::RawFused),
+        chunk(SPLIT, 3, a4, noise(4096, 9), How::RawSum64),
+        chunk(SPLIT, 3, a4 + 4096, noise(2048, 10), How::RawSum64),
     ]
 }
 
@@ -275,6 +282,10 @@ fn write_steps(
                     How::RawFused => w.append_raw(p.addr, &p.data).unwrap().0,
                     How::Raw => w.append_chunk(p.addr, &p.data, Codec::Raw).unwrap(),
                     How::Zstd => w.append_chunk(p.addr, &p.data, Codec::Zstd).unwrap(),
+                    How::RawSum64 => {
+                        let h = gpusnap_proto::devhash::device_hash(&p.data).unwrap();
+                        w.append_raw_sum64(p.addr, &p.data, h).unwrap()
+                    }
                 };
                 chunks.push((entry, p.data.clone()));
                 seen(Step::Data, nspid);

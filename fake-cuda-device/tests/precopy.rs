@@ -234,3 +234,44 @@ fn a_round_needs_the_agent() {
         .unwrap_or_default();
     assert!(left.is_empty());
 }
+
+/// The CLI killed in the middle of a round (SIGKILL, at several points): the job never stops
+/// or sees a wrong byte, the agent serves the next round, and that round's image is whole.
+#[test]
+fn a_round_killed_part_way_leaves_the_job_as_it_was() {
+    let Some(s) = Split::launch(
+        "precopy-killed",
+        1,
+        &["--seed", "33", "--allocs", "3", "--mib", "4"],
+        &[],
+    ) else {
+        return;
+    };
+    s.vmm.wait_for_tick(3);
+    for (k, after_ms) in [5u64, 30, 80].into_iter().enumerate() {
+        let mut c = Command::new(&s.cli);
+        c.arg("precopy")
+            .arg(s.vmm.pid().to_string())
+            .arg("--images")
+            .arg(dir(&s, &format!("killed{k}")))
+            .env("GPUSNAP_LIBCUDA", &s.fakecuda_so)
+            .env("FAKECUDA_DIR", &s.state)
+            .envs(CONFIG)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null());
+        let mut child = c.spawn().expect("start gpusnap precopy");
+        std::thread::sleep(std::time::Duration::from_millis(after_ms));
+        let _ = child.kill();
+        let _ = child.wait();
+        still_running(&s, &format!("a round killed after {after_ms} ms"));
+    }
+    let r = report(&s, &precopy(&s, "after", None));
+    assert_eq!(num(&r, "allocations_left"), 0, "{r}");
+    let v = Command::new(&s.cli)
+        .arg("verify")
+        .arg(dir(&s, "after"))
+        .output()
+        .expect("gpusnap verify");
+    assert!(v.status.success(), "{}", String::from_utf8_lossy(&v.stdout));
+    still_running(&s, "the round after");
+}

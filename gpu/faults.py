@@ -649,10 +649,14 @@ def _kernel_ticks(path):
 
 MATRIX_CASE = "kill-matrix"
 KNOB = "GPUSNAP_TEST_KILL_CRIU_AT"
-# plugin/src/fault.rs's POINTS, in the order a dump (then its rollback) or a restore reaches them.
+# plugin/src/fault.rs's POINTS, in the order a dump (then its rollback) or a restore reaches them,
+# less STANDIN_ONLY_POINTS.
 KILL_POINTS = ["dump-locked", "dump-data-out", "dump-released", "dump-relocked",
                "dump-checkpointed", "rollback-restored", "rollback-reload", "restore-control",
                "restore-unlocked", "restore-data"]
+# Reached only where the GPU cannot run the hash kernel, which only the stand-in driver in CI can
+# arrange (fake-cuda-device/tests/fail_closed.rs); the last of the plugin's points.
+STANDIN_ONLY_POINTS = ["restore-host-check"]
 # Reached only on the split path: on the transparent path criu then completes normally.
 SPLIT_ONLY_POINTS = {"dump-data-out", "dump-released", "dump-relocked", "rollback-reload",
                      "restore-data"}

@@ -561,6 +561,7 @@ pub fn copy_in(
         // Some chunks went unchecked on both sides: check what the files hold now, on the
         // host (the loaded bytes came from them), before any thread may run.
         let t1 = Instant::now();
+        crate::fault::kill_criu_at("restore-host-check");
         gpusnap_image::verify_image(dir, manifest, readers)?;
         log::warn!(
             "pid {pid}: the GPU checked only {verified_on_device} of the {device_hashed} chunks with device hashes after loading (its kernel could not run here); the image was checked on the host instead, in {:.3} s",

@@ -24,9 +24,10 @@ pub const POINTS: &[&str] = &[
     "rollback-restored", // driver restore of the rollback done, memory not yet back
     "rollback-reload",   // split: the first chunk reloaded
     // restore: RESUME_DEVICES_LATE
-    "restore-control",  // driver restore done (locked)
-    "restore-unlocked", // unlocked, device data not yet loaded
-    "restore-data",     // split: the first chunk loaded
+    "restore-control",    // driver restore done (locked)
+    "restore-unlocked",   // unlocked, device data not yet loaded
+    "restore-data",       // split: the first chunk loaded
+    "restore-host-check", // split: all loaded, the GPU checked too few: the host check begins
 ];
 
 fn armed() -> Option<&'static str> {

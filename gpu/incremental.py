@@ -108,11 +108,8 @@ def main():
         if not procs.wait_pids_free(pids, 60, log):
             raise RuntimeError("dumped pids still in use")
         last = os.path.join(a.images, "dump3")
-        vrc, vout = criu.gpusnap_cli(["verify", last], log)
-        log.block("gpusnap verify (chain)", vout or "", max_lines=30)
-        rec["verify_rc"] = vrc
-        if vrc not in (0, None):
-            rec["problems"].append("gpusnap verify rc %s" % vrc)
+        rec["verify_rc"], problems = criu.verify_image_dir(last, log)
+        rec["problems"].extend(problems)
         rec["restore_s"], rpid, problems, rec["identical"] = criu.restore_and_check(
             last, a.plugdir, log, wlog, n_dump, 120 + 10 * a.gib)
         rec["problems"].extend("checker: " + p for p in problems)

@@ -152,10 +152,7 @@ def main():
         n_dump = len(ticks())
         if not procs.wait_pids_free(pids, 60, log):
             raise RuntimeError("dumped pids still in use")
-        vrc, vout = criu.gpusnap_cli(["verify", final], log)
-        log.block("gpusnap verify (chain)", vout or "", max_lines=30)
-        if vrc not in (0, None):
-            rec["problems"].append("gpusnap verify rc %s" % vrc)
+        rec["problems"].extend(criu.verify_image_dir(final, log)[1])
         rec["restore_s"], rpid, problems, rec["identical"] = criu.restore_and_check(
             final, a.plugdir, log, wlog, n_dump, 120 + 10 * a.gib)
         rec["problems"].extend("checker: " + p for p in problems)

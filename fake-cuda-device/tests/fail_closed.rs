@@ -208,26 +208,9 @@ fn threads(pid: i32) -> (String, bool) {
     (states, traced)
 }
 
-/// `gpusnap <args>` with the checkpoint-API stand-in; (success, stdout + stderr).
-fn cli(s: &Split, args: &[&str]) -> (bool, String) {
-    let out = Command::new(&s.cli)
-        .args(args)
-        .env("GPUSNAP_LIBCUDA", &s.fakecuda_so)
-        .env("FAKECUDA_DIR", &s.state)
-        .env_remove(KNOB)
-        .output()
-        .expect("run gpusnap");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.success(), text)
-}
-
 fn assert_verifies(s: &Split, run: &CriuRun) {
     let images = s.w.images.to_str().expect("utf-8 path");
-    let (ok, text) = cli(s, &["verify", images]);
+    let (ok, text) = s.run_cli(&["verify", images]);
     assert!(
         ok,
         "gpusnap verify {images} failed:\n{text}\n{}",
@@ -367,7 +350,7 @@ fn dump_killed(s: &mut Split, run: &CriuRun, left: Left, what: &str) {
         Left::Killed => unreachable!("restore side"),
     };
     let images = s.w.images.to_str().expect("utf-8 path").to_owned();
-    let (ok, text) = cli(s, &["recover", &pid.to_string(), "--images", &images]);
+    let (ok, text) = s.run_cli(&["recover", &pid.to_string(), "--images", &images]);
     let said = match steps {
         None => "nothing to recover".to_owned(),
         Some(steps) => format!("recovered ({steps}); it runs again"),
@@ -547,7 +530,7 @@ fn held_then_recovered(s: &Split, run: &CriuRun, what: &str) {
     fs::remove_file(s.state.join(format!("{}.dev-inject", s.vmm.pid()))).expect("disarm");
     let pid = s.vmm.pid().to_string();
     let images = s.w.images.to_str().expect("utf-8 path").to_owned();
-    let (ok, text) = cli(s, &["recover", &pid, "--images", &images]);
+    let (ok, text) = s.run_cli(&["recover", &pid, "--images", &images]);
     assert!(
         ok && text.contains("device data reloaded"),
         "{what}: gpusnap recover: ok {ok}:\n{text}\n{}",
@@ -785,7 +768,7 @@ fn recover_killed_at(test: &str, point: &'static str, steps: &str) {
         "{what}: threads {states:?}, traced {traced}: not group-stopped\n{}",
         s.describe(&dump)
     );
-    let (ok, text) = cli(&s, &["recover", &pid.to_string(), "--images", &images]);
+    let (ok, text) = s.run_cli(&["recover", &pid.to_string(), "--images", &images]);
     let said = format!("recovered ({steps}); it runs again");
     assert!(
         ok && text.contains(&said),
@@ -862,7 +845,7 @@ fn two_processes_criu_killed_when_one_has_released() {
                 s.describe(&run)
             );
         }
-        let (ok, text) = cli(&s, &["recover", &pid.to_string(), "--images", &images]);
+        let (ok, text) = s.run_cli(&["recover", &pid.to_string(), "--images", &images]);
         let reloaded = text.contains("device data reloaded");
         assert!(
             ok && (reloaded || !released[i]),
@@ -917,7 +900,7 @@ fn dump_again_after_a_kill_at(test: &str, point: &'static str) {
         assert_no_bad_tick(&s, &again, "after the refused second dump");
         assert_eq!(s.vmm.last_ticks(), held, "{}", s.describe(&again));
         let dir = s.w.images.to_str().expect("utf-8 path").to_owned();
-        let (ok, text) = cli(&s, &["recover", &pid, "--images", &dir]);
+        let (ok, text) = s.run_cli(&["recover", &pid, "--images", &dir]);
         assert!(ok && text.contains("device data reloaded"), "{text}");
         s.assert_runs_on(&held, &again);
     }

@@ -103,12 +103,9 @@ fn rounds_then_a_dump_that_copies_only_what_changed() {
     assert_eq!(num(&r1, "allocations_saved"), 5, "{r1}");
     assert_eq!(num(&r1, "allocations_left"), 0, "{r1}");
     // The round's image is whole: gpusnap verify reads every chunk.
-    let v = Command::new(&s.cli)
-        .arg("verify")
-        .arg(dir(&s, "pre1"))
-        .output()
-        .expect("gpusnap verify");
-    assert!(v.status.success(), "{}", String::from_utf8_lossy(&v.stdout));
+    let pre1 = dir(&s, "pre1");
+    let (ok, text) = s.run_cli(&["verify", pre1.to_str().expect("utf-8 path")]);
+    assert!(ok, "{text}");
     // A directory holding an image of this process is not written over.
     let again = precopy(&s, "pre1", None);
     assert!(!again.status.success());
@@ -267,11 +264,8 @@ fn a_round_killed_part_way_leaves_the_job_as_it_was() {
     }
     let r = report(&s, &precopy(&s, "after", None));
     assert_eq!(num(&r, "allocations_left"), 0, "{r}");
-    let v = Command::new(&s.cli)
-        .arg("verify")
-        .arg(dir(&s, "after"))
-        .output()
-        .expect("gpusnap verify");
-    assert!(v.status.success(), "{}", String::from_utf8_lossy(&v.stdout));
+    let after = dir(&s, "after");
+    let (ok, text) = s.run_cli(&["verify", after.to_str().expect("utf-8 path")]);
+    assert!(ok, "{text}");
     still_running(&s, "the round after");
 }

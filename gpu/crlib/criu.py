@@ -257,3 +257,11 @@ def restore_and_check(imgdir, plugdir, log, wlog, n_dump, timeout):
     ready, ticks, errors = ticklog.parse_workload_log(wlog)
     chk = ticklog.check_ticks(ready, ticks, errors, need_after=5, after_index=n_dump)
     return round(restore["secs"], 3), restore["pid"], chk["problems"], chk["pass"]
+
+
+def verify_image_dir(imgdir, log):
+    """`gpusnap verify IMGDIR` (parent images included), its output in the log. Returns its exit
+    status (None without the CLI) and the problem to record, if any."""
+    rc, out = gpusnap_cli(["verify", imgdir], log)
+    log.block("gpusnap verify (chain)", out or "", max_lines=30)
+    return rc, ([] if rc in (0, None) else ["gpusnap verify rc %s" % rc])

@@ -7,7 +7,7 @@ use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::fs::{OpenOptionsExt, symlink};
 use std::path::PathBuf;
 
-use crate::tests::{TempDir, flip, noise, plant};
+use crate::tests::{TempDir, append_sum64, flip, noise, plant};
 use crate::*;
 
 const NSPID: u32 = 12;
@@ -503,10 +503,7 @@ fn raw_sum64_parent_chunks_are_offered_by_device_hash_only() {
     let chunks: Vec<ChunkEntry> = v
         .iter()
         .enumerate()
-        .map(|(i, d)| {
-            let h = devhash::device_hash(d).unwrap();
-            w.append_raw_sum64(BASE + (i * CHUNK) as u64, d, h).unwrap()
-        })
+        .map(|(i, d)| append_sum64(&mut w, BASE + (i * CHUNK) as u64, d))
         .collect();
     let m1 = manifest(NSPID, chunks, vec![w.finish().unwrap()]);
     write_manifest(d1.as_fd(), &m1).unwrap();

@@ -14,7 +14,7 @@ use std::os::fd::BorrowedFd;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
-use crate::tests::{TempDir, noise};
+use crate::tests::{TempDir, append_sum64, noise};
 use crate::*;
 
 const SPLIT: u32 = 12;
@@ -282,10 +282,7 @@ fn write_steps(
                     How::RawFused => w.append_raw(p.addr, &p.data).unwrap().0,
                     How::Raw => w.append_chunk(p.addr, &p.data, Codec::Raw).unwrap(),
                     How::Zstd => w.append_chunk(p.addr, &p.data, Codec::Zstd).unwrap(),
-                    How::RawSum64 => {
-                        let h = gpusnap_proto::devhash::device_hash(&p.data).unwrap();
-                        w.append_raw_sum64(p.addr, &p.data, h).unwrap()
-                    }
+                    How::RawSum64 => append_sum64(w, p.addr, &p.data),
                 };
                 chunks.push((entry, p.data.clone()));
                 seen(Step::Data, nspid);

@@ -16,7 +16,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::Path;
 use std::time::Instant;
 
-use crate::tests::{TempDir, noise};
+use crate::tests::{TempDir, append_sum64, noise};
 use crate::*;
 
 const NSPID: u32 = 21;
@@ -80,10 +80,7 @@ fn build_image() -> Image {
             0 => w.append_chunk(addr, &data, Codec::Raw).unwrap(),
             1 => w.append_raw(addr, &data).unwrap().0,
             // Checked by its device hash (format 4).
-            3 => {
-                let h = gpusnap_proto::devhash::device_hash(&data).unwrap();
-                w.append_raw_sum64(addr, &data, h).unwrap()
-            }
+            3 => append_sum64(w, addr, &data),
             _ => w.append_chunk(addr, &data, Codec::Zstd).unwrap(),
         };
         chunks.push((entry, data));

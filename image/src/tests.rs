@@ -153,6 +153,12 @@ pub(crate) fn plant(dir: BorrowedFd<'_>, m: &Manifest) {
     crate::manifest::write_manifest_bytes(dir, m.nspid, &encode_manifest_unchecked(m)).unwrap();
 }
 
+/// Appends `data` at `addr` as a `raw_sum64` chunk, with its device hash as the GPU computes it.
+pub(crate) fn append_sum64(w: &mut DataFileWriter, addr: u64, data: &[u8]) -> ChunkEntry {
+    let h = gpusnap_proto::devhash::device_hash(data).expect("a whole number of words");
+    w.append_raw_sum64(addr, data, h).unwrap()
+}
+
 pub(crate) fn flip(path: &Path, offset: u64) {
     let f = OpenOptions::new()
         .read(true)
@@ -1403,17 +1409,13 @@ fn zero_chunks_and_device_hashes() {
 /// hash are refused.
 #[test]
 fn raw_sum64_chunks_are_checked_by_their_device_hash() {
-    use gpusnap_proto::devhash;
     let t = TempDir::new();
     let data: Vec<Vec<u8>> = (0..2).map(|i| noise(CHUNK, 40 + i)).collect();
     let mut w = DataFileWriter::create(t.fd(), NSPID, 0).unwrap();
     let chunks: Vec<ChunkEntry> = data
         .iter()
         .enumerate()
-        .map(|(i, d)| {
-            let h = devhash::device_hash(d).unwrap();
-            w.append_raw_sum64(BASE + (i * CHUNK) as u64, d, h).unwrap()
-        })
+        .map(|(i, d)| append_sum64(&mut w, BASE + (i * CHUNK) as u64, d))
         .collect();
     assert!(chunks.iter().all(|c| c.codec == Codec::RawSum64
         && c.device_hash == Some(c.checksum)

@@ -267,6 +267,24 @@ impl Split {
         );
     }
 
+    /// `gpusnap ARGS` with the plugin's stand-in driver: whether it succeeded, and its stdout and
+    /// stderr.
+    pub fn run_cli(&self, args: &[&str]) -> (bool, String) {
+        let out = std::process::Command::new(&self.cli)
+            .args(args)
+            .env("GPUSNAP_LIBCUDA", &self.fakecuda_so)
+            .env("FAKECUDA_DIR", &self.state)
+            .env_remove("GPUSNAP_TEST_KILL_CRIU_AT")
+            .output()
+            .expect("run gpusnap");
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (out.status.success(), text)
+    }
+
     /// The driver state the stand-in keeps for the workload (`running` without a file).
     pub fn driver_state(&self) -> String {
         fs::read_to_string(self.state.join(format!("{}.state", self.vmm.pid())))

@@ -41,10 +41,19 @@ fn convert(drv: &Driver, size: u64) -> Option<CUdeviceptr> {
             return None;
         }
     };
-    let id = table::lock().insert_converted(dev, a.addr, a.size, a.handle);
+    let id = {
+        let mut t = table::lock();
+        let id = t.insert_converted(dev, a.addr, a.size, a.handle);
+        if a.exportable {
+            t.set_exportable(a.addr);
+        }
+        id
+    };
     debug!(
-        "converted #{id}: {size} bytes -> {:#x} ({} bytes) on device {dev}",
-        a.addr, a.size
+        "converted #{id}: {size} bytes -> {:#x} ({} bytes) on device {dev}{}",
+        a.addr,
+        a.size,
+        if a.exportable { ", exportable" } else { "" }
     );
     server::ensure_started();
     Some(a.addr)

@@ -2,8 +2,10 @@
 //! code into a `Result` whose error names the call, its arguments and the driver's error name,
 //! e.g. `cuMemCreate(addr 0x7f0000000000, 2097152 bytes, device 0) failed: CUDA_ERROR_OUT_OF_MEMORY`.
 
-use std::ffi::{CStr, c_void};
+use std::ffi::{CStr, c_int, c_void};
 use std::fmt;
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU8, Ordering};
 
 use cudarc::driver::sys::{
     CUcontext, CUdevice, CUdeviceptr, CUevent, CUfunction, CUmemAccess_flags, CUmemAccessDesc,
@@ -12,7 +14,10 @@ use cudarc::driver::sys::{
     CUmemLocation, CUmemLocationType, CUmodule, CUstream,
 };
 
-use crate::real::{CUDA_ERROR_NOT_READY, CUDA_SUCCESS, CuRes, Driver};
+use crate::real::{
+    CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_READY, CUDA_ERROR_NOT_SUPPORTED, CUDA_SUCCESS, CuRes,
+    Driver,
+};
 use crate::table::PropBytes;
 
 /// A failed driver call.
@@ -38,6 +43,16 @@ const STREAM_NON_BLOCKING: u32 = 1;
 const EVENT_DISABLE_TIMING: u32 = 2;
 /// `CU_MEMHOSTREGISTER_PORTABLE`.
 const HOST_REGISTER_PORTABLE: u32 = 1;
+/// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`, as the raw value the export/import calls take.
+#[allow(dead_code)]
+const HANDLE_TYPE_POSIX_FD: u32 = 1;
+/// `CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED`.
+const ATTRIBUTE_POSIX_FD_SUPPORTED: c_int = 103;
+
+/// Per device ordinal: whether its memory can be created with POSIX-fd handles
+/// (0 = not asked yet, 1 = no, 2 = yes). An attribute query that fails counts as "no", and is
+/// remembered too, so every allocation of a device is made the same way.
+static POSIX_FD_HANDLES: [AtomicU8; 64] = [const { AtomicU8::new(0) }; 64];
 
 impl Driver {
     fn check(&self, code: CuRes, call: impl FnOnce() -> String) -> Result<(), CuError> {
@@ -100,9 +115,37 @@ impl Driver {
         })
     }
 
+    /// Whether the agent's own allocations on `dev` are made exportable as POSIX fds
+    /// (`CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED`, asked once per device).
+    pub fn posix_fd_handles(&self, dev: CUdevice) -> bool {
+        let slot = usize::try_from(dev)
+            .ok()
+            .and_then(|i| POSIX_FD_HANDLES.get(i));
+        match slot.map(|s| s.load(Ordering::Relaxed)) {
+            Some(1) => return false,
+            Some(2) => return true,
+            _ => {}
+        }
+        let mut v: c_int = 0;
+        // SAFETY: v is a valid out pointer; the attribute is a plain integer query.
+        let rc = unsafe { (self.device_get_attribute)(&mut v, ATTRIBUTE_POSIX_FD_SUPPORTED, dev) };
+        let yes = rc == CUDA_SUCCESS && v != 0;
+        if rc != CUDA_SUCCESS {
+            crate::log::debug!(
+                "cuDeviceGetAttribute(POSIX fd handles, device {dev}) failed: {}; \
+                 allocations there are not exportable",
+                self.error_name(rc)
+            );
+        }
+        if let Some(s) = slot {
+            s.store(if yes { 2 } else { 1 }, Ordering::Relaxed);
+        }
+        yes
+    }
+
     /// Minimum VMM granularity of pinned device memory on `dev`.
     pub fn granularity(&self, dev: CUdevice) -> Result<u64, CuError> {
-        let prop = device_prop(dev);
+        let prop = device_prop(dev, self.posix_fd_handles(dev));
         let mut g: usize = 0;
         // SAFETY: g is a valid out pointer, prop a valid property struct.
         let rc = unsafe {
@@ -134,9 +177,10 @@ impl Driver {
         )
     }
 
-    /// `cuMemCreate` of `size` bytes on `dev`: pinned device memory, or the properties `app`
-    /// an application created its handle with (kept as bytes by the table); `addr` is only for
-    /// the error message.
+    /// `cuMemCreate` of `size` bytes on `dev`: pinned device memory (exportable as a POSIX fd
+    /// where the device supports it, [`Driver::posix_fd_handles`]), or the properties `app` an
+    /// application created its handle with (kept as bytes by the table); `addr` is only for the
+    /// error message.
     pub fn create(
         &self,
         addr: CUdeviceptr,
@@ -148,7 +192,7 @@ impl Driver {
             // SAFETY: the bytes are a CUmemAllocationProp the driver accepted in the
             // application's cuMemCreate (copied by the hook); plain data, read unaligned.
             Some(b) => unsafe { b.as_ptr().cast::<CUmemAllocationProp>().read_unaligned() },
-            None => device_prop(dev),
+            None => device_prop(dev, self.posix_fd_handles(dev)),
         };
         let mut h: CUmemGenericAllocationHandle = 0;
         // SAFETY: h is a valid out pointer, prop a valid property struct, no flags.
@@ -203,6 +247,64 @@ impl Driver {
         self.check(unsafe { (self.mem_release)(h) }, || {
             format!("cuMemRelease(handle of addr {addr:#x})")
         })
+    }
+
+    /// A POSIX fd for the physical memory of `h` (`cuMemExportToShareableHandle`, the real
+    /// driver's, never the agent's hook). `h` must have been created exportable.
+    #[allow(dead_code)] // the IPC service's (next change)
+    pub fn export_fd(&self, h: CUmemGenericAllocationHandle) -> Result<OwnedFd, CuError> {
+        let call = || format!("cuMemExportToShareableHandle(handle {h:#x}, POSIX fd)");
+        let export = self
+            .mem_export_to_shareable_handle
+            .ok_or_else(|| self.missing(CUDA_ERROR_NOT_SUPPORTED, call()))?;
+        let mut fd: c_int = -1;
+        // SAFETY: for POSIX fds the out parameter is an int; h is a live handle; no flags.
+        let rc = unsafe {
+            export(
+                std::ptr::from_mut(&mut fd).cast(),
+                h,
+                HANDLE_TYPE_POSIX_FD,
+                0,
+            )
+        };
+        self.check(rc, call)?;
+        if fd < 0 {
+            return Err(self.missing(CUDA_ERROR_INVALID_VALUE, format!("{} (fd {fd})", call())));
+        }
+        // SAFETY: the driver just opened fd for us; nothing else owns it.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
+    /// A handle to the physical memory behind an exported POSIX fd
+    /// (`cuMemImportFromShareableHandle`, the real driver's). The fd stays the caller's.
+    #[allow(dead_code)] // the IPC service's (next change)
+    pub fn import_fd(&self, fd: BorrowedFd<'_>) -> Result<CUmemGenericAllocationHandle, CuError> {
+        let call = || {
+            format!(
+                "cuMemImportFromShareableHandle(fd {}, POSIX fd)",
+                fd.as_raw_fd()
+            )
+        };
+        let import = self
+            .mem_import_from_shareable_handle
+            .ok_or_else(|| self.missing(CUDA_ERROR_NOT_SUPPORTED, call()))?;
+        let mut h: CUmemGenericAllocationHandle = 0;
+        // The POSIX fd is passed as the pointer's value, as cuda.h documents.
+        let os_handle = fd.as_raw_fd() as usize as *mut c_void;
+        // SAFETY: h is a valid out pointer; the fd is open for the duration of the call.
+        let rc = unsafe { import(&mut h, os_handle, HANDLE_TYPE_POSIX_FD) };
+        self.check(rc, call)?;
+        Ok(h)
+    }
+
+    /// An error for a call that could not be made (the driver lacks it) or returned nonsense.
+    #[allow(dead_code)]
+    fn missing(&self, code: CuRes, call: String) -> CuError {
+        CuError {
+            call,
+            code,
+            name: self.error_name(code),
+        }
     }
 
     pub fn create_stream(&self) -> Result<CUstream, CuError> {
@@ -400,11 +502,16 @@ fn device_location(dev: CUdevice) -> CUmemLocation {
     }
 }
 
-/// Pinned device memory on `dev`, no shareable handle, default flags.
-fn device_prop(dev: CUdevice) -> CUmemAllocationProp {
+/// Pinned device memory on `dev`, default flags; with a POSIX-fd shareable handle when
+/// `exportable` (so that its physical memory can be handed to another process).
+fn device_prop(dev: CUdevice, exportable: bool) -> CUmemAllocationProp {
     CUmemAllocationProp {
         type_: CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
-        requestedHandleTypes: CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+        requestedHandleTypes: if exportable {
+            CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        } else {
+            CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE
+        },
         location: device_location(dev),
         win32HandleMetaData: std::ptr::null_mut(),
         allocFlags: CUmemAllocationProp_st__bindgen_ty_1 {

@@ -139,6 +139,7 @@ crate::hooks::hooked_calls!(driver_table! {
         init = "cuInit"(c_uint);
         get_error_name = "cuGetErrorName"(CuRes, *mut *const c_char);
         device_get = "cuDeviceGet"(*mut CUdevice, c_int);
+        device_get_attribute = "cuDeviceGetAttribute"(*mut c_int, c_int, CUdevice);
         ctx_get_device = "cuCtxGetDevice"(*mut CUdevice);
         ctx_set_current = "cuCtxSetCurrent"(CUcontext);
         ctx_synchronize = "cuCtxSynchronize"();

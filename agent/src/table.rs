@@ -45,6 +45,9 @@ pub struct Converted {
     pub backing: Backing,
     /// The application's (virtual) handle mapped here; None for a converted `cuMemAlloc`.
     pub app_handle: Option<Handle>,
+    /// A converted `cuMemAlloc` whose memory was created with a POSIX-fd shareable handle type,
+    /// so it can be exported (to serve CUDA IPC); false where the device lacks them.
+    pub exportable: bool,
 }
 
 /// Application handle values start here (the driver's own values are small or pointer-like).
@@ -210,9 +213,24 @@ impl Table {
                 size,
                 backing: Backing::Mapped(handle),
                 app_handle,
+                exportable: false,
             },
         );
         id
+    }
+
+    /// Records that the converted allocation at `addr` was created exportable.
+    pub fn set_exportable(&mut self, addr: u64) {
+        if let Some(c) = self.converted.get_mut(&addr) {
+            c.exportable = true;
+        }
+    }
+
+    /// The converted `cuMemAlloc` (not an application mapping) whose range holds `ptr`.
+    #[allow(dead_code)] // the IPC service's (next change)
+    pub fn converted_alloc_containing(&self, ptr: u64) -> Option<&Converted> {
+        let (_, c) = self.converted.range(..=ptr).next_back()?;
+        (c.app_handle.is_none() && ptr - c.addr < c.size).then_some(c)
     }
 
     /// Removes the converted `cuMemAlloc` whose base is `addr` (an application mapping is

@@ -20,6 +20,8 @@ pub struct VmmAlloc {
     pub addr: CUdeviceptr,
     pub size: u64,
     pub handle: CUmemGenericAllocationHandle,
+    /// Created with a POSIX-fd shareable handle type (its memory can be exported).
+    pub exportable: bool,
 }
 
 /// `size` rounded up to a multiple of `granularity` (a power of two or not); None on overflow
@@ -71,6 +73,8 @@ pub fn alloc(drv: &Driver, dev: CUdevice, size: u64) -> Result<VmmAlloc, CuError
             addr,
             size: rounded,
             handle,
+            // The answer `back` created with (asked once per device, then remembered).
+            exportable: drv.posix_fd_handles(dev),
         }),
         Err(e) => {
             log_failed_undo(&e, drv.free_reservation(addr, rounded));
@@ -241,6 +245,15 @@ mod tests {
     unsafe extern "C" fn release(_: CUmemGenericAllocationHandle) -> CuRes {
         outcome("cuMemRelease")
     }
+    unsafe extern "C" fn device_attribute(
+        v: *mut std::ffi::c_int,
+        _: std::ffi::c_int,
+        _: i32,
+    ) -> CuRes {
+        // SAFETY: v is the wrapper's out pointer.
+        unsafe { *v = 1 };
+        0
+    }
 
     /// A stand-in libcuda: the VMM calls above; any other name resolves to a pointer these
     /// tests never call.
@@ -256,6 +269,7 @@ mod tests {
             b"cuMemSetAccess" => set_access as *mut c_void,
             b"cuMemUnmap" => unmap as *mut c_void,
             b"cuMemRelease" => release as *mut c_void,
+            b"cuDeviceGetAttribute" => device_attribute as *mut c_void,
             _ => symbol.cast_mut().cast(),
         }
     }
@@ -360,7 +374,8 @@ mod tests {
             VmmAlloc {
                 addr: BASE,
                 size: GRANULE,
-                handle: HANDLE
+                handle: HANDLE,
+                exportable: true,
             }
         );
         assert_eq!(

@@ -220,6 +220,40 @@ pub unsafe extern "C" fn ctx_get_device(dev: *mut CUdevice) -> CUresult {
 }
 
 /// Peer access: accepted (it only has to succeed).
+/// `CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED`.
+pub const ATTRIBUTE_VMM_SUPPORTED: c_int = 102;
+/// `CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED`.
+pub const ATTRIBUTE_POSIX_FD_SUPPORTED: c_int = 103;
+/// Environment variable: `1` makes the devices answer 0 for POSIX-fd handles (a driver or GPU
+/// without them), so that the agent's non-exportable route can be tested.
+pub const NO_POSIX_FD_ENV: &str = "FAKECUDA_NO_POSIX_FD";
+
+fn posix_fd_supported() -> bool {
+    static NO: OnceLock<bool> = OnceLock::new();
+    !*NO.get_or_init(|| std::env::var(NO_POSIX_FD_ENV).is_ok_and(|v| v == "1"))
+}
+
+/// `cuDeviceGetAttribute`: the attributes the agent asks about; any other is
+/// `CUDA_ERROR_INVALID_VALUE` (not played).
+pub unsafe extern "C" fn device_get_attribute(
+    value: *mut c_int,
+    attribute: c_int,
+    dev: CUdevice,
+) -> CUresult {
+    const CALL: &str = "cuDeviceGetAttribute";
+    call::run_unlocked(CALL, || {
+        need_init()?;
+        check_device(dev)?;
+        let v = match attribute {
+            ATTRIBUTE_VMM_SUPPORTED => 1,
+            ATTRIBUTE_POSIX_FD_SUPPORTED => c_int::from(posix_fd_supported()),
+            _ => return call::invalid(CALL, format_args!("attribute {attribute} is not played")),
+        };
+        // SAFETY: the caller's out pointer, checked for null by put.
+        unsafe { put(value, v) }
+    })
+}
+
 pub unsafe extern "C" fn enable_peer_access(_peer: CUcontext, _flags: u32) -> CUresult {
     call::run("cuCtxEnablePeerAccess", need_context)
 }

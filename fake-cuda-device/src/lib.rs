@@ -12,6 +12,9 @@
 //! - `cuMemAddressReserve`: a `PROT_NONE` anonymous mapping, 2 MiB-aligned;
 //!   `cuMemAddressFree`: `munmap`.
 //! - `cuMemCreate`: a memfd of the size (the handle carries the fd); `cuMemRelease`: close it.
+//!   Shareable handles are POSIX fds of that memfd (`cuMemExportToShareableHandle`,
+//!   `cuMemImportFromShareableHandle`); `cuDeviceGetAttribute` says they are supported (not with
+//!   `FAKECUDA_NO_POSIX_FD=1`).
 //! - `cuMemMap`: the memfd mapped shared over the reservation (`MAP_FIXED`), after checking in
 //!   `/proc/self/maps` that the range is an unmapped reservation; `cuMemUnmap`: the reservation
 //!   put back. So released memory has no pages, and CRIU dumps mapped memory as shared memory.
@@ -98,6 +101,8 @@ exports! {
     cuDeviceGet => ctx::device_get [dev: *mut CUdevice, ordinal: c_int];
     cuDeviceGetName => ctx::device_get_name [name: *mut c_char, len: c_int, dev: CUdevice];
     cuDeviceTotalMem_v2 => ctx::device_total_mem [bytes: *mut usize, dev: CUdevice];
+    cuDeviceGetAttribute => ctx::device_get_attribute
+        [value: *mut c_int, attribute: c_int, dev: CUdevice];
     cuDeviceGetUuid => ctx::device_get_uuid [uuid: *mut [u8; 16], dev: CUdevice];
     cuDeviceGetUuid_v2 => ctx::device_get_uuid [uuid: *mut [u8; 16], dev: CUdevice];
     cuDevicePrimaryCtxRetain => ctx::primary_ctx_retain [ctx: *mut CUcontext, dev: CUdevice];
@@ -121,6 +126,10 @@ exports! {
     cuMemUnmap => vmm::unmap [ptr: CUdeviceptr, size: usize];
     cuMemSetAccess => vmm::set_access
         [ptr: CUdeviceptr, size: usize, desc: *const AccessDesc, count: usize];
+    cuMemExportToShareableHandle => vmm::export_to_shareable_handle
+        [out: *mut c_void, handle: Handle, handle_type: u32, flags: u64];
+    cuMemImportFromShareableHandle => vmm::import_from_shareable_handle
+        [handle: *mut Handle, os_handle: *mut c_void, handle_type: u32];
 
     cuMemAlloc_v2 => alloc::mem_alloc [dptr: *mut CUdeviceptr, size: usize];
     cuMemAllocPitch_v2 => alloc::mem_alloc_pitch

@@ -5,11 +5,24 @@
 //! A handle is [`HANDLE_TAG`] | fd, so a handle that is not one of ours (or a stale one whose fd
 //! was reused) is refused with `CUDA_ERROR_INVALID_HANDLE` rather than mapping some other file.
 //! Ranges are checked against `/proc/self/maps` before `mmap(MAP_FIXED)` replaces them.
+//!
+//! Shareable handles (POSIX fds), as the driver's: `cuMemCreate` remembers whether
+//! `requestedHandleTypes` asked for [`HANDLE_TYPE_POSIX_FD`]; `cuMemExportToShareableHandle` of
+//! such a handle returns a new fd of the same memfd (any other handle: `CUDA_ERROR_INVALID_VALUE`,
+//! an imported one included, as the driver refuses to export those again);
+//! `cuMemImportFromShareableHandle` makes a handle from such an fd, in any process. The memfd
+//! lives while any fd or mapping of it does, so the exporter's `cuMemRelease` frees nothing an
+//! exported fd or an import still holds.
 
 use std::ffi::c_void;
 
+use std::collections::BTreeMap;
+use std::sync::{Mutex, MutexGuard};
+
 use crate::call::{self, CuResult, debug, invalid, put};
-use crate::codes::{CUresult, INVALID_DEVICE, INVALID_HANDLE, OPERATING_SYSTEM, OUT_OF_MEMORY};
+use crate::codes::{
+    CUresult, INVALID_DEVICE, INVALID_HANDLE, NOT_SUPPORTED, OPERATING_SYSTEM, OUT_OF_MEMORY,
+};
 use crate::ctx::{charge, check_device, need_context, refund};
 use crate::maps;
 
@@ -29,6 +42,26 @@ pub const MEMFD_NAME: &std::ffi::CStr = c"fakecuda-dev";
 const LOCATION_DEVICE: u32 = 1;
 /// `CU_MEM_ALLOCATION_TYPE_PINNED`.
 const ALLOCATION_PINNED: u32 = 1;
+/// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`: the only shareable handle type played here.
+pub const HANDLE_TYPE_POSIX_FD: u32 = 1;
+/// Every `CUmemAllocationHandleType` bit cuda.h defines (POSIX fd, Win32, Win32 KMT, fabric).
+const HANDLE_TYPES_KNOWN: u32 = 0x1 | 0x2 | 0x4 | 0x8;
+
+/// How a live handle came to be, which decides whether it may be exported.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Origin {
+    /// `cuMemCreate` with a POSIX-fd handle type requested.
+    CreatedExportable,
+    /// `cuMemImportFromShareableHandle` (not charged: the exporter's memory).
+    Imported,
+}
+
+/// The handles (by memfd) that are not plain `cuMemCreate` ones; a plain one has no entry.
+static ORIGINS: Mutex<BTreeMap<i32, Origin>> = Mutex::new(BTreeMap::new());
+
+fn origins() -> MutexGuard<'static, BTreeMap<i32, Origin>> {
+    ORIGINS.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 /// `CUmemLocation`.
 #[repr(C)]
@@ -201,8 +234,7 @@ fn handle_fd(call: &str, handle: Handle) -> Result<(i32, u64), CUresult> {
         return Err(INVALID_HANDLE);
     }
     let fd = (handle & 0xffff_ffff) as i32;
-    let ours = std::fs::read_link(format!("/proc/self/fd/{fd}"))
-        .is_ok_and(|p| p.to_string_lossy().starts_with("/memfd:fakecuda-dev"));
+    let ours = is_device_memfd(fd);
     // SAFETY: stat is plain data; fstat fills it or fails.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: fstat on any integer is safe; it fails for a closed descriptor.
@@ -230,6 +262,17 @@ pub unsafe extern "C" fn create(
         if handle.is_null() || size == 0 || !aligned(size) || flags != 0 {
             return invalid(CALL, format_args!("size {size} flags {flags:#x}"));
         }
+        // SAFETY: checked readable by check_prop.
+        let types = unsafe { prop.read_unaligned() }.requested_handle_types;
+        if types & !HANDLE_TYPES_KNOWN != 0 {
+            return invalid(CALL, format_args!("requested handle types {types:#x}"));
+        }
+        if types & !HANDLE_TYPE_POSIX_FD != 0 {
+            debug(format_args!(
+                "{CALL}: requested handle types {types:#x} (only POSIX fds are played)"
+            ));
+            return Err(NOT_SUPPORTED);
+        }
         charge(size)?;
         // SAFETY: a valid name and flags.
         let fd = unsafe { libc::memfd_create(MEMFD_NAME.as_ptr(), libc::MFD_CLOEXEC) };
@@ -245,8 +288,108 @@ pub unsafe extern "C" fn create(
             refund(size);
             return Err(e);
         }
+        let mut o = origins();
+        if types & HANDLE_TYPE_POSIX_FD != 0 {
+            o.insert(fd, Origin::CreatedExportable);
+        } else {
+            // A stale entry of a descriptor number closed behind the driver's back.
+            o.remove(&fd);
+        }
         // SAFETY: the caller's out pointer, checked for null above.
         unsafe { put(handle, HANDLE_TAG | fd as u32 as u64) }
+    })
+}
+
+/// A new close-on-exec descriptor of the same open file as `fd`.
+fn dup_cloexec(call: &str, fd: i32) -> Result<i32, CUresult> {
+    // SAFETY: fcntl(F_DUPFD_CLOEXEC) on a descriptor checked live by the caller.
+    let new = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+    if new < 0 {
+        return Err(os_error(call, "fcntl(F_DUPFD_CLOEXEC)"));
+    }
+    Ok(new)
+}
+
+/// Whether `fd` is an open memfd of this driver (in whichever process it was made).
+fn is_device_memfd(fd: i32) -> bool {
+    std::fs::read_link(format!("/proc/self/fd/{fd}"))
+        .is_ok_and(|p| p.to_string_lossy().starts_with("/memfd:fakecuda-dev"))
+}
+
+pub unsafe extern "C" fn export_to_shareable_handle(
+    out: *mut c_void,
+    handle: Handle,
+    handle_type: u32,
+    flags: u64,
+) -> CUresult {
+    const CALL: &str = "cuMemExportToShareableHandle";
+    call::run(CALL, || {
+        need_context()?;
+        if out.is_null() || flags != 0 {
+            return invalid(CALL, format_args!("out {out:p} flags {flags:#x}"));
+        }
+        let (fd, _) = handle_fd(CALL, handle)?;
+        if handle_type != HANDLE_TYPE_POSIX_FD {
+            debug(format_args!(
+                "{CALL}: handle type {handle_type:#x} (only POSIX fds are played)"
+            ));
+            return Err(
+                if handle_type & !HANDLE_TYPES_KNOWN != 0 || handle_type == 0 {
+                    crate::codes::INVALID_VALUE
+                } else {
+                    NOT_SUPPORTED
+                },
+            );
+        }
+        match origins().get(&fd) {
+            Some(Origin::CreatedExportable) => {}
+            Some(Origin::Imported) => {
+                return invalid(CALL, format_args!("{handle:#x} was imported"));
+            }
+            None => {
+                return invalid(
+                    CALL,
+                    format_args!("{handle:#x} was not created with a POSIX-fd handle type"),
+                );
+            }
+        }
+        let new = dup_cloexec(CALL, fd)?;
+        // SAFETY: the caller's out pointer (an int for POSIX fds), checked for null above.
+        unsafe { put(out.cast::<i32>(), new) }
+    })
+}
+
+pub unsafe extern "C" fn import_from_shareable_handle(
+    handle: *mut Handle,
+    os_handle: *mut c_void,
+    handle_type: u32,
+) -> CUresult {
+    const CALL: &str = "cuMemImportFromShareableHandle";
+    call::run(CALL, || {
+        need_context()?;
+        if handle.is_null() {
+            return invalid(CALL, format_args!("null handle"));
+        }
+        if handle_type != HANDLE_TYPE_POSIX_FD {
+            debug(format_args!(
+                "{CALL}: handle type {handle_type:#x} (only POSIX fds are played)"
+            ));
+            return Err(NOT_SUPPORTED);
+        }
+        // A POSIX fd is passed as the pointer's value.
+        let Ok(fd) = i32::try_from(os_handle as usize) else {
+            return invalid(CALL, format_args!("{os_handle:p} is not a descriptor"));
+        };
+        if !is_device_memfd(fd) {
+            return invalid(
+                CALL,
+                format_args!("fd {fd} is not memory exported by this driver"),
+            );
+        }
+        let new = dup_cloexec(CALL, fd)?;
+        origins().insert(new, Origin::Imported);
+        // SAFETY: the caller's out pointer, checked for null above.
+        unsafe { put(handle, HANDLE_TAG | new as u32 as u64) }
     })
 }
 
@@ -255,10 +398,14 @@ pub unsafe extern "C" fn release(handle: Handle) -> CUresult {
     call::run(CALL, || {
         need_context()?;
         let (fd, size) = handle_fd(CALL, handle)?;
+        let origin = origins().remove(&fd);
         // SAFETY: the memfd behind a handle of ours; the handle is dead after this call, and a
-        // mapping made from it stays valid (as the driver's does until it is unmapped).
+        // mapping made from it stays valid (as the driver's does until it is unmapped), as does
+        // any exported fd of it.
         unsafe { libc::close(fd) };
-        refund(size);
+        if origin != Some(Origin::Imported) {
+            refund(size);
+        }
         Ok(())
     })
 }
@@ -406,5 +553,174 @@ mod tests {
         assert_eq!(std::mem::size_of::<AllocationProp>(), 32);
         assert_eq!(std::mem::offset_of!(AllocationProp, location), 8);
         assert_eq!(std::mem::size_of::<AccessDesc>(), 12);
+        assert_eq!(
+            std::mem::offset_of!(AllocationProp, requested_handle_types),
+            4
+        );
+        assert_eq!(
+            std::mem::offset_of!(AllocationProp, win32_handle_meta_data),
+            16
+        );
+        assert_eq!(std::mem::offset_of!(AllocationProp, alloc_flags), 24);
+    }
+
+    fn with_context() {
+        // SAFETY: plain calls with valid arguments.
+        unsafe {
+            assert_eq!(crate::rt::init(0), 0);
+            assert_eq!(crate::ctx::ctx_set_current(crate::ctx::primary(0)), 0);
+        }
+    }
+
+    fn prop(handle_types: u32) -> AllocationProp {
+        AllocationProp {
+            type_: ALLOCATION_PINNED,
+            requested_handle_types: handle_types,
+            location: Location {
+                type_: LOCATION_DEVICE,
+                id: 0,
+            },
+            win32_handle_meta_data: std::ptr::null_mut(),
+            alloc_flags: [0; 8],
+        }
+    }
+
+    fn create_with(handle_types: u32) -> Result<Handle, CUresult> {
+        let mut h = 0;
+        // SAFETY: valid out pointer and property struct.
+        match unsafe { create(&mut h, GRANULARITY as usize, &prop(handle_types), 0) } {
+            0 => Ok(h),
+            e => Err(e),
+        }
+    }
+
+    fn export(h: Handle) -> Result<i32, CUresult> {
+        let mut fd: i32 = -1;
+        // SAFETY: an int out pointer, as for POSIX fds.
+        match unsafe {
+            export_to_shareable_handle((&raw mut fd).cast(), h, HANDLE_TYPE_POSIX_FD, 0)
+        } {
+            0 => Ok(fd),
+            e => Err(e),
+        }
+    }
+
+    fn import(fd: i32) -> Result<Handle, CUresult> {
+        let mut h = 0;
+        // SAFETY: a valid out pointer; the fd is passed as the pointer's value.
+        match unsafe { import_from_shareable_handle(&mut h, fd as usize as *mut c_void, 1) } {
+            0 => Ok(h),
+            e => Err(e),
+        }
+    }
+
+    /// Maps `h` over a new reservation; returns its address.
+    fn map_new(h: Handle) -> u64 {
+        let mut addr = 0;
+        // SAFETY: valid arguments; the reservation is this test's.
+        unsafe {
+            assert_eq!(address_reserve(&mut addr, GRANULARITY as usize, 0, 0, 0), 0);
+            assert_eq!(map(addr, GRANULARITY as usize, 0, h, 0), 0);
+        }
+        addr
+    }
+
+    fn unmap_free(addr: u64) {
+        // SAFETY: a mapping made by map_new.
+        unsafe {
+            assert_eq!(unmap(addr, GRANULARITY as usize), 0);
+            assert_eq!(address_free(addr, GRANULARITY as usize), 0);
+        }
+    }
+
+    #[test]
+    fn an_exported_fd_keeps_the_memory_past_the_release_and_imports_as_the_same_memory() {
+        with_context();
+        let h = create_with(HANDLE_TYPE_POSIX_FD).unwrap();
+        let a = map_new(h);
+        // SAFETY: a is a mapped, writable range of GRANULARITY bytes.
+        unsafe { std::ptr::write_bytes(a as *mut u8, 0x5a, GRANULARITY as usize) };
+        let fd = export(h).unwrap();
+        assert_ne!((fd as u64), h & 0xffff_ffff, "a new descriptor");
+        unmap_free(a);
+        // SAFETY: releasing the handle created above.
+        assert_eq!(unsafe { release(h) }, 0);
+        let imported = import(fd).unwrap();
+        // SAFETY: our descriptor; the import holds its own.
+        unsafe { libc::close(fd) };
+        let b = map_new(imported);
+        // SAFETY: b is mapped for GRANULARITY bytes.
+        let seen = unsafe { std::slice::from_raw_parts(b as *const u8, GRANULARITY as usize) };
+        assert!(seen.iter().all(|&x| x == 0x5a), "the exporter's bytes");
+        assert_eq!(
+            export(imported),
+            Err(crate::codes::INVALID_VALUE),
+            "no re-export"
+        );
+        unmap_free(b);
+        // SAFETY: the imported handle, released once.
+        assert_eq!(unsafe { release(imported) }, 0);
+        // SAFETY: a released handle is no longer valid.
+        assert_eq!(unsafe { release(imported) }, INVALID_HANDLE);
+    }
+
+    #[test]
+    fn only_handles_created_with_posix_fds_export() {
+        with_context();
+        let plain = create_with(0).unwrap();
+        assert_eq!(export(plain), Err(crate::codes::INVALID_VALUE));
+        let mut fd = -1;
+        let h = create_with(HANDLE_TYPE_POSIX_FD).unwrap();
+        // SAFETY: valid out pointer; handle types the stand-in does not play.
+        unsafe {
+            assert_eq!(
+                export_to_shareable_handle((&raw mut fd).cast(), h, 8, 0),
+                NOT_SUPPORTED
+            );
+            assert_eq!(
+                export_to_shareable_handle((&raw mut fd).cast(), h, 0, 0),
+                crate::codes::INVALID_VALUE
+            );
+            assert_eq!(
+                export_to_shareable_handle((&raw mut fd).cast(), h, 1, 1),
+                crate::codes::INVALID_VALUE,
+                "flags must be 0"
+            );
+            assert_eq!(release(plain), 0);
+            assert_eq!(release(h), 0);
+        }
+        assert_eq!(create_with(8), Err(NOT_SUPPORTED), "fabric");
+        assert_eq!(create_with(0x100), Err(crate::codes::INVALID_VALUE));
+        // An fd that is not exported device memory does not import.
+        let file = std::fs::File::open("/proc/self/maps").unwrap();
+        use std::os::fd::AsRawFd;
+        assert_eq!(import(file.as_raw_fd()), Err(crate::codes::INVALID_VALUE));
+        assert_eq!(import(-1), Err(crate::codes::INVALID_VALUE));
+    }
+
+    #[test]
+    fn devices_say_posix_fd_handles_are_supported() {
+        with_context();
+        let mut v = 0;
+        // SAFETY: valid out pointer.
+        unsafe {
+            assert_eq!(
+                crate::ctx::device_get_attribute(
+                    &mut v,
+                    crate::ctx::ATTRIBUTE_POSIX_FD_SUPPORTED,
+                    0
+                ),
+                0
+            );
+            assert_eq!(v, 1);
+            assert_eq!(
+                crate::ctx::device_get_attribute(&mut v, 100_000, 0),
+                crate::codes::INVALID_VALUE
+            );
+            assert_eq!(
+                crate::ctx::device_get_attribute(&mut v, 103, 99),
+                INVALID_DEVICE
+            );
+        }
     }
 }

@@ -57,6 +57,11 @@ fn failed_calls(vmm: &Vmm) -> Vec<String> {
 }
 
 fn run(name: &str, args: &[&str], agent: bool) {
+    run_on(name, args, agent, false);
+}
+
+/// As [`run`]; `no_posix_fd`: the stand-in's devices say they have no POSIX-fd handles.
+fn run_on(name: &str, args: &[&str], agent: bool, no_posix_fd: bool) {
     let dir = workdir(name);
     let lib = libcuda_dir(&dir);
     let agent_so = agent_so();
@@ -67,6 +72,9 @@ fn run(name: &str, args: &[&str], agent: bool) {
     if agent {
         env.push(("LD_PRELOAD", &agent_so));
         env.push(("GPUSNAP_AGENT_DEBUG", Path::new("1")));
+    }
+    if no_posix_fd {
+        env.push(("FAKECUDA_NO_POSIX_FD", Path::new("1")));
     }
     let vmm = Vmm::start(&dir, "vmm", 1, args, &env);
     let log = vmm.wait_for_tick(6).remove(0);
@@ -98,6 +106,17 @@ fn run(name: &str, args: &[&str], agent: bool) {
             converted,
             4,
             "the three data allocations and the counter are converted, the 64 KiB one is not\n{}",
+            vmm.describe()
+        );
+        let exportable = out
+            .lines()
+            .filter(|l| l.contains("converted #") && l.ends_with(", exportable"))
+            .count();
+        let expected = if no_posix_fd { 0 } else { 4 };
+        assert_eq!(
+            exportable,
+            expected,
+            "conversions are exportable (POSIX fds) where the device supports it\n{}",
             vmm.describe()
         );
         assert_eq!(
@@ -147,6 +166,12 @@ fn runs_with_the_agent_converting_its_allocations() {
 #[test]
 fn runs_with_the_agent_through_cu_get_proc_address() {
     run("agent-proc", &["--resolve", "proc"], true);
+}
+
+/// A device without POSIX-fd handles: the agent converts as before, not exportable.
+#[test]
+fn runs_with_the_agent_on_a_device_without_posix_fd_handles() {
+    run_on("agent-no-fd", &["--seed", "5"], true, true);
 }
 
 /// While `$FAKECUDA_DIR/<pid>.state` says `locked`, every driver call of the process waits (as

@@ -279,7 +279,7 @@ def main():
                 "dump_gpusnap_lines": r.get("dump_gpusnap_lines"),
                 "restore_gpusnap_lines": r.get("restore_gpusnap_lines"),
             })
-            if path == "split" and r["pass"] and probes.get(gib):
+            if path.startswith("split") and r["pass"] and probes.get(gib):
                 rec.update(floor_of(rec, p, probes[gib]))
                 if tmpfs.get(gib):
                     rec.update(tmpfs_write_gbps=tmpfs[gib].get("write_gbps"),

@@ -9,6 +9,7 @@ the processes it started are killed and their PIDs waited free.
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -32,7 +33,11 @@ class CaseConfig:
         self.inspect = kw.get("inspect", True)
         self.keep_images = kw.get("keep_images", False)
         self.archive_prefix = kw.get("archive_prefix", "e2e")
-        self.modes = kw.get("modes", {"split": "auto", "transparent": "transparent"})
+        # split: the hand-over (data drained beside CRIU's dump); split-copyfirst: the same
+        # agent with handover = false (data copied out before the driver checkpoint).
+        self.modes = kw.get("modes", {"split": "auto", "split-copyfirst": "auto",
+                                      "transparent": "transparent"})
+        self.criu_env = kw.get("criu_env", {"split-copyfirst": {"GPUSNAP_HANDOVER": "0"}})
         self.devices = kw.get("devices")  # workload --devices (e.g. "0,1"); None: its default
         self.restore_env = kw.get("restore_env", {})  # e.g. {"GPUSNAP_DEVICE_MAP": "..."}
         self.workload_args = kw.get("workload_args", [])  # e.g. ["--reserve-gib", "92"]
@@ -96,7 +101,7 @@ def run_c_case(cfg, log, path, gib, leave_running, tag="e2e"):
             pid, len(pids), len(ticks), ticks[-1]))
 
         dump = criu.criu_dump(pid, imgdir, cfg.plugdir, mode, log, leave_running=leave_running,
-                               timeout=300 + 10 * float(gib))
+                               timeout=300 + 10 * float(gib), env=cfg.criu_env.get(path))
         rec["dump_s"] = round(dump["secs"], 3)
         rec["dump_rc"] = dump["rc"]
         rec["dump_gpusnap_lines"] = dump["gpusnap_lines"]
@@ -115,8 +120,16 @@ def run_c_case(cfg, log, path, gib, leave_running, tag="e2e"):
             log("(no gpusnap-stats.json in %s)" % imgdir)
         if dump["rc"] != 0:
             raise CaseError("criu dump failed with rc %d" % dump["rc"])
-        if img["gpusnap_data_files"] == 0 and path == "split":
+        if img["gpusnap_data_files"] == 0 and path.startswith("split"):
             rec["problems"].append("split path not taken: no gpusnap-*-data-*.img in the image dir")
+        rec["handover"] = any("lent to keeper" in l for l in dump["gpusnap_lines"])
+        for l in dump["gpusnap_lines"]:
+            m = re.search(r"the drain ran ([0-9.]+) s beside CRIU's dump; at CRIU's end "
+                          r"\(([0-9.]+) s after the hand-over\) it waited ([0-9.]+) s", l)
+            if m:
+                rec["drain_s"], rec["criu_part_s"], rec["drain_wait_s"] = map(float, m.groups())
+        if path == "split" and not rec["handover"]:
+            rec["problems"].append("hand-over not taken (no 'lent to keeper' line in the dump log)")
 
         if not leave_running:
             try:
@@ -136,7 +149,7 @@ def run_c_case(cfg, log, path, gib, leave_running, tag="e2e"):
                     log.block("gpusnap verify", vout, max_lines=40)
                 if vrc not in (0, None):
                     msg = "gpusnap verify rc %s" % vrc
-                    if path == "split":
+                    if path.startswith("split"):
                         rec["problems"].append(msg)
                     else:
                         log("(transparent path: %s, not counted as a failure)" % msg)
@@ -149,7 +162,8 @@ def run_c_case(cfg, log, path, gib, leave_running, tag="e2e"):
                     log.block("gpusnap inspect --json (head)", iout, max_lines=60)
                     output.archive_add([ipath], "%s/%s" % (cfg.archive_prefix, name), log)
             restore = criu.criu_restore(imgdir, cfg.plugdir, mode, log,
-                                         timeout=300 + 10 * float(gib), env=cfg.restore_env)
+                                         timeout=300 + 10 * float(gib),
+                                         env=dict(cfg.criu_env.get(path, {}), **cfg.restore_env))
             rec["restore_s"] = round(restore["secs"], 3)
             rec["restore_rc"] = restore["rc"]
             rec["restore_gpusnap_lines"] = restore["gpusnap_lines"]
@@ -207,7 +221,7 @@ def run_c_case(cfg, log, path, gib, leave_running, tag="e2e"):
     except Exception as e:
         output.note_failure(rec, log, e, expected=CaseError)
     finally:
-        if path == "split":
+        if path.startswith("split"):
             criu.log_agent_lines(log, wout)
         if rec["problems"]:
             log.file_tail("workload log", wlog, 30)

@@ -251,7 +251,6 @@ impl Driver {
 
     /// A POSIX fd for the physical memory of `h` (`cuMemExportToShareableHandle`, the real
     /// driver's, never the agent's hook). `h` must have been created exportable.
-    #[allow(dead_code)] // the IPC service's (next change)
     pub fn export_fd(&self, h: CUmemGenericAllocationHandle) -> Result<OwnedFd, CuError> {
         let call = || format!("cuMemExportToShareableHandle(handle {h:#x}, POSIX fd)");
         let export = self
@@ -277,7 +276,6 @@ impl Driver {
 
     /// A handle to the physical memory behind an exported POSIX fd
     /// (`cuMemImportFromShareableHandle`, the real driver's). The fd stays the caller's.
-    #[allow(dead_code)] // the IPC service's (next change)
     pub fn import_fd(&self, fd: BorrowedFd<'_>) -> Result<CUmemGenericAllocationHandle, CuError> {
         let call = || {
             format!(
@@ -305,6 +303,27 @@ impl Driver {
             code,
             name: self.error_name(code),
         }
+    }
+
+    /// `cuMemAddressReserve` of exactly `addr..addr+size` (a keeper maps a job's memory where
+    /// the job has it). The driver takes `addr` as a hint: any other address is given back and
+    /// refused.
+    pub fn reserve_at(&self, addr: CUdeviceptr, size: u64) -> Result<(), CuError> {
+        let mut got: CUdeviceptr = 0;
+        // SAFETY: got is a valid out pointer; default alignment, `addr` as the wished address.
+        let rc = unsafe { (self.mem_address_reserve)(&mut got, size as usize, 0, addr, 0) };
+        self.check(rc, || {
+            format!("cuMemAddressReserve({size} bytes at {addr:#x})")
+        })?;
+        if got == addr {
+            return Ok(());
+        }
+        let _ = self.free_reservation(got, size);
+        Err(CuError {
+            call: format!("cuMemAddressReserve({size} bytes at {addr:#x})"),
+            code: crate::real::CUDA_ERROR_INVALID_VALUE,
+            name: format!("the driver offered {got:#x} instead"),
+        })
     }
 
     pub fn create_stream(&self) -> Result<CUstream, CuError> {

@@ -448,7 +448,7 @@ fn not_copied(c: &Chunk, hash: Option<ChunkHash>, known: &KnownChunks) -> Option
 
 /// Unmaps and releases every dumped allocation, keeping its reservation. The table is marked
 /// first (so a concurrent free cannot release the handle twice) and restored if the unmap fails.
-fn release(drv: &Driver, spans: &[Span]) -> Result<(u32, u64), Fail> {
+pub(crate) fn release(drv: &Driver, spans: &[Span]) -> Result<(u32, u64), Fail> {
     let mut count = 0u32;
     let mut bytes = 0u64;
     for s in spans {

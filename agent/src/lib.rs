@@ -23,6 +23,8 @@
 //!   whether a tracer holds the process (releases and loads happen only then).
 //! - `gpu`: the agent thread's contexts, streams and events; `staging`: the shared ring;
 //!   `devhash`: chunk hashes computed on the GPU by the agent's own kernel.
+//! - `lend`: the hand-over in the job (export, release with descriptors kept, reclaim);
+//!   `keeper`: the other side, run by the `gpusnap-keeper` process.
 //! - `fork`: `pthread_atfork` handlers.
 
 mod config;
@@ -35,6 +37,8 @@ mod gpu;
 mod hazards;
 mod held;
 mod hooks;
+pub mod keeper;
+mod lend;
 mod log;
 mod plan;
 mod real;

@@ -212,6 +212,19 @@ pub fn driver_if_loaded() -> Option<&'static Driver> {
 
 fn load() -> Result<Driver, String> {
     let dlsym = real_dlsym().ok_or("glibc's dlsym not found with dlvsym")?;
+    // A keeper loads the very library its job uses (found in the job's mappings).
+    if let Some(path) = crate::keeper::libcuda() {
+        // SAFETY: dlopen with a valid C string, the path the plugin named.
+        let handle = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
+        if handle.is_null() {
+            return Err(format!(
+                "{} could not be loaded: {}",
+                path.to_string_lossy(),
+                dlerror_text()
+            ));
+        }
+        return Driver::resolve(handle, dlsym);
+    }
     // SAFETY: dlopen with a valid C string; NOLOAD only returns an already loaded libcuda.
     let mut handle =
         unsafe { libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };

@@ -77,6 +77,8 @@ fn restore(
     table::try_lock_for(AGENT_LOCK_WAIT)
         .ok_or_else(Fail::busy)?
         .reload_complete();
+    // Memory lent at the dump and still kept is not needed any more: the image's copy is in.
+    crate::lend::forget();
     let micros = t0.elapsed().as_micros() as u64;
     let bytes = loaded.bytes;
     debug!("restore: {bytes} bytes in {micros} us, {verified} chunks checked on the GPU");

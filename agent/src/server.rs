@@ -335,6 +335,11 @@ impl Agent {
                         return;
                     }
                 }
+                (Request::LendBegin, None) => return crate::lend::run(ch, &mut self.gpu),
+                (Request::Reclaim, None) => {
+                    crate::lend::reclaim(ch, &mut self.gpu);
+                    return;
+                }
                 (r, None) => {
                     if !self.simple(ch, r) {
                         return;
@@ -387,6 +392,7 @@ fn hello() -> Reply {
         devices: s.devices,
         released: s.released,
         hazards: crate::hazards::get(),
+        kept: crate::lend::kept_count(),
     }
 }
 

@@ -193,6 +193,24 @@ impl Table {
         self.insert_movable(device, addr, size, handle, None)
     }
 
+    /// In a keeper: another process's allocation `id`, imported and mapped at its address,
+    /// kept under the job's id so the chunks name the job's allocations.
+    pub fn insert_adopted(&mut self, id: u64, device: i32, addr: u64, size: u64, handle: Handle) {
+        self.next_id = self.next_id.max(id.saturating_add(1));
+        self.converted.insert(
+            addr,
+            Converted {
+                id,
+                device,
+                addr,
+                size,
+                backing: Backing::Mapped(handle),
+                app_handle: None,
+                exportable: false,
+            },
+        );
+    }
+
     /// A mapped entry the split path moves: a conversion, or the whole mapping of the
     /// application's (virtual) handle `app_handle`.
     fn insert_movable(

@@ -106,6 +106,23 @@ pub fn back(
     Ok(handle)
 }
 
+/// Maps an existing handle (an imported one) over the reserved range `addr..addr+size` and
+/// grants `dev` read-write access; the handle stays the caller's. On failure nothing is mapped.
+pub fn map_handle(
+    drv: &Driver,
+    dev: CUdevice,
+    addr: CUdeviceptr,
+    size: u64,
+    handle: CUmemGenericAllocationHandle,
+) -> Result<(), CuError> {
+    drv.map(addr, size, handle)?;
+    if let Err(e) = drv.set_access_rw(addr, size, dev) {
+        log_failed_undo(&e, drv.unmap(addr, size));
+        return Err(e);
+    }
+    Ok(())
+}
+
 /// Unmaps and releases the physical memory behind `addr..addr+size`, keeping the reservation.
 /// When the unmap fails nothing is released (the memory is still mapped and valid).
 pub fn unback(

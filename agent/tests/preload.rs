@@ -179,13 +179,21 @@ fn eager_agent_answers_without_a_gpu() {
             devices,
             released,
             hazards,
+            kept,
         } => {
             assert_eq!(version, PROTOCOL_VERSION);
             assert_eq!(pid, child.pid());
             assert_ne!(tid, pid, "the agent is a thread of its own");
             assert_eq!(
-                (allocations, converted_bytes, devices, released, hazards),
-                (0, 0, 0, false, 0)
+                (
+                    allocations,
+                    converted_bytes,
+                    devices,
+                    released,
+                    hazards,
+                    kept
+                ),
+                (0, 0, 0, false, 0, 0)
             );
             tid
         }

@@ -122,6 +122,24 @@ pub(crate) const KEYS: &[Key] = &[
         },
     },
     Key {
+        name: "handover",
+        set: |c, r, o| {
+            c.handover = boolean(r, o)?;
+            Ok(())
+        },
+    },
+    Key {
+        name: "keeper",
+        set: |c, r, o| {
+            let path = string(r, o, "an absolute path to gpusnap-keeper, or \"\"")?;
+            if !path.is_empty() && !path.starts_with('/') {
+                return Err(invalid(r, o, "an absolute path to gpusnap-keeper, or \"\""));
+            }
+            c.keeper = path.to_owned();
+            Ok(())
+        },
+    },
+    Key {
         name: "agent_timeout_ms",
         set: |c, r, o| {
             c.agent_timeout_ms = int(r, o, 100, 600_000, "milliseconds in 100..=600000")?;

@@ -193,6 +193,12 @@ pub struct Config {
     /// or renamed; a failed fsync fails the dump. CRIU's own image files are not covered (CRIU
     /// does not fsync them; see `docs/image-format.md`, "Durability").
     pub durable: bool,
+    /// Split path: hand the device memory over to the keeper across the driver checkpoint and
+    /// drain it while CRIU dumps the host side (false: copy it out first, on the job's pause).
+    pub handover: bool,
+    /// The `gpusnap-keeper` binary; empty: next to the plugin, else
+    /// `/usr/libexec/gpusnap/gpusnap-keeper`.
+    pub keeper: String,
     /// How long to wait for the in-process agent to answer, in milliseconds.
     pub agent_timeout_ms: u64,
     /// Timeout of the GPU lock step in milliseconds; 0 means CRIU's own timeout.
@@ -216,6 +222,8 @@ impl Default for Config {
             verify_before_restore: Verify::Auto,
             incremental: true,
             durable: false,
+            handover: true,
+            keeper: String::new(),
             agent_timeout_ms: 30_000,
             lock_timeout_ms: 0,
             device_map: Vec::new(),
@@ -283,7 +291,7 @@ impl Config {
         let mut s = format!(
             "mode={} writer_threads={} reader_threads={} staging_slot_mib={} staging_slots={} \
              copy_streams={} compress={} verify_before_restore={} incremental={} durable={} \
-             agent_timeout_ms={} lock_timeout_ms={}",
+             handover={} keeper={} agent_timeout_ms={} lock_timeout_ms={}",
             self.mode.as_str(),
             threads(self.writer_threads, self.effective_writer_threads()),
             threads(self.reader_threads, self.effective_reader_threads()),
@@ -294,6 +302,12 @@ impl Config {
             self.verify_before_restore.as_str(),
             self.incremental,
             self.durable,
+            self.handover,
+            if self.keeper.is_empty() {
+                "auto"
+            } else {
+                self.keeper.as_str()
+            },
             self.agent_timeout_ms,
             match self.lock_timeout_ms {
                 0 => "0 (criu)".to_owned(),

@@ -116,6 +116,8 @@ compress = "zstd"
 verify_before_restore = false
 incremental = false
 durable = true
+handover = false
+keeper = "/opt/gpusnap/gpusnap-keeper"
 agent_timeout_ms = 100
 lock_timeout_ms = 3600000
 device_map = "{UUID_A}={UUID_B}"
@@ -134,6 +136,8 @@ log_level = "debug"
         verify_before_restore: Verify::Off,
         incremental: false,
         durable: true,
+        handover: false,
+        keeper: "/opt/gpusnap/gpusnap-keeper".to_owned(),
         agent_timeout_ms: 100,
         lock_timeout_ms: 3_600_000,
         device_map: vec![(HEX_A.to_owned(), HEX_B.to_owned())],

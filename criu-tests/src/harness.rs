@@ -20,6 +20,8 @@ pub const PLUGIN_SO_ENV: &str = "GPUSNAP_TEST_PLUGIN_SO";
 
 /// Use this prebuilt agent instead of building `gpusnap-agent`.
 pub const AGENT_SO_ENV: &str = "GPUSNAP_TEST_AGENT_SO";
+/// A prebuilt `gpusnap-keeper` to use instead of building one.
+pub const KEEPER_ENV: &str = "GPUSNAP_TEST_KEEPER";
 
 /// Variables meant for this harness or for scripts/install-criu.sh only. gpusnap rejects
 /// unknown `GPUSNAP_*` variables in its environment, so they are removed from the
@@ -47,6 +49,8 @@ pub struct Harness {
     pub criu: PathBuf,
     /// The freshly built `libgpusnap.so`.
     pub plugin_so: PathBuf,
+    /// The freshly built `gpusnap-keeper`, installed next to the plugin as a package does.
+    pub keeper: PathBuf,
     /// CRIU's version as (major, minor, patch), from `criu --version`.
     pub criu_version: (u32, u32, u32),
     agent: OnceLock<Result<PathBuf, String>>,
@@ -116,12 +120,15 @@ impl Harness {
 
         let plugin_so = prebuilt(PLUGIN_SO_ENV)
             .unwrap_or_else(|| cargo_build(&profile_dir, "gpusnap-plugin", "libgpusnap.so"))?;
+        let keeper = prebuilt(KEEPER_ENV)
+            .unwrap_or_else(|| cargo_build(&profile_dir, "gpusnap-keeper", "gpusnap-keeper"))?;
         procs::become_subreaper().map_err(|e| format!("PR_SET_CHILD_SUBREAPER: {e}"))?;
         Ok(Harness {
             repo,
             profile_dir,
             criu,
             plugin_so,
+            keeper,
             criu_version,
             agent: OnceLock::new(),
         })
@@ -156,6 +163,15 @@ impl Harness {
         let so = plugins.join("gpusnap.so");
         fs::copy(&self.plugin_so, &so).unwrap_or_else(|e| {
             panic!("copy {} -> {}: {e}", self.plugin_so.display(), so.display())
+        });
+        // Where the plugin looks for its keeper first (the split path's hand-over).
+        let keeper = plugins.join("gpusnap-keeper");
+        fs::copy(&self.keeper, &keeper).unwrap_or_else(|e| {
+            panic!(
+                "copy {} -> {}: {e}",
+                self.keeper.display(),
+                keeper.display()
+            )
         });
         WorkDir {
             h: self,

@@ -7,7 +7,7 @@ import shutil
 import subprocess
 import time
 
-from crlib import CRIU, GPUSNAP_CLI, PLUGIN_SO, REPO
+from crlib import CRIU, GPUSNAP_CLI, KEEPER, PLUGIN_SO, REPO
 from crlib import ticklog
 from crlib.procs import all_stats, wait_until
 
@@ -15,11 +15,18 @@ from crlib.procs import all_stats, wait_until
 def install_plugin(plugdir, log):
     os.makedirs(plugdir, exist_ok=True)
     for f in os.listdir(plugdir):
-        if f.endswith(".so"):
+        if f.endswith(".so") or f == "gpusnap-keeper":
             os.unlink(os.path.join(plugdir, f))
     if os.path.isfile(PLUGIN_SO):
         shutil.copy2(PLUGIN_SO, os.path.join(plugdir, "gpusnap.so"))
         log("installed %s as %s/gpusnap.so" % (PLUGIN_SO, plugdir))
+        # The split path's hand-over starts gpusnap-keeper from beside the plugin.
+        if os.path.isfile(KEEPER):
+            shutil.copy2(KEEPER, os.path.join(plugdir, "gpusnap-keeper"))
+            os.chmod(os.path.join(plugdir, "gpusnap-keeper"), 0o755)
+            log("installed %s as %s/gpusnap-keeper" % (KEEPER, plugdir))
+        else:
+            log("WARNING: %s missing: the split path copies data out first (no hand-over)" % KEEPER)
         return True
     log("WARNING: %s missing: plugin dir %s is empty (CRIU runs without gpusnap)" % (PLUGIN_SO, plugdir))
     return False

@@ -154,7 +154,7 @@ def workload_env(path, extra=None):
     env = dict(os.environ)
     env.pop("LD_PRELOAD", None)
     env["PYTHONUNBUFFERED"] = "1"
-    if path == "split":
+    if path.startswith("split"):
         env["LD_PRELOAD"] = AGENT_SO
         # the agent's own log (stderr, lines "gpusnap-agent: ...") goes to the workload's .out file
         env.setdefault("GPUSNAP_AGENT_DEBUG", "1")

@@ -64,6 +64,20 @@ pub struct AgentHello {
     pub released: bool,
     /// `gpusnap_proto::hazard` bits: state the driver checkpoint cannot take.
     pub hazards: u32,
+    /// Released allocations whose memory the agent holds through descriptors it kept at a
+    /// hand-over (`reclaim` maps them back without any file).
+    pub kept: u32,
+}
+
+/// One allocation lent at a hand-over: where it lives in the job, and a copy of its exported
+/// descriptor (the job keeps its own).
+#[derive(Debug)]
+pub struct LentAllocation {
+    pub id: u64,
+    pub device: u32,
+    pub addr: u64,
+    pub size: u64,
+    pub fd: std::os::fd::OwnedFd,
 }
 
 /// Which way a data transfer goes, as the agent is asked to begin it.
@@ -143,6 +157,18 @@ impl AgentSession {
         })
     }
 
+    /// A session over a connection of our own making (the keeper's socket pair); `pid` names
+    /// the peer in messages. No door, so no identity check: the plugin made both ends.
+    pub fn over(pid: i32, chan: Channel, timeout: Duration) -> Self {
+        Self {
+            pid,
+            chan,
+            timeout,
+            door: None,
+            answered: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
     pub fn pid(&self) -> i32 {
         self.pid
     }
@@ -200,6 +226,7 @@ impl AgentSession {
                 devices,
                 released,
                 hazards,
+                kept,
             } => {
                 if self.door.is_some() {
                     let expected = procfs::ns_pid(self.pid)
@@ -227,6 +254,7 @@ impl AgentSession {
                     converted_bytes,
                     devices,
                     released,
+                    kept,
                 })
             }
             got => Err(self.unexpected("Hello", got)),
@@ -302,6 +330,87 @@ impl AgentSession {
             Reply::Ready => Ok(()),
             got => Err(self.unexpected("Ready", got)),
         }
+    }
+
+    /// `LendBegin`: the job's agent exports every converted allocation; returns them with a
+    /// copy of each descriptor. `release` (or `abort`) must follow.
+    pub fn lend(&self) -> Result<Vec<LentAllocation>, AgentError> {
+        self.send(&Request::LendBegin, None)?;
+        let mut out = Vec::new();
+        loop {
+            let (reply, fd) = self
+                .chan
+                .recv_reply_with_fd(Some(self.timeout))
+                .map_err(self.proto())?;
+            self.answered
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+            match (reply, fd) {
+                (
+                    Reply::Lent {
+                        id,
+                        device,
+                        addr,
+                        size,
+                    },
+                    Some(fd),
+                ) => out.push(LentAllocation {
+                    id,
+                    device,
+                    addr,
+                    size,
+                    fd,
+                }),
+                (Reply::LentEnd { count, .. }, None) if count as usize == out.len() => {
+                    return Ok(out);
+                }
+                (Reply::Error { message, .. }, None) => {
+                    return Err(AgentError::Refused {
+                        pid: self.pid,
+                        message,
+                    });
+                }
+                (got, fd) => {
+                    return Err(self.unexpected(
+                        if fd.is_some() {
+                            "Lent (a descriptor came with another reply)"
+                        } else {
+                            "Lent with its descriptor, or LentEnd with the count of them"
+                        },
+                        got,
+                    ));
+                }
+            }
+        }
+    }
+
+    /// `Adopt` (to a keeper): import `lent`'s descriptor and map it at the job's address.
+    pub fn adopt(&self, lent: &LentAllocation) -> Result<(), AgentError> {
+        use std::os::fd::AsFd;
+        let req = Request::Adopt {
+            id: lent.id,
+            device: lent.device,
+            addr: lent.addr,
+            size: lent.size,
+        };
+        self.send(&req, Some(lent.fd.as_fd()))?;
+        match self.recv(self.timeout)? {
+            Reply::Adopted { id } if id == lent.id => Ok(()),
+            got => Err(self.unexpected("Adopted", got)),
+        }
+    }
+
+    /// `Reclaim`: the job's agent maps its released memory again from the descriptors it kept
+    /// at the hand-over, and closes the connection. Returns (allocations, bytes).
+    pub fn reclaim(self) -> Result<(u32, u64), AgentError> {
+        self.send(&Request::Reclaim, None)?;
+        let r = match self.recv(self.timeout)? {
+            Reply::Reclaimed {
+                allocations, bytes, ..
+            } => (allocations, bytes),
+            got => return Err(self.unexpected("Reclaimed", got)),
+        };
+        self.wait_closed()?;
+        Ok(r)
     }
 
     /// `SlotFree`: a dump's slot was written and may be filled again.
@@ -387,6 +496,18 @@ impl AgentSession {
         Ok(r)
     }
 
+    /// `Release` to a keeper: it drops its imports and answers, and stays until the session is
+    /// dropped (its exit while CRIU works on the tasks would fail the dump).
+    pub fn release_keeper(&self) -> Result<(u32, u64), AgentError> {
+        self.send(&Request::Release, None)?;
+        match self.recv(self.timeout)? {
+            Reply::Released {
+                allocations, bytes, ..
+            } => Ok((allocations, bytes)),
+            got => Err(self.unexpected("Released", got)),
+        }
+    }
+
     /// `RestoreDataDone` after the last `ChunkLoad`: the agent synchronises, checks the device
     /// hashes it was given on the GPU, answers with the bytes it loaded and the chunks it
     /// checked, and closes the connection.
@@ -464,6 +585,7 @@ mod tests {
                     devices: 1,
                     released: true,
                     hazards: 0,
+                    kept: 0,
                 })
                 .unwrap();
             let (r, _) = theirs.recv_request(Some(Duration::from_secs(5))).unwrap();

@@ -178,6 +178,30 @@ pub fn leave_running() -> bool {
     opts_field::<c_int>(OPTS_FINAL_STATE) == Some(TASK_ALIVE)
 }
 
+/// Makes CRIU leave the dumped tasks alive when it ends the dump (`opts.final_state =
+/// TASK_ALIVE`, what `-R` sets), for a dump whose device data could not be written after
+/// CRIU's own part had succeeded: `exit` cannot fail the dump, but the job must not be killed
+/// with its data nowhere. Returns whether it was set.
+pub fn keep_tasks_alive() -> bool {
+    if add_inventory_fn().is_none() {
+        return false;
+    }
+    let base = sym(c"opts");
+    if base.is_null() {
+        return false;
+    }
+    // SAFETY: as in `opts_field`: `final_state` is the int at offset 0 of CRIU's `opts` for
+    // every version with the inventory API; CRIU reads it only after `exit` returns, on this
+    // (its main) thread.
+    unsafe {
+        std::ptr::write_unaligned(
+            base.cast::<u8>().add(OPTS_FINAL_STATE).cast::<c_int>(),
+            TASK_ALIVE,
+        )
+    };
+    true
+}
+
 /// CRIU's `--timeout` in seconds (default 10), if it can be read.
 pub fn timeout_s() -> Option<u32> {
     opts_field::<c_uint>(OPTS_TIMEOUT).filter(|t| (1..=86_400).contains(t))

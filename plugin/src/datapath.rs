@@ -41,6 +41,8 @@ pub enum DataError {
     Sync(gpusnap_image::ImageError),
     #[error("creating the staging ring: {0}")]
     Ring(std::io::Error),
+    #[error("{0} panicked")]
+    Panicked(&'static str),
 }
 
 /// How a load checks the chunks it reads.

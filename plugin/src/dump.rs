@@ -65,6 +65,12 @@ pub enum DumpError {
     Interrupted { pid: i32 },
     #[error("holding the threads of pid {pid} before its memory is released: {err}")]
     Hold { pid: i32, err: std::io::Error },
+    #[error("hand-over: {0}")]
+    HandOver(#[from] crate::handover::HandOverError),
+    #[error("CRIU gave no image directory")]
+    NoImageDir,
+    #[error("the drain of pid {pid} into the image failed: {err}")]
+    Drain { pid: i32, err: DataError },
 }
 
 impl DumpError {
@@ -139,6 +145,7 @@ pub fn pause(ctx: &Ctx, pid: i32) -> Result<Option<Tracked>, DumpError> {
         match hello.map(|h| split_candidate(pid, h)).transpose() {
             Ok(Some(Some(mut split))) => {
                 split.early_ring = session.as_ref().and_then(|s| early_ring(ctx, pid, s));
+                split.keeper = keeper_for(ctx, pid);
                 t.route = Route::Split(split);
             }
             Ok(_) => {}
@@ -229,6 +236,42 @@ fn is_live_mps_process(stat: &str) -> bool {
     })
 }
 
+/// The keeper for a hand-over of `pid`'s memory, started now while the job still runs (its
+/// `cuInit` then costs the job no pause); `None`, with the reason in the log, when the data is
+/// to be copied out first instead.
+fn keeper_for(ctx: &Ctx, pid: i32) -> Option<crate::keeper::Keeper> {
+    if !ctx.cfg.handover {
+        log::info!(
+            "pid {pid}: handover = false: the device data is copied out before the driver checkpoint"
+        );
+        return None;
+    }
+    let libcuda = crate::keeper::job_libcuda(pid);
+    match crate::keeper::Keeper::spawn(
+        &ctx.cfg.keeper,
+        libcuda.as_deref(),
+        pid,
+        ctx.agent_timeout(),
+    ) {
+        Ok(k) => {
+            log::info!(
+                "pid {pid}: hand-over planned: keeper pid {} ({}) holds the device memory across the driver checkpoint and drains it beside CRIU's dump",
+                k.pid(),
+                libcuda
+                    .as_deref()
+                    .map_or("libcuda.so.1".into(), |p| p.display().to_string())
+            );
+            Some(k)
+        }
+        Err(e) => {
+            log::warn!(
+                "pid {pid}: no hand-over ({e}): the device data is copied out before the driver checkpoint"
+            );
+            None
+        }
+    }
+}
+
 /// Whether the agent's answer makes the process a split-path candidate.
 fn split_candidate(pid: i32, hello: AgentHello) -> Result<Option<SplitPlan>, DumpError> {
     if hello.released {
@@ -243,6 +286,7 @@ fn split_candidate(pid: i32, hello: AgentHello) -> Result<Option<SplitPlan>, Dum
         allocations_at_pause: hello.allocations,
         converted_bytes_at_pause: hello.converted_bytes,
         early_ring: None,
+        keeper: None,
     }))
 }
 
@@ -369,6 +413,10 @@ fn commit_manifests(ctx: &Ctx, procs: &[Tracked], results: &mut [(i32, Result<()
         let Some(t) = procs.iter().find(|t| t.pid == *pid) else {
             continue;
         };
+        if t.phase.moved().is_some_and(MovedData::is_lent) {
+            // Written by `exit` once the drain has finished: never before the data is in.
+            continue;
+        }
         match gpusnap_image::write_manifest(ctx.image_dir(), &manifest_for(ctx, t)) {
             Ok(()) => written += 1,
             Err(e) => *r = Err(DumpError::Manifest(e)),
@@ -441,7 +489,22 @@ fn checkpoint_one(
     call: &DriverCall,
     release: &Mutex<Option<Hold>>,
 ) -> Result<(), DumpError> {
-    if t.is_split() {
+    if t.is_split() && planned_keeper(t).is_some() {
+        match hand_over(ctx, t, release) {
+            Ok(()) => {}
+            Err(e) if !t.phase.memory_released() && !e.is_durability() => {
+                log::warn!(
+                    "pid {}: hand-over failed before any memory was released ({e}); copying the data out first instead",
+                    t.pid
+                );
+                if matches!(t.phase, Phase::DataOut) {
+                    lock(ctx, t, "relock")?;
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    if t.is_split() && !t.phase.memory_released() {
         match move_data_out(ctx, t, release) {
             Ok(()) => {}
             Err(e) if !t.phase.memory_released() && !e.is_durability() => {
@@ -468,6 +531,7 @@ fn checkpoint_one(
     t.phase.checkpointed()?;
     refrozen?;
     crate::fault::kill_criu_at("dump-checkpointed");
+    start_drain(t)?;
     let phase = if t.is_split() {
         "control"
     } else {
@@ -475,6 +539,154 @@ fn checkpoint_one(
     };
     t.time(phase, t0.elapsed().as_secs_f64());
     Ok(())
+}
+
+/// The keeper a hand-over was planned with, if any.
+fn planned_keeper(t: &mut Tracked) -> Option<&mut crate::keeper::Keeper> {
+    match &mut t.route {
+        Route::Split(plan) => plan.keeper.as_mut(),
+        Route::Transparent => None,
+    }
+}
+
+/// The hand-over (`crate::handover`), with the application stopped and only the agent thread
+/// (and the driver's) running: unlock, lend every allocation to the keeper, hold, release (the
+/// job keeps the exported descriptors), lock again. The drain starts after the driver
+/// checkpoint ([`start_drain`]). A failure before the release changes nothing of the job.
+fn hand_over(ctx: &Ctx, t: &mut Tracked, release: &Mutex<Option<Hold>>) -> Result<(), DumpError> {
+    let pid = t.pid;
+    let t0 = Instant::now();
+    ctx.api
+        .unlock(pid)
+        .map_err(driver("unlocking for the agent"))?;
+    t.phase.unlocked_for_data()?;
+    t.time("unlock", t0.elapsed().as_secs_f64());
+    let keeper = match &mut t.route {
+        Route::Split(plan) => plan.keeper.take(),
+        Route::Transparent => None,
+    }
+    .ok_or(DumpError::HandOver(
+        crate::handover::HandOverError::NoKeeper,
+    ))?;
+
+    let session = AgentSession::connect_expected(pid, ctx.agent_timeout())?;
+    let t0 = Instant::now();
+    session.hello_intact()?;
+    let allocations = session.list()?;
+    let staging = take_ring(ctx, t, &allocations)?;
+    let lent = crate::handover::lend_to_keeper(&session, &keeper, &allocations)?;
+    t.time("lend", t0.elapsed().as_secs_f64());
+    log::info!(
+        "pid {pid}: {lent} allocations ({:.2} GiB) lent to keeper pid {}",
+        gib(allocations.iter().filter(|a| a.moved).map(|a| a.size).sum()),
+        keeper.pid()
+    );
+    crate::fault::kill_criu_at("dump-lent");
+
+    let agent_tid = session_agent_tid(t)?;
+    t.hold = Some(
+        crate::hold::Hold::place(pid, &[t.restore_tid, agent_tid])
+            .map_err(|err| DumpError::Hold { pid, err })?,
+    );
+    let dir = ctx.image_dir();
+    let parent = dedup_parent(ctx, t, &allocations);
+    let (codec, why) = crate::context::codec_for(&ctx.cfg, dir);
+    if ctx.cfg.compress == gpusnap_config::Compress::Auto {
+        log::info!("pid {pid}: chunks stored as {codec:?}: {why}");
+    }
+    let job = crate::handover::DrainJob {
+        staging,
+        dir: crate::criu::image_dir().ok_or(DumpError::NoImageDir)?,
+        nspid: t.nspid as u32,
+        writers: ctx.cfg.effective_writer_threads(),
+        codec,
+        parent,
+        limits: ctx.limits(),
+        durable: ctx.cfg.durable,
+    };
+    // The manifest is not written now (the data is not in the files yet): until the drain has
+    // finished, the job's own descriptors are where its memory lives.
+    let provisional = new_manifest(
+        ctx,
+        t,
+        CheckpointPath::Split,
+        allocations.clone(),
+        &datapath::DumpData::default(),
+    );
+    t.phase.released(MovedData {
+        manifest: Box::new(provisional),
+        stats: None,
+        lent: Some(Box::new(crate::handover::Lent {
+            keeper: Some(keeper),
+            allocations,
+            drain: None,
+            pending: Some(job),
+            since: Instant::now(),
+        })),
+    })?;
+    let t0 = Instant::now();
+    let (n, bytes) = session.release()?;
+    t.time("release", t0.elapsed().as_secs_f64());
+    log::debug!("pid {pid}: agent released {n} allocations ({bytes} bytes), descriptors kept");
+    crate::fault::kill_criu_at("dump-released");
+    lock(ctx, t, "relock")?;
+    *release.lock().unwrap_or_else(|e| e.into_inner()) = t.hold.take();
+    crate::fault::kill_criu_at("dump-relocked");
+    Ok(())
+}
+
+/// After the driver checkpoint of a process whose memory is lent: the keeper drains it while
+/// CRIU dumps the host side (joined in `exit`).
+fn start_drain(t: &mut Tracked) -> Result<(), DumpError> {
+    let pid = t.pid;
+    let Some(lent) = t.phase.moved_mut().and_then(|m| m.lent.as_deref_mut()) else {
+        return Ok(());
+    };
+    let Some(job) = lent.pending.take() else {
+        return Ok(());
+    };
+    let session = lent
+        .keeper
+        .as_mut()
+        .and_then(crate::keeper::Keeper::take_session)
+        .ok_or(DumpError::HandOver(
+            crate::handover::HandOverError::NoKeeper,
+        ))?;
+    lent.drain = Some(
+        crate::handover::Drain::start(session, job).map_err(|err| DumpError::Hold { pid, err })?,
+    );
+    log::info!(
+        "pid {pid}: drain started {:.3} s after the hand-over; CRIU dumps the host side meanwhile",
+        lent.since.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// The staging ring for `allocations`: the one made at PAUSE if it fits, else a new one.
+fn take_ring(
+    ctx: &Ctx,
+    t: &mut Tracked,
+    allocations: &[AllocationRecord],
+) -> Result<Staging, DumpError> {
+    let ring = ring_shape(ctx, allocations);
+    let early = match &mut t.route {
+        Route::Split(plan) => plan.early_ring.take(),
+        Route::Transparent => None,
+    };
+    match early {
+        Some((shape, staging)) if shape == ring => {
+            log::debug!(
+                "pid {}: staging ring made while the process ran: {shape:?}",
+                t.pid
+            );
+            Ok(staging)
+        }
+        other => {
+            // The allocations changed since PAUSE: let that ring go before making another.
+            drop(other);
+            Ok(Staging::new(ring.slot_size, ring.slots).map_err(DataError::Ring)?)
+        }
+    }
 }
 
 /// The driver lock, timed as `what`.
@@ -508,22 +720,7 @@ fn move_data_out(
     let t0 = Instant::now();
     session.hello_intact()?;
     let allocations = session.list()?;
-    let ring = ring_shape(ctx, &allocations);
-    let early = match &mut t.route {
-        Route::Split(plan) => plan.early_ring.take(),
-        Route::Transparent => None,
-    };
-    let staging = match early {
-        Some((shape, staging)) if shape == ring => {
-            log::debug!("pid {pid}: staging ring made while the process ran: {shape:?}");
-            staging
-        }
-        other => {
-            // The allocations changed since PAUSE: let that ring go before making another.
-            drop(other);
-            Staging::new(ring.slot_size, ring.slots).map_err(DataError::Ring)?
-        }
-    };
+    let staging = take_ring(ctx, t, &allocations)?;
     t.time("prepare", t0.elapsed().as_secs_f64());
 
     let dir = ctx.image_dir();
@@ -600,6 +797,7 @@ fn move_data_out(
     t.phase.released(MovedData {
         manifest: Box::new(manifest),
         stats: Some(Box::new(data)),
+        lent: None,
     })?;
     let t0 = Instant::now();
     let (n, bytes) = session.release()?;
@@ -787,9 +985,9 @@ pub fn undo(
                 steps.push("unlock");
                 Phase::Released(d)
             }
-            Phase::Released(d) => match reload(ctx, target, &d) {
-                Ok(()) => {
-                    steps.push("device data reloaded");
+            Phase::Released(mut d) => match bring_back(ctx, target, &mut d) {
+                Ok(how) => {
+                    steps.push(how);
                     // Whole again: the application threads may run when their tracer lets go.
                     if let Some(h) = hold.take() {
                         h.release()?;
@@ -811,6 +1009,44 @@ pub fn undo(
             },
         };
     }
+}
+
+/// Brings released memory back: lent memory is mapped again from the descriptors the job kept
+/// (a drain still running is stopped first: the dump is being undone), other memory is
+/// reloaded from the image files. Returns the step taken.
+fn bring_back(
+    ctx: &Ctx,
+    target: &Target<'_>,
+    moved: &mut MovedData,
+) -> Result<&'static str, DumpError> {
+    let Some(lent) = moved.lent.as_deref_mut() else {
+        reload(ctx, target, moved)?;
+        return Ok("device data reloaded");
+    };
+    if lent.drain.as_ref().is_some_and(|d| !d.is_finished()) {
+        log::warn!(
+            "pid {}: stopping the drain: the dump is being undone",
+            target.pid
+        );
+    }
+    crate::handover::abandon(lent);
+    let tid = (target.agent_tid)()?;
+    let t0 = Instant::now();
+    let agent_thread = ptrace::resume(tid, "agent thread")?;
+    let reclaimed = AgentSession::connect_expected(target.pid, ctx.agent_timeout())
+        .and_then(AgentSession::reclaim);
+    agent_thread
+        .stop()
+        .map_err(PtraceError::on(tid, "stopping the agent thread"))?;
+    let (n, bytes) = reclaimed?;
+    crate::fault::kill_criu_at("rollback-reclaimed");
+    log::info!(
+        "pid {}: device memory mapped back from the descriptors it kept ({n} allocations, {:.2} GiB) in {:.3} s, no file read",
+        target.pid,
+        gib(bytes),
+        t0.elapsed().as_secs_f64()
+    );
+    Ok("device memory mapped back")
 }
 
 /// Reloads released memory from the files of `moved` through the agent.
@@ -1062,10 +1298,38 @@ impl DumpRun {
     /// failure every process is rolled back (a failed dump's files are removed).
     pub fn exit(&mut self, ret: i32) {
         let Some(ctx) = self.ctx.as_ref() else { return };
-        let leave_running = crate::criu::leave_running();
+        let mut leave_running = crate::criu::leave_running();
+        // Drains ran beside CRIU's dump: join them before anything is decided.
+        let drained: Vec<Result<(), DumpError>> = self
+            .tracked
+            .iter_mut()
+            .map(|t| finish_drain(ctx, t, ret))
+            .collect();
+        crate::logger::print_deferred();
+        let drain_failed = drained.iter().any(Result::is_err);
+        if ret == 0 && drain_failed && !leave_running {
+            // CRIU's part succeeded and it would now kill the job, whose data is not in the
+            // image: it must go on running (its memory is its own, lent descriptors kept).
+            leave_running = crate::criu::keep_tasks_alive();
+            log::error!(
+                "the device data of this dump could not be written into the image; {}",
+                if leave_running {
+                    "CRIU was told to leave the processes running (they are rolled back below): the dump is NOT usable, although CRIU reports success"
+                } else {
+                    "and CRIU cannot be told to leave the processes running"
+                }
+            );
+        }
         let mut stats = Vec::new();
-        for t in &mut self.tracked {
-            if ret == 0 {
+        for (t, drained) in self.tracked.iter_mut().zip(drained) {
+            let failed = drained.is_err();
+            if let Err(e) = drained {
+                log::error!(
+                    "pid {}: {e}; this process's image is incomplete and its gpusnap files are removed: restore will refuse it",
+                    t.pid
+                );
+            }
+            if ret == 0 && !failed {
                 let m = manifest_for(ctx, t);
                 if let Err(e) = gpusnap_image::write_manifest(ctx.image_dir(), &m) {
                     log::error!(
@@ -1075,10 +1339,10 @@ impl DumpRun {
                 }
                 stats.push(stats_of(t));
             }
-            if ret != 0 || leave_running {
+            if ret != 0 || leave_running || failed {
                 match rollback(ctx, t) {
                     // A failed dump's files are no use to anyone.
-                    Ok(()) if ret != 0 => remove_partial_files(ctx, t),
+                    Ok(()) if ret != 0 || failed => remove_partial_files(ctx, t),
                     Ok(()) => {}
                     Err(e) => {
                         let held = match &t.phase {
@@ -1107,6 +1371,56 @@ impl DumpRun {
             }
         }
     }
+}
+
+/// Joins the drain of a process whose memory is lent; with its data, the manifest to write.
+/// A failed dump (`ret != 0`) stops the drain instead.
+fn finish_drain(ctx: &Ctx, t: &mut Tracked, ret: i32) -> Result<(), DumpError> {
+    let pid = t.pid;
+    let Some(lent) = t.phase.moved_mut().and_then(|m| m.lent.as_deref_mut()) else {
+        return Ok(());
+    };
+    if ret != 0 {
+        crate::handover::abandon(lent);
+        return Ok(());
+    }
+    let Some(drain) = lent.drain.take() else {
+        // The checkpoint failed between the release and the driver checkpoint: CRIU's ret
+        // says so too; the rollback maps the memory back.
+        return Err(DumpError::HandOver(
+            crate::handover::HandOverError::NoKeeper,
+        ));
+    };
+    let since = lent.since.elapsed().as_secs_f64();
+    let mut done = drain.join();
+    // The keeper has released its imports (or died): let it go and reap it.
+    drop(done.session.take());
+    lent.keeper.take();
+    let allocations = std::mem::take(&mut lent.allocations);
+    log::info!(
+        "pid {pid}: the drain ran {:.3} s beside CRIU's dump; at CRIU's end ({since:.3} s after the hand-over) it waited {:.3} s more for it",
+        done.ran_s,
+        done.waited_s,
+    );
+    t.time("drain", done.ran_s);
+    t.time("drain_wait", done.waited_s);
+    let data = done.data.map_err(|err| DumpError::Drain { pid, err })?;
+    log::info!(
+        "pid {pid}: drained {:.2} GiB ({:.1} GiB/s) into {} files, {} chunks ({} all zero, {} unchanged)",
+        gib(data.bytes),
+        gib(data.bytes) / data.seconds.max(1e-9),
+        data.files.len(),
+        data.chunks.len(),
+        data.zero_chunks,
+        data.referenced_chunks,
+    );
+    let manifest = new_manifest(ctx, t, CheckpointPath::Split, allocations, &data);
+    if let Some(m) = t.phase.moved_mut() {
+        *m.manifest = manifest;
+        m.stats = Some(Box::new(data));
+    }
+    crate::fault::kill_criu_at("dump-before-manifest");
+    Ok(())
 }
 
 /// One process's entry in `gpusnap-stats.json`.

@@ -17,12 +17,17 @@ pub const POINTS: &[&str] = &[
     // dump: CHECKPOINT_DEVICES
     "dump-locked",       // PAUSE done: driver locked, nothing moved
     "dump-data-out",     // split: unlocked, the first chunk written
+    "dump-lent",         // hand-over: the keeper holds the memory, the job's not yet released
     "dump-released",     // split: memory released, not yet locked again
     "dump-relocked",     // split: locked again, control state not yet checkpointed
     "dump-checkpointed", // driver checkpoint done; CRIU's own dump follows
+    // hand-over: beside CRIU's dump, and in `exit`
+    "dump-drained",         // the drain wrote every chunk; the keeper not yet released
+    "dump-before-manifest", // `exit` joined the drain; the manifest not yet written
     // rollback (`-R`, or a failed dump), in `exit`
     "rollback-restored", // driver restore of the rollback done, memory not yet back
     "rollback-reload",   // split: the first chunk reloaded
+    "rollback-reclaimed", // hand-over: the memory mapped back from the kept descriptors
     // restore: RESUME_DEVICES_LATE
     "restore-control",    // driver restore done (locked)
     "restore-unlocked",   // unlocked, device data not yet loaded
@@ -64,7 +69,7 @@ pub fn check() -> Result<(), UnknownPoint> {
 pub fn kill_criu_at(point: &'static str) {
     debug_assert!(POINTS.contains(&point), "unknown fault point {point}");
     if armed() == Some(point) {
-        log::warn!("test fault {ENV}={point}: killing CRIU now");
+        crate::logger::print_now(&format!("test fault {ENV}={point}: killing CRIU now"));
         // SAFETY: kill(2) takes no pointers; SIGKILL to our own process is the point.
         unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
     }

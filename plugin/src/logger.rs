@@ -11,6 +11,44 @@ struct CriuLogger {
     lock: Mutex<()>,
 }
 
+thread_local! {
+    /// Set on threads that run while CRIU's main thread works (the drain): CRIU formats every
+    /// line in one static buffer and does not lock it, so their lines wait in [`DEFERRED`]
+    /// until the main thread prints them ([`print_deferred`]).
+    static DEFERS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+static DEFERRED: Mutex<Vec<(u32, CString)>> = Mutex::new(Vec::new());
+
+/// Lines logged by this thread from now on are kept until [`print_deferred`].
+pub fn defer_this_thread() {
+    DEFERS.with(|d| d.set(true));
+}
+
+/// Prints the lines other threads deferred, in order (on CRIU's main thread).
+pub fn print_deferred() {
+    let lines = std::mem::take(&mut *DEFERRED.lock().unwrap_or_else(|e| e.into_inner()));
+    for (level, line) in lines {
+        print(level, &line);
+    }
+}
+
+/// Prints one line now, also from a thread whose lines are deferred: only for the test fault
+/// points, the instant before CRIU is killed (a race on CRIU's buffer cannot matter then).
+pub fn print_now(text: &str) {
+    if let Ok(line) = CString::new(format!("gpusnap: {text}\n")) {
+        print(criu::level::WARN, &line);
+    }
+}
+
+fn print(level: u32, line: &CString) {
+    match criu::print_on_level() {
+        // SAFETY: a fixed "%s" format with one NUL-terminated string argument.
+        Some(print) => unsafe { print(level, c"%s".as_ptr(), line.as_ptr()) },
+        None => eprint!("{}", line.to_string_lossy()),
+    }
+}
+
 impl log::Log for CriuLogger {
     fn enabled(&self, m: &log::Metadata) -> bool {
         m.level() <= log::max_level()
@@ -37,12 +75,16 @@ impl log::Log for CriuLogger {
         }
         text.push('\n');
         let Ok(line) = CString::new(text) else { return };
-        let _guard = self.lock.lock().unwrap_or_else(|e| e.into_inner());
-        match criu::print_on_level() {
-            // SAFETY: a fixed "%s" format with one NUL-terminated string argument.
-            Some(print) => unsafe { print(level, c"%s".as_ptr(), line.as_ptr()) },
-            None => eprint!("{}", line.to_string_lossy()),
+        if DEFERS.with(|d| d.get()) {
+            let mut q = DEFERRED.lock().unwrap_or_else(|e| e.into_inner());
+            // Bounded: a drain that logs without end must not eat CRIU's memory.
+            if q.len() < 10_000 {
+                q.push((level, line));
+            }
+            return;
         }
+        let _guard = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+        print(level, &line);
     }
 
     fn flush(&self) {}

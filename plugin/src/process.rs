@@ -26,6 +26,18 @@ use gpusnap_image::Manifest;
 pub struct MovedData {
     pub manifest: Box<Manifest>,
     pub stats: Option<Box<DumpData>>,
+    /// Hand-over: the memory is not in the files (yet) but lent: the job holds it through the
+    /// descriptors it kept, and the keeper drains it. `manifest` then lists the allocations
+    /// only, and is never written before the drain has finished.
+    pub lent: Option<Box<crate::handover::Lent>>,
+}
+
+impl MovedData {
+    /// Whether the job holds its memory itself (lent, not only in files): an undo maps it back
+    /// instead of reloading it.
+    pub fn is_lent(&self) -> bool {
+        self.lent.is_some()
+    }
 }
 
 /// Where one GPU process stands in a dump.
@@ -124,6 +136,14 @@ impl Phase {
         })
     }
 
+    /// [`Self::moved`], to change.
+    pub fn moved_mut(&mut self) -> Option<&mut MovedData> {
+        match self {
+            Phase::Released(d) | Phase::Relocked(d) | Phase::Checkpointed(Some(d)) => Some(d),
+            _ => None,
+        }
+    }
+
     /// The data moved out, if memory was released (whatever the driver did since).
     pub fn moved(&self) -> Option<&MovedData> {
         match self {
@@ -206,6 +226,9 @@ pub struct SplitPlan {
     /// The staging ring, made while the process still ran (populating it is not free), for
     /// the allocations the agent listed then; used if they are the same at the checkpoint.
     pub early_ring: Option<(crate::staging::RingShape, crate::staging::Staging)>,
+    /// The keeper started at PAUSE for a hand-over (`None`: the data is copied out first, on
+    /// the job's pause; the reason is in the log).
+    pub keeper: Option<crate::keeper::Keeper>,
 }
 
 /// One GPU process of a dump.
@@ -256,6 +279,7 @@ mod tests {
         MovedData {
             manifest: Box::new(crate::test_manifest()),
             stats: None,
+            lent: None,
         }
     }
 

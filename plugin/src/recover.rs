@@ -88,21 +88,23 @@ pub fn recover(pid: i32, images: Option<&Path>) -> Result<String, RecoverError> 
         None => SeizedProcess::seize(pid).map_err(|err| RecoverError::Seize { pid, err })?,
     };
     let restore_thread = ptrace::resume(restore_tid, "driver restore thread")?;
-    let released = match agent_tid {
+    let (released, kept) = match agent_tid {
         Some(tid) => {
             let _agent = ptrace::resume(tid, "agent thread")?;
-            AgentSession::connect(pid, cfg.agent_timeout())?
+            let h = AgentSession::connect(pid, cfg.agent_timeout())?
                 .ok_or(RecoverError::AgentSilent)?
-                .hello()?
-                .released
+                .hello()?;
+            (h.released, h.kept > 0)
         }
-        None => false,
+        None => (false, false),
     };
-    if released && images.is_none() {
+    // Memory lent at a hand-over is still the job's (it kept the descriptors): it is mapped
+    // back without any file.
+    if released && !kept && images.is_none() {
         return Err(RecoverError::NeedImages);
     }
     // Only a reload reads the image directory; without one to reload, the root stands in.
-    let dir = images.unwrap_or(Path::new("/"));
+    let dir = images.filter(|_| !kept).unwrap_or(Path::new("/"));
     let fd = std::fs::File::open(dir).map_err(|err| RecoverError::ImageDir {
         dir: dir.to_owned(),
         err,
@@ -115,13 +117,27 @@ pub fn recover(pid: i32, images: Option<&Path>) -> Result<String, RecoverError> 
         driver_version: api.driver_version().unwrap_or(0),
         gpus: Vec::new(),
     };
-    let moved = if released {
-        let nspid = procfs::ns_pid(pid).map_err(|err| AgentError::Proc { pid, err })?;
+    let nspid = || procfs::ns_pid(pid).map_err(|err| AgentError::Proc { pid, err });
+    let moved = if released && kept {
+        Some(MovedData {
+            manifest: Box::new(dump::manifest_of(
+                nspid()? as u32,
+                gpusnap_image::CheckpointPath::Split,
+                (0, &[]),
+                Vec::new(),
+                &crate::datapath::DumpData::default(),
+            )),
+            stats: None,
+            lent: Some(Box::new(crate::handover::Lent::found_kept())),
+        })
+    } else if released {
+        let nspid = nspid()?;
         let manifest = gpusnap_image::read_manifest(ctx.image_dir(), nspid as u32)
             .map_err(|err| RecoverError::Manifest { nspid, err })?;
         Some(MovedData {
             manifest: Box::new(manifest),
             stats: None,
+            lent: None,
         })
     } else {
         None

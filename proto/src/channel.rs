@@ -90,6 +90,22 @@ impl Channel {
         self.send_raw(&buf[..n], None)
     }
 
+    /// Sends a reply with `attach` passed as SCM_RIGHTS (a hand-over's exported descriptor).
+    pub fn send_reply_with(&self, r: &Reply, attach: BorrowedFd<'_>) -> Result<(), ProtoError> {
+        let mut buf = [0u8; MAX_MESSAGE];
+        let n = r.encode(&mut buf);
+        self.send_raw(&buf[..n], Some(attach))
+    }
+
+    /// Waits at most `timeout` for a reply that may carry one descriptor (a hand-over's).
+    pub fn recv_reply_with_fd(
+        &self,
+        timeout: Option<Duration>,
+    ) -> Result<(Reply, Option<OwnedFd>), ProtoError> {
+        let m = self.recv_wait(timeout)?;
+        Ok((Reply::decode(&m.buf[..m.len])?, m.fd))
+    }
+
     /// Waits at most `timeout` (None = forever) for a request. EINTR returns
     /// [`ProtoError::Interrupted`]; a closed peer [`ProtoError::Closed`]. Returns the attached
     /// descriptor, if any (at most one is accepted).

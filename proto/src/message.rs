@@ -157,6 +157,27 @@ pub enum Request {
         /// Its device hash in the parent image.
         device_hash: u64,
     },
+    /// Hand-over (the job's agent, its threads held): export every converted allocation and
+    /// send one [`Reply::Lent`] per allocation with a copy of the exported descriptor attached,
+    /// then [`Reply::LentEnd`]. The agent keeps its own copies. `Release` (the memory then lives
+    /// on in the kept descriptors and in whoever imported them) or `Abort` (the copies are
+    /// closed, nothing changed) follows.
+    LendBegin,
+    /// To the keeper: import the attached exported descriptor and map it at `addr`, the
+    /// address the job uses, so the data can be copied out while the job is checkpointed.
+    Adopt {
+        /// The job's allocation id.
+        id: u64,
+        /// Device ordinal.
+        device: u32,
+        /// Device address in the job (the keeper maps at the same one).
+        addr: u64,
+        /// Bytes.
+        size: u64,
+    },
+    /// The job's agent (its threads held): map every released allocation again from the
+    /// descriptors kept at `LendBegin`, at its old address; no data moves.
+    Reclaim,
 }
 
 /// Bits of [`Reply::Hello::hazards`]: what the process did that the driver's checkpoint cannot
@@ -212,6 +233,9 @@ pub enum Reply {
         released: bool,
         /// [`hazard`] bits: state the driver cannot checkpoint, seen since the process started.
         hazards: u32,
+        /// Released allocations whose memory the agent still holds through descriptors it kept
+        /// at a hand-over ([`Request::Reclaim`] maps them again without any file).
+        kept: u32,
     },
     /// One tracked allocation.
     Allocation {
@@ -302,6 +326,39 @@ pub enum Reply {
         /// Chunks whose device hash was checked on the device after the load (all matched).
         verified: u64,
     },
+    /// Answer to [`Request::LendBegin`], one per converted allocation, with a copy of its
+    /// exported descriptor attached.
+    Lent {
+        /// Allocation id.
+        id: u64,
+        /// Device ordinal.
+        device: u32,
+        /// Device address.
+        addr: u64,
+        /// Bytes.
+        size: u64,
+    },
+    /// Every converted allocation was lent.
+    LentEnd {
+        /// Number of [`Reply::Lent`] messages sent.
+        count: u32,
+        /// Their bytes.
+        bytes: u64,
+    },
+    /// The keeper mapped allocation `id` at the job's address.
+    Adopted {
+        /// Allocation id.
+        id: u64,
+    },
+    /// Every released allocation is mapped again from its kept descriptor.
+    Reclaimed {
+        /// Allocations mapped again.
+        allocations: u32,
+        /// Their bytes.
+        bytes: u64,
+        /// Time it took.
+        micros: u64,
+    },
     /// The operation was abandoned; memory is mapped.
     Aborted,
     /// The request failed.
@@ -326,6 +383,9 @@ mod kind {
     pub const REQ_CHUNK_ZERO: u16 = 0x000A;
     pub const REQ_KNOWN_CHUNK: u16 = 0x000B;
     pub const REQ_PRECOPY_BEGIN: u16 = 0x000C;
+    pub const REQ_LEND_BEGIN: u16 = 0x000D;
+    pub const REQ_ADOPT: u16 = 0x000E;
+    pub const REQ_RECLAIM: u16 = 0x000F;
 
     pub const REP_HELLO: u16 = 0x0101;
     pub const REP_ALLOCATION: u16 = 0x0102;
@@ -340,6 +400,10 @@ mod kind {
     pub const REP_ERROR: u16 = 0x010B;
     pub const REP_CHUNK_ZERO: u16 = 0x010C;
     pub const REP_CHUNK_UNCHANGED: u16 = 0x010D;
+    pub const REP_LENT: u16 = 0x010E;
+    pub const REP_LENT_END: u16 = 0x010F;
+    pub const REP_ADOPTED: u16 = 0x0110;
+    pub const REP_RECLAIMED: u16 = 0x0111;
 }
 
 /// An optional u64: a presence byte (0/1), then the value (0 when absent).
@@ -482,6 +546,20 @@ impl Request {
                 w.u64(*len);
                 w.u64(*device_hash);
             }
+            Request::LendBegin => header(&mut w, kind::REQ_LEND_BEGIN),
+            Request::Adopt {
+                id,
+                device,
+                addr,
+                size,
+            } => {
+                header(&mut w, kind::REQ_ADOPT);
+                w.u64(*id);
+                w.u32(*device);
+                w.u64(*addr);
+                w.u64(*size);
+            }
+            Request::Reclaim => header(&mut w, kind::REQ_RECLAIM),
         }
         w.len()
     }
@@ -527,6 +605,14 @@ impl Request {
                 len: r.u64()?,
                 device_hash: r.u64()?,
             },
+            kind::REQ_LEND_BEGIN => Request::LendBegin,
+            kind::REQ_ADOPT => Request::Adopt {
+                id: r.u64()?,
+                device: r.u32()?,
+                addr: r.u64()?,
+                size: r.u64()?,
+            },
+            kind::REQ_RECLAIM => Request::Reclaim,
             other => return Err(ProtoError::UnknownKind(other)),
         };
         r.finish()?;
@@ -549,6 +635,7 @@ impl Reply {
                 devices,
                 released,
                 hazards,
+                kept,
             } => {
                 header(&mut w, kind::REP_HELLO);
                 w.u16(*version);
@@ -559,6 +646,7 @@ impl Reply {
                 w.u32(*devices);
                 w.bool(*released);
                 w.u32(*hazards);
+                w.u32(*kept);
             }
             Reply::Allocation {
                 id,
@@ -651,6 +739,37 @@ impl Reply {
                 w.u64(*micros);
                 w.u64(*verified);
             }
+            Reply::Lent {
+                id,
+                device,
+                addr,
+                size,
+            } => {
+                header(&mut w, kind::REP_LENT);
+                w.u64(*id);
+                w.u32(*device);
+                w.u64(*addr);
+                w.u64(*size);
+            }
+            Reply::LentEnd { count, bytes } => {
+                header(&mut w, kind::REP_LENT_END);
+                w.u32(*count);
+                w.u64(*bytes);
+            }
+            Reply::Adopted { id } => {
+                header(&mut w, kind::REP_ADOPTED);
+                w.u64(*id);
+            }
+            Reply::Reclaimed {
+                allocations,
+                bytes,
+                micros,
+            } => {
+                header(&mut w, kind::REP_RECLAIMED);
+                w.u32(*allocations);
+                w.u64(*bytes);
+                w.u64(*micros);
+            }
             Reply::Aborted => header(&mut w, kind::REP_ABORTED),
             Reply::Error { code, message } => {
                 header(&mut w, kind::REP_ERROR);
@@ -674,6 +793,7 @@ impl Reply {
                 devices: r.u32()?,
                 released: r.bool()?,
                 hazards: r.u32()?,
+                kept: r.u32()?,
             },
             kind::REP_ALLOCATION => Reply::Allocation {
                 id: r.u64()?,
@@ -718,6 +838,22 @@ impl Reply {
                 bytes: r.u64()?,
                 micros: r.u64()?,
                 verified: r.u64()?,
+            },
+            kind::REP_LENT => Reply::Lent {
+                id: r.u64()?,
+                device: r.u32()?,
+                addr: r.u64()?,
+                size: r.u64()?,
+            },
+            kind::REP_LENT_END => Reply::LentEnd {
+                count: r.u32()?,
+                bytes: r.u64()?,
+            },
+            kind::REP_ADOPTED => Reply::Adopted { id: r.u64()? },
+            kind::REP_RECLAIMED => Reply::Reclaimed {
+                allocations: r.u32()?,
+                bytes: r.u64()?,
+                micros: r.u64()?,
             },
             kind::REP_ABORTED => Reply::Aborted,
             kind::REP_ERROR => Reply::Error {

@@ -53,6 +53,14 @@ fn all_requests() -> Vec<Request> {
             device_hash: None,
         },
         Request::RestoreDataDone,
+        Request::LendBegin,
+        Request::Adopt {
+            id: 3,
+            device: 1,
+            addr: 0x7000_0020_0000,
+            size: 2 << 20,
+        },
+        Request::Reclaim,
         Request::KnownChunk {
             addr: 0x7f00_0000_0000,
             len: 32 << 20,
@@ -72,6 +80,7 @@ fn all_replies() -> Vec<Reply> {
             devices: 2,
             released: true,
             hazards: 5,
+            kept: 3,
         },
         Reply::Allocation {
             id: 9,
@@ -130,6 +139,22 @@ fn all_replies() -> Vec<Reply> {
             bytes: 42,
             micros: 43,
             verified: 44,
+        },
+        Reply::Lent {
+            id: 9,
+            device: 1,
+            addr: 0x7000_0020_0000,
+            size: 2 << 20,
+        },
+        Reply::LentEnd {
+            count: 1,
+            bytes: 2 << 20,
+        },
+        Reply::Adopted { id: 9 },
+        Reply::Reclaimed {
+            allocations: 1,
+            bytes: 2 << 20,
+            micros: 3,
         },
         Reply::Aborted,
         Reply::Error {
@@ -238,10 +263,10 @@ fn header_errors_are_typed() {
     b[0] ^= 1;
     assert!(matches!(Request::decode(&b), Err(ProtoError::BadMagic)));
     let mut b = enc_req(&Request::Release);
-    b[4] = 5;
+    b[4] = 6;
     assert!(matches!(
         Request::decode(&b),
-        Err(ProtoError::VersionMismatch { ours: 4, theirs: 5 })
+        Err(ProtoError::VersionMismatch { ours: 5, theirs: 6 })
     ));
     let mut b = enc_req(&Request::Release);
     b[6] = 0x77;
@@ -286,10 +311,11 @@ fn bad_field_values_are_rejected() {
         devices: 0,
         released: false,
         hazards: 0,
+        kept: 0,
     });
-    // The boolean sits just before the 4-byte hazards field.
+    // The boolean sits just before the 4-byte hazards and kept fields.
     let n = b.len();
-    b[n - 5] = 2;
+    b[n - 9] = 2;
     assert!(matches!(Reply::decode(&b), Err(ProtoError::Malformed(_))));
     // Error code 0 and 9.
     for code in [0u16, 9] {

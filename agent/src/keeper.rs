@@ -1,0 +1,233 @@
+//! The keeper: a process of its own (`gpusnap-keeper`, started by the plugin) that holds a
+//! checkpointed job's device memory and drains it, so that the data moves while CRIU dumps the
+//! job's host side instead of before (`docs/design-notes.md`, "Hand-over").
+//!
+//! It speaks the agent's protocol on the one connection the plugin gave it: `Adopt` (with the
+//! job's exported descriptor attached) imports an allocation and maps it at the job's own
+//! address, so the agent's copy-out ([`crate::dump`]) runs here unchanged; then `DumpBegin` ..
+//! `Release` as in the job, where `Release` drops the keeper's imports (the job keeps its
+//! descriptors, so the memory lives on). The keeper exits when the plugin closes the connection
+//! (in `exit`, or by dying): it never outlives its purpose, and nothing of the job depends on it
+//! staying.
+
+use std::os::fd::{AsFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use gpusnap_proto::{Channel, ErrorCode, PROTOCOL_VERSION, ProtoError, Reply, Request};
+
+use crate::gpu::Gpu;
+use crate::log::debug;
+use crate::session::Ring;
+use crate::table::{self, AGENT_LOCK_WAIT};
+
+static KEEPER: AtomicBool = AtomicBool::new(false);
+static LIBCUDA: std::sync::OnceLock<std::ffi::CString> = std::sync::OnceLock::new();
+
+/// The driver library a keeper loads, if its plugin named one (the job's own).
+pub fn libcuda() -> Option<&'static std::ffi::CStr> {
+    LIBCUDA.get().map(|c| c.as_c_str())
+}
+
+/// Whether this process is a keeper: it runs no application, so the checks that an
+/// application's threads are held do not apply.
+pub fn active() -> bool {
+    KEEPER.load(Ordering::Acquire)
+}
+
+/// How long the keeper waits for the plugin's next request before giving up (the plugin sends
+/// its requests back to back; the drain's own waits are the copy-out's).
+const REQUEST_WAIT: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// The keeper's `main`: serves the connection on descriptor `fd` (inherited from the plugin),
+/// with `libcuda` the driver library to load (the job's). Returns the process's exit status.
+pub fn main_with_fd(fd: i32, libcuda: Option<&str>) -> i32 {
+    KEEPER.store(true, Ordering::Release);
+    if let Some(p) = libcuda {
+        match std::ffi::CString::new(p) {
+            Ok(c) => {
+                let _ = LIBCUDA.set(c);
+            }
+            Err(_) => {
+                eprintln!("gpusnap-keeper: --libcuda holds a NUL byte");
+                return 2;
+            }
+        }
+    }
+    crate::install_quiet_panic_hook();
+    // SAFETY: fcntl(F_GETFD) only checks that the number is open.
+    if fd < 0 || unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
+        eprintln!(
+            "gpusnap-keeper: descriptor {fd} is not open (started by hand? the plugin starts it)"
+        );
+        return 2;
+    }
+    // SAFETY: the plugin passed this descriptor for us alone; nothing else owns it.
+    let ch = Channel::new(unsafe { OwnedFd::from_raw_fd(fd) });
+    match std::panic::catch_unwind(|| serve(&ch)) {
+        Ok(Ok(())) => 0,
+        Ok(Err(e)) => {
+            debug!("keeper: {e}");
+            1
+        }
+        Err(_) => 3,
+    }
+}
+
+fn serve(ch: &Channel) -> Result<(), String> {
+    let drv = crate::real::driver()?;
+    drv.cu_init().map_err(|e| e.to_string())?;
+    let mut gpu = Gpu::new();
+    let mut known = crate::dump::KnownChunks::default();
+    loop {
+        let (req, fd) = match ch.recv_request(Some(REQUEST_WAIT)) {
+            Ok(m) => m,
+            Err(ProtoError::Interrupted) => continue,
+            Err(ProtoError::Closed) => return Ok(()),
+            Err(e) => return Err(format!("waiting for the plugin: {e}")),
+        };
+        match (req, fd) {
+            (Request::Hello { version }, None) => {
+                let reply = if version == PROTOCOL_VERSION {
+                    hello()
+                } else {
+                    Reply::Error {
+                        code: ErrorCode::VersionMismatch,
+                        message: format!("keeper speaks {PROTOCOL_VERSION}, plugin {version}"),
+                    }
+                };
+                ch.send_reply(&reply).map_err(|e| e.to_string())?;
+            }
+            (
+                Request::Adopt {
+                    id,
+                    device,
+                    addr,
+                    size,
+                },
+                Some(fd),
+            ) => {
+                let reply = match adopt(&mut gpu, id, device, addr, size, fd) {
+                    Ok(()) => Reply::Adopted { id },
+                    Err(e) => Reply::Error {
+                        code: ErrorCode::Cuda,
+                        message: format!("adopting #{id} at {addr:#x}: {e}"),
+                    },
+                };
+                ch.send_reply(&reply).map_err(|e| e.to_string())?;
+            }
+            (
+                Request::KnownChunk {
+                    addr,
+                    len,
+                    device_hash,
+                },
+                None,
+            ) => known.insert(addr, len, device_hash)?,
+            (
+                Request::DumpBegin {
+                    slot_size,
+                    slots,
+                    streams,
+                },
+                Some(memfd),
+            ) => {
+                let ring = Ring {
+                    slot_size,
+                    slots,
+                    streams,
+                };
+                crate::dump::run(
+                    &mut gpu,
+                    ch,
+                    ring,
+                    memfd,
+                    &known,
+                    crate::dump::Mode::Stopped,
+                );
+                // The keeper is a child of CRIU, which takes any child's exit while it works
+                // on the dumped tasks for a failure of its own: stay until the plugin lets go
+                // (in `exit`, after CRIU's part).
+                wait_for_close(ch);
+                return Ok(());
+            }
+            (Request::Abort, _) => {
+                let _ = ch.send_reply(&Reply::Aborted);
+                return Ok(());
+            }
+            (other, _) => {
+                let _ = ch.send_reply(&Reply::Error {
+                    code: ErrorCode::BadRequest,
+                    message: format!("a keeper does not take {other:?} (or its descriptor)"),
+                });
+            }
+        }
+    }
+}
+
+/// Waits until the plugin closes its end (anything it sends meanwhile is answered with an
+/// error: the operation is over).
+fn wait_for_close(ch: &Channel) {
+    loop {
+        match ch.recv_request(None) {
+            Ok(_) => {
+                let _ = ch.send_reply(&Reply::Error {
+                    code: ErrorCode::BadState,
+                    message: "the keeper's operation is over".into(),
+                });
+            }
+            Err(ProtoError::Interrupted) => continue,
+            Err(_) => return,
+        }
+    }
+}
+
+/// Imports the job's exported descriptor and maps it at the job's address.
+fn adopt(
+    gpu: &mut Gpu,
+    id: u64,
+    device: u32,
+    addr: u64,
+    size: u64,
+    fd: OwnedFd,
+) -> Result<(), String> {
+    let drv = crate::real::driver()?;
+    let dev = i32::try_from(device).map_err(|_| format!("device {device}"))?;
+    gpu.prepare(drv, dev, 1, 1).map_err(|e| e.to_string())?;
+    drv.reserve_at(addr, size).map_err(|e| e.to_string())?;
+    let handle = match drv.import_fd(fd.as_fd()) {
+        Ok(h) => h,
+        Err(e) => {
+            let _ = drv.free_reservation(addr, size);
+            return Err(e.to_string());
+        }
+    };
+    // The import holds the memory now; the descriptor is the job's business.
+    drop(fd);
+    if let Err(e) = crate::vmm::map_handle(drv, dev, addr, size, handle) {
+        let _ = drv.release(addr, handle);
+        let _ = drv.free_reservation(addr, size);
+        return Err(e.to_string());
+    }
+    table::try_lock_for(AGENT_LOCK_WAIT)
+        .ok_or("the keeper's table is locked")?
+        .insert_adopted(id, dev, addr, size, handle);
+    debug!("keeper: adopted #{id} at {addr:#x} ({size} bytes) on device {dev}");
+    Ok(())
+}
+
+fn hello() -> Reply {
+    let s = table::try_lock_for(AGENT_LOCK_WAIT).map(|t| t.summary());
+    // SAFETY: getpid and gettid have no preconditions.
+    let (pid, tid) = unsafe { (libc::getpid(), libc::gettid()) };
+    Reply::Hello {
+        version: PROTOCOL_VERSION,
+        pid,
+        tid,
+        allocations: s.as_ref().map_or(0, |s| s.entries),
+        converted_bytes: s.as_ref().map_or(0, |s| s.converted_bytes),
+        devices: s.as_ref().map_or(0, |s| s.devices),
+        released: false,
+        hazards: 0,
+        kept: 0,
+    }
+}

@@ -1,0 +1,239 @@
+//! The hand-over, in the job: its device memory is lent to gpusnap's keeper across the driver
+//! checkpoint instead of being copied out first (`docs/design-notes.md`, "Hand-over").
+//!
+//! `LendBegin` exports every converted allocation as a POSIX descriptor and sends a copy of each
+//! to the plugin (which passes it to the keeper); then `Release` unmaps and releases the job's
+//! handles (addresses kept) as a dump does, **keeping the exported descriptors**: an open one
+//! keeps the physical memory alive by itself, so whatever dies (CRIU, the plugin, the keeper),
+//! the held job still owns its data. `Reclaim` maps it back from those descriptors (`-R`, a
+//! rollback, `gpusnap recover`): no data moves and no file is read.
+//!
+//! The kept descriptors are files of the process, which CRIU dumps. In a process CRIU restored
+//! they are whatever CRIU opened at those numbers (the plugin's placeholders), not the memory:
+//! they are told apart by the process's start time, recorded at the lend, and dropped.
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::Mutex;
+use std::time::Instant;
+
+use gpusnap_proto::{Channel, Reply, Request};
+
+use crate::gpu::Gpu;
+use crate::log::debug;
+use crate::session::{self, Fail, PEER_WAIT, need_driver, no_fd};
+use crate::table::{self, AGENT_LOCK_WAIT, TableError};
+
+/// One allocation's exported memory, kept by the job while its handle is released.
+struct Kept {
+    id: u64,
+    device: i32,
+    addr: u64,
+    size: u64,
+    fd: OwnedFd,
+}
+
+/// The descriptors kept since the last release, and the start time of the process that
+/// exported them (a restored process has another).
+struct KeptMemory {
+    started: u64,
+    allocations: Vec<Kept>,
+}
+
+static KEPT: Mutex<Option<KeptMemory>> = Mutex::new(None);
+
+fn kept() -> std::sync::MutexGuard<'static, Option<KeptMemory>> {
+    KEPT.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// This process's start time in clock ticks since boot (field 22 of `/proc/self/stat`).
+fn start_time() -> Option<u64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    let after = stat.get(stat.rfind(')')? + 1..)?;
+    // After the command name: state is field 3, start time field 22.
+    after.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// Drops kept descriptors that this process did not export (it was restored by CRIU, which
+/// opened placeholders at their numbers). Returns how many real ones are kept.
+pub fn kept_count() -> u32 {
+    let mut k = kept();
+    if k.as_ref().is_some_and(|m| Some(m.started) != start_time()) {
+        let stale = k.take().map_or(0, |m| m.allocations.len());
+        debug!("dropping {stale} descriptors kept by the process this one was restored from");
+    }
+    k.as_ref().map_or(0, |m| {
+        u32::try_from(m.allocations.len()).unwrap_or(u32::MAX)
+    })
+}
+
+/// Forgets every kept descriptor (closing them): the memory is mapped again, or a restore
+/// re-creates it.
+pub fn forget() {
+    kept_count();
+    if let Some(m) = kept().take() {
+        debug!("closing {} kept descriptors", m.allocations.len());
+    }
+}
+
+/// `LendBegin` .. `Release`/`Abort` on this connection; the connection is closed afterwards.
+pub fn run(ch: &Channel, gpu: &mut Gpu) {
+    let result = lend(ch, gpu);
+    session::conclude(ch, gpu, None, result);
+}
+
+fn lend(ch: &Channel, gpu: &mut Gpu) -> Result<Reply, Fail> {
+    let drv = need_driver()?;
+    if kept_count() > 0 {
+        return Err(Fail::bad_state(
+            "memory lent by an earlier hand-over is still kept: reclaim it first",
+        ));
+    }
+    let (spans, released) = session::snapshot()?;
+    if let Some(i) = released.iter().position(|&r| r) {
+        return Err(Fail::bad_state(format!(
+            "allocation #{} at {:#x} is released: restore before dumping again",
+            spans[i].id, spans[i].addr
+        )));
+    }
+    let handles: Vec<_> = {
+        let t = table::try_lock_for(AGENT_LOCK_WAIT).ok_or_else(Fail::busy)?;
+        t.converted()
+            .map(|c| match c.backing {
+                // Found before anything is exported: the plugin then copies this process's
+                // data out first, as without a hand-over.
+                _ if !c.exportable => Err(Fail::bad_state(format!(
+                    "allocation #{} at {:#x} was not created exportable (the device has no POSIX-fd handles, or the application made it)",
+                    c.id, c.addr
+                ))),
+                table::Backing::Mapped(h) => Ok((c.id, h)),
+                table::Backing::Released => Err(Fail::bad_state(format!(
+                    "allocation #{} is released",
+                    c.id
+                ))),
+            })
+            .collect::<Result<_, _>>()?
+    };
+    let mut lent = Vec::with_capacity(spans.len());
+    let mut bytes = 0;
+    for s in &spans {
+        let Some(&(_, handle)) = handles.iter().find(|(id, _)| *id == s.id) else {
+            return Err(Fail::bad_state(format!(
+                "allocation #{} changed during the hand-over",
+                s.id
+            )));
+        };
+        gpu.prepare(drv, s.device, 0, 0)?;
+        let fd = drv.export_fd(handle)?;
+        ch.send_reply_with(
+            &Reply::Lent {
+                id: s.id,
+                device: u32::try_from(s.device).unwrap_or(u32::MAX),
+                addr: s.addr,
+                size: s.size,
+            },
+            fd.as_fd(),
+        )?;
+        bytes += s.size;
+        lent.push(Kept {
+            id: s.id,
+            device: s.device,
+            addr: s.addr,
+            size: s.size,
+            fd,
+        });
+    }
+    ch.send_reply(&Reply::LentEnd {
+        count: u32::try_from(lent.len()).unwrap_or(u32::MAX),
+        bytes,
+    })?;
+    let (req, fd) = ch.recv_request(Some(PEER_WAIT))?;
+    no_fd(fd)?;
+    match req {
+        Request::Release => crate::held::by_a_tracer().map_err(Fail::bad_state)?,
+        // The copies are closed with `lent`: the memory is the job's alone again.
+        Request::Abort => return Err(Fail::Aborted),
+        other => return Err(Fail::unexpected(&other, "after LentEnd (Release or Abort)")),
+    }
+    let t0 = Instant::now();
+    // Kept before the release: from the first unmap on, the descriptors are what holds the
+    // memory.
+    *kept() = Some(KeptMemory {
+        started: start_time().unwrap_or(0),
+        allocations: lent,
+    });
+    let (count, released_bytes) = crate::dump::release(drv, &spans)?;
+    let micros = t0.elapsed().as_micros() as u64;
+    debug!("hand-over: released {count} allocations ({released_bytes} bytes), descriptors kept");
+    Ok(Reply::Released {
+        allocations: count,
+        bytes: released_bytes,
+        micros,
+    })
+}
+
+/// `Reclaim`: maps every kept allocation again at its address. Allocations done so far stay
+/// mapped if a later one fails (the next `Reclaim` does the rest).
+pub fn reclaim(ch: &Channel, gpu: &mut Gpu) -> bool {
+    let reply = match reclaim_all(gpu) {
+        Ok(r) => r,
+        Err(Fail::Reply(code, message)) => {
+            debug!("reclaim failed: {message}");
+            Reply::Error { code, message }
+        }
+        Err(Fail::Aborted) => Reply::Aborted,
+        Err(Fail::Closed) => return false,
+    };
+    ch.send_reply(&reply).is_ok()
+}
+
+fn reclaim_all(gpu: &mut Gpu) -> Result<Reply, Fail> {
+    let drv = need_driver()?;
+    crate::held::by_a_tracer().map_err(Fail::bad_state)?;
+    if kept_count() == 0 {
+        return Err(Fail::bad_state(
+            "no lent memory is kept here: a reload from the image is needed",
+        ));
+    }
+    let t0 = Instant::now();
+    let mut guard = kept();
+    let m = guard.as_mut().expect("counted above");
+    let (mut count, mut bytes) = (0u32, 0u64);
+    while let Some(k) = m.allocations.last() {
+        gpu.prepare(drv, k.device, 0, 0)?;
+        let handle = drv.import_fd(k.fd.as_fd())?;
+        crate::vmm::map_handle(drv, k.device, k.addr, k.size, handle)?;
+        let marked = table::try_lock_for(AGENT_LOCK_WAIT)
+            .ok_or_else(Fail::busy)?
+            .mark_mapped(k.addr, handle);
+        match marked {
+            Ok(false) => {}
+            // The application released its handle meanwhile: only the mapping holds it.
+            Ok(true) => drv.release(k.addr, handle)?,
+            Err(TableError::NotFound(_)) => {
+                // Freed since (cannot happen while held, but never leave it mapped).
+                let _ = crate::vmm::unback(drv, k.addr, k.size, handle);
+            }
+            Err(e) => return Err(Fail::bad_state(e.to_string())),
+        }
+        count += 1;
+        bytes += k.size;
+        debug!("reclaimed #{} at {:#x} ({} bytes)", k.id, k.addr, k.size);
+        m.allocations.pop();
+    }
+    *guard = None;
+    Ok(Reply::Reclaimed {
+        allocations: count,
+        bytes,
+        micros: t0.elapsed().as_micros() as u64,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn start_time_is_read_from_stat() {
+        let t = super::start_time().expect("this process has a start time");
+        assert!(t > 0);
+        assert_eq!(super::start_time(), Some(t), "stable for one process");
+    }
+}

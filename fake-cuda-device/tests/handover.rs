@@ -1,0 +1,227 @@
+//! The hand-over with a real CRIU on the stand-in driver: at the checkpoint the job lends its
+//! device memory to `gpusnap-keeper` (exported descriptors it keeps), the driver checkpoints
+//! control state only, and the keeper drains the memory into the image while CRIU dumps the
+//! host side; `exit` joins the drain and writes the manifest last. `-R` maps the memory back
+//! from the kept descriptors, reading no file.
+//!
+//! The fail-closed cells: CRIU killed at each new point (after the lend, after the release,
+//! after the relock, after the driver checkpoint, after the drain, before the manifest) leaves
+//! the job intact and running, or held and brought back by `gpusnap recover` (no image needed:
+//! its memory is its own); the keeper killed mid-drain leaves the job running on its own
+//! memory and an image that restore refuses.
+//!
+//! Root and CRIU are needed; `GPUSNAP_SKIP_CRIU_TESTS=1` skips.
+
+mod common;
+
+use common::split::Split;
+use criu_tests::CriuRun;
+use std::time::{Duration, Instant};
+
+fn start(test: &str) -> Option<Split> {
+    Split::launch(
+        test,
+        1,
+        &["--seed", "11", "--allocs", "3", "--mib", "4"],
+        &[],
+    )
+}
+
+/// Ends the job a `-R` left running (so that its image can be restored).
+fn stop_job(s: &Split) {
+    for &pid in &s.vmm.pids {
+        // SAFETY: kill(2) of the test's own workload.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+}
+
+/// The lines every hand-over dump logs.
+fn assert_handed_over(s: &Split, dump: &CriuRun) {
+    s.assert_line(dump, &["hand-over planned: keeper pid"]);
+    s.assert_line(dump, &["allocations", "lent to keeper pid"]);
+    s.assert_line(dump, &["drain started"]);
+    s.assert_line(dump, &["the drain ran", "beside CRIU's dump"]);
+}
+
+#[test]
+fn handover_dump_and_restore() {
+    let Some(mut s) = start("handover-dump-restore") else {
+        return;
+    };
+    let dump = s.dump(false);
+    s.assert_ok(&dump);
+    assert_handed_over(&s, &dump);
+    let last = s.reap_dumped();
+    let restore = s.restore();
+    s.assert_ok(&restore);
+    s.assert_runs_on(&last, &restore);
+}
+
+#[test]
+fn handover_leave_running_maps_the_memory_back() {
+    let Some(mut s) = start("handover-dump-R") else {
+        return;
+    };
+    let dump = s.dump(true);
+    s.assert_ok(&dump);
+    assert_handed_over(&s, &dump);
+    s.assert_line(
+        &dump,
+        &["mapped back from the descriptors it kept", "no file read"],
+    );
+    assert!(
+        !dump
+            .gpusnap_lines()
+            .iter()
+            .any(|l| l.contains("device data reloaded")),
+        "a -R after a hand-over reloaded from the files\n{}",
+        s.describe(&dump)
+    );
+    assert!(s.vmm.original_running(), "{}", s.describe(&dump));
+    let last = s.vmm.last_ticks();
+    s.assert_runs_on(&last, &dump);
+    // The manifest was written before the memory was mapped back: the image is whole.
+    let dir = std::fs::File::open(&s.w.images).expect("open image dir");
+    let m = gpusnap_image::read_manifest(std::os::fd::AsFd::as_fd(&dir), s.vmm.pid() as u32)
+        .expect("the dump's manifest");
+    assert!(!m.chunks.is_empty(), "{m:?}");
+}
+
+#[test]
+fn handover_off_copies_first() {
+    let Some(s) = start("handover-off") else {
+        return;
+    };
+    let dump = s.dump_with(true, &[("GPUSNAP_HANDOVER", "0")]);
+    s.assert_ok(&dump);
+    s.assert_line(&dump, &["handover = false"]);
+    s.assert_line(&dump, &["device data reloaded"]);
+}
+
+/// Kills CRIU at `point` of a dump; returns the run.
+fn dump_killed_at(s: &Split, point: &str, leave_running: bool) -> CriuRun {
+    s.dump_with(leave_running, &[("GPUSNAP_TEST_KILL_CRIU_AT", point)])
+}
+
+/// After CRIU died at `point`: before the release the job runs on intact; from the release on
+/// it is held, and `gpusnap recover` (without an image: its memory is its own) brings it back
+/// intact.
+fn assert_recoverable(s: &Split, killed: &CriuRun, point: &str, held_expected: bool) {
+    std::thread::sleep(Duration::from_millis(300));
+    let held = s.vmm.last_ticks();
+    std::thread::sleep(Duration::from_millis(700));
+    let moved = s.vmm.last_ticks() != held;
+    assert_eq!(
+        moved,
+        !held_expected,
+        "CRIU killed at {point}: the job {} \n{}",
+        if moved { "runs" } else { "is held" },
+        s.describe(killed)
+    );
+    if moved {
+        // Running: its memory must be intact.
+        s.assert_runs_on(&held, killed);
+        return;
+    }
+    let (ok, text) = s.run_cli(&["recover", &s.vmm.pid().to_string()]);
+    assert!(
+        ok && text.contains("mapped back"),
+        "CRIU killed at {point}: gpusnap recover without images failed: {text}\n{}",
+        s.describe(killed)
+    );
+    s.assert_runs_on(&held, killed);
+}
+
+#[test]
+fn criu_killed_at_each_handover_point_leaves_the_job_recoverable() {
+    for (point, held) in [
+        ("dump-lent", false),
+        ("dump-released", true),
+        ("dump-relocked", true),
+        ("dump-checkpointed", true),
+        ("dump-drained", true),
+        ("dump-before-manifest", true),
+    ] {
+        let Some(s) = start(&format!("handover-kill-{point}")) else {
+            return;
+        };
+        let killed = dump_killed_at(&s, point, false);
+        assert!(!killed.succeeded(), "CRIU was not killed at {point}");
+        s.assert_line(&killed, &["test fault", point, "killing CRIU now"]);
+        assert_recoverable(&s, &killed, point, held);
+        // No manifest: nothing of a dump cut short restores.
+        let manifests: Vec<String> =
+            s.w.image_files()
+                .into_iter()
+                .filter(|f| f.contains("manifest"))
+                .collect();
+        assert!(
+            manifests.is_empty(),
+            "CRIU killed at {point} left manifests {manifests:?}"
+        );
+    }
+}
+
+#[test]
+fn keeper_killed_mid_drain_leaves_the_job_running_and_the_image_refused() {
+    let Some(mut s) = start("handover-keeper-killed") else {
+        return;
+    };
+    // The keeper's copies hang after the first two (armed as soon as the keeper is known, at
+    // PAUSE; the driver checkpoint takes a second, so the drain starts well after).
+    let log = s.w.path.join("dump.log");
+    let mut args = s.w.criu_args_in("dump", &s.w.images, &log);
+    args.extend(["-t".to_owned(), s.vmm.pid().to_string()]);
+    let env = [
+        ("GPUSNAP_LIBCUDA", s.fakecuda_so.to_str().expect("utf-8")),
+        ("FAKECUDA_DIR", s.state.to_str().expect("utf-8")),
+        ("GPUSNAP_STAGING_SLOTS", "2"),
+        ("GPUSNAP_STAGING_SLOT_MIB", "1"),
+        ("FAKECUDA_CALL_DELAY_MS", "1000"),
+    ];
+    let mut criu = s.w.spawn_criu(&args, &env, &log);
+    let deadline = Instant::now() + common::WAIT;
+    let keeper_pid = |text: &str| {
+        text.lines()
+            .find_map(|l| l.split("keeper pid ").nth(1))
+            .and_then(|t| t.split_whitespace().next())
+            .and_then(|p| p.parse::<i32>().ok())
+    };
+    let mut armed = None;
+    loop {
+        let text = criu.log_so_far();
+        if armed.is_none()
+            && let Some(pid) = keeper_pid(&text)
+        {
+            std::fs::write(
+                s.state.join(format!("{pid}.dev-inject")),
+                "hang cuMemcpyDtoHAsync_v2 after 2\n",
+            )
+            .expect("arm the keeper's hang");
+            armed = Some(pid);
+        }
+        if text.contains("drain started") {
+            break;
+        }
+        assert!(
+            criu.try_status().is_none() && Instant::now() < deadline,
+            "criu ended or took too long before the drain:\n{text}"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let keeper = armed.expect("the keeper's pid in the log");
+    std::thread::sleep(Duration::from_millis(300));
+    // SAFETY: kill(2) of the keeper, a process of the test's CRIU.
+    unsafe { libc::kill(keeper, libc::SIGKILL) };
+    let dump = criu.wait(common::WAIT).expect("criu ends");
+    s.assert_line(&dump, &["could not be written into the image"]);
+    s.assert_line(&dump, &["mapped back from the descriptors it kept"]);
+    assert!(s.vmm.original_running(), "{}", s.describe(&dump));
+    let last = s.vmm.last_ticks();
+    s.assert_runs_on(&last, &dump);
+    // The image is refused: no manifest for a process whose GPU state it claims.
+    stop_job(&s);
+    let _ = s.reap_dumped();
+    let restore = s.restore();
+    assert!(!restore.succeeded(), "{}", s.describe(&restore));
+}

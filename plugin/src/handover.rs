@@ -1,0 +1,209 @@
+//! The hand-over route of a split dump: the job lends its device memory to the keeper across the
+//! driver checkpoint, and the keeper drains it into the image while CRIU dumps the host side.
+//!
+//! At CHECKPOINT_DEVICES, with the application's threads held: the job's agent exports every
+//! converted allocation (`LendBegin`) and keeps the descriptors; the keeper imports each one and
+//! maps it at the job's address (`Adopt`); the job releases its handles (milliseconds); the
+//! driver checkpoints control state only. Then [`Drain::start`] runs the agent's usual copy-out
+//! in the keeper and the plugin's usual writers on a thread of their own, and the hook returns:
+//! CRIU dumps the host side meanwhile. `exit` joins the drain and writes the manifest last.
+//!
+//! Fail closed by ownership: until the manifest is written, the job itself holds its memory
+//! (the descriptors it kept), and its threads are held. So whatever dies (CRIU, the keeper, a
+//! writer) the job is recoverable without any file: `-R`, a rollback and `gpusnap recover` map
+//! its memory back from those descriptors (`Reclaim`).
+
+use crate::agent::{AgentError, AgentSession, LentAllocation};
+use crate::datapath::{self, DataError, DumpData};
+use crate::keeper::{Keeper, KeeperError};
+use crate::staging::Staging;
+use gpusnap_image::{AllocationRecord, Codec, DedupIndex};
+use std::os::fd::BorrowedFd;
+use std::time::{Duration, Instant};
+
+#[derive(Debug, thiserror::Error)]
+pub enum HandOverError {
+    #[error(transparent)]
+    Keeper(#[from] KeeperError),
+    #[error("the keeper: {0}")]
+    KeeperSession(AgentError),
+    #[error(
+        "the agent lent {lent} allocations but lists {listed} to move: refusing a partial hand-over"
+    )]
+    Incomplete { lent: usize, listed: usize },
+    #[error("the keeper is gone before the drain")]
+    NoKeeper,
+}
+
+/// The data of a dump whose memory is lent: the keeper, and the drain once it runs.
+pub struct Lent {
+    pub keeper: Option<Keeper>,
+    pub allocations: Vec<AllocationRecord>,
+    pub drain: Option<Drain>,
+    /// What the drain needs, until it starts (after the driver checkpoint).
+    pub pending: Option<DrainJob>,
+    /// When the memory changed hands (for the log's time line).
+    pub since: Instant,
+}
+
+impl Lent {
+    /// Memory a job lent in a dump that did not finish, found by `gpusnap recover` (the job's
+    /// agent says it keeps the descriptors): nothing to drain, only to reclaim.
+    pub fn found_kept() -> Lent {
+        Lent {
+            keeper: None,
+            allocations: Vec::new(),
+            drain: None,
+            pending: None,
+            since: Instant::now(),
+        }
+    }
+}
+
+impl std::fmt::Debug for Lent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lent")
+            .field("keeper", &self.keeper.as_ref().map(Keeper::pid))
+            .field("allocations", &self.allocations.len())
+            .field("draining", &self.drain.is_some())
+            .finish()
+    }
+}
+
+/// Exports the job's memory and has the keeper adopt all of it. Nothing of the job is changed
+/// if this fails (its agent is told to abort, which closes the copies).
+pub fn lend_to_keeper(
+    session: &AgentSession,
+    keeper: &Keeper,
+    allocations: &[AllocationRecord],
+) -> Result<usize, HandOverError> {
+    let lent: Vec<LentAllocation> = session.lend().map_err(HandOverError::KeeperSession)?;
+    let listed = allocations.iter().filter(|a| a.moved).count();
+    if lent.len() != listed {
+        session.abort();
+        return Err(HandOverError::Incomplete {
+            lent: lent.len(),
+            listed,
+        });
+    }
+    let ks = keeper.session().ok_or(HandOverError::NoKeeper)?;
+    for l in &lent {
+        if let Err(e) = ks.adopt(l) {
+            session.abort();
+            return Err(HandOverError::KeeperSession(e));
+        }
+    }
+    // `lent` is dropped here: our copies of the descriptors close; the job and the keeper
+    // hold the memory.
+    Ok(lent.len())
+}
+
+/// What a drain needs besides the keeper.
+pub struct DrainJob {
+    pub staging: Staging,
+    pub dir: BorrowedFd<'static>,
+    pub nspid: u32,
+    pub writers: usize,
+    pub codec: Codec,
+    pub parent: Option<DedupIndex>,
+    pub limits: datapath::Limits,
+    pub durable: bool,
+}
+
+/// The keeper's copy-out with the plugin's writers, on a thread of its own.
+pub struct Drain {
+    handle: std::thread::JoinHandle<(Result<DumpData, DataError>, AgentSession)>,
+    started: Instant,
+}
+
+/// A finished drain: what it wrote, and when it ran.
+pub struct Drained {
+    pub data: Result<DumpData, DataError>,
+    /// The keeper's session, given back: dropping it lets the keeper exit (only once CRIU's
+    /// own part is over).
+    pub session: Option<AgentSession>,
+    pub ran_s: f64,
+    /// How long the join waited (time CRIU's own dump did not cover).
+    pub waited_s: f64,
+}
+
+impl Drain {
+    /// Starts draining through `session` (the keeper's), which the thread releases at the end.
+    pub fn start(session: AgentSession, job: DrainJob) -> std::io::Result<Drain> {
+        let started = Instant::now();
+        let handle = std::thread::Builder::new()
+            .name("gpusnap-drain".into())
+            .spawn(move || {
+                crate::signals::block_all();
+                // CRIU's main thread logs meanwhile, through one unlocked buffer.
+                crate::logger::defer_this_thread();
+                let DrainJob {
+                    staging,
+                    dir,
+                    nspid,
+                    writers,
+                    codec,
+                    parent,
+                    limits,
+                    durable,
+                } = job;
+                let data = datapath::copy_out(
+                    &session,
+                    &staging,
+                    dir,
+                    nspid,
+                    writers,
+                    codec,
+                    parent.as_ref(),
+                    limits,
+                    durable,
+                    datapath::Round::Paused,
+                )
+                .and_then(|data| {
+                    crate::fault::kill_criu_at("dump-drained");
+                    // The keeper drops its imports; the job still holds the memory.
+                    session.release_keeper().map_err(DataError::from)?;
+                    Ok(data)
+                });
+                (data, session)
+            })?;
+        Ok(Drain { handle, started })
+    }
+
+    pub fn is_finished(&self) -> bool {
+        self.handle.is_finished()
+    }
+
+    /// Waits for the drain.
+    pub fn join(self) -> Drained {
+        let t0 = Instant::now();
+        let (data, session) = match self.handle.join() {
+            Ok((data, session)) => (data, Some(session)),
+            Err(_) => (Err(DataError::Panicked("the drain thread")), None),
+        };
+        Drained {
+            data,
+            session,
+            ran_s: self.started.elapsed().as_secs_f64(),
+            waited_s: t0.elapsed().as_secs_f64(),
+        }
+    }
+}
+
+/// Stops a drain that must not finish (the dump failed): ends the keeper (its connection goes,
+/// so the drain's reads fail at once) and joins the thread.
+pub fn abandon(lent: &mut Lent) {
+    // Killing the keeper makes every pending read of the drain fail; its imports go with it.
+    if let Some(k) = &lent.keeper {
+        // SAFETY: kill on our own child, which Keeper's Drop reaps.
+        unsafe { libc::kill(k.pid(), libc::SIGKILL) };
+    }
+    if let Some(d) = lent.drain.take() {
+        let _ = d.join();
+    }
+    lent.keeper.take();
+}
+
+/// How long `exit` waits for a drain before it counts as failed (the agent's own waits, a
+/// minute per stalled step, end it well before).
+pub const DRAIN_LIMIT: Duration = Duration::from_secs(3600);

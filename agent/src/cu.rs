@@ -44,7 +44,6 @@ const EVENT_DISABLE_TIMING: u32 = 2;
 /// `CU_MEMHOSTREGISTER_PORTABLE`.
 const HOST_REGISTER_PORTABLE: u32 = 1;
 /// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`, as the raw value the export/import calls take.
-#[allow(dead_code)]
 const HANDLE_TYPE_POSIX_FD: u32 = 1;
 /// `CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED`.
 const ATTRIBUTE_POSIX_FD_SUPPORTED: c_int = 103;
@@ -251,7 +250,6 @@ impl Driver {
 
     /// A POSIX fd for the physical memory of `h` (`cuMemExportToShareableHandle`, the real
     /// driver's, never the agent's hook). `h` must have been created exportable.
-    #[allow(dead_code)] // the IPC service's (next change)
     pub fn export_fd(&self, h: CUmemGenericAllocationHandle) -> Result<OwnedFd, CuError> {
         let call = || format!("cuMemExportToShareableHandle(handle {h:#x}, POSIX fd)");
         let export = self
@@ -277,7 +275,6 @@ impl Driver {
 
     /// A handle to the physical memory behind an exported POSIX fd
     /// (`cuMemImportFromShareableHandle`, the real driver's). The fd stays the caller's.
-    #[allow(dead_code)] // the IPC service's (next change)
     pub fn import_fd(&self, fd: BorrowedFd<'_>) -> Result<CUmemGenericAllocationHandle, CuError> {
         let call = || {
             format!(
@@ -298,7 +295,6 @@ impl Driver {
     }
 
     /// An error for a call that could not be made (the driver lacks it) or returned nonsense.
-    #[allow(dead_code)]
     fn missing(&self, code: CuRes, call: String) -> CuError {
         CuError {
             call,

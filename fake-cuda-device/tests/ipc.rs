@@ -137,11 +137,18 @@ fn the_stand_in_shares_cu_mem_alloc_memory_without_the_agent() {
 fn a_converted_allocation_is_shared_as_without_the_agent() {
     let m = run(Agent::Both, &["--bytes", LARGE]);
     expect(&m, SHARED);
-    assert!(
-        m["stderr"].contains("converted #"),
-        "the allocation was converted: {}",
-        m["stderr"]
-    );
+    for served in [
+        "converted #",
+        "ipc: handed #",
+        "importer: gpusnap-agent",
+        "ipc: opened #",
+    ] {
+        assert!(
+            m["stderr"].contains(served),
+            "converted and served by the agents ({served:?}): {}",
+            m["stderr"]
+        );
+    }
     let m = run(Agent::Both, &["--bytes", LARGE, "--resolve", "proc"]);
     expect(&m, SHARED);
 }
@@ -150,10 +157,7 @@ fn a_converted_allocation_is_shared_as_without_the_agent() {
 /// the driver's error (documented in docs/ipc.md: both sides need the agent).
 #[test]
 fn an_importer_without_the_agent_gets_the_drivers_error_for_an_agent_token() {
-    let m = run(
-        Agent::Both,
-        &["--bytes", LARGE, "--importer-preload", "none"],
-    );
+    let m = run(Agent::ExporterOnly, &["--bytes", LARGE]);
     // The exporter is served by the agent; its token means nothing to a driver alone.
     expect(
         &m,
@@ -257,4 +261,67 @@ fn another_user_is_refused() {
         "the refusal is logged: {}",
         m["stderr"]
     );
+}
+
+/// The agent's `Hello` from process `pid`: its hazard bits.
+fn hazards_of(pid: i32) -> u32 {
+    use gpusnap_proto::{Channel, PROTOCOL_VERSION, Reply, Request, connect_agent};
+    let ch = Channel::new(connect_agent(pid).expect("connect to the agent"));
+    ch.send_request(
+        &Request::Hello {
+            version: PROTOCOL_VERSION,
+        },
+        None,
+    )
+    .expect("send Hello");
+    match ch
+        .recv_reply(Some(std::time::Duration::from_secs(10)))
+        .expect("Hello reply")
+    {
+        Reply::Hello { hazards, .. } => hazards,
+        other => panic!("not a Hello: {other:?}"),
+    }
+}
+
+/// Both sides of an agent-served share report it (so the plugin refuses to dump either, with
+/// the cause named): the exporter `IPC_EXPORT`, the importer, which holds another process's
+/// memory the agent did not allocate, `IPC_IMPORT`; neither looks like a clean process.
+#[test]
+fn both_sides_of_an_agent_served_share_report_their_hazard() {
+    use gpusnap_proto::hazard;
+    let dir = lib_dir().parent().unwrap().join("hold");
+    let _ = fs::remove_dir_all(&dir);
+    fs::create_dir_all(&dir).unwrap();
+    let hold = dir.join("h");
+    let hold_s = hold.to_str().unwrap().to_owned();
+    let runner =
+        std::thread::spawn(move || run(Agent::Both, &["--bytes", LARGE, "--hold", &hold_s]));
+    let importer_file = dir.join("h.importer");
+    let t0 = std::time::Instant::now();
+    while !importer_file.exists() {
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(20),
+            "the importer never held"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    let pid_of =
+        |p: &std::path::Path| -> i32 { fs::read_to_string(p).unwrap().trim().parse().unwrap() };
+    let exporter = hazards_of(pid_of(&dir.join("h.exporter")));
+    let importer = hazards_of(pid_of(&importer_file));
+    fs::remove_file(&importer_file).unwrap();
+    let m = runner.join().unwrap();
+    expect(&m, SHARED);
+    assert_ne!(
+        exporter & hazard::IPC_EXPORT,
+        0,
+        "exporter hazards {exporter:#x}"
+    );
+    assert_ne!(
+        importer & hazard::IPC_IMPORT,
+        0,
+        "importer hazards {importer:#x}"
+    );
+    let _ = fs::remove_dir_all(&dir);
 }

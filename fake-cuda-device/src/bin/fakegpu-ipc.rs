@@ -5,6 +5,7 @@
 //! ```text
 //! fakegpu-ipc export --bytes N [--offset O] [--opens K] [--resolve dlsym|proc] [--self-open]
 //!                    [--free-first] [--importer-uid U] [--importer-preload PATH|none]
+//!                    [--hold PATH]
 //! ```
 //!
 //! The exporter allocates `N` bytes with `cuMemAlloc_v2`, fills them with a pattern, takes an
@@ -14,7 +15,10 @@
 //! open returned the same pointer and that the memory holds the exporter's pattern, overwrites
 //! it with a second pattern, closes `K` times and once more. The exporter then checks that it
 //! sees the importer's pattern. `--self-open`: the exporter first opens its own handle;
-//! `--free-first`: it frees the allocation before the importer opens the handle.
+//! `--free-first`: it frees the allocation before the importer opens the handle. `--hold PATH`:
+//! the exporter writes its pid to `PATH.exporter`; the importer, once it has the memory mapped,
+//! writes its pid to `PATH.importer` and waits (at most 20 s) until that file is removed, so
+//! that a test can look at both processes in that state.
 //!
 //! Every outcome is one line `key value` on stdout (driver status names, `true`/`false`); the
 //! importer's lines come back prefixed `importer `. The tests assert on these lines. The exit
@@ -293,6 +297,11 @@ fn export(args: &Args) {
         // SAFETY: the allocation made above, freed once.
         report("free", drv.name(unsafe { (drv.free)(base) }));
     }
+    if let Some(hold) = args.value("--hold") {
+        // Written now; waited for after the importer's turn (see `hold`).
+        std::fs::write(format!("{hold}.exporter"), std::process::id().to_string())
+            .unwrap_or_else(|e| die(&format!("{hold}.exporter: {e}")));
+    }
     let exe = std::env::current_exe().unwrap_or_else(|e| die(&format!("current_exe: {e}")));
     let mut cmd = Command::new(exe);
     cmd.args(["import", "--handle", &hex(&h.reserved), "--bytes"])
@@ -300,6 +309,9 @@ fn export(args: &Args) {
         .args(["--resolve", resolve]);
     if let Some(k) = args.value("--opens") {
         cmd.args(["--opens", k]);
+    }
+    if let Some(hold) = args.value("--hold") {
+        cmd.args(["--hold", hold]);
     }
     match args.value("--importer-preload") {
         None => {}
@@ -375,6 +387,9 @@ fn import(args: &Args) {
         "write",
         drv.name(drv.write(p, &pattern(IMPORTER_SEED, bytes))),
     );
+    if let Some(hold) = args.value("--hold") {
+        hold_at(&format!("{hold}.importer"));
+    }
     for k in 0..opens {
         // SAFETY: the pointer the opens returned.
         let rc = unsafe { (drv.ipc_close)(p) };
@@ -389,6 +404,17 @@ fn import(args: &Args) {
     }
     // SAFETY: as above; every open is closed now.
     report("close-extra", drv.name(unsafe { (drv.ipc_close)(p) }));
+}
+
+/// Writes this pid to `path` and waits until the file is removed (at most 20 s).
+fn hold_at(path: &str) {
+    std::fs::write(path, std::process::id().to_string())
+        .unwrap_or_else(|e| die(&format!("{path}: {e}")));
+    let t0 = std::time::Instant::now();
+    while std::path::Path::new(path).exists() && t0.elapsed() < std::time::Duration::from_secs(20) {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    report("held", path);
 }
 
 fn main() {

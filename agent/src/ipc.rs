@@ -432,10 +432,13 @@ fn export(
     if !have {
         // The driver call outside any lock.
         let fd = drv.export_fd(handle)?;
-        state()
-            .exports
-            .entry(base)
-            .or_insert(Export { id, size, fd });
+        let mut st = state();
+        // Another thread's export of the same allocation is as good; a stale one (an earlier
+        // allocation at this address) is replaced.
+        if st.exports.get(&base).is_none_or(|e| e.id != id) {
+            st.exports.insert(base, Export { id, size, fd });
+        }
+        drop(st);
         // A free that raced with this export would leave the fd keeping freed memory alive.
         let still = table::lock()
             .converted_alloc_containing(base)
@@ -461,7 +464,12 @@ fn export(
 /// Before the converted allocation at `base` is freed: its exported fd is closed (importers
 /// keep their own imports).
 pub fn forget_export(base: CUdeviceptr) {
-    let gone = state().exports.remove(&base);
+    // Not `state()`: a process that never exported has no fork handlers to register.
+    let gone = STATE
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .exports
+        .remove(&base);
     if let Some(e) = gone {
         debug!("ipc: export of #{} at {base:#x} closed", e.id);
     }

@@ -44,7 +44,6 @@ const EVENT_DISABLE_TIMING: u32 = 2;
 /// `CU_MEMHOSTREGISTER_PORTABLE`.
 const HOST_REGISTER_PORTABLE: u32 = 1;
 /// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`, as the raw value the export/import calls take.
-#[allow(dead_code)]
 const HANDLE_TYPE_POSIX_FD: u32 = 1;
 /// `CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED`.
 const ATTRIBUTE_POSIX_FD_SUPPORTED: c_int = 103;
@@ -296,7 +295,6 @@ impl Driver {
     }
 
     /// An error for a call that could not be made (the driver lacks it) or returned nonsense.
-    #[allow(dead_code)]
     fn missing(&self, code: CuRes, call: String) -> CuError {
         CuError {
             call,

@@ -2,7 +2,9 @@
 //! `cuMemAllocPitch_v2`, `cuMemFree_v2`; the application's VMM calls `cuMemCreate`, `cuMemMap`,
 //! `cuMemUnmap`, `cuMemRelease`, `cuMemRetainAllocationHandle`,
 //! `cuMemGetAllocationPropertiesFromHandle`, `cuMulticastBindMem`, which translate its
-//! (virtual) handle values (see [`crate::table`]); and the hazard recorders.
+//! (virtual) handle values (see [`crate::table`]); CUDA IPC (`cuIpcGetMemHandle`,
+//! `cuIpcOpenMemHandle_v2`, `cuIpcCloseMemHandle`), which [`crate::ipc`] serves for converted
+//! memory; and the hazard recorders.
 //!
 //! Each is thin: it catches panics (none may cross into C) and calls plain Rust in
 //! [`crate::convert`] or the real driver function. The CUDA runtime finds driver entry points
@@ -107,7 +109,7 @@ macro_rules! hooked_calls {
                     *mut CUdriverProcAddressQueryResult)
                     optional as get_proc_address_v2,
                     proc "cuGetProcAddress" since V2_PROC_ADDRESS_ABI;
-                // Recorded only: state the driver checkpoint cannot take (see `hazards`).
+                // Recorded (see `hazards`); CUDA IPC of converted memory is served by `ipc`.
                 MemAllocManaged = cuMemAllocManaged(*mut CUdeviceptr, usize, c_uint)
                     optional as mem_alloc_managed, proc "cuMemAllocManaged";
                 IpcGetMemHandle = cuIpcGetMemHandle(*mut CUipcMemHandle, CUdeviceptr)
@@ -115,6 +117,8 @@ macro_rules! hooked_calls {
                 IpcOpenMemHandle = cuIpcOpenMemHandle_v2(*mut CUdeviceptr, CUipcMemHandle, c_uint)
                     optional as ipc_open_mem_handle,
                     proc "cuIpcOpenMemHandle" since V2_IPC_OPEN_ABI;
+                IpcCloseMemHandle = cuIpcCloseMemHandle(CUdeviceptr)
+                    optional as ipc_close_mem_handle, proc "cuIpcCloseMemHandle";
                 CtxEnablePeerAccess = cuCtxEnablePeerAccess(CUcontext, c_uint)
                     optional as ctx_enable_peer_access, proc "cuCtxEnablePeerAccess";
                 MemExportToShareableHandle = cuMemExportToShareableHandle(
@@ -469,6 +473,8 @@ pub unsafe extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CuRes {
             Ok(d) => d,
             Err(rc) => return rc,
         };
+        // The exported fd of a shared allocation would keep its memory alive.
+        crate::ipc::forget_export(dptr);
         if let Some(rc) = convert::free_converted(drv, dptr) {
             return rc;
         }
@@ -763,7 +769,8 @@ pub unsafe extern "C" fn cuMemAllocManaged(
     })
 }
 
-/// Interposes `cuIpcGetMemHandle`: passes through, records the export.
+/// Interposes `cuIpcGetMemHandle`: a converted allocation is the agent's to share (see
+/// [`crate::ipc`]); any other memory passes through, the export recorded.
 ///
 /// # Safety
 /// As the driver function.
@@ -773,6 +780,26 @@ pub unsafe extern "C" fn cuIpcGetMemHandle(
     dptr: CUdeviceptr,
 ) -> CuRes {
     guard(CUDA_ERROR_UNKNOWN, || {
+        let drv = match driver_for("cuIpcGetMemHandle") {
+            Ok(d) => d,
+            Err(rc) => return rc,
+        };
+        if !handle.is_null()
+            && let Some(served) = crate::ipc::get_mem_handle(drv, dptr)
+        {
+            return match served {
+                Ok(token) => {
+                    // SAFETY: handle is the caller's non-null out pointer to 64 bytes.
+                    unsafe {
+                        handle
+                            .cast::<[u8; crate::ipc::HANDLE_BYTES]>()
+                            .write_unaligned(token)
+                    };
+                    CUDA_SUCCESS
+                }
+                Err(rc) => rc,
+            };
+        }
         record_hazard(
             "cuIpcGetMemHandle",
             hazard::IPC_EXPORT,
@@ -784,7 +811,8 @@ pub unsafe extern "C" fn cuIpcGetMemHandle(
     })
 }
 
-/// Interposes `cuIpcOpenMemHandle_v2` (the handle is passed by value, as in cuda.h).
+/// Interposes `cuIpcOpenMemHandle_v2` (the handle is passed by value, as in cuda.h): an agent's
+/// token is opened by [`crate::ipc`]; any other handle passes through, the import recorded.
 ///
 /// # Safety
 /// As the driver function.
@@ -795,6 +823,23 @@ pub unsafe extern "C" fn cuIpcOpenMemHandle_v2(
     flags: c_uint,
 ) -> CuRes {
     guard(CUDA_ERROR_UNKNOWN, || {
+        let drv = match driver_for("cuIpcOpenMemHandle_v2") {
+            Ok(d) => d,
+            Err(rc) => return rc,
+        };
+        let bytes = handle.reserved.map(|c| c as u8);
+        if !dptr.is_null()
+            && let Some(served) = crate::ipc::open_mem_handle(drv, &bytes, flags)
+        {
+            return match served {
+                Ok(addr) => {
+                    // SAFETY: dptr is the caller's non-null out pointer.
+                    unsafe { *dptr = addr };
+                    CUDA_SUCCESS
+                }
+                Err(rc) => rc,
+            };
+        }
         record_hazard(
             "cuIpcOpenMemHandle_v2",
             hazard::IPC_IMPORT,
@@ -803,6 +848,29 @@ pub unsafe extern "C" fn cuIpcOpenMemHandle_v2(
             |f| unsafe { f(dptr, handle, flags) },
             |rc| rc == CUDA_SUCCESS,
         )
+    })
+}
+
+/// Interposes `cuIpcCloseMemHandle`: the agent's imports are closed by [`crate::ipc`]; any other
+/// pointer passes through.
+///
+/// # Safety
+/// As the driver function.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuIpcCloseMemHandle(dptr: CUdeviceptr) -> CuRes {
+    guard(CUDA_ERROR_UNKNOWN, || {
+        let drv = match driver_for("cuIpcCloseMemHandle") {
+            Ok(d) => d,
+            Err(rc) => return rc,
+        };
+        if let Some(rc) = crate::ipc::close_mem_handle(drv, dptr) {
+            return rc;
+        }
+        let Some(close) = drv.ipc_close_mem_handle else {
+            return CUDA_ERROR_NOT_SUPPORTED;
+        };
+        // SAFETY: the caller's argument is passed to the real function unchanged.
+        unsafe { close(dptr) }
     })
 }
 
@@ -1060,7 +1128,7 @@ mod tests {
             assert!(!h.hook_addr().is_null());
             assert!(exports.insert(h.hook_addr()), "{h:?} shares an export");
         }
-        assert_eq!(Hooked::ALL.len(), 18);
+        assert_eq!(Hooked::ALL.len(), 19);
     }
 
     #[test]
@@ -1104,6 +1172,7 @@ mod tests {
             (b"cuMulticastBindMem", Hooked::MulticastBindMem),
             (b"cuMemAllocManaged", Hooked::MemAllocManaged),
             (b"cuIpcGetMemHandle", Hooked::IpcGetMemHandle),
+            (b"cuIpcCloseMemHandle", Hooked::IpcCloseMemHandle),
             (b"cuCtxEnablePeerAccess", Hooked::CtxEnablePeerAccess),
             (
                 b"cuMemExportToShareableHandle",

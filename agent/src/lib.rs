@@ -18,6 +18,8 @@
 //! - `hooks`: the exported interposers (`dlsym`, `cuGetProcAddress*`, `cuMem*`) and the one
 //!   table of hooked calls, from which `real` also builds its entries for them.
 //! - `convert`: the allocation and free paths behind the hooks.
+//! - `ipc`: legacy CUDA IPC served by the agent for the allocations it converted (the driver
+//!   refuses VMM memory), see docs/ipc.md.
 //! - `server`: the agent thread, its socket and request dispatch.
 //! - `session`, `dump`, `restore`: the data operations; `plan`: their pure planning; `held`:
 //!   whether a tracer holds the process (releases and loads happen only then).
@@ -37,6 +39,7 @@ mod gpu;
 mod hazards;
 mod held;
 mod hooks;
+mod ipc;
 pub mod keeper;
 mod lend;
 mod log;

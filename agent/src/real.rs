@@ -24,6 +24,7 @@ const _: () = assert!(std::mem::size_of::<CUresult>() == std::mem::size_of::<CuR
 pub const CUDA_SUCCESS: CuRes = 0;
 pub const CUDA_ERROR_INVALID_VALUE: CuRes = 1;
 pub const CUDA_ERROR_NOT_INITIALIZED: CuRes = 3;
+pub const CUDA_ERROR_INVALID_CONTEXT: CuRes = 201;
 pub const CUDA_ERROR_NOT_FOUND: CuRes = 500;
 pub const CUDA_ERROR_NOT_READY: CuRes = 600;
 pub const CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED: CuRes = 704;
@@ -328,6 +329,7 @@ mod tests {
             (Hooked::MemAllocManaged, "cuMemAllocManaged"),
             (Hooked::IpcGetMemHandle, "cuIpcGetMemHandle"),
             (Hooked::IpcOpenMemHandle, "cuIpcOpenMemHandle_v2"),
+            (Hooked::IpcCloseMemHandle, "cuIpcCloseMemHandle"),
             (Hooked::CtxEnablePeerAccess, "cuCtxEnablePeerAccess"),
             (
                 Hooked::MemExportToShareableHandle,

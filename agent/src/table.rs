@@ -245,7 +245,6 @@ impl Table {
     }
 
     /// The converted `cuMemAlloc` (not an application mapping) whose range holds `ptr`.
-    #[allow(dead_code)] // the IPC service's (next change)
     pub fn converted_alloc_containing(&self, ptr: u64) -> Option<&Converted> {
         let (_, c) = self.converted.range(..=ptr).next_back()?;
         (c.app_handle.is_none() && ptr - c.addr < c.size).then_some(c)

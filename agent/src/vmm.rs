@@ -123,6 +123,29 @@ pub fn map_handle(
     Ok(())
 }
 
+/// Maps `handle` (another process's memory, imported) over a new reservation of `size` bytes
+/// with read-write access for `dev`; returns the address. The handle stays the caller's. On
+/// failure nothing is left behind.
+pub fn map_imported(
+    drv: &Driver,
+    dev: CUdevice,
+    handle: CUmemGenericAllocationHandle,
+    size: u64,
+) -> Result<CUdeviceptr, CuError> {
+    let addr = drv.reserve(size)?;
+    if let Err(e) = map_handle(drv, dev, addr, size, handle) {
+        log_failed_undo(&e, drv.free_reservation(addr, size));
+        return Err(e);
+    }
+    Ok(addr)
+}
+
+/// Undoes [`map_imported`]: unmap, then free the reservation (not freed while still mapped).
+pub fn unmap_imported(drv: &Driver, addr: CUdeviceptr, size: u64) -> Result<(), CuError> {
+    drv.unmap(addr, size)?;
+    drv.free_reservation(addr, size)
+}
+
 /// Unmaps and releases the physical memory behind `addr..addr+size`, keeping the reservation.
 /// When the unmap fails nothing is released (the memory is still mapped and valid).
 pub fn unback(

@@ -18,7 +18,9 @@
 //! - `cuMemMap`: the memfd mapped shared over the reservation (`MAP_FIXED`), after checking in
 //!   `/proc/self/maps` that the range is an unmapped reservation; `cuMemUnmap`: the reservation
 //!   put back. So released memory has no pages, and CRIU dumps mapped memory as shared memory.
-//! - `cuMemAlloc_v2`: a private anonymous mapping (what the agent leaves to the driver).
+//! - `cuMemAlloc_v2`: a shared mapping of a memfd of its own (what the agent leaves to the
+//!   driver), which legacy CUDA IPC (`cuIpcGetMemHandle`, `cuIpcOpenMemHandle_v2`,
+//!   `cuIpcCloseMemHandle`) hands to other processes; VMM memory it refuses, as the driver does.
 //! - Copies are synchronous, through `process_vm_readv` on the process itself, so an invalid
 //!   address fails the call instead of crashing; streams and events are plain handles.
 //! - Kernels: only the agent's device hash, run on the host ([`kernel`]).
@@ -139,7 +141,11 @@ exports! {
     // State the real driver cannot checkpoint; here plain stand-ins, so the agent's recording
     // hooks can be exercised.
     cuMemAllocManaged => alloc::mem_alloc_managed [dptr: *mut CUdeviceptr, size: usize, flags: u32];
-    cuIpcGetMemHandle => alloc::ipc_get_mem_handle [handle: *mut [u8; 64], ptr: CUdeviceptr];
+    cuIpcGetMemHandle => alloc::ipc_get_mem_handle
+        [handle: *mut alloc::IpcMemHandle, ptr: CUdeviceptr];
+    cuIpcOpenMemHandle_v2 => alloc::ipc_open_mem_handle
+        [dptr: *mut CUdeviceptr, handle: alloc::IpcMemHandle, flags: u32];
+    cuIpcCloseMemHandle => alloc::ipc_close_mem_handle [ptr: CUdeviceptr];
     cuCtxEnablePeerAccess => ctx::enable_peer_access [peer: CUcontext, flags: u32];
 
     cuMemcpyHtoD_v2 => copy::htod [dst: CUdeviceptr, src: *const c_void, len: usize];

@@ -30,6 +30,7 @@ const VERSIONED: &[(&str, &str, c_int)] = &[
     ),
     ("cuMemHostRegister", "cuMemHostRegister_v2", 6050),
     ("cuDeviceGetUuid", "cuDeviceGetUuid_v2", 11040),
+    ("cuIpcOpenMemHandle", "cuIpcOpenMemHandle_v2", 11000),
 ];
 
 /// Version from which `_v2` exports not listed in [`VERSIONED`] apply.

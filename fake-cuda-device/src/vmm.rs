@@ -698,6 +698,23 @@ mod tests {
         assert_eq!(import(-1), Err(crate::codes::INVALID_VALUE));
     }
 
+    /// As driver r580: legacy IPC of VMM memory is `CUDA_ERROR_INVALID_VALUE`.
+    #[test]
+    fn legacy_ipc_refuses_vmm_memory() {
+        with_context();
+        let h = create_with(HANDLE_TYPE_POSIX_FD).unwrap();
+        let a = map_new(h);
+        let mut ipc = crate::alloc::IpcMemHandle { reserved: [0; 64] };
+        for p in [a, a + 4096] {
+            // SAFETY: a valid out pointer.
+            let rc = unsafe { crate::alloc::ipc_get_mem_handle(&mut ipc, p) };
+            assert_eq!(rc, crate::codes::INVALID_VALUE);
+        }
+        unmap_free(a);
+        // SAFETY: the handle created above.
+        assert_eq!(unsafe { release(h) }, 0);
+    }
+
     #[test]
     fn devices_say_posix_fd_handles_are_supported() {
         with_context();

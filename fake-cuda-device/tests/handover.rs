@@ -162,13 +162,10 @@ fn criu_killed_at_each_handover_point_leaves_the_job_recoverable() {
     }
 }
 
-#[test]
-fn keeper_killed_mid_drain_leaves_the_job_running_and_the_image_refused() {
-    let Some(mut s) = start("handover-keeper-killed") else {
-        return;
-    };
+/// Kills the keeper mid-drain once CRIU's log shows `moment`; returns the dump.
+fn dump_with_keeper_killed_at(s: &Split, moment: &str) -> CriuRun {
     // The keeper's copies hang after the first two (armed as soon as the keeper is known, at
-    // PAUSE; the driver checkpoint takes a second, so the drain starts well after).
+    // PAUSE; the driver checkpoint takes a second).
     let log = s.w.path.join("dump.log");
     let mut args = s.w.criu_args_in("dump", &s.w.images, &log);
     args.extend(["-t".to_owned(), s.vmm.pid().to_string()]);
@@ -200,28 +197,53 @@ fn keeper_killed_mid_drain_leaves_the_job_running_and_the_image_refused() {
             .expect("arm the keeper's hang");
             armed = Some(pid);
         }
-        if text.contains("drain started") {
+        if text.contains(moment) {
             break;
         }
         assert!(
             criu.try_status().is_none() && Instant::now() < deadline,
-            "criu ended or took too long before the drain:\n{text}"
+            "criu ended or took too long before {moment:?}:\n{text}"
         );
         std::thread::sleep(Duration::from_millis(2));
     }
     let keeper = armed.expect("the keeper's pid in the log");
-    std::thread::sleep(Duration::from_millis(300));
     // SAFETY: kill(2) of the keeper, a process of the test's CRIU.
     unsafe { libc::kill(keeper, libc::SIGKILL) };
-    let dump = criu.wait(common::WAIT).expect("criu ends");
-    s.assert_line(&dump, &["could not be written into the image"]);
-    s.assert_line(&dump, &["mapped back from the descriptors it kept"]);
-    assert!(s.vmm.original_running(), "{}", s.describe(&dump));
+    criu.wait(common::WAIT).expect("criu ends")
+}
+
+/// After the keeper died mid-drain: the job runs on, on its own memory, and nothing of the
+/// image restores.
+fn assert_runs_on_and_image_refused(s: &mut Split, dump: &CriuRun) {
+    s.assert_line(dump, &["mapped back from the descriptors it kept"]);
+    assert!(s.vmm.original_running(), "{}", s.describe(dump));
     let last = s.vmm.last_ticks();
-    s.assert_runs_on(&last, &dump);
-    // The image is refused: no manifest for a process whose GPU state it claims.
-    stop_job(&s);
+    s.assert_runs_on(&last, dump);
+    stop_job(s);
     let _ = s.reap_dumped();
     let restore = s.restore();
     assert!(!restore.succeeded(), "{}", s.describe(&restore));
+}
+
+/// Killed after CRIU's own part (CRIU reports success, its tasks would be killed next): the job
+/// is left running and the image's gpusnap files are removed.
+#[test]
+fn keeper_killed_after_criu_s_part_leaves_the_job_running_and_the_image_refused() {
+    let Some(mut s) = start("handover-keeper-killed-late") else {
+        return;
+    };
+    let dump = dump_with_keeper_killed_at(&s, "Writing image inventory");
+    s.assert_line(&dump, &["could not be written into the image"]);
+    assert_runs_on_and_image_refused(&mut s, &dump);
+}
+
+/// Killed while CRIU still works on the tasks: the dump fails, and the job runs on.
+#[test]
+fn keeper_killed_during_criu_s_part_fails_the_dump_and_the_job_runs_on() {
+    let Some(mut s) = start("handover-keeper-killed-early") else {
+        return;
+    };
+    let dump = dump_with_keeper_killed_at(&s, "drain started");
+    assert!(!dump.succeeded(), "{}", s.describe(&dump));
+    assert_runs_on_and_image_refused(&mut s, &dump);
 }

@@ -90,7 +90,8 @@ fn two_gpus_dump_leave_running_rolls_back() {
     };
     let dump = s.dump(true);
     s.assert_two_gpu_dump(&dump);
-    s.assert_line(&dump, &["device data reloaded"]);
+    // The hand-over: the -R maps the memory of both GPUs back from what the job kept.
+    s.assert_line(&dump, &["device memory mapped back", "no file read"]);
     assert!(s.vmm.original_running(), "{}", s.describe(&dump));
     s.assert_runs_on(&s.vmm.last_ticks(), &dump);
 }

@@ -39,10 +39,12 @@ use criu_tests::{CriuRun, procs};
 
 impl Split {
     /// Starts `fakegpu-vmm` with `procs` processes and `args` after the defaults.
+    /// These tests cover the copy-first route (`handover = false`): the hand-over has its
+    /// own (`tests/handover.rs`, and its cells of the fail-closed matrix).
     fn start_with(test: &str, procs: usize, args: &[&str]) -> Option<Split> {
         let mut all = vec!["--seed", "11", "--allocs", "3", "--mib", "4"];
         all.extend_from_slice(args);
-        Split::launch(test, procs, &all, &[])
+        Split::launch(test, procs, &all, &[("GPUSNAP_HANDOVER", "0")])
     }
 
     fn start(test: &str) -> Option<Split> {
@@ -1081,7 +1083,7 @@ fn app_vmm_can_be_left_to_the_driver() {
         "split-app-vmm-off",
         1,
         &["--seed", "11", "--allocs", "3", "--mib", "4", "--app-vmm"],
-        &[("GPUSNAP_AGENT_APP_VMM", "0")],
+        &[("GPUSNAP_AGENT_APP_VMM", "0"), ("GPUSNAP_HANDOVER", "0")],
     ) else {
         return;
     };
@@ -1120,6 +1122,7 @@ fn recover_after_criu_killed_mid_dump() {
         ),
         ("FAKECUDA_DIR", s.state.to_str().expect("utf-8 path")),
         ("FAKECUDA_CALL_DELAY_MS", "4000"),
+        ("GPUSNAP_HANDOVER", "0"),
     ];
     let mut criu = s.w.spawn_criu(&args, &env, &log);
     let deadline = Instant::now() + common::WAIT;

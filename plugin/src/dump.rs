@@ -531,7 +531,6 @@ fn checkpoint_one(
     t.phase.checkpointed()?;
     refrozen?;
     crate::fault::kill_criu_at("dump-checkpointed");
-    start_drain(t)?;
     let phase = if t.is_split() {
         "control"
     } else {
@@ -551,8 +550,8 @@ fn planned_keeper(t: &mut Tracked) -> Option<&mut crate::keeper::Keeper> {
 
 /// The hand-over (`crate::handover`), with the application stopped and only the agent thread
 /// (and the driver's) running: unlock, lend every allocation to the keeper, hold, release (the
-/// job keeps the exported descriptors), lock again. The drain starts after the driver
-/// checkpoint ([`start_drain`]). A failure before the release changes nothing of the job.
+/// job keeps the exported descriptors), start the drain ([`start_drain`]), lock again. A
+/// failure before the release changes nothing of the job.
 fn hand_over(ctx: &Ctx, t: &mut Tracked, release: &Mutex<Option<Hold>>) -> Result<(), DumpError> {
     let pid = t.pid;
     let t0 = Instant::now();
@@ -629,14 +628,17 @@ fn hand_over(ctx: &Ctx, t: &mut Tracked, release: &Mutex<Option<Hold>>) -> Resul
     t.time("release", t0.elapsed().as_secs_f64());
     log::debug!("pid {pid}: agent released {n} allocations ({bytes} bytes), descriptors kept");
     crate::fault::kill_criu_at("dump-released");
+    // The job no longer maps the memory; the keeper drains it from here on, beside the
+    // driver's control checkpoint and CRIU's own dump.
+    start_drain(t)?;
     lock(ctx, t, "relock")?;
     *release.lock().unwrap_or_else(|e| e.into_inner()) = t.hold.take();
     crate::fault::kill_criu_at("dump-relocked");
     Ok(())
 }
 
-/// After the driver checkpoint of a process whose memory is lent: the keeper drains it while
-/// CRIU dumps the host side (joined in `exit`).
+/// Once a process whose memory is lent has released it: the keeper drains it while the driver
+/// checkpoints control state and CRIU dumps the host side (joined in `exit`).
 fn start_drain(t: &mut Tracked) -> Result<(), DumpError> {
     let pid = t.pid;
     let Some(lent) = t.phase.moved_mut().and_then(|m| m.lent.as_deref_mut()) else {
@@ -741,6 +743,42 @@ fn move_data_out(
         ctx.cfg.durable,
         datapath::Round::Paused,
     )?;
+    log_data(pid, &allocations, &data);
+    t.time("data", data.seconds);
+    // A manifest now, before memory is released: should CRIU die from here on, `gpusnap
+    // recover` finds the data. `exit` rewrites it with the final timings.
+    let manifest = new_manifest(ctx, t, CheckpointPath::Split, allocations, &data);
+    gpusnap_image::write_manifest(dir, &manifest).map_err(DumpError::Manifest)?;
+
+    // Should CRIU die from here until the driver lock holds the process again, its threads
+    // must not run: hold them first (the driver's restore thread and the agent's run on).
+    let agent_tid = session_agent_tid(t)?;
+    t.hold = Some(
+        crate::hold::Hold::place(pid, &[t.restore_tid, agent_tid])
+            .map_err(|err| DumpError::Hold { pid, err })?,
+    );
+    // From the moment Release is sent, some memory may be gone even if the agent then fails
+    // part-way: the phase says released, so a failure keeps the files and rolls back by
+    // reloading.
+    t.phase.released(MovedData {
+        manifest: Box::new(manifest),
+        stats: Some(Box::new(data)),
+        lent: None,
+    })?;
+    let t0 = Instant::now();
+    let (n, bytes) = session.release()?;
+    t.time("release", t0.elapsed().as_secs_f64());
+    log::debug!("pid {pid}: agent released {n} allocations ({bytes} bytes)");
+    crate::fault::kill_criu_at("dump-released");
+    lock(ctx, t, "relock")?;
+    *release.lock().unwrap_or_else(|e| e.into_inner()) = t.hold.take();
+    crate::fault::kill_criu_at("dump-relocked");
+    Ok(())
+}
+
+/// What a data phase moved, for the log: bytes and rate, chunks hashed on the GPU and found
+/// zero, the writers' time, and per GPU where there are several.
+fn log_data(pid: i32, allocations: &[AllocationRecord], data: &datapath::DumpData) {
     log::info!(
         "pid {pid}: data {:.2} GiB in {:.3} s ({:.1} GiB/s) into {} files, {} chunks, written {} bytes ({:.2} GiB), referenced {} bytes unchanged in {} chunks",
         gib(data.bytes),
@@ -778,36 +816,6 @@ fn move_data_out(
             );
         }
     }
-    t.time("data", data.seconds);
-    // A manifest now, before memory is released: should CRIU die from here on, `gpusnap
-    // recover` finds the data. `exit` rewrites it with the final timings.
-    let manifest = new_manifest(ctx, t, CheckpointPath::Split, allocations, &data);
-    gpusnap_image::write_manifest(dir, &manifest).map_err(DumpError::Manifest)?;
-
-    // Should CRIU die from here until the driver lock holds the process again, its threads
-    // must not run: hold them first (the driver's restore thread and the agent's run on).
-    let agent_tid = session_agent_tid(t)?;
-    t.hold = Some(
-        crate::hold::Hold::place(pid, &[t.restore_tid, agent_tid])
-            .map_err(|err| DumpError::Hold { pid, err })?,
-    );
-    // From the moment Release is sent, some memory may be gone even if the agent then fails
-    // part-way: the phase says released, so a failure keeps the files and rolls back by
-    // reloading.
-    t.phase.released(MovedData {
-        manifest: Box::new(manifest),
-        stats: Some(Box::new(data)),
-        lent: None,
-    })?;
-    let t0 = Instant::now();
-    let (n, bytes) = session.release()?;
-    t.time("release", t0.elapsed().as_secs_f64());
-    log::debug!("pid {pid}: agent released {n} allocations ({bytes} bytes)");
-    crate::fault::kill_criu_at("dump-released");
-    lock(ctx, t, "relock")?;
-    *release.lock().unwrap_or_else(|e| e.into_inner()) = t.hold.take();
-    crate::fault::kill_criu_at("dump-relocked");
-    Ok(())
 }
 
 /// The host tid of the agent thread of a split-path process.
@@ -1405,15 +1413,7 @@ fn finish_drain(ctx: &Ctx, t: &mut Tracked, ret: i32) -> Result<(), DumpError> {
     t.time("drain", done.ran_s);
     t.time("drain_wait", done.waited_s);
     let data = done.data.map_err(|err| DumpError::Drain { pid, err })?;
-    log::info!(
-        "pid {pid}: drained {:.2} GiB ({:.1} GiB/s) into {} files, {} chunks ({} all zero, {} unchanged)",
-        gib(data.bytes),
-        gib(data.bytes) / data.seconds.max(1e-9),
-        data.files.len(),
-        data.chunks.len(),
-        data.zero_chunks,
-        data.referenced_chunks,
-    );
+    log_data(pid, &allocations, &data);
     let manifest = new_manifest(ctx, t, CheckpointPath::Split, allocations, &data);
     if let Some(m) = t.phase.moved_mut() {
         *m.manifest = manifest;

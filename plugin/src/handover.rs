@@ -40,7 +40,7 @@ pub struct Lent {
     pub keeper: Option<Keeper>,
     pub allocations: Vec<AllocationRecord>,
     pub drain: Option<Drain>,
-    /// What the drain needs, until it starts (after the driver checkpoint).
+    /// What the drain needs, until it starts (right after the job's release).
     pub pending: Option<DrainJob>,
     /// When the memory changed hands (for the log's time line).
     pub since: Instant,

@@ -806,7 +806,7 @@ fn log_data(pid: i32, allocations: &[AllocationRecord], data: &datapath::DumpDat
         w.write_s,
         w.wait_s
     );
-    let per_gpu = bytes_per_device(&allocations, &data.chunks);
+    let per_gpu = bytes_per_device(allocations, &data.chunks);
     if per_gpu.len() > 1 {
         for (device, bytes) in &per_gpu {
             log::info!(

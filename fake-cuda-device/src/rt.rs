@@ -37,9 +37,9 @@ pub unsafe extern "C" fn init(flags: u32) -> CUresult {
         register_fork_handler();
         match crate::state_page::wanted() {
             Ok(false) => {}
-            Ok(true) => crate::state_page::create().or_else(|e| {
+            Ok(true) => crate::state_page::create().map_err(|e| {
                 debug(format_args!("cuInit: {e}"));
-                Err(crate::codes::OPERATING_SYSTEM)
+                crate::codes::OPERATING_SYSTEM
             })?,
             Err(e) => return call::invalid("cuInit", format_args!("{e}")),
         }

@@ -606,6 +606,8 @@ fn podman_checkpoint_restore_with_the_package() {
         &criu_line,
         "ok    podman's runtime runc can checkpoint",
         "ok    Podman keeps CRIU's logs",
+        "ok    CDI spec /etc/cdi/gpusnap.json: `--device gpusnap.dev/agent=split`",
+        "reads CDI specs from /etc/cdi and /var/run/cdi",
     ] {
         assert!(
             check.stdout.contains(want),

@@ -272,7 +272,11 @@ mod tests {
         );
         let old = criu_on_path_finding(Some(p), Some((3, 17, 1)));
         assert_eq!(old.level, Level::Fail);
-        assert!(old.line().contains("gpusnap-criu package"), "{}", old.line());
+        assert!(
+            old.line().contains("gpusnap-criu package"),
+            "{}",
+            old.line()
+        );
         assert_eq!(criu_on_path_finding(Some(p), None).level, Level::Warn);
     }
 

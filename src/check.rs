@@ -1,7 +1,8 @@
 //! `gpusnap check`: is this host ready for GPU checkpoints? Each finding is one line,
 //! `ok|warn|fail  <what>  — <what to do>`; exit 1 if any is `fail`.
 //!
-//! Where Podman is installed, [`crate::check_containers`] adds what container checkpoints need.
+//! Where Podman is installed, [`crate::check_containers`] adds what container checkpoints need;
+//! [`crate::check_cdi`] checks the CDI spec that gives containers the agent.
 //!
 //! Environment: `GPUSNAP_CRIU` (criu binary), `CRIU_LIBS_DIR` (CRIU's plugin directory),
 //! `GPUSNAP_AGENT_LIB` (the agent library), `GPUSNAP_LIBCUDA` (driver library to probe, default
@@ -96,6 +97,7 @@ pub fn run(args: &[String]) -> ExitCode {
         findings.extend(shm_huge_pages(&mounts));
     }
     findings.extend(crate::check_containers::findings());
+    findings.extend(crate::check_cdi::findings());
     for f in &findings {
         println!("{}", f.line());
     }

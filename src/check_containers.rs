@@ -1,8 +1,8 @@
 //! `gpusnap check`, the container part: what Podman will run when it checkpoints.
 //!
 //! - `criu` on `PATH`: runc runs `criu swrk` from its `PATH` (Podman passes its own), not the
-//!   criu that `GPUSNAP_CRIU` names; it must be CRIU >= 4.1.1 (a wrapper for a private CRIU
-//!   root will do). Otherwise runc says `checkpoint/restore requires at least CRIU 31100`, or
+//!   criu that `GPUSNAP_CRIU` names; it must be CRIU >= 4.1.1 (the distribution's, or the
+//!   gpusnap-criu package's). Otherwise runc says `checkpoint/restore requires at least CRIU 31100`, or
 //!   gpusnap stays disabled.
 //! - the OCI runtime Podman uses (`podman info`): runc can checkpoint; crun only when built
 //!   with CRIU (`+CRIU` in `crun --version`; Debian 12's is not: `unknown command checkpoint`).
@@ -103,8 +103,9 @@ fn criu_on_path() -> Finding {
 fn criu_on_path_finding(criu: Option<&Path>, version: Option<(u32, u32, u32)>) -> Finding {
     let need = format!("{}.{}.{}", MIN_CRIU.0, MIN_CRIU.1, MIN_CRIU.2);
     let todo = format!(
-        "runc runs `criu` from PATH: put CRIU >= {need} first on Podman's PATH (for a private \
-         CRIU root, a wrapper script named criu that execs it), or set runc's --criu"
+        "runc runs `criu` from PATH: install CRIU >= {need} as `criu` on Podman's PATH (the \
+         distribution's where it is new enough, else the gpusnap-criu package that \
+         scripts/build-deb.sh --with-criu builds), or set runc's --criu"
     );
     match (criu, version) {
         (None, _) => Finding::fail("no criu on PATH: Podman (runc) cannot checkpoint", todo),
@@ -271,7 +272,11 @@ mod tests {
         );
         let old = criu_on_path_finding(Some(p), Some((3, 17, 1)));
         assert_eq!(old.level, Level::Fail);
-        assert!(old.line().contains("wrapper"), "{}", old.line());
+        assert!(
+            old.line().contains("gpusnap-criu package"),
+            "{}",
+            old.line()
+        );
         assert_eq!(criu_on_path_finding(Some(p), None).level, Level::Warn);
     }
 

@@ -11,6 +11,7 @@
 //! Exit codes: 0 success, 1 a problem was found (damage, failed check), 2 usage error.
 
 mod check;
+mod check_cdi;
 mod check_containers;
 mod inspect;
 mod precopy;

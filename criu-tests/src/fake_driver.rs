@@ -302,6 +302,25 @@ pub fn shorts(calls: &[Call]) -> Vec<String> {
     calls.iter().map(Call::short).collect()
 }
 
+/// The split path's stand-in device and its workload: `libfakecudadev.so` and `fakegpu-vmm`
+/// (package `fake-cuda-device`), built once per test binary.
+pub fn fake_device(h: &Harness) -> Result<(&'static Path, &'static Path), String> {
+    static BUILT: OnceLock<Result<(PathBuf, PathBuf), String>> = OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let so = cargo_build(&h.profile_dir, "fake-cuda-device", "libfakecudadev.so")?;
+            let bin = h.profile_dir.join("fakegpu-vmm");
+            if bin.is_file() {
+                Ok((so, bin))
+            } else {
+                Err(format!("{} was not produced by the build", bin.display()))
+            }
+        })
+        .as_ref()
+        .map(|(so, bin)| (so.as_path(), bin.as_path()))
+        .map_err(Clone::clone)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -170,7 +170,12 @@ pub struct Podman {
     pub dir: PathBuf,
     pub containers: Vec<String>,
     pub images: Vec<String>,
+    /// Run podman with a plain system `PATH` (no wrapper of the test's on it).
+    pub plain_path: bool,
 }
+
+/// The `PATH` of a plain root shell on Debian.
+pub const SYSTEM_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
 impl Podman {
     /// `containers.conf` for these hosts: runc (Debian 12's crun has no CRIU), and ulimits
@@ -214,6 +219,7 @@ impl Podman {
             dir: dir.to_owned(),
             containers: Vec::new(),
             images: Vec::new(),
+            plain_path: false,
         })
     }
 
@@ -228,7 +234,12 @@ impl Podman {
     /// A command with the test's environment (`PATH`, `CONTAINERS_CONF`).
     pub fn command(&self, program: &str) -> Command {
         let mut cmd = Command::new(program);
-        cmd.env("PATH", self.path_env())
+        let path = if self.plain_path {
+            SYSTEM_PATH.into()
+        } else {
+            self.path_env()
+        };
+        cmd.env("PATH", path)
             .env("CONTAINERS_CONF", &self.conf)
             .stdin(Stdio::null());
         for v in crate::harness::HARNESS_ONLY_ENV {

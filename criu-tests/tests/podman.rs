@@ -1,13 +1,16 @@
-//! Podman end to end, with the gpusnap package installed as a user installs it.
+//! Podman end to end, with the gpusnap packages installed as a user installs them.
 //!
-//! The test builds `gpusnap_<version>_amd64.deb` with `scripts/build-deb.sh` (from this test
-//! build's plugin, agent and CLI), installs it with `dpkg -i`, and sets one key in the installed
-//! `/etc/criu/gpusnap.conf` (`log_level = "debug"`, which the plugin then reports): that file is
-//! gpusnap's only configuration. runc (Debian 12's crun has no CRIU) finds `criu` on its `PATH`:
-//! a wrapper that runs the harness's CRIU root (4.1.1, or 4.2.x under `scripts/test.sh`'s second
-//! run) with the stand-in driver (`GPUSNAP_LIBCUDA`, `FAKECUDA_DIR`; `FAKECUDA_FAIL=restore`
-//! while a flag file exists). The image is this build's workloads and their libraries plus
-//! busybox (`busybox-static`), made with `podman import`: no registry.
+//! The test builds `gpusnap_<version>_amd64.deb` and `gpusnap-criu_<criu>+gpusnap1_amd64.deb`
+//! with `scripts/build-deb.sh --criu-root` (from this test build's plugin, agent and CLI, and
+//! the harness's CRIU root: 4.1.1, or 4.2.x under `scripts/test.sh`'s second run), installs both
+//! with `dpkg -i`, and sets one key in the installed `/etc/criu/gpusnap.conf` (`log_level =
+//! "debug"`, which the plugin then reports): that file is gpusnap's only configuration. runc
+//! (Debian 12's crun has no CRIU) finds the package's `/usr/sbin/criu` on its `PATH`. For the
+//! GPU-like containers a wrapper first on runc's `PATH` adds the stand-in driver's variables
+//! (`GPUSNAP_LIBCUDA`, `FAKECUDA_DIR`; `FAKECUDA_FAIL=restore` while a flag file exists) and
+//! runs that `/usr/sbin/criu`; the CPU-only container is checkpointed with Podman's plain
+//! `PATH`, nothing of the test's in it. The image is this build's workloads and their libraries
+//! plus busybox (`busybox-static`), made with `podman import`: no registry.
 //!
 //! Then, with `podman container checkpoint --keep` and `restore --keep` (without `--keep`,
 //! Podman deletes CRIU's logs after a success):
@@ -20,9 +23,16 @@
 //! 5. a restore of a container's PID 1 that fails in the driver: podman fails within a bound
 //!    (it used to hang), naming the driver's error, the refused process is gone, nothing of
 //!    the job runs, and a restore without the failure then runs it on from the same image;
-//! 6. a CPU-only container: gpusnap stays out of the way, no driver call, it runs on;
+//! 6. a CPU-only container, with Podman's own `PATH` (only the packages): the package's CRIU
+//!    loads gpusnap, which stays out of the way, no driver call, it runs on;
+//! 7. the split path: `fakegpu-vmm` on the stand-in device in a container started with
+//!    `--device gpusnap.dev/agent=split` (the package's CDI spec mounts and preloads the agent):
+//!    checkpoint and restore, `--leave-running`, `--export` and `--import` into a fresh
+//!    container; each dump moved the device data through the agent into gpusnap's files, each
+//!    restore loaded it back, and the job's device memory and counter go on exactly;
 //!
-//! and at the end `dpkg --purge gpusnap` leaves none of the package's files. Every podman
+//! and at the end `dpkg --purge gpusnap gpusnap-criu` leaves none of the packages' files and
+//! puts `/usr/sbin/criu` (and dpkg's diversions) back as they were. Every podman
 //! command is bounded in time ([`podman::COMMAND_LIMIT`]); containers and images are removed
 //! whether the test passes or not. Skipped, with the reason printed, only where podman or runc
 //! is not installed.
@@ -40,13 +50,19 @@ const FAKEGPU: &str = env!("CARGO_BIN_EXE_fakegpu");
 const COUNTER: &str = env!("CARGO_BIN_EXE_counter");
 const TEST: &str = "podman";
 const CONF: &str = "/etc/criu/gpusnap.conf";
-/// The package's files that must exist once it is installed.
-const PACKAGE_FILES: [&str; 4] = [
+const CDI_SPEC: &str = "/etc/cdi/gpusnap.json";
+/// The packages' files that must exist once they are installed.
+const PACKAGE_FILES: [&str; 6] = [
     "/usr/lib/criu/gpusnap.so",
     "/usr/lib/gpusnap/libgpusnap_agent.so",
     "/usr/bin/gpusnap",
     CONF,
+    CDI_SPEC,
+    "/usr/lib/gpusnap-criu/usr/sbin/criu",
 ];
+const CRIU_BIN: &str = "/usr/sbin/criu";
+/// Where the image has the stand-in device library, as `libcuda.so.1`.
+const FAKE_LIBCUDA_DIR: &str = "/usr/local/lib/fakecuda";
 /// How soon a restored or rolled-back job must be counting again.
 const PROMPTLY: Duration = Duration::from_secs(10);
 /// Ticks (50 ms each) a job must add to count as running.
@@ -64,6 +80,8 @@ struct Setup {
     image: String,
     fail_flag: PathBuf,
     installed: bool,
+    /// `/usr/sbin/criu` and dpkg's diversions before the packages were installed.
+    before: HostCriu,
     /// Unique part of every name (the test's pid).
     tag: String,
     /// Held while the package is installed (dropped last).
@@ -74,7 +92,7 @@ impl Drop for Setup {
     fn drop(&mut self) {
         self.podman.clean_up();
         if self.installed {
-            let _ = dpkg(&["--purge", "gpusnap"], &self.work);
+            let _ = dpkg(&["--purge", "gpusnap", "gpusnap-criu"], &self.work);
         }
         if std::thread::panicking() {
             eprintln!("criu-tests: keeping {} for inspection", self.work.display());
@@ -103,6 +121,28 @@ fn criu_root(h: &Harness) -> PathBuf {
     fs::canonicalize(&root).unwrap_or(root)
 }
 
+/// What the host has as `/usr/sbin/criu` (its bytes, or none) and dpkg's diversions: the
+/// packages' purge must leave both as they were before the install.
+#[derive(Debug, PartialEq, Eq)]
+struct HostCriu {
+    criu: Option<Vec<u8>>,
+    diversions: String,
+}
+
+fn host_criu(dir: &Path) -> HostCriu {
+    let mut cmd = std::process::Command::new("dpkg-divert");
+    cmd.arg("--list");
+    let list = podman::run_bounded(&mut cmd, "dpkg-divert --list", dir, Duration::from_secs(60))
+        .unwrap_or_else(|e| panic!("{e}"));
+    list.assert_ok();
+    let mut diversions: Vec<&str> = list.stdout.lines().collect();
+    diversions.sort_unstable();
+    HostCriu {
+        criu: fs::read(CRIU_BIN).ok(),
+        diversions: diversions.join("\n"),
+    }
+}
+
 fn setup() -> Option<Setup> {
     let h = harness(TEST)?;
     if let Some(why) = podman::cannot_run() {
@@ -125,20 +165,17 @@ fn setup() -> Option<Setup> {
         .to_owned();
     let fake = FakeDriver { so, dir: fake_dir };
     let fail_flag = work.join("fail-restore");
-    let root = criu_root(h);
     let wrapper = format!(
         "#!/bin/sh\n\
-         # criu for runc (first on its PATH): the test's private CRIU root with the stand-in driver.\n\
+         # For runc (first on its PATH): the packaged criu with the stand-in driver.\n\
          GPUSNAP_LIBCUDA='{so}'\n\
          FAKECUDA_DIR='{dir}'\n\
          export GPUSNAP_LIBCUDA FAKECUDA_DIR\n\
          if [ -e '{flag}' ]; then FAKECUDA_FAIL=restore; export FAKECUDA_FAIL; fi\n\
-         GPUSNAP_CRIU_ROOT='{root}' exec '{criu}' \"$@\"\n",
+         exec {CRIU_BIN} \"$@\"\n",
         so = fake.so.display(),
         dir = fake.dir.display(),
         flag = fail_flag.display(),
-        root = root.display(),
-        criu = h.criu.display(),
     );
     let podman = Podman::new(&work, &wrapper).unwrap_or_else(|e| panic!("{e}"));
     let mut s = Setup {
@@ -149,6 +186,10 @@ fn setup() -> Option<Setup> {
         image: format!("localhost/gpusnap-test:{tag}"),
         fail_flag,
         installed: false,
+        before: HostCriu {
+            criu: None,
+            diversions: String::new(),
+        },
         tag,
         work,
         _lock: lock,
@@ -174,11 +215,14 @@ fn install_package(s: &mut Setup) {
     ] {
         fs::copy(src, from.join(name)).unwrap_or_else(|e| panic!("{}: {e}", src.display()));
     }
-    // Refuse to overwrite a gpusnap that was not installed by the package.
-    let owned = dpkg(&["-s", "gpusnap"], &s.work).is_ok_and(|o| o.ok());
-    if owned {
-        dpkg(&["--purge", "gpusnap"], &s.work).unwrap().assert_ok();
+    // Refuse to overwrite a gpusnap that was not installed by the packages.
+    for p in ["gpusnap", "gpusnap-criu"] {
+        let owned = dpkg(&["-s", p], &s.work).is_ok_and(|o| o.ok());
+        if owned {
+            dpkg(&["--purge", p], &s.work).unwrap().assert_ok();
+        }
     }
+    s.before = host_criu(&s.work);
     for f in PACKAGE_FILES {
         assert!(
             !Path::new(f).exists(),
@@ -189,7 +233,9 @@ fn install_package(s: &mut Setup) {
     cmd.arg("--from")
         .arg(&from)
         .arg("--out")
-        .arg(s.work.join("deb"));
+        .arg(s.work.join("deb"))
+        .arg("--criu-root")
+        .arg(criu_root(h));
     let built = podman::run_bounded(
         &mut cmd,
         "scripts/build-deb.sh",
@@ -198,23 +244,44 @@ fn install_package(s: &mut Setup) {
     )
     .unwrap_or_else(|e| panic!("{e}"));
     built.assert_ok();
-    let deb = built
-        .stdout
-        .lines()
-        .last()
-        .unwrap_or_default()
-        .trim()
-        .to_owned();
+    let debs: Vec<&str> = built.stdout.lines().map(str::trim).collect();
+    let [.., deb, criu_deb] = debs.as_slice() else {
+        panic!("scripts/build-deb.sh printed no two packages\n{built}");
+    };
+    for d in [deb, criu_deb] {
+        assert!(
+            d.ends_with("_amd64.deb") && Path::new(d).is_file(),
+            "no package {d:?} from scripts/build-deb.sh\n{built}"
+        );
+    }
     assert!(
-        deb.ends_with("_amd64.deb") && Path::new(&deb).is_file(),
-        "no package from scripts/build-deb.sh\n{built}"
+        criu_deb.contains("/gpusnap-criu_"),
+        "{criu_deb}: not the CRIU package\n{built}"
     );
     s.installed = true;
-    let install = dpkg(&["-i", &deb], &s.work).unwrap_or_else(|e| panic!("{e}"));
+    let install = dpkg(&["-i", deb, criu_deb], &s.work).unwrap_or_else(|e| panic!("{e}"));
     install.assert_ok();
     for f in PACKAGE_FILES {
-        assert!(Path::new(f).is_file(), "{f} is missing after dpkg -i {deb}");
+        assert!(
+            Path::new(f).is_file(),
+            "{f} is missing after dpkg -i {deb} {criu_deb}"
+        );
     }
+    // The package's criu is the harness's, and it is what a plain PATH finds.
+    let v = h.criu_version;
+    let mut cmd = std::process::Command::new("sh");
+    cmd.args(["-c", "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin; command -v criu && criu --version"]);
+    let found = podman::run_bounded(&mut cmd, "criu --version", &s.work, Duration::from_secs(60))
+        .unwrap_or_else(|e| panic!("{e}"));
+    found.assert_ok();
+    assert!(
+        found.stdout.starts_with(&format!("{CRIU_BIN}\n"))
+            && found.stdout.contains(&format!("Version: {}.{}", v.0, v.1)),
+        "the criu on PATH is not the package's {}.{}.{}\n{found}",
+        v.0,
+        v.1,
+        v.2
+    );
     // The installed configuration changes nothing until a line is uncommented.
     let conf = fs::read_to_string(CONF).unwrap();
     let active: Vec<&str> = conf
@@ -228,6 +295,11 @@ fn install_package(s: &mut Setup) {
 /// The image: busybox, this build's `fakegpu` and `counter`, and their shared libraries (if any).
 fn make_image(s: &mut Setup) {
     let rootfs = s.work.join("rootfs");
+    let (fakecudadev, vmm) = criu_tests::fake_driver::fake_device(s.h)
+        .unwrap_or_else(|e| panic!("building the stand-in device: {e}"));
+    let agent =
+        s.h.agent_so()
+            .unwrap_or_else(|e| panic!("building the agent: {e}"));
     assert!(
         Path::new("/bin/busybox").is_file(),
         "/bin/busybox is missing: install busybox-static (.ci/run does)"
@@ -237,17 +309,24 @@ fn make_image(s: &mut Setup) {
         fs::create_dir_all(to.parent().unwrap()).unwrap();
         fs::copy(src, &to).unwrap_or_else(|e| panic!("{} -> {}: {e}", src.display(), to.display()));
     };
+    let libcuda = format!("{FAKE_LIBCUDA_DIR}/libcuda.so.1");
+    // The agent itself comes from the host (the CDI spec mounts it); its libraries must be in
+    // the image, as they must be in any image that uses it.
+    let agent_libs = rootfs.join("agent-libs-only");
     for (bin, at) in [
-        ("/bin/busybox", "/bin/busybox"),
-        (FAKEGPU, "/usr/local/bin/fakegpu"),
-        (COUNTER, "/usr/local/bin/counter"),
+        (Path::new("/bin/busybox"), "/bin/busybox"),
+        (Path::new(FAKEGPU), "/usr/local/bin/fakegpu"),
+        (Path::new(COUNTER), "/usr/local/bin/counter"),
+        (vmm, "/usr/local/bin/fakegpu-vmm"),
+        (fakecudadev, libcuda.as_str()),
+        (agent, "/agent-libs-only/agent.so"),
     ] {
-        let bin = Path::new(bin);
         put(bin, at);
         for lib in podman::shared_libraries(bin).unwrap_or_else(|e| panic!("{e}")) {
             put(&lib, &lib.display().to_string());
         }
     }
+    fs::remove_dir_all(&agent_libs).unwrap();
     for tool in ["sh", "sleep", "cat", "true"] {
         std::os::unix::fs::symlink("busybox", rootfs.join("bin").join(tool)).unwrap();
     }
@@ -267,6 +346,11 @@ fn make_image(s: &mut Setup) {
 
 /// Starts a container; `args` is its command.
 fn start(s: &mut Setup, name: &str, args: &[&str]) -> String {
+    start_with(s, name, &[], args)
+}
+
+/// Starts a container with the `podman run` options `opts`; `args` is its command.
+fn start_with(s: &mut Setup, name: &str, opts: &[&str], args: &[&str]) -> String {
     let name = format!("gpusnap-test-{}-{name}", s.tag);
     s.podman.containers.push(name.clone());
     let logs = format!("{}:/logs", s.logs.display());
@@ -279,8 +363,9 @@ fn start(s: &mut Setup, name: &str, args: &[&str]) -> String {
         "none",
         "-v",
         &logs,
-        &s.image,
     ];
+    run.extend_from_slice(opts);
+    run.push(&s.image);
     run.extend_from_slice(args);
     let out = s.podman.run(&run);
     assert!(
@@ -521,6 +606,8 @@ fn podman_checkpoint_restore_with_the_package() {
         &criu_line,
         "ok    podman's runtime runc can checkpoint",
         "ok    Podman keeps CRIU's logs",
+        "ok    CDI spec /etc/cdi/gpusnap.json: `--device gpusnap.dev/agent=split`",
+        "reads CDI specs from /etc/cdi and /var/run/cdi",
     ] {
         assert!(
             check.stdout.contains(want),
@@ -740,7 +827,8 @@ fn podman_checkpoint_restore_with_the_package() {
     s.podman.run(&["rm", "-f", "-t", "0", &failing]).assert_ok();
     s.podman.run(&["rm", "-f", "-t", "0", &shell]).assert_ok();
 
-    // 6. A CPU-only container: gpusnap stays out of the way.
+    // 6. A CPU-only container: gpusnap stays out of the way. Checkpointed and restored with a
+    //    plain system PATH, so that what runc runs is the package's criu and nothing else.
     let cpu = start(
         &mut s,
         "cpu",
@@ -754,6 +842,7 @@ fn podman_checkpoint_restore_with_the_package() {
     );
     wait_ticks(&s, "cpu", 3);
     let pid = gpu_pid(&s, &cpu, false);
+    s.podman.plain_path = true;
     s.podman
         .run(&["container", "checkpoint", "--keep", &cpu])
         .assert_ok();
@@ -773,6 +862,8 @@ fn podman_checkpoint_restore_with_the_package() {
     s.podman
         .run(&["container", "restore", "--keep", &cpu])
         .assert_ok();
+    s.podman.plain_path = false;
+    assert_configured_by_file(&criu_log(&s, &cpu, "restore"), "cpu restore");
     let restored = gpu_pid(&s, &cpu, false);
     for p in [pid, restored] {
         assert!(
@@ -782,31 +873,223 @@ fn podman_checkpoint_restore_with_the_package() {
         );
     }
     assert_runs_on(&s, "cpu", at_dump, "CPU-only container restored");
+    s.podman.run(&["rm", "-f", "-t", "0", &cpu]).assert_ok();
 
-    // Clean up, then the package must leave nothing behind.
+    // 7. The split path, the agent added by the package's CDI spec.
+    split_path(&mut s);
+
+    // Clean up, then the packages must leave nothing behind and put back what was there.
     s.podman.clean_up();
-    let files = dpkg(&["-L", "gpusnap"], &s.work).unwrap();
-    files.assert_ok();
-    dpkg(&["--purge", "gpusnap"], &s.work).unwrap().assert_ok();
+    let mut files = String::new();
+    for p in ["gpusnap", "gpusnap-criu"] {
+        let listed = dpkg(&["-L", p], &s.work).unwrap();
+        listed.assert_ok();
+        files.push_str(&listed.stdout);
+    }
+    dpkg(&["--purge", "gpusnap", "gpusnap-criu"], &s.work)
+        .unwrap()
+        .assert_ok();
     s.installed = false;
     let left: Vec<&str> = files
-        .stdout
         .lines()
         .filter(|f| {
             let p = Path::new(f);
-            // Directories shared with other packages (/usr, /etc, ...) stay; files must not.
-            p.symlink_metadata().is_ok_and(|m| !m.is_dir()) || (p.is_dir() && f.contains("gpusnap"))
+            // Directories shared with other packages (/usr, /etc, ...) stay; files must not,
+            // except a file the purge put back (Debian's diverted criu).
+            (p.symlink_metadata().is_ok_and(|m| !m.is_dir())
+                && !(*f == CRIU_BIN && s.before.criu.is_some()))
+                || (p.is_dir() && f.contains("gpusnap"))
         })
         .collect();
-    assert!(left.is_empty(), "dpkg --purge gpusnap left {left:?}");
     assert!(
-        !Path::new(CONF).exists(),
-        "{CONF} is still there after purge"
+        left.is_empty(),
+        "dpkg --purge gpusnap gpusnap-criu left {left:?}"
+    );
+    for f in [CONF, CDI_SPEC] {
+        assert!(!Path::new(f).exists(), "{f} is still there after purge");
+    }
+    assert_eq!(
+        host_criu(&s.work),
+        s.before,
+        "the purge did not put {CRIU_BIN} and dpkg's diversions back as they were"
     );
     eprintln!(
         "criu-tests: podman test passed in {:.1} s",
         t0.elapsed().as_secs_f64()
     );
+}
+
+/// The log of `fakegpu-vmm` (`tick K counter C ok 1` lines after a `pid` line): every tick
+/// good, consecutive from 1, the device counter equal to it; returns the last tick.
+fn vmm_ticks(path: &Path) -> Result<u64, String> {
+    let text = match fs::read_to_string(path) {
+        Ok(t) => t,
+        // Not started yet.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+        Err(e) => return Err(format!("{}: {e}", path.display())),
+    };
+    let mut last = 0u64;
+    for line in text.lines().filter(|l| l.starts_with("tick ")) {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let good = matches!(f.as_slice(), ["tick", k, "counter", c, "ok", "1"]
+            if k.parse::<u64>() == Ok(last + 1) && c == k);
+        if !good {
+            return Err(format!("after tick {last}: {line:?}\n{text}"));
+        }
+        last += 1;
+    }
+    Ok(last)
+}
+
+/// Waits until the split job's log has more than `from` ticks, every one of them good.
+fn vmm_runs_on(s: &Setup, name: &str, from: u64, what: &str) -> u64 {
+    let path = log_path(s, "split");
+    let deadline = Instant::now() + PROMPTLY;
+    let said = || s.podman.run(&["logs", name]).to_string();
+    loop {
+        match vmm_ticks(&path) {
+            Ok(n) if n >= from + MORE_TICKS => return n,
+            Ok(n) if Instant::now() > deadline => panic!(
+                "{what}: the split job is at tick {n}, not past {from} + {MORE_TICKS}\n{}",
+                said()
+            ),
+            Err(e) => panic!("{what}: the split job's log is wrong: {e}\n{}", said()),
+            Ok(_) => std::thread::sleep(Duration::from_millis(50)),
+        }
+    }
+}
+
+/// The split path in a container: `fakegpu-vmm` with the agent from the CDI spec (one
+/// `--device` flag), its driver state in its own memory (`FAKECUDADEV_STATE_PAGE=1`: the stand-in
+/// device would otherwise look for it under the pid it has in the container).
+fn split_path(s: &mut Setup) {
+    let libpath = format!("LD_LIBRARY_PATH={FAKE_LIBCUDA_DIR}");
+    let name = start_with(
+        s,
+        "split",
+        &[
+            "--device",
+            "gpusnap.dev/agent=split",
+            "-e",
+            &libpath,
+            "-e",
+            "FAKECUDADEV_STATE_PAGE=1",
+        ],
+        &[
+            "/usr/local/bin/fakegpu-vmm",
+            "--log",
+            "/logs/split.log",
+            "--seed",
+            "405",
+            "--allocs",
+            "2",
+            "--mib",
+            "4",
+        ],
+    );
+    let ticks = vmm_runs_on(s, &name, 0, "split job started");
+    let pid = gpu_pid(s, &name, false);
+    let maps = fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+    assert!(
+        maps.contains("/usr/lib/gpusnap/libgpusnap_agent.so"),
+        "the CDI device did not preload the agent into {name}"
+    );
+    let split_dump = |s: &Setup, name: &str, what: &str| -> String {
+        let dump = criu_log(s, name, "dump");
+        assert_configured_by_file(&dump, what);
+        assert_line(&dump, &["(nspid 1)", "path split"], what);
+        assert_line(&dump, &["data", "into", "files"], what);
+        assert_line(&dump, &["agent released 3 allocations"], what);
+        dump
+    };
+    let split_restore = |s: &Setup, name: &str, what: &str| {
+        let restore = criu_log(s, name, "restore");
+        assert_configured_by_file(&restore, what);
+        assert_line(&restore, &["restored (Split path)", "data"], what);
+    };
+
+    // Checkpoint (the container stops), restore.
+    s.podman
+        .run(&["container", "checkpoint", "--keep", &name])
+        .assert_ok();
+    split_dump(s, &name, "split checkpoint");
+    let images = PathBuf::from(s.podman.inspect(&name, "{{.State.CheckpointPath}}"));
+    let verify = std::process::Command::new("/usr/bin/gpusnap")
+        .arg("verify")
+        .arg(&images)
+        .output()
+        .unwrap();
+    assert!(
+        verify.status.success(),
+        "gpusnap verify {}: {}\n{}",
+        images.display(),
+        verify.status,
+        String::from_utf8_lossy(&verify.stdout)
+    );
+    let at_dump = vmm_ticks(&log_path(s, "split")).unwrap();
+    assert!(at_dump >= ticks);
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        vmm_ticks(&log_path(s, "split")).unwrap(),
+        at_dump,
+        "the split job ran on after its checkpoint"
+    );
+    s.podman
+        .run(&["container", "restore", "--keep", &name])
+        .assert_ok();
+    split_restore(s, &name, "split restore");
+    assert_ne!(gpu_pid(s, &name, false), pid, "same host pid after restore");
+    let now = vmm_runs_on(s, &name, at_dump, "split restored");
+
+    // --leave-running: the job goes on, the released memory is reloaded.
+    let running = gpu_pid(s, &name, false);
+    s.podman
+        .run(&[
+            "container",
+            "checkpoint",
+            "--keep",
+            "--leave-running",
+            &name,
+        ])
+        .assert_ok();
+    let dump = split_dump(s, &name, "split --leave-running");
+    assert_line(&dump, &["device data reloaded"], "split --leave-running");
+    assert_eq!(s.podman.init_pid(&name), running);
+    let now = vmm_runs_on(s, &name, now, "split after --leave-running");
+
+    // --export, then --import into a fresh container.
+    let archive = s.work.join("split-export.tar");
+    let archive_s = archive.display().to_string();
+    s.podman
+        .run(&[
+            "container",
+            "checkpoint",
+            "--keep",
+            "--export",
+            &archive_s,
+            &name,
+        ])
+        .assert_ok();
+    split_dump(s, &name, "split --export");
+    let at_export = vmm_ticks(&log_path(s, "split")).unwrap();
+    assert!(at_export >= now);
+    s.podman.run(&["rm", "-f", "-t", "0", &name]).assert_ok();
+    let copy = format!("gpusnap-test-{}-split-copy", s.tag);
+    s.podman.containers.push(copy.clone());
+    s.podman
+        .run(&[
+            "container",
+            "restore",
+            "--keep",
+            "--import",
+            &archive_s,
+            "--name",
+            &copy,
+        ])
+        .assert_ok();
+    split_restore(s, &copy, "split --import");
+    vmm_runs_on(s, &copy, at_export, "the imported split copy");
+    s.podman.run(&["rm", "-f", "-t", "0", &copy]).assert_ok();
 }
 
 impl Setup {

@@ -6,7 +6,9 @@
 //! the agent preloaded; CRIU's side uses the checkpoint-API stand-in `fake-cuda`
 //! (`libfakecuda.so`, via `GPUSNAP_LIBCUDA`). The two meet in two places: the restore thread,
 //! named `fakecuda-rt`, that `cuInit` starts ([`rt`]), and the state files under
-//! `$FAKECUDA_DIR`, which this side reads to block calls while the process is locked ([`lock`]).
+//! `$FAKECUDA_DIR`, which this side reads to block calls while the process is locked ([`lock`]),
+//! or, with `FAKECUDADEV_STATE_PAGE=1` (containers: a pid that is not the host's), the state page
+//! in the process's own memory ([`state_page`]).
 //!
 //! How device memory is played ([`vmm`], [`alloc`], [`copy`]):
 //! - `cuMemAddressReserve`: a `PROT_NONE` anonymous mapping, 2 MiB-aligned;
@@ -48,6 +50,7 @@ mod lock;
 mod maps;
 mod procaddr;
 mod rt;
+mod state_page;
 mod sync;
 mod vmm;
 

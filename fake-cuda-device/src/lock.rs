@@ -9,6 +9,9 @@
 //! calls fail with `CUDA_ERROR_UNKNOWN`. So a plugin or agent that made driver calls in the wrong
 //! phase would hang or fail here as it would on a GPU, instead of passing unnoticed.
 //!
+//! A workload started with `FAKECUDADEV_STATE_PAGE=1` keeps that state in its own memory instead
+//! ([`crate::state_page`]), where the checkpoint side finds it under any pid.
+//!
 //! Nothing is locked while waiting: the thread sleeps in 1 ms steps (a ptrace stop there is
 //! harmless).
 
@@ -62,6 +65,15 @@ pub fn pid_file(suffix: &str) -> Option<PathBuf> {
 }
 
 fn current() -> Lock {
+    // A process with its state page (containers, see `state_page`) is read there: its file
+    // name would be its pid in its own namespace, which the checkpoint side does not know.
+    if let Some(raw) = crate::state_page::state() {
+        return match raw {
+            1 | 2 => Lock::Held,
+            3 => Lock::Failed,
+            _ => Lock::Free,
+        };
+    }
     let Some(path) = pid_file("state") else {
         return Lock::Free;
     };

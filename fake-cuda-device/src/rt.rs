@@ -35,6 +35,14 @@ pub unsafe extern "C" fn init(flags: u32) -> CUresult {
             return call::invalid("cuInit", format_args!("flags {flags:#x} (must be 0)"));
         }
         register_fork_handler();
+        match crate::state_page::wanted() {
+            Ok(false) => {}
+            Ok(true) => crate::state_page::create().map_err(|e| {
+                debug(format_args!("cuInit: {e}"));
+                crate::codes::OPERATING_SYSTEM
+            })?,
+            Err(e) => return call::invalid("cuInit", format_args!("{e}")),
+        }
         start_restore_thread()?;
         INITIALISED.store(true, Ordering::Release);
         Ok(())

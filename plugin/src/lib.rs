@@ -66,9 +66,35 @@ pub(crate) fn test_manifest() -> gpusnap_image::Manifest {
 use std::ffi::{c_int, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
-/// Runs a hook body; a panic becomes `on_panic` (it must never unwind into CRIU).
+/// Runs a hook body; a panic becomes `on_panic` (it must never unwind into CRIU). CRIU's
+/// thread leaves every hook with a filesystem context of its own ([`own_fs_context`]).
 fn guard<R>(on_panic: R, f: impl FnOnce() -> R) -> R {
-    catch_unwind(AssertUnwindSafe(f)).unwrap_or(on_panic)
+    let r = catch_unwind(AssertUnwindSafe(f)).unwrap_or(on_panic);
+    own_fs_context();
+    r
+}
+
+/// Gives the calling thread a filesystem context (root, cwd, umask) of its own, a copy of the
+/// one it had: `unshare(CLONE_FS)`.
+///
+/// Why: the driver library starts threads inside CRIU (at `cuInit` and later), and so do
+/// gpusnap's writers; threads share the filesystem context they were created with. The kernel
+/// refuses `setns` into a mount namespace (`EINVAL`) to a thread that shares it, and CRIU
+/// switches into a container's mount namespace from its own thread after the device hooks (to
+/// dump a tmpfs such as a container's `/dev`): without this every container checkpoint with a
+/// real driver failed with `Can't setns .../mnt: Invalid argument`. Threads that already exist
+/// keep the old context; CRIU's thread, and what it starts later, the copy. Nothing else
+/// changes: the copy has the same root, directory and umask.
+fn own_fs_context() {
+    // SAFETY: unshare(CLONE_FS) touches only the calling thread's filesystem context, which it
+    // copies; it takes no pointers.
+    let rc = unsafe { libc::unshare(libc::CLONE_FS) };
+    if rc != 0 {
+        log::warn!(
+            "unshare(CLONE_FS) failed: {}; CRIU may fail to enter a container's mount namespace",
+            std::io::Error::last_os_error()
+        );
+    }
 }
 
 unsafe extern "C" fn gpusnap_init(stage: c_int) -> c_int {
@@ -238,6 +264,49 @@ mod tests {
         // SAFETY: the name is a static C string.
         let name = unsafe { std::ffi::CStr::from_ptr(d.name) };
         assert_eq!(name, c"gpusnap");
+    }
+
+    #[test]
+    fn leaving_a_hook_lets_the_thread_enter_a_mount_namespace_despite_other_threads() {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            return; // setns needs CAP_SYS_ADMIN; CI runs as root
+        }
+        // In a child process, so that the test harness's threads and cwd are not involved.
+        // SAFETY: the child only makes a thread, syscalls and _exit.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0);
+        if pid == 0 {
+            let code = (|| {
+                let ns = std::fs::File::open("/proc/self/ns/mnt").ok()?;
+                let fd = std::os::fd::AsRawFd::as_raw_fd(&ns);
+                // A thread that shares this one's filesystem context, as the driver's do.
+                std::thread::spawn(|| std::thread::sleep(std::time::Duration::from_secs(30)));
+                std::thread::sleep(std::time::Duration::from_millis(50));
+                // SAFETY: setns with a namespace fd this closure owns.
+                let shared = unsafe { libc::setns(fd, libc::CLONE_NEWNS) };
+                let einval = std::io::Error::last_os_error().raw_os_error() == Some(libc::EINVAL);
+                let r = guard(0, || 7);
+                // SAFETY: as above.
+                let own = unsafe { libc::setns(fd, libc::CLONE_NEWNS) };
+                Some(if shared == -1 && einval && r == 7 && own == 0 {
+                    0
+                } else {
+                    1
+                })
+            })()
+            .unwrap_or(2);
+            // SAFETY: ends the child at once, without running the parent's atexit handlers.
+            unsafe { libc::_exit(code) };
+        }
+        let mut status = 0;
+        // SAFETY: waits for the child made above; writes only `status`.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+            "setns into the mount namespace: exit {}: expected EINVAL with a shared filesystem context and success after a hook",
+            libc::WEXITSTATUS(status)
+        );
     }
 
     #[test]

@@ -116,7 +116,12 @@ pub fn init(raw_stage: i32) -> i32 {
     } else {
         match crate::amd::AmdSide::init(stage, &amd_cfg) {
             Ok(a) => (rc, a),
-            Err(crate::amd::Refused) => (-1, crate::amd::AmdSide::Idle("restore refused".into())),
+            Err(e) => {
+                log::error!(
+                    "amd: restore refused: {e}; nothing was restored and no GPU was touched"
+                );
+                (-1, crate::amd::AmdSide::Idle("restore refused".into()))
+            }
         }
     };
     *PLUGIN.lock().unwrap_or_else(|e| e.into_inner()) = Some(Plugin {

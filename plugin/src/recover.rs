@@ -47,10 +47,27 @@ pub enum RecoverError {
     StoppedUnknown { pid: i32 },
     #[error("ending the group stop of pid {pid} (SIGCONT) failed: {err}")]
     Continue { pid: i32, err: std::io::Error },
+    #[error(transparent)]
+    Amd(#[from] crate::amd::recover::RecoverError),
 }
 
 /// Returns what was done, or what went wrong and what to do about it.
 pub fn recover(pid: i32, images: Option<&Path>) -> Result<String, RecoverError> {
+    // An AMD GPU process (it holds a KFD file): its memory never left, only its queues may be
+    // paused.
+    match crate::amd::recover::recover(pid)? {
+        Some(crate::amd::recover::Recovered::Unpaused) => {
+            return Ok(format!(
+                "pid {pid} recovered (AMD GPU queues unpaused); it runs again"
+            ));
+        }
+        Some(crate::amd::recover::Recovered::Running) => {
+            return Ok(format!(
+                "pid {pid}'s AMD GPU queues were not paused: nothing to recover"
+            ));
+        }
+        None => {}
+    }
     let api = gpusnap_cuda::driver::api()?;
     api.init()?;
     // A hold of a dump whose CRIU died leaves the process in a group stop, where the driver

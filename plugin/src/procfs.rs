@@ -250,6 +250,25 @@ pub fn mapped_file_metadata(pid: i32, start: u64, end: u64) -> io::Result<std::f
     std::fs::metadata(&path).map_err(|e| io::Error::new(e.kind(), format!("{path}: {e}")))
 }
 
+/// The pid `/proc/locks` names as holding a `flock` on the file of device `dev` and inode
+/// `ino`, if one does.
+pub fn flock_holder(dev: u64, ino: u64) -> io::Result<Option<i32>> {
+    Ok(parse_flock_holder(&read("/proc/locks")?, dev, ino))
+}
+
+/// `N: FLOCK ADVISORY WRITE <pid> <major>:<minor>:<inode> 0 EOF` lines (major and minor in hex).
+pub fn parse_flock_holder(locks: &str, dev: u64, ino: u64) -> Option<i32> {
+    let want = format!("{:02x}:{:02x}:{ino}", libc::major(dev), libc::minor(dev));
+    locks.lines().find_map(|l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        // A blocked waiter's line starts `N: ->`.
+        let f = f.get(1..)?;
+        (f.first() == Some(&"FLOCK") && f.get(4).is_some_and(|id| id.eq_ignore_ascii_case(&want)))
+            .then(|| f.get(3)?.parse().ok())
+            .flatten()
+    })
+}
+
 /// The owner uid of `pid`.
 pub fn uid_of(pid: i32) -> io::Result<u32> {
     Ok(std::fs::metadata(format!("/proc/{pid}"))?.uid())
@@ -380,6 +399,17 @@ mod tests {
             parse_char_major("Character devices:\n  1 mem\n", "kfd"),
             None
         );
+    }
+
+    #[test]
+    fn flock_holders_are_found_by_device_and_inode() {
+        let locks = "1: POSIX  ADVISORY  WRITE 11 08:01:99 0 EOF\n\
+                     2: FLOCK  ADVISORY  WRITE 4242 08:01:1234 0 EOF\n\
+                     2: -> FLOCK  ADVISORY  WRITE 77 08:01:1234 0 EOF\n";
+        let dev = libc::makedev(8, 1);
+        assert_eq!(parse_flock_holder(locks, dev, 1234), Some(4242));
+        assert_eq!(parse_flock_holder(locks, dev, 99), None, "a POSIX lock");
+        assert_eq!(parse_flock_holder(locks, libc::makedev(8, 2), 1234), None);
     }
 
     #[test]

@@ -21,7 +21,7 @@ pub enum RecoverError {
     #[error(transparent)]
     Driver(#[from] DriverError),
     #[error("configuration: {0}")]
-    Config(String),
+    Config(#[from] gpusnap_config::ConfigError),
     #[error("cannot seize pid {pid} ({err}); is another tracer (CRIU?) still attached?")]
     Seize { pid: i32, err: std::io::Error },
     #[error(transparent)]
@@ -99,7 +99,7 @@ pub fn recover(pid: i32, images: Option<&Path>) -> Result<String, RecoverError> 
         "stopping a thread after the driver's answers",
     )?;
     let agent_tid = agent::agent_thread(pid);
-    let cfg = gpusnap_config::load().map_err(|e| RecoverError::Config(e.to_string()))?;
+    let cfg = gpusnap_config::load()?;
     let seized = match seized {
         Some(s) => s,
         None => SeizedProcess::seize(pid).map_err(|err| RecoverError::Seize { pid, err })?,

@@ -217,7 +217,8 @@ fn find_label(pid: i32) -> io::Result<Option<(RawFd, RawFd)>> {
     Ok(found)
 }
 
-fn pidfd_open(pid: i32) -> io::Result<OwnedFd> {
+/// `pidfd_open(2)`: a descriptor that names process `pid` for good (a reused pid is another).
+pub fn pidfd_open(pid: i32) -> io::Result<OwnedFd> {
     // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
     let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
     if fd < 0 {
@@ -227,7 +228,9 @@ fn pidfd_open(pid: i32) -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
 }
 
-fn pidfd_getfd(pidfd: BorrowedFd<'_>, target_fd: RawFd) -> io::Result<OwnedFd> {
+/// `pidfd_getfd(2)`: a copy (close-on-exec) of descriptor `target_fd` of the process
+/// `pidfd` names; needs ptrace rights over it.
+pub fn pidfd_getfd(pidfd: BorrowedFd<'_>, target_fd: RawFd) -> io::Result<OwnedFd> {
     // SAFETY: pidfd is an open pidfd; the call copies a descriptor of that process into ours
     // (CLOEXEC) or returns -1.
     let fd = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), target_fd, 0) };

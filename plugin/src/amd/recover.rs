@@ -4,9 +4,10 @@
 //! made as its tracer (the kernel's rule for CRIU ioctls on another process's file).
 
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::AsFd;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 
+use gpusnap_proto::{pidfd_getfd, pidfd_open};
 use gpusnap_rocm::kfd::KfdError;
 use gpusnap_rocm::kfd::criu;
 use gpusnap_rocm::kfd::device::{DeviceFile, KfdDevice};
@@ -92,25 +93,4 @@ pub fn recover(pid: i32) -> Result<Option<Recovered>, RecoverError> {
     drop(kfd);
     drop(seized);
     r
-}
-
-fn pidfd_open(pid: i32) -> io::Result<OwnedFd> {
-    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: a new descriptor that nothing else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
-}
-
-fn pidfd_getfd(pidfd: BorrowedFd<'_>, target_fd: i32) -> io::Result<OwnedFd> {
-    // SAFETY: pidfd is an open pidfd; the call copies a descriptor of that process into ours
-    // (CLOEXEC) or returns -1.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), target_fd, 0) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: a new descriptor that nothing else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }

@@ -1,5 +1,7 @@
 //! `gpusnap check`: is this host ready for GPU checkpoints? Each finding is one line,
-//! `ok|warn|fail  <what>  — <what to do>`; exit 1 if any is `fail`.
+//! `ok|warn|fail  <what>  — <what to do>`; exit 1 if any is `fail`. The configuration comes
+//! first: the file and the `GPUSNAP_*` environment read as the plugin reads them, each
+//! problem a line of its own.
 //!
 //! Where Podman is installed, [`crate::check_containers`] adds what container checkpoints need;
 //! [`crate::check_cdi`] checks the CDI spec that gives containers the agent.
@@ -84,7 +86,7 @@ pub fn run(args: &[String]) -> ExitCode {
         eprintln!("gpusnap check: unexpected {a:?}\nusage: gpusnap check");
         return ExitCode::from(EXIT_USAGE);
     }
-    let mut findings = Vec::new();
+    let mut findings = check_config(gpusnap_config::load());
     findings.extend(check_criu());
     findings.extend(check_plugin_dir());
     findings.extend(check_driver(Path::new("/proc/driver/nvidia/version")));
@@ -105,6 +107,33 @@ pub fn run(args: &[String]) -> ExitCode {
         ExitCode::from(EXIT_PROBLEM)
     } else {
         ExitCode::SUCCESS
+    }
+}
+
+/// The configuration as the plugin would load it: one `ok` line, or one `fail` line per
+/// problem (the plugin refuses to run on any).
+fn check_config(
+    loaded: Result<gpusnap_config::Config, gpusnap_config::ConfigError>,
+) -> Vec<Finding> {
+    let named = std::env::var(gpusnap_config::CONFIG_ENV).ok();
+    let (path, _) = gpusnap_config::config_path(named.as_deref());
+    match loaded {
+        Ok(c) => vec![Finding::ok(format!(
+            "configuration ({}{}): {}",
+            path.display(),
+            if path.exists() { "" } else { ", absent: defaults" },
+            c.describe()
+        ))],
+        Err(e) => e
+            .problems()
+            .into_iter()
+            .map(|p| {
+                Finding::fail(
+                    format!("configuration: {p}"),
+                    "fix it (config/gpusnap.conf.example documents every key); the plugin refuses every dump and restore until then",
+                )
+            })
+            .collect(),
     }
 }
 

@@ -34,7 +34,7 @@ pub fn run(args: &[String]) -> ExitCode {
     };
     let file = match util::open_dir(&dir) {
         Ok(f) => f,
-        Err(e) => return util::usage_error("inspect", SYNOPSIS, &e),
+        Err(e) => return e.exit("inspect"),
     };
     let report = match Report::gather(&dir, file.as_fd()) {
         Ok(r) => r,

@@ -8,7 +8,10 @@
 //!   its dump, so the dump copies only what changed.
 //!
 //! Image bytes are parsed only by the `gpusnap-image` crate; this binary formats what it returns.
-//! Exit codes: 0 success, 1 a problem was found (damage, failed check), 2 usage error.
+//! `gpusnap SUB --help` and `gpusnap help SUB` describe a subcommand. Exit codes ([`util::EXITS`],
+//! `docs/cli.md`): 0 ok, 1 a problem found (damage, a failed check, a failed recover), 2 usage
+//! error, 3 nothing found to act on (no gpusnap image in DIR, no such DIR), 4 environment or
+//! driver problem (configuration, driver, permissions).
 
 mod check;
 mod check_cdi;
@@ -23,11 +26,13 @@ use std::process::ExitCode;
 
 use util::EXIT_USAGE;
 
-/// One subcommand: its name, argument synopsis, one-line description and entry point.
+/// One subcommand: its name, argument synopsis, one-line description, what `--help` adds, and
+/// entry point.
 struct Command {
     name: &'static str,
     args: &'static str,
     about: &'static str,
+    help: &'static str,
     run: fn(&[String]) -> ExitCode,
 }
 
@@ -38,30 +43,52 @@ const COMMANDS: &[Command] = &[
         name: "inspect",
         args: "DIR [--json]",
         about: "show the gpusnap images in a CRIU image directory",
+        help: "For each process: its GPUs, allocations, data files, chunks and codecs, and what a\n\
+               restore needs. --json prints one JSON document instead.\n\
+               Exit: 0 shown, 1 an image is damaged, 2 usage, 3 no such DIR, 4 DIR unreadable.",
         run: inspect::run,
     },
     Command {
         name: "verify",
         args: "DIR [--threads N]",
         about: "check every chunk of every gpusnap image in DIR (exit 1 on damage)",
+        help: "Reads every chunk of every gpusnap image in DIR (and of the parent images it\n\
+               references) and checks it against its checksum. --threads N readers (default:\n\
+               one per CPU, at most 16).\n\
+               Exit: 0 every image intact, 1 damage or an unfinished dump found, 2 usage,\n\
+               3 nothing to verify (no gpusnap image in DIR, or no such DIR), 4 DIR unreadable.",
         run: verify::run,
     },
     Command {
         name: "check",
         args: "",
-        about: "diagnose this host: CRIU, plugin, NVIDIA driver, agent, ptrace, GPU memory, Podman",
+        about: "diagnose this host: configuration, CRIU, plugin, drivers, agent, ptrace, Podman",
+        help: "One line per finding, `ok|warn|fail  what  — what to do`. The configuration file\n\
+               (/etc/criu/gpusnap.conf or $GPUSNAP_CONFIG) and the GPUSNAP_* environment are\n\
+               checked as the plugin reads them, every problem on its own line.\n\
+               Exit: 0 no failure, 1 a check failed, 2 usage.",
         run: check::run,
     },
     Command {
         name: "recover",
         args: "PID [--images DIR]",
         about: "after a dump cut short: unlock the process and reload its GPU data",
+        help: "For a process a dump left held (CRIU killed mid-dump): NVIDIA, unlock it and reload\n\
+               its released device memory from --images DIR (the interrupted dump's directory);\n\
+               AMD, start its paused GPU queues (its memory never left).\n\
+               Exit: 0 recovered or nothing to recover, 1 not recovered (the message says why\n\
+               and what to do), 2 usage, 4 configuration or driver problem.",
         run: recover::run,
     },
     Command {
         name: "precopy",
         args: "PID --images DIR [--parent PATH] [--json]",
         about: "copy a running process's GPU data ahead of its dump (it keeps running)",
+        help: "One pre-copy round into DIR (one round at a time per directory): a later\n\
+               `criu dump --prev-images-dir DIR` copies only what changed. --parent PATH\n\
+               compares against an earlier round; --json prints the report as JSON.\n\
+               Exit: 0 saved, 1 the round failed (the process runs on; DIR keeps nothing of it),\n\
+               2 usage, 4 configuration or driver problem.",
         run: precopy::run,
     },
 ];
@@ -79,8 +106,21 @@ fn usage() -> String {
             c.about
         ));
     }
-    s.push_str("\nExit status: 0 ok, 1 problem found, 2 usage error.\n");
+    s.push_str(
+        "\n`gpusnap SUB --help` or `gpusnap help SUB` says more about SUB.\n\nExit status:\n",
+    );
+    for (code, what) in util::EXITS {
+        s.push_str(&format!("  {code}  {what}\n"));
+    }
     s
+}
+
+/// `gpusnap SUB --help`.
+fn command_help(c: &Command) -> String {
+    format!(
+        "gpusnap {} {}\n  {}\n\n{}\n",
+        c.name, c.args, c.about, c.help
+    )
 }
 
 fn main() -> ExitCode {
@@ -90,6 +130,19 @@ fn main() -> ExitCode {
         return ExitCode::from(EXIT_USAGE);
     };
     match cmd.as_str() {
+        "help" if args.len() > 1 => {
+            return match COMMANDS.iter().find(|c| c.name == args[1]) {
+                Some(c) => {
+                    print!("{}", command_help(c));
+                    ExitCode::SUCCESS
+                }
+                None => {
+                    eprintln!("gpusnap help: unknown command {:?}\n", args[1]);
+                    eprint!("{}", usage());
+                    ExitCode::from(EXIT_USAGE)
+                }
+            };
+        }
         "-h" | "--help" | "help" => {
             print!("{}", usage());
             return ExitCode::SUCCESS;
@@ -101,6 +154,10 @@ fn main() -> ExitCode {
         _ => {}
     }
     match COMMANDS.iter().find(|c| c.name == cmd) {
+        Some(c) if args[1..].iter().any(|a| a == "--help" || a == "-h") => {
+            print!("{}", command_help(c));
+            ExitCode::SUCCESS
+        }
         Some(c) => (c.run)(&args[1..]),
         None => {
             eprintln!("gpusnap: unknown command {cmd:?}\n");

@@ -6,7 +6,7 @@
 use std::path::Path;
 use std::process::ExitCode;
 
-use crate::util::{self, EXIT_PROBLEM};
+use crate::util::{self, EXIT_ENVIRONMENT, EXIT_PROBLEM};
 
 const SYNOPSIS: &str = "PID --images DIR [--parent PATH] [--json]";
 
@@ -92,7 +92,11 @@ pub fn run(args: &[String]) -> ExitCode {
         }
         Err(e) => {
             eprintln!("gpusnap precopy: {e}");
-            ExitCode::from(EXIT_PROBLEM)
+            use gpusnap::precopy::PreCopyError;
+            ExitCode::from(match e {
+                PreCopyError::Driver(_) | PreCopyError::Config(_) => EXIT_ENVIRONMENT,
+                _ => EXIT_PROBLEM,
+            })
         }
     }
 }

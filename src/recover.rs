@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::process::ExitCode;
 
-use crate::util::{self, EXIT_PROBLEM};
+use crate::util::{self, EXIT_ENVIRONMENT, EXIT_PROBLEM};
 
 const SYNOPSIS: &str = "PID [--images DIR]";
 
@@ -45,7 +45,11 @@ pub fn run(args: &[String]) -> ExitCode {
         }
         Err(e) => {
             eprintln!("gpusnap recover: {e}");
-            ExitCode::from(EXIT_PROBLEM)
+            use gpusnap::recover::RecoverError;
+            ExitCode::from(match e {
+                RecoverError::Driver(_) | RecoverError::Config(_) => EXIT_ENVIRONMENT,
+                _ => EXIT_PROBLEM,
+            })
         }
     }
 }

@@ -5,22 +5,69 @@ use std::fs::{File, OpenOptions};
 use std::os::unix::fs::OpenOptionsExt;
 use std::process::ExitCode;
 
+/// A problem was found: damage, a failed check, a recover or round that did not succeed.
 pub const EXIT_PROBLEM: u8 = 1;
+/// The command line is wrong.
 pub const EXIT_USAGE: u8 = 2;
+/// Nothing was found to act on: no gpusnap image in the directory, or no such directory.
+pub const EXIT_NOTHING: u8 = 3;
+/// The environment is in the way: the configuration, the driver, permissions.
+pub const EXIT_ENVIRONMENT: u8 = 4;
+
+/// Every exit status, with what it means (for `--help` and `docs/cli.md`).
+pub const EXITS: [(u8, &str); 5] = [
+    (0, "ok: intact, ready, done (or nothing needed doing)"),
+    (
+        EXIT_PROBLEM,
+        "a problem was found: damage, a failed check, not recovered",
+    ),
+    (EXIT_USAGE, "usage error"),
+    (
+        EXIT_NOTHING,
+        "nothing found to act on: no gpusnap image in DIR, no such DIR",
+    ),
+    (
+        EXIT_ENVIRONMENT,
+        "environment or driver problem: configuration, driver, permissions",
+    ),
+];
 
 /// Prints a usage error for `cmd` and returns exit status 2.
 pub fn usage_error(cmd: &str, synopsis: &str, msg: &str) -> ExitCode {
-    eprintln!("gpusnap {cmd}: {msg}\nusage: gpusnap {cmd} {synopsis}");
+    eprintln!("gpusnap {cmd}: {msg}\nusage: gpusnap {cmd} {synopsis} (gpusnap {cmd} --help)");
     ExitCode::from(EXIT_USAGE)
 }
 
-/// Opens an image directory the way the plugin sees it: as a directory file descriptor.
-pub fn open_dir(path: &str) -> Result<File, String> {
+/// An image directory that could not be opened, and the exit status that says why.
+#[derive(Debug)]
+pub struct DirError {
+    pub message: String,
+    pub code: u8,
+}
+
+impl DirError {
+    /// Prints `gpusnap <cmd>: <message>` and returns its status.
+    pub fn exit(&self, cmd: &str) -> ExitCode {
+        eprintln!("gpusnap {cmd}: {}", self.message);
+        ExitCode::from(self.code)
+    }
+}
+
+/// Opens an image directory the way the plugin sees it: as a directory file descriptor. A
+/// missing directory (or a path that is not one) is [`EXIT_NOTHING`]; any other failure
+/// (permissions, I/O) [`EXIT_ENVIRONMENT`].
+pub fn open_dir(path: &str) -> Result<File, DirError> {
     OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_DIRECTORY | libc::O_CLOEXEC)
         .open(path)
-        .map_err(|e| format!("{path}: {e}"))
+        .map_err(|e| DirError {
+            code: match e.raw_os_error() {
+                Some(libc::ENOENT | libc::ENOTDIR) => EXIT_NOTHING,
+                _ => EXIT_ENVIRONMENT,
+            },
+            message: format!("{path}: {e}"),
+        })
 }
 
 /// `1.50 GiB`, `12.0 MiB`, `512 B`.

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use gpusnap_image::{ImageError, ImageFileKind};
 
-use crate::util::{self, EXIT_PROBLEM};
+use crate::util::{self, EXIT_NOTHING, EXIT_PROBLEM};
 
 const SYNOPSIS: &str = "DIR [--threads N]";
 
@@ -32,7 +32,7 @@ pub fn run(args: &[String]) -> ExitCode {
     };
     let file = match util::open_dir(&dir) {
         Ok(f) => f,
-        Err(e) => return util::usage_error("verify", SYNOPSIS, &e),
+        Err(e) => return e.exit("verify"),
     };
     let fd = file.as_fd();
 
@@ -117,7 +117,9 @@ pub fn run(args: &[String]) -> ExitCode {
         println!("FAIL  process {nspid}: {e}");
     }
     if manifests.is_empty() && unfinished.is_empty() {
+        // A script must be able to tell "verified" from "found nothing to verify".
         println!("{dir}: no gpusnap images (nothing to verify)");
+        return ExitCode::from(EXIT_NOTHING);
     }
     if bad > 0 {
         ExitCode::from(EXIT_PROBLEM)

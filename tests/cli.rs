@@ -389,12 +389,17 @@ fn verify_reports_a_data_file_cut_short() {
     );
 }
 
+/// Nothing to verify is not "verified": exit 3, for an empty directory and for a missing one,
+/// so a script can tell.
 #[test]
-fn empty_directory_is_fine() {
+fn nothing_to_verify_exits_3() {
     let t = TempDir::new();
     let o = gpusnap(&["verify", t.arg()]);
-    assert_eq!(o.status.code(), Some(0), "{o:?}");
+    assert_eq!(o.status.code(), Some(3), "{o:?}");
     assert!(stdout(&o).contains("no gpusnap images"));
+    let o = gpusnap(&["verify", "/nonexistent/gpusnap-dir"]);
+    assert_eq!(o.status.code(), Some(3), "{o:?}");
+    assert!(String::from_utf8_lossy(&o.stderr).contains("/nonexistent/gpusnap-dir"));
     let o = gpusnap(&["inspect", t.arg(), "--json"]);
     assert!(o.status.success());
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
@@ -407,7 +412,6 @@ fn usage_errors_exit_2() {
         &[][..],
         &["frobnicate"],
         &["verify"],
-        &["verify", "/nonexistent/gpusnap-dir"],
         &["verify", "/tmp", "--threads", "0"],
         &["inspect", "/tmp", "--yaml"],
         &["check", "extra"],
@@ -419,6 +423,74 @@ fn usage_errors_exit_2() {
     let o = gpusnap(&["recover"]);
     assert!(String::from_utf8_lossy(&o.stderr).contains("missing PID"));
     assert!(gpusnap(&["--help"]).status.success());
+    assert_eq!(gpusnap(&["help", "frobnicate"]).status.code(), Some(2));
+}
+
+/// Every subcommand answers `--help` (and `-h`, and `gpusnap help SUB`) with its synopsis and
+/// its exit codes, on stdout, exit 0 — also where other arguments stand beside it.
+#[test]
+fn every_subcommand_has_help() {
+    for sub in ["inspect", "verify", "check", "recover", "precopy"] {
+        for args in [
+            vec![sub, "--help"],
+            vec![sub, "-h"],
+            vec!["help", sub],
+            vec![sub, "/tmp", "--help"],
+        ] {
+            let o = gpusnap(&args);
+            let out = stdout(&o);
+            assert_eq!(o.status.code(), Some(0), "{args:?}: {o:?}");
+            assert!(
+                out.starts_with(&format!("gpusnap {sub} ")),
+                "{args:?}: {out}"
+            );
+            assert!(out.contains("Exit: 0 "), "{args:?}: {out}");
+            assert!(!out.contains("unknown option"), "{args:?}: {out}");
+        }
+    }
+    let o = gpusnap(&["--help"]);
+    let out = stdout(&o);
+    for code in 0..=4 {
+        assert!(
+            out.contains(&format!("\n  {code}  ")),
+            "exit {code} undocumented: {out}"
+        );
+    }
+}
+
+/// `gpusnap check` reads the configuration as the plugin does and lists every problem.
+#[test]
+fn check_lists_every_configuration_problem() {
+    let t = TempDir::new();
+    let conf = t.path.join("gpusnap.conf");
+    std::fs::write(&conf, "writer_thread = 4\nmode = \"fast\"\n").unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_gpusnap"))
+        .arg("check")
+        .env("GPUSNAP_CONFIG", &conf)
+        .env("GPUSNAP_DURABEL", "1")
+        .env("GPUSNAP_CRIU", "/nonexistent/criu")
+        .output()
+        .unwrap();
+    let s = stdout(&o);
+    assert_eq!(o.status.code(), Some(1), "{s}");
+    let config: Vec<&str> = s
+        .lines()
+        .filter(|l| l.starts_with("fail  configuration: "))
+        .collect();
+    assert_eq!(config.len(), 3, "{s}");
+    for needle in ["writer_thread`", "key `mode`", "GPUSNAP_DURABEL"] {
+        assert!(config.iter().any(|l| l.contains(needle)), "{needle}: {s}");
+    }
+    let o = Command::new(env!("CARGO_BIN_EXE_gpusnap"))
+        .arg("check")
+        .env("GPUSNAP_CONFIG", "/dev/null")
+        .env("GPUSNAP_CRIU", "/nonexistent/criu")
+        .output()
+        .unwrap();
+    assert!(
+        stdout(&o).contains("ok    configuration (/dev/null)"),
+        "{o:?}"
+    );
 }
 
 #[test]
@@ -472,7 +544,7 @@ fn recover_checks_its_arguments_and_the_process() {
     assert_eq!(o.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&o.stderr).contains("no process"));
     // A live process without CUDA state: nothing to recover (exit 0), or, on a host without a
-    // driver, an error that says the driver is missing (exit 1).
+    // driver, an error that says the driver is missing (exit 4, an environment problem).
     let me = std::process::id().to_string();
     let o = gpusnap(&["recover", &me]);
     let text = format!(
@@ -482,7 +554,7 @@ fn recover_checks_its_arguments_and_the_process() {
     );
     match o.status.code() {
         Some(0) => assert!(text.contains("nothing to recover"), "{text}"),
-        Some(1) => assert!(text.contains("NVIDIA driver"), "{text}"),
+        Some(4) => assert!(text.contains("NVIDIA driver"), "{text}"),
         other => panic!("unexpected exit {other:?}: {text}"),
     }
 }

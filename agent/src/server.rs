@@ -150,7 +150,7 @@ fn agent_main() {
                 continue;
             }
         };
-        if peer_allowed(&conn) {
+        if peer_allowed(&conn) && first_request_comes(&conn, &door) {
             let ch = Channel::new(conn);
             if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| agent.serve(&ch))).is_err()
             {
@@ -192,6 +192,52 @@ fn wait_readable(door: &Channel) -> std::io::Result<()> {
         let e = std::io::Error::last_os_error();
         if e.raw_os_error() != Some(libc::EINTR) {
             return Err(e);
+        }
+    }
+}
+
+/// How long a connection may take to send its first request. Every client sends one at once
+/// (the plugin's `Hello` follows its knock within microseconds).
+const FIRST_REQUEST_LIMIT: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// Whether a connection just taken sends a request before another knock waits at the door and
+/// within [`FIRST_REQUEST_LIMIT`]: a connection that has said nothing gives way to the next
+/// knock at once, so idle knocks queued ahead of the plugin's (anyone with ptrace rights over
+/// the process can knock) cost it nothing, and none is still queued when CRIU dumps.
+fn first_request_comes(conn: &OwnedFd, door: &Channel) -> bool {
+    let deadline = std::time::Instant::now() + FIRST_REQUEST_LIMIT;
+    loop {
+        let mut fds = [
+            libc::pollfd {
+                fd: conn.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: door.fd().as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            debug!("closing a connection that sent nothing for {FIRST_REQUEST_LIMIT:?}");
+            return false;
+        }
+        // SAFETY: fds is an array of two valid pollfds.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, left.as_millis().max(1) as i32) };
+        if n < 0 {
+            if std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
+                continue;
+            }
+            return true; // let the request loop find out what is wrong
+        }
+        if fds[0].revents != 0 {
+            return true; // a request, or the peer closed: the serve loop handles both
+        }
+        if fds[1].revents & libc::POLLIN != 0 {
+            debug!("a connection that sent nothing gives way to the next knock");
+            return false;
         }
     }
 }

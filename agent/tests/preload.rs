@@ -534,3 +534,43 @@ fn forked_child_inherits_no_agent() {
     let _ = parent.kill();
     let _ = parent.wait();
 }
+
+/// The campaign's finding (a): twenty idle knocks (connections that never send a request) by
+/// anyone with ptrace rights over the job, then the plugin's. The agent lets each idle one give
+/// way to the next knock, so the plugin's `Hello` is answered at once (it waited up to 2-5 s
+/// per idle knock, past CRIU's timeout), and the idle connections are closed, not kept.
+#[test]
+fn idle_knocks_do_not_hold_up_the_next_client() {
+    let child = EagerChild::start("30");
+    drop(child.connect()); // the agent listens
+    let idle: Vec<Channel> = (0..20)
+        .map(|_| Channel::new(connect_agent(child.pid()).unwrap()))
+        .collect();
+    let t0 = Instant::now();
+    let ch = child.connect();
+    ch.send_request(
+        &Request::Hello {
+            version: PROTOCOL_VERSION,
+        },
+        None,
+    )
+    .unwrap();
+    let answer = ch.recv_reply(Some(Duration::from_secs(3)));
+    let took = t0.elapsed();
+    assert!(
+        matches!(answer, Ok(Reply::Hello { .. })),
+        "no Hello after 20 idle knocks: {answer:?} in {took:?}"
+    );
+    assert!(took < Duration::from_secs(1), "answered after {took:?}");
+    for (i, c) in idle.iter().enumerate() {
+        assert!(
+            matches!(
+                c.recv_reply(Some(Duration::from_secs(2))),
+                Err(ProtoError::Closed)
+            ),
+            "idle connection {i} was not closed"
+        );
+    }
+    drop(ch);
+    child.finish();
+}

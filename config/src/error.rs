@@ -78,4 +78,26 @@ pub enum ConfigError {
         value: String,
         allowed: String,
     },
+
+    /// More than one of the above, all found in one pass (never nested, never fewer than two).
+    #[error("{} configuration problems: {}", .0.len(), numbered(.0))]
+    Several(Vec<ConfigError>),
+}
+
+impl ConfigError {
+    /// Each problem on its own: this one, or every one of [`ConfigError::Several`].
+    pub fn problems(&self) -> Vec<&ConfigError> {
+        match self {
+            ConfigError::Several(all) => all.iter().collect(),
+            one => vec![one],
+        }
+    }
+}
+
+fn numbered(all: &[ConfigError]) -> String {
+    all.iter()
+        .enumerate()
+        .map(|(i, e)| format!("({}) {e}", i + 1))
+        .collect::<Vec<_>>()
+        .join("; ")
 }

@@ -370,6 +370,9 @@ pub fn load() -> Result<Config, ConfigError> {
 /// Loads the configuration from `file` (if any) and then applies `env`, a list of environment
 /// variables (other variables than `GPUSNAP_*` are ignored; `GPUSNAP_CONFIG` is not read here).
 ///
+/// Every problem is reported at once: one is returned as itself, several as
+/// [`ConfigError::Several`] (each in the order found: the file's keys, then the environment).
+///
 /// If `file` does not exist, that is an error when `file_required`, and means "defaults"
 /// otherwise. Any other failure to read it is always an error, and so is a file that is not a
 /// regular file (other than the null device, which reads as empty) or is larger than
@@ -381,44 +384,54 @@ pub fn load_from(
     env: &[(String, String)],
 ) -> Result<Config, ConfigError> {
     let mut config = Config::default();
+    let mut problems = Vec::new();
     if let Some(path) = file {
-        apply_file(&mut config, path, file_required)?;
+        apply_file(&mut config, path, file_required, &mut problems);
     }
-    apply_env(&mut config, env)?;
-    Ok(config)
+    apply_env(&mut config, env, &mut problems);
+    match problems.len() {
+        0 => Ok(config),
+        1 => Err(problems.remove(0)),
+        _ => Err(ConfigError::Several(problems)),
+    }
 }
 
-fn apply_file(config: &mut Config, path: &Path, required: bool) -> Result<(), ConfigError> {
+fn apply_file(config: &mut Config, path: &Path, required: bool, problems: &mut Vec<ConfigError>) {
     let text = match file::read(path) {
         Ok(text) => text,
         Err(ConfigError::Read { source, .. })
             if source.kind() == std::io::ErrorKind::NotFound && !required =>
         {
-            return Ok(());
+            return;
         }
-        Err(e) => return Err(e),
+        Err(e) => return problems.push(e),
     };
-    let table: toml::Table = text
-        .parse()
-        .map_err(|e: toml::de::Error| ConfigError::Parse {
-            path: path.to_owned(),
-            message: one_line_parse_error(&text, &e),
-        })?;
+    let table: toml::Table = match text.parse() {
+        Ok(t) => t,
+        Err(e) => {
+            return problems.push(ConfigError::Parse {
+                path: path.to_owned(),
+                message: one_line_parse_error(&text, &e),
+            });
+        }
+    };
     for (name, value) in &table {
         let Some(key) = keys::find(name) else {
-            return Err(ConfigError::UnknownKey {
+            problems.push(ConfigError::UnknownKey {
                 path: path.to_owned(),
                 key: name.clone(),
                 valid: keys::names(),
             });
+            continue;
         };
         let origin = Origin::File {
             path: path.to_owned(),
             key: name.clone(),
         };
-        (key.set)(config, keys::Raw::Toml(value), &origin)?;
+        if let Err(e) = (key.set)(config, keys::Raw::Toml(value), &origin) {
+            problems.push(e);
+        }
     }
-    Ok(())
 }
 
 /// `line L, column C: message`, so the error fits on one line of CRIU's log.
@@ -433,7 +446,7 @@ fn one_line_parse_error(text: &str, e: &toml::de::Error) -> String {
     format!("line {line}, column {column}: {message}")
 }
 
-fn apply_env(config: &mut Config, env: &[(String, String)]) -> Result<(), ConfigError> {
+fn apply_env(config: &mut Config, env: &[(String, String)], problems: &mut Vec<ConfigError>) {
     for (var, value) in env {
         let Some(suffix) = var.strip_prefix(ENV_PREFIX) else {
             continue;
@@ -450,25 +463,28 @@ fn apply_env(config: &mut Config, env: &[(String, String)]) -> Result<(), Config
             continue;
         }
         let Some(key) = key else {
-            return Err(ConfigError::UnknownEnv {
+            problems.push(ConfigError::UnknownEnv {
                 var: var.clone(),
                 valid: valid_env_names(),
             });
+            continue;
         };
         let origin = Origin::Env { var: var.clone() };
-        (key.set)(config, keys::Raw::Env(value), &origin)?;
+        if let Err(e) = (key.set)(config, keys::Raw::Env(value), &origin) {
+            problems.push(e);
+        }
     }
-    Ok(())
 }
 
+/// The variables a user sets: one per key, and `GPUSNAP_CONFIG`. The build, test and script
+/// variables that are let through ([`NON_CONFIG_ENV`], [`NON_CONFIG_PREFIXES`]) are not
+/// settings, so a typo is not offered them.
 fn valid_env_names() -> String {
     let mut names: Vec<String> = keys::KEYS
         .iter()
         .map(|k| format!("{ENV_PREFIX}{}", k.name.to_ascii_uppercase()))
         .collect();
     names.push(CONFIG_ENV.to_owned());
-    names.extend(NON_CONFIG_ENV.iter().map(|s| (*s).to_owned()));
-    names.extend(NON_CONFIG_PREFIXES.iter().map(|p| format!("{p}*")));
     names.join(", ")
 }
 

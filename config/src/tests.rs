@@ -305,7 +305,18 @@ fn unknown_env_var() {
     assert_eq!(var, "GPUSNAP_WRITER_THREAD");
     assert!(valid.contains("GPUSNAP_WRITER_THREADS"), "{valid}");
     assert!(valid.contains("GPUSNAP_DURABLE"), "{valid}");
-    assert!(valid.contains("GPUSNAP_LIBCUDA"), "{valid}");
+    assert!(valid.contains("GPUSNAP_CONFIG"), "{valid}");
+    // Only what a user sets: not the build, test and script variables that are let through.
+    for not_a_setting in NON_CONFIG_ENV
+        .iter()
+        .map(|v| v.to_string())
+        .chain(NON_CONFIG_PREFIXES.iter().map(|p| format!("{p}*")))
+    {
+        assert!(
+            !valid.contains(&not_a_setting),
+            "{not_a_setting} in {valid}"
+        );
+    }
     // The variable must be the key uppercased exactly.
     let err = from_env(&[("GPUSNAP_writer_threads", "4")]).unwrap_err();
     assert!(matches!(err, ConfigError::UnknownEnv { .. }), "{err}");
@@ -691,4 +702,30 @@ fn compress_takes_auto_and_names_the_choices() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("\"off\", \"zstd\", \"auto\""), "{e}");
+}
+
+/// Two bad keys in the file and a bad variable: all three in one error, in the order found,
+/// each naming where it came from.
+#[test]
+fn every_problem_is_reported_at_once() {
+    let f = TempFile::new("writer_thread = 4\nmode = \"fast\"\nstaging_slots = 8\n");
+    let path = f.path.clone();
+    let env = env(&[("GPUSNAP_DURABEL", "1")]);
+    let err = load_from(Some(&path), true, &env).unwrap_err();
+    let ConfigError::Several(all) = &err else {
+        panic!("one problem only: {err}");
+    };
+    assert_eq!(all.len(), 3, "{err}");
+    assert_eq!(err.problems().len(), 3);
+    let msg = err.to_string();
+    assert!(msg.starts_with("3 configuration problems: (1) "), "{msg}");
+    for needle in ["writer_thread`", "key `mode`", "GPUSNAP_DURABEL", "(3) "] {
+        assert!(msg.contains(needle), "{needle} missing: {msg}");
+    }
+    // One problem is itself, not a list of one.
+    let err = load_from(Some(&path), true, &[]).unwrap_err();
+    assert_eq!(err.problems().len(), 2);
+    std::fs::write(&path, "staging_slots = 8\n").unwrap();
+    let err = load_from(Some(&path), true, &env).unwrap_err();
+    assert!(matches!(err, ConfigError::UnknownEnv { .. }), "{err}");
 }

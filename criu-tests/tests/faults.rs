@@ -558,7 +558,9 @@ fn agent_door_survives_dump_and_restore() {
 }
 
 /// Contract 5: a configuration error fails the dump before criu touches the process, with a
-/// `gpusnap:` line naming the problem; `GPUSNAP_MODE=off` dumps with gpusnap disabled.
+/// `gpusnap:` line naming the problem, in CRIU's log and on CRIU's stderr (a user who runs
+/// `criu dump -o FILE` sees why on the terminal); every problem of a run in that one line;
+/// `GPUSNAP_MODE=off` dumps with gpusnap disabled.
 #[test]
 fn config_errors_fail_dump_before_touching_process() {
     let Some(h) = harness("config_errors_fail_dump_before_touching_process") else {
@@ -570,6 +572,9 @@ fn config_errors_fail_dump_before_touching_process() {
     let conf = w.path.join("gpusnap.conf");
     fs::write(&conf, "mode = \"auto\"\nlock_timout_ms = 5000\n").unwrap();
     let conf = conf.display().to_string();
+    let two = w.path.join("two-bad.conf");
+    fs::write(&two, "compres = \"zstd\"\nlock_timout_ms = 5000\n").unwrap();
+    let two = two.display().to_string();
     let missing = w.path.join("no-such.conf").display().to_string();
     let bad = [
         (
@@ -587,6 +592,7 @@ fn config_errors_fail_dump_before_touching_process() {
             ("GPUSNAP_WRITER_THRADS", "4"),
             "GPUSNAP_WRITER_THRADS",
         ),
+        ("two-bad-keys", ("GPUSNAP_CONFIG", two.as_str()), "compres`"),
     ];
     for (name, env, needle) in &bad {
         let images = w.path.join(format!("images-{name}"));
@@ -607,6 +613,25 @@ fn config_errors_fail_dump_before_touching_process() {
             "no `gpusnap: configuration error` line naming {needle:?}: {errors:#?}\n{}",
             ctx()
         );
+        let told: Vec<&str> = run
+            .output
+            .lines()
+            .filter(|l| l.starts_with("gpusnap: configuration error"))
+            .collect();
+        assert!(
+            told.len() == 1 && told[0].contains(needle),
+            "CRIU's stderr does not say why ({needle:?}): {:?}\n{}",
+            run.output,
+            ctx()
+        );
+        if *name == "two-bad-keys" {
+            assert!(
+                told[0].contains("2 configuration problems")
+                    && told[0].contains("compres`")
+                    && told[0].contains("lock_timout_ms`"),
+                "both bad keys in one line: {told:?}"
+            );
+        }
         assert!(
             !run.log.contains("Seized task"),
             "criu seized the process although the configuration is broken\n{}",

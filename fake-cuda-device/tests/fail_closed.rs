@@ -887,6 +887,76 @@ fn recover_killed_mid_reload_leaves_the_job_held() {
     );
 }
 
+/// The campaign's finding: a job held with its memory released whose hold record
+/// (`/run/gpusnap/held-<pid>`) is lost. `gpusnap recover` must find out from the job itself
+/// (its agent) that the memory is released, refuse, never advise continuing it, and leave it
+/// held: group-stopped, not a tick logged. With the record back, recover brings it back
+/// bit-exact.
+#[test]
+fn a_held_job_without_its_record_is_never_run_on_released_memory() {
+    let Some(s) = start("fc-recover-no-record") else {
+        return;
+    };
+    let dump = run_op(&s, Route::Split, Op::Dump, &[(KNOB, "dump-released")]);
+    assert!(killed_at(&s, &dump, "dump-released"));
+    let pid = s.vmm.pid();
+    sleep(SETTLE);
+    let held = s.vmm.last_ticks();
+    let record = std::path::PathBuf::from(format!("/run/gpusnap/held-{pid}"));
+    let kept = fs::read(&record).expect("the dump recorded its hold");
+    fs::remove_file(&record).unwrap();
+    let images = s.w.images.to_str().expect("utf-8 path").to_owned();
+    let (ok, text) = s.run_cli(&["recover", &pid.to_string(), "--images", &images]);
+    assert!(!ok, "recover without the record succeeded: {text}");
+    assert!(!text.contains("kill -CONT"), "advises running it: {text}");
+    assert!(
+        text.contains("GPU memory released") && text.contains("Do not continue it"),
+        "{text}"
+    );
+    sleep(HELD_FOR);
+    assert_no_bad_tick(&s, &dump, "recover without the record");
+    assert_eq!(s.vmm.last_ticks(), held, "it ran\n{}", s.describe(&dump));
+    let (states, traced) = threads(pid);
+    assert!(
+        !traced && !states.is_empty() && states.chars().all(|c| c == 'T'),
+        "threads {states:?}, traced {traced}: not held after the refusal\n{}",
+        s.describe(&dump)
+    );
+    fs::write(&record, kept).unwrap();
+    let (ok, text) = s.run_cli(&["recover", &pid.to_string(), "--images", &images]);
+    assert!(
+        ok && text.contains("recovered (device data reloaded); it runs again"),
+        "{text}\n{}",
+        s.describe(&dump)
+    );
+    assert!(!record.exists(), "the record outlives the hold");
+    s.assert_runs_on(&held, &dump);
+}
+
+/// The other half of that finding: a job continued by hand (`kill -CONT`) with its memory
+/// released ran on without it; a later `gpusnap recover` must not reload the image of before
+/// under the job that moved on, and says why.
+#[test]
+fn a_job_that_ran_on_released_memory_is_not_reloaded() {
+    let Some(s) = start("fc-recover-moved-on") else {
+        return;
+    };
+    let dump = run_op(&s, Route::Split, Op::Dump, &[(KNOB, "dump-released")]);
+    assert!(killed_at(&s, &dump, "dump-released"));
+    let pid = s.vmm.pid();
+    let _ = fs::remove_file(format!("/run/gpusnap/held-{pid}"));
+    procs::signal(pid, libc::SIGCONT);
+    sleep(HELD_FOR);
+    let images = s.w.images.to_str().expect("utf-8 path").to_owned();
+    let (ok, text) = s.run_cli(&["recover", &pid.to_string(), "--images", &images]);
+    assert!(
+        !ok,
+        "an old image was reloaded under a job that ran on: {text}"
+    );
+    assert!(text.contains("moved on"), "{text}");
+    assert!(!text.contains("recovered"), "{text}");
+}
+
 /// Two GPU processes checkpointed in parallel, CRIU killed when the first of them has released
 /// its memory (`dump-released`). The other may be anywhere in its own protocol (locked, copying
 /// out, released and held, locked again): whatever it is, neither ever logs a bad tick, each is

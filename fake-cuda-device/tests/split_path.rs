@@ -18,7 +18,8 @@
 //! - faults injected into the workload's driver (`inject.rs`): a copy failing or hanging in the
 //!   agent during the dump (fallback to the driver path), hanging or `cuMemCreate` failing
 //!   during the restore (the restore fails, nothing runs), criu killed mid-dump (`gpusnap
-//!   recover`), and, ignored as bugs, a release or a rollback failing part-way.
+//!   recover`), and a release or a rollback failing part-way (no data lost, nothing runs
+//!   without its memory).
 //!
 //! The workload checks its device memory every tick and counts in it, so a lost, stale or
 //! misplaced byte shows as `ok 0` or a counter that does not follow the tick.

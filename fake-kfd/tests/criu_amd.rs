@@ -85,13 +85,18 @@ impl Case {
         vec![(STANDIN_ENV, self.sdir.0.display().to_string())]
     }
 
-    fn criu(&self, args: Vec<String>, log: &str) -> CriuRun {
+    fn criu_with(&self, args: Vec<String>, log: &str, extra: &[(&str, &str)]) -> CriuRun {
         let env = self.env();
-        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let mut env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        env.extend_from_slice(extra);
         self.w.run_criu(&args, &env, &self.w.images.join(log))
     }
 
     fn dump(&self, leave_running: bool) -> CriuRun {
+        self.dump_with(leave_running, &[])
+    }
+
+    fn dump_with(&self, leave_running: bool, extra: &[(&str, &str)]) -> CriuRun {
         let mut args = self
             .w
             .criu_args_in("dump", &self.w.images, &self.w.images.join("dump.log"));
@@ -99,17 +104,21 @@ impl Case {
         if leave_running {
             args.push("--leave-running".into());
         }
-        self.criu(args, "dump.log")
+        self.criu_with(args, "dump.log", extra)
     }
 
     fn restore(&self) -> CriuRun {
+        self.restore_with(&[])
+    }
+
+    fn restore_with(&self, extra: &[(&str, &str)]) -> CriuRun {
         let mut args = self.w.criu_args_in(
             "restore",
             &self.w.images,
             &self.w.images.join("restore.log"),
         );
         args.push("--restore-detached".into());
-        self.criu(args, "restore.log")
+        self.criu_with(args, "restore.log", extra)
     }
 
     fn process(&self) -> Value {
@@ -792,4 +801,199 @@ fn amd_untranslatable_mapping_fails_the_restore() {
         "a KFD process runs after a failed restore: {left}"
     );
     assert!(!c.kfd.log().contains("RESUME:"), "{}", c.kfd.log());
+}
+
+// ---- Fail closed: CRIU killed at every AMD phase boundary (`GPUSNAP_TEST_KILL_CRIU_AT`) ----
+//
+// What each kill must leave, from the plugin's protocol (plugin/src/amd/phase.rs), not from
+// what a run showed:
+// - in a dump or its undo (`-R`), the process's queues are paused and its device memory is in
+//   place (an AMD dump releases none): it runs on the CPU, computes nothing on the GPU, and
+//   `gpusnap recover PID` starts its queues with its buffer objects bit-exact;
+// - in a restore, the half-restored process dies (the restored task itself, or
+//   `PTRACE_O_EXITKILL` armed before RESUME), and the image restores again.
+
+/// The knob (the plugin's `fault::ENV`).
+const KNOB: &str = "GPUSNAP_TEST_KILL_CRIU_AT";
+
+/// Every AMD point the cells cover, in the plugin's order.
+const AMD_POINTS: &[&str] = &[
+    "amd-dump-paused",
+    "amd-dump-checkpointed",
+    "amd-rollback",
+    "amd-restore-state",
+    "amd-restore-resume",
+];
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Op {
+    Dump,
+    DumpLeaveRunning,
+    Restore,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Left {
+    /// Alive, its GPU queues paused, its BOs intact: `gpusnap recover` unpauses it.
+    Paused,
+    /// The restored process is dead; the image restores again.
+    Killed,
+}
+
+fn expected(op: Op, point: &str) -> Option<Left> {
+    match (point, op) {
+        ("amd-dump-paused" | "amd-dump-checkpointed", Op::Dump | Op::DumpLeaveRunning) => {
+            Some(Left::Paused)
+        }
+        ("amd-rollback", Op::DumpLeaveRunning) => Some(Left::Paused),
+        ("amd-restore-state" | "amd-restore-resume", Op::Restore) => Some(Left::Killed),
+        _ => None,
+    }
+}
+
+#[test]
+fn amd_matrix_names_every_amd_fault_point() {
+    assert_eq!(AMD_POINTS, gpusnap::fault::AMD_POINTS);
+    for p in AMD_POINTS {
+        let reached: Vec<Op> = [Op::Dump, Op::DumpLeaveRunning, Op::Restore]
+            .into_iter()
+            .filter(|o| expected(*o, p).is_some())
+            .collect();
+        assert!(!reached.is_empty(), "{p} is never reached");
+        assert_eq!(
+            reached.iter().all(|o| *o == Op::Restore),
+            p.starts_with("amd-restore-"),
+            "{p}: {reached:?}"
+        );
+    }
+}
+
+/// Whether the run was cut by the knob at `point`.
+fn killed_at(run: &CriuRun, point: &str) -> bool {
+    use std::os::unix::process::ExitStatusExt;
+    run.status.signal() == Some(libc::SIGKILL)
+        && run
+            .log
+            .contains(&format!("test fault {KNOB}={point}: killing CRIU now"))
+}
+
+fn run_cli(c: &Case, args: &[&str]) -> (bool, String) {
+    let cli = criu_tests::fake_driver::gpusnap_cli(c.w.harness()).unwrap_or_else(|e| panic!("{e}"));
+    let out = std::process::Command::new(cli)
+        .args(args)
+        .env(STANDIN_ENV, &c.sdir.0)
+        .output()
+        .expect("run gpusnap");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+fn amd_cell(op: Op, point: &'static str) {
+    let name = format!("amd-fault-{point}-{op:?}");
+    let Some(mut c) = Case::start(&name, &[FakeGpu::mi210(4660, 128)], 1) else {
+        return;
+    };
+    let want = expected(op, point).expect("a cell of the matrix");
+    let pid = c.app.root();
+    let hashes = bo_hashes(&c.process());
+    let knob = [(KNOB, point)];
+    if op == Op::Restore {
+        c.dump(false).assert_ok();
+        c.app.reap_dumped();
+        let r = c.restore_with(&knob);
+        assert!(!r.succeeded(), "a restore cut at {point} succeeded");
+        assert!(
+            r.log.contains(&format!("test fault {KNOB}={point}")),
+            "{point} not reached\n{}",
+            r.diagnostics()
+        );
+        assert_eq!(want, Left::Killed);
+        // Dead and reaped (we are the subreaper): nothing of it ran on.
+        let _ = criu_tests::procs::reap(pid, Duration::from_secs(5));
+        criu_tests::procs::wait_pid_free(pid, Duration::from_secs(20)).unwrap();
+        let left = c.kfd.status(pid as u32);
+        assert!(
+            left["processes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|p| state(p) != "running"),
+            "a KFD process runs after a restore cut at {point}: {left}"
+        );
+        // The image is intact: it verifies, and a restore without the knob runs on bit-exact.
+        let (ok, out) = run_cli(&c, &["verify", c.w.images.to_str().unwrap()]);
+        assert!(ok, "gpusnap verify after a restore cut at {point}: {out}");
+        c.restore().assert_ok();
+        let p = c.process();
+        assert_eq!(state(&p), "running");
+        assert_eq!(bo_hashes(&p), hashes);
+        return;
+    }
+    let run = c.dump_with(op == Op::DumpLeaveRunning, &knob);
+    assert!(
+        killed_at(&run, point),
+        "CRIU was not killed at {point} ({})\n{}",
+        run.status,
+        run.diagnostics()
+    );
+    assert_eq!(want, Left::Paused);
+    // Untraced, alive, its GPU queues stopped, its memory intact.
+    let t0 = Instant::now();
+    while criu_tests::procs::tracer_pid(pid) != Some(0) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "pid {pid} is still traced after CRIU died"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    c.app.assert_alive();
+    let p = c.process();
+    assert!(
+        matches!(state(&p), "paused" | "checkpointed"),
+        "after a kill at {point} the GPU queues run: {p}"
+    );
+    assert_eq!(bo_hashes(&p), hashes, "BO contents changed");
+    let n = c.counter(pid);
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(c.counter(pid), n, "the GPU queue counts while paused");
+    // `gpusnap recover` starts its queues again; it runs on with its state intact.
+    let (ok, out) = run_cli(&c, &["recover", &pid.to_string()]);
+    assert!(ok, "gpusnap recover {pid}: {out}");
+    assert!(out.contains("AMD GPU queues unpaused"), "{out}");
+    let p = c.process();
+    assert_eq!(state(&p), "running", "{p}");
+    assert_eq!(bo_hashes(&p), hashes);
+    c.wait_counter(pid, n + 3);
+    let last = c.app.log(0).last();
+    c.app.wait_for(0, last + 3).verify().unwrap();
+    // A second recover finds nothing to do; a clean dump works.
+    let (ok, out) = run_cli(&c, &["recover", &pid.to_string()]);
+    assert!(ok && out.contains("nothing to recover"), "{out}");
+    c.dump(true).assert_ok();
+    assert_eq!(state(&c.process()), "running");
+}
+
+macro_rules! amd_cells {
+    ($( $name:ident: $op:ident $point:literal; )*) => {
+        $(
+            #[test]
+            fn $name() {
+                amd_cell(Op::$op, $point);
+            }
+        )*
+    };
+}
+
+amd_cells! {
+    amd_fault_dump_paused: Dump "amd-dump-paused";
+    amd_fault_dump_checkpointed: Dump "amd-dump-checkpointed";
+    amd_fault_dump_r_paused: DumpLeaveRunning "amd-dump-paused";
+    amd_fault_dump_r_checkpointed: DumpLeaveRunning "amd-dump-checkpointed";
+    amd_fault_dump_r_rollback: DumpLeaveRunning "amd-rollback";
+    amd_fault_restore_state: Restore "amd-restore-state";
+    amd_fault_restore_resume: Restore "amd-restore-resume";
 }

@@ -2,10 +2,35 @@
 
 use std::io;
 
-use crate::{MAX_CHUNK_LEN, MAX_MANIFEST_BODY};
+use crate::{
+    DATA_FORMAT_VERSION, KFD_FORMAT_VERSION, KFD_FORMAT_VERSION_MIN, MAX_CHUNK_LEN,
+    MAX_MANIFEST_BODY, READ_MANIFEST_VERSIONS,
+};
 
 /// Appended to messages that mean the bytes on disk are not what was written.
 const DAMAGED: &str = "image damaged; do not restore from it";
+
+/// The versions this build reads, from the constants: `manifest versions 1 to 4, data file
+/// version 1, KFD file versions 1 to 2`.
+pub fn versions_read() -> String {
+    let span = |lo: u32, hi: u32| {
+        if lo == hi {
+            format!("version {lo}")
+        } else {
+            format!("versions {lo} to {hi}")
+        }
+    };
+    let (lo, hi) = (
+        READ_MANIFEST_VERSIONS.iter().min().copied().unwrap_or(0),
+        READ_MANIFEST_VERSIONS.iter().max().copied().unwrap_or(0),
+    );
+    format!(
+        "manifest {}, data file {}, KFD file {}",
+        span(lo, hi),
+        span(DATA_FORMAT_VERSION, DATA_FORMAT_VERSION),
+        span(KFD_FORMAT_VERSION_MIN, KFD_FORMAT_VERSION)
+    )
+}
 
 /// Why an image file could not be written, read or trusted.
 #[derive(Debug, thiserror::Error)]
@@ -30,7 +55,8 @@ pub enum ImageError {
     ManifestHeader { file: String, detail: &'static str },
     /// A header or manifest carries a format version this build does not read.
     #[error(
-        "{file}: format version {found} is not supported (this gpusnap reads manifest versions 1 and 2, data file version 1); use the gpusnap that wrote the image"
+        "{file}: format version {found} is not supported (this gpusnap reads {}); use the gpusnap that wrote the image",
+        versions_read()
     )]
     UnsupportedVersion { file: String, found: u64 },
     /// The manifest header announces a body larger than any real manifest.

@@ -193,6 +193,27 @@ pub struct Manifest {
 }
 
 impl Manifest {
+    /// A manifest this gpusnap writes now for process `nspid`: the writer's fields filled in
+    /// ([`FORMAT_VERSION`], the time, [`crate::BUILD`]), no GPUs, allocations, files, chunks or
+    /// timings yet. Every writer of a manifest starts here.
+    pub fn begin(nspid: u32, path: CheckpointPath, driver_version: i32) -> Manifest {
+        Manifest {
+            format_version: FORMAT_VERSION,
+            nspid,
+            path,
+            created_unix_s: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+            gpusnap_version: crate::BUILD.to_owned(),
+            driver_version,
+            gpus: Vec::new(),
+            allocations: Vec::new(),
+            files: Vec::new(),
+            chunks: Vec::new(),
+            timings_s: BTreeMap::new(),
+        }
+    }
+
     /// The data-file index of `files[pos]`: the `<index>` in `gpusnap-<nspid>-data-<index>.img`.
     /// `None` if there is no such entry or its name is not exactly that form for this process.
     pub fn file_index_at(&self, pos: usize) -> Option<u32> {

@@ -536,6 +536,18 @@ fn unknown_version_is_refused() {
         matches!(e, ImageError::UnsupportedVersion { found: 7, .. }),
         "{e}"
     );
+    // The message names the versions this build reads: every one of READ_MANIFEST_VERSIONS
+    // lies in the span it gives.
+    let msg = e.to_string();
+    let (lo, hi) = (
+        *crate::READ_MANIFEST_VERSIONS.iter().min().unwrap(),
+        *crate::READ_MANIFEST_VERSIONS.iter().max().unwrap(),
+    );
+    assert!(
+        msg.contains(&format!("manifest versions {lo} to {hi}")),
+        "{msg}"
+    );
+    assert_eq!(hi, crate::FORMAT_VERSION, "a writer's own version is read");
     // In a data file header (resealed, so only the version is wrong).
     std::fs::write(&path, &good).unwrap();
     let dpath = t.file(&data_file_name(NSPID, 1));

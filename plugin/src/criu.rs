@@ -90,6 +90,7 @@ macro_rules! criu_fn {
 pub type PrintOnLevel = unsafe extern "C" fn(c_uint, *const c_char, ...);
 criu_fn!(pub fn print_on_level = c"print_on_level": PrintOnLevel);
 criu_fn!(pub fn log_get_loglevel = c"log_get_loglevel": unsafe extern "C" fn() -> c_uint);
+criu_fn!(pub fn log_get_fd = c"log_get_fd": unsafe extern "C" fn() -> c_int);
 criu_fn!(fn image_dir_fn = c"criu_get_image_dir": unsafe extern "C" fn() -> c_int);
 criu_fn!(fn add_inventory_fn = c"add_inventory_plugin": unsafe extern "C" fn(*const c_char) -> c_int);
 criu_fn!(fn check_inventory_fn = c"check_and_remove_inventory_plugin": unsafe extern "C" fn(*const c_char, usize) -> bool);

@@ -49,22 +49,40 @@ pub fn dump(dir: BorrowedFd<'_>, fd: i32, id: u32, durable: bool) -> Result<bool
     Ok(true)
 }
 
+/// Why a recorded device file cannot be opened again.
+#[derive(Debug, thiserror::Error)]
+pub enum DevFileError {
+    #[error(transparent)]
+    Image(#[from] ImageError),
+    #[error("the recorded path {path:?} holds a NUL byte")]
+    Nul { path: String },
+    #[error(
+        "cannot open {path} again ({source}): the process held it at dump time; is the NVIDIA driver loaded here?"
+    )]
+    Open {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
 /// RESTORE_EXT_FILE, in the restored task: the new fd, `Ok(None)` when the file is not ours.
-pub fn restore(dir: BorrowedFd<'_>, id: u32) -> Result<Option<i32>, String> {
+pub fn restore(dir: BorrowedFd<'_>, id: u32) -> Result<Option<i32>, DevFileError> {
     let rec = match gpusnap_image::read_dev_file(dir, id) {
         Ok(r) => r,
         Err(ImageError::MissingFile { .. }) => return Ok(None),
-        Err(e) => return Err(e.to_string()),
+        Err(e) => return Err(e.into()),
     };
-    let path = CString::new(rec.path.clone()).map_err(|e| e.to_string())?;
+    let path = CString::new(rec.path.clone()).map_err(|_| DevFileError::Nul {
+        path: rec.path.clone(),
+    })?;
     // SAFETY: open(2) with a NUL-terminated path checked to be an NVIDIA device node.
     let fd = unsafe { libc::open(path.as_ptr(), rec.flags) };
     if fd < 0 {
-        return Err(format!(
-            "cannot open {} again ({}): the process held it at dump time; is the NVIDIA driver loaded here?",
-            rec.path,
-            std::io::Error::last_os_error()
-        ));
+        return Err(DevFileError::Open {
+            path: rec.path,
+            source: std::io::Error::last_os_error(),
+        });
     }
     Ok(Some(fd))
 }

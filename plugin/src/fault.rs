@@ -35,18 +35,36 @@ pub const POINTS: &[&str] = &[
     "restore-host-check", // split: all loaded, the GPU checked too few: the host check begins
 ];
 
+/// The AMD side's points (the kfd path, `crate::amd`), in the order a dump, its undo in
+/// `exit`, and a restore reach them. Each sits just after a phase boundary of
+/// `amd::phase::{DumpPhase, RestorePhase}`.
+pub const AMD_POINTS: &[&str] = &[
+    "amd-dump-paused",       // PROCESS_INFO done: queues paused, nothing written
+    "amd-dump-checkpointed", // CHECKPOINT done and the image whole; queues still paused
+    "amd-rollback",          // exit after `-R` or a failed dump, before the UNPAUSE
+    // In the restored task, which runs CRIU's restore code: this kills that task (CRIU's side
+    // of it), as CRIU dying there would.
+    "amd-restore-state", // RESTORE done in the task, contents not yet written back
+    "amd-restore-resume", // RESUME_DEVICES_LATE: the process dies with CRIU, not yet resumed
+];
+
+fn known(v: &str) -> Option<&'static str> {
+    POINTS.iter().chain(AMD_POINTS).copied().find(|p| *p == v)
+}
+
 fn armed() -> Option<&'static str> {
     static ARMED: OnceLock<Option<&'static str>> = OnceLock::new();
-    *ARMED.get_or_init(|| {
-        let v = std::env::var(ENV).ok()?;
-        POINTS.iter().copied().find(|p| *p == v)
-    })
+    *ARMED.get_or_init(|| known(&std::env::var(ENV).ok()?))
 }
 
 /// A test setting is not one of its values.
 #[derive(Debug, thiserror::Error)]
 pub enum UnknownPoint {
-    #[error("{ENV}={value:?} names no fault point (known: {})", POINTS.join(", "))]
+    #[error(
+        "{ENV}={value:?} names no fault point (known: {}, {})",
+        POINTS.join(", "),
+        AMD_POINTS.join(", ")
+    )]
     Point { value: String },
     #[error("{FAIL_SYNC_ENV}={value:?}: only 1 is a setting")]
     FailSync { value: String },
@@ -60,14 +78,14 @@ pub fn check() -> Result<(), UnknownPoint> {
         return Err(UnknownPoint::FailSync { value });
     }
     match std::env::var(ENV) {
-        Ok(value) if !POINTS.contains(&value.as_str()) => Err(UnknownPoint::Point { value }),
+        Ok(value) if known(&value).is_none() => Err(UnknownPoint::Point { value }),
         _ => Ok(()),
     }
 }
 
 /// Kills this CRIU if `point` is armed.
 pub fn kill_criu_at(point: &'static str) {
-    debug_assert!(POINTS.contains(&point), "unknown fault point {point}");
+    debug_assert!(known(point).is_some(), "unknown fault point {point}");
     if armed() == Some(point) {
         crate::logger::print_now(&format!("test fault {ENV}={point}: killing CRIU now"));
         // SAFETY: kill(2) takes no pointers; SIGKILL to our own process is the point.

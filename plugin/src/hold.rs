@@ -60,6 +60,57 @@ pub fn recorded_running(pid: i32) -> Option<Vec<i32>> {
     words.map(|w| w.parse().ok()).collect()
 }
 
+/// Removes the records of processes that are gone (or whose pid another process now has):
+/// nothing can recover them, and a record must not outlive its process. Returns how many went.
+pub fn sweep_dead_records() -> usize {
+    sweep_dead_records_in(std::path::Path::new(RECORD_DIR))
+}
+
+fn sweep_dead_records_in(dir: &std::path::Path) -> usize {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    let mut removed = 0;
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("held-"))
+            .and_then(|p| p.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        let start = std::fs::read_to_string(e.path())
+            .ok()
+            .and_then(|t| t.split_whitespace().next()?.parse::<u64>().ok());
+        let alive = match (procfs::state_and_start(pid), start) {
+            (Ok((state, now)), Some(then)) => now == then && state != "Z" && state != "X",
+            _ => false,
+        };
+        if !alive && std::fs::remove_file(e.path()).is_ok() {
+            log::debug!("removed the hold record of pid {pid}, which is gone");
+            removed += 1;
+        }
+    }
+    removed
+}
+
+/// Queues a `SIGSTOP` to every thread of `pid` again, without a record: the threads (in our
+/// ptrace stops) go back to a group stop once detached. For a process whose memory is released
+/// but that `gpusnap recover` cannot bring back: it stays as it was found.
+pub fn stop_again(pid: i32) -> io::Result<()> {
+    for tid in procfs::thread_ids(pid)? {
+        // SAFETY: tgkill takes no pointers; it queues SIGSTOP to thread `tid` of `pid` only.
+        if unsafe { libc::syscall(libc::SYS_tgkill, pid, tid, libc::SIGSTOP) } != 0 {
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::ESRCH) {
+                return Err(e);
+            }
+        }
+    }
+    Ok(())
+}
+
 fn remove_record(pid: i32) {
     if let Err(e) = std::fs::remove_file(record_path(pid))
         && e.kind() != io::ErrorKind::NotFound
@@ -84,6 +135,7 @@ impl Hold {
             pid,
             tids: Vec::new(),
         };
+        sweep_dead_records();
         if let Err(e) = write_record(pid, running) {
             log::warn!(
                 "pid {pid}: cannot record its hold in {RECORD_DIR} ({e}); should CRIU die, `gpusnap recover` cannot tell its threads apart"
@@ -183,6 +235,34 @@ pub fn kill_if_criu_dies(pid: i32, running: &[i32]) -> Result<(), PtraceError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A record of a process that is gone is removed; a record of a live one (same start
+    /// time) stays; one whose pid a newer process has is removed.
+    #[test]
+    fn records_of_dead_jobs_are_swept() {
+        let dir = std::env::temp_dir().join(format!("gpusnap-hold-sweep-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id() as i32;
+        child.wait().unwrap();
+        let me = std::process::id() as i32;
+        let (_, start) = procfs::state_and_start(me).unwrap();
+        std::fs::write(dir.join(format!("held-{dead}")), "12345 1 2\n").unwrap();
+        std::fs::write(dir.join(format!("held-{me}")), format!("{start} 1\n")).unwrap();
+        let parent = std::os::unix::process::parent_id() as i32;
+        std::fs::write(dir.join(format!("held-{parent}")), "1 1\n").unwrap();
+        std::fs::write(dir.join("unrelated"), "x").unwrap();
+        assert_eq!(sweep_dead_records_in(&dir), 2);
+        let mut left: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().into_string().unwrap())
+            .collect();
+        left.sort();
+        assert_eq!(left, vec![format!("held-{me}"), "unrelated".to_owned()]);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
     use crate::ptrace::SeizedProcess;
     use std::time::{Duration, Instant};
 

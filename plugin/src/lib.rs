@@ -15,6 +15,7 @@
 //! - [`ptrace`]: running one seized thread while CRIU holds the others;
 //! - [`stall`]: a driver checkpoint that waits on a stopped thread of its process;
 //! - [`hold`]: keeping a process from running on absent device memory should CRIU die;
+//! - [`reap`]: killing a process that must not run, and reaping its traced threads;
 //! - [`procfs`]: everything read from `/proc`;
 //! - [`precopy`]: a pre-copy round of a running process (`gpusnap precopy`);
 //! - [`amd`]: AMD GPU processes through the KFD's CRIU interface (the kfd path).
@@ -38,6 +39,7 @@ pub mod precopy;
 pub mod process;
 pub mod procfs;
 pub mod ptrace;
+pub mod reap;
 pub mod recover;
 pub mod restore;
 pub mod signals;

@@ -90,6 +90,43 @@ impl log::Log for CriuLogger {
     fn flush(&self) {}
 }
 
+/// Logs `msg` as an error and says it on CRIU's stderr too, where the user running CRIU sees
+/// it: CRIU writes its log (errors included) to the `-o` file only, and `print_on_level`'s
+/// one terminal level, `LOG_MSG`, goes to stdout. Skipped where the log already is stderr
+/// (CRIU run without `-o`), so the line is not shown twice. For the refusals a user must act
+/// on before anything can run (a bad configuration, a bad test knob).
+pub fn tell_user(msg: &str) {
+    log::error!("{msg}");
+    if criu::print_on_level().is_none() || log_is_stderr() {
+        return;
+    }
+    let line = format!("gpusnap: {msg}\n");
+    let mut rest = line.as_bytes();
+    while !rest.is_empty() {
+        // SAFETY: write(2) of a live byte slice to fd 2, which CRIU keeps as its stderr.
+        let n = unsafe { libc::write(2, rest.as_ptr().cast(), rest.len()) };
+        if n <= 0 {
+            return;
+        }
+        rest = &rest[n as usize..];
+    }
+}
+
+/// Whether CRIU's log descriptor is the same file as its stderr.
+fn log_is_stderr() -> bool {
+    // SAFETY: CRIU's getter takes no arguments.
+    let Some(fd) = criu::log_get_fd().map(|f| unsafe { f() }) else {
+        return false;
+    };
+    let id = |fd: i32| {
+        // SAFETY: stat is plain data that fstat fills or leaves.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: fstat on a descriptor number with a writable stat.
+        (unsafe { libc::fstat(fd, &mut st) } == 0).then_some((st.st_dev, st.st_ino))
+    };
+    fd == 2 || (id(fd).is_some() && id(fd) == id(2))
+}
+
 /// Installs the logger once and follows CRIU's `-v` level (or the configured one).
 pub fn init(configured: Option<log::LevelFilter>) {
     static LOGGER: OnceLock<CriuLogger> = OnceLock::new();

@@ -74,12 +74,14 @@ pub fn init(raw_stage: i32) -> i32 {
     let cfg = match gpusnap_config::load() {
         Ok(c) => c,
         Err(e) => {
-            log::error!("configuration error: {e}; fix it or remove it, then run CRIU again");
+            crate::logger::tell_user(&format!(
+                "configuration error: {e}; fix it or remove it, then run CRIU again (`gpusnap check` lists every problem)"
+            ));
             return -1;
         }
     };
     if let Err(e) = crate::fault::check() {
-        log::error!("{e}; refusing to run");
+        crate::logger::tell_user(&format!("{e}; refusing to run"));
         return -1;
     }
     if let Some(level) = cfg.log_level {
@@ -116,7 +118,12 @@ pub fn init(raw_stage: i32) -> i32 {
     } else {
         match crate::amd::AmdSide::init(stage, &amd_cfg) {
             Ok(a) => (rc, a),
-            Err(crate::amd::Refused) => (-1, crate::amd::AmdSide::Idle("restore refused".into())),
+            Err(e) => {
+                log::error!(
+                    "amd: restore refused: {e}; nothing was restored and no GPU was touched"
+                );
+                (-1, crate::amd::AmdSide::Idle("restore refused".into()))
+            }
         }
     };
     *PLUGIN.lock().unwrap_or_else(|e| e.into_inner()) = Some(Plugin {

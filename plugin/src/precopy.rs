@@ -28,7 +28,7 @@ use std::time::Instant;
 #[derive(Debug, thiserror::Error)]
 pub enum PreCopyError {
     #[error("configuration: {0}")]
-    Config(String),
+    Config(#[from] gpusnap_config::ConfigError),
     #[error("pid {pid}: {err}")]
     Proc { pid: i32, err: std::io::Error },
     #[error(
@@ -41,6 +41,14 @@ pub enum PreCopyError {
     Data(#[from] DataError),
     #[error("{}: {err}", dir.display())]
     ImageDir { dir: PathBuf, err: std::io::Error },
+    #[error("{}: {err}", dir.display())]
+    ListImages { dir: PathBuf, err: ImageError },
+    #[error(
+        "{} is in use by another gpusnap precopy ({}): one round at a time writes into a directory; wait for it, or give another directory",
+        dir.display(),
+        holder.map_or("its pid is not known".to_owned(), |p| format!("pid {p}"))
+    )]
+    Busy { dir: PathBuf, holder: Option<i32> },
     #[error(
         "{} already holds a gpusnap image of nspid {nspid}: a pre-copy round writes into a directory of its own (it may be the parent of other images)",
         dir.display()
@@ -62,9 +70,23 @@ pub enum PreCopyError {
     #[error(
         "the process's allocations changed during the round ({0}); nothing of the process was changed: run the round again"
     )]
-    Changed(String),
+    Changed(Spoilt),
     #[error("writing the manifest: {0}")]
     Manifest(ImageError),
+}
+
+/// How the allocations after a round show that they changed during it.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum Spoilt {
+    #[error("the chunk at {addr:#x} lies in no allocation the agent holds now")]
+    NoAllocation { addr: u64 },
+    #[error("allocation #{id} at {addr:#x}: {saved} of {size} bytes saved")]
+    Partly {
+        id: u64,
+        addr: u64,
+        saved: u64,
+        size: u64,
+    },
 }
 
 /// What a round saved.
@@ -92,7 +114,7 @@ pub fn precopy(
     parent: Option<&Path>,
 ) -> Result<PreCopyReport, PreCopyError> {
     let t0 = Instant::now();
-    let cfg = gpusnap_config::load().map_err(|e| PreCopyError::Config(e.to_string()))?;
+    let cfg = gpusnap_config::load()?;
     let nspid = procfs::ns_pid(pid).map_err(|err| PreCopyError::Proc { pid, err })? as u32;
     let api = gpusnap_cuda::driver::api()?;
     api.init()?;
@@ -185,8 +207,10 @@ pub fn precopy(
     })
 }
 
-/// Opens (creating it if needed) the round's directory, refusing one that already holds an
-/// image of `nspid`, and makes its `parent` link.
+/// Opens (creating it if needed) the round's directory, locked for this round (`flock` on the
+/// directory, held as long as the returned descriptor: a second round into it is refused,
+/// naming the first), refusing one that already holds an image of `nspid`, and makes its
+/// `parent` link.
 fn open_round_dir(
     images: &Path,
     nspid: u32,
@@ -198,8 +222,12 @@ fn open_round_dir(
     };
     fs::create_dir_all(images).map_err(at)?;
     let dir: OwnedFd = fs::File::open(images).map_err(at)?.into();
+    lock_round_dir(&dir, images)?;
     let ours = gpusnap_image::list_image_files(dir.as_fd())
-        .map_err(|e| at(std::io::Error::other(e.to_string())))?
+        .map_err(|err| PreCopyError::ListImages {
+            dir: images.to_owned(),
+            err,
+        })?
         .iter()
         .any(|(kind, _)| kind.nspid() == Some(nspid));
     if ours {
@@ -228,6 +256,38 @@ fn open_round_dir(
     Ok(dir)
 }
 
+/// Takes the round's lock on `dir` without waiting; a lock held by another round is
+/// [`PreCopyError::Busy`], naming its holder as `/proc/locks` does.
+fn lock_round_dir(dir: &OwnedFd, images: &Path) -> Result<(), PreCopyError> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::MetadataExt;
+    loop {
+        // SAFETY: flock(2) on a descriptor we own; no memory is passed.
+        if unsafe { libc::flock(dir.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+            return Ok(());
+        }
+        let err = std::io::Error::last_os_error();
+        match err.raw_os_error() {
+            Some(libc::EINTR) => continue,
+            Some(libc::EWOULDBLOCK) => {
+                let holder = fs::metadata(images)
+                    .ok()
+                    .and_then(|m| procfs::flock_holder(m.dev(), m.ino()).ok().flatten());
+                return Err(PreCopyError::Busy {
+                    dir: images.to_owned(),
+                    holder,
+                });
+            }
+            _ => {
+                return Err(PreCopyError::ImageDir {
+                    dir: images.to_owned(),
+                    err,
+                });
+            }
+        }
+    }
+}
+
 /// The manifest's allocations: every allocation the agent lists after the round, marked moved
 /// where the round's chunks cover it exactly, left (not moved) where it has none. Any other
 /// case (a chunk outside every allocation, or an allocation covered in part) means allocations
@@ -235,7 +295,7 @@ fn open_round_dir(
 fn saved_allocations(
     mut listed: Vec<AllocationRecord>,
     chunks: &[ChunkEntry],
-) -> Result<Vec<AllocationRecord>, String> {
+) -> Result<Vec<AllocationRecord>, Spoilt> {
     listed.sort_by_key(|a| a.addr);
     let mut covered = vec![0u64; listed.len()];
     for c in chunks {
@@ -245,10 +305,7 @@ fn saved_allocations(
             a.moved && c.addr.saturating_add(c.len) <= a.addr.saturating_add(a.size)
         });
         let Some(i) = inside else {
-            return Err(format!(
-                "the chunk at {:#x} lies in no allocation the agent holds now",
-                c.addr
-            ));
+            return Err(Spoilt::NoAllocation { addr: c.addr });
         };
         covered[i] += c.len;
     }
@@ -256,10 +313,12 @@ fn saved_allocations(
         if sum == 0 {
             a.moved = false;
         } else if sum != a.size {
-            return Err(format!(
-                "allocation #{} at {:#x}: {sum} of {} bytes saved",
-                a.id, a.addr, a.size
-            ));
+            return Err(Spoilt::Partly {
+                id: a.id,
+                addr: a.addr,
+                saved: sum,
+                size: a.size,
+            });
         }
     }
     Ok(listed)
@@ -297,13 +356,46 @@ mod tests {
         // Covered in part: it was freed and replaced during the round.
         let listed = vec![alloc(1, 0x1000_0000, 4 << 20, true)];
         let e = saved_allocations(listed, &chunks).unwrap_err();
-        assert!(e.contains("2097152 of 4194304 bytes"), "{e}");
+        assert_eq!(
+            e,
+            Spoilt::Partly {
+                id: 1,
+                addr: 0x1000_0000,
+                saved: 2 << 20,
+                size: 4 << 20
+            }
+        );
+        assert!(e.to_string().contains("2097152 of 4194304 bytes"), "{e}");
         // A chunk in no allocation held now.
         let e = saved_allocations(vec![alloc(5, 0x1010_0000, 1 << 20, true)], &chunks).unwrap_err();
-        assert!(e.contains("0x10000000 lies in no allocation"), "{e}");
+        assert_eq!(e, Spoilt::NoAllocation { addr: 0x1000_0000 });
         // A chunk in an allocation now left to the driver.
         let e =
             saved_allocations(vec![alloc(1, 0x1000_0000, 2 << 20, false)], &chunks).unwrap_err();
-        assert!(e.contains("lies in no allocation"), "{e}");
+        assert!(matches!(e, Spoilt::NoAllocation { .. }), "{e}");
+    }
+
+    /// Two rounds into one directory: the second is refused while the first holds it, naming
+    /// the first; once the first is done (its descriptor closed) the directory opens again.
+    #[test]
+    fn a_second_round_into_one_directory_is_refused() {
+        let d = std::env::temp_dir().join(format!("gpusnap-precopy-lock-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&d);
+        let first = open_round_dir(&d, 7, None).unwrap();
+        let e = open_round_dir(&d, 8, None).unwrap_err();
+        match &e {
+            PreCopyError::Busy { dir, holder } => {
+                assert_eq!(dir, &d);
+                assert_eq!(*holder, Some(std::process::id() as i32), "{e}");
+            }
+            other => panic!("not refused as busy: {other}"),
+        }
+        assert!(
+            e.to_string().contains("another gpusnap precopy (pid "),
+            "{e}"
+        );
+        drop(first);
+        drop(open_round_dir(&d, 8, None).unwrap());
+        let _ = fs::remove_dir_all(&d);
     }
 }

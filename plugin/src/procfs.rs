@@ -138,6 +138,20 @@ pub fn mapping_of(maps: &str, addr: u64) -> Option<String> {
     })
 }
 
+/// The major of the character devices named `name` in a `/proc/devices` text (the block
+/// devices after them are not looked at).
+pub fn parse_char_major(devices: &str, name: &str) -> Option<u32> {
+    devices
+        .lines()
+        .skip_while(|l| !l.starts_with("Character devices:"))
+        .take_while(|l| !l.starts_with("Block devices:"))
+        .find_map(|l| {
+            let mut w = l.split_whitespace();
+            let major = w.next()?.parse().ok()?;
+            (w.next()? == name).then_some(major)
+        })
+}
+
 /// The program name of a `cmdline` (its first argument, without directories).
 pub fn parse_argv0(cmdline: &[u8]) -> String {
     let argv0 = cmdline.split(|&b| b == 0).next().unwrap_or_default();
@@ -205,6 +219,54 @@ pub fn maps(pid: i32) -> io::Result<String> {
 /// The program name `pid` runs (from its command line; the stat name is cut at 15 characters).
 pub fn argv0(pid: i32) -> io::Result<String> {
     std::fs::read(format!("/proc/{pid}/cmdline")).map(|c| parse_argv0(&c))
+}
+
+/// The major of the character devices named `name` on this host (allocated at driver load).
+pub fn char_major(name: &str) -> io::Result<Option<u32>> {
+    Ok(parse_char_major(&read("/proc/devices")?, name))
+}
+
+/// The descriptor numbers `pid` holds now.
+pub fn fd_numbers(pid: i32) -> io::Result<Vec<i32>> {
+    numbered_entries(&format!("/proc/{pid}/fd"))
+}
+
+/// What descriptor `fd` of `pid` names (its `/proc/<pid>/fd` link).
+pub fn fd_target(pid: i32, fd: i32) -> io::Result<std::path::PathBuf> {
+    let path = format!("/proc/{pid}/fd/{fd}");
+    std::fs::read_link(&path).map_err(|e| io::Error::new(e.kind(), format!("{path}: {e}")))
+}
+
+/// The status of the file descriptor `fd` of `pid` names (for a device node: its `rdev`).
+pub fn fd_metadata(pid: i32, fd: i32) -> io::Result<std::fs::Metadata> {
+    let path = format!("/proc/{pid}/fd/{fd}");
+    std::fs::metadata(&path).map_err(|e| io::Error::new(e.kind(), format!("{path}: {e}")))
+}
+
+/// The status of the file mapped at `start..end` in `pid` (`map_files`: the mapped file itself,
+/// even where its path is gone).
+pub fn mapped_file_metadata(pid: i32, start: u64, end: u64) -> io::Result<std::fs::Metadata> {
+    let path = format!("/proc/{pid}/map_files/{start:x}-{end:x}");
+    std::fs::metadata(&path).map_err(|e| io::Error::new(e.kind(), format!("{path}: {e}")))
+}
+
+/// The pid `/proc/locks` names as holding a `flock` on the file of device `dev` and inode
+/// `ino`, if one does.
+pub fn flock_holder(dev: u64, ino: u64) -> io::Result<Option<i32>> {
+    Ok(parse_flock_holder(&read("/proc/locks")?, dev, ino))
+}
+
+/// `N: FLOCK ADVISORY WRITE <pid> <major>:<minor>:<inode> 0 EOF` lines (major and minor in hex).
+pub fn parse_flock_holder(locks: &str, dev: u64, ino: u64) -> Option<i32> {
+    let want = format!("{:02x}:{:02x}:{ino}", libc::major(dev), libc::minor(dev));
+    locks.lines().find_map(|l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        // A blocked waiter's line starts `N: ->`.
+        let f = f.get(1..)?;
+        (f.first() == Some(&"FLOCK") && f.get(4).is_some_and(|id| id.eq_ignore_ascii_case(&want)))
+            .then(|| f.get(3)?.parse().ok())
+            .flatten()
+    })
 }
 
 /// The owner uid of `pid`.
@@ -324,6 +386,41 @@ mod tests {
         );
         assert_eq!(mapping_of(maps, 0x7f00000010a0).as_deref(), Some("[anon]"));
         assert_eq!(mapping_of(maps, 0x1000), None);
+    }
+
+    #[test]
+    fn char_majors_come_from_the_character_section() {
+        let text =
+            "Character devices:\n  1 mem\n226 drm\n510 kfd\n\nBlock devices:\n  8 sd\n 9 kfd\n";
+        assert_eq!(parse_char_major(text, "kfd"), Some(510));
+        assert_eq!(parse_char_major(text, "drm"), Some(226));
+        assert_eq!(parse_char_major(text, "sd"), None, "a block device");
+        assert_eq!(
+            parse_char_major("Character devices:\n  1 mem\n", "kfd"),
+            None
+        );
+    }
+
+    #[test]
+    fn flock_holders_are_found_by_device_and_inode() {
+        let locks = "1: POSIX  ADVISORY  WRITE 11 08:01:99 0 EOF\n\
+                     2: FLOCK  ADVISORY  WRITE 4242 08:01:1234 0 EOF\n\
+                     2: -> FLOCK  ADVISORY  WRITE 77 08:01:1234 0 EOF\n";
+        let dev = libc::makedev(8, 1);
+        assert_eq!(parse_flock_holder(locks, dev, 1234), Some(4242));
+        assert_eq!(parse_flock_holder(locks, dev, 99), None, "a POSIX lock");
+        assert_eq!(parse_flock_holder(locks, libc::makedev(8, 2), 1234), None);
+    }
+
+    #[test]
+    fn own_descriptors_resolve() {
+        let me = std::process::id() as i32;
+        let f = std::fs::File::open("/proc/self/status").unwrap();
+        let n = std::os::fd::AsRawFd::as_raw_fd(&f);
+        assert!(fd_numbers(me).unwrap().contains(&n));
+        assert!(fd_target(me, n).unwrap().ends_with("status"));
+        assert!(fd_metadata(me, n).unwrap().is_file());
+        assert!(fd_target(me, -1).is_err());
     }
 
     #[test]

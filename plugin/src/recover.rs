@@ -21,7 +21,7 @@ pub enum RecoverError {
     #[error(transparent)]
     Driver(#[from] DriverError),
     #[error("configuration: {0}")]
-    Config(String),
+    Config(#[from] gpusnap_config::ConfigError),
     #[error("cannot seize pid {pid} ({err}); is another tracer (CRIU?) still attached?")]
     Seize { pid: i32, err: std::io::Error },
     #[error(transparent)]
@@ -41,22 +41,77 @@ pub enum RecoverError {
     #[error(transparent)]
     Undo(#[from] DumpError),
     #[error(
-        "pid {pid} is stopped, and no gpusnap hold is recorded for it in {}: it was not held by an interrupted gpusnap dump, or the record is lost. If its GPU memory is intact, `kill -CONT {pid}` continues it",
+        "pid {pid} is stopped with its GPU memory released (its agent says so), and the record of gpusnap's hold in {} is lost, so its threads cannot be told apart: it is left stopped. Do not continue it (it would run without its GPU memory): restore it from its image (criu restore), or kill it",
         hold::RECORD_DIR
     )]
-    StoppedUnknown { pid: i32 },
+    StoppedReleased { pid: i32 },
+    #[error(
+        "pid {pid} runs with its GPU memory released and unlocked: it ran on after its memory went away, so an image of before would be reloaded under a job that moved on; its results since are not to be trusted: restore it from its image (criu restore), or kill it"
+    )]
+    MovedOn { pid: i32 },
     #[error("ending the group stop of pid {pid} (SIGCONT) failed: {err}")]
     Continue { pid: i32, err: std::io::Error },
+    #[error(transparent)]
+    Amd(#[from] crate::amd::recover::RecoverError),
+}
+
+/// A stopped process without a hold record: asks its agent (the one thread found by name)
+/// whether its memory is released. Released: every thread is stopped again (it stays as it was
+/// found) and the answer is [`RecoverError::StoppedReleased`]. In place (or no agent, so
+/// gpusnap never released it): the group stop ends and the process is let go, `Ok`.
+fn stopped_without_record(pid: i32) -> Result<(), RecoverError> {
+    let cfg = gpusnap_config::load()?;
+    let s = SeizedProcess::seize(pid).map_err(|err| RecoverError::Seize { pid, err })?;
+    s.end_group_stop()
+        .map_err(|err| RecoverError::Continue { pid, err })?;
+    let asked = match agent::agent_thread(pid) {
+        Some(tid) => ptrace::resume(tid, "agent thread")
+            .map_err(RecoverError::from)
+            .and_then(|agent| {
+                let hello = AgentSession::connect(pid, cfg.agent_timeout())?
+                    .ok_or(RecoverError::AgentSilent)?
+                    .hello();
+                drop(agent);
+                Ok(hello?.released)
+            }),
+        None => Ok(false),
+    };
+    // Anything but a clear "in place" keeps it stopped.
+    if !matches!(asked, Ok(false)) {
+        if let Err(e) = hold::stop_again(pid) {
+            log::error!("pid {pid}: stopping it again failed ({e}); it must not run: kill it");
+        }
+        drop(s);
+        return Err(asked.err().unwrap_or(RecoverError::StoppedReleased { pid }));
+    }
+    drop(s);
+    Ok(())
 }
 
 /// Returns what was done, or what went wrong and what to do about it.
 pub fn recover(pid: i32, images: Option<&Path>) -> Result<String, RecoverError> {
+    // An AMD GPU process (it holds a KFD file): its memory never left, only its queues may be
+    // paused.
+    match crate::amd::recover::recover(pid)? {
+        Some(crate::amd::recover::Recovered::Unpaused) => {
+            return Ok(format!(
+                "pid {pid} recovered (AMD GPU queues unpaused); it runs again"
+            ));
+        }
+        Some(crate::amd::recover::Recovered::Running) => {
+            return Ok(format!(
+                "pid {pid}'s AMD GPU queues were not paused: nothing to recover"
+            ));
+        }
+        None => {}
+    }
     let api = gpusnap_cuda::driver::api()?;
     api.init()?;
     // A hold of a dump whose CRIU died leaves the process in a group stop, where the driver
     // cannot answer (its own thread in the process is stopped too): take the process over
     // first, end the stop with every thread kept in our ptrace stops, and let the threads the
     // hold recorded as gpusnap's run for the driver's questions.
+    hold::sweep_dead_records();
     let stopped = procfs::state_and_start(pid)
         .map_err(|err| AgentError::Proc { pid, err })?
         .0
@@ -64,7 +119,13 @@ pub fn recover(pid: i32, images: Option<&Path>) -> Result<String, RecoverError> 
     let mut seized = None;
     let mut for_questions = Vec::new();
     if stopped {
-        let running = hold::recorded_running(pid).ok_or(RecoverError::StoppedUnknown { pid })?;
+        let Some(running) = hold::recorded_running(pid) else {
+            // No record: ask the job itself. Released memory keeps it stopped; memory in
+            // place lets it go (the driver lock, if any, still holds its GPU calls) and
+            // recovers it as a job that runs.
+            stopped_without_record(pid)?;
+            return recover(pid, images);
+        };
         let s = SeizedProcess::seize(pid).map_err(|err| RecoverError::Seize { pid, err })?;
         s.end_group_stop()
             .map_err(|err| RecoverError::Continue { pid, err })?;
@@ -82,7 +143,7 @@ pub fn recover(pid: i32, images: Option<&Path>) -> Result<String, RecoverError> 
         "stopping a thread after the driver's answers",
     )?;
     let agent_tid = agent::agent_thread(pid);
-    let cfg = gpusnap_config::load().map_err(|e| RecoverError::Config(e.to_string()))?;
+    let cfg = gpusnap_config::load()?;
     let seized = match seized {
         Some(s) => s,
         None => SeizedProcess::seize(pid).map_err(|err| RecoverError::Seize { pid, err })?,
@@ -98,6 +159,9 @@ pub fn recover(pid: i32, images: Option<&Path>) -> Result<String, RecoverError> 
         }
         None => (false, false),
     };
+    if released && !stopped && state == ProcessState::Running {
+        return Err(RecoverError::MovedOn { pid });
+    }
     // Memory lent at a hand-over is still the job's (it kept the descriptors): it is mapped
     // back without any file.
     if released && !kept && images.is_none() {

@@ -14,7 +14,10 @@
 //! CRIU dumps and restores the pair and the label with the process, at the same numbers.
 //!
 //! A knock the agent never takes (agent hung or busy) would stay queued with a descriptor whose
-//! peer lives in the client, which CRIU cannot dump: [`Door::withdraw`] takes one's own back.
+//! peer lives in the client, which CRIU cannot dump (`External socket is used`):
+//! [`Door::withdraw`] empties the door, its own knock and any other client's. The agent, for its
+//! part, lets a connection that has sent nothing give way to the next knock, so idle knocks
+//! cannot make the plugin's wait.
 
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
@@ -143,31 +146,27 @@ impl Door {
         Ok(ours)
     }
 
-    /// Takes back this door's last knock if it is still queued at the agent's end (the agent
-    /// is not taking knocks), closing its descriptor, so that CRIU never finds it in the
-    /// process. Other clients' knocks are queued again, in their order; records that are not
-    /// knocks are dropped. Returns how many of ours were taken (0 or 1).
+    /// Empties the door when the agent is not taking knocks (hung or busy): this door's last
+    /// knock and every other client's are taken out and closed (their clients see the
+    /// connection end, as if the agent had refused it), and records that are not knocks are
+    /// dropped, so that CRIU finds no descriptor in flight in the process. Queuing the others
+    /// again would leave them there for the dump that follows. Returns how many of ours were
+    /// taken (0 or 1).
     pub fn withdraw(&self) -> io::Result<usize> {
         let mine = self.knocked.load(std::sync::atomic::Ordering::Relaxed);
         let agent_end = Channel::new(pidfd_getfd(self.pidfd.as_fd(), self.agent_end)?);
-        let mut others = Vec::new();
-        let mut taken = 0;
+        let mut ours = 0;
         loop {
             match take_knock(&agent_end) {
                 Ok(Knock::Nothing) | Err(ProtoError::Closed) => break,
-                Ok(Knock::Connection(fd)) if inode(fd.as_fd()).ok() == Some(mine) => taken += 1,
-                Ok(Knock::Connection(fd)) => others.push(fd),
-                Ok(Knock::Malformed(_)) => {}
+                Ok(Knock::Connection(fd)) if inode(fd.as_fd()).ok() == Some(mine) => ours += 1,
+                // Closed as it drops: its client sees the connection end.
+                Ok(Knock::Connection(_)) | Ok(Knock::Malformed(_)) => {}
                 Err(ProtoError::Interrupted) => continue,
                 Err(e) => return Err(io::Error::other(format!("pid {}: {e}", self.pid))),
             }
         }
-        for fd in others {
-            // Best effort: a knock that cannot be queued again is closed, and its client sees
-            // the connection end (as if the agent had refused it).
-            let _ = self.client.send_raw_now(KNOCK, Some(fd.as_fd()));
-        }
-        Ok(taken)
+        Ok(ours)
     }
 }
 
@@ -218,7 +217,8 @@ fn find_label(pid: i32) -> io::Result<Option<(RawFd, RawFd)>> {
     Ok(found)
 }
 
-fn pidfd_open(pid: i32) -> io::Result<OwnedFd> {
+/// `pidfd_open(2)`: a descriptor that names process `pid` for good (a reused pid is another).
+pub fn pidfd_open(pid: i32) -> io::Result<OwnedFd> {
     // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
     let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
     if fd < 0 {
@@ -228,7 +228,9 @@ fn pidfd_open(pid: i32) -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
 }
 
-fn pidfd_getfd(pidfd: BorrowedFd<'_>, target_fd: RawFd) -> io::Result<OwnedFd> {
+/// `pidfd_getfd(2)`: a copy (close-on-exec) of descriptor `target_fd` of the process
+/// `pidfd` names; needs ptrace rights over it.
+pub fn pidfd_getfd(pidfd: BorrowedFd<'_>, target_fd: RawFd) -> io::Result<OwnedFd> {
     // SAFETY: pidfd is an open pidfd; the call copies a descriptor of that process into ours
     // (CLOEXEC) or returns -1.
     let fd = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), target_fd, 0) };

@@ -26,7 +26,7 @@ mod tests;
 pub use channel::Channel;
 pub use door::{
     DOOR_LABEL_PREFIX, Door, DoorInside, KNOCK, Knock, connect_agent, install_door, parse_label,
-    take_knock,
+    pidfd_getfd, pidfd_open, take_knock,
 };
 pub use error::ProtoError;
 pub use message::{

@@ -1,16 +1,36 @@
 //! Buffer-object contents to and from gpusnap's data files: the same `DataFileWriter`s,
 //! chunk records, checksums and manifest entries as the CUDA split path, one writer thread per
-//! data file. BOs are cut into chunks of at most [`CHUNK`] bytes and handed out GPU by GPU in
+//! data file (`writer_threads`, 0: [`Config::effective_writer_threads`]). BOs are cut into chunks of at most [`CHUNK`] bytes and handed out GPU by GPU in
 //! turn, so every GPU has chunks in flight at once; at restore, one reader thread per data file
-//! checks each chunk and writes it straight into its BO's mapping.
+//! checks each chunk and writes it straight into its BO's mapping (`reader_threads`, likewise).
 
 use std::collections::BTreeMap;
 use std::os::fd::BorrowedFd;
 use std::time::Instant;
 
 use crossbeam_channel::bounded;
-use gpusnap_image::{ChunkEntry, Codec, DataFileReader, DataFileWriter, FileEntry, Manifest};
+use gpusnap_config::Config;
+use gpusnap_image::{
+    ChunkEntry, Codec, DataFileReader, DataFileWriter, FileEntry, ImageError, Manifest,
+};
 use gpusnap_rocm::bo::BoMapping;
+
+/// Why buffer-object contents could not be written or read back.
+#[derive(Debug, thiserror::Error)]
+pub enum DataError {
+    #[error(transparent)]
+    Image(#[from] ImageError),
+    /// A chunk's range does not lie inside the mapping of its BO (a bug, or a damaged image
+    /// that passed its checks).
+    #[error("chunk at {addr:#x} ({len} bytes) lies outside its BO's mapping")]
+    OutsideBo { addr: u64, len: u64 },
+    /// A chunk of the image whose address no restored BO holds.
+    #[error("chunk at {addr:#x} lies in no restored BO")]
+    NoBo { addr: u64 },
+    /// A writer or reader thread panicked (its panic is in the log).
+    #[error("a {0} thread panicked")]
+    Panicked(&'static str),
+}
 
 /// Largest chunk written (well under the format's 1 GiB).
 pub const CHUNK: u64 = 64 << 20;
@@ -67,51 +87,49 @@ fn schedule(bos: &[BoSource<'_>]) -> Vec<Work> {
     }
 }
 
-/// Writes the contents of `bos` into `gpusnap-<nspid>-data-<k>.img` with `writers` threads.
+/// Writes the contents of `bos` into `gpusnap-<nspid>-data-<k>.img`, with as many writer
+/// threads as `cfg` says (never more than there are chunks), fsynced when `cfg.durable`.
 pub fn write_bos(
     dir: BorrowedFd<'_>,
     nspid: u32,
     bos: &[BoSource<'_>],
-    writers: usize,
+    cfg: &Config,
     codec: Codec,
-    durable: bool,
-) -> Result<Written, String> {
+) -> Result<Written, DataError> {
     let t0 = Instant::now();
+    let durable = cfg.durable;
     let work = schedule(bos);
-    let writers = writers.clamp(1, work.len().max(1));
+    let writers = cfg.effective_writer_threads().clamp(1, work.len().max(1));
     let (tx, rx) = bounded::<Work>(writers * 2);
     let results = std::thread::scope(|s| {
         let handles: Vec<_> = (0..writers)
             .map(|k| {
                 let rx = rx.clone();
                 s.spawn(
-                    move || -> Result<(Option<FileEntry>, Vec<ChunkEntry>), String> {
+                    move || -> Result<(Option<FileEntry>, Vec<ChunkEntry>), DataError> {
                         crate::signals::block_all();
                         let mut w: Option<DataFileWriter> = None;
                         let mut chunks = Vec::new();
                         for item in rx {
                             let b = &bos[item.bo];
-                            let data = b
-                                .map
-                                .slice(item.offset as usize, item.len as usize)
-                                .ok_or("chunk outside its BO")?;
-                            if w.is_none() {
-                                let mut nw = DataFileWriter::create(dir, nspid, k as u32)
-                                    .map_err(|e| e.to_string())?;
-                                nw.set_sync(durable);
-                                w = Some(nw);
-                            }
-                            let writer = w.as_mut().expect("created above");
-                            chunks.push(
-                                writer
-                                    .append_chunk(b.addr + item.offset, data, codec)
-                                    .map_err(|e| e.to_string())?,
-                            );
+                            let addr = b.addr + item.offset;
+                            let data = b.map.slice(item.offset as usize, item.len as usize).ok_or(
+                                DataError::OutsideBo {
+                                    addr,
+                                    len: item.len,
+                                },
+                            )?;
+                            let writer = match &mut w {
+                                Some(w) => w,
+                                None => {
+                                    let mut nw = DataFileWriter::create(dir, nspid, k as u32)?;
+                                    nw.set_sync(durable);
+                                    w.insert(nw)
+                                }
+                            };
+                            chunks.push(writer.append_chunk(addr, data, codec)?);
                         }
-                        let file = w
-                            .map(|w| w.finish())
-                            .transpose()
-                            .map_err(|e| e.to_string())?;
+                        let file = w.map(|w| w.finish()).transpose()?;
                         Ok((file, chunks))
                     },
                 )
@@ -126,10 +144,7 @@ pub fn write_bos(
         drop(tx);
         handles
             .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err("a writer thread panicked".into()))
-            })
+            .map(|h| h.join().unwrap_or(Err(DataError::Panicked("writer"))))
             .collect::<Vec<_>>()
     });
     let mut out = Written::default();
@@ -150,32 +165,33 @@ pub struct BoTarget<'a> {
 }
 
 /// Reads every chunk of `m` into the BO that holds its address, one thread per data file
-/// (at most `readers` at a time). Chunks of a checked manifest never overlap, so no two threads
-/// write the same bytes. Returns the bytes written and the seconds taken.
+/// (at most as many at a time as `cfg` says). Chunks of a checked manifest never overlap, so no
+/// two threads write the same bytes. Returns the bytes written and the seconds taken.
 pub fn read_bos(
     dir: BorrowedFd<'_>,
     m: &Manifest,
     targets: &[BoTarget<'_>],
-    readers: usize,
-) -> Result<(u64, f64), String> {
+    cfg: &Config,
+) -> Result<(u64, f64), DataError> {
     let t0 = Instant::now();
     let files = m.file_indexes();
-    let readers = readers.clamp(1, files.len().max(1));
+    let readers = cfg.effective_reader_threads().clamp(1, files.len().max(1));
     let (tx, rx) = bounded::<u32>(files.len().max(1));
     for f in &files {
-        tx.send(*f).map_err(|e| e.to_string())?;
+        // The queue holds every file and its receiver lives: a send cannot fail.
+        let _ = tx.send(*f);
     }
     drop(tx);
-    let results: Vec<Result<u64, String>> = std::thread::scope(|s| {
+    let results: Vec<Result<u64, DataError>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..readers)
             .map(|_| {
                 let rx = rx.clone();
-                s.spawn(move || -> Result<u64, String> {
+                s.spawn(move || -> Result<u64, DataError> {
                     crate::signals::block_all();
                     let mut bytes = 0;
                     let mut scratch = Vec::new();
                     for f in rx {
-                        let r = DataFileReader::open(dir, m, f).map_err(|e| e.to_string())?;
+                        let r = DataFileReader::open(dir, m, f)?;
                         for (_, c) in r.chunks() {
                             let t = targets
                                 .iter()
@@ -183,18 +199,18 @@ pub fn read_bos(
                                     c.addr >= t.addr
                                         && c.addr + c.len <= t.addr + t.map.len() as u64
                                 })
-                                .ok_or_else(|| {
-                                    format!("chunk at {:#x} lies in no restored BO", c.addr)
-                                })?;
+                                .ok_or(DataError::NoBo { addr: c.addr })?;
                             // SAFETY: chunks of a checked manifest cover disjoint addresses,
                             // and each is read by exactly one thread, so this range has no other
                             // live slice; the mapping is writable (RESTORE's dma-buf).
                             let out = unsafe {
                                 t.map.slice_mut((c.addr - t.addr) as usize, c.len as usize)
                             }
-                            .ok_or("chunk outside its BO")?;
-                            r.read_chunk(c, out, &mut scratch)
-                                .map_err(|e| e.to_string())?;
+                            .ok_or(DataError::OutsideBo {
+                                addr: c.addr,
+                                len: c.len,
+                            })?;
+                            r.read_chunk(c, out, &mut scratch)?;
                             bytes += c.len;
                         }
                     }
@@ -204,10 +220,7 @@ pub fn read_bos(
             .collect();
         handles
             .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err("a reader thread panicked".into()))
-            })
+            .map(|h| h.join().unwrap_or(Err(DataError::Panicked("reader"))))
             .collect()
     });
     let mut bytes = 0;
@@ -220,6 +233,73 @@ pub fn read_bos(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::fd::AsFd;
+
+    fn memfd(len: u64) -> std::os::fd::OwnedFd {
+        use std::os::fd::FromRawFd;
+        // SAFETY: memfd_create with a static name.
+        let raw = unsafe { libc::memfd_create(c"t".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(raw >= 0);
+        // SAFETY: a fresh fd nothing else owns.
+        let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(raw) };
+        // SAFETY: ftruncate on our memfd.
+        let r = unsafe { libc::ftruncate(std::os::fd::AsRawFd::as_raw_fd(&fd), len as i64) };
+        assert_eq!(r, 0);
+        fd
+    }
+
+    /// `writer_threads = 0` (the default) means one writer per CPU, at most 16, as documented:
+    /// as many data files as there are CPUs (or chunks, if fewer), and every byte reads back
+    /// with `reader_threads = 0`.
+    #[test]
+    fn zero_threads_means_one_per_cpu() {
+        let dir = std::env::temp_dir().join(format!("gpusnap-amd-data-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir(&dir).unwrap();
+        let d = std::fs::File::open(&dir).unwrap();
+        let cfg = Config::default();
+        assert_eq!(cfg.writer_threads, 0);
+        let fds: Vec<_> = (0..16).map(|_| memfd(8192)).collect();
+        let maps: Vec<BoMapping> = fds
+            .iter()
+            .map(|f| BoMapping::map(f.as_fd(), 8192, true).unwrap())
+            .collect();
+        for (i, m) in maps.iter().enumerate() {
+            // SAFETY: the only slice of this fresh mapping.
+            unsafe { m.slice_mut(0, 8192) }.unwrap().fill(i as u8 + 1);
+        }
+        let bos: Vec<BoSource<'_>> = maps
+            .iter()
+            .enumerate()
+            .map(|(i, map)| BoSource {
+                addr: 0x1000_0000 + (i as u64) * 0x10_0000,
+                map,
+                gpu: 0,
+            })
+            .collect();
+        let w = write_bos(d.as_fd(), 9, &bos, &cfg, Codec::Raw).unwrap();
+        assert_eq!(w.files.len(), cfg.effective_writer_threads().min(16));
+        assert_eq!(w.bytes, 16 * 8192);
+        let mut m = gpusnap_image::Manifest::begin(9, gpusnap_image::CheckpointPath::Kfd, 0);
+        m.files = w.files;
+        m.chunks = w.chunks;
+        let back_fds: Vec<_> = (0..16).map(|_| memfd(8192)).collect();
+        let back: Vec<BoMapping> = back_fds
+            .iter()
+            .map(|f| BoMapping::map(f.as_fd(), 8192, true).unwrap())
+            .collect();
+        let targets: Vec<BoTarget<'_>> = back
+            .iter()
+            .zip(&bos)
+            .map(|(map, b)| BoTarget { addr: b.addr, map })
+            .collect();
+        let (bytes, _) = read_bos(d.as_fd(), &m, &targets, &cfg).unwrap();
+        assert_eq!(bytes, 16 * 8192);
+        for (i, b) in back.iter().enumerate() {
+            assert!(b.slice(0, 8192).unwrap().iter().all(|&x| x == i as u8 + 1));
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn chunks_alternate_between_gpus_and_cover_every_bo() {

@@ -3,45 +3,123 @@
 //! Order for a process (all inside its `DUMP_EXT_FILE`, while CRIU holds it seized):
 //! GET_VERSION (refused below 1.8) → PROCESS_INFO (queues paused) → CHECKPOINT → each VRAM/GTT
 //! BO mapped through its dma-buf and written to data files → `gpusnap-<nspid>-kfd.img` →
-//! manifest (last) → `gpusnap-kfdfile-<id>.img`. What is left to undo is a [`KfdPhase`]:
-//! a failure inside the hook UNPAUSEs at once and removes the process's files; `exit` UNPAUSEs
-//! every checkpointed process after `criu dump -R` or a failed dump (and removes the files of a
-//! failed one). An UNPAUSE that fails leaves a process whose GPU queues stay stopped, so it is
-//! killed, and the log says so (fail closed).
+//! manifest (last) → `gpusnap-kfdfile-<id>.img`. What is left to undo is the process's
+//! [`DumpPhase`]: a failure inside the hook UNPAUSEs at once and removes the process's files;
+//! `exit` UNPAUSEs every checkpointed process after `criu dump -R` or a failed dump (and removes
+//! the files of a failed one). An UNPAUSE that fails leaves a process whose GPU queues stay
+//! stopped, so it is killed and reaped ([`crate::reap`]), and the log says so (fail closed).
+//!
+//! Should CRIU die while a process is paused or checkpointed, the process runs on the CPU with
+//! its GPU queues stopped and its device memory in place (an AMD dump never releases memory):
+//! it computes nothing on the GPU until `gpusnap recover PID` UNPAUSEs it ([`super::recover`]).
 
 use std::collections::BTreeMap;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
+use std::time::Instant;
 
 use gpusnap_config::Config;
 use gpusnap_image::{
-    AllocationRecord, CheckpointPath, GpuRecord, KfdBoRecord, KfdFileKind, KfdFileRecord,
-    KfdGpuRecord, KfdState, KfdVmaNode, KfdVmaRecord, Manifest,
+    AllocationRecord, CheckpointPath, GpuRecord, ImageError, KfdBoRecord, KfdFileKind,
+    KfdFileRecord, KfdGpuRecord, KfdState, KfdVmaNode, KfdVmaRecord, Manifest,
 };
 use gpusnap_rocm::bo::BoMapping;
 use gpusnap_rocm::kfd::criu::{self, KfdCheckpoint};
 use gpusnap_rocm::kfd::device::{DeviceFile, KfdDevice, device_of, device_of_stat};
 use gpusnap_rocm::kfd::vma::{self, BoView, VmaNode};
-use gpusnap_rocm::kfd::{KfdVersion, ProcessInfo};
-use gpusnap_rocm::topology::{self, Gpu};
+use gpusnap_rocm::kfd::{KfdError, KfdVersion};
+use gpusnap_rocm::topology::{self, Gpu, TopologyError};
 
 use super::coexist;
-use super::data::{self, BoSource};
+use super::data::{self, BoSource, DataError, Written};
+use super::phase::{DumpPhase, ImpossibleMove};
+use crate::procfs;
 
-/// What gpusnap holds of a process whose queues it paused: what decides the undo.
-enum KfdPhase {
-    /// Image written; queues still paused. `kfd`: a dup of the process's KFD file (the kernel
-    /// acts on the process that opened it).
-    Checkpointed { kfd: OwnedFd, info: ProcessInfo },
-    /// Unpaused (after `-R` or a failure) or killed; nothing left to undo.
-    Done,
+/// Why one AMD process could not be checkpointed.
+#[derive(Debug, thiserror::Error)]
+pub enum DumpError {
+    #[error("cannot keep the KFD file: {0}")]
+    KeepFile(#[source] std::io::Error),
+    /// GET_VERSION failed.
+    #[error(transparent)]
+    Version(KfdError),
+    #[error(
+        "KFD ioctl {0} has no usable CRIU support (1.8 or newer needed); the process cannot be checkpointed"
+    )]
+    NoCriuSupport(KfdVersion),
+    #[error("{source} ({device})")]
+    ProcessInfo {
+        device: String,
+        #[source]
+        source: KfdError,
+    },
+    #[error(transparent)]
+    Checkpoint(KfdError),
+    #[error(transparent)]
+    Topology(#[from] TopologyError),
+    #[error("CHECKPOINT lists gpu_id {0}, which the KFD topology does not")]
+    UnknownGpu(u32),
+    #[error(
+        "the process holding the KFD file was not found, so its device mappings cannot be recorded"
+    )]
+    HolderNotFound,
+    #[error("reading /proc: {0}")]
+    Proc(#[source] std::io::Error),
+    #[error(
+        "its mapping {start:#x}-{end:#x} of {path} at offset {offset:#x} cannot be made again at restore: {why}"
+    )]
+    Mapping {
+        start: u64,
+        end: u64,
+        path: String,
+        offset: u64,
+        why: String,
+    },
+    #[error(
+        "BO {index} at {addr:#x} ({size} bytes, flags {flags:#x}): CHECKPOINT returned no dma-buf for it"
+    )]
+    NoDmabuf {
+        index: usize,
+        addr: u64,
+        size: u64,
+        flags: u32,
+    },
+    #[error(
+        "BO {index} at {addr:#x} ({size} bytes, flags {flags:#x}): its dma-buf cannot be mapped ({source}); VRAM outside the CPU-visible window would need an SDMA copy, which gpusnap does not do"
+    )]
+    Unmappable {
+        index: usize,
+        addr: u64,
+        size: u64,
+        flags: u32,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Data(#[from] DataError),
+    #[error(transparent)]
+    Image(#[from] ImageError),
+    #[error("internal: {0}")]
+    Phase(#[from] ImpossibleMove),
+}
+
+impl DumpError {
+    /// Whether the kernel left the queues running (nothing was paused, so nothing to undo).
+    fn before_pause(&self) -> bool {
+        matches!(
+            self,
+            DumpError::KeepFile(_)
+                | DumpError::Version(_)
+                | DumpError::NoCriuSupport(_)
+                | DumpError::ProcessInfo { .. }
+        )
+    }
 }
 
 struct Tracked {
     nspid: u32,
     /// The process's pid as this CRIU sees it (found by its open KFD file), for kills.
     host_pid: Option<i32>,
-    phase: KfdPhase,
+    phase: DumpPhase,
 }
 
 /// The AMD part of a `criu dump`.
@@ -57,34 +135,21 @@ pub struct AmdDump {
     vmas_recorded: u64,
 }
 
-fn unix_now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
-}
-
 /// The pid of the process (other than this one, and of namespace pid `nspid` when given) whose
 /// fd refers to the same open file as `fd`: found with `kcmp(KCMP_FILE)` over the fds that
 /// link to the same path.
 fn holder_of(fd: BorrowedFd<'_>, nspid: Option<u32>) -> Option<i32> {
-    let path = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())).ok()?;
-    // SAFETY: getpid has no preconditions.
-    let me = unsafe { libc::getpid() };
-    for e in std::fs::read_dir("/proc").ok()?.flatten() {
-        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
-            continue;
-        };
-        if pid == me || nspid.is_some_and(|n| crate::procfs::ns_pid(pid).ok() != Some(n as i32)) {
+    let me = std::process::id() as i32;
+    let path = procfs::fd_target(me, fd.as_raw_fd()).ok()?;
+    for pid in procfs::processes().ok()? {
+        if pid == me || nspid.is_some_and(|n| procfs::ns_pid(pid).ok() != Some(n as i32)) {
             continue;
         }
-        let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        let Ok(fds) = procfs::fd_numbers(pid) else {
             continue;
         };
-        for f in fds.flatten() {
-            let Some(n) = f.file_name().to_str().and_then(|s| s.parse::<u64>().ok()) else {
-                continue;
-            };
-            if std::fs::read_link(f.path()).ok().as_ref() != Some(&path) {
+        for n in fds {
+            if procfs::fd_target(pid, n).ok().as_ref() != Some(&path) {
                 continue;
             }
             // SAFETY: kcmp compares two files by (pid, fd); no memory is passed.
@@ -106,13 +171,88 @@ fn holder_of(fd: BorrowedFd<'_>, nspid: Option<u32>) -> Option<i32> {
     None
 }
 
-/// SIGKILL to `pid`.
-pub(super) fn kill(pid: i32) -> std::io::Result<()> {
-    // SAFETY: kill(2) with a pid found for this process; no memory is passed.
-    if unsafe { libc::kill(pid, libc::SIGKILL) } != 0 {
-        return Err(std::io::Error::last_os_error());
+/// What CHECKPOINT found, with the topology facts of its GPUs: the source of the KFD state
+/// and of the manifest.
+struct Checkpointed<'a> {
+    ckpt: &'a KfdCheckpoint,
+    gpus: &'a [KfdGpuRecord],
+    version: KfdVersion,
+}
+
+impl Checkpointed<'_> {
+    /// The index (in `gpus`) of user gpu_id `gpu_id`.
+    fn gpu_index(&self, gpu_id: u32) -> usize {
+        self.gpus
+            .iter()
+            .position(|g| g.gpu_id == gpu_id)
+            .unwrap_or(0)
     }
-    Ok(())
+
+    /// The manifest of the process: every content BO an allocation, every chunk written.
+    fn manifest(&self, nspid: u32, written: &Written, timings: BTreeMap<String, f64>) -> Manifest {
+        let v = self.version;
+        let mut m = Manifest::begin(
+            nspid,
+            CheckpointPath::Kfd,
+            (v.major * 1000 + v.minor) as i32,
+        );
+        m.gpus = self
+            .gpus
+            .iter()
+            .enumerate()
+            .map(|(i, g)| GpuRecord {
+                ordinal: i as u32,
+                uuid: format!("{:032x}", g.gpu_id),
+                name: g.name.clone(),
+                total_mem: g.local_mem_bytes,
+            })
+            .collect();
+        m.allocations = self
+            .ckpt
+            .bos
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| criu::has_contents(b.alloc_flags))
+            .map(|(i, b)| AllocationRecord {
+                id: i as u64,
+                device: self.gpu_index(b.gpu_id) as u32,
+                addr: b.addr,
+                size: b.size,
+                moved: true,
+            })
+            .collect();
+        m.files = written.files.clone();
+        m.chunks = written.chunks.clone();
+        m.timings_s = timings;
+        m
+    }
+
+    /// The KFD state file of the process.
+    fn state(&self, nspid: u32, vmas: Vec<KfdVmaRecord>, max_fd: u32) -> KfdState {
+        KfdState {
+            format_version: gpusnap_image::KFD_FORMAT_VERSION,
+            nspid,
+            kfd_version: [self.version.major, self.version.minor],
+            gpus: self.gpus.to_vec(),
+            bos: self
+                .ckpt
+                .bos
+                .iter()
+                .map(|b| KfdBoRecord {
+                    addr: b.addr,
+                    size: b.size,
+                    offset: b.offset,
+                    gpu_id: b.gpu_id,
+                    alloc_flags: b.alloc_flags,
+                    content: criu::has_contents(b.alloc_flags),
+                })
+                .collect(),
+            num_objects: self.ckpt.info.num_objects,
+            priv_data: gpusnap_image::priv_data_hex(&self.ckpt.priv_data),
+            vmas,
+            max_fd,
+        }
+    }
 }
 
 impl AmdDump {
@@ -165,9 +305,9 @@ impl AmdDump {
         pid: i32,
         ckpt: &KfdCheckpoint,
         gpus: &[KfdGpuRecord],
-    ) -> Result<Vec<KfdVmaRecord>, String> {
-        let maps = std::fs::read_to_string(format!("/proc/{pid}/maps"))
-            .map_err(|e| format!("reading /proc/{pid}/maps: {e}"))?;
+    ) -> Result<Vec<KfdVmaRecord>, DumpError> {
+        use std::os::unix::fs::{FileTypeExt, MetadataExt};
+        let maps = procfs::maps(pid).map_err(DumpError::Proc)?;
         let bos: Vec<BoView> = ckpt
             .bos
             .iter()
@@ -184,11 +324,9 @@ impl AmdDump {
                 continue;
             }
             // The mapped file itself (not its path, which may be gone): its device number.
-            let link = format!("/proc/{pid}/map_files/{:x}-{:x}", m.start, m.end);
-            let Ok(meta) = std::fs::metadata(&link) else {
+            let Ok(meta) = procfs::mapped_file_metadata(pid, m.start, m.end) else {
                 continue;
             };
-            use std::os::unix::fs::{FileTypeExt, MetadataExt};
             let ft = meta.file_type();
             if !(ft.is_char_device() || (self.dev.block_nodes() && ft.is_block_device())) {
                 continue;
@@ -207,11 +345,12 @@ impl AmdDump {
                     .map(|g| g.gpu_id)
             };
             let bo = vma::identify(node, m.start, m.end, m.offset, &bos, gpu_of_minor).map_err(
-                |e| {
-                    format!(
-                        "its mapping {:#x}-{:#x} of {} at offset {:#x} cannot be made again at restore: {e}",
-                        m.start, m.end, m.path, m.offset
-                    )
+                |why| DumpError::Mapping {
+                    start: m.start,
+                    end: m.end,
+                    path: m.path.clone(),
+                    offset: m.offset,
+                    why,
                 },
             )?;
             let b = &ckpt.bos[bo];
@@ -277,7 +416,7 @@ impl AmdDump {
     }
 
     fn nspid_of(host: Option<i32>) -> u32 {
-        host.and_then(|p| crate::procfs::ns_pid(p).ok())
+        host.and_then(|p| procfs::ns_pid(p).ok())
             .map_or(0, |n| n as u32)
     }
 
@@ -321,203 +460,162 @@ impl AmdDump {
     }
 
     fn dump_kfd(&mut self, dir: BorrowedFd<'_>, fd: BorrowedFd<'_>, id: u32) -> i32 {
+        let mut t = Tracked {
+            nspid: 0,
+            host_pid: None,
+            phase: DumpPhase::Untouched,
+        };
+        match self.checkpoint(dir, fd, id, &mut t) {
+            Ok(n_vmas) => {
+                self.vmas_recorded += n_vmas;
+                self.processes.push(t);
+                0
+            }
+            Err(e) if e.before_pause() => {
+                log::error!(
+                    "amd: file {id}: {e}; the kernel left its queues running; nothing to undo"
+                );
+                -1
+            }
+            Err(e) => {
+                log::error!("amd: nspid {}: {e}", t.nspid);
+                if let Err(e) = gpusnap_image::remove_process_files(dir, t.nspid) {
+                    log::warn!("amd: nspid {}: removing its partial image: {e}", t.nspid);
+                }
+                let _ = crate::fault::sync_dir(dir);
+                self.undo(&mut t, "the dump failed");
+                -1
+            }
+        }
+    }
+
+    /// PROCESS_INFO, CHECKPOINT and everything written for the process of `fd`, moving `t`
+    /// through its phases.
+    fn checkpoint(
+        &self,
+        dir: BorrowedFd<'_>,
+        fd: BorrowedFd<'_>,
+        id: u32,
+        t: &mut Tracked,
+    ) -> Result<u64, DumpError> {
         let t0 = Instant::now();
-        let kfd = match fd.try_clone_to_owned() {
-            Ok(k) => k,
-            Err(e) => {
-                log::error!("amd: file {id}: cannot keep the KFD file: {e}");
-                return -1;
+        let kfd = fd.try_clone_to_owned().map_err(DumpError::KeepFile)?;
+        let version = self.dev.version(kfd.as_fd()).map_err(DumpError::Version)?;
+        if !version.supports_criu() {
+            return Err(DumpError::NoCriuSupport(version));
+        }
+        let info = criu::process_info(self.dev.as_ref(), kfd.as_fd()).map_err(|source| {
+            DumpError::ProcessInfo {
+                device: self.dev.describe(),
+                source,
             }
-        };
-        let version = match self.dev.version(kfd.as_fd()) {
-            Ok(v) if v.supports_criu() => v,
-            Ok(v) => {
-                log::error!(
-                    "amd: file {id}: KFD ioctl {v} has no usable CRIU support (1.8 or newer needed); the process cannot be checkpointed; nothing was done"
-                );
-                return -1;
-            }
-            Err(e) => {
-                log::error!("amd: file {id}: {e}; nothing was done");
-                return -1;
-            }
-        };
-        let info = match criu::process_info(self.dev.as_ref(), kfd.as_fd()) {
-            Ok(i) => i,
-            Err(e) => {
-                log::error!(
-                    "amd: file {id} ({}): {e}; the kernel left its queues running; nothing to undo",
-                    self.dev.describe()
-                );
-                return -1;
-            }
-        };
+        })?;
+        t.nspid = info.pid;
+        t.phase.paused(kfd, info)?;
+        crate::fault::kill_criu_at("amd-dump-paused");
         let t_info = t0.elapsed().as_secs_f64();
-        let host_pid = holder_of(fd, Some(info.pid));
+        t.host_pid = holder_of(fd, Some(info.pid));
         log::info!(
             "amd: nspid {} (pid {}): queues paused (PROCESS_INFO: {} GPUs, {} BOs, {} objects, {} bytes of private data) in {:.3} s",
             info.pid,
-            host_pid.map_or("?".into(), |p| p.to_string()),
+            t.host_pid.map_or("?".into(), |p| p.to_string()),
             info.num_devices,
             info.num_bos,
             info.num_objects,
             info.priv_data_size,
             t_info
         );
-        match self.save(dir, kfd.as_fd(), &info, version, id, host_pid, t0, t_info) {
-            Ok(n_vmas) => {
-                self.vmas_recorded += n_vmas;
-                self.processes.push(Tracked {
-                    nspid: info.pid,
-                    host_pid,
-                    phase: KfdPhase::Checkpointed { kfd, info },
-                });
-                0
-            }
-            Err(e) => {
-                log::error!("amd: nspid {}: {e}", info.pid);
-                if let Err(e) = gpusnap_image::remove_process_files(dir, info.pid) {
-                    log::warn!("amd: nspid {}: removing its partial image: {e}", info.pid);
-                }
-                let _ = crate::fault::sync_dir(dir);
-                self.undo(kfd.as_fd(), info.pid, host_pid, "the dump failed");
-                -1
-            }
-        }
+        let kfd = t.phase.kfd().ok_or(ImpossibleMove {
+            from: t.phase.name(),
+            to: "checkpointed",
+        })?;
+        let n_vmas = self.save(dir, kfd, version, id, t, t0, t_info)?;
+        t.phase.checkpointed()?;
+        crate::fault::kill_criu_at("amd-dump-checkpointed");
+        Ok(n_vmas)
     }
 
-    /// CHECKPOINT and everything written for one process.
+    /// CHECKPOINT and everything written for one paused process; returns how many device
+    /// mappings it recorded.
     #[allow(clippy::too_many_arguments)]
     fn save(
         &self,
         dir: BorrowedFd<'_>,
         kfd: BorrowedFd<'_>,
-        info: &ProcessInfo,
         version: KfdVersion,
         id: u32,
-        host_pid: Option<i32>,
+        t: &Tracked,
         t0: Instant,
         t_info: f64,
-    ) -> Result<u64, String> {
-        let nspid = info.pid;
-        let ckpt = criu::checkpoint(self.dev.as_ref(), kfd, info).map_err(|e| e.to_string())?;
+    ) -> Result<u64, DumpError> {
+        let nspid = t.nspid;
+        let info = t.phase.info().copied().ok_or(ImpossibleMove {
+            from: t.phase.name(),
+            to: "checkpointed",
+        })?;
+        let ckpt =
+            criu::checkpoint(self.dev.as_ref(), kfd, &info).map_err(DumpError::Checkpoint)?;
         let t_ckpt = t0.elapsed().as_secs_f64() - t_info;
-        let local = topology::read_gpus(&self.dev.topology_dir()).map_err(|e| e.to_string())?;
+        let local = topology::read_gpus(&self.dev.topology_dir())?;
         let gpus = describe_gpus(&ckpt, &local)?;
+        let taken = Checkpointed {
+            ckpt: &ckpt,
+            gpus: &gpus,
+            version,
+        };
         // Its device mappings, read while CRIU holds it seized (they cannot change).
-        let pid = host_pid.ok_or(
-            "the process holding the KFD file was not found, so its device mappings cannot be recorded",
-        )?;
+        let pid = t.host_pid.ok_or(DumpError::HolderNotFound)?;
         let vmas = self.record_vmas(pid, &ckpt, &gpus)?;
-        let max_fd = std::fs::read_dir(format!("/proc/{pid}/fd"))
-            .map_err(|e| format!("reading /proc/{pid}/fd: {e}"))?
-            .flatten()
-            .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        let max_fd = procfs::fd_numbers(pid)
+            .map_err(DumpError::Proc)?
+            .into_iter()
             .max()
-            .unwrap_or(0);
+            .unwrap_or(0)
+            .max(0) as u32;
         // Map every content BO through its dma-buf.
         let mut maps: Vec<(usize, BoMapping)> = Vec::new();
         for (i, b) in ckpt.bos.iter().enumerate() {
             if !criu::has_contents(b.alloc_flags) {
                 continue;
             }
-            let fd = ckpt.dmabufs[i].as_ref().ok_or_else(|| {
-                format!(
-                    "BO {i} at {:#x} ({} bytes, flags {:#x}): CHECKPOINT returned no dma-buf for it",
-                    b.addr, b.size, b.alloc_flags
-                )
+            let fd = ckpt.dmabufs[i].as_ref().ok_or(DumpError::NoDmabuf {
+                index: i,
+                addr: b.addr,
+                size: b.size,
+                flags: b.alloc_flags,
             })?;
-            let m = BoMapping::map(fd.as_fd(), b.size, false).map_err(|e| {
-                format!(
-                    "BO {i} at {:#x} ({} bytes, flags {:#x}): its dma-buf cannot be mapped ({e}); VRAM outside the CPU-visible window would need an SDMA copy, which gpusnap does not do",
-                    b.addr, b.size, b.alloc_flags
-                )
+            let m = BoMapping::map(fd.as_fd(), b.size, false).map_err(|source| {
+                DumpError::Unmappable {
+                    index: i,
+                    addr: b.addr,
+                    size: b.size,
+                    flags: b.alloc_flags,
+                    source,
+                }
             })?;
             maps.push((i, m));
         }
-        let gpu_index = |gpu_id: u32| gpus.iter().position(|g| g.gpu_id == gpu_id).unwrap_or(0);
         let sources: Vec<BoSource<'_>> = maps
             .iter()
             .map(|(i, m)| BoSource {
                 addr: ckpt.bos[*i].addr,
                 map: m,
-                gpu: gpu_index(ckpt.bos[*i].gpu_id),
+                gpu: taken.gpu_index(ckpt.bos[*i].gpu_id),
             })
             .collect();
         let codec = crate::context::codec_for(&self.cfg, dir).0;
-        gpusnap_image::remove_process_files(dir, nspid).map_err(|e| e.to_string())?;
-        let written = data::write_bos(
-            dir,
-            nspid,
-            &sources,
-            self.cfg.writer_threads as usize,
-            codec,
-            self.cfg.durable,
-        )?;
+        gpusnap_image::remove_process_files(dir, nspid)?;
+        let written = data::write_bos(dir, nspid, &sources, &self.cfg, codec)?;
         drop(sources);
         drop(maps);
-        let state = KfdState {
-            format_version: gpusnap_image::KFD_FORMAT_VERSION,
-            nspid,
-            kfd_version: [version.major, version.minor],
-            gpus: gpus.clone(),
-            bos: ckpt
-                .bos
-                .iter()
-                .map(|b| KfdBoRecord {
-                    addr: b.addr,
-                    size: b.size,
-                    offset: b.offset,
-                    gpu_id: b.gpu_id,
-                    alloc_flags: b.alloc_flags,
-                    content: criu::has_contents(b.alloc_flags),
-                })
-                .collect(),
-            num_objects: info.num_objects,
-            priv_data: gpusnap_image::priv_data_hex(&ckpt.priv_data),
-            vmas,
-            max_fd,
-        };
-        gpusnap_image::write_kfd_state(dir, &state).map_err(|e| e.to_string())?;
+        let state = taken.state(nspid, vmas, max_fd);
+        gpusnap_image::write_kfd_state(dir, &state)?;
         let mut timings = BTreeMap::new();
         timings.insert("process_info".to_owned(), t_info);
         timings.insert("checkpoint".to_owned(), t_ckpt);
         timings.insert("data".to_owned(), written.seconds);
-        let manifest = Manifest {
-            format_version: gpusnap_image::FORMAT_VERSION,
-            nspid,
-            path: CheckpointPath::Kfd,
-            created_unix_s: unix_now(),
-            gpusnap_version: gpusnap_image::BUILD.to_owned(),
-            driver_version: (version.major * 1000 + version.minor) as i32,
-            gpus: gpus
-                .iter()
-                .enumerate()
-                .map(|(i, g)| GpuRecord {
-                    ordinal: i as u32,
-                    uuid: format!("{:032x}", g.gpu_id),
-                    name: g.name.clone(),
-                    total_mem: g.local_mem_bytes,
-                })
-                .collect(),
-            allocations: ckpt
-                .bos
-                .iter()
-                .enumerate()
-                .filter(|(_, b)| criu::has_contents(b.alloc_flags))
-                .map(|(i, b)| AllocationRecord {
-                    id: i as u64,
-                    device: gpu_index(b.gpu_id) as u32,
-                    addr: b.addr,
-                    size: b.size,
-                    moved: true,
-                })
-                .collect(),
-            files: written.files.clone(),
-            chunks: written.chunks.clone(),
-            timings_s: timings,
-        };
-        gpusnap_image::write_manifest(dir, &manifest).map_err(|e| e.to_string())?;
+        let manifest = taken.manifest(nspid, &written, timings);
+        gpusnap_image::write_manifest(dir, &manifest)?;
         let rec = KfdFileRecord {
             format_version: gpusnap_image::KFD_FORMAT_VERSION,
             kind: KfdFileKind::Kfd,
@@ -526,9 +624,9 @@ impl AmdDump {
             gpu_id: 0,
             render_minor: 0,
         };
-        gpusnap_image::write_kfd_file(dir, id, &rec).map_err(|e| e.to_string())?;
+        gpusnap_image::write_kfd_file(dir, id, &rec)?;
         if self.cfg.durable {
-            crate::fault::sync_dir(dir).map_err(|e| e.to_string())?;
+            crate::fault::sync_dir(dir)?;
         }
         log::info!(
             "amd: nspid {nspid}: checkpointed: {} GPUs, {} BOs ({} with contents, {} bytes in {} chunks, {} data files), {} device mappings; timings: process_info {:.3} s, checkpoint {:.3} s, data {:.3} s, total {:.3} s",
@@ -547,22 +645,33 @@ impl AmdDump {
         Ok(state.vmas.len() as u64)
     }
 
-    /// UNPAUSE a process whose queues gpusnap paused; kill it when that fails.
-    fn undo(&self, kfd: BorrowedFd<'_>, nspid: u32, host_pid: Option<i32>, why: &str) {
-        match criu::unpause(self.dev.as_ref(), kfd) {
-            Ok(()) => log::info!(
-                "amd: nspid {nspid}: {why}: undone: GPU queues unpaused (UNPAUSE); the process keeps running"
-            ),
-            Err(e) => match host_pid {
+    /// UNPAUSE a process whose queues gpusnap paused; kill (and reap) it when that fails.
+    fn undo(&self, t: &mut Tracked, why: &str) {
+        let nspid = t.nspid;
+        let Some(kfd) = t.phase.kfd() else {
+            return; // nothing paused
+        };
+        let unpaused = criu::unpause(self.dev.as_ref(), kfd);
+        match unpaused {
+            Ok(()) => {
+                log::info!(
+                    "amd: nspid {nspid}: {why}: undone: GPU queues unpaused (UNPAUSE); the process keeps running"
+                );
+                let _ = t.phase.unpaused();
+            }
+            Err(e) => match t.host_pid {
                 Some(p) => {
                     // Said first: CRIU may end at once when a task it holds dies.
                     log::error!(
                         "amd: nspid {nspid}: {why}, and {e}: killing pid {p} so that it cannot run with its GPU queues stopped (fail closed)"
                     );
-                    if let Err(k) = kill(p) {
-                        log::error!(
-                            "amd: nspid {nspid}: killing pid {p} failed ({k}): its GPU queues stay stopped; kill it by hand"
-                        );
+                    match crate::reap::kill_and_reap(p) {
+                        Ok(_) => {
+                            let _ = t.phase.killed();
+                        }
+                        Err(k) => log::error!(
+                            "amd: nspid {nspid}: {k}: its GPU queues stay stopped; kill it by hand"
+                        ),
                     }
                 }
                 None => log::error!(
@@ -583,46 +692,43 @@ impl AmdDump {
         }
         let leave_running = crate::criu::leave_running();
         let dir = crate::criu::image_dir();
-        for i in 0..self.processes.len() {
-            let t = std::mem::replace(&mut self.processes[i].phase, KfdPhase::Done);
-            let (nspid, host_pid) = (self.processes[i].nspid, self.processes[i].host_pid);
-            let KfdPhase::Checkpointed { kfd, info } = t else {
+        let mut processes = std::mem::take(&mut self.processes);
+        for t in &mut processes {
+            if !matches!(t.phase, DumpPhase::Checkpointed { .. }) {
                 continue;
-            };
+            }
+            let nspid = t.nspid;
             if ret != 0 {
                 if let Some(dir) = dir
                     && let Err(e) = gpusnap_image::remove_process_files(dir, nspid)
                 {
                     log::warn!("amd: nspid {nspid}: removing the image of a failed dump: {e}");
                 }
-                self.undo(kfd.as_fd(), nspid, host_pid, "CRIU's dump failed");
+                crate::fault::kill_criu_at("amd-rollback");
+                self.undo(t, "CRIU's dump failed");
             } else if leave_running {
-                self.undo(kfd.as_fd(), nspid, host_pid, "criu dump -R (leave running)");
+                crate::fault::kill_criu_at("amd-rollback");
+                self.undo(t, "criu dump -R (leave running)");
             } else {
-                log::debug!(
-                    "amd: nspid {nspid}: dumped ({} BOs); CRIU ends the process",
-                    info.num_bos
-                );
+                let bos = t.phase.info().map_or(0, |i| i.num_bos);
+                let _ = t.phase.dumped();
+                log::debug!("amd: nspid {nspid}: dumped ({bos} BOs); CRIU ends the process");
             }
         }
+        self.processes = processes;
     }
 }
 
 /// The GPUs of a checkpoint, with their topology facts. A GPU the topology does not list is
 /// refused: a restore could not match it.
-fn describe_gpus(ckpt: &KfdCheckpoint, local: &[Gpu]) -> Result<Vec<KfdGpuRecord>, String> {
+fn describe_gpus(ckpt: &KfdCheckpoint, local: &[Gpu]) -> Result<Vec<KfdGpuRecord>, DumpError> {
     ckpt.devices
         .iter()
         .map(|d| {
             let g = local
                 .iter()
                 .find(|g| g.gpu_id == d.user_gpu_id)
-                .ok_or_else(|| {
-                    format!(
-                        "CHECKPOINT lists gpu_id {}, which the KFD topology does not",
-                        d.user_gpu_id
-                    )
-                })?;
+                .ok_or(DumpError::UnknownGpu(d.user_gpu_id))?;
             Ok(KfdGpuRecord {
                 gpu_id: g.gpu_id,
                 vendor_id: g.vendor_id,

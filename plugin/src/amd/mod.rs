@@ -23,6 +23,8 @@
 pub mod coexist;
 pub mod data;
 pub mod dump;
+pub mod phase;
+pub mod recover;
 pub mod restore;
 
 use std::os::fd::{AsRawFd, BorrowedFd, IntoRawFd};
@@ -54,9 +56,7 @@ fn image_has_kfd_state() -> bool {
         })
 }
 
-/// A restore gpusnap refused (the reason is in CRIU's log).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Refused;
+pub use restore::Refused;
 
 /// What gpusnap does with AMD GPU processes in this CRIU run.
 pub enum AmdSide {
@@ -67,14 +67,11 @@ pub enum AmdSide {
 }
 
 impl AmdSide {
-    /// The AMD side of a run; `Err(Refused)` when a restore must be refused (already logged).
+    /// The AMD side of a run; `Err` when a restore must be refused (the caller says why).
     pub fn init(stage: Stage, cfg: &Config) -> Result<AmdSide, Refused> {
         if cfg.mode == gpusnap_config::Mode::Off {
             if stage == Stage::Restore && image_has_kfd_state() {
-                log::error!(
-                    "amd: the image holds AMD GPU state but gpusnap is disabled (mode = off): the processes would run without it; enable gpusnap to restore"
-                );
-                return Err(Refused);
+                return Err(Refused::Disabled);
             }
             return Ok(AmdSide::Idle("mode = off".into()));
         }
@@ -168,16 +165,7 @@ const DRM_MAJOR: u32 = gpusnap_rocm::kfd::device::DRM_MAJOR;
 
 /// The major of `/dev/kfd` on this host (allocated at driver load), from `/proc/devices`.
 fn kfd_major() -> Option<u32> {
-    let text = std::fs::read_to_string("/proc/devices").ok()?;
-    parse_kfd_major(&text)
-}
-
-fn parse_kfd_major(devices: &str) -> Option<u32> {
-    devices.lines().find_map(|l| {
-        let mut w = l.split_whitespace();
-        let major = w.next()?.parse().ok()?;
-        (w.next()? == "kfd").then_some(major)
-    })
+    crate::procfs::char_major("kfd").ok().flatten()
 }
 
 /// `HANDLE_DEVICE_VMA` of a mapping of an AMD device (`/dev/kfd` or a DRM node) that gpusnap
@@ -193,17 +181,4 @@ pub fn explain_device_vma(rdev: u64) -> bool {
         );
     }
     amd
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn kfd_major_from_proc_devices() {
-        let text = "Character devices:\n  1 mem\n226 drm\n510 kfd\n\nBlock devices:\n  8 sd\n";
-        assert_eq!(super::parse_kfd_major(text), Some(510));
-        assert_eq!(
-            super::parse_kfd_major("Character devices:\n  1 mem\n"),
-            None
-        );
-    }
 }

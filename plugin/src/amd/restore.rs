@@ -15,24 +15,137 @@
 //!   old offset and given the new offset RESTORE reported for its buffer object, and the file to
 //!   map it from (see [`TaskFiles`]). A device mapping that cannot be translated ends the
 //!   restored task before it runs, naming the mapping.
-//! - `RESUME_DEVICES_LATE`, in CRIU: RESUME of each restored AMD process, before it runs. A
-//!   failure answers -1, and CRIU kills the restored tree.
+//! - `RESUME_DEVICES_LATE`, in CRIU: the process is made to die with CRIU (`PTRACE_O_EXITKILL`),
+//!   then RESUME starts its queues before it runs. CRIU 4.1 and 4.2 go on with the restore
+//!   whatever this hook answers, so on a failure gpusnap kills and reaps the process itself
+//!   ([`crate::reap`]) and answers -1.
+//!
+//! Each process's progress is its [`RestorePhase`] (CRIU's copy of the plugin sees `Planned`
+//! until RESUME; the restored task's copy sees RESTORE and the contents written back).
 
 use std::collections::BTreeMap;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, IntoRawFd, OwnedFd};
 use std::time::Instant;
 
 use gpusnap_config::Config;
-use gpusnap_image::{CheckpointPath, KfdFileKind, KfdState, KfdVmaNode, Manifest};
+use gpusnap_image::{CheckpointPath, ImageError, KfdFileKind, KfdState, KfdVmaNode, Manifest};
 use gpusnap_rocm::bo::BoMapping;
 use gpusnap_rocm::gpumatch::{WantedGpu, match_gpus};
+use gpusnap_rocm::kfd::KfdError;
 use gpusnap_rocm::kfd::criu;
 use gpusnap_rocm::kfd::device::{DeviceFile, KfdDevice, open_device};
 use gpusnap_rocm::kfd::sys::{KFD_IOC_ALLOC_MEM_FLAGS_VRAM, KfdCriuBoBucket, KfdCriuDeviceBucket};
 use gpusnap_rocm::kfd::vma;
-use gpusnap_rocm::topology::{self, Gpu};
+use gpusnap_rocm::topology::{self, Gpu, TopologyError};
 
-use super::data::{self, BoTarget};
+use super::data::{self, BoTarget, DataError};
+use super::phase::{ImpossibleMove, RestorePhase};
+
+/// Why a restore with AMD GPU processes is refused at init, before CRIU forks anything.
+#[derive(Debug, thiserror::Error)]
+pub enum Refused {
+    #[error(transparent)]
+    Image(#[from] ImageError),
+    #[error(
+        "the image holds {0} AMD GPU processes but this host has no /dev/kfd (amdgpu driver with KFD)"
+    )]
+    NoKfd(usize),
+    #[error("{device}: {source}")]
+    Topology {
+        device: String,
+        #[source]
+        source: TopologyError,
+    },
+    #[error("nspid {nspid}: no GPU here can take the place of {why} ({device})")]
+    NoGpu {
+        nspid: u32,
+        why: String,
+        device: String,
+    },
+    #[error(
+        "the image holds AMD GPU state but gpusnap is disabled (mode = off): the processes would run without it; enable gpusnap to restore"
+    )]
+    Disabled,
+}
+
+/// Why one AMD process could not be restored in its task (CRIU then ends the task).
+#[derive(Debug, thiserror::Error)]
+pub enum RestoreError {
+    #[error("the image has no KFD state for process {0}")]
+    NoState(u32),
+    #[error("RESTORE_EXT_FILE ran in pid {pid} (namespace pid {found:?}), not in process {nspid}")]
+    WrongTask {
+        pid: i32,
+        found: Option<i32>,
+        nspid: u32,
+    },
+    #[error(transparent)]
+    Kfd(#[from] KfdError),
+    #[error("local gpu_id {0} has no render node")]
+    NoRenderNode(u32),
+    #[error("keeping {what}: {source}")]
+    Keep {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("RESTORE returned no dma-buf for BO {index} at {addr:#x}")]
+    NoDmabuf { index: usize, addr: u64 },
+    #[error(
+        "BO {index} at {addr:#x}: its dma-buf cannot be mapped ({source}); the contents cannot be written back"
+    )]
+    Unmappable {
+        index: usize,
+        addr: u64,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Data(#[from] DataError),
+    #[error("internal: {0}")]
+    Phase(#[from] ImpossibleMove),
+}
+
+/// Why a device mapping of a restored task cannot be made again.
+#[derive(Debug, thiserror::Error)]
+#[error("device mapping at {addr:#x} of {path} (offset {old:#x}) cannot be made again: {why}")]
+pub struct MapError {
+    pub addr: u64,
+    pub path: String,
+    pub old: u64,
+    pub why: MapWhy,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum MapWhy {
+    #[error(
+        "this task restored no KFD state (its image records no KFD file for it, or the mapping belongs to a process gpusnap did not checkpoint)"
+    )]
+    NoState,
+    #[error(
+        "the image of nspid {0} records no such mapping (written by a gpusnap that did not record device mappings, or damaged)"
+    )]
+    NotRecorded(u32),
+    #[error("RESTORE gave its {0} an offset that does not fit the mapping")]
+    Offset(String),
+    #[error("its file is no longer open in this task")]
+    FileClosed,
+    #[error("dup: {0}")]
+    Dup(#[source] std::io::Error),
+}
+
+/// Why RESUME could not start a restored process's queues (it is killed instead).
+#[derive(Debug, thiserror::Error)]
+pub enum ResumeError {
+    #[error("cannot open the KFD for RESUME: {0}")]
+    OpenKfd(#[source] KfdError),
+    #[error("cannot make it die with CRIU: {0}")]
+    ExitKill(#[from] crate::ptrace::PtraceError),
+    #[error(transparent)]
+    Resume(KfdError),
+    #[error("internal: {0}")]
+    Phase(#[from] ImpossibleMove),
+}
 
 /// One process to restore, checked.
 struct Plan {
@@ -40,6 +153,7 @@ struct Plan {
     state: KfdState,
     /// For each GPU of `state.gpus` (same index), the local GPU that takes its place.
     local: Vec<Gpu>,
+    phase: RestorePhase,
 }
 
 /// Which file of the restored task a translated mapping is made through.
@@ -143,22 +257,14 @@ fn wanted(state: &KfdState) -> Vec<WantedGpu> {
 }
 
 impl AmdRestore {
-    /// `Ok(None)`: the image has no kfd process. `Err(super::Refused)`: refused (logged).
-    pub fn init(cfg: Config) -> Result<Option<AmdRestore>, super::Refused> {
+    /// `Ok(None)`: the image has no kfd process. `Err`: the restore is refused.
+    pub fn init(cfg: Config) -> Result<Option<AmdRestore>, Refused> {
         let Some(dir) = crate::criu::image_dir() else {
             return Ok(None);
         };
-        let manifests = match gpusnap_image::read_manifests(dir) {
-            Ok(m) => m,
-            // The CUDA side reads the same directory and names the damage; a kfd image in
-            // it is refused there too.
-            Err(e) => {
-                log::error!(
-                    "amd: restore refused: {e}; nothing was restored and no GPU was touched"
-                );
-                return Err(super::Refused);
-            }
-        };
+        // The CUDA side reads the same directory and names damage too; a kfd image in it is
+        // refused there as well.
+        let manifests = gpusnap_image::read_manifests(dir)?;
         let kfd: Vec<Manifest> = manifests
             .into_values()
             .filter(|m| m.path == CheckpointPath::Kfd)
@@ -166,44 +272,22 @@ impl AmdRestore {
         if kfd.is_empty() {
             return Ok(None);
         }
-        let refuse = |why: String| {
-            log::error!("amd: restore refused: {why}; nothing was restored and no GPU was touched");
-        };
-        let Some(dev) = super::kfd_device() else {
-            refuse(format!(
-                "the image holds {} AMD GPU processes but this host has no /dev/kfd (amdgpu driver with KFD)",
-                kfd.len()
-            ));
-            return Err(super::Refused);
-        };
-        let local = match topology::read_gpus(&dev.topology_dir()) {
-            Ok(g) => g,
-            Err(e) => {
-                refuse(format!("{}: {e}", dev.describe()));
-                return Err(super::Refused);
-            }
-        };
+        let dev = super::kfd_device().ok_or(Refused::NoKfd(kfd.len()))?;
+        let local =
+            topology::read_gpus(&dev.topology_dir()).map_err(|source| Refused::Topology {
+                device: dev.describe(),
+                source,
+            })?;
         let t0 = Instant::now();
         let mut plans = BTreeMap::new();
         for m in kfd {
             let nspid = m.nspid;
-            let state = match gpusnap_image::read_kfd_state(dir, nspid) {
-                Ok(s) => s,
-                Err(e) => {
-                    refuse(e.to_string());
-                    return Err(super::Refused);
-                }
-            };
-            let mapped = match match_gpus(&wanted(&state), &local) {
-                Ok(g) => g,
-                Err(e) => {
-                    refuse(format!(
-                        "nspid {nspid}: no GPU here can take the place of {e} ({})",
-                        dev.describe()
-                    ));
-                    return Err(super::Refused);
-                }
-            };
+            let state = gpusnap_image::read_kfd_state(dir, nspid)?;
+            let mapped = match_gpus(&wanted(&state), &local).map_err(|why| Refused::NoGpu {
+                nspid,
+                why,
+                device: dev.describe(),
+            })?;
             for (w, l) in state.gpus.iter().zip(&mapped) {
                 if w.gpu_id != l.gpu_id {
                     log::info!(
@@ -214,11 +298,7 @@ impl AmdRestore {
                 }
             }
             if cfg.verify_before_restore != gpusnap_config::Verify::Off {
-                let threads = cfg.reader_threads.max(1) as usize;
-                if let Err(e) = gpusnap_image::verify_image(dir, &m, threads) {
-                    refuse(e.to_string());
-                    return Err(super::Refused);
-                }
+                gpusnap_image::verify_image(dir, &m, cfg.effective_reader_threads())?;
             }
             plans.insert(
                 nspid,
@@ -226,6 +306,7 @@ impl AmdRestore {
                     manifest: m,
                     state,
                     local: mapped,
+                    phase: RestorePhase::Planned,
                 },
             );
         }
@@ -274,13 +355,15 @@ impl AmdRestore {
     }
 
     /// The task's render-node file of local minor `minor`, opened once.
-    fn render_file(&mut self, nspid: u32, minor: u32) -> Result<BorrowedFd<'_>, String> {
+    fn render_file(&mut self, nspid: u32, minor: u32) -> Result<BorrowedFd<'_>, RestoreError> {
         let path = self.dev.render_path(minor);
         let t = self.task_files(nspid);
         if !t.renders.contains_key(&minor) {
-            let f = open_device(&path).map_err(|e| e.to_string())?;
-            let f = above(f, t.base)
-                .map_err(|e| format!("keeping render node {}: {e}", path.display()))?;
+            let f = open_device(&path)?;
+            let f = above(f, t.base).map_err(|source| RestoreError::Keep {
+                what: format!("render node {}", path.display()),
+                source,
+            })?;
             t.renders.insert(minor, f);
         }
         Ok(t.renders[&minor].as_fd())
@@ -316,15 +399,22 @@ impl AmdRestore {
                 let shared = self.plans.contains_key(&rec.nspid)
                     && self.local_gpu(rec.nspid, rec.gpu_id).is_some();
                 let opened = if shared {
-                    self.render_file(rec.nspid, minor)
-                        .and_then(|f| f.try_clone_to_owned().map_err(|e| e.to_string()))
+                    self.render_file(rec.nspid, minor).and_then(|f| {
+                        f.try_clone_to_owned().map_err(|source| RestoreError::Keep {
+                            what: "a dup of the render node".into(),
+                            source,
+                        })
+                    })
                 } else {
                     std::fs::OpenOptions::new()
                         .read(true)
                         .write(rec.flags & libc::O_ACCMODE != libc::O_RDONLY)
                         .open(&path)
                         .map(OwnedFd::from)
-                        .map_err(|e| e.to_string())
+                        .map_err(|source| RestoreError::Keep {
+                            what: format!("render node {}", path.display()),
+                            source,
+                        })
                 };
                 match opened {
                     Ok(f) => f.into_raw_fd(),
@@ -352,22 +442,28 @@ impl AmdRestore {
 
     /// In the restored task: open the KFD, RESTORE, write the BOs' contents back, translate
     /// the device mappings.
-    fn restore_process(&mut self, dir: BorrowedFd<'_>, nspid: u32) -> Result<OwnedFd, String> {
+    fn restore_process(
+        &mut self,
+        dir: BorrowedFd<'_>,
+        nspid: u32,
+    ) -> Result<OwnedFd, RestoreError> {
         let t0 = Instant::now();
         if !self.plans.contains_key(&nspid) {
-            return Err(format!("the image has no KFD state for process {nspid}"));
+            return Err(RestoreError::NoState(nspid));
         }
         // SAFETY: getpid has no preconditions.
         let me = unsafe { libc::getpid() };
         match crate::procfs::ns_pid(me) {
             Ok(n) if n as u32 == nspid => {}
             other => {
-                return Err(format!(
-                    "RESTORE_EXT_FILE ran in pid {me} (namespace pid {other:?}), not in process {nspid}"
-                ));
+                return Err(RestoreError::WrongTask {
+                    pid: me,
+                    found: other.ok(),
+                    nspid,
+                });
             }
         }
-        let kfd = self.dev.open_kfd().map_err(|e| e.to_string())?;
+        let kfd = self.dev.open_kfd()?;
         let pairs: Vec<(u32, u32, Option<u32>)> = {
             let plan = &self.plans[&nspid];
             plan.state
@@ -380,7 +476,7 @@ impl AmdRestore {
         let mut devices = Vec::new();
         let mut local_minor = BTreeMap::new();
         for (user, actual, minor) in pairs {
-            let minor = minor.ok_or_else(|| format!("local gpu_id {actual} has no render node"))?;
+            let minor = minor.ok_or(RestoreError::NoRenderNode(actual))?;
             let r = self.render_file(nspid, minor)?;
             devices.push(KfdCriuDeviceBucket {
                 user_gpu_id: user,
@@ -390,7 +486,10 @@ impl AmdRestore {
             });
             local_minor.insert(user, minor);
         }
-        let plan = &self.plans[&nspid];
+        let plan = self
+            .plans
+            .get_mut(&nspid)
+            .ok_or(RestoreError::NoState(nspid))?;
         let bos: Vec<KfdCriuBoBucket> = plan
             .state
             .bos
@@ -411,22 +510,26 @@ impl AmdRestore {
             bos,
             plan.state.priv_data_bytes(),
             plan.state.num_objects,
-        )
-        .map_err(|e| e.to_string())?;
+        )?;
+        plan.phase.state_restored()?;
+        crate::fault::kill_criu_at("amd-restore-state");
+        let plan = &self.plans[&nspid];
         let t_restore = t0.elapsed().as_secs_f64();
         let mut maps = Vec::new();
         for (i, b) in plan.state.bos.iter().enumerate() {
             if !b.content {
                 continue;
             }
-            let fd = restored.dmabufs[i].as_ref().ok_or_else(|| {
-                format!("RESTORE returned no dma-buf for BO {i} at {:#x}", b.addr)
+            let fd = restored.dmabufs[i].as_ref().ok_or(RestoreError::NoDmabuf {
+                index: i,
+                addr: b.addr,
             })?;
-            let m = BoMapping::map(fd.as_fd(), b.size, true).map_err(|e| {
-                format!(
-                    "BO {i} at {:#x}: its dma-buf cannot be mapped ({e}); the contents cannot be written back",
-                    b.addr
-                )
+            let m = BoMapping::map(fd.as_fd(), b.size, true).map_err(|source| {
+                RestoreError::Unmappable {
+                    index: i,
+                    addr: b.addr,
+                    source,
+                }
             })?;
             maps.push((b.addr, m));
         }
@@ -434,12 +537,7 @@ impl AmdRestore {
             .iter()
             .map(|(addr, map)| BoTarget { addr: *addr, map })
             .collect();
-        let (bytes, secs) = data::read_bos(
-            dir,
-            &plan.manifest,
-            &targets,
-            self.cfg.reader_threads as usize,
-        )?;
+        let (bytes, secs) = data::read_bos(dir, &plan.manifest, &targets, &self.cfg)?;
         drop(targets);
         drop(maps);
         // Every recorded mapping's new offset, from its BO's restored offset.
@@ -475,15 +573,20 @@ impl AmdRestore {
             })
             .collect();
         let (n_gpus, n_bos) = (plan.state.gpus.len(), plan.state.bos.len());
-        let kfd_kept = kfd.try_clone().map_err(|e| e.to_string()).and_then(|k| {
-            let base = self.task_files(nspid).base;
-            above(k, base).map_err(|e| format!("keeping the KFD file: {e}"))
-        })?;
+        let keep = |source| RestoreError::Keep {
+            what: "the KFD file".into(),
+            source,
+        };
+        let base = self.task_files(nspid).base;
+        let kfd_kept = above(kfd.try_clone().map_err(keep)?, base).map_err(keep)?;
         let t = self.task_files(nspid);
         t.kfd = Some(kfd_kept);
         let n_vmas = translated.len();
         t.vmas = translated;
         t.served = 0;
+        if let Some(p) = self.plans.get_mut(&nspid) {
+            p.phase.loaded(n_vmas)?;
+        }
         log::info!(
             "amd: nspid {nspid}: KFD state restored ({n_gpus} GPUs, {n_bos} BOs; RESTORE {t_restore:.3} s), {bytes} bytes of BO contents written back in {secs:.3} s, {n_vmas} device mappings translated; queues wait for RESUME"
         );
@@ -509,43 +612,36 @@ impl AmdRestore {
         path: &str,
         addr: u64,
         old: u64,
-    ) -> Option<Result<(u64, OwnedFd), String>> {
+    ) -> Option<Result<(u64, OwnedFd), MapError>> {
         self.classify_path(path)?;
         // SAFETY: getpid has no preconditions.
         let me = unsafe { libc::getpid() };
-        let named = |why: &str| {
-            format!(
-                "device mapping at {addr:#x} of {path} (offset {old:#x}) cannot be made again: {why}"
-            )
+        let named = |why: MapWhy| MapError {
+            addr,
+            path: path.to_owned(),
+            old,
+            why,
         };
         let Some(t) = self.task.as_mut().filter(|t| t.pid == me) else {
-            return Some(Err(named(
-                "this task restored no KFD state (its image records no KFD file for it, or the mapping belongs to a process gpusnap did not checkpoint)",
-            )));
+            return Some(Err(named(MapWhy::NoState)));
         };
         let Some(i) = t.vmas.iter().position(|v| v.start == addr && v.old == old) else {
-            return Some(Err(named(&format!(
-                "the image of nspid {} records no such mapping (written by a gpusnap that did not record device mappings, or damaged)",
-                t.nspid
-            ))));
+            return Some(Err(named(MapWhy::NotRecorded(t.nspid))));
         };
         let v = t.vmas[i].clone();
         let Some(new) = v.new else {
-            return Some(Err(named(&format!(
-                "RESTORE gave its {} an offset that does not fit the mapping",
-                v.what
-            ))));
+            return Some(Err(named(MapWhy::Offset(v.what))));
         };
         let file = match v.through {
             MapThrough::Kfd => t.kfd.as_ref(),
             MapThrough::Render(minor) => t.renders.get(&minor),
         };
         let Some(file) = file else {
-            return Some(Err(named("its file is no longer open in this task")));
+            return Some(Err(named(MapWhy::FileClosed)));
         };
         let fd = match file.try_clone() {
             Ok(f) => f,
-            Err(e) => return Some(Err(named(&format!("dup: {e}")))),
+            Err(e) => return Some(Err(named(MapWhy::Dup(e)))),
         };
         log::info!(
             "amd: nspid {}: mapping {:#x}-{:#x} ({}): offset {old:#x} -> {new:#x}",
@@ -563,31 +659,16 @@ impl AmdRestore {
         Some(Ok((new, fd)))
     }
 
+    /// `RESUME_DEVICES_LATE`: `None` when `pid` is not a restored AMD process. The process is
+    /// made to die with CRIU first; a RESUME that fails kills and reaps it (CRIU 4.1 and 4.2
+    /// go on with the restore whatever this hook answers).
     pub fn resume_devices_late(&mut self, pid: i32) -> Option<i32> {
         let nspid = crate::procfs::ns_pid(pid).ok()? as u32;
         if !self.plans.contains_key(&nspid) {
             return None;
         }
         let t0 = Instant::now();
-        if self.resume_kfd.is_none() {
-            match self.dev.open_kfd() {
-                Ok(k) => self.resume_kfd = Some(k),
-                Err(e) => {
-                    let killed = super::dump::kill(pid).is_ok();
-                    log::error!(
-                        "amd: pid {pid}: cannot open the KFD for RESUME: {e}; {}",
-                        if killed {
-                            "the process was killed rather than left running with its GPU queues stopped"
-                        } else {
-                            "killing it failed too: it must not run: kill it by hand"
-                        }
-                    );
-                    return Some(-1);
-                }
-            }
-        }
-        let kfd = self.resume_kfd.as_ref().expect("opened above");
-        match criu::resume(self.dev.as_ref(), kfd.as_fd(), pid as u32) {
+        match self.resume(pid, nspid) {
             Ok(()) => {
                 log::info!(
                     "amd: pid {pid} (nspid {nspid}): GPU queues resumed (RESUME) in {:.3} s",
@@ -596,19 +677,36 @@ impl AmdRestore {
                 Some(0)
             }
             Err(e) => {
-                // CRIU 4.1 and 4.2 go on with the restore whatever this hook answers, so the
-                // process is killed here: it must not run with its GPU queues stopped.
-                match super::dump::kill(pid) {
-                    Ok(()) => log::error!(
+                match crate::reap::kill_and_reap(pid) {
+                    Ok(_) => log::error!(
                         "amd: pid {pid} (nspid {nspid}): {e}; the process was killed rather than left running with its GPU queues stopped; the image is unchanged: restore again"
                     ),
                     Err(k) => log::error!(
-                        "amd: pid {pid} (nspid {nspid}): {e}; killing it failed too ({k}): it must not run: kill it by hand"
+                        "amd: pid {pid} (nspid {nspid}): {e}; {k} too: it must not run: kill it by hand"
                     ),
+                }
+                if let Some(p) = self.plans.get_mut(&nspid) {
+                    let _ = p.phase.killed();
                 }
                 Some(-1)
             }
         }
+    }
+
+    fn resume(&mut self, pid: i32, nspid: u32) -> Result<(), ResumeError> {
+        crate::hold::kill_if_criu_dies(pid, &[])?;
+        crate::fault::kill_criu_at("amd-restore-resume");
+        let kfd = match &self.resume_kfd {
+            Some(k) => k,
+            None => self
+                .resume_kfd
+                .insert(self.dev.open_kfd().map_err(ResumeError::OpenKfd)?),
+        };
+        criu::resume(self.dev.as_ref(), kfd.as_fd(), pid as u32).map_err(ResumeError::Resume)?;
+        if let Some(p) = self.plans.get_mut(&nspid) {
+            p.phase.resumed()?;
+        }
+        Ok(())
     }
 
     pub fn exit(&mut self) {

@@ -9,6 +9,8 @@
 #                                            the one Debian's and upstream's criu are built with)
 # - /usr/lib/gpusnap/libgpusnap_agent.so     the agent (LD_PRELOAD; never in the plugin dir)
 # - /usr/bin/gpusnap                         the command-line tool
+# - /usr/libexec/gpusnap/gpusnap-keeper      the split path's keeper (the plugin starts it to
+#                                            hold and drain device memory beside CRIU's dump)
 # - /etc/criu/gpusnap.conf                   the configuration, every key commented out at its
 #                                            default (a conffile: kept on remove, gone on purge)
 # - /etc/cdi/gpusnap.json                    a CDI spec (conffile): a container run with
@@ -26,9 +28,9 @@
 # scripts/install-criu.sh for the default root (.criu-root); --criu-root DIR packages DIR (a
 # root that script made: its stamp file lists the Debian packages it holds).
 #
-# Without --from it builds the three artifacts with `cargo build --release` (in
-# $CARGO_TARGET_DIR, default target/); --from DIR takes libgpusnap.so, libgpusnap_agent.so and
-# gpusnap from DIR instead (the tests pass their own build). The packages go to --out DIR
+# Without --from it builds the four artifacts with `cargo build --release` (in
+# $CARGO_TARGET_DIR, default target/); --from DIR takes libgpusnap.so, libgpusnap_agent.so,
+# gpusnap and gpusnap-keeper from DIR instead (the tests pass their own build). The packages go to --out DIR
 # (default target/deb/); their paths are the last lines printed (gpusnap first).
 #
 # CRIU >= 4.1.1 is a Recommends of gpusnap (gpusnap-criu Provides it, so does Debian 13's
@@ -65,10 +67,10 @@ version=$(sed -n '/^\[workspace.package\]/,/^\[/s/^version *= *"\(.*\)"/\1/p' Ca
 [[ $version =~ ^[0-9]+\.[0-9]+\.[0-9]+ ]] || die "cannot read the workspace version from Cargo.toml (got ${version@Q})"
 
 if [[ -z $from ]]; then
-    cargo build --release -p gpusnap-plugin -p gpusnap-agent -p gpusnap >&2
+    cargo build --release -p gpusnap-plugin -p gpusnap-agent -p gpusnap -p gpusnap-keeper >&2
     from=${CARGO_TARGET_DIR:-$repo/target}/release
 fi
-for f in libgpusnap.so libgpusnap_agent.so gpusnap; do
+for f in libgpusnap.so libgpusnap_agent.so gpusnap gpusnap-keeper; do
     [[ -f $from/$f ]] || die "$from/$f is missing (build it, or point --from at a directory with it)"
 done
 
@@ -175,8 +177,10 @@ root=$stage/$pkg
 install -D -m 0644 "$from/libgpusnap.so" "$root/usr/lib/criu/gpusnap.so"
 install -D -m 0644 "$from/libgpusnap_agent.so" "$root/usr/lib/gpusnap/libgpusnap_agent.so"
 install -D -m 0755 "$from/gpusnap" "$root/usr/bin/gpusnap"
+install -D -m 0755 "$from/gpusnap-keeper" "$root/usr/libexec/gpusnap/gpusnap-keeper"
 if command -v strip >/dev/null; then
-    strip --strip-debug "$root/usr/lib/criu/gpusnap.so" "$root/usr/lib/gpusnap/libgpusnap_agent.so" "$root/usr/bin/gpusnap"
+    strip --strip-debug "$root/usr/lib/criu/gpusnap.so" "$root/usr/lib/gpusnap/libgpusnap_agent.so" "$root/usr/bin/gpusnap" \
+        "$root/usr/libexec/gpusnap/gpusnap-keeper"
 fi
 # The example configuration with every setting commented out: the installed file changes
 # nothing until a line is uncommented.

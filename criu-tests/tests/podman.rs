@@ -52,10 +52,11 @@ const TEST: &str = "podman";
 const CONF: &str = "/etc/criu/gpusnap.conf";
 const CDI_SPEC: &str = "/etc/cdi/gpusnap.json";
 /// The packages' files that must exist once they are installed.
-const PACKAGE_FILES: [&str; 6] = [
+const PACKAGE_FILES: [&str; 7] = [
     "/usr/lib/criu/gpusnap.so",
     "/usr/lib/gpusnap/libgpusnap_agent.so",
     "/usr/bin/gpusnap",
+    "/usr/libexec/gpusnap/gpusnap-keeper",
     CONF,
     CDI_SPEC,
     "/usr/lib/gpusnap-criu/usr/sbin/criu",
@@ -212,6 +213,7 @@ fn install_package(s: &mut Setup) {
         (h.plugin_so.as_path(), "libgpusnap.so"),
         (agent, "libgpusnap_agent.so"),
         (cli, "gpusnap"),
+        (h.keeper.as_path(), "gpusnap-keeper"),
     ] {
         fs::copy(src, from.join(name)).unwrap_or_else(|e| panic!("{}: {e}", src.display()));
     }

@@ -21,7 +21,10 @@ import ccase  # noqa: E402
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gib", type=float, nargs="+", default=[4, 16], help="sizes in GiB (default 4 16)")
-    ap.add_argument("--path", choices=["transparent", "split", "both"], default="both")
+    ap.add_argument("--path", choices=["transparent", "split", "split-copyfirst", "both", "splits"],
+                    default="both",
+                    help="split: the hand-over (default config); split-copyfirst: handover = false; "
+                         "both: transparent and split; splits: split and split-copyfirst")
     ap.add_argument("--images", default="/dev/shm/gpusnap-e2e", help="base dir of image dirs")
     ap.add_argument("--work", default="/tmp/gpusnap-work/e2e", help="workload logs")
     ap.add_argument("--plugdir", default="/tmp/gpusnap-plugins")
@@ -49,7 +52,8 @@ def main():
         workload_prefix=[sys.executable] if a.mock else [],
         plugdir=a.plugdir, images=a.images, work=a.work, alloc=a.alloc, chunk_mib=a.chunk_mib,
         interval_ms=a.interval_ms, keep_images=a.keep_images, archive_prefix=a.log_name)
-    paths = ["transparent", "split"] if a.path == "both" else [a.path]
+    paths = {"both": ["transparent", "split"], "splits": ["split", "split-copyfirst"]}.get(
+        a.path, [a.path])
     kinds = []
     if not a.no_restore:
         kinds.append(False)

@@ -651,20 +651,26 @@ MATRIX_CASE = "kill-matrix"
 KNOB = "GPUSNAP_TEST_KILL_CRIU_AT"
 # plugin/src/fault.rs's POINTS, in the order a dump (then its rollback) or a restore reaches them,
 # less STANDIN_ONLY_POINTS.
-KILL_POINTS = ["dump-locked", "dump-data-out", "dump-released", "dump-relocked",
-               "dump-checkpointed", "rollback-restored", "rollback-reload", "restore-control",
-               "restore-unlocked", "restore-data"]
+KILL_POINTS = ["dump-locked", "dump-data-out", "dump-lent", "dump-released", "dump-relocked",
+               "dump-checkpointed", "dump-drained", "dump-before-manifest", "rollback-restored",
+               "rollback-reload", "rollback-reclaimed", "restore-control", "restore-unlocked",
+               "restore-data"]
 # Reached only where the GPU cannot run the hash kernel, which only the stand-in driver in CI can
 # arrange (fake-cuda-device/tests/fail_closed.rs); the last of the plugin's points.
 STANDIN_ONLY_POINTS = ["restore-host-check"]
-# Reached only on the split path: on the transparent path criu then completes normally.
-SPLIT_ONLY_POINTS = {"dump-data-out", "dump-released", "dump-relocked", "rollback-reload",
-                     "restore-data"}
+# The split path here is the default one, the hand-over (the memory lent to gpusnap-keeper and
+# drained beside CRIU's dump; dump-data-out is the drain's first chunk). Reached only on it: on
+# the transparent path criu then completes normally.
+SPLIT_ONLY_POINTS = {"dump-data-out", "dump-lent", "dump-released", "dump-relocked",
+                     "dump-drained", "dump-before-manifest", "rollback-reclaimed", "restore-data"}
+# Reached only on the copy-first route (handover = false), which this matrix does not run: a
+# rollback after a hand-over maps the memory back instead of reloading it.
+COPY_FIRST_ONLY_POINTS = {"rollback-reload"}
 # Split path, killed here: the hold must leave the process group-stopped (state T): between the
-# release and the relock of a dump, and between the unlock and the end of a rollback's reload.
-STOPPED_AT = {"dump-released", "rollback-reload"}
+# release and the relock of a dump, and between the memory mapped back and the hold let go.
+STOPPED_AT = {"dump-released", "rollback-reclaimed"}
 # Killed here the memory is in place and the driver lock off (no hold yet): the process may run on.
-RUNS_ON_AT = {"dump-data-out"}
+RUNS_ON_AT = {"dump-lent"}
 # --mock: the knob needs the plugin and a GPU, so the harness's action script kills criu at the
 # nearest CRIU action instead (after post-dump the tasks run on; after post-restore the restored
 # process stays stuck in CRIU's restorer, alive, until the harness kills it).
@@ -709,6 +715,8 @@ def point_operation(point):
 
 
 def point_reached(point, path):
+    if point in COPY_FIRST_ONLY_POINTS:
+        return False
     return path == "split" or point not in SPLIT_ONLY_POINTS
 
 

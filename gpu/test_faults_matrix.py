@@ -36,7 +36,9 @@ class Points(unittest.TestCase):
             self.assertIn(faults.point_operation(p), faults.MOCK_KILL_ACTION)
 
     def test_reached(self):
-        self.assertTrue(all(faults.point_reached(p, "split") for p in faults.KILL_POINTS))
+        self.assertTrue(all(faults.point_reached(p, "split") for p in faults.KILL_POINTS
+                            if p not in faults.COPY_FIRST_ONLY_POINTS))
+        self.assertFalse(faults.point_reached("rollback-reload", "split"))
         self.assertFalse(faults.point_reached("dump-released", "transparent"))
         self.assertTrue(faults.point_reached("restore-control", "transparent"))
 
@@ -54,8 +56,9 @@ class Order(unittest.TestCase):
     def test_transparent(self):
         self.assertEqual(faults.matrix_order("transparent", faults.KILL_POINTS), [
             "dump-locked", "dump-checkpointed", "rollback-restored", "rollback-reload",
-            "dump-data-out", "restore-control", "dump-released", "restore-unlocked",
-            "dump-relocked", "restore-data"])
+            "rollback-reclaimed", "dump-data-out", "restore-control", "dump-lent",
+            "restore-unlocked", "dump-released", "restore-data", "dump-relocked", "dump-drained",
+            "dump-before-manifest"])
 
     def test_subset(self):
         self.assertEqual(faults.matrix_order("transparent", ["restore-data", "dump-locked"]),
@@ -70,7 +73,9 @@ class Estimate(unittest.TestCase):
             if faults.point_operation(point) == "restore":
                 self.assertEqual(state, "dumped", point)
             _, state = faults.matrix_step("transparent", point, state, 16)
-        self.assertEqual(state, "running")
+        # the chain ends with the hand-over's dump points, which the transparent path does not
+        # reach: those dumps complete
+        self.assertEqual(state, "dumped")
 
     def test_steps(self):
         s, st = faults.matrix_step("transparent", "dump-released", "running", 16)
@@ -81,12 +86,15 @@ class Estimate(unittest.TestCase):
         self.assertGreater(s, faults.START_S + 0.12 * 16)  # it starts and dumps a workload first
 
     def test_fits_one_call_at_16_gib(self):
+        # the split path's matrix alone (the transparent one no longer fits with it: 28 cases,
+        # ~500 s; run it as its own call with --paths transparent)
+        n = len(faults.KILL_POINTS)
         plan = faults.matrix_plan(["split", "transparent"], faults.KILL_POINTS, 16)
-        self.assertEqual(len(plan), 20)
-        self.assertEqual([p for p, _, _ in plan[:10]], ["split"] * 10)
-        total = sum(s for _, _, s in plan)
-        self.assertGreater(total, 200)
-        self.assertLess(total, 450)
+        self.assertEqual(len(plan), 2 * n)
+        self.assertEqual([p for p, _, _ in plan[:n]], ["split"] * n)
+        split = sum(s for p, _, s in plan if p == "split")
+        self.assertGreater(split, 100)
+        self.assertLess(split, 300)
 
     def test_paths(self):
         plan = faults.matrix_plan(["transparent"], ["dump-locked"], 16)

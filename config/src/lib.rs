@@ -46,7 +46,8 @@ pub const CONFIG_ENV: &str = "GPUSNAP_CONFIG";
 /// rejected as unknown:
 ///
 /// - every `GPUSNAP_AGENT_*` (see [`NON_CONFIG_PREFIXES`]): read by the in-process agent;
-/// - every `GPUSNAP_TEST_*`, and `GPUSNAP_REPO`, `GPUSNAP_SKIP_CRIU_TESTS`: the test suites;
+/// - every `GPUSNAP_TEST_*`, and `GPUSNAP_REPO`, `GPUSNAP_SKIP_CRIU_TESTS`, `GPUSNAP_REQUIRE_ALL`:
+///   the test suites;
 /// - `GPUSNAP_CRIU`, `GPUSNAP_CRIU_ROOT`, `GPUSNAP_CRIU_FORCE`, `GPUSNAP_CRIU_MIRROR`,
 ///   `GPUSNAP_CRIU_SUITE`: the CRIU wrapper and installer, and `gpusnap check`;
 /// - `GPUSNAP_CLI`, `GPUSNAP_LIBCUDA`, `GPUSNAP_SHM_HUGE`: the GPU scripts.
@@ -59,6 +60,7 @@ pub const NON_CONFIG_ENV: &[&str] = &[
     "GPUSNAP_CRIU_SUITE",
     "GPUSNAP_LIBCUDA",
     "GPUSNAP_REPO",
+    "GPUSNAP_REQUIRE_ALL",
     "GPUSNAP_SHM_HUGE",
     "GPUSNAP_SKIP_CRIU_TESTS",
 ];

@@ -475,6 +475,7 @@ pub unsafe extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CuRes {
         };
         // The exported fd of a shared allocation would keep its memory alive.
         crate::ipc::forget_export(dptr);
+        crate::lend::forget_own(dptr);
         if let Some(rc) = convert::free_converted(drv, dptr) {
             return rc;
         }

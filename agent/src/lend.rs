@@ -41,6 +41,43 @@ struct KeptMemory {
 
 static KEPT: Mutex<Option<KeptMemory>> = Mutex::new(None);
 
+/// After a reclaim the job maps an *imported* handle, which the driver will not export again:
+/// the descriptor it was imported from stays here, the allocation's own, for the next lend
+/// (and is closed when the application frees the allocation). By base address: (id, fd).
+struct OwnDescriptors {
+    started: u64,
+    by_addr: std::collections::BTreeMap<u64, (u64, OwnedFd)>,
+}
+
+static OWN: Mutex<Option<OwnDescriptors>> = Mutex::new(None);
+
+fn own() -> std::sync::MutexGuard<'static, Option<OwnDescriptors>> {
+    let mut g = OWN.lock().unwrap_or_else(|e| e.into_inner());
+    // Descriptors of the process this one was restored from are placeholders.
+    if g.as_ref().is_some_and(|o| Some(o.started) != start_time()) {
+        *g = None;
+    }
+    g
+}
+
+/// A new descriptor of allocation `id` at `addr`'s memory, if it keeps one since a reclaim.
+fn own_descriptor(addr: u64, id: u64) -> Option<std::io::Result<OwnedFd>> {
+    let g = own();
+    let (own_id, fd) = g.as_ref()?.by_addr.get(&addr)?;
+    (*own_id == id).then(|| fd.try_clone())
+}
+
+/// Before the application frees the allocation at `addr`: its own descriptor is closed (it
+/// would keep the memory alive).
+pub fn forget_own(addr: u64) {
+    let mut g = OWN.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(o) = g.as_mut()
+        && o.by_addr.remove(&addr).is_some()
+    {
+        debug!("own descriptor of {addr:#x} closed (freed)");
+    }
+}
+
 fn kept() -> std::sync::MutexGuard<'static, Option<KeptMemory>> {
     KEPT.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -101,7 +138,7 @@ fn lend(ch: &Channel, gpu: &mut Gpu) -> Result<Reply, Fail> {
             .map(|c| match c.backing {
                 // Found before anything is exported: the plugin then copies this process's
                 // data out first, as without a hand-over.
-                _ if !c.exportable => Err(Fail::bad_state(format!(
+                _ if !c.exportable && own_descriptor(c.addr, c.id).is_none() => Err(Fail::bad_state(format!(
                     "allocation #{} at {:#x} was not created exportable (the device has no POSIX-fd handles, or the application made it)",
                     c.id, c.addr
                 ))),
@@ -123,7 +160,12 @@ fn lend(ch: &Channel, gpu: &mut Gpu) -> Result<Reply, Fail> {
             )));
         };
         gpu.prepare(drv, s.device, 0, 0)?;
-        let fd = drv.export_fd(handle)?;
+        let fd = match own_descriptor(s.addr, s.id) {
+            Some(dup) => {
+                dup.map_err(|e| Fail::bad_state(format!("dup of #{}'s descriptor: {e}", s.id)))?
+            }
+            None => drv.export_fd(handle)?,
+        };
         ch.send_reply_with(
             &Reply::Lent {
                 id: s.id,
@@ -218,7 +260,16 @@ fn reclaim_all(gpu: &mut Gpu) -> Result<Reply, Fail> {
         count += 1;
         bytes += k.size;
         debug!("reclaimed #{} at {:#x} ({} bytes)", k.id, k.addr, k.size);
-        m.allocations.pop();
+        if let Some(k) = m.allocations.pop() {
+            // The mapped handle is an import now: keep the descriptor for the next lend.
+            own()
+                .get_or_insert_with(|| OwnDescriptors {
+                    started: start_time().unwrap_or(0),
+                    by_addr: Default::default(),
+                })
+                .by_addr
+                .insert(k.addr, (k.id, k.fd));
+        }
     }
     *guard = None;
     Ok(Reply::Reclaimed {

@@ -1043,7 +1043,8 @@ fn split_path(s: &mut Setup) {
     assert_ne!(gpu_pid(s, &name, false), pid, "same host pid after restore");
     let now = vmm_runs_on(s, &name, at_dump, "split restored");
 
-    // --leave-running: the job goes on, the released memory is reloaded.
+    // --leave-running: the job goes on, its memory mapped back from what it kept at the
+    // hand-over (the keeper ran from the package's /usr/libexec/gpusnap).
     let running = gpu_pid(s, &name, false);
     s.podman
         .run(&[
@@ -1055,7 +1056,12 @@ fn split_path(s: &mut Setup) {
         ])
         .assert_ok();
     let dump = split_dump(s, &name, "split --leave-running");
-    assert_line(&dump, &["device data reloaded"], "split --leave-running");
+    assert_line(&dump, &["lent to keeper"], "split --leave-running");
+    assert_line(
+        &dump,
+        &["device memory mapped back", "no file read"],
+        "split --leave-running",
+    );
     assert_eq!(s.podman.init_pid(&name), running);
     let now = vmm_runs_on(s, &name, now, "split after --leave-running");
 

@@ -87,6 +87,38 @@ fn handover_leave_running_maps_the_memory_back() {
     assert!(!m.chunks.is_empty(), "{m:?}");
 }
 
+/// `-R` twice: after the first, the job maps an imported handle (which the driver does not
+/// export again); the second hand-over lends the descriptor the job kept, and a copy-first dump
+/// after that (whose release drops it) still restores bit-exact.
+#[test]
+fn handover_again_after_a_leave_running() {
+    let Some(mut s) = start("handover-dump-R-twice") else {
+        return;
+    };
+    for round in 0..2 {
+        s.clear_images();
+        let dump = s.dump(true);
+        s.assert_ok(&dump);
+        assert_handed_over(&s, &dump);
+        s.assert_line(&dump, &["mapped back from the descriptors it kept"]);
+        let last = s.vmm.last_ticks();
+        s.assert_runs_on(&last, &dump);
+        eprintln!("round {round}: handed over and mapped back");
+    }
+    s.clear_images();
+    let dump = s.dump_with(true, &[("GPUSNAP_HANDOVER", "0")]);
+    s.assert_ok(&dump);
+    s.assert_line(&dump, &["device data reloaded"]);
+    s.clear_images();
+    let dump = s.dump(false);
+    s.assert_ok(&dump);
+    assert_handed_over(&s, &dump);
+    let last = s.reap_dumped();
+    let restore = s.restore();
+    s.assert_ok(&restore);
+    s.assert_runs_on(&last, &restore);
+}
+
 #[test]
 fn handover_off_copies_first() {
     let Some(s) = start("handover-off") else {

@@ -49,6 +49,8 @@ pub struct Written {
     pub chunks: Vec<ChunkEntry>,
     pub bytes: u64,
     pub seconds: f64,
+    /// Writer threads that ran (each makes a file once it gets a chunk).
+    pub writers: usize,
 }
 
 struct Work {
@@ -147,7 +149,10 @@ pub fn write_bos(
             .map(|h| h.join().unwrap_or(Err(DataError::Panicked("writer"))))
             .collect::<Vec<_>>()
     });
-    let mut out = Written::default();
+    let mut out = Written {
+        writers,
+        ..Written::default()
+    };
     for r in results {
         let (file, chunks) = r?;
         out.files.extend(file);
@@ -278,7 +283,14 @@ mod tests {
             })
             .collect();
         let w = write_bos(d.as_fd(), 9, &bos, &cfg, Codec::Raw).unwrap();
-        assert_eq!(w.files.len(), cfg.effective_writer_threads().min(16));
+        // As many writers as CPUs (each makes its file with its first chunk, so on a busy
+        // machine one writer may take every chunk: the files are not counted).
+        assert_eq!(w.writers, cfg.effective_writer_threads().min(16));
+        assert!(
+            (1..=w.writers).contains(&w.files.len()),
+            "{} files",
+            w.files.len()
+        );
         assert_eq!(w.bytes, 16 * 8192);
         let mut m = gpusnap_image::Manifest::begin(9, gpusnap_image::CheckpointPath::Kfd, 0);
         m.files = w.files;

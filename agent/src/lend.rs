@@ -132,6 +132,7 @@ fn lend(ch: &Channel, gpu: &mut Gpu) -> Result<Reply, Fail> {
             spans[i].id, spans[i].addr
         )));
     }
+    descriptors_fit(spans.len())?;
     let handles: Vec<_> = {
         let t = table::try_lock_for(AGENT_LOCK_WAIT).ok_or_else(Fail::busy)?;
         t.converted()
@@ -211,6 +212,33 @@ fn lend(ch: &Channel, gpu: &mut Gpu) -> Result<Reply, Fail> {
         bytes: released_bytes,
         micros,
     })
+}
+
+/// Descriptors the job keeps open beyond the kept ones, so that its own work (and a reload, if
+/// the rollback must reload) still finds some.
+const DESCRIPTOR_MARGIN: u64 = 32;
+
+/// Refuses a lend whose `n` kept descriptors would not fit under the job's own limit with
+/// [`DESCRIPTOR_MARGIN`] to spare (the limit is the application's: it is not raised). The
+/// plugin then copies the data out first, and nothing of the job changed.
+fn descriptors_fit(n: usize) -> Result<(), Fail> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit(2) into a valid rlimit.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return Ok(());
+    }
+    let open = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count() as u64);
+    let need = n as u64 + DESCRIPTOR_MARGIN;
+    if lim.rlim_cur != libc::RLIM_INFINITY && open + need > lim.rlim_cur {
+        return Err(Fail::bad_state(format!(
+            "descriptor limit: the process has {open} of {} descriptors open; lending {n} allocations needs {need} more (one kept per allocation, and a margin)",
+            lim.rlim_cur
+        )));
+    }
+    Ok(())
 }
 
 /// `Reclaim`: maps every kept allocation again at its address. Allocations done so far stay

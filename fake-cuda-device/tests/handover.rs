@@ -279,3 +279,45 @@ fn keeper_killed_during_criu_s_part_fails_the_dump_and_the_job_runs_on() {
     assert!(!dump.succeeded(), "{}", s.describe(&dump));
     assert_runs_on_and_image_refused(&mut s, &dump);
 }
+
+/// A job near its descriptor limit (one kept descriptor per allocation would not fit with a
+/// margin): the lend is refused before anything is exported or released, naming the limit, the
+/// plugin copies the data out first, and the job runs on intact after `-R`; its image restores.
+/// The job's limit is its own: the agent does not raise it.
+#[test]
+fn a_job_near_its_descriptor_limit_copies_first_and_runs_on() {
+    let Some(mut s) = start("handover-fd-limit") else {
+        return;
+    };
+    let pid = s.vmm.pid();
+    let open = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .expect("the job's fds")
+        .count() as u64;
+    // Room for a copy-first reload's few descriptors, not for the kept ones and the margin.
+    let limit = libc::rlimit {
+        rlim_cur: open + 16,
+        rlim_max: open + 64,
+    };
+    // SAFETY: prlimit(2) of the test's own workload, with a valid rlimit and no old-value out.
+    let rc = unsafe { libc::prlimit(pid, libc::RLIMIT_NOFILE, &limit, std::ptr::null_mut()) };
+    assert_eq!(rc, 0, "prlimit: {}", std::io::Error::last_os_error());
+    let dump = s.dump(true);
+    s.assert_ok(&dump);
+    s.assert_line(
+        &dump,
+        &[
+            "hand-over failed before any memory was released",
+            "descriptor limit",
+        ],
+    );
+    s.assert_line(&dump, &["device data reloaded"]);
+    let last = s.vmm.last_ticks();
+    s.assert_runs_on(&last, &dump);
+    s.clear_images();
+    let dump = s.dump(false);
+    s.assert_ok(&dump);
+    let last = s.reap_dumped();
+    let restore = s.restore();
+    s.assert_ok(&restore);
+    s.assert_runs_on(&last, &restore);
+}

@@ -1363,11 +1363,11 @@ impl DumpRun {
                             Phase::Released(_) => "it may run without all of its GPU memory",
                             Phase::Untouched | Phase::DataOut => "its GPU memory is in place",
                         };
-                        log::error!(
-                            "pid {}: ROLLBACK FAILED: {e}. {held}. Bring it back with `gpusnap recover {} --images <this image dir>`",
-                            t.pid,
-                            t.pid
-                        );
+                        // On CRIU's stderr too: CRIU reports the dump itself a success.
+                        crate::logger::tell_user(&format!(
+                            "pid {}: ROLLBACK FAILED: {e}. {held}. CRIU's own dump succeeded, but the job does not run: bring it back with `gpusnap recover {} --images <this image dir>`",
+                            t.pid, t.pid
+                        ));
                     }
                 }
             }

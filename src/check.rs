@@ -260,6 +260,24 @@ fn check_plugin_dir() -> Vec<Finding> {
             "install the plugin there (cp target/release/libgpusnap.so <dir>/gpusnap.so)",
         ));
     }
+    // The split path's keeper: the plugin looks beside itself, then in /usr/libexec/gpusnap.
+    let configured = gpusnap_config::load().map(|c| c.keeper).unwrap_or_default();
+    let beside = dir.join("gpusnap-keeper");
+    let keeper = if configured.is_empty() && beside.is_file() {
+        beside.to_string_lossy().into_owned()
+    } else {
+        configured
+    };
+    match gpusnap::keeper::locate(&keeper) {
+        Ok(p) => out.push(Finding::ok(format!(
+            "keeper {} (the split path hands device memory to it across the driver checkpoint)",
+            p.display()
+        ))),
+        Err(e) => out.push(Finding::warn(
+            format!("no usable gpusnap-keeper: {e}"),
+            "without it the split path copies the data out before the driver checkpoint (slower dumps and -R); install it as /usr/libexec/gpusnap/gpusnap-keeper",
+        )),
+    }
     let upstream = dir.join("cuda_plugin.so");
     if upstream.exists() {
         out.push(Finding::warn(

@@ -540,6 +540,18 @@ fn checkpoint_one(
     Ok(())
 }
 
+/// The unlock that lets the agent's thread use the GPU while the application's are held (both
+/// split routes begin so), timed as `unlock`.
+fn unlock_for_agent(ctx: &Ctx, t: &mut Tracked) -> Result<(), DumpError> {
+    let t0 = Instant::now();
+    ctx.api
+        .unlock(t.pid)
+        .map_err(driver("unlocking for the agent"))?;
+    t.phase.unlocked_for_data()?;
+    t.time("unlock", t0.elapsed().as_secs_f64());
+    Ok(())
+}
+
 /// The keeper a hand-over was planned with, if any.
 fn planned_keeper(t: &mut Tracked) -> Option<&mut crate::keeper::Keeper> {
     match &mut t.route {
@@ -554,12 +566,7 @@ fn planned_keeper(t: &mut Tracked) -> Option<&mut crate::keeper::Keeper> {
 /// failure before the release changes nothing of the job.
 fn hand_over(ctx: &Ctx, t: &mut Tracked, release: &Mutex<Option<Hold>>) -> Result<(), DumpError> {
     let pid = t.pid;
-    let t0 = Instant::now();
-    ctx.api
-        .unlock(pid)
-        .map_err(driver("unlocking for the agent"))?;
-    t.phase.unlocked_for_data()?;
-    t.time("unlock", t0.elapsed().as_secs_f64());
+    unlock_for_agent(ctx, t)?;
     let keeper = match &mut t.route {
         Route::Split(plan) => plan.keeper.take(),
         Route::Transparent => None,
@@ -711,12 +718,7 @@ fn move_data_out(
     release: &Mutex<Option<Hold>>,
 ) -> Result<(), DumpError> {
     let pid = t.pid;
-    let t0 = Instant::now();
-    ctx.api
-        .unlock(pid)
-        .map_err(driver("unlocking for the agent"))?;
-    t.phase.unlocked_for_data()?;
-    t.time("unlock", t0.elapsed().as_secs_f64());
+    unlock_for_agent(ctx, t)?;
 
     let session = AgentSession::connect_expected(pid, ctx.agent_timeout())?;
     let t0 = Instant::now();

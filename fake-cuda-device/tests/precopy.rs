@@ -269,3 +269,71 @@ fn a_round_killed_part_way_leaves_the_job_as_it_was() {
     assert!(ok, "{text}");
     still_running(&s, "the round after");
 }
+
+/// A pre-copy parent is checked, not trusted: one byte of the round's data file damaged, then
+/// the final dump (the hand-over) against it. The dump reads the round back beside CRIU's dump,
+/// finds the damage, references nothing of it (a full dump from the job's memory, which is
+/// still whole), and the image restores bit-exact.
+#[test]
+fn a_damaged_pre_copy_parent_is_never_referenced() {
+    let Some(mut s) = Split::launch(
+        "precopy-damaged-parent",
+        1,
+        &["--seed", "37", "--allocs", "3", "--mib", "4"],
+        &[],
+    ) else {
+        return;
+    };
+    s.vmm.wait_for_tick(3);
+    report(&s, &precopy(&s, "pre1", None));
+    still_running(&s, "the round");
+    let pre1 = dir(&s, "pre1");
+    let mut files: Vec<PathBuf> = fs::read_dir(&pre1)
+        .expect("the round's dir")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.contains("-data-") && n.ends_with(".img"))
+        })
+        .collect();
+    files.sort();
+    let file = files.first().expect("a data file of the round");
+    // Past the file's and the first record's 64-byte headers (docs/image-format.md).
+    let at = 64 + 64 + 1000;
+    let f = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(file)
+        .expect("open the round's data file");
+    let mut b = [0u8; 1];
+    std::os::unix::fs::FileExt::read_exact_at(&f, &mut b, at).expect("read a payload byte");
+    b[0] ^= 0x40;
+    std::os::unix::fs::FileExt::write_all_at(&f, &b, at).expect("write a payload byte");
+    let (ok, text) = s.run_cli(&["verify", pre1.to_str().expect("utf-8 path")]);
+    assert!(!ok, "gpusnap verify passed a damaged round: {text}");
+
+    let d = dir(&s, "final");
+    fs::create_dir_all(&d).expect("mkdir final");
+    std::os::unix::fs::symlink("../pre1", d.join("parent")).expect("parent link");
+    let pid = s.vmm.pid().to_string();
+    let dump = s.criu_at(&d, "dump", "dump.log", &["-t", &pid], &CONFIG);
+    s.assert_ok(&dump);
+    s.assert_line(&dump, &["lent to keeper"]);
+    s.assert_line(
+        &dump,
+        &["the parent image is damaged", "nothing of it referenced"],
+    );
+    let st = dump_stats(&d);
+    assert_eq!(st["bytes_referenced"].as_u64(), Some(0), "{st}");
+    let last = s.reap_dumped();
+    let restore = s.criu_at(
+        &d,
+        "restore",
+        "restore.log",
+        &["--restore-detached"],
+        &CONFIG,
+    );
+    s.assert_ok(&restore);
+    s.assert_runs_on(&last, &restore);
+}

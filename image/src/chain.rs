@@ -353,6 +353,23 @@ fn moved_set(allocs: &[AllocationRecord]) -> Vec<(u64, u64, u32)> {
     v
 }
 
+/// Reads every chunk of the parent image of process `nspid` (behind `dir`'s `parent` link, its
+/// own ancestors included) and checks it, as a restore would: an incremental dump references
+/// the parent's bytes, so it must not trust a parent it has not read. `Ok(None)`: no parent.
+pub fn verify_parent(
+    dir: BorrowedFd<'_>,
+    nspid: u32,
+    threads: usize,
+) -> Result<Option<crate::VerifyReport>, ImageError> {
+    let Some(pdir) = open_parent_dir(dir, PARENT_LINK)? else {
+        return Ok(None);
+    };
+    let m = crate::read_manifest(pdir.as_fd(), nspid).map_err(|e| e.in_parent(PARENT_LINK))?;
+    crate::verify_image(pdir.as_fd(), &m, threads)
+        .map(Some)
+        .map_err(|e| e.in_parent(PARENT_LINK))
+}
+
 /// For a dump of process `nspid` into `dir`, whose agent holds `allocations`: the parent
 /// image's chunks that it may reference. The parent is read as a restore would read it
 /// (`read_manifest`, its own ancestors included), so a reference is only ever made to data

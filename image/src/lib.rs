@@ -42,7 +42,7 @@ mod mutation_tests;
 
 pub use chain::{
     Ancestors, ChunkSources, DedupIndex, MAX_CHAIN_DEPTH, PARENT_LINK, ParentImage, open_ancestors,
-    open_parent_dir, parent_for_dedup,
+    open_parent_dir, parent_for_dedup, verify_parent,
 };
 pub use devfile::{
     DEVFILE_MAGIC, DevFileRecord, decode_dev_file, devfile_name, encode_dev_file,

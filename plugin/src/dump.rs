@@ -595,7 +595,6 @@ fn hand_over(ctx: &Ctx, t: &mut Tracked, release: &Mutex<Option<Hold>>) -> Resul
             .map_err(|err| DumpError::Hold { pid, err })?,
     );
     let dir = ctx.image_dir();
-    let parent = dedup_parent(ctx, t, &allocations);
     let (codec, why) = crate::context::codec_for(&ctx.cfg, dir);
     if ctx.cfg.compress == gpusnap_config::Compress::Auto {
         log::info!("pid {pid}: chunks stored as {codec:?}: {why}");
@@ -603,10 +602,13 @@ fn hand_over(ctx: &Ctx, t: &mut Tracked, release: &Mutex<Option<Hold>>) -> Resul
     let job = crate::handover::DrainJob {
         staging,
         dir: crate::criu::image_dir().ok_or(DumpError::NoImageDir)?,
+        pid,
         nspid: t.nspid as u32,
         writers: ctx.cfg.effective_writer_threads(),
+        readers: ctx.cfg.effective_reader_threads(),
         codec,
-        parent,
+        allocations: allocations.clone(),
+        incremental: ctx.cfg.incremental,
         limits: ctx.limits(),
         durable: ctx.cfg.durable,
     };
@@ -728,7 +730,14 @@ fn move_data_out(
     t.time("prepare", t0.elapsed().as_secs_f64());
 
     let dir = ctx.image_dir();
-    let parent = dedup_parent(ctx, t, &allocations);
+    let parent = parent_index(
+        dir,
+        pid,
+        t.nspid as u32,
+        &allocations,
+        ctx.cfg.incremental,
+        ctx.cfg.effective_reader_threads(),
+    );
     let (codec, why) = crate::context::codec_for(&ctx.cfg, dir);
     if ctx.cfg.compress == gpusnap_config::Compress::Auto {
         log::info!("pid {pid}: chunks stored as {codec:?}: {why}");
@@ -833,46 +842,64 @@ fn session_agent_tid(t: &Tracked) -> Result<i32, DumpError> {
 }
 
 /// For an incremental dump: the parent image's chunks this process may reference, if the image
-/// directory has a usable `parent` link and `incremental` is on. Anything else is a full dump,
-/// with the reason in the log.
-fn dedup_parent(
-    ctx: &Ctx,
-    t: &Tracked,
+/// directory has a usable `parent` link and `incremental` is on. The parent is read and checked
+/// first, every chunk of it (`verify_parent`): a damaged parent makes this a full dump, so an
+/// image never references bytes that do not read back. Anything else is a full dump too, with
+/// the reason in the log. (On the hand-over route this runs in the drain, beside CRIU's dump;
+/// on the copy-first route, on the job's pause.)
+pub(crate) fn parent_index(
+    dir: BorrowedFd<'_>,
+    pid: i32,
+    nspid: u32,
     allocations: &[AllocationRecord],
+    incremental: bool,
+    threads: usize,
 ) -> Option<gpusnap_image::DedupIndex> {
     use gpusnap_image::ParentImage;
-    let found = gpusnap_image::parent_for_dedup(ctx.image_dir(), t.nspid as u32, allocations);
-    match found {
-        ParentImage::None => None,
-        _ if !ctx.cfg.incremental => {
+    let found = gpusnap_image::parent_for_dedup(dir, nspid, allocations);
+    let index = match found {
+        ParentImage::None => return None,
+        _ if !incremental => {
             log::info!(
-                "pid {}: the image directory has a parent link, but incremental = false: full dump",
-                t.pid
+                "pid {pid}: the image directory has a parent link, but incremental = false: full dump"
             );
-            None
+            return None;
         }
         ParentImage::Unusable(why) => {
-            log::info!("pid {}: full dump, parent image not used: {why}", t.pid);
-            None
+            log::info!("pid {pid}: full dump, parent image not used: {why}");
+            return None;
         }
-        ParentImage::Usable(index) => {
-            log::info!(
-                "pid {}: incremental dump against the parent image ({} chunks to compare{})",
-                t.pid,
-                index.len(),
-                if index.too_deep > 0 {
-                    format!(
-                        ", {} already {} links deep are stored again",
-                        index.too_deep,
-                        gpusnap_image::MAX_CHAIN_DEPTH
-                    )
-                } else {
-                    String::new()
-                }
+        ParentImage::Usable(index) => index,
+    };
+    let t0 = Instant::now();
+    match gpusnap_image::verify_parent(dir, nspid, threads) {
+        Ok(Some(report)) => log::info!(
+            "pid {pid}: parent image read back and checked: {:.2} GiB in {:.3} s",
+            gib(report.bytes),
+            t0.elapsed().as_secs_f64()
+        ),
+        Ok(None) => return None,
+        Err(e) => {
+            log::warn!(
+                "pid {pid}: the parent image is damaged ({e}): a full dump instead, nothing of it referenced"
             );
-            Some(index)
+            return None;
         }
     }
+    log::info!(
+        "pid {pid}: incremental dump against the parent image ({} chunks to compare{})",
+        index.len(),
+        if index.too_deep > 0 {
+            format!(
+                ", {} already {} links deep are stored again",
+                index.too_deep,
+                gpusnap_image::MAX_CHAIN_DEPTH
+            )
+        } else {
+            String::new()
+        }
+    );
+    Some(index)
 }
 
 /// Removes this process's gpusnap files (a split attempt that was abandoned, or a failed dump).

@@ -17,7 +17,7 @@ use crate::agent::{AgentError, AgentSession, LentAllocation};
 use crate::datapath::{self, DataError, DumpData};
 use crate::keeper::{Keeper, KeeperError};
 use crate::staging::Staging;
-use gpusnap_image::{AllocationRecord, Codec, DedupIndex};
+use gpusnap_image::{AllocationRecord, Codec};
 use std::os::fd::BorrowedFd;
 use std::time::{Duration, Instant};
 
@@ -102,10 +102,15 @@ pub fn lend_to_keeper(
 pub struct DrainJob {
     pub staging: Staging,
     pub dir: BorrowedFd<'static>,
+    pub pid: i32,
     pub nspid: u32,
     pub writers: usize,
+    /// Threads that read the parent image back before anything of it is referenced.
+    pub readers: usize,
     pub codec: Codec,
-    pub parent: Option<DedupIndex>,
+    /// What the job holds, for matching a parent image (an incremental dump).
+    pub allocations: Vec<AllocationRecord>,
+    pub incremental: bool,
     pub limits: datapath::Limits,
     pub durable: bool,
 }
@@ -140,13 +145,20 @@ impl Drain {
                 let DrainJob {
                     staging,
                     dir,
+                    pid,
                     nspid,
                     writers,
+                    readers,
                     codec,
-                    parent,
+                    allocations,
+                    incremental,
                     limits,
                     durable,
                 } = job;
+                // The parent image is read back and checked here, beside CRIU's dump: the
+                // job's memory is still whole, so what a damaged parent lacks is written fresh.
+                let parent =
+                    crate::dump::parent_index(dir, pid, nspid, &allocations, incremental, readers);
                 let data = datapath::copy_out(
                     &session,
                     &staging,

@@ -106,7 +106,7 @@ impl Drop for Keeper {
     }
 }
 
-/// Waits up to `grace` for `pid` to exit, then kills it and waits for it.
+/// Waits up to `grace` for `pid` to exit, then kills and reaps it ([`crate::reap`]).
 fn reap(pid: libc::pid_t, grace: Duration) {
     let deadline = Instant::now() + grace;
     loop {
@@ -127,13 +127,8 @@ fn reap(pid: libc::pid_t, grace: Duration) {
         std::thread::sleep(Duration::from_millis(5));
     }
     log::warn!("keeper pid {pid} did not exit within {grace:?}: killing it");
-    // SAFETY: kill and waitpid on our own child.
-    unsafe {
-        libc::kill(pid, libc::SIGKILL);
-        let mut status = 0;
-        while libc::waitpid(pid, &mut status, 0) < 0
-            && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR)
-        {}
+    if let Err(e) = crate::reap::kill_and_reap(pid) {
+        log::warn!("keeper: {e}");
     }
 }
 

@@ -519,49 +519,11 @@ fn every_chunk_device_hashed(m: &Manifest) -> bool {
 }
 
 /// Kills a restored process whose GPU state cannot be brought back (CRIU holds it stopped),
-/// and reaps its threads.
-///
-/// CRIU traces every thread of a restored process, so a killed thread stays a zombie until its
-/// tracer (this thread) reaps it. When the process is PID 1 of a pid namespace (a container's
-/// GPU process), its exit waits for those zombies while CRIU's own clean-up waits for it: the
-/// restore would hang forever (seen under Podman). Reaping them here lets both finish.
+/// and reaps its threads ([`crate::reap`] says why: a container's PID 1 would hang CRIU).
 fn kill(pid: i32, nspid: u32) {
-    let tids = procfs::thread_ids(pid).unwrap_or_default();
-    // SAFETY: kill(2) takes no pointers; `pid` is a process CRIU restored and still holds.
-    if unsafe { libc::kill(pid, libc::SIGKILL) } != 0 {
-        let e = std::io::Error::last_os_error();
-        log::error!(
-            "pid {pid} (nspid {nspid}): killing it failed ({e}); it must not run: kill it by hand"
-        );
-        return;
+    if let Err(e) = crate::reap::kill_and_reap(pid) {
+        log::error!("pid {pid} (nspid {nspid}): {e}; it must not run: kill it by hand");
     }
-    let left = reap(&tids, std::time::Duration::from_secs(5));
-    if !left.is_empty() {
-        log::warn!("pid {pid}: threads {left:?} not reaped after SIGKILL");
-    }
-}
-
-/// Reaps the traced threads `tids` once they have died; returns those still alive at `within`.
-fn reap(tids: &[i32], within: std::time::Duration) -> Vec<i32> {
-    let deadline = Instant::now() + within;
-    let mut left: Vec<i32> = tids.to_vec();
-    while !left.is_empty() && Instant::now() < deadline {
-        left.retain(|&tid| {
-            let mut status = 0;
-            // SAFETY: waitpid with a valid status pointer; WNOHANG never blocks.
-            let r = unsafe { libc::waitpid(tid, &mut status, libc::__WALL | libc::WNOHANG) };
-            match r {
-                0 => true,
-                // Not (or no longer) ours to wait for: reaped by CRIU's handler, say.
-                r if r < 0 => false,
-                _ => !(libc::WIFEXITED(status) || libc::WIFSIGNALED(status)),
-            }
-        });
-        if !left.is_empty() {
-            std::thread::sleep(std::time::Duration::from_millis(5));
-        }
-    }
-    left
 }
 
 fn moved_bytes_on(m: &Manifest, device: u32) -> u64 {

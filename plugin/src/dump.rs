@@ -71,6 +71,8 @@ pub enum DumpError {
     NoImageDir,
     #[error("the drain of pid {pid} into the image failed: {err}")]
     Drain { pid: i32, err: DataError },
+    #[error("starting the drain thread of pid {pid}: {err}")]
+    DrainStart { pid: i32, err: std::io::Error },
 }
 
 impl DumpError {
@@ -562,12 +564,12 @@ fn planned_keeper(t: &mut Tracked) -> Option<&mut crate::keeper::Keeper> {
 
 /// The hand-over (`crate::handover`), with the application stopped and only the agent thread
 /// (and the driver's) running: unlock, lend every allocation to the keeper, hold, release (the
-/// job keeps the exported descriptors), start the drain ([`start_drain`]), lock again. A
+/// job keeps the exported descriptors), start the drain ([`crate::handover::Drain`]), lock again. A
 /// failure before the release changes nothing of the job.
 fn hand_over(ctx: &Ctx, t: &mut Tracked, release: &Mutex<Option<Hold>>) -> Result<(), DumpError> {
     let pid = t.pid;
     unlock_for_agent(ctx, t)?;
-    let keeper = match &mut t.route {
+    let mut keeper = match &mut t.route {
         Route::Split(plan) => plan.keeper.take(),
         Route::Transparent => None,
     }
@@ -581,6 +583,10 @@ fn hand_over(ctx: &Ctx, t: &mut Tracked, release: &Mutex<Option<Hold>>) -> Resul
     let allocations = session.list()?;
     let staging = take_ring(ctx, t, &allocations)?;
     let lent = crate::handover::lend_to_keeper(&session, &keeper, &allocations)?;
+    // Adopted: from here the session serves the drain; the keeper stays for the reaping.
+    let drain_session = keeper.take_session().ok_or(DumpError::HandOver(
+        crate::handover::HandOverError::NoKeeper,
+    ))?;
     t.time("lend", t0.elapsed().as_secs_f64());
     log::info!(
         "pid {pid}: {lent} allocations ({:.2} GiB) lent to keeper pid {}",
@@ -618,18 +624,17 @@ fn hand_over(ctx: &Ctx, t: &mut Tracked, release: &Mutex<Option<Hold>>) -> Resul
         ctx,
         t,
         CheckpointPath::Split,
-        allocations.clone(),
+        allocations,
         &datapath::DumpData::default(),
     );
+    let since = Instant::now();
     t.phase.released(MovedData {
         manifest: Box::new(provisional),
         stats: None,
         lent: Some(Box::new(crate::handover::Lent {
             keeper: Some(keeper),
-            allocations,
             drain: None,
-            pending: Some(job),
-            since: Instant::now(),
+            since,
         })),
     })?;
     let t0 = Instant::now();
@@ -638,38 +643,19 @@ fn hand_over(ctx: &Ctx, t: &mut Tracked, release: &Mutex<Option<Hold>>) -> Resul
     log::debug!("pid {pid}: agent released {n} allocations ({bytes} bytes), descriptors kept");
     crate::fault::kill_criu_at("dump-released");
     // The job no longer maps the memory; the keeper drains it from here on, beside the
-    // driver's control checkpoint and CRIU's own dump.
-    start_drain(t)?;
+    // driver's control checkpoint and CRIU's own dump (joined in `exit`).
+    let drain = crate::handover::Drain::start(drain_session, job)
+        .map_err(|err| DumpError::DrainStart { pid, err })?;
+    if let Some(lent) = t.phase.moved_mut().and_then(|m| m.lent.as_deref_mut()) {
+        lent.drain = Some(drain);
+    }
+    log::info!(
+        "pid {pid}: drain started {:.3} s after the hand-over; CRIU dumps the host side meanwhile",
+        since.elapsed().as_secs_f64()
+    );
     lock(ctx, t, "relock")?;
     *release.lock().unwrap_or_else(|e| e.into_inner()) = t.hold.take();
     crate::fault::kill_criu_at("dump-relocked");
-    Ok(())
-}
-
-/// Once a process whose memory is lent has released it: the keeper drains it while the driver
-/// checkpoints control state and CRIU dumps the host side (joined in `exit`).
-fn start_drain(t: &mut Tracked) -> Result<(), DumpError> {
-    let pid = t.pid;
-    let Some(lent) = t.phase.moved_mut().and_then(|m| m.lent.as_deref_mut()) else {
-        return Ok(());
-    };
-    let Some(job) = lent.pending.take() else {
-        return Ok(());
-    };
-    let session = lent
-        .keeper
-        .as_mut()
-        .and_then(crate::keeper::Keeper::take_session)
-        .ok_or(DumpError::HandOver(
-            crate::handover::HandOverError::NoKeeper,
-        ))?;
-    lent.drain = Some(
-        crate::handover::Drain::start(session, job).map_err(|err| DumpError::Hold { pid, err })?,
-    );
-    log::info!(
-        "pid {pid}: drain started {:.3} s after the hand-over; CRIU dumps the host side meanwhile",
-        lent.since.elapsed().as_secs_f64()
-    );
     Ok(())
 }
 
@@ -1433,7 +1419,6 @@ fn finish_drain(ctx: &Ctx, t: &mut Tracked, ret: i32) -> Result<(), DumpError> {
     // The keeper has released its imports (or died): let it go and reap it.
     drop(done.session.take());
     lent.keeper.take();
-    let allocations = std::mem::take(&mut lent.allocations);
     log::info!(
         "pid {pid}: the drain ran {:.3} s beside CRIU's dump; at CRIU's end ({since:.3} s after the hand-over) it waited {:.3} s more for it",
         done.ran_s,
@@ -1442,6 +1427,11 @@ fn finish_drain(ctx: &Ctx, t: &mut Tracked, ret: i32) -> Result<(), DumpError> {
     t.time("drain", done.ran_s);
     t.time("drain_wait", done.waited_s);
     let data = done.data.map_err(|err| DumpError::Drain { pid, err })?;
+    let allocations = t
+        .phase
+        .moved()
+        .map(|m| m.manifest.allocations.clone())
+        .unwrap_or_default();
     log_data(pid, &allocations, &data);
     let manifest = new_manifest(ctx, t, CheckpointPath::Split, allocations, &data);
     if let Some(m) = t.phase.moved_mut() {

@@ -19,7 +19,7 @@ use crate::keeper::{Keeper, KeeperError};
 use crate::staging::Staging;
 use gpusnap_image::{AllocationRecord, Codec};
 use std::os::fd::BorrowedFd;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 #[derive(Debug, thiserror::Error)]
 pub enum HandOverError {
@@ -35,13 +35,11 @@ pub enum HandOverError {
     NoKeeper,
 }
 
-/// The data of a dump whose memory is lent: the keeper, and the drain once it runs.
+/// The data of a dump whose memory is lent: the keeper, and the drain once it runs (from
+/// right after the job's release). The allocations are the provisional manifest's.
 pub struct Lent {
     pub keeper: Option<Keeper>,
-    pub allocations: Vec<AllocationRecord>,
     pub drain: Option<Drain>,
-    /// What the drain needs, until it starts (right after the job's release).
-    pub pending: Option<DrainJob>,
     /// When the memory changed hands (for the log's time line).
     pub since: Instant,
 }
@@ -52,9 +50,7 @@ impl Lent {
     pub fn found_kept() -> Lent {
         Lent {
             keeper: None,
-            allocations: Vec::new(),
             drain: None,
-            pending: None,
             since: Instant::now(),
         }
     }
@@ -64,7 +60,6 @@ impl std::fmt::Debug for Lent {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Lent")
             .field("keeper", &self.keeper.as_ref().map(Keeper::pid))
-            .field("allocations", &self.allocations.len())
             .field("draining", &self.drain.is_some())
             .finish()
     }
@@ -215,7 +210,3 @@ pub fn abandon(lent: &mut Lent) {
     }
     lent.keeper.take();
 }
-
-/// How long `exit` waits for a drain before it counts as failed (the agent's own waits, a
-/// minute per stalled step, end it well before).
-pub const DRAIN_LIMIT: Duration = Duration::from_secs(3600);

@@ -12,10 +12,12 @@
 //! they are whatever CRIU opened at those numbers (the plugin's placeholders), not the memory:
 //! they are told apart by the process's start time, recorded at the lend, and dropped.
 
+use std::collections::HashMap;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Mutex;
 use std::time::Instant;
 
+use cudarc::driver::sys::CUmemGenericAllocationHandle as Handle;
 use gpusnap_proto::{Channel, Reply, Request};
 
 use crate::gpu::Gpu;
@@ -32,54 +34,78 @@ struct Kept {
     fd: OwnedFd,
 }
 
-/// The descriptors kept since the last release, and the start time of the process that
-/// exported them (a restored process has another).
-struct KeptMemory {
+/// Descriptors held by this process, stamped with its start time: a process CRIU restored has
+/// another start time and finds CRIU's placeholders at those numbers instead, which
+/// [`of_this_process`] drops.
+struct Stamped<T> {
     started: u64,
-    allocations: Vec<Kept>,
+    held: T,
 }
 
-static KEPT: Mutex<Option<KeptMemory>> = Mutex::new(None);
+/// What `slot` holds, unless it was stamped by the process this one was restored from (then it
+/// is dropped, closing the placeholders). `now`: this process's start time.
+fn of_this_process<T>(slot: &mut Option<Stamped<T>>, now: Option<u64>) -> Option<&mut T> {
+    if slot.as_ref().is_some_and(|s| Some(s.started) != now) {
+        *slot = None;
+        debug!("dropping descriptors kept by the process this one was restored from");
+    }
+    slot.as_mut().map(|s| &mut s.held)
+}
+
+fn stamped<T>(held: T) -> Stamped<T> {
+    Stamped {
+        started: start_time().unwrap_or(0),
+        held,
+    }
+}
+
+/// The descriptors kept since the last release.
+static KEPT: Mutex<Option<Stamped<Vec<Kept>>>> = Mutex::new(None);
 
 /// After a reclaim the job maps an *imported* handle, which the driver will not export again:
 /// the descriptor it was imported from stays here, the allocation's own, for the next lend
 /// (and is closed when the application frees the allocation). By base address: (id, fd).
-struct OwnDescriptors {
-    started: u64,
-    by_addr: std::collections::BTreeMap<u64, (u64, OwnedFd)>,
+type OwnDescriptors = std::collections::BTreeMap<u64, (u64, OwnedFd)>;
+
+static OWN: Mutex<Option<Stamped<OwnDescriptors>>> = Mutex::new(None);
+
+fn kept() -> std::sync::MutexGuard<'static, Option<Stamped<Vec<Kept>>>> {
+    KEPT.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-static OWN: Mutex<Option<OwnDescriptors>> = Mutex::new(None);
-
-fn own() -> std::sync::MutexGuard<'static, Option<OwnDescriptors>> {
-    let mut g = OWN.lock().unwrap_or_else(|e| e.into_inner());
-    // Descriptors of the process this one was restored from are placeholders.
-    if g.as_ref().is_some_and(|o| Some(o.started) != start_time()) {
-        *g = None;
-    }
-    g
+fn own() -> std::sync::MutexGuard<'static, Option<Stamped<OwnDescriptors>>> {
+    OWN.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// A new descriptor of allocation `id` at `addr`'s memory, if it keeps one since a reclaim.
-fn own_descriptor(addr: u64, id: u64) -> Option<std::io::Result<OwnedFd>> {
-    let g = own();
-    let (own_id, fd) = g.as_ref()?.by_addr.get(&addr)?;
-    (*own_id == id).then(|| fd.try_clone())
+/// New descriptors (by allocation id) of the allocations among `spans` that keep their own
+/// since a reclaim.
+fn own_descriptors(spans: &[crate::plan::Span]) -> Result<HashMap<u64, OwnedFd>, Fail> {
+    let mut g = own();
+    let Some(own) = of_this_process(&mut g, start_time()) else {
+        return Ok(HashMap::new());
+    };
+    spans
+        .iter()
+        .filter_map(|s| match own.get(&s.addr) {
+            Some((id, fd)) if *id == s.id => Some(
+                fd.try_clone()
+                    .map(|dup| (s.id, dup))
+                    .map_err(|e| Fail::bad_state(format!("dup of #{}'s descriptor: {e}", s.id))),
+            ),
+            _ => None,
+        })
+        .collect()
 }
 
 /// Before the application frees the allocation at `addr`: its own descriptor is closed (it
 /// would keep the memory alive).
 pub fn forget_own(addr: u64) {
-    let mut g = OWN.lock().unwrap_or_else(|e| e.into_inner());
+    let mut g = own();
     if let Some(o) = g.as_mut()
-        && o.by_addr.remove(&addr).is_some()
+        && o.held.remove(&addr).is_some()
     {
         debug!("own descriptor of {addr:#x} closed (freed)");
     }
-}
-
-fn kept() -> std::sync::MutexGuard<'static, Option<KeptMemory>> {
-    KEPT.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// This process's start time in clock ticks since boot (field 22 of `/proc/self/stat`).
@@ -93,25 +119,19 @@ fn start_time() -> Option<u64> {
 /// Drops kept descriptors that this process did not export (it was restored by CRIU, which
 /// opened placeholders at their numbers). Returns how many real ones are kept.
 pub fn kept_count() -> u32 {
-    // The own descriptors of the process this one was restored from go the same way (`own`
-    // drops them), so a restored process holds no placeholders longer than its first Hello.
-    drop(own());
-    let mut k = kept();
-    if k.as_ref().is_some_and(|m| Some(m.started) != start_time()) {
-        let stale = k.take().map_or(0, |m| m.allocations.len());
-        debug!("dropping {stale} descriptors kept by the process this one was restored from");
-    }
-    k.as_ref().map_or(0, |m| {
-        u32::try_from(m.allocations.len()).unwrap_or(u32::MAX)
-    })
+    let now = start_time();
+    // The own descriptors of the process this one was restored from go the same way, so a
+    // restored process holds no placeholders longer than its first Hello.
+    of_this_process(&mut own(), now);
+    of_this_process(&mut kept(), now).map_or(0, |k| u32::try_from(k.len()).unwrap_or(u32::MAX))
 }
 
 /// Forgets every kept descriptor (closing them): the memory is mapped again, or a restore
 /// re-creates it.
 pub fn forget() {
     kept_count();
-    if let Some(m) = kept().take() {
-        debug!("closing {} kept descriptors", m.allocations.len());
+    if let Some(k) = kept().take() {
+        debug!("closing {} kept descriptors", k.held.len());
     }
 }
 
@@ -136,13 +156,14 @@ fn lend(ch: &Channel, gpu: &mut Gpu) -> Result<Reply, Fail> {
         )));
     }
     descriptors_fit(spans.len())?;
-    let handles: Vec<_> = {
+    let mut owned = own_descriptors(&spans)?;
+    let handles: HashMap<u64, Handle> = {
         let t = table::try_lock_for(AGENT_LOCK_WAIT).ok_or_else(Fail::busy)?;
         t.converted()
             .map(|c| match c.backing {
                 // Found before anything is exported: the plugin then copies this process's
                 // data out first, as without a hand-over.
-                _ if !c.exportable && own_descriptor(c.addr, c.id).is_none() => Err(Fail::bad_state(format!(
+                _ if !c.exportable && !owned.contains_key(&c.id) => Err(Fail::bad_state(format!(
                     "allocation #{} at {:#x} was not created exportable (the device has no POSIX-fd handles, or the application made it)",
                     c.id, c.addr
                 ))),
@@ -157,17 +178,15 @@ fn lend(ch: &Channel, gpu: &mut Gpu) -> Result<Reply, Fail> {
     let mut lent = Vec::with_capacity(spans.len());
     let mut bytes = 0;
     for s in &spans {
-        let Some(&(_, handle)) = handles.iter().find(|(id, _)| *id == s.id) else {
+        let Some(&handle) = handles.get(&s.id) else {
             return Err(Fail::bad_state(format!(
                 "allocation #{} changed during the hand-over",
                 s.id
             )));
         };
         gpu.prepare(drv, s.device, 0, 0)?;
-        let fd = match own_descriptor(s.addr, s.id) {
-            Some(dup) => {
-                dup.map_err(|e| Fail::bad_state(format!("dup of #{}'s descriptor: {e}", s.id)))?
-            }
+        let fd = match owned.remove(&s.id) {
+            Some(dup) => dup,
             None => drv.export_fd(handle)?,
         };
         ch.send_reply_with(
@@ -203,10 +222,7 @@ fn lend(ch: &Channel, gpu: &mut Gpu) -> Result<Reply, Fail> {
     let t0 = Instant::now();
     // Kept before the release: from the first unmap on, the descriptors are what holds the
     // memory.
-    *kept() = Some(KeptMemory {
-        started: start_time().unwrap_or(0),
-        allocations: lent,
-    });
+    *kept() = Some(stamped(lent));
     let (count, released_bytes) = crate::dump::release(drv, &spans)?;
     let micros = t0.elapsed().as_micros() as u64;
     debug!("hand-over: released {count} allocations ({released_bytes} bytes), descriptors kept");
@@ -271,7 +287,7 @@ fn reclaim_all(gpu: &mut Gpu) -> Result<Reply, Fail> {
     let mut guard = kept();
     let m = guard.as_mut().expect("counted above");
     let (mut count, mut bytes) = (0u32, 0u64);
-    while let Some(k) = m.allocations.last() {
+    while let Some(k) = m.held.last() {
         gpu.prepare(drv, k.device, 0, 0)?;
         let handle = drv.import_fd(k.fd.as_fd())?;
         crate::vmm::map_handle(drv, k.device, k.addr, k.size, handle)?;
@@ -291,14 +307,11 @@ fn reclaim_all(gpu: &mut Gpu) -> Result<Reply, Fail> {
         count += 1;
         bytes += k.size;
         debug!("reclaimed #{} at {:#x} ({} bytes)", k.id, k.addr, k.size);
-        if let Some(k) = m.allocations.pop() {
+        if let Some(k) = m.held.pop() {
             // The mapped handle is an import now: keep the descriptor for the next lend.
             own()
-                .get_or_insert_with(|| OwnDescriptors {
-                    started: start_time().unwrap_or(0),
-                    by_addr: Default::default(),
-                })
-                .by_addr
+                .get_or_insert_with(|| stamped(OwnDescriptors::new()))
+                .held
                 .insert(k.addr, (k.id, k.fd));
         }
     }

@@ -210,7 +210,7 @@ pub fn job_libcuda(pid: i32) -> Option<PathBuf> {
     let path = maps.lines().find_map(|l| {
         let p = l.split_whitespace().nth(5)?;
         let name = Path::new(p).file_name()?.to_str()?;
-        (name.starts_with("libcuda.so") || name == "libfakecudadev.so").then(|| p.to_owned())
+        name.starts_with("libcuda.so").then(|| p.to_owned())
     })?;
     Some(PathBuf::from(format!("/proc/{pid}/root{path}")))
 }

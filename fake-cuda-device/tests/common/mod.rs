@@ -93,7 +93,13 @@ pub fn libcuda_dir(dir: &Path) -> PathBuf {
     fs::create_dir_all(&lib).expect("mkdir lib");
     let link = lib.join("libcuda.so.1");
     let _ = fs::remove_file(&link);
-    std::os::unix::fs::symlink(fakecudadev_so(), &link).expect("symlink libcuda.so.1");
+    // A hard link (a copy across file systems), not a symlink: the workload's mappings then
+    // name `libcuda.so.1`, as a real driver's do, which is how the plugin finds the library a
+    // job uses (its keeper loads the same one).
+    let so = fakecudadev_so();
+    fs::hard_link(&so, &link)
+        .or_else(|_| fs::copy(&so, &link).map(drop))
+        .expect("libcuda.so.1 in the test's lib dir");
     lib
 }
 

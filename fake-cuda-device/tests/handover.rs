@@ -35,6 +35,18 @@ fn stop_job(s: &Split) {
     }
 }
 
+/// A dump that hands the memory over (the workload is killed), then a restore from its image
+/// that runs on bit-exact.
+fn dump_handed_over_and_restore(s: &mut Split) {
+    let dump = s.dump(false);
+    s.assert_ok(&dump);
+    assert_handed_over(s, &dump);
+    let last = s.reap_dumped();
+    let restore = s.restore();
+    s.assert_ok(&restore);
+    s.assert_runs_on(&last, &restore);
+}
+
 /// The lines every hand-over dump logs.
 fn assert_handed_over(s: &Split, dump: &CriuRun) {
     s.assert_line(dump, &["hand-over planned: keeper pid"]);
@@ -48,13 +60,7 @@ fn handover_dump_and_restore() {
     let Some(mut s) = start("handover-dump-restore") else {
         return;
     };
-    let dump = s.dump(false);
-    s.assert_ok(&dump);
-    assert_handed_over(&s, &dump);
-    let last = s.reap_dumped();
-    let restore = s.restore();
-    s.assert_ok(&restore);
-    s.assert_runs_on(&last, &restore);
+    dump_handed_over_and_restore(&mut s);
 }
 
 #[test]
@@ -110,13 +116,7 @@ fn handover_again_after_a_leave_running() {
     s.assert_ok(&dump);
     s.assert_line(&dump, &["device data reloaded"]);
     s.clear_images();
-    let dump = s.dump(false);
-    s.assert_ok(&dump);
-    assert_handed_over(&s, &dump);
-    let last = s.reap_dumped();
-    let restore = s.restore();
-    s.assert_ok(&restore);
-    s.assert_runs_on(&last, &restore);
+    dump_handed_over_and_restore(&mut s);
 }
 
 #[test]

@@ -144,18 +144,24 @@ fn final_dump_and_restore(s: &mut Split, parent: &str) -> serde_json::Value {
     s.assert_ok(&dump);
     s.assert_line(&dump, &["incremental dump against the parent image"]);
     let st = dump_stats(&d);
+    let restore = restore_runs_on(s, &d);
+    s.assert_line(&restore, &["incremental image", "come from parent images"]);
+    st
+}
+
+/// After a dump into `d` that killed the workload: a restore from `d` that runs on bit-exact.
+fn restore_runs_on(s: &mut Split, d: &Path) -> criu_tests::CriuRun {
     let last = s.reap_dumped();
     let restore = s.criu_at(
-        &d,
+        d,
         "restore",
         "restore.log",
         &["--restore-detached"],
         &CONFIG,
     );
     s.assert_ok(&restore);
-    s.assert_line(&restore, &["incremental image", "come from parent images"]);
     s.assert_runs_on(&last, &restore);
-    st
+    restore
 }
 
 /// Rounds while the workload unmaps and maps its own VMM memory every tick: a round either
@@ -326,14 +332,5 @@ fn a_damaged_pre_copy_parent_is_never_referenced() {
     );
     let st = dump_stats(&d);
     assert_eq!(st["bytes_referenced"].as_u64(), Some(0), "{st}");
-    let last = s.reap_dumped();
-    let restore = s.criu_at(
-        &d,
-        "restore",
-        "restore.log",
-        &["--restore-detached"],
-        &CONFIG,
-    );
-    s.assert_ok(&restore);
-    s.assert_runs_on(&last, &restore);
+    restore_runs_on(&mut s, &d);
 }

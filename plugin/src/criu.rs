@@ -161,17 +161,19 @@ const OPTS_TIMEOUT: usize = 352;
 /// `TASK_ALIVE` in `opts.final_state`: `-R` / leave-running.
 const TASK_ALIVE: c_int = 1;
 
-fn opts_field<T: Copy>(offset: usize) -> Option<T> {
-    // Only read internals behind a version check: the plugin-inventory API marks CRIU >= 4.1,
-    // whose `opts` layout we know.
+/// CRIU's `opts`, only behind a version check: the plugin-inventory API marks CRIU >= 4.1,
+/// whose `opts` layout we know.
+fn opts_base() -> Option<*mut u8> {
     add_inventory_fn()?;
     let base = sym(c"opts");
-    if base.is_null() {
-        return None;
-    }
+    (!base.is_null()).then(|| base.cast::<u8>())
+}
+
+fn opts_field<T: Copy>(offset: usize) -> Option<T> {
+    let base = opts_base()?;
     // SAFETY: `opts` is CRIU's global `struct cr_options` (0x1f8 bytes in 4.1.1); the offsets
     // above lie inside it for every version that has the inventory API.
-    Some(unsafe { std::ptr::read_unaligned(base.cast::<u8>().add(offset).cast::<T>()) })
+    Some(unsafe { std::ptr::read_unaligned(base.add(offset).cast::<T>()) })
 }
 
 /// `criu dump -R` (leave running), read from `opts.final_state`.
@@ -184,22 +186,13 @@ pub fn leave_running() -> bool {
 /// CRIU's own part had succeeded: `exit` cannot fail the dump, but the job must not be killed
 /// with its data nowhere. Returns whether it was set.
 pub fn keep_tasks_alive() -> bool {
-    if add_inventory_fn().is_none() {
+    let Some(base) = opts_base() else {
         return false;
-    }
-    let base = sym(c"opts");
-    if base.is_null() {
-        return false;
-    }
+    };
     // SAFETY: as in `opts_field`: `final_state` is the int at offset 0 of CRIU's `opts` for
     // every version with the inventory API; CRIU reads it only after `exit` returns, on this
     // (its main) thread.
-    unsafe {
-        std::ptr::write_unaligned(
-            base.cast::<u8>().add(OPTS_FINAL_STATE).cast::<c_int>(),
-            TASK_ALIVE,
-        )
-    };
+    unsafe { std::ptr::write_unaligned(base.add(OPTS_FINAL_STATE).cast::<c_int>(), TASK_ALIVE) };
     true
 }
 

@@ -478,7 +478,7 @@ pub(crate) fn release(drv: &Driver, spans: &[Span]) -> Result<(u32, u64), Fail> 
         }
         // A descriptor kept since a reclaim names this memory, which is gone from here on (a
         // hand-over's lend holds its own copy): never lend it again.
-        crate::lend::forget_own(s.addr);
+        crate::lend::forget_own_within(s.addr);
         count += 1;
         bytes += s.size;
     }

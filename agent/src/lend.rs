@@ -64,8 +64,10 @@ static KEPT: Mutex<Option<Stamped<Vec<Kept>>>> = Mutex::new(None);
 
 /// After a reclaim the job maps an *imported* handle, which the driver will not export again:
 /// the descriptor it was imported from stays here, the allocation's own, for the next lend
-/// (and is closed when the application frees the allocation). By base address: (id, fd).
-type OwnDescriptors = std::collections::BTreeMap<u64, (u64, OwnedFd)>;
+/// (and is closed when the application frees the allocation). By base address: (id, the handle
+/// imported from it, fd). A descriptor is lent only while the table still maps that handle
+/// there, so one a release could not forget (its lock busy) is never lent for new memory.
+type OwnDescriptors = std::collections::BTreeMap<u64, (u64, Handle, OwnedFd)>;
 
 static OWN: Mutex<Option<Stamped<OwnDescriptors>>> = Mutex::new(None);
 
@@ -77,17 +79,36 @@ fn own() -> std::sync::MutexGuard<'static, Option<Stamped<OwnDescriptors>>> {
     OWN.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// [`own`] for the agent's thread, bounded like the table's lock: an application thread stopped
+/// inside `cuMemFree` ([`forget_own`]) holds it for as long as the checkpoint holds the thread.
+fn own_within() -> Option<std::sync::MutexGuard<'static, Option<Stamped<OwnDescriptors>>>> {
+    let deadline = Instant::now() + AGENT_LOCK_WAIT;
+    loop {
+        match OWN.try_lock() {
+            Ok(g) => return Some(g),
+            Err(std::sync::TryLockError::Poisoned(e)) => return Some(e.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) if Instant::now() >= deadline => return None,
+            Err(std::sync::TryLockError::WouldBlock) => {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        }
+    }
+}
+
 /// New descriptors (by allocation id) of the allocations among `spans` that keep their own
-/// since a reclaim.
-fn own_descriptors(spans: &[crate::plan::Span]) -> Result<HashMap<u64, OwnedFd>, Fail> {
-    let mut g = own();
+/// since a reclaim and still map the handle imported from it (`mapped`: id → handle).
+fn own_descriptors(
+    spans: &[crate::plan::Span],
+    mapped: &HashMap<u64, Handle>,
+) -> Result<HashMap<u64, OwnedFd>, Fail> {
+    let mut g = own_within().ok_or_else(Fail::busy)?;
     let Some(own) = of_this_process(&mut g, start_time()) else {
         return Ok(HashMap::new());
     };
     spans
         .iter()
         .filter_map(|s| match own.get(&s.addr) {
-            Some((id, fd)) if *id == s.id => Some(
+            Some((id, h, fd)) if *id == s.id && mapped.get(id) == Some(h) => Some(
                 fd.try_clone()
                     .map(|dup| (s.id, dup))
                     .map_err(|e| Fail::bad_state(format!("dup of #{}'s descriptor: {e}", s.id))),
@@ -100,11 +121,23 @@ fn own_descriptors(spans: &[crate::plan::Span]) -> Result<HashMap<u64, OwnedFd>,
 /// Before the application frees the allocation at `addr`: its own descriptor is closed (it
 /// would keep the memory alive).
 pub fn forget_own(addr: u64) {
-    let mut g = own();
+    forget_own_in(&mut own(), addr);
+}
+
+/// [`forget_own`] from the agent's thread (a release): bounded; a descriptor left is never lent
+/// again (its handle is no longer mapped) and goes when the application frees the allocation.
+pub(crate) fn forget_own_within(addr: u64) {
+    match own_within() {
+        Some(mut g) => forget_own_in(&mut g, addr),
+        None => debug!("own descriptor of {addr:#x} left (its lock is held): never lent again"),
+    }
+}
+
+fn forget_own_in(g: &mut Option<Stamped<OwnDescriptors>>, addr: u64) {
     if let Some(o) = g.as_mut()
         && o.held.remove(&addr).is_some()
     {
-        debug!("own descriptor of {addr:#x} closed (freed)");
+        debug!("own descriptor of {addr:#x} closed");
     }
 }
 
@@ -122,7 +155,9 @@ pub fn kept_count() -> u32 {
     let now = start_time();
     // The own descriptors of the process this one was restored from go the same way, so a
     // restored process holds no placeholders longer than its first Hello.
-    of_this_process(&mut own(), now);
+    if let Some(mut g) = own_within() {
+        of_this_process(&mut g, now);
+    }
     of_this_process(&mut kept(), now).map_or(0, |k| u32::try_from(k.len()).unwrap_or(u32::MAX))
 }
 
@@ -156,25 +191,31 @@ fn lend(ch: &Channel, gpu: &mut Gpu) -> Result<Reply, Fail> {
         )));
     }
     descriptors_fit(spans.len())?;
-    let mut owned = own_descriptors(&spans)?;
-    let handles: HashMap<u64, Handle> = {
+    let (handles, exportable): (HashMap<u64, Handle>, HashMap<u64, bool>) = {
         let t = table::try_lock_for(AGENT_LOCK_WAIT).ok_or_else(Fail::busy)?;
-        t.converted()
-            .map(|c| match c.backing {
-                // Found before anything is exported: the plugin then copies this process's
-                // data out first, as without a hand-over.
-                _ if !c.exportable && !owned.contains_key(&c.id) => Err(Fail::bad_state(format!(
-                    "allocation #{} at {:#x} was not created exportable (the device has no POSIX-fd handles, or the application made it)",
-                    c.id, c.addr
-                ))),
-                table::Backing::Mapped(h) => Ok((c.id, h)),
-                table::Backing::Released => Err(Fail::bad_state(format!(
-                    "allocation #{} is released",
-                    c.id
-                ))),
-            })
-            .collect::<Result<_, _>>()?
+        let mut handles = HashMap::new();
+        let mut exportable = HashMap::new();
+        for c in t.converted() {
+            let table::Backing::Mapped(h) = c.backing else {
+                return Err(Fail::bad_state(format!("allocation #{} is released", c.id)));
+            };
+            handles.insert(c.id, h);
+            exportable.insert(c.id, c.exportable);
+        }
+        (handles, exportable)
     };
+    let mut owned = own_descriptors(&spans, &handles)?;
+    // Found before anything is exported: the plugin then copies this process's data out
+    // first, as without a hand-over.
+    if let Some(s) = spans
+        .iter()
+        .find(|s| exportable.get(&s.id) == Some(&false) && !owned.contains_key(&s.id))
+    {
+        return Err(Fail::bad_state(format!(
+            "allocation #{} at {:#x} was not created exportable (the device has no POSIX-fd handles, or the application made it)",
+            s.id, s.addr
+        )));
+    }
     let mut lent = Vec::with_capacity(spans.len());
     let mut bytes = 0;
     for s in &spans {
@@ -309,10 +350,15 @@ fn reclaim_all(gpu: &mut Gpu) -> Result<Reply, Fail> {
         debug!("reclaimed #{} at {:#x} ({} bytes)", k.id, k.addr, k.size);
         if let Some(k) = m.held.pop() {
             // The mapped handle is an import now: keep the descriptor for the next lend.
-            own()
-                .get_or_insert_with(|| stamped(OwnDescriptors::new()))
-                .held
-                .insert(k.addr, (k.id, k.fd));
+            match own_within() {
+                Some(mut g) => {
+                    g.get_or_insert_with(|| stamped(OwnDescriptors::new()))
+                        .held
+                        .insert(k.addr, (k.id, handle, k.fd));
+                }
+                // The mapping holds the memory; the next lend copies this one first instead.
+                None => debug!("#{}'s descriptor not kept (its lock is held)", k.id),
+            }
         }
     }
     *guard = None;

@@ -8,8 +8,6 @@
 //! in the kernel's sysfs layout, and the daemon; and it gives tests the daemon's test-only
 //! requests (status of a KFD process, injected failures).
 
-pub mod fake_amdgpu_plugin;
-
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};

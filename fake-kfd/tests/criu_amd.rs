@@ -587,7 +587,7 @@ fn build_fake_amdgpu_plugin(profile_dir: &Path) -> PathBuf {
             "build",
             "--quiet",
             "-p",
-            "fake-kfd",
+            "fake-amdgpu-plugin",
             "--lib",
             "--profile",
             &profile,
@@ -596,9 +596,12 @@ fn build_fake_amdgpu_plugin(profile_dir: &Path) -> PathBuf {
         .arg(profile_dir.parent().expect("target dir"))
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .status()
-        .expect("cargo build -p fake-kfd --lib");
-    assert!(st.success(), "cargo build -p fake-kfd --lib: {st}");
-    profile_dir.join("libfake_kfd.so")
+        .expect("cargo build -p fake-amdgpu-plugin --lib");
+    assert!(
+        st.success(),
+        "cargo build -p fake-amdgpu-plugin --lib: {st}"
+    );
+    profile_dir.join("libfake_amdgpu_plugin.so")
 }
 
 /// CRIU's own amdgpu plugin in the same plugin directory (a stand-in of it): gpusnap leaves

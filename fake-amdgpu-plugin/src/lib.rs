@@ -1,4 +1,4 @@
-//! A stand-in for CRIU's own `amdgpu_plugin.so`, for the coexistence test: this crate's cdylib,
+//! A stand-in for CRIU's own `amdgpu_plugin.so`, for the coexistence test: this cdylib,
 //! copied into CRIU's plugin directory under that name, is a CRIU plugin named
 //! `amdgpu_plugin` with one hook, `DUMP_EXT_FILE`. With `GPUSNAP_TEST_FAKE_AMDGPU=claim` it
 //! takes every file and device mapping of the stand-in KFD's nodes and logs `fake amdgpu_plugin: took

@@ -90,6 +90,7 @@ fn make_image(dir: BorrowedFd<'_>, nspid: u32) -> Manifest {
                 addr: base,
                 size: 3 * 65536,
                 moved: true,
+                lent: false,
             },
             AllocationRecord {
                 id: 2,
@@ -97,6 +98,7 @@ fn make_image(dir: BorrowedFd<'_>, nspid: u32) -> Manifest {
                 addr: base + (1 << 30),
                 size: 1 << 21,
                 moved: false,
+                lent: false,
             },
         ],
         files: vec![w0.finish().unwrap(), w1.finish().unwrap()],
@@ -161,6 +163,7 @@ fn make_amd_image(dir: BorrowedFd<'_>, nspid: u32) -> Manifest {
             addr,
             size: 65536,
             moved: true,
+            lent: false,
         }],
         files: vec![w.finish().unwrap()],
         chunks: vec![chunk],

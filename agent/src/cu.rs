@@ -98,6 +98,27 @@ impl Driver {
         Ok(dev)
     }
 
+    /// The ordinal of the GPU with UUID `uuid` among those this process sees, if any.
+    pub fn ordinal_of(&self, uuid: &[u8; 16]) -> Result<Option<i32>, CuError> {
+        let mut n: c_int = 0;
+        // SAFETY: n is a valid out pointer.
+        self.check(unsafe { (self.device_get_count)(&mut n) }, || {
+            "cuDeviceGetCount".into()
+        })?;
+        for ordinal in 0..n {
+            let dev = self.device(ordinal)?;
+            let mut u = [0u8; 16];
+            // SAFETY: u is a valid 16-byte out buffer (a CUuuid).
+            self.check(unsafe { (self.device_get_uuid)(&mut u, dev) }, || {
+                format!("cuDeviceGetUuid_v2(device {dev})")
+            })?;
+            if &u == uuid {
+                return Ok(Some(ordinal));
+            }
+        }
+        Ok(None)
+    }
+
     pub fn retain_primary_context(&self, dev: CUdevice) -> Result<CUcontext, CuError> {
         let mut ctx: CUcontext = std::ptr::null_mut();
         // SAFETY: ctx is a valid out pointer; dev came from cuDeviceGet.

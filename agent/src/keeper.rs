@@ -2,13 +2,19 @@
 //! checkpointed job's device memory and drains it, so that the data moves while CRIU dumps the
 //! job's host side instead of before (`docs/design-notes.md`, "Hand-over").
 //!
-//! It speaks the agent's protocol on the one connection the plugin gave it: `Adopt` (with the
-//! job's exported descriptor attached) imports an allocation and maps it at the job's own
-//! address, so the agent's copy-out ([`crate::dump`]) runs here unchanged; then `DumpBegin` ..
-//! `Release` as in the job, where `Release` drops the keeper's imports (the job keeps its
-//! descriptors, so the memory lives on). The keeper exits when the plugin closes the connection
-//! (in `exit`, or by dying): it never outlives its purpose, and nothing of the job depends on it
-//! staying.
+//! It speaks the agent's protocol on the one connection the plugin gave it.
+//! - **Dump**: `Adopt` (with the job's exported descriptor attached) imports an allocation and
+//!   maps it at the job's own address, so the agent's copy-out ([`crate::dump`]) runs here
+//!   unchanged; then `DumpBegin` .. `Release` as in the job, where `Release` drops the keeper's
+//!   imports (the job keeps its descriptors, so the memory lives on).
+//! - **Restore**: `Expect` records each of the job's allocations at its address on the planned
+//!   GPU; `RestoreBegin` .. `RestoreDataDone` is the agent's own load ([`crate::restore`]: fresh
+//!   exportable memory, the chunks copied in, the GPU check), beside CRIU's restore; then
+//!   `LendBegin` exports it for the restored job to map (`Take`), and `Release` drops the
+//!   keeper's handles once the job holds the memory.
+//!
+//! The keeper exits when the plugin closes the connection (or dies): it never outlives its
+//! purpose, and nothing of the job depends on it staying.
 
 use std::os::fd::{AsFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -33,10 +39,6 @@ pub fn libcuda() -> Option<&'static std::ffi::CStr> {
 pub fn active() -> bool {
     KEEPER.load(Ordering::Acquire)
 }
-
-/// How long the keeper waits for the plugin's next request before giving up (the plugin sends
-/// its requests back to back; the drain's own waits are the copy-out's).
-const REQUEST_WAIT: std::time::Duration = std::time::Duration::from_secs(120);
 
 /// The keeper's `main`: serves the connection on descriptor `fd` (inherited from the plugin),
 /// with `libcuda` the driver library to load (the job's). Returns the process's exit status.
@@ -79,7 +81,10 @@ fn serve(ch: &Channel) -> Result<(), String> {
     let mut gpu = Gpu::new();
     let mut known = crate::dump::KnownChunks::default();
     loop {
-        let (req, fd) = match ch.recv_request(Some(REQUEST_WAIT)) {
+        // No time limit: a restore's requests come once CRIU has forked the tree, however long
+        // that takes, and the keeper must not exit before (CRIU takes a child's exit then for
+        // a failure of its own). The plugin closing its end, or dying, ends the wait.
+        let (req, fd) = match ch.recv_request(None) {
             Ok(m) => m,
             Err(ProtoError::Interrupted) => continue,
             Err(ProtoError::Closed) => return Ok(()),
@@ -150,6 +155,46 @@ fn serve(ch: &Channel) -> Result<(), String> {
                 wait_for_close(ch);
                 return Ok(());
             }
+            (
+                Request::Expect {
+                    id,
+                    gpu,
+                    addr,
+                    size,
+                },
+                None,
+            ) => {
+                let reply = match expect(id, &gpu, addr, size) {
+                    Ok(device) => Reply::Expected { id, device },
+                    Err(e) => Reply::Error {
+                        code: ErrorCode::Cuda,
+                        message: format!("expecting #{id} at {addr:#x}: {e}"),
+                    },
+                };
+                ch.send_reply(&reply).map_err(|e| e.to_string())?;
+            }
+            (
+                Request::RestoreBegin {
+                    slot_size,
+                    slots,
+                    streams,
+                },
+                Some(memfd),
+            ) => {
+                let ring = Ring {
+                    slot_size,
+                    slots,
+                    streams,
+                };
+                crate::restore::run(&mut gpu, ch, ring, memfd);
+            }
+            (Request::LendBegin, None) => {
+                crate::lend::run(ch, &mut gpu);
+                // The restored job holds the memory now (or the restore failed and the job is
+                // killed): nothing is left to do but let the plugin close.
+                wait_for_close(ch);
+                return Ok(());
+            }
             (Request::Abort, _) => {
                 let _ = ch.send_reply(&Reply::Aborted);
                 return Ok(());
@@ -213,6 +258,31 @@ fn adopt(
         .insert_adopted(id, dev, addr, size, handle);
     debug!("keeper: adopted #{id} at {addr:#x} ({size} bytes) on device {dev}");
     Ok(())
+}
+
+/// Records the job's allocation `id` at `addr` on the GPU with UUID `gpu` for the load that
+/// follows, and reserves its address range here. Returns the keeper's ordinal of that GPU.
+fn expect(id: u64, gpu: &[u8; 16], addr: u64, size: u64) -> Result<u32, String> {
+    let drv = crate::real::driver()?;
+    let dev = drv
+        .ordinal_of(gpu)
+        .map_err(|e| e.to_string())?
+        .ok_or_else(|| format!("no GPU with UUID {} is visible here", hex(gpu)))?;
+    drv.reserve_at(addr, size).map_err(|e| e.to_string())?;
+    let exportable = drv.posix_fd_handles(drv.device(dev).map_err(|e| e.to_string())?);
+    match table::try_lock_for(AGENT_LOCK_WAIT) {
+        Some(mut t) => t.insert_expected(id, dev, addr, size, exportable),
+        None => {
+            let _ = drv.free_reservation(addr, size);
+            return Err("the keeper's table is locked".into());
+        }
+    }
+    debug!("keeper: expecting #{id} at {addr:#x} ({size} bytes) on device {dev}");
+    u32::try_from(dev).map_err(|_| format!("device {dev}"))
+}
+
+fn hex(b: &[u8; 16]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
 fn hello() -> Reply {

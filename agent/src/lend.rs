@@ -329,36 +329,13 @@ fn reclaim_all(gpu: &mut Gpu) -> Result<Reply, Fail> {
     let m = guard.as_mut().expect("counted above");
     let (mut count, mut bytes) = (0u32, 0u64);
     while let Some(k) = m.held.last() {
-        gpu.prepare(drv, k.device, 0, 0)?;
-        let handle = drv.import_fd(k.fd.as_fd())?;
-        crate::vmm::map_handle(drv, k.device, k.addr, k.size, handle)?;
-        let marked = table::try_lock_for(AGENT_LOCK_WAIT)
-            .ok_or_else(Fail::busy)?
-            .mark_mapped(k.addr, handle);
-        match marked {
-            Ok(false) => {}
-            // The application released its handle meanwhile: only the mapping holds it.
-            Ok(true) => drv.release(k.addr, handle)?,
-            Err(TableError::NotFound(_)) => {
-                // Freed since (cannot happen while held, but never leave it mapped).
-                let _ = crate::vmm::unback(drv, k.addr, k.size, handle);
-            }
-            Err(e) => return Err(Fail::bad_state(e.to_string())),
-        }
+        let handle = map_from_descriptor(drv, gpu, k.device, k.addr, k.size, k.fd.as_fd())?;
         count += 1;
         bytes += k.size;
         debug!("reclaimed #{} at {:#x} ({} bytes)", k.id, k.addr, k.size);
         if let Some(k) = m.held.pop() {
             // The mapped handle is an import now: keep the descriptor for the next lend.
-            match own_within() {
-                Some(mut g) => {
-                    g.get_or_insert_with(|| stamped(OwnDescriptors::new()))
-                        .held
-                        .insert(k.addr, (k.id, handle, k.fd));
-                }
-                // The mapping holds the memory; the next lend copies this one first instead.
-                None => debug!("#{}'s descriptor not kept (its lock is held)", k.id),
-            }
+            keep_own(k.id, k.addr, handle, k.fd);
         }
     }
     *guard = None;
@@ -367,6 +344,56 @@ fn reclaim_all(gpu: &mut Gpu) -> Result<Reply, Fail> {
         bytes,
         micros: t0.elapsed().as_micros() as u64,
     })
+}
+
+/// Imports the exported memory `fd` and maps it at `addr`, the table's allocation there
+/// (`Reclaim`, and a restore's hand-over). Returns the imported handle; an allocation freed
+/// meanwhile is unmapped again.
+pub(crate) fn map_from_descriptor(
+    drv: &crate::real::Driver,
+    gpu: &mut Gpu,
+    device: i32,
+    addr: u64,
+    size: u64,
+    fd: std::os::fd::BorrowedFd<'_>,
+) -> Result<Handle, Fail> {
+    gpu.prepare(drv, device, 0, 0)?;
+    let handle = drv.import_fd(fd)?;
+    if let Err(e) = crate::vmm::map_handle(drv, device, addr, size, handle) {
+        let _ = drv.release(addr, handle);
+        return Err(e.into());
+    }
+    let marked = table::try_lock_for(AGENT_LOCK_WAIT)
+        .ok_or_else(Fail::busy)?
+        .mark_mapped(addr, handle);
+    match marked {
+        Ok(false) => {}
+        // The application released its handle meanwhile: only the mapping holds it.
+        Ok(true) => drv.release(addr, handle)?,
+        Err(TableError::NotFound(_)) => {
+            // Freed since (cannot happen while held, but never leave it mapped).
+            let _ = crate::vmm::unback(drv, addr, size, handle);
+        }
+        Err(e) => return Err(Fail::bad_state(e.to_string())),
+    }
+    Ok(handle)
+}
+
+/// Keeps `fd`, the descriptor the handle mapped at `addr` was imported from, as allocation
+/// `id`'s own: the driver will not export an imported handle again, so the next lend passes
+/// this descriptor on instead.
+pub(crate) fn keep_own(id: u64, addr: u64, handle: Handle, fd: OwnedFd) {
+    match own_within() {
+        Some(mut g) => {
+            // A restored process first drops what the process it was restored from kept.
+            of_this_process(&mut g, start_time());
+            g.get_or_insert_with(|| stamped(OwnDescriptors::new()))
+                .held
+                .insert(addr, (id, handle, fd));
+        }
+        // The mapping holds the memory; the next lend copies this one first instead.
+        None => debug!("#{id}'s descriptor not kept (its lock is held)"),
+    }
 }
 
 #[cfg(test)]

@@ -50,6 +50,7 @@ mod server;
 mod session;
 mod staging;
 mod table;
+mod take;
 mod vmm;
 
 use std::sync::Once;

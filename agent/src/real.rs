@@ -140,6 +140,8 @@ crate::hooks::hooked_calls!(driver_table! {
         init = "cuInit"(c_uint);
         get_error_name = "cuGetErrorName"(CuRes, *mut *const c_char);
         device_get = "cuDeviceGet"(*mut CUdevice, c_int);
+        device_get_count = "cuDeviceGetCount"(*mut c_int);
+        device_get_uuid = "cuDeviceGetUuid_v2"(*mut [u8; 16], CUdevice);
         device_get_attribute = "cuDeviceGetAttribute"(*mut c_int, c_int, CUdevice);
         ctx_get_device = "cuCtxGetDevice"(*mut CUdevice);
         ctx_set_current = "cuCtxSetCurrent"(CUcontext);

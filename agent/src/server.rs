@@ -363,6 +363,10 @@ impl Agent {
                         format!("{r:?} needs the staging memfd attached"),
                     );
                 }
+                (Request::Take { id, addr, size }, Some(fd)) => {
+                    let first = crate::take::Take { id, addr, size, fd };
+                    return crate::take::run(ch, &mut self.gpu, first);
+                }
                 (r, Some(_)) => reply(
                     ch,
                     ErrorCode::BadRequest,

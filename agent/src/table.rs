@@ -211,6 +211,31 @@ impl Table {
         );
     }
 
+    /// In a keeper at a restore: the job's allocation `id`, to be re-created at its address
+    /// by the load that follows (its reservation is made; state Released until then).
+    pub fn insert_expected(
+        &mut self,
+        id: u64,
+        device: i32,
+        addr: u64,
+        size: u64,
+        exportable: bool,
+    ) {
+        self.next_id = self.next_id.max(id.saturating_add(1));
+        self.converted.insert(
+            addr,
+            Converted {
+                id,
+                device,
+                addr,
+                size,
+                backing: Backing::Released,
+                app_handle: None,
+                exportable,
+            },
+        );
+    }
+
     /// A mapped entry the split path moves: a conversion, or the whole mapping of the
     /// application's (virtual) handle `app_handle`.
     fn insert_movable(

@@ -305,6 +305,7 @@ fn write_fake_gpu_state(dir: &Path, nspid: u32) -> Manifest {
             addr: BASE,
             size: addr - BASE,
             moved: true,
+            lent: false,
         }],
         files,
         chunks,

@@ -179,6 +179,7 @@ fn structured(d: &Dir, data: &[u8]) {
         addr: base + (1 << 30),
         size: 4096,
         moved: false,
+        lent: false,
     }];
     if addr > base {
         allocations.push(AllocationRecord {
@@ -187,6 +188,7 @@ fn structured(d: &Dir, data: &[u8]) {
             addr: base,
             size: addr - base,
             moved: true,
+            lent: false,
         });
     }
     let m = Manifest {

@@ -137,6 +137,7 @@ fn main() {
             addr: 1 << 32,
             size: bytes as u64,
             moved: true,
+            lent: false,
         }],
         files,
         chunks,

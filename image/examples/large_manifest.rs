@@ -75,6 +75,7 @@ fn main() {
             addr,
             size,
             moved: is_moved,
+            lent: false,
         });
         addr += size;
     }

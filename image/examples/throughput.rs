@@ -71,6 +71,7 @@ fn main() {
                 addr: 0,
                 size: (chunks * len) as u64,
                 moved: true,
+                lent: false,
             }],
             files: vec![file],
             chunks: entries,

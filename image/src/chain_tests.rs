@@ -52,6 +52,7 @@ fn allocations(chunks: usize) -> Vec<AllocationRecord> {
         addr: BASE,
         size: (chunks * CHUNK) as u64,
         moved: true,
+        lent: false,
     }]
 }
 
@@ -453,6 +454,7 @@ fn only_allocations_held_alike_are_referenced() {
             addr: BASE,
             size: half,
             moved: true,
+            lent: false,
         },
         AllocationRecord {
             id: 2,
@@ -460,6 +462,7 @@ fn only_allocations_held_alike_are_referenced() {
             addr: BASE + half,
             size: half,
             moved: true,
+            lent: false,
         },
     ];
     write_manifest(d1.as_fd(), &m1).unwrap();

@@ -93,6 +93,7 @@ fn manifest(nspid: u32, files: Vec<FileEntry>, chunks: Vec<ChunkEntry>) -> Manif
                 addr: c.addr,
                 size: c.len,
                 moved: true,
+                lent: false,
             }),
         }
     }

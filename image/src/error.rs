@@ -10,7 +10,7 @@ use crate::{
 /// Appended to messages that mean the bytes on disk are not what was written.
 const DAMAGED: &str = "image damaged; do not restore from it";
 
-/// The versions this build reads, from the constants: `manifest versions 1 to 4, data file
+/// The versions this build reads, from the constants: `manifest versions 1 to 5, data file
 /// version 1, KFD file versions 1 to 2`.
 pub fn versions_read() -> String {
     let span = |lo: u32, hi: u32| {

@@ -692,6 +692,7 @@ mod tests {
                 addr: 0x7000_0000,
                 size: 1 << 20,
                 moved: true,
+                lent: false,
             }],
             files: vec![],
             chunks: vec![],

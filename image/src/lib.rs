@@ -81,12 +81,13 @@ pub const BUILD: &str = env!("GPUSNAP_BUILD");
 /// The manifest version this gpusnap writes. Version 2 added `content_xxh128` and
 /// `parent_depth` to chunk entries (incremental checkpoints); version 3 `device_hash` and the
 /// `zero` codec (chunks hashed and found all zero on the GPU); version 4 the `raw_sum64` codec
-/// (raw chunks checked by their device hash, so the dump hashes nothing on the host). Readers
-/// accept [`READ_MANIFEST_VERSIONS`].
-pub const FORMAT_VERSION: u32 = 4;
+/// (raw chunks checked by their device hash, so the dump hashes nothing on the host); version 5
+/// `lent` on allocation entries (a restore may hand the memory over). Readers accept
+/// [`READ_MANIFEST_VERSIONS`].
+pub const FORMAT_VERSION: u32 = 5;
 
-/// Manifest versions readers accept: 1 (no incremental fields), 2, 3 and 4.
-pub const READ_MANIFEST_VERSIONS: [u32; 4] = [1, 2, 3, 4];
+/// Manifest versions readers accept: 1 (no incremental fields), 2, 3, 4 and 5.
+pub const READ_MANIFEST_VERSIONS: [u32; 5] = [1, 2, 3, 4, 5];
 
 /// The version of the data-file header and of the device-file record. Their layout did not
 /// change with manifest version 2, so it is still 1, and readers accept only 1.

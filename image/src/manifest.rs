@@ -167,6 +167,11 @@ pub struct AllocationRecord {
     pub size: u64,
     /// true: the data is in gpusnap's files; false: left to the driver checkpoint.
     pub moved: bool,
+    /// The dump lent it to the keeper (the agent had created it exportable), so a restore may
+    /// load it into the keeper's fresh memory beside CRIU's restore and hand it over. Format 5;
+    /// absent (false) before.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub lent: bool,
 }
 
 /// Everything about one checkpointed process. Written last; its presence means the dump of this

@@ -103,6 +103,7 @@ fn build_image() -> Image {
             addr: a0,
             size: 2800,
             moved: true,
+            lent: false,
         },
         AllocationRecord {
             id: 2,
@@ -110,6 +111,7 @@ fn build_image() -> Image {
             addr: a1,
             size: 3800,
             moved: true,
+            lent: false,
         },
         AllocationRecord {
             id: 3,
@@ -117,6 +119,7 @@ fn build_image() -> Image {
             addr: a2,
             size: 1024,
             moved: true,
+            lent: false,
         },
     ];
     let manifest = Manifest {

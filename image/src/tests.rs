@@ -124,6 +124,7 @@ fn make_image(dir: BorrowedFd<'_>) -> Image {
                 addr: BASE,
                 size: 3 * CHUNK as u64,
                 moved: true,
+                lent: false,
             },
             AllocationRecord {
                 id: 2,
@@ -131,6 +132,7 @@ fn make_image(dir: BorrowedFd<'_>) -> Image {
                 addr: a2,
                 size: 2 * CHUNK as u64,
                 moved: true,
+                lent: false,
             },
             AllocationRecord {
                 id: 3,
@@ -138,6 +140,7 @@ fn make_image(dir: BorrowedFd<'_>) -> Image {
                 addr: BASE + 0x20_0000,
                 size: 1 << 20,
                 moved: false,
+                lent: false,
             },
         ],
         files,
@@ -272,6 +275,7 @@ fn raw_chunks_hashed_while_written_match_chunks_hashed_first() {
             addr: BASE,
             size: d.len() as u64 + 1000,
             moved: true,
+            lent: false,
         }],
         files: vec![fb.clone()],
         chunks: vec![
@@ -517,14 +521,15 @@ fn unknown_version_is_refused() {
     let good = std::fs::read(&path).unwrap();
     // In the header line.
     let bad = String::from_utf8(good.clone()).unwrap().replacen(
-        "GPUSNAP-MANIFEST 4 ",
         "GPUSNAP-MANIFEST 5 ",
+        "GPUSNAP-MANIFEST 6 ",
         1,
     );
+    assert_ne!(bad.as_bytes(), &good[..], "the header names version 5");
     std::fs::write(&path, bad).unwrap();
     let e = read_manifest(t.fd(), NSPID).unwrap_err();
     assert!(
-        matches!(e, ImageError::UnsupportedVersion { found: 5, .. }),
+        matches!(e, ImageError::UnsupportedVersion { found: 6, .. }),
         "{e}"
     );
     // In the JSON body, with a correct checksum.
@@ -1197,6 +1202,7 @@ fn large_chunks_round_trip() {
             addr: 0x1000_0000,
             size: 4 << 20,
             moved: true,
+            lent: false,
         }],
         files: vec![file],
         chunks,
@@ -1349,6 +1355,7 @@ fn zero_chunks_and_device_hashes() {
         addr: zbase,
         size: 2 * zlen,
         moved: true,
+        lent: false,
     });
     m.chunks.push(ChunkEntry::zero(zbase, zlen, zhash));
     m.chunks.push(ChunkEntry::zero(zbase + zlen, zlen, zhash));
@@ -1441,6 +1448,7 @@ fn raw_sum64_chunks_are_checked_by_their_device_hash() {
             addr: BASE,
             size: 2 * CHUNK as u64,
             moved: true,
+            lent: false,
         }],
         files: vec![w.finish().unwrap()],
         chunks,
@@ -1488,4 +1496,23 @@ fn raw_sum64_chunks_are_checked_by_their_device_hash() {
         &|m| m.chunks[1].content_xxh128 = Some("0".repeat(32)),
         "a content hash",
     );
+}
+
+#[test]
+fn lent_is_written_only_when_true_and_read_back() {
+    let mut a = AllocationRecord {
+        id: 1,
+        device: 0,
+        addr: 0x1000,
+        size: 4096,
+        moved: true,
+        lent: false,
+    };
+    let plain = serde_json::to_string(&a).unwrap();
+    assert!(!plain.contains("lent"), "{plain}");
+    assert_eq!(serde_json::from_str::<AllocationRecord>(&plain).unwrap(), a);
+    a.lent = true;
+    let lent = serde_json::to_string(&a).unwrap();
+    assert!(lent.contains("\"lent\":true"), "{lent}");
+    assert_eq!(serde_json::from_str::<AllocationRecord>(&lent).unwrap(), a);
 }

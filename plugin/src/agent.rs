@@ -288,6 +288,7 @@ impl AgentSession {
                     addr,
                     size,
                     moved: kind == AllocKind::Converted,
+                    lent: false,
                 }),
                 Reply::AllocationsEnd { .. } => return Ok(out),
                 got => return Err(self.unexpected("Allocation", got)),
@@ -509,18 +510,70 @@ impl AgentSession {
     }
 
     /// `RestoreDataDone` after the last `ChunkLoad`: the agent synchronises, checks the device
-    /// hashes it was given on the GPU, answers with the bytes it loaded and the chunks it
-    /// checked, and closes the connection.
-    pub fn finish_restore(self) -> Result<(u64, u64), AgentError> {
+    /// hashes it was given on the GPU, and answers with the bytes it loaded and the chunks it
+    /// checked (a job's agent then closes the connection: [`Self::closed`]; a keeper stays).
+    pub fn finish_restore(&self) -> Result<(u64, u64), AgentError> {
         self.send(&Request::RestoreDataDone, None)?;
-        let done = match self.recv(self.timeout)? {
+        match self.recv(self.timeout)? {
             Reply::Restored {
                 bytes, verified, ..
-            } => (bytes, verified),
-            got => return Err(self.unexpected("Restored", got)),
+            } => Ok((bytes, verified)),
+            got => Err(self.unexpected("Restored", got)),
+        }
+    }
+
+    /// `Expect` (to a keeper at a restore): allocation `id` of the job goes at `addr` on the
+    /// GPU `gpu`. Returns the keeper's ordinal of that GPU.
+    pub fn expect(&self, id: u64, gpu: [u8; 16], addr: u64, size: u64) -> Result<u32, AgentError> {
+        self.send(
+            &Request::Expect {
+                id,
+                gpu,
+                addr,
+                size,
+            },
+            None,
+        )?;
+        match self.recv(self.timeout)? {
+            Reply::Expected { id: got, device } if got == id => Ok(device),
+            got => Err(self.unexpected("Expected", got)),
+        }
+    }
+
+    /// `Take` (to a restored job's agent): map `lent`'s memory at its address.
+    pub fn take(&self, lent: &LentAllocation) -> Result<(), AgentError> {
+        use std::os::fd::AsFd;
+        let req = Request::Take {
+            id: lent.id,
+            addr: lent.addr,
+            size: lent.size,
+        };
+        self.send(&req, Some(lent.fd.as_fd()))?;
+        match self.recv(self.timeout)? {
+            Reply::Taken { id } if id == lent.id => Ok(()),
+            got => Err(self.unexpected("Taken", got)),
+        }
+    }
+
+    /// `TakeEnd`: every allocation was handed over; the agent checks that none is missing,
+    /// answers and closes the connection. Returns (allocations, bytes, microseconds).
+    pub fn take_end(self) -> Result<(u32, u64, u64), AgentError> {
+        self.send(&Request::TakeEnd, None)?;
+        let r = match self.recv(self.timeout)? {
+            Reply::TakenAll {
+                allocations,
+                bytes,
+                micros,
+            } => (allocations, bytes, micros),
+            got => return Err(self.unexpected("TakenAll", got)),
         };
         self.wait_closed()?;
-        Ok(done)
+        Ok(r)
+    }
+
+    /// Waits for the agent to close the connection (after an operation that ends it).
+    pub fn closed(self) -> Result<(), AgentError> {
+        self.wait_closed()
     }
 
     fn wait_closed(&self) -> Result<(), AgentError> {

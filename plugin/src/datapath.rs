@@ -503,7 +503,7 @@ pub struct LoadStats {
 /// are opened and checked before the agent is asked to re-create anything).
 #[allow(clippy::too_many_arguments)]
 pub fn copy_in(
-    agent: AgentSession,
+    agent: &AgentSession,
     staging: &Staging,
     dir: BorrowedFd<'_>,
     manifest: &Manifest,
@@ -514,7 +514,7 @@ pub fn copy_in(
 ) -> Result<LoadStats, DataError> {
     let t0 = Instant::now();
     let sources = ChunkSources::open(dir, manifest)?;
-    hand_over_ring(&agent, staging, limits, Transfer::In)?;
+    hand_over_ring(agent, staging, limits, Transfer::In)?;
 
     let (free_tx, free_rx) = bounded::<u32>(staging.slots());
     for i in 0..staging.slots() as u32 {
@@ -533,7 +533,7 @@ pub fn copy_in(
         for r in 0..readers {
             let free_rx = free_rx.clone();
             let err_tx = err_tx.clone();
-            let (files, sources, agent) = (&files, &sources, &agent);
+            let (files, sources) = (&files, &sources);
             s.spawn(move || {
                 crate::signals::block_all();
                 let mine = files.iter().copied().skip(r).step_by(readers);
@@ -543,7 +543,7 @@ pub fn copy_in(
             });
         }
         drop(free_rx);
-        let res = pump_load_replies(&agent, &free_tx, &err_rx, total, limits.stall, fault_point);
+        let res = pump_load_replies(agent, &free_tx, &err_rx, total, limits.stall, fault_point);
         // Unblock readers waiting for a slot, whatever happened.
         drop(free_tx);
         res

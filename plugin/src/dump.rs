@@ -10,7 +10,7 @@ use crate::hold::Hold;
 use crate::process::{ImpossibleMove, MovedData, Phase, Route, SplitPlan, Tracked};
 use crate::procfs::{self, Stat};
 use crate::ptrace::{self, PtraceError, RunningThread};
-use crate::staging::{RingMaker, RingShape, Staging};
+use crate::staging::{RingShape, Staging};
 use crate::stall::{self, DriverCall, StallError, Watched};
 use gpusnap_config::Mode;
 use gpusnap_cuda::{DriverError, ProcessState};
@@ -1092,17 +1092,6 @@ fn reload(ctx: &Ctx, target: &Target<'_>, moved: &MovedData) -> Result<(), DumpE
     Ok(())
 }
 
-/// The staging ring for loading `manifest`'s chunks (zero chunks are filled on the device and
-/// take no slot).
-pub fn load_ring_shape(ctx: &Ctx, manifest: &Manifest) -> RingShape {
-    let chunk_lens = manifest
-        .chunks
-        .iter()
-        .filter(|c| c.is_stored())
-        .map(|c| c.len);
-    RingShape::for_restore(ctx.cfg.staging_slots as usize, chunk_lens)
-}
-
 /// Runs only the agent thread and streams `manifest`'s data into re-created memory.
 pub fn load_through_agent(
     ctx: &Ctx,
@@ -1115,43 +1104,12 @@ pub fn load_through_agent(
     let agent_thread = ptrace::resume(agent_tid, "agent thread")?;
     // A rollback's reload checks every chunk on the host as it reads it.
     let checks = datapath::ReadChecks::Host;
-    let stats = load_with_agent_running(ctx, pid, dir, manifest, fault_point, checks, None)?;
+    let stats =
+        crate::load::with_agent_running(ctx, pid, dir, manifest, fault_point, checks, None)?;
     agent_thread
         .stop()
         .map_err(PtraceError::on(agent_tid, "stopping the agent thread"))?;
     Ok(stats)
-}
-
-/// Streams `manifest`'s data into re-created memory; the agent thread already runs.
-/// `fault_point` is where a test may kill CRIU once the first chunk is in ([`crate::fault`]).
-pub fn load_with_agent_running(
-    ctx: &Ctx,
-    pid: i32,
-    dir: BorrowedFd<'_>,
-    manifest: &Manifest,
-    fault_point: &'static str,
-    checks: datapath::ReadChecks,
-    early: Option<RingMaker>,
-) -> Result<datapath::LoadStats, DataError> {
-    let session = AgentSession::connect_expected(pid, ctx.agent_timeout())?;
-    let ring = load_ring_shape(ctx, manifest);
-    let staging = match early {
-        Some(m) if m.shape() == ring => m.take(),
-        _ => Staging::new(ring.slot_size, ring.slots),
-    }
-    .map_err(DataError::Ring)?;
-    let hello = session.hello()?;
-    log::debug!("pid {pid}: agent tid {} ready to load", hello.ns_tid);
-    datapath::copy_in(
-        session,
-        &staging,
-        dir,
-        manifest,
-        ctx.cfg.effective_reader_threads(),
-        ctx.limits(),
-        fault_point,
-        checks,
-    )
 }
 
 /// Bytes moved per device (the agent copies every device's allocations on that device's own
@@ -1427,10 +1385,18 @@ fn finish_drain(ctx: &Ctx, t: &mut Tracked, ret: i32) -> Result<(), DumpError> {
     t.time("drain", done.ran_s);
     t.time("drain_wait", done.waited_s);
     let data = done.data.map_err(|err| DumpError::Drain { pid, err })?;
-    let allocations = t
+    // Every moved allocation was lent (`lend_to_keeper` refuses less): a restore may hand
+    // them over too.
+    let allocations: Vec<AllocationRecord> = t
         .phase
         .moved()
-        .map(|m| m.manifest.allocations.clone())
+        .map(|m| {
+            let lent = |a: &AllocationRecord| AllocationRecord {
+                lent: a.moved,
+                ..a.clone()
+            };
+            m.manifest.allocations.iter().map(lent).collect()
+        })
         .unwrap_or_default();
     log_data(pid, &allocations, &data);
     let manifest = new_manifest(ctx, t, CheckpointPath::Split, allocations, &data);
@@ -1564,6 +1530,7 @@ mod tests {
             addr,
             size,
             moved: true,
+            lent: false,
         };
         let chunk = |addr, len| ChunkEntry {
             file: 0,

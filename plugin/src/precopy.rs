@@ -335,6 +335,7 @@ mod tests {
             addr,
             size,
             moved,
+            lent: false,
         }
     }
 

@@ -6,7 +6,6 @@
 use crate::agent::{self, AgentError};
 use crate::context::{Ctx, CtxError};
 use crate::datapath::{self, DataError};
-use crate::dump::{load_ring_shape, load_with_agent_running};
 use crate::gpumap;
 use crate::procfs;
 use crate::ptrace::{self, PtraceError, RunningThread};
@@ -819,7 +818,7 @@ fn resume_one(
     let t0 = Instant::now();
     let driver = |what| move |err| RestoreError::Driver { what, err };
     // The ring is made while the driver restores the control state.
-    let mut ring = has_data(m).then(|| RingMaker::start(load_ring_shape(ctx, m)));
+    let mut ring = has_data(m).then(|| RingMaker::start(crate::load::ring_shape(&ctx.cfg, m)));
     let mut phase = RestorePhase::Stopped;
     let mut out = RestoredProcess {
         nspid: m.nspid,
@@ -851,7 +850,7 @@ fn resume_one(
             }
             RestorePhase::Unlocked => {
                 if has_data(m) {
-                    out.data = Some(load_with_agent_running(
+                    out.data = Some(crate::load::with_agent_running(
                         ctx,
                         pid,
                         ctx.image_dir(),

@@ -178,6 +178,30 @@ pub enum Request {
     /// The job's agent (its threads held): map every released allocation again from the
     /// descriptors kept at `LendBegin`, at its old address; no data moves.
     Reclaim,
+    /// To the keeper at a restore: the job's allocation `id` is to be re-created at `addr`
+    /// (exportable) on the GPU with UUID `gpu`; the `RestoreBegin` that follows loads it.
+    Expect {
+        /// The job's allocation id.
+        id: u64,
+        /// The UUID of the GPU it goes on (after the restore's GPU plan).
+        gpu: [u8; 16],
+        /// Device address in the job.
+        addr: u64,
+        /// Bytes.
+        size: u64,
+    },
+    /// To a restored job's agent (its threads held): map the attached exported memory, which
+    /// the keeper loaded from the image and checked, at `addr` as allocation `id`.
+    Take {
+        /// The job's allocation id.
+        id: u64,
+        /// Device address.
+        addr: u64,
+        /// Bytes.
+        size: u64,
+    },
+    /// Every allocation was handed over with `Take`: the memory is whole if none is missing.
+    TakeEnd,
 }
 
 /// Bits of [`Reply::Hello::hazards`]: what the process did that the driver's checkpoint cannot
@@ -350,6 +374,27 @@ pub enum Reply {
         /// Allocation id.
         id: u64,
     },
+    /// The keeper recorded allocation `id` for the load, on its device ordinal `device`.
+    Expected {
+        /// Allocation id.
+        id: u64,
+        /// The keeper's ordinal of the GPU.
+        device: u32,
+    },
+    /// The job mapped handed-over allocation `id` at its address.
+    Taken {
+        /// Allocation id.
+        id: u64,
+    },
+    /// Every released allocation of the job is mapped from handed-over memory.
+    TakenAll {
+        /// Allocations mapped.
+        allocations: u32,
+        /// Their bytes.
+        bytes: u64,
+        /// Time since the first `Take`.
+        micros: u64,
+    },
     /// Every released allocation is mapped again from its kept descriptor.
     Reclaimed {
         /// Allocations mapped again.
@@ -386,6 +431,9 @@ mod kind {
     pub const REQ_LEND_BEGIN: u16 = 0x000D;
     pub const REQ_ADOPT: u16 = 0x000E;
     pub const REQ_RECLAIM: u16 = 0x000F;
+    pub const REQ_EXPECT: u16 = 0x0010;
+    pub const REQ_TAKE: u16 = 0x0011;
+    pub const REQ_TAKE_END: u16 = 0x0012;
 
     pub const REP_HELLO: u16 = 0x0101;
     pub const REP_ALLOCATION: u16 = 0x0102;
@@ -404,6 +452,9 @@ mod kind {
     pub const REP_LENT_END: u16 = 0x010F;
     pub const REP_ADOPTED: u16 = 0x0110;
     pub const REP_RECLAIMED: u16 = 0x0111;
+    pub const REP_EXPECTED: u16 = 0x0112;
+    pub const REP_TAKEN: u16 = 0x0113;
+    pub const REP_TAKEN_ALL: u16 = 0x0114;
 }
 
 /// An optional u64: a presence byte (0/1), then the value (0 when absent).
@@ -560,6 +611,25 @@ impl Request {
                 w.u64(*size);
             }
             Request::Reclaim => header(&mut w, kind::REQ_RECLAIM),
+            Request::Expect {
+                id,
+                gpu,
+                addr,
+                size,
+            } => {
+                header(&mut w, kind::REQ_EXPECT);
+                w.u64(*id);
+                w.bytes16(gpu);
+                w.u64(*addr);
+                w.u64(*size);
+            }
+            Request::Take { id, addr, size } => {
+                header(&mut w, kind::REQ_TAKE);
+                w.u64(*id);
+                w.u64(*addr);
+                w.u64(*size);
+            }
+            Request::TakeEnd => header(&mut w, kind::REQ_TAKE_END),
         }
         w.len()
     }
@@ -613,6 +683,18 @@ impl Request {
                 size: r.u64()?,
             },
             kind::REQ_RECLAIM => Request::Reclaim,
+            kind::REQ_EXPECT => Request::Expect {
+                id: r.u64()?,
+                gpu: r.bytes16()?,
+                addr: r.u64()?,
+                size: r.u64()?,
+            },
+            kind::REQ_TAKE => Request::Take {
+                id: r.u64()?,
+                addr: r.u64()?,
+                size: r.u64()?,
+            },
+            kind::REQ_TAKE_END => Request::TakeEnd,
             other => return Err(ProtoError::UnknownKind(other)),
         };
         r.finish()?;
@@ -760,6 +842,25 @@ impl Reply {
                 header(&mut w, kind::REP_ADOPTED);
                 w.u64(*id);
             }
+            Reply::Expected { id, device } => {
+                header(&mut w, kind::REP_EXPECTED);
+                w.u64(*id);
+                w.u32(*device);
+            }
+            Reply::Taken { id } => {
+                header(&mut w, kind::REP_TAKEN);
+                w.u64(*id);
+            }
+            Reply::TakenAll {
+                allocations,
+                bytes,
+                micros,
+            } => {
+                header(&mut w, kind::REP_TAKEN_ALL);
+                w.u32(*allocations);
+                w.u64(*bytes);
+                w.u64(*micros);
+            }
             Reply::Reclaimed {
                 allocations,
                 bytes,
@@ -850,6 +951,16 @@ impl Reply {
                 bytes: r.u64()?,
             },
             kind::REP_ADOPTED => Reply::Adopted { id: r.u64()? },
+            kind::REP_EXPECTED => Reply::Expected {
+                id: r.u64()?,
+                device: r.u32()?,
+            },
+            kind::REP_TAKEN => Reply::Taken { id: r.u64()? },
+            kind::REP_TAKEN_ALL => Reply::TakenAll {
+                allocations: r.u32()?,
+                bytes: r.u64()?,
+                micros: r.u64()?,
+            },
             kind::REP_RECLAIMED => Reply::Reclaimed {
                 allocations: r.u32()?,
                 bytes: r.u64()?,

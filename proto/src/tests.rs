@@ -54,6 +54,18 @@ fn all_requests() -> Vec<Request> {
         },
         Request::RestoreDataDone,
         Request::LendBegin,
+        Request::Expect {
+            id: 4,
+            gpu: [0xa5; 16],
+            addr: 0x7000_0040_0000,
+            size: 4 << 20,
+        },
+        Request::Take {
+            id: 4,
+            addr: 0x7000_0040_0000,
+            size: 4 << 20,
+        },
+        Request::TakeEnd,
         Request::Adopt {
             id: 3,
             device: 1,
@@ -151,6 +163,13 @@ fn all_replies() -> Vec<Reply> {
             bytes: 2 << 20,
         },
         Reply::Adopted { id: 9 },
+        Reply::Expected { id: 9, device: 2 },
+        Reply::Taken { id: 9 },
+        Reply::TakenAll {
+            allocations: 1,
+            bytes: 2 << 20,
+            micros: 5,
+        },
         Reply::Reclaimed {
             allocations: 1,
             bytes: 2 << 20,
@@ -263,10 +282,10 @@ fn header_errors_are_typed() {
     b[0] ^= 1;
     assert!(matches!(Request::decode(&b), Err(ProtoError::BadMagic)));
     let mut b = enc_req(&Request::Release);
-    b[4] = 6;
+    b[4] = 7;
     assert!(matches!(
         Request::decode(&b),
-        Err(ProtoError::VersionMismatch { ours: 5, theirs: 6 })
+        Err(ProtoError::VersionMismatch { ours: 6, theirs: 7 })
     ));
     let mut b = enc_req(&Request::Release);
     b[6] = 0x77;

@@ -45,6 +45,9 @@ impl<'a> Writer<'a> {
     pub(crate) fn bool(&mut self, v: bool) {
         self.u8(u8::from(v));
     }
+    pub(crate) fn bytes16(&mut self, v: &[u8; 16]) {
+        self.put(v);
+    }
     /// u16 length + UTF-8 bytes; the caller has already bounded the length.
     pub(crate) fn str(&mut self, s: &str) {
         let len = u16::try_from(s.len()).unwrap_or(u16::MAX);
@@ -89,6 +92,9 @@ impl<'a> Reader<'a> {
     }
     pub(crate) fn u64(&mut self) -> Result<u64, ProtoError> {
         Ok(u64::from_le_bytes(self.take()?))
+    }
+    pub(crate) fn bytes16(&mut self) -> Result<[u8; 16], ProtoError> {
+        self.take()
     }
     pub(crate) fn bool(&mut self) -> Result<bool, ProtoError> {
         match self.u8()? {

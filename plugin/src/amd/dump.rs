@@ -219,6 +219,7 @@ impl Checkpointed<'_> {
                 addr: b.addr,
                 size: b.size,
                 moved: true,
+                lent: false,
             })
             .collect();
         m.files = written.files.clone();

@@ -1,0 +1,114 @@
+//! A restore by hand-over, in the restored job (its threads held): the keeper loaded the image
+//! into fresh exportable memory beside CRIU's restore and checked it on the GPU; the plugin
+//! passes each allocation's exported descriptor here (`Take`), and the job maps it at its
+//! recorded address. No data moves in the job. The descriptor stays the allocation's own (the
+//! driver will not export an imported handle again), for the next dump's lend.
+//!
+//! Until `TakeEnd` finds every released allocation mapped, the memory counts as released
+//! (`Hello` says so), whatever is mapped: a hand-over cut short never passes for whole.
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::time::Instant;
+
+use gpusnap_proto::{Channel, Reply, Request};
+
+use crate::gpu::Gpu;
+use crate::log::debug;
+use crate::session::{self, Fail, PEER_WAIT, need_driver};
+use crate::table::{self, AGENT_LOCK_WAIT};
+
+/// One `Take`: the allocation's id, address and size, and its exported memory.
+pub struct Take {
+    pub id: u64,
+    pub addr: u64,
+    pub size: u64,
+    pub fd: OwnedFd,
+}
+
+/// `Take` .. `TakeEnd` on this connection, starting with `first`; the connection is closed
+/// afterwards.
+pub fn run(ch: &Channel, gpu: &mut Gpu, first: Take) {
+    let result = take_all(ch, gpu, first);
+    session::conclude(ch, gpu, None, result);
+}
+
+fn take_all(ch: &Channel, gpu: &mut Gpu, first: Take) -> Result<Reply, Fail> {
+    let t0 = Instant::now();
+    let drv = need_driver()?;
+    crate::held::by_a_tracer().map_err(Fail::bad_state)?;
+    // What CRIU opened at the numbers of the descriptors the dumped process kept are
+    // placeholders: closed before anything is mapped.
+    crate::lend::forget();
+    let (spans, released) = session::snapshot()?;
+    if !released.iter().any(|&r| r) {
+        return Err(Fail::bad_state(
+            "nothing is released: there is no memory to hand over",
+        ));
+    }
+    table::try_lock_for(AGENT_LOCK_WAIT)
+        .ok_or_else(Fail::busy)?
+        .reload_begins();
+    let mut taken = vec![false; spans.len()];
+    let (mut count, mut bytes) = (0u32, 0u64);
+    let mut next = Some(first);
+    loop {
+        let t = match next.take() {
+            Some(t) => t,
+            None => match ch.recv_request(Some(PEER_WAIT))? {
+                (Request::Take { id, addr, size }, Some(fd)) => Take { id, addr, size, fd },
+                (Request::TakeEnd, None) => break,
+                (Request::Abort, _) => return Err(Fail::Aborted),
+                (other, _) => {
+                    return Err(Fail::unexpected(
+                        &other,
+                        "while memory is handed over (Take with its descriptor, or TakeEnd)",
+                    ));
+                }
+            },
+        };
+        let Some(i) = spans
+            .iter()
+            .position(|s| s.id == t.id && s.addr == t.addr && s.size == t.size)
+        else {
+            return Err(Fail::bad_request(format!(
+                "Take of #{} at {:#x} ({} bytes) matches no allocation of this process",
+                t.id, t.addr, t.size
+            )));
+        };
+        if !released[i] || taken[i] {
+            return Err(Fail::bad_request(format!(
+                "#{} at {:#x} is mapped already: refusing to map it twice",
+                t.id, t.addr
+            )));
+        }
+        let handle = crate::lend::map_from_descriptor(
+            drv,
+            gpu,
+            spans[i].device,
+            t.addr,
+            t.size,
+            t.fd.as_fd(),
+        )?;
+        crate::lend::keep_own(t.id, t.addr, handle, t.fd);
+        taken[i] = true;
+        count += 1;
+        bytes += t.size;
+        ch.send_reply(&Reply::Taken { id: t.id })?;
+    }
+    if let Some(i) = (0..spans.len()).find(|&i| released[i] && !taken[i]) {
+        return Err(Fail::bad_request(format!(
+            "#{} at {:#x} was not handed over: the memory is not whole",
+            spans[i].id, spans[i].addr
+        )));
+    }
+    table::try_lock_for(AGENT_LOCK_WAIT)
+        .ok_or_else(Fail::busy)?
+        .reload_complete();
+    let micros = t0.elapsed().as_micros() as u64;
+    debug!("hand-over: mapped {count} allocations ({bytes} bytes) in {micros} us");
+    Ok(Reply::TakenAll {
+        allocations: count,
+        bytes,
+        micros,
+    })
+}

@@ -65,14 +65,19 @@ pub fn main_with_fd(fd: i32, libcuda: Option<&str>) -> i32 {
     }
     // SAFETY: the plugin passed this descriptor for us alone; nothing else owns it.
     let ch = Channel::new(unsafe { OwnedFd::from_raw_fd(fd) });
-    match std::panic::catch_unwind(|| serve(&ch)) {
-        Ok(Ok(())) => 0,
+    let (status, why) = match std::panic::catch_unwind(|| serve(&ch)) {
+        Ok(Ok(())) => return 0,
         Ok(Err(e)) => {
             debug!("keeper: {e}");
-            1
+            (1, format!("the keeper failed: {e}"))
         }
-        Err(_) => 3,
-    }
+        Err(_) => (3, "the keeper panicked".to_owned()),
+    };
+    // A keeper that fails still exits only when the plugin lets go: CRIU takes a child's exit
+    // during its restore (or its parasite work) for a failure of its own, and would abort it.
+    // Whatever the plugin asks meanwhile is refused, and it goes on without the keeper.
+    wait_for_close(&ch, &why);
+    status
 }
 
 fn serve(ch: &Channel) -> Result<(), String> {
@@ -152,19 +157,19 @@ fn serve(ch: &Channel) -> Result<(), String> {
                 // The keeper is a child of CRIU, which takes any child's exit while it works
                 // on the dumped tasks for a failure of its own: stay until the plugin lets go
                 // (in `exit`, after CRIU's part).
-                wait_for_close(ch);
+                wait_for_close(ch, OVER);
                 return Ok(());
             }
             (
                 Request::Expect {
                     id,
-                    gpu,
+                    gpu: uuid,
                     addr,
                     size,
                 },
                 None,
             ) => {
-                let reply = match expect(id, &gpu, addr, size) {
+                let reply = match expect(&mut gpu, id, &uuid, addr, size) {
                     Ok(device) => Reply::Expected { id, device },
                     Err(e) => Reply::Error {
                         code: ErrorCode::Cuda,
@@ -192,7 +197,7 @@ fn serve(ch: &Channel) -> Result<(), String> {
                 crate::lend::run(ch, &mut gpu);
                 // The restored job holds the memory now (or the restore failed and the job is
                 // killed): nothing is left to do but let the plugin close.
-                wait_for_close(ch);
+                wait_for_close(ch, OVER);
                 return Ok(());
             }
             (Request::Abort, _) => {
@@ -209,15 +214,18 @@ fn serve(ch: &Channel) -> Result<(), String> {
     }
 }
 
-/// Waits until the plugin closes its end (anything it sends meanwhile is answered with an
-/// error: the operation is over).
-fn wait_for_close(ch: &Channel) {
+/// What a keeper whose operation is done answers.
+const OVER: &str = "the keeper's operation is over";
+
+/// Waits until the plugin closes its end; anything it sends meanwhile is answered with an
+/// error saying `why` (the operation is over, or the keeper failed).
+fn wait_for_close(ch: &Channel, why: &str) {
     loop {
         match ch.recv_request(None) {
             Ok(_) => {
                 let _ = ch.send_reply(&Reply::Error {
                     code: ErrorCode::BadState,
-                    message: "the keeper's operation is over".into(),
+                    message: why.to_owned(),
                 });
             }
             Err(ProtoError::Interrupted) => continue,
@@ -260,14 +268,16 @@ fn adopt(
     Ok(())
 }
 
-/// Records the job's allocation `id` at `addr` on the GPU with UUID `gpu` for the load that
+/// Records the job's allocation `id` at `addr` on the GPU with UUID `uuid` for the load that
 /// follows, and reserves its address range here. Returns the keeper's ordinal of that GPU.
-fn expect(id: u64, gpu: &[u8; 16], addr: u64, size: u64) -> Result<u32, String> {
+fn expect(gpu: &mut Gpu, id: u64, uuid: &[u8; 16], addr: u64, size: u64) -> Result<u32, String> {
     let drv = crate::real::driver()?;
     let dev = drv
-        .ordinal_of(gpu)
+        .ordinal_of(uuid)
         .map_err(|e| e.to_string())?
-        .ok_or_else(|| format!("no GPU with UUID {} is visible here", hex(gpu)))?;
+        .ok_or_else(|| format!("no GPU with UUID {} is visible here", hex(uuid)))?;
+    // The reservation is made in that device's context.
+    gpu.prepare(drv, dev, 0, 0).map_err(|e| e.to_string())?;
     drv.reserve_at(addr, size).map_err(|e| e.to_string())?;
     let exportable = drv.posix_fd_handles(drv.device(dev).map_err(|e| e.to_string())?);
     match table::try_lock_for(AGENT_LOCK_WAIT) {

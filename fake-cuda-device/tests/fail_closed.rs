@@ -59,6 +59,9 @@ const POINTS: &[&str] = &[
     "rollback-restored",
     "rollback-reload",
     "rollback-reclaimed",
+    "restore-keeper-load",
+    "restore-keeper-loaded",
+    "restore-handing-over",
     "restore-control",
     "restore-unlocked",
     "restore-data",
@@ -121,6 +124,10 @@ enum Left {
     Held(Held, &'static str),
     /// Restore side: the half-restored process is killed with CRIU.
     Killed,
+    /// Restore side, CRIU killed during its own restore (the keeper's load runs beside it):
+    /// the half-restored process dies with CRIU, or is left asleep in CRIU's restorer code,
+    /// where it never runs the application; once it is killed, the image restores again.
+    KilledOrAsleepInCriu,
 }
 
 /// What a kill at `point` must leave on `route` in `op`; `None` where the point is not reached
@@ -183,11 +190,19 @@ fn expected(route: Route, op: Op, point: &str) -> Option<Left> {
         }
         // Hand-over: mapped back, the hold not yet let go: whole, but stopped.
         "rollback-reclaimed" if op == Op::DumpLeaveRunning && lent => Left::Held(Stopped, ""),
+        // Hand-over restore: the keeper's load beside CRIU's restore, its end, the job's first
+        // map of handed-over memory. The job is killed; the image stays good.
+        "restore-keeper-load" if op == Op::Restore && lent => Left::KilledOrAsleepInCriu,
+        "restore-keeper-loaded" | "restore-handing-over" if op == Op::Restore && lent => {
+            Left::Killed
+        }
         "restore-control" | "restore-unlocked" if op == Op::Restore => Left::Killed,
-        "restore-data" if op == Op::Restore && (split || lent) => Left::Killed,
+        // The agent's own load (the hand-over route loads in the keeper instead).
+        "restore-data" if op == Op::Restore && split => Left::Killed,
         // Split, the hash kernel failing in the restored process (the cell injects that): all
         // loaded, the GPU checked none, the host check of the image begins.
-        "restore-host-check" if op == Op::Restore && (split || lent) => Left::Killed,
+        // (On the hand-over route the keeper loads and checks: the job's kernel is not used.)
+        "restore-host-check" if op == Op::Restore && split => Left::Killed,
         _ => return None,
     })
 }
@@ -303,6 +318,10 @@ fn cell(route: Route, op: Op, point: &'static str) {
         Some(Left::Killed) => {
             restore_killed(&mut s, route, &run, &last, &image, &what);
         }
+        Some(Left::KilledOrAsleepInCriu) => {
+            end_asleep_in_criu(&s, &run, &last, &what);
+            restore_killed(&mut s, route, &run, &last, &image, &what);
+        }
         Some(left) => dump_killed(&mut s, &run, left, &what),
     }
 }
@@ -385,7 +404,7 @@ fn dump_killed(s: &mut Split, run: &CriuRun, left: Left, what: &str) {
             );
             Some(steps)
         }
-        Left::Killed => unreachable!("restore side"),
+        Left::Killed | Left::KilledOrAsleepInCriu => unreachable!("restore side"),
     };
     let images = s.w.images.to_str().expect("utf-8 path").to_owned();
     let (ok, text) = s.run_cli(&["recover", &pid.to_string(), "--images", &images]);
@@ -415,6 +434,31 @@ fn dump_killed(s: &mut Split, run: &CriuRun, left: Left, what: &str) {
 
 /// CRIU died during a restore: the restored process died with it, nothing of it ran, the image
 /// is intact and restores.
+/// CRIU died during its own restore: what is left of the workload must not have run (no tick
+/// since the dump) and sleeps in CRIU's restorer (state `S`); it is killed, as its user would.
+fn end_asleep_in_criu(s: &Split, run: &CriuRun, dumped_at: &[u64], what: &str) {
+    std::thread::sleep(HELD_FOR);
+    assert_eq!(
+        s.vmm.last_ticks(),
+        dumped_at,
+        "{what}: the workload ran after CRIU died in its restore\n{}",
+        s.describe(run)
+    );
+    for &pid in &s.vmm.pids {
+        if let Some(st) = procs::stat(pid) {
+            assert!(
+                st.state == 'S' || st.state == 'Z',
+                "{what}: pid {pid} left in state {}\n{}",
+                st.state,
+                s.describe(run)
+            );
+            eprintln!("{what}: pid {pid} left asleep in CRIU's restorer; killing it");
+            // SAFETY: kill(2) of the test's own half-restored workload.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    }
+}
+
 fn restore_killed(
     s: &mut Split,
     route: Route,
@@ -502,6 +546,9 @@ cells! {
     split_restore_control: Split Restore "restore-control";
     split_restore_unlocked: Split Restore "restore-unlocked";
     split_restore_data: Split Restore "restore-data";
+    split_restore_keeper_load: Split Restore "restore-keeper-load";
+    split_restore_keeper_loaded: Split Restore "restore-keeper-loaded";
+    split_restore_handing_over: Split Restore "restore-handing-over";
     split_restore_host_check: Split Restore "restore-host-check";
 
     handover_dump_dump_locked: HandOver Dump "dump-locked";
@@ -518,6 +565,8 @@ cells! {
     handover_dump_restore_control: HandOver Dump "restore-control";
     handover_dump_restore_unlocked: HandOver Dump "restore-unlocked";
     handover_dump_restore_data: HandOver Dump "restore-data";
+    handover_dump_restore_keeper_load: HandOver Dump "restore-keeper-load";
+    handover_dump_restore_handing_over: HandOver Dump "restore-handing-over";
     handover_dump_restore_host_check: HandOver Dump "restore-host-check";
 
     handover_dump_r_dump_locked: HandOver DumpLeaveRunning "dump-locked";
@@ -534,6 +583,7 @@ cells! {
     handover_dump_r_restore_control: HandOver DumpLeaveRunning "restore-control";
     handover_dump_r_restore_unlocked: HandOver DumpLeaveRunning "restore-unlocked";
     handover_dump_r_restore_data: HandOver DumpLeaveRunning "restore-data";
+    handover_dump_r_restore_keeper_loaded: HandOver DumpLeaveRunning "restore-keeper-loaded";
     handover_dump_r_restore_host_check: HandOver DumpLeaveRunning "restore-host-check";
 
     handover_restore_dump_locked: HandOver Restore "dump-locked";
@@ -547,6 +597,9 @@ cells! {
     handover_restore_rollback_restored: HandOver Restore "rollback-restored";
     handover_restore_rollback_reload: HandOver Restore "rollback-reload";
     handover_restore_rollback_reclaimed: HandOver Restore "rollback-reclaimed";
+    handover_restore_keeper_load: HandOver Restore "restore-keeper-load";
+    handover_restore_keeper_loaded: HandOver Restore "restore-keeper-loaded";
+    handover_restore_handing_over: HandOver Restore "restore-handing-over";
     handover_restore_control: HandOver Restore "restore-control";
     handover_restore_unlocked: HandOver Restore "restore-unlocked";
     handover_restore_data: HandOver Restore "restore-data";

@@ -44,7 +44,85 @@ fn dump_handed_over_and_restore(s: &mut Split) {
     let last = s.reap_dumped();
     let restore = s.restore();
     s.assert_ok(&restore);
+    assert_handed_over_at_restore(s, &restore);
     s.assert_runs_on(&last, &restore);
+}
+
+/// The lines every hand-over restore logs: the keeper loaded the image beside CRIU's restore,
+/// and the job mapped the memory, with no load through its agent.
+fn assert_handed_over_at_restore(s: &Split, restore: &CriuRun) {
+    s.assert_line(restore, &["restore hand-over planned: keeper pid"]);
+    s.assert_line(
+        restore,
+        &["the keeper's load ran", "beside CRIU's restore", "mapped"],
+    );
+    s.assert_line(restore, &["restored (Split path)", "data"]);
+    assert!(
+        restore
+            .gpusnap_lines()
+            .iter()
+            .all(|l| !l.contains("ready to load") && !l.contains("not usable")),
+        "a hand-over restore loaded through the agent\n{}",
+        s.describe(restore)
+    );
+}
+
+/// A dump that copied first (no allocation lent) restores through the job's agent, saying why.
+#[test]
+fn a_copy_first_image_is_loaded_by_the_agent() {
+    let Some(mut s) = start("handover-restore-copy-first") else {
+        return;
+    };
+    let dump = s.dump_with(false, &[("GPUSNAP_HANDOVER", "0")]);
+    s.assert_ok(&dump);
+    let last = s.reap_dumped();
+    let restore = s.restore();
+    s.assert_ok(&restore);
+    s.assert_line(
+        &restore,
+        &["agent loads its data", "copied the data out first"],
+    );
+    assert!(
+        restore
+            .gpusnap_lines()
+            .iter()
+            .all(|l| !l.contains("restore hand-over planned")),
+        "{}",
+        s.describe(&restore)
+    );
+    s.assert_runs_on(&last, &restore);
+}
+
+/// A keeper that cannot load (here: its driver library is missing) does not fail the restore:
+/// it waits to be let go, and the job's agent loads the image instead, bit-exact. A keeper that
+/// cannot even be started leaves the load to the agent as well.
+#[test]
+fn a_keeper_that_cannot_load_leaves_the_load_to_the_agent() {
+    for (case, knob, line) in [
+        (
+            "no-driver",
+            ("GPUSNAP_TEST_KEEPER_LIBCUDA", "/nonexistent/libcuda.so.1"),
+            "the keeper's load is not usable",
+        ),
+        (
+            "no-keeper",
+            ("GPUSNAP_KEEPER", "/nonexistent/gpusnap-keeper"),
+            "no keeper for the restore",
+        ),
+    ] {
+        let Some(mut s) = start(&format!("handover-restore-{case}")) else {
+            return;
+        };
+        let dump = s.dump(false);
+        s.assert_ok(&dump);
+        assert_handed_over(&s, &dump);
+        let last = s.reap_dumped();
+        let restore = s.restore_with(&[knob]);
+        s.assert_ok(&restore);
+        s.assert_line(&restore, &[line]);
+        s.assert_line(&restore, &["ready to load"]);
+        s.assert_runs_on(&last, &restore);
+    }
 }
 
 /// The lines every hand-over dump logs.

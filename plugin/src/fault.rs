@@ -28,6 +28,10 @@ pub const POINTS: &[&str] = &[
     "rollback-restored", // driver restore of the rollback done, memory not yet back
     "rollback-reload",   // split: the first chunk reloaded
     "rollback-reclaimed", // hand-over: the memory mapped back from the kept descriptors
+    // restore hand-over: the keeper's load beside CRIU's restore, then RESUME_DEVICES_LATE
+    "restore-keeper-load", // the keeper's first chunk is in (on the load thread)
+    "restore-keeper-loaded", // job unlocked, the keeper's load done: nothing handed over yet
+    "restore-handing-over", // the job mapped its first handed-over allocation, not the rest
     // restore: RESUME_DEVICES_LATE
     "restore-control",    // driver restore done (locked)
     "restore-unlocked",   // unlocked, device data not yet loaded

@@ -5,19 +5,18 @@ use crate::agent::AgentSession;
 use crate::context::Ctx;
 use crate::datapath::{self, DataError};
 use crate::staging::{RingMaker, RingShape, Staging};
-use gpusnap_config::Config;
 use gpusnap_image::Manifest;
 use std::os::fd::BorrowedFd;
 
-/// The staging ring for loading `manifest`'s chunks (zero chunks are filled on the device and
-/// take no slot).
-pub fn ring_shape(cfg: &Config, manifest: &Manifest) -> RingShape {
+/// The staging ring for loading `manifest`'s chunks with `staging_slots` configured (zero chunks
+/// are filled on the device and take no slot).
+pub fn ring_shape(staging_slots: usize, manifest: &Manifest) -> RingShape {
     let chunk_lens = manifest
         .chunks
         .iter()
         .filter(|c| c.is_stored())
         .map(|c| c.len);
-    RingShape::for_restore(cfg.staging_slots as usize, chunk_lens)
+    RingShape::for_restore(staging_slots, chunk_lens)
 }
 
 /// Streams `manifest`'s data into re-created memory; the agent thread already runs.
@@ -32,7 +31,7 @@ pub fn with_agent_running(
     early: Option<RingMaker>,
 ) -> Result<datapath::LoadStats, DataError> {
     let session = AgentSession::connect_expected(pid, ctx.agent_timeout())?;
-    let ring = ring_shape(&ctx.cfg, manifest);
+    let ring = ring_shape(ctx.cfg.staging_slots as usize, manifest);
     let staging = match early {
         Some(m) if m.shape() == ring => m.take(),
         _ => Staging::new(ring.slot_size, ring.slots),

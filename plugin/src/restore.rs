@@ -7,6 +7,7 @@ use crate::agent::{self, AgentError};
 use crate::context::{Ctx, CtxError};
 use crate::datapath::{self, DataError};
 use crate::gpumap;
+use crate::preload::Preload;
 use crate::procfs;
 use crate::ptrace::{self, PtraceError, RunningThread};
 use crate::staging::RingMaker;
@@ -44,6 +45,8 @@ pub enum RestoreError {
     GpuUuid(#[from] ParseGpuUuidError),
     #[error("image: {0}")]
     Image(#[from] ImageError),
+    #[error("hand-over: {0}")]
+    Preload(#[from] crate::preload::PreloadError),
     #[error(transparent)]
     Ctx(#[from] CtxError),
     #[error("the worker thread of pid {pid} panicked")]
@@ -90,6 +93,9 @@ pub struct RestoredProcess {
     pub control_s: f64,
     pub unlock_s: f64,
     pub data: Option<datapath::LoadStats>,
+    /// The data was loaded by the keeper beside CRIU's restore and handed over: the hand-over's
+    /// own time (export, the job's maps, release).
+    pub handover_s: Option<f64>,
     pub total_s: f64,
 }
 
@@ -99,6 +105,9 @@ impl RestoredProcess {
         if let Some(d) = &self.data {
             timings["data"] = serde_json::json!(d.seconds);
         }
+        if let Some(h) = self.handover_s {
+            timings["handover"] = serde_json::json!(h);
+        }
         timings["total"] = serde_json::json!(self.total_s);
         let mut v = serde_json::json!({
             "nspid": self.nspid,
@@ -107,6 +116,11 @@ impl RestoredProcess {
             "timings_s": timings,
         });
         if let Some(d) = &self.data {
+            v["data_path"] = serde_json::json!(if self.handover_s.is_some() {
+                "handoff"
+            } else {
+                "copy"
+            });
             v["data"] = serde_json::json!({
                 "device_bytes_loaded": d.bytes,
                 "chunks_zero": d.zero_chunks,
@@ -210,6 +224,12 @@ pub struct RestoreRun {
     /// joined before the first driver call needs it, or in `exit`.
     driver_warmup: Option<std::thread::JoinHandle<()>>,
     ctx: Option<Ctx>,
+    /// Processes whose data the keeper loads beside CRIU's restore, by nspid
+    /// ([`crate::preload`]); taken by the first RESUME_DEVICES_LATE.
+    preloads: HashMap<u32, Preload>,
+    /// The GPU plan `init` made from the kernel driver's listing, by nspid (what the keepers
+    /// load onto; checked against the final plan before any hand-over).
+    early_plan: HashMap<u32, Vec<gpumap::Pair>>,
     /// Filled by the first RESUME_DEVICES_LATE, which restores every process.
     restored: Option<Restored>,
 }
@@ -276,6 +296,8 @@ impl RestoreRun {
             manifests,
             driver_warmup: None,
             ctx: None,
+            preloads: HashMap::new(),
+            early_plan: HashMap::new(),
             restored: None,
         };
         if run.cfg.mode == Mode::Off {
@@ -298,12 +320,16 @@ impl RestoreRun {
             );
             return RestoreInit::Refused;
         }
-        if let Err(e) = early_gpu_check(&run.manifests, &run.cfg.device_map) {
-            log::error!(
-                "restore refused: {e} (checked against /proc/driver/nvidia before CRIU restored any process); nothing was restored and no GPU was touched"
-            );
-            return RestoreInit::Refused;
+        match early_gpu_check(&run.manifests, &run.cfg.device_map) {
+            Ok(plan) => run.early_plan = plan,
+            Err(e) => {
+                log::error!(
+                    "restore refused: {e} (checked against /proc/driver/nvidia before CRIU restored any process); nothing was restored and no GPU was touched"
+                );
+                return RestoreInit::Refused;
+            }
         }
+        run.start_keepers();
         // No thread may live while CRIU forks the process tree: on CRIU 4.2+ the checksum pass
         // starts in POST_FORKING (after the forks) and overlaps the rest of CRIU's restore; on
         // older CRIU it runs here.
@@ -325,20 +351,108 @@ impl RestoreRun {
     fn verify_now(&self) -> Result<f64, RestoreError> {
         Verification::start(
             self.dir,
-            self.manifests.values().cloned().collect(),
+            self.to_verify(),
             self.cfg.effective_reader_threads(),
             false,
         )
         .finish()
     }
 
+    /// The manifests the checksum pass reads: a process the keeper loads has each chunk
+    /// checked as it is read (and on the GPU), before its memory is handed over.
+    fn to_verify(&self) -> Vec<Manifest> {
+        self.manifests
+            .values()
+            .filter(|m| !self.preloads.contains_key(&m.nspid))
+            .cloned()
+            .collect()
+    }
+
+    /// `init`: a keeper for each process whose image can be handed over (only processes are
+    /// started here: no thread may live while CRIU forks).
+    fn start_keepers(&mut self) {
+        let mut nspids: Vec<u32> = self.manifests.keys().copied().collect();
+        nspids.sort_unstable();
+        for nspid in nspids {
+            let m = &self.manifests[&nspid];
+            if let Some(why) = crate::preload::eligible(&self.cfg, m) {
+                if has_data(m) {
+                    log::info!(
+                        "nspid {nspid}: the restored process's agent loads its data ({why})"
+                    );
+                }
+                continue;
+            }
+            match Preload::start(&self.cfg, m) {
+                Ok(p) => {
+                    if let Preload::Started(k) = &p {
+                        log::info!(
+                            "nspid {nspid}: restore hand-over planned: keeper pid {} loads {:.2} GiB beside CRIU's restore",
+                            k.pid(),
+                            m.allocations
+                                .iter()
+                                .filter(|a| a.moved)
+                                .map(|a| a.size)
+                                .sum::<u64>() as f64
+                                / (1u64 << 30) as f64
+                        );
+                    }
+                    self.preloads.insert(nspid, p);
+                }
+                Err(e) => log::warn!(
+                    "nspid {nspid}: no keeper for the restore ({e}); the restored process's agent loads its data"
+                ),
+            }
+        }
+    }
+
+    /// Starts every keeper's load still waiting (POST_FORKING, or the first
+    /// RESUME_DEVICES_LATE on CRIU without that hook).
+    fn start_loads(&mut self) {
+        let checks = self.read_checks();
+        for (nspid, p) in std::mem::take(&mut self.preloads) {
+            let p = match p {
+                Preload::Started(_) => {
+                    let m = self.manifests[&nspid].clone();
+                    let plan = self.early_plan.get(&nspid).cloned().unwrap_or_default();
+                    match crate::preload::targets(&m, &plan) {
+                        Ok(targets) => p.load(crate::preload::LoadJob {
+                            dir: self.dir,
+                            manifest: m,
+                            targets,
+                            slots: self.cfg.staging_slots as usize,
+                            readers: self.cfg.effective_reader_threads(),
+                            limits: crate::context::limits_of(&self.cfg),
+                            checks,
+                        }),
+                        Err(e) => Preload::NotStarted(e),
+                    }
+                }
+                other => other,
+            };
+            self.preloads.insert(nspid, p);
+        }
+    }
+
+    /// How a load checks what it reads (the checksum pass decides).
+    fn read_checks(&self) -> datapath::ReadChecks {
+        // With no host pass, the GPU's check after loading is the check: the readers do not
+        // hash what it will hash, and a chunk it could not check fails the load.
+        match self.checksums {
+            Checksums::OnDevice => datapath::ReadChecks::GpuWhereHashed,
+            _ => datapath::ReadChecks::Host,
+        }
+    }
+
     /// POST_FORKING (CRIU 4.2+): every task is forked; the checksum pass and `cuInit` start
     /// now, beside the rest of CRIU's restore.
     pub fn post_forking(&mut self) {
+        // The keepers' loads first: they are the longest part left.
+        self.start_loads();
         if let Checksums::AfterFork(dir) = self.checksums {
             self.checksums = Checksums::Running(Verification::start(
                 dir,
-                self.manifests.values().cloned().collect(),
+                self.to_verify(),
                 self.cfg.effective_reader_threads(),
                 true,
             ));
@@ -403,11 +517,14 @@ impl RestoreRun {
     }
 
     fn restore_all(&mut self, any_pid: i32) -> Restored {
+        // CRIU without POST_FORKING: the keepers' loads begin now, beside the control restores.
+        self.start_loads();
         // Still before any GPU is touched.
         if let Err(e) = self.checksums_passed() {
             log::error!(
                 "restore refused: {e}; no GPU was touched. The restored processes are killed rather than left without their GPU state"
             );
+            self.drop_preloads();
             let nspids: Vec<u32> = self.manifests.keys().copied().collect();
             let found = find_restored(any_pid, &nspids);
             for (nspid, host) in &found {
@@ -425,6 +542,7 @@ impl RestoreRun {
         }
         if let Err(e) = self.ctx() {
             log::error!("cannot use the NVIDIA driver: {e}");
+            self.drop_preloads();
             return vec![(any_pid, Err(e.into()))];
         }
         let nspids: Vec<u32> = self.manifests.keys().copied().collect();
@@ -438,14 +556,23 @@ impl RestoreRun {
                 ),
             }
         }
+        let checks = self.read_checks();
+        let mut items: Vec<RestoreItem> = items
+            .into_iter()
+            .map(|(pid, manifest)| RestoreItem {
+                pid,
+                preload: self.preloads.remove(&manifest.nspid),
+                manifest,
+            })
+            .collect();
+        // A keeper whose process was not found goes now (from here its exit is harmless, and
+        // CRIU waits for every child once the restore is over).
+        for (nspid, p) in std::mem::take(&mut self.preloads) {
+            log::debug!("nspid {nspid}: keeper {p:?} dropped: no such restored process");
+            p.abandon();
+        }
         let ctx = self.ctx.as_ref().expect("opened above");
-        // With no host pass, the GPU's check after loading is the check: the readers do not
-        // hash what it will hash, and a chunk it could not check fails the load.
-        let checks = match self.checksums {
-            Checksums::OnDevice => datapath::ReadChecks::GpuWhereHashed,
-            _ => datapath::ReadChecks::Host,
-        };
-        let restored = resume_all(ctx, &items, checks);
+        let restored = resume_all(ctx, &mut items, checks);
         let several = restored.len() > 1;
         for (p, r) in &restored {
             if let Err(e) = r {
@@ -466,8 +593,17 @@ impl RestoreRun {
         restored
     }
 
+    /// Ends every keeper not handed over yet (joining its load).
+    fn drop_preloads(&mut self) {
+        for (_, p) in std::mem::take(&mut self.preloads) {
+            p.abandon();
+        }
+    }
+
     /// `exit(RESTORE)`: joins what still runs (CRIU unloads the plugin next).
     pub fn exit(&mut self) {
+        // A restore that failed before RESUME_DEVICES_LATE: the keepers go with it.
+        self.drop_preloads();
         if let Checksums::Running(mut v) =
             std::mem::replace(&mut self.checksums, Checksums::Skipped)
         {
@@ -542,7 +678,7 @@ fn moved_bytes_on(m: &Manifest, device: u32) -> u64 {
 pub fn early_gpu_check(
     manifests: &HashMap<u32, Manifest>,
     device_map: &[(String, String)],
-) -> Result<(), RestoreError> {
+) -> Result<HashMap<u32, Vec<gpumap::Pair>>, RestoreError> {
     early_gpu_check_in(&crate::host_gpus::proc_dir(), manifests, device_map)
 }
 
@@ -551,32 +687,36 @@ fn early_gpu_check_in(
     dir: &std::path::Path,
     manifests: &HashMap<u32, Manifest>,
     device_map: &[(String, String)],
-) -> Result<(), RestoreError> {
+) -> Result<HashMap<u32, Vec<gpumap::Pair>>, RestoreError> {
     let mig = manifests
         .values()
         .flat_map(|m| &m.gpus)
         .any(|g| g.name.contains("MIG"));
+    let none = HashMap::new();
     if mig || !device_map.is_empty() {
         log::debug!("GPU plan left to the driver (MIG instances or device_map)");
-        return Ok(());
+        return Ok(none);
     }
     let host = match crate::host_gpus::list(dir) {
         Ok(h) if !h.is_empty() => h,
-        Ok(_) => return Ok(()),
+        Ok(_) => return Ok(none),
         Err(e) => {
             log::debug!("GPU plan left to the driver: {e}");
-            return Ok(());
+            return Ok(none);
         }
     };
     let mut ms: Vec<&Manifest> = manifests.values().filter(|m| !m.gpus.is_empty()).collect();
     ms.sort_by_key(|m| m.nspid);
+    let mut plan = HashMap::new();
     for m in ms {
-        plan_against_listing(m, &host, device_map).map_err(|err| RestoreError::GpuPlan {
-            nspid: Some(m.nspid),
-            err,
-        })?;
+        let pairs =
+            plan_against_listing(m, &host, device_map).map_err(|err| RestoreError::GpuPlan {
+                nspid: Some(m.nspid),
+                err,
+            })?;
+        plan.insert(m.nspid, pairs);
     }
-    Ok(())
+    Ok(plan)
 }
 
 /// [`gpumap::plan`] against the kernel driver's listing. A listed GPU with a UUID of the image is
@@ -602,11 +742,21 @@ fn plan_against_listing(
 
 /// Where each GPU of the image goes, checked for model and free memory before anything is
 /// touched.
-pub fn gpu_plan(ctx: &Ctx, m: &Manifest) -> Result<Vec<gpumap::Pair>, gpumap::PlanError> {
+pub fn gpu_plan(
+    ctx: &Ctx,
+    m: &Manifest,
+    held_by_keeper: bool,
+) -> Result<Vec<gpumap::Pair>, gpumap::PlanError> {
     let need: Vec<u64> = m
         .gpus
         .iter()
-        .map(|g| moved_bytes_on(m, g.ordinal))
+        .map(|g| {
+            if held_by_keeper {
+                0
+            } else {
+                moved_bytes_on(m, g.ordinal)
+            }
+        })
         .collect();
     let host: Vec<gpumap::HostGpu> = ctx
         .gpus
@@ -659,21 +809,37 @@ pub fn find_restored(any_pid: i32, nspids: &[u32]) -> HashMap<u32, i32> {
     out
 }
 
+/// One restored GPU process: its host pid, its manifest, and its hand-over if the keeper
+/// loads its data.
+pub struct RestoreItem {
+    pub pid: i32,
+    pub manifest: Manifest,
+    pub preload: Option<Preload>,
+}
+
 /// RESUME_DEVICES_LATE for every GPU process of the image at once: threads are resumed here
 /// (CRIU's main thread, the tracer), the driver and data work of each process runs on a worker
 /// of its own, and the threads are stopped here again.
-pub fn resume_all(ctx: &Ctx, items: &[(i32, Manifest)], checks: datapath::ReadChecks) -> Restored {
+pub fn resume_all(ctx: &Ctx, items: &mut [RestoreItem], checks: datapath::ReadChecks) -> Restored {
     let t0 = Instant::now();
     let mut results = Vec::new();
     let mut work = Vec::new();
-    for (pid, m) in items {
-        let planned = gpu_plan(ctx, m).map_err(|err| RestoreError::GpuPlan {
-            nspid: Some(m.nspid),
-            err,
-        });
-        match planned.and_then(|pairs| prepare(ctx, *pid, m).map(|t| (pairs, t))) {
-            Ok((pairs, threads)) => work.push((*pid, m, pairs, threads)),
-            Err(e) => results.push((*pid, Err(e))),
+    for item in items.iter_mut() {
+        let (pid, m) = (item.pid, &item.manifest);
+        // Memory a keeper holds already needs no more room on the GPU.
+        let planned =
+            gpu_plan(ctx, m, item.preload.is_some()).map_err(|err| RestoreError::GpuPlan {
+                nspid: Some(m.nspid),
+                err,
+            });
+        match planned.and_then(|pairs| prepare(ctx, pid, m).map(|t| (pairs, t))) {
+            Ok((pairs, threads)) => work.push((pid, m, pairs, threads, item.preload.take())),
+            Err(e) => {
+                if let Some(p) = item.preload.take() {
+                    p.abandon();
+                }
+                results.push((pid, Err(e)));
+            }
         }
     }
     let calls: Vec<DriverCall> = work.iter().map(|_| DriverCall::default()).collect();
@@ -682,21 +848,24 @@ pub fn resume_all(ctx: &Ctx, items: &[(i32, Manifest)], checks: datapath::ReadCh
     let watched: Vec<Watched<'_>> = work
         .iter()
         .zip(&calls)
-        .map(|((pid, _, _, threads), call)| Watched {
+        .map(|((pid, _, _, threads, _), call)| Watched {
             pid: *pid,
             running: threads.iter().map(RunningThread::tid).collect(),
             call,
             release: &no_hold,
         })
         .collect();
+    let preloads: Vec<Option<Preload>> = work.iter_mut().map(|w| w.4.take()).collect();
     let (outcomes, leftovers) = std::thread::scope(|s| {
         let handles: Vec<_> = work
             .iter()
             .zip(&calls)
-            .map(|((pid, m, pairs, _), call)| {
+            .zip(preloads)
+            .map(|(((pid, m, pairs, _, _), call), preload)| {
+                let (pid, m) = (*pid, *m);
                 s.spawn(move || {
                     crate::signals::block_all();
-                    resume_one(ctx, *pid, m, pairs, call, checks)
+                    resume_one(ctx, pid, m, pairs, call, checks, preload)
                 })
             })
             .collect();
@@ -712,7 +881,7 @@ pub fn resume_all(ctx: &Ctx, items: &[(i32, Manifest)], checks: datapath::ReadCh
         (outcomes, leftovers)
     });
     let n = work.len();
-    for (((pid, _, _, threads), r), leftover) in work.into_iter().zip(outcomes).zip(leftovers) {
+    for (((pid, _, _, threads, _), r), leftover) in work.into_iter().zip(outcomes).zip(leftovers) {
         let stopped = ptrace::stop_all(threads, "stopping a thread after the restore");
         results.push((
             pid,
@@ -814,11 +983,13 @@ fn resume_one(
     pairs: &[gpumap::Pair],
     call: &DriverCall,
     checks: datapath::ReadChecks,
+    mut preload: Option<Preload>,
 ) -> Result<RestoredProcess, RestoreError> {
     let t0 = Instant::now();
     let driver = |what| move |err| RestoreError::Driver { what, err };
-    // The ring is made while the driver restores the control state.
-    let mut ring = has_data(m).then(|| RingMaker::start(crate::load::ring_shape(&ctx.cfg, m)));
+    // The ring is made while the driver restores the control state (a keeper has its own).
+    let mut ring = (has_data(m) && preload.is_none())
+        .then(|| RingMaker::start(crate::load::ring_shape(ctx.cfg.staging_slots as usize, m)));
     let mut phase = RestorePhase::Stopped;
     let mut out = RestoredProcess {
         nspid: m.nspid,
@@ -827,9 +998,15 @@ fn resume_one(
         control_s: 0.0,
         unlock_s: 0.0,
         data: None,
+        handover_s: None,
         total_s: 0.0,
     };
     let uuids = uuid_pairs(pairs)?;
+    // The keeper's load must be on the very GPUs of this plan.
+    let targets = preload
+        .as_ref()
+        .map(|_| crate::preload::targets(m, pairs))
+        .transpose()?;
     image_matches_agent(ctx, pid, m)?;
     while phase != RestorePhase::Whole {
         phase = match phase {
@@ -849,7 +1026,34 @@ fn resume_one(
                 RestorePhase::Unlocked
             }
             RestorePhase::Unlocked => {
-                if has_data(m) {
+                let handed = match (preload.take(), &targets) {
+                    (Some(p), Some(t)) => Some(p.finish(pid, m, t, ctx.agent_timeout())?),
+                    _ => None,
+                };
+                match handed {
+                    Some(crate::preload::Handed::Done {
+                        stats,
+                        ran_s,
+                        waited_s,
+                        take_s,
+                        allocations,
+                    }) => {
+                        log::info!(
+                            "pid {pid} (nspid {}): the keeper's load ran {ran_s:.3} s beside CRIU's restore; the hand-over waited {waited_s:.3} s for it, then mapped {allocations} allocations in {take_s:.3} s",
+                            m.nspid
+                        );
+                        out.data = Some(stats);
+                        out.handover_s = Some(take_s);
+                    }
+                    Some(crate::preload::Handed::Fallback(e)) => {
+                        log::warn!(
+                            "pid {pid} (nspid {}): the keeper's load is not usable ({e}); the keeper is gone and the process's agent loads the image itself",
+                            m.nspid
+                        );
+                    }
+                    None => {}
+                }
+                if has_data(m) && out.data.is_none() {
                     out.data = Some(crate::load::with_agent_running(
                         ctx,
                         pid,

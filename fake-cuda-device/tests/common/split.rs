@@ -54,6 +54,8 @@ impl AtDump {
 pub struct Split {
     pub w: WorkDir,
     pub fakecuda_so: PathBuf,
+    /// The workload's `libcuda.so.1` (the device stand-in under the driver's name).
+    pub job_libcuda: PathBuf,
     pub state: PathBuf,
     pub cli: PathBuf,
     pub vmm: Vmm,
@@ -110,9 +112,11 @@ impl Split {
         ];
         vmm_env.extend(env.iter().map(|(k, v)| (*k, Path::new(*v))));
         let vmm = Vmm::start(&w.path, "vmm", procs, args, &vmm_env);
+        let job_libcuda = lib.join("libcuda.so.1");
         Some(Split {
             w,
             fakecuda_so,
+            job_libcuda,
             state,
             cli,
             vmm,
@@ -151,6 +155,11 @@ impl Split {
                 self.fakecuda_so.to_str().expect("utf-8 path"),
             ),
             ("FAKECUDA_DIR", self.state.to_str().expect("utf-8 path")),
+            // A restore's keeper loads the job's driver (here the device stand-in).
+            (
+                "GPUSNAP_TEST_KEEPER_LIBCUDA",
+                self.job_libcuda.to_str().expect("utf-8 path"),
+            ),
         ];
         env.extend_from_slice(&self.common_env);
         env.extend_from_slice(config);

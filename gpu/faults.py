@@ -653,19 +653,25 @@ KNOB = "GPUSNAP_TEST_KILL_CRIU_AT"
 # less STANDIN_ONLY_POINTS.
 KILL_POINTS = ["dump-locked", "dump-data-out", "dump-lent", "dump-released", "dump-relocked",
                "dump-checkpointed", "dump-drained", "dump-before-manifest", "rollback-restored",
-               "rollback-reload", "rollback-reclaimed", "restore-control", "restore-unlocked",
-               "restore-data"]
+               "rollback-reload", "rollback-reclaimed", "restore-keeper-load",
+               "restore-keeper-loaded", "restore-handing-over", "restore-control",
+               "restore-unlocked", "restore-data"]
 # Reached only where the GPU cannot run the hash kernel, which only the stand-in driver in CI can
 # arrange (fake-cuda-device/tests/fail_closed.rs); the last of the plugin's points.
 STANDIN_ONLY_POINTS = ["restore-host-check"]
 # The split path here is the default one, the hand-over (the memory lent to gpusnap-keeper and
 # drained beside CRIU's dump; dump-data-out is the drain's first chunk). Reached only on it: on
 # the transparent path criu then completes normally.
+# The restore of such an image is handed over too: the keeper loads beside CRIU's restore
+# (restore-keeper-load is on its thread, during CRIU's own restore: the half-restored process may
+# be left asleep in CRIU's restorer, never running), then the job maps the memory.
 SPLIT_ONLY_POINTS = {"dump-data-out", "dump-lent", "dump-released", "dump-relocked",
-                     "dump-drained", "dump-before-manifest", "rollback-reclaimed", "restore-data"}
+                     "dump-drained", "dump-before-manifest", "rollback-reclaimed",
+                     "restore-keeper-load", "restore-keeper-loaded", "restore-handing-over"}
 # Reached only on the copy-first route (handover = false), which this matrix does not run: a
-# rollback after a hand-over maps the memory back instead of reloading it.
-COPY_FIRST_ONLY_POINTS = {"rollback-reload"}
+# rollback after a hand-over maps the memory back instead of reloading it, and its restore loads
+# in the keeper instead of through the job's agent.
+COPY_FIRST_ONLY_POINTS = {"rollback-reload", "restore-data"}
 # Split path, killed here: the hold must leave the process group-stopped (state T): between the
 # release and the relock of a dump, and between the memory mapped back and the hold let go.
 STOPPED_AT = {"dump-released", "rollback-reclaimed"}

@@ -36,6 +36,7 @@ use std::thread::sleep;
 use std::time::{Duration, Instant};
 
 use common::split::{AtDump, Split};
+use criu_tests::fixtures::output_text;
 use criu_tests::{CriuRun, procs};
 
 impl Split {
@@ -1162,11 +1163,7 @@ fn recover_after_criu_killed_mid_dump() {
         .envs(env[..2].iter().copied())
         .output()
         .expect("run gpusnap recover");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text = output_text(&out);
     assert!(
         out.status.success() && text.contains("device data reloaded"),
         "gpusnap recover failed ({}): {text}\n{}",

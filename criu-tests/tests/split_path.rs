@@ -1256,7 +1256,7 @@ fn rollback_failing_part_way_does_not_run_without_memory() {
 /// dump`, and a `sync -f` of the directory right after it, which is what the user must run for
 /// CRIU's own files anyway.
 ///
-/// `cargo test --release -p fake-cuda-device --test split_path -- --ignored durable_cost --nocapture`
+/// `cargo test --release -p criu-tests --test split_path -- --ignored durable_cost --nocapture`
 #[test]
 #[ignore = "a measurement, run by hand"]
 fn durable_cost() {

@@ -3,7 +3,7 @@ words, in its first allocation, between dumps) dumped three times, each dump aga
 before, then restored from the last.
 
 CRIU's own way, `criu dump --prev-images-dir ../N --track-mem`, needs soft-dirty page tracking,
-which the GPU machine's kernel lacks. So, as the CI test fake-cuda-device/tests/incremental.rs
+which the GPU machine's kernel lacks. So, as the CI test criu-tests/tests/incremental.rs
 does, this script makes the `parent` link itself: to a directory holding only the previous
 dump's gpusnap files (hard links) and, for a chain, its own `parent` link. CRIU finds no images
 of its own there and dumps its part in full; gpusnap follows the link.

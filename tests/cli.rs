@@ -1,50 +1,14 @@
 //! Drives the `gpusnap` binary as a user would, on images made with the image crate.
 
 use std::collections::BTreeMap;
-use std::fs::{File, OpenOptions};
-use std::os::fd::{AsFd, BorrowedFd};
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
-use std::path::{Path, PathBuf};
+use std::fs::OpenOptions;
+use std::os::fd::BorrowedFd;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
 use std::process::{Command, Output};
-use std::sync::atomic::{AtomicU32, Ordering};
 
+use criu_tests::fixtures::TempDir;
 use gpusnap_image::*;
-
-struct TempDir {
-    path: PathBuf,
-    fd: File,
-}
-
-impl TempDir {
-    fn new() -> TempDir {
-        static N: AtomicU32 = AtomicU32::new(0);
-        let path = std::env::temp_dir().join(format!(
-            "gpusnap-cli-test-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
-        let _ = std::fs::remove_dir_all(&path);
-        std::fs::create_dir(&path).unwrap();
-        let fd = OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_DIRECTORY)
-            .open(&path)
-            .unwrap();
-        TempDir { path, fd }
-    }
-    fn fd(&self) -> BorrowedFd<'_> {
-        self.fd.as_fd()
-    }
-    fn arg(&self) -> &str {
-        self.path.to_str().unwrap()
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.path);
-    }
-}
 
 fn gpusnap(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_gpusnap"))
@@ -175,15 +139,15 @@ fn make_amd_image(dir: BorrowedFd<'_>, nspid: u32) -> Manifest {
 
 #[test]
 fn inspect_and_verify_show_an_amd_image() {
-    let t = TempDir::new();
+    let t = TempDir::new("cli-test");
     make_amd_image(t.fd(), 44);
-    let o = gpusnap(&["inspect", t.arg()]);
+    let o = gpusnap(&["inspect", t.path_str()]);
     assert!(o.status.success(), "{o:?}");
     let s = stdout(&o);
     assert!(s.contains("process 44 (kfd path)"), "{s}");
     assert!(s.contains("AMD KFD ioctl 1.16"), "{s}");
     assert!(s.contains("gfx90a"), "{s}");
-    let o = gpusnap(&["verify", t.arg()]);
+    let o = gpusnap(&["verify", t.path_str()]);
     assert_eq!(o.status.code(), Some(0), "{o:?}");
     assert!(
         stdout(&o).contains("ok    process 44: 1 chunks"),
@@ -191,15 +155,15 @@ fn inspect_and_verify_show_an_amd_image() {
         stdout(&o)
     );
     // The KFD state is part of the image: damage to it is named.
-    let state = t.path.join("gpusnap-44-kfd.img");
+    let state = t.file("gpusnap-44-kfd.img");
     let len = std::fs::metadata(&state).unwrap().len();
     flip(&state, len - 2);
-    let o = gpusnap(&["verify", t.arg()]);
+    let o = gpusnap(&["verify", t.path_str()]);
     assert_ne!(o.status.code(), Some(0));
     assert!(stdout(&o).contains("gpusnap-44-kfd.img"), "{}", stdout(&o));
     // Without it, the manifest is refused too.
     std::fs::remove_file(&state).unwrap();
-    let o = gpusnap(&["verify", t.arg()]);
+    let o = gpusnap(&["verify", t.path_str()]);
     assert!(
         stdout(&o).contains("gpusnap-44-kfd.img: missing"),
         "{}",
@@ -221,10 +185,10 @@ fn flip(path: &Path, offset: u64) {
 
 #[test]
 fn inspect_json_parses() {
-    let t = TempDir::new();
+    let t = TempDir::new("cli-test");
     let m = make_image(t.fd(), 42);
     write_stats(t.fd(), &serde_json::json!({"dump_s": 1.5})).unwrap();
-    let o = gpusnap(&["inspect", t.arg(), "--json"]);
+    let o = gpusnap(&["inspect", t.path_str(), "--json"]);
     assert!(o.status.success(), "{o:?}");
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["structure_ok"], true);
@@ -257,9 +221,9 @@ fn inspect_json_parses() {
 
 #[test]
 fn inspect_text_lists_the_process() {
-    let t = TempDir::new();
+    let t = TempDir::new("cli-test");
     make_image(t.fd(), 42);
-    let o = gpusnap(&["inspect", t.arg()]);
+    let o = gpusnap(&["inspect", t.path_str()]);
     assert!(o.status.success(), "{o:?}");
     let s = stdout(&o);
     assert!(s.contains("process 42 (split path)"), "{s}");
@@ -271,10 +235,10 @@ fn inspect_text_lists_the_process() {
 
 #[test]
 fn verify_good_image() {
-    let t = TempDir::new();
+    let t = TempDir::new("cli-test");
     make_image(t.fd(), 42);
     make_image(t.fd(), 43);
-    let o = gpusnap(&["verify", t.arg()]);
+    let o = gpusnap(&["verify", t.path_str()]);
     assert_eq!(o.status.code(), Some(0), "{o:?}");
     let s = stdout(&o);
     assert!(s.contains("ok    process 42: 3 chunks"), "{s}");
@@ -283,15 +247,15 @@ fn verify_good_image() {
 
 #[test]
 fn verify_flipped_byte_names_file_and_chunk() {
-    let t = TempDir::new();
+    let t = TempDir::new("cli-test");
     make_image(t.fd(), 42);
     let m = make_image(t.fd(), 43);
     let c = &m.chunks[2];
     flip(
-        &t.path.join(data_file_name(43, c.file)),
+        &t.file(data_file_name(43, c.file)),
         c.file_offset + c.stored_len / 2,
     );
-    let o = gpusnap(&["verify", t.arg(), "--threads", "2"]);
+    let o = gpusnap(&["verify", t.path_str(), "--threads", "2"]);
     assert_eq!(o.status.code(), Some(1), "{o:?}");
     let s = stdout(&o);
     assert!(s.contains("ok    process 42"), "{s}");
@@ -303,14 +267,14 @@ fn verify_flipped_byte_names_file_and_chunk() {
     );
     // inspect still works (the manifest is intact), and says what it checked: the structure,
     // not the chunks. It never claims the image is fine.
-    let o = gpusnap(&["inspect", t.arg()]);
+    let o = gpusnap(&["inspect", t.path_str()]);
     assert!(o.status.success(), "{o:?}");
     assert!(
         stdout(&o)
             .contains("not checked: chunk data and checksums (gpusnap verify reads every chunk)"),
         "{o:?}"
     );
-    let o = gpusnap(&["inspect", t.arg(), "--json"]);
+    let o = gpusnap(&["inspect", t.path_str(), "--json"]);
     assert!(o.status.success(), "{o:?}");
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["structure_ok"], true);
@@ -325,13 +289,13 @@ fn verify_flipped_byte_names_file_and_chunk() {
 
 #[test]
 fn verify_and_inspect_report_a_damaged_manifest() {
-    let t = TempDir::new();
+    let t = TempDir::new("cli-test");
     make_image(t.fd(), 42);
-    flip(&t.path.join(manifest_file_name(42)), 100);
-    let o = gpusnap(&["verify", t.arg()]);
+    flip(&t.file(manifest_file_name(42)), 100);
+    let o = gpusnap(&["verify", t.path_str()]);
     assert_eq!(o.status.code(), Some(1), "{o:?}");
     assert!(stdout(&o).contains("manifest checksum mismatch"));
-    let o = gpusnap(&["inspect", t.arg(), "--json"]);
+    let o = gpusnap(&["inspect", t.path_str(), "--json"]);
     assert_eq!(o.status.code(), Some(1), "{o:?}");
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["structure_ok"], false);
@@ -347,10 +311,10 @@ fn verify_and_inspect_report_a_damaged_manifest() {
 
 #[test]
 fn verify_reports_an_unfinished_dump() {
-    let t = TempDir::new();
+    let t = TempDir::new("cli-test");
     let w = DataFileWriter::create(t.fd(), 7, 0).unwrap();
     w.finish().unwrap();
-    let o = gpusnap(&["verify", t.arg()]);
+    let o = gpusnap(&["verify", t.path_str()]);
     assert_eq!(o.status.code(), Some(1), "{o:?}");
     assert!(
         stdout(&o).contains(
@@ -360,9 +324,9 @@ fn verify_reports_an_unfinished_dump() {
         "{o:?}"
     );
     // A manifest that never got its own name is no manifest either.
-    std::fs::remove_file(t.path.join(data_file_name(7, 0))).unwrap();
-    std::fs::write(t.path.join(manifest_tmp_name(7)), b"GPUSNAP-MANIFEST 2").unwrap();
-    let o = gpusnap(&["verify", t.arg()]);
+    std::fs::remove_file(t.file(data_file_name(7, 0))).unwrap();
+    std::fs::write(t.file(manifest_tmp_name(7)), b"GPUSNAP-MANIFEST 2").unwrap();
+    let o = gpusnap(&["verify", t.path_str()]);
     assert_eq!(o.status.code(), Some(1), "{o:?}");
     assert!(
         stdout(&o).contains("process 7: gpusnap-7-manifest.img.tmp: process 7 has no"),
@@ -374,9 +338,9 @@ fn verify_reports_an_unfinished_dump() {
 /// cache reached the disk): verify fails naming the file.
 #[test]
 fn verify_reports_a_data_file_cut_short() {
-    let t = TempDir::new();
+    let t = TempDir::new("cli-test");
     make_image(t.fd(), 42);
-    let data = t.path.join(data_file_name(42, 0));
+    let data = t.file(data_file_name(42, 0));
     let len = std::fs::metadata(&data).unwrap().len();
     OpenOptions::new()
         .write(true)
@@ -384,7 +348,7 @@ fn verify_reports_a_data_file_cut_short() {
         .unwrap()
         .set_len(len - 1)
         .unwrap();
-    let o = gpusnap(&["verify", t.arg()]);
+    let o = gpusnap(&["verify", t.path_str()]);
     assert_eq!(o.status.code(), Some(1), "{o:?}");
     assert!(
         stdout(&o).contains("FAIL  process 42: gpusnap-42-data-0.img: truncated"),
@@ -396,14 +360,14 @@ fn verify_reports_a_data_file_cut_short() {
 /// so a script can tell.
 #[test]
 fn nothing_to_verify_exits_3() {
-    let t = TempDir::new();
-    let o = gpusnap(&["verify", t.arg()]);
+    let t = TempDir::new("cli-test");
+    let o = gpusnap(&["verify", t.path_str()]);
     assert_eq!(o.status.code(), Some(3), "{o:?}");
     assert!(stdout(&o).contains("no gpusnap images"));
     let o = gpusnap(&["verify", "/nonexistent/gpusnap-dir"]);
     assert_eq!(o.status.code(), Some(3), "{o:?}");
     assert!(String::from_utf8_lossy(&o.stderr).contains("/nonexistent/gpusnap-dir"));
-    let o = gpusnap(&["inspect", t.arg(), "--json"]);
+    let o = gpusnap(&["inspect", t.path_str(), "--json"]);
     assert!(o.status.success());
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["processes"].as_array().unwrap().len(), 0);
@@ -464,8 +428,8 @@ fn every_subcommand_has_help() {
 /// `gpusnap check` reads the configuration as the plugin does and lists every problem.
 #[test]
 fn check_lists_every_configuration_problem() {
-    let t = TempDir::new();
-    let conf = t.path.join("gpusnap.conf");
+    let t = TempDir::new("cli-test");
+    let conf = t.file("gpusnap.conf");
     std::fs::write(&conf, "writer_thread = 4\nmode = \"fast\"\n").unwrap();
     let o = Command::new(env!("CARGO_BIN_EXE_gpusnap"))
         .arg("check")
@@ -498,13 +462,13 @@ fn check_lists_every_configuration_problem() {
 
 #[test]
 fn check_reports_each_finding() {
-    let t = TempDir::new();
-    std::fs::write(t.path.join("gpusnap.so"), b"").unwrap();
-    std::fs::write(t.path.join("cuda_plugin.so"), b"").unwrap();
+    let t = TempDir::new("cli-test");
+    std::fs::write(t.file("gpusnap.so"), b"").unwrap();
+    std::fs::write(t.file("cuda_plugin.so"), b"").unwrap();
     let o = Command::new(env!("CARGO_BIN_EXE_gpusnap"))
         .arg("check")
         .env("GPUSNAP_CRIU", "/nonexistent/criu")
-        .env("CRIU_LIBS_DIR", t.arg())
+        .env("CRIU_LIBS_DIR", t.path_str())
         .env("GPUSNAP_AGENT_LIB", "/nonexistent/libgpusnap_agent.so")
         .env("GPUSNAP_LIBCUDA", "libgpusnap-no-such-libcuda.so.1")
         .output()
@@ -525,7 +489,7 @@ fn check_reports_each_finding() {
         "{s}"
     );
     assert!(
-        s.contains(&format!("ok    plugin {}/gpusnap.so", t.arg())),
+        s.contains(&format!("ok    plugin {}/gpusnap.so", t.path_str())),
         "{s}"
     );
     assert!(s.contains("warn  CRIU's own CUDA plugin"), "{s}");

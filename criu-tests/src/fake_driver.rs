@@ -12,10 +12,10 @@ use std::collections::BTreeMap;
 use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 use std::time::Duration;
 
+use crate::build;
 use crate::criu::CriuRun;
 use crate::harness::{Harness, WorkDir};
 
@@ -47,7 +47,7 @@ pub fn spawn_restore_thread() -> io::Result<()> {
 /// `libfakecuda.so`, built once per test binary.
 pub fn fakecuda_so(h: &Harness) -> Result<&'static Path, String> {
     static SO: OnceLock<Result<PathBuf, String>> = OnceLock::new();
-    SO.get_or_init(|| cargo_build(&h.profile_dir, "fake-cuda", "libfakecuda.so"))
+    SO.get_or_init(|| build::package(&h.profile_dir, "fake-cuda", "libfakecuda.so"))
         .as_deref()
         .map_err(Clone::clone)
 }
@@ -55,42 +55,9 @@ pub fn fakecuda_so(h: &Harness) -> Result<&'static Path, String> {
 /// The `gpusnap` command-line tool, built once per test binary.
 pub fn gpusnap_cli(h: &Harness) -> Result<&'static Path, String> {
     static CLI: OnceLock<Result<PathBuf, String>> = OnceLock::new();
-    CLI.get_or_init(|| cargo_build(&h.profile_dir, "gpusnap", "gpusnap"))
+    CLI.get_or_init(|| build::package(&h.profile_dir, "gpusnap", "gpusnap"))
         .as_deref()
         .map_err(Clone::clone)
-}
-
-/// `$CARGO build -p <package>` in the profile and target dir of the running test binary.
-fn cargo_build(profile_dir: &Path, package: &str, artifact: &str) -> Result<PathBuf, String> {
-    let profile = match profile_dir.file_name().and_then(|n| n.to_str()) {
-        Some("debug") => "dev".to_owned(),
-        Some(p) => p.to_owned(),
-        None => return Err(format!("bad profile dir {}", profile_dir.display())),
-    };
-    let target_dir = profile_dir.parent().ok_or("profile dir has no parent")?;
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    eprintln!("criu-tests: building {package} ({profile})");
-    let out = Command::new(cargo)
-        .args(["build", "--quiet", "-p", package, "--profile", &profile])
-        .arg("--target-dir")
-        .arg(target_dir)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .stdin(Stdio::null())
-        .output()
-        .map_err(|e| format!("cargo build -p {package}: {e}"))?;
-    if !out.status.success() {
-        return Err(format!(
-            "cargo build -p {package} failed ({}):\n{}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        ));
-    }
-    let path = profile_dir.join(artifact);
-    if path.is_file() {
-        Ok(path)
-    } else {
-        Err(format!("{} was not produced by the build", path.display()))
-    }
 }
 
 /// One test's fake driver: the library and the directory of its state files and logs.
@@ -308,7 +275,7 @@ pub fn fake_device(h: &Harness) -> Result<(&'static Path, &'static Path), String
     static BUILT: OnceLock<Result<(PathBuf, PathBuf), String>> = OnceLock::new();
     BUILT
         .get_or_init(|| {
-            let so = cargo_build(&h.profile_dir, "fake-cuda-device", "libfakecudadev.so")?;
+            let so = build::package(&h.profile_dir, "fake-cuda-device", "libfakecudadev.so")?;
             let bin = h.profile_dir.join("fakegpu-vmm");
             if bin.is_file() {
                 Ok((so, bin))

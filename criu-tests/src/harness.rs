@@ -7,8 +7,10 @@ use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
+use crate::build;
 use crate::counter_log::CounterLog;
 use crate::criu::{BackgroundCriu, CriuRun};
+use crate::fixtures::output_text;
 use crate::procs;
 
 /// Set to `1` to skip the CRIU tests (they print that they were skipped).
@@ -119,9 +121,9 @@ impl Harness {
             .ok_or_else(|| format!("no `Version: X.Y[.Z]` line in `criu --version`: {v}"))?;
 
         let plugin_so = prebuilt(PLUGIN_SO_ENV)
-            .unwrap_or_else(|| cargo_build(&profile_dir, "gpusnap-plugin", "libgpusnap.so"))?;
+            .unwrap_or_else(|| build::package(&profile_dir, "gpusnap-plugin", "libgpusnap.so"))?;
         let keeper = prebuilt(KEEPER_ENV)
-            .unwrap_or_else(|| cargo_build(&profile_dir, "gpusnap-keeper", "gpusnap-keeper"))?;
+            .unwrap_or_else(|| build::package(&profile_dir, "gpusnap-keeper", "gpusnap-keeper"))?;
         procs::become_subreaper().map_err(|e| format!("PR_SET_CHILD_SUBREAPER: {e}"))?;
         Ok(Harness {
             repo,
@@ -139,7 +141,7 @@ impl Harness {
         self.agent
             .get_or_init(|| {
                 prebuilt(AGENT_SO_ENV).unwrap_or_else(|| {
-                    cargo_build(&self.profile_dir, "gpusnap-agent", "libgpusnap_agent.so")
+                    build::package(&self.profile_dir, "gpusnap-agent", "libgpusnap_agent.so")
                 })
             })
             .as_deref()
@@ -232,39 +234,12 @@ fn run_checked(cmd: &mut Command, what: &str) -> Result<String, String> {
         .stdin(Stdio::null())
         .output()
         .map_err(|e| format!("{what}: {e}"))?;
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text = output_text(&out);
     if out.status.success() {
         Ok(text)
     } else {
         Err(format!("{what} failed ({}):\n{text}", out.status))
     }
-}
-
-/// `$CARGO build -p <package>` in the same profile and target dir as this test binary.
-fn cargo_build(profile_dir: &Path, package: &str, artifact: &str) -> Result<PathBuf, String> {
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let profile = match profile_dir.file_name().and_then(|n| n.to_str()) {
-        Some("debug") => "dev".to_owned(),
-        Some(p) => p.to_owned(),
-        None => return Err(format!("bad profile dir {}", profile_dir.display())),
-    };
-    let target_dir = profile_dir.parent().ok_or("profile dir has no parent")?;
-    let mut cmd = Command::new(cargo);
-    cmd.args(["build", "--quiet", "-p", package, "--profile", &profile])
-        .arg("--target-dir")
-        .arg(target_dir)
-        .current_dir(env!("CARGO_MANIFEST_DIR"));
-    eprintln!("criu-tests: building {package} ({profile})");
-    run_checked(&mut cmd, &format!("cargo build -p {package}"))?;
-    let so = profile_dir.join(artifact);
-    if !so.is_file() {
-        return Err(format!("{} was not produced by the build", so.display()));
-    }
-    Ok(so)
 }
 
 /// One test's directory: `plugins/` (CRIU's `-L`), `images/` (`-D`), workload logs.

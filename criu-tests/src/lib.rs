@@ -13,16 +13,24 @@
 //! [`harness::WorkDir`] is one test's plugin and image directories, [`harness::Workload`]
 //! the processes under test. [`workload`] is shared with the workload binaries.
 //! [`inventory`] reads and edits the plugin list of CRIU's `inventory.img`. [`fake_driver`]
-//! runs criu with the stand-in NVIDIA driver `libfakecuda.so` and reads its logs.
+//! runs criu with the stand-in NVIDIA driver `libfakecuda.so` and reads its logs. [`build`]
+//! builds the workspace's other artifacts (cdylibs, other packages' binaries) from a test;
+//! [`fixtures`] are the small fixtures every test crate shares ([`fixtures::TempDir`],
+//! [`fixtures::Tmpfs`]).
 
+pub mod build;
 pub mod counter_log;
 pub mod criu;
 pub mod fake_driver;
+pub mod fixtures;
 pub mod harness;
 pub mod inventory;
 pub mod podman;
 pub mod procs;
-pub mod workload;
+
+/// The workloads' behaviour and log format: a crate of its own (`test-workload/`), so that
+/// the stand-ins' workload binaries (fake-kfd's `amd-app`) need not depend on this harness.
+pub use test_workload as workload;
 
 pub use counter_log::CounterLog;
 pub use criu::CriuRun;

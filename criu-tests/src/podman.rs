@@ -314,11 +314,7 @@ pub fn shared_libraries(bin: &Path) -> Result<Vec<PathBuf>, String> {
         .arg(bin)
         .output()
         .map_err(|e| format!("ldd {}: {e}", bin.display()))?;
-    let said = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let said = crate::fixtures::output_text(&out);
     if said.contains("not a dynamic executable") || said.contains("statically linked") {
         return Ok(Vec::new());
     }

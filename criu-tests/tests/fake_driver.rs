@@ -12,6 +12,7 @@ use std::fs;
 use std::time::Duration;
 
 use criu_tests::fake_driver::{Call, FakeDriver, RESTORE_THREAD_COMM, gpusnap_cli, shorts};
+use criu_tests::fixtures::output_text;
 use criu_tests::inventory::inventory_plugins;
 use criu_tests::{CounterLog, CriuRun, Harness, WorkDir, Workload, harness, procs};
 
@@ -754,11 +755,7 @@ fn gpusnap_recover_restores_and_unlocks_a_checkpointed_process() {
         .envs(fake.env())
         .output()
         .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text = output_text(&out);
     let ctx = format!(
         "gpusnap recover: {}\n{text}\n{}",
         out.status,

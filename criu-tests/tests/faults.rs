@@ -10,15 +10,14 @@
 //! released after criu died, brought back by `gpusnap recover`; the lock timeout with a hung
 //! agent) need one and are tested elsewhere.
 
-use std::ffi::CString;
 use std::fs;
 use std::os::fd::AsFd;
-use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::thread::sleep;
 use std::time::{Duration, Instant, SystemTime};
 
+use criu_tests::fixtures::Tmpfs;
 use criu_tests::inventory::{add_inventory_plugin, inventory_plugins};
 use criu_tests::{CounterLog, CriuRun, Workload, harness, procs};
 use gpusnap_image::{
@@ -178,52 +177,6 @@ fn criu_killed_mid_dump_leaves_workload_running() {
 
     let log = assert_runs_free(&mut wl, "after criu was killed mid-dump");
     assert!(log.last() > held_at);
-}
-
-/// Mounts a tmpfs of `size` on `dir`; unmounted on drop (lazily if still busy).
-struct Tmpfs {
-    dir: PathBuf,
-}
-
-impl Tmpfs {
-    fn mount(dir: &Path, size: &str) -> Tmpfs {
-        fs::create_dir_all(dir).unwrap();
-        let target = CString::new(dir.as_os_str().as_bytes()).unwrap();
-        let opts = CString::new(format!("size={size},mode=0700")).unwrap();
-        // SAFETY: every pointer is a valid NUL-terminated string that outlives the call.
-        let rc = unsafe {
-            libc::mount(
-                c"tmpfs".as_ptr(),
-                target.as_ptr(),
-                c"tmpfs".as_ptr(),
-                0,
-                opts.as_ptr().cast(),
-            )
-        };
-        assert_eq!(
-            rc,
-            0,
-            "mount -t tmpfs -o size={size} on {}: {}",
-            dir.display(),
-            std::io::Error::last_os_error()
-        );
-        Tmpfs {
-            dir: dir.to_owned(),
-        }
-    }
-}
-
-impl Drop for Tmpfs {
-    fn drop(&mut self) {
-        let Ok(target) = CString::new(self.dir.as_os_str().as_bytes()) else {
-            return;
-        };
-        // SAFETY: target is a valid NUL-terminated path.
-        if unsafe { libc::umount2(target.as_ptr(), 0) } != 0 {
-            // SAFETY: as above.
-            unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
-        }
-    }
 }
 
 /// Contract 2: the image directory (an 8 MiB tmpfs) fills up while a 64 MiB workload is

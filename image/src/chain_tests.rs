@@ -22,7 +22,7 @@ struct Images {
 impl Images {
     fn new() -> Images {
         Images {
-            root: TempDir::new(),
+            root: TempDir::new("image-test"),
         }
     }
     fn path(&self, k: u32) -> PathBuf {

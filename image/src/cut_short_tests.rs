@@ -230,7 +230,7 @@ struct Written {
 }
 
 fn write_image() -> Written {
-    let t = TempDir::new();
+    let t = TempDir::new("image-test");
     let (manifests, contents) = write_steps(t.fd(), &mut |_, _| {});
     Written {
         dir: t,
@@ -394,7 +394,7 @@ fn cut_points(starts: &[u64], end: u64) -> Vec<u64> {
 /// their final timings when CRIU ends).
 #[test]
 fn every_step_of_the_write_sequence_is_refused_until_the_manifest_is_in_place() {
-    let t = TempDir::new();
+    let t = TempDir::new("image-test");
     let dir = t.fd();
     let mut done: Contents = Contents::new();
     let mut steps = 0;

@@ -58,7 +58,7 @@ struct Image {
 }
 
 fn build_image() -> Image {
-    let dir = TempDir::new();
+    let dir = TempDir::new("image-test");
     let fd = dir.fd();
     let a0 = BASE;
     let a1 = BASE + 0x10_0000;

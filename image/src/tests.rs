@@ -4,50 +4,12 @@ use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
 use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::path::Path;
 
 use crate::*;
 
-/// A fresh directory under the system temp dir, removed on drop, with an open fd on it.
-pub(crate) struct TempDir {
-    path: PathBuf,
-    fd: File,
-}
-
-impl TempDir {
-    pub(crate) fn new() -> TempDir {
-        static N: AtomicU32 = AtomicU32::new(0);
-        let path = std::env::temp_dir().join(format!(
-            "gpusnap-image-test-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
-        let _ = std::fs::remove_dir_all(&path);
-        std::fs::create_dir(&path).unwrap();
-        let fd = OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_DIRECTORY)
-            .open(&path)
-            .unwrap();
-        TempDir { path, fd }
-    }
-    pub(crate) fn fd(&self) -> BorrowedFd<'_> {
-        self.fd.as_fd()
-    }
-    pub(crate) fn path(&self) -> &Path {
-        &self.path
-    }
-    pub(crate) fn file(&self, name: &str) -> PathBuf {
-        self.path.join(name)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.path);
-    }
-}
+/// A fresh directory, removed on drop, with an open fd on it (shared by the crate's tests).
+pub(crate) use criu_tests::fixtures::TempDir;
 
 const NSPID: u32 = 12;
 const CHUNK: usize = 4096;
@@ -212,7 +174,7 @@ fn read_all(dir: BorrowedFd<'_>, m: &Manifest) -> Result<Vec<Vec<u8>>, ImageErro
 
 #[test]
 fn round_trip_raw_and_zstd() {
-    let t = TempDir::new();
+    let t = TempDir::new("image-test");
     let img = make_image(t.fd());
     let m = read_manifest(t.fd(), NSPID).unwrap();
     assert_eq!(m, img.m);
@@ -239,7 +201,7 @@ fn round_trip_raw_and_zstd() {
 fn raw_chunks_hashed_while_written_match_chunks_hashed_first() {
     // Longer than several pieces, and not a whole number of them.
     let d = noise((600 << 10) + 5, 42);
-    let t = TempDir::new();
+    let t = TempDir::new("image-test");
     let mut a = DataFileWriter::create(t.fd(), NSPID, 0).unwrap();
     let mut b = DataFileWriter::create(t.fd(), NSPID, 1).unwrap();
     let first = a.append_chunk(BASE, &d, Codec::Raw).unwrap();
@@ -267,7 +229,7 @@ fn raw_chunks_hashed_while_written_match_chunks_hashed_first() {
 
     // File 1 as an image of its own: read back, verified, and a flipped byte in a later piece
     // of the long chunk is caught both ways.
-    let template = make_image(TempDir::new().fd()).m;
+    let template = make_image(TempDir::new("image-test").fd()).m;
     let m = Manifest {
         allocations: vec![AllocationRecord {
             id: 1,
@@ -310,7 +272,7 @@ fn readers_are_shared_across_threads() {
     assert_send_sync::<DataFileReader>();
     assert_send::<DataFileWriter>();
 
-    let t = TempDir::new();
+    let t = TempDir::new("image-test");
     let img = make_image(t.fd());
     let r = DataFileReader::open(t.fd(), &img.m, 0).unwrap();
     std::thread::scope(|s| {
@@ -327,8 +289,8 @@ fn readers_are_shared_across_threads() {
 
 #[test]
 fn files_are_private_and_stale_files_are_replaced() {
-    let t = TempDir::new();
-    std::fs::write(t.file(&data_file_name(NSPID, 0)), b"stale stale stale").unwrap();
+    let t = TempDir::new("image-test");
+    std::fs::write(t.file(data_file_name(NSPID, 0)), b"stale stale stale").unwrap();
     let img = make_image(t.fd());
     for name in img
         .m
@@ -340,13 +302,13 @@ fn files_are_private_and_stale_files_are_replaced() {
         let meta = std::fs::metadata(t.file(&name)).unwrap();
         assert_eq!(meta.mode() & 0o777, 0o600, "{name}");
     }
-    assert!(!t.file(&manifest_tmp_name(NSPID)).exists());
+    assert!(!t.file(manifest_tmp_name(NSPID)).exists());
     read_manifest(t.fd(), NSPID).unwrap();
 }
 
 #[test]
 fn write_manifest_refuses_what_readers_refuse() {
-    let t = TempDir::new();
+    let t = TempDir::new("image-test");
     let img = make_image(t.fd());
     let mut m = img.m.clone();
     m.chunks[0].addr = BASE + 0x30_0000; // inside the driver-saved allocation
@@ -368,9 +330,9 @@ fn write_manifest_refuses_what_readers_refuse() {
 fn flipped_byte_in_each_data_file_header() {
     for file in 0..2u32 {
         for offset in [0, 9, 17, 21, 30, 60] {
-            let t = TempDir::new();
+            let t = TempDir::new("image-test");
             make_image(t.fd());
-            flip(&t.file(&data_file_name(NSPID, file)), offset);
+            flip(&t.file(data_file_name(NSPID, file)), offset);
             let e = read_manifest(t.fd(), NSPID).unwrap_err();
             assert!(
                 matches!(
@@ -386,10 +348,10 @@ fn flipped_byte_in_each_data_file_header() {
 
 #[test]
 fn flipped_byte_in_each_payload_and_record_header() {
-    let t = TempDir::new();
+    let t = TempDir::new("image-test");
     let img = make_image(t.fd());
     for (k, c) in img.m.chunks.iter().enumerate() {
-        let path = t.file(&data_file_name(NSPID, c.file));
+        let path = t.file(data_file_name(NSPID, c.file));
         // payload: first, middle and last byte
         for off in [0, c.stored_len / 2, c.stored_len - 1] {
             flip(&path, c.file_offset + off);
@@ -425,7 +387,7 @@ fn flipped_byte_in_each_payload_and_record_header() {
 
 #[test]
 fn truncation_of_each_file() {
-    let t = TempDir::new();
+    let t = TempDir::new("image-test");
     let img = make_image(t.fd());
     let mname = manifest_file_name(NSPID);
     let msize = std::fs::metadata(t.file(&mname)).unwrap().len();
@@ -472,7 +434,7 @@ fn truncation_of_each_file() {
 
 #[test]
 fn extra_bytes_after_each_file() {
-    let t = TempDir::new();
+    let t = TempDir::new("image-test");
     let img = make_image(t.fd());
     for name in img
         .m
@@ -494,9 +456,9 @@ fn extra_bytes_after_each_file() {
 
 #[test]
 fn flipped_bit_anywhere_in_the_manifest() {
-    let t = TempDir::new();
+    let t = TempDir::new("image-test");
     make_image(t.fd());
-    let path = t.file(&manifest_file_name(NSPID));
+    let path = t.file(manifest_file_name(NSPID));
     let len = std::fs::metadata(&path).unwrap().len();
     for off in 0..len {
         flip(&path, off);
@@ -515,9 +477,9 @@ fn flipped_bit_anywhere_in_the_manifest() {
 
 #[test]
 fn unknown_version_is_refused() {
-    let t = TempDir::new();
+    let t = TempDir::new("image-test");
     let img = make_image(t.fd());
-    let path = t.file(&manifest_file_name(NSPID));
+    let path = t.file(manifest_file_name(NSPID));
     let good = std::fs::read(&path).unwrap();
     // In the header line.
     let bad = String::from_utf8(good.clone()).unwrap().replacen(
@@ -555,7 +517,7 @@ fn unknown_version_is_refused() {
     assert_eq!(hi, crate::FORMAT_VERSION, "a writer's own version is read");
     // In a data file header (resealed, so only the version is wrong).
     std::fs::write(&path, &good).unwrap();
-    let dpath = t.file(&data_file_name(NSPID, 1));
+    let dpath = t.file(data_file_name(NSPID, 1));
     let f = OpenOptions::new()
         .read(true)
         .write(true)
@@ -576,7 +538,7 @@ fn unknown_version_is_refused() {
 
 #[test]
 fn bad_file_names_are_refused() {
-    let t = TempDir::new();
+    let t = TempDir::new("image-test");
     let img = make_image(t.fd());
     for name in [
         "../gpusnap-12-data-0.img",
@@ -618,7 +580,7 @@ fn bad_file_names_are_refused() {
 fn file_indexes_may_have_gaps_and_any_order() {
     // Of 12 writers only 3 and 11 got work (the others left no file); listed in name order,
     // where "...-11.img" sorts before "...-3.img".
-    let t = TempDir::new();
+    let t = TempDir::new("image-test");
     let mut m = make_image(t.fd()).m; // for its GPUs; its files are replaced below
     remove_process_files(t.fd(), NSPID).unwrap();
     let mut w3 = DataFileWriter::create(t.fd(), NSPID, 3).unwrap();
@@ -660,8 +622,8 @@ fn file_indexes_may_have_gaps_and_any_order() {
     ));
     // A data file renamed: its header still says index 3.
     std::fs::rename(
-        t.file(&data_file_name(NSPID, 3)),
-        t.file(&data_file_name(NSPID, 4)),
+        t.file(data_file_name(NSPID, 3)),
+        t.file(data_file_name(NSPID, 4)),
     )
     .unwrap();
     let mut bad = m.clone();
@@ -681,9 +643,9 @@ fn file_indexes_may_have_gaps_and_any_order() {
 
 #[test]
 fn missing_data_file_is_refused() {
-    let t = TempDir::new();
+    let t = TempDir::new("image-test");
     make_image(t.fd());
-    std::fs::remove_file(t.file(&data_file_name(NSPID, 1))).unwrap();
+    std::fs::remove_file(t.file(data_file_name(NSPID, 1))).unwrap();
     let e = read_manifest(t.fd(), NSPID).unwrap_err();
     assert!(
         matches!(e, ImageError::MissingFile { ref file } if *file == data_file_name(NSPID, 1)),
@@ -693,7 +655,7 @@ fn missing_data_file_is_refused() {
 
 #[test]
 fn missing_manifest_is_refused() {
-    let t = TempDir::new();
+    let t = TempDir::new("image-test");
     assert!(matches!(
         read_manifest(t.fd(), 99),
         Err(ImageError::MissingFile { .. })
@@ -702,11 +664,11 @@ fn missing_manifest_is_refused() {
 
 #[test]
 fn nspid_mismatch_is_refused() {
-    let t = TempDir::new();
+    let t = TempDir::new("image-test");
     make_image(t.fd());
     std::fs::rename(
-        t.file(&manifest_file_name(NSPID)),
-        t.file(&manifest_file_name(13)),
+        t.file(manifest_file_name(NSPID)),
+        t.file(manifest_file_name(13)),
     )
     .unwrap();
     assert!(matches!(
@@ -721,7 +683,7 @@ fn nspid_mismatch_is_refused() {
 
 #[test]
 fn chunk_outside_its_file_is_refused() {
-    let t = TempDir::new();
+    let t = TempDir::new("image-test");
     let img = make_image(t.fd());
     for (off, stored) in [(0, None), (64, None), (100, None), (u64::MAX - 8, None)] {
         let mut m = img.m.clone();
@@ -767,7 +729,7 @@ fn chunk_outside_its_file_is_refused() {
 
 #[test]
 fn overlapping_chunks_are_refused() {
-    let t = TempDir::new();
+    let t = TempDir::new("image-test");
     let img = make_image(t.fd());
     // Same bytes of the file.
     let mut m = img.m.clone();
@@ -790,7 +752,7 @@ fn overlapping_chunks_are_refused() {
 
 #[test]
 fn chunk_outside_any_allocation_is_refused() {
-    let t = TempDir::new();
+    let t = TempDir::new("image-test");
     let img = make_image(t.fd());
     for addr in [
         0,
@@ -812,7 +774,7 @@ fn chunk_outside_any_allocation_is_refused() {
 
 #[test]
 fn allocation_and_sum_checks() {
-    let t = TempDir::new();
+    let t = TempDir::new("image-test");
     let img = make_image(t.fd());
     let mut m = img.m.clone();
     m.allocations[1].addr = BASE + 100;
@@ -873,7 +835,7 @@ fn allocation_and_sum_checks() {
 
 #[test]
 fn transparent_manifest_round_trip() {
-    let t = TempDir::new();
+    let t = TempDir::new("image-test");
     let m = Manifest {
         format_version: FORMAT_VERSION,
         nspid: 7,
@@ -894,9 +856,9 @@ fn transparent_manifest_round_trip() {
 
 #[test]
 fn manifest_header_line_is_strict() {
-    let t = TempDir::new();
+    let t = TempDir::new("image-test");
     let img = make_image(t.fd());
-    let path = t.file(&manifest_file_name(NSPID));
+    let path = t.file(manifest_file_name(NSPID));
     let good = std::fs::read(&path).unwrap();
     let nl = good.iter().position(|&b| b == b'\n').unwrap();
     let body = &good[nl + 1..];
@@ -948,7 +910,7 @@ fn manifest_header_line_is_strict() {
 
 #[test]
 fn read_chunk_checks_its_arguments() {
-    let t = TempDir::new();
+    let t = TempDir::new("image-test");
     let img = make_image(t.fd());
     let r = DataFileReader::open(t.fd(), &img.m, 0).unwrap();
     let c = &img.m.chunks[0];
@@ -981,7 +943,7 @@ fn read_chunk_checks_its_arguments() {
 
 #[test]
 fn writer_refuses_bad_chunks() {
-    let t = TempDir::new();
+    let t = TempDir::new("image-test");
     let mut w = DataFileWriter::create(t.fd(), 1, 0).unwrap();
     assert!(matches!(
         w.append_chunk(0, &[], Codec::Raw),
@@ -998,7 +960,7 @@ fn writer_refuses_bad_chunks() {
 
 #[test]
 fn scan_walks_records_without_a_manifest() {
-    let t = TempDir::new();
+    let t = TempDir::new("image-test");
     let img = make_image(t.fd());
     for file in 0..2u32 {
         let s = scan_data_file(t.fd(), NSPID, file).unwrap();
@@ -1020,7 +982,7 @@ fn scan_walks_records_without_a_manifest() {
     // Damage in the second record stops the walk there.
     let c = &img.m.chunks[1];
     flip(
-        &t.file(&data_file_name(NSPID, 0)),
+        &t.file(data_file_name(NSPID, 0)),
         c.file_offset - RECORD_LEN + 20,
     );
     let s = scan_data_file(t.fd(), NSPID, 0).unwrap();
@@ -1053,7 +1015,7 @@ fn names_and_listing() {
     ] {
         assert_eq!(parse_file_name(bad), None, "{bad}");
     }
-    let t = TempDir::new();
+    let t = TempDir::new("image-test");
     make_image(t.fd());
     for n in [
         "gpusnap-3-manifest.img",
@@ -1077,12 +1039,12 @@ fn names_and_listing() {
 
 #[test]
 fn processes_with_files_but_no_manifest_are_unfinished_and_refuse_the_directory() {
-    let t = TempDir::new();
+    let t = TempDir::new("image-test");
     let img = make_image(t.fd());
     assert_eq!(unfinished_dumps(t.fd()).unwrap(), vec![]);
     assert_eq!(read_manifests(t.fd()).unwrap()[&NSPID], img.m);
     // A rewrite of a complete manifest that did not finish: the manifest stands.
-    std::fs::write(t.file(&manifest_tmp_name(NSPID)), b"GPUSNAP").unwrap();
+    std::fs::write(t.file(manifest_tmp_name(NSPID)), b"GPUSNAP").unwrap();
     assert_eq!(unfinished_dumps(t.fd()).unwrap(), vec![]);
     assert_eq!(read_manifests(t.fd()).unwrap().len(), 1);
     // Data files without a manifest, and a manifest still under its temporary name.
@@ -1113,7 +1075,7 @@ fn processes_with_files_but_no_manifest_are_unfinished_and_refuse_the_directory(
 
 #[test]
 fn sync_dir_syncs_any_descriptor_of_the_directory_and_reports_failures() {
-    let t = TempDir::new();
+    let t = TempDir::new("image-test");
     sync_dir(t.fd()).unwrap();
     // An O_PATH descriptor cannot be synced itself; sync_dir syncs one of its own.
     let o_path = OpenOptions::new()
@@ -1135,7 +1097,7 @@ fn sync_dir_syncs_any_descriptor_of_the_directory_and_reports_failures() {
 
 #[test]
 fn symlinks_are_not_followed() {
-    let t = TempDir::new();
+    let t = TempDir::new("image-test");
     let img = make_image(t.fd());
     let name = data_file_name(NSPID, 0);
     let moved = t.file("elsewhere");
@@ -1156,7 +1118,7 @@ fn symlinks_are_not_followed() {
 
 #[test]
 fn stats_round_trip() {
-    let t = TempDir::new();
+    let t = TempDir::new("image-test");
     assert_eq!(read_stats(t.fd()).unwrap(), None);
     let v = serde_json::json!({"dump_s": 1.25, "processes": [12]});
     write_stats(t.fd(), &v).unwrap();
@@ -1173,7 +1135,7 @@ fn stats_round_trip() {
 #[test]
 fn large_chunks_round_trip() {
     // A few MiB, to exercise short-read/short-write loops and buffer reuse on real sizes.
-    let t = TempDir::new();
+    let t = TempDir::new("image-test");
     let mut w = DataFileWriter::create(t.fd(), 1, 0).unwrap();
     let big = pattern(3 << 20, 1);
     let small = noise(1 << 20, 2);
@@ -1220,7 +1182,7 @@ fn zstd_frame_of_the_wrong_size_is_refused() {
     use crate::header::{Record, encode_data_header, encode_record};
     // Hand-made files whose checksums are all right but whose frame holds `n` bytes while the
     // record and manifest claim `len`.
-    let t = TempDir::new();
+    let t = TempDir::new("image-test");
     let frame = zstd::bulk::compress(&[7u8; 1000], 1).unwrap();
     let base = make_image(t.fd()).m;
     remove_process_files(t.fd(), NSPID).unwrap();
@@ -1237,7 +1199,7 @@ fn zstd_frame_of_the_wrong_size_is_refused() {
         let mut bytes = encode_data_header(NSPID, index).to_vec();
         bytes.extend_from_slice(&encode_record(&rec));
         bytes.extend_from_slice(&frame);
-        std::fs::write(t.file(&data_file_name(NSPID, index)), &bytes).unwrap();
+        std::fs::write(t.file(data_file_name(NSPID, index)), &bytes).unwrap();
         let mut m = base.clone();
         m.files = vec![FileEntry {
             name: data_file_name(NSPID, index),
@@ -1269,13 +1231,13 @@ fn zstd_frame_of_the_wrong_size_is_refused() {
 #[test]
 fn a_record_whose_seq_is_not_its_position_in_the_file_is_refused() {
     use crate::header::{decode_record, encode_record};
-    let t = TempDir::new();
+    let t = TempDir::new("image-test");
     let img = make_image(t.fd());
     // Chunk 1 is the second record of data file 0. Rewrite its header with seq 5 and a
     // recomputed header checksum, so only seq is wrong.
     let c = &img.m.chunks[1];
     assert_eq!(c.file, 0);
-    let path = t.file(&data_file_name(NSPID, 0));
+    let path = t.file(data_file_name(NSPID, 0));
     let f = OpenOptions::new()
         .read(true)
         .write(true)
@@ -1343,7 +1305,7 @@ fn a_record_whose_seq_is_not_its_position_in_the_file_is_refused() {
 #[test]
 fn zero_chunks_and_device_hashes() {
     use gpusnap_proto::devhash;
-    let t = TempDir::new();
+    let t = TempDir::new("image-test");
     let img = make_image(t.fd());
     let zbase = BASE + 0x30_0000;
     let zlen = CHUNK as u64;
@@ -1428,7 +1390,7 @@ fn zero_chunks_and_device_hashes() {
 /// hash are refused.
 #[test]
 fn raw_sum64_chunks_are_checked_by_their_device_hash() {
-    let t = TempDir::new();
+    let t = TempDir::new("image-test");
     let data: Vec<Vec<u8>> = (0..2).map(|i| noise(CHUNK, 40 + i)).collect();
     let mut w = DataFileWriter::create(t.fd(), NSPID, 0).unwrap();
     let chunks: Vec<ChunkEntry> = data
@@ -1452,7 +1414,7 @@ fn raw_sum64_chunks_are_checked_by_their_device_hash() {
         }],
         files: vec![w.finish().unwrap()],
         chunks,
-        ..make_image(TempDir::new().fd()).m
+        ..make_image(TempDir::new("image-test").fd()).m
     };
     write_manifest(t.fd(), &m).unwrap();
     let back = read_manifest(t.fd(), NSPID).unwrap();
@@ -1462,7 +1424,7 @@ fn raw_sum64_chunks_are_checked_by_their_device_hash() {
 
     // One flipped payload byte.
     flip(
-        &t.file(&data_file_name(NSPID, 0)),
+        &t.file(data_file_name(NSPID, 0)),
         DATA_HEADER_LEN + RECORD_LEN + 100,
     );
     let e = read_all(t.fd(), &back).unwrap_err();

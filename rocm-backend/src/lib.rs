@@ -154,7 +154,7 @@ mod tests {
     fn detect_missing_device() {
         let t = TempDir::new("detect");
         assert_eq!(
-            detect_at(&t.0.join("kfd"), &t.0.join("topology")),
+            detect_at(&t.file("kfd"), &t.file("topology")),
             Detection::NoKfd
         );
     }
@@ -162,7 +162,7 @@ mod tests {
     #[test]
     fn detect_non_kfd_device_is_unusable() {
         let t = TempDir::new("detect");
-        let d = detect_at(Path::new("/dev/null"), &t.0);
+        let d = detect_at(Path::new("/dev/null"), t.path());
         let Detection::Unusable { reason } = &d else {
             panic!("{d:?}")
         };
@@ -177,8 +177,8 @@ mod tests {
         assert!(old.contains("1.6") && old.contains("1.8"), "{old}");
 
         let t = TempDir::new("detect");
-        two_gpus(&t.0);
-        let gpus = topology::read_gpus(&t.0).unwrap();
+        two_gpus(t.path());
+        let gpus = topology::read_gpus(t.path()).unwrap();
         let line = status_line(&Detection::Present {
             version: KfdVersion {
                 major: 1,

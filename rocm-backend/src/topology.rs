@@ -253,30 +253,10 @@ fn parse_properties(text: &str, path: &Path) -> Result<BTreeMap<String, u64>, To
 /// Helpers to build a fake topology tree, shared with the crate's other tests.
 #[cfg(test)]
 pub(crate) mod fake {
-    use std::path::{Path, PathBuf};
-    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::path::Path;
 
     /// A fresh temporary directory, removed on drop.
-    pub struct TempDir(pub PathBuf);
-
-    impl TempDir {
-        pub fn new(tag: &str) -> TempDir {
-            static N: AtomicUsize = AtomicUsize::new(0);
-            let dir = std::env::temp_dir().join(format!(
-                "gpusnap-rocm-{tag}-{}-{}",
-                std::process::id(),
-                N.fetch_add(1, Ordering::Relaxed)
-            ));
-            std::fs::create_dir_all(&dir).unwrap();
-            TempDir(dir)
-        }
-    }
-
-    impl Drop for TempDir {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
+    pub use criu_tests::fixtures::TempDir;
 
     pub fn write(path: &Path, text: &str) {
         std::fs::create_dir_all(path.parent().unwrap()).unwrap();
@@ -328,8 +308,8 @@ mod tests {
     #[test]
     fn parses_fake_tree() {
         let t = TempDir::new("topo");
-        two_gpus(&t.0);
-        let gpus = read_gpus(&t.0).unwrap();
+        two_gpus(t.path());
+        let gpus = read_gpus(t.path()).unwrap();
         assert_eq!(gpus.len(), 2);
 
         let a = &gpus[0];
@@ -356,8 +336,8 @@ mod tests {
     #[test]
     fn gfx_names() {
         let t = TempDir::new("topo");
-        two_gpus(&t.0);
-        let mut g = read_gpus(&t.0).unwrap().remove(0);
+        two_gpus(t.path());
+        let mut g = read_gpus(t.path()).unwrap().remove(0);
         for (v, name) in [(90402, "gfx942"), (90008, "gfx908"), (110001, "gfx1101")] {
             g.gfx_target_version = Some(v);
             assert_eq!(g.gfx_name().as_deref(), Some(name));
@@ -369,26 +349,26 @@ mod tests {
     #[test]
     fn no_topology() {
         let t = TempDir::new("topo");
-        let err = read_gpus(&t.0.join("absent")).unwrap_err();
+        let err = read_gpus(&t.file("absent")).unwrap_err();
         assert!(matches!(err, TopologyError::Missing { .. }), "{err}");
     }
 
     #[test]
     fn cpu_only_topology_has_no_gpus() {
         let t = TempDir::new("topo");
-        write(&t.0.join("nodes/0/gpu_id"), "0\n");
-        assert_eq!(read_gpus(&t.0).unwrap(), vec![]);
+        write(&t.file("nodes/0/gpu_id"), "0\n");
+        assert_eq!(read_gpus(t.path()).unwrap(), vec![]);
     }
 
     #[test]
     fn missing_required_property() {
         let t = TempDir::new("topo");
-        write(&t.0.join("nodes/0/gpu_id"), "5\n");
+        write(&t.file("nodes/0/gpu_id"), "5\n");
         write(
-            &t.0.join("nodes/0/properties"),
+            &t.file("nodes/0/properties"),
             "vendor_id 4098\nsimd_count 4\n",
         );
-        let err = read_gpus(&t.0).unwrap_err();
+        let err = read_gpus(t.path()).unwrap_err();
         assert!(
             matches!(
                 err,
@@ -404,19 +384,19 @@ mod tests {
     #[test]
     fn malformed_files() {
         let t = TempDir::new("topo");
-        write(&t.0.join("nodes/0/gpu_id"), "abc\n");
+        write(&t.file("nodes/0/gpu_id"), "abc\n");
         assert!(matches!(
-            read_gpus(&t.0).unwrap_err(),
+            read_gpus(t.path()).unwrap_err(),
             TopologyError::Parse { .. }
         ));
-        write(&t.0.join("nodes/0/gpu_id"), "5\n");
-        write(&t.0.join("nodes/0/properties"), "vendor_id\n");
-        let err = read_gpus(&t.0).unwrap_err();
+        write(&t.file("nodes/0/gpu_id"), "5\n");
+        write(&t.file("nodes/0/properties"), "vendor_id\n");
+        let err = read_gpus(t.path()).unwrap_err();
         assert!(err.to_string().contains("line 1"), "{err}");
-        write(&t.0.join("nodes/0/properties"), "");
-        std::fs::remove_file(t.0.join("nodes/0/properties")).unwrap();
+        write(&t.file("nodes/0/properties"), "");
+        std::fs::remove_file(t.file("nodes/0/properties")).unwrap();
         assert!(matches!(
-            read_gpus(&t.0).unwrap_err(),
+            read_gpus(t.path()).unwrap_err(),
             TopologyError::Io { .. }
         ));
     }

@@ -2,7 +2,7 @@
 //! KFD. It opens `<dir>/kfd` and one render node per GPU it uses, binds the GPUs, allocates per
 //! GPU a VRAM buffer (filled by its queue with a pattern) and a doorbell page (no contents), one
 //! GTT counter buffer that its queue counts in, starts its queue, then runs the usual counter
-//! workload on the CPU (`criu_tests::workload`), holding the files open.
+//! workload on the CPU (`test_workload`), holding the files open.
 //!
 //! Usage: `amd-app --dir DIR --log FILE --seed N [--gpus K] [--bo-kib N] [--children C]`
 //!
@@ -20,11 +20,11 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use criu_tests::workload::{BUFFER_BYTES, arg, fill_buffer, run_counter};
 use gpusnap_rocm::kfd::standin::{self, StandinKfd, request};
 use gpusnap_rocm::kfd::sys::{
     KFD_IOC_ALLOC_MEM_FLAGS_DOORBELL, KFD_IOC_ALLOC_MEM_FLAGS_GTT, KFD_IOC_ALLOC_MEM_FLAGS_VRAM,
 };
+use test_workload::{BUFFER_BYTES, arg, fill_buffer, run_counter};
 
 /// Where the buffers go in the (stand-in) GPU virtual address space.
 const VA_BASE: u64 = 0x7f00_0000_0000;

@@ -104,11 +104,11 @@ fn errno(e: i32) -> io::Error {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let Some(dir) = criu_tests::workload::arg(&args, "--dir") else {
+    let Some(dir) = test_workload::arg(&args, "--dir") else {
         eprintln!("usage: fake-kfd --dir DIR [--version MAJOR.MINOR]");
         std::process::exit(2);
     };
-    let version = criu_tests::workload::arg(&args, "--version")
+    let version = test_workload::arg(&args, "--version")
         .and_then(|v| {
             let (a, b) = v.split_once('.')?;
             Some((a.parse().ok()?, b.parse().ok()?))

@@ -3,7 +3,6 @@
 //! `KfdDevice` calls the plugin makes.
 
 use std::os::fd::{AsFd, FromRawFd, OwnedFd};
-use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -12,8 +11,8 @@ use gpusnap_rocm::kfd::criu;
 use gpusnap_rocm::kfd::device::KfdDevice;
 use gpusnap_rocm::kfd::standin::StandinKfd;
 
-const APP: &str = env!("CARGO_BIN_EXE_amd-app");
-const DAEMON: &str = env!("CARGO_BIN_EXE_fake-kfd");
+use criu_tests::build::built;
+use criu_tests::fixtures::TempDir;
 
 fn errno(e: &gpusnap_rocm::kfd::KfdError) -> Option<i32> {
     match e {
@@ -63,9 +62,16 @@ fn the_stand_in_enforces_the_kernels_rules() {
         eprintln!("skipping: needs root (mknod)");
         return;
     }
-    let dir = std::env::temp_dir().join(format!("gpusnap-kfd-rules-{}", std::process::id()));
-    let s = StandinSetup::start(&dir, &[FakeGpu::mi210(4660, 128)], Path::new(DAEMON)).unwrap();
-    let dev = StandinKfd::new(&dir);
+    let tmp = TempDir::new("kfd-rules");
+    let dir = tmp.path();
+    // The stand-in KFD daemon and the stand-in AMD process (binaries of `fake-kfd`).
+    let s = StandinSetup::start(
+        dir,
+        &[FakeGpu::mi210(4660, 128)],
+        &built("fake-kfd", "fake-kfd"),
+    )
+    .unwrap();
+    let dev = StandinKfd::new(dir);
 
     // A KFD process of this test, with nothing on it: nothing to pause.
     let mine = dev.open_kfd().unwrap();
@@ -87,7 +93,7 @@ fn the_stand_in_enforces_the_kernels_rules() {
     assert_eq!(errno(&e), Some(libc::EINVAL), "{e}");
 
     // A running stand-in AMD process, not traced.
-    let app = App(Command::new(APP)
+    let app = App(Command::new(built("fake-kfd", "amd-app"))
         .args(["--dir", dir.to_str().unwrap(), "--log"])
         .arg(dir.join("app.log"))
         .args(["--seed", "1"])
@@ -107,5 +113,5 @@ fn the_stand_in_enforces_the_kernels_rules() {
     assert_eq!(errno(&e), Some(libc::EBADF), "{e}");
     assert_eq!(s.process(pid as u32)["state"], "running");
     drop(app);
-    let _ = std::fs::remove_dir_all(&dir);
+    // `s`, then `tmp` (the directory), go on drop.
 }

@@ -36,6 +36,7 @@ use std::thread::sleep;
 use std::time::{Duration, Instant};
 
 use common::split::{AtDump, Split};
+use criu_tests::fixtures::output_text;
 use criu_tests::{CriuRun, procs};
 
 impl Split {
@@ -1162,11 +1163,7 @@ fn recover_after_criu_killed_mid_dump() {
         .envs(env[..2].iter().copied())
         .output()
         .expect("run gpusnap recover");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text = output_text(&out);
     assert!(
         out.status.success() && text.contains("device data reloaded"),
         "gpusnap recover failed ({}): {text}\n{}",
@@ -1259,7 +1256,7 @@ fn rollback_failing_part_way_does_not_run_without_memory() {
 /// dump`, and a `sync -f` of the directory right after it, which is what the user must run for
 /// CRIU's own files anyway.
 ///
-/// `cargo test --release -p fake-cuda-device --test split_path -- --ignored durable_cost --nocapture`
+/// `cargo test --release -p criu-tests --test split_path -- --ignored durable_cost --nocapture`
 #[test]
 #[ignore = "a measurement, run by hand"]
 fn durable_cost() {

@@ -7,45 +7,32 @@
 //! own CPU counter log, and CRIU's log.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
+use criu_tests::build::built;
+use criu_tests::fixtures::{TempDir, output_text};
 use criu_tests::{CriuRun, WorkDir, Workload, harness};
 use fake_kfd::{FakeGpu, StandinSetup};
 use gpusnap_rocm::kfd::standin::STANDIN_ENV;
 use gpusnap_rocm::kfd::sys::KfdCriuOp;
 use serde_json::Value;
 
-const APP: &str = env!("CARGO_BIN_EXE_amd-app");
-const DAEMON: &str = env!("CARGO_BIN_EXE_fake-kfd");
-
-/// A short directory for the stand-in (its socket path must fit `sun_path`).
-struct StandinDir(PathBuf);
-
-impl StandinDir {
-    fn new() -> StandinDir {
-        static N: AtomicU32 = AtomicU32::new(0);
-        let p = PathBuf::from(format!(
-            "/tmp/gpusnap-kfd-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
-        let _ = std::fs::remove_dir_all(&p);
-        StandinDir(p)
-    }
+/// The stand-in AMD process and the stand-in KFD daemon (binaries of `fake-kfd`), built once
+/// per test binary.
+fn app() -> String {
+    let p = built("fake-kfd", "amd-app");
+    p.to_str().expect("UTF-8 path").to_owned()
 }
-
-impl Drop for StandinDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+fn daemon() -> PathBuf {
+    built("fake-kfd", "fake-kfd")
 }
 
 /// One test: a work dir, a stand-in KFD, and the stand-in AMD process.
 struct Case {
     w: WorkDir,
     kfd: StandinSetup,
-    sdir: StandinDir,
+    /// A short directory for the stand-in (its socket path must fit `sun_path`).
+    sdir: TempDir,
     app: Workload,
 }
 
@@ -53,14 +40,14 @@ impl Case {
     fn start(name: &str, gpus: &[FakeGpu], app_gpus: usize) -> Option<Case> {
         let h = harness(name)?;
         let w = h.workdir(name);
-        let sdir = StandinDir::new();
+        let sdir = TempDir::short("kfd");
         let kfd =
-            StandinSetup::start(&sdir.0, gpus, Path::new(DAEMON)).unwrap_or_else(|e| panic!("{e}"));
-        let d = sdir.0.display().to_string();
+            StandinSetup::start(sdir.path(), gpus, &daemon()).unwrap_or_else(|e| panic!("{e}"));
+        let d = sdir.path().display().to_string();
         let n = app_gpus.to_string();
         let app = w.spawn(
             "amd-app",
-            APP,
+            &app(),
             &[
                 "--dir",
                 &d,
@@ -82,7 +69,7 @@ impl Case {
     }
 
     fn env(&self) -> Vec<(&'static str, String)> {
-        vec![(STANDIN_ENV, self.sdir.0.display().to_string())]
+        vec![(STANDIN_ENV, self.sdir.path().display().to_string())]
     }
 
     fn criu_with(&self, args: Vec<String>, log: &str, extra: &[(&str, &str)]) -> CriuRun {
@@ -226,7 +213,7 @@ fn dump_restore_and_check(c: &mut Case) -> (CriuRun, CriuRun) {
     assert!(!hashes.is_empty());
     // One VRAM buffer and one doorbell page mapped per GPU.
     let n_maps = 2 * before["devices"].as_array().unwrap().len();
-    let maps_before = assert_mappings_show_their_bos(&c.sdir.0, c.app.root(), n_maps);
+    let maps_before = assert_mappings_show_their_bos(c.sdir.path(), c.app.root(), n_maps);
     let dump = c.dump(false);
     dump.assert_ok();
     assert_log_has(&dump, &format!("{n_maps} device mappings"));
@@ -267,7 +254,7 @@ fn dump_restore_and_check(c: &mut Case) -> (CriuRun, CriuRun) {
     assert_log_has(&restore, "GPU queues resumed (RESUME)");
     assert_log_has(&restore, "device mappings translated");
     // The mappings are back at their addresses, at the BOs' new offsets, showing their BOs.
-    let maps_after = assert_mappings_show_their_bos(&c.sdir.0, pid, n_maps);
+    let maps_after = assert_mappings_show_their_bos(c.sdir.path(), pid, n_maps);
     for ((s0, o0), (s1, o1)) in maps_before.iter().zip(&maps_after) {
         assert_eq!(s0, s1);
         assert_ne!(o0, o1, "the mapping at {s0:#x} kept its old offset");
@@ -470,7 +457,7 @@ fn amd_damaged_image_is_refused() {
     let mut args =
         c.w.criu_args_in("restore", &c.w.images, &c.w.images.join("off.log"));
     args.push("--restore-detached".into());
-    let sdir = c.sdir.0.display().to_string();
+    let sdir = c.sdir.path().display().to_string();
     let r = c.w.run_criu(
         &args,
         &[(STANDIN_ENV, sdir.as_str()), ("GPUSNAP_MODE", "off")],
@@ -521,7 +508,7 @@ fn amd_topology_mismatch_is_refused_and_other_ids_are_translated() {
     let mut other = FakeGpu::mi210(4660, 128);
     other.device_id = 0x744c;
     other.gfx_target_version = 110000;
-    c.kfd = StandinSetup::start(&c.sdir.0, &[other], Path::new(DAEMON)).unwrap();
+    c.kfd = StandinSetup::start(c.sdir.path(), &[other], &daemon()).unwrap();
     let r = c.restore();
     assert!(!r.succeeded());
     assert_log_has(&r, "no GPU here can take the place of gpu_id 4660");
@@ -531,14 +518,13 @@ fn amd_topology_mismatch_is_refused_and_other_ids_are_translated() {
     c.kfd.stop();
     let mut small = FakeGpu::mi210(4660, 128);
     small.vram_bytes = 1 << 20;
-    c.kfd = StandinSetup::start(&c.sdir.0, &[small], Path::new(DAEMON)).unwrap();
+    c.kfd = StandinSetup::start(c.sdir.path(), &[small], &daemon()).unwrap();
     let r = c.restore();
     assert!(!r.succeeded());
     assert_log_has(&r, "too small");
     // The same model under another gpu_id and render node: restored there.
     c.kfd.stop();
-    c.kfd =
-        StandinSetup::start(&c.sdir.0, &[FakeGpu::mi210(9999, 129)], Path::new(DAEMON)).unwrap();
+    c.kfd = StandinSetup::start(c.sdir.path(), &[FakeGpu::mi210(9999, 129)], &daemon()).unwrap();
     let r = c.restore();
     r.assert_ok();
     assert_log_has(
@@ -575,35 +561,6 @@ fn amd_two_gpus_dump_and_restore() {
     assert_eq!(c.process()["devices"].as_array().unwrap().len(), 2);
 }
 
-/// Builds this crate's cdylib (`cargo test` builds only the rlib) in the test's own profile.
-fn build_fake_amdgpu_plugin(profile_dir: &Path) -> PathBuf {
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let profile = match profile_dir.file_name().and_then(|n| n.to_str()) {
-        Some("debug") | None => "dev".to_owned(),
-        Some(p) => p.to_owned(),
-    };
-    let st = std::process::Command::new(cargo)
-        .args([
-            "build",
-            "--quiet",
-            "-p",
-            "fake-amdgpu-plugin",
-            "--lib",
-            "--profile",
-            &profile,
-        ])
-        .arg("--target-dir")
-        .arg(profile_dir.parent().expect("target dir"))
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .status()
-        .expect("cargo build -p fake-amdgpu-plugin --lib");
-    assert!(
-        st.success(),
-        "cargo build -p fake-amdgpu-plugin --lib: {st}"
-    );
-    profile_dir.join("libfake_amdgpu_plugin.so")
-}
-
 /// CRIU's own amdgpu plugin in the same plugin directory (a stand-in of it): gpusnap leaves
 /// every AMD file to it, so exactly one plugin handles `/dev/kfd`, and never gpusnap twice.
 #[test]
@@ -611,7 +568,13 @@ fn amd_coexists_with_criu_amdgpu_plugin() {
     let Some(c) = Case::start("amd-coexist", &[FakeGpu::mi210(4660, 128)], 1) else {
         return;
     };
-    let so = build_fake_amdgpu_plugin(&c.w.harness().profile_dir);
+    // A cdylib only: `cargo test` never builds it.
+    let so = criu_tests::build::package(
+        &c.w.harness().profile_dir,
+        "fake-amdgpu-plugin",
+        "libfake_amdgpu_plugin.so",
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
     std::fs::copy(&so, c.w.plugins.join("amdgpu_plugin.so"))
         .unwrap_or_else(|e| panic!("{}: {e}", so.display()));
     // A loaded amdgpu plugin that takes nothing: gpusnap still defers, nobody takes the
@@ -628,7 +591,7 @@ fn amd_coexists_with_criu_amdgpu_plugin() {
     args.splice(1..1, ["-t".to_owned(), c.app.root().to_string()]);
     args.push("--leave-running".into());
     let env = [
-        (STANDIN_ENV, c.sdir.0.display().to_string()),
+        (STANDIN_ENV, c.sdir.path().display().to_string()),
         ("GPUSNAP_TEST_FAKE_AMDGPU", "claim".to_owned()),
     ];
     let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
@@ -658,13 +621,13 @@ fn amd_process_tree_dumps_and_restores() {
         return;
     };
     let w = h.workdir("amd-tree");
-    let sdir = StandinDir::new();
-    let kfd = StandinSetup::start(&sdir.0, &[FakeGpu::mi210(4660, 128)], Path::new(DAEMON))
+    let sdir = TempDir::short("kfd");
+    let kfd = StandinSetup::start(sdir.path(), &[FakeGpu::mi210(4660, 128)], &daemon())
         .unwrap_or_else(|e| panic!("{e}"));
-    let d = sdir.0.display().to_string();
+    let d = sdir.path().display().to_string();
     let app = w.spawn(
         "amd-app",
-        APP,
+        &app(),
         &[
             "--dir",
             &d,
@@ -724,17 +687,17 @@ fn amd_foreign_device_mapping_is_refused() {
         return;
     };
     let w = h.workdir("amd-foreign-map");
-    let sdir = StandinDir::new();
-    let kfd = StandinSetup::start(&sdir.0, &[FakeGpu::mi210(4660, 128)], Path::new(DAEMON))
+    let sdir = TempDir::short("kfd");
+    let kfd = StandinSetup::start(sdir.path(), &[FakeGpu::mi210(4660, 128)], &daemon())
         .unwrap_or_else(|e| panic!("{e}"));
-    let other = fake_kfd::LoopDevice::attach(&sdir.0.join("other.store")).unwrap();
+    let other = fake_kfd::LoopDevice::attach(&sdir.path().join("other.store")).unwrap();
     let node = w.path.join("other-dev");
     fake_kfd::make_block_node(&node, other.rdev).unwrap();
-    let d = sdir.0.display().to_string();
+    let d = sdir.path().display().to_string();
     let n = node.display().to_string();
     let app = w.spawn(
         "amd-app",
-        APP,
+        &app(),
         &[
             "--dir",
             &d,
@@ -884,15 +847,10 @@ fn run_cli(c: &Case, args: &[&str]) -> (bool, String) {
     let cli = criu_tests::fake_driver::gpusnap_cli(c.w.harness()).unwrap_or_else(|e| panic!("{e}"));
     let out = std::process::Command::new(cli)
         .args(args)
-        .env(STANDIN_ENV, &c.sdir.0)
+        .env(STANDIN_ENV, c.sdir.path())
         .output()
         .expect("run gpusnap");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.success(), text)
+    (out.status.success(), output_text(&out))
 }
 
 fn amd_cell(op: Op, point: &'static str) {

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use super::{MORE_TICKS, Vmm, libcuda_dir};
+use criu_tests::fixtures::output_text;
 use criu_tests::{CriuRun, WorkDir, harness, procs};
 
 /// `libfakecuda.so` and the `gpusnap` CLI.
@@ -286,11 +287,7 @@ impl Split {
             .env_remove("GPUSNAP_TEST_KILL_CRIU_AT")
             .output()
             .expect("run gpusnap");
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let text = output_text(&out);
         (out.status.success(), text)
     }
 

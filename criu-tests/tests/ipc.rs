@@ -12,7 +12,10 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::sync::OnceLock;
 
-const IPC: &str = env!("CARGO_BIN_EXE_fakegpu-ipc");
+/// `fakegpu-ipc`, the IPC workload (a binary of `fake-cuda-device`).
+fn ipc_bin() -> PathBuf {
+    common::built("fake-cuda-device", "fakegpu-ipc")
+}
 
 /// 8 MiB plus a bit: converted by the agent (at least 1 MiB), not a multiple of 2 MiB.
 const LARGE: &str = "8400000";
@@ -49,7 +52,7 @@ enum Agent {
 /// importer's are keyed `importer <key>`.
 fn run(agent: Agent, args: &[&str]) -> BTreeMap<String, String> {
     let agent_so = agent_so();
-    let mut cmd = Command::new(IPC);
+    let mut cmd = Command::new(ipc_bin());
     cmd.arg("export")
         .args(args)
         .env("LD_LIBRARY_PATH", lib_dir())

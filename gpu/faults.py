@@ -657,7 +657,7 @@ KILL_POINTS = ["dump-locked", "dump-data-out", "dump-lent", "dump-released", "du
                "restore-keeper-loaded", "restore-handing-over", "restore-control",
                "restore-unlocked", "restore-data"]
 # Reached only where the GPU cannot run the hash kernel, which only the stand-in driver in CI can
-# arrange (fake-cuda-device/tests/fail_closed.rs); the last of the plugin's points.
+# arrange (criu-tests/tests/fail_closed.rs); the last of the plugin's points.
 STANDIN_ONLY_POINTS = ["restore-host-check"]
 # The split path here is the default one, the hand-over (the memory lent to gpusnap-keeper and
 # drained beside CRIU's dump; dump-data-out is the drain's first chunk). Reached only on it: on

@@ -1,8 +1,5 @@
 //! What the tests on the stand-in CUDA device (`fake-cuda-device`) share: the built stand-in
 //! library and its `libcuda.so.1` link, starting `fakegpu-vmm`, and reading its log.
-//!
-//! `fake-cuda-device/tests/common/mod.rs` loads this file too (with `#[path]`), for the tests
-//! still in that crate (`handover.rs`, `fail_closed.rs`): keep it usable from both.
 
 #![allow(dead_code)] // each test binary uses its own part
 

@@ -34,6 +34,7 @@ use std::thread::sleep;
 use std::time::Duration;
 
 use common::split::{AtDump, Split};
+use criu_tests::fixtures::Tmpfs;
 use criu_tests::{CriuRun, procs};
 
 /// The knob (the plugin's `fault::ENV`).
@@ -737,46 +738,6 @@ fn agent_hung_in_the_rollback_keeps_the_job_held() {
         "{what}: the workload ran on after the failed recover ({text})\n{}",
         s.describe(&dump)
     );
-}
-
-/// A tmpfs of `size` mounted on a directory; unmounted on drop (lazily if still busy).
-struct Tmpfs(std::ffi::CString);
-
-impl Tmpfs {
-    fn mount(dir: &std::path::Path, size: &str) -> Tmpfs {
-        use std::os::unix::ffi::OsStrExt;
-        fs::create_dir_all(dir).expect("mkdir mount point");
-        let target = std::ffi::CString::new(dir.as_os_str().as_bytes()).expect("path");
-        let opts = std::ffi::CString::new(format!("size={size},mode=0700")).expect("options");
-        // SAFETY: every pointer is a valid NUL-terminated string that outlives the call.
-        let rc = unsafe {
-            libc::mount(
-                c"tmpfs".as_ptr(),
-                target.as_ptr(),
-                c"tmpfs".as_ptr(),
-                0,
-                opts.as_ptr().cast(),
-            )
-        };
-        assert_eq!(
-            rc,
-            0,
-            "mount -t tmpfs -o size={size} on {}: {}",
-            dir.display(),
-            std::io::Error::last_os_error()
-        );
-        Tmpfs(target)
-    }
-}
-
-impl Drop for Tmpfs {
-    fn drop(&mut self) {
-        // SAFETY: a valid NUL-terminated path.
-        if unsafe { libc::umount2(self.0.as_ptr(), 0) } != 0 {
-            // SAFETY: as above.
-            unsafe { libc::umount2(self.0.as_ptr(), libc::MNT_DETACH) };
-        }
-    }
 }
 
 /// A dump into an image directory of `size` (a tmpfs; the log is outside it) fails; the

@@ -84,14 +84,19 @@ impl Gpu {
         Ok(&self.devs[i])
     }
 
-    /// The device-hash kernel on `ordinal` (prepared), loaded on first use; the reason it
-    /// cannot be, remembered, otherwise.
-    pub fn hasher(&mut self, drv: &Driver, ordinal: i32) -> Result<CUfunction, String> {
+    /// The device-hash kernel on `ordinal` (prepared), loaded with `load` on first use; the
+    /// reason it cannot be, remembered, otherwise.
+    pub fn hasher(
+        &mut self,
+        drv: &Driver,
+        ordinal: i32,
+        load: impl FnOnce(&Driver) -> Result<CUfunction, CuError>,
+    ) -> Result<CUfunction, String> {
         self.activate(drv, ordinal).map_err(|e| e.to_string())?;
         let i = self.index(ordinal).map_err(|e| e.to_string())?;
         let d = &mut self.devs[i];
         if d.hasher.is_none() {
-            let loaded = crate::devhash::load(drv).map_err(|e| e.to_string());
+            let loaded = load(drv).map_err(|e| e.to_string());
             if let Err(e) = &loaded {
                 crate::log::debug!("device {ordinal}: no device hashes: {e}");
             }

@@ -96,7 +96,7 @@ macro_rules! resolve_entry {
 
 /// Declares the driver table: one typed pointer per entry point, each resolved by name. The
 /// calls the agent makes itself (all required) are listed below; the calls it interposes come
-/// from [`crate::hooks::hooked_calls`] (the `hooked` section), looked up by their export's name.
+/// from [`crate::calls::hooked_calls`] (the `hooked` section), looked up by their export's name.
 macro_rules! driver_table {
     (
         required { $( $field:ident = $name:literal ( $($arg:ty),* ); )* }
@@ -135,7 +135,7 @@ fn lookup(handle: *mut c_void, dlsym: DlsymFn, name_nul: &str) -> *mut c_void {
     unsafe { dlsym(handle, name_nul.as_ptr().cast()) }
 }
 
-crate::hooks::hooked_calls!(driver_table! {
+crate::calls::hooked_calls!(driver_table! {
     required {
         init = "cuInit"(c_uint);
         get_error_name = "cuGetErrorName"(CuRes, *mut *const c_char);
@@ -216,7 +216,7 @@ pub fn driver_if_loaded() -> Option<&'static Driver> {
 fn load() -> Result<Driver, String> {
     let dlsym = real_dlsym().ok_or("glibc's dlsym not found with dlvsym")?;
     // A keeper loads the very library its job uses (found in the job's mappings).
-    if let Some(path) = crate::keeper::libcuda() {
+    if let Some(path) = crate::role::libcuda() {
         // SAFETY: dlopen with a valid C string, the path the plugin named.
         let handle = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
         if handle.is_null() {

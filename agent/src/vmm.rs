@@ -7,9 +7,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use cudarc::driver::sys::{CUdevice, CUdeviceptr, CUmemGenericAllocationHandle};
 
 use crate::cu::CuError;
+use crate::cu::PropBytes;
 use crate::log::{debug, error};
 use crate::real::Driver;
-use crate::table::PropBytes;
 
 /// `cuMemAllocPitch` pitch alignment used for converted pitched allocations.
 pub const PITCH_ALIGN: u64 = 512;

@@ -147,6 +147,7 @@ crate::calls::hooked_calls!(driver_table! {
         ctx_set_current = "cuCtxSetCurrent"(CUcontext);
         ctx_synchronize = "cuCtxSynchronize"();
         primary_ctx_retain = "cuDevicePrimaryCtxRetain"(*mut CUcontext, CUdevice);
+        primary_ctx_release = "cuDevicePrimaryCtxRelease_v2"(CUdevice);
         mem_get_allocation_granularity = "cuMemGetAllocationGranularity"(
             *mut usize, *const CUmemAllocationProp, CUmemAllocationGranularity_flags);
         mem_address_reserve = "cuMemAddressReserve"(*mut CUdeviceptr, usize, usize, CUdeviceptr, u64);
@@ -154,10 +155,12 @@ crate::calls::hooked_calls!(driver_table! {
         mem_set_access = "cuMemSetAccess"(CUdeviceptr, usize, *const CUmemAccessDesc, usize);
         stream_create = "cuStreamCreate"(*mut CUstream, c_uint);
         stream_synchronize = "cuStreamSynchronize"(CUstream);
+        stream_destroy = "cuStreamDestroy_v2"(CUstream);
         event_create = "cuEventCreate"(*mut CUevent, c_uint);
         event_record = "cuEventRecord"(CUevent, CUstream);
         event_synchronize = "cuEventSynchronize"(CUevent);
         event_query = "cuEventQuery"(CUevent);
+        event_destroy = "cuEventDestroy_v2"(CUevent);
         mem_host_register = "cuMemHostRegister_v2"(*mut c_void, usize, c_uint);
         mem_host_unregister = "cuMemHostUnregister"(*mut c_void);
         memcpy_dtoh_async = "cuMemcpyDtoHAsync_v2"(*mut c_void, CUdeviceptr, usize, CUstream);

@@ -11,10 +11,11 @@ use crate::config::config;
 use crate::log::debug;
 use crate::real::{CUDA_SUCCESS, CuRes, Driver};
 use crate::table::{self, Backing};
-use crate::{server, vmm};
+use crate::vmm;
 
 /// A converted allocation of `size` bytes on the current context's device, or None to let the
-/// real `cuMemAlloc` handle it (too small, disabled, no context, any driver failure).
+/// real `cuMemAlloc` handle it (too small, disabled, no context, any driver failure). The caller
+/// (the hook) starts the agent thread for it: this layer knows nothing of the server.
 pub fn try_convert(drv: &Driver, size: u64) -> Option<CUdeviceptr> {
     let cfg = config();
     if cfg.disabled || size == 0 || size < cfg.min_bytes {
@@ -55,7 +56,6 @@ fn convert(drv: &Driver, size: u64) -> Option<CUdeviceptr> {
         a.size,
         if a.exportable { ", exportable" } else { "" }
     );
-    server::ensure_started();
     Some(a.addr)
 }
 

@@ -18,7 +18,11 @@ use crate::real::{
     CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_READY, CUDA_ERROR_NOT_SUPPORTED, CUDA_SUCCESS, CuRes,
     Driver,
 };
-use crate::table::PropBytes;
+
+/// `CUmemAllocationProp` as bytes (it holds a pointer field, so the struct itself is not
+/// `Send`); the application's own properties, kept by the table and used again when a restore
+/// re-creates the memory.
+pub type PropBytes = [u8; std::mem::size_of::<CUmemAllocationProp>()];
 
 /// A failed driver call.
 #[derive(Debug, Clone, PartialEq, Eq)]

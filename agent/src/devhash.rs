@@ -87,7 +87,7 @@ impl Passes {
         let mut v = Vec::new();
         for &(dev, capacity) in counts {
             let made = (|| -> Result<Pass, String> {
-                let func = gpu.hasher(drv, dev)?;
+                let func = gpu.hasher(drv, dev, load)?;
                 let stream = gpu.activate(drv, dev).map_err(|e| e.to_string())?.streams[0];
                 let buf = drv
                     .alloc_plain(16 * capacity as u64)

@@ -66,7 +66,8 @@ pub enum Mode {
 }
 
 /// Runs a whole dump or pre-copy round on this connection; the connection is to be closed
-/// afterwards.
+/// afterwards. `released(addr)` is told of each allocation a `Release` unmaps (see
+/// [`release`]): the callers pass `lend::forget_own_within`, which this layer does not import.
 pub fn run(
     gpu: &mut Gpu,
     ch: &Channel,
@@ -74,9 +75,10 @@ pub fn run(
     memfd: OwnedFd,
     known: &KnownChunks,
     mode: Mode,
+    released: fn(u64),
 ) {
     let mut staging = None;
-    let result = dump(gpu, ch, ring, memfd, &mut staging, known, mode);
+    let result = dump(gpu, ch, ring, memfd, &mut staging, known, mode, released);
     session::conclude(ch, gpu, staging, result);
 }
 
@@ -101,6 +103,7 @@ fn dump(
     staging: &mut Option<Staging>,
     known: &KnownChunks,
     mode: Mode,
+    released: fn(u64),
 ) -> Result<Reply, Fail> {
     let t0 = Instant::now();
     plan::validate_ring(ring.slot_size, ring.slots, ring.streams).map_err(Fail::bad_request)?;
@@ -208,7 +211,7 @@ fn dump(
         }
     }
     let t1 = Instant::now();
-    let (count, bytes) = release(drv, &spans)?;
+    let (count, bytes) = release(drv, &spans, released)?;
     let micros = t1.elapsed().as_micros() as u64;
     debug!("release: {count} allocations, {bytes} bytes in {micros} us");
     Ok(Reply::Released {
@@ -448,7 +451,13 @@ fn not_copied(c: &Chunk, hash: Option<ChunkHash>, known: &KnownChunks) -> Option
 
 /// Unmaps and releases every dumped allocation, keeping its reservation. The table is marked
 /// first (so a concurrent free cannot release the handle twice) and restored if the unmap fails.
-pub(crate) fn release(drv: &Driver, spans: &[Span]) -> Result<(u32, u64), Fail> {
+/// `released(addr)` is told of each allocation whose memory is gone: the hand-over's registry of
+/// kept descriptors (`lend::forget_own_within`) sits above this module and is passed in.
+pub(crate) fn release(
+    drv: &Driver,
+    spans: &[Span],
+    released: impl Fn(u64),
+) -> Result<(u32, u64), Fail> {
     let mut count = 0u32;
     let mut bytes = 0u64;
     for s in spans {
@@ -478,7 +487,7 @@ pub(crate) fn release(drv: &Driver, spans: &[Span]) -> Result<(u32, u64), Fail> 
         }
         // A descriptor kept since a reclaim names this memory, which is gone from here on (a
         // hand-over's lend holds its own copy): never lend it again.
-        crate::lend::forget_own_within(s.addr);
+        released(s.addr);
         count += 1;
         bytes += s.size;
     }

@@ -6,7 +6,7 @@
 use std::cell::RefCell;
 use std::sync::MutexGuard;
 
-use crate::hooks::guard;
+use crate::guard::guard;
 use crate::table::{self, Table};
 
 thread_local! {

@@ -2,20 +2,87 @@
 //! (non-blocking) and one event per staging slot (timing disabled). Created on first need and
 //! kept for the life of the thread: creating them again later would be fine, but a dump must
 //! not create threads and these are cheap to hold.
+//!
+//! Each object has an owner ([`Owned`]) that gives it back to the driver when dropped (events
+//! and streams destroyed, then the context's retain released), so whatever holds a
+//! [`DeviceRes`] or a [`Gpu`] releases exactly what it made, on every path.
 
-use cudarc::driver::sys::{CUcontext, CUevent, CUfunction, CUstream};
+use std::ops::Index;
+
+use cudarc::driver::sys::{CUcontext, CUdevice, CUevent, CUfunction, CUstream};
 
 use crate::cu::CuError;
-use crate::real::{CUDA_ERROR_UNKNOWN, Driver};
+use crate::log::debug;
+use crate::real::{CUDA_ERROR_UNKNOWN, CUDA_SUCCESS, CuRes, Driver};
 
-/// One device's resources.
+/// One driver object of the agent's own, given back with `give_back` (the driver's destroy or
+/// release call for it, taken from the table that made it) when dropped.
+pub struct Owned<T: Copy> {
+    raw: T,
+    give_back: unsafe extern "C" fn(T) -> CuRes,
+    what: &'static str,
+}
+
+impl<T: Copy> Owned<T> {
+    /// Takes ownership of `raw`, just made by the driver; `give_back` must be the call that
+    /// destroys or releases it (`what` names that call for the debug log).
+    fn new(raw: T, give_back: unsafe extern "C" fn(T) -> CuRes, what: &'static str) -> Self {
+        Owned {
+            raw,
+            give_back,
+            what,
+        }
+    }
+}
+
+impl<T: Copy> Drop for Owned<T> {
+    fn drop(&mut self) {
+        // SAFETY: raw was made by the driver for this owner alone (see `new`), is not used after
+        // this, and is given back once, with the call that matches how it was made.
+        let rc = unsafe { (self.give_back)(self.raw) };
+        if rc != CUDA_SUCCESS {
+            debug!("{} failed: CUDA error {rc}", self.what);
+        }
+    }
+}
+
+/// Owned driver objects of one kind; indexing gives the raw handle, for the driver calls.
+pub struct OwnedList<T: Copy>(Vec<Owned<T>>);
+
+impl<T: Copy> OwnedList<T> {
+    fn new() -> Self {
+        OwnedList(Vec::new())
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// The raw handles, in creation order.
+    pub fn iter(&self) -> impl Iterator<Item = T> + '_ {
+        self.0.iter().map(|o| o.raw)
+    }
+}
+
+impl<T: Copy> Index<usize> for OwnedList<T> {
+    type Output = T;
+
+    fn index(&self, i: usize) -> &T {
+        &self.0[i].raw
+    }
+}
+
+/// One device's resources. Fields drop in order: the events and streams are destroyed before
+/// the context's retain is released.
 pub struct DeviceRes {
     pub ordinal: i32,
     ctx: CUcontext,
-    pub streams: Vec<CUstream>,
-    pub events: Vec<CUevent>,
+    pub streams: OwnedList<CUstream>,
+    pub events: OwnedList<CUevent>,
     /// The device-hash kernel once loaded, or why it cannot be (tried once per device).
     hasher: Option<Result<CUfunction, String>>,
+    /// The retain of `ctx` (by device), released last.
+    _retained: Owned<CUdevice>,
 }
 
 /// All devices the agent thread has worked with.
@@ -46,19 +113,26 @@ impl Gpu {
             self.devs.push(DeviceRes {
                 ordinal,
                 ctx,
-                streams: Vec::new(),
-                events: Vec::new(),
+                streams: OwnedList::new(),
+                events: OwnedList::new(),
                 hasher: None,
+                _retained: Owned::new(dev, drv.primary_ctx_release, "cuDevicePrimaryCtxRelease_v2"),
             });
         }
         self.activate(drv, ordinal)?;
         let i = self.index(ordinal)?;
         let d = &mut self.devs[i];
         while d.streams.len() < streams {
-            d.streams.push(drv.create_stream()?);
+            let s = drv.create_stream()?;
+            d.streams
+                .0
+                .push(Owned::new(s, drv.stream_destroy, "cuStreamDestroy_v2"));
         }
         while d.events.len() < events {
-            d.events.push(drv.create_event()?);
+            let e = drv.create_event()?;
+            d.events
+                .0
+                .push(Owned::new(e, drv.event_destroy, "cuEventDestroy_v2"));
         }
         Ok(())
     }
@@ -84,14 +158,19 @@ impl Gpu {
         Ok(&self.devs[i])
     }
 
-    /// The device-hash kernel on `ordinal` (prepared), loaded on first use; the reason it
-    /// cannot be, remembered, otherwise.
-    pub fn hasher(&mut self, drv: &Driver, ordinal: i32) -> Result<CUfunction, String> {
+    /// The device-hash kernel on `ordinal` (prepared), loaded with `load` on first use; the
+    /// reason it cannot be, remembered, otherwise.
+    pub fn hasher(
+        &mut self,
+        drv: &Driver,
+        ordinal: i32,
+        load: impl FnOnce(&Driver) -> Result<CUfunction, CuError>,
+    ) -> Result<CUfunction, String> {
         self.activate(drv, ordinal).map_err(|e| e.to_string())?;
         let i = self.index(ordinal).map_err(|e| e.to_string())?;
         let d = &mut self.devs[i];
         if d.hasher.is_none() {
-            let loaded = crate::devhash::load(drv).map_err(|e| e.to_string());
+            let loaded = load(drv).map_err(|e| e.to_string());
             if let Err(e) = &loaded {
                 crate::log::debug!("device {ordinal}: no device hashes: {e}");
             }
@@ -105,7 +184,7 @@ impl Gpu {
         let ordinals: Vec<i32> = self.devs.iter().map(|d| d.ordinal).collect();
         for o in ordinals {
             let d = self.activate(drv, o)?;
-            for &s in &d.streams {
+            for s in d.streams.iter() {
                 drv.sync_stream(s)?;
             }
         }
@@ -118,7 +197,7 @@ impl Gpu {
         let ordinals: Vec<i32> = self.devs.iter().map(|d| d.ordinal).collect();
         for o in ordinals {
             if let Ok(d) = self.activate(drv, o) {
-                for &s in &d.streams {
+                for s in d.streams.iter() {
                     let _ = drv.sync_stream(s);
                 }
             }

@@ -12,7 +12,7 @@ use std::io;
 /// `Ok` when every thread of this process but the caller and at most one other is in a ptrace
 /// stop (state `t`), exited threads aside; else what runs.
 pub fn by_a_tracer() -> Result<(), String> {
-    if crate::keeper::active() {
+    if crate::role::keeper() {
         // A keeper runs no application: its memory is the job's, lent to it.
         return Ok(());
     }

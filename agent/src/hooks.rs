@@ -15,7 +15,6 @@
 #![allow(non_snake_case)]
 
 use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
-use std::panic::AssertUnwindSafe;
 
 use cudarc::driver::sys::{
     CUcontext, CUdeviceptr, CUdriverProcAddressQueryResult, CUipcMemHandle, CUmemAllocationProp,
@@ -23,7 +22,9 @@ use cudarc::driver::sys::{
 };
 use gpusnap_proto::hazard;
 
+use crate::calls::{V2_ALLOC_ABI, V2_IPC_OPEN_ABI, V2_PROC_ADDRESS_ABI, hooked_calls};
 use crate::convert;
+use crate::guard::guard;
 use crate::log::debug;
 use crate::real::{
     self, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_FOUND, CUDA_ERROR_NOT_INITIALIZED,
@@ -32,9 +33,10 @@ use crate::real::{
 };
 use crate::table;
 
-/// Runs `f`; a panic becomes `on_panic` (never unwinds into C).
-pub(crate) fn guard<T>(on_panic: T, f: impl FnOnce() -> T) -> T {
-    std::panic::catch_unwind(AssertUnwindSafe(f)).unwrap_or(on_panic)
+/// A converted allocation exists: the agent thread serves it from now on. A panic in the start
+/// is contained here, so the converted memory still reaches the application.
+fn started_for_converted() {
+    guard((), crate::server::ensure_started);
 }
 
 /// The driver table for a hook, or the status to return without it.
@@ -45,95 +47,6 @@ fn driver_for(call: &str) -> Result<&'static Driver, CuRes> {
         CUDA_ERROR_NOT_INITIALIZED
     })
 }
-
-/// `cuGetProcAddress` returns the `_v2` ABI of the allocation calls from this version on.
-const V2_ALLOC_ABI: c_int = 3020;
-/// `cuGetProcAddress("cuIpcOpenMemHandle")` returns the `_v2` export from this version on.
-const V2_IPC_OPEN_ABI: c_int = 11000;
-/// `cuGetProcAddress("cuGetProcAddress")` returns the `_v2` ABI from this version on.
-const V2_PROC_ADDRESS_ABI: c_int = 12000;
-
-/// Every interposed driver call, written once. [`Hooked`] (which symbol and proc name maps to
-/// which hook, and its two addresses) and the hooked entries of [`crate::real::Driver`] are both
-/// expanded from it: `hooked_calls!(then! { tokens })` calls `then! { tokens hooked { table } }`.
-///
-/// One line per call:
-/// `Variant = export(C argument types) required|optional as driver_field, proc "name" [versions];`
-/// - `export`: our `extern "C"` function below, named as the libcuda symbol it interposes; that
-///   name is also what `dlsym` is asked for and what the real function is looked up by;
-/// - the argument types: the C signature (all return a raw status), checked against `export`'s;
-/// - `required`: the agent cannot work without it; `optional`: a driver may lack it;
-/// - `proc "name"`: what `cuGetProcAddress` is asked for, and for which `cudaVersion` it returns
-///   this ABI: `since V` (V and later), `before V`, or every version when none is written.
-macro_rules! hooked_calls {
-    ($then:ident ! { $($before:tt)* }) => {
-        $then! {
-            $($before)*
-            hooked {
-                // Converted: large allocations become VMM mappings (see `convert`).
-                MemAlloc = cuMemAlloc_v2(*mut CUdeviceptr, usize)
-                    required as mem_alloc, proc "cuMemAlloc" since V2_ALLOC_ABI;
-                MemFree = cuMemFree_v2(CUdeviceptr)
-                    required as mem_free, proc "cuMemFree" since V2_ALLOC_ABI;
-                MemAllocPitch = cuMemAllocPitch_v2(
-                    *mut CUdeviceptr, *mut usize, usize, usize, c_uint)
-                    required as mem_alloc_pitch, proc "cuMemAllocPitch" since V2_ALLOC_ABI;
-                // The application's own VMM: handle values translated (see `table`).
-                MemCreate = cuMemCreate(
-                    *mut CUmemGenericAllocationHandle, usize, *const CUmemAllocationProp, u64)
-                    required as mem_create, proc "cuMemCreate";
-                MemMap = cuMemMap(CUdeviceptr, usize, usize, CUmemGenericAllocationHandle, u64)
-                    required as mem_map, proc "cuMemMap";
-                MemUnmap = cuMemUnmap(CUdeviceptr, usize)
-                    required as mem_unmap, proc "cuMemUnmap";
-                MemRelease = cuMemRelease(CUmemGenericAllocationHandle)
-                    required as mem_release, proc "cuMemRelease";
-                MemRetainAllocationHandle = cuMemRetainAllocationHandle(
-                    *mut CUmemGenericAllocationHandle, *mut c_void)
-                    optional as mem_retain_allocation_handle, proc "cuMemRetainAllocationHandle";
-                MemGetAllocationPropertiesFromHandle = cuMemGetAllocationPropertiesFromHandle(
-                    *mut CUmemAllocationProp, CUmemGenericAllocationHandle)
-                    optional as mem_get_allocation_properties_from_handle,
-                    proc "cuMemGetAllocationPropertiesFromHandle";
-                MulticastBindMem = cuMulticastBindMem(
-                    CUmemGenericAllocationHandle, usize, CUmemGenericAllocationHandle, usize, usize,
-                    u64)
-                    optional as multicast_bind_mem, proc "cuMulticastBindMem";
-                // How the runtime finds every other entry point: where our pointers are handed out.
-                GetProcAddress = cuGetProcAddress(
-                    *const c_char, *mut *mut c_void, c_int, cuuint64_t)
-                    optional as get_proc_address,
-                    proc "cuGetProcAddress" before V2_PROC_ADDRESS_ABI;
-                GetProcAddressV2 = cuGetProcAddress_v2(
-                    *const c_char, *mut *mut c_void, c_int, cuuint64_t,
-                    *mut CUdriverProcAddressQueryResult)
-                    optional as get_proc_address_v2,
-                    proc "cuGetProcAddress" since V2_PROC_ADDRESS_ABI;
-                // Recorded (see `hazards`); CUDA IPC of converted memory is served by `ipc`.
-                MemAllocManaged = cuMemAllocManaged(*mut CUdeviceptr, usize, c_uint)
-                    optional as mem_alloc_managed, proc "cuMemAllocManaged";
-                IpcGetMemHandle = cuIpcGetMemHandle(*mut CUipcMemHandle, CUdeviceptr)
-                    optional as ipc_get_mem_handle, proc "cuIpcGetMemHandle";
-                IpcOpenMemHandle = cuIpcOpenMemHandle_v2(*mut CUdeviceptr, CUipcMemHandle, c_uint)
-                    optional as ipc_open_mem_handle,
-                    proc "cuIpcOpenMemHandle" since V2_IPC_OPEN_ABI;
-                IpcCloseMemHandle = cuIpcCloseMemHandle(CUdeviceptr)
-                    optional as ipc_close_mem_handle, proc "cuIpcCloseMemHandle";
-                CtxEnablePeerAccess = cuCtxEnablePeerAccess(CUcontext, c_uint)
-                    optional as ctx_enable_peer_access, proc "cuCtxEnablePeerAccess";
-                MemExportToShareableHandle = cuMemExportToShareableHandle(
-                    *mut c_void, CUmemGenericAllocationHandle, c_uint, u64)
-                    optional as mem_export_to_shareable_handle,
-                    proc "cuMemExportToShareableHandle";
-                MemImportFromShareableHandle = cuMemImportFromShareableHandle(
-                    *mut CUmemGenericAllocationHandle, *mut c_void, c_uint)
-                    optional as mem_import_from_shareable_handle,
-                    proc "cuMemImportFromShareableHandle";
-            }
-        }
-    };
-}
-pub(crate) use hooked_calls;
 
 /// Whether `cuGetProcAddress(_, _, version)` returns the ABI of a table line with these versions.
 macro_rules! returns_this_abi {
@@ -148,7 +61,7 @@ macro_rules! returns_this_abi {
     };
 }
 
-/// Declares [`Hooked`] from the table (see [`hooked_calls`]).
+/// Declares [`Hooked`] from the table (see [`crate::calls::hooked_calls`]).
 macro_rules! hooked_enum {
     (
         hooked { $(
@@ -417,6 +330,7 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, bytesize: usize) 
         if !dptr.is_null()
             && let Some(addr) = convert::try_convert(drv, bytesize as u64)
         {
+            started_for_converted();
             // SAFETY: dptr is the caller's non-null out pointer.
             unsafe { *dptr = addr };
             return CUDA_SUCCESS;
@@ -450,6 +364,7 @@ pub unsafe extern "C" fn cuMemAllocPitch_v2(
             && let Ok(pitch) = usize::try_from(pitch)
             && let Some(addr) = convert::try_convert(drv, total)
         {
+            started_for_converted();
             // SAFETY: dptr and pPitch are the caller's non-null out pointers.
             unsafe {
                 *dptr = addr;

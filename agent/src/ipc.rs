@@ -368,18 +368,18 @@ thread_local! {
 fn register_fork_handlers() {
     static ONCE: Once = Once::new();
     extern "C" fn prepare() {
-        crate::hooks::guard((), || {
+        crate::guard::guard((), || {
             let g = STATE.lock().unwrap_or_else(|e| e.into_inner());
             FORK_GUARD.with(|c| *c.borrow_mut() = Some(g));
         });
     }
     extern "C" fn parent() {
-        crate::hooks::guard((), || {
+        crate::guard::guard((), || {
             FORK_GUARD.with(|c| c.borrow_mut().take());
         });
     }
     extern "C" fn child() {
-        crate::hooks::guard((), || {
+        crate::guard::guard((), || {
             if let Some(mut g) = FORK_GUARD.with(|c| c.borrow_mut().take()) {
                 *g = State::default();
             }
@@ -598,7 +598,7 @@ fn serve_forever(listener: RawFd) {
         }
         // SAFETY: a new descriptor from accept4, owned here.
         let conn = unsafe { OwnedFd::from_raw_fd(fd) };
-        crate::hooks::guard((), || {
+        crate::guard::guard((), || {
             if let Err(e) = serve_one(&conn) {
                 debug!("ipc: request not served: {e}");
             }

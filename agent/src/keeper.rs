@@ -17,7 +17,6 @@
 //! purpose, and nothing of the job depends on it staying.
 
 use std::os::fd::{AsFd, FromRawFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, Ordering};
 
 use gpusnap_proto::{Channel, ErrorCode, PROTOCOL_VERSION, ProtoError, Reply, Request};
 
@@ -26,35 +25,29 @@ use crate::log::debug;
 use crate::session::Ring;
 use crate::table::{self, AGENT_LOCK_WAIT};
 
-static KEEPER: AtomicBool = AtomicBool::new(false);
-static LIBCUDA: std::sync::OnceLock<std::ffi::CString> = std::sync::OnceLock::new();
-
 /// The driver library a keeper loads, if its plugin named one (the job's own).
 pub fn libcuda() -> Option<&'static std::ffi::CStr> {
-    LIBCUDA.get().map(|c| c.as_c_str())
+    crate::role::libcuda()
 }
 
 /// Whether this process is a keeper: it runs no application, so the checks that an
 /// application's threads are held do not apply.
 pub fn active() -> bool {
-    KEEPER.load(Ordering::Acquire)
+    crate::role::keeper()
 }
 
 /// The keeper's `main`: serves the connection on descriptor `fd` (inherited from the plugin),
 /// with `libcuda` the driver library to load (the job's). Returns the process's exit status.
 pub fn main_with_fd(fd: i32, libcuda: Option<&str>) -> i32 {
-    KEEPER.store(true, Ordering::Release);
-    if let Some(p) = libcuda {
-        match std::ffi::CString::new(p) {
-            Ok(c) => {
-                let _ = LIBCUDA.set(c);
-            }
-            Err(_) => {
-                eprintln!("gpusnap-keeper: --libcuda holds a NUL byte");
-                return 2;
-            }
+    let libcuda = match libcuda.map(std::ffi::CString::new).transpose() {
+        Ok(c) => c,
+        Err(_) => {
+            crate::role::become_keeper(None);
+            eprintln!("gpusnap-keeper: --libcuda holds a NUL byte");
+            return 2;
         }
-    }
+    };
+    crate::role::become_keeper(libcuda);
     crate::install_quiet_panic_hook();
     // SAFETY: fcntl(F_GETFD) only checks that the number is open.
     if fd < 0 || unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
@@ -153,6 +146,7 @@ fn serve(ch: &Channel) -> Result<(), String> {
                     memfd,
                     &known,
                     crate::dump::Mode::Stopped,
+                    crate::lend::forget_own_within,
                 );
                 // The keeper is a child of CRIU, which takes any child's exit while it works
                 // on the dumped tasks for a failure of its own: stay until the plugin lets go

@@ -264,7 +264,7 @@ fn lend(ch: &Channel, gpu: &mut Gpu) -> Result<Reply, Fail> {
     // Kept before the release: from the first unmap on, the descriptors are what holds the
     // memory.
     *kept() = Some(stamped(lent));
-    let (count, released_bytes) = crate::dump::release(drv, &spans)?;
+    let (count, released_bytes) = crate::dump::release(drv, &spans, forget_own_within)?;
     let micros = t0.elapsed().as_micros() as u64;
     debug!("hand-over: released {count} allocations ({released_bytes} bytes), descriptors kept");
     Ok(Reply::Released {

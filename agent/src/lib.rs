@@ -8,27 +8,32 @@
 //! addresses and copies the data back. Processes that never use CUDA are not touched: nothing
 //! is loaded or started at load time except with `GPUSNAP_AGENT_EAGER=1`.
 //!
-//! Modules, each with one job:
-//! - `config`: environment settings (a bad one turns the agent off); `log`: the logger
-//!   (debug lines with `GPUSNAP_AGENT_DEBUG=1`, and the few errors that are always written).
-//! - `real`: glibc's `dlsym` and the table of real libcuda functions.
-//! - `cu`: checked one-call wrappers over that table, with readable errors.
-//! - `vmm`: reserve/create/map/access composites with undo; size and pitch arithmetic.
-//! - `table`: tracked allocations and the Mapped/Released state machine.
-//! - `hooks`: the exported interposers (`dlsym`, `cuGetProcAddress*`, `cuMem*`) and the one
-//!   table of hooked calls, from which `real` also builds its entries for them.
-//! - `convert`: the allocation and free paths behind the hooks.
-//! - `ipc`: legacy CUDA IPC served by the agent for the allocations it converted (the driver
-//!   refuses VMM memory), see docs/ipc.md.
-//! - `server`: the agent thread, its socket and request dispatch.
-//! - `session`, `dump`, `restore`: the data operations; `plan`: their pure planning; `held`:
-//!   whether a tracer holds the process (releases and loads happen only then).
-//! - `gpu`: the agent thread's contexts, streams and events; `staging`: the shared ring;
-//!   `devhash`: chunk hashes computed on the GPU by the agent's own kernel.
-//! - `lend`: the hand-over in the job (export, release with descriptors kept, reclaim);
-//!   `keeper`: the other side, run by the `gpusnap-keeper` process.
-//! - `fork`: `pthread_atfork` handlers.
+//! Modules, in layers: each imports only from the layers below it and, within its layer, from
+//! modules listed before it, so there is no import cycle (`grep -n 'crate::' agent/src/*.rs`
+//! shows every import).
+//! 1. Foundation, no CUDA: `log` (debug lines with `GPUSNAP_AGENT_DEBUG=1`, and the few errors
+//!    always written; `debug!` reads the setting where it is expanded), `config` (environment
+//!    settings; a bad one turns the agent off), `guard` (no panic into C), `role` (application
+//!    or keeper), `hazards`, `plan` (pure planning).
+//! 2. The driver: `calls` (the one list of interposed calls), `real` (glibc's `dlsym` and the
+//!    table of real libcuda functions, its hooked entries expanded from `calls`), `cu` (checked
+//!    one-call wrappers over that table, with readable errors).
+//! 3. Owners of driver objects: `vmm` (reservation, physical handle and mapping guards, and the
+//!    reserve/create/map/access composites built from them; size and pitch arithmetic), `gpu`
+//!    (the agent thread's retained contexts, streams and events).
+//! 4. State and logic over them: `table` (tracked allocations, the Mapped/Released state
+//!    machine), `convert` (the allocation and free paths behind the hooks), `staging` (the
+//!    shared ring), `devhash` (chunk hashes computed on the GPU by the agent's own kernel),
+//!    `session` (what the data operations share), `held` (whether a tracer holds the process:
+//!    releases and loads happen only then).
+//! 5. The operations: `dump`, `lend` (the hand-over in the job: export, release with
+//!    descriptors kept, reclaim), `restore`, `take`.
+//! 6. The top: `server` (the agent thread, its socket and request dispatch), `ipc` (legacy CUDA
+//!    IPC served for converted allocations, see docs/ipc.md), `hooks` (the exported
+//!    interposers: `dlsym`, `cuGetProcAddress*`, `cuMem*`), `keeper` (the other side of the
+//!    hand-over, run by the `gpusnap-keeper` process), `fork` (`pthread_atfork` handlers).
 
+mod calls;
 mod config;
 mod convert;
 mod cu;
@@ -36,6 +41,7 @@ mod devhash;
 mod dump;
 mod fork;
 mod gpu;
+mod guard;
 mod hazards;
 mod held;
 mod hooks;
@@ -46,6 +52,7 @@ mod log;
 mod plan;
 mod real;
 mod restore;
+mod role;
 mod server;
 mod session;
 mod staging;
@@ -60,7 +67,7 @@ use std::sync::Once;
 /// handlers and, with `GPUSNAP_AGENT_EAGER=1`, starts the agent thread. Never panics into the
 /// loader.
 extern "C" fn on_load() {
-    hooks::guard((), || {
+    guard::guard((), || {
         fork::register();
         if config::config().eager {
             server::ensure_started();

@@ -96,7 +96,7 @@ macro_rules! resolve_entry {
 
 /// Declares the driver table: one typed pointer per entry point, each resolved by name. The
 /// calls the agent makes itself (all required) are listed below; the calls it interposes come
-/// from [`crate::hooks::hooked_calls`] (the `hooked` section), looked up by their export's name.
+/// from [`crate::calls::hooked_calls`] (the `hooked` section), looked up by their export's name.
 macro_rules! driver_table {
     (
         required { $( $field:ident = $name:literal ( $($arg:ty),* ); )* }
@@ -135,7 +135,7 @@ fn lookup(handle: *mut c_void, dlsym: DlsymFn, name_nul: &str) -> *mut c_void {
     unsafe { dlsym(handle, name_nul.as_ptr().cast()) }
 }
 
-crate::hooks::hooked_calls!(driver_table! {
+crate::calls::hooked_calls!(driver_table! {
     required {
         init = "cuInit"(c_uint);
         get_error_name = "cuGetErrorName"(CuRes, *mut *const c_char);
@@ -147,6 +147,7 @@ crate::hooks::hooked_calls!(driver_table! {
         ctx_set_current = "cuCtxSetCurrent"(CUcontext);
         ctx_synchronize = "cuCtxSynchronize"();
         primary_ctx_retain = "cuDevicePrimaryCtxRetain"(*mut CUcontext, CUdevice);
+        primary_ctx_release = "cuDevicePrimaryCtxRelease_v2"(CUdevice);
         mem_get_allocation_granularity = "cuMemGetAllocationGranularity"(
             *mut usize, *const CUmemAllocationProp, CUmemAllocationGranularity_flags);
         mem_address_reserve = "cuMemAddressReserve"(*mut CUdeviceptr, usize, usize, CUdeviceptr, u64);
@@ -154,10 +155,12 @@ crate::hooks::hooked_calls!(driver_table! {
         mem_set_access = "cuMemSetAccess"(CUdeviceptr, usize, *const CUmemAccessDesc, usize);
         stream_create = "cuStreamCreate"(*mut CUstream, c_uint);
         stream_synchronize = "cuStreamSynchronize"(CUstream);
+        stream_destroy = "cuStreamDestroy_v2"(CUstream);
         event_create = "cuEventCreate"(*mut CUevent, c_uint);
         event_record = "cuEventRecord"(CUevent, CUstream);
         event_synchronize = "cuEventSynchronize"(CUevent);
         event_query = "cuEventQuery"(CUevent);
+        event_destroy = "cuEventDestroy_v2"(CUevent);
         mem_host_register = "cuMemHostRegister_v2"(*mut c_void, usize, c_uint);
         mem_host_unregister = "cuMemHostUnregister"(*mut c_void);
         memcpy_dtoh_async = "cuMemcpyDtoHAsync_v2"(*mut c_void, CUdeviceptr, usize, CUstream);
@@ -216,7 +219,7 @@ pub fn driver_if_loaded() -> Option<&'static Driver> {
 fn load() -> Result<Driver, String> {
     let dlsym = real_dlsym().ok_or("glibc's dlsym not found with dlvsym")?;
     // A keeper loads the very library its job uses (found in the job's mappings).
-    if let Some(path) = crate::keeper::libcuda() {
+    if let Some(path) = crate::role::libcuda() {
         // SAFETY: dlopen with a valid C string, the path the plugin named.
         let handle = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
         if handle.is_null() {

@@ -330,7 +330,15 @@ impl Agent {
                         slots,
                         streams,
                     };
-                    return dump::run(&mut self.gpu, ch, ring, memfd, &known, mode);
+                    return dump::run(
+                        &mut self.gpu,
+                        ch,
+                        ring,
+                        memfd,
+                        &known,
+                        mode,
+                        crate::lend::forget_own_within,
+                    );
                 }
                 (
                     Request::RestoreBegin {

@@ -53,9 +53,7 @@ pub struct Converted {
 /// Application handle values start here (the driver's own values are small or pointer-like).
 pub const VIRTUAL_BASE: Handle = 0x6770_736e_0000_0000;
 
-/// `CUmemAllocationProp` as bytes (it holds a pointer field, so the struct itself is not
-/// `Send`); the application's own properties, used again when a restore re-creates the memory.
-pub type PropBytes = [u8; std::mem::size_of::<cudarc::driver::sys::CUmemAllocationProp>()];
+pub use crate::cu::PropBytes;
 
 /// An application handle for device memory.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -1,15 +1,17 @@
 //! VMM building blocks with undo: reserve + create + map + set access (the conversion of a
 //! `cuMemAlloc`), back / unback a reservation (release and restore), and the size arithmetic.
-//! Every composite undoes what it did when a later step fails.
+//! Every composite undoes what it did when a later step fails: its steps are made through
+//! [`Steps`], whose owners undo them when dropped.
 
+use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use cudarc::driver::sys::{CUdevice, CUdeviceptr, CUmemGenericAllocationHandle};
 
 use crate::cu::CuError;
+use crate::cu::PropBytes;
 use crate::log::{debug, error};
 use crate::real::Driver;
-use crate::table::PropBytes;
 
 /// `cuMemAllocPitch` pitch alignment used for converted pitched allocations.
 pub const PITCH_ALIGN: u64 = 512;
@@ -67,20 +69,17 @@ pub fn alloc(drv: &Driver, dev: CUdevice, size: u64) -> Result<VmmAlloc, CuError
         code: crate::real::CUDA_ERROR_UNKNOWN,
         name: "overflow".into(),
     })?;
-    let addr = drv.reserve(rounded)?;
-    match back(drv, dev, addr, rounded, None) {
-        Ok(handle) => Ok(VmmAlloc {
-            addr,
+    Steps::run(drv, |steps| {
+        let range = steps.reserve(rounded)?;
+        let handle = back_in(steps, dev, range.addr, rounded, None)?;
+        Ok(VmmAlloc {
+            addr: range.keep(),
             size: rounded,
             handle,
             // The answer `back` created with (asked once per device, then remembered).
             exportable: drv.posix_fd_handles(dev),
-        }),
-        Err(e) => {
-            log_failed_undo(&e, drv.free_reservation(addr, rounded));
-            Err(e)
-        }
-    }
+        })
+    })
 }
 
 /// Physical memory for the reserved range `addr..addr+size` on `dev`: create (with the
@@ -93,17 +92,23 @@ pub fn back(
     size: u64,
     prop: Option<&PropBytes>,
 ) -> Result<CUmemGenericAllocationHandle, CuError> {
-    let handle = drv.create(addr, size, dev, prop)?;
-    if let Err(e) = drv.map(addr, size, handle) {
-        log_failed_undo(&e, drv.release(addr, handle));
-        return Err(e);
-    }
-    if let Err(e) = drv.set_access_rw(addr, size, dev) {
-        log_failed_undo(&e, drv.unmap(addr, size));
-        log_failed_undo(&e, drv.release(addr, handle));
-        return Err(e);
-    }
-    Ok(handle)
+    Steps::run(drv, |steps| back_in(steps, dev, addr, size, prop))
+}
+
+/// [`back`] as steps of a larger sequence: its handle and mapping are undone when a later step
+/// of that sequence fails, too.
+fn back_in(
+    steps: &Steps<'_>,
+    dev: CUdevice,
+    addr: CUdeviceptr,
+    size: u64,
+    prop: Option<&PropBytes>,
+) -> Result<CUmemGenericAllocationHandle, CuError> {
+    let handle = steps.create(addr, size, dev, prop)?;
+    let mapping = steps.map(addr, size, handle.raw)?;
+    mapping.grant_rw(dev)?;
+    mapping.keep();
+    Ok(handle.keep())
 }
 
 /// Maps an existing handle (an imported one) over the reserved range `addr..addr+size` and
@@ -115,12 +120,12 @@ pub fn map_handle(
     size: u64,
     handle: CUmemGenericAllocationHandle,
 ) -> Result<(), CuError> {
-    drv.map(addr, size, handle)?;
-    if let Err(e) = drv.set_access_rw(addr, size, dev) {
-        log_failed_undo(&e, drv.unmap(addr, size));
-        return Err(e);
-    }
-    Ok(())
+    Steps::run(drv, |steps| {
+        let mapping = steps.map(addr, size, handle)?;
+        mapping.grant_rw(dev)?;
+        mapping.keep();
+        Ok(())
+    })
 }
 
 /// Maps `handle` (another process's memory, imported) over a new reservation of `size` bytes
@@ -132,12 +137,13 @@ pub fn map_imported(
     handle: CUmemGenericAllocationHandle,
     size: u64,
 ) -> Result<CUdeviceptr, CuError> {
-    let addr = drv.reserve(size)?;
-    if let Err(e) = map_handle(drv, dev, addr, size, handle) {
-        log_failed_undo(&e, drv.free_reservation(addr, size));
-        return Err(e);
-    }
-    Ok(addr)
+    Steps::run(drv, |steps| {
+        let range = steps.reserve(size)?;
+        let mapping = steps.map(range.addr, size, handle)?;
+        mapping.grant_rw(dev)?;
+        mapping.keep();
+        Ok(range.keep())
+    })
 }
 
 /// Undoes [`map_imported`]: unmap, then free the reservation (not freed while still mapped).
@@ -182,14 +188,169 @@ pub fn free(
     }
 }
 
-/// Logs an undo that failed: `undo` was taken because `cause` failed (the error the caller
-/// returns), and nothing else would report it nor what it could not give back.
-fn log_failed_undo(cause: &CuError, undo: Result<(), CuError>) {
-    if let Err(e) = undo {
-        error!(
-            "undo failed: {e} (code {}), after {cause}; left allocated",
-            e.code
-        );
+/// A sequence of VMM steps that either completes or leaves nothing behind. Each step returns
+/// an owner ([`Reservation`], [`PhysicalHandle`], [`Mapping`]) that undoes it when dropped, so
+/// a step that fails (its `?`) drops, in reverse order, exactly the owners of the steps done
+/// before it; a sequence that succeeds hands each on with `keep`. An undo that fails is
+/// collected here and logged with the error that caused it: that error is the caller's to
+/// report, and nothing else would say what was left allocated.
+struct Steps<'d> {
+    drv: &'d Driver,
+    failed_undos: RefCell<Vec<CuError>>,
+}
+
+impl<'d> Steps<'d> {
+    /// Runs `body`, which makes its steps through the [`Steps`] it is given.
+    fn run<T>(
+        drv: &'d Driver,
+        body: impl FnOnce(&Steps<'d>) -> Result<T, CuError>,
+    ) -> Result<T, CuError> {
+        let steps = Steps {
+            drv,
+            failed_undos: RefCell::new(Vec::new()),
+        };
+        // The owners `body` made are dropped (undone) when it returns, before this reads
+        // which of their undos failed.
+        let out = body(&steps);
+        if let Err(cause) = &out {
+            for e in steps.failed_undos.take() {
+                error!(
+                    "undo failed: {e} (code {}), after {cause}; left allocated",
+                    e.code
+                );
+            }
+        }
+        out
+    }
+
+    fn undo(&self, undone: Result<(), CuError>) {
+        if let Err(e) = undone {
+            self.failed_undos.borrow_mut().push(e);
+        }
+    }
+
+    /// `cuMemAddressReserve` of `size` bytes anywhere.
+    fn reserve(&self, size: u64) -> Result<Reservation<'_, 'd>, CuError> {
+        let addr = self.drv.reserve(size)?;
+        Ok(Reservation {
+            steps: self,
+            addr,
+            size,
+            kept: false,
+        })
+    }
+
+    /// `cuMemCreate` for `addr..addr+size` on `dev` (see [`Driver::create`]).
+    fn create(
+        &self,
+        addr: CUdeviceptr,
+        size: u64,
+        dev: CUdevice,
+        prop: Option<&PropBytes>,
+    ) -> Result<PhysicalHandle<'_, 'd>, CuError> {
+        let raw = self.drv.create(addr, size, dev, prop)?;
+        Ok(PhysicalHandle {
+            steps: self,
+            addr,
+            raw,
+            kept: false,
+        })
+    }
+
+    /// `cuMemMap` of `handle` (not owned by the mapping) over `addr..addr+size`.
+    fn map(
+        &self,
+        addr: CUdeviceptr,
+        size: u64,
+        handle: CUmemGenericAllocationHandle,
+    ) -> Result<Mapping<'_, 'd>, CuError> {
+        self.drv.map(addr, size, handle)?;
+        Ok(Mapping {
+            steps: self,
+            addr,
+            size,
+            kept: false,
+        })
+    }
+}
+
+/// A reserved address range: freed when dropped, unless kept.
+struct Reservation<'s, 'd> {
+    steps: &'s Steps<'d>,
+    addr: CUdeviceptr,
+    size: u64,
+    kept: bool,
+}
+
+impl Reservation<'_, '_> {
+    /// Hands the reservation on (to the table): its address.
+    fn keep(mut self) -> CUdeviceptr {
+        self.kept = true;
+        self.addr
+    }
+}
+
+impl Drop for Reservation<'_, '_> {
+    fn drop(&mut self) {
+        if !self.kept {
+            let s = self.steps;
+            s.undo(s.drv.free_reservation(self.addr, self.size));
+        }
+    }
+}
+
+/// Physical memory made by `cuMemCreate` (`addr` names it in messages): released when dropped,
+/// unless kept.
+struct PhysicalHandle<'s, 'd> {
+    steps: &'s Steps<'d>,
+    addr: CUdeviceptr,
+    raw: CUmemGenericAllocationHandle,
+    kept: bool,
+}
+
+impl PhysicalHandle<'_, '_> {
+    /// Hands the handle on (to the table): its raw value.
+    fn keep(mut self) -> CUmemGenericAllocationHandle {
+        self.kept = true;
+        self.raw
+    }
+}
+
+impl Drop for PhysicalHandle<'_, '_> {
+    fn drop(&mut self) {
+        if !self.kept {
+            let s = self.steps;
+            s.undo(s.drv.release(self.addr, self.raw));
+        }
+    }
+}
+
+/// A handle mapped over `addr..addr+size`: unmapped when dropped, unless kept.
+struct Mapping<'s, 'd> {
+    steps: &'s Steps<'d>,
+    addr: CUdeviceptr,
+    size: u64,
+    kept: bool,
+}
+
+impl Mapping<'_, '_> {
+    /// `cuMemSetAccess`: read-write for `dev` over the whole mapping.
+    fn grant_rw(&self, dev: CUdevice) -> Result<(), CuError> {
+        self.steps.drv.set_access_rw(self.addr, self.size, dev)
+    }
+
+    /// Leaves the range mapped.
+    fn keep(mut self) {
+        self.kept = true;
+    }
+}
+
+impl Drop for Mapping<'_, '_> {
+    fn drop(&mut self) {
+        if !self.kept {
+            let s = self.steps;
+            s.undo(s.drv.unmap(self.addr, self.size));
+        }
     }
 }
 

@@ -109,14 +109,10 @@ fn serve(ch: &Channel) -> Result<(), String> {
                 },
                 Some(fd),
             ) => {
-                let reply = match adopt(&mut gpu, id, device, addr, size, fd) {
-                    Ok(()) => Reply::Adopted { id },
-                    Err(e) => Reply::Error {
-                        code: ErrorCode::Cuda,
-                        message: format!("adopting #{id} at {addr:#x}: {e}"),
-                    },
-                };
-                ch.send_reply(&reply).map_err(|e| e.to_string())?;
+                let adopted = adopt(&mut gpu, id, device, addr, size, fd);
+                answer(ch, adopted.map(|()| Reply::Adopted { id }), || {
+                    format!("adopting #{id} at {addr:#x}")
+                })?;
             }
             (
                 Request::KnownChunk {
@@ -163,14 +159,12 @@ fn serve(ch: &Channel) -> Result<(), String> {
                 },
                 None,
             ) => {
-                let reply = match expect(&mut gpu, id, &uuid, addr, size) {
-                    Ok(device) => Reply::Expected { id, device },
-                    Err(e) => Reply::Error {
-                        code: ErrorCode::Cuda,
-                        message: format!("expecting #{id} at {addr:#x}: {e}"),
-                    },
-                };
-                ch.send_reply(&reply).map_err(|e| e.to_string())?;
+                let expected = expect(&mut gpu, id, &uuid, addr, size);
+                answer(
+                    ch,
+                    expected.map(|device| Reply::Expected { id, device }),
+                    || format!("expecting #{id} at {addr:#x}"),
+                )?;
             }
             (
                 Request::RestoreBegin {
@@ -206,6 +200,19 @@ fn serve(ch: &Channel) -> Result<(), String> {
             }
         }
     }
+}
+
+/// Sends `reply`, or the error it failed with as a CUDA error naming `what`.
+fn answer(
+    ch: &Channel,
+    reply: Result<Reply, String>,
+    what: impl FnOnce() -> String,
+) -> Result<(), String> {
+    let reply = reply.unwrap_or_else(|e| Reply::Error {
+        code: ErrorCode::Cuda,
+        message: format!("{}: {e}", what()),
+    });
+    ch.send_reply(&reply).map_err(|e| e.to_string())
 }
 
 /// What a keeper whose operation is done answers.

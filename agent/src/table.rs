@@ -194,19 +194,7 @@ impl Table {
     /// In a keeper: another process's allocation `id`, imported and mapped at its address,
     /// kept under the job's id so the chunks name the job's allocations.
     pub fn insert_adopted(&mut self, id: u64, device: i32, addr: u64, size: u64, handle: Handle) {
-        self.next_id = self.next_id.max(id.saturating_add(1));
-        self.converted.insert(
-            addr,
-            Converted {
-                id,
-                device,
-                addr,
-                size,
-                backing: Backing::Mapped(handle),
-                app_handle: None,
-                exportable: false,
-            },
-        );
+        self.insert_for_job(id, device, addr, size, Backing::Mapped(handle), false);
     }
 
     /// In a keeper at a restore: the job's allocation `id`, to be re-created at its address
@@ -219,19 +207,30 @@ impl Table {
         size: u64,
         exportable: bool,
     ) {
+        self.insert_for_job(id, device, addr, size, Backing::Released, exportable);
+    }
+
+    /// A keeper's entry for the job's allocation `id`, under the job's id.
+    fn insert_for_job(
+        &mut self,
+        id: u64,
+        device: i32,
+        addr: u64,
+        size: u64,
+        backing: Backing,
+        exportable: bool,
+    ) {
         self.next_id = self.next_id.max(id.saturating_add(1));
-        self.converted.insert(
+        let c = Converted {
+            id,
+            device,
             addr,
-            Converted {
-                id,
-                device,
-                addr,
-                size,
-                backing: Backing::Released,
-                app_handle: None,
-                exportable,
-            },
-        );
+            size,
+            backing,
+            app_handle: None,
+            exportable,
+        };
+        self.converted.insert(addr, c);
     }
 
     /// A mapped entry the split path moves: a conversion, or the whole mapping of the

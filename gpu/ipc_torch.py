@@ -22,10 +22,10 @@ Two roles:
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
+
+from procgroup import run_group
 
 MIB = 1 << 20
 # (name, elements of the tensor made, slice start): the view shares a tensor from an offset.
@@ -37,18 +37,6 @@ TENSORS = [
 
 
 
-def run_group(cmd, timeout, **kw):
-    """Runs cmd in a session of its own; at the timeout the whole group is killed (pytest-xdist
-    workers, spawned children). Returns (rc or "timeout", stdout, stderr)."""
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True, **kw)
-    try:
-        out, err = p.communicate(timeout=timeout)
-        return p.returncode, out, err
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
-        return "timeout", out or "", err or ""
 
 def child(inq, outq, done):
     import torch

@@ -406,3 +406,83 @@ fn a_job_near_its_descriptor_limit_copies_first_and_runs_on() {
     s.assert_ok(&restore);
     s.assert_runs_on(&last, &restore);
 }
+
+/// The keeper killed during its load at a restore (its copies hang after the first two, then
+/// it is killed): either CRIU was still restoring and fails the restore (the job never runs,
+/// and the image restores again), or the plugin waited for the load and the job's agent
+/// loads the image instead, bit-exact. Never a job running on memory the keeper did not fill.
+#[test]
+fn keeper_killed_during_the_restore_load_fails_closed() {
+    // At once (CRIU most likely still restoring, on 4.2 the load runs beside it), and later
+    // (the plugin most likely waiting for the load in RESUME_DEVICES_LATE).
+    for delay_ms in [0, 500] {
+        keeper_killed_during_the_restore_load(delay_ms);
+    }
+}
+
+fn keeper_killed_during_the_restore_load(delay_ms: u64) {
+    let Some(mut s) = start(&format!("handover-restore-keeper-killed-{delay_ms}")) else {
+        return;
+    };
+    let dump = s.dump(false);
+    s.assert_ok(&dump);
+    let last = s.reap_dumped();
+    let log = s.w.path.join("restore.log");
+    let mut args = s.w.criu_args_in("restore", &s.w.images, &log);
+    args.push("--restore-detached".to_owned());
+    let env = [
+        ("GPUSNAP_LIBCUDA", s.fakecuda_so.to_str().expect("utf-8")),
+        ("FAKECUDA_DIR", s.state.to_str().expect("utf-8")),
+        (
+            "GPUSNAP_TEST_KEEPER_LIBCUDA",
+            s.job_libcuda.to_str().expect("utf-8"),
+        ),
+        ("GPUSNAP_STAGING_SLOTS", "2"),
+        ("GPUSNAP_STAGING_SLOT_MIB", "1"),
+    ];
+    let mut criu = s.w.spawn_criu(&args, &env, &log);
+    let deadline = Instant::now() + common::WAIT;
+    let keeper = loop {
+        let text = criu.log_so_far();
+        if let Some(pid) = text
+            .lines()
+            .find_map(|l| l.split("keeper pid ").nth(1))
+            .and_then(|t| t.split_whitespace().next())
+            .and_then(|p| p.parse::<i32>().ok())
+        {
+            std::fs::write(
+                s.state.join(format!("{pid}.dev-inject")),
+                "hang cuMemcpyHtoDAsync_v2 after 2\n",
+            )
+            .expect("arm the keeper's hang");
+            break pid;
+        }
+        assert!(
+            criu.try_status().is_none() && Instant::now() < deadline,
+            "criu ended or took too long before starting a keeper:\n{text}"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    };
+    std::thread::sleep(Duration::from_millis(delay_ms));
+    // SAFETY: kill(2) of the keeper, a process of the test's CRIU.
+    unsafe { libc::kill(keeper, libc::SIGKILL) };
+    let restore = criu.wait(common::WAIT).expect("criu ends");
+    if restore.succeeded() {
+        s.assert_line(&restore, &["the keeper's load is not usable"]);
+        s.assert_line(&restore, &["ready to load"]);
+        s.assert_runs_on(&last, &restore);
+    } else {
+        s.assert_nothing_runs(&last, &restore);
+        let again = s.restore_in("restore-again.log", &[]);
+        s.assert_ok(&again);
+        s.assert_runs_on(&last, &again);
+    }
+    eprintln!(
+        "keeper killed {delay_ms} ms into the restore: the restore {}",
+        if restore.succeeded() {
+            "went on without it"
+        } else {
+            "failed, and a new one worked"
+        }
+    );
+}

@@ -7,6 +7,13 @@
 
 use gpusnap_image::GpuRecord;
 
+/// Whether `m`'s GPUs can be planned only once the driver is loaded, after CRIU's restore: a
+/// `device_map` is configured, or the image holds MIG instances (CUDA names them `... MIG ...`
+/// and gives them UUIDs of their own, which the kernel driver's listing of physical GPUs lacks).
+pub fn planned_by_the_driver(gpus: &[GpuRecord], device_map: &[(String, String)]) -> bool {
+    !device_map.is_empty() || gpus.iter().any(|g| g.name.contains("MIG"))
+}
+
 /// A GPU of this host.
 #[derive(Clone, Debug)]
 pub struct HostGpu {

@@ -73,7 +73,7 @@ pub fn eligible(cfg: &Config, m: &Manifest) -> Option<&'static str> {
     if m.allocations.iter().any(|a| a.moved && !a.lent) {
         return Some("its dump copied the data out first (not every allocation was lent)");
     }
-    if !cfg.device_map.is_empty() || m.gpus.iter().any(|g| g.name.contains("MIG")) {
+    if gpumap::planned_by_the_driver(&m.gpus, &cfg.device_map) {
         // The plan is then the driver's to make, after CRIU's restore.
         return Some("device_map or MIG instances: the GPUs are planned only after CRIU's restore");
     }

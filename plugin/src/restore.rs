@@ -688,12 +688,11 @@ fn early_gpu_check_in(
     manifests: &HashMap<u32, Manifest>,
     device_map: &[(String, String)],
 ) -> Result<HashMap<u32, Vec<gpumap::Pair>>, RestoreError> {
-    let mig = manifests
-        .values()
-        .flat_map(|m| &m.gpus)
-        .any(|g| g.name.contains("MIG"));
     let none = HashMap::new();
-    if mig || !device_map.is_empty() {
+    if manifests
+        .values()
+        .any(|m| gpumap::planned_by_the_driver(&m.gpus, device_map))
+    {
         log::debug!("GPU plan left to the driver (MIG instances or device_map)");
         return Ok(none);
     }

@@ -178,6 +178,19 @@ def run_c_case(cfg, log, path, gib, leave_running, tag="e2e"):
             stats2 = criu.read_stats_json(imgdir)
             if stats2 is not None and stats2 != stats:
                 rec["phases"] = stats2
+            # Which way the data came back: "handoff" (loaded by a keeper beside the restore,
+            # then handed to the job) or "copy" (loaded by the job's agent after the unlock).
+            rprocs = ((stats2 or {}).get("restore") or {}).get("processes") or []
+            rpaths = sorted({p.get("data_path") for p in rprocs if p.get("data_path")})
+            rec["restore_data_path"] = ",".join(rpaths) if rpaths else None
+            hand = [p["timings_s"]["handover"] for p in rprocs
+                    if "handover" in p.get("timings_s", {})]
+            if hand:
+                rec["restore_handover_s"] = max(hand)
+            if path == "split" and rpaths != ["handoff"]:
+                rec["problems"].append("restore hand-over not taken (restore data_path %s)"
+                                       % (rpaths or None))
+            if stats2 is not None and stats2 != stats:
                 log.block("gpusnap-stats.json after restore", json.dumps(stats2, indent=1),
                           max_lines=80)
             need = n_dump + cfg.ticks_after

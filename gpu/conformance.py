@@ -9,7 +9,7 @@ gpu/fetch-conformance.md; a suite whose files are not there is recorded as skipp
 - ``cupy-cuda_tests``: CuPy's own ``tests/cupy_tests/cuda_tests`` at the installed CuPy's tag
   (``cupy-v14.2.0/``), run with the installed CuPy.
 - ``torch-multiprocessing-cuda``: PyTorch's ``test/test_multiprocessing.py`` (``pytorch/``),
-  the tests whose name contains ``cuda``.
+  the tests whose name contains ``cuda`` or ``event`` (CUDA IPC of memory and of events).
 
 Each run: ``pytest -p no:cacheprovider -q --timeout 60 -n N --junitxml ...`` with a wall-clock
 limit; the per-test outcomes come from the JUnit XML. One JSON line per suite and configuration
@@ -32,7 +32,7 @@ import xml.etree.ElementTree as ET
 SUITES = [
     # (name, directory under the carry folder, pytest arguments relative to it)
     ("cupy-cuda_tests", "cupy-v14.2.0", ["tests/cupy_tests/cuda_tests"]),
-    ("torch-multiprocessing-cuda", "pytorch", ["test_multiprocessing.py", "-k", "cuda"]),
+    ("torch-multiprocessing-cuda", "pytorch", ["test_multiprocessing.py", "-k", "cuda or event"]),
 ]
 
 

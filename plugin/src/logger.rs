@@ -34,10 +34,36 @@ pub fn print_deferred() {
 }
 
 /// Prints one line now, also from a thread whose lines are deferred: only for the test fault
-/// points, the instant before CRIU is killed (a race on CRIU's buffer cannot matter then).
+/// points, the instant before CRIU is killed. It is written straight to CRIU's log descriptor
+/// in one write(2), not through CRIU's unlocked format buffer: on the H200 a drain thread's
+/// line printed that way was overwritten by CRIU's main thread, which was logging at the
+/// same moment, and the kill went unrecorded.
 pub fn print_now(text: &str) {
-    if let Ok(line) = CString::new(format!("gpusnap: {text}\n")) {
-        print(criu::level::WARN, &line);
+    let line = format!("gpusnap: {text}\n");
+    // SAFETY: CRIU's getter takes no arguments.
+    match criu::log_get_fd().map(|f| unsafe { f() }) {
+        Some(fd) if fd >= 0 => write_all(fd, line.as_bytes()),
+        _ => {
+            if let Ok(line) = CString::new(line) {
+                print(criu::level::WARN, &line);
+            }
+        }
+    }
+}
+
+/// write(2) of all of `bytes` to `fd`, retrying short writes and EINTR; gives up on an error
+/// (a log line is not worth more).
+fn write_all(fd: i32, mut bytes: &[u8]) {
+    while !bytes.is_empty() {
+        // SAFETY: write(2) of a live byte slice to a descriptor number; a bad one only fails.
+        let n = unsafe { libc::write(fd, bytes.as_ptr().cast(), bytes.len()) };
+        if n < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+            continue;
+        }
+        if n <= 0 {
+            return;
+        }
+        bytes = &bytes[n as usize..];
     }
 }
 
@@ -100,16 +126,7 @@ pub fn tell_user(msg: &str) {
     if criu::print_on_level().is_none() || log_is_stderr() {
         return;
     }
-    let line = format!("gpusnap: {msg}\n");
-    let mut rest = line.as_bytes();
-    while !rest.is_empty() {
-        // SAFETY: write(2) of a live byte slice to fd 2, which CRIU keeps as its stderr.
-        let n = unsafe { libc::write(2, rest.as_ptr().cast(), rest.len()) };
-        if n <= 0 {
-            return;
-        }
-        rest = &rest[n as usize..];
-    }
+    write_all(2, format!("gpusnap: {msg}\n").as_bytes());
 }
 
 /// Whether CRIU's log descriptor is the same file as its stderr.

@@ -202,8 +202,7 @@ impl Drain {
 pub fn abandon(lent: &mut Lent) {
     // Killing the keeper makes every pending read of the drain fail; its imports go with it.
     if let Some(k) = &lent.keeper {
-        // SAFETY: kill on our own child, which Keeper's Drop reaps.
-        unsafe { libc::kill(k.pid(), libc::SIGKILL) };
+        k.kill();
     }
     if let Some(d) = lent.drain.take() {
         let _ = d.join();

@@ -6,13 +6,17 @@
 //!
 //! The keeper is started with `posix_spawn` (no fork of CRIU's process), in a session of its
 //! own with every signal at its default and unblocked, and speaks on one end of a socket pair.
-//! It exits when the plugin closes its end; [`Keeper`]'s `Drop` waits for that and reaps it
-//! (killing it after a grace period), so no zombie is left to whoever reaps CRIU's children.
+//! It starts `--detach`ed: the process spawned here forks the keeper, sends its pid and a pidfd
+//! of it, and exits at once (reaped here). So the keeper is not CRIU's child: CRIU takes the
+//! exit of any child of its own while it works on the tasks for a failure, and a keeper killed
+//! then could cost the job (seen in CI: CRIU then failed to cure the job of its parasite). The
+//! keeper exits when the plugin closes its end; [`Keeper`]'s `Drop` waits on the pidfd for that
+//! (killing it through the pidfd after a grace period).
 
 use crate::agent::AgentSession;
 use gpusnap_proto::Channel;
 use std::ffi::{CString, c_char};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -32,11 +36,19 @@ pub enum KeeperError {
     Unusable { path: String, why: String },
     #[error("starting {path}: {err}")]
     Spawn { path: String, err: std::io::Error },
+    #[error("starting {path}: it did not detach: {why}")]
+    Detach { path: String, why: String },
 }
+
+/// How long the started process may take to fork the keeper and report it.
+const DETACH_WITHIN: Duration = Duration::from_secs(5);
 
 /// A started keeper and the session to it.
 pub struct Keeper {
     pid: libc::pid_t,
+    /// A pidfd of the keeper: it is not our child, so this is how we see it exit and kill it
+    /// without ever signalling a pid that was reused.
+    pidfd: OwnedFd,
     session: Option<AgentSession>,
 }
 
@@ -59,22 +71,50 @@ impl Keeper {
             path.as_os_str().to_owned(),
             "--fd".into(),
             KEEPER_FD.to_string().into(),
+            "--detach".into(),
         ];
         if let Some(l) = libcuda {
             args.push("--libcuda".into());
             args.push(l.as_os_str().to_owned());
         }
-        let pid =
+        let starter =
             spawn(&path, &args, theirs.fd().as_raw_fd()).map_err(|err| KeeperError::Spawn {
                 path: shown.clone(),
                 err,
             })?;
         drop(theirs);
+        let detach_err = |why: String| KeeperError::Detach {
+            path: shown.clone(),
+            why,
+        };
+        if let Err(why) = reap_starter(starter, DETACH_WITHIN) {
+            return Err(detach_err(why));
+        }
+        let (pid, pidfd) = match ours.recv_reply_with_fd(Some(DETACH_WITHIN)) {
+            Ok((gpusnap_proto::Reply::Detached { pid }, Some(fd))) => (pid as libc::pid_t, fd),
+            Ok((gpusnap_proto::Reply::Error { message, .. }, _)) => {
+                return Err(detach_err(message));
+            }
+            Ok((other, _)) => return Err(detach_err(format!("it answered {other:?}"))),
+            Err(e) => return Err(detach_err(e.to_string())),
+        };
+        if crate::procfs::parent_of(pid).ok() == Some(std::process::id() as i32) {
+            // CRIU is a child subreaper here, so the orphan came back to it.
+            log::warn!(
+                "keeper pid {pid} is a child of CRIU's process after all (CRIU reaps orphans here): CRIU would see its exit"
+            );
+        }
         log::debug!("keeper {shown} started as pid {pid} for pid {job_pid}");
         Ok(Keeper {
             pid,
+            pidfd,
             session: Some(AgentSession::over(job_pid, ours, timeout)),
         })
+    }
+
+    /// Kills the keeper now (through its pidfd); `Drop` still waits for it to go.
+    pub fn kill(&self) {
+        signal(self.pidfd.as_fd(), libc::SIGKILL);
     }
 
     pub fn pid(&self) -> i32 {
@@ -102,33 +142,102 @@ impl Drop for Keeper {
     fn drop(&mut self) {
         // Closing our end tells the keeper to go (it drops its imports as it exits).
         drop(self.session.take());
-        reap(self.pid, Duration::from_secs(5));
+        let fd = self.pidfd.as_fd();
+        if !exited_within(fd, Duration::from_secs(5)) {
+            log::warn!(
+                "keeper pid {} did not exit within 5 s: killing it",
+                self.pid
+            );
+            signal(fd, libc::SIGKILL);
+            if !exited_within(fd, crate::reap::REAP_WITHIN) {
+                log::warn!("keeper pid {} still there after SIGKILL", self.pid);
+            }
+        }
+        // Only if CRIU reaps orphans here is the keeper our child: then it is ours to reap.
+        // Through the pidfd, so no other child of CRIU's can ever be reaped by mistake.
+        // SAFETY: siginfo_t is plain data; all zeroes is a valid value.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        // SAFETY: waitid on a pidfd we own with a writable siginfo; WNOHANG never blocks, and
+        // a process that is not our child only fails with ECHILD.
+        unsafe {
+            libc::waitid(
+                libc::P_PIDFD,
+                fd.as_raw_fd() as libc::id_t,
+                &mut info,
+                libc::WEXITED | libc::WNOHANG,
+            )
+        };
     }
 }
 
-/// Waits up to `grace` for `pid` to exit, then kills and reaps it ([`crate::reap`]).
-fn reap(pid: libc::pid_t, grace: Duration) {
-    let deadline = Instant::now() + grace;
+/// Reaps the process that started the keeper (our child, which exits as soon as it has forked
+/// the keeper and reported it). Killed and reaped if it takes longer than `within`.
+fn reap_starter(pid: libc::pid_t, within: Duration) -> Result<(), String> {
+    let deadline = Instant::now() + within;
     loop {
         let mut status = 0;
-        // SAFETY: waitpid on our own child with a valid status pointer.
+        // SAFETY: waitpid on our own child with a valid status pointer; WNOHANG never blocks.
         let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
-        if r == pid
-            || (r < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR))
-        {
-            if r == pid && status != 0 {
-                log::debug!("keeper pid {pid} exited with status {status:#x}");
+        if r == pid {
+            return match (libc::WIFEXITED(status), libc::WEXITSTATUS(status)) {
+                (true, 0) => Ok(()),
+                _ => Err(format!("it ended with status {status:#x}")),
+            };
+        }
+        if r < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EINTR) {
+                continue;
             }
-            return;
+            return Err(format!("waiting for it: {e}"));
         }
         if Instant::now() >= deadline {
-            break;
+            let _ = crate::reap::kill_and_reap(pid);
+            return Err(format!("it did not report within {within:?}"));
         }
-        std::thread::sleep(Duration::from_millis(5));
+        std::thread::sleep(Duration::from_millis(1));
     }
-    log::warn!("keeper pid {pid} did not exit within {grace:?}: killing it");
-    if let Err(e) = crate::reap::kill_and_reap(pid) {
-        log::warn!("keeper: {e}");
+}
+
+/// Whether the process of `pidfd` exits within `within` (a pidfd is readable once it has).
+fn exited_within(pidfd: BorrowedFd<'_>, within: Duration) -> bool {
+    let deadline = Instant::now() + within;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let mut p = libc::pollfd {
+            fd: pidfd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: poll on one pollfd that lives across the call.
+        let r = unsafe { libc::poll(&mut p, 1, left.as_millis().min(i32::MAX as u128) as i32) };
+        if r > 0 {
+            return true;
+        }
+        if r == 0 || Instant::now() >= deadline {
+            return false;
+        }
+        // r < 0: EINTR (CRIU's SIGALRM, say): wait on for what is left.
+    }
+}
+
+/// Sends `sig` to the process of `pidfd` (never to a pid that might have been reused).
+fn signal(pidfd: BorrowedFd<'_>, sig: i32) {
+    // SAFETY: pidfd_send_signal with a pidfd we own, no siginfo and no flags.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            pidfd.as_raw_fd(),
+            sig,
+            std::ptr::null::<libc::siginfo_t>(),
+            0,
+        )
+    };
+    if r != 0 {
+        log::debug!(
+            "keeper: pidfd_send_signal: {}",
+            std::io::Error::last_os_error()
+        );
     }
 }
 

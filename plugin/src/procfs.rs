@@ -86,6 +86,11 @@ impl<'a> Stat<'a> {
         Some(field(14)? + field(15)?)
     }
 
+    /// The parent's pid (field 4).
+    pub fn parent(&self) -> Option<i32> {
+        self.rest.get(4 - 3)?.parse().ok()
+    }
+
     /// When the task started (field 22), in clock ticks since boot: with the pid, it names one
     /// process for good (a pid can be reused, a pid and start time cannot).
     pub fn start_time(&self) -> Option<u64> {
@@ -190,6 +195,15 @@ pub fn state_and_start(pid: i32) -> io::Result<(String, u64)> {
         st.start_time()
             .ok_or_else(|| invalid("start time", &path))?,
     ))
+}
+
+/// The parent of `pid` (in our pid namespace).
+pub fn parent_of(pid: i32) -> io::Result<i32> {
+    let path = format!("/proc/{pid}/stat");
+    let text = read(&path)?;
+    Stat::parse(&text)
+        .and_then(|st| st.parent())
+        .ok_or_else(|| invalid("parent pid", &path))
 }
 
 /// The resident memory of `pid`, in KiB.
@@ -355,6 +369,7 @@ mod tests {
         assert_eq!(st.comm, "a b) c)");
         assert_eq!(st.state(), Some("S"));
         assert_eq!(st.cpu_ticks(), Some(755));
+        assert_eq!(st.parent(), Some(1));
         assert_eq!(st.start_time(), None, "the line ends before field 22");
         let full = "7 (x) S 1 7 7 0 -1 0 0 0 0 0 1 2 0 0 20 0 1 0 4242 0 0";
         assert_eq!(Stat::parse(full).unwrap().start_time(), Some(4242));

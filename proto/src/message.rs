@@ -395,6 +395,13 @@ pub enum Reply {
         /// Time since the first `Take`.
         micros: u64,
     },
+    /// The first message of a keeper started detached: it runs as `pid`, and a pidfd of it is
+    /// attached. The process the plugin started has exited by then, so the keeper is not a
+    /// child of CRIU's: CRIU never sees its exit.
+    Detached {
+        /// The keeper's pid (in the plugin's pid namespace).
+        pid: u32,
+    },
     /// Every released allocation is mapped again from its kept descriptor.
     Reclaimed {
         /// Allocations mapped again.
@@ -455,6 +462,7 @@ mod kind {
     pub const REP_EXPECTED: u16 = 0x0112;
     pub const REP_TAKEN: u16 = 0x0113;
     pub const REP_TAKEN_ALL: u16 = 0x0114;
+    pub const REP_DETACHED: u16 = 0x0115;
 }
 
 /// An optional u64: a presence byte (0/1), then the value (0 when absent).
@@ -861,6 +869,10 @@ impl Reply {
                 w.u64(*bytes);
                 w.u64(*micros);
             }
+            Reply::Detached { pid } => {
+                header(&mut w, kind::REP_DETACHED);
+                w.u32(*pid);
+            }
             Reply::Reclaimed {
                 allocations,
                 bytes,
@@ -961,6 +973,7 @@ impl Reply {
                 bytes: r.u64()?,
                 micros: r.u64()?,
             },
+            kind::REP_DETACHED => Reply::Detached { pid: r.u32()? },
             kind::REP_RECLAIMED => Reply::Reclaimed {
                 allocations: r.u32()?,
                 bytes: r.u64()?,

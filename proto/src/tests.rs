@@ -170,6 +170,7 @@ fn all_replies() -> Vec<Reply> {
             bytes: 2 << 20,
             micros: 5,
         },
+        Reply::Detached { pid: 4242 },
         Reply::Reclaimed {
             allocations: 1,
             bytes: 2 << 20,

@@ -117,6 +117,14 @@ impl Keeper {
         signal(self.pidfd.as_fd(), libc::SIGKILL);
     }
 
+    /// A handle that can kill this keeper from elsewhere (while a thread owns the `Keeper`).
+    pub fn killer(&self) -> std::io::Result<KeeperKiller> {
+        Ok(KeeperKiller {
+            pid: self.pid,
+            pidfd: self.pidfd.try_clone()?,
+        })
+    }
+
     pub fn pid(&self) -> i32 {
         self.pid
     }
@@ -129,6 +137,22 @@ impl Keeper {
     /// Takes the session (its `release` consumes it).
     pub fn take_session(&mut self) -> Option<AgentSession> {
         self.session.take()
+    }
+}
+
+/// Kills one keeper through a pidfd of it: never another process that took its pid.
+pub struct KeeperKiller {
+    pid: libc::pid_t,
+    pidfd: OwnedFd,
+}
+
+impl KeeperKiller {
+    pub fn pid(&self) -> i32 {
+        self.pid
+    }
+
+    pub fn kill(&self) {
+        signal(self.pidfd.as_fd(), libc::SIGKILL);
     }
 }
 

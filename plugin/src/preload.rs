@@ -22,7 +22,7 @@
 use crate::agent::{AgentError, AgentSession, LentAllocation};
 use crate::datapath::{self, DataError, LoadStats};
 use crate::gpumap;
-use crate::keeper::{Keeper, KeeperError};
+use crate::keeper::{Keeper, KeeperError, KeeperKiller};
 use crate::staging::Staging;
 use gpusnap_config::Config;
 use gpusnap_cuda::GpuUuid;
@@ -49,6 +49,8 @@ pub enum PreloadError {
     NoKeeper,
     #[error("the load thread could not start: {0}")]
     Thread(std::io::Error),
+    #[error("a handle to end the keeper early could not be made: {0}")]
+    Killer(std::io::Error),
     #[error("the load thread panicked")]
     Panicked,
     #[error(
@@ -113,10 +115,21 @@ pub struct LoadJob {
     pub checks: datapath::ReadChecks,
 }
 
+/// Where a keeper's load spent its time before the data moved (the log's breakdown).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct KeeperPhases {
+    /// From the load's start until the keeper answered (its `cuInit`, begun at `init`).
+    pub ready_s: f64,
+    /// Its context on each target GPU and the reservations at the job's addresses.
+    pub expect_s: f64,
+    /// The image into its memory: memory made, ring registered, every chunk in and checked.
+    pub load_s: f64,
+}
+
 /// A finished load: the keeper, and what it did.
 pub struct Loaded {
     keeper: Keeper,
-    result: Result<LoadStats, PreloadError>,
+    result: Result<(LoadStats, KeeperPhases), PreloadError>,
     targets: BTreeMap<u32, [u8; 16]>,
     started: Instant,
     ended: Instant,
@@ -126,10 +139,10 @@ pub struct Loaded {
 pub enum Preload {
     /// The keeper runs (started in `init`); its load has not begun.
     Started(Keeper),
-    /// The load runs on a thread of its own; the keeper's pid, to end it early.
+    /// The load runs on a thread of its own (which owns the keeper); a way to end it early.
     Loading {
         handle: std::thread::JoinHandle<Loaded>,
-        keeper_pid: i32,
+        killer: KeeperKiller,
     },
     /// The load thread could not be started (the keeper is gone with it).
     NotStarted(PreloadError),
@@ -140,6 +153,7 @@ pub enum Handed {
     /// The job maps the keeper's memory: every byte is in, checked.
     Done {
         stats: LoadStats,
+        phases: KeeperPhases,
         /// The load's time span, and how long the hand-over waited for it.
         ran_s: f64,
         waited_s: f64,
@@ -178,7 +192,10 @@ impl Preload {
         let Preload::Started(keeper) = self else {
             return self;
         };
-        let keeper_pid = keeper.pid();
+        let killer = match keeper.killer() {
+            Ok(k) => k,
+            Err(e) => return Preload::NotStarted(PreloadError::Killer(e)),
+        };
         let spawned = std::thread::Builder::new()
             .name("gpusnap-preload".into())
             .spawn(move || {
@@ -196,7 +213,7 @@ impl Preload {
                 }
             });
         match spawned {
-            Ok(handle) => Preload::Loading { handle, keeper_pid },
+            Ok(handle) => Preload::Loading { handle, killer },
             Err(e) => Preload::NotStarted(PreloadError::Thread(e)),
         }
     }
@@ -205,10 +222,8 @@ impl Preload {
     /// is killed, so that a load in progress fails at once, and the thread joined; the keeper
     /// is reaped with it.
     pub fn abandon(self) {
-        if let Preload::Loading { handle, keeper_pid } = self {
-            // SAFETY: kill(2) of our own child, which the Keeper's Drop (in the joined
-            // thread's result) reaps.
-            unsafe { libc::kill(keeper_pid, libc::SIGKILL) };
+        if let Preload::Loading { handle, killer } = self {
+            killer.kill();
             drop(handle.join());
         }
     }
@@ -241,10 +256,10 @@ impl Preload {
             targets: loaded_on,
             ..
         } = loaded;
-        let stats = match result {
+        let (stats, phases) = match result {
             // Dropping the keeper frees its memory before the agent loads.
             Ok(_) if loaded_on != *targets => return Ok(Handed::Fallback(PreloadError::OtherGpus)),
-            Ok(s) => s,
+            Ok(done) => done,
             Err(e) => return Ok(Handed::Fallback(e)),
         };
         crate::fault::kill_criu_at("restore-keeper-loaded");
@@ -255,6 +270,7 @@ impl Preload {
         drop(keeper);
         Ok(Handed::Done {
             stats,
+            phases,
             ran_s,
             waited_s,
             take_s: t1.elapsed().as_secs_f64(),
@@ -264,9 +280,11 @@ impl Preload {
 }
 
 /// The load on the preload thread: where each allocation goes, then the image's chunks.
-fn load_into(keeper: &Keeper, job: &LoadJob) -> Result<LoadStats, PreloadError> {
+fn load_into(keeper: &Keeper, job: &LoadJob) -> Result<(LoadStats, KeeperPhases), PreloadError> {
+    let t0 = Instant::now();
     let s = keeper.session().ok_or(PreloadError::NoKeeper)?;
     s.hello().map_err(PreloadError::Session)?;
+    let ready_s = t0.elapsed().as_secs_f64();
     for a in job.manifest.allocations.iter().filter(|a| a.moved) {
         let gpu = job
             .targets
@@ -275,9 +293,11 @@ fn load_into(keeper: &Keeper, job: &LoadJob) -> Result<LoadStats, PreloadError> 
         s.expect(a.id, *gpu, a.addr, a.size)
             .map_err(PreloadError::Session)?;
     }
+    let expect_s = t0.elapsed().as_secs_f64() - ready_s;
     let shape = crate::load::ring_shape(job.slots, &job.manifest);
     let staging = Staging::new(shape.slot_size, shape.slots).map_err(DataError::Ring)?;
-    Ok(datapath::copy_in(
+    let t1 = Instant::now();
+    let stats = datapath::copy_in(
         s,
         &staging,
         job.dir,
@@ -286,7 +306,13 @@ fn load_into(keeper: &Keeper, job: &LoadJob) -> Result<LoadStats, PreloadError> 
         job.limits,
         "restore-keeper-load",
         job.checks,
-    )?)
+    )?;
+    let phases = KeeperPhases {
+        ready_s,
+        expect_s,
+        load_s: t1.elapsed().as_secs_f64(),
+    };
+    Ok((stats, phases))
 }
 
 /// Export from the keeper, `Take` in the job, release in the keeper. Returns the allocations
@@ -333,7 +359,7 @@ impl std::fmt::Debug for Preload {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Preload::Started(k) => write!(f, "Started({k:?})"),
-            Preload::Loading { keeper_pid, .. } => write!(f, "Loading(keeper pid {keeper_pid})"),
+            Preload::Loading { killer, .. } => write!(f, "Loading(keeper pid {})", killer.pid()),
             Preload::NotStarted(e) => write!(f, "NotStarted({e})"),
         }
     }

@@ -96,6 +96,8 @@ pub struct RestoredProcess {
     /// The data was loaded by the keeper beside CRIU's restore and handed over: the hand-over's
     /// own time (export, the job's maps, release).
     pub handover_s: Option<f64>,
+    /// The keeper's load before the hand-over, phase by phase.
+    pub keeper: Option<crate::preload::KeeperPhases>,
     pub total_s: f64,
 }
 
@@ -107,6 +109,11 @@ impl RestoredProcess {
         }
         if let Some(h) = self.handover_s {
             timings["handover"] = serde_json::json!(h);
+        }
+        if let Some(k) = &self.keeper {
+            timings["keeper_ready"] = serde_json::json!(k.ready_s);
+            timings["keeper_expect"] = serde_json::json!(k.expect_s);
+            timings["keeper_load"] = serde_json::json!(k.load_s);
         }
         timings["total"] = serde_json::json!(self.total_s);
         let mut v = serde_json::json!({
@@ -998,6 +1005,7 @@ fn resume_one(
         unlock_s: 0.0,
         data: None,
         handover_s: None,
+        keeper: None,
         total_s: 0.0,
     };
     let uuids = uuid_pairs(pairs)?;
@@ -1032,17 +1040,22 @@ fn resume_one(
                 match handed {
                     Some(crate::preload::Handed::Done {
                         stats,
+                        phases,
                         ran_s,
                         waited_s,
                         take_s,
                         allocations,
                     }) => {
                         log::info!(
-                            "pid {pid} (nspid {}): the keeper's load ran {ran_s:.3} s beside CRIU's restore; the hand-over waited {waited_s:.3} s for it, then mapped {allocations} allocations in {take_s:.3} s",
-                            m.nspid
+                            "pid {pid} (nspid {}): the keeper's load ran {ran_s:.3} s beside CRIU's restore (keeper ready after {:.3} s, GPU contexts and reservations {:.3} s, data {:.3} s); the hand-over waited {waited_s:.3} s for it, then mapped {allocations} allocations in {take_s:.3} s",
+                            m.nspid,
+                            phases.ready_s,
+                            phases.expect_s,
+                            phases.load_s
                         );
                         out.data = Some(stats);
                         out.handover_s = Some(take_s);
+                        out.keeper = Some(phases);
                     }
                     Some(crate::preload::Handed::Fallback(e)) => {
                         log::warn!(

@@ -20,9 +20,12 @@
 # and clippy, gcc and libc6-dev, apt/dpkg/flock and debian-archive-keyring (the CRIU roots,
 # from the network the first time), python3 (the GPU harness's unit tests), podman, runc,
 # busybox-static and tar (the Podman test). What cannot run is SKIPPED, never passed: every
-# skipped test or step is listed, with the reason, in the summary at the end, which then says
-# "passed, except what was SKIPPED". GPUSNAP_REQUIRE_ALL=1 (.ci/run sets it) makes a skip a
-# failure.
+# skipped test or step is listed, with the reason, in the summary at the end (also when a later
+# step fails), which then says "passed, except what was SKIPPED". A test says it was skipped
+# with a line "<crate>: SKIPPED <test>: <why>" on stderr (criu-tests::harness::skipped); tests
+# marked #[ignore] are listed as IGNORED, with cargo's reason. GPUSNAP_REQUIRE_ALL=1 (.ci/run
+# sets it) makes a skip a failure; an IGNORED test (a decision written into the code, with its
+# reason) is listed but does not fail it.
 set -euo pipefail
 
 repo=$(dirname -- "$(dirname -- "$(readlink -f -- "${BASH_SOURCE[0]}")")")
@@ -33,28 +36,46 @@ step() {
     echo
     echo "==> [$((SECONDS - started))s] $*"
 }
-fail() {
-    echo >&2
-    echo "test.sh: FAILED: $*" >&2
-    exit 1
-}
 # What did not run, one "what: why" a line, for the summary.
 skipped=()
+ignored=()
 skip() {
     skipped+=("$1")
     echo "test.sh: SKIPPED $1"
 }
-# `cargo test "$@"` with its output also in a log, whose "criu-tests: SKIPPED <test>: <why>"
-# lines (the tests' own word that they did not run) go to the summary.
+# The tests and steps that did not run, so far.
+not_run() {
+    if ((${#skipped[@]})); then
+        echo "test.sh: ${#skipped[@]} SKIPPED (not run, so not passed):"
+        printf '    SKIPPED %s\n' "${skipped[@]}"
+    fi
+    if ((${#ignored[@]})); then
+        echo "test.sh: ${#ignored[@]} IGNORED (#[ignore] in the code, not run, so not passed):"
+        printf '    IGNORED %s\n' "${ignored[@]}"
+    fi
+}
+fail() {
+    echo >&2
+    not_run >&2
+    echo "test.sh: FAILED: $*" >&2
+    exit 1
+}
+# `cargo test "$@"` with its output also in a log, whose "<crate>: SKIPPED <test>: <why>"
+# lines (the tests' own word that they did not run) and "test <name> ... ignored" lines go to
+# the summary.
 cargo_test() {
-    local label=$1 log
+    local label=$1 log line
     shift
     log=$(mktemp "${TMPDIR:-/tmp}/gpusnap-test-log.XXXXXX")
     local rc=0
     cargo test "$@" 2>&1 | tee "$log" || rc=$?
     while IFS= read -r line; do
-        skip "$label: ${line#*SKIPPED }"
-    done < <(grep -a 'criu-tests: SKIPPED ' "$log" | sort -u)
+        skip "$label: ${line#*: SKIPPED }"
+    done < <(grep -a -o -E '[A-Za-z0-9_-]+: SKIPPED [^:]+: .*' "$log" | sort -u)
+    while IFS= read -r line; do
+        line=${line#test }
+        ignored+=("$label: ${line/ ... ignored/}")
+    done < <(grep -a -o -E 'test .+ \.\.\. ignored.*' "$log" | sort -u)
     rm -f -- "$log"
     return "$rc"
 }
@@ -82,9 +103,17 @@ cargo clippy --workspace --all-targets -- -D warnings || fail "clippy reported w
 
 # The GPU scripts run only on a GPU machine; the parts of them that need none are tested here.
 if command -v python3 >/dev/null; then
-    step "python3 -m unittest discover -s gpu -p 'test_*.py'"
-    python3 -B -m unittest discover -s gpu -p 'test_*.py' ||
-        fail "the GPU harness's Python unit tests failed (gpu/test_*.py)"
+    step "python3 -m unittest discover -v -s gpu -p 'test_*.py'"
+    pylog=$(mktemp "${TMPDIR:-/tmp}/gpusnap-test-log.XXXXXX")
+    rc=0
+    python3 -B -m unittest discover -v -s gpu -p 'test_*.py' 2>&1 | tee "$pylog" || rc=$?
+    # unittest -v: "test_x (module.Class.test_x) ... skipped 'why'" (after the first line of the
+    # test's docstring, if it has one)
+    while IFS= read -r line; do
+        skip "Python unit tests: ${line/ ... skipped /: }"
+    done < <(grep -a -E ' \.\.\. skipped ' "$pylog" | sort -u)
+    rm -f -- "$pylog"
+    ((rc == 0)) || fail "the GPU harness's Python unit tests failed (gpu/test_*.py)"
 else
     step "python3 not found"
     skip "the GPU harness's Python unit tests (gpu/test_*.py): python3 not found"
@@ -99,13 +128,13 @@ if [[ ${GPUSNAP_SKIP_CRIU_TESTS:-0} != 1 ]]; then
         fail "tests failed against CRIU 4.2 (GPUSNAP_CRIU_SUITE=sid GPUSNAP_CRIU_ROOT=.criu-root-sid)"
 fi
 
-if ((${#skipped[@]})); then
-    step "summary: ${#skipped[@]} SKIPPED (not run, so not passed):"
-    printf '    SKIPPED %s\n' "${skipped[@]}"
-    if [[ ${GPUSNAP_REQUIRE_ALL:-0} == 1 ]]; then
-        fail "GPUSNAP_REQUIRE_ALL=1 and ${#skipped[@]} tests or steps were SKIPPED (above)"
-    fi
-    echo "test.sh: passed, except what was SKIPPED (above)"
+step "summary"
+if ((${#skipped[@]})) && [[ ${GPUSNAP_REQUIRE_ALL:-0} == 1 ]]; then
+    fail "GPUSNAP_REQUIRE_ALL=1 and ${#skipped[@]} tests or steps were SKIPPED"
+fi
+not_run
+if ((${#skipped[@]} + ${#ignored[@]})); then
+    echo "test.sh: passed, except what was SKIPPED or IGNORED (above)"
 else
-    step "all checks passed (nothing skipped)"
+    echo "test.sh: all checks passed (nothing skipped or ignored)"
 fi

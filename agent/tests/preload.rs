@@ -34,6 +34,14 @@ fn preloaded(program: &str) -> Command {
     c
 }
 
+/// Says that `test` did not run, on the real stderr (`eprintln!` is captured for a passing
+/// test), in the form scripts/test.sh lists in its summary.
+fn skipped(test: &str, why: &str) {
+    use std::io::Write;
+    let line = format!("gpusnap-agent: SKIPPED {test}: {why}\n");
+    let _ = std::io::stderr().write_all(line.as_bytes());
+}
+
 fn have(program: &str) -> bool {
     Command::new(program)
         .arg("--version")
@@ -76,7 +84,7 @@ fn true_and_sh_run_unharmed_and_quiet() {
 #[test]
 fn dlsym_heavy_program_runs_unharmed() {
     if !have("python3") {
-        eprintln!("python3 not installed: skipped");
+        skipped("dlsym_heavy_program_runs_unharmed", "python3 not installed");
         return;
     }
     // ctypes resolves every attribute with dlsym (RTLD_DEFAULT-style handle from dlopen(NULL)).
@@ -411,7 +419,10 @@ fn as_nobody(f: impl FnOnce() -> i32) -> i32 {
 fn other_users_are_refused() {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        eprintln!("needs root: skipped");
+        skipped(
+            "other_users_are_refused",
+            "needs root (runs a client as nobody)",
+        );
         return;
     }
     let child = EagerChild::start("30");
@@ -464,7 +475,7 @@ fn other_users_are_refused() {
 #[test]
 fn forked_child_inherits_no_agent() {
     if !have("python3") {
-        eprintln!("python3 not installed: skipped");
+        skipped("forked_child_inherits_no_agent", "python3 not installed");
         return;
     }
     // The child prints its own pid once fork() has returned in it (its atfork handlers have

@@ -25,6 +25,7 @@ pub mod fake_driver;
 pub mod fixtures;
 pub mod harness;
 pub mod inventory;
+pub mod packages;
 pub mod podman;
 pub mod procs;
 

@@ -247,7 +247,10 @@ fn a_handle_of_freed_memory_does_not_open() {
 fn another_user_is_refused() {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        eprintln!("not root: skipped");
+        criu_tests::harness::skipped(
+            "another_user_is_refused",
+            "needs root (the importer runs as uid 65534)",
+        );
         return;
     }
     let m = run(Agent::Both, &["--bytes", LARGE, "--importer-uid", "65534"]);

@@ -41,8 +41,9 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use criu_tests::fake_driver::{Call, FakeDriver, gpusnap_cli, shorts};
+use criu_tests::fake_driver::{Call, FakeDriver, shorts};
 use criu_tests::harness::skipped;
+use criu_tests::packages::{self, CRIU_BIN, HostCriu, dpkg, host_criu};
 use criu_tests::podman::{self, Podman};
 use criu_tests::{CounterLog, Harness, harness, procs};
 
@@ -61,7 +62,6 @@ const PACKAGE_FILES: [&str; 7] = [
     CDI_SPEC,
     "/usr/lib/gpusnap-criu/usr/sbin/criu",
 ];
-const CRIU_BIN: &str = "/usr/sbin/criu";
 /// Where the image has the stand-in device library, as `libcuda.so.1`.
 const FAKE_LIBCUDA_DIR: &str = "/usr/local/lib/fakecuda";
 /// How soon a restored or rolled-back job must be counting again.
@@ -100,47 +100,6 @@ impl Drop for Setup {
         } else {
             let _ = fs::remove_dir_all(&self.work);
         }
-    }
-}
-
-fn dpkg(args: &[&str], dir: &Path) -> Result<podman::Output, String> {
-    let mut cmd = std::process::Command::new("dpkg");
-    cmd.args(args).env("DEBIAN_FRONTEND", "noninteractive");
-    podman::run_bounded(
-        &mut cmd,
-        &format!("dpkg {}", args.join(" ")),
-        dir,
-        Duration::from_secs(120),
-    )
-}
-
-/// The CRIU root the harness runs (the one `scripts/criu` picks).
-fn criu_root(h: &Harness) -> PathBuf {
-    let root = std::env::var_os("GPUSNAP_CRIU_ROOT")
-        .filter(|r| !r.is_empty())
-        .map_or_else(|| h.repo.join(".criu-root"), PathBuf::from);
-    fs::canonicalize(&root).unwrap_or(root)
-}
-
-/// What the host has as `/usr/sbin/criu` (its bytes, or none) and dpkg's diversions: the
-/// packages' purge must leave both as they were before the install.
-#[derive(Debug, PartialEq, Eq)]
-struct HostCriu {
-    criu: Option<Vec<u8>>,
-    diversions: String,
-}
-
-fn host_criu(dir: &Path) -> HostCriu {
-    let mut cmd = std::process::Command::new("dpkg-divert");
-    cmd.arg("--list");
-    let list = podman::run_bounded(&mut cmd, "dpkg-divert --list", dir, Duration::from_secs(60))
-        .unwrap_or_else(|e| panic!("{e}"));
-    list.assert_ok();
-    let mut diversions: Vec<&str> = list.stdout.lines().collect();
-    diversions.sort_unstable();
-    HostCriu {
-        criu: fs::read(CRIU_BIN).ok(),
-        diversions: diversions.join("\n"),
     }
 }
 
@@ -203,24 +162,9 @@ fn setup() -> Option<Setup> {
 /// Builds the package from this test build and installs it; the one configuration change.
 fn install_package(s: &mut Setup) {
     let h = s.h;
-    let from = s.work.join("artifacts");
-    fs::create_dir_all(&from).unwrap();
-    let agent = h
-        .agent_so()
-        .unwrap_or_else(|e| panic!("building the agent: {e}"));
-    let cli = gpusnap_cli(h).unwrap_or_else(|e| panic!("building gpusnap: {e}"));
-    for (src, name) in [
-        (h.plugin_so.as_path(), "libgpusnap.so"),
-        (agent, "libgpusnap_agent.so"),
-        (cli, "gpusnap"),
-        (h.keeper.as_path(), "gpusnap-keeper"),
-    ] {
-        fs::copy(src, from.join(name)).unwrap_or_else(|e| panic!("{}: {e}", src.display()));
-    }
     // Refuse to overwrite a gpusnap that was not installed by the packages.
     for p in ["gpusnap", "gpusnap-criu"] {
-        let owned = dpkg(&["-s", p], &s.work).is_ok_and(|o| o.ok());
-        if owned {
+        if packages::installed(p, &s.work) {
             dpkg(&["--purge", p], &s.work).unwrap().assert_ok();
         }
     }
@@ -231,35 +175,9 @@ fn install_package(s: &mut Setup) {
             "{f} exists and is not from the gpusnap package: the test will not overwrite it"
         );
     }
-    let mut cmd = std::process::Command::new(h.repo.join("scripts/build-deb.sh"));
-    cmd.arg("--from")
-        .arg(&from)
-        .arg("--out")
-        .arg(s.work.join("deb"))
-        .arg("--criu-root")
-        .arg(criu_root(h));
-    let built = podman::run_bounded(
-        &mut cmd,
-        "scripts/build-deb.sh",
-        &s.work,
-        Duration::from_secs(300),
-    )
-    .unwrap_or_else(|e| panic!("{e}"));
-    built.assert_ok();
-    let debs: Vec<&str> = built.stdout.lines().map(str::trim).collect();
-    let [.., deb, criu_deb] = debs.as_slice() else {
-        panic!("scripts/build-deb.sh printed no two packages\n{built}");
-    };
-    for d in [deb, criu_deb] {
-        assert!(
-            d.ends_with("_amd64.deb") && Path::new(d).is_file(),
-            "no package {d:?} from scripts/build-deb.sh\n{built}"
-        );
-    }
-    assert!(
-        criu_deb.contains("/gpusnap-criu_"),
-        "{criu_deb}: not the CRIU package\n{built}"
-    );
+    let (deb, criu_deb) = packages::build(h, &s.work);
+    let (deb, criu_deb) = (deb.display().to_string(), criu_deb.display().to_string());
+    let (deb, criu_deb) = (deb.as_str(), criu_deb.as_str());
     s.installed = true;
     let install = dpkg(&["-i", deb, criu_deb], &s.work).unwrap_or_else(|e| panic!("{e}"));
     install.assert_ok();
@@ -592,7 +510,7 @@ fn podman_checkpoint_restore_with_the_package() {
         v.0,
         v.1,
         v.2,
-        criu_root(s.h).display(),
+        packages::criu_root(s.h).display(),
         t0.elapsed().as_secs_f64()
     );
 

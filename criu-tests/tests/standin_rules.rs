@@ -59,7 +59,10 @@ fn steal_kfd_fd(pid: i32) -> OwnedFd {
 fn the_stand_in_enforces_the_kernels_rules() {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        eprintln!("skipping: needs root (mknod)");
+        criu_tests::harness::skipped(
+            "the_stand_in_enforces_the_kernels_rules",
+            "needs root (mknod)",
+        );
         return;
     }
     let tmp = TempDir::new("kfd-rules");

@@ -14,7 +14,7 @@ use crate::staging::{RingShape, Staging};
 use crate::stall::{self, DriverCall, StallError, Watched};
 use gpusnap_config::Mode;
 use gpusnap_cuda::{DriverError, ProcessState};
-use gpusnap_image::{AllocationRecord, CheckpointPath, ImageError, Manifest};
+use gpusnap_image::{AllocationRecord, CheckpointPath, ImageError, IoOp, Manifest};
 use std::os::fd::BorrowedFd;
 use std::sync::Mutex;
 use std::time::Instant;
@@ -83,7 +83,10 @@ impl DumpError {
             self,
             DumpError::Durable(_)
                 | DumpError::Data(DataError::Sync(_))
-                | DumpError::Manifest(ImageError::Io { op: "fsync", .. })
+                | DumpError::Manifest(ImageError::Io {
+                    op: IoOp::Fsync,
+                    ..
+                })
         )
     }
 }
@@ -1493,7 +1496,7 @@ mod tests {
     fn failed_fsyncs_are_never_a_reason_to_fall_back() {
         let fsync = |file: &str| ImageError::Io {
             file: file.to_owned(),
-            op: "fsync",
+            op: IoOp::Fsync,
             source: std::io::Error::from_raw_os_error(libc::EIO),
         };
         let data = DumpError::Data(DataError::Sync(fsync("gpusnap-7-data-0.img")));
@@ -1515,7 +1518,7 @@ mod tests {
         let full = || std::io::Error::from_raw_os_error(libc::ENOSPC);
         let write = |file: &str| ImageError::Io {
             file: file.into(),
-            op: "write",
+            op: IoOp::Write,
             source: full(),
         };
         assert!(!DumpError::Data(DataError::Image(write("gpusnap-7-data-0.img"))).is_durability());

@@ -21,11 +21,8 @@ use std::time::Instant;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RestoreError {
-    #[error("{what}: {err}")]
-    Driver {
-        what: &'static str,
-        err: DriverError,
-    },
+    #[error("{step}: {err}")]
+    Driver { step: DriverStep, err: DriverError },
     #[error(transparent)]
     Agent(#[from] AgentError),
     #[error("split data path: {0}")]
@@ -67,8 +64,41 @@ pub enum RestoreError {
     },
 }
 
-/// What a failed `cuCheckpointProcessRestore` is called in a [`RestoreError::Driver`].
-pub const DRIVER_RESTORE: &str = "driver restore";
+/// The driver call a [`RestoreError::Driver`] is about (callers match on it; shown as its
+/// name in messages).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DriverStep {
+    /// Finding the thread that runs the driver's restore.
+    FindRestoreThread,
+    /// `cuCheckpointProcessRestore`.
+    Restore,
+    /// `cuCheckpointProcessUnlock`.
+    Unlock,
+}
+
+impl std::fmt::Display for DriverStep {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DriverStep::FindRestoreThread => "finding the driver restore thread",
+            DriverStep::Restore => "driver restore",
+            DriverStep::Unlock => "driver unlock",
+        })
+    }
+}
+
+/// What the log adds to a process's failed restore, told by the failed step.
+fn failure_hint(e: &RestoreError, several: bool) -> &'static str {
+    match e {
+        // Found on the H200: driver 580 checkpoints a CUDA IPC importer, then cannot restore it.
+        RestoreError::Driver {
+            step: DriverStep::Restore,
+            ..
+        } if several => {
+            " A known cause with several GPU processes: one had opened another's memory through CUDA IPC, which the driver (before r610) checkpoints but cannot restore; such an image cannot be restored."
+        }
+        _ => "",
+    }
+}
 
 /// Where one restored GPU process stands. A process that fails anywhere before `Running` is
 /// killed: its image is unchanged, and a new restore can be tried.
@@ -576,14 +606,7 @@ impl RestoreRun {
         let several = restored.len() > 1;
         for (p, r) in &restored {
             if let Err(e) = r {
-                // Found on the H200: driver 580 checkpoints a CUDA IPC importer, then cannot
-                // restore it.
-                let hint = match e {
-                    RestoreError::Driver { what, .. } if several && *what == DRIVER_RESTORE => {
-                        " A known cause with several GPU processes: one had opened another's memory through CUDA IPC, which the driver (before r610) checkpoints but cannot restore; such an image cannot be restored."
-                    }
-                    _ => "",
-                };
+                let hint = failure_hint(e, several);
                 log::error!(
                     "pid {p}: GPU restore failed: {e}. The process is killed rather than left running without its GPU state; the image is unchanged: fix the cause and restore again.{hint}"
                 );
@@ -910,7 +933,7 @@ fn prepare(ctx: &Ctx, pid: i32, m: &Manifest) -> Result<Vec<RunningThread>, Rest
         .api
         .restore_thread_id(pid)
         .map_err(|err| RestoreError::Driver {
-            what: "finding the driver restore thread",
+            step: DriverStep::FindRestoreThread,
             err,
         })?;
     // From here until the restore is complete, a CRIU that dies takes the process with it
@@ -985,7 +1008,7 @@ fn resume_one(
     mut preload: Option<Preload>,
 ) -> Result<RestoredProcess, RestoreError> {
     let t0 = Instant::now();
-    let driver = |what| move |err| RestoreError::Driver { what, err };
+    let driver = |step| move |err| RestoreError::Driver { step, err };
     // The ring is made while the driver restores the control state (a keeper has its own).
     let mut ring = (has_data(m) && preload.is_none())
         .then(|| RingMaker::start(crate::load::ring_shape(ctx.cfg.staging_slots as usize, m)));
@@ -1011,7 +1034,7 @@ fn resume_one(
         phase = match phase {
             RestorePhase::Stopped => {
                 let (restored, refrozen) = call.run(|| ctx.api.restore(pid, &uuids));
-                restored.map_err(driver(DRIVER_RESTORE))?;
+                restored.map_err(driver(DriverStep::Restore))?;
                 refrozen?;
                 out.control_s = t0.elapsed().as_secs_f64();
                 crate::fault::kill_criu_at("restore-control");
@@ -1019,7 +1042,7 @@ fn resume_one(
             }
             RestorePhase::ControlRestored => {
                 let t1 = Instant::now();
-                ctx.api.unlock(pid).map_err(driver("driver unlock"))?;
+                ctx.api.unlock(pid).map_err(driver(DriverStep::Unlock))?;
                 out.unlock_s = t1.elapsed().as_secs_f64();
                 crate::fault::kill_criu_at("restore-unlocked");
                 RestorePhase::Unlocked
@@ -1109,6 +1132,26 @@ fn resume_one(
 mod tests {
     use super::*;
     use gpusnap_image::GpuRecord;
+
+    #[test]
+    fn the_ipc_hint_follows_the_failed_driver_step_not_its_text() {
+        let failed = |step| RestoreError::Driver {
+            step,
+            err: DriverError::Cuda {
+                call: "cuCheckpointProcessRestore",
+                code: 999,
+                name: "CUDA_ERROR_UNKNOWN".into(),
+            },
+        };
+        assert!(failure_hint(&failed(DriverStep::Restore), true).contains("CUDA IPC"));
+        assert_eq!(failure_hint(&failed(DriverStep::Restore), false), "");
+        assert_eq!(failure_hint(&failed(DriverStep::Unlock), true), "");
+        assert_eq!(failure_hint(&RestoreError::DamagedImage, true), "");
+        assert_eq!(
+            failed(DriverStep::Restore).to_string(),
+            "driver restore: cuCheckpointProcessRestore failed: CUDA_ERROR_UNKNOWN (999)"
+        );
+    }
 
     fn manifest(gpus: Vec<GpuRecord>) -> Manifest {
         Manifest {

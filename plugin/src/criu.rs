@@ -105,7 +105,10 @@ pub fn inside_criu() -> bool {
     print_on_level().is_some() && image_dir_fn().is_some()
 }
 
-/// The image directory (`criu_get_image_dir()`), a service fd of CRIU's.
+/// The image directory (`criu_get_image_dir()`), a service fd of CRIU's. Fetched once per run,
+/// by `plugin::init` in CRIU's process (the runs hold it), and once per call of a hook that runs
+/// in a restored task (`RESTORE_EXT_FILE`): CRIU moves its service fds to other numbers in
+/// each restored task, so the number fetched at init is not the task's.
 pub fn image_dir() -> Option<std::os::fd::BorrowedFd<'static>> {
     // SAFETY: CRIU's function takes no arguments and returns a service fd.
     let fd = image_dir_fn()

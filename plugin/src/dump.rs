@@ -610,7 +610,7 @@ fn hand_over(ctx: &Ctx, t: &mut Tracked, release: &Mutex<Option<Hold>>) -> Resul
     }
     let job = crate::handover::DrainJob {
         staging,
-        dir: crate::criu::image_dir().ok_or(DumpError::NoImageDir)?,
+        dir: ctx.criu_image_dir().ok_or(DumpError::NoImageDir)?,
         pid,
         nspid: t.nspid as u32,
         writers: ctx.cfg.effective_writer_threads(),
@@ -1216,15 +1216,18 @@ fn gib(b: u64) -> f64 {
 /// their (single, parallel) checkpoint.
 pub struct DumpRun {
     cfg: gpusnap_config::Config,
+    /// CRIU's image directory, fetched once at init.
+    dir: Option<BorrowedFd<'static>>,
     ctx: Option<Ctx>,
     tracked: Vec<Tracked>,
     checkpointed: Option<Vec<(i32, Result<(), DumpError>)>>,
 }
 
 impl DumpRun {
-    pub fn new(cfg: gpusnap_config::Config) -> Self {
+    pub fn new(cfg: gpusnap_config::Config, dir: Option<BorrowedFd<'static>>) -> Self {
         Self {
             cfg,
+            dir,
             ctx: None,
             tracked: Vec::new(),
             checkpointed: None,
@@ -1235,7 +1238,7 @@ impl DumpRun {
     /// `None` when it is not a CUDA process, `Some(false)` when the dump must fail.
     pub fn pause_devices(&mut self, pid: i32) -> Option<bool> {
         if self.ctx.is_none() {
-            match Ctx::open(&self.cfg) {
+            match Ctx::open(&self.cfg, self.dir) {
                 Ok(c) => self.ctx = Some(c),
                 Err(e) => {
                     log::error!("cannot use the NVIDIA driver: {e}");

@@ -275,13 +275,13 @@ pub enum RestoreInit {
 
 impl RestoreRun {
     /// `init(RESTORE)`: checks every manifest and the GPUs, before CRIU restores any process.
-    pub fn init(cfg: Config) -> RestoreInit {
+    pub fn init(cfg: Config, dir: Option<BorrowedFd<'static>>) -> RestoreInit {
         // `None`: CRIU 4.0 keeps no plugin list; go by our manifests alone.
         if crate::criu::check_and_remove_inventory_plugin(crate::criu::PLUGIN_NAME) == Some(false) {
             log::debug!("the image holds no GPU state; nothing to do");
             return RestoreInit::NothingToDo("no GPU state in this image".into());
         }
-        let Some(dir) = crate::criu::image_dir() else {
+        let Some(dir) = dir else {
             log::error!("CRIU gave no image directory; cannot restore GPU state");
             return RestoreInit::Refused;
         };
@@ -526,7 +526,7 @@ impl RestoreRun {
                 let _ = h.join();
                 log::info!("cuInit ran beside CRIU's restore (started in POST_FORKING)");
             }
-            self.ctx = Some(Ctx::open(&self.cfg)?);
+            self.ctx = Some(Ctx::open(&self.cfg, Some(self.dir))?);
         }
         Ok(self.ctx.as_ref().expect("set above"))
     }

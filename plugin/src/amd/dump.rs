@@ -126,6 +126,8 @@ struct Tracked {
 pub struct AmdDump {
     dev: Box<dyn KfdDevice>,
     cfg: Config,
+    /// CRIU's image directory, fetched once at init.
+    dir: Option<BorrowedFd<'static>>,
     processes: Vec<Tracked>,
     /// `Some(path)` once seen: CRIU's amdgpu plugin is loaded, and gets every AMD file.
     deferred_to: Option<Option<String>>,
@@ -257,10 +259,11 @@ impl Checkpointed<'_> {
 }
 
 impl AmdDump {
-    pub fn new(dev: Box<dyn KfdDevice>, cfg: Config) -> AmdDump {
+    pub fn new(dev: Box<dyn KfdDevice>, cfg: Config, dir: Option<BorrowedFd<'static>>) -> AmdDump {
         AmdDump {
             dev,
             cfg,
+            dir,
             processes: Vec::new(),
             deferred_to: None,
             vmas_accepted: 0,
@@ -403,7 +406,7 @@ impl AmdDump {
         if self.deferred() {
             return None;
         }
-        let dir = crate::criu::image_dir()?;
+        let dir = self.dir?;
         Some(match kind {
             DeviceFile::Render { minor } => self.dump_render(dir, fd, id, minor, &path),
             DeviceFile::Kfd => self.dump_kfd(dir, fd, id),
@@ -692,7 +695,7 @@ impl AmdDump {
             );
         }
         let leave_running = crate::criu::leave_running();
-        let dir = crate::criu::image_dir();
+        let dir = self.dir;
         let mut processes = std::mem::take(&mut self.processes);
         for t in &mut processes {
             if !matches!(t.phase, DumpPhase::Checkpointed { .. }) {

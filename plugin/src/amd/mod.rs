@@ -46,9 +46,8 @@ pub fn kfd_device() -> Option<Box<dyn KfdDevice>> {
 }
 
 /// Whether CRIU's image directory holds a KFD state file.
-fn image_has_kfd_state() -> bool {
-    crate::criu::image_dir()
-        .and_then(|dir| gpusnap_image::list_image_files(dir).ok())
+fn image_has_kfd_state(dir: Option<BorrowedFd<'_>>) -> bool {
+    dir.and_then(|dir| gpusnap_image::list_image_files(dir).ok())
         .is_some_and(|files| {
             files
                 .iter()
@@ -68,9 +67,14 @@ pub enum AmdSide {
 
 impl AmdSide {
     /// The AMD side of a run; `Err` when a restore must be refused (the caller says why).
-    pub fn init(stage: Stage, cfg: &Config) -> Result<AmdSide, Refused> {
+    /// `dir`: CRIU's image directory, as the run fetched it at init.
+    pub fn init(
+        stage: Stage,
+        cfg: &Config,
+        dir: Option<BorrowedFd<'static>>,
+    ) -> Result<AmdSide, Refused> {
         if cfg.mode == gpusnap_config::Mode::Off {
-            if stage == Stage::Restore && image_has_kfd_state() {
+            if stage == Stage::Restore && image_has_kfd_state(dir) {
                 return Err(Refused::Disabled);
             }
             return Ok(AmdSide::Idle("mode = off".into()));
@@ -80,11 +84,11 @@ impl AmdSide {
             Stage::Dump => Ok(match kfd_device() {
                 Some(dev) => {
                     log::debug!("amd: dump through {}", dev.describe());
-                    AmdSide::Dump(Box::new(dump::AmdDump::new(dev, cfg.clone())))
+                    AmdSide::Dump(Box::new(dump::AmdDump::new(dev, cfg.clone(), dir)))
                 }
                 None => AmdSide::Idle("no /dev/kfd".into()),
             }),
-            Stage::Restore => Ok(match restore::AmdRestore::init(cfg.clone())? {
+            Stage::Restore => Ok(match restore::AmdRestore::init(cfg.clone(), dir)? {
                 Some(r) => AmdSide::Restore(Box::new(r)),
                 None => AmdSide::Idle("no kfd images".into()),
             }),
@@ -104,12 +108,12 @@ impl AmdSide {
     }
 
     /// `RESTORE_EXT_FILE`, in the restored task: `None` when `id` is not a file gpusnap
-    /// recorded as an AMD one.
-    pub fn restore_ext_file(&mut self, id: u32) -> Option<i32> {
+    /// recorded as an AMD one. `dir`: the image directory as this task sees it.
+    pub fn restore_ext_file(&mut self, dir: BorrowedFd<'_>, id: u32) -> Option<i32> {
         let AmdSide::Restore(r) = self else {
             return None;
         };
-        r.restore_ext_file(id)
+        r.restore_ext_file(dir, id)
     }
 
     /// `HANDLE_DEVICE_VMA`: `Some(0)` for a mapping of an AMD device file this dump handles;

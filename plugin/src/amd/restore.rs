@@ -258,8 +258,8 @@ fn wanted(state: &KfdState) -> Vec<WantedGpu> {
 
 impl AmdRestore {
     /// `Ok(None)`: the image has no kfd process. `Err`: the restore is refused.
-    pub fn init(cfg: Config) -> Result<Option<AmdRestore>, Refused> {
-        let Some(dir) = crate::criu::image_dir() else {
+    pub fn init(cfg: Config, dir: Option<BorrowedFd<'_>>) -> Result<Option<AmdRestore>, Refused> {
+        let Some(dir) = dir else {
             return Ok(None);
         };
         // The CUDA side reads the same directory and names damage too; a kfd image in it is
@@ -376,9 +376,9 @@ impl AmdRestore {
         p.local.get(i)
     }
 
-    pub fn restore_ext_file(&mut self, id: u32) -> Option<i32> {
-        // In a restored task CRIU's image directory is another service fd than at init.
-        let dir = crate::criu::image_dir()?;
+    /// `dir`: the image directory as this restored task sees it (CRIU's service fd has another
+    /// number here than at init).
+    pub fn restore_ext_file(&mut self, dir: BorrowedFd<'_>, id: u32) -> Option<i32> {
         let rec = match gpusnap_image::read_kfd_file(dir, id) {
             Ok(r) => r,
             Err(gpusnap_image::ImageError::MissingFile { .. }) => return None,

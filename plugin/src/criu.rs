@@ -97,6 +97,24 @@ criu_fn!(fn check_inventory_fn = c"check_and_remove_inventory_plugin": unsafe ex
 criu_fn!(fn interrupt_only_fn = c"set_compel_interrupt_only_mode": unsafe extern "C" fn());
 criu_fn!(fn alarm_timeouted_fn = c"alarm_timeouted": unsafe extern "C" fn() -> bool);
 
+/// `RESTORE_EXT_FILE`'s answer for a file gpusnap recorded: the reopened file (CRIU takes it)
+/// or a failure (already logged).
+#[derive(Debug)]
+pub enum Reopened {
+    Fd(std::os::fd::OwnedFd),
+    Failed,
+}
+
+impl Reopened {
+    /// The hook's return value: the fd, given up to CRIU, or -1.
+    pub fn into_raw(self) -> c_int {
+        match self {
+            Reopened::Fd(fd) => std::os::fd::IntoRawFd::into_raw_fd(fd),
+            Reopened::Failed => -1,
+        }
+    }
+}
+
 /// The plugin's name: in its descriptor and in the image's plugin inventory.
 pub const PLUGIN_NAME: &CStr = c"gpusnap";
 

@@ -68,6 +68,7 @@ pub(crate) fn test_manifest() -> gpusnap_image::Manifest {
     }
 }
 use std::ffi::{c_int, c_void};
+use std::os::fd::{BorrowedFd, IntoRawFd};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
 /// Runs a hook body; a panic becomes `on_panic` (it must never unwind into CRIU). CRIU's
@@ -129,6 +130,12 @@ unsafe extern "C" fn resume_devices_late(pid: c_int) -> c_int {
 
 unsafe extern "C" fn dump_ext_file(fd: c_int, id: c_int) -> c_int {
     guard(-1, || {
+        if fd < 0 {
+            return plugin::ENOTSUP;
+        }
+        // SAFETY: `fd` is the dumped file, open in CRIU until this hook returns; the borrow
+        // ends with this closure.
+        let fd = unsafe { BorrowedFd::borrow_raw(fd) };
         plugin::with(plugin::ENOTSUP, |p| p.dump_ext_file(fd, id))
     })
 }
@@ -137,7 +144,8 @@ unsafe extern "C" fn dump_ext_file(fd: c_int, id: c_int) -> c_int {
 /// read nor write (on older CRIU that register holds garbage).
 unsafe extern "C" fn restore_ext_file(id: c_int) -> c_int {
     guard(-1, || {
-        plugin::with(plugin::ENOTSUP, |p| p.restore_ext_file(id))
+        plugin::with(None, |p| p.restore_ext_file(id))
+            .map_or(plugin::ENOTSUP, criu::Reopened::into_raw)
     })
 }
 
@@ -152,6 +160,9 @@ unsafe extern "C" fn handle_device_vma(fd: c_int, st: *const libc::stat) -> c_in
         }
         // SAFETY: CRIU passes a pointer to the stat of the mapped device file.
         let (mode, rdev) = unsafe { ((*st).st_mode, (*st).st_rdev) };
+        // SAFETY: `fd` is the mapped file (opened through map_files), open in CRIU until this
+        // hook returns; the borrow ends with this closure.
+        let fd = (fd >= 0).then(|| unsafe { BorrowedFd::borrow_raw(fd) });
         let rc = plugin::with(plugin::ENOTSUP, |p| p.handle_device_vma(fd, mode, rdev));
         if rc != plugin::ENOTSUP {
             return rc;
@@ -188,10 +199,11 @@ unsafe extern "C" fn update_vma_map(
         let path = unsafe { std::ffi::CStr::from_ptr(path) }.to_string_lossy();
         match plugin::with(None, |p| p.update_vma_map(&path, addr, old_pgoff)) {
             Some((new, fd)) => {
-                // SAFETY: both out-pointers are CRIU's locals, valid and writable for the call.
+                // SAFETY: both out-pointers are CRIU's locals, valid and writable for the call;
+                // CRIU takes ownership of the fd.
                 unsafe {
                     new_pgoff.write(new);
-                    plugin_fd.write(fd);
+                    plugin_fd.write(fd.into_raw_fd());
                 }
                 1
             }

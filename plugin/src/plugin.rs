@@ -9,7 +9,7 @@ use crate::criu::{self, Stage};
 use crate::dump::DumpRun;
 use crate::restore::{RestoreInit, RestoreRun};
 use gpusnap_config::Mode;
-use std::os::fd::BorrowedFd;
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::Mutex;
 
 pub use crate::criu::PLUGIN_NAME as NAME;
@@ -172,7 +172,7 @@ impl Plugin {
     }
 
     /// DUMP_EXT_FILE: NVIDIA device files held without CUDA state.
-    pub fn dump_ext_file(&mut self, fd: i32, id: i32) -> i32 {
+    pub fn dump_ext_file(&mut self, fd: BorrowedFd<'_>, id: i32) -> i32 {
         if self.stage != Stage::Dump || !self.device_files || id < 0 {
             return ENOTSUP;
         }
@@ -198,34 +198,36 @@ impl Plugin {
         }
     }
 
-    /// RESTORE_EXT_FILE, in a restored task: open the device file again.
-    pub fn restore_ext_file(&mut self, id: i32) -> i32 {
+    /// RESTORE_EXT_FILE, in a restored task: open the device file again. `None`: not a file
+    /// gpusnap recorded.
+    pub fn restore_ext_file(&mut self, id: i32) -> Option<criu::Reopened> {
         if self.stage != Stage::Restore || !self.device_files || id < 0 {
-            return ENOTSUP;
+            return None;
         }
         // In a restored task: its own number for CRIU's image directory, not `self.image_dir`.
-        let Some(dir) = criu::image_dir() else {
-            return ENOTSUP;
-        };
-        if let Some(rc) = self.amd.restore_ext_file(dir, id as u32) {
-            return rc;
+        let dir = criu::image_dir()?;
+        if let Some(r) = self.amd.restore_ext_file(dir, id as u32) {
+            return Some(r);
         }
         match crate::devfile::restore(dir, id as u32) {
-            Ok(Some(fd)) => fd,
-            Ok(None) => ENOTSUP,
+            Ok(Some(fd)) => Some(criu::Reopened::Fd(fd)),
+            Ok(None) => None,
             Err(e) => {
                 log::error!("file {id}: {e}");
-                -1
+                Some(criu::Reopened::Failed)
             }
         }
     }
 
     /// HANDLE_DEVICE_VMA: 0 for a mapping of an AMD device file this dump handles (recorded
     /// with its process's KFD state), "not mine" for anything else.
-    pub fn handle_device_vma(&mut self, fd: i32, mode: u32, rdev: u64) -> i32 {
+    pub fn handle_device_vma(&mut self, fd: Option<BorrowedFd<'_>>, mode: u32, rdev: u64) -> i32 {
         if self.stage != Stage::Dump || !self.device_files {
             return ENOTSUP;
         }
+        let Some(fd) = fd else {
+            return ENOTSUP;
+        };
         match self.amd.handle_device_vma(fd, mode, rdev) {
             Some(rc) => {
                 if rc == 0 {
@@ -239,7 +241,7 @@ impl Plugin {
 
     /// UPDATE_VMA_MAP, in a restored task: `Some((new offset, fd))` for a device mapping gpusnap
     /// recorded; `None` for any other mapping.
-    pub fn update_vma_map(&mut self, path: &str, addr: u64, old: u64) -> Option<(u64, i32)> {
+    pub fn update_vma_map(&mut self, path: &str, addr: u64, old: u64) -> Option<(u64, OwnedFd)> {
         if self.stage != Stage::Restore || !self.device_files {
             return None;
         }

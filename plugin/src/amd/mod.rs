@@ -27,13 +27,13 @@ pub mod phase;
 pub mod recover;
 pub mod restore;
 
-use std::os::fd::{AsRawFd, BorrowedFd, IntoRawFd};
+use std::os::fd::{BorrowedFd, OwnedFd};
 
 use gpusnap_config::Config;
 use gpusnap_rocm::kfd::device::{KfdDevice, RealKfd};
 use gpusnap_rocm::kfd::standin::StandinKfd;
 
-use crate::criu::Stage;
+use crate::criu::{Reopened, Stage};
 
 /// The KFD this run talks to, if there is one.
 pub fn kfd_device() -> Option<Box<dyn KfdDevice>> {
@@ -96,20 +96,14 @@ impl AmdSide {
     }
 
     /// `DUMP_EXT_FILE`: `None` when the file is not an AMD one gpusnap handles.
-    pub fn dump_ext_file(&mut self, fd: i32, id: u32) -> Option<i32> {
+    pub fn dump_ext_file(&mut self, fd: BorrowedFd<'_>, id: u32) -> Option<i32> {
         let AmdSide::Dump(d) = self else { return None };
-        if fd < 0 {
-            return None;
-        }
-        // SAFETY: CRIU keeps `fd` open for the duration of the hook.
-        let fd = unsafe { BorrowedFd::borrow_raw(fd) };
-        debug_assert!(fd.as_raw_fd() >= 0);
         d.dump_ext_file(fd, id)
     }
 
     /// `RESTORE_EXT_FILE`, in the restored task: `None` when `id` is not a file gpusnap
     /// recorded as an AMD one. `dir`: the image directory as this task sees it.
-    pub fn restore_ext_file(&mut self, dir: BorrowedFd<'_>, id: u32) -> Option<i32> {
+    pub fn restore_ext_file(&mut self, dir: BorrowedFd<'_>, id: u32) -> Option<Reopened> {
         let AmdSide::Restore(r) = self else {
             return None;
         };
@@ -118,26 +112,20 @@ impl AmdSide {
 
     /// `HANDLE_DEVICE_VMA`: `Some(0)` for a mapping of an AMD device file this dump handles;
     /// `None` otherwise.
-    pub fn handle_device_vma(&mut self, fd: i32, mode: u32, rdev: u64) -> Option<i32> {
+    pub fn handle_device_vma(&mut self, fd: BorrowedFd<'_>, mode: u32, rdev: u64) -> Option<i32> {
         let AmdSide::Dump(d) = self else { return None };
-        if fd < 0 {
-            return None;
-        }
-        // SAFETY: CRIU keeps `fd` (the mapped file, opened through map_files) open for the
-        // duration of the hook.
-        let fd = unsafe { BorrowedFd::borrow_raw(fd) };
         d.handle_device_vma(fd, mode, rdev)
     }
 
     /// `UPDATE_VMA_MAP`, in the restored task: `None` when `path` is no AMD file of this
     /// restore; else the new offset and an fd for CRIU (which takes it). A mapping that cannot
     /// be made again ends the restored task here, after saying which mapping.
-    pub fn update_vma_map(&mut self, path: &str, addr: u64, old: u64) -> Option<(u64, i32)> {
+    pub fn update_vma_map(&mut self, path: &str, addr: u64, old: u64) -> Option<(u64, OwnedFd)> {
         let AmdSide::Restore(r) = self else {
             return None;
         };
         match r.update_vma_map(path, addr, old)? {
-            Ok((new, fd)) => Some((new, fd.into_raw_fd())),
+            Ok(mapped) => Some(mapped),
             Err(e) => {
                 log::error!(
                     "amd: {e}; the restored process is ended before it runs (CRIU fails the restore)"

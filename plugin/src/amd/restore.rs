@@ -24,7 +24,7 @@
 //! until RESUME; the restored task's copy sees RESTORE and the contents written back).
 
 use std::collections::BTreeMap;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, IntoRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::time::Instant;
 
 use gpusnap_config::Config;
@@ -40,6 +40,7 @@ use gpusnap_rocm::topology::{self, Gpu, TopologyError};
 
 use super::data::{self, BoTarget, DataError};
 use super::phase::{ImpossibleMove, RestorePhase};
+use crate::criu::Reopened;
 
 /// Why a restore with AMD GPU processes is refused at init, before CRIU forks anything.
 #[derive(Debug, thiserror::Error)]
@@ -378,13 +379,13 @@ impl AmdRestore {
 
     /// `dir`: the image directory as this restored task sees it (CRIU's service fd has another
     /// number here than at init).
-    pub fn restore_ext_file(&mut self, dir: BorrowedFd<'_>, id: u32) -> Option<i32> {
+    pub fn restore_ext_file(&mut self, dir: BorrowedFd<'_>, id: u32) -> Option<Reopened> {
         let rec = match gpusnap_image::read_kfd_file(dir, id) {
             Ok(r) => r,
             Err(gpusnap_image::ImageError::MissingFile { .. }) => return None,
             Err(e) => {
                 log::error!("amd: file {id}: {e}");
-                return Some(-1);
+                return Some(Reopened::Failed);
             }
         };
         Some(match rec.kind {
@@ -417,24 +418,24 @@ impl AmdRestore {
                         })
                 };
                 match opened {
-                    Ok(f) => f.into_raw_fd(),
+                    Ok(f) => Reopened::Fd(f),
                     Err(e) => {
                         log::error!(
                             "amd: file {id}: cannot open render node {}: {e}",
                             path.display()
                         );
-                        -1
+                        Reopened::Failed
                     }
                 }
             }
             KfdFileKind::Kfd => match self.restore_process(dir, rec.nspid) {
-                Ok(fd) => fd.into_raw_fd(),
+                Ok(fd) => Reopened::Fd(fd),
                 Err(e) => {
                     log::error!(
                         "amd: nspid {}: restore failed: {e}; CRIU ends the restored process",
                         rec.nspid
                     );
-                    -1
+                    Reopened::Failed
                 }
             },
         })

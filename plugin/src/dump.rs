@@ -7,6 +7,7 @@ use crate::agent::{self, AgentError, AgentHello, AgentSession};
 use crate::context::Ctx;
 use crate::datapath::{self, DataError};
 use crate::hold::Hold;
+use crate::pid::HostPid;
 use crate::process::{ImpossibleMove, MovedData, Phase, Route, SplitPlan, Tracked};
 use crate::procfs::{self, Stat};
 use crate::ptrace::{self, PtraceError, RunningThread};
@@ -111,7 +112,7 @@ pub fn pause(ctx: &Ctx, pid: i32) -> Result<Option<Tracked>, DumpError> {
         .api
         .process_state(pid)
         .map_err(driver("reading the driver state"))?;
-    let nspid = procfs::ns_pid(pid).map_err(|err| AgentError::Proc { pid, err })?;
+    let nspid = procfs::ns_pid(HostPid(pid)).map_err(|err| AgentError::Proc { pid, err })?;
     let mut t = Tracked {
         pid,
         nspid,
@@ -612,7 +613,7 @@ fn hand_over(ctx: &Ctx, t: &mut Tracked, release: &Mutex<Option<Hold>>) -> Resul
         staging,
         dir: ctx.criu_image_dir().ok_or(DumpError::NoImageDir)?,
         pid,
-        nspid: t.nspid as u32,
+        nspid: t.nspid.get(),
         writers: ctx.cfg.effective_writer_threads(),
         readers: ctx.cfg.effective_reader_threads(),
         codec,
@@ -722,7 +723,7 @@ fn move_data_out(
     let parent = parent_index(
         dir,
         pid,
-        t.nspid as u32,
+        t.nspid.get(),
         &allocations,
         ctx.cfg.incremental,
         ctx.cfg.effective_reader_threads(),
@@ -735,7 +736,7 @@ fn move_data_out(
         &session,
         &staging,
         dir,
-        t.nspid as u32,
+        t.nspid.get(),
         ctx.cfg.effective_writer_threads(),
         codec,
         parent.as_ref(),
@@ -893,7 +894,7 @@ pub(crate) fn parent_index(
 
 /// Removes this process's gpusnap files (a split attempt that was abandoned, or a failed dump).
 pub fn remove_partial_files(ctx: &Ctx, t: &Tracked) {
-    if let Err(e) = gpusnap_image::remove_process_files(ctx.image_dir(), t.nspid as u32) {
+    if let Err(e) = gpusnap_image::remove_process_files(ctx.image_dir(), t.nspid.get()) {
         log::warn!("pid {}: removing partial image files: {e}", t.pid);
     }
 }
@@ -1145,7 +1146,7 @@ fn new_manifest(
     Manifest {
         timings_s: t.timings.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
         ..manifest_of(
-            t.nspid as u32,
+            t.nspid.get(),
             path,
             (ctx.driver_version, &ctx.gpus),
             allocations,
@@ -1422,7 +1423,7 @@ fn stats_of(t: &Tracked) -> serde_json::Value {
         .map(|(k, v)| (k.to_string(), serde_json::json!(v)))
         .collect();
     let mut v = serde_json::json!({
-        "nspid": t.nspid,
+        "nspid": t.nspid.get(),
         "path": if t.is_split() { "split" } else { "transparent" },
         "timings_s": timings,
     });
@@ -1453,13 +1454,14 @@ fn stats_of(t: &Tracked) -> serde_json::Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::pid::NsPid;
     use gpusnap_image::{ChunkEntry, Codec};
 
     #[test]
     fn several_processes_without_the_agent_get_the_ipc_warning() {
         let tracked = |pid, agent| Tracked {
             pid,
-            nspid: pid,
+            nspid: NsPid(pid as u32),
             restore_tid: pid + 1,
             initial: ProcessState::Running,
             phase: Phase::Untouched,

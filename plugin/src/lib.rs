@@ -17,6 +17,7 @@
 //! - [`hold`]: keeping a process from running on absent device memory should CRIU die;
 //! - [`reap`]: killing a process that must not run, and reaping its traced threads;
 //! - [`procfs`]: everything read from `/proc`;
+//! - [`pid`]: host pids and namespace pids, as two types;
 //! - [`precopy`]: a pre-copy round of a running process (`gpusnap precopy`);
 //! - [`amd`]: AMD GPU processes through the KFD's CRIU interface (the kfd path).
 
@@ -35,6 +36,7 @@ pub mod host_gpus;
 pub mod keeper;
 pub mod load;
 pub mod logger;
+pub mod pid;
 pub mod plugin;
 pub mod precopy;
 pub mod preload;

@@ -7,6 +7,7 @@ use crate::agent::{self, AgentError};
 use crate::context::{Ctx, CtxError};
 use crate::datapath::{self, DataError};
 use crate::gpumap;
+use crate::pid::{HostPid, NsPid};
 use crate::preload::Preload;
 use crate::procfs;
 use crate::ptrace::{self, PtraceError, RunningThread};
@@ -555,15 +556,15 @@ impl RestoreRun {
                 "restore refused: {e}; no GPU was touched. The restored processes are killed rather than left without their GPU state"
             );
             self.drop_preloads();
-            let nspids: Vec<u32> = self.manifests.keys().copied().collect();
-            let found = find_restored(any_pid, &nspids);
+            let nspids: Vec<NsPid> = self.manifests.keys().map(|&n| NsPid(n)).collect();
+            let found = find_restored(HostPid(any_pid), &nspids);
             for (nspid, host) in &found {
                 kill(*host, *nspid);
             }
             // Answer -1 for every restored process of ours (and the pid asked about).
             let mut out: Restored = found
                 .into_values()
-                .map(|p| (p, Err(RestoreError::DamagedImage)))
+                .map(|p| (p.get(), Err(RestoreError::DamagedImage)))
                 .collect();
             if !out.iter().any(|(p, _)| *p == any_pid) {
                 out.push((any_pid, Err(e)));
@@ -575,12 +576,12 @@ impl RestoreRun {
             self.drop_preloads();
             return vec![(any_pid, Err(e.into()))];
         }
-        let nspids: Vec<u32> = self.manifests.keys().copied().collect();
-        let found = find_restored(any_pid, &nspids);
+        let nspids: Vec<NsPid> = self.manifests.keys().map(|&n| NsPid(n)).collect();
+        let found = find_restored(HostPid(any_pid), &nspids);
         let mut items = Vec::new();
         for (nspid, m) in &self.manifests {
-            match found.get(nspid) {
-                Some(host) => items.push((*host, m.clone())),
+            match found.get(&NsPid(*nspid)) {
+                Some(host) => items.push((host.get(), m.clone())),
                 None => log::error!(
                     "no restored process has nspid {nspid}; its GPU state is not restored"
                 ),
@@ -610,7 +611,8 @@ impl RestoreRun {
                 log::error!(
                     "pid {p}: GPU restore failed: {e}. The process is killed rather than left running without its GPU state; the image is unchanged: fix the cause and restore again.{hint}"
                 );
-                kill(*p, procfs::ns_pid(*p).unwrap_or(0) as u32);
+                let host = HostPid(*p);
+                kill(host, procfs::ns_pid(host).unwrap_or(NsPid(0)));
             }
         }
         restored
@@ -678,8 +680,8 @@ fn every_chunk_device_hashed(m: &Manifest) -> bool {
 
 /// Kills a restored process whose GPU state cannot be brought back (CRIU holds it stopped),
 /// and reaps its threads ([`crate::reap`] says why: a container's PID 1 would hang CRIU).
-fn kill(pid: i32, nspid: u32) {
-    if let Err(e) = crate::reap::kill_and_reap(pid) {
+fn kill(pid: HostPid, nspid: NsPid) {
+    if let Err(e) = crate::reap::kill_and_reap(pid.get()) {
         log::error!("pid {pid} (nspid {nspid}): {e}; it must not run: kill it by hand");
     }
 }
@@ -812,8 +814,8 @@ fn uuid_pairs(pairs: &[gpumap::Pair]) -> Result<Vec<(GpuUuid, GpuUuid)>, ParseGp
 
 /// Host pids of the restored processes our manifests describe. All restored tasks live in the
 /// pid namespace of `any_pid` (a pid CRIU handed us) and are stopped at this point.
-pub fn find_restored(any_pid: i32, nspids: &[u32]) -> HashMap<u32, i32> {
-    let want_ns = procfs::namespace(any_pid, "pid").ok();
+pub fn find_restored(any_pid: HostPid, nspids: &[NsPid]) -> HashMap<NsPid, HostPid> {
+    let want_ns = procfs::namespace(any_pid.get(), "pid").ok();
     let mut out = HashMap::new();
     let Ok(pids) = procfs::processes() else {
         return out;
@@ -822,10 +824,11 @@ pub fn find_restored(any_pid: i32, nspids: &[u32]) -> HashMap<u32, i32> {
         if procfs::namespace(pid, "pid").ok() != want_ns {
             continue;
         }
+        let pid = HostPid(pid);
         if let Ok(nspid) = procfs::ns_pid(pid)
-            && nspids.contains(&(nspid as u32))
+            && nspids.contains(&nspid)
         {
-            out.insert(nspid as u32, pid);
+            out.insert(nspid, pid);
         }
     }
     out

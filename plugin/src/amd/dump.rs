@@ -32,6 +32,7 @@ use gpusnap_rocm::topology::{self, Gpu, TopologyError};
 use super::coexist;
 use super::data::{self, BoSource, DataError, Written};
 use super::phase::{DumpPhase, ImpossibleMove};
+use crate::pid::{HostPid, NsPid};
 use crate::procfs;
 
 /// Why one AMD process could not be checkpointed.
@@ -144,7 +145,7 @@ fn holder_of(fd: BorrowedFd<'_>, nspid: Option<u32>) -> Option<i32> {
     let me = std::process::id() as i32;
     let path = procfs::fd_target(me, fd.as_raw_fd()).ok()?;
     for pid in procfs::processes().ok()? {
-        if pid == me || nspid.is_some_and(|n| procfs::ns_pid(pid).ok() != Some(n as i32)) {
+        if pid == me || nspid.is_some_and(|n| procfs::ns_pid(HostPid(pid)).ok() != Some(NsPid(n))) {
             continue;
         }
         let Ok(fds) = procfs::fd_numbers(pid) else {
@@ -420,8 +421,8 @@ impl AmdDump {
     }
 
     fn nspid_of(host: Option<i32>) -> u32 {
-        host.and_then(|p| procfs::ns_pid(p).ok())
-            .map_or(0, |n| n as u32)
+        host.and_then(|p| procfs::ns_pid(HostPid(p)).ok())
+            .map_or(0, NsPid::get)
     }
 
     fn dump_render(

@@ -41,6 +41,7 @@ use gpusnap_rocm::topology::{self, Gpu, TopologyError};
 use super::data::{self, BoTarget, DataError};
 use super::phase::{ImpossibleMove, RestorePhase};
 use crate::criu::Reopened;
+use crate::pid::{HostPid, NsPid};
 
 /// Why a restore with AMD GPU processes is refused at init, before CRIU forks anything.
 #[derive(Debug, thiserror::Error)]
@@ -77,7 +78,7 @@ pub enum RestoreError {
     #[error("RESTORE_EXT_FILE ran in pid {pid} (namespace pid {found:?}), not in process {nspid}")]
     WrongTask {
         pid: i32,
-        found: Option<i32>,
+        found: Option<NsPid>,
         nspid: u32,
     },
     #[error(transparent)]
@@ -454,8 +455,8 @@ impl AmdRestore {
         }
         // SAFETY: getpid has no preconditions.
         let me = unsafe { libc::getpid() };
-        match crate::procfs::ns_pid(me) {
-            Ok(n) if n as u32 == nspid => {}
+        match crate::procfs::ns_pid(HostPid(me)) {
+            Ok(n) if n == NsPid(nspid) => {}
             other => {
                 return Err(RestoreError::WrongTask {
                     pid: me,
@@ -664,7 +665,7 @@ impl AmdRestore {
     /// made to die with CRIU first; a RESUME that fails kills and reaps it (CRIU 4.1 and 4.2
     /// go on with the restore whatever this hook answers).
     pub fn resume_devices_late(&mut self, pid: i32) -> Option<i32> {
-        let nspid = crate::procfs::ns_pid(pid).ok()? as u32;
+        let nspid = crate::procfs::ns_pid(HostPid(pid)).ok()?.get();
         if !self.plans.contains_key(&nspid) {
             return None;
         }

@@ -21,7 +21,7 @@ use std::os::unix::fs::MetadataExt;
 use crate::manifest::read_manifest_local;
 use crate::validate::validate_structure;
 use crate::{
-    AllocationRecord, CheckpointPath, ChunkEntry, ChunkHashes, DataFileReader, ImageError,
+    AllocationRecord, CheckpointPath, ChunkEntry, ChunkHashes, DataFileReader, ImageError, IoOp,
     Manifest, manifest_file_name, sys,
 };
 
@@ -39,7 +39,9 @@ fn chain_path(depth: u32) -> String {
 
 /// (device, inode) of an open directory, to recognise a loop.
 fn dir_id(f: &File, path: &str) -> Result<(u64, u64), ImageError> {
-    let m = f.metadata().map_err(|e| ImageError::io(path, "fstat", e))?;
+    let m = f
+        .metadata()
+        .map_err(|e| ImageError::io(path, IoOp::Fstat, e))?;
     Ok((m.dev(), m.ino()))
 }
 
@@ -66,7 +68,7 @@ pub fn open_parent_dir(dir: BorrowedFd<'_>, path: &str) -> Result<Option<File>, 
             path: shown(),
             detail: "not a directory".into(),
         }),
-        Err(e) => Err(ImageError::io(&shown(), "open", e)),
+        Err(e) => Err(ImageError::io(&shown(), IoOp::Open, e)),
     }
 }
 
@@ -120,7 +122,7 @@ pub fn open_ancestors(dir: BorrowedFd<'_>, m: &Manifest) -> Result<Ancestors, Im
             ),
         });
     }
-    let top = sys::open_dir_follow(dir, ".").map_err(|e| ImageError::io(".", "open", e))?;
+    let top = sys::open_dir_follow(dir, ".").map_err(|e| ImageError::io(".", IoOp::Open, e))?;
     let mut seen = vec![dir_id(&top, ".")?];
     let mut levels: Vec<Ancestor> = Vec::with_capacity(need as usize);
     for depth in 1..=need {

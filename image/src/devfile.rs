@@ -11,7 +11,7 @@ use std::io::Read;
 use std::os::fd::BorrowedFd;
 
 use crate::manifest::atomic_write;
-use crate::{DATA_FORMAT_VERSION, ImageError, sys};
+use crate::{DATA_FORMAT_VERSION, ImageError, IoOp, sys};
 
 pub const DEVFILE_MAGIC: &[u8; 8] = b"GPUSNAPF";
 /// Longest accepted path (NVIDIA device nodes are short).
@@ -123,7 +123,7 @@ pub fn read_dev_file(dir: BorrowedFd<'_>, id: u32) -> Result<DevFileRecord, Imag
     let mut b = Vec::new();
     file.take(256)
         .read_to_end(&mut b)
-        .map_err(|e| ImageError::io(&name, "read", e))?;
+        .map_err(|e| ImageError::io(&name, IoOp::Read, e))?;
     decode_dev_file(id, &b)
 }
 

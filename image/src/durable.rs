@@ -4,7 +4,7 @@
 
 use std::os::fd::BorrowedFd;
 
-use crate::{ImageError, sys};
+use crate::{ImageError, IoOp, sys};
 
 /// How [`sync_dir`]'s errors name the directory.
 pub const IMAGE_DIR: &str = "image directory";
@@ -16,7 +16,7 @@ pub const IMAGE_DIR: &str = "image directory";
 /// the disk.
 pub fn sync_dir(dir: BorrowedFd<'_>) -> Result<(), ImageError> {
     let own = sys::open_at(dir, ".", libc::O_RDONLY | libc::O_DIRECTORY, 0)
-        .map_err(|e| ImageError::io(IMAGE_DIR, "open", e))?;
+        .map_err(|e| ImageError::io(IMAGE_DIR, IoOp::Open, e))?;
     own.sync_all()
-        .map_err(|e| ImageError::io(IMAGE_DIR, "fsync", e))
+        .map_err(|e| ImageError::io(IMAGE_DIR, IoOp::Fsync, e))
 }

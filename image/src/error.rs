@@ -40,7 +40,7 @@ pub enum ImageError {
     #[error("{file}: {op} failed: {source}")]
     Io {
         file: String,
-        op: &'static str,
+        op: IoOp,
         #[source]
         source: io::Error,
     },
@@ -276,8 +276,40 @@ pub enum ImageError {
     StatsTooLarge { file: String, len: u64 },
 }
 
+/// The system call an [`ImageError::Io`] is about: callers match on it (a failed `Fsync` means
+/// the disk may have lost writes) instead of on the message. Shown as the call's name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum IoOp {
+    Open,
+    Create,
+    Read,
+    Write,
+    Fsync,
+    Fstat,
+    Readdir,
+    Unlink,
+    Rename,
+}
+
+impl std::fmt::Display for IoOp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            IoOp::Open => "open",
+            IoOp::Create => "create",
+            IoOp::Read => "read",
+            IoOp::Write => "write",
+            IoOp::Fsync => "fsync",
+            IoOp::Fstat => "fstat",
+            IoOp::Readdir => "readdir",
+            IoOp::Unlink => "unlink",
+            IoOp::Rename => "rename",
+        })
+    }
+}
+
 impl ImageError {
-    pub(crate) fn io(file: &str, op: &'static str, source: io::Error) -> Self {
+    pub(crate) fn io(file: &str, op: IoOp, source: io::Error) -> Self {
         ImageError::Io {
             file: file.to_owned(),
             op,
@@ -294,7 +326,7 @@ impl ImageError {
             (_, Some(libc::ELOOP)) => ImageError::NotRegularFile { file },
             _ => ImageError::Io {
                 file,
-                op: "open",
+                op: IoOp::Open,
                 source,
             },
         }

@@ -26,7 +26,7 @@ use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::manifest::atomic_write;
-use crate::{CheckpointPath, ImageError, Manifest, manifest_file_name, sys};
+use crate::{CheckpointPath, ImageError, IoOp, Manifest, manifest_file_name, sys};
 
 /// First word of `gpusnap-<nspid>-kfd.img`.
 pub const KFD_STATE_MAGIC: &str = "GPUSNAP-KFD";
@@ -324,7 +324,7 @@ fn read_sealed(dir: BorrowedFd<'_>, name: &str, max: u64) -> Result<Vec<u8>, Ima
     let mut b = Vec::new();
     file.take(max + 128)
         .read_to_end(&mut b)
-        .map_err(|e| ImageError::io(name, "read", e))?;
+        .map_err(|e| ImageError::io(name, IoOp::Read, e))?;
     Ok(b)
 }
 

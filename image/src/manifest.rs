@@ -14,7 +14,7 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use crate::names::manifest_tmp_name;
 use crate::{
-    FORMAT_VERSION, ImageError, ImageFileKind, READ_MANIFEST_VERSIONS, chain, data_file_name,
+    FORMAT_VERSION, ImageError, ImageFileKind, IoOp, READ_MANIFEST_VERSIONS, chain, data_file_name,
     manifest_file_name, parse_file_name, sys, validate,
 };
 
@@ -300,12 +300,14 @@ pub(crate) fn atomic_write(
     bytes: &[u8],
 ) -> Result<(), ImageError> {
     let result = (|| {
-        let mut f = sys::create_fresh(dir, tmp).map_err(|e| ImageError::io(tmp, "create", e))?;
+        let mut f =
+            sys::create_fresh(dir, tmp).map_err(|e| ImageError::io(tmp, IoOp::Create, e))?;
         f.write_all(bytes)
-            .map_err(|e| ImageError::io(tmp, "write", e))?;
-        f.sync_all().map_err(|e| ImageError::io(tmp, "fsync", e))?;
+            .map_err(|e| ImageError::io(tmp, IoOp::Write, e))?;
+        f.sync_all()
+            .map_err(|e| ImageError::io(tmp, IoOp::Fsync, e))?;
         drop(f);
-        sys::rename_at(dir, tmp, name).map_err(|e| ImageError::io(name, "rename", e))
+        sys::rename_at(dir, tmp, name).map_err(|e| ImageError::io(name, IoOp::Rename, e))
     })();
     if result.is_err() {
         let _ = sys::unlink_at(dir, tmp, true);
@@ -401,7 +403,7 @@ pub(crate) fn read_manifest_local(dir: BorrowedFd<'_>, nspid: u32) -> Result<Man
     let mut head = [0u8; MAX_HEADER_LINE];
     let head_len = size.min(MAX_HEADER_LINE as u64) as usize;
     file.read_exact_at(&mut head[..head_len], 0)
-        .map_err(|e| ImageError::io(&name, "read", e))?;
+        .map_err(|e| ImageError::io(&name, IoOp::Read, e))?;
     let h = parse_header_line(&head[..head_len], &name)?;
     if h.body_len > MAX_MANIFEST_BODY {
         return Err(ImageError::ManifestTooLarge {
@@ -428,7 +430,7 @@ pub(crate) fn read_manifest_local(dir: BorrowedFd<'_>, nspid: u32) -> Result<Man
     // body_len is now bounded by MAX_MANIFEST_BODY and by the file's real size.
     let mut body = vec![0u8; h.body_len as usize];
     file.read_exact_at(&mut body, h.line_len as u64)
-        .map_err(|e| ImageError::io(&name, "read", e))?;
+        .map_err(|e| ImageError::io(&name, IoOp::Read, e))?;
     if xxh3_64(&body) != h.checksum {
         return Err(ImageError::ManifestChecksum { file: name });
     }

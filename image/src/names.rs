@@ -5,8 +5,8 @@
 
 use std::os::fd::BorrowedFd;
 
-use crate::ImageError;
 use crate::sys;
+use crate::{ImageError, IoOp};
 
 /// Name of the optional stats file that the plugin leaves next to the images.
 pub const STATS_FILE_NAME: &str = "gpusnap-stats.json";
@@ -94,7 +94,7 @@ pub fn parse_file_name(name: &str) -> Option<ImageFileKind> {
 
 /// Every gpusnap file in `dir`, sorted by kind (manifests first), then process, then index.
 pub fn list_image_files(dir: BorrowedFd<'_>) -> Result<Vec<(ImageFileKind, String)>, ImageError> {
-    let names = sys::list_dir(dir).map_err(|e| ImageError::io(".", "readdir", e))?;
+    let names = sys::list_dir(dir).map_err(|e| ImageError::io(".", IoOp::Readdir, e))?;
     let mut files: Vec<_> = names
         .into_iter()
         .filter_map(|n| parse_file_name(&n).map(|k| (k, n)))
@@ -170,7 +170,7 @@ pub fn remove_process_files(dir: BorrowedFd<'_>, nspid: u32) -> Result<usize, Im
     let mut n = 0;
     for (kind, name) in list_image_files(dir)? {
         if kind.nspid() == Some(nspid) {
-            sys::unlink_at(dir, &name, true).map_err(|e| ImageError::io(&name, "unlink", e))?;
+            sys::unlink_at(dir, &name, true).map_err(|e| ImageError::io(&name, IoOp::Unlink, e))?;
             n += 1;
         }
     }

@@ -18,7 +18,7 @@ use xxhash_rust::xxh3::Xxh3Default;
 use crate::header::{Record, check_data_header, decode_record};
 use crate::validate::{check_chunk_lengths, open_data_file};
 use crate::{
-    ChunkEntry, ChunkSources, Codec, DATA_HEADER_LEN, ImageError, Manifest, RECORD_LEN,
+    ChunkEntry, ChunkSources, Codec, DATA_HEADER_LEN, ImageError, IoOp, Manifest, RECORD_LEN,
     data_file_name, manifest_file_name, sys,
 };
 
@@ -365,7 +365,7 @@ impl DataFileReader {
     fn pread(&self, buf: &mut [u8], offset: u64) -> Result<(), ImageError> {
         self.file
             .read_exact_at(buf, offset)
-            .map_err(|e| ImageError::io(&self.name, "read", e))
+            .map_err(|e| ImageError::io(&self.name, IoOp::Read, e))
     }
 }
 
@@ -542,7 +542,7 @@ pub fn scan_data_file(
     }
     let mut h = [0u8; DATA_HEADER_LEN as usize];
     file.read_exact_at(&mut h, 0)
-        .map_err(|e| ImageError::io(&name, "read", e))?;
+        .map_err(|e| ImageError::io(&name, IoOp::Read, e))?;
     check_data_header(&h, &name, nspid, index)?;
 
     let mut scan = DataFileScan {
@@ -564,7 +564,7 @@ pub fn scan_data_file(
         }
         let mut rh = [0u8; RECORD_LEN as usize];
         if let Err(e) = file.read_exact_at(&mut rh, scan.end) {
-            scan.stopped = Some(ImageError::io(&name, "read", e));
+            scan.stopped = Some(ImageError::io(&name, IoOp::Read, e));
             break;
         }
         let rec = match decode_record(&rh) {

@@ -5,7 +5,7 @@ use std::os::unix::fs::FileExt;
 
 use crate::manifest::atomic_write;
 use crate::names::{STATS_FILE_NAME, STATS_TMP_NAME};
-use crate::{ImageError, sys};
+use crate::{ImageError, IoOp, sys};
 
 /// Largest stats file [`read_stats`] accepts.
 pub const MAX_STATS_LEN: u64 = 16 << 20;
@@ -36,7 +36,7 @@ pub fn read_stats(dir: BorrowedFd<'_>) -> Result<Option<serde_json::Value>, Imag
     }
     let mut buf = vec![0u8; len as usize];
     file.read_exact_at(&mut buf, 0)
-        .map_err(|e| ImageError::io(name, "read", e))?;
+        .map_err(|e| ImageError::io(name, IoOp::Read, e))?;
     serde_json::from_slice(&buf)
         .map(Some)
         .map_err(|source| ImageError::StatsJson {

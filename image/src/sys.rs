@@ -4,7 +4,7 @@
 //! opened with `O_CLOEXEC` (CRIU forks helpers) and `O_NOFOLLOW` (an image directory can come from
 //! an archive; a symlink in it must not redirect a write or a read).
 
-use crate::ImageError;
+use crate::{ImageError, IoOp};
 use std::ffi::{CStr, CString};
 use std::fs::File;
 use std::io;
@@ -94,7 +94,7 @@ pub(crate) fn open_regular(dir: BorrowedFd<'_>, name: &str) -> Result<(File, u64
     let file = open_read(dir, name).map_err(|e| ImageError::open(name, e))?;
     let meta = file
         .metadata()
-        .map_err(|e| ImageError::io(name, "fstat", e))?;
+        .map_err(|e| ImageError::io(name, IoOp::Fstat, e))?;
     if !meta.is_file() {
         return Err(ImageError::NotRegularFile {
             file: name.to_owned(),

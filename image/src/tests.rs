@@ -1088,7 +1088,16 @@ fn sync_dir_syncs_any_descriptor_of_the_directory_and_reports_failures() {
     // procfs implements no fsync (EINVAL): a real failure, returned naming the directory.
     let proc = File::open("/proc").unwrap();
     let e = sync_dir(proc.as_fd()).unwrap_err();
-    assert!(matches!(e, ImageError::Io { op: "fsync", .. }), "{e:?}");
+    assert!(
+        matches!(
+            e,
+            ImageError::Io {
+                op: IoOp::Fsync,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
     assert!(
         e.to_string().starts_with("image directory: fsync failed: "),
         "{e}"

@@ -7,8 +7,9 @@ use std::os::unix::fs::FileExt;
 
 use crate::header::check_data_header;
 use crate::{
-    CheckpointPath, ChunkEntry, Codec, DATA_HEADER_LEN, ImageError, MAX_CHAIN_DEPTH, MAX_CHUNK_LEN,
-    Manifest, READ_MANIFEST_VERSIONS, RECORD_LEN, data_file_name, manifest_file_name, sys,
+    CheckpointPath, ChunkEntry, Codec, DATA_HEADER_LEN, ImageError, IoOp, MAX_CHAIN_DEPTH,
+    MAX_CHUNK_LEN, Manifest, READ_MANIFEST_VERSIONS, RECORD_LEN, data_file_name,
+    manifest_file_name, sys,
 };
 
 /// Longest string field (GPU name, gpusnap version, timing name) a manifest may carry.
@@ -423,7 +424,7 @@ pub(crate) fn open_data_file(
     }
     let mut h = [0u8; DATA_HEADER_LEN as usize];
     file.read_exact_at(&mut h, 0)
-        .map_err(|e| ImageError::io(name, "read", e))?;
+        .map_err(|e| ImageError::io(name, IoOp::Read, e))?;
     check_data_header(&h, name, nspid, index)?;
     Ok(file)
 }

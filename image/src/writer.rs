@@ -8,7 +8,7 @@ use xxhash_rust::xxh3::{Xxh3Default, xxh3_64};
 
 use crate::header::{Record, encode_data_header, encode_record};
 use crate::{
-    ChunkEntry, Codec, DATA_HEADER_LEN, FileEntry, ImageError, MAX_CHUNK_LEN, RECORD_LEN,
+    ChunkEntry, Codec, DATA_HEADER_LEN, FileEntry, ImageError, IoOp, MAX_CHUNK_LEN, RECORD_LEN,
     data_file_name, sys,
 };
 
@@ -85,7 +85,7 @@ impl std::fmt::Debug for DataFileWriter {
 fn write_all_at(file: &File, name: &str, buf: &[u8], offset: u64) -> Result<(), ImageError> {
     // std's write_all_at loops over short writes and retries EINTR.
     file.write_all_at(buf, offset)
-        .map_err(|e| ImageError::io(name, "write", e))
+        .map_err(|e| ImageError::io(name, IoOp::Write, e))
 }
 
 /// [`DataFileWriter::append_raw`] hashes and writes a chunk in pieces of this size, so that the
@@ -97,7 +97,8 @@ impl DataFileWriter {
     /// writes its header.
     pub fn create(dir: BorrowedFd<'_>, nspid: u32, index: u32) -> Result<Self, ImageError> {
         let name = data_file_name(nspid, index);
-        let file = sys::create_fresh(dir, &name).map_err(|e| ImageError::io(&name, "create", e))?;
+        let file =
+            sys::create_fresh(dir, &name).map_err(|e| ImageError::io(&name, IoOp::Create, e))?;
         write_all_at(&file, &name, &encode_data_header(nspid, index), 0)?;
         Ok(DataFileWriter {
             file,
@@ -326,7 +327,7 @@ impl DataFileWriter {
         if self.sync {
             self.file
                 .sync_all()
-                .map_err(|e| ImageError::io(&self.name, "fsync", e))?;
+                .map_err(|e| ImageError::io(&self.name, IoOp::Fsync, e))?;
         }
         Ok(FileEntry {
             name: self.name,

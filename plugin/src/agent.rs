@@ -8,6 +8,7 @@
 //! `Hello` must name the target's namespace pid. A knock the agent never answered is withdrawn
 //! when the session ends, so CRIU never finds it queued in the process.
 
+use crate::pid::{HostPid, NsPid};
 use crate::procfs;
 use gpusnap_image::AllocationRecord;
 use gpusnap_proto::{AllocKind, Channel, PROTOCOL_VERSION, ProtoError, Reply, Request};
@@ -31,7 +32,7 @@ pub enum AgentError {
     Impostor {
         pid: i32,
         claimed: i32,
-        expected: i32,
+        expected: NsPid,
     },
     #[error("agent of pid {pid}: {err}")]
     Proto { pid: i32, err: ProtoError },
@@ -229,13 +230,14 @@ impl AgentSession {
                 kept,
             } => {
                 if self.door.is_some() {
-                    let expected = procfs::ns_pid(self.pid)
+                    let expected = procfs::ns_pid(HostPid(self.pid))
                         .map_err(|err| AgentError::Proc { pid: self.pid, err })?;
                     // And the thread that answers is the target's agent thread (a child that
                     // inherited the door without fork's handlers could share the pid number in
                     // a pid namespace of its own).
                     let answering = procfs::host_tid(self.pid, tid).ok().flatten();
-                    if ns_pid != expected
+                    // The agent's claim is its getpid(), an i32 on the wire.
+                    if u32::try_from(ns_pid).map(NsPid) != Ok(expected)
                         || answering.is_none()
                         || answering != agent_thread(self.pid)
                     {

@@ -46,13 +46,14 @@ pub enum CtxError {
 
 impl Ctx {
     /// Loads the driver and reads the host's GPUs (inside CRIU, after CRIU has forked: the
-    /// driver library must not be initialised before the restore's forks).
-    pub fn open(cfg: &Config) -> Result<Self, CtxError> {
+    /// driver library must not be initialised before the restore's forks). `dir`: CRIU's image
+    /// directory, as the run fetched it at init.
+    pub fn open(cfg: &Config, dir: Option<BorrowedFd<'static>>) -> Result<Self, CtxError> {
         let api = gpusnap_cuda::driver::api()?;
         api.init()?;
         let driver_version = api.driver_version().unwrap_or(0);
         let gpus = api.gpus()?;
-        let dir = crate::criu::image_dir().ok_or(CtxError::NoImageDir)?;
+        let dir = dir.ok_or(CtxError::NoImageDir)?;
         let lock_timeout_ms = lock_timeout_ms(cfg.lock_timeout_ms, crate::criu::timeout_s());
         log::info!(
             "driver API {driver_version}, {} GPU(s), lock timeout {lock_timeout_ms} ms",
@@ -66,6 +67,15 @@ impl Ctx {
             driver_version,
             gpus,
         })
+    }
+
+    /// CRIU's image directory as a `'static` fd, for threads that outlive a borrow of the
+    /// context; `None` for a directory `gpusnap recover` opened.
+    pub fn criu_image_dir(&self) -> Option<BorrowedFd<'static>> {
+        match &self.image_dir {
+            ImageDir::Criu(fd) => Some(*fd),
+            ImageDir::Opened(_) => None,
+        }
     }
 
     pub fn image_dir(&self) -> BorrowedFd<'_> {

@@ -97,6 +97,24 @@ criu_fn!(fn check_inventory_fn = c"check_and_remove_inventory_plugin": unsafe ex
 criu_fn!(fn interrupt_only_fn = c"set_compel_interrupt_only_mode": unsafe extern "C" fn());
 criu_fn!(fn alarm_timeouted_fn = c"alarm_timeouted": unsafe extern "C" fn() -> bool);
 
+/// `RESTORE_EXT_FILE`'s answer for a file gpusnap recorded: the reopened file (CRIU takes it)
+/// or a failure (already logged).
+#[derive(Debug)]
+pub enum Reopened {
+    Fd(std::os::fd::OwnedFd),
+    Failed,
+}
+
+impl Reopened {
+    /// The hook's return value: the fd, given up to CRIU, or -1.
+    pub fn into_raw(self) -> c_int {
+        match self {
+            Reopened::Fd(fd) => std::os::fd::IntoRawFd::into_raw_fd(fd),
+            Reopened::Failed => -1,
+        }
+    }
+}
+
 /// The plugin's name: in its descriptor and in the image's plugin inventory.
 pub const PLUGIN_NAME: &CStr = c"gpusnap";
 
@@ -105,7 +123,10 @@ pub fn inside_criu() -> bool {
     print_on_level().is_some() && image_dir_fn().is_some()
 }
 
-/// The image directory (`criu_get_image_dir()`), a service fd of CRIU's.
+/// The image directory (`criu_get_image_dir()`), a service fd of CRIU's. Fetched once per run,
+/// by `plugin::init` in CRIU's process (the runs hold it), and once per call of a hook that runs
+/// in a restored task (`RESTORE_EXT_FILE`): CRIU moves its service fds to other numbers in
+/// each restored task, so the number fetched at init is not the task's.
 pub fn image_dir() -> Option<std::os::fd::BorrowedFd<'static>> {
     // SAFETY: CRIU's function takes no arguments and returns a service fd.
     let fd = image_dir_fn()

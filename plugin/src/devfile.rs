@@ -6,11 +6,12 @@
 
 use gpusnap_image::{DevFileRecord, ImageError};
 use std::ffi::CString;
-use std::os::fd::BorrowedFd;
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 
 /// The path and flags of `fd` if it is an NVIDIA device node.
-pub fn describe(fd: i32) -> Option<DevFileRecord> {
-    // SAFETY: fstat on an fd CRIU handed us, into a zeroed stat.
+pub fn describe(fd: BorrowedFd<'_>) -> Option<DevFileRecord> {
+    let fd = fd.as_raw_fd();
+    // SAFETY: fstat on a borrowed (so open) fd, into a zeroed stat.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: as above.
     if unsafe { libc::fstat(fd, &mut st) } != 0 || st.st_mode & libc::S_IFMT != libc::S_IFCHR {
@@ -34,7 +35,12 @@ pub fn describe(fd: i32) -> Option<DevFileRecord> {
 
 /// DUMP_EXT_FILE: `Ok(false)` when the file is not ours. With `durable`, the image directory
 /// is fsynced after the record's rename (its bytes are fsynced before it).
-pub fn dump(dir: BorrowedFd<'_>, fd: i32, id: u32, durable: bool) -> Result<bool, ImageError> {
+pub fn dump(
+    dir: BorrowedFd<'_>,
+    fd: BorrowedFd<'_>,
+    id: u32,
+    durable: bool,
+) -> Result<bool, ImageError> {
     let Some(rec) = describe(fd) else {
         return Ok(false);
     };
@@ -67,7 +73,7 @@ pub enum DevFileError {
 }
 
 /// RESTORE_EXT_FILE, in the restored task: the new fd, `Ok(None)` when the file is not ours.
-pub fn restore(dir: BorrowedFd<'_>, id: u32) -> Result<Option<i32>, DevFileError> {
+pub fn restore(dir: BorrowedFd<'_>, id: u32) -> Result<Option<OwnedFd>, DevFileError> {
     let rec = match gpusnap_image::read_dev_file(dir, id) {
         Ok(r) => r,
         Err(ImageError::MissingFile { .. }) => return Ok(None),
@@ -84,7 +90,8 @@ pub fn restore(dir: BorrowedFd<'_>, id: u32) -> Result<Option<i32>, DevFileError
             source: std::io::Error::last_os_error(),
         });
     }
-    Ok(Some(fd))
+    // SAFETY: open(2) just returned `fd`; nothing else owns it.
+    Ok(Some(unsafe { OwnedFd::from_raw_fd(fd) }))
 }
 
 #[cfg(test)]
@@ -92,8 +99,8 @@ mod tests {
     #[test]
     fn ordinary_files_are_not_ours() {
         let f = std::fs::File::open("/dev/null").unwrap();
-        assert!(super::describe(std::os::fd::AsRawFd::as_raw_fd(&f)).is_none());
+        assert!(super::describe(std::os::fd::AsFd::as_fd(&f)).is_none());
         let f = std::fs::File::open("/proc/self/status").unwrap();
-        assert!(super::describe(std::os::fd::AsRawFd::as_raw_fd(&f)).is_none());
+        assert!(super::describe(std::os::fd::AsFd::as_fd(&f)).is_none());
     }
 }

@@ -7,6 +7,7 @@ use crate::agent::{self, AgentError, AgentHello, AgentSession};
 use crate::context::Ctx;
 use crate::datapath::{self, DataError};
 use crate::hold::Hold;
+use crate::pid::HostPid;
 use crate::process::{ImpossibleMove, MovedData, Phase, Route, SplitPlan, Tracked};
 use crate::procfs::{self, Stat};
 use crate::ptrace::{self, PtraceError, RunningThread};
@@ -14,7 +15,7 @@ use crate::staging::{RingShape, Staging};
 use crate::stall::{self, DriverCall, StallError, Watched};
 use gpusnap_config::Mode;
 use gpusnap_cuda::{DriverError, ProcessState};
-use gpusnap_image::{AllocationRecord, CheckpointPath, ImageError, Manifest};
+use gpusnap_image::{AllocationRecord, CheckpointPath, ImageError, IoOp, Manifest};
 use std::os::fd::BorrowedFd;
 use std::sync::Mutex;
 use std::time::Instant;
@@ -83,7 +84,10 @@ impl DumpError {
             self,
             DumpError::Durable(_)
                 | DumpError::Data(DataError::Sync(_))
-                | DumpError::Manifest(ImageError::Io { op: "fsync", .. })
+                | DumpError::Manifest(ImageError::Io {
+                    op: IoOp::Fsync,
+                    ..
+                })
         )
     }
 }
@@ -108,7 +112,7 @@ pub fn pause(ctx: &Ctx, pid: i32) -> Result<Option<Tracked>, DumpError> {
         .api
         .process_state(pid)
         .map_err(driver("reading the driver state"))?;
-    let nspid = procfs::ns_pid(pid).map_err(|err| AgentError::Proc { pid, err })?;
+    let nspid = procfs::ns_pid(HostPid(pid)).map_err(|err| AgentError::Proc { pid, err })?;
     let mut t = Tracked {
         pid,
         nspid,
@@ -607,9 +611,9 @@ fn hand_over(ctx: &Ctx, t: &mut Tracked, release: &Mutex<Option<Hold>>) -> Resul
     }
     let job = crate::handover::DrainJob {
         staging,
-        dir: crate::criu::image_dir().ok_or(DumpError::NoImageDir)?,
+        dir: ctx.criu_image_dir().ok_or(DumpError::NoImageDir)?,
         pid,
-        nspid: t.nspid as u32,
+        nspid: t.nspid.get(),
         writers: ctx.cfg.effective_writer_threads(),
         readers: ctx.cfg.effective_reader_threads(),
         codec,
@@ -719,7 +723,7 @@ fn move_data_out(
     let parent = parent_index(
         dir,
         pid,
-        t.nspid as u32,
+        t.nspid.get(),
         &allocations,
         ctx.cfg.incremental,
         ctx.cfg.effective_reader_threads(),
@@ -732,7 +736,7 @@ fn move_data_out(
         &session,
         &staging,
         dir,
-        t.nspid as u32,
+        t.nspid.get(),
         ctx.cfg.effective_writer_threads(),
         codec,
         parent.as_ref(),
@@ -890,7 +894,7 @@ pub(crate) fn parent_index(
 
 /// Removes this process's gpusnap files (a split attempt that was abandoned, or a failed dump).
 pub fn remove_partial_files(ctx: &Ctx, t: &Tracked) {
-    if let Err(e) = gpusnap_image::remove_process_files(ctx.image_dir(), t.nspid as u32) {
+    if let Err(e) = gpusnap_image::remove_process_files(ctx.image_dir(), t.nspid.get()) {
         log::warn!("pid {}: removing partial image files: {e}", t.pid);
     }
 }
@@ -1142,7 +1146,7 @@ fn new_manifest(
     Manifest {
         timings_s: t.timings.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
         ..manifest_of(
-            t.nspid as u32,
+            t.nspid.get(),
             path,
             (ctx.driver_version, &ctx.gpus),
             allocations,
@@ -1213,15 +1217,18 @@ fn gib(b: u64) -> f64 {
 /// their (single, parallel) checkpoint.
 pub struct DumpRun {
     cfg: gpusnap_config::Config,
+    /// CRIU's image directory, fetched once at init.
+    dir: Option<BorrowedFd<'static>>,
     ctx: Option<Ctx>,
     tracked: Vec<Tracked>,
     checkpointed: Option<Vec<(i32, Result<(), DumpError>)>>,
 }
 
 impl DumpRun {
-    pub fn new(cfg: gpusnap_config::Config) -> Self {
+    pub fn new(cfg: gpusnap_config::Config, dir: Option<BorrowedFd<'static>>) -> Self {
         Self {
             cfg,
+            dir,
             ctx: None,
             tracked: Vec::new(),
             checkpointed: None,
@@ -1232,7 +1239,7 @@ impl DumpRun {
     /// `None` when it is not a CUDA process, `Some(false)` when the dump must fail.
     pub fn pause_devices(&mut self, pid: i32) -> Option<bool> {
         if self.ctx.is_none() {
-            match Ctx::open(&self.cfg) {
+            match Ctx::open(&self.cfg, self.dir) {
                 Ok(c) => self.ctx = Some(c),
                 Err(e) => {
                     log::error!("cannot use the NVIDIA driver: {e}");
@@ -1416,7 +1423,7 @@ fn stats_of(t: &Tracked) -> serde_json::Value {
         .map(|(k, v)| (k.to_string(), serde_json::json!(v)))
         .collect();
     let mut v = serde_json::json!({
-        "nspid": t.nspid,
+        "nspid": t.nspid.get(),
         "path": if t.is_split() { "split" } else { "transparent" },
         "timings_s": timings,
     });
@@ -1447,13 +1454,14 @@ fn stats_of(t: &Tracked) -> serde_json::Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::pid::NsPid;
     use gpusnap_image::{ChunkEntry, Codec};
 
     #[test]
     fn several_processes_without_the_agent_get_the_ipc_warning() {
         let tracked = |pid, agent| Tracked {
             pid,
-            nspid: pid,
+            nspid: NsPid(pid as u32),
             restore_tid: pid + 1,
             initial: ProcessState::Running,
             phase: Phase::Untouched,
@@ -1493,7 +1501,7 @@ mod tests {
     fn failed_fsyncs_are_never_a_reason_to_fall_back() {
         let fsync = |file: &str| ImageError::Io {
             file: file.to_owned(),
-            op: "fsync",
+            op: IoOp::Fsync,
             source: std::io::Error::from_raw_os_error(libc::EIO),
         };
         let data = DumpError::Data(DataError::Sync(fsync("gpusnap-7-data-0.img")));
@@ -1515,7 +1523,7 @@ mod tests {
         let full = || std::io::Error::from_raw_os_error(libc::ENOSPC);
         let write = |file: &str| ImageError::Io {
             file: file.into(),
-            op: "write",
+            op: IoOp::Write,
             source: full(),
         };
         assert!(!DumpError::Data(DataError::Image(write("gpusnap-7-data-0.img"))).is_durability());

@@ -103,7 +103,7 @@ pub fn sync_dir(dir: std::os::fd::BorrowedFd<'_>) -> Result<(), gpusnap_image::I
         log::warn!("test fault {FAIL_SYNC_ENV}=1: the fsync of the image directory fails");
         return Err(gpusnap_image::ImageError::Io {
             file: gpusnap_image::IMAGE_DIR.to_owned(),
-            op: "fsync",
+            op: gpusnap_image::IoOp::Fsync,
             source: std::io::Error::from_raw_os_error(libc::EIO),
         });
     }

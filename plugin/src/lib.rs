@@ -17,6 +17,7 @@
 //! - [`hold`]: keeping a process from running on absent device memory should CRIU die;
 //! - [`reap`]: killing a process that must not run, and reaping its traced threads;
 //! - [`procfs`]: everything read from `/proc`;
+//! - [`pid`]: host pids and namespace pids, as two types;
 //! - [`precopy`]: a pre-copy round of a running process (`gpusnap precopy`);
 //! - [`amd`]: AMD GPU processes through the KFD's CRIU interface (the kfd path).
 
@@ -35,6 +36,7 @@ pub mod host_gpus;
 pub mod keeper;
 pub mod load;
 pub mod logger;
+pub mod pid;
 pub mod plugin;
 pub mod precopy;
 pub mod preload;
@@ -68,6 +70,7 @@ pub(crate) fn test_manifest() -> gpusnap_image::Manifest {
     }
 }
 use std::ffi::{c_int, c_void};
+use std::os::fd::{BorrowedFd, IntoRawFd};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
 /// Runs a hook body; a panic becomes `on_panic` (it must never unwind into CRIU). CRIU's
@@ -129,6 +132,12 @@ unsafe extern "C" fn resume_devices_late(pid: c_int) -> c_int {
 
 unsafe extern "C" fn dump_ext_file(fd: c_int, id: c_int) -> c_int {
     guard(-1, || {
+        if fd < 0 {
+            return plugin::ENOTSUP;
+        }
+        // SAFETY: `fd` is the dumped file, open in CRIU until this hook returns; the borrow
+        // ends with this closure.
+        let fd = unsafe { BorrowedFd::borrow_raw(fd) };
         plugin::with(plugin::ENOTSUP, |p| p.dump_ext_file(fd, id))
     })
 }
@@ -137,7 +146,8 @@ unsafe extern "C" fn dump_ext_file(fd: c_int, id: c_int) -> c_int {
 /// read nor write (on older CRIU that register holds garbage).
 unsafe extern "C" fn restore_ext_file(id: c_int) -> c_int {
     guard(-1, || {
-        plugin::with(plugin::ENOTSUP, |p| p.restore_ext_file(id))
+        plugin::with(None, |p| p.restore_ext_file(id))
+            .map_or(plugin::ENOTSUP, criu::Reopened::into_raw)
     })
 }
 
@@ -152,6 +162,9 @@ unsafe extern "C" fn handle_device_vma(fd: c_int, st: *const libc::stat) -> c_in
         }
         // SAFETY: CRIU passes a pointer to the stat of the mapped device file.
         let (mode, rdev) = unsafe { ((*st).st_mode, (*st).st_rdev) };
+        // SAFETY: `fd` is the mapped file (opened through map_files), open in CRIU until this
+        // hook returns; the borrow ends with this closure.
+        let fd = (fd >= 0).then(|| unsafe { BorrowedFd::borrow_raw(fd) });
         let rc = plugin::with(plugin::ENOTSUP, |p| p.handle_device_vma(fd, mode, rdev));
         if rc != plugin::ENOTSUP {
             return rc;
@@ -188,10 +201,11 @@ unsafe extern "C" fn update_vma_map(
         let path = unsafe { std::ffi::CStr::from_ptr(path) }.to_string_lossy();
         match plugin::with(None, |p| p.update_vma_map(&path, addr, old_pgoff)) {
             Some((new, fd)) => {
-                // SAFETY: both out-pointers are CRIU's locals, valid and writable for the call.
+                // SAFETY: both out-pointers are CRIU's locals, valid and writable for the call;
+                // CRIU takes ownership of the fd.
                 unsafe {
                     new_pgoff.write(new);
-                    plugin_fd.write(fd);
+                    plugin_fd.write(fd.into_raw_fd());
                 }
                 1
             }

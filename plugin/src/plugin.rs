@@ -9,6 +9,7 @@ use crate::criu::{self, Stage};
 use crate::dump::DumpRun;
 use crate::restore::{RestoreInit, RestoreRun};
 use gpusnap_config::Mode;
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::Mutex;
 
 pub use crate::criu::PLUGIN_NAME as NAME;
@@ -31,6 +32,9 @@ pub struct Plugin {
     durable: bool,
     /// `gpusnap` is in the image's plugin inventory (dump).
     in_inventory: bool,
+    /// CRIU's image directory in CRIU's own process, fetched once at `init` (the runs hold it
+    /// too). Hooks that run in a restored task fetch that task's own ([`criu::image_dir`]).
+    image_dir: Option<BorrowedFd<'static>>,
     run: Run,
     /// AMD GPU processes (`crate::amd`), beside the CUDA run.
     amd: crate::amd::AmdSide,
@@ -89,6 +93,7 @@ pub fn init(raw_stage: i32) -> i32 {
     }
     log::debug!("configuration: {}", cfg.describe());
     log::debug!("{}", gpusnap_rocm::status_line(&gpusnap_rocm::detect()));
+    let image_dir = criu::image_dir();
     let device_files = cfg.mode != Mode::Off;
     let amd_cfg = cfg.clone();
     let durable = cfg.durable;
@@ -105,8 +110,8 @@ pub fn init(raw_stage: i32) -> i32 {
                 log::info!("pre-dump: GPU state is not pre-dumped (the final dump takes it)");
                 (0, Run::Disabled("pre-dump".into()))
             }
-            Stage::Dump => (0, init_dump(cfg)),
-            Stage::Restore => match RestoreRun::init(cfg) {
+            Stage::Dump => (0, init_dump(cfg, image_dir)),
+            Stage::Restore => match RestoreRun::init(cfg, image_dir) {
                 RestoreInit::Run(r) => (0, Run::Restore(r)),
                 RestoreInit::NothingToDo(why) => (0, Run::Disabled(why)),
                 RestoreInit::Refused => (-1, Run::Disabled("restore refused".into())),
@@ -116,7 +121,7 @@ pub fn init(raw_stage: i32) -> i32 {
     let (rc, amd) = if !criu::is_4_1_or_newer() && criu::inside_criu() {
         (rc, crate::amd::AmdSide::Idle("CRIU older than 4.1".into()))
     } else {
-        match crate::amd::AmdSide::init(stage, &amd_cfg) {
+        match crate::amd::AmdSide::init(stage, &amd_cfg, image_dir) {
             Ok(a) => (rc, a),
             Err(e) => {
                 log::error!(
@@ -131,13 +136,14 @@ pub fn init(raw_stage: i32) -> i32 {
         device_files: device_files && stage != Stage::PreDump,
         durable,
         in_inventory: false,
+        image_dir,
         run,
         amd,
     });
     rc
 }
 
-fn init_dump(cfg: gpusnap_config::Config) -> Run {
+fn init_dump(cfg: gpusnap_config::Config, dir: Option<BorrowedFd<'static>>) -> Run {
     if cfg.mode == Mode::Off {
         log::info!("disabled by configuration (mode = off)");
         return Run::Disabled("mode = off".into());
@@ -154,7 +160,7 @@ fn init_dump(cfg: gpusnap_config::Config) -> Run {
             "this CRIU cannot seize in interrupt-only mode; frozen containers may hang the lock"
         );
     }
-    Run::Dump(Box::new(DumpRun::new(cfg)))
+    Run::Dump(Box::new(DumpRun::new(cfg, dir)))
 }
 
 impl Plugin {
@@ -166,7 +172,7 @@ impl Plugin {
     }
 
     /// DUMP_EXT_FILE: NVIDIA device files held without CUDA state.
-    pub fn dump_ext_file(&mut self, fd: i32, id: i32) -> i32 {
+    pub fn dump_ext_file(&mut self, fd: BorrowedFd<'_>, id: i32) -> i32 {
         if self.stage != Stage::Dump || !self.device_files || id < 0 {
             return ENOTSUP;
         }
@@ -176,7 +182,7 @@ impl Plugin {
             }
             return rc;
         }
-        let Some(dir) = criu::image_dir() else {
+        let Some(dir) = self.image_dir else {
             return ENOTSUP;
         };
         match crate::devfile::dump(dir, fd, id as u32, self.durable) {
@@ -192,33 +198,36 @@ impl Plugin {
         }
     }
 
-    /// RESTORE_EXT_FILE, in a restored task: open the device file again.
-    pub fn restore_ext_file(&mut self, id: i32) -> i32 {
+    /// RESTORE_EXT_FILE, in a restored task: open the device file again. `None`: not a file
+    /// gpusnap recorded.
+    pub fn restore_ext_file(&mut self, id: i32) -> Option<criu::Reopened> {
         if self.stage != Stage::Restore || !self.device_files || id < 0 {
-            return ENOTSUP;
+            return None;
         }
-        if let Some(rc) = self.amd.restore_ext_file(id as u32) {
-            return rc;
+        // In a restored task: its own number for CRIU's image directory, not `self.image_dir`.
+        let dir = criu::image_dir()?;
+        if let Some(r) = self.amd.restore_ext_file(dir, id as u32) {
+            return Some(r);
         }
-        let Some(dir) = criu::image_dir() else {
-            return ENOTSUP;
-        };
         match crate::devfile::restore(dir, id as u32) {
-            Ok(Some(fd)) => fd,
-            Ok(None) => ENOTSUP,
+            Ok(Some(fd)) => Some(criu::Reopened::Fd(fd)),
+            Ok(None) => None,
             Err(e) => {
                 log::error!("file {id}: {e}");
-                -1
+                Some(criu::Reopened::Failed)
             }
         }
     }
 
     /// HANDLE_DEVICE_VMA: 0 for a mapping of an AMD device file this dump handles (recorded
     /// with its process's KFD state), "not mine" for anything else.
-    pub fn handle_device_vma(&mut self, fd: i32, mode: u32, rdev: u64) -> i32 {
+    pub fn handle_device_vma(&mut self, fd: Option<BorrowedFd<'_>>, mode: u32, rdev: u64) -> i32 {
         if self.stage != Stage::Dump || !self.device_files {
             return ENOTSUP;
         }
+        let Some(fd) = fd else {
+            return ENOTSUP;
+        };
         match self.amd.handle_device_vma(fd, mode, rdev) {
             Some(rc) => {
                 if rc == 0 {
@@ -232,7 +241,7 @@ impl Plugin {
 
     /// UPDATE_VMA_MAP, in a restored task: `Some((new offset, fd))` for a device mapping gpusnap
     /// recorded; `None` for any other mapping.
-    pub fn update_vma_map(&mut self, path: &str, addr: u64, old: u64) -> Option<(u64, i32)> {
+    pub fn update_vma_map(&mut self, path: &str, addr: u64, old: u64) -> Option<(u64, OwnedFd)> {
         if self.stage != Stage::Restore || !self.device_files {
             return None;
         }

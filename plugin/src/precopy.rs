@@ -17,6 +17,7 @@
 use crate::agent::{AgentError, AgentSession};
 use crate::context::{codec_for, limits_of};
 use crate::datapath::{self, DataError, DumpData, Round};
+use crate::pid::HostPid;
 use crate::procfs;
 use crate::staging::{RingShape, Staging};
 use gpusnap_image::{AllocationRecord, CheckpointPath, ChunkEntry, ImageError, PARENT_LINK};
@@ -115,7 +116,9 @@ pub fn precopy(
 ) -> Result<PreCopyReport, PreCopyError> {
     let t0 = Instant::now();
     let cfg = gpusnap_config::load()?;
-    let nspid = procfs::ns_pid(pid).map_err(|err| PreCopyError::Proc { pid, err })? as u32;
+    let nspid = procfs::ns_pid(HostPid(pid))
+        .map_err(|err| PreCopyError::Proc { pid, err })?
+        .get();
     let api = gpusnap_cuda::driver::api()?;
     api.init()?;
     let driver = (api.driver_version().unwrap_or(0), api.gpus()?);

@@ -16,6 +16,7 @@
 //! did not lock it, so it does not unlock it.
 
 use crate::datapath::DumpData;
+use crate::pid::NsPid;
 use gpusnap_cuda::ProcessState;
 use gpusnap_image::Manifest;
 
@@ -237,7 +238,7 @@ pub struct Tracked {
     /// Host pid (what hooks get).
     pub pid: i32,
     /// Pid inside the process's own pid namespace (what image names use).
-    pub nspid: i32,
+    pub nspid: NsPid,
     pub restore_tid: i32,
     /// Driver state found at PAUSE; a rollback returns the process to it.
     pub initial: ProcessState,

@@ -4,6 +4,7 @@
 //! Hooks get host pids; image names and the agent's socket use the pid a process has in its
 //! own pid namespace, so most of this is translating between the two.
 
+use crate::pid::{HostPid, NsPid};
 use std::collections::BTreeSet;
 use std::io;
 use std::os::unix::fs::MetadataExt;
@@ -166,9 +167,12 @@ pub fn parse_argv0(cmdline: &[u8]) -> String {
 // ---- readers ----
 
 /// The pid of host process `pid` inside its own pid namespace.
-pub fn ns_pid(pid: i32) -> io::Result<i32> {
+pub fn ns_pid(pid: HostPid) -> io::Result<NsPid> {
     let path = format!("/proc/{pid}/status");
-    parse_ns_id(&read(&path)?).ok_or_else(|| invalid("NSpid line", &path))
+    parse_ns_id(&read(&path)?)
+        .and_then(|n| u32::try_from(n).ok())
+        .map(NsPid)
+        .ok_or_else(|| invalid("NSpid line", &path))
 }
 
 /// The tid of host thread `tid` of `pid` inside the process's pid namespace.
@@ -450,13 +454,14 @@ mod tests {
     #[test]
     fn own_process_resolves() {
         let me = std::process::id() as i32;
-        assert_eq!(ns_pid(me).unwrap(), me);
+        // The tests run in the pid namespace they were started in.
+        assert_eq!(ns_pid(HostPid(me)).unwrap(), NsPid(std::process::id()));
         assert_eq!(host_tid(me, me).unwrap(), Some(me));
         assert_eq!(host_tid(me, -5).unwrap(), None);
         assert!(thread_ids(me).unwrap().contains(&me));
         assert!(vm_rss_kib(me).unwrap() > 0);
         assert!(processes().unwrap().contains(&me));
-        let e = ns_pid(-1).unwrap_err();
+        let e = ns_pid(HostPid(-1)).unwrap_err();
         assert!(e.to_string().contains("/proc/-1/status"), "{e}");
     }
 }

@@ -9,6 +9,7 @@ use crate::agent::{self, AgentError, AgentSession};
 use crate::context::{self, Ctx, ImageDir};
 use crate::dump::{self, DumpError, Target};
 use crate::hold;
+use crate::pid::{HostPid, NsPid};
 use crate::process::{MovedData, Phase};
 use crate::procfs;
 use crate::ptrace::{self, PtraceError, SeizedProcess};
@@ -37,7 +38,7 @@ pub enum RecoverError {
     #[error("{}: {err}", dir.display())]
     ImageDir { dir: PathBuf, err: std::io::Error },
     #[error("{err}; without an intact manifest for nspid {nspid} the data cannot be reloaded")]
-    Manifest { nspid: i32, err: ImageError },
+    Manifest { nspid: NsPid, err: ImageError },
     #[error(transparent)]
     Undo(#[from] DumpError),
     #[error(
@@ -181,11 +182,11 @@ pub fn recover(pid: i32, images: Option<&Path>) -> Result<String, RecoverError> 
         driver_version: api.driver_version().unwrap_or(0),
         gpus: Vec::new(),
     };
-    let nspid = || procfs::ns_pid(pid).map_err(|err| AgentError::Proc { pid, err });
+    let nspid = || procfs::ns_pid(HostPid(pid)).map_err(|err| AgentError::Proc { pid, err });
     let moved = if released && kept {
         Some(MovedData {
             manifest: Box::new(dump::manifest_of(
-                nspid()? as u32,
+                nspid()?.get(),
                 gpusnap_image::CheckpointPath::Split,
                 (0, &[]),
                 Vec::new(),
@@ -196,7 +197,7 @@ pub fn recover(pid: i32, images: Option<&Path>) -> Result<String, RecoverError> 
         })
     } else if released {
         let nspid = nspid()?;
-        let manifest = gpusnap_image::read_manifest(ctx.image_dir(), nspid as u32)
+        let manifest = gpusnap_image::read_manifest(ctx.image_dir(), nspid.get())
             .map_err(|err| RecoverError::Manifest { nspid, err })?;
         Some(MovedData {
             manifest: Box::new(manifest),

@@ -7,6 +7,7 @@ use crate::agent::{self, AgentError};
 use crate::context::{Ctx, CtxError};
 use crate::datapath::{self, DataError};
 use crate::gpumap;
+use crate::pid::{HostPid, NsPid};
 use crate::preload::Preload;
 use crate::procfs;
 use crate::ptrace::{self, PtraceError, RunningThread};
@@ -21,11 +22,8 @@ use std::time::Instant;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RestoreError {
-    #[error("{what}: {err}")]
-    Driver {
-        what: &'static str,
-        err: DriverError,
-    },
+    #[error("{step}: {err}")]
+    Driver { step: DriverStep, err: DriverError },
     #[error(transparent)]
     Agent(#[from] AgentError),
     #[error("split data path: {0}")]
@@ -67,8 +65,41 @@ pub enum RestoreError {
     },
 }
 
-/// What a failed `cuCheckpointProcessRestore` is called in a [`RestoreError::Driver`].
-pub const DRIVER_RESTORE: &str = "driver restore";
+/// The driver call a [`RestoreError::Driver`] is about (callers match on it; shown as its
+/// name in messages).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DriverStep {
+    /// Finding the thread that runs the driver's restore.
+    FindRestoreThread,
+    /// `cuCheckpointProcessRestore`.
+    Restore,
+    /// `cuCheckpointProcessUnlock`.
+    Unlock,
+}
+
+impl std::fmt::Display for DriverStep {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DriverStep::FindRestoreThread => "finding the driver restore thread",
+            DriverStep::Restore => "driver restore",
+            DriverStep::Unlock => "driver unlock",
+        })
+    }
+}
+
+/// What the log adds to a process's failed restore, told by the failed step.
+fn failure_hint(e: &RestoreError, several: bool) -> &'static str {
+    match e {
+        // Found on the H200: driver 580 checkpoints a CUDA IPC importer, then cannot restore it.
+        RestoreError::Driver {
+            step: DriverStep::Restore,
+            ..
+        } if several => {
+            " A known cause with several GPU processes: one had opened another's memory through CUDA IPC, which the driver (before r610) checkpoints but cannot restore; such an image cannot be restored."
+        }
+        _ => "",
+    }
+}
 
 /// Where one restored GPU process stands. A process that fails anywhere before `Running` is
 /// killed: its image is unchanged, and a new restore can be tried.
@@ -252,13 +283,13 @@ pub enum RestoreInit {
 
 impl RestoreRun {
     /// `init(RESTORE)`: checks every manifest and the GPUs, before CRIU restores any process.
-    pub fn init(cfg: Config) -> RestoreInit {
+    pub fn init(cfg: Config, dir: Option<BorrowedFd<'static>>) -> RestoreInit {
         // `None`: CRIU 4.0 keeps no plugin list; go by our manifests alone.
         if crate::criu::check_and_remove_inventory_plugin(crate::criu::PLUGIN_NAME) == Some(false) {
             log::debug!("the image holds no GPU state; nothing to do");
             return RestoreInit::NothingToDo("no GPU state in this image".into());
         }
-        let Some(dir) = crate::criu::image_dir() else {
+        let Some(dir) = dir else {
             log::error!("CRIU gave no image directory; cannot restore GPU state");
             return RestoreInit::Refused;
         };
@@ -503,7 +534,7 @@ impl RestoreRun {
                 let _ = h.join();
                 log::info!("cuInit ran beside CRIU's restore (started in POST_FORKING)");
             }
-            self.ctx = Some(Ctx::open(&self.cfg)?);
+            self.ctx = Some(Ctx::open(&self.cfg, Some(self.dir))?);
         }
         Ok(self.ctx.as_ref().expect("set above"))
     }
@@ -532,15 +563,15 @@ impl RestoreRun {
                 "restore refused: {e}; no GPU was touched. The restored processes are killed rather than left without their GPU state"
             );
             self.drop_preloads();
-            let nspids: Vec<u32> = self.manifests.keys().copied().collect();
-            let found = find_restored(any_pid, &nspids);
+            let nspids: Vec<NsPid> = self.manifests.keys().map(|&n| NsPid(n)).collect();
+            let found = find_restored(HostPid(any_pid), &nspids);
             for (nspid, host) in &found {
                 kill(*host, *nspid);
             }
             // Answer -1 for every restored process of ours (and the pid asked about).
             let mut out: Restored = found
                 .into_values()
-                .map(|p| (p, Err(RestoreError::DamagedImage)))
+                .map(|p| (p.get(), Err(RestoreError::DamagedImage)))
                 .collect();
             if !out.iter().any(|(p, _)| *p == any_pid) {
                 out.push((any_pid, Err(e)));
@@ -552,12 +583,12 @@ impl RestoreRun {
             self.drop_preloads();
             return vec![(any_pid, Err(e.into()))];
         }
-        let nspids: Vec<u32> = self.manifests.keys().copied().collect();
-        let found = find_restored(any_pid, &nspids);
+        let nspids: Vec<NsPid> = self.manifests.keys().map(|&n| NsPid(n)).collect();
+        let found = find_restored(HostPid(any_pid), &nspids);
         let mut items = Vec::new();
         for (nspid, m) in &self.manifests {
-            match found.get(nspid) {
-                Some(host) => items.push((*host, m.clone())),
+            match found.get(&NsPid(*nspid)) {
+                Some(host) => items.push((host.get(), m.clone())),
                 None => log::error!(
                     "no restored process has nspid {nspid}; its GPU state is not restored"
                 ),
@@ -583,18 +614,12 @@ impl RestoreRun {
         let several = restored.len() > 1;
         for (p, r) in &restored {
             if let Err(e) = r {
-                // Found on the H200: driver 580 checkpoints a CUDA IPC importer, then cannot
-                // restore it.
-                let hint = match e {
-                    RestoreError::Driver { what, .. } if several && *what == DRIVER_RESTORE => {
-                        " A known cause with several GPU processes: one had opened another's memory through CUDA IPC, which the driver (before r610) checkpoints but cannot restore; such an image cannot be restored."
-                    }
-                    _ => "",
-                };
+                let hint = failure_hint(e, several);
                 log::error!(
                     "pid {p}: GPU restore failed: {e}. The process is killed rather than left running without its GPU state; the image is unchanged: fix the cause and restore again.{hint}"
                 );
-                kill(*p, procfs::ns_pid(*p).unwrap_or(0) as u32);
+                let host = HostPid(*p);
+                kill(host, procfs::ns_pid(host).unwrap_or(NsPid(0)));
             }
         }
         restored
@@ -662,8 +687,8 @@ fn every_chunk_device_hashed(m: &Manifest) -> bool {
 
 /// Kills a restored process whose GPU state cannot be brought back (CRIU holds it stopped),
 /// and reaps its threads ([`crate::reap`] says why: a container's PID 1 would hang CRIU).
-fn kill(pid: i32, nspid: u32) {
-    if let Err(e) = crate::reap::kill_and_reap(pid) {
+fn kill(pid: HostPid, nspid: NsPid) {
+    if let Err(e) = crate::reap::kill_and_reap(pid.get()) {
         log::error!("pid {pid} (nspid {nspid}): {e}; it must not run: kill it by hand");
     }
 }
@@ -796,8 +821,8 @@ fn uuid_pairs(pairs: &[gpumap::Pair]) -> Result<Vec<(GpuUuid, GpuUuid)>, ParseGp
 
 /// Host pids of the restored processes our manifests describe. All restored tasks live in the
 /// pid namespace of `any_pid` (a pid CRIU handed us) and are stopped at this point.
-pub fn find_restored(any_pid: i32, nspids: &[u32]) -> HashMap<u32, i32> {
-    let want_ns = procfs::namespace(any_pid, "pid").ok();
+pub fn find_restored(any_pid: HostPid, nspids: &[NsPid]) -> HashMap<NsPid, HostPid> {
+    let want_ns = procfs::namespace(any_pid.get(), "pid").ok();
     let mut out = HashMap::new();
     let Ok(pids) = procfs::processes() else {
         return out;
@@ -806,10 +831,11 @@ pub fn find_restored(any_pid: i32, nspids: &[u32]) -> HashMap<u32, i32> {
         if procfs::namespace(pid, "pid").ok() != want_ns {
             continue;
         }
+        let pid = HostPid(pid);
         if let Ok(nspid) = procfs::ns_pid(pid)
-            && nspids.contains(&(nspid as u32))
+            && nspids.contains(&nspid)
         {
-            out.insert(nspid as u32, pid);
+            out.insert(nspid, pid);
         }
     }
     out
@@ -917,7 +943,7 @@ fn prepare(ctx: &Ctx, pid: i32, m: &Manifest) -> Result<Vec<RunningThread>, Rest
         .api
         .restore_thread_id(pid)
         .map_err(|err| RestoreError::Driver {
-            what: "finding the driver restore thread",
+            step: DriverStep::FindRestoreThread,
             err,
         })?;
     // From here until the restore is complete, a CRIU that dies takes the process with it
@@ -992,7 +1018,7 @@ fn resume_one(
     mut preload: Option<Preload>,
 ) -> Result<RestoredProcess, RestoreError> {
     let t0 = Instant::now();
-    let driver = |what| move |err| RestoreError::Driver { what, err };
+    let driver = |step| move |err| RestoreError::Driver { step, err };
     // The ring is made while the driver restores the control state (a keeper has its own).
     let mut ring = (has_data(m) && preload.is_none())
         .then(|| RingMaker::start(crate::load::ring_shape(ctx.cfg.staging_slots as usize, m)));
@@ -1019,7 +1045,7 @@ fn resume_one(
         phase = match phase {
             RestorePhase::Stopped => {
                 let (restored, refrozen) = call.run(|| ctx.api.restore(pid, &uuids));
-                restored.map_err(driver(DRIVER_RESTORE))?;
+                restored.map_err(driver(DriverStep::Restore))?;
                 refrozen?;
                 out.control_s = t0.elapsed().as_secs_f64();
                 crate::fault::kill_criu_at("restore-control");
@@ -1027,7 +1053,7 @@ fn resume_one(
             }
             RestorePhase::ControlRestored => {
                 let t1 = Instant::now();
-                ctx.api.unlock(pid).map_err(driver("driver unlock"))?;
+                ctx.api.unlock(pid).map_err(driver(DriverStep::Unlock))?;
                 out.unlock_s = t1.elapsed().as_secs_f64();
                 crate::fault::kill_criu_at("restore-unlocked");
                 RestorePhase::Unlocked
@@ -1122,6 +1148,26 @@ fn resume_one(
 mod tests {
     use super::*;
     use gpusnap_image::GpuRecord;
+
+    #[test]
+    fn the_ipc_hint_follows_the_failed_driver_step_not_its_text() {
+        let failed = |step| RestoreError::Driver {
+            step,
+            err: DriverError::Cuda {
+                call: "cuCheckpointProcessRestore",
+                code: 999,
+                name: "CUDA_ERROR_UNKNOWN".into(),
+            },
+        };
+        assert!(failure_hint(&failed(DriverStep::Restore), true).contains("CUDA IPC"));
+        assert_eq!(failure_hint(&failed(DriverStep::Restore), false), "");
+        assert_eq!(failure_hint(&failed(DriverStep::Unlock), true), "");
+        assert_eq!(failure_hint(&RestoreError::DamagedImage, true), "");
+        assert_eq!(
+            failed(DriverStep::Restore).to_string(),
+            "driver restore: cuCheckpointProcessRestore failed: CUDA_ERROR_UNKNOWN (999)"
+        );
+    }
 
     fn manifest(gpus: Vec<GpuRecord>) -> Manifest {
         Manifest {

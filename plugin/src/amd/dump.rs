@@ -32,6 +32,7 @@ use gpusnap_rocm::topology::{self, Gpu, TopologyError};
 use super::coexist;
 use super::data::{self, BoSource, DataError, Written};
 use super::phase::{DumpPhase, ImpossibleMove};
+use crate::pid::{HostPid, NsPid};
 use crate::procfs;
 
 /// Why one AMD process could not be checkpointed.
@@ -126,6 +127,8 @@ struct Tracked {
 pub struct AmdDump {
     dev: Box<dyn KfdDevice>,
     cfg: Config,
+    /// CRIU's image directory, fetched once at init.
+    dir: Option<BorrowedFd<'static>>,
     processes: Vec<Tracked>,
     /// `Some(path)` once seen: CRIU's amdgpu plugin is loaded, and gets every AMD file.
     deferred_to: Option<Option<String>>,
@@ -142,7 +145,7 @@ fn holder_of(fd: BorrowedFd<'_>, nspid: Option<u32>) -> Option<i32> {
     let me = std::process::id() as i32;
     let path = procfs::fd_target(me, fd.as_raw_fd()).ok()?;
     for pid in procfs::processes().ok()? {
-        if pid == me || nspid.is_some_and(|n| procfs::ns_pid(pid).ok() != Some(n as i32)) {
+        if pid == me || nspid.is_some_and(|n| procfs::ns_pid(HostPid(pid)).ok() != Some(NsPid(n))) {
             continue;
         }
         let Ok(fds) = procfs::fd_numbers(pid) else {
@@ -257,10 +260,11 @@ impl Checkpointed<'_> {
 }
 
 impl AmdDump {
-    pub fn new(dev: Box<dyn KfdDevice>, cfg: Config) -> AmdDump {
+    pub fn new(dev: Box<dyn KfdDevice>, cfg: Config, dir: Option<BorrowedFd<'static>>) -> AmdDump {
         AmdDump {
             dev,
             cfg,
+            dir,
             processes: Vec::new(),
             deferred_to: None,
             vmas_accepted: 0,
@@ -403,7 +407,7 @@ impl AmdDump {
         if self.deferred() {
             return None;
         }
-        let dir = crate::criu::image_dir()?;
+        let dir = self.dir?;
         Some(match kind {
             DeviceFile::Render { minor } => self.dump_render(dir, fd, id, minor, &path),
             DeviceFile::Kfd => self.dump_kfd(dir, fd, id),
@@ -417,8 +421,8 @@ impl AmdDump {
     }
 
     fn nspid_of(host: Option<i32>) -> u32 {
-        host.and_then(|p| procfs::ns_pid(p).ok())
-            .map_or(0, |n| n as u32)
+        host.and_then(|p| procfs::ns_pid(HostPid(p)).ok())
+            .map_or(0, NsPid::get)
     }
 
     fn dump_render(
@@ -692,7 +696,7 @@ impl AmdDump {
             );
         }
         let leave_running = crate::criu::leave_running();
-        let dir = crate::criu::image_dir();
+        let dir = self.dir;
         let mut processes = std::mem::take(&mut self.processes);
         for t in &mut processes {
             if !matches!(t.phase, DumpPhase::Checkpointed { .. }) {

@@ -27,13 +27,13 @@ pub mod phase;
 pub mod recover;
 pub mod restore;
 
-use std::os::fd::{AsRawFd, BorrowedFd, IntoRawFd};
+use std::os::fd::{BorrowedFd, OwnedFd};
 
 use gpusnap_config::Config;
 use gpusnap_rocm::kfd::device::{KfdDevice, RealKfd};
 use gpusnap_rocm::kfd::standin::StandinKfd;
 
-use crate::criu::Stage;
+use crate::criu::{Reopened, Stage};
 
 /// The KFD this run talks to, if there is one.
 pub fn kfd_device() -> Option<Box<dyn KfdDevice>> {
@@ -46,9 +46,8 @@ pub fn kfd_device() -> Option<Box<dyn KfdDevice>> {
 }
 
 /// Whether CRIU's image directory holds a KFD state file.
-fn image_has_kfd_state() -> bool {
-    crate::criu::image_dir()
-        .and_then(|dir| gpusnap_image::list_image_files(dir).ok())
+fn image_has_kfd_state(dir: Option<BorrowedFd<'_>>) -> bool {
+    dir.and_then(|dir| gpusnap_image::list_image_files(dir).ok())
         .is_some_and(|files| {
             files
                 .iter()
@@ -68,9 +67,14 @@ pub enum AmdSide {
 
 impl AmdSide {
     /// The AMD side of a run; `Err` when a restore must be refused (the caller says why).
-    pub fn init(stage: Stage, cfg: &Config) -> Result<AmdSide, Refused> {
+    /// `dir`: CRIU's image directory, as the run fetched it at init.
+    pub fn init(
+        stage: Stage,
+        cfg: &Config,
+        dir: Option<BorrowedFd<'static>>,
+    ) -> Result<AmdSide, Refused> {
         if cfg.mode == gpusnap_config::Mode::Off {
-            if stage == Stage::Restore && image_has_kfd_state() {
+            if stage == Stage::Restore && image_has_kfd_state(dir) {
                 return Err(Refused::Disabled);
             }
             return Ok(AmdSide::Idle("mode = off".into()));
@@ -80,11 +84,11 @@ impl AmdSide {
             Stage::Dump => Ok(match kfd_device() {
                 Some(dev) => {
                     log::debug!("amd: dump through {}", dev.describe());
-                    AmdSide::Dump(Box::new(dump::AmdDump::new(dev, cfg.clone())))
+                    AmdSide::Dump(Box::new(dump::AmdDump::new(dev, cfg.clone(), dir)))
                 }
                 None => AmdSide::Idle("no /dev/kfd".into()),
             }),
-            Stage::Restore => Ok(match restore::AmdRestore::init(cfg.clone())? {
+            Stage::Restore => Ok(match restore::AmdRestore::init(cfg.clone(), dir)? {
                 Some(r) => AmdSide::Restore(Box::new(r)),
                 None => AmdSide::Idle("no kfd images".into()),
             }),
@@ -92,48 +96,36 @@ impl AmdSide {
     }
 
     /// `DUMP_EXT_FILE`: `None` when the file is not an AMD one gpusnap handles.
-    pub fn dump_ext_file(&mut self, fd: i32, id: u32) -> Option<i32> {
+    pub fn dump_ext_file(&mut self, fd: BorrowedFd<'_>, id: u32) -> Option<i32> {
         let AmdSide::Dump(d) = self else { return None };
-        if fd < 0 {
-            return None;
-        }
-        // SAFETY: CRIU keeps `fd` open for the duration of the hook.
-        let fd = unsafe { BorrowedFd::borrow_raw(fd) };
-        debug_assert!(fd.as_raw_fd() >= 0);
         d.dump_ext_file(fd, id)
     }
 
     /// `RESTORE_EXT_FILE`, in the restored task: `None` when `id` is not a file gpusnap
-    /// recorded as an AMD one.
-    pub fn restore_ext_file(&mut self, id: u32) -> Option<i32> {
+    /// recorded as an AMD one. `dir`: the image directory as this task sees it.
+    pub fn restore_ext_file(&mut self, dir: BorrowedFd<'_>, id: u32) -> Option<Reopened> {
         let AmdSide::Restore(r) = self else {
             return None;
         };
-        r.restore_ext_file(id)
+        r.restore_ext_file(dir, id)
     }
 
     /// `HANDLE_DEVICE_VMA`: `Some(0)` for a mapping of an AMD device file this dump handles;
     /// `None` otherwise.
-    pub fn handle_device_vma(&mut self, fd: i32, mode: u32, rdev: u64) -> Option<i32> {
+    pub fn handle_device_vma(&mut self, fd: BorrowedFd<'_>, mode: u32, rdev: u64) -> Option<i32> {
         let AmdSide::Dump(d) = self else { return None };
-        if fd < 0 {
-            return None;
-        }
-        // SAFETY: CRIU keeps `fd` (the mapped file, opened through map_files) open for the
-        // duration of the hook.
-        let fd = unsafe { BorrowedFd::borrow_raw(fd) };
         d.handle_device_vma(fd, mode, rdev)
     }
 
     /// `UPDATE_VMA_MAP`, in the restored task: `None` when `path` is no AMD file of this
     /// restore; else the new offset and an fd for CRIU (which takes it). A mapping that cannot
     /// be made again ends the restored task here, after saying which mapping.
-    pub fn update_vma_map(&mut self, path: &str, addr: u64, old: u64) -> Option<(u64, i32)> {
+    pub fn update_vma_map(&mut self, path: &str, addr: u64, old: u64) -> Option<(u64, OwnedFd)> {
         let AmdSide::Restore(r) = self else {
             return None;
         };
         match r.update_vma_map(path, addr, old)? {
-            Ok((new, fd)) => Some((new, fd.into_raw_fd())),
+            Ok(mapped) => Some(mapped),
             Err(e) => {
                 log::error!(
                     "amd: {e}; the restored process is ended before it runs (CRIU fails the restore)"

@@ -24,7 +24,7 @@
 //! until RESUME; the restored task's copy sees RESTORE and the contents written back).
 
 use std::collections::BTreeMap;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, IntoRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::time::Instant;
 
 use gpusnap_config::Config;
@@ -40,6 +40,8 @@ use gpusnap_rocm::topology::{self, Gpu, TopologyError};
 
 use super::data::{self, BoTarget, DataError};
 use super::phase::{ImpossibleMove, RestorePhase};
+use crate::criu::Reopened;
+use crate::pid::{HostPid, NsPid};
 
 /// Why a restore with AMD GPU processes is refused at init, before CRIU forks anything.
 #[derive(Debug, thiserror::Error)]
@@ -76,7 +78,7 @@ pub enum RestoreError {
     #[error("RESTORE_EXT_FILE ran in pid {pid} (namespace pid {found:?}), not in process {nspid}")]
     WrongTask {
         pid: i32,
-        found: Option<i32>,
+        found: Option<NsPid>,
         nspid: u32,
     },
     #[error(transparent)]
@@ -258,8 +260,8 @@ fn wanted(state: &KfdState) -> Vec<WantedGpu> {
 
 impl AmdRestore {
     /// `Ok(None)`: the image has no kfd process. `Err`: the restore is refused.
-    pub fn init(cfg: Config) -> Result<Option<AmdRestore>, Refused> {
-        let Some(dir) = crate::criu::image_dir() else {
+    pub fn init(cfg: Config, dir: Option<BorrowedFd<'_>>) -> Result<Option<AmdRestore>, Refused> {
+        let Some(dir) = dir else {
             return Ok(None);
         };
         // The CUDA side reads the same directory and names damage too; a kfd image in it is
@@ -376,15 +378,15 @@ impl AmdRestore {
         p.local.get(i)
     }
 
-    pub fn restore_ext_file(&mut self, id: u32) -> Option<i32> {
-        // In a restored task CRIU's image directory is another service fd than at init.
-        let dir = crate::criu::image_dir()?;
+    /// `dir`: the image directory as this restored task sees it (CRIU's service fd has another
+    /// number here than at init).
+    pub fn restore_ext_file(&mut self, dir: BorrowedFd<'_>, id: u32) -> Option<Reopened> {
         let rec = match gpusnap_image::read_kfd_file(dir, id) {
             Ok(r) => r,
             Err(gpusnap_image::ImageError::MissingFile { .. }) => return None,
             Err(e) => {
                 log::error!("amd: file {id}: {e}");
-                return Some(-1);
+                return Some(Reopened::Failed);
             }
         };
         Some(match rec.kind {
@@ -417,24 +419,24 @@ impl AmdRestore {
                         })
                 };
                 match opened {
-                    Ok(f) => f.into_raw_fd(),
+                    Ok(f) => Reopened::Fd(f),
                     Err(e) => {
                         log::error!(
                             "amd: file {id}: cannot open render node {}: {e}",
                             path.display()
                         );
-                        -1
+                        Reopened::Failed
                     }
                 }
             }
             KfdFileKind::Kfd => match self.restore_process(dir, rec.nspid) {
-                Ok(fd) => fd.into_raw_fd(),
+                Ok(fd) => Reopened::Fd(fd),
                 Err(e) => {
                     log::error!(
                         "amd: nspid {}: restore failed: {e}; CRIU ends the restored process",
                         rec.nspid
                     );
-                    -1
+                    Reopened::Failed
                 }
             },
         })
@@ -453,8 +455,8 @@ impl AmdRestore {
         }
         // SAFETY: getpid has no preconditions.
         let me = unsafe { libc::getpid() };
-        match crate::procfs::ns_pid(me) {
-            Ok(n) if n as u32 == nspid => {}
+        match crate::procfs::ns_pid(HostPid(me)) {
+            Ok(n) if n == NsPid(nspid) => {}
             other => {
                 return Err(RestoreError::WrongTask {
                     pid: me,
@@ -663,7 +665,7 @@ impl AmdRestore {
     /// made to die with CRIU first; a RESUME that fails kills and reaps it (CRIU 4.1 and 4.2
     /// go on with the restore whatever this hook answers).
     pub fn resume_devices_late(&mut self, pid: i32) -> Option<i32> {
-        let nspid = crate::procfs::ns_pid(pid).ok()? as u32;
+        let nspid = crate::procfs::ns_pid(HostPid(pid)).ok()?.get();
         if !self.plans.contains_key(&nspid) {
             return None;
         }

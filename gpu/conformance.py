@@ -105,6 +105,12 @@ def main():
             env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSNAP_AGENT")}
             env.pop("LD_PRELOAD", None)
             env.update(extra)
+            # Pure-Python test helpers a suite imports that the GPU machine lacks (PyTorch's
+            # test utilities need `expecttest`), carried in CARRY/pylib (gpu/fetch-conformance.md).
+            pylib = os.path.join(a.carry, "pylib")
+            if os.path.isdir(pylib):
+                env["PYTHONPATH"] = os.pathsep.join(
+                    p for p in (pylib, env.get("PYTHONPATH", "")) if p)
             junit = os.path.join(a.out, f"conformance-{name}-{config}.xml")
             if os.path.exists(junit):
                 os.remove(junit)

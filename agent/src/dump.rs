@@ -65,9 +65,27 @@ pub enum Mode {
     Live,
 }
 
+/// Unmaps the process's CUDA IPC imports (reservations kept) at a release: (imports, bytes).
+/// It makes the contexts it needs current on the agent's thread (`Gpu`).
+pub type ImportRelease = fn(&Driver, &mut Gpu) -> Result<(u32, u64), Fail>;
+
+/// What a `Release` does besides unmapping the converted allocations, passed in by the layers
+/// above (which this one does not import).
+#[derive(Clone, Copy)]
+pub struct ReleaseAlso {
+    /// Told of each allocation a `Release` unmaps: `lend::forget_own_within`.
+    pub released: fn(u64),
+    pub imports: ImportRelease,
+}
+
+/// A process with no imports to unmap (the keeper).
+pub fn no_imports(_: &Driver, _: &mut Gpu) -> Result<(u32, u64), Fail> {
+    Ok((0, 0))
+}
+
 /// Runs a whole dump or pre-copy round on this connection; the connection is to be closed
-/// afterwards. `released(addr)` is told of each allocation a `Release` unmaps (see
-/// [`release`]): the callers pass `lend::forget_own_within`, which this layer does not import.
+/// afterwards; `also` is what a `Release` does besides (see [`release`]).
+#[allow(clippy::too_many_arguments)]
 pub fn run(
     gpu: &mut Gpu,
     ch: &Channel,
@@ -75,10 +93,10 @@ pub fn run(
     memfd: OwnedFd,
     known: &KnownChunks,
     mode: Mode,
-    released: fn(u64),
+    also: ReleaseAlso,
 ) {
     let mut staging = None;
-    let result = dump(gpu, ch, ring, memfd, &mut staging, known, mode, released);
+    let result = dump(gpu, ch, ring, memfd, &mut staging, known, mode, also);
     session::conclude(ch, gpu, staging, result);
 }
 
@@ -103,7 +121,7 @@ fn dump(
     staging: &mut Option<Staging>,
     known: &KnownChunks,
     mode: Mode,
-    released: fn(u64),
+    also: ReleaseAlso,
 ) -> Result<Reply, Fail> {
     let t0 = Instant::now();
     plan::validate_ring(ring.slot_size, ring.slots, ring.streams).map_err(Fail::bad_request)?;
@@ -211,7 +229,7 @@ fn dump(
         }
     }
     let t1 = Instant::now();
-    let (count, bytes) = release(drv, &spans, released)?;
+    let (count, bytes) = release(drv, gpu, &spans, also)?;
     let micros = t1.elapsed().as_micros() as u64;
     debug!("release: {count} allocations, {bytes} bytes in {micros} us");
     Ok(Reply::Released {
@@ -451,13 +469,16 @@ fn not_copied(c: &Chunk, hash: Option<ChunkHash>, known: &KnownChunks) -> Option
 
 /// Unmaps and releases every dumped allocation, keeping its reservation. The table is marked
 /// first (so a concurrent free cannot release the handle twice) and restored if the unmap fails.
-/// `released(addr)` is told of each allocation whose memory is gone: the hand-over's registry of
-/// kept descriptors (`lend::forget_own_within`) sits above this module and is passed in.
+/// `also.released(addr)` is told of each allocation whose memory is gone (the hand-over's
+/// registry of kept descriptors sits above this module); then `also.imports` unmaps the
+/// process's CUDA IPC imports, so the driver's checkpoint holds no other process's memory.
 pub(crate) fn release(
     drv: &Driver,
+    gpu: &mut Gpu,
     spans: &[Span],
-    released: impl Fn(u64),
+    also: ReleaseAlso,
 ) -> Result<(u32, u64), Fail> {
+    let released = also.released;
     let mut count = 0u32;
     let mut bytes = 0u64;
     for s in spans {
@@ -490,6 +511,10 @@ pub(crate) fn release(
         released(s.addr);
         count += 1;
         bytes += s.size;
+    }
+    let (imports, import_bytes) = (also.imports)(drv, gpu)?;
+    if imports > 0 {
+        debug!("release: {imports} CUDA IPC imports ({import_bytes} bytes) unmapped");
     }
     Ok((count, bytes))
 }

@@ -711,6 +711,8 @@ pub unsafe extern "C" fn cuIpcGetMemHandle(
                             .cast::<[u8; crate::ipc::HANDLE_BYTES]>()
                             .write_unaligned(token)
                     };
+                    // The agent thread lists the share for a dump (and serves it).
+                    crate::server::ensure_started();
                     CUDA_SUCCESS
                 }
                 Err(rc) => rc,
@@ -751,6 +753,8 @@ pub unsafe extern "C" fn cuIpcOpenMemHandle_v2(
                 Ok(addr) => {
                     // SAFETY: dptr is the caller's non-null out pointer.
                     unsafe { *dptr = addr };
+                    // An importer without allocations of its own still answers a dump.
+                    crate::server::ensure_started();
                     CUDA_SUCCESS
                 }
                 Err(rc) => rc,

@@ -29,9 +29,13 @@
 //!   driver's own answer for memory it cannot share or a handle it cannot open
 //!   (`CUDA_ERROR_INVALID_VALUE`), never other memory; the cause is in the debug log.
 //!
-//! Both sides record their hazard (`IPC_EXPORT`, `IPC_IMPORT`), so a dump of either is refused.
+//! Both sides record their hazard (`SERVED_IPC_EXPORT`, `SERVED_IPC_IMPORT`). The split path
+//! carries such shares when every process of them is in the dump (`docs/ipc.md`): a release
+//! unmaps this process's imports too ([`release_imports`], reservations kept), the exporter
+//! hands the plugin a descriptor of each exported allocation's current memory ([`share_fds`]),
+//! and the importer maps it again at the same address ([`reimport`]) before any thread runs.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
@@ -252,6 +256,8 @@ pub enum IpcError {
     Refused(CuRes),
     /// A malformed or unexpected message.
     Protocol(&'static str),
+    /// The IPC state's lock is held (by an application thread a tracer stopped).
+    Busy,
 }
 
 impl fmt::Display for IpcError {
@@ -274,6 +280,7 @@ impl fmt::Display for IpcError {
             ),
             IpcError::Refused(code) => write!(f, "the exporter refused (status {code})"),
             IpcError::Protocol(what) => write!(f, "protocol: {what}"),
+            IpcError::Busy => write!(f, "the IPC state is locked by a stopped thread"),
         }
     }
 }
@@ -306,6 +313,8 @@ struct Export {
     size: u64,
     /// The POSIX fd of its physical memory, handed to importers (dup'ed for each).
     fd: OwnedFd,
+    /// The pids that fetched it (a dump must hold them all).
+    importers: BTreeSet<u32>,
 }
 
 /// Another process's allocation mapped here.
@@ -314,6 +323,10 @@ struct Import {
     source: (u32, [u8; 16], u64),
     size: u64,
     refs: u32,
+    /// The device it is mapped for (the importer's context's, at the open).
+    device: i32,
+    /// False from a release's unmap until [`reimport`] maps it again (the reservation stays).
+    mapped: bool,
 }
 
 /// The exporter's service: its key and listener (the thread knows the listener by number).
@@ -436,7 +449,15 @@ fn export(
         // Another thread's export of the same allocation is as good; a stale one (an earlier
         // allocation at this address) is replaced.
         if st.exports.get(&base).is_none_or(|e| e.id != id) {
-            st.exports.insert(base, Export { id, size, fd });
+            st.exports.insert(
+                base,
+                Export {
+                    id,
+                    size,
+                    fd,
+                    importers: BTreeSet::new(),
+                },
+            );
         }
         drop(st);
         // A free that raced with this export would leave the fd keeping freed memory alive.
@@ -451,8 +472,7 @@ fn export(
         }
         debug!("ipc: exported #{id} at {base:#x} ({size} bytes)");
     }
-    crate::hazards::record(hazard::IPC_EXPORT);
-    crate::server::ensure_started();
+    crate::hazards::record(hazard::SERVED_IPC_EXPORT);
     Ok(Token {
         exporter_pid: std::process::id(),
         key,
@@ -671,6 +691,13 @@ fn serve_one(conn: &OwnedFd) -> Result<(), IpcError> {
         "ipc: handed #{} ({size} bytes) to pid {}",
         req.alloc_id, cred.pid
     );
+    // Recorded so that a dump can tell whether every importer is in it.
+    if let Some(mut st) = try_state_for(LOCK_WAIT)
+        && let Some(e) = st.exports.values_mut().find(|e| e.id == req.alloc_id)
+        && let Ok(pid) = u32::try_from(cred.pid)
+    {
+        e.importers.insert(pid);
+    }
     Ok(())
 }
 
@@ -720,8 +747,7 @@ fn open(drv: &Driver, t: &Token, flags: u32) -> Result<CUdeviceptr, IpcError> {
         debug!("ipc: {e}");
     }
     let base = mapped?;
-    crate::hazards::record(hazard::IPC_IMPORT);
-    crate::server::ensure_started();
+    crate::hazards::record(hazard::SERVED_IPC_IMPORT);
     let mut st = state();
     if let Some((&other, m)) = st.imports.iter_mut().find(|(_, m)| m.source == source) {
         // Another thread opened it meanwhile: use that one, undo ours.
@@ -738,6 +764,8 @@ fn open(drv: &Driver, t: &Token, flags: u32) -> Result<CUdeviceptr, IpcError> {
             source,
             size,
             refs: 1,
+            device: dev,
+            mapped: true,
         },
     );
     drop(st);
@@ -766,12 +794,19 @@ pub fn close_mem_handle(drv: &Driver, ptr: CUdeviceptr) -> Option<CuRes> {
         if m.refs > 0 {
             None
         } else {
-            st.imports.remove(&ptr).map(|m| m.size)
+            st.imports.remove(&ptr).map(|m| (m.size, m.mapped))
         }
     };
-    let Some(size) = last else {
+    let Some((size, mapped)) = last else {
         return Some(CUDA_SUCCESS);
     };
+    if !mapped {
+        // Unmapped by a release (a reimport that failed, say): only the reservation is left.
+        return Some(match drv.free_reservation(ptr, size) {
+            Ok(()) => CUDA_SUCCESS,
+            Err(e) => e.code,
+        });
+    }
     // Work that may still use the mapping finishes first (the driver's error is reported by
     // the next call that waits, as without the agent).
     if let Err(e) = drv.synchronize_current() {
@@ -787,6 +822,175 @@ pub fn close_mem_handle(drv: &Driver, ptr: CUdeviceptr) -> Option<CuRes> {
             e.code
         }
     })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Checkpointing shares (the agent's thread; the application's threads held)
+
+/// One share of this process ([`sharing`]), as `ListSharing` reports it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Share {
+    /// An import (another process's memory mapped here) or an export (this process's).
+    pub import: bool,
+    /// The exporter (import), or a process that fetched the export (0: none yet).
+    pub pid: u32,
+    /// The exporter's allocation id.
+    pub id: u64,
+    /// Where it is mapped here (import: the base of the mapping; export: the allocation's).
+    pub addr: u64,
+    pub size: u64,
+    /// Import: mapped now (false between a release and a reimport). Export: always true.
+    pub mapped: bool,
+}
+
+/// The shares of this process: every import, and every export once per process that fetched
+/// it. `None` when the state's lock is held (by a stopped application thread).
+pub fn sharing() -> Option<Vec<Share>> {
+    let st = try_state_for(LOCK_WAIT)?;
+    let mut v = Vec::new();
+    for (&base, m) in &st.imports {
+        v.push(Share {
+            import: true,
+            pid: m.source.0,
+            id: m.source.2,
+            addr: base,
+            size: m.size,
+            mapped: m.mapped,
+        });
+    }
+    for (&base, e) in &st.exports {
+        let pids: Vec<u32> = if e.importers.is_empty() {
+            vec![0]
+        } else {
+            e.importers.iter().copied().collect()
+        };
+        for pid in pids {
+            v.push(Share {
+                import: false,
+                pid,
+                id: e.id,
+                addr: base,
+                size: e.size,
+                mapped: true,
+            });
+        }
+    }
+    Some(v)
+}
+
+/// A release (dump): unmaps every import of this process, keeping its reservation, so the
+/// driver's checkpoint holds none of another process's memory. Returns (imports, bytes).
+/// Called with the application's threads held; a failed unmap leaves that import mapped and
+/// is returned.
+pub fn release_imports(drv: &Driver) -> Result<(u32, u64), IpcError> {
+    let mut st = try_state_for(LOCK_WAIT).ok_or(IpcError::Busy)?;
+    let (mut n, mut bytes) = (0u32, 0u64);
+    for (&base, m) in st.imports.iter_mut().filter(|(_, m)| m.mapped) {
+        drv.unmap(base, m.size)?;
+        m.mapped = false;
+        n += 1;
+        bytes += m.size;
+    }
+    if n > 0 {
+        debug!("ipc: released {n} imports ({bytes} bytes), reservations kept");
+    }
+    Ok((n, bytes))
+}
+
+/// A descriptor of the current memory of each exported allocation, for the plugin to hand to
+/// importers: (id, base, size, fd). After a restore or a reload the memory is new, so the
+/// export's own descriptor (a placeholder CRIU opened, or the memory before the release) is
+/// replaced by one of the current memory first. `own(base, id, handle)`: the descriptor a
+/// hand-over left as the allocation's own (an imported handle cannot be exported again).
+pub fn share_fds(
+    drv: &Driver,
+    own: impl Fn(u64, u64, cudarc::driver::sys::CUmemGenericAllocationHandle) -> Option<OwnedFd>,
+) -> Result<Vec<(u64, u64, u64, OwnedFd)>, IpcError> {
+    let bases: Vec<(u64, u64, u64)> = {
+        let st = try_state_for(LOCK_WAIT).ok_or(IpcError::Busy)?;
+        st.exports.iter().map(|(&b, e)| (b, e.id, e.size)).collect()
+    };
+    let mut out = Vec::new();
+    for (base, id, size) in bases {
+        let backing = table::try_lock_for(crate::table::AGENT_LOCK_WAIT)
+            .ok_or(IpcError::Busy)?
+            .converted_alloc_containing(base)
+            .filter(|c| c.id == id && c.addr == base)
+            .map(|c| c.backing);
+        let Some(Backing::Mapped(handle)) = backing else {
+            return Err(IpcError::Released(id));
+        };
+        let fresh = match own(base, id, handle) {
+            Some(fd) => fd,
+            None => drv.export_fd(handle)?,
+        };
+        let dup = fresh.try_clone().map_err(IpcError::Connect)?;
+        if let Some(e) = try_state_for(LOCK_WAIT)
+            .ok_or(IpcError::Busy)?
+            .exports
+            .get_mut(&base)
+            .filter(|e| e.id == id)
+        {
+            e.fd = fresh;
+        }
+        out.push((id, base, size, dup));
+    }
+    Ok(out)
+}
+
+/// The devices this process's imports are mapped for.
+pub fn import_devices() -> Option<BTreeSet<i32>> {
+    let st = try_state_for(LOCK_WAIT)?;
+    Some(st.imports.values().map(|m| m.device).collect())
+}
+
+/// The device the import of exporter `exporter_pid`'s allocation `id` is mapped for.
+pub fn import_device(exporter_pid: u32, id: u64) -> Option<i32> {
+    let st = try_state_for(LOCK_WAIT)?;
+    st.imports
+        .values()
+        .find(|m| m.source.0 == exporter_pid && m.source.2 == id)
+        .map(|m| m.device)
+}
+
+/// Maps `fd` (exporter `exporter_pid`'s allocation `id`, handed by the plugin) again where this
+/// process's import of it was mapped before a release. Returns that address.
+pub fn reimport(
+    drv: &Driver,
+    exporter_pid: u32,
+    id: u64,
+    fd: BorrowedFd<'_>,
+) -> Result<u64, IpcError> {
+    let (base, size, device) = {
+        let st = try_state_for(LOCK_WAIT).ok_or(IpcError::Busy)?;
+        let Some((&base, m)) = st
+            .imports
+            .iter()
+            .find(|(_, m)| m.source.0 == exporter_pid && m.source.2 == id)
+        else {
+            return Err(IpcError::Protocol("no import of that allocation here"));
+        };
+        if m.mapped {
+            return Err(IpcError::Protocol("that import is mapped already"));
+        }
+        (base, m.size, m.device)
+    };
+    let handle = drv.import_fd(fd)?;
+    let mapped = crate::vmm::map_handle(drv, device, base, size, handle);
+    // The mapping holds the memory by itself, as after an open.
+    if let Err(e) = drv.release(0, handle) {
+        debug!("ipc: {e}");
+    }
+    mapped?;
+    if let Some(m) = try_state_for(LOCK_WAIT)
+        .ok_or(IpcError::Busy)?
+        .imports
+        .get_mut(&base)
+    {
+        m.mapped = true;
+    }
+    debug!("ipc: #{id} of pid {exporter_pid} mapped again at {base:#x} ({size} bytes)");
+    Ok(base)
 }
 
 /// Asks the exporter named by `t` for the allocation's fd: (fd, size).

@@ -142,11 +142,14 @@ fn serve(ch: &Channel) -> Result<(), String> {
                     memfd,
                     &known,
                     crate::dump::Mode::Stopped,
-                    crate::lend::forget_own_within,
+                    crate::dump::ReleaseAlso {
+                        released: crate::lend::forget_own_within,
+                        imports: crate::dump::no_imports,
+                    },
                 );
-                // The keeper is a child of CRIU, which takes any child's exit while it works
-                // on the dumped tasks for a failure of its own: stay until the plugin lets go
-                // (in `exit`, after CRIU's part).
+                // Stay until the plugin lets go (in `exit`, after CRIU's part): the plugin
+                // decides when the keeper's memory may go, and where CRIU reaps orphans the
+                // keeper is its child, whose exit it would take for a failure of its own.
                 wait_for_close(ch, OVER);
                 return Ok(());
             }
@@ -182,7 +185,7 @@ fn serve(ch: &Channel) -> Result<(), String> {
                 crate::restore::run(&mut gpu, ch, ring, memfd);
             }
             (Request::LendBegin, None) => {
-                crate::lend::run(ch, &mut gpu);
+                crate::lend::run(ch, &mut gpu, crate::dump::no_imports);
                 // The restored job holds the memory now (or the restore failed and the job is
                 // killed): nothing is left to do but let the plugin close.
                 wait_for_close(ch, OVER);

@@ -118,6 +118,18 @@ fn own_descriptors(
         .collect()
 }
 
+/// A copy of the descriptor a hand-over left as allocation `id`'s own (at `addr`), if it still
+/// names the memory mapped there (`handle`): an imported handle cannot be exported again, so
+/// this is the way to hand that memory on (CUDA IPC after a restore).
+pub(crate) fn own_descriptor(addr: u64, id: u64, handle: Handle) -> Option<OwnedFd> {
+    let mut g = own_within()?;
+    let own = of_this_process(&mut g, start_time())?;
+    match own.get(&addr) {
+        Some((i, h, fd)) if *i == id && *h == handle => fd.try_clone().ok(),
+        _ => None,
+    }
+}
+
 /// Before the application frees the allocation at `addr`: its own descriptor is closed (it
 /// would keep the memory alive).
 pub fn forget_own(addr: u64) {
@@ -171,12 +183,13 @@ pub fn forget() {
 }
 
 /// `LendBegin` .. `Release`/`Abort` on this connection; the connection is closed afterwards.
-pub fn run(ch: &Channel, gpu: &mut Gpu) {
-    let result = lend(ch, gpu);
+/// `imports` unmaps the process's CUDA IPC imports at the release.
+pub fn run(ch: &Channel, gpu: &mut Gpu, imports: crate::dump::ImportRelease) {
+    let result = lend(ch, gpu, imports);
     session::conclude(ch, gpu, None, result);
 }
 
-fn lend(ch: &Channel, gpu: &mut Gpu) -> Result<Reply, Fail> {
+fn lend(ch: &Channel, gpu: &mut Gpu, imports: crate::dump::ImportRelease) -> Result<Reply, Fail> {
     let drv = need_driver()?;
     if kept_count() > 0 {
         return Err(Fail::bad_state(
@@ -264,7 +277,11 @@ fn lend(ch: &Channel, gpu: &mut Gpu) -> Result<Reply, Fail> {
     // Kept before the release: from the first unmap on, the descriptors are what holds the
     // memory.
     *kept() = Some(stamped(lent));
-    let (count, released_bytes) = crate::dump::release(drv, &spans, forget_own_within)?;
+    let also = crate::dump::ReleaseAlso {
+        released: forget_own_within,
+        imports,
+    };
+    let (count, released_bytes) = crate::dump::release(drv, gpu, &spans, also)?;
     let micros = t0.elapsed().as_micros() as u64;
     debug!("hand-over: released {count} allocations ({released_bytes} bytes), descriptors kept");
     Ok(Reply::Released {
@@ -320,6 +337,19 @@ fn reclaim_all(gpu: &mut Gpu) -> Result<Reply, Fail> {
     let drv = need_driver()?;
     crate::held::by_a_tracer().map_err(Fail::bad_state)?;
     if kept_count() == 0 {
+        let released = table::try_lock_for(AGENT_LOCK_WAIT)
+            .ok_or_else(Fail::busy)?
+            .summary()
+            .released;
+        // A lend of no allocations (a process that only maps others' CUDA IPC memory) leaves
+        // nothing to map back.
+        if !released {
+            return Ok(Reply::Reclaimed {
+                allocations: 0,
+                bytes: 0,
+                micros: 0,
+            });
+        }
         return Err(Fail::bad_state(
             "no lent memory is kept here: a reload from the image is needed",
         ));

@@ -28,8 +28,9 @@
 //!    releases and loads happen only then).
 //! 5. The operations: `dump`, `lend` (the hand-over in the job: export, release with
 //!    descriptors kept, reclaim), `restore`, `take`.
-//! 6. The top: `server` (the agent thread, its socket and request dispatch), `ipc` (legacy CUDA
-//!    IPC served for converted allocations, see docs/ipc.md), `hooks` (the exported
+//! 6. The top: `ipc` (legacy CUDA IPC served for converted allocations, and what a dump needs
+//!    of those shares; see docs/ipc.md), `server` (the agent thread, its socket and request
+//!    dispatch), `hooks` (the exported
 //!    interposers: `dlsym`, `cuGetProcAddress*`, `cuMem*`), `keeper` (the other side of the
 //!    hand-over, run by the `gpusnap-keeper` process), `fork` (`pthread_atfork` handlers).
 

@@ -16,7 +16,7 @@ use gpusnap_proto::{
 
 use crate::gpu::Gpu;
 use crate::log::debug;
-use crate::session::{Ring, busy_reply};
+use crate::session::{Fail, Ring, busy_reply};
 use crate::table::{self, AGENT_LOCK_WAIT};
 use crate::{dump, restore};
 
@@ -337,7 +337,10 @@ impl Agent {
                         memfd,
                         &known,
                         mode,
-                        crate::lend::forget_own_within,
+                        dump::ReleaseAlso {
+                            released: crate::lend::forget_own_within,
+                            imports: release_imports,
+                        },
                     );
                 }
                 (
@@ -375,6 +378,9 @@ impl Agent {
                     let first = crate::take::Take { id, addr, size, fd };
                     return crate::take::run(ch, &mut self.gpu, first);
                 }
+                (Request::Reimport { exporter_pid, id }, Some(fd)) => {
+                    reimport(ch, &mut self.gpu, exporter_pid, id, fd)
+                }
                 (r, Some(_)) => reply(
                     ch,
                     ErrorCode::BadRequest,
@@ -393,7 +399,10 @@ impl Agent {
                         return;
                     }
                 }
-                (Request::LendBegin, None) => return crate::lend::run(ch, &mut self.gpu),
+                (Request::LendBegin, None) => {
+                    return crate::lend::run(ch, &mut self.gpu, release_imports);
+                }
+
                 (Request::Reclaim, None) => {
                     crate::lend::reclaim(ch, &mut self.gpu);
                     return;
@@ -418,6 +427,8 @@ impl Agent {
             }
             Request::Hello { .. } => ch.send_reply(&hello()),
             Request::ListAllocations => list(ch),
+            Request::ListSharing => list_sharing(ch),
+            Request::ShareFds => share_fds(ch),
             Request::Abort => ch.send_reply(&Reply::Aborted),
             other => ch.send_reply(&Reply::Error {
                 code: ErrorCode::BadState,
@@ -425,6 +436,102 @@ impl Agent {
             }),
         };
         sent.is_ok()
+    }
+}
+
+/// A release's unmap of the process's CUDA IPC imports ([`crate::ipc::release_imports`]).
+fn release_imports(drv: &crate::real::Driver, gpu: &mut Gpu) -> Result<(u32, u64), Fail> {
+    for dev in crate::ipc::import_devices().ok_or_else(Fail::busy)? {
+        gpu.prepare(drv, dev, 0, 0)?;
+    }
+    crate::ipc::release_imports(drv)
+        .map_err(|e| Fail::bad_state(format!("unmapping this process's CUDA IPC imports: {e}")))
+}
+
+/// `ListSharing`: this process's CUDA IPC shares, then their count.
+fn list_sharing(ch: &Channel) -> Result<(), ProtoError> {
+    let Some(shares) = crate::ipc::sharing() else {
+        return ch.send_reply(&busy_reply());
+    };
+    for s in &shares {
+        ch.send_reply(&Reply::Shared {
+            import: s.import,
+            pid: s.pid,
+            id: s.id,
+            addr: s.addr,
+            size: s.size,
+            mapped: s.mapped,
+        })?;
+    }
+    ch.send_reply(&Reply::SharedEnd {
+        count: u32::try_from(shares.len()).unwrap_or(u32::MAX),
+    })
+}
+
+/// `ShareFds`: a descriptor of the current memory of each exported allocation.
+fn share_fds(ch: &Channel) -> Result<(), ProtoError> {
+    let fds = match need_driver_or_reply(ch)? {
+        Some(drv) => crate::ipc::share_fds(drv, crate::lend::own_descriptor),
+        None => return Ok(()),
+    };
+    match fds {
+        Ok(fds) => {
+            for (id, addr, size, fd) in &fds {
+                ch.send_reply_with(
+                    &Reply::ShareFd {
+                        id: *id,
+                        addr: *addr,
+                        size: *size,
+                    },
+                    fd.as_fd(),
+                )?;
+            }
+            ch.send_reply(&Reply::ShareFdEnd {
+                count: u32::try_from(fds.len()).unwrap_or(u32::MAX),
+            })
+        }
+        Err(e) => ch.send_reply(&Reply::Error {
+            code: ErrorCode::BadState,
+            message: format!("descriptors of the exported memory: {e}"),
+        }),
+    }
+}
+
+/// `Reimport`: map exporter `exporter_pid`'s allocation `id` again where this process's import
+/// of it was (only while a tracer holds the application's threads, as every load).
+fn reimport(ch: &Channel, gpu: &mut crate::gpu::Gpu, exporter_pid: u32, id: u64, fd: OwnedFd) {
+    let result = (|| -> Result<u64, Fail> {
+        let drv = crate::session::need_driver()?;
+        crate::held::by_a_tracer().map_err(Fail::bad_state)?;
+        let device = crate::ipc::import_device(exporter_pid, id).ok_or_else(|| {
+            Fail::bad_request(format!(
+                "no CUDA IPC import of #{id} of pid {exporter_pid} here"
+            ))
+        })?;
+        gpu.prepare(drv, device, 0, 0)?;
+        crate::ipc::reimport(drv, exporter_pid, id, fd.as_fd())
+            .map_err(|e| Fail::bad_state(format!("mapping #{id} of pid {exporter_pid} again: {e}")))
+    })();
+    let _ = match result {
+        Ok(addr) => ch.send_reply(&Reply::Reimported { addr }),
+        Err(f) => send_fail(ch, f),
+    };
+}
+
+/// The reply an operation that stopped early owes (none when the connection is gone).
+fn send_fail(ch: &Channel, f: Fail) -> Result<(), ProtoError> {
+    match f {
+        Fail::Reply(code, message) => ch.send_reply(&Reply::Error { code, message }),
+        Fail::Aborted => ch.send_reply(&Reply::Aborted),
+        Fail::Closed => Ok(()),
+    }
+}
+
+/// The driver, or an error reply sent (then `None`).
+fn need_driver_or_reply(ch: &Channel) -> Result<Option<&'static crate::real::Driver>, ProtoError> {
+    match crate::session::need_driver() {
+        Ok(d) => Ok(Some(d)),
+        Err(f) => send_fail(ch, f).map(|()| None),
     }
 }
 

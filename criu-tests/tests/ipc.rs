@@ -289,9 +289,9 @@ fn hazards_of(pid: i32) -> u32 {
     }
 }
 
-/// Both sides of an agent-served share report it (so the plugin refuses to dump either, with
-/// the cause named): the exporter `IPC_EXPORT`, the importer, which holds another process's
-/// memory the agent did not allocate, `IPC_IMPORT`; neither looks like a clean process.
+/// Both sides of an agent-served share report it: the exporter `SERVED_IPC_EXPORT`, the
+/// importer `SERVED_IPC_IMPORT` (a dump carries the share only with both sides in it), and not
+/// the driver's IPC bits, which refuse a dump by themselves.
 #[test]
 fn both_sides_of_an_agent_served_share_report_their_hazard() {
     use gpusnap_proto::hazard;
@@ -320,14 +320,19 @@ fn both_sides_of_an_agent_served_share_report_their_hazard() {
     let m = runner.join().unwrap();
     expect(&m, SHARED);
     assert_ne!(
-        exporter & hazard::IPC_EXPORT,
+        exporter & hazard::SERVED_IPC_EXPORT,
         0,
         "exporter hazards {exporter:#x}"
     );
     assert_ne!(
-        importer & hazard::IPC_IMPORT,
+        importer & hazard::SERVED_IPC_IMPORT,
         0,
         "importer hazards {importer:#x}"
+    );
+    assert_eq!(
+        (exporter | importer) & hazard::REFUSING,
+        0,
+        "hazards {exporter:#x} / {importer:#x}"
     );
     let _ = fs::remove_dir_all(&dir);
 }

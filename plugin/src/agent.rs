@@ -81,6 +81,34 @@ pub struct LentAllocation {
     pub fd: std::os::fd::OwnedFd,
 }
 
+/// One CUDA IPC share of a process, as its agent lists it (`ListSharing`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Share {
+    /// Another process's allocation mapped here (else one of this process's, exported).
+    pub import: bool,
+    /// Import: the exporter's pid. Export: a process that fetched it (0: none yet). Pids as the
+    /// processes' own namespace numbers them.
+    pub pid: u32,
+    /// The exporter's allocation id.
+    pub id: u64,
+    pub addr: u64,
+    pub size: u64,
+    /// Import: mapped now (a release unmaps it until a reimport).
+    pub mapped: bool,
+}
+
+/// The current memory of one exported allocation (`ShareFds`), to map in its importers.
+#[derive(Debug)]
+pub struct SharedMemory {
+    pub id: u64,
+    pub addr: u64,
+    pub size: u64,
+    pub fd: std::os::fd::OwnedFd,
+}
+
+/// Most shares one agent may list (and descriptors it may send): a bound on untrusted input.
+const MAX_SHARES: usize = 1 << 16;
+
 /// Which way a data transfer goes, as the agent is asked to begin it.
 #[derive(Clone, Copy, Debug)]
 pub enum Transfer {
@@ -414,6 +442,81 @@ impl AgentSession {
         };
         self.wait_closed()?;
         Ok(r)
+    }
+
+    /// `ListSharing`: the process's CUDA IPC shares through its agent.
+    pub fn list_sharing(&self) -> Result<Vec<Share>, AgentError> {
+        self.send(&Request::ListSharing, None)?;
+        let mut out = Vec::new();
+        loop {
+            match self.recv(self.timeout)? {
+                Reply::Shared {
+                    import,
+                    pid,
+                    id,
+                    addr,
+                    size,
+                    mapped,
+                } if out.len() < MAX_SHARES => out.push(Share {
+                    import,
+                    pid,
+                    id,
+                    addr,
+                    size,
+                    mapped,
+                }),
+                Reply::SharedEnd { count } if count as usize == out.len() => return Ok(out),
+                got => return Err(self.unexpected("Shared, or SharedEnd with their count", got)),
+            }
+        }
+    }
+
+    /// `ShareFds`: a descriptor of the current memory of each allocation the process exported.
+    pub fn share_fds(&self) -> Result<Vec<SharedMemory>, AgentError> {
+        self.send(&Request::ShareFds, None)?;
+        let mut out = Vec::new();
+        loop {
+            let (reply, fd) = self
+                .chan
+                .recv_reply_with_fd(Some(self.timeout))
+                .map_err(self.proto())?;
+            self.answered
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+            match (reply, fd) {
+                (Reply::ShareFd { id, addr, size }, Some(fd)) if out.len() < MAX_SHARES => {
+                    out.push(SharedMemory { id, addr, size, fd });
+                }
+                (Reply::ShareFdEnd { count }, None) if count as usize == out.len() => {
+                    return Ok(out);
+                }
+                (Reply::Error { message, .. }, None) => {
+                    return Err(AgentError::Refused {
+                        pid: self.pid,
+                        message,
+                    });
+                }
+                (got, _) => {
+                    return Err(self.unexpected(
+                        "ShareFd with its descriptor, or ShareFdEnd with their count",
+                        got,
+                    ));
+                }
+            }
+        }
+    }
+
+    /// `Reimport`: map `mem` (exporter `exporter_pid`'s) again where the process imported it.
+    pub fn reimport(&self, exporter_pid: u32, mem: &SharedMemory) -> Result<u64, AgentError> {
+        use std::os::fd::AsFd;
+        let req = Request::Reimport {
+            exporter_pid,
+            id: mem.id,
+        };
+        self.send(&req, Some(mem.fd.as_fd()))?;
+        match self.recv(self.timeout)? {
+            Reply::Reimported { addr } => Ok(addr),
+            got => Err(self.unexpected("Reimported", got)),
+        }
     }
 
     /// `SlotFree`: a dump's slot was written and may be filled again.

@@ -16,6 +16,7 @@ use crate::stall::{self, DriverCall, StallError, Watched};
 use gpusnap_config::Mode;
 use gpusnap_cuda::{DriverError, ProcessState};
 use gpusnap_image::{AllocationRecord, CheckpointPath, ImageError, IoOp, Manifest};
+use gpusnap_proto::hazard;
 use std::os::fd::BorrowedFd;
 use std::sync::Mutex;
 use std::time::Instant;
@@ -68,6 +69,8 @@ pub enum DumpError {
     Hold { pid: i32, err: std::io::Error },
     #[error("hand-over: {0}")]
     HandOver(#[from] crate::handover::HandOverError),
+    #[error("CUDA IPC shares: {0}")]
+    Sharing(#[from] crate::sharing::SharingError),
     #[error("CRIU gave no image directory")]
     NoImageDir,
     #[error("the drain of pid {pid} into the image failed: {err}")]
@@ -123,6 +126,7 @@ pub fn pause(ctx: &Ctx, pid: i32) -> Result<Option<Tracked>, DumpError> {
         agent: false,
         hold: None,
         timings: Vec::new(),
+        shares: Vec::new(),
     };
     // The agent is asked while the process runs; the connection is closed again before CRIU
     // seizes it (the process must hold no socket to CRIU when its files are dumped).
@@ -141,6 +145,15 @@ pub fn pause(ctx: &Ctx, pid: i32) -> Result<Option<Tracked>, DumpError> {
     t.agent = hello.is_some();
     if let Some(cause) = unsupported_state(pid, hello.as_ref()) {
         return Err(DumpError::Unsupported { cause });
+    }
+    // Shares of the agent's CUDA IPC are carried when the dump holds every side of them
+    // (checked once every process is paused, in `checkpoint_all`).
+    if let (Some(s), Some(h)) = (&session, &hello)
+        && h.hazards & (hazard::SERVED_IPC_EXPORT | hazard::SERVED_IPC_IMPORT) != 0
+    {
+        t.shares = s.list_sharing().map_err(|e| DumpError::Unsupported {
+            cause: format!("CUDA IPC shares that the agent could not list ({e})"),
+        })?;
     }
     // Memory an interrupted dump released is only in that dump's files: a dump now, whatever
     // the driver state, would save the process without it.
@@ -206,7 +219,7 @@ fn unsupported_state(pid: i32, hello: Option<&AgentHello>) -> Option<String> {
             "CUDA MPS ({daemon}, pid {daemon_pid}, runs for its user)"
         ));
     }
-    let causes = gpusnap_proto::hazard::describe(hello?.hazards);
+    let causes = hazard::describe(hello?.hazards & hazard::REFUSING);
     (!causes.is_empty()).then(|| causes.join(", and "))
 }
 
@@ -283,7 +296,9 @@ fn split_candidate(pid: i32, hello: AgentHello) -> Result<Option<SplitPlan>, Dum
     if hello.released {
         return Err(AgentError::AlreadyReleased { pid }.into());
     }
-    if hello.converted_bytes == 0 {
+    // An importer of the agent's CUDA IPC takes the split path even with no memory of its own:
+    // its release unmaps the imports, which the driver's checkpoint must not hold.
+    if hello.converted_bytes == 0 && hello.hazards & hazard::SERVED_IPC_IMPORT == 0 {
         log::debug!("pid {pid}: agent holds no converted allocations; driver path");
         return Ok(None);
     }
@@ -328,6 +343,22 @@ pub fn checkpoint_all(ctx: &Ctx, procs: &mut [Tracked]) -> Vec<(i32, Result<(), 
     let t0 = Instant::now();
     if let Some(warning) = ipc_blind_spot(procs) {
         log::warn!("{warning}");
+    }
+    if let Err(e) = shares_are_whole(procs) {
+        // Refused before anything is released: each process is only locked (undone at exit).
+        log::error!("{e}; the dump is refused and the processes run on");
+        let cause = e.to_string();
+        return procs
+            .iter()
+            .map(|t| {
+                (
+                    t.pid,
+                    Err(DumpError::Unsupported {
+                        cause: cause.clone(),
+                    }),
+                )
+            })
+            .collect();
     }
     let mut results = Vec::new();
     let mut work: Vec<(&mut Tracked, Vec<RunningThread>)> = Vec::new();
@@ -443,6 +474,31 @@ fn commit_manifests(ctx: &Ctx, procs: &[Tracked], results: &mut [(i32, Result<()
             }
         }
     }
+}
+
+/// Every side of every CUDA IPC share the agents listed at PAUSE is in this dump, on the split
+/// path. An importer outside the dump that has exited holds nothing (same pid namespace only:
+/// elsewhere its pid cannot be looked up here, and it counts as alive).
+fn shares_are_whole(procs: &[Tracked]) -> Result<(), crate::sharing::SharingError> {
+    let members: Vec<crate::sharing::Member<'_>> = procs
+        .iter()
+        .map(|t| crate::sharing::Member {
+            nspid: t.nspid.get(),
+            split: t.is_split(),
+            shares: &t.shares,
+        })
+        .collect();
+    let same_ns = procs.iter().all(|t| t.nspid.get() as i32 == t.pid);
+    crate::sharing::check(&members, |pid| {
+        same_ns && !std::path::Path::new(&format!("/proc/{pid}")).exists()
+    })?;
+    let n: usize = procs.iter().map(|t| t.shares.len()).sum();
+    if n > 0 {
+        log::info!(
+            "{n} CUDA IPC shares, every side in this dump: the memory is saved once, by its exporter"
+        );
+    }
+    Ok(())
 }
 
 /// A warning for a dump of several GPU processes of which some run without the agent: CUDA IPC
@@ -900,8 +956,14 @@ pub fn remove_partial_files(ctx: &Ctx, t: &Tracked) {
 }
 
 /// Puts the process back as it was before the dump (`-R`, or a failed dump). Tasks are still
-/// seized by CRIU here; the driver's restore thread is let run for the driver calls.
-pub fn rollback(ctx: &Ctx, t: &mut Tracked) -> Result<(), DumpError> {
+/// seized by CRIU here; the driver's restore thread is let run for the driver calls. An
+/// importer of CUDA IPC shares maps them again from its exporters (among `dumped`, rolled
+/// back before it) before its threads may run.
+pub fn rollback(
+    ctx: &Ctx,
+    t: &mut Tracked,
+    dumped: &[crate::sharing::Process],
+) -> Result<(), DumpError> {
     let pid = t.pid;
     if matches!(t.phase, Phase::Untouched | Phase::DataOut) {
         // Nothing to undo: the driver state is as found (DataOut: our lock is undone already),
@@ -924,6 +986,11 @@ pub fn rollback(ctx: &Ctx, t: &mut Tracked) -> Result<(), DumpError> {
         Route::Split(s) => Some(s.agent_ns_tid),
         Route::Transparent => None,
     };
+    let importer = crate::sharing::Process {
+        pid,
+        nspid: t.nspid.get(),
+    };
+    let imports = t.shares.iter().any(|s| s.import);
     let target = Target {
         pid,
         restore_tid: t.restore_tid,
@@ -931,6 +998,12 @@ pub fn rollback(ctx: &Ctx, t: &mut Tracked) -> Result<(), DumpError> {
         agent_tid: &|| match agent_ns_tid {
             Some(ns_tid) => agent::host_tid(pid, ns_tid),
             None => Err(AgentError::NoThread { pid, ns_tid: -1 }),
+        },
+        before_running: &|| {
+            if imports {
+                crate::sharing::reimport(importer, dumped, ctx.agent_timeout())?;
+            }
+            Ok(())
         },
     };
     undo(ctx, &target, &mut t.phase, &mut t.hold)?;
@@ -955,6 +1028,9 @@ pub struct Target<'a> {
     pub initial: ProcessState,
     /// Finds the agent's thread (for a reload).
     pub agent_tid: &'a dyn Fn() -> Result<i32, AgentError>,
+    /// What must be whole too, once the memory is back, before the threads may run (an
+    /// importer's CUDA IPC shares, mapped again).
+    pub before_running: &'a dyn Fn() -> Result<(), DumpError>,
 }
 
 /// Undoes `phase` one step at a time until nothing gpusnap did is left: checkpointed →
@@ -1012,7 +1088,9 @@ pub fn undo(
                 steps.push("unlock");
                 Phase::Released(d)
             }
-            Phase::Released(mut d) => match bring_back(ctx, target, &mut d) {
+            Phase::Released(mut d) => match bring_back(ctx, target, &mut d)
+                .and_then(|how| (target.before_running)().map(|()| how))
+            {
                 Ok(how) => {
                     steps.push(how);
                     // Whole again: the application threads may run when their tracer lets go.
@@ -1309,7 +1387,20 @@ impl DumpRun {
             );
         }
         let mut stats = Vec::new();
-        for (t, drained) in self.tracked.iter_mut().zip(drained) {
+        let dumped: Vec<crate::sharing::Process> = self
+            .tracked
+            .iter()
+            .map(|t| crate::sharing::Process {
+                pid: t.pid,
+                nspid: t.nspid.get(),
+            })
+            .collect();
+        // Exporters are rolled back before importers, which map their memory again.
+        let mut order: Vec<(usize, Result<(), DumpError>)> =
+            drained.into_iter().enumerate().collect();
+        order.sort_by_key(|(i, _)| self.tracked[*i].shares.iter().any(|s| s.import));
+        for (i, drained) in order {
+            let t = &mut self.tracked[i];
             let failed = drained.is_err();
             if let Err(e) = drained {
                 log::error!(
@@ -1328,7 +1419,7 @@ impl DumpRun {
                 stats.push(stats_of(t));
             }
             if ret != 0 || leave_running || failed {
-                match rollback(ctx, t) {
+                match rollback(ctx, t, &dumped) {
                     // A failed dump's files are no use to anyone.
                     Ok(()) if ret != 0 || failed => remove_partial_files(ctx, t),
                     Ok(()) => {}
@@ -1469,6 +1560,7 @@ mod tests {
             agent,
             hold: None,
             timings: Vec::new(),
+            shares: Vec::new(),
         };
         assert_eq!(ipc_blind_spot(&[tracked(10, false)]), None, "one process");
         assert_eq!(

@@ -252,6 +252,8 @@ pub struct Tracked {
     pub hold: Option<crate::hold::Hold>,
     /// Phase name and seconds, in order.
     pub timings: Vec<(&'static str, f64)>,
+    /// Its CUDA IPC shares through the agent, as listed at PAUSE (`crate::sharing`).
+    pub shares: Vec<crate::agent::Share>,
 }
 
 impl Tracked {

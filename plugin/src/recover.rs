@@ -42,6 +42,10 @@ pub enum RecoverError {
     #[error(transparent)]
     Undo(#[from] DumpError),
     #[error(
+        "pid {pid} maps {unmapped} CUDA IPC shares of other processes' memory that the dump unmapped, and recover does not map them again: it is held locked by the driver (its CUDA calls wait). Restore the process tree from its image (criu restore), or kill it"
+    )]
+    ImportsUnmapped { pid: i32, unmapped: usize },
+    #[error(
         "pid {pid} is stopped with its GPU memory released (its agent says so), and the record of gpusnap's hold in {} is lost, so its threads cannot be told apart: it is left stopped. Do not continue it (it would run without its GPU memory): restore it from its image (criu restore), or kill it",
         hold::RECORD_DIR
     )]
@@ -214,9 +218,18 @@ pub fn recover(pid: i32, images: Option<&Path>) -> Result<String, RecoverError> 
         // Whatever it was before the dump, it ran: it runs again.
         initial: ProcessState::Running,
         agent_tid: &|| agent_tid.ok_or(AgentError::NoThread { pid, ns_tid: -1 }),
+        before_running: &|| Ok(()),
     };
     let mut hold = None;
     let done = dump::undo(&ctx, &target, &mut phase, &mut hold)?;
+    // Its own memory is back; shares of other processes' memory that the dump unmapped are
+    // not (recover maps no other process's memory): its CUDA calls are held by the lock.
+    let unmapped =
+        crate::sharing::unmapped_imports(pid, ctx.agent_timeout()).map_err(DumpError::from)?;
+    if unmapped > 0 {
+        api.lock(pid, ctx.lock_timeout_ms)?;
+        return Err(RecoverError::ImportsUnmapped { pid, unmapped });
+    }
     restore_thread.stop().map_err(PtraceError::on(
         restore_tid,
         "stopping the driver restore thread",

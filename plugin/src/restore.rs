@@ -22,6 +22,8 @@ use std::time::Instant;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RestoreError {
+    #[error("CUDA IPC shares: {0}")]
+    Sharing(#[from] crate::sharing::SharingError),
     #[error("{step}: {err}")]
     Driver { step: DriverStep, err: DriverError },
     #[error(transparent)]
@@ -913,8 +915,15 @@ pub fn resume_all(ctx: &Ctx, items: &mut [RestoreItem], checks: datapath::ReadCh
         (outcomes, leftovers)
     });
     let n = work.len();
-    for (((pid, _, _, threads, _), r), leftover) in work.into_iter().zip(outcomes).zip(leftovers) {
+    let mut split = Vec::new();
+    for (((pid, m, _, threads, _), r), leftover) in work.into_iter().zip(outcomes).zip(leftovers) {
         let stopped = ptrace::stop_all(threads, "stopping a thread after the restore");
+        if r.as_ref().is_ok_and(|p| p.path == CheckpointPath::Split) {
+            split.push(crate::sharing::Process {
+                pid,
+                nspid: m.nspid,
+            });
+        }
         results.push((
             pid,
             stopped
@@ -922,6 +931,16 @@ pub fn resume_all(ctx: &Ctx, items: &mut [RestoreItem], checks: datapath::ReadCh
                 .and(leftover.map_err(RestoreError::from))
                 .and(r),
         ));
+    }
+    // Every exporter's memory is back: importers map their CUDA IPC shares again, before any
+    // of their threads runs. One that cannot is not restored (it is killed with the others
+    // that failed).
+    for p in &split {
+        if let Err(e) = crate::sharing::reimport(*p, &split, ctx.agent_timeout())
+            && let Some((_, r)) = results.iter_mut().find(|(pid, _)| *pid == p.pid)
+        {
+            *r = Err(e.into());
+        }
     }
     if n > 1 {
         log::info!(

@@ -202,6 +202,21 @@ pub enum Request {
     },
     /// Every allocation was handed over with `Take`: the memory is whole if none is missing.
     TakeEnd,
+    /// What this process shares through the agent's CUDA IPC: one [`Reply::Shared`] per export
+    /// (and importer) and per import, then [`Reply::SharedEnd`].
+    ListSharing,
+    /// To an exporter: a descriptor of the current memory of every allocation it exported, one
+    /// [`Reply::ShareFd`] each (descriptor attached), then [`Reply::ShareFdEnd`]. Read-only.
+    ShareFds,
+    /// To an importer (its threads held): map the attached memory at the address where the
+    /// import of exporter `exporter_pid`'s allocation `id` was mapped before a release unmapped
+    /// it.
+    Reimport {
+        /// The exporter's pid (as the importer's token names it).
+        exporter_pid: u32,
+        /// The exporter's allocation id.
+        id: u64,
+    },
 }
 
 /// Bits of [`Reply::Hello::hazards`]: what the process did that the driver's checkpoint cannot
@@ -215,6 +230,13 @@ pub mod hazard {
     pub const IPC_IMPORT: u32 = 1 << 2;
     /// `cuCtxEnablePeerAccess`: cross-GPU peer mappings.
     pub const PEER_ACCESS: u32 = 1 << 3;
+    /// `cuIpcGetMemHandle` of memory the agent converted, served by the agent itself: carried
+    /// on the split path when every process it shares with is in the same dump.
+    pub const SERVED_IPC_EXPORT: u32 = 1 << 4;
+    /// `cuIpcOpenMemHandle` of a handle the agent served: carried like [`SERVED_IPC_EXPORT`].
+    pub const SERVED_IPC_IMPORT: u32 = 1 << 5;
+    /// The bits that refuse a dump by themselves (the served IPC bits need a look at the tree).
+    pub const REFUSING: u32 = MANAGED_MEMORY | IPC_EXPORT | IPC_IMPORT | PEER_ACCESS;
 
     /// Human words for a set of bits.
     pub fn describe(bits: u32) -> Vec<&'static str> {
@@ -230,6 +252,12 @@ pub mod hazard {
         }
         if bits & PEER_ACCESS != 0 {
             v.push("peer access between GPUs (cuCtxEnablePeerAccess / cudaDeviceEnablePeerAccess)");
+        }
+        if bits & SERVED_IPC_EXPORT != 0 {
+            v.push("device memory shared with other processes through the agent's CUDA IPC");
+        }
+        if bits & SERVED_IPC_IMPORT != 0 {
+            v.push("another process's device memory opened through the agent's CUDA IPC");
         }
         v
     }
@@ -395,6 +423,32 @@ pub enum Reply {
         /// Time since the first `Take`.
         micros: u64,
     },
+    /// One share ([`Request::ListSharing`]). `import`: another process's allocation `id` (of
+    /// exporter `pid`) mapped here at `addr`, `mapped` false while a release has it unmapped.
+    /// Else an allocation of this process's, exported, that process `pid` fetched (0: nobody
+    /// fetched it yet); `mapped` is whether this process maps it.
+    Shared {
+        import: bool,
+        pid: u32,
+        id: u64,
+        addr: u64,
+        size: u64,
+        mapped: bool,
+    },
+    /// Every share was listed.
+    SharedEnd {
+        /// Number of [`Reply::Shared`] sent.
+        count: u32,
+    },
+    /// The current memory of exported allocation `id` (descriptor attached).
+    ShareFd { id: u64, addr: u64, size: u64 },
+    /// Every exported allocation's descriptor was sent.
+    ShareFdEnd {
+        /// Number of [`Reply::ShareFd`] sent.
+        count: u32,
+    },
+    /// The import is mapped again at `addr`.
+    Reimported { addr: u64 },
     /// The first message of a keeper started detached: it runs as `pid`, and a pidfd of it is
     /// attached. The process the plugin started has exited by then, so the keeper is not a
     /// child of CRIU's: CRIU never sees its exit.
@@ -441,6 +495,9 @@ mod kind {
     pub const REQ_EXPECT: u16 = 0x0010;
     pub const REQ_TAKE: u16 = 0x0011;
     pub const REQ_TAKE_END: u16 = 0x0012;
+    pub const REQ_LIST_SHARING: u16 = 0x0013;
+    pub const REQ_SHARE_FDS: u16 = 0x0014;
+    pub const REQ_REIMPORT: u16 = 0x0015;
 
     pub const REP_HELLO: u16 = 0x0101;
     pub const REP_ALLOCATION: u16 = 0x0102;
@@ -463,6 +520,11 @@ mod kind {
     pub const REP_TAKEN: u16 = 0x0113;
     pub const REP_TAKEN_ALL: u16 = 0x0114;
     pub const REP_DETACHED: u16 = 0x0115;
+    pub const REP_SHARED: u16 = 0x0116;
+    pub const REP_SHARED_END: u16 = 0x0117;
+    pub const REP_SHARE_FD: u16 = 0x0118;
+    pub const REP_SHARE_FD_END: u16 = 0x0119;
+    pub const REP_REIMPORTED: u16 = 0x011A;
 }
 
 /// An optional u64: a presence byte (0/1), then the value (0 when absent).
@@ -638,6 +700,13 @@ impl Request {
                 w.u64(*size);
             }
             Request::TakeEnd => header(&mut w, kind::REQ_TAKE_END),
+            Request::ListSharing => header(&mut w, kind::REQ_LIST_SHARING),
+            Request::ShareFds => header(&mut w, kind::REQ_SHARE_FDS),
+            Request::Reimport { exporter_pid, id } => {
+                header(&mut w, kind::REQ_REIMPORT);
+                w.u32(*exporter_pid);
+                w.u64(*id);
+            }
         }
         w.len()
     }
@@ -703,6 +772,12 @@ impl Request {
                 size: r.u64()?,
             },
             kind::REQ_TAKE_END => Request::TakeEnd,
+            kind::REQ_LIST_SHARING => Request::ListSharing,
+            kind::REQ_SHARE_FDS => Request::ShareFds,
+            kind::REQ_REIMPORT => Request::Reimport {
+                exporter_pid: r.u32()?,
+                id: r.u64()?,
+            },
             other => return Err(ProtoError::UnknownKind(other)),
         };
         r.finish()?;
@@ -873,6 +948,40 @@ impl Reply {
                 header(&mut w, kind::REP_DETACHED);
                 w.u32(*pid);
             }
+            Reply::Shared {
+                import,
+                pid,
+                id,
+                addr,
+                size,
+                mapped,
+            } => {
+                header(&mut w, kind::REP_SHARED);
+                w.bool(*import);
+                w.u32(*pid);
+                w.u64(*id);
+                w.u64(*addr);
+                w.u64(*size);
+                w.bool(*mapped);
+            }
+            Reply::SharedEnd { count } => {
+                header(&mut w, kind::REP_SHARED_END);
+                w.u32(*count);
+            }
+            Reply::ShareFd { id, addr, size } => {
+                header(&mut w, kind::REP_SHARE_FD);
+                w.u64(*id);
+                w.u64(*addr);
+                w.u64(*size);
+            }
+            Reply::ShareFdEnd { count } => {
+                header(&mut w, kind::REP_SHARE_FD_END);
+                w.u32(*count);
+            }
+            Reply::Reimported { addr } => {
+                header(&mut w, kind::REP_REIMPORTED);
+                w.u64(*addr);
+            }
             Reply::Reclaimed {
                 allocations,
                 bytes,
@@ -974,6 +1083,22 @@ impl Reply {
                 micros: r.u64()?,
             },
             kind::REP_DETACHED => Reply::Detached { pid: r.u32()? },
+            kind::REP_SHARED => Reply::Shared {
+                import: r.bool()?,
+                pid: r.u32()?,
+                id: r.u64()?,
+                addr: r.u64()?,
+                size: r.u64()?,
+                mapped: r.bool()?,
+            },
+            kind::REP_SHARED_END => Reply::SharedEnd { count: r.u32()? },
+            kind::REP_SHARE_FD => Reply::ShareFd {
+                id: r.u64()?,
+                addr: r.u64()?,
+                size: r.u64()?,
+            },
+            kind::REP_SHARE_FD_END => Reply::ShareFdEnd { count: r.u32()? },
+            kind::REP_REIMPORTED => Reply::Reimported { addr: r.u64()? },
             kind::REP_RECLAIMED => Reply::Reclaimed {
                 allocations: r.u32()?,
                 bytes: r.u64()?,

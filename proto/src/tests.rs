@@ -66,6 +66,12 @@ fn all_requests() -> Vec<Request> {
             size: 4 << 20,
         },
         Request::TakeEnd,
+        Request::ListSharing,
+        Request::ShareFds,
+        Request::Reimport {
+            exporter_pid: 77,
+            id: 9,
+        },
         Request::Adopt {
             id: 3,
             device: 1,
@@ -171,6 +177,32 @@ fn all_replies() -> Vec<Reply> {
             micros: 5,
         },
         Reply::Detached { pid: 4242 },
+        Reply::Shared {
+            import: true,
+            pid: 77,
+            id: 9,
+            addr: 0x7000_0020_0000,
+            size: 2 << 20,
+            mapped: false,
+        },
+        Reply::Shared {
+            import: false,
+            pid: 0,
+            id: 3,
+            addr: 0x7000_0040_0000,
+            size: 4 << 20,
+            mapped: true,
+        },
+        Reply::SharedEnd { count: 2 },
+        Reply::ShareFd {
+            id: 3,
+            addr: 0x7000_0040_0000,
+            size: 4 << 20,
+        },
+        Reply::ShareFdEnd { count: 1 },
+        Reply::Reimported {
+            addr: 0x7000_0020_0000,
+        },
         Reply::Reclaimed {
             allocations: 1,
             bytes: 2 << 20,
@@ -283,10 +315,10 @@ fn header_errors_are_typed() {
     b[0] ^= 1;
     assert!(matches!(Request::decode(&b), Err(ProtoError::BadMagic)));
     let mut b = enc_req(&Request::Release);
-    b[4] = 7;
+    b[4] = 8;
     assert!(matches!(
         Request::decode(&b),
-        Err(ProtoError::VersionMismatch { ours: 6, theirs: 7 })
+        Err(ProtoError::VersionMismatch { ours: 7, theirs: 8 })
     ));
     let mut b = enc_req(&Request::Release);
     b[6] = 0x77;

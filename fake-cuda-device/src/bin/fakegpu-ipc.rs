@@ -20,6 +20,13 @@
 //! writes its pid to `PATH.importer` and waits (at most 20 s) until that file is removed, so
 //! that a test can look at both processes in that state.
 //!
+//! `--loop PATH` (a long-running pair, for checkpoint tests): after the open, the importer
+//! writes its pattern over all but the first 8 bytes, then both run until killed, one tick every
+//! 20 ms. The importer reads the buffer, checks the pattern, adds 1 to the counter in its first
+//! 8 bytes and writes it back; the exporter reads the buffer and checks the pattern. Each
+//! appends `tick N counter C ok 0|1` to `PATH.importer` / `PATH.exporter`: the exporter seeing
+//! the counter grow is the importer's writes reaching its memory, so the two still share it.
+//!
 //! Every outcome is one line `key value` on stdout (driver status names, `true`/`false`); the
 //! importer's lines come back prefixed `importer `. The tests assert on these lines. The exit
 //! status is 0 unless the program itself could not run (bad arguments, no driver).
@@ -303,6 +310,24 @@ fn export(args: &Args) {
             .unwrap_or_else(|e| die(&format!("{hold}.exporter: {e}")));
     }
     let exe = std::env::current_exe().unwrap_or_else(|e| die(&format!("current_exe: {e}")));
+    if let Some(log) = args.value("--loop") {
+        // The importer is a child: the two are one tree, as a dump of the exporter sees it.
+        let mut importer = Command::new(exe)
+            .args(["import", "--handle", &hex(&h.reserved), "--bytes"])
+            .arg(bytes.to_string())
+            .args(["--resolve", resolve, "--loop", log])
+            .spawn()
+            .unwrap_or_else(|e| die(&format!("running the importer: {e}")));
+        std::thread::spawn(move || importer.wait());
+        // Reading starts once the importer has written its pattern (its first tick).
+        let t0 = std::time::Instant::now();
+        while !std::fs::read_to_string(format!("{log}.importer")).is_ok_and(|t| t.contains("tick "))
+            && t0.elapsed() < std::time::Duration::from_secs(20)
+        {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        tick_loop(&drv, base, bytes, &format!("{log}.exporter"), false);
+    }
     let mut cmd = Command::new(exe);
     cmd.args(["import", "--handle", &hex(&h.reserved), "--bytes"])
         .arg(bytes.to_string())
@@ -379,6 +404,15 @@ fn import(args: &Args) {
     let Some(p) = first else {
         return;
     };
+    if let Some(log) = args.value("--loop") {
+        let mut data = pattern(IMPORTER_SEED, bytes);
+        data[..8].copy_from_slice(&0u64.to_le_bytes());
+        let rc = drv.write(p, &data);
+        if rc != 0 {
+            die(&format!("writing the shared buffer: {}", drv.name(rc)));
+        }
+        tick_loop(&drv, p, bytes, &format!("{log}.importer"), true);
+    }
     match drv.read(p, bytes) {
         Ok(v) => report("sees-exporter-data", v == pattern(EXPORTER_SEED, bytes)),
         Err(e) => report("read", e),
@@ -404,6 +438,41 @@ fn import(args: &Args) {
     }
     // SAFETY: as above; every open is closed now.
     report("close-extra", drv.name(unsafe { (drv.ipc_close)(p) }));
+}
+
+/// One tick every 20 ms until killed: read the buffer at `p`, check the importer's pattern past
+/// the counter, and (`bump`, the importer) add 1 to the counter; a line per tick in `log`.
+fn tick_loop(drv: &Driver, p: DevPtr, bytes: usize, log: &str, bump: bool) -> ! {
+    use std::io::Write;
+    let want = pattern(IMPORTER_SEED, bytes);
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .unwrap_or_else(|e| die(&format!("{log}: {e}")));
+    let _ = writeln!(f, "pid {}", std::process::id());
+    let mut tick = 0u64;
+    loop {
+        let (counter, ok) = match drv.read(p, bytes) {
+            Ok(v) => {
+                let c = u64::from_le_bytes(v[..8].try_into().unwrap_or([0; 8]));
+                (c, v[8..] == want[8..])
+            }
+            Err(e) => {
+                let _ = writeln!(f, "tick {tick} error {e}");
+                (0, false)
+            }
+        };
+        if bump {
+            let rc = drv.write(p, &(counter + 1).to_le_bytes());
+            if rc != 0 {
+                let _ = writeln!(f, "tick {tick} write-error {}", drv.name(rc));
+            }
+        }
+        let _ = writeln!(f, "tick {tick} counter {counter} ok {}", u8::from(ok));
+        tick += 1;
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
 }
 
 /// Writes this pid to `path` and waits until the file is removed (at most 20 s).

@@ -1,0 +1,283 @@
+//! Process trees that share device memory through the agent's CUDA IPC, checkpointed on the
+//! split path with a real CRIU and the stand-in driver: `fakegpu-ipc export --loop` (an
+//! exporter and the importer it spawned, mapping one 8 MiB allocation; the importer bumps a
+//! counter in it every 20 ms, the exporter reads it) is dumped as one tree. The memory is saved
+//! once, by the exporter; the importer's release unmaps its import, and once the exporter's
+//! memory is back the importer maps it again at the same address before any thread runs.
+//! Checked: both processes run on after `-R` and after a restore, the importer's pattern is
+//! intact, and the exporter keeps seeing the importer's counter grow (they still share the
+//! memory, not two copies). A dump of the importer alone is refused, naming the exporter.
+//!
+//! Root and CRIU are needed; `GPUSNAP_SKIP_CRIU_TESTS=1` skips.
+
+mod common;
+
+use common::split::Split;
+use criu_tests::CriuRun;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+/// One tick line of a `--loop` log.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Tick {
+    counter: u64,
+    ok: bool,
+}
+
+/// The pid and the ticks of one side's log.
+fn read_log(path: &Path) -> (Option<i32>, Vec<Tick>) {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let mut pid = None;
+    let mut ticks = Vec::new();
+    for line in text.lines() {
+        let w: Vec<&str> = line.split_whitespace().collect();
+        match w.as_slice() {
+            ["pid", p] => pid = p.parse().ok(),
+            ["tick", _, "counter", c, "ok", ok] => ticks.push(Tick {
+                counter: c.parse().unwrap_or(0),
+                ok: *ok == "1",
+            }),
+            ["tick", ..] => ticks.push(Tick {
+                counter: 0,
+                ok: false,
+            }),
+            _ => {}
+        }
+    }
+    (pid, ticks)
+}
+
+struct Pair {
+    s: Split,
+    log: PathBuf,
+    exporter: std::process::Child,
+}
+
+impl Pair {
+    fn start(test: &str) -> Option<Pair> {
+        // The harness's own workload is one small process; the pair is started beside it.
+        let s = Split::launch(
+            test,
+            1,
+            &["--seed", "5", "--allocs", "1", "--mib", "2"],
+            &[],
+        )?;
+        let log = s.w.path.join("share");
+        let lib = common::libcuda_dir(&s.w.path);
+        let agent = s.w.harness().agent_so().expect("agent").to_owned();
+        let mut cmd = Command::new(common::built("fake-cuda-device", "fakegpu-ipc"));
+        cmd.args(["export", "--bytes", "8388608", "--loop"])
+            .arg(&log)
+            .env("LD_LIBRARY_PATH", &lib)
+            .env("LD_PRELOAD", &agent)
+            .env("GPUSNAP_AGENT_DEBUG", "1")
+            .env("FAKECUDA_DIR", &s.state)
+            .env_remove("GPUSNAP_AGENT_MIN_BYTES")
+            .stdout(std::fs::File::create(s.w.path.join("share.out")).expect("out"))
+            .stderr(std::fs::File::create(s.w.path.join("share.err")).expect("err"));
+        let exporter = criu_tests::procs::spawn_in_new_session(&mut cmd).expect("fakegpu-ipc");
+        let p = Pair { s, log, exporter };
+        p.wait_ticks(5);
+        Some(p)
+    }
+
+    fn side(&self, which: &str) -> PathBuf {
+        self.log.with_extension(which)
+    }
+
+    /// Waits until both sides logged `n` more ticks than now; returns (exporter, importer).
+    fn wait_ticks(&self, n: usize) -> (Vec<Tick>, Vec<Tick>) {
+        let base = (
+            read_log(&self.side("exporter")).1.len(),
+            read_log(&self.side("importer")).1.len(),
+        );
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let e = read_log(&self.side("exporter")).1;
+            let i = read_log(&self.side("importer")).1;
+            if e.len() >= base.0 + n && i.len() >= base.1 + n {
+                return (e, i);
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the pair stopped ticking: exporter {} ticks, importer {} ticks\n{}",
+                e.len(),
+                i.len(),
+                self.describe()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn pids(&self) -> (i32, i32) {
+        (
+            read_log(&self.side("exporter")).0.expect("exporter pid"),
+            read_log(&self.side("importer")).0.expect("importer pid"),
+        )
+    }
+
+    fn describe(&self) -> String {
+        let tail = |p: PathBuf| {
+            let t = std::fs::read_to_string(&p).unwrap_or_default();
+            let lines: Vec<&str> = t.lines().collect();
+            lines[lines.len().saturating_sub(8)..].join("\n")
+        };
+        format!(
+            "--- exporter log ---\n{}\n--- importer log ---\n{}\n--- stderr ---\n{}",
+            tail(self.side("exporter")),
+            tail(self.side("importer")),
+            tail(self.s.w.path.join("share.err"))
+        )
+    }
+
+    fn dump(&self, pid: i32, leave_running: bool) -> CriuRun {
+        let pid = pid.to_string();
+        let mut extra = vec!["-t", pid.as_str()];
+        if leave_running {
+            extra.push("--leave-running");
+        }
+        self.s.criu("dump", "dump.log", &extra, &[])
+    }
+
+    /// Both sides run on, bit-exact, and still share the memory: every tick `ok`, the counter
+    /// the importer bumps keeps growing past `before`, and the exporter sees it grow.
+    fn assert_shared_on(&self, before: u64, run: &CriuRun) {
+        let (e, i) = self.wait_ticks(10);
+        let all_ok = e.iter().chain(&i).all(|t| t.ok);
+        assert!(
+            all_ok,
+            "a tick saw a damaged buffer\n{}\n{}",
+            self.s.describe(run),
+            self.describe()
+        );
+        let last_i = i.last().expect("importer ticks").counter;
+        let last_e = e.last().expect("exporter ticks").counter;
+        assert!(
+            last_i > before && last_e > before,
+            "the counter did not grow past {before} on both sides (importer {last_i}, exporter {last_e}): the memory is not shared\n{}\n{}",
+            self.s.describe(run),
+            self.describe()
+        );
+    }
+
+    fn counter(&self) -> u64 {
+        read_log(&self.side("importer"))
+            .1
+            .last()
+            .map_or(0, |t| t.counter)
+    }
+
+    /// Waits until both dumped processes are gone (their pids free for the restore); the
+    /// importer, an orphan once the exporter died, may be the harness's to reap.
+    fn wait_gone(&self) {
+        let (e, i) = self.pids();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        for pid in [e, i] {
+            while Path::new(&format!("/proc/{pid}")).exists() {
+                // SAFETY: waitpid with WNOHANG and no status; a pid that is not our child
+                // only fails.
+                unsafe { libc::waitpid(pid, std::ptr::null_mut(), libc::WNOHANG) };
+                assert!(
+                    Instant::now() < deadline,
+                    "pid {pid} still there after the dump"
+                );
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+    }
+
+    fn kill_pair(&mut self) {
+        let (e, i) = self.pids();
+        for pid in [i, e] {
+            // SAFETY: kill(2) of the test's own workload.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+        let _ = self.exporter.wait();
+    }
+}
+
+impl Drop for Pair {
+    fn drop(&mut self) {
+        if let (Some(e), Some(i)) = (
+            read_log(&self.side("exporter")).0,
+            read_log(&self.side("importer")).0,
+        ) {
+            for pid in [i, e] {
+                // SAFETY: kill(2) of the test's own workload (or of nothing any more).
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+        }
+        let _ = self.exporter.try_wait();
+    }
+}
+
+/// `-R` of the tree: the importer's share is unmapped for the driver's checkpoint and mapped
+/// again from the exporter's memory (mapped back from the descriptors it kept) before it runs.
+#[test]
+fn a_sharing_tree_runs_on_after_leave_running() {
+    let Some(p) = Pair::start("ipc-checkpoint-leave-running") else {
+        return;
+    };
+    let (exporter, _) = p.pids();
+    let before = p.counter();
+    let dump = p.dump(exporter, true);
+    p.s.assert_ok(&dump);
+    p.s.assert_line(&dump, &["CUDA IPC shares, every side in this dump"]);
+    p.s.assert_line(
+        &dump,
+        &["CUDA IPC imports mapped again from their exporters' memory"],
+    );
+    p.assert_shared_on(before, &dump);
+}
+
+/// Dump and restore of the tree: the exporter's memory comes back (through the keeper's
+/// hand-over or the agent's load) and the importer maps it again at its old address.
+#[test]
+fn a_sharing_tree_is_restored_sharing_its_memory() {
+    for handover in ["true", "false"] {
+        let Some(mut p) = Pair::start(&format!("ipc-checkpoint-restore-{handover}")) else {
+            return;
+        };
+        let (exporter, _) = p.pids();
+        let dump = p.s.criu(
+            "dump",
+            "dump.log",
+            &["-t", &exporter.to_string()],
+            &[("GPUSNAP_HANDOVER", handover)],
+        );
+        p.s.assert_ok(&dump);
+        let before = p.counter();
+        let _ = p.exporter.wait();
+        p.wait_gone();
+        let restore = p.s.restore();
+        p.s.assert_ok(&restore);
+        p.s.assert_line(
+            &restore,
+            &["CUDA IPC imports mapped again from their exporters' memory"],
+        );
+        p.assert_shared_on(before, &restore);
+        p.kill_pair();
+    }
+}
+
+/// The importer alone is not a dump that can carry its share: refused, naming the exporter, and
+/// the pair runs on.
+#[test]
+fn a_dump_of_the_importer_alone_is_refused() {
+    let Some(p) = Pair::start("ipc-checkpoint-importer-alone") else {
+        return;
+    };
+    let (exporter, importer) = p.pids();
+    let before = p.counter();
+    let dump = p.dump(importer, true);
+    assert!(!dump.succeeded(), "{}", p.s.describe(&dump));
+    p.s.assert_line(
+        &dump,
+        &[
+            &format!("maps device memory of pid {exporter}"),
+            "is not in this dump",
+        ],
+    );
+    p.assert_shared_on(before, &dump);
+}

@@ -22,6 +22,7 @@ import collections
 import ctypes
 import json
 import os
+import select
 import subprocess
 import sys
 import time
@@ -146,8 +147,12 @@ def ask(proc, timeout=60):
         proc.stdin.flush()
     except OSError as e:
         return "exporter gone: %s" % e
-    t0 = time.time()
-    while time.time() - t0 < timeout:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        # Never block past the deadline: a pair the driver left stuck prints nothing.
+        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.time()))
+        if not ready:
+            break
         line = proc.stdout.readline()
         if not line:
             return "exporter ended (rc %s)" % proc.poll()
@@ -160,22 +165,25 @@ def probe(config, case, env, out_dir):
     rec = {"case": "ipc-probe", "config": config, "share": case}
     cuda = ctypes.CDLL("libcuda.so.1")
     cuda.cuInit(0)
+    # stderr to a file: the agent's debug lines would fill a pipe and stop the exporter.
+    err_path = os.path.join(out_dir, "ipc-probe-%s.err" % config)
+    err_file = open(err_path, "w")
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "exporter", "--case", case],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err_file,
                             text=True, env=env, start_new_session=True)
     try:
-        line = proc.stdout.readline().split(maxsplit=3)
+        ready, _, _ = select.select([proc.stdout], [], [], 90)
+        line = proc.stdout.readline().split(maxsplit=3) if ready else []
         if len(line) < 3 or line[0] != "ready":
-            rec["error"] = "exporter did not get ready: %r; stderr %s" % (
-                line, proc.stderr.read()[-2000:] if proc.poll() is not None else "")
+            rec["error"] = "exporter did not get ready: %r (its stderr: %s)" % (line, err_path)
             return rec
         exp_pid, imp_pid = int(line[1]), int(line[2])
         rec["opened"] = line[3].strip() if len(line) > 3 else ""
         rec["views"] = {"exporter": nvidia_view(exp_pid), "importer": nvidia_view(imp_pid)}
         rec["importer_steps"] = checkpoint_steps(cuda, imp_pid)
-        rec["after_importer"] = ask(proc)
+        rec["after_importer"] = ask(proc, 30)
         rec["exporter_steps"] = checkpoint_steps(cuda, exp_pid)
-        rec["after_exporter"] = ask(proc)
+        rec["after_exporter"] = ask(proc, 30)
     finally:
         try:
             proc.stdin.write("quit\n")
@@ -186,10 +194,9 @@ def probe(config, case, env, out_dir):
         if proc.poll() is None:
             os.killpg(proc.pid, 9)
             proc.wait()
-        err = proc.stderr.read()
-        with open(os.path.join(out_dir, "ipc-probe-%s.err" % config), "w") as f:
-            f.write(err)
-        rec["agent_served"] = err.count("ipc: handed #")
+        err_file.close()
+        with open(err_path, errors="replace") as f:
+            rec["agent_served"] = f.read().count("ipc: handed #")
     return rec
 
 
@@ -202,6 +209,7 @@ def main():
     c.add_argument("--agent", required=True)
     c.add_argument("--out", required=True)
     c.add_argument("--deadline-s", type=float, default=150)
+    c.add_argument("--configs", default="tensor-no-agent,tensor-agent,event-no-agent")
     a = ap.parse_args()
     if a.cmd == "exporter":
         return exporter(a.case)
@@ -216,6 +224,8 @@ def main():
     deadline = time.monotonic() + a.deadline_s
     with open(os.path.join(a.out, "ipc-probe.jsonl"), "a") as jl:
         for config, case, env in configs:
+            if config not in a.configs.split(","):
+                continue
             if time.monotonic() > deadline - 30:
                 rec = {"case": "ipc-probe", "config": config, "skipped": "deadline"}
             else:

@@ -952,14 +952,15 @@ fn hung_agent_fallback_does_not_dump_the_ring() {
     );
 }
 
-/// State the driver cannot checkpoint (managed memory, a CUDA IPC handle, peer access), which
-/// the agent records as it happens: the dump is refused at PAUSE with the cause named, before
-/// the process is locked, and the process runs on untraced.
+/// State the driver cannot checkpoint (managed memory, a CUDA IPC handle the driver made, peer
+/// access), which the agent records as it happens: the dump is refused at PAUSE with the cause
+/// named, before the process is locked, and the process runs on untraced. (An IPC handle the
+/// agent served is carried: `ipc_checkpoint.rs`.)
 #[test]
 fn unsupported_state_is_refused_before_the_process_is_touched() {
     for (kind, cause) in [
         ("managed", "managed (unified) memory"),
-        ("ipc", "CUDA IPC"),
+        ("ipc-driver", "CUDA IPC"),
         ("peer", "peer access"),
     ] {
         let Some(mut s) =

@@ -8,7 +8,7 @@
 //! ```text
 //! fakegpu-vmm --log PATH [--seed S] [--allocs N] [--mib M] [--resolve dlsym|proc]
 //!             [--app-vmm [--app-vmm-remap | --app-vmm-release]] [--threads T] [--procs P]
-//!             [--hazard managed|ipc|peer]
+//!             [--hazard managed|ipc|ipc-driver|peer]
 //!             [--devices D]
 //! ```
 //!
@@ -465,6 +465,25 @@ fn make_hazard(kind: &str, ctx: *mut c_void, first: DevPtr) -> Result<(), String
             // SAFETY: a valid 64-byte out buffer and a live allocation.
             unsafe { f(&mut h, first) }
         }
+        "ipc-driver" => {
+            // A small allocation (under the agent's conversion threshold) goes to the driver,
+            // and so does its IPC handle: CUDA IPC the agent does not serve.
+            type AllocFn = unsafe extern "C" fn(*mut DevPtr, usize) -> CuResult;
+            let alloc = entry!(Resolve::Dlsym, "cuMemAlloc_v2", "cuMemAlloc", AllocFn);
+            let f = entry!(
+                Resolve::Dlsym,
+                "cuIpcGetMemHandle",
+                "cuIpcGetMemHandle",
+                IpcFn
+            );
+            let mut small = 0;
+            let mut h = [0u8; 64];
+            // SAFETY: valid out pointers; the handle is taken of the live allocation just made.
+            match unsafe { alloc(&mut small, 64 << 10) } {
+                0 => unsafe { f(&mut h, small) },
+                rc => rc,
+            }
+        }
         "peer" => {
             let f = entry!(
                 Resolve::Dlsym,
@@ -475,7 +494,11 @@ fn make_hazard(kind: &str, ctx: *mut c_void, first: DevPtr) -> Result<(), String
             // SAFETY: a context from cuDevicePrimaryCtxRetain.
             unsafe { f(ctx, 0) }
         }
-        other => return Err(format!("--hazard {other}: managed, ipc or peer")),
+        other => {
+            return Err(format!(
+                "--hazard {other}: managed, ipc, ipc-driver or peer"
+            ));
+        }
     };
     if rc == 0 {
         Ok(())

@@ -20,7 +20,7 @@
 //! call in [`DriverCall::run`], which waits until the watcher on CRIU's main thread ([`watch`])
 //! has stopped them.
 
-use crate::procfs::{self, Stat};
+use crate::procfs::{self, ProcState, Stat};
 use crate::ptrace::RunningThread;
 use std::collections::BTreeSet;
 use std::io;
@@ -138,13 +138,11 @@ pub fn describe_running(pid: i32) -> String {
     for tid in tids {
         let read = |f: &str| procfs::task_file(pid, tid, f).unwrap_or_default();
         let stat = read("stat");
-        let state = Stat::parse(&stat)
-            .and_then(|s| s.state())
-            .unwrap_or("?")
-            .to_owned();
-        if state == "t" {
+        let state = Stat::parse(&stat).and_then(|s| s.state());
+        if state == Some(ProcState::TracingStop) {
             continue;
         }
+        let state = state.map_or('?', ProcState::letter);
         let mut line = format!("{tid} {} {state} {}", read("comm"), read("wchan"));
         if let Some(w) = procfs::parse_syscall(&read("syscall")) {
             line.push_str(&describe_wait(pid, &w));

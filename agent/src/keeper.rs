@@ -68,9 +68,10 @@ pub fn main_with_fd(fd: i32, libcuda: Option<&str>) -> i32 {
         }
         Err(_) => (3, "the keeper panicked".to_owned()),
     };
-    // A keeper that fails still exits only when the plugin lets go: CRIU takes a child's exit
-    // during its restore (or its parasite work) for a failure of its own, and would abort it.
-    // Whatever the plugin asks meanwhile is refused, and it goes on without the keeper.
+    // A keeper that fails still exits only when the plugin lets go: where CRIU reaps orphans
+    // the keeper is CRIU's child again, and CRIU takes a child's exit during its restore (or
+    // its parasite work) for a failure of its own. Whatever the plugin asks meanwhile is
+    // refused, and it goes on without the keeper.
     wait_for_close(&ch, &why);
     status
 }
@@ -144,8 +145,9 @@ fn serve(ch: &Channel) -> Result<(), KeeperError> {
     let mut known = crate::dump::KnownChunks::default();
     loop {
         // No time limit: a restore's requests come once CRIU has forked the tree, however long
-        // that takes, and the keeper must not exit before (CRIU takes a child's exit then for
-        // a failure of its own). The plugin closing its end, or dying, ends the wait.
+        // that takes, and the keeper must not exit before (where it is CRIU's child, CRIU takes
+        // a child's exit then for a failure of its own). The plugin closing its end, or dying,
+        // ends the wait.
         let (req, fd) = match ch.recv_request(None) {
             Ok(m) => m,
             Err(ProtoError::Interrupted) => continue,
@@ -215,9 +217,9 @@ fn serve(ch: &Channel) -> Result<(), KeeperError> {
                     crate::dump::Mode::Stopped,
                     crate::lend::forget_own_within,
                 );
-                // The keeper is a child of CRIU, which takes any child's exit while it works
-                // on the dumped tasks for a failure of its own: stay until the plugin lets go
-                // (in `exit`, after CRIU's part).
+                // Stay until the plugin lets go (in `exit`, after CRIU's part): where CRIU
+                // reaps orphans the keeper is its child, and CRIU takes any child's exit while
+                // it works on the dumped tasks for a failure of its own.
                 wait_for_close(ch, OVER);
                 return Ok(());
             }

@@ -16,10 +16,12 @@
 //! The keeper exits when the plugin closes the connection (or dies): it never outlives its
 //! purpose, and nothing of the job depends on it staying.
 
+use std::fmt;
 use std::os::fd::{AsFd, FromRawFd, OwnedFd};
 
 use gpusnap_proto::{Channel, ErrorCode, PROTOCOL_VERSION, ProtoError, Reply, Request};
 
+use crate::cu::CuError;
 use crate::gpu::Gpu;
 use crate::log::debug;
 use crate::session::Ring;
@@ -66,27 +68,96 @@ pub fn main_with_fd(fd: i32, libcuda: Option<&str>) -> i32 {
         }
         Err(_) => (3, "the keeper panicked".to_owned()),
     };
-    // A keeper that fails still exits only when the plugin lets go: CRIU takes a child's exit
-    // during its restore (or its parasite work) for a failure of its own, and would abort it.
-    // Whatever the plugin asks meanwhile is refused, and it goes on without the keeper.
+    // A keeper that fails still exits only when the plugin lets go: where CRIU reaps orphans
+    // the keeper is CRIU's child again, and CRIU takes a child's exit during its restore (or
+    // its parasite work) for a failure of its own. Whatever the plugin asks meanwhile is
+    // refused, and it goes on without the keeper.
     wait_for_close(&ch, &why);
     status
 }
 
-fn serve(ch: &Channel) -> Result<(), String> {
-    let drv = crate::real::driver()?;
-    drv.cu_init().map_err(|e| e.to_string())?;
+/// Why the keeper stopped serving, or could not do what the plugin asked.
+#[derive(Debug)]
+pub enum KeeperError {
+    /// The driver library could not be loaded (the loader's words).
+    Load(String),
+    /// A driver call failed.
+    Cuda(CuError),
+    /// The connection to the plugin failed.
+    Channel {
+        doing: &'static str,
+        err: ProtoError,
+    },
+    /// A device number that does not fit the driver's (or the protocol's) type.
+    Device(i64),
+    /// No GPU with this UUID is visible to the keeper.
+    NoGpu([u8; 16]),
+    /// The keeper's table stayed locked longer than `AGENT_LOCK_WAIT`.
+    TableLocked,
+    /// The plugin's list of the parent image's chunks was refused (the list's words).
+    KnownChunks(String),
+}
+
+impl fmt::Display for KeeperError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Load(why) => write!(f, "{why}"),
+            Self::Cuda(e) => write!(f, "{e}"),
+            Self::Channel { doing, err } => write!(f, "{doing}: {err}"),
+            Self::Device(d) => write!(f, "device {d}"),
+            Self::NoGpu(uuid) => write!(f, "no GPU with UUID {} is visible here", hex(uuid)),
+            Self::TableLocked => write!(f, "the keeper's table is locked"),
+            Self::KnownChunks(why) => write!(f, "{why}"),
+        }
+    }
+}
+
+impl std::error::Error for KeeperError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Channel { err, .. } => Some(err),
+            _ => None,
+        }
+    }
+}
+
+impl From<CuError> for KeeperError {
+    fn from(e: CuError) -> Self {
+        Self::Cuda(e)
+    }
+}
+
+fn driver() -> Result<&'static crate::real::Driver, KeeperError> {
+    crate::real::driver().map_err(KeeperError::Load)
+}
+
+fn reply_to(ch: &Channel, reply: &Reply) -> Result<(), KeeperError> {
+    ch.send_reply(reply).map_err(|err| KeeperError::Channel {
+        doing: "answering the plugin",
+        err,
+    })
+}
+
+fn serve(ch: &Channel) -> Result<(), KeeperError> {
+    let drv = driver()?;
+    drv.cu_init()?;
     let mut gpu = Gpu::new();
     let mut known = crate::dump::KnownChunks::default();
     loop {
         // No time limit: a restore's requests come once CRIU has forked the tree, however long
-        // that takes, and the keeper must not exit before (CRIU takes a child's exit then for
-        // a failure of its own). The plugin closing its end, or dying, ends the wait.
+        // that takes, and the keeper must not exit before (where it is CRIU's child, CRIU takes
+        // a child's exit then for a failure of its own). The plugin closing its end, or dying,
+        // ends the wait.
         let (req, fd) = match ch.recv_request(None) {
             Ok(m) => m,
             Err(ProtoError::Interrupted) => continue,
             Err(ProtoError::Closed) => return Ok(()),
-            Err(e) => return Err(format!("waiting for the plugin: {e}")),
+            Err(err) => {
+                return Err(KeeperError::Channel {
+                    doing: "waiting for the plugin",
+                    err,
+                });
+            }
         };
         match (req, fd) {
             (Request::Hello { version }, None) => {
@@ -98,7 +169,7 @@ fn serve(ch: &Channel) -> Result<(), String> {
                         message: format!("keeper speaks {PROTOCOL_VERSION}, plugin {version}"),
                     }
                 };
-                ch.send_reply(&reply).map_err(|e| e.to_string())?;
+                reply_to(ch, &reply)?;
             }
             (
                 Request::Adopt {
@@ -121,7 +192,9 @@ fn serve(ch: &Channel) -> Result<(), String> {
                     device_hash,
                 },
                 None,
-            ) => known.insert(addr, len, device_hash)?,
+            ) => known
+                .insert(addr, len, device_hash)
+                .map_err(KeeperError::KnownChunks)?,
             (
                 Request::DumpBegin {
                     slot_size,
@@ -208,14 +281,14 @@ fn serve(ch: &Channel) -> Result<(), String> {
 /// Sends `reply`, or the error it failed with as a CUDA error naming `what`.
 fn answer(
     ch: &Channel,
-    reply: Result<Reply, String>,
+    reply: Result<Reply, KeeperError>,
     what: impl FnOnce() -> String,
-) -> Result<(), String> {
+) -> Result<(), KeeperError> {
     let reply = reply.unwrap_or_else(|e| Reply::Error {
         code: ErrorCode::Cuda,
         message: format!("{}: {e}", what()),
     });
-    ch.send_reply(&reply).map_err(|e| e.to_string())
+    reply_to(ch, &reply)
 }
 
 /// What a keeper whose operation is done answers.
@@ -246,16 +319,16 @@ fn adopt(
     addr: u64,
     size: u64,
     fd: OwnedFd,
-) -> Result<(), String> {
-    let drv = crate::real::driver()?;
-    let dev = i32::try_from(device).map_err(|_| format!("device {device}"))?;
-    gpu.prepare(drv, dev, 1, 1).map_err(|e| e.to_string())?;
-    drv.reserve_at(addr, size).map_err(|e| e.to_string())?;
+) -> Result<(), KeeperError> {
+    let drv = driver()?;
+    let dev = i32::try_from(device).map_err(|_| KeeperError::Device(device.into()))?;
+    gpu.prepare(drv, dev, 1, 1)?;
+    drv.reserve_at(addr, size)?;
     let handle = match drv.import_fd(fd.as_fd()) {
         Ok(h) => h,
         Err(e) => {
             let _ = drv.free_reservation(addr, size);
-            return Err(e.to_string());
+            return Err(e.into());
         }
     };
     // The import holds the memory now; the descriptor is the job's business.
@@ -263,10 +336,10 @@ fn adopt(
     if let Err(e) = crate::vmm::map_handle(drv, dev, addr, size, handle) {
         let _ = drv.release(addr, handle);
         let _ = drv.free_reservation(addr, size);
-        return Err(e.to_string());
+        return Err(e.into());
     }
     table::try_lock_for(AGENT_LOCK_WAIT)
-        .ok_or("the keeper's table is locked")?
+        .ok_or(KeeperError::TableLocked)?
         .insert_adopted(id, dev, addr, size, handle);
     debug!("keeper: adopted #{id} at {addr:#x} ({size} bytes) on device {dev}");
     Ok(())
@@ -274,25 +347,28 @@ fn adopt(
 
 /// Records the job's allocation `id` at `addr` on the GPU with UUID `uuid` for the load that
 /// follows, and reserves its address range here. Returns the keeper's ordinal of that GPU.
-fn expect(gpu: &mut Gpu, id: u64, uuid: &[u8; 16], addr: u64, size: u64) -> Result<u32, String> {
-    let drv = crate::real::driver()?;
-    let dev = drv
-        .ordinal_of(uuid)
-        .map_err(|e| e.to_string())?
-        .ok_or_else(|| format!("no GPU with UUID {} is visible here", hex(uuid)))?;
+fn expect(
+    gpu: &mut Gpu,
+    id: u64,
+    uuid: &[u8; 16],
+    addr: u64,
+    size: u64,
+) -> Result<u32, KeeperError> {
+    let drv = driver()?;
+    let dev = drv.ordinal_of(uuid)?.ok_or(KeeperError::NoGpu(*uuid))?;
     // The reservation is made in that device's context.
-    gpu.prepare(drv, dev, 0, 0).map_err(|e| e.to_string())?;
-    drv.reserve_at(addr, size).map_err(|e| e.to_string())?;
-    let exportable = drv.posix_fd_handles(drv.device(dev).map_err(|e| e.to_string())?);
+    gpu.prepare(drv, dev, 0, 0)?;
+    drv.reserve_at(addr, size)?;
+    let exportable = drv.posix_fd_handles(drv.device(dev)?);
     match table::try_lock_for(AGENT_LOCK_WAIT) {
         Some(mut t) => t.insert_expected(id, dev, addr, size, exportable),
         None => {
             let _ = drv.free_reservation(addr, size);
-            return Err("the keeper's table is locked".into());
+            return Err(KeeperError::TableLocked);
         }
     }
     debug!("keeper: expecting #{id} at {addr:#x} ({size} bytes) on device {dev}");
-    u32::try_from(dev).map_err(|_| format!("device {dev}"))
+    u32::try_from(dev).map_err(|_| KeeperError::Device(dev.into()))
 }
 
 fn hex(b: &[u8; 16]) -> String {

@@ -103,7 +103,7 @@ fn driver(what: &'static str) -> impl FnOnce(DriverError) -> DumpError {
 pub fn pause(ctx: &Ctx, pid: i32) -> Result<Option<Tracked>, DumpError> {
     // Before any driver call: a process held by an interrupted dump is stopped, driver thread
     // included, and its memory is only in that dump's files.
-    if procfs::state_and_start(pid).is_ok_and(|(state, _)| state == "T")
+    if procfs::state_and_start(pid).is_ok_and(|(state, _)| state == procfs::ProcState::Stopped)
         && crate::hold::recorded_running(pid).is_some()
     {
         return Err(DumpError::Interrupted { pid });

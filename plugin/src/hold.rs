@@ -84,7 +84,7 @@ fn sweep_dead_records_in(dir: &std::path::Path) -> usize {
             .ok()
             .and_then(|t| t.split_whitespace().next()?.parse::<u64>().ok());
         let alive = match (procfs::state_and_start(pid), start) {
-            (Ok((state, now)), Some(then)) => now == then && state != "Z" && state != "X",
+            (Ok((state, now)), Some(then)) => now == then && !state.exited(),
             _ => false,
         };
         if !alive && std::fs::remove_file(e.path()).is_ok() {
@@ -263,22 +263,20 @@ mod tests {
         assert_eq!(left, vec![format!("held-{me}"), "unrelated".to_owned()]);
         let _ = std::fs::remove_dir_all(&dir);
     }
+    use crate::procfs::ProcState;
     use crate::ptrace::SeizedProcess;
     use std::time::{Duration, Instant};
 
-    fn state(pid: i32) -> String {
+    fn state(pid: i32) -> Option<ProcState> {
         let text = procfs::stat_text(pid, None).unwrap_or_default();
-        procfs::Stat::parse(&text)
-            .and_then(|s| s.state())
-            .unwrap_or("?")
-            .to_owned()
+        procfs::Stat::parse(&text).and_then(|s| s.state())
     }
 
     /// Waits until `pid` is in `want` (a stat state letter), or a second passes.
-    fn settles_in(pid: i32, want: &str) -> bool {
+    fn settles_in(pid: i32, want: ProcState) -> bool {
         let deadline = Instant::now() + Duration::from_secs(1);
         while Instant::now() < deadline {
-            if state(pid) == want {
+            if state(pid) == Some(want) {
                 return true;
             }
             std::thread::sleep(Duration::from_millis(10));
@@ -310,7 +308,7 @@ mod tests {
         let mut child = sleeper();
         let pid = child.id() as i32;
         tracer_dies_after(pid, || Hold::place(pid, &[4242]).expect("hold").keep());
-        let stopped = settles_in(pid, "T");
+        let stopped = settles_in(pid, ProcState::Stopped);
         let seen = state(pid);
         assert_eq!(recorded_running(pid), Some(vec![4242]), "the hold's record");
         remove_record(pid);
@@ -318,7 +316,7 @@ mod tests {
         child.wait().unwrap();
         assert!(
             stopped,
-            "held process is in state {seen} after its tracer died"
+            "held process is in state {seen:?} after its tracer died"
         );
     }
 
@@ -328,7 +326,7 @@ mod tests {
         let mut child = sleeper();
         let pid = child.id() as i32;
         tracer_dies_after(pid, || {});
-        let runs = settles_in(pid, "S");
+        let runs = settles_in(pid, ProcState::Sleeping);
         child.kill().unwrap();
         child.wait().unwrap();
         assert!(runs, "an untraced, unheld sleeper should sleep on");
@@ -345,13 +343,20 @@ mod tests {
             hold.release().expect("drain the SIGSTOP");
             assert!(!sigstop_pending(pid, pid), "SIGSTOP taken back");
             assert_eq!(recorded_running(pid), None, "record removed");
-            assert_eq!(state(pid), "t", "still in a ptrace stop after the drain");
+            assert_eq!(
+                state(pid),
+                Some(ProcState::TracingStop),
+                "still in a ptrace stop after the drain"
+            );
         });
-        let runs = settles_in(pid, "S");
+        let runs = settles_in(pid, ProcState::Sleeping);
         let seen = state(pid);
         child.kill().unwrap();
         child.wait().unwrap();
-        assert!(runs, "released process is in state {seen}, not sleeping on");
+        assert!(
+            runs,
+            "released process is in state {seen:?}, not sleeping on"
+        );
     }
 
     #[test]
@@ -362,7 +367,7 @@ mod tests {
         let mut child = sleeper();
         let pid = child.id() as i32;
         tracer_dies_after(pid, || Hold::place(pid, &[]).expect("hold").keep());
-        assert!(settles_in(pid, "T"), "held");
+        assert!(settles_in(pid, ProcState::Stopped), "held");
         remove_record(pid);
         let outcome = std::thread::scope(|s| {
             s.spawn(|| {
@@ -370,15 +375,18 @@ mod tests {
                 seized
                     .end_group_stop()
                     .map_err(|e| format!("end group stop: {e}"))?;
-                if state(pid) != "t" {
-                    return Err(format!("in state {} after SIGCONT, not traced", state(pid)));
+                if state(pid) != Some(ProcState::TracingStop) {
+                    return Err(format!(
+                        "in state {:?} after SIGCONT, not traced",
+                        state(pid)
+                    ));
                 }
                 let th = crate::ptrace::RunningThread::resume(pid).map_err(|e| e.to_string())?;
-                let ran = settles_in(pid, "S");
+                let ran = settles_in(pid, ProcState::Sleeping);
                 th.stop().map_err(|e| e.to_string())?;
                 if !ran {
                     return Err(format!(
-                        "resumed thread in state {}, not running",
+                        "resumed thread in state {:?}, not running",
                         state(pid)
                     ));
                 }
@@ -388,14 +396,14 @@ mod tests {
             .join()
             .expect("tracer thread")
         });
-        let runs = settles_in(pid, "S");
+        let runs = settles_in(pid, ProcState::Sleeping);
         let seen = state(pid);
         child.kill().unwrap();
         child.wait().unwrap();
         outcome.unwrap();
         assert!(
             runs,
-            "continued process is in state {seen}, not sleeping on"
+            "continued process is in state {seen:?}, not sleeping on"
         );
     }
 

@@ -56,6 +56,80 @@ pub fn parse_vm_rss_kib(status: &str) -> Option<u64> {
     status_field(status, "VmRSS")
 }
 
+/// A task's state: the letter of field 3 of `stat` (`fs/proc/array.c` in the kernel).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProcState {
+    /// `R`: running or runnable.
+    Running,
+    /// `S`: in an interruptible sleep.
+    Sleeping,
+    /// `D`: in an uninterruptible sleep ("disk sleep").
+    DiskSleep,
+    /// `T`: stopped by a signal (a group stop).
+    Stopped,
+    /// `t`: in a ptrace stop.
+    TracingStop,
+    /// `Z`: exited, not yet reaped by its parent.
+    Zombie,
+    /// `X` (`x` before Linux 4.14): dead.
+    Dead,
+    /// `P`: a parked kernel thread.
+    Parked,
+    /// `I`: an idle kernel thread.
+    Idle,
+    /// A letter not listed above (`W`, `K` of older kernels).
+    Other(char),
+}
+
+impl ProcState {
+    /// The state of a `stat` field: one letter, or None.
+    pub fn parse(field: &str) -> Option<Self> {
+        let mut chars = field.chars();
+        let (Some(c), None) = (chars.next(), chars.next()) else {
+            return None;
+        };
+        Some(match c {
+            'R' => Self::Running,
+            'S' => Self::Sleeping,
+            'D' => Self::DiskSleep,
+            'T' => Self::Stopped,
+            't' => Self::TracingStop,
+            'Z' => Self::Zombie,
+            'X' | 'x' => Self::Dead,
+            'P' => Self::Parked,
+            'I' => Self::Idle,
+            c => Self::Other(c),
+        })
+    }
+
+    /// The kernel's letter for it (`X` for dead).
+    pub fn letter(self) -> char {
+        match self {
+            Self::Running => 'R',
+            Self::Sleeping => 'S',
+            Self::DiskSleep => 'D',
+            Self::Stopped => 'T',
+            Self::TracingStop => 't',
+            Self::Zombie => 'Z',
+            Self::Dead => 'X',
+            Self::Parked => 'P',
+            Self::Idle => 'I',
+            Self::Other(c) => c,
+        }
+    }
+
+    /// Whether the task has exited (a zombie its parent has not reaped, or dead).
+    pub fn exited(self) -> bool {
+        matches!(self, Self::Zombie | Self::Dead)
+    }
+}
+
+impl std::fmt::Display for ProcState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.letter())
+    }
+}
+
 /// A `stat` line, split where its fields can be trusted: the command name (field 2) may hold
 /// spaces and parentheses, so the fields after it are counted from its last `)`.
 #[derive(Debug, PartialEq, Eq)]
@@ -76,9 +150,9 @@ impl<'a> Stat<'a> {
         })
     }
 
-    /// The state letter (`R`, `S`, `t`, `Z`, ...).
-    pub fn state(&self) -> Option<&'a str> {
-        self.rest.first().copied()
+    /// The state (field 3).
+    pub fn state(&self) -> Option<ProcState> {
+        ProcState::parse(self.rest.first()?)
     }
 
     /// utime + stime (fields 14 and 15), in clock ticks.
@@ -100,7 +174,7 @@ impl<'a> Stat<'a> {
 
     /// Whether the task has exited (a zombie its parent has not reaped, or dead).
     pub fn exited(&self) -> bool {
-        matches!(self.state(), Some("Z" | "X"))
+        self.state().is_some_and(ProcState::exited)
     }
 }
 
@@ -187,15 +261,13 @@ pub fn pending_signals(pid: i32, tid: i32) -> io::Result<u64> {
     parse_sig_pending(&read(&path)?).ok_or_else(|| invalid("SigPnd line", &path))
 }
 
-/// The state letter and start time of `pid`.
-pub fn state_and_start(pid: i32) -> io::Result<(String, u64)> {
+/// The state and start time of `pid`.
+pub fn state_and_start(pid: i32) -> io::Result<(ProcState, u64)> {
     let text = stat_text(pid, None)?;
     let path = format!("/proc/{pid}/stat");
     let st = Stat::parse(&text).ok_or_else(|| invalid("command name", &path))?;
     Ok((
-        st.state()
-            .ok_or_else(|| invalid("state", &path))?
-            .to_owned(),
+        st.state().ok_or_else(|| invalid("state", &path))?,
         st.start_time()
             .ok_or_else(|| invalid("start time", &path))?,
     ))
@@ -371,7 +443,7 @@ mod tests {
         let s = "42 (a b) c)) S 1 42 42 0 -1 4194560 10 0 0 0 700 55 0 0 20 0";
         let st = Stat::parse(s).unwrap();
         assert_eq!(st.comm, "a b) c)");
-        assert_eq!(st.state(), Some("S"));
+        assert_eq!(st.state(), Some(ProcState::Sleeping));
         assert_eq!(st.cpu_ticks(), Some(755));
         assert_eq!(st.parent(), Some(1));
         assert_eq!(st.start_time(), None, "the line ends before field 22");
@@ -381,6 +453,34 @@ mod tests {
         assert_eq!(Stat::parse("42 (x) S 1").unwrap().cpu_ticks(), None);
         assert!(Stat::parse("42 (x) Z 1").unwrap().exited());
         assert_eq!(Stat::parse("garbage"), None);
+    }
+
+    #[test]
+    fn every_state_letter_is_parsed_once_and_written_back() {
+        for (letter, state) in [
+            ("R", ProcState::Running),
+            ("S", ProcState::Sleeping),
+            ("D", ProcState::DiskSleep),
+            ("T", ProcState::Stopped),
+            ("t", ProcState::TracingStop),
+            ("Z", ProcState::Zombie),
+            ("X", ProcState::Dead),
+            ("P", ProcState::Parked),
+            ("I", ProcState::Idle),
+            ("W", ProcState::Other('W')),
+        ] {
+            assert_eq!(ProcState::parse(letter), Some(state), "{letter}");
+            assert_eq!(state.to_string(), letter);
+        }
+        assert_eq!(ProcState::parse("x"), Some(ProcState::Dead), "before 4.14");
+        assert!(ProcState::Dead.exited() && ProcState::Zombie.exited());
+        assert!(!ProcState::Stopped.exited() && !ProcState::TracingStop.exited());
+        assert_eq!(ProcState::parse(""), None);
+        assert_eq!(ProcState::parse("SS"), None);
+        assert_eq!(
+            Stat::parse("42 (x) t 1").unwrap().state(),
+            Some(ProcState::TracingStop)
+        );
     }
 
     #[test]

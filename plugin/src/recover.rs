@@ -120,7 +120,7 @@ pub fn recover(pid: i32, images: Option<&Path>) -> Result<String, RecoverError> 
     let stopped = procfs::state_and_start(pid)
         .map_err(|err| AgentError::Proc { pid, err })?
         .0
-        == "T";
+        == procfs::ProcState::Stopped;
     let mut seized = None;
     let mut for_questions = Vec::new();
     if stopped {

@@ -20,7 +20,7 @@
 //! call in [`DriverCall::run`], which waits until the watcher on CRIU's main thread ([`watch`])
 //! has stopped them.
 
-use crate::procfs::{self, Stat};
+use crate::procfs::{self, ProcState, Stat};
 use crate::ptrace::RunningThread;
 use std::collections::BTreeSet;
 use std::io;
@@ -49,17 +49,56 @@ impl Progress {
     }
 }
 
+/// What an `io::Error` was, kept as values that compare (`io::Error` does not, and
+/// [`StallError`] is compared in tests): its kind and, for a failed system call, its errno.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OsError {
+    pub kind: io::ErrorKind,
+    pub errno: Option<i32>,
+}
+
+impl From<&io::Error> for OsError {
+    fn from(e: &io::Error) -> Self {
+        Self {
+            kind: e.kind(),
+            errno: e.raw_os_error(),
+        }
+    }
+}
+
+impl From<io::Error> for OsError {
+    fn from(e: io::Error) -> Self {
+        Self::from(&e)
+    }
+}
+
+impl std::fmt::Display for OsError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.errno {
+            Some(n) => write!(f, "{}", io::Error::from_raw_os_error(n)),
+            None => write!(f, "{}", self.kind),
+        }
+    }
+}
+
+impl std::error::Error for OsError {}
+
 /// The other threads of a stalled process could not be let run, or stopped again as they were.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum StallError {
     #[error("listing the threads of pid {pid}: {err}")]
-    List { pid: i32, err: String },
+    List { pid: i32, err: OsError },
     #[error("resuming thread {tid}: {err}")]
-    Resume { tid: i32, err: String },
+    Resume { tid: i32, err: OsError },
     #[error("stopping thread {tid} again: {err}")]
-    Stop { tid: i32, err: String },
-    #[error("releasing the hold on pid {pid}: {err}")]
-    Release { pid: i32, err: String },
+    Stop { tid: i32, err: OsError },
+    #[error("releasing the hold on pid {pid}: ptrace on thread {tid} ({what}): {err}")]
+    Release {
+        pid: i32,
+        tid: i32,
+        what: &'static str,
+        err: OsError,
+    },
     #[error(
         "while its threads ran, pid {pid} changed: threads {threads_before:?} -> {threads_after:?}, \
          children {children_before:?} -> {children_after:?}; CRIU's view of it is stale, so this \
@@ -72,6 +111,18 @@ pub enum StallError {
         children_before: BTreeSet<i32>,
         children_after: BTreeSet<i32>,
     },
+}
+
+impl StallError {
+    /// Maps the failure of releasing the hold on `pid`.
+    fn release(pid: i32) -> impl FnOnce(crate::ptrace::PtraceError) -> Self {
+        move |e| Self::Release {
+            pid,
+            tid: e.tid,
+            what: e.what,
+            err: e.err.into(),
+        }
+    }
 }
 
 /// Watches one process's driver call from CRIU's main thread.
@@ -138,13 +189,11 @@ pub fn describe_running(pid: i32) -> String {
     for tid in tids {
         let read = |f: &str| procfs::task_file(pid, tid, f).unwrap_or_default();
         let stat = read("stat");
-        let state = Stat::parse(&stat)
-            .and_then(|s| s.state())
-            .unwrap_or("?")
-            .to_owned();
-        if state == "t" {
+        let state = Stat::parse(&stat).and_then(|s| s.state());
+        if state == Some(ProcState::TracingStop) {
             continue;
         }
+        let state = state.map_or('?', ProcState::letter);
         let mut line = format!("{tid} {} {state} {}", read("comm"), read("wchan"));
         if let Some(w) = procfs::parse_syscall(&read("syscall")) {
             line.push_str(&describe_wait(pid, &w));
@@ -183,10 +232,7 @@ pub struct Unfrozen {
 impl Unfrozen {
     /// Resumes every thread of `pid` but those in `running` (already resumed by us).
     pub fn start(pid: i32, running: &[i32]) -> Result<Self, StallError> {
-        let before = Family::of(pid).map_err(|e| StallError::List {
-            pid,
-            err: e.to_string(),
-        })?;
+        let before = Family::of(pid).map_err(|e| StallError::List { pid, err: e.into() })?;
         let mut threads = Vec::new();
         for &tid in &before.threads {
             // A thread held for a released memory (a queued SIGSTOP) is not let run: it would
@@ -198,10 +244,7 @@ impl Unfrozen {
                 Ok(th) => threads.push(th),
                 // Dropping `threads` stops the ones already resumed.
                 Err(e) => {
-                    return Err(StallError::Resume {
-                        tid,
-                        err: e.to_string(),
-                    });
+                    return Err(StallError::Resume { tid, err: e.into() });
                 }
             }
         }
@@ -226,15 +269,10 @@ impl Unfrozen {
         } = self;
         for th in threads {
             let tid = th.tid();
-            th.stop().map_err(|e| StallError::Stop {
-                tid,
-                err: e.to_string(),
-            })?;
+            th.stop()
+                .map_err(|e| StallError::Stop { tid, err: e.into() })?;
         }
-        let after = Family::of(pid).map_err(|e| StallError::List {
-            pid,
-            err: e.to_string(),
-        })?;
+        let after = Family::of(pid).map_err(|e| StallError::List { pid, err: e.into() })?;
         if after != before {
             return Err(StallError::Changed {
                 pid,
@@ -319,10 +357,7 @@ pub fn watch(done: impl Fn() -> bool, procs: &[Watched<'_>]) -> Vec<Result<(), S
         std::thread::sleep(Duration::from_millis(20));
         for (i, p) in procs.iter().enumerate() {
             if let Some(h) = p.release.lock().unwrap_or_else(|e| e.into_inner()).take() {
-                released[i] = h.release().map_err(|e| StallError::Release {
-                    pid: p.pid,
-                    err: e.to_string(),
-                });
+                released[i] = h.release().map_err(StallError::release(p.pid));
             }
             let mut st = p.call.lock();
             match *st {
@@ -371,10 +406,7 @@ pub fn watch(done: impl Fn() -> bool, procs: &[Watched<'_>]) -> Vec<Result<(), S
     // A hold handed over as the last worker ended.
     for (p, r) in procs.iter().zip(&mut released) {
         if let Some(h) = p.release.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            *r = h.release().map_err(|e| StallError::Release {
-                pid: p.pid,
-                err: e.to_string(),
-            });
+            *r = h.release().map_err(StallError::release(p.pid));
         }
     }
     unfrozen
@@ -387,6 +419,46 @@ pub fn watch(done: impl Fn() -> bool, procs: &[Watched<'_>]) -> Vec<Result<(), S
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_stall_error_keeps_the_os_error_as_values() {
+        let gone = io::Error::from_raw_os_error(libc::ESRCH);
+        let e = StallError::Stop {
+            tid: 9,
+            err: (&gone).into(),
+        };
+        assert_eq!(
+            e,
+            StallError::Stop {
+                tid: 9,
+                err: OsError {
+                    kind: gone.kind(),
+                    errno: Some(libc::ESRCH)
+                }
+            }
+        );
+        assert_eq!(e.to_string(), format!("stopping thread 9 again: {gone}"));
+        // An error of our own (no errno) says its kind.
+        let listed = StallError::List {
+            pid: 4,
+            err: io::Error::new(io::ErrorKind::NotFound, "/proc/4/task: gone").into(),
+        };
+        assert_eq!(
+            listed.to_string(),
+            format!("listing the threads of pid 4: {}", io::ErrorKind::NotFound)
+        );
+        let released = StallError::release(4)(crate::ptrace::PtraceError {
+            tid: 5,
+            what: "draining the SIGSTOP",
+            err: io::Error::from_raw_os_error(libc::ESRCH),
+        });
+        assert_eq!(
+            released.to_string(),
+            format!(
+                "releasing the hold on pid 4: ptrace on thread 5 (draining the SIGSTOP): {gone}"
+            )
+        );
+    }
 
     #[test]
     fn own_process_makes_progress_samples() {
@@ -444,7 +516,7 @@ mod tests {
                     assert!(!worker.is_finished());
                     *st = CallState::Stopped(Err(StallError::Stop {
                         tid: 9,
-                        err: "gone".into(),
+                        err: io::Error::from_raw_os_error(libc::ESRCH).into(),
                     }));
                     call.changed.notify_all();
                     break;

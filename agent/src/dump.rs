@@ -123,10 +123,75 @@ fn dump(
     mode: Mode,
     also: ReleaseAlso,
 ) -> Result<Reply, Fail> {
+    let none = std::collections::HashSet::new();
+    let (spans, done) = copy_phase(gpu, ch, ring, memfd, staging, known, mode, &none)?;
+    if mode == Mode::Live {
+        // The round is over; `conclude` sends this once the ring is let go.
+        return Ok(done);
+    }
+    ch.send_reply(&done)?;
+
+    let (req, fd) = ch.recv_request(None)?;
+    no_fd(fd)?;
+    match req {
+        Request::Release => crate::held::by_a_tracer().map_err(Fail::bad_state)?,
+        Request::Abort => return Err(Fail::Aborted),
+        other => {
+            return Err(Fail::unexpected(
+                &other,
+                "after DumpDataDone (Release or Abort)",
+            ));
+        }
+    }
+    let drv = need_driver()?;
+    let t1 = Instant::now();
+    let (count, bytes) = release(drv, gpu, &spans, also)?;
+    let micros = t1.elapsed().as_micros() as u64;
+    debug!("release: {count} allocations, {bytes} bytes in {micros} us");
+    Ok(Reply::Released {
+        allocations: count,
+        bytes,
+        micros,
+    })
+}
+
+/// The copy-out of a hand-over's allocations that are not lent (`lent`: their ids), on the
+/// lend's connection after `LentEnd`, the application's threads held: every other converted
+/// allocation goes through the ring as in a dump, and `DumpDataDone` is sent. The `Release`
+/// that follows (all of them, lent ones included) is the lend's.
+pub(crate) fn copy_unlent(
+    gpu: &mut Gpu,
+    ch: &Channel,
+    ring: Ring,
+    memfd: OwnedFd,
+    staging: &mut Option<Staging>,
+    known: &KnownChunks,
+    lent: &std::collections::HashSet<u64>,
+) -> Result<(), Fail> {
+    let (spans, done) = copy_phase(gpu, ch, ring, memfd, staging, known, Mode::Stopped, lent)?;
+    debug!("hand-over: {} allocations copied out first", spans.len());
+    ch.send_reply(&done)?;
+    Ok(())
+}
+
+/// The copy of a dump or a pre-copy round, up to its `DumpDataDone` (returned, not sent), of
+/// every converted allocation but those in `skip`; returns the spans copied.
+#[allow(clippy::too_many_arguments)]
+fn copy_phase(
+    gpu: &mut Gpu,
+    ch: &Channel,
+    ring: Ring,
+    memfd: OwnedFd,
+    staging: &mut Option<Staging>,
+    known: &KnownChunks,
+    mode: Mode,
+    skip: &std::collections::HashSet<u64>,
+) -> Result<(Vec<Span>, Reply), Fail> {
     let t0 = Instant::now();
     plan::validate_ring(ring.slot_size, ring.slots, ring.streams).map_err(Fail::bad_request)?;
     let drv = need_driver()?;
-    let spans = spans_to_copy(&*table::try_lock_for(AGENT_LOCK_WAIT).ok_or_else(Fail::busy)?)?;
+    let mut spans = spans_to_copy(&*table::try_lock_for(AGENT_LOCK_WAIT).ok_or_else(Fail::busy)?)?;
+    spans.retain(|s| !skip.contains(&s.id));
     let mut st = Staging::map(memfd, ring.slot_size, ring.slots)
         .map_err(|e| Fail::Reply(ErrorCode::Staging, e))?;
     // With nothing to copy, the ring is not registered; a round then copies nothing either (its
@@ -210,33 +275,7 @@ fn dump(
         bytes,
         micros,
     };
-    if mode == Mode::Live {
-        // The round is over; `conclude` sends this once the ring is let go.
-        return Ok(done);
-    }
-    ch.send_reply(&done)?;
-
-    let (req, fd) = ch.recv_request(None)?;
-    no_fd(fd)?;
-    match req {
-        Request::Release => crate::held::by_a_tracer().map_err(Fail::bad_state)?,
-        Request::Abort => return Err(Fail::Aborted),
-        other => {
-            return Err(Fail::unexpected(
-                &other,
-                "after DumpDataDone (Release or Abort)",
-            ));
-        }
-    }
-    let t1 = Instant::now();
-    let (count, bytes) = release(drv, gpu, &spans, also)?;
-    let micros = t1.elapsed().as_micros() as u64;
-    debug!("release: {count} allocations, {bytes} bytes in {micros} us");
-    Ok(Reply::Released {
-        allocations: count,
-        bytes,
-        micros,
-    })
+    Ok((spans, done))
 }
 
 /// Slots the plugin holds (announced, not yet freed) and slots free for the next copy.
@@ -469,9 +508,8 @@ fn not_copied(c: &Chunk, hash: Option<ChunkHash>, known: &KnownChunks) -> Option
 
 /// Unmaps and releases every dumped allocation, keeping its reservation. The table is marked
 /// first (so a concurrent free cannot release the handle twice) and restored if the unmap fails.
-/// `also.released(addr)` is told of each allocation whose memory is gone (the hand-over's
-/// registry of kept descriptors sits above this module); then `also.imports` unmaps the
-/// process's CUDA IPC imports, so the driver's checkpoint holds no other process's memory.
+/// `released(addr)` is told of each allocation whose memory is gone: the hand-over's registry of
+/// kept descriptors (`lend::forget_own_within`) sits above this module and is passed in.
 pub(crate) fn release(
     drv: &Driver,
     gpu: &mut Gpu,

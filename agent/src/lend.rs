@@ -22,7 +22,7 @@ use gpusnap_proto::{Channel, Reply, Request};
 
 use crate::gpu::Gpu;
 use crate::log::debug;
-use crate::session::{self, Fail, PEER_WAIT, need_driver, no_fd};
+use crate::session::{self, Fail, PEER_WAIT, need_driver};
 use crate::table::{self, AGENT_LOCK_WAIT, TableError};
 
 /// One allocation's exported memory, kept by the job while its handle is released.
@@ -185,11 +185,17 @@ pub fn forget() {
 /// `LendBegin` .. `Release`/`Abort` on this connection; the connection is closed afterwards.
 /// `imports` unmaps the process's CUDA IPC imports at the release.
 pub fn run(ch: &Channel, gpu: &mut Gpu, imports: crate::dump::ImportRelease) {
-    let result = lend(ch, gpu, imports);
-    session::conclude(ch, gpu, None, result);
+    let mut staging = None;
+    let result = lend(ch, gpu, &mut staging, imports);
+    session::conclude(ch, gpu, staging, result);
 }
 
-fn lend(ch: &Channel, gpu: &mut Gpu, imports: crate::dump::ImportRelease) -> Result<Reply, Fail> {
+fn lend(
+    ch: &Channel,
+    gpu: &mut Gpu,
+    staging: &mut Option<crate::staging::Staging>,
+    imports: crate::dump::ImportRelease,
+) -> Result<Reply, Fail> {
     let drv = need_driver()?;
     if kept_count() > 0 {
         return Err(Fail::bad_state(
@@ -203,7 +209,6 @@ fn lend(ch: &Channel, gpu: &mut Gpu, imports: crate::dump::ImportRelease) -> Res
             spans[i].id, spans[i].addr
         )));
     }
-    descriptors_fit(spans.len())?;
     let (handles, exportable): (HashMap<u64, Handle>, HashMap<u64, bool>) = {
         let t = table::try_lock_for(AGENT_LOCK_WAIT).ok_or_else(Fail::busy)?;
         let mut handles = HashMap::new();
@@ -218,20 +223,17 @@ fn lend(ch: &Channel, gpu: &mut Gpu, imports: crate::dump::ImportRelease) -> Res
         (handles, exportable)
     };
     let mut owned = own_descriptors(&spans, &handles)?;
-    // Found before anything is exported: the plugin then copies this process's data out
-    // first, as without a hand-over.
-    if let Some(s) = spans
+    // Only what was created exportable (the listing's `Converted`) is lent; the rest
+    // (`ConvertedNoExport`, `AppHandleMapping`) the plugin has copied out on this connection
+    // (`DumpBegin` after `LentEnd`) before the release.
+    let lendable: Vec<&crate::plan::Span> = spans
         .iter()
-        .find(|s| exportable.get(&s.id) == Some(&false) && !owned.contains_key(&s.id))
-    {
-        return Err(Fail::bad_state(format!(
-            "allocation #{} at {:#x} was not created exportable (the device has no POSIX-fd handles, or the application made it)",
-            s.id, s.addr
-        )));
-    }
-    let mut lent = Vec::with_capacity(spans.len());
+        .filter(|s| exportable.get(&s.id) == Some(&true))
+        .collect();
+    descriptors_fit(lendable.len())?;
+    let mut lent = Vec::with_capacity(lendable.len());
     let mut bytes = 0;
-    for s in &spans {
+    for s in lendable {
         let Some(&handle) = handles.get(&s.id) else {
             return Err(Fail::bad_state(format!(
                 "allocation #{} changed during the hand-over",
@@ -265,13 +267,53 @@ fn lend(ch: &Channel, gpu: &mut Gpu, imports: crate::dump::ImportRelease) -> Res
         count: u32::try_from(lent.len()).unwrap_or(u32::MAX),
         bytes,
     })?;
-    let (req, fd) = ch.recv_request(Some(PEER_WAIT))?;
-    no_fd(fd)?;
-    match req {
-        Request::Release => crate::held::by_a_tracer().map_err(Fail::bad_state)?,
-        // The copies are closed with `lent`: the memory is the job's alone again.
-        Request::Abort => return Err(Fail::Aborted),
-        other => return Err(Fail::unexpected(&other, "after LentEnd (Release or Abort)")),
+    let lent_ids: std::collections::HashSet<u64> = lent.iter().map(|k| k.id).collect();
+    let mut known = crate::dump::KnownChunks::default();
+    let mut copied = false;
+    loop {
+        let (req, fd) = ch.recv_request(Some(PEER_WAIT))?;
+        match (req, fd) {
+            (Request::Release, None) => {
+                crate::held::by_a_tracer().map_err(Fail::bad_state)?;
+                break;
+            }
+            // The copies are closed with `lent`: the memory is the job's alone again.
+            (Request::Abort, None) => return Err(Fail::Aborted),
+            (
+                Request::KnownChunk {
+                    addr,
+                    len,
+                    device_hash,
+                },
+                None,
+            ) if !copied => known
+                .insert(addr, len, device_hash)
+                .map_err(Fail::bad_request)?,
+            // What is not lent is copied out first, on this connection, before the release.
+            (
+                Request::DumpBegin {
+                    slot_size,
+                    slots,
+                    streams,
+                },
+                Some(memfd),
+            ) if !copied => {
+                crate::held::by_a_tracer().map_err(Fail::bad_state)?;
+                let ring = session::Ring {
+                    slot_size,
+                    slots,
+                    streams,
+                };
+                crate::dump::copy_unlent(gpu, ch, ring, memfd, staging, &known, &lent_ids)?;
+                copied = true;
+            }
+            (other, _) => {
+                return Err(Fail::unexpected(
+                    &other,
+                    "after LentEnd (Release, Abort, or the copy of what is not lent)",
+                ));
+            }
+        }
     }
     let t0 = Instant::now();
     // Kept before the release: from the first unmap on, the descriptors are what holds the

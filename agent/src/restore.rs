@@ -72,6 +72,21 @@ fn restore(
     ch.send_reply(&Reply::Ready)?;
 
     let loaded = copy_in(gpu, drv, ch, st, ring, &spans)?;
+    // Every allocation re-created here must have been filled whole: an image that lists less
+    // (a dump cut short, whose other allocations were lent and never drained) leaves the
+    // memory counted as released, never taken for whole.
+    let recreated_spans: Vec<&Span> = spans
+        .iter()
+        .zip(&released)
+        .filter(|(_, r)| **r)
+        .map(|(s, _)| s)
+        .collect();
+    if let Some((s, covered)) = unfilled(&recreated_spans, loaded.ranges.clone()) {
+        return Err(Fail::bad_state(format!(
+            "allocation #{} at {:#x} ({} bytes) was re-created, but the image loaded only {covered} bytes of it: refusing to count the memory whole",
+            s.id, s.addr, s.size
+        )));
+    }
     // copy_in waited for every copy and fill before it returned.
     let verified = check_on_device(gpu, drv, &loaded.expected)?;
     table::try_lock_for(AGENT_LOCK_WAIT)
@@ -128,8 +143,29 @@ fn chunk_of(span: &Span, addr: u64, len: u64) -> Chunk {
     }
 }
 
+/// The first of `spans` that the loaded `ranges` (address, length) do not cover whole, with
+/// the bytes of it they do cover.
+fn unfilled<'a>(spans: &[&'a Span], mut ranges: Vec<(u64, u64)>) -> Option<(&'a Span, u64)> {
+    ranges.sort_unstable();
+    spans.iter().find_map(|s| {
+        let end = s.addr.saturating_add(s.size);
+        let (mut covered, mut at) = (0u64, s.addr);
+        for &(a, l) in ranges.iter().filter(|(a, _)| *a >= s.addr && *a < end) {
+            let e = a.saturating_add(l).min(end);
+            let from = a.max(at);
+            if e > from {
+                covered += e - from;
+                at = e;
+            }
+        }
+        (covered != s.size).then_some((*s, covered))
+    })
+}
+
 /// What the copy-in loop did.
 struct Loaded {
+    /// Device ranges (address, length) filled, from the ring or with zeros.
+    ranges: Vec<(u64, u64)>,
     /// Bytes copied from the ring.
     bytes: u64,
     /// Every chunk loaded or zero-filled whose device hash the plugin sent, with that hash.
@@ -173,6 +209,7 @@ fn copy_in(
     spans: &[Span],
 ) -> Result<Loaded, Fail> {
     let mut expected = Vec::new();
+    let mut ranges = Vec::new();
     let mut busy = vec![false; ring.slots as usize];
     // (slot, device) in issue order.
     let mut inflight: Vec<(u32, i32)> = Vec::new();
@@ -239,6 +276,7 @@ fn copy_in(
                 inflight.push((slot, span.device));
                 issued += 1;
                 bytes += len;
+                ranges.push((addr, len));
             }
             Request::ChunkZero {
                 addr,
@@ -261,6 +299,7 @@ fn copy_in(
                 // it: fill it (HBM speed, milliseconds even for tens of GiB).
                 drv.memset_async(addr, 0, len, stream)?;
                 issued += 1;
+                ranges.push((addr, len));
             }
             Request::RestoreDataDone => {
                 for (slot, dev) in std::mem::take(&mut inflight) {
@@ -270,10 +309,54 @@ fn copy_in(
                 }
                 // The fills are on the same streams, tracked by no event.
                 gpu.sync_all(drv)?;
-                return Ok(Loaded { bytes, expected });
+                return Ok(Loaded {
+                    ranges,
+                    bytes,
+                    expected,
+                });
             }
             Request::Abort => return Err(Fail::Aborted),
             other => return Err(Fail::unexpected(&other, "while data is copied in")),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Span, unfilled};
+
+    #[test]
+    fn a_recreated_allocation_must_be_filled_whole() {
+        let a = Span {
+            id: 1,
+            device: 0,
+            addr: 0x1000,
+            size: 0x300,
+        };
+        let b = Span {
+            id: 2,
+            device: 0,
+            addr: 0x2000,
+            size: 0x100,
+        };
+        let whole = vec![
+            (0x1000, 0x100),
+            (0x1200, 0x100),
+            (0x1100, 0x100),
+            (0x2000, 0x100),
+        ];
+        assert!(unfilled(&[&a, &b], whole).is_none());
+        // One allocation with no chunk at all (lent, never drained into this image).
+        let r = unfilled(&[&a, &b], vec![(0x1000, 0x300)]).expect("b is not filled");
+        assert_eq!((r.0.id, r.1), (2, 0));
+        // A hole, and a chunk loaded twice does not make up for it.
+        let r = unfilled(
+            &[&a],
+            vec![(0x1000, 0x100), (0x1000, 0x100), (0x1200, 0x100)],
+        )
+        .expect("a hole");
+        assert_eq!((r.0.id, r.1), (1, 0x200));
+        // Spans not re-created are not asked about.
+        assert!(unfilled(&[], vec![]).is_none());
     }
 }

@@ -573,10 +573,11 @@ fn list(ch: &Channel) -> Result<(), ProtoError> {
             device: u32::try_from(e.device).unwrap_or(u32::MAX),
             addr: e.addr,
             size: e.size,
-            kind: if e.converted {
-                AllocKind::Converted
-            } else {
-                AllocKind::AppVmm
+            kind: match (e.converted, e.exportable, e.app_handle) {
+                (false, _, _) => AllocKind::AppVmm,
+                (true, _, true) => AllocKind::AppHandleMapping,
+                (true, true, false) => AllocKind::Converted,
+                (true, false, false) => AllocKind::ConvertedNoExport,
             },
         })?;
     }

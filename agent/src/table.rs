@@ -133,6 +133,10 @@ pub struct Listed {
     pub addr: u64,
     pub size: u64,
     pub converted: bool,
+    /// A converted entry a hand-over lends ([`Converted::exportable`]); the others are copied.
+    pub exportable: bool,
+    /// A converted entry that is the mapping of an application handle.
+    pub app_handle: bool,
 }
 
 /// Counts for `Hello`.
@@ -579,6 +583,8 @@ impl Table {
             addr: c.addr,
             size: c.size,
             converted: true,
+            exportable: c.exportable,
+            app_handle: c.app_handle.is_some(),
         });
         let app = self.app_maps.values().map(|m| Listed {
             id: m.id,
@@ -586,6 +592,8 @@ impl Table {
             addr: m.addr,
             size: m.size,
             converted: false,
+            exportable: false,
+            app_handle: false,
         });
         conv.chain(app).collect()
     }

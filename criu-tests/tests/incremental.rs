@@ -82,16 +82,18 @@ fn two_dumps_with(
     );
     s.assert_ok(&dump1);
     if s.app_vmm {
-        // The application's own VMM memory is not exportable: the whole process takes the
-        // copy-first route (named in the log), and the -R reloads from the files.
+        // The application's own VMM memory is not exportable: it alone is copied out first
+        // (its route named in the log), the rest is lent; the -R maps the lent memory back and
+        // reloads that part from the files.
         s.assert_line(
             &dump1,
-            &[
-                "hand-over failed before any memory was released",
-                "not created exportable",
-            ],
+            &["copy first (the application's own cuMemCreate handle"],
         );
-        s.assert_line(&dump1, &["device data reloaded"]);
+        s.assert_line(&dump1, &["device memory mapped back", "no file read"]);
+        s.assert_line(
+            &dump1,
+            &["device data reloaded", "the allocations copied out first"],
+        );
     } else {
         // The hand-over: the -R maps the memory back from what the job kept.
         s.assert_line(&dump1, &["device memory mapped back", "no file read"]);
@@ -160,10 +162,18 @@ fn incremental_dump_writes_only_what_changed() {
                 .ok()
         })
         .collect();
+    // The job's agent copies only what is not lent (the workload's own 2 MiB mapping, copied
+    // out first: unchanged, so nothing); the keeper copies the lent rest, as the plugin counts.
     assert_eq!(
         sent.last(),
-        Some(&(2 * MIB)),
-        "bytes the agent copied off the device, per dump: {sent:?}"
+        Some(&0),
+        "bytes the job's agent copied off the device, per dump: {sent:?}"
+    );
+    assert_eq!(num(&incr, "bytes_copied_off_device"), 2 * MIB, "{incr}");
+    assert_eq!(
+        num(&full, "bytes_copied_off_device"),
+        device - zero,
+        "{full}"
     );
     assert_eq!(num(&incr, "bytes_referenced"), 16 * MIB - zero, "{incr}");
     eprintln!(

@@ -302,6 +302,11 @@ impl AgentSession {
 
     /// `ListAllocations`: every allocation the agent tracks.
     pub fn list(&self) -> Result<Vec<AllocationRecord>, AgentError> {
+        Ok(self.list_kinds()?.into_iter().map(|(a, _)| a).collect())
+    }
+
+    /// `ListAllocations`, with how the agent holds each (what its route depends on).
+    pub fn list_kinds(&self) -> Result<Vec<(AllocationRecord, AllocKind)>, AgentError> {
         self.send(&Request::ListAllocations, None)?;
         let mut out = Vec::new();
         loop {
@@ -312,14 +317,17 @@ impl AgentSession {
                     addr,
                     size,
                     kind,
-                } => out.push(AllocationRecord {
-                    id,
-                    device,
-                    addr,
-                    size,
-                    moved: kind == AllocKind::Converted,
-                    lent: false,
-                }),
+                } => out.push((
+                    AllocationRecord {
+                        id,
+                        device,
+                        addr,
+                        size,
+                        moved: kind.moved(),
+                        lent: false,
+                    },
+                    kind,
+                )),
                 Reply::AllocationsEnd { .. } => return Ok(out),
                 got => return Err(self.unexpected("Allocation", got)),
             }

@@ -78,9 +78,44 @@ pub struct DumpData {
     pub zero_bytes: u64,
     /// Chunks that carry a hash computed on the GPU.
     pub device_hashed: u64,
+    /// Device bytes the agent copied off the GPU into the ring (`ChunkReady`): what the zero
+    /// and unchanged chunks it found on the GPU did not spare.
+    pub copied_bytes: u64,
     pub seconds: f64,
     /// The writer threads' time, summed over them: where the data phase's host side went.
     pub writers: WritersTime,
+}
+
+impl DumpData {
+    /// What two data phases of one process wrote together (a hand-over's copy-first part and
+    /// its drain, into files of their own).
+    pub fn merged(self, other: DumpData) -> DumpData {
+        let mut files = self.files;
+        files.extend(other.files);
+        files.sort_by(|a, b| a.name.cmp(&b.name));
+        let mut chunks = self.chunks;
+        chunks.extend(other.chunks);
+        chunks.sort_by_key(|c| c.addr);
+        let mut writers = self.writers;
+        writers.threads += other.writers.threads;
+        writers.hash_s += other.writers.hash_s;
+        writers.write_s += other.writers.write_s;
+        writers.wait_s += other.writers.wait_s;
+        DumpData {
+            files,
+            chunks,
+            bytes: self.bytes + other.bytes,
+            stored_bytes: self.stored_bytes + other.stored_bytes,
+            referenced_chunks: self.referenced_chunks + other.referenced_chunks,
+            referenced_bytes: self.referenced_bytes + other.referenced_bytes,
+            zero_chunks: self.zero_chunks + other.zero_chunks,
+            zero_bytes: self.zero_bytes + other.zero_bytes,
+            device_hashed: self.device_hashed + other.device_hashed,
+            copied_bytes: self.copied_bytes + other.copied_bytes,
+            seconds: self.seconds + other.seconds,
+            writers,
+        }
+    }
 }
 
 /// Seconds the writer threads spent, summed over the threads: hashing on the host, writing
@@ -155,6 +190,28 @@ pub fn copy_out(
     durable: bool,
     round: Round,
 ) -> Result<DumpData, DataError> {
+    let first_file = 0;
+    copy_out_into(
+        agent, staging, dir, nspid, first_file, writers, codec, parent, limits, durable, round,
+    )
+}
+
+/// [`copy_out`] into data files numbered from `first_file` on (a hand-over's drain after a
+/// copy-first part of the same process, which took the numbers below it).
+#[allow(clippy::too_many_arguments)]
+pub fn copy_out_into(
+    agent: &AgentSession,
+    staging: &Staging,
+    dir: BorrowedFd<'_>,
+    nspid: u32,
+    first_file: u32,
+    writers: usize,
+    codec: Codec,
+    parent: Option<&DedupIndex>,
+    limits: Limits,
+    durable: bool,
+    round: Round,
+) -> Result<DumpData, DataError> {
     let t0 = Instant::now();
     // The parent's chunks with device hashes: the agent compares them on the GPU and does not
     // copy what is unchanged.
@@ -187,7 +244,8 @@ pub fn copy_out(
                     durable,
                     round,
                 };
-                s.spawn(move || writer(index as u32, rx, err_tx, agent, staging, out))
+                let index = first_file.saturating_add(index as u32);
+                s.spawn(move || writer(index, rx, err_tx, agent, staging, out))
             })
             .collect();
         drop(work_rx);
@@ -199,6 +257,7 @@ pub fn copy_out(
             limits.stall,
             parent,
             &mut data.chunks,
+            &mut data.copied_bytes,
         );
         drop(work_tx);
         for h in handles {
@@ -261,6 +320,7 @@ fn pump_dump_replies(
     stall: Duration,
     parent: Option<&DedupIndex>,
     unwritten: &mut Vec<ChunkEntry>,
+    copied: &mut u64,
 ) -> Result<(), DataError> {
     let mut last = Instant::now();
     // The second announcement means the first chunk was handed to a writer (a point for a
@@ -283,6 +343,7 @@ fn pump_dump_replies(
                     crate::fault::kill_criu_at("dump-data-out");
                 }
                 sent += 1;
+                *copied += len;
                 let w = Work {
                     slot,
                     addr,

@@ -77,6 +77,10 @@ pub enum DumpError {
     Drain { pid: i32, err: DataError },
     #[error("starting the drain thread of pid {pid}: {err}")]
     DrainStart { pid: i32, err: std::io::Error },
+    #[error(
+        "pid {pid}: its lent memory is mapped back, but what was copied out first is still released and no manifest of that part is at hand (give the dump's image directory: --images DIR); it stays held"
+    )]
+    CopyFirstPartMissing { pid: i32 },
 }
 
 impl DumpError {
@@ -163,8 +167,28 @@ pub fn pause(ctx: &Ctx, pid: i32) -> Result<Option<Tracked>, DumpError> {
     if initial == ProcessState::Running && ctx.cfg.mode == Mode::Auto {
         match hello.map(|h| split_candidate(pid, h)).transpose() {
             Ok(Some(Some(mut split))) => {
-                split.early_ring = session.as_ref().and_then(|s| early_ring(ctx, pid, s));
-                split.keeper = keeper_for(ctx, pid);
+                let listed = session.as_ref().and_then(|s| {
+                    s.list_kinds()
+                        .map_err(|e| log::debug!("pid {pid}: no listing at PAUSE: {e}"))
+                        .ok()
+                });
+                let listed = listed.unwrap_or_default();
+                split.early_ring = early_ring(ctx, pid, &listed);
+                // A keeper only for a process with something to lend; each allocation's route
+                // and its reason are logged once, here.
+                let unavailable = if listed.iter().any(|(_, k)| k.lendable()) {
+                    match keeper_for(ctx, pid) {
+                        Ok(k) => {
+                            split.keeper = Some(k);
+                            None
+                        }
+                        Err(why) => Some(why),
+                    }
+                } else {
+                    None
+                };
+                split.routes = crate::route::Routes::decide(&listed, unavailable);
+                log::info!("pid {pid}: {}", split.routes.summary());
                 t.route = Route::Split(split);
             }
             Ok(_) => {}
@@ -258,12 +282,12 @@ fn is_live_mps_process(stat: &str) -> bool {
 /// The keeper for a hand-over of `pid`'s memory, started now while the job still runs (its
 /// `cuInit` then costs the job no pause); `None`, with the reason in the log, when the data is
 /// to be copied out first instead.
-fn keeper_for(ctx: &Ctx, pid: i32) -> Option<crate::keeper::Keeper> {
+fn keeper_for(ctx: &Ctx, pid: i32) -> Result<crate::keeper::Keeper, crate::route::CopyFirst> {
     if !ctx.cfg.handover {
         log::info!(
             "pid {pid}: handover = false: the device data is copied out before the driver checkpoint"
         );
-        return None;
+        return Err(crate::route::CopyFirst::HandoverOff);
     }
     let libcuda = crate::keeper::job_libcuda(pid);
     match crate::keeper::Keeper::spawn(
@@ -280,13 +304,13 @@ fn keeper_for(ctx: &Ctx, pid: i32) -> Option<crate::keeper::Keeper> {
                     .as_deref()
                     .map_or("libcuda.so.1".into(), |p| p.display().to_string())
             );
-            Some(k)
+            Ok(k)
         }
         Err(e) => {
             log::warn!(
                 "pid {pid}: no hand-over ({e}): the device data is copied out before the driver checkpoint"
             );
-            None
+            Err(crate::route::CopyFirst::NoKeeper)
         }
     }
 }
@@ -308,6 +332,7 @@ fn split_candidate(pid: i32, hello: AgentHello) -> Result<Option<SplitPlan>, Dum
         converted_bytes_at_pause: hello.converted_bytes,
         early_ring: None,
         keeper: None,
+        routes: Default::default(),
     }))
 }
 
@@ -323,11 +348,15 @@ fn ring_shape(ctx: &Ctx, allocations: &[AllocationRecord]) -> RingShape {
 /// The ring made at PAUSE, while the process still runs, for the allocations the agent holds
 /// now: populating it (0.1 s for 512 MiB on the H200 VM) then costs the job no pause. `None`
 /// (the checkpoint makes one) if the agent cannot list them or the memory cannot be had.
-fn early_ring(ctx: &Ctx, pid: i32, s: &AgentSession) -> Option<(RingShape, Staging)> {
-    let allocations = s
-        .list()
-        .map_err(|e| log::debug!("pid {pid}: no early ring: {e}"))
-        .ok()?;
+fn early_ring(
+    ctx: &Ctx,
+    pid: i32,
+    listed: &[(AllocationRecord, gpusnap_proto::AllocKind)],
+) -> Option<(RingShape, Staging)> {
+    if listed.is_empty() {
+        return None;
+    }
+    let allocations: Vec<AllocationRecord> = listed.iter().map(|(a, _)| a.clone()).collect();
     let shape = ring_shape(ctx, &allocations);
     let staging = Staging::new(shape.slot_size, shape.slots)
         .map_err(|e| log::debug!("pid {pid}: no early ring: {e}"))
@@ -559,6 +588,14 @@ fn checkpoint_one(
                     "pid {}: hand-over failed before any memory was released ({e}); copying the data out first instead",
                     t.pid
                 );
+                // A copy-first part may have written files already.
+                remove_partial_files(ctx, t);
+                if let Route::Split(plan) = &mut t.route {
+                    plan.routes = plan
+                        .routes
+                        .all_copy_first(crate::route::CopyFirst::HandOverFailed);
+                    log::info!("pid {}: {}", t.pid, plan.routes.summary());
+                }
                 if matches!(t.phase, Phase::DataOut) {
                     lock(ctx, t, "relock")?;
                 }
@@ -623,48 +660,119 @@ fn planned_keeper(t: &mut Tracked) -> Option<&mut crate::keeper::Keeper> {
 }
 
 /// The hand-over (`crate::handover`), with the application stopped and only the agent thread
-/// (and the driver's) running: unlock, lend every allocation to the keeper, hold, release (the
-/// job keeps the exported descriptors), start the drain ([`crate::handover::Drain`]), lock again. A
-/// failure before the release changes nothing of the job.
+/// (and the driver's) running: unlock, lend every allocation whose route is `Lend` to the
+/// keeper, copy the others out first (on the same connection, into data files of their own,
+/// with their manifest written before anything is released), hold, release all of them (the
+/// job keeps the exported descriptors), start the drain ([`crate::handover::Drain`]) of the
+/// lent ones, lock again. A failure before the release changes nothing of the job.
 fn hand_over(ctx: &Ctx, t: &mut Tracked, release: &Mutex<Option<Hold>>) -> Result<(), DumpError> {
+    use crate::handover::HandOverError;
     let pid = t.pid;
     unlock_for_agent(ctx, t)?;
-    let mut keeper = match &mut t.route {
-        Route::Split(plan) => plan.keeper.take(),
-        Route::Transparent => None,
-    }
-    .ok_or(DumpError::HandOver(
-        crate::handover::HandOverError::NoKeeper,
-    ))?;
+    let (mut keeper, planned) = match &mut t.route {
+        Route::Split(plan) => (plan.keeper.take(), std::mem::take(&mut plan.routes)),
+        Route::Transparent => (None, Default::default()),
+    };
+    let mut keeper = keeper
+        .take()
+        .ok_or(DumpError::HandOver(HandOverError::NoKeeper))?;
 
     let session = AgentSession::connect_expected(pid, ctx.agent_timeout())?;
     let t0 = Instant::now();
     session.hello_intact()?;
-    let allocations = session.list()?;
+    let listed = session.list_kinds()?;
+    let routes = crate::route::Routes::decide(&listed, None);
+    if !routes.same_as(&planned) {
+        log::info!(
+            "pid {pid}: the allocations changed since PAUSE; {}",
+            routes.summary()
+        );
+    }
+    if let Route::Split(plan) = &mut t.route {
+        plan.routes = routes.clone();
+    }
+    if routes.lent() == 0 {
+        return Err(HandOverError::NothingToLend.into());
+    }
+    let allocations: Vec<AllocationRecord> = listed.into_iter().map(|(a, _)| a).collect();
     let staging = take_ring(ctx, t, &allocations)?;
-    let lent = crate::handover::lend_to_keeper(&session, &keeper, &allocations)?;
+    let lent = crate::handover::lend_to_keeper(&session, &keeper, &routes)?;
     // Adopted: from here the session serves the drain; the keeper stays for the reaping.
-    let drain_session = keeper.take_session().ok_or(DumpError::HandOver(
-        crate::handover::HandOverError::NoKeeper,
-    ))?;
+    let drain_session = keeper
+        .take_session()
+        .ok_or(DumpError::HandOver(HandOverError::NoKeeper))?;
     t.time("lend", t0.elapsed().as_secs_f64());
+    let moved_bytes = |lend: bool| -> u64 {
+        routes
+            .0
+            .iter()
+            .filter(|(a, r)| a.moved && (*r == crate::route::AllocRoute::Lend) == lend)
+            .map(|(a, _)| a.size)
+            .sum()
+    };
     log::info!(
         "pid {pid}: {lent} allocations ({:.2} GiB) lent to keeper pid {}",
-        gib(allocations.iter().filter(|a| a.moved).map(|a| a.size).sum()),
+        gib(moved_bytes(true)),
         keeper.pid()
     );
     crate::fault::kill_criu_at("dump-lent");
+
+    let dir = ctx.image_dir();
+    let (codec, why) = crate::context::codec_for(&ctx.cfg, dir);
+    if ctx.cfg.compress == gpusnap_config::Compress::Auto {
+        log::info!("pid {pid}: chunks stored as {codec:?}: {why}");
+    }
+    // What cannot be lent is copied out first, through the job's agent on this connection, as
+    // the copy-first route does, before anything is released; its manifest is written now,
+    // so that `gpusnap recover` finds that part should CRIU die from here on.
+    let copy_first = if routes.copied_first() > 0 {
+        let t0 = Instant::now();
+        let parent = parent_index(
+            dir,
+            pid,
+            t.nspid.get(),
+            &allocations,
+            ctx.cfg.incremental,
+            ctx.cfg.effective_reader_threads(),
+        );
+        let data = datapath::copy_out(
+            &session,
+            &staging,
+            dir,
+            t.nspid.get(),
+            ctx.cfg.effective_writer_threads(),
+            codec,
+            parent.as_ref(),
+            ctx.limits(),
+            ctx.cfg.durable,
+            datapath::Round::Paused,
+        )?;
+        log::info!(
+            "pid {pid}: {} allocations ({:.2} GiB) copied out first, before the driver checkpoint, in {:.3} s",
+            routes.copied_first(),
+            gib(moved_bytes(false)),
+            t0.elapsed().as_secs_f64()
+        );
+        log_data(pid, &allocations, &data);
+        t.time("data", data.seconds);
+        let manifest = new_manifest(
+            ctx,
+            t,
+            CheckpointPath::Split,
+            routes.copy_first_records(),
+            &data,
+        );
+        gpusnap_image::write_manifest(dir, &manifest).map_err(DumpError::Manifest)?;
+        Some((manifest, data))
+    } else {
+        None
+    };
 
     let agent_tid = session_agent_tid(t)?;
     t.hold = Some(
         crate::hold::Hold::place(pid, &[t.restore_tid, agent_tid])
             .map_err(|err| DumpError::Hold { pid, err })?,
     );
-    let dir = ctx.image_dir();
-    let (codec, why) = crate::context::codec_for(&ctx.cfg, dir);
-    if ctx.cfg.compress == gpusnap_config::Compress::Auto {
-        log::info!("pid {pid}: chunks stored as {codec:?}: {why}");
-    }
     let job = crate::handover::DrainJob {
         staging,
         dir: ctx.criu_image_dir().ok_or(DumpError::NoImageDir)?,
@@ -677,24 +785,41 @@ fn hand_over(ctx: &Ctx, t: &mut Tracked, release: &Mutex<Option<Hold>>) -> Resul
         incremental: ctx.cfg.incremental,
         limits: ctx.limits(),
         durable: ctx.cfg.durable,
+        // The copy-first part's writers took the numbers below.
+        first_file: if copy_first.is_some() {
+            u32::try_from(ctx.cfg.effective_writer_threads()).unwrap_or(u32::MAX / 2)
+        } else {
+            0
+        },
     };
-    // The manifest is not written now (the data is not in the files yet): until the drain has
-    // finished, the job's own descriptors are where its memory lives.
-    let provisional = new_manifest(
-        ctx,
-        t,
-        CheckpointPath::Split,
-        allocations,
-        &datapath::DumpData::default(),
-    );
+    // Until the drain has finished, the job's own descriptors are where the lent memory lives:
+    // the manifest in hand lists the copy-first part only (that part's, written above, or one
+    // without data).
+    let (provisional, copied) = match copy_first {
+        Some((m, data)) => (m, Some(Box::new(data))),
+        None => (
+            new_manifest(
+                ctx,
+                t,
+                CheckpointPath::Split,
+                routes.copy_first_records(),
+                &datapath::DumpData::default(),
+            ),
+            None,
+        ),
+    };
     let since = Instant::now();
+    let has_copy_first = copied.is_some();
     t.phase.released(MovedData {
-        manifest: Box::new(provisional),
+        manifest: Box::new(provisional.clone()),
         stats: None,
         lent: Some(Box::new(crate::handover::Lent {
             keeper: Some(keeper),
             drain: None,
             since,
+            routes,
+            copy_first: has_copy_first.then(|| Box::new(provisional)),
+            copied,
         })),
     })?;
     let t0 = Instant::now();
@@ -1139,11 +1264,18 @@ fn bring_back(
     let t0 = Instant::now();
     let agent_thread = ptrace::resume(tid, "agent thread")?;
     let reclaimed = AgentSession::connect_expected(target.pid, ctx.agent_timeout())
-        .and_then(AgentSession::reclaim);
+        .and_then(AgentSession::reclaim)
+        .and_then(|r| {
+            // What was copied out first is still released: the agent says so.
+            let still = AgentSession::connect_expected(target.pid, ctx.agent_timeout())?
+                .hello()?
+                .released;
+            Ok((r, still))
+        });
     agent_thread
         .stop()
         .map_err(PtraceError::on(tid, "stopping the agent thread"))?;
-    let (n, bytes) = reclaimed?;
+    let ((n, bytes), still_released) = reclaimed?;
     crate::fault::kill_criu_at("rollback-reclaimed");
     log::info!(
         "pid {}: device memory mapped back from the descriptors it kept ({n} allocations, {:.2} GiB) in {:.3} s, no file read",
@@ -1151,7 +1283,28 @@ fn bring_back(
         gib(bytes),
         t0.elapsed().as_secs_f64()
     );
-    Ok("device memory mapped back")
+    if !still_released {
+        return Ok("device memory mapped back");
+    }
+    // The copy-first part: reloaded from its files, the process still held.
+    let Some(part) = lent.copy_first.as_deref() else {
+        return Err(DumpError::CopyFirstPartMissing { pid: target.pid });
+    };
+    let stats = load_through_agent(
+        ctx,
+        target.pid,
+        tid,
+        ctx.image_dir(),
+        part,
+        "rollback-reload",
+    )?;
+    log::info!(
+        "pid {}: device data reloaded ({:.2} GiB in {:.3} s): the allocations copied out first",
+        target.pid,
+        gib(stats.bytes),
+        stats.seconds
+    );
+    Ok("device memory mapped back, the copied part reloaded")
 }
 
 /// Reloads released memory from the files of `moved` through the agent.
@@ -1471,6 +1624,9 @@ fn finish_drain(ctx: &Ctx, t: &mut Tracked, ret: i32) -> Result<(), DumpError> {
         ));
     };
     let since = lent.since.elapsed().as_secs_f64();
+    // Each allocation as it went: lent (a restore may hand it over), or copied out first.
+    let allocations = lent.routes.records();
+    let copied = lent.copied.take();
     let mut done = drain.join();
     // The keeper has released its imports (or died): let it go and reap it.
     drop(done.session.take());
@@ -1483,20 +1639,16 @@ fn finish_drain(ctx: &Ctx, t: &mut Tracked, ret: i32) -> Result<(), DumpError> {
     t.time("drain", done.ran_s);
     t.time("drain_wait", done.waited_s);
     let data = done.data.map_err(|err| DumpError::Drain { pid, err })?;
-    // Every moved allocation was lent (`lend_to_keeper` refuses less): a restore may hand
-    // them over too.
-    let allocations: Vec<AllocationRecord> = t
-        .phase
-        .moved()
-        .map(|m| {
-            let lent = |a: &AllocationRecord| AllocationRecord {
-                lent: a.moved,
-                ..a.clone()
-            };
-            m.manifest.allocations.iter().map(lent).collect()
-        })
-        .unwrap_or_default();
     log_data(pid, &allocations, &data);
+    let data = match copied {
+        Some(c) => c.merged(data),
+        None => data,
+    };
+    log::info!(
+        "pid {pid}: the image holds {} lent and {} copied-first allocations",
+        allocations.iter().filter(|a| a.lent).count(),
+        allocations.iter().filter(|a| a.moved && !a.lent).count()
+    );
     let manifest = new_manifest(ctx, t, CheckpointPath::Split, allocations, &data);
     if let Some(m) = t.phase.moved_mut() {
         *m.manifest = manifest;
@@ -1529,6 +1681,7 @@ fn stats_of(t: &Tracked) -> serde_json::Value {
             "chunks_zero": d.zero_chunks,
             "bytes_zero": d.zero_bytes,
             "chunks_device_hashed": d.device_hashed,
+            "bytes_copied_off_device": d.copied_bytes,
             "incremental": d.referenced_chunks > 0,
             // Summed over the writer threads: where the host side of the data phase went.
             "writers": {

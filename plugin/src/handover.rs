@@ -33,6 +33,12 @@ pub enum HandOverError {
     Incomplete { lent: usize, listed: usize },
     #[error("the keeper is gone before the drain")]
     NoKeeper,
+    #[error(
+        "the agent lent allocations {lent:?}, the routes say {planned:?}: refusing a hand-over other than planned"
+    )]
+    NotAsPlanned { lent: Vec<u64>, planned: Vec<u64> },
+    #[error("no allocation of the process is lendable now")]
+    NothingToLend,
 }
 
 /// The data of a dump whose memory is lent: the keeper, and the drain once it runs (from
@@ -42,16 +48,27 @@ pub struct Lent {
     pub drain: Option<Drain>,
     /// When the memory changed hands (for the log's time line).
     pub since: Instant,
+    /// The route of each allocation (what the image records as lent).
+    pub routes: crate::route::Routes,
+    /// The allocations not lent but copied out first, before the release: their manifest (the
+    /// one on disk until the drain has finished), what a reload after the reclaim needs.
+    pub copy_first: Option<Box<gpusnap_image::Manifest>>,
+    /// What that copy-first part wrote, merged with the drain's at the end.
+    pub copied: Option<Box<DumpData>>,
 }
 
 impl Lent {
     /// Memory a job lent in a dump that did not finish, found by `gpusnap recover` (the job's
-    /// agent says it keeps the descriptors): nothing to drain, only to reclaim.
-    pub fn found_kept() -> Lent {
+    /// agent says it keeps the descriptors): nothing to drain, only to reclaim, and, for a
+    /// process with a copy-first part, that part's manifest, if the image directory has it.
+    pub fn found_kept(copy_first: Option<gpusnap_image::Manifest>) -> Lent {
         Lent {
             keeper: None,
             drain: None,
             since: Instant::now(),
+            routes: Default::default(),
+            copy_first: copy_first.map(Box::new),
+            copied: None,
         }
     }
 }
@@ -70,15 +87,23 @@ impl std::fmt::Debug for Lent {
 pub fn lend_to_keeper(
     session: &AgentSession,
     keeper: &Keeper,
-    allocations: &[AllocationRecord],
+    routes: &crate::route::Routes,
 ) -> Result<usize, HandOverError> {
     let lent: Vec<LentAllocation> = session.lend().map_err(HandOverError::KeeperSession)?;
-    let listed = allocations.iter().filter(|a| a.moved).count();
+    let listed = routes.lent();
     if lent.len() != listed {
         session.abort();
         return Err(HandOverError::Incomplete {
             lent: lent.len(),
             listed,
+        });
+    }
+    let ids: std::collections::BTreeSet<u64> = lent.iter().map(|l| l.id).collect();
+    if ids != routes.lend_ids() {
+        session.abort();
+        return Err(HandOverError::NotAsPlanned {
+            lent: ids.into_iter().collect(),
+            planned: routes.lend_ids().into_iter().collect(),
         });
     }
     let ks = keeper.session().ok_or(HandOverError::NoKeeper)?;
@@ -108,6 +133,8 @@ pub struct DrainJob {
     pub incremental: bool,
     pub limits: datapath::Limits,
     pub durable: bool,
+    /// The first data file number (those below belong to the copy-first part).
+    pub first_file: u32,
 }
 
 /// The keeper's copy-out with the plugin's writers, on a thread of its own.
@@ -149,16 +176,18 @@ impl Drain {
                     incremental,
                     limits,
                     durable,
+                    first_file,
                 } = job;
                 // The parent image is read back and checked here, beside CRIU's dump: the
                 // job's memory is still whole, so what a damaged parent lacks is written fresh.
                 let parent =
                     crate::dump::parent_index(dir, pid, nspid, &allocations, incremental, readers);
-                let data = datapath::copy_out(
+                let data = datapath::copy_out_into(
                     &session,
                     &staging,
                     dir,
                     nspid,
+                    first_file,
                     writers,
                     codec,
                     parent.as_ref(),

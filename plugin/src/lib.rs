@@ -46,6 +46,7 @@ pub mod ptrace;
 pub mod reap;
 pub mod recover;
 pub mod restore;
+pub mod route;
 pub mod sharing;
 pub mod signals;
 pub mod staging;

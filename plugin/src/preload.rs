@@ -73,7 +73,9 @@ pub fn eligible(cfg: &Config, m: &Manifest) -> Option<&'static str> {
         return Some("no device data in gpusnap's files");
     }
     if m.allocations.iter().any(|a| a.moved && !a.lent) {
-        return Some("its dump copied the data out first (not every allocation was lent)");
+        return Some(
+            "its dump copied the data out first for some or all allocations (not every allocation was lent): the job's agent loads all of it",
+        );
     }
     if gpumap::planned_by_the_driver(&m.gpus, &cfg.device_map) {
         // The plan is then the driver's to make, after CRIU's restore.

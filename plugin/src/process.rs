@@ -230,6 +230,9 @@ pub struct SplitPlan {
     /// The keeper started at PAUSE for a hand-over (`None`: the data is copied out first, on
     /// the job's pause; the reason is in the log).
     pub keeper: Option<crate::keeper::Keeper>,
+    /// The route of each allocation, decided at PAUSE (and logged): what the keeper is lent,
+    /// what is copied out first. The checkpoint lists again and says so if they changed.
+    pub routes: crate::route::Routes,
 }
 
 /// One GPU process of a dump.

@@ -172,8 +172,9 @@ pub fn recover(pid: i32, images: Option<&Path>) -> Result<String, RecoverError> 
     if released && !kept && images.is_none() {
         return Err(RecoverError::NeedImages);
     }
-    // Only a reload reads the image directory; without one to reload, the root stands in.
-    let dir = images.filter(|_| !kept).unwrap_or(Path::new("/"));
+    // Only a reload reads the image directory (memory lent is mapped back without it, but a
+    // process may have copied a part out first); without one, the root stands in.
+    let dir = images.unwrap_or(Path::new("/"));
     let fd = std::fs::File::open(dir).map_err(|err| RecoverError::ImageDir {
         dir: dir.to_owned(),
         err,
@@ -197,7 +198,15 @@ pub fn recover(pid: i32, images: Option<&Path>) -> Result<String, RecoverError> 
                 &crate::datapath::DumpData::default(),
             )),
             stats: None,
-            lent: Some(Box::new(crate::handover::Lent::found_kept())),
+            // The part copied out first, if the dump had one and the image has its manifest:
+            // reloaded once the lent memory is mapped back.
+            lent: Some(Box::new(crate::handover::Lent::found_kept(
+                images
+                    .and_then(|_| {
+                        gpusnap_image::read_manifest(ctx.image_dir(), nspid().ok()?.get()).ok()
+                    })
+                    .filter(|m| m.allocations.iter().any(|a| a.moved)),
+            ))),
         })
     } else if released {
         let nspid = nspid()?;

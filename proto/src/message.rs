@@ -19,10 +19,17 @@ pub const MAX_ERROR_MESSAGE: usize = 400;
 /// How the agent holds an allocation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AllocKind {
-    /// A `cuMemAlloc` that the agent turned into a VMM mapping; the agent moves its data.
+    /// A `cuMemAlloc` that the agent turned into a VMM mapping, created exportable: the agent
+    /// moves its data, and may lend it at a hand-over (`LendBegin`).
     Converted = 1,
     /// The application's own `cuMemCreate` + `cuMemMap`; recorded only, left to the driver checkpoint.
     AppVmm = 2,
+    /// A converted `cuMemAlloc` whose memory could not be created exportable (the device has no
+    /// POSIX-fd handles): the agent moves its data by copying only, never lends it.
+    ConvertedNoExport = 3,
+    /// The whole mapping of one of the application's own `cuMemCreate` handles: the agent moves
+    /// its data by copying only (the handle is the application's), never lends it.
+    AppHandleMapping = 4,
 }
 
 impl AllocKind {
@@ -30,8 +37,20 @@ impl AllocKind {
         match v {
             1 => Ok(AllocKind::Converted),
             2 => Ok(AllocKind::AppVmm),
+            3 => Ok(AllocKind::ConvertedNoExport),
+            4 => Ok(AllocKind::AppHandleMapping),
             _ => Err(ProtoError::Malformed("unknown allocation kind")),
         }
+    }
+
+    /// Whether the agent moves the allocation's data (the split path), by lending or copying.
+    pub fn moved(self) -> bool {
+        !matches!(self, AllocKind::AppVmm)
+    }
+
+    /// Whether a `LendBegin` lends it.
+    pub fn lendable(self) -> bool {
+        matches!(self, AllocKind::Converted)
     }
 }
 
@@ -157,11 +176,13 @@ pub enum Request {
         /// Its device hash in the parent image.
         device_hash: u64,
     },
-    /// Hand-over (the job's agent, its threads held): export every converted allocation and
-    /// send one [`Reply::Lent`] per allocation with a copy of the exported descriptor attached,
-    /// then [`Reply::LentEnd`]. The agent keeps its own copies. `Release` (the memory then lives
-    /// on in the kept descriptors and in whoever imported them) or `Abort` (the copies are
-    /// closed, nothing changed) follows.
+    /// Hand-over (the job's agent, its threads held): export every lendable allocation
+    /// ([`AllocKind::Converted`]) and send one [`Reply::Lent`] per allocation with a copy of
+    /// the exported descriptor attached, then [`Reply::LentEnd`]. The agent keeps its own
+    /// copies. `Release` (the memory then lives on in the kept descriptors and in whoever
+    /// imported them) or `Abort` (the copies are closed, nothing changed) follows; or, where
+    /// some moved allocations are not lendable, `KnownChunk`s and a `DumpBegin` on the same
+    /// connection first, which copies out only those (not the lent ones), then `Release` of all.
     LendBegin,
     /// To the keeper: import the attached exported descriptor and map it at `addr`, the
     /// address the job uses, so the data can be copied out while the job is checkpointed.

@@ -114,7 +114,21 @@ fn all_replies() -> Vec<Reply> {
             size: 2,
             kind: AllocKind::AppVmm,
         },
-        Reply::AllocationsEnd { count: 2 },
+        Reply::Allocation {
+            id: 11,
+            device: 1,
+            addr: 0x7000_0040_0000,
+            size: 2 << 20,
+            kind: AllocKind::ConvertedNoExport,
+        },
+        Reply::Allocation {
+            id: 12,
+            device: 0,
+            addr: 0x7000_0060_0000,
+            size: 2 << 20,
+            kind: AllocKind::AppHandleMapping,
+        },
+        Reply::AllocationsEnd { count: 4 },
         Reply::Ready,
         Reply::ChunkReady {
             slot: 1,
@@ -351,7 +365,7 @@ fn bad_field_values_are_rejected() {
         size: 0,
         kind: AllocKind::AppVmm,
     });
-    *b.last_mut().unwrap() = 3;
+    *b.last_mut().unwrap() = 5;
     assert!(matches!(Reply::decode(&b), Err(ProtoError::Malformed(_))));
     // Boolean 2.
     let mut b = enc_rep(&Reply::Hello {

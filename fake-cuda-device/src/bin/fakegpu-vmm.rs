@@ -478,8 +478,9 @@ fn make_hazard(kind: &str, ctx: *mut c_void, first: DevPtr) -> Result<(), String
             );
             let mut small = 0;
             let mut h = [0u8; 64];
-            // SAFETY: valid out pointers; the handle is taken of the live allocation just made.
+            // SAFETY: a valid out pointer.
             match unsafe { alloc(&mut small, 64 << 10) } {
+                // SAFETY: a valid 64-byte out buffer and the live allocation just made.
                 0 => unsafe { f(&mut h, small) },
                 rc => rc,
             }

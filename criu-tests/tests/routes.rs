@@ -1,0 +1,218 @@
+//! Routes per allocation, with a real CRIU on the stand-in driver: a job with allocations the
+//! agent can lend (its converted `cuMemAlloc`s, created exportable) and one it cannot (the
+//! workload's own `cuMemCreate` handle, mapped whole: `--app-vmm`) lends the first to the keeper
+//! and copies the other out first, before the driver checkpoint. The image records which was
+//! lent; a restore (the job's agent loads all of it: a mixed image is not handed over at restore)
+//! and `-R` (the lent ones mapped back from the kept descriptors, the copied one reloaded) run on
+//! bit-exact; CRIU killed after the lend or after the release leaves the job running, or held
+//! and brought back by `gpusnap recover --images`.
+//!
+//! Root and CRIU are needed; `GPUSNAP_SKIP_CRIU_TESTS=1` skips.
+
+mod common;
+
+use common::split::Split;
+use criu_tests::CriuRun;
+use std::time::Duration;
+
+/// 3 data allocations and the counter (converted, exportable on the stand-in) and the
+/// workload's own 2 MiB `cuMemCreate` mapping (not exportable by the agent).
+const LENDABLE: usize = 4;
+const COPIED_FIRST: usize = 1;
+
+fn start(test: &str) -> Option<Split> {
+    Split::launch(
+        test,
+        1,
+        &["--seed", "23", "--allocs", "3", "--mib", "4", "--app-vmm"],
+        &[],
+    )
+}
+
+/// The numbers of the routes line the dump logged at PAUSE: (lent, copied first).
+fn routes_at_pause(s: &Split, dump: &CriuRun) -> (usize, usize) {
+    let line = dump
+        .gpusnap_lines()
+        .into_iter()
+        .find(|l| l.contains("routes: "))
+        .unwrap_or_else(|| panic!("no routes line\n{}", s.describe(dump)));
+    let after = line.split("routes: ").nth(1).expect("routes: ...");
+    // "A lent, B copied first, C left to the driver; ..."
+    let num = |what: &str| -> usize {
+        after
+            .split([',', ';'])
+            .find_map(|p| p.trim().strip_suffix(what))
+            .and_then(|n| n.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no count of {what:?} in {line}"))
+    };
+    (num(" lent"), num(" copied first"))
+}
+
+/// The lines of a mixed dump: routes per reason at PAUSE, the lend of exactly the exportable
+/// ones, the copy-first of the other, the drain.
+fn assert_mixed(s: &Split, dump: &CriuRun) {
+    assert_eq!(
+        routes_at_pause(s, dump),
+        (LENDABLE, COPIED_FIRST),
+        "{}",
+        s.describe(dump)
+    );
+    s.assert_line(
+        dump,
+        &[
+            &format!("{LENDABLE} lend (created exportable): #"),
+            "copy first (the application's own cuMemCreate handle",
+        ],
+    );
+    s.assert_line(
+        dump,
+        &[&format!("{LENDABLE} allocations ("), "lent to keeper pid"],
+    );
+    s.assert_line(
+        dump,
+        &[
+            &format!("{COPIED_FIRST} allocations ("),
+            "copied out first, before the driver checkpoint",
+        ],
+    );
+    s.assert_line(dump, &["drain started"]);
+    assert!(
+        !dump
+            .gpusnap_lines()
+            .iter()
+            .any(|l| l.contains("hand-over failed")),
+        "the hand-over fell back\n{}",
+        s.describe(dump)
+    );
+}
+
+fn manifest(s: &Split) -> gpusnap_image::Manifest {
+    let dir = std::fs::File::open(&s.w.images).expect("open image dir");
+    gpusnap_image::read_manifest(std::os::fd::AsFd::as_fd(&dir), s.vmm.pid() as u32)
+        .expect("the dump's manifest")
+}
+
+/// The image records each allocation's route.
+fn assert_recorded(s: &Split) {
+    let m = manifest(s);
+    let lent = m.allocations.iter().filter(|a| a.lent).count();
+    let copied = m.allocations.iter().filter(|a| a.moved && !a.lent).count();
+    assert_eq!((lent, copied), (LENDABLE, COPIED_FIRST), "{m:?}");
+}
+
+#[test]
+fn a_mixed_job_lends_what_it_can_and_copies_the_rest_first() {
+    let Some(mut s) = start("routes-mixed-dump-restore") else {
+        return;
+    };
+    let dump = s.dump(false);
+    s.assert_ok(&dump);
+    assert_mixed(&s, &dump);
+    s.assert_line(&dump, &["the drain ran", "beside CRIU's dump"]);
+    s.assert_line(
+        &dump,
+        &[&format!(
+            "the image holds {LENDABLE} lent and {COPIED_FIRST} copied-first allocations"
+        )],
+    );
+    assert_recorded(&s);
+    let last = s.reap_dumped();
+    let restore = s.restore();
+    s.assert_ok(&restore);
+    // Restore of a mixed image: the job's agent loads all of it (not handed over).
+    s.assert_line(&restore, &["not every allocation was lent"]);
+    s.assert_runs_on(&last, &restore);
+}
+
+#[test]
+fn a_mixed_job_runs_on_after_leave_running() {
+    let Some(mut s) = start("routes-mixed-R") else {
+        return;
+    };
+    let dump = s.dump(true);
+    s.assert_ok(&dump);
+    assert_mixed(&s, &dump);
+    s.assert_line(
+        &dump,
+        &[
+            &format!("mapped back from the descriptors it kept ({LENDABLE} allocations"),
+            "no file read",
+        ],
+    );
+    s.assert_line(
+        &dump,
+        &["device data reloaded", "the allocations copied out first"],
+    );
+    assert!(s.vmm.original_running(), "{}", s.describe(&dump));
+    let last = s.vmm.last_ticks();
+    s.assert_runs_on(&last, &dump);
+    assert_recorded(&s);
+}
+
+#[test]
+fn criu_killed_in_a_mixed_hand_over_leaves_the_job_recoverable() {
+    for (point, held) in [
+        ("dump-lent", false),
+        ("dump-released", true),
+        ("dump-relocked", true),
+        ("dump-checkpointed", true),
+    ] {
+        let Some(s) = start(&format!("routes-kill-{point}")) else {
+            return;
+        };
+        let killed = s.dump_with(false, &[("GPUSNAP_TEST_KILL_CRIU_AT", point)]);
+        assert!(!killed.succeeded(), "CRIU was not killed at {point}");
+        s.assert_line(&killed, &["test fault", point, "killing CRIU now"]);
+        std::thread::sleep(Duration::from_millis(300));
+        let before = s.vmm.last_ticks();
+        std::thread::sleep(Duration::from_millis(700));
+        let moved = s.vmm.last_ticks() != before;
+        assert_eq!(
+            moved,
+            !held,
+            "CRIU killed at {point}: the job {}\n{}",
+            if moved { "runs" } else { "is held" },
+            s.describe(&killed)
+        );
+        if moved {
+            s.assert_runs_on(&before, &killed);
+            continue;
+        }
+        let pid = s.vmm.pid().to_string();
+        let images = s.w.images.to_str().expect("utf-8").to_owned();
+        if point != "dump-relocked" {
+            // With the image: the lent memory mapped back, the copied part reloaded, at once.
+            let (ok, text) = s.run_cli(&["recover", &pid, "--images", &images]);
+            assert!(
+                ok && text.contains("mapped back") && text.contains("copied part reloaded"),
+                "CRIU killed at {point}: gpusnap recover --images failed: {text}\n{}",
+                s.describe(&killed)
+            );
+            eprintln!("CRIU killed at {point}: {text}");
+            s.assert_runs_on(&before, &killed);
+            continue;
+        }
+        // Without the image the copied part cannot come back: the lent memory is mapped back,
+        // and the job stays held.
+        let (ok, text) = s.run_cli(&["recover", &pid]);
+        assert!(
+            !ok,
+            "CRIU killed at {point}: recover without images succeeded: {text}"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+        assert_eq!(
+            s.vmm.last_ticks(),
+            before,
+            "CRIU killed at {point}: the job ran after a recover without its copied part: {text}\n{}",
+            s.describe(&killed)
+        );
+        let (ok, text) = s.run_cli(&["recover", &pid, "--images", &images]);
+        assert!(
+            ok && text.contains("reloaded"),
+            "CRIU killed at {point}: gpusnap recover --images failed: {text}\n{}",
+            s.describe(&killed)
+        );
+        eprintln!("CRIU killed at {point}: {text}");
+        s.assert_runs_on(&before, &killed);
+    }
+}

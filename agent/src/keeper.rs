@@ -40,7 +40,7 @@ pub fn active() -> bool {
 
 /// The keeper's `main`: serves the connection on descriptor `fd` (inherited from the plugin),
 /// with `libcuda` the driver library to load (the job's). Returns the process's exit status.
-pub fn main_with_fd(fd: i32, libcuda: Option<&str>) -> i32 {
+pub fn main_with_fd(fd: i32, libcuda: Option<&str>, gpus: &[[u8; 16]]) -> i32 {
     let libcuda = match libcuda.map(std::ffi::CString::new).transpose() {
         Ok(c) => c,
         Err(_) => {
@@ -60,7 +60,7 @@ pub fn main_with_fd(fd: i32, libcuda: Option<&str>) -> i32 {
     }
     // SAFETY: the plugin passed this descriptor for us alone; nothing else owns it.
     let ch = Channel::new(unsafe { OwnedFd::from_raw_fd(fd) });
-    let (status, why) = match std::panic::catch_unwind(|| serve(&ch)) {
+    let (status, why) = match std::panic::catch_unwind(|| serve(&ch, gpus)) {
         Ok(Ok(())) => return 0,
         Ok(Err(e)) => {
             debug!("keeper: {e}");
@@ -138,10 +138,22 @@ fn reply_to(ch: &Channel, reply: &Reply) -> Result<(), KeeperError> {
     })
 }
 
-fn serve(ch: &Channel) -> Result<(), KeeperError> {
+fn serve(ch: &Channel, gpus: &[[u8; 16]]) -> Result<(), KeeperError> {
     let drv = driver()?;
     drv.cu_init()?;
     let mut gpu = Gpu::new();
+    // The restore's GPUs, before its first request: the context is made while CRIU forks.
+    for uuid in gpus {
+        match drv.ordinal_of(uuid) {
+            Ok(Some(dev)) => {
+                if let Err(e) = gpu.prepare(drv, dev, 0, 0) {
+                    debug!("keeper: no context on GPU {} yet: {e}", hex(uuid));
+                }
+            }
+            Ok(None) => debug!("keeper: no GPU {} here", hex(uuid)),
+            Err(e) => debug!("keeper: GPU {}: {e}", hex(uuid)),
+        }
+    }
     let mut known = crate::dump::KnownChunks::default();
     loop {
         // No time limit: a restore's requests come once CRIU has forked the tree, however long

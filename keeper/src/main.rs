@@ -1,4 +1,4 @@
-//! `gpusnap-keeper --fd N [--libcuda PATH] [--detach]`: started by the gpusnap plugin during a
+//! `gpusnap-keeper --fd N [--libcuda PATH] [--gpu UUID]... [--detach]`: started by the gpusnap plugin during a
 //! dump or a restore, never by hand. It holds a checkpointed job's device memory (imported from
 //! descriptors the job exported, or loaded from the image) and serves the plugin beside CRIU's
 //! own dump or restore. Everything it does is the agent's code (`gpusnap_agent::keeper`); this
@@ -7,31 +7,47 @@
 use gpusnap_proto::{Channel, ErrorCode, Reply};
 use std::os::fd::{AsFd, FromRawFd, OwnedFd};
 
-const USAGE: &str = "usage: gpusnap-keeper --fd N [--libcuda PATH] [--detach]\n\
+const USAGE: &str = "usage: gpusnap-keeper --fd N [--libcuda PATH] [--gpu UUID]... [--detach]\n\
     (the gpusnap plugin starts it with the connection on descriptor N; it is not run by hand)";
 
 struct Args {
     fd: i32,
     libcuda: Option<String>,
+    /// GPUs (UUIDs, 32 hex digits) to make a context on at once.
+    gpus: Vec<[u8; 16]>,
     detach: bool,
+}
+
+fn uuid(hex: &str) -> Option<[u8; 16]> {
+    if hex.len() != 32 {
+        return None;
+    }
+    let mut out = [0u8; 16];
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(out)
 }
 
 fn parse(args: &[String]) -> Option<Args> {
     let mut fd = None;
     let mut libcuda = None;
     let mut detach = false;
+    let mut gpus = Vec::new();
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
             "--fd" => fd = Some(it.next()?.parse::<i32>().ok()?),
             "--libcuda" => libcuda = Some(it.next()?.clone()),
             "--detach" => detach = true,
+            "--gpu" => gpus.push(uuid(it.next()?)?),
             _ => return None,
         }
     }
     Some(Args {
         fd: fd?,
         libcuda,
+        gpus,
         detach,
     })
 }
@@ -48,6 +64,7 @@ fn main() {
     std::process::exit(gpusnap_agent::keeper::main_with_fd(
         args.fd,
         args.libcuda.as_deref(),
+        &args.gpus,
     ));
 }
 
@@ -140,6 +157,18 @@ mod tests {
         );
         let a = parse(&args(&["--fd", "4"])).unwrap();
         assert_eq!((a.fd, a.libcuda, a.detach), (4, None, false));
+        let a = parse(&args(&[
+            "--fd",
+            "4",
+            "--gpu",
+            "000102030405060708090a0b0c0d0e0f",
+        ]))
+        .unwrap();
+        assert_eq!(
+            a.gpus,
+            vec![[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]]
+        );
+        assert!(parse(&args(&["--fd", "4", "--gpu", "xyz"])).is_none());
         assert!(parse(&args(&["--fd"])).is_none());
         assert!(parse(&args(&["--fd", "x"])).is_none());
         assert!(parse(&args(&["--libcuda", "/l"])).is_none());

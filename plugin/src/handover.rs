@@ -180,8 +180,14 @@ impl Drain {
                 } = job;
                 // The parent image is read back and checked here, beside CRIU's dump: the
                 // job's memory is still whole, so what a damaged parent lacks is written fresh.
-                let parent =
-                    crate::dump::parent_index(dir, pid, nspid, &allocations, incremental, readers);
+                let parent = crate::parent::parent_index(
+                    dir,
+                    pid,
+                    nspid,
+                    &allocations,
+                    incremental,
+                    readers,
+                );
                 let data = datapath::copy_out_into(
                     &session,
                     &staging,

@@ -37,7 +37,24 @@ pub enum KeeperError {
     #[error("starting {path}: {err}")]
     Spawn { path: String, err: std::io::Error },
     #[error("starting {path}: it did not detach: {why}")]
-    Detach { path: String, why: String },
+    Detach { path: String, why: DetachError },
+}
+
+/// Why the process that starts the keeper did not hand it over.
+#[derive(Debug, thiserror::Error)]
+pub enum DetachError {
+    #[error("it ended with status {0:#x}")]
+    Status(i32),
+    #[error("waiting for it: {0}")]
+    Wait(std::io::Error),
+    #[error("it did not report within {0:?}")]
+    TooSlow(Duration),
+    #[error("it refused: {0}")]
+    Refused(String),
+    #[error("it answered {0}")]
+    Unexpected(String),
+    #[error("its report: {0}")]
+    Report(gpusnap_proto::ProtoError),
 }
 
 /// How long the started process may take to fork the keeper and report it.
@@ -54,10 +71,12 @@ pub struct Keeper {
 
 impl Keeper {
     /// Starts the keeper binary (`configured`, or found) for the job `job_pid`, loading
-    /// `libcuda` (the job's driver library) if given.
+    /// `libcuda` (the job's driver library) if given; it makes its context on each of `gpus`
+    /// (UUIDs) at once, beside whatever CRIU does meanwhile (a restore's plan is known then).
     pub fn spawn(
         configured: &str,
         libcuda: Option<&Path>,
+        gpus: &[[u8; 16]],
         job_pid: i32,
         timeout: Duration,
     ) -> Result<Self, KeeperError> {
@@ -77,13 +96,22 @@ impl Keeper {
             args.push("--libcuda".into());
             args.push(l.as_os_str().to_owned());
         }
+        for g in gpus {
+            args.push("--gpu".into());
+            args.push(
+                g.iter()
+                    .map(|b| format!("{b:02x}"))
+                    .collect::<String>()
+                    .into(),
+            );
+        }
         let starter =
             spawn(&path, &args, theirs.fd().as_raw_fd()).map_err(|err| KeeperError::Spawn {
                 path: shown.clone(),
                 err,
             })?;
         drop(theirs);
-        let detach_err = |why: String| KeeperError::Detach {
+        let detach_err = |why: DetachError| KeeperError::Detach {
             path: shown.clone(),
             why,
         };
@@ -93,10 +121,12 @@ impl Keeper {
         let (pid, pidfd) = match ours.recv_reply_with_fd(Some(DETACH_WITHIN)) {
             Ok((gpusnap_proto::Reply::Detached { pid }, Some(fd))) => (pid as libc::pid_t, fd),
             Ok((gpusnap_proto::Reply::Error { message, .. }, _)) => {
-                return Err(detach_err(message));
+                return Err(detach_err(DetachError::Refused(message)));
             }
-            Ok((other, _)) => return Err(detach_err(format!("it answered {other:?}"))),
-            Err(e) => return Err(detach_err(e.to_string())),
+            Ok((other, _)) => {
+                return Err(detach_err(DetachError::Unexpected(format!("{other:?}"))));
+            }
+            Err(e) => return Err(detach_err(DetachError::Report(e))),
         };
         if crate::procfs::parent_of(pid).ok() == Some(std::process::id() as i32) {
             // CRIU is a child subreaper here, so the orphan came back to it.
@@ -196,7 +226,7 @@ impl Drop for Keeper {
 
 /// Reaps the process that started the keeper (our child, which exits as soon as it has forked
 /// the keeper and reported it). Killed and reaped if it takes longer than `within`.
-fn reap_starter(pid: libc::pid_t, within: Duration) -> Result<(), String> {
+fn reap_starter(pid: libc::pid_t, within: Duration) -> Result<(), DetachError> {
     let deadline = Instant::now() + within;
     loop {
         let mut status = 0;
@@ -205,7 +235,7 @@ fn reap_starter(pid: libc::pid_t, within: Duration) -> Result<(), String> {
         if r == pid {
             return match (libc::WIFEXITED(status), libc::WEXITSTATUS(status)) {
                 (true, 0) => Ok(()),
-                _ => Err(format!("it ended with status {status:#x}")),
+                _ => Err(DetachError::Status(status)),
             };
         }
         if r < 0 {
@@ -213,11 +243,11 @@ fn reap_starter(pid: libc::pid_t, within: Duration) -> Result<(), String> {
             if e.raw_os_error() == Some(libc::EINTR) {
                 continue;
             }
-            return Err(format!("waiting for it: {e}"));
+            return Err(DetachError::Wait(e));
         }
         if Instant::now() >= deadline {
             let _ = crate::reap::kill_and_reap(pid);
-            return Err(format!("it did not report within {within:?}"));
+            return Err(DetachError::TooSlow(within));
         }
         std::thread::sleep(Duration::from_millis(1));
     }

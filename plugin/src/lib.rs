@@ -36,6 +36,7 @@ pub mod host_gpus;
 pub mod keeper;
 pub mod load;
 pub mod logger;
+pub mod parent;
 pub mod pid;
 pub mod plugin;
 pub mod precopy;

@@ -174,8 +174,9 @@ pub enum Handed {
 pub const KEEPER_LIBCUDA_ENV: &str = "GPUSNAP_TEST_KEEPER_LIBCUDA";
 
 impl Preload {
-    /// Starts a keeper for the process of `m` (`init(RESTORE)`).
-    pub fn start(cfg: &Config, m: &Manifest) -> Result<Preload, KeeperError> {
+    /// Starts a keeper for the process of `m` (`init(RESTORE)`); it makes its contexts on
+    /// `gpus` (the plan's) while CRIU forks the tree.
+    pub fn start(cfg: &Config, m: &Manifest, gpus: &[[u8; 16]]) -> Result<Preload, KeeperError> {
         let libcuda = std::env::var(KEEPER_LIBCUDA_ENV)
             .ok()
             .filter(|v| !v.is_empty())
@@ -183,6 +184,7 @@ impl Preload {
         let keeper = Keeper::spawn(
             &cfg.keeper,
             Some(std::path::Path::new(&libcuda)),
+            gpus,
             m.nspid as i32,
             Duration::from_millis(cfg.agent_timeout_ms),
         )?;

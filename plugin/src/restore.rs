@@ -423,7 +423,12 @@ impl RestoreRun {
                 }
                 continue;
             }
-            match Preload::start(&self.cfg, m) {
+            // The plan is known: the keeper makes its contexts there before its load begins.
+            let plan = self.early_plan.get(&nspid).cloned().unwrap_or_default();
+            let gpus: Vec<[u8; 16]> = crate::preload::targets(m, &plan)
+                .map(|t| t.into_values().collect())
+                .unwrap_or_default();
+            match Preload::start(&self.cfg, m, &gpus) {
                 Ok(p) => {
                     if let Preload::Started(k) = &p {
                         log::info!(

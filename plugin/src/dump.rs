@@ -1249,6 +1249,11 @@ fn bring_back(
 
 /// Reloads released memory from the files of `moved` through the agent.
 fn reload(ctx: &Ctx, target: &Target<'_>, moved: &MovedData) -> Result<(), DumpError> {
+    if !moved.manifest.allocations.iter().any(|a| a.moved) {
+        // Nothing of its own was released (a process that only maps others' CUDA IPC memory):
+        // nothing to load; its imports are mapped again once the memory is back.
+        return Ok(());
+    }
     let tid = (target.agent_tid)()?;
     let stats = load_through_agent(
         ctx,

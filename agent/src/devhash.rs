@@ -172,7 +172,7 @@ impl Pass {
         drv.memset_async(buf, 0, bytes, stream)?;
         for (k, &i) in idx.iter().enumerate() {
             let c = &chunks[i];
-            let mut base: CUdeviceptr = c.addr;
+            let mut base: CUdeviceptr = c.at;
             let mut n: u64 = c.len / 8;
             let mut slot: CUdeviceptr = buf + 16 * k as u64;
             let blocks = n.div_ceil(THREADS as u64).clamp(1, MAX_BLOCKS as u64) as u32;

@@ -380,7 +380,7 @@ fn copy_out(gpu: &mut Gpu, job: CopyJob<'_>) -> Result<u64, Fail> {
             // SAFETY: the slot lies in the registered staging, which stays mapped until every
             // copy is waited for (conclude() quiesces before unmapping); c is inside a mapped
             // converted allocation (application threads are stopped, the table said Mapped).
-            unsafe { drv.copy_dtoh_async(st.slot_ptr(slot), c.addr, c.len, stream)? };
+            unsafe { drv.copy_dtoh_async(st.slot_ptr(slot), c.at, c.len, stream)? };
             drv.record(dev.events[slot as usize], stream)?;
             inflight.push_back((slot, next));
             next += 1;
@@ -459,7 +459,7 @@ fn copy_out_live(
             // SAFETY: the slot lies in the registered staging, which stays mapped until every
             // copy is waited for; c lies inside a mapped allocation (checked above) that cannot
             // be freed or unmapped before the table lock is released, after the wait below.
-            unsafe { drv.copy_dtoh_async(st.slot_ptr(slot), c.addr, c.len, stream)? };
+            unsafe { drv.copy_dtoh_async(st.slot_ptr(slot), c.at, c.len, stream)? };
             drv.record(dev.events[slot as usize], stream)?;
             drv.wait_event(dev.events[slot as usize])?;
             break;
@@ -532,7 +532,8 @@ pub(crate) fn release(
             }
             Err(e) => return Err(Fail::bad_state(e.to_string())),
         };
-        if let Err(e) = drv.unmap(s.addr, s.size) {
+        // The mapping in this process (a keeper's may lie elsewhere than the job's address).
+        if let Err(e) = drv.unmap(s.at, s.size) {
             if let Some(mut t) = table::try_lock_for(AGENT_LOCK_WAIT) {
                 t.unmark_released(s.addr, handle);
             }

@@ -4,11 +4,12 @@
 //!
 //! It speaks the agent's protocol on the one connection the plugin gave it.
 //! - **Dump**: `Adopt` (with the job's exported descriptor attached) imports an allocation and
-//!   maps it at the job's own address, so the agent's copy-out ([`crate::dump`]) runs here
-//!   unchanged; then `DumpBegin` .. `Release` as in the job, where `Release` drops the keeper's
+//!   maps it at the job's own address where the keeper has it free, else anywhere (the table
+//!   entry keeps the job's address as its identity and `mapped_at` for the driver's calls), so
+//!   the agent's copy-out ([`crate::dump`]) runs here and the image names the job's addresses; then `DumpBegin` .. `Release` as in the job, where `Release` drops the keeper's
 //!   imports (the job keeps its descriptors, so the memory lives on).
 //! - **Restore**: `Expect` records each of the job's allocations at its address on the planned
-//!   GPU; `RestoreBegin` .. `RestoreDataDone` is the agent's own load ([`crate::restore`]: fresh
+//!   GPU (reserved at that address here where it is free, else anywhere, as at `Adopt`); `RestoreBegin` .. `RestoreDataDone` is the agent's own load ([`crate::restore`]: fresh
 //!   exportable memory, the chunks copied in, the GPU check), beside CRIU's restore; then
 //!   `LendBegin` exports it for the restored job to map (`Take`), and `Release` drops the
 //!   keeper's handles once the job holds the memory.
@@ -323,7 +324,24 @@ fn wait_for_close(ch: &Channel, why: &str) {
     }
 }
 
-/// Imports the job's exported descriptor and maps it at the job's address.
+/// Reserves `size` bytes for the job's allocation at `addr`: at `addr` where this process has
+/// it free, else anywhere (the keeper's own mappings, its driver's and its libraries', may
+/// hold the job's address: the H200 found PyTorch's 2 MiB allocations in the job's high mmap
+/// area taken). Returns where: the entry keeps the job's address as its identity, and every
+/// driver call that touches the memory here goes to the returned one.
+fn reserve_for_job(drv: &crate::real::Driver, addr: u64, size: u64) -> Result<u64, KeeperError> {
+    match drv.reserve_at(addr, size) {
+        Ok(()) => Ok(addr),
+        Err(e) => {
+            let at = drv.reserve(size)?;
+            debug!("keeper: the job's {addr:#x} is taken here ({e}): mapped at {at:#x} instead");
+            Ok(at)
+        }
+    }
+}
+
+/// Imports the job's exported descriptor and maps it at the job's address, or where this
+/// process has room ([`reserve_for_job`]).
 fn adopt(
     gpu: &mut Gpu,
     id: u64,
@@ -335,30 +353,31 @@ fn adopt(
     let drv = driver()?;
     let dev = i32::try_from(device).map_err(|_| KeeperError::Device(device.into()))?;
     gpu.prepare(drv, dev, 1, 1)?;
-    drv.reserve_at(addr, size)?;
+    let at = reserve_for_job(drv, addr, size)?;
     let handle = match drv.import_fd(fd.as_fd()) {
         Ok(h) => h,
         Err(e) => {
-            let _ = drv.free_reservation(addr, size);
+            let _ = drv.free_reservation(at, size);
             return Err(e.into());
         }
     };
     // The import holds the memory now; the descriptor is the job's business.
     drop(fd);
-    if let Err(e) = crate::vmm::map_handle(drv, dev, addr, size, handle) {
-        let _ = drv.release(addr, handle);
-        let _ = drv.free_reservation(addr, size);
+    if let Err(e) = crate::vmm::map_handle(drv, dev, at, size, handle) {
+        let _ = drv.release(at, handle);
+        let _ = drv.free_reservation(at, size);
         return Err(e.into());
     }
     table::try_lock_for(AGENT_LOCK_WAIT)
         .ok_or(KeeperError::TableLocked)?
-        .insert_adopted(id, dev, addr, size, handle);
-    debug!("keeper: adopted #{id} at {addr:#x} ({size} bytes) on device {dev}");
+        .insert_adopted(id, dev, (addr, at), size, handle);
+    debug!("keeper: adopted #{id} at {addr:#x} (here {at:#x}, {size} bytes) on device {dev}");
     Ok(())
 }
 
 /// Records the job's allocation `id` at `addr` on the GPU with UUID `uuid` for the load that
-/// follows, and reserves its address range here. Returns the keeper's ordinal of that GPU.
+/// follows, and reserves an address range for it here (the job's where it is free,
+/// [`reserve_for_job`]). Returns the keeper's ordinal of that GPU.
 fn expect(
     gpu: &mut Gpu,
     id: u64,
@@ -370,16 +389,16 @@ fn expect(
     let dev = drv.ordinal_of(uuid)?.ok_or(KeeperError::NoGpu(*uuid))?;
     // The reservation is made in that device's context.
     gpu.prepare(drv, dev, 0, 0)?;
-    drv.reserve_at(addr, size)?;
+    let at = reserve_for_job(drv, addr, size)?;
     let exportable = drv.posix_fd_handles(drv.device(dev)?);
     match table::try_lock_for(AGENT_LOCK_WAIT) {
-        Some(mut t) => t.insert_expected(id, dev, addr, size, exportable),
+        Some(mut t) => t.insert_expected(id, dev, (addr, at), size, exportable),
         None => {
-            let _ = drv.free_reservation(addr, size);
+            let _ = drv.free_reservation(at, size);
             return Err(KeeperError::TableLocked);
         }
     }
-    debug!("keeper: expecting #{id} at {addr:#x} ({size} bytes) on device {dev}");
+    debug!("keeper: expecting #{id} at {addr:#x} (here {at:#x}, {size} bytes) on device {dev}");
     u32::try_from(dev).map_err(|_| KeeperError::Device(dev.into()))
 }
 

@@ -6,8 +6,20 @@
 pub struct Span {
     pub id: u64,
     pub device: i32,
+    /// The allocation's address in the job: its identity (chunks, the image, the plugin).
     pub addr: u64,
     pub size: u64,
+    /// Where the memory is mapped in this process, for every driver call that touches it
+    /// (copies, fills, hash kernels, unmaps): `addr` but in a keeper that could not map the
+    /// job's memory at the job's address ([`Span::device_ptr`]).
+    pub at: u64,
+}
+
+impl Span {
+    /// The device pointer in this process of the job's address `addr` inside this span.
+    pub fn device_ptr(&self, addr: u64) -> u64 {
+        self.at + (addr - self.addr)
+    }
 }
 
 /// One chunk of a span: at most one slot's worth.
@@ -15,8 +27,11 @@ pub struct Span {
 pub struct Chunk {
     pub alloc_id: u64,
     pub device: i32,
+    /// The job's address (what the image and the plugin see).
     pub addr: u64,
     pub len: u64,
+    /// The device pointer of `addr` in this process ([`Span::at`]).
+    pub at: u64,
 }
 
 /// Largest accepted slot.
@@ -63,6 +78,7 @@ pub fn chunks(spans: &[Span], slot_size: u64) -> Vec<Chunk> {
                 device: s.device,
                 addr: s.addr + off,
                 len,
+                at: s.at + off,
             });
             off += len;
         }
@@ -110,6 +126,7 @@ mod tests {
             device: (id % 2) as i32,
             addr,
             size,
+            at: addr,
         }
     }
 
@@ -149,6 +166,24 @@ mod tests {
         assert_eq!(c.iter().map(|c| c.len).sum::<u64>(), 7 << 20);
         assert!(chunks(&spans, 0).is_empty());
         assert!(chunks(&[], 4096).is_empty());
+    }
+
+    #[test]
+    fn chunks_of_a_span_mapped_elsewhere_keep_the_job_s_addresses() {
+        let s = Span {
+            at: 0x7f00_0000_0000,
+            ..span(4, 0x7fc4_dba0_0000, 3 << 20)
+        };
+        let c = chunks(&[s], 2 << 20);
+        let got: Vec<(u64, u64, u64)> = c.iter().map(|c| (c.addr, c.at, c.len)).collect();
+        assert_eq!(
+            got,
+            vec![
+                (0x7fc4_dba0_0000, 0x7f00_0000_0000, 2 << 20),
+                (0x7fc4_dbc0_0000, 0x7f00_0020_0000, 1 << 20),
+            ]
+        );
+        assert_eq!(s.device_ptr(0x7fc4_dba0_1000), 0x7f00_0000_1000);
     }
 
     #[test]

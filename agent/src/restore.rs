@@ -112,7 +112,8 @@ fn recreate(drv: &Driver, spans: &[Span], released: &[bool]) -> Result<usize, Fa
         let prop = table::try_lock_for(AGENT_LOCK_WAIT)
             .ok_or_else(Fail::busy)?
             .app_prop(s.addr);
-        let handle = vmm::back(drv, s.device, s.addr, s.size, prop.as_ref())?;
+        // At the reservation in this process (a keeper's may lie elsewhere than the job's).
+        let handle = vmm::back(drv, s.device, s.at, s.size, prop.as_ref())?;
         // The guard is dropped at the end of this statement, before any further driver call.
         let marked = match table::try_lock_for(AGENT_LOCK_WAIT) {
             None => Err(Fail::busy()),
@@ -125,7 +126,7 @@ fn recreate(drv: &Driver, spans: &[Span], released: &[bool]) -> Result<usize, Fa
             Ok(true) => drv.release(s.addr, handle)?,
             Ok(false) => {}
             Err(f) => {
-                let _ = vmm::unback(drv, s.addr, s.size, handle);
+                let _ = vmm::unback(drv, s.at, s.size, handle);
                 return Err(f);
             }
         }
@@ -140,6 +141,7 @@ fn chunk_of(span: &Span, addr: u64, len: u64) -> Chunk {
         device: span.device,
         addr,
         len,
+        at: span.device_ptr(addr),
     }
 }
 
@@ -267,10 +269,12 @@ fn copy_in(
                 }
                 let d = gpu.activate(drv, span.device)?;
                 let stream = d.streams[issued % ring.streams as usize];
+                let dst = span.device_ptr(addr);
                 // SAFETY: the slot lies in the registered staging, which stays mapped until every
                 // copy is waited for; [addr, addr+len) is inside a converted allocation that is
-                // mapped (re-created above), checked by check_chunk_load.
-                unsafe { drv.copy_htod_async(addr, st.slot_ptr(slot).cast_const(), len, stream)? };
+                // mapped (re-created above, at `dst` in this process), checked by
+                // check_chunk_load.
+                unsafe { drv.copy_htod_async(dst, st.slot_ptr(slot).cast_const(), len, stream)? };
                 drv.record(d.events[slot as usize], stream)?;
                 busy[slot as usize] = true;
                 inflight.push((slot, span.device));
@@ -297,7 +301,7 @@ fn copy_in(
                 let stream = d.streams[issued % ring.streams as usize];
                 // Fresh device memory reads as zeros on the GPUs measured, but nothing promises
                 // it: fill it (HBM speed, milliseconds even for tens of GiB).
-                drv.memset_async(addr, 0, len, stream)?;
+                drv.memset_async(span.device_ptr(addr), 0, len, stream)?;
                 issued += 1;
                 ranges.push((addr, len));
             }
@@ -332,12 +336,14 @@ mod tests {
             device: 0,
             addr: 0x1000,
             size: 0x300,
+            at: 0x1000,
         };
         let b = Span {
             id: 2,
             device: 0,
             addr: 0x2000,
             size: 0x100,
+            at: 0x2000,
         };
         let whole = vec![
             (0x1000, 0x100),

@@ -121,6 +121,7 @@ pub fn spans_of(t: &table::Table) -> (Vec<Span>, Vec<bool>) {
                     device: c.device,
                     addr: c.addr,
                     size: c.size,
+                    at: c.mapped_at,
                 },
                 c.backing == Backing::Released,
             )

@@ -42,6 +42,10 @@ pub struct Converted {
     pub addr: u64,
     /// Rounded to the allocation granularity; the size of the reservation and of the mapping.
     pub size: u64,
+    /// Where the reservation is in this process: `addr` (the entry's identity, the job's
+    /// address) but in a keeper whose own mappings held the job's address
+    /// ([`Table::insert_adopted`], [`Table::insert_expected`]).
+    pub mapped_at: u64,
     pub backing: Backing,
     /// The application's (virtual) handle mapped here; None for a converted `cuMemAlloc`.
     pub app_handle: Option<Handle>,
@@ -195,31 +199,41 @@ impl Table {
         self.insert_movable(device, addr, size, handle, None)
     }
 
-    /// In a keeper: another process's allocation `id`, imported and mapped at its address,
-    /// kept under the job's id so the chunks name the job's allocations.
-    pub fn insert_adopted(&mut self, id: u64, device: i32, addr: u64, size: u64, handle: Handle) {
-        self.insert_for_job(id, device, addr, size, Backing::Mapped(handle), false);
+    /// In a keeper: another process's allocation `id` at `addr` in the job (`at` is `(addr,
+    /// mapped_at)`), imported and mapped here at `mapped_at` (the job's address where it was free), kept under the job's
+    /// id and address so the chunks name the job's allocations.
+    pub fn insert_adopted(
+        &mut self,
+        id: u64,
+        device: i32,
+        at: (u64, u64),
+        size: u64,
+        handle: Handle,
+    ) {
+        self.insert_for_job(id, device, at, size, Backing::Mapped(handle), false);
     }
 
-    /// In a keeper at a restore: the job's allocation `id`, to be re-created at its address
-    /// by the load that follows (its reservation is made; state Released until then).
+    /// In a keeper at a restore: the job's allocation `id` at `addr` (`at` is `(addr,
+    /// mapped_at)`), to be re-created here
+    /// at `mapped_at` (its reservation, made) by the load that follows (state Released until
+    /// then).
     pub fn insert_expected(
         &mut self,
         id: u64,
         device: i32,
-        addr: u64,
+        at: (u64, u64),
         size: u64,
         exportable: bool,
     ) {
-        self.insert_for_job(id, device, addr, size, Backing::Released, exportable);
+        self.insert_for_job(id, device, at, size, Backing::Released, exportable);
     }
 
-    /// A keeper's entry for the job's allocation `id`, under the job's id.
+    /// A keeper's entry for the job's allocation `id`, under the job's id and address.
     fn insert_for_job(
         &mut self,
         id: u64,
         device: i32,
-        addr: u64,
+        (addr, mapped_at): (u64, u64),
         size: u64,
         backing: Backing,
         exportable: bool,
@@ -230,6 +244,7 @@ impl Table {
             device,
             addr,
             size,
+            mapped_at,
             backing,
             app_handle: None,
             exportable,
@@ -255,6 +270,7 @@ impl Table {
                 device,
                 addr,
                 size,
+                mapped_at: addr,
                 backing: Backing::Mapped(handle),
                 app_handle,
                 exportable: false,
@@ -944,6 +960,30 @@ mod tests {
         t.record_app_unmap(0x4000_0000, 2 << 20);
         assert_eq!(t.app_release(v), AppRelease::ReleaseReal(0x51));
         assert_eq!(t.live_state(id, Some(v), 0x4000_0000, 1 << 20), Gone);
+    }
+
+    #[test]
+    fn a_keeper_s_entry_is_the_job_s_address_mapped_elsewhere() {
+        let mut t = Table::new();
+        t.insert_adopted(7, 0, (0x7fc4_dba0_0000, 0x7f00_0000_0000), MB2, 0x11);
+        t.insert_expected(9, 0, (0x7fc4_dbe0_0000, 0x7fc4_dbe0_0000), MB2, true);
+        let (spans, released) = crate::session::spans_of(&t);
+        let got: Vec<(u64, u64, u64)> = spans.iter().map(|s| (s.id, s.addr, s.at)).collect();
+        assert_eq!(
+            got,
+            vec![
+                (7, 0x7fc4_dba0_0000, 0x7f00_0000_0000),
+                (9, 0x7fc4_dbe0_0000, 0x7fc4_dbe0_0000),
+            ]
+        );
+        assert_eq!(released, vec![false, true]);
+        // Found, marked and listed by the job's address.
+        assert_eq!(t.mark_released(0x7fc4_dba0_0000), Ok((0x11, true)));
+        assert!(t.listing().iter().all(|l| l.addr >> 32 == 0x7fc4));
+        // The job's own entries are mapped where they are.
+        let id = t.insert_converted(0, 0x1000_0000, MB2, 0x12);
+        let c = t.converted().find(|c| c.id == id).unwrap();
+        assert_eq!(c.mapped_at, c.addr);
     }
 
     #[test]

@@ -141,6 +141,70 @@ fn handover_dump_and_restore() {
     dump_handed_over_and_restore(&mut s);
 }
 
+/// The knob that makes the keeper's reservations at the job's addresses fail (the stand-in
+/// reserves elsewhere, as the driver did on an H200 where the keeper's own mappings held a
+/// job's high addresses), with the keeper's debug lines on CRIU's stderr to show it.
+const ADDRESSES_TAKEN: [(&str, &str); 2] = [
+    ("FAKECUDA_ADDRESS_TAKEN", "1"),
+    ("GPUSNAP_AGENT_DEBUG", "1"),
+];
+
+/// The keeper logged mapping the job's memory elsewhere than the job's address.
+fn assert_keeper_mapped_elsewhere(s: &Split, run: &CriuRun) {
+    assert!(
+        run.output
+            .lines()
+            .any(|l| l.contains("keeper: the job's") && l.contains("mapped at")),
+        "the keeper did not map elsewhere\n{}",
+        s.describe(run)
+    );
+}
+
+/// A keeper that cannot reserve the job's addresses (taken in its own address space) maps the
+/// lent memory elsewhere and drains it from there: the dump still lends (no copy first), the
+/// image names the job's addresses, and the restore runs on bit-exact.
+#[test]
+fn a_keeper_whose_addresses_are_taken_still_drains_the_lent_memory() {
+    let Some(mut s) = start("handover-dump-addresses-taken") else {
+        return;
+    };
+    let dump = s.dump_with(false, &ADDRESSES_TAKEN);
+    s.assert_ok(&dump);
+    assert_handed_over(&s, &dump);
+    assert!(
+        dump.gpusnap_lines()
+            .iter()
+            .all(|l| !l.contains("hand-over failed")),
+        "the hand-over fell back to copying first\n{}",
+        s.describe(&dump)
+    );
+    assert_keeper_mapped_elsewhere(&s, &dump);
+    let last = s.reap_dumped();
+    let restore = s.restore();
+    s.assert_ok(&restore);
+    assert_handed_over_at_restore(&s, &restore);
+    s.assert_runs_on(&last, &restore);
+}
+
+/// A restore's keeper that cannot reserve the job's addresses loads the image elsewhere and
+/// lends it at the job's addresses: the job maps it and runs on bit-exact, with no load
+/// through its agent.
+#[test]
+fn a_restore_keeper_whose_addresses_are_taken_still_loads() {
+    let Some(mut s) = start("handover-restore-addresses-taken") else {
+        return;
+    };
+    let dump = s.dump(false);
+    s.assert_ok(&dump);
+    assert_handed_over(&s, &dump);
+    let last = s.reap_dumped();
+    let restore = s.restore_with(&ADDRESSES_TAKEN);
+    s.assert_ok(&restore);
+    assert_handed_over_at_restore(&s, &restore);
+    assert_keeper_mapped_elsewhere(&s, &restore);
+    s.assert_runs_on(&last, &restore);
+}
+
 #[test]
 fn handover_leave_running_maps_the_memory_back() {
     let Some(mut s) = start("handover-dump-R") else {

@@ -11,8 +11,9 @@
 //! in the process's own memory ([`state_page`]).
 //!
 //! How device memory is played ([`vmm`], [`alloc`], [`copy`]):
-//! - `cuMemAddressReserve`: a `PROT_NONE` anonymous mapping, 2 MiB-aligned;
-//!   `cuMemAddressFree`: `munmap`.
+//! - `cuMemAddressReserve`: a `PROT_NONE` anonymous mapping, 2 MiB-aligned, at the wished
+//!   address where it is free (never, with `FAKECUDA_ADDRESS_TAKEN=1`: the address counts as
+//!   taken, as a process's own mappings may hold it); `cuMemAddressFree`: `munmap`.
 //! - `cuMemCreate`: a memfd of the size (the handle carries the fd); `cuMemRelease`: close it.
 //!   Shareable handles are POSIX fds of that memfd (`cuMemExportToShareableHandle`,
 //!   `cuMemImportFromShareableHandle`); `cuDeviceGetAttribute` says they are supported (not with

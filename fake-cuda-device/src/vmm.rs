@@ -142,6 +142,17 @@ fn os_error(call: &str, what: &str) -> CUresult {
     OPERATING_SYSTEM
 }
 
+/// Environment variable: `1` makes every address a `cuMemAddressReserve` wishes for count as
+/// taken: the reservation is made elsewhere (never at the wished address), as the real driver
+/// does where the process's own mappings hold it (a keeper mapping a job's memory at the job's
+/// addresses found them taken on an H200).
+pub const ADDRESS_TAKEN_ENV: &str = "FAKECUDA_ADDRESS_TAKEN";
+
+fn wished_addresses_taken() -> bool {
+    static TAKEN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *TAKEN.get_or_init(|| std::env::var(ADDRESS_TAKEN_ENV).is_ok_and(|v| v == "1"))
+}
+
 /// `mmap(PROT_NONE)` of `len` bytes at `hint` (0: anywhere), not fixed.
 fn map_none(hint: u64, len: usize) -> *mut c_void {
     // SAFETY: a new anonymous mapping; the hint is only a hint (no MAP_FIXED).
@@ -184,7 +195,12 @@ pub unsafe extern "C" fn address_reserve(
                 ),
             );
         }
-        if addr != 0 && addr.is_multiple_of(align) {
+        let taken = addr != 0 && wished_addresses_taken();
+        if taken {
+            debug(format_args!(
+                "{CALL}: {addr:#x} counts as taken ({ADDRESS_TAKEN_ENV}=1)"
+            ));
+        } else if addr != 0 && addr.is_multiple_of(align) {
             let p = map_none(addr, size as usize);
             if p as u64 == addr {
                 // SAFETY: the caller's out pointer, checked for null above.
@@ -194,13 +210,19 @@ pub unsafe extern "C" fn address_reserve(
                 unmap_range(p as u64, size);
             }
         }
-        let total = size.checked_add(align).ok_or(OUT_OF_MEMORY)?;
+        // Room for one more alignment step where the wished address is taken, so that the
+        // reservation can step past it should the kernel pick it.
+        let spare = if taken { 2 * align } else { align };
+        let total = size.checked_add(spare).ok_or(OUT_OF_MEMORY)?;
         let p = map_none(0, total as usize);
         if p == libc::MAP_FAILED {
             return Err(os_error(CALL, "mmap"));
         }
         let base = p as u64;
-        let start = base.next_multiple_of(align);
+        let mut start = base.next_multiple_of(align);
+        if taken && start == addr {
+            start += align;
+        }
         unmap_range(base, start - base);
         unmap_range(start + size, base + total - (start + size));
         // SAFETY: the caller's out pointer, checked for null above.

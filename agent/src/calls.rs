@@ -11,6 +11,8 @@ use std::ffi::c_int;
 pub(crate) const V2_ALLOC_ABI: c_int = 3020;
 /// `cuGetProcAddress("cuIpcOpenMemHandle")` returns the `_v2` export from this version on.
 pub(crate) const V2_IPC_OPEN_ABI: c_int = 11000;
+/// `cuGetProcAddress("cuEventDestroy")` returns the `_v2` export from this version on.
+pub(crate) const V2_EVENT_DESTROY_ABI: c_int = 4000;
 /// `cuGetProcAddress("cuGetProcAddress")` returns the `_v2` ABI from this version on.
 pub(crate) const V2_PROC_ADDRESS_ABI: c_int = 12000;
 
@@ -90,6 +92,15 @@ macro_rules! hooked_calls {
                     *mut CUmemGenericAllocationHandle, *mut c_void, c_uint)
                     optional as mem_import_from_shareable_handle,
                     proc "cuMemImportFromShareableHandle";
+                // Interprocess events opened here, tracked until destroyed (see `hazards`). The
+                // agent's own events are destroyed through the same (real) table entry.
+                IpcOpenEventHandle = cuIpcOpenEventHandle(*mut CUevent, CUipcEventHandle)
+                    optional as ipc_open_event_handle, proc "cuIpcOpenEventHandle";
+                EventDestroy = cuEventDestroy_v2(CUevent)
+                    required as event_destroy, proc "cuEventDestroy" since V2_EVENT_DESTROY_ABI;
+                EventDestroyV1 = cuEventDestroy(CUevent)
+                    optional as event_destroy_v1,
+                    proc "cuEventDestroy" before V2_EVENT_DESTROY_ABI;
             }
         }
     };

@@ -1,28 +1,35 @@
 //! `pthread_atfork` handlers. The table lock is taken around `fork` so the child never inherits
 //! it locked; in the child the table is cleared (the child owns none of the parent's device
 //! memory) and the agent thread marked not started (it does not exist there), so a child that
-//! uses CUDA gets its own agent.
+//! uses CUDA gets its own agent. The list of opened IPC events ([`crate::hazards`]) is held
+//! and cleared the same way (taken after the table lock, the one order used).
 
 use std::cell::RefCell;
 use std::sync::MutexGuard;
 
 use crate::guard::guard;
+use crate::hazards::ForkHold;
 use crate::table::{self, Table};
 
 thread_local! {
     /// The table guard held by the forking thread between prepare and parent/child.
     static FORK_GUARD: RefCell<Option<MutexGuard<'static, Table>>> = const { RefCell::new(None) };
+    /// The opened-event list, held likewise.
+    static FORK_EVENTS: RefCell<Option<ForkHold>> = const { RefCell::new(None) };
 }
 
 extern "C" fn prepare() {
     guard((), || {
         let g = table::lock();
         FORK_GUARD.with(|c| *c.borrow_mut() = Some(g));
+        let e = ForkHold::take();
+        FORK_EVENTS.with(|c| *c.borrow_mut() = Some(e));
     });
 }
 
 extern "C" fn parent() {
     guard((), || {
+        FORK_EVENTS.with(|c| c.borrow_mut().take());
         FORK_GUARD.with(|c| c.borrow_mut().take());
     });
 }
@@ -33,7 +40,7 @@ extern "C" fn child() {
             g.clear();
         }
         crate::server::forget_in_child();
-        crate::hazards::forget_in_child();
+        crate::hazards::forget_in_child(FORK_EVENTS.with(|c| c.borrow_mut().take()));
     });
 }
 

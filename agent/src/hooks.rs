@@ -4,7 +4,8 @@
 //! `cuMemGetAllocationPropertiesFromHandle`, `cuMulticastBindMem`, which translate its
 //! (virtual) handle values (see [`crate::table`]); CUDA IPC (`cuIpcGetMemHandle`,
 //! `cuIpcOpenMemHandle_v2`, `cuIpcCloseMemHandle`), which [`crate::ipc`] serves for converted
-//! memory; and the hazard recorders.
+//! memory; `cuIpcOpenEventHandle` and `cuEventDestroy{,_v2}`, which track the interprocess
+//! events opened here ([`crate::hazards`]); and the hazard recorders.
 //!
 //! Each is thin: it catches panics (none may cross into C) and calls plain Rust in
 //! [`crate::convert`] or the real driver function. The CUDA runtime finds driver entry points
@@ -17,12 +18,14 @@
 use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 
 use cudarc::driver::sys::{
-    CUcontext, CUdeviceptr, CUdriverProcAddressQueryResult, CUipcMemHandle, CUmemAllocationProp,
-    CUmemGenericAllocationHandle, CUmemLocation, cuuint64_t,
+    CUcontext, CUdeviceptr, CUdriverProcAddressQueryResult, CUevent, CUipcEventHandle,
+    CUipcMemHandle, CUmemAllocationProp, CUmemGenericAllocationHandle, CUmemLocation, cuuint64_t,
 };
 use gpusnap_proto::hazard;
 
-use crate::calls::{V2_ALLOC_ABI, V2_IPC_OPEN_ABI, V2_PROC_ADDRESS_ABI, hooked_calls};
+use crate::calls::{
+    V2_ALLOC_ABI, V2_EVENT_DESTROY_ABI, V2_IPC_OPEN_ABI, V2_PROC_ADDRESS_ABI, hooked_calls,
+};
 use crate::convert;
 use crate::guard::guard;
 use crate::log::debug;
@@ -897,9 +900,121 @@ pub unsafe extern "C" fn cuMemImportFromShareableHandle(
     })
 }
 
+// ---------------------------------------------------------------------------------------------
+// Interprocess events
+
+/// Interposes `cuIpcOpenEventHandle` (the handle is passed by value, as in cuda.h): passes
+/// through, and the opened event is reported as a hazard until it is destroyed (the driver
+/// restores it, but a wait on it after the restore did not wait for the exporter on the H200).
+/// The agent thread is started, so a process with no memory of the agent's still answers a dump.
+///
+/// # Safety
+/// As the driver function.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuIpcOpenEventHandle(
+    event: *mut CUevent,
+    handle: CUipcEventHandle,
+) -> CuRes {
+    guard(CUDA_ERROR_UNKNOWN, || {
+        let drv = match driver_for("cuIpcOpenEventHandle") {
+            Ok(d) => d,
+            Err(rc) => return rc,
+        };
+        let Some(open) = drv.ipc_open_event_handle else {
+            return CUDA_ERROR_NOT_SUPPORTED;
+        };
+        // SAFETY: the caller's arguments are passed to the real function unchanged.
+        let rc = unsafe { open(event, handle) };
+        if rc == CUDA_SUCCESS && !event.is_null() {
+            // SAFETY: the real call succeeded, so it wrote the caller's out pointer.
+            let opened = unsafe { *event };
+            crate::hazards::ipc_event_opened(opened as usize);
+            debug!("cuIpcOpenEventHandle: {opened:p} recorded until it is destroyed");
+            crate::server::ensure_started();
+        }
+        rc
+    })
+}
+
+/// A destroy through `real` (either ABI), the event forgotten by [`crate::hazards`] when it was
+/// an opened one. Every event of the process comes here: one atomic load when none is opened.
+fn destroy_event(event: CUevent, real: unsafe extern "C" fn(CUevent) -> CuRes) -> CuRes {
+    // SAFETY: the caller's argument is passed to the real function unchanged.
+    let rc = unsafe { real(event) };
+    if rc == CUDA_SUCCESS {
+        crate::hazards::event_destroyed(event as usize);
+    }
+    rc
+}
+
+/// Interposes `cuEventDestroy_v2` (what `cudaEventDestroy` reaches).
+///
+/// # Safety
+/// As the driver function.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuEventDestroy_v2(event: CUevent) -> CuRes {
+    guard(CUDA_ERROR_UNKNOWN, || {
+        match driver_for("cuEventDestroy_v2") {
+            Ok(d) => destroy_event(event, d.event_destroy),
+            Err(rc) => rc,
+        }
+    })
+}
+
+/// Interposes the v1 export `cuEventDestroy` (same C signature; what `cuGetProcAddress` returns
+/// for versions before 4.0, and what a program built against an old cuda.h links to).
+///
+/// # Safety
+/// As the driver function.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuEventDestroy(event: CUevent) -> CuRes {
+    guard(CUDA_ERROR_UNKNOWN, || match driver_for("cuEventDestroy") {
+        Ok(d) => match d.event_destroy_v1 {
+            Some(real) => destroy_event(event, real),
+            None => CUDA_ERROR_NOT_SUPPORTED,
+        },
+        Err(rc) => rc,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn event_hooks_are_found_by_symbol_and_proc_name() {
+        assert_eq!(
+            Hooked::from_symbol(b"cuIpcOpenEventHandle"),
+            Some(Hooked::IpcOpenEventHandle)
+        );
+        assert_eq!(
+            Hooked::from_symbol(b"cuEventDestroy_v2"),
+            Some(Hooked::EventDestroy)
+        );
+        assert_eq!(
+            Hooked::from_symbol(b"cuEventDestroy"),
+            Some(Hooked::EventDestroyV1)
+        );
+        for v in [0, 1000, 12000, 13000] {
+            assert_eq!(
+                Hooked::from_proc_name(b"cuIpcOpenEventHandle", v),
+                Some(Hooked::IpcOpenEventHandle)
+            );
+        }
+        let below = V2_EVENT_DESTROY_ABI - 1;
+        assert_eq!(
+            Hooked::from_proc_name(b"cuEventDestroy", below),
+            Some(Hooked::EventDestroyV1)
+        );
+        for v in [V2_EVENT_DESTROY_ABI, 12000, 13000] {
+            assert_eq!(
+                Hooked::from_proc_name(b"cuEventDestroy", v),
+                Some(Hooked::EventDestroy)
+            );
+        }
+        assert_eq!(Hooked::from_proc_name(b"cuEventDestroy_v2", 13000), None);
+        assert_eq!(Hooked::from_proc_name(b"cuIpcGetEventHandle", 13000), None);
+    }
 
     #[test]
     fn hazard_hooks_are_found_by_symbol_and_proc_name() {
@@ -1048,7 +1163,7 @@ mod tests {
             assert!(!h.hook_addr().is_null());
             assert!(exports.insert(h.hook_addr()), "{h:?} shares an export");
         }
-        assert_eq!(Hooked::ALL.len(), 19);
+        assert_eq!(Hooked::ALL.len(), 22);
     }
 
     #[test]

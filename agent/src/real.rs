@@ -13,8 +13,8 @@ use std::sync::{Mutex, OnceLock};
 
 use cudarc::driver::sys::{
     CUcontext, CUdevice, CUdeviceptr, CUdriverProcAddressQueryResult, CUevent, CUfunction,
-    CUipcMemHandle, CUmemAccessDesc, CUmemAllocationGranularity_flags, CUmemAllocationProp,
-    CUmemGenericAllocationHandle, CUmodule, CUresult, CUstream, cuuint64_t,
+    CUipcEventHandle, CUipcMemHandle, CUmemAccessDesc, CUmemAllocationGranularity_flags,
+    CUmemAllocationProp, CUmemGenericAllocationHandle, CUmodule, CUresult, CUstream, cuuint64_t,
 };
 
 /// A driver status code, as returned (see the module doc for why not `CUresult`).
@@ -160,7 +160,6 @@ crate::calls::hooked_calls!(driver_table! {
         event_record = "cuEventRecord"(CUevent, CUstream);
         event_synchronize = "cuEventSynchronize"(CUevent);
         event_query = "cuEventQuery"(CUevent);
-        event_destroy = "cuEventDestroy_v2"(CUevent);
         mem_host_register = "cuMemHostRegister_v2"(*mut c_void, usize, c_uint);
         mem_host_unregister = "cuMemHostUnregister"(*mut c_void);
         memcpy_dtoh_async = "cuMemcpyDtoHAsync_v2"(*mut c_void, CUdeviceptr, usize, CUstream);
@@ -344,6 +343,9 @@ mod tests {
                 Hooked::MemImportFromShareableHandle,
                 "cuMemImportFromShareableHandle",
             ),
+            (Hooked::IpcOpenEventHandle, "cuIpcOpenEventHandle"),
+            (Hooked::EventDestroy, "cuEventDestroy_v2"),
+            (Hooked::EventDestroyV1, "cuEventDestroy"),
         ] {
             assert_eq!(looked_up_as(h.real_addr(&drv)), symbol, "{h:?}");
             assert_eq!(Hooked::from_symbol(symbol.as_bytes()), Some(h));
@@ -357,6 +359,16 @@ mod tests {
         assert_eq!(
             looked_up_as(drv.memcpy_dtoh_async as *mut c_void),
             "cuMemcpyDtoHAsync_v2"
+        );
+        // The agent's own events are destroyed through the hooked entry: libcuda's function,
+        // not our export.
+        assert_eq!(
+            looked_up_as(drv.event_destroy as *mut c_void),
+            "cuEventDestroy_v2"
+        );
+        assert_ne!(
+            drv.event_destroy as *mut c_void,
+            Hooked::EventDestroy.hook_addr()
         );
     }
 

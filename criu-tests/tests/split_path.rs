@@ -953,15 +953,20 @@ fn hung_agent_fallback_does_not_dump_the_ring() {
 }
 
 /// State the driver cannot checkpoint (managed memory, a CUDA IPC handle the driver made, peer
-/// access), which the agent records as it happens: the dump is refused at PAUSE with the cause
-/// named, before the process is locked, and the process runs on untraced. (An IPC handle the
-/// agent served is carried: `ipc_checkpoint.rs`.)
+/// access, another process's interprocess event opened here), which the agent records as it
+/// happens: the dump is refused at PAUSE with the cause named, before the process is locked, and
+/// the process runs on untraced. (An IPC handle the agent served is carried:
+/// `ipc_checkpoint.rs`.)
 #[test]
 fn unsupported_state_is_refused_before_the_process_is_touched() {
     for (kind, cause) in [
         ("managed", "managed (unified) memory"),
         ("ipc-driver", "CUDA IPC"),
         ("peer", "peer access"),
+        (
+            "ipc-event",
+            "an interprocess CUDA event of another process opened here (cuIpcOpenEventHandle)",
+        ),
     ] {
         let Some(mut s) =
             Split::start_with(&format!("split-hazard-{kind}"), 1, &["--hazard", kind])
@@ -984,6 +989,29 @@ fn unsupported_state_is_refused_before_the_process_is_touched() {
         assert!(s.vmm.original_running(), "{}", s.describe(&dump));
         s.assert_runs_on(&s.vmm.last_ticks(), &dump);
     }
+}
+
+/// An interprocess event opened and destroyed again before the dump (as PyTorch does while it
+/// rebuilds a received tensor) leaves nothing to refuse: the dump (`-R`) succeeds on the split
+/// path and the process runs on.
+#[test]
+fn an_ipc_event_destroyed_before_the_dump_is_not_refused() {
+    let Some(s) = Split::start_with(
+        "split-ipc-event-closed",
+        1,
+        &["--hazard", "ipc-event-closed"],
+    ) else {
+        return;
+    };
+    let dump = s.dump(true);
+    s.assert_ok(&dump);
+    s.assert_split_dump(&dump);
+    assert!(
+        !dump.log.contains("interprocess CUDA event"),
+        "the destroyed event was named\n{}",
+        s.describe(&dump)
+    );
+    s.assert_runs_on(&s.vmm.last_ticks(), &dump);
 }
 
 /// Re-creating the device memory fails in the restored agent (`cuMemCreate` fails): the

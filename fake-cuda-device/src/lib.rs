@@ -25,7 +25,8 @@
 //!   driver), which legacy CUDA IPC (`cuIpcGetMemHandle`, `cuIpcOpenMemHandle_v2`,
 //!   `cuIpcCloseMemHandle`) hands to other processes; VMM memory it refuses, as the driver does.
 //! - Copies are synchronous, through `process_vm_readv` on the process itself, so an invalid
-//!   address fails the call instead of crashing; streams and events are plain handles.
+//!   address fails the call instead of crashing; streams and events are plain handles (and
+//!   interprocess events' IPC handles name them, see [`sync`]).
 //! - Kernels: only the agent's device hash, run on the host ([`kernel`]).
 //!
 //! Tests can inject faults into the workload's driver calls (`fail` or `hang` a named call)
@@ -179,6 +180,10 @@ exports! {
     cuStreamSynchronize => sync::stream_synchronize [stream: CUstream];
     cuStreamQuery => sync::stream_query [stream: CUstream];
     cuEventCreate => sync::event_create [event: *mut CUevent, flags: u32];
+    cuIpcGetEventHandle => sync::ipc_get_event_handle
+        [handle: *mut sync::IpcEventHandle, event: CUevent];
+    cuIpcOpenEventHandle => sync::ipc_open_event_handle
+        [event: *mut CUevent, handle: sync::IpcEventHandle];
     cuEventDestroy_v2 => sync::event_destroy [event: CUevent];
     cuEventRecord => sync::event_record [event: CUevent, stream: CUstream];
     cuEventSynchronize => sync::event_synchronize [event: CUevent];

@@ -256,8 +256,14 @@ pub mod hazard {
     pub const SERVED_IPC_EXPORT: u32 = 1 << 4;
     /// `cuIpcOpenMemHandle` of a handle the agent served: carried like [`SERVED_IPC_EXPORT`].
     pub const SERVED_IPC_IMPORT: u32 = 1 << 5;
+    /// `cuIpcOpenEventHandle`: another process's interprocess event opened here and not
+    /// destroyed yet (reported only while one is live, not once seen). The driver restores it
+    /// without an error, but on the H200 a wait on it after the importer's restore did not wait
+    /// for the exporter's work.
+    pub const IPC_EVENT_IMPORT: u32 = 1 << 6;
     /// The bits that refuse a dump by themselves (the served IPC bits need a look at the tree).
-    pub const REFUSING: u32 = MANAGED_MEMORY | IPC_EXPORT | IPC_IMPORT | PEER_ACCESS;
+    pub const REFUSING: u32 =
+        MANAGED_MEMORY | IPC_EXPORT | IPC_IMPORT | PEER_ACCESS | IPC_EVENT_IMPORT;
 
     /// Human words for a set of bits.
     pub fn describe(bits: u32) -> Vec<&'static str> {
@@ -279,6 +285,11 @@ pub mod hazard {
         }
         if bits & SERVED_IPC_IMPORT != 0 {
             v.push("another process's device memory opened through the agent's CUDA IPC");
+        }
+        if bits & IPC_EVENT_IMPORT != 0 {
+            v.push(
+                "an interprocess CUDA event of another process opened here (cuIpcOpenEventHandle)",
+            );
         }
         v
     }
@@ -304,7 +315,8 @@ pub enum Reply {
         /// Whether any converted allocation's physical memory is released, or a reload of it
         /// began and did not complete (the memory is not whole).
         released: bool,
-        /// [`hazard`] bits: state the driver cannot checkpoint, seen since the process started.
+        /// [`hazard`] bits: state the driver cannot checkpoint, seen since the process started
+        /// ([`hazard::IPC_EVENT_IMPORT`]: held now).
         hazards: u32,
         /// Released allocations whose memory the agent still holds through descriptors it kept
         /// at a hand-over ([`Request::Reclaim`] maps them again without any file).

@@ -758,3 +758,28 @@ fn door_knock_take_and_withdraw() {
     drop(inside.label);
     assert!(Door::open(me).unwrap().is_none(), "no label, no door");
 }
+
+#[test]
+fn every_hazard_bit_has_its_own_words_and_the_event_import_refuses() {
+    let bits = [
+        hazard::MANAGED_MEMORY,
+        hazard::IPC_EXPORT,
+        hazard::IPC_IMPORT,
+        hazard::PEER_ACCESS,
+        hazard::SERVED_IPC_EXPORT,
+        hazard::SERVED_IPC_IMPORT,
+        hazard::IPC_EVENT_IMPORT,
+    ];
+    let mut seen = std::collections::HashSet::new();
+    for b in bits {
+        assert_eq!(b.count_ones(), 1);
+        let words = hazard::describe(b);
+        assert_eq!(words.len(), 1, "{b:#x}");
+        assert!(seen.insert(words[0]), "{b:#x}");
+    }
+    assert_ne!(hazard::REFUSING & hazard::IPC_EVENT_IMPORT, 0);
+    assert_eq!(
+        hazard::describe(hazard::IPC_EVENT_IMPORT),
+        ["an interprocess CUDA event of another process opened here (cuIpcOpenEventHandle)"]
+    );
+}

@@ -8,7 +8,7 @@
 //! ```text
 //! fakegpu-vmm --log PATH [--seed S] [--allocs N] [--mib M] [--resolve dlsym|proc]
 //!             [--app-vmm [--app-vmm-remap | --app-vmm-release]] [--threads T] [--procs P]
-//!             [--hazard managed|ipc|ipc-driver|peer]
+//!             [--hazard managed|ipc|ipc-driver|peer|ipc-event|ipc-event-closed]
 //!             [--devices D]
 //! ```
 //!
@@ -35,7 +35,11 @@
 //!   own (seed `S + i`, log `PATH.i`), so a dump has several GPU processes.
 //! - `--hazard`: once set up, also make state the driver cannot checkpoint (managed memory, a
 //!   CUDA IPC handle for the first allocation, peer access), through the exported symbols, so
-//!   the preloaded agent records it and gpusnap must refuse the dump.
+//!   the preloaded agent records it and gpusnap must refuse the dump. `ipc-event`: an
+//!   interprocess event is created, its IPC handle taken and opened again, and the opened event
+//!   kept (an importer's state; the process opens its own handle, which the stand-in driver
+//!   allows, so one process does it). `ipc-event-closed`: the same, the opened event destroyed
+//!   right after (as PyTorch does), which leaves nothing to refuse.
 //! - `--devices D`: data allocation `i` is made on device `i % D` (`cuMemAlloc_v2` with that
 //!   device's primary context current), so a process with `D` > 1 has memory on several
 //!   GPUs; everything else (the counter, the 64 KiB allocation, `--app-vmm`) is on device 0.
@@ -485,6 +489,48 @@ fn make_hazard(kind: &str, ctx: *mut c_void, first: DevPtr) -> Result<(), String
                 rc => rc,
             }
         }
+        "ipc-event" | "ipc-event-closed" => {
+            type CreateFn = unsafe extern "C" fn(*mut *mut c_void, u32) -> CuResult;
+            type GetFn = unsafe extern "C" fn(*mut [u8; 64], *mut c_void) -> CuResult;
+            type OpenFn = unsafe extern "C" fn(*mut *mut c_void, [u8; 64]) -> CuResult;
+            type DestroyFn = unsafe extern "C" fn(*mut c_void) -> CuResult;
+            let create = entry!(Resolve::Dlsym, "cuEventCreate", "cuEventCreate", CreateFn);
+            let get = entry!(
+                Resolve::Dlsym,
+                "cuIpcGetEventHandle",
+                "cuIpcGetEventHandle",
+                GetFn
+            );
+            let open = entry!(
+                Resolve::Dlsym,
+                "cuIpcOpenEventHandle",
+                "cuIpcOpenEventHandle",
+                OpenFn
+            );
+            let destroy = entry!(
+                Resolve::Dlsym,
+                "cuEventDestroy_v2",
+                "cuEventDestroy",
+                DestroyFn
+            );
+            let (mut event, mut opened, mut h) =
+                (std::ptr::null_mut(), std::ptr::null_mut(), [0u8; 64]);
+            // SAFETY: valid out pointers; flags: CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING.
+            let mut rc = unsafe { create(&mut event, 0x4 | 0x2) };
+            if rc == 0 {
+                // SAFETY: a valid 64-byte out buffer and the interprocess event just made.
+                rc = unsafe { get(&mut h, event) };
+            }
+            if rc == 0 {
+                // SAFETY: a valid out pointer and the handle just taken.
+                rc = unsafe { open(&mut opened, h) };
+            }
+            if rc == 0 && kind == "ipc-event-closed" {
+                // SAFETY: the event just opened, destroyed once.
+                rc = unsafe { destroy(opened) };
+            }
+            rc
+        }
         "peer" => {
             let f = entry!(
                 Resolve::Dlsym,
@@ -497,7 +543,7 @@ fn make_hazard(kind: &str, ctx: *mut c_void, first: DevPtr) -> Result<(), String
         }
         other => {
             return Err(format!(
-                "--hazard {other}: managed, ipc, ipc-driver or peer"
+                "--hazard {other}: managed, ipc, ipc-driver, peer, ipc-event or ipc-event-closed"
             ));
         }
     };

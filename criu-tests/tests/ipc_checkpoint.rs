@@ -110,6 +110,20 @@ impl Pair {
         }
     }
 
+    /// Waits until the exporter alone logged `n` more ticks.
+    fn wait_exporter_ticks(&self, n: usize) {
+        let base = read_log(&self.side("exporter")).1.len();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while read_log(&self.side("exporter")).1.len() < base + n {
+            assert!(
+                Instant::now() < deadline,
+                "the exporter stopped\n{}",
+                self.describe()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     fn pids(&self) -> (i32, i32) {
         (
             read_log(&self.side("exporter")).0.expect("exporter pid"),
@@ -280,4 +294,130 @@ fn a_dump_of_the_importer_alone_is_refused() {
         ],
     );
     p.assert_shared_on(before, &dump);
+}
+
+/// Whether the side's log stays still for `for_ms` (it is held), and the process is stopped.
+fn held(p: &Pair, which: &str, pid: i32, for_ms: u64) -> bool {
+    let before = read_log(&p.side(which)).1.len();
+    std::thread::sleep(Duration::from_millis(for_ms));
+    let after = read_log(&p.side(which)).1.len();
+    let state = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|t| t.rsplit(')').next().map(|r| r.trim().chars().next()))
+        .flatten();
+    after == before && matches!(state, Some('T' | 't'))
+}
+
+/// CRIU killed in a rollback after the exporter is back and before the importer maps its share
+/// again: the exporter runs on, the importer is held (it never runs without the share), and
+/// `gpusnap recover` maps the share again from the running exporter; both run on, still sharing.
+#[test]
+fn criu_killed_before_an_importer_maps_its_share_again_leaves_it_held_and_recoverable() {
+    let Some(p) = Pair::start("ipc-checkpoint-kill-rollback") else {
+        return;
+    };
+    let (exporter, importer) = p.pids();
+    let before = p.counter();
+    let exp = exporter.to_string();
+    let dump = p.s.criu(
+        "dump",
+        "dump.log",
+        &["-t", &exp, "--leave-running"],
+        &[("GPUSNAP_TEST_KILL_CRIU_AT", "rollback-reimport")],
+    );
+    assert!(!dump.succeeded(), "{}", p.s.describe(&dump));
+    p.s.assert_line(&dump, &["GPUSNAP_TEST_KILL_CRIU_AT=rollback-reimport"]);
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(
+        held(&p, "importer", importer, 400),
+        "the importer ran (or is not stopped) after CRIU died\n{}\n{}",
+        p.s.describe(&dump),
+        p.describe()
+    );
+    // The exporter runs on meanwhile (its rollback was complete).
+    p.wait_exporter_ticks(3);
+    let (ok, out) = p.s.run_cli(&[
+        "recover",
+        &importer.to_string(),
+        "--images",
+        p.s.w.images.to_str().expect("utf-8"),
+    ]);
+    assert!(
+        ok,
+        "gpusnap recover of the importer failed:\n{out}\n{}",
+        p.describe()
+    );
+    assert!(out.contains("CUDA IPC shares mapped again"), "{out}");
+    p.assert_shared_on(before, &dump);
+}
+
+/// CRIU killed in a restore after every process's own memory is back and before the importer
+/// maps its share again: nothing of the tree runs (the kernel kills the half-restored
+/// processes), and a new restore brings both back, still sharing.
+#[test]
+fn criu_killed_before_a_restored_importer_maps_its_share_again_runs_nothing() {
+    let Some(mut p) = Pair::start("ipc-checkpoint-kill-restore") else {
+        return;
+    };
+    let (exporter, importer) = p.pids();
+    let dump =
+        p.s.criu("dump", "dump.log", &["-t", &exporter.to_string()], &[]);
+    p.s.assert_ok(&dump);
+    let before = p.counter();
+    let _ = p.exporter.wait();
+    p.wait_gone();
+    // The pair's stderr as at the dump: the agents' debug lines of the killed restore grow it,
+    // and CRIU restores only a file of the size it dumped.
+    let outputs: Vec<(PathBuf, u64)> = ["share.err", "share.out"]
+        .iter()
+        .map(|f| p.s.w.path.join(f))
+        .map(|f| {
+            let len = std::fs::metadata(&f).map_or(0, |m| m.len());
+            (f, len)
+        })
+        .collect();
+    // The stand-in keeps each process's driver state in a file (the real driver keeps it in the
+    // process, restored with it): as at the dump, for the second restore.
+    let driver_states: Vec<(PathBuf, String)> = [exporter, importer]
+        .iter()
+        .map(|pid| p.s.state.join(format!("{pid}.state")))
+        .map(|f| {
+            let text = std::fs::read_to_string(&f).unwrap_or_default();
+            (f, text)
+        })
+        .collect();
+    let restore = p.s.criu(
+        "restore",
+        "restore.log",
+        &["--restore-detached"],
+        &[("GPUSNAP_TEST_KILL_CRIU_AT", "restore-reimport")],
+    );
+    assert!(!restore.succeeded(), "{}", p.s.describe(&restore));
+    p.s.assert_line(&restore, &["GPUSNAP_TEST_KILL_CRIU_AT=restore-reimport"]);
+    // Killed with CRIU (PTRACE_O_EXITKILL): no tick after the dump's last one.
+    std::thread::sleep(Duration::from_millis(300));
+    let ticks_now = read_log(&p.side("importer")).1.len();
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        read_log(&p.side("importer")).1.len(),
+        ticks_now,
+        "the importer ticked after CRIU died in the restore\n{}",
+        p.describe()
+    );
+    p.wait_gone();
+    for (f, len) in &outputs {
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .open(f)
+            .expect("pair output");
+        file.set_len(*len)
+            .expect("truncate to its size at the dump");
+    }
+    for (f, text) in &driver_states {
+        std::fs::write(f, text).expect("the stand-in's driver state as at the dump");
+    }
+    let again = p.s.restore_in("restore-again.log", &[]);
+    p.s.assert_ok(&again);
+    p.assert_shared_on(before, &again);
+    p.kill_pair();
 }

@@ -1066,7 +1066,13 @@ pub fn rollback(
         },
         before_running: &|| {
             if imports {
-                crate::sharing::reimport(importer, dumped, ctx.agent_timeout())?;
+                let fetch = crate::sharing::from_traced(dumped, ctx.agent_timeout());
+                crate::sharing::reimport(
+                    importer,
+                    &fetch,
+                    ctx.agent_timeout(),
+                    Some("rollback-reimport"),
+                )?;
             }
             Ok(())
         },

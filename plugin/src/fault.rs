@@ -52,8 +52,21 @@ pub const AMD_POINTS: &[&str] = &[
     "amd-restore-resume", // RESUME_DEVICES_LATE: the process dies with CRIU, not yet resumed
 ];
 
+/// The points of a process tree sharing memory through the agent's CUDA IPC (`crate::sharing`),
+/// reached only with such a tree: an importer's shares are unmapped, its exporters' memory is
+/// back, and it is about to map them again.
+pub const IPC_POINTS: &[&str] = &[
+    "rollback-reimport", // a rollback: the exporters are rolled back, the importer still held
+    "restore-reimport",  // a restore: every process's own memory back, no thread has run
+];
+
 fn known(v: &str) -> Option<&'static str> {
-    POINTS.iter().chain(AMD_POINTS).copied().find(|p| *p == v)
+    POINTS
+        .iter()
+        .chain(AMD_POINTS)
+        .chain(IPC_POINTS)
+        .copied()
+        .find(|p| *p == v)
 }
 
 fn armed() -> Option<&'static str> {
@@ -65,9 +78,10 @@ fn armed() -> Option<&'static str> {
 #[derive(Debug, thiserror::Error)]
 pub enum UnknownPoint {
     #[error(
-        "{ENV}={value:?} names no fault point (known: {}, {})",
+        "{ENV}={value:?} names no fault point (known: {}, {}, {})",
         POINTS.join(", "),
-        AMD_POINTS.join(", ")
+        AMD_POINTS.join(", "),
+        IPC_POINTS.join(", ")
     )]
     Point { value: String },
     #[error("{FAIL_SYNC_ENV}={value:?}: only 1 is a setting")]

@@ -42,9 +42,13 @@ pub enum RecoverError {
     #[error(transparent)]
     Undo(#[from] DumpError),
     #[error(
-        "pid {pid} maps {unmapped} CUDA IPC shares of other processes' memory that the dump unmapped, and recover does not map them again: it is held locked by the driver (its CUDA calls wait). Restore the process tree from its image (criu restore), or kill it"
+        "pid {pid} maps {unmapped} CUDA IPC shares of other processes' memory that the dump unmapped, and they could not be mapped again ({why}): it is held locked by the driver (its CUDA calls wait). Recover the exporting process first and run recover again, or restore the process tree from its image (criu restore), or kill it"
     )]
-    ImportsUnmapped { pid: i32, unmapped: usize },
+    ImportsUnmapped {
+        pid: i32,
+        unmapped: usize,
+        why: String,
+    },
     #[error(
         "pid {pid} is stopped with its GPU memory released (its agent says so), and the record of gpusnap's hold in {} is lost, so its threads cannot be told apart: it is left stopped. Do not continue it (it would run without its GPU memory): restore it from its image (criu restore), or kill it",
         hold::RECORD_DIR
@@ -232,12 +236,26 @@ pub fn recover(pid: i32, images: Option<&Path>) -> Result<String, RecoverError> 
     let mut hold = None;
     let done = dump::undo(&ctx, &target, &mut phase, &mut hold)?;
     // Its own memory is back; shares of other processes' memory that the dump unmapped are
-    // not (recover maps no other process's memory): its CUDA calls are held by the lock.
+    // mapped again from their exporters, which must run with their memory (recovered first).
+    // Where that fails its CUDA calls are held by the lock.
     let unmapped =
         crate::sharing::unmapped_imports(pid, ctx.agent_timeout()).map_err(DumpError::from)?;
+    let mut done = done;
     if unmapped > 0 {
-        api.lock(pid, ctx.lock_timeout_ms)?;
-        return Err(RecoverError::ImportsUnmapped { pid, unmapped });
+        let ns = nspid()?.get();
+        let fetch = crate::sharing::from_running(ns as i32 == pid, ctx.agent_timeout());
+        let me = crate::sharing::Process { pid, nspid: ns };
+        match crate::sharing::reimport(me, &fetch, ctx.agent_timeout(), None) {
+            Ok(_) => done.push("CUDA IPC shares mapped again"),
+            Err(e) => {
+                api.lock(pid, ctx.lock_timeout_ms)?;
+                return Err(RecoverError::ImportsUnmapped {
+                    pid,
+                    unmapped,
+                    why: e.to_string(),
+                });
+            }
+        }
     }
     restore_thread.stop().map_err(PtraceError::on(
         restore_tid,

@@ -940,8 +940,10 @@ pub fn resume_all(ctx: &Ctx, items: &mut [RestoreItem], checks: datapath::ReadCh
     // Every exporter's memory is back: importers map their CUDA IPC shares again, before any
     // of their threads runs. One that cannot is not restored (it is killed with the others
     // that failed).
+    let fetch = crate::sharing::from_traced(&split, ctx.agent_timeout());
     for p in &split {
-        if let Err(e) = crate::sharing::reimport(*p, &split, ctx.agent_timeout())
+        if let Err(e) =
+            crate::sharing::reimport(*p, &fetch, ctx.agent_timeout(), Some("restore-reimport"))
             && let Some((_, r)) = results.iter_mut().find(|(pid, _)| *pid == p.pid)
         {
             *r = Err(e.into());

@@ -93,6 +93,26 @@ pub struct Process {
     pub nspid: u32,
 }
 
+/// The exporters as running processes (`gpusnap recover`, outside CRIU): their memory is their
+/// own, and their agents answer the read-only `ShareFds` while they run. Pids as the importer's
+/// namespace numbers them, which must be ours (`same_ns`).
+pub fn from_running(
+    same_ns: bool,
+    timeout: Duration,
+) -> impl Fn(u32) -> Result<Vec<crate::agent::SharedMemory>, SharingError> {
+    move |exporter| {
+        if !same_ns {
+            return Err(SharingError::NoExporter {
+                importer: 0,
+                exporter,
+            });
+        }
+        let pid = exporter as i32;
+        let s = AgentSession::connect(pid, timeout)?.ok_or(SharingError::NoAgentThread { pid })?;
+        Ok(s.share_fds()?)
+    }
+}
+
 /// How many CUDA IPC imports of `pid` a release unmapped and nothing mapped again (`gpusnap
 /// recover`: such a process must not run).
 pub fn unmapped_imports(pid: i32, timeout: Duration) -> Result<usize, SharingError> {
@@ -120,13 +140,35 @@ fn with_agent<R>(
     result
 }
 
-/// Maps every import of `importer` that a release unmapped again, from the current memory of
-/// its exporters (all in `processes`, their memory back). Returns how many were mapped. Both
-/// agents' threads run for it, one at a time; nothing else of either process runs.
-pub fn reimport(
-    importer: Process,
+/// Where an importer's exporters' current memory comes from: `fetch(exporter nspid)`.
+pub type Fetch<'a> = dyn Fn(u32) -> Result<Vec<crate::agent::SharedMemory>, SharingError> + 'a;
+
+/// The exporters among `processes` (all traced by the caller, CRIU's main thread): each one's
+/// agent thread is let run alone for its `ShareFds`.
+pub fn from_traced(
     processes: &[Process],
     timeout: Duration,
+) -> impl Fn(u32) -> Result<Vec<crate::agent::SharedMemory>, SharingError> + '_ {
+    move |exporter| {
+        let p = processes
+            .iter()
+            .find(|p| p.nspid == exporter)
+            .ok_or(SharingError::NoExporter {
+                importer: 0,
+                exporter,
+            })?;
+        with_agent(p.pid, timeout, |s| Ok(s.share_fds()?))
+    }
+}
+
+/// Maps every import of `importer` that a release unmapped again, from the current memory of
+/// its exporters (`fetch`). Returns how many were mapped. The importer's agent thread runs
+/// alone for it (the caller traces the importer). `fault_point`: the test point just before.
+pub fn reimport(
+    importer: Process,
+    fetch: &Fetch<'_>,
+    timeout: Duration,
+    fault_point: Option<&'static str>,
 ) -> Result<usize, SharingError> {
     let me = importer.nspid;
     if agent::agent_thread(importer.pid).is_none() {
@@ -140,20 +182,22 @@ pub fn reimport(
     if unmapped.is_empty() {
         return Ok(0);
     }
+    if let Some(point) = fault_point {
+        crate::fault::kill_criu_at(point);
+    }
     let mut by_exporter: BTreeMap<u32, Vec<&Share>> = BTreeMap::new();
     for s in &unmapped {
         by_exporter.entry(s.pid).or_default().push(s);
     }
     let mut memory = Vec::new();
     for (&exporter, wanted) in &by_exporter {
-        let p = processes
-            .iter()
-            .find(|p| p.nspid == exporter)
-            .ok_or(SharingError::NoExporter {
+        let mut fds = fetch(exporter).map_err(|e| match e {
+            SharingError::NoExporter { exporter, .. } => SharingError::NoExporter {
                 importer: me,
                 exporter,
-            })?;
-        let mut fds = with_agent(p.pid, timeout, |s| Ok(s.share_fds()?))?;
+            },
+            other => other,
+        })?;
         for w in wanted {
             let i = fds
                 .iter()

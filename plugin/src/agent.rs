@@ -229,6 +229,24 @@ impl AgentSession {
         }
     }
 
+    /// The next reply and the descriptor it may carry; an agent's `Error` (without one) becomes
+    /// [`AgentError::Refused`].
+    fn recv_with_fd(&self) -> Result<(Reply, Option<std::os::fd::OwnedFd>), AgentError> {
+        let (reply, fd) = self
+            .chan
+            .recv_reply_with_fd(Some(self.timeout))
+            .map_err(self.proto())?;
+        self.answered
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        match (reply, fd) {
+            (Reply::Error { message, .. }, None) => Err(AgentError::Refused {
+                pid: self.pid,
+                message,
+            }),
+            other => Ok(other),
+        }
+    }
+
     fn unexpected(&self, expected: &'static str, got: Reply) -> AgentError {
         AgentError::Unexpected {
             pid: self.pid,
@@ -377,13 +395,7 @@ impl AgentSession {
         self.send(&Request::LendBegin, None)?;
         let mut out = Vec::new();
         loop {
-            let (reply, fd) = self
-                .chan
-                .recv_reply_with_fd(Some(self.timeout))
-                .map_err(self.proto())?;
-            self.answered
-                .store(true, std::sync::atomic::Ordering::Relaxed);
-            match (reply, fd) {
+            match self.recv_with_fd()? {
                 (
                     Reply::Lent {
                         id,
@@ -401,12 +413,6 @@ impl AgentSession {
                 }),
                 (Reply::LentEnd { count, .. }, None) if count as usize == out.len() => {
                     return Ok(out);
-                }
-                (Reply::Error { message, .. }, None) => {
-                    return Err(AgentError::Refused {
-                        pid: self.pid,
-                        message,
-                    });
                 }
                 (got, fd) => {
                     return Err(self.unexpected(
@@ -484,24 +490,12 @@ impl AgentSession {
         self.send(&Request::ShareFds, None)?;
         let mut out = Vec::new();
         loop {
-            let (reply, fd) = self
-                .chan
-                .recv_reply_with_fd(Some(self.timeout))
-                .map_err(self.proto())?;
-            self.answered
-                .store(true, std::sync::atomic::Ordering::Relaxed);
-            match (reply, fd) {
+            match self.recv_with_fd()? {
                 (Reply::ShareFd { id, addr, size }, Some(fd)) if out.len() < MAX_SHARES => {
                     out.push(SharedMemory { id, addr, size, fd });
                 }
                 (Reply::ShareFdEnd { count }, None) if count as usize == out.len() => {
                     return Ok(out);
-                }
-                (Reply::Error { message, .. }, None) => {
-                    return Err(AgentError::Refused {
-                        pid: self.pid,
-                        message,
-                    });
                 }
                 (got, _) => {
                     return Err(self.unexpected(

@@ -728,26 +728,7 @@ fn hand_over(ctx: &Ctx, t: &mut Tracked, release: &Mutex<Option<Hold>>) -> Resul
     // so that `gpusnap recover` finds that part should CRIU die from here on.
     let copy_first = if routes.copied_first() > 0 {
         let t0 = Instant::now();
-        let parent = crate::parent::parent_index(
-            dir,
-            pid,
-            t.nspid.get(),
-            &allocations,
-            ctx.cfg.incremental,
-            ctx.cfg.effective_reader_threads(),
-        );
-        let data = datapath::copy_out(
-            &session,
-            &staging,
-            dir,
-            t.nspid.get(),
-            ctx.cfg.effective_writer_threads(),
-            codec,
-            parent.as_ref(),
-            ctx.limits(),
-            ctx.cfg.durable,
-            datapath::Round::Paused,
-        )?;
+        let data = copy_out_paused(ctx, t, &session, &staging, &allocations, codec)?;
         log::info!(
             "pid {pid}: {} allocations ({:.2} GiB) copied out first, before the driver checkpoint, in {:.3} s",
             routes.copied_first(),
@@ -883,6 +864,40 @@ fn lock(ctx: &Ctx, t: &mut Tracked, what: &'static str) -> Result<(), DumpError>
     Ok(())
 }
 
+/// The copy-first data path through the job's agent on `session` (its threads held): the
+/// parent image of an incremental dump read back and checked, then every allocation the agent
+/// copies into the ring written into the image's files.
+fn copy_out_paused(
+    ctx: &Ctx,
+    t: &Tracked,
+    session: &AgentSession,
+    staging: &crate::staging::Staging,
+    allocations: &[AllocationRecord],
+    codec: gpusnap_image::Codec,
+) -> Result<datapath::DumpData, DumpError> {
+    let dir = ctx.image_dir();
+    let parent = crate::parent::parent_index(
+        dir,
+        t.pid,
+        t.nspid.get(),
+        allocations,
+        ctx.cfg.incremental,
+        ctx.cfg.effective_reader_threads(),
+    );
+    Ok(datapath::copy_out(
+        session,
+        staging,
+        dir,
+        t.nspid.get(),
+        ctx.cfg.effective_writer_threads(),
+        codec,
+        parent.as_ref(),
+        ctx.limits(),
+        ctx.cfg.durable,
+        datapath::Round::Paused,
+    )?)
+}
+
 /// The split protocol, with the application stopped and only the agent thread (and the
 /// driver's) running: unlock, copy out, hold, release, lock again, and hand the hold to
 /// CRIU's main thread to release (the driver lock holds the process from here).
@@ -902,30 +917,11 @@ fn move_data_out(
     t.time("prepare", t0.elapsed().as_secs_f64());
 
     let dir = ctx.image_dir();
-    let parent = crate::parent::parent_index(
-        dir,
-        pid,
-        t.nspid.get(),
-        &allocations,
-        ctx.cfg.incremental,
-        ctx.cfg.effective_reader_threads(),
-    );
     let (codec, why) = crate::context::codec_for(&ctx.cfg, dir);
     if ctx.cfg.compress == gpusnap_config::Compress::Auto {
         log::info!("pid {pid}: chunks stored as {codec:?}: {why}");
     }
-    let data = datapath::copy_out(
-        &session,
-        &staging,
-        dir,
-        t.nspid.get(),
-        ctx.cfg.effective_writer_threads(),
-        codec,
-        parent.as_ref(),
-        ctx.limits(),
-        ctx.cfg.durable,
-        datapath::Round::Paused,
-    )?;
+    let data = copy_out_paused(ctx, t, &session, &staging, &allocations, codec)?;
     log_data(pid, &allocations, &data);
     t.time("data", data.seconds);
     // A manifest now, before memory is released: should CRIU die from here on, `gpusnap

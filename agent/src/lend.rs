@@ -365,12 +365,10 @@ fn descriptors_fit(n: usize) -> Result<(), Fail> {
 pub fn reclaim(ch: &Channel, gpu: &mut Gpu) -> bool {
     let reply = match reclaim_all(gpu) {
         Ok(r) => r,
-        Err(Fail::Reply(code, message)) => {
-            debug!("reclaim failed: {message}");
-            Reply::Error { code, message }
-        }
-        Err(Fail::Aborted) => Reply::Aborted,
-        Err(Fail::Closed) => return false,
+        Err(f) => match session::fail_reply(f) {
+            Some(r) => r,
+            None => return false,
+        },
     };
     ch.send_reply(&reply).is_ok()
 }

@@ -470,10 +470,10 @@ fn list_sharing(ch: &Channel) -> Result<(), ProtoError> {
 
 /// `ShareFds`: a descriptor of the current memory of each exported allocation.
 fn share_fds(ch: &Channel) -> Result<(), ProtoError> {
-    let fds = match need_driver_or_reply(ch)? {
-        Some(drv) => crate::ipc::share_fds(drv, crate::lend::own_descriptor),
-        None => return Ok(()),
-    };
+    let fds = crate::session::need_driver().and_then(|drv| {
+        crate::ipc::share_fds(drv, crate::lend::own_descriptor)
+            .map_err(|e| Fail::bad_state(format!("descriptors of the exported memory: {e}")))
+    });
     match fds {
         Ok(fds) => {
             for (id, addr, size, fd) in &fds {
@@ -490,10 +490,10 @@ fn share_fds(ch: &Channel) -> Result<(), ProtoError> {
                 count: u32::try_from(fds.len()).unwrap_or(u32::MAX),
             })
         }
-        Err(e) => ch.send_reply(&Reply::Error {
-            code: ErrorCode::BadState,
-            message: format!("descriptors of the exported memory: {e}"),
-        }),
+        Err(f) => match crate::session::fail_reply(f) {
+            Some(r) => ch.send_reply(&r),
+            None => Ok(()),
+        },
     }
 }
 
@@ -512,27 +512,7 @@ fn reimport(ch: &Channel, gpu: &mut crate::gpu::Gpu, exporter_pid: u32, id: u64,
         crate::ipc::reimport(drv, exporter_pid, id, fd.as_fd())
             .map_err(|e| Fail::bad_state(format!("mapping #{id} of pid {exporter_pid} again: {e}")))
     })();
-    let _ = match result {
-        Ok(addr) => ch.send_reply(&Reply::Reimported { addr }),
-        Err(f) => send_fail(ch, f),
-    };
-}
-
-/// The reply an operation that stopped early owes (none when the connection is gone).
-fn send_fail(ch: &Channel, f: Fail) -> Result<(), ProtoError> {
-    match f {
-        Fail::Reply(code, message) => ch.send_reply(&Reply::Error { code, message }),
-        Fail::Aborted => ch.send_reply(&Reply::Aborted),
-        Fail::Closed => Ok(()),
-    }
-}
-
-/// The driver, or an error reply sent (then `None`).
-fn need_driver_or_reply(ch: &Channel) -> Result<Option<&'static crate::real::Driver>, ProtoError> {
-    match crate::session::need_driver() {
-        Ok(d) => Ok(Some(d)),
-        Err(f) => send_fail(ch, f).map(|()| None),
-    }
+    crate::session::conclude(ch, gpu, None, result.map(|addr| Reply::Reimported { addr }));
 }
 
 fn reply(ch: &Channel, code: ErrorCode, message: String) {

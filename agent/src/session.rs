@@ -160,15 +160,26 @@ pub fn conclude(
     }
     let reply = match result {
         Ok(r) => r,
-        Err(Fail::Reply(code, message)) => {
-            debug!("operation failed: {code:?}: {message}");
-            Reply::Error { code, message }
-        }
-        Err(Fail::Aborted) => Reply::Aborted,
-        Err(Fail::Closed) => {
-            debug!("the plugin closed the connection mid-operation");
-            return;
-        }
+        Err(f) => match fail_reply(f) {
+            Some(r) => r,
+            None => return,
+        },
     };
     let _ = ch.send_reply(&reply);
+}
+
+/// The reply an operation that stopped early owes the plugin; `None` when the connection is
+/// gone (nothing to reply).
+pub fn fail_reply(f: Fail) -> Option<Reply> {
+    match f {
+        Fail::Reply(code, message) => {
+            debug!("operation failed: {code:?}: {message}");
+            Some(Reply::Error { code, message })
+        }
+        Fail::Aborted => Some(Reply::Aborted),
+        Fail::Closed => {
+            debug!("the plugin closed the connection mid-operation");
+            None
+        }
+    }
 }

@@ -131,6 +131,9 @@ pub struct RestoredProcess {
     pub handover_s: Option<f64>,
     /// The keeper's load before the hand-over, phase by phase.
     pub keeper: Option<crate::preload::KeeperPhases>,
+    /// Its agent maps another process's memory through CUDA IPC (its `Hello` before the
+    /// restore said so): its shares are mapped again once the exporters' memory is back.
+    pub ipc_imports: bool,
     pub total_s: f64,
 }
 
@@ -921,13 +924,20 @@ pub fn resume_all(ctx: &Ctx, items: &mut [RestoreItem], checks: datapath::ReadCh
     });
     let n = work.len();
     let mut split = Vec::new();
+    let mut importers = Vec::new();
     for (((pid, m, _, threads, _), r), leftover) in work.into_iter().zip(outcomes).zip(leftovers) {
         let stopped = ptrace::stop_all(threads, "stopping a thread after the restore");
-        if r.as_ref().is_ok_and(|p| p.path == CheckpointPath::Split) {
-            split.push(crate::sharing::Process {
+        if let Ok(p) = r.as_ref()
+            && p.path == CheckpointPath::Split
+        {
+            let me = crate::sharing::Process {
                 pid,
                 nspid: m.nspid,
-            });
+            };
+            split.push(me);
+            if p.ipc_imports {
+                importers.push(me);
+            }
         }
         results.push((
             pid,
@@ -941,7 +951,7 @@ pub fn resume_all(ctx: &Ctx, items: &mut [RestoreItem], checks: datapath::ReadCh
     // of their threads runs. One that cannot is not restored (it is killed with the others
     // that failed).
     let fetch = crate::sharing::from_traced(&split, ctx.agent_timeout());
-    for p in &split {
+    for p in &importers {
         if let Err(e) =
             crate::sharing::reimport(*p, &fetch, ctx.agent_timeout(), Some("restore-reimport"))
             && let Some((_, r)) = results.iter_mut().find(|(pid, _)| *pid == p.pid)
@@ -989,8 +999,9 @@ fn prepare(ctx: &Ctx, pid: i32, m: &Manifest) -> Result<Vec<RunningThread>, Rest
 /// What the image claims against what the restored agent says, before anything is restored.
 /// Checksums make an image intact, not authentic: a manifest rewritten and sealed again to list
 /// no data would let a process whose dump released its memory run without it. The agent, part
-/// of the restored process, knows whether its memory was released.
-fn image_matches_agent(ctx: &Ctx, pid: i32, m: &Manifest) -> Result<(), RestoreError> {
+/// of the restored process, knows whether its memory was released. Returns whether the agent
+/// maps another process's memory through its CUDA IPC (from the same `Hello`).
+fn image_matches_agent(ctx: &Ctx, pid: i32, m: &Manifest) -> Result<bool, RestoreError> {
     // An image without data may come from a dump whose agent hung (it fell back to the driver
     // path), and such an agent may hang still: ask briefly.
     let wait = if has_data(m) {
@@ -1000,20 +1011,23 @@ fn image_matches_agent(ctx: &Ctx, pid: i32, m: &Manifest) -> Result<(), RestoreE
     };
     let Some(session) = agent::AgentSession::connect(pid, wait)? else {
         // No agent listens: nothing was moved by one (`prepare` refused an image that says so).
-        return Ok(());
+        return Ok(false);
     };
-    let released = match session.hello() {
-        Ok(h) => h.released,
+    let (released, imports) = match session.hello() {
+        Ok(h) => (
+            h.released,
+            h.hazards & gpusnap_proto::hazard::SERVED_IPC_IMPORT != 0,
+        ),
         Err(e) if !has_data(m) => {
             log::warn!(
                 "pid {pid}: its agent does not answer ({e}); the image lists no device data for it, so the driver's checkpoint holds all of it: restoring without the cross-check"
             );
-            return Ok(());
+            return Ok(false);
         }
         Err(e) => return Err(e.into()),
     };
     if released == has_data(m) {
-        return Ok(());
+        return Ok(imports);
     }
     Err(RestoreError::ImageAgentMismatch {
         pid,
@@ -1058,6 +1072,7 @@ fn resume_one(
         data: None,
         handover_s: None,
         keeper: None,
+        ipc_imports: false,
         total_s: 0.0,
     };
     let uuids = uuid_pairs(pairs)?;
@@ -1066,7 +1081,7 @@ fn resume_one(
         .as_ref()
         .map(|_| crate::preload::targets(m, pairs))
         .transpose()?;
-    image_matches_agent(ctx, pid, m)?;
+    out.ipc_imports = image_matches_agent(ctx, pid, m)?;
     while phase != RestorePhase::Whole {
         phase = match phase {
             RestorePhase::Stopped => {

@@ -1463,6 +1463,7 @@ impl DumpRun {
     /// `exit(DUMP, ret)`: on success the final manifests and `gpusnap-stats.json`; on `-R` or
     /// failure every process is rolled back (a failed dump's files are removed).
     pub fn exit(&mut self, ret: i32) {
+        crate::fault::criu_part_over();
         let Some(ctx) = self.ctx.as_ref() else { return };
         let mut leave_running = crate::criu::leave_running();
         // Drains ran beside CRIU's dump: join them before anything is decided.

@@ -8,6 +8,7 @@
 //! fail (EIO) without trying it, so that tests can see a failed fsync fail the dump.
 
 use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 pub const ENV: &str = "GPUSNAP_TEST_KILL_CRIU_AT";
 pub const FAIL_SYNC_ENV: &str = "GPUSNAP_TEST_FAIL_SYNC";
@@ -22,7 +23,8 @@ pub const POINTS: &[&str] = &[
     "dump-relocked",     // split: locked again, control state not yet checkpointed
     "dump-checkpointed", // driver checkpoint done; CRIU's own dump follows
     // hand-over: beside CRIU's dump, and in `exit`
-    "dump-drained",         // the drain wrote every chunk; the keeper not yet released
+    "dump-drained", // the drain wrote every chunk; the keeper not yet released (fired
+    // once CRIU's own part is over: see `kill_criu_beside_at`)
     "dump-before-manifest", // `exit` joined the drain; the manifest not yet written
     // rollback (`-R`, or a failed dump), in `exit`
     "rollback-restored", // driver restore of the rollback done, memory not yet back
@@ -99,6 +101,30 @@ pub fn check() -> Result<(), UnknownPoint> {
         Ok(value) if known(&value).is_none() => Err(UnknownPoint::Point { value }),
         _ => Ok(()),
     }
+}
+
+/// Set at `exit`: CRIU's own part of the dump is over (no parasite in any task any more).
+static CRIU_PART_OVER: AtomicBool = AtomicBool::new(false);
+
+/// `exit` has begun: CRIU's own part of the dump is over.
+pub fn criu_part_over() {
+    CRIU_PART_OVER.store(true, Ordering::SeqCst);
+}
+
+/// For a point on a thread of ours that runs beside CRIU's own work (the drain): kills CRIU
+/// there, but only once CRIU's own part is over. CRIU killed while its parasite is inside a task
+/// can lose that task whatever gpusnap does (a flaky CI cell showed it: the drain of a small job
+/// ended during CRIU's parasite work); the cell is about gpusnap's window, which lasts until
+/// the keeper is released, so the kill waits for `exit` (at most 30 s).
+pub fn kill_criu_beside_at(point: &'static str) {
+    if armed() != Some(point) {
+        return;
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !CRIU_PART_OVER.load(Ordering::SeqCst) && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    kill_criu_at(point);
 }
 
 /// Kills this CRIU if `point` is armed.

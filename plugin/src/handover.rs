@@ -202,7 +202,7 @@ impl Drain {
                     datapath::Round::Paused,
                 )
                 .and_then(|data| {
-                    crate::fault::kill_criu_at("dump-drained");
+                    crate::fault::kill_criu_beside_at("dump-drained");
                     // The keeper drops its imports; the job still holds the memory.
                     session.release_keeper().map_err(DataError::from)?;
                     Ok(data)

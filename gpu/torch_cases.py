@@ -232,6 +232,8 @@ class Runner:
     # ------------------------------------------------------------- reference
 
     def reference(self, workload, allocator, path):
+        # split and split-copyfirst differ only in criu's environment: one reference serves both
+        path = "split" if path.startswith("split") else path
         key = (workload, allocator, path, tuple(sorted(self.extra_env.items())))
         if key in self.refs:
             return self.refs[key]
@@ -307,7 +309,8 @@ class Runner:
         remove_outputs(out)
         imgdir = os.path.join(self.a.images, tag)
         shutil.rmtree(imgdir, ignore_errors=True)
-        mode = {"split": "auto", "transparent": "transparent"}[path]
+        mode = {"split": "auto", "split-copyfirst": "auto", "transparent": "transparent"}[path]
+        criu_env = {"GPUSNAP_HANDOVER": "0"} if path == "split-copyfirst" else None
         popen, rpid, pids, dump = None, None, [], None
         try:
             popen = procs.start_process(self.cmd(workload, out), out + ".stdout",
@@ -332,7 +335,7 @@ class Runner:
                 if not any("nvidia-cuda-mps-server" in p for p in rec["mps_processes"]):
                     rec["problems"].append("no nvidia-cuda-mps-server ran: the job is not an MPS client")
             dump = criu.criu_dump(popen.pid, imgdir, self.a.plugdir, mode, log,
-                                   leave_running=leave, timeout=self.a.criu_timeout)
+                                   leave_running=leave, timeout=self.a.criu_timeout, env=criu_env)
             rec["dump_s"] = round(dump["secs"], 3)
             img = criu.image_stats(imgdir)
             rec["image_bytes"] = img["image_bytes"]
@@ -360,11 +363,11 @@ class Runner:
                     return self.finish(rec, t_case)
             elif refused:
                 raise CaseError("criu dump rc %d" % dump["rc"])
-            if path == "split" and img["gpusnap_data_files"] == 0:
+            if path.startswith("split") and img["gpusnap_data_files"] == 0:
                 log("WARNING: split path: no gpusnap data images (the agent took no allocation; "
                     "the driver checkpoint carried the data)")
                 rec["split_taken"] = False
-            elif path == "split":
+            elif path.startswith("split"):
                 rec["split_taken"] = True
             if leave:
                 rc = wait_exit(popen.pid, self.a.run_timeout, popen=popen)
@@ -378,7 +381,8 @@ class Runner:
                     raise CaseError("job still running 30 s after criu dump")
                 if not procs.wait_pids_free(pids, 60, log):
                     raise CaseError("dumped pids still in use after 60 s")
-                restore = criu.criu_restore(imgdir, self.a.plugdir, mode, log, timeout=self.a.criu_timeout)
+                restore = criu.criu_restore(imgdir, self.a.plugdir, mode, log, timeout=self.a.criu_timeout,
+                                            env=criu_env)
                 rec["restore_s"] = round(restore["secs"], 3)
                 rec["restore_gpusnap_lines"] = restore["gpusnap_lines"]
                 rpid = restore["pid"]
@@ -406,7 +410,7 @@ class Runner:
             rec["problems"].append("exception: " + tb.strip().splitlines()[-1])
             log.block("exception", tb)
         finally:
-            if path == "split":
+            if path.startswith("split"):
                 for f in [out] + [g for g in output_files(workload, out) if g != out]:
                     criu.log_agent_lines(log, f + ".stdout", 20)
             if rec["problems"]:
@@ -612,7 +616,7 @@ def main():
                 ids.append(x)
     paths = [p.strip() for p in a.paths.split(",") if p.strip()]
     for p in paths:
-        if p not in ("split", "transparent"):
+        if p not in ("split", "split-copyfirst", "transparent"):
             ap.error("unknown path %s" % p)
 
     t_start = time.time()

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build gpu/workload.cu, gpu/pcie_bw.cu and gpu/ring_probe.cu into a bin dir (default
+# Build gpu/workload.cu, gpu/pcie_bw.cu, gpu/ring_probe.cu and gpu/shareable_pair.cu into a bin dir (default
 # /tmp/gpusnap-bin), only when missing or older than the source. Prints the paths it built or found.
 #
 # Usage: gpu/build.sh [--bin DIR] [--force]
@@ -77,3 +77,5 @@ build_one "$repo/gpu/workload.cu" "$bin/workload"
 build_one "$repo/gpu/pcie_bw.cu" "$bin/pcie_bw"
 # runtime API only (libcuda linked as above anyway); std::thread needs pthreads on older glibc
 build_one "$repo/gpu/ring_probe.cu" "$bin/ring_probe" -lpthread
+# driver VMM API and fd passing (gpu/shareable_ckpt.py); kernels through the runtime
+build_one "$repo/gpu/shareable_pair.cu" "$bin/shareable_pair"

@@ -24,6 +24,49 @@ use crate::real::{
 /// re-creates the memory.
 pub type PropBytes = [u8; std::mem::size_of::<CUmemAllocationProp>()];
 
+/// Offset and value of `requestedHandleTypes` in a [`PropBytes`] (a plain `u32` field).
+const HANDLE_TYPES_AT: usize = std::mem::offset_of!(CUmemAllocationProp, requestedHandleTypes);
+
+/// The `requestedHandleTypes` bits of properties held as bytes.
+pub fn requested_handle_types(p: &PropBytes) -> u32 {
+    let mut b = [0u8; 4];
+    b.copy_from_slice(&p[HANDLE_TYPES_AT..HANDLE_TYPES_AT + 4]);
+    u32::from_ne_bytes(b)
+}
+
+/// The properties the agent creates an application's `cuMemCreate` memory with, when they
+/// differ from the application's: plain pinned memory on device `dev` (nothing else set) gets
+/// the POSIX-fd handle type added where the device supports it, so a dump can lend it to the
+/// keeper instead of copying it off the GPU first. Any other properties (another handle
+/// type, compression, RDMA or usage flags, a host location) are used exactly as asked: `None`.
+/// The handle's properties as the application reads them are its own ([`AppHandle::asked`]).
+///
+/// [`AppHandle::asked`]: crate::table::AppHandle::asked
+pub fn lendable_prop(
+    posix_fd_supported: bool,
+    asked: &PropBytes,
+    dev: CUdevice,
+) -> Option<PropBytes> {
+    if !posix_fd_supported || requested_handle_types(asked) != 0 {
+        return None;
+    }
+    let plain = prop_bytes(&device_prop(dev, false));
+    (asked == &plain).then(|| prop_bytes(&device_prop(dev, true)))
+}
+
+/// Whether memory created with `real` is what a keeper makes at a restore (plain pinned memory
+/// on `dev`, exportable as a POSIX fd): only such memory is lent, so a restore through the
+/// keeper gives the job memory with the properties it had.
+pub fn is_keeper_prop(real: &PropBytes, dev: CUdevice) -> bool {
+    real == &prop_bytes(&device_prop(dev, true))
+}
+
+fn prop_bytes(p: &CUmemAllocationProp) -> PropBytes {
+    // SAFETY: CUmemAllocationProp is plain data of exactly size_of::<PropBytes>() bytes with no
+    // padding (4 + 4 + 8 + 8 + 8: the layout test below), read as bytes.
+    unsafe { std::ptr::from_ref(p).cast::<PropBytes>().read_unaligned() }
+}
+
 /// A failed driver call.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CuError {
@@ -562,5 +605,46 @@ fn device_prop(dev: CUdevice, exportable: bool) -> CUmemAllocationProp {
             usage: 0,
             reserved: [0; 4],
         },
+    }
+}
+
+#[cfg(test)]
+mod prop_tests {
+    use super::*;
+
+    fn with_requested_handle_types(p: &PropBytes, types: u32) -> PropBytes {
+        let mut out = *p;
+        out[HANDLE_TYPES_AT..HANDLE_TYPES_AT + 4].copy_from_slice(&types.to_ne_bytes());
+        out
+    }
+
+    #[test]
+    fn prop_bytes_layout() {
+        assert_eq!(std::mem::size_of::<PropBytes>(), 32);
+        assert_eq!(HANDLE_TYPES_AT, 4);
+        let p = prop_bytes(&device_prop(2, true));
+        assert_eq!(requested_handle_types(&p), HANDLE_TYPE_POSIX_FD);
+        assert_eq!(
+            requested_handle_types(&with_requested_handle_types(&p, 0)),
+            0
+        );
+    }
+
+    #[test]
+    fn only_plain_device_memory_is_made_lendable() {
+        let plain = prop_bytes(&device_prop(1, false));
+        let made = lendable_prop(true, &plain, 1).expect("plain memory gets a POSIX fd type");
+        assert!(is_keeper_prop(&made, 1));
+        assert_eq!(with_requested_handle_types(&made, 0), plain);
+        // no support on the device, another device's location, flags set, a type asked for
+        assert_eq!(lendable_prop(false, &plain, 1), None);
+        assert_eq!(lendable_prop(true, &plain, 0), None);
+        let mut flagged = device_prop(1, false);
+        flagged.allocFlags.gpuDirectRDMACapable = 1;
+        assert_eq!(lendable_prop(true, &prop_bytes(&flagged), 1), None);
+        let asked = prop_bytes(&device_prop(1, true));
+        assert_eq!(lendable_prop(true, &asked, 1), None);
+        assert!(is_keeper_prop(&asked, 1));
+        assert!(!is_keeper_prop(&prop_bytes(&flagged), 1));
     }
 }

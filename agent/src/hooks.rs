@@ -443,19 +443,49 @@ pub unsafe extern "C" fn cuMemCreate(
             Ok(d) => d,
             Err(rc) => return rc,
         };
-        // SAFETY: the caller's arguments are passed to the real function unchanged.
-        let rc = unsafe { (drv.mem_create)(handle, size, prop, flags) };
+        let cfg = crate::config::config();
+        let movable = cfg.app_vmm && !cfg.disabled;
+        // Plain device memory is made exportable, so that a dump can lend it rather than copy it
+        // first; the application still reads back (and can export) only what it asked for.
+        let lendable = if movable && !prop.is_null() {
+            // SAFETY: the caller's prop points to a whole CUmemAllocationProp (the driver reads
+            // it next); copied as bytes, unaligned.
+            let asked = unsafe { prop.cast::<table::PropBytes>().read_unaligned() };
+            // SAFETY: as above.
+            unsafe { device_of_prop(prop) }
+                .and_then(|dev| crate::cu::lendable_prop(drv.posix_fd_handles(dev), &asked, dev))
+        } else {
+            None
+        };
+        let made_with = lendable.filter(|with_fd| {
+            // SAFETY: handle is the caller's out pointer, with_fd a whole property struct.
+            let rc = unsafe {
+                (drv.mem_create)(
+                    handle,
+                    size,
+                    with_fd.as_ptr().cast::<CUmemAllocationProp>(),
+                    flags,
+                )
+            };
+            rc == CUDA_SUCCESS
+        });
+        let rc = if made_with.is_some() {
+            CUDA_SUCCESS
+        } else {
+            // SAFETY: the caller's arguments are passed to the real function unchanged.
+            unsafe { (drv.mem_create)(handle, size, prop, flags) }
+        };
         if rc == CUDA_SUCCESS && !handle.is_null() && !prop.is_null() {
             // SAFETY: the real call accepted prop and wrote *handle.
             if let Some(dev) = unsafe { device_of_prop(prop) } {
                 // SAFETY: as above.
                 let h = unsafe { *handle };
-                let cfg = crate::config::config();
-                if cfg.app_vmm && !cfg.disabled {
+                if movable {
                     // SAFETY: prop points to a whole CUmemAllocationProp (the driver read it);
                     // copied as bytes, unaligned.
-                    let bytes = unsafe { prop.cast::<table::PropBytes>().read_unaligned() };
-                    let v = table::lock().virtualize(h, size as u64, dev, bytes);
+                    let asked = unsafe { prop.cast::<table::PropBytes>().read_unaligned() };
+                    let made = made_with.unwrap_or(asked);
+                    let v = table::lock().virtualize(h, size as u64, dev, (made, asked));
                     // SAFETY: handle is valid for writes (the driver just wrote it).
                     unsafe { *handle = v };
                 } else {
@@ -539,6 +569,7 @@ pub unsafe extern "C" fn cuMemUnmap(ptr: CUdeviceptr, size: usize) -> CuRes {
         let rc = unsafe { (drv.mem_unmap)(ptr, size) };
         if rc == CUDA_SUCCESS {
             table::lock().record_app_unmap(ptr, size as u64);
+            crate::lend::forget_own_range(ptr, size as u64);
         }
         rc
     })
@@ -635,11 +666,32 @@ pub unsafe extern "C" fn cuMemGetAllocationPropertiesFromHandle(
         let Some(get) = drv.mem_get_allocation_properties_from_handle else {
             return CUDA_ERROR_NOT_SUPPORTED;
         };
-        match real_handle(handle) {
-            // SAFETY: the caller's arguments, the handle translated.
-            Ok(real) => unsafe { get(prop, real) },
-            Err(rc) => rc,
+        let real = match real_handle(handle) {
+            Ok(real) => real,
+            Err(rc) => return rc,
+        };
+        // SAFETY: the caller's arguments, the handle translated.
+        let rc = unsafe { get(prop, real) };
+        if rc == CUDA_SUCCESS && !prop.is_null() {
+            if let Some((asked, made)) = table::lock().props_of(handle) {
+                let types = crate::cu::requested_handle_types(&asked);
+                if types != crate::cu::requested_handle_types(&made) {
+                    // The handle type the agent added is not the application's to see.
+                    // SAFETY: prop is the caller's whole CUmemAllocationProp, just written by the
+                    // driver; only its requestedHandleTypes (a u32 at that offset) is replaced.
+                    unsafe {
+                        prop.cast::<u8>()
+                            .add(std::mem::offset_of!(
+                                CUmemAllocationProp,
+                                requestedHandleTypes
+                            ))
+                            .cast::<u32>()
+                            .write_unaligned(types)
+                    };
+                }
+            }
         }
+        rc
     })
 }
 
@@ -827,6 +879,15 @@ pub unsafe extern "C" fn cuMemExportToShareableHandle(
     flags: u64,
 ) -> CuRes {
     guard(CUDA_ERROR_UNKNOWN, || {
+        if let Some((asked, made)) = table::lock().props_of(handle) {
+            let added = crate::cu::requested_handle_types(&made)
+                & !crate::cu::requested_handle_types(&asked);
+            if added & handle_type != 0 {
+                // Not a type the application created the handle with (the agent may have added
+                // it): the driver's answer for such an export.
+                return CUDA_ERROR_INVALID_VALUE;
+            }
+        }
         let handle = match real_handle(handle) {
             Ok(r) => r,
             Err(rc) => return rc,

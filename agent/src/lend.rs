@@ -145,6 +145,24 @@ pub(crate) fn forget_own_within(addr: u64) {
     }
 }
 
+/// After the application unmapped `addr..addr+size` (`cuMemUnmap`): the own descriptors of
+/// what was mapped there are closed, so they never keep memory alive that the application
+/// let go (a later mapping of an imported handle is copied, not lent: [`crate::table`]).
+pub fn forget_own_range(addr: u64, size: u64) {
+    let mut g = own();
+    if let Some(o) = g.as_mut() {
+        let gone: Vec<u64> = o
+            .held
+            .range(addr..addr.saturating_add(size))
+            .map(|(a, _)| *a)
+            .collect();
+        for a in gone {
+            o.held.remove(&a);
+            debug!("own descriptor of {a:#x} closed (unmapped by the application)");
+        }
+    }
+}
+
 fn forget_own_in(g: &mut Option<Stamped<OwnDescriptors>>, addr: u64) {
     if let Some(o) = g.as_mut()
         && o.held.remove(&addr).is_some()
@@ -435,7 +453,7 @@ pub(crate) fn map_from_descriptor(
     }
     let marked = table::try_lock_for(AGENT_LOCK_WAIT)
         .ok_or_else(Fail::busy)?
-        .mark_mapped(addr, handle);
+        .mark_mapped(addr, handle, true);
     match marked {
         Ok(false) => {}
         // The application released its handle meanwhile: only the mapping holds it.

@@ -118,7 +118,7 @@ fn recreate(drv: &Driver, spans: &[Span], released: &[bool]) -> Result<usize, Fa
         let marked = match table::try_lock_for(AGENT_LOCK_WAIT) {
             None => Err(Fail::busy()),
             Some(mut t) => t
-                .mark_mapped(s.addr, handle)
+                .mark_mapped(s.addr, handle, false)
                 .map_err(|e| Fail::bad_state(e.to_string())),
         };
         match marked {

@@ -555,7 +555,8 @@ fn list(ch: &Channel) -> Result<(), ProtoError> {
             size: e.size,
             kind: match (e.converted, e.exportable, e.app_handle) {
                 (false, _, _) => AllocKind::AppVmm,
-                (true, _, true) => AllocKind::AppHandleMapping,
+                (true, true, true) => AllocKind::AppHandleLendable,
+                (true, false, true) => AllocKind::AppHandleMapping,
                 (true, true, false) => AllocKind::Converted,
                 (true, false, false) => AllocKind::ConvertedNoExport,
             },

@@ -49,8 +49,10 @@ pub struct Converted {
     pub backing: Backing,
     /// The application's (virtual) handle mapped here; None for a converted `cuMemAlloc`.
     pub app_handle: Option<Handle>,
-    /// A converted `cuMemAlloc` whose memory was created with a POSIX-fd shareable handle type,
-    /// so it can be exported (to serve CUDA IPC); false where the device lacks them.
+    /// Memory created with a POSIX-fd shareable handle type, so it can be exported (to serve
+    /// CUDA IPC, to lend it to a keeper): a converted `cuMemAlloc` where the device has such
+    /// handles; an application handle whose memory is what a keeper makes
+    /// ([`crate::cu::is_keeper_prop`]).
     pub exportable: bool,
 }
 
@@ -68,11 +70,18 @@ pub struct AppHandle {
     pub app_refs: u32,
     pub size: u64,
     pub device: i32,
+    /// The properties the memory was created with (and is created with again).
     pub prop: PropBytes,
+    /// The properties the application asked for: `prop` less the POSIX-fd handle type the agent
+    /// may have added ([`crate::cu::lendable_prop`]); what the application reads back.
+    pub asked: PropBytes,
     /// Live mappings of the handle.
     pub mappings: u32,
     /// Mapped twice or in part at some time: never movable, left to the driver.
     pub pinned: bool,
+    /// The driver's handle is imported (a hand-over mapped the memory back from a descriptor),
+    /// which the driver will not export again: a later mapping of it is copied, not lent.
+    pub imported: bool,
 }
 
 /// What the application's `cuMemRelease` of a virtual handle does.
@@ -339,10 +348,16 @@ impl Table {
         }
     }
 
-    /// Released -> Mapped with the new handle. Returns true when the table must not keep a
-    /// driver reference to it (the application has released its handle: only the mapping
-    /// holds the memory), i.e. the caller releases it once mapped.
-    pub fn mark_mapped(&mut self, addr: u64, handle: Handle) -> Result<bool, TableError> {
+    /// Released -> Mapped with the new handle, `imported` from a descriptor or created. Returns
+    /// true when the table must not keep a driver reference to it (the application has
+    /// released its handle: only the mapping holds the memory), i.e. the caller releases it
+    /// once mapped.
+    pub fn mark_mapped(
+        &mut self,
+        addr: u64,
+        handle: Handle,
+        imported: bool,
+    ) -> Result<bool, TableError> {
         let c = self
             .converted
             .get_mut(&addr)
@@ -355,6 +370,7 @@ impl Table {
             return Ok(false);
         };
         ah.real = Some(handle);
+        ah.imported = imported;
         Ok(ah.app_refs == 0)
     }
 
@@ -367,7 +383,13 @@ impl Table {
 
     /// A driver handle for device memory the application just created: returns the value the
     /// application gets instead.
-    pub fn virtualize(&mut self, real: Handle, size: u64, device: i32, prop: PropBytes) -> Handle {
+    pub fn virtualize(
+        &mut self,
+        real: Handle,
+        size: u64,
+        device: i32,
+        (prop, asked): (PropBytes, PropBytes),
+    ) -> Handle {
         let v = self.next_virtual;
         self.next_virtual += 1;
         self.virtual_handles.insert(
@@ -378,8 +400,10 @@ impl Table {
                 size,
                 device,
                 prop,
+                asked,
                 mappings: 0,
                 pinned: false,
+                imported: false,
             },
         );
         v
@@ -389,6 +413,12 @@ impl Table {
     /// ours (pass it on unchanged), `Some(None)` while a dump has released the memory.
     pub fn real_handle(&self, h: Handle) -> Option<Option<Handle>> {
         self.virtual_handles.get(&h).map(|a| a.real)
+    }
+
+    /// The properties the application asked for when it created virtual handle `v`, and the
+    /// ones its memory was made with; None when `v` is not one of ours.
+    pub fn props_of(&self, v: Handle) -> Option<(PropBytes, PropBytes)> {
+        self.virtual_handles.get(&v).map(|a| (a.asked, a.prop))
     }
 
     /// The application value of a driver handle (for `cuMemRetainAllocationHandle`), if the
@@ -463,7 +493,13 @@ impl Table {
         };
         a.mappings += 1;
         if !a.pinned && a.mappings == 1 && offset == 0 && size == a.size {
+            // Lent by a hand-over only if a keeper would make the same memory at a restore, and
+            // only while the driver can export it.
+            let lendable = crate::cu::is_keeper_prop(&a.prop, device) && !a.imported;
             self.insert_movable(device, addr, size, real, Some(v));
+            if lendable {
+                self.set_exportable(addr);
+            }
             return;
         }
         self.pin(v);
@@ -707,7 +743,7 @@ mod tests {
         let mut t = Table::new();
         t.insert_converted(0, 0x1000, MB2, 7);
         assert_eq!(
-            t.mark_mapped(0x1000, 8),
+            t.mark_mapped(0x1000, 8, false),
             Err(TableError::NotReleased(0x1000))
         );
         assert_eq!(t.mark_released(0x1000), Ok((7, true)));
@@ -716,11 +752,14 @@ mod tests {
             t.mark_released(0x1000),
             Err(TableError::AlreadyReleased(0x1000))
         );
-        assert_eq!(t.mark_mapped(0x1000, 9), Ok(false));
+        assert_eq!(t.mark_mapped(0x1000, 9, false), Ok(false));
         assert_eq!(t.converted().next().unwrap().backing, Backing::Mapped(9));
         assert!(!t.summary().released);
         assert_eq!(t.mark_released(0x5000), Err(TableError::NotFound(0x5000)));
-        assert_eq!(t.mark_mapped(0x5000, 1), Err(TableError::NotFound(0x5000)));
+        assert_eq!(
+            t.mark_mapped(0x5000, 1, false),
+            Err(TableError::NotFound(0x5000))
+        );
     }
 
     #[test]
@@ -756,7 +795,7 @@ mod tests {
     #[test]
     fn a_whole_mapping_of_an_app_handle_moves_and_keeps_its_value() {
         let mut t = Table::new();
-        let v = t.virtualize(500, MB2, 0, PROP);
+        let v = t.virtualize(500, MB2, 0, (PROP, PROP));
         assert!(v > VIRTUAL_BASE);
         assert_eq!(t.real_handle(v), Some(Some(500)));
         assert_eq!(t.real_handle(500), None, "driver values pass through");
@@ -774,7 +813,7 @@ mod tests {
         // dump: released, the table's reference dropped; restore: a new driver handle
         assert_eq!(t.mark_released(0x7000_0000), Ok((500, true)));
         assert_eq!(t.real_handle(v), Some(None));
-        assert_eq!(t.mark_mapped(0x7000_0000, 600), Ok(false));
+        assert_eq!(t.mark_mapped(0x7000_0000, 600, false), Ok(false));
         assert_eq!(t.real_handle(v), Some(Some(600)), "same value, new memory");
         assert_eq!(t.virtual_of(600), Some(v));
 
@@ -793,7 +832,7 @@ mod tests {
         t.insert_converted(0, 0x1000, 0x1000, 7);
         assert_eq!(t.mark_released(0x1000), Ok((7, true)));
         t.reload_begins();
-        assert_eq!(t.mark_mapped(0x1000, 9), Ok(false));
+        assert_eq!(t.mark_mapped(0x1000, 9, false), Ok(false));
         assert!(
             t.summary().released,
             "re-created but not reloaded is not whole"
@@ -805,19 +844,19 @@ mod tests {
     #[test]
     fn a_released_app_handle_is_held_by_its_mapping_alone() {
         let mut t = Table::new();
-        let v = t.virtualize(500, MB2, 1, PROP);
+        let v = t.virtualize(500, MB2, 1, (PROP, PROP));
         t.app_map_virtual(0x7000_0000, MB2, 0, v);
         assert_eq!(t.app_release(v), AppRelease::ReleaseReal(500));
         // dump: no table reference left to release; restore: release the new one once mapped
         assert_eq!(t.mark_released(0x7000_0000), Ok((500, false)));
-        assert_eq!(t.mark_mapped(0x7000_0000, 700), Ok(true));
+        assert_eq!(t.mark_mapped(0x7000_0000, 700, false), Ok(true));
         assert_eq!(t.app_prop(0x7000_0000), Some(PROP));
     }
 
     #[test]
     fn retains_are_counted_over_one_driver_reference() {
         let mut t = Table::new();
-        let v = t.virtualize(500, MB2, 0, PROP);
+        let v = t.virtualize(500, MB2, 0, (PROP, PROP));
         t.app_map_virtual(0x7000_0000, MB2, 0, v);
         assert!(
             t.app_retain(v),
@@ -835,7 +874,7 @@ mod tests {
     #[test]
     fn a_handle_mapped_twice_or_in_part_is_left_to_the_driver() {
         let mut t = Table::new();
-        let v = t.virtualize(500, 2 * MB2, 0, PROP);
+        let v = t.virtualize(500, 2 * MB2, 0, (PROP, PROP));
         t.app_map_virtual(0x7000_0000, 2 * MB2, 0, v);
         assert!(t.listing()[0].converted);
         t.app_map_virtual(0x9000_0000, 2 * MB2, 0, v);
@@ -848,11 +887,11 @@ mod tests {
         t.app_map_virtual(0x7000_0000, 2 * MB2, 0, v);
         assert!(!t.listing()[0].converted, "pinned for good");
 
-        let w = t.virtualize(501, 2 * MB2, 0, PROP);
+        let w = t.virtualize(501, 2 * MB2, 0, (PROP, PROP));
         t.app_map_virtual(0xa000_0000, MB2, MB2, w);
         assert!(t.listing().iter().all(|e| !e.converted), "part of a handle");
 
-        let x = t.virtualize(502, MB2, 0, PROP);
+        let x = t.virtualize(502, MB2, 0, (PROP, PROP));
         t.app_map_virtual(0xb000_0000, MB2, 0, x);
         assert!(
             t.listing()
@@ -867,7 +906,15 @@ mod tests {
     #[test]
     fn an_app_mapping_being_unmapped_is_no_longer_movable() {
         let mut t = Table::new();
-        let v = t.virtualize(0x51, 2 << 20, 0, [0; std::mem::size_of::<PropBytes>()]);
+        let v = t.virtualize(
+            0x51,
+            2 << 20,
+            0,
+            (
+                [0; std::mem::size_of::<PropBytes>()],
+                [0; std::mem::size_of::<PropBytes>()],
+            ),
+        );
         t.app_map_virtual(0x4000_0000, 2 << 20, 0, v);
         // A thread stopped between this and the driver's unmap leaves it to the driver.
         t.begin_app_unmap(0x4000_0000, 2 << 20);
@@ -888,7 +935,15 @@ mod tests {
     fn converted_allocs_are_found_by_any_overlap() {
         let mut t = Table::new();
         t.insert_converted(0, 0x1000_0000, 4 << 20, 7);
-        let v = t.virtualize(0x51, 2 << 20, 0, [0; std::mem::size_of::<PropBytes>()]);
+        let v = t.virtualize(
+            0x51,
+            2 << 20,
+            0,
+            (
+                [0; std::mem::size_of::<PropBytes>()],
+                [0; std::mem::size_of::<PropBytes>()],
+            ),
+        );
         t.app_map_virtual(0x2000_0000, 2 << 20, 0, v);
         assert!(t.overlaps_converted_alloc(0x1000_0000, 4096));
         assert!(t.overlaps_converted_alloc(0x1020_0000, 1 << 20), "inside");
@@ -934,7 +989,7 @@ mod tests {
         );
         t.mark_released(0x1000_0000).unwrap();
         assert_eq!(t.live_state(id, None, 0x1000_0000, 1), Gone, "released");
-        t.mark_mapped(0x1000_0000, 8).unwrap();
+        t.mark_mapped(0x1000_0000, 8, false).unwrap();
         t.remove_converted(0x1000_0000);
         assert_eq!(t.live_state(id, None, 0x1000_0000, 1), Gone, "freed");
     }
@@ -943,7 +998,15 @@ mod tests {
     fn live_state_follows_an_application_handle_through_a_remap() {
         use LiveState::*;
         let mut t = Table::new();
-        let v = t.virtualize(0x51, 2 << 20, 0, [0; std::mem::size_of::<PropBytes>()]);
+        let v = t.virtualize(
+            0x51,
+            2 << 20,
+            0,
+            (
+                [0; std::mem::size_of::<PropBytes>()],
+                [0; std::mem::size_of::<PropBytes>()],
+            ),
+        );
         t.app_map_virtual(0x4000_0000, 2 << 20, 0, v);
         let id = t.converted().next().expect("movable").id;
         assert_eq!(t.live_state(id, Some(v), 0x4000_0000, 1 << 20), Mapped);

@@ -37,7 +37,16 @@ fn start(test: &str) -> Option<Split> {
     Split::launch(
         test,
         1,
-        &["--seed", "21", "--allocs", "3", "--mib", "4", "--app-vmm"],
+        &[
+            "--seed",
+            "21",
+            "--allocs",
+            "3",
+            "--mib",
+            "4",
+            "--app-vmm",
+            "--app-vmm-rdma",
+        ],
         &[],
     )
 }
@@ -82,7 +91,8 @@ fn two_dumps_with(
     );
     s.assert_ok(&dump1);
     if s.app_vmm {
-        // The application's own VMM memory is not exportable: it alone is copied out first
+        // The application's own VMM memory is RDMA-capable, which a keeper does not make, so
+        // the agent does not lend it: it alone is copied out first
         // (its route named in the log), the rest is lent; the -R maps the lent memory back and
         // reloads that part from the files.
         s.assert_line(

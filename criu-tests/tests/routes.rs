@@ -1,6 +1,7 @@
 //! Routes per allocation, with a real CRIU on the stand-in driver: a job with allocations the
 //! agent can lend (its converted `cuMemAlloc`s, created exportable) and one it cannot (the
-//! workload's own `cuMemCreate` handle, mapped whole: `--app-vmm`) lends the first to the keeper
+//! workload's own `cuMemCreate` handle of RDMA-capable memory, which a keeper does not make,
+//! mapped whole: `--app-vmm --app-vmm-rdma`) lends the first to the keeper
 //! and copies the other out first, before the driver checkpoint. The image records which was
 //! lent; a restore (the job's agent loads all of it: a mixed image is not handed over at restore)
 //! and `-R` (the lent ones mapped back from the kept descriptors, the copied one reloaded) run on
@@ -16,7 +17,7 @@ use criu_tests::CriuRun;
 use std::time::Duration;
 
 /// 3 data allocations and the counter (converted, exportable on the stand-in) and the
-/// workload's own 2 MiB `cuMemCreate` mapping (not exportable by the agent).
+/// workload's own 2 MiB `cuMemCreate` mapping of RDMA-capable memory (copied first).
 const LENDABLE: usize = 4;
 const COPIED_FIRST: usize = 1;
 
@@ -24,7 +25,16 @@ fn start(test: &str) -> Option<Split> {
     Split::launch(
         test,
         1,
-        &["--seed", "23", "--allocs", "3", "--mib", "4", "--app-vmm"],
+        &[
+            "--seed",
+            "23",
+            "--allocs",
+            "3",
+            "--mib",
+            "4",
+            "--app-vmm",
+            "--app-vmm-rdma",
+        ],
         &[],
     )
 }
@@ -215,4 +225,78 @@ fn criu_killed_in_a_mixed_hand_over_leaves_the_job_recoverable() {
         eprintln!("CRIU killed at {point}: {text}");
         s.assert_runs_on(&before, &killed);
     }
+}
+
+/// The workload's own 2 MiB `cuMemCreate` handle of plain device memory (remapped every tick),
+/// beside 2 data allocations and the counter.
+fn start_plain(test: &str) -> Option<Split> {
+    Split::launch(
+        test,
+        1,
+        &[
+            "--seed",
+            "29",
+            "--allocs",
+            "2",
+            "--mib",
+            "4",
+            "--app-vmm",
+            "--app-vmm-remap",
+        ],
+        &[],
+    )
+}
+
+/// Plain device memory the application made itself is created exportable by the agent (the
+/// workload checks that its handle still cannot be exported, as it asked), so all of it is
+/// lent; the restore hands everything over through the keeper, and the workload's handle value
+/// still maps its memory afterwards.
+#[test]
+fn a_plain_application_handle_is_lent_and_handed_over_at_restore() {
+    let Some(mut s) = start_plain("routes-app-lent") else {
+        return;
+    };
+    let dump = s.dump(false);
+    s.assert_ok(&dump);
+    assert_eq!(routes_at_pause(&s, &dump), (4, 0), "{}", s.describe(&dump));
+    s.assert_line(
+        &dump,
+        &["the image holds 4 lent and 0 copied-first allocations"],
+    );
+    let last = s.reap_dumped();
+    let restore = s.restore();
+    s.assert_ok(&restore);
+    s.assert_line(&restore, &["restore hand-over planned"]);
+    s.assert_runs_on(&last, &restore);
+}
+
+/// After a `-R` the application's handle maps memory imported from the kept descriptor, which
+/// the driver will not export again: once the workload maps it anew, a second `-R` copies that
+/// allocation first (and lends the rest), and the job runs on bit-exact both times.
+#[test]
+fn an_application_handle_mapped_again_after_a_hand_over_is_copied_first() {
+    let Some(mut s) = start_plain("routes-app-again") else {
+        return;
+    };
+    let first = s.dump(true);
+    s.assert_ok(&first);
+    assert_eq!(
+        routes_at_pause(&s, &first),
+        (4, 0),
+        "{}",
+        s.describe(&first)
+    );
+    let before = s.vmm.last_ticks();
+    s.assert_runs_on(&before, &first);
+    let second = s.dump(true);
+    s.assert_ok(&second);
+    assert_eq!(
+        routes_at_pause(&s, &second),
+        (3, 1),
+        "{}",
+        s.describe(&second)
+    );
+    let last = s.vmm.last_ticks();
+    s.assert_runs_on(&last, &second);
+    assert!(s.vmm.original_running(), "{}", s.describe(&second));
 }

@@ -51,7 +51,7 @@ impl AllocRoute {
         match (kind, unavailable) {
             (AllocKind::AppVmm, _) => AllocRoute::Driver(LeftToDriver::ApplicationMapping),
             (_, Some(why)) => AllocRoute::CopyFirst(why),
-            (AllocKind::Converted, None) => AllocRoute::Lend,
+            (AllocKind::Converted | AllocKind::AppHandleLendable, None) => AllocRoute::Lend,
             (AllocKind::ConvertedNoExport, None) => AllocRoute::CopyFirst(CopyFirst::NotExportable),
             (AllocKind::AppHandleMapping, None) => {
                 AllocRoute::CopyFirst(CopyFirst::ApplicationHandle)
@@ -67,7 +67,7 @@ impl AllocRoute {
                 "copy first (not exportable: the device has no POSIX-fd handles)"
             }
             AllocRoute::CopyFirst(CopyFirst::ApplicationHandle) => {
-                "copy first (the application's own cuMemCreate handle, not exportable by the agent)"
+                "copy first (the application's own cuMemCreate handle, of memory a keeper does not make or the driver will not export)"
             }
             AllocRoute::CopyFirst(CopyFirst::HandoverOff) => "copy first (handover = false)",
             AllocRoute::CopyFirst(CopyFirst::NoKeeper) => "copy first (no keeper)",

@@ -27,9 +27,14 @@ pub enum AllocKind {
     /// A converted `cuMemAlloc` whose memory could not be created exportable (the device has no
     /// POSIX-fd handles): the agent moves its data by copying only, never lends it.
     ConvertedNoExport = 3,
-    /// The whole mapping of one of the application's own `cuMemCreate` handles: the agent moves
-    /// its data by copying only (the handle is the application's), never lends it.
+    /// The whole mapping of one of the application's own `cuMemCreate` handles whose memory is
+    /// not what a keeper makes (properties other than plain device memory, or a handle the
+    /// driver will not export again): the agent moves its data by copying only, never lends it.
     AppHandleMapping = 4,
+    /// The whole mapping of one of the application's own `cuMemCreate` handles of plain device
+    /// memory, which the agent created exportable: moved, and lent at a hand-over like
+    /// [`AllocKind::Converted`].
+    AppHandleLendable = 5,
 }
 
 impl AllocKind {
@@ -39,6 +44,7 @@ impl AllocKind {
             2 => Ok(AllocKind::AppVmm),
             3 => Ok(AllocKind::ConvertedNoExport),
             4 => Ok(AllocKind::AppHandleMapping),
+            5 => Ok(AllocKind::AppHandleLendable),
             _ => Err(ProtoError::Malformed("unknown allocation kind")),
         }
     }
@@ -50,7 +56,7 @@ impl AllocKind {
 
     /// Whether a `LendBegin` lends it.
     pub fn lendable(self) -> bool {
-        matches!(self, AllocKind::Converted)
+        matches!(self, AllocKind::Converted | AllocKind::AppHandleLendable)
     }
 }
 

@@ -128,7 +128,14 @@ fn all_replies() -> Vec<Reply> {
             size: 2 << 20,
             kind: AllocKind::AppHandleMapping,
         },
-        Reply::AllocationsEnd { count: 4 },
+        Reply::Allocation {
+            id: 13,
+            device: 0,
+            addr: 0x7000_0080_0000,
+            size: 2 << 20,
+            kind: AllocKind::AppHandleLendable,
+        },
+        Reply::AllocationsEnd { count: 5 },
         Reply::Ready,
         Reply::ChunkReady {
             slot: 1,

@@ -7,7 +7,8 @@
 //!
 //! ```text
 //! fakegpu-vmm --log PATH [--seed S] [--allocs N] [--mib M] [--resolve dlsym|proc]
-//!             [--app-vmm [--app-vmm-remap | --app-vmm-release]] [--threads T] [--procs P]
+//!             [--app-vmm [--app-vmm-remap | --app-vmm-release] [--app-vmm-rdma]]
+//!             [--threads T] [--procs P]
 //!             [--hazard managed|ipc|ipc-driver|peer|ipc-event|ipc-event-closed]
 //!             [--devices D]
 //! ```
@@ -19,7 +20,10 @@
 //!   set access), as allocators such as PyTorch's expandable segments do, keeping the handle.
 //!   With `--app-vmm-remap` it unmaps that handle and maps it again every tick (so a handle value
 //!   that did not survive a checkpoint fails the tick); with `--app-vmm-release` it releases the
-//!   handle right after mapping it (the mapping alone holds the memory).
+//!   handle right after mapping it (the mapping alone holds the memory). `--app-vmm-rdma` asks
+//!   for `gpuDirectRDMACapable` memory (properties a keeper does not make, so the agent copies
+//!   it first instead of lending it). The handle is created without a shareable handle type,
+//!   and the workload checks that it cannot be exported, as the driver says without the agent.
 //! - Each data allocation is filled with a pattern from `S` with `cuMemcpyHtoD_v2` (the second
 //!   half of allocation 1 with zeros, which compresses); the counter starts at 0.
 //! - Every 50 ms, tick `K` (1, 2, ...): every allocation is copied back with `cuMemcpyDtoH_v2`
@@ -83,6 +87,7 @@ type MapFn = unsafe extern "C" fn(DevPtr, usize, usize, u64, u64) -> CuResult;
 type SetAccessFn = unsafe extern "C" fn(DevPtr, usize, *const AccessDesc, usize) -> CuResult;
 type UnmapFn = unsafe extern "C" fn(DevPtr, usize) -> CuResult;
 type ReleaseFn = unsafe extern "C" fn(u64) -> CuResult;
+type ExportFn = unsafe extern "C" fn(*mut c_void, u64, u32, u64) -> CuResult;
 type GetProcAddressV2 =
     unsafe extern "C" fn(*const i8, *mut *mut c_void, c_int, u64, *mut c_int) -> CuResult;
 
@@ -120,6 +125,7 @@ struct Driver {
     set_access: SetAccessFn,
     unmap: UnmapFn,
     release: ReleaseFn,
+    export: ExportFn,
 }
 
 /// How entry points are found.
@@ -223,6 +229,12 @@ impl Driver {
             set_access: entry!(how, "cuMemSetAccess", "cuMemSetAccess", SetAccessFn),
             unmap: entry!(how, "cuMemUnmap", "cuMemUnmap", UnmapFn),
             release: entry!(how, "cuMemRelease", "cuMemRelease", ReleaseFn),
+            export: entry!(
+                how,
+                "cuMemExportToShareableHandle",
+                "cuMemExportToShareableHandle",
+                ExportFn
+            ),
         }
     }
 
@@ -274,14 +286,17 @@ impl Driver {
 
     /// `APP_VMM` bytes mapped with the application's own VMM calls on device 0; returns the
     /// address and the handle.
-    fn app_vmm(&self) -> Result<(DevPtr, u64), String> {
+    fn app_vmm(&self, rdma: bool) -> Result<(DevPtr, u64), String> {
+        let mut alloc_flags = [0; 8];
+        // allocFlags.gpuDirectRDMACapable (the second byte)
+        alloc_flags[1] = u8::from(rdma);
         let prop = AllocationProp {
             type_: 1,
             requested_handle_types: 0,
             location_type: 1,
             location_id: 0,
             win32_handle_meta_data: std::ptr::null_mut(),
-            alloc_flags: [0; 8],
+            alloc_flags,
         };
         let mut addr = 0;
         // SAFETY: valid out pointer; no fixed address, default alignment.
@@ -293,6 +308,18 @@ impl Driver {
         self.check("cuMemCreate", unsafe {
             (self.create)(&mut handle, APP_VMM, &prop, 0)
         })?;
+        // Created with no shareable handle type: not exportable (whatever the agent makes of
+        // the memory behind it).
+        let mut fd: c_int = -1;
+        // SAFETY: an int out pointer, the handle just made, POSIX-fd type, no flags.
+        let rc = unsafe { (self.export)((&raw mut fd).cast(), handle, 1, 0) };
+        if rc == 0 {
+            // SAFETY: the descriptor the export just returned.
+            unsafe { libc::close(fd) };
+            return Err("cuMemExportToShareableHandle of a handle created without \
+                        shareable handle types succeeded"
+                .into());
+        }
         // SAFETY: the reservation and the handle just made, of the same size.
         self.check("cuMemMap", unsafe {
             (self.map)(addr, APP_VMM, 0, handle, 0)
@@ -403,6 +430,7 @@ struct Settings {
     app_vmm: bool,
     app_vmm_remap: bool,
     app_vmm_release: bool,
+    app_vmm_rdma: bool,
     threads: usize,
     hazard: Option<String>,
     devices: usize,
@@ -419,6 +447,7 @@ fn main() {
         app_vmm: args.iter().any(|a| a == "--app-vmm"),
         app_vmm_remap: args.iter().any(|a| a == "--app-vmm-remap"),
         app_vmm_release: args.iter().any(|a| a == "--app-vmm-release"),
+        app_vmm_rdma: args.iter().any(|a| a == "--app-vmm-rdma"),
         threads: num(&args, "--threads", 0) as usize,
         hazard: arg(&args, "--hazard"),
         devices: num(&args, "--devices", 1).max(1) as usize,
@@ -582,7 +611,7 @@ fn run(s: &Settings) -> ! {
     drv.make_current(ctx).unwrap_or_else(|e| die(&e));
     let mut remap = None;
     if s.app_vmm {
-        let (ptr, handle) = drv.app_vmm().unwrap_or_else(|e| die(&e));
+        let (ptr, handle) = drv.app_vmm(s.app_vmm_rdma).unwrap_or_else(|e| die(&e));
         if s.app_vmm_release {
             drv.app_vmm_release(handle).unwrap_or_else(|e| die(&e));
         } else if s.app_vmm_remap {

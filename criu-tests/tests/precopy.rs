@@ -143,6 +143,14 @@ fn final_dump_and_restore(s: &mut Split, parent: &str) -> serde_json::Value {
     let dump = s.criu_at(&d, "dump", "dump.log", &["-t", &pid], &CONFIG);
     s.assert_ok(&dump);
     s.assert_line(&dump, &["incremental dump against the parent image"]);
+    // The parent was read back and checked from the dump's start, beside CRIU's own steps.
+    s.assert_line(
+        &dump,
+        &[
+            "parent image read back and checked",
+            "from the dump's start",
+        ],
+    );
     let st = dump_stats(&d);
     let restore = restore_runs_on(s, &d);
     s.assert_line(&restore, &["incremental image", "come from parent images"]);

@@ -160,6 +160,9 @@ fn init_dump(cfg: gpusnap_config::Config, dir: Option<BorrowedFd<'static>>) -> R
             "this CRIU cannot seize in interrupt-only mode; frozen containers may hang the lock"
         );
     }
+    if let Some(d) = dir {
+        crate::parent::start_checks(d, cfg.incremental, cfg.effective_reader_threads());
+    }
     Run::Dump(Box::new(DumpRun::new(cfg, dir)))
 }
 

@@ -672,23 +672,24 @@ pub unsafe extern "C" fn cuMemGetAllocationPropertiesFromHandle(
         };
         // SAFETY: the caller's arguments, the handle translated.
         let rc = unsafe { get(prop, real) };
-        if rc == CUDA_SUCCESS && !prop.is_null() {
-            if let Some((asked, made)) = table::lock().props_of(handle) {
-                let types = crate::cu::requested_handle_types(&asked);
-                if types != crate::cu::requested_handle_types(&made) {
-                    // The handle type the agent added is not the application's to see.
-                    // SAFETY: prop is the caller's whole CUmemAllocationProp, just written by the
-                    // driver; only its requestedHandleTypes (a u32 at that offset) is replaced.
-                    unsafe {
-                        prop.cast::<u8>()
-                            .add(std::mem::offset_of!(
-                                CUmemAllocationProp,
-                                requestedHandleTypes
-                            ))
-                            .cast::<u32>()
-                            .write_unaligned(types)
-                    };
-                }
+        if rc == CUDA_SUCCESS
+            && !prop.is_null()
+            && let Some((asked, made)) = table::lock().props_of(handle)
+        {
+            let types = crate::cu::requested_handle_types(&asked);
+            if types != crate::cu::requested_handle_types(&made) {
+                // The handle type the agent added is not the application's to see.
+                // SAFETY: prop is the caller's whole CUmemAllocationProp, just written by the
+                // driver; only its requestedHandleTypes (a u32 at that offset) is replaced.
+                unsafe {
+                    prop.cast::<u8>()
+                        .add(std::mem::offset_of!(
+                            CUmemAllocationProp,
+                            requestedHandleTypes
+                        ))
+                        .cast::<u32>()
+                        .write_unaligned(types)
+                };
             }
         }
         rc

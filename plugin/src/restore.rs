@@ -1016,7 +1016,7 @@ fn image_matches_agent(ctx: &Ctx, pid: i32, m: &Manifest) -> Result<bool, Restor
     let (released, imports) = match session.hello() {
         Ok(h) => (
             h.released,
-            h.hazards & gpusnap_proto::hazard::SERVED_IPC_IMPORT != 0,
+            h.hazards & gpusnap_proto::hazard::IMPORTING != 0,
         ),
         Err(e) if !has_data(m) => {
             log::warn!(

@@ -365,6 +365,32 @@ fn a_dump_of_the_importer_alone_is_refused_naming_the_exporter() {
     }
 }
 
+/// The exporter without its importer (started outside the exporter's tree): refused, since an
+/// importer outside the dump cannot be seen, and the pair runs on.
+#[test]
+fn a_dump_of_the_exporter_without_its_importer_is_refused() {
+    for pass in PASSES {
+        let Some(p) = Pair::start_with(
+            &format!("shareable-exporter-alone-{pass}"),
+            pass,
+            &["--detach-importer"],
+        ) else {
+            return;
+        };
+        let (exporter, _) = p.pids();
+        let before = p.counter();
+        let dump = p.dump(exporter, true);
+        assert!(!dump.succeeded(), "{}", p.s.describe(&dump));
+        p.s.assert_line(
+            &dump,
+            &[&format!(
+                "pid {exporter} exported device memory (cuMemExportToShareableHandle) that no process of this dump imported"
+            )],
+        );
+        p.assert_shared_on(before, &dump);
+    }
+}
+
 /// A descriptor of the export held by the importer after its import: not carried (after a
 /// restore it would name other memory), refused naming it; the pair runs on.
 #[test]

@@ -4,7 +4,11 @@
 //!
 //! ```text
 //! fakegpu-share export --bytes N --pass scm|pidfd --loop PATH [--importer-keeps-fd]
+//!                      [--detach-importer]
 //! ```
+//!
+//! `--detach-importer`: the importer is started through a process that exits at once, so it is
+//! no descendant of the exporter (a dump of the exporter's tree leaves it out).
 //!
 //! The exporter creates `N` bytes with `cuMemCreate` (POSIX-fd handle type requested), maps them
 //! whole at offset 0 in a reservation of its own and exports the handle as a POSIX fd. Then:
@@ -394,6 +398,10 @@ fn export(args: &Args) {
     });
     let exe = std::env::current_exe().unwrap_or_else(|e| die(&format!("current_exe: {e}")));
     let mut cmd = Command::new(exe);
+    if args.flag("--detach-importer") {
+        // Through a process that exits at once: the importer is no descendant of ours.
+        cmd.arg("detach");
+    }
     cmd.args(["import", "--bytes", &bytes.to_string(), "--loop", &log]);
     if args.flag("--importer-keeps-fd") {
         cmd.arg("--keep-fd");
@@ -555,6 +563,13 @@ fn main() {
     match role.as_str() {
         "export" => export(&args),
         "import" => import(&args),
+        "detach" => {
+            let exe = std::env::current_exe().unwrap_or_else(|e| die(&format!("current_exe: {e}")));
+            Command::new(exe)
+                .args(&args.0)
+                .spawn()
+                .unwrap_or_else(|e| die(&format!("running the importer: {e}")));
+        }
         other => die(&format!("{other}: export or import")),
     }
 }

@@ -611,4 +611,41 @@ mod tests {
         let closed = dup.as_raw_fd() + 1000;
         assert!(!same_file_here(closed, dup.as_raw_fd()));
     }
+
+    /// An import's life as the hooks see it: the program's value names the driver's handle,
+    /// its mappings are recorded, the last release with no mapping left forgets it and closes
+    /// the duplicate kept to identify it. (One test: the state is the process's.)
+    #[test]
+    fn an_import_is_virtualized_and_forgotten_with_its_duplicate() {
+        let (a, _b) = std::os::unix::net::UnixStream::pair().unwrap();
+        let v = imported(0x51, a.as_raw_fd(), 0).unwrap();
+        assert_eq!(import_real(v), Some(Some(0x51)));
+        assert_eq!(import_real(0x52), None);
+        mapped(v, 0x4000_0000, 2 << 20, 0);
+        let listed = sharing().unwrap();
+        let s = listed.iter().find(|s| s.import).unwrap();
+        assert_eq!((s.pid, s.addr, s.mapped), (0, 0x4000_0000, true));
+        let dup = s.agent_fd;
+        assert!(
+            dup >= 0 && same_file_here(dup, a.as_raw_fd()),
+            "one duplicate kept"
+        );
+        // A retain of the driver's handle gives the program's value back, counted.
+        assert_eq!(retained(0x51), Some((v, true)));
+        assert_eq!(app_release(v), Some(Release::Counted));
+        // The last release: the driver's handle is released, the mapping keeps the memory.
+        assert_eq!(app_release(v), Some(Release::Real(0x51)));
+        assert_eq!(app_release(v), Some(Release::Invalid));
+        assert!(
+            same_file_here(dup, a.as_raw_fd()),
+            "still mapped: still tracked"
+        );
+        unmapped(0x4000_0000, 2 << 20);
+        assert_eq!(import_real(v), None, "forgotten");
+        assert!(
+            !same_file_here(dup, a.as_raw_fd()),
+            "its duplicate is closed"
+        );
+        assert_eq!(app_release(v), None);
+    }
 }

@@ -419,8 +419,8 @@ fn export(args: &Args) {
         ]);
     } else {
         let mut pair = [0 as c_int; 2];
-        // SAFETY: a valid out array of two ints.
         let kind = libc::SOCK_STREAM | libc::SOCK_CLOEXEC;
+        // SAFETY: a valid out array of two ints.
         if unsafe { libc::socketpair(libc::AF_UNIX, kind, 0, pair.as_mut_ptr()) } != 0 {
             die(&format!("socketpair: {}", std::io::Error::last_os_error()));
         }

@@ -532,9 +532,10 @@ pub fn reimport(
 }
 
 /// A descriptor of the current memory of each exported handle's allocation, for the plugin
-/// to hand to importers: (id, addr, size, fd). The duplicates are replaced by the new export
-/// and, with `repoint` (a tracer holds the program's threads), every fd number the program
-/// still holds of an export is made the new export (`dup3`). `own`: the descriptor a hand-over
+/// to hand to importers: (id, addr, size, fd). With `repoint` (a tracer holds the program's
+/// threads) the duplicates are replaced by the new export (the old ones would keep memory a
+/// reload replaced alive) and every fd number the program still holds of an export is made the
+/// new export (`dup3`); without, nothing here changes. `own`: the descriptor a hand-over
 /// left as the allocation's own (an imported handle cannot be exported again).
 pub fn share_fds(
     drv: &Driver,
@@ -566,9 +567,14 @@ pub fn share_fds(
             Some(fd) => fd,
             None => drv.export_fd(real)?,
         };
+        if !repoint {
+            // Read-only (the program runs): its fds and the duplicates that match them stay.
+            out.push((id, addr, size, fresh));
+            continue;
+        }
         let mut st = try_state().ok_or(ShareableError::Busy)?;
         for e in st.exports.iter_mut().filter(|e| e.handle == handle) {
-            if repoint && e.app_fd >= 0 && same_file_here(e.app_fd, e.dup.as_raw_fd()) {
+            if e.app_fd >= 0 && same_file_here(e.app_fd, e.dup.as_raw_fd()) {
                 // SAFETY: both numbers are open descriptors of this process; dup3 replaces the
                 // program's (the same open file as our duplicate, checked just above) with the
                 // new export, atomically.

@@ -298,6 +298,21 @@ fn a_shareable_tree_runs_on_after_leave_running() {
                 p.describe()
             );
         }
+        // Again: the import is known by its exporter now, the exporter's descriptors are of
+        // the memory the first rollback brought back.
+        let before = p.counter();
+        let again = p.s.criu(
+            "dump",
+            "dump-again.log",
+            &["-t", &exporter.to_string(), "--leave-running"],
+            &[],
+        );
+        p.s.assert_ok(&again);
+        p.s.assert_line(
+            &again,
+            &["CUDA IPC imports mapped again from their exporters' memory"],
+        );
+        p.assert_shared_on(before, &again);
     }
 }
 
@@ -337,6 +352,17 @@ fn a_shareable_tree_is_restored_sharing_its_memory() {
                     p.describe()
                 );
             }
+            // The restored tree is dumped again (-R), still sharing after it.
+            let before = p.counter();
+            let (exporter, _) = p.pids();
+            let again = p.s.criu(
+                "dump",
+                "dump-again.log",
+                &["-t", &exporter.to_string(), "--leave-running"],
+                &[],
+            );
+            p.s.assert_ok(&again);
+            p.assert_shared_on(before, &again);
             p.kill_pair();
         }
     }
@@ -472,6 +498,22 @@ fn criu_killed_before_an_importer_maps_its_share_again_leaves_it_held_and_recove
     assert!(
         p.refetch_same(),
         "the exporter's own fd names other memory after the rollback\n{}",
+        p.describe()
+    );
+    // The recovered tree is dumped again: the recover's read-only ShareFds of the running
+    // exporter left its descriptors as they were (its own fd is still its agent's duplicate).
+    let before = p.counter();
+    let again = p.s.criu(
+        "dump",
+        "dump-again.log",
+        &["-t", &exp, "--leave-running"],
+        &[],
+    );
+    p.s.assert_ok(&again);
+    p.assert_shared_on(before, &again);
+    assert!(
+        p.refetch_same(),
+        "the exporter's own fd names other memory after the second rollback\n{}",
         p.describe()
     );
 }

@@ -1088,16 +1088,14 @@ pub fn rollback(
         Route::Split(s) => Some(s.agent_ns_tid),
         Route::Transparent => None,
     };
-    let importer = crate::sharing::Process {
+    let me = crate::sharing::Process {
         pid,
         nspid: t.nspid.get(),
     };
     let imports = t.shares.iter().any(|s| s.import);
-    // The program's own descriptors of its shareable exports name the memory brought back.
-    let repoint = t
-        .shares
-        .iter()
-        .any(|s| s.shareable && !s.import && s.app_fd >= 0);
+    // The program's own descriptors of its shareable exports (and the agent's) name the
+    // memory brought back.
+    let repoint = t.shares.iter().any(|s| s.shareable && !s.import);
     let target = Target {
         pid,
         restore_tid: t.restore_tid,
@@ -1108,12 +1106,12 @@ pub fn rollback(
         },
         before_running: &|| {
             if repoint {
-                crate::sharing::repoint(importer, ctx.agent_timeout())?;
+                crate::sharing::repoint(me, ctx.agent_timeout())?;
             }
             if imports {
                 let fetch = crate::sharing::from_traced(dumped, ctx.agent_timeout());
                 crate::sharing::reimport(
-                    importer,
+                    me,
                     &fetch,
                     ctx.agent_timeout(),
                     Some("rollback-reimport"),

@@ -302,23 +302,20 @@ pub fn announce(resolved: &[Resolved], timeout: Duration) -> Result<(), SharingE
     Ok(())
 }
 
-/// Makes the descriptors `p`'s program holds of its own shareable exports name its current
-/// memory again (its agent's `ShareFds`, which re-exports and `dup3`s while a tracer holds the
-/// threads), once its memory is back and before its threads run: a rollback, a restore,
-/// `gpusnap recover`.
+/// Makes the descriptors `p`'s program holds of its own shareable exports, and its agent's
+/// duplicates, name its current memory again (its agent's `ShareFds`, which re-exports and
+/// `dup3`s while a tracer holds the threads), once its memory is back and before its threads
+/// run: a rollback, `gpusnap recover`.
 pub fn repoint(p: Process, timeout: Duration) -> Result<(), SharingError> {
     if agent::agent_thread(p.pid).is_none() {
         return Ok(());
     }
     with_agent(p.pid, timeout, |s| {
-        let held = s
-            .list_sharing()?
-            .iter()
-            .any(|x| x.shareable && !x.import && x.app_fd >= 0);
-        if held {
+        let exports = s.list_sharing()?.iter().any(|x| x.shareable && !x.import);
+        if exports {
             let n = s.share_fds()?.len();
             log::info!(
-                "pid {} (nspid {}): its descriptors of {n} exported allocations name their current memory",
+                "pid {} (nspid {}): its descriptors of {n} shareable exports name their current memory",
                 p.pid,
                 p.nspid
             );

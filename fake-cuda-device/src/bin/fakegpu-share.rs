@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! fakegpu-share export --bytes N --pass scm|pidfd --loop PATH [--importer-keeps-fd]
-//!                      [--detach-importer]
+//!                      [--detach-importer] [--importer-releases-handle]
 //! ```
 //!
 //! `--detach-importer`: the importer is started through a process that exits at once, so it is
@@ -19,7 +19,8 @@
 //!   (PyTorch's expandable segments).
 //!
 //! The importer imports the fd, closes it (unless `--importer-keeps-fd`), reserves, maps the
-//! handle whole, sets read-write access, writes its pattern over all but the first 8 bytes,
+//! handle whole, sets read-write access (and releases the handle with
+//! `--importer-releases-handle`: the mapping holds the memory), writes its pattern over all but the first 8 bytes,
 //! and both run until killed, one tick every 20 ms: the importer reads the buffer, checks the
 //! pattern and adds 1 to the counter in its first 8 bytes; the exporter reads and checks. Each
 //! appends `tick N counter C ok 0|1` to `PATH.importer` / `PATH.exporter` (after a first line
@@ -406,6 +407,9 @@ fn export(args: &Args) {
     if args.flag("--importer-keeps-fd") {
         cmd.arg("--keep-fd");
     }
+    if args.flag("--importer-releases-handle") {
+        cmd.arg("--release-handle");
+    }
     let mut sock_mine = None;
     if pass == "pidfd" {
         // The importer (our child) takes the fd with pidfd_getfd: let it, whatever Yama says.
@@ -483,6 +487,11 @@ fn import(args: &Args) {
         drop(fd);
     }
     let p = drv.map_whole(h, bytes).unwrap_or_else(|e| die(&e));
+    if args.flag("--release-handle") {
+        // The mapping holds the memory by itself, as in CUDA.
+        // SAFETY: the handle imported above, released once.
+        drv.check("cuMemRelease", unsafe { (drv.release)(h) });
+    }
     let mut data = pattern(bytes);
     data[..8].copy_from_slice(&0u64.to_le_bytes());
     drv.write(p, &data).unwrap_or_else(|e| die(&e));

@@ -437,6 +437,8 @@ pub fn release_imports(drv: &Driver) -> Result<(u32, u64), ShareableError> {
     }
     let (mut n, mut bytes) = (0u32, 0u64);
     for m in st.imports.values_mut().filter(|m| !m.released) {
+        // Released from the first unmap on: should one fail, a reimport still takes it whole.
+        m.released = true;
         for x in m.maps.iter_mut().filter(|x| x.mapped) {
             drv.unmap(x.addr, x.size)?;
             x.mapped = false;
@@ -446,7 +448,6 @@ pub fn release_imports(drv: &Driver) -> Result<(u32, u64), ShareableError> {
             drv.release(0, h)?;
         }
         m.ident = None;
-        m.released = true;
         n += 1;
     }
     if n > 0 {
@@ -485,6 +486,24 @@ pub fn reimport(
     }
     let mut first = 0;
     for (v, device, maps, keep) in todo {
+        // What a release that failed part-way left of the old memory goes first: every mapping
+        // is made from the exporter's current memory.
+        for x in maps.iter().filter(|x| x.mapped) {
+            drv.unmap(x.addr, x.size)?;
+            if let Some(m) = try_state().ok_or(ShareableError::Busy)?.imports.get_mut(&v)
+                && let Some(y) = m.maps.iter_mut().find(|y| y.addr == x.addr)
+            {
+                y.mapped = false;
+            }
+        }
+        let old = try_state()
+            .ok_or(ShareableError::Busy)?
+            .imports
+            .get_mut(&v)
+            .and_then(|m| m.real.take());
+        if let Some(h) = old {
+            drv.release(0, h)?;
+        }
         let h = drv.import_fd(fd)?;
         let mut done = Vec::new();
         let mapped = maps.iter().try_for_each(|x| {

@@ -495,8 +495,9 @@ pub enum Reply {
     /// false: not memory the agent moves, not carried), `agent_fd` the agent's duplicate of the
     /// descriptor the program got, `app_fd` that descriptor's number while it is still the same
     /// open file (else -1). Import not yet resolved: `pid` 0, `id` the importer's own import id,
-    /// `agent_fd` the agent's duplicate of the descriptor imported (-1 once resolved), `app_fd`
-    /// the program's descriptor while it is still that file.
+    /// `agent_fd` the agent's duplicate of the descriptor imported; once resolved (told by
+    /// [`Request::ShareableSource`]) `pid` and `id` name the exporter's allocation and `agent_fd`
+    /// is -1. `app_fd` is -1 for an import (the plugin looks at every descriptor itself).
     Shared {
         import: bool,
         pid: u32,

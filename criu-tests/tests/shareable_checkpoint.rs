@@ -11,7 +11,8 @@
 //! exporter sees the importer's counter grow); in `pidfd` mode the exporter's own fd names the
 //! memory they share afterwards (the importer takes it again and compares); a dump of the
 //! importer alone is refused naming the exporter, of the exporter alone refused; a descriptor
-//! of the export held by the importer is refused; CRIU killed at the reimport points.
+//! of the export held by the importer is refused; CRIU killed at the reimport points and
+//! before a rolled-back exporter's fd names its memory again (`rollback-repoint`).
 //!
 //! Root and CRIU are needed; `GPUSNAP_SKIP_CRIU_TESTS=1` skips.
 
@@ -521,6 +522,62 @@ fn criu_killed_before_an_importer_maps_its_share_again_leaves_it_held_and_recove
     assert!(
         p.refetch_same(),
         "the exporter's own fd names other memory after the second rollback\n{}",
+        p.describe()
+    );
+}
+
+/// CRIU killed in a rollback after the exporter's memory is back and before its agent puts it
+/// under the program's fd: neither side runs (the exporter never runs with an fd of the old
+/// memory, the importer is not rolled back yet), and `gpusnap recover` of the exporter, then of
+/// the importer, brings both back sharing, the exporter's fd naming the shared memory.
+#[test]
+fn criu_killed_before_an_exporter_s_fd_names_its_memory_again_leaves_both_held_and_recoverable() {
+    let Some(p) = Pair::start("shareable-kill-repoint", "pidfd") else {
+        return;
+    };
+    let (exporter, importer) = p.pids();
+    let before = p.counter();
+    let exp = exporter.to_string();
+    let dump = p.s.criu(
+        "dump",
+        "dump.log",
+        &["-t", &exp, "--leave-running"],
+        &[("GPUSNAP_TEST_KILL_CRIU_AT", "rollback-repoint")],
+    );
+    assert!(!dump.succeeded(), "{}", p.s.describe(&dump));
+    p.s.assert_line(&dump, &["GPUSNAP_TEST_KILL_CRIU_AT=rollback-repoint"]);
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(
+        held(&p, "exporter", exporter, 400),
+        "the exporter ran (or is not stopped) after CRIU died\n{}\n{}",
+        p.s.describe(&dump),
+        p.describe()
+    );
+    // The importer is not rolled back yet: locked by the driver (its CUDA calls wait), so it
+    // logs no tick.
+    let ticks = read_log(&p.side("importer")).1.len();
+    std::thread::sleep(Duration::from_millis(400));
+    assert_eq!(
+        read_log(&p.side("importer")).1.len(),
+        ticks,
+        "the importer ticked after CRIU died\n{}\n{}",
+        p.s.describe(&dump),
+        p.describe()
+    );
+    let images = p.s.w.images.to_str().expect("utf-8").to_owned();
+    for pid in [exporter, importer] {
+        let (ok, out) =
+            p.s.run_cli(&["recover", &pid.to_string(), "--images", &images]);
+        assert!(
+            ok,
+            "gpusnap recover of pid {pid} failed:\n{out}\n{}",
+            p.describe()
+        );
+    }
+    p.assert_shared_on(before, &dump);
+    assert!(
+        p.refetch_same(),
+        "the exporter's own fd names other memory after the recover\n{}",
         p.describe()
     );
 }

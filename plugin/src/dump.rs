@@ -1106,7 +1106,7 @@ pub fn rollback(
         },
         before_running: &|| {
             if repoint {
-                crate::sharing::repoint(me, ctx.agent_timeout())?;
+                crate::sharing::repoint(me, ctx.agent_timeout(), Some("rollback-repoint"))?;
             }
             if imports {
                 let fetch = crate::sharing::from_traced(dumped, ctx.agent_timeout());

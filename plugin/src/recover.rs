@@ -241,7 +241,7 @@ pub fn recover(pid: i32, images: Option<&Path>) -> Result<String, RecoverError> 
         pid,
         nspid: nspid()?.get(),
     };
-    crate::sharing::repoint(me, ctx.agent_timeout()).map_err(DumpError::from)?;
+    crate::sharing::repoint(me, ctx.agent_timeout(), None).map_err(DumpError::from)?;
     // Its own memory is back; shares of other processes' memory that the dump unmapped are
     // mapped again from their exporters, which must run with their memory (recovered first).
     // Where that fails its CUDA calls are held by the lock.

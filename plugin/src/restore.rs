@@ -959,7 +959,7 @@ pub fn resume_all(ctx: &Ctx, items: &mut [RestoreItem], checks: datapath::ReadCh
     // running program), and importers map their CUDA IPC shares again, before any of their
     // threads runs. One that cannot is not restored (it is killed with the others that failed).
     for p in &exporters {
-        if let Err(e) = crate::sharing::repoint(*p, ctx.agent_timeout())
+        if let Err(e) = crate::sharing::repoint(*p, ctx.agent_timeout(), None)
             && let Some((_, r)) = results.iter_mut().find(|(pid, _)| *pid == p.pid)
         {
             *r = Err(e.into());

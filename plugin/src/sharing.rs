@@ -305,14 +305,21 @@ pub fn announce(resolved: &[Resolved], timeout: Duration) -> Result<(), SharingE
 /// Makes the descriptors `p`'s program holds of its own shareable exports, and its agent's
 /// duplicates, name its current memory again (its agent's `ShareFds`, which re-exports and
 /// `dup3`s while a tracer holds the threads), once its memory is back and before its threads
-/// run: a rollback, `gpusnap recover`.
-pub fn repoint(p: Process, timeout: Duration) -> Result<(), SharingError> {
+/// run: a rollback, a restore, `gpusnap recover`. `fault_point`: the test point just before.
+pub fn repoint(
+    p: Process,
+    timeout: Duration,
+    fault_point: Option<&'static str>,
+) -> Result<(), SharingError> {
     if agent::agent_thread(p.pid).is_none() {
         return Ok(());
     }
     with_agent(p.pid, timeout, |s| {
         let exports = s.list_sharing()?.iter().any(|x| x.shareable && !x.import);
         if exports {
+            if let Some(point) = fault_point {
+                crate::fault::kill_criu_at(point);
+            }
             let n = s.share_fds()?.len();
             log::info!(
                 "pid {} (nspid {}): its descriptors of {n} shareable exports name their current memory",

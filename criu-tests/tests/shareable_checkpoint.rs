@@ -11,8 +11,9 @@
 //! exporter sees the importer's counter grow); in `pidfd` mode the exporter's own fd names the
 //! memory they share afterwards (the importer takes it again and compares); a dump of the
 //! importer alone is refused naming the exporter, of the exporter alone refused; a descriptor
-//! of the export held by the importer is refused; CRIU killed at the reimport points and
-//! before a rolled-back exporter's fd names its memory again (`rollback-repoint`).
+//! of the export held by the importer, or by a process without CUDA, is refused; CRIU killed
+//! at the reimport points and before a rolled-back exporter's fd names its memory again
+//! (`rollback-repoint`).
 //!
 //! Root and CRIU are needed; `GPUSNAP_SKIP_CRIU_TESTS=1` skips.
 
@@ -524,6 +525,34 @@ fn criu_killed_before_an_importer_maps_its_share_again_leaves_it_held_and_recove
         "the exporter's own fd names other memory after the second rollback\n{}",
         p.describe()
     );
+}
+
+/// A process without CUDA in the dump (it would pass the fd on) holding a copy of the
+/// exported fd: refused naming it, as its copy would name no memory after a restore; the pair
+/// runs on.
+#[test]
+fn an_export_descriptor_held_by_a_process_without_cuda_is_refused() {
+    let Some(p) = Pair::start_with("shareable-middleman", "scm", &["--middleman"]) else {
+        return;
+    };
+    let middleman: i32 = std::fs::read_to_string(p.log.with_extension("middleman"))
+        .ok()
+        .and_then(|t| t.trim().parse().ok())
+        .expect("the middleman's pid");
+    let (exporter, _) = p.pids();
+    let before = p.counter();
+    let dump = p.dump(exporter, true);
+    // SAFETY: kill(2) of the test's own workload.
+    unsafe { libc::kill(middleman, libc::SIGKILL) };
+    assert!(!dump.succeeded(), "{}", p.s.describe(&dump));
+    p.s.assert_line(
+        &dump,
+        &[
+            &format!("pid {middleman} holds fd"),
+            &format!("a descriptor of device memory pid {exporter} exported"),
+        ],
+    );
+    p.assert_shared_on(before, &dump);
 }
 
 /// CRIU killed in a rollback after the exporter's memory is back and before its agent puts it

@@ -4,8 +4,11 @@
 //!
 //! ```text
 //! fakegpu-share export --bytes N --pass scm|pidfd --loop PATH [--importer-keeps-fd]
-//!                      [--detach-importer] [--importer-releases-handle]
+//!                      [--detach-importer] [--importer-releases-handle] [--middleman]
 //! ```
+//!
+//! `--middleman`: the exporter also starts `sleep 1000` holding a copy of the exported fd (a
+//! process without CUDA that would pass it on); its pid goes to `PATH.middleman`.
 //!
 //! `--detach-importer`: the importer is started through a process that exits at once, so it is
 //! no descendant of the exporter (a dump of the exporter's tree leaves it out).
@@ -397,6 +400,25 @@ fn export(args: &Args) {
     drv.check("cuMemExportToShareableHandle", unsafe {
         (drv.export)((&raw mut fd).cast(), h, HANDLE_TYPE_POSIX_FD, 0)
     });
+    if args.flag("--middleman") {
+        // A process without CUDA that holds a copy of the exported fd (one that would pass it
+        // on): `sleep`, the fd inherited at exec. Its pid goes to PATH.middleman.
+        // SAFETY: F_DUPFD (no CLOEXEC) of the exported fd, so the child inherits the copy.
+        let copy = unsafe { libc::fcntl(fd, libc::F_DUPFD, 0) };
+        if copy < 0 {
+            die(&format!("dup: {}", std::io::Error::last_os_error()));
+        }
+        let mut sleeper = Command::new("sleep")
+            .arg("1000")
+            .env_remove("LD_PRELOAD")
+            .spawn()
+            .unwrap_or_else(|e| die(&format!("running the middleman: {e}")));
+        // SAFETY: our copy, closed once (the child has its own).
+        unsafe { libc::close(copy) };
+        std::fs::write(format!("{log}.middleman"), sleeper.id().to_string())
+            .unwrap_or_else(|e| die(&format!("{log}.middleman: {e}")));
+        std::thread::spawn(move || sleeper.wait());
+    }
     let exe = std::env::current_exe().unwrap_or_else(|e| die(&format!("current_exe: {e}")));
     let mut cmd = Command::new(exe);
     if args.flag("--detach-importer") {

@@ -281,6 +281,23 @@ impl Driver {
         self.check(rc, || format!("cuMemMap(addr {addr:#x}, {size} bytes)"))
     }
 
+    /// `cuMemMap` of `size` bytes of `h` from `offset` at `addr` (an application's mapping of
+    /// an imported handle, made again at the same place).
+    pub fn map_at(
+        &self,
+        addr: CUdeviceptr,
+        size: u64,
+        offset: u64,
+        h: CUmemGenericAllocationHandle,
+    ) -> Result<(), CuError> {
+        // SAFETY: addr..addr+size lies in a reservation the application made and kept; h is a
+        // live handle at least offset+size bytes long (it was mapped so before).
+        let rc = unsafe { (self.mem_map)(addr, size as usize, offset as usize, h, 0) };
+        self.check(rc, || {
+            format!("cuMemMap(addr {addr:#x}, {size} bytes, offset {offset})")
+        })
+    }
+
     pub fn set_access_rw(
         &self,
         addr: CUdeviceptr,

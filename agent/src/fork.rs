@@ -2,7 +2,8 @@
 //! it locked; in the child the table is cleared (the child owns none of the parent's device
 //! memory) and the agent thread marked not started (it does not exist there), so a child that
 //! uses CUDA gets its own agent. The list of opened IPC events ([`crate::hazards`]) is held
-//! and cleared the same way (taken after the table lock, the one order used).
+//! and cleared the same way (taken after the table lock, the one order used), and so is the
+//! state of the shareable-handle exports and imports ([`crate::shareable`], taken last).
 
 use std::cell::RefCell;
 use std::sync::MutexGuard;
@@ -16,6 +17,8 @@ thread_local! {
     static FORK_GUARD: RefCell<Option<MutexGuard<'static, Table>>> = const { RefCell::new(None) };
     /// The opened-event list, held likewise.
     static FORK_EVENTS: RefCell<Option<ForkHold>> = const { RefCell::new(None) };
+    /// The shareable-handle state, held likewise.
+    static FORK_SHARE: RefCell<Option<crate::shareable::ForkHold>> = const { RefCell::new(None) };
 }
 
 extern "C" fn prepare() {
@@ -24,11 +27,14 @@ extern "C" fn prepare() {
         FORK_GUARD.with(|c| *c.borrow_mut() = Some(g));
         let e = ForkHold::take();
         FORK_EVENTS.with(|c| *c.borrow_mut() = Some(e));
+        let s = crate::shareable::ForkHold::take();
+        FORK_SHARE.with(|c| *c.borrow_mut() = Some(s));
     });
 }
 
 extern "C" fn parent() {
     guard((), || {
+        FORK_SHARE.with(|c| c.borrow_mut().take());
         FORK_EVENTS.with(|c| c.borrow_mut().take());
         FORK_GUARD.with(|c| c.borrow_mut().take());
     });
@@ -41,6 +47,7 @@ extern "C" fn child() {
         }
         crate::server::forget_in_child();
         crate::hazards::forget_in_child(FORK_EVENTS.with(|c| c.borrow_mut().take()));
+        crate::shareable::forget_in_child(FORK_SHARE.with(|c| c.borrow_mut().take()));
     });
 }
 

@@ -502,7 +502,10 @@ pub unsafe extern "C" fn cuMemCreate(
 
 /// The driver's value for an application handle: `Err` while a dump has released it.
 fn real_handle(h: CUmemGenericAllocationHandle) -> Result<CUmemGenericAllocationHandle, CuRes> {
-    match table::lock().real_handle(h) {
+    let known = table::lock()
+        .real_handle(h)
+        .or_else(|| crate::shareable::import_real(h));
+    match known {
         None => Ok(h),
         Some(Some(real)) => Ok(real),
         Some(None) => Err(CUDA_ERROR_INVALID_VALUE),
@@ -533,6 +536,10 @@ pub unsafe extern "C" fn cuMemMap(
         // SAFETY: the caller's arguments are passed to the real function, the handle translated.
         let rc = unsafe { (drv.mem_map)(ptr, size, offset, real, flags) };
         if rc == CUDA_SUCCESS {
+            if real != handle && crate::shareable::import_real(handle).is_some() {
+                crate::shareable::mapped(handle, ptr, size as u64, offset as u64);
+                return rc;
+            }
             let mut t = table::lock();
             if real == handle {
                 t.record_app_map(ptr, size as u64, handle);
@@ -570,6 +577,8 @@ pub unsafe extern "C" fn cuMemUnmap(ptr: CUdeviceptr, size: usize) -> CuRes {
         if rc == CUDA_SUCCESS {
             table::lock().record_app_unmap(ptr, size as u64);
             crate::lend::forget_own_range(ptr, size as u64);
+            crate::shareable::unmapped(ptr as u64, size as u64);
+            crate::shareable::forget_gone_exports();
         }
         rc
     })
@@ -587,10 +596,23 @@ pub unsafe extern "C" fn cuMemRelease(handle: CUmemGenericAllocationHandle) -> C
             Ok(d) => d,
             Err(rc) => return rc,
         };
+        match crate::shareable::app_release(handle) {
+            // SAFETY: the driver's imported handle behind the application's value, whose last
+            // reference this was.
+            Some(crate::shareable::Release::Real(real)) => {
+                return unsafe { (drv.mem_release)(real) };
+            }
+            Some(crate::shareable::Release::Counted) => return CUDA_SUCCESS,
+            Some(crate::shareable::Release::Invalid) => return CUDA_ERROR_INVALID_VALUE,
+            None => {}
+        }
         let action = {
             let mut t = table::lock();
             t.real_handle(handle).map(|_| t.app_release(handle))
         };
+        if action.is_some() {
+            crate::shareable::forget_gone_exports();
+        }
         match action {
             None => {
                 // SAFETY: the caller's argument is passed to the real function unchanged.
@@ -636,7 +658,8 @@ pub unsafe extern "C" fn cuMemRetainAllocationHandle(
         let extra = {
             let mut t = table::lock();
             t.virtual_of(real).map(|v| (v, t.app_retain(v)))
-        };
+        }
+        .or_else(|| crate::shareable::retained(real));
         if let Some((v, release_extra)) = extra {
             // SAFETY: handle is valid for writes.
             unsafe { *handle = v };
@@ -868,7 +891,12 @@ pub unsafe extern "C" fn cuCtxEnablePeerAccess(peer: CUcontext, flags: c_uint) -
     })
 }
 
-/// Interposes `cuMemExportToShareableHandle`: passes through, records the export.
+/// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`.
+const HANDLE_TYPE_POSIX_FD: c_uint = 1;
+
+/// Interposes `cuMemExportToShareableHandle`: passes through (the handle translated). A POSIX
+/// fd of an application handle the agent virtualizes is kept track of ([`crate::shareable`],
+/// carried on the split path); any other export records the refusing `IPC_EXPORT`.
 ///
 /// # Safety
 /// As the driver function.
@@ -889,10 +917,44 @@ pub unsafe extern "C" fn cuMemExportToShareableHandle(
                 return CUDA_ERROR_INVALID_VALUE;
             }
         }
+        let app = handle;
         let handle = match real_handle(handle) {
             Ok(r) => r,
             Err(rc) => return rc,
         };
+        let ours = table::lock().real_handle(app).is_some();
+        if ours && handle_type == HANDLE_TYPE_POSIX_FD && !out.is_null() {
+            let drv = match driver_for("cuMemExportToShareableHandle") {
+                Ok(d) => d,
+                Err(rc) => return rc,
+            };
+            let Some(export) = drv.mem_export_to_shareable_handle else {
+                return CUDA_ERROR_NOT_SUPPORTED;
+            };
+            // SAFETY: the caller's arguments, the handle translated.
+            let mut rc = unsafe { export(out, handle, handle_type, flags) };
+            if rc != CUDA_SUCCESS
+                && let Some(own) = crate::lend::own_descriptor_of(handle)
+            {
+                // After a hand-over the memory is mapped from an imported handle, which the
+                // driver will not export again: the descriptor it was imported from names the
+                // same memory, so a copy of it is the program's export.
+                // SAFETY: for POSIX fds `out` points to an int (checked non-null above).
+                unsafe { out.cast::<c_int>().write_unaligned(std::os::fd::IntoRawFd::into_raw_fd(own)) };
+                rc = CUDA_SUCCESS;
+            }
+            if rc == CUDA_SUCCESS {
+                // SAFETY: for POSIX fds the driver wrote an int through `out`.
+                let fd = unsafe { out.cast::<c_int>().read_unaligned() };
+                if crate::shareable::exported(app, fd) {
+                    crate::hazards::record(hazard::SHAREABLE_EXPORT);
+                } else {
+                    crate::hazards::record(hazard::IPC_EXPORT);
+                }
+                crate::server::ensure_started();
+            }
+            return rc;
+        }
         record_hazard(
             "cuMemExportToShareableHandle",
             hazard::IPC_EXPORT,
@@ -939,8 +1001,10 @@ pub unsafe extern "C" fn cuMulticastBindMem(
     })
 }
 
-/// Interposes `cuMemImportFromShareableHandle`: passes through, records the import (the
-/// driver's handle stays the application's: another process's memory is never moved).
+/// Interposes `cuMemImportFromShareableHandle`: passes through. A POSIX fd import is
+/// virtualized ([`crate::shareable`]: the application gets a value of ours, so that the memory
+/// can be imported again after a checkpoint; another process's memory is never moved); any
+/// other import, or one the agent cannot keep track of, records the refusing `IPC_IMPORT`.
 ///
 /// # Safety
 /// As the driver function.
@@ -951,6 +1015,43 @@ pub unsafe extern "C" fn cuMemImportFromShareableHandle(
     handle_type: c_uint,
 ) -> CuRes {
     guard(CUDA_ERROR_UNKNOWN, || {
+        let cfg = crate::config::config();
+        if handle_type == HANDLE_TYPE_POSIX_FD && !handle.is_null() && cfg.app_vmm && !cfg.disabled
+        {
+            let drv = match driver_for("cuMemImportFromShareableHandle") {
+                Ok(d) => d,
+                Err(rc) => return rc,
+            };
+            let Some(import) = drv.mem_import_from_shareable_handle else {
+                return CUDA_ERROR_NOT_SUPPORTED;
+            };
+            // SAFETY: the caller's arguments are passed to the real function unchanged.
+            let rc = unsafe { import(handle, os_handle, handle_type) };
+            if rc != CUDA_SUCCESS {
+                return rc;
+            }
+            // SAFETY: the real call succeeded and wrote *handle.
+            let real = unsafe { *handle };
+            // The POSIX fd is the pointer's value, as cuda.h documents.
+            let fd = os_handle as usize as c_int;
+            let v = drv
+                .current_device()
+                .ok()
+                .and_then(|dev| crate::shareable::imported(real, fd, dev));
+            match v {
+                Some(v) => {
+                    // SAFETY: handle is valid for writes (the driver just wrote it).
+                    unsafe { *handle = v };
+                    crate::hazards::record(hazard::SHAREABLE_IMPORT);
+                }
+                None => {
+                    crate::hazards::record(hazard::IPC_IMPORT);
+                    debug!("cuMemImportFromShareableHandle: not tracked; recorded as refusing");
+                }
+            }
+            crate::server::ensure_started();
+            return rc;
+        }
         record_hazard(
             "cuMemImportFromShareableHandle",
             hazard::IPC_IMPORT,

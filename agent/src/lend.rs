@@ -130,6 +130,17 @@ pub(crate) fn own_descriptor(addr: u64, id: u64, handle: Handle) -> Option<Owned
     }
 }
 
+/// A copy of the own descriptor the handle `handle` was imported from, wherever it is mapped
+/// (an application's export of its handle after a hand-over: the driver will not export an
+/// imported handle).
+pub(crate) fn own_descriptor_of(handle: Handle) -> Option<OwnedFd> {
+    let mut g = own_within()?;
+    let own = of_this_process(&mut g, start_time())?;
+    own.values()
+        .find(|(_, h, _)| *h == handle)
+        .and_then(|(_, _, fd)| fd.try_clone().ok())
+}
+
 /// Before the application frees the allocation at `addr`: its own descriptor is closed (it
 /// would keep the memory alive).
 pub fn forget_own(addr: u64) {

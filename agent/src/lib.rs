@@ -56,6 +56,7 @@ mod restore;
 mod role;
 mod server;
 mod session;
+mod shareable;
 mod staging;
 mod table;
 mod take;

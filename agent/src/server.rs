@@ -429,6 +429,11 @@ impl Agent {
             Request::ListAllocations => list(ch),
             Request::ListSharing => list_sharing(ch),
             Request::ShareFds => share_fds(ch),
+            Request::ShareableSource {
+                import,
+                exporter_pid,
+                id,
+            } => shareable_source(ch, import, exporter_pid, id),
             Request::Abort => ch.send_reply(&Reply::Aborted),
             other => ch.send_reply(&Reply::Error {
                 code: ErrorCode::BadState,
@@ -441,16 +446,30 @@ impl Agent {
 
 /// A release's unmap of the process's CUDA IPC imports ([`crate::ipc::release_imports`]).
 fn release_imports(drv: &crate::real::Driver, gpu: &mut Gpu) -> Result<(u32, u64), Fail> {
-    for dev in crate::ipc::import_devices().ok_or_else(Fail::busy)? {
+    let mut devices: Vec<i32> = crate::ipc::import_devices()
+        .ok_or_else(Fail::busy)?
+        .into_iter()
+        .collect();
+    devices.extend(crate::shareable::import_devices().ok_or_else(Fail::busy)?);
+    devices.sort_unstable();
+    devices.dedup();
+    for dev in devices {
         gpu.prepare(drv, dev, 0, 0)?;
     }
-    crate::ipc::release_imports(drv)
-        .map_err(|e| Fail::bad_state(format!("unmapping this process's CUDA IPC imports: {e}")))
+    let (n, bytes) = crate::ipc::release_imports(drv)
+        .map_err(|e| Fail::bad_state(format!("unmapping this process's CUDA IPC imports: {e}")))?;
+    let (m, more) = crate::shareable::release_imports(drv).map_err(|e| {
+        Fail::bad_state(format!(
+            "unmapping this process's imports of shareable handles: {e}"
+        ))
+    })?;
+    Ok((n + m, bytes + more))
 }
 
 /// `ListSharing`: this process's CUDA IPC shares, then their count.
 fn list_sharing(ch: &Channel) -> Result<(), ProtoError> {
-    let Some(shares) = crate::ipc::sharing() else {
+    let (Some(shares), Some(shareable)) = (crate::ipc::sharing(), crate::shareable::sharing())
+    else {
         return ch.send_reply(&busy_reply());
     };
     for s in &shares {
@@ -461,19 +480,64 @@ fn list_sharing(ch: &Channel) -> Result<(), ProtoError> {
             addr: s.addr,
             size: s.size,
             mapped: s.mapped,
+            shareable: false,
+            agent_fd: -1,
+            app_fd: -1,
+        })?;
+    }
+    for s in &shareable {
+        ch.send_reply(&Reply::Shared {
+            import: s.import,
+            pid: s.pid,
+            id: s.id,
+            addr: s.addr,
+            size: s.size,
+            mapped: s.mapped,
+            shareable: true,
+            agent_fd: s.agent_fd,
+            app_fd: s.app_fd,
         })?;
     }
     ch.send_reply(&Reply::SharedEnd {
-        count: u32::try_from(shares.len()).unwrap_or(u32::MAX),
+        count: u32::try_from(shares.len() + shareable.len()).unwrap_or(u32::MAX),
     })
+}
+
+/// `ShareableSource`: the plugin resolved one of this process's shareable imports.
+fn shareable_source(
+    ch: &Channel,
+    import: u64,
+    exporter_pid: u32,
+    id: u64,
+) -> Result<(), ProtoError> {
+    match crate::shareable::note_source(import, exporter_pid, id) {
+        Ok(()) => ch.send_reply(&Reply::SourceNoted),
+        Err(crate::shareable::ShareableError::Busy) => ch.send_reply(&busy_reply()),
+        Err(e) => ch.send_reply(&Reply::Error {
+            code: ErrorCode::BadRequest,
+            message: e.to_string(),
+        }),
+    }
 }
 
 /// `ShareFds`: a descriptor of the current memory of each exported allocation.
 fn share_fds(ch: &Channel) -> Result<(), ProtoError> {
-    let fds = crate::session::need_driver().and_then(|drv| {
-        crate::ipc::share_fds(drv, crate::lend::own_descriptor)
-            .map_err(|e| Fail::bad_state(format!("descriptors of the exported memory: {e}")))
-    });
+    let fds =
+        crate::session::need_driver().and_then(|drv| {
+            let mut fds = crate::ipc::share_fds(drv, crate::lend::own_descriptor)
+                .map_err(|e| Fail::bad_state(format!("descriptors of the exported memory: {e}")))?;
+            // The program's own fds of its exports are made to name the current memory only while
+            // a tracer holds its threads (a restore, a rollback, `gpusnap recover`'s reload).
+            let repoint = crate::held::by_a_tracer().is_ok();
+            fds.extend(
+            crate::shareable::share_fds(drv, crate::lend::own_descriptor, repoint).map_err(|e| {
+                Fail::bad_state(format!(
+                    "descriptors of the memory exported with cuMemExportToShareableHandle: {e}"
+                ))
+            })?,
+        );
+            Ok(fds)
+        });
     match fds {
         Ok(fds) => {
             for (id, addr, size, fd) in &fds {
@@ -503,14 +567,21 @@ fn reimport(ch: &Channel, gpu: &mut crate::gpu::Gpu, exporter_pid: u32, id: u64,
     let result = (|| -> Result<u64, Fail> {
         let drv = crate::session::need_driver()?;
         crate::held::by_a_tracer().map_err(Fail::bad_state)?;
-        let device = crate::ipc::import_device(exporter_pid, id).ok_or_else(|| {
+        if let Some(device) = crate::ipc::import_device(exporter_pid, id) {
+            gpu.prepare(drv, device, 0, 0)?;
+            return crate::ipc::reimport(drv, exporter_pid, id, fd.as_fd()).map_err(|e| {
+                Fail::bad_state(format!("mapping #{id} of pid {exporter_pid} again: {e}"))
+            });
+        }
+        let device = crate::shareable::import_device(exporter_pid, id).ok_or_else(|| {
             Fail::bad_request(format!(
-                "no CUDA IPC import of #{id} of pid {exporter_pid} here"
+                "no CUDA IPC or shareable-handle import of #{id} of pid {exporter_pid} here"
             ))
         })?;
         gpu.prepare(drv, device, 0, 0)?;
-        crate::ipc::reimport(drv, exporter_pid, id, fd.as_fd())
-            .map_err(|e| Fail::bad_state(format!("mapping #{id} of pid {exporter_pid} again: {e}")))
+        crate::shareable::reimport(drv, exporter_pid, id, fd.as_fd()).map_err(|e| {
+            Fail::bad_state(format!("importing #{id} of pid {exporter_pid} again: {e}"))
+        })
     })();
     crate::session::conclude(ch, gpu, None, result.map(|addr| Reply::Reimported { addr }));
 }

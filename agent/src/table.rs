@@ -409,6 +409,14 @@ impl Table {
         v
     }
 
+    /// A value of the application-handle range that no handle of this table will take (for
+    /// the imports of [`crate::shareable`]).
+    pub fn reserve_virtual(&mut self) -> Handle {
+        let v = self.next_virtual;
+        self.next_virtual += 1;
+        v
+    }
+
     /// The driver handle behind an application value: `None` when the value is not one of
     /// ours (pass it on unchanged), `Some(None)` while a dump has released the memory.
     pub fn real_handle(&self, h: Handle) -> Option<Option<Handle>> {

@@ -84,6 +84,17 @@ fn sends() -> Vec<Send> {
         false,
     )];
     v.push(Send::Req(Request::ListAllocations, false));
+    // An import this workload does not have: refused in every phase, with or without an fd.
+    for with_fd in [false, true] {
+        v.push(Send::Req(
+            Request::ShareableSource {
+                import: 9,
+                exporter_pid: 1,
+                id: 1,
+            },
+            with_fd,
+        ));
+    }
     for with_fd in [false, true] {
         let (slot_size, slots, streams) = ring(SLOT, SLOTS);
         v.push(Send::Req(

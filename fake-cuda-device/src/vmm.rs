@@ -8,7 +8,7 @@
 //!
 //! Shareable handles (POSIX fds), as the driver's: `cuMemCreate` remembers whether
 //! `requestedHandleTypes` asked for [`HANDLE_TYPE_POSIX_FD`]; `cuMemExportToShareableHandle` of
-//! such a handle returns a new fd of the same memfd (any other handle: `CUDA_ERROR_INVALID_VALUE`,
+//! such a handle returns a new open file of the same memfd (any other handle: `CUDA_ERROR_INVALID_VALUE`,
 //! an imported one included, as the driver refuses to export those again);
 //! `cuMemImportFromShareableHandle` makes a handle from such an fd, in any process. The memfd
 //! lives while any fd or mapping of it does, so the exporter's `cuMemRelease` frees nothing an
@@ -322,12 +322,17 @@ pub unsafe extern "C" fn create(
     })
 }
 
-/// A new close-on-exec descriptor of the same open file as `fd`.
-fn dup_cloexec(call: &str, fd: i32) -> Result<i32, CUresult> {
-    // SAFETY: fcntl(F_DUPFD_CLOEXEC) on a descriptor checked live by the caller.
-    let new = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+/// A new close-on-exec open file of the memfd behind `fd` (`/proc/self/fd/N` opened again):
+/// as the driver's, an exported fd (a new open of `/dev/nvidiactl` there) and the memory an
+/// import holds are not the same open file as anything else, which is how gpusnap tells one
+/// export from another (`kcmp`).
+fn reopen_cloexec(call: &str, fd: i32) -> Result<i32, CUresult> {
+    let path = std::ffi::CString::new(format!("/proc/self/fd/{fd}"))
+        .map_err(|_| os_error(call, "a path with a NUL"))?;
+    // SAFETY: open(2) of a NUL-terminated path.
+    let new = unsafe { libc::open(path.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
     if new < 0 {
-        return Err(os_error(call, "fcntl(F_DUPFD_CLOEXEC)"));
+        return Err(os_error(call, "open(/proc/self/fd/N)"));
     }
     Ok(new)
 }
@@ -375,7 +380,7 @@ pub unsafe extern "C" fn export_to_shareable_handle(
                 );
             }
         }
-        let new = dup_cloexec(CALL, fd)?;
+        let new = reopen_cloexec(CALL, fd)?;
         // SAFETY: the caller's out pointer (an int for POSIX fds), checked for null above.
         unsafe { put(out.cast::<i32>(), new) }
     })
@@ -408,7 +413,7 @@ pub unsafe extern "C" fn import_from_shareable_handle(
                 format_args!("fd {fd} is not memory exported by this driver"),
             );
         }
-        let new = dup_cloexec(CALL, fd)?;
+        let new = reopen_cloexec(CALL, fd)?;
         origins().insert(new, Origin::Imported);
         // SAFETY: the caller's out pointer, checked for null above.
         unsafe { put(handle, HANDLE_TAG | new as u32 as u64) }

@@ -93,8 +93,24 @@ pub struct Share {
     pub id: u64,
     pub addr: u64,
     pub size: u64,
-    /// Import: mapped now (a release unmaps it until a reimport).
+    /// Import: mapped now (a release unmaps it until a reimport). Shareable export: memory the
+    /// agent moves (else not carried).
     pub mapped: bool,
+    /// Made by the program itself with `cuMemExportToShareableHandle` /
+    /// `cuMemImportFromShareableHandle` (see `Reply::Shared`).
+    pub shareable: bool,
+    /// Shareable: the agent's own descriptor of the export (exporter: its duplicate; importer:
+    /// its duplicate of the fd imported, until resolved), -1 if none.
+    pub agent_fd: i32,
+    /// Shareable export: the program's descriptor of it, while it is still that file (-1).
+    pub app_fd: i32,
+}
+
+impl Share {
+    /// A shareable import the plugin has not resolved to its exporter yet.
+    pub fn unresolved(&self) -> bool {
+        self.shareable && self.import && self.pid == 0
+    }
 }
 
 /// The current memory of one exported allocation (`ShareFds`), to map in its importers.
@@ -471,6 +487,9 @@ impl AgentSession {
                     addr,
                     size,
                     mapped,
+                    shareable,
+                    agent_fd,
+                    app_fd,
                 } if out.len() < MAX_SHARES => out.push(Share {
                     import,
                     pid,
@@ -478,6 +497,9 @@ impl AgentSession {
                     addr,
                     size,
                     mapped,
+                    shareable,
+                    agent_fd,
+                    app_fd,
                 }),
                 Reply::SharedEnd { count } if count as usize == out.len() => return Ok(out),
                 got => return Err(self.unexpected("Shared, or SharedEnd with their count", got)),
@@ -518,6 +540,26 @@ impl AgentSession {
         match self.recv(self.timeout)? {
             Reply::Reimported { addr } => Ok(addr),
             got => Err(self.unexpected("Reimported", got)),
+        }
+    }
+
+    /// `ShareableSource`: the process's shareable import `import` is exporter `exporter_pid`'s
+    /// allocation `id`.
+    pub fn shareable_source(
+        &self,
+        import: u64,
+        exporter_pid: u32,
+        id: u64,
+    ) -> Result<(), AgentError> {
+        let req = Request::ShareableSource {
+            import,
+            exporter_pid,
+            id,
+        };
+        self.send(&req, None)?;
+        match self.recv(self.timeout)? {
+            Reply::SourceNoted => Ok(()),
+            got => Err(self.unexpected("SourceNoted", got)),
         }
     }
 

@@ -153,7 +153,7 @@ pub fn pause(ctx: &Ctx, pid: i32) -> Result<Option<Tracked>, DumpError> {
     // Shares of the agent's CUDA IPC are carried when the dump holds every side of them
     // (checked once every process is paused, in `checkpoint_all`).
     if let (Some(s), Some(h)) = (&session, &hello)
-        && h.hazards & (hazard::SERVED_IPC_EXPORT | hazard::SERVED_IPC_IMPORT) != 0
+        && h.hazards & hazard::SHARING != 0
     {
         t.shares = s.list_sharing().map_err(|e| DumpError::Unsupported {
             cause: format!("CUDA IPC shares that the agent could not list ({e})"),
@@ -323,7 +323,7 @@ fn split_candidate(pid: i32, hello: AgentHello) -> Result<Option<SplitPlan>, Dum
     }
     // An importer of the agent's CUDA IPC takes the split path even with no memory of its own:
     // its release unmaps the imports, which the driver's checkpoint must not hold.
-    if hello.converted_bytes == 0 && hello.hazards & hazard::SERVED_IPC_IMPORT == 0 {
+    if hello.converted_bytes == 0 && hello.hazards & hazard::IMPORTING == 0 {
         log::debug!("pid {pid}: agent holds no converted allocations; driver path");
         return Ok(None);
     }
@@ -369,12 +369,16 @@ fn early_ring(
 /// PAUSEs come first, so the whole set is known). ptrace requests must come from CRIU's main
 /// thread, so: threads are resumed here, the driver and data work of each process runs on a
 /// worker of its own, in parallel, and the threads are stopped here again.
-pub fn checkpoint_all(ctx: &Ctx, procs: &mut [Tracked]) -> Vec<(i32, Result<(), DumpError>)> {
+pub fn checkpoint_all(
+    ctx: &Ctx,
+    procs: &mut [Tracked],
+    others: &[i32],
+) -> Vec<(i32, Result<(), DumpError>)> {
     let t0 = Instant::now();
     if let Some(warning) = ipc_blind_spot(procs) {
         log::warn!("{warning}");
     }
-    if let Err(e) = shares_are_whole(procs) {
+    if let Err(e) = shareable_resolved(ctx, procs, others).and_then(|()| shares_are_whole(procs)) {
         // Refused before anything is released: each process is only locked (undone at exit).
         log::error!("{e}; the dump is refused and the processes run on");
         let cause = e.to_string();
@@ -504,6 +508,43 @@ fn commit_manifests(ctx: &Ctx, procs: &[Tracked], results: &mut [(i32, Result<()
             }
         }
     }
+}
+
+/// The shareable-handle shares the agents listed at PAUSE, resolved (`kcmp`) to their
+/// exporters and told to the importers' agents, before anything is released
+/// ([`crate::sharing::resolve_shareable`]). `others`: the dumped processes without CUDA.
+fn shareable_resolved(
+    ctx: &Ctx,
+    procs: &mut [Tracked],
+    others: &[i32],
+) -> Result<(), crate::sharing::SharingError> {
+    if !procs.iter().any(|t| t.shares.iter().any(|s| s.shareable)) {
+        return Ok(());
+    }
+    let inside: Vec<i32> = procs
+        .iter()
+        .map(|t| t.pid)
+        .chain(others.iter().copied())
+        .collect();
+    let mut members: Vec<crate::sharing::Sharer<'_>> = procs
+        .iter_mut()
+        .map(|t| crate::sharing::Sharer {
+            pid: t.pid,
+            nspid: t.nspid.get(),
+            shares: &mut t.shares,
+        })
+        .collect();
+    let resolved = crate::sharing::resolve_shareable(&mut members, others, |pid, fd| {
+        crate::sharing::holder_outside(&inside, pid, fd)
+    })?;
+    crate::sharing::announce(&resolved, ctx.agent_timeout())?;
+    if !resolved.is_empty() {
+        log::info!(
+            "{} imports of shareable handles resolved to their exporters in this dump",
+            resolved.len()
+        );
+    }
+    Ok(())
 }
 
 /// Every side of every CUDA IPC share the agents listed at PAUSE is in this dump, on the split
@@ -1047,11 +1088,14 @@ pub fn rollback(
         Route::Split(s) => Some(s.agent_ns_tid),
         Route::Transparent => None,
     };
-    let importer = crate::sharing::Process {
+    let me = crate::sharing::Process {
         pid,
         nspid: t.nspid.get(),
     };
     let imports = t.shares.iter().any(|s| s.import);
+    // The program's own descriptors of its shareable exports (and the agent's) name the
+    // memory brought back.
+    let repoint = t.shares.iter().any(|s| s.shareable && !s.import);
     let target = Target {
         pid,
         restore_tid: t.restore_tid,
@@ -1061,10 +1105,13 @@ pub fn rollback(
             None => Err(AgentError::NoThread { pid, ns_tid: -1 }),
         },
         before_running: &|| {
+            if repoint {
+                crate::sharing::repoint(me, ctx.agent_timeout(), Some("rollback-repoint"))?;
+            }
             if imports {
                 let fetch = crate::sharing::from_traced(dumped, ctx.agent_timeout());
                 crate::sharing::reimport(
-                    importer,
+                    me,
                     &fetch,
                     ctx.agent_timeout(),
                     Some("rollback-reimport"),
@@ -1399,6 +1446,8 @@ pub struct DumpRun {
     dir: Option<BorrowedFd<'static>>,
     ctx: Option<Ctx>,
     tracked: Vec<Tracked>,
+    /// The dumped processes without CUDA (their descriptors are looked at for exported memory).
+    others: Vec<i32>,
     checkpointed: Option<Vec<(i32, Result<(), DumpError>)>>,
 }
 
@@ -1409,6 +1458,7 @@ impl DumpRun {
             dir,
             ctx: None,
             tracked: Vec::new(),
+            others: Vec::new(),
             checkpointed: None,
         }
     }
@@ -1431,7 +1481,10 @@ impl DumpRun {
                 self.tracked.push(t);
                 Some(true)
             }
-            Ok(None) => None,
+            Ok(None) => {
+                self.others.push(pid);
+                None
+            }
             Err(e) => {
                 log::error!("pid {pid}: {e}");
                 Some(false)
@@ -1448,7 +1501,7 @@ impl DumpRun {
         }
         let outcome = self
             .checkpointed
-            .get_or_insert_with(|| checkpoint_all(ctx, &mut self.tracked));
+            .get_or_insert_with(|| checkpoint_all(ctx, &mut self.tracked, &self.others));
         match outcome.iter().find(|(p, _)| *p == pid)? {
             (_, Ok(())) => Some(true),
             (_, Err(e)) => {

@@ -54,12 +54,15 @@ pub const AMD_POINTS: &[&str] = &[
     "amd-restore-resume", // RESUME_DEVICES_LATE: the process dies with CRIU, not yet resumed
 ];
 
-/// The points of a process tree sharing memory through the agent's CUDA IPC (`crate::sharing`),
-/// reached only with such a tree: an importer's shares are unmapped, its exporters' memory is
-/// back, and it is about to map them again.
+/// The points of a process tree sharing memory through the agent's CUDA IPC or through
+/// shareable handles (`crate::sharing`), reached only with such a tree: an importer's shares are
+/// unmapped, its exporters' memory is back, and it is about to map them again; or a shareable
+/// exporter's memory is back and the descriptors its program holds of it still name the old.
 pub const IPC_POINTS: &[&str] = &[
     "rollback-reimport", // a rollback: the exporters are rolled back, the importer still held
     "restore-reimport",  // a restore: every process's own memory back, no thread has run
+    "rollback-repoint",  // a rollback: a shareable exporter's memory is back, its program's fds
+                         // not yet made to name it (its threads held)
 ];
 
 fn known(v: &str) -> Option<&'static str> {

@@ -235,6 +235,13 @@ pub fn recover(pid: i32, images: Option<&Path>) -> Result<String, RecoverError> 
     };
     let mut hold = None;
     let done = dump::undo(&ctx, &target, &mut phase, &mut hold)?;
+    // The program's own descriptors of memory it exported with cuMemExportToShareableHandle
+    // name its memory as it is now (new, if it was brought back).
+    let me = crate::sharing::Process {
+        pid,
+        nspid: nspid()?.get(),
+    };
+    crate::sharing::repoint(me, ctx.agent_timeout(), None).map_err(DumpError::from)?;
     // Its own memory is back; shares of other processes' memory that the dump unmapped are
     // mapped again from their exporters, which must run with their memory (recovered first).
     // Where that fails its CUDA calls are held by the lock.
@@ -242,9 +249,7 @@ pub fn recover(pid: i32, images: Option<&Path>) -> Result<String, RecoverError> 
         crate::sharing::unmapped_imports(pid, ctx.agent_timeout()).map_err(DumpError::from)?;
     let mut done = done;
     if unmapped > 0 {
-        let ns = nspid()?.get();
-        let fetch = crate::sharing::from_running(ns as i32 == pid, ctx.agent_timeout());
-        let me = crate::sharing::Process { pid, nspid: ns };
+        let fetch = crate::sharing::from_running(me.nspid as i32 == pid, ctx.agent_timeout());
         match crate::sharing::reimport(me, &fetch, ctx.agent_timeout(), None) {
             Ok(_) => done.push("CUDA IPC shares mapped again"),
             Err(e) => {

@@ -134,6 +134,9 @@ pub struct RestoredProcess {
     /// Its agent maps another process's memory through CUDA IPC (its `Hello` before the
     /// restore said so): its shares are mapped again once the exporters' memory is back.
     pub ipc_imports: bool,
+    /// It exported memory with `cuMemExportToShareableHandle`: its agent puts the new memory
+    /// under the program's descriptors before any thread runs.
+    pub shareable_exports: bool,
     pub total_s: f64,
 }
 
@@ -925,6 +928,7 @@ pub fn resume_all(ctx: &Ctx, items: &mut [RestoreItem], checks: datapath::ReadCh
     let n = work.len();
     let mut split = Vec::new();
     let mut importers = Vec::new();
+    let mut exporters = Vec::new();
     for (((pid, m, _, threads, _), r), leftover) in work.into_iter().zip(outcomes).zip(leftovers) {
         let stopped = ptrace::stop_all(threads, "stopping a thread after the restore");
         if let Ok(p) = r.as_ref()
@@ -938,6 +942,9 @@ pub fn resume_all(ctx: &Ctx, items: &mut [RestoreItem], checks: datapath::ReadCh
             if p.ipc_imports {
                 importers.push(me);
             }
+            if p.shareable_exports {
+                exporters.push(me);
+            }
         }
         results.push((
             pid,
@@ -947,9 +954,17 @@ pub fn resume_all(ctx: &Ctx, items: &mut [RestoreItem], checks: datapath::ReadCh
                 .and(r),
         ));
     }
-    // Every exporter's memory is back: importers map their CUDA IPC shares again, before any
-    // of their threads runs. One that cannot is not restored (it is killed with the others
-    // that failed).
+    // Every exporter's memory is back: the descriptors an exporter's program holds of its
+    // shareable exports are made to name it (a placeholder CRIU restored must never reach a
+    // running program), and importers map their CUDA IPC shares again, before any of their
+    // threads runs. One that cannot is not restored (it is killed with the others that failed).
+    for p in &exporters {
+        if let Err(e) = crate::sharing::repoint(*p, ctx.agent_timeout(), None)
+            && let Some((_, r)) = results.iter_mut().find(|(pid, _)| *pid == p.pid)
+        {
+            *r = Err(e.into());
+        }
+    }
     let fetch = crate::sharing::from_traced(&split, ctx.agent_timeout());
     for p in &importers {
         if let Err(e) =
@@ -999,9 +1014,9 @@ fn prepare(ctx: &Ctx, pid: i32, m: &Manifest) -> Result<Vec<RunningThread>, Rest
 /// What the image claims against what the restored agent says, before anything is restored.
 /// Checksums make an image intact, not authentic: a manifest rewritten and sealed again to list
 /// no data would let a process whose dump released its memory run without it. The agent, part
-/// of the restored process, knows whether its memory was released. Returns whether the agent
-/// maps another process's memory through its CUDA IPC (from the same `Hello`).
-fn image_matches_agent(ctx: &Ctx, pid: i32, m: &Manifest) -> Result<bool, RestoreError> {
+/// of the restored process, knows whether its memory was released. Returns the agent's
+/// sharing hazard bits (`hazard::SHARING`, from the same `Hello`).
+fn image_matches_agent(ctx: &Ctx, pid: i32, m: &Manifest) -> Result<u32, RestoreError> {
     // An image without data may come from a dump whose agent hung (it fell back to the driver
     // path), and such an agent may hang still: ask briefly.
     let wait = if has_data(m) {
@@ -1011,23 +1026,20 @@ fn image_matches_agent(ctx: &Ctx, pid: i32, m: &Manifest) -> Result<bool, Restor
     };
     let Some(session) = agent::AgentSession::connect(pid, wait)? else {
         // No agent listens: nothing was moved by one (`prepare` refused an image that says so).
-        return Ok(false);
+        return Ok(0);
     };
-    let (released, imports) = match session.hello() {
-        Ok(h) => (
-            h.released,
-            h.hazards & gpusnap_proto::hazard::SERVED_IPC_IMPORT != 0,
-        ),
+    let (released, sharing) = match session.hello() {
+        Ok(h) => (h.released, h.hazards & gpusnap_proto::hazard::SHARING),
         Err(e) if !has_data(m) => {
             log::warn!(
                 "pid {pid}: its agent does not answer ({e}); the image lists no device data for it, so the driver's checkpoint holds all of it: restoring without the cross-check"
             );
-            return Ok(false);
+            return Ok(0);
         }
         Err(e) => return Err(e.into()),
     };
     if released == has_data(m) {
-        return Ok(imports);
+        return Ok(sharing);
     }
     Err(RestoreError::ImageAgentMismatch {
         pid,
@@ -1073,6 +1085,7 @@ fn resume_one(
         handover_s: None,
         keeper: None,
         ipc_imports: false,
+        shareable_exports: false,
         total_s: 0.0,
     };
     let uuids = uuid_pairs(pairs)?;
@@ -1081,7 +1094,9 @@ fn resume_one(
         .as_ref()
         .map(|_| crate::preload::targets(m, pairs))
         .transpose()?;
-    out.ipc_imports = image_matches_agent(ctx, pid, m)?;
+    let sharing = image_matches_agent(ctx, pid, m)?;
+    out.ipc_imports = sharing & gpusnap_proto::hazard::IMPORTING != 0;
+    out.shareable_exports = sharing & gpusnap_proto::hazard::SHAREABLE_EXPORT != 0;
     while phase != RestorePhase::Whole {
         phase = match phase {
             RestorePhase::Stopped => {

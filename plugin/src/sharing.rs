@@ -42,6 +42,33 @@ pub enum SharingError {
     Incomplete { pid: u32, left: usize },
     #[error("pid {pid}: no agent thread found")]
     NoAgentThread { pid: i32 },
+    #[error(
+        "pid {importer} imported device memory (cuMemImportFromShareableHandle) that pid {exporter} exported, and pid {exporter} is not in this dump: dump a process tree that holds both"
+    )]
+    ShareableExporterOutside { importer: u32, exporter: i32 },
+    #[error(
+        "pid {importer} imported device memory (cuMemImportFromShareableHandle) that no process of this dump exported through the agent (its exporter has let go of it, or runs without the agent): not carried"
+    )]
+    ShareableNoExporter { importer: u32 },
+    #[error(
+        "pid {exporter} exported device memory (cuMemExportToShareableHandle) that no process of this dump imported: an importer outside the dump cannot be seen, so it is not carried (dump the process tree that holds its importers; an export nobody imports any more is refused until the handle is released)"
+    )]
+    ShareableNoImporter { exporter: u32 },
+    #[error(
+        "pid {exporter} exported device memory (cuMemExportToShareableHandle) that the agent does not move (a handle not mapped once, whole, or no longer mapped): not carried"
+    )]
+    ShareableNotMoved { exporter: u32 },
+    #[error(
+        "pid {pid} holds fd {fd}, a descriptor of device memory pid {exporter} exported (cuMemExportToShareableHandle): gpusnap makes only the exporter's own descriptors name the memory again after a restore, so this one is not carried (close it once imported)"
+    )]
+    ExportFdHeld { pid: i32, fd: i32, exporter: u32 },
+    #[error("comparing descriptors of pid {pid1} and pid {pid2} (kcmp): {source}")]
+    Kcmp {
+        pid1: i32,
+        pid2: i32,
+        #[source]
+        source: std::io::Error,
+    },
     #[error(transparent)]
     Agent(#[from] AgentError),
     #[error(transparent)]
@@ -82,6 +109,226 @@ pub fn check(members: &[Member<'_>], gone: impl Fn(u32) -> bool) -> Result<(), S
         }
     }
     Ok(())
+}
+
+/// Whether fd `fd1` of `pid1` and fd `fd2` of `pid2` are one open file (`kcmp(KCMP_FILE)`:
+/// what `SCM_RIGHTS`, `dup` and `pidfd_getfd` share; nothing in the descriptor itself names
+/// the export). A closed number is `Ok(false)`.
+pub fn same_file(pid1: i32, fd1: i32, pid2: i32, fd2: i32) -> Result<bool, SharingError> {
+    const KCMP_FILE: libc::c_long = 0;
+    // SAFETY: kcmp only compares kernel objects of the two processes; no memory is passed.
+    let rc = unsafe { libc::syscall(libc::SYS_kcmp, pid1, pid2, KCMP_FILE, fd1, fd2) };
+    match rc {
+        0 => Ok(true),
+        1..=3 => Ok(false),
+        _ => {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EBADF) {
+                return Ok(false);
+            }
+            Err(SharingError::Kcmp {
+                pid1,
+                pid2,
+                source: e,
+            })
+        }
+    }
+}
+
+/// One GPU process of a dump with its shares, as [`resolve_shareable`] sees it.
+pub struct Sharer<'a> {
+    /// Host pid (what `kcmp` takes).
+    pub pid: i32,
+    pub nspid: u32,
+    pub shares: &'a mut Vec<Share>,
+}
+
+/// A shareable import resolved at a dump: tell `importer` (host pid) that its import `import`
+/// is `exporter`'s (namespace pid) allocation `id` ([`AgentSession::shareable_source`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Resolved {
+    pub importer: i32,
+    pub import: u64,
+    pub exporter: u32,
+    pub id: u64,
+}
+
+/// The shareable exports and imports of a dump (`docs/ipc.md`, "Shareable handles"), before
+/// anything is released: each unresolved import is found among the exporters' descriptors
+/// (`kcmp`) and rewritten as an import of (exporter, allocation), so that [`check`] and
+/// [`reimport`] treat it as any other share; every export must be memory the agent moves and
+/// be imported by some process of the dump; and no process of the dump (`others`: the ones
+/// without CUDA) may hold a descriptor of an export but the exporter itself, whose agent makes
+/// its descriptors name the memory again. `outside(fd holder search)`: the pid of a process
+/// outside the dump holding the same open file as `(pid, fd)`, to name it.
+pub fn resolve_shareable(
+    members: &mut [Sharer<'_>],
+    others: &[i32],
+    outside: impl Fn(i32, i32) -> Option<i32>,
+) -> Result<Vec<Resolved>, SharingError> {
+    // (exporter host pid, exporter nspid, allocation id, the agent's fd)
+    let mut exports: Vec<(i32, u32, u64, i32)> = Vec::new();
+    for m in members.iter() {
+        for s in m.shares.iter().filter(|s| s.shareable && !s.import) {
+            if !s.mapped {
+                return Err(SharingError::ShareableNotMoved { exporter: m.nspid });
+            }
+            exports.push((m.pid, m.nspid, s.id, s.agent_fd));
+        }
+    }
+    // The agents' own descriptors (the importers' until they are told), and the exporters'
+    // programs' (made to name the memory again).
+    let own: BTreeSet<(i32, i32)> = members
+        .iter()
+        .flat_map(|m| {
+            m.shares
+                .iter()
+                .filter(|s| s.shareable)
+                .flat_map(move |s| [(m.pid, s.agent_fd), (m.pid, s.app_fd)])
+        })
+        .filter(|&(_, fd)| fd >= 0)
+        .collect();
+    let mut resolved = Vec::new();
+    for m in members.iter_mut() {
+        let (pid, nspid) = (m.pid, m.nspid);
+        for s in m.shares.iter_mut().filter(|s| s.unresolved()) {
+            let (import, fd) = (s.id, s.agent_fd);
+            let mut found = None;
+            for &(epid, ens, id, efd) in &exports {
+                if fd >= 0 && same_file(pid, fd, epid, efd)? {
+                    found = Some((ens, id));
+                    break;
+                }
+            }
+            let Some((exporter, id)) = found else {
+                return Err(match (fd >= 0).then(|| outside(pid, fd)).flatten() {
+                    Some(exporter) => SharingError::ShareableExporterOutside {
+                        importer: nspid,
+                        exporter,
+                    },
+                    None => SharingError::ShareableNoExporter { importer: nspid },
+                });
+            };
+            s.pid = exporter;
+            s.id = id;
+            s.agent_fd = -1;
+            resolved.push(Resolved {
+                importer: pid,
+                import,
+                exporter,
+                id,
+            });
+        }
+    }
+    // Every export is imported in the dump (an importer outside it cannot be seen).
+    for &(_, ens, id, _) in &exports {
+        let imported = members.iter().any(|m| {
+            m.shares
+                .iter()
+                .any(|s| s.shareable && s.import && s.pid == ens && s.id == id)
+        });
+        if !imported {
+            return Err(SharingError::ShareableNoImporter { exporter: ens });
+        }
+    }
+    // Descriptors of an export held by anyone but the exporter's program and the agents.
+    if !exports.is_empty() {
+        let pids = members.iter().map(|m| m.pid).chain(others.iter().copied());
+        for pid in pids {
+            for fd in crate::procfs::fd_numbers(pid).unwrap_or_default() {
+                if own.contains(&(pid, fd)) || !maybe_exported(pid, fd) {
+                    continue;
+                }
+                for &(epid, ens, _, efd) in &exports {
+                    if same_file(pid, fd, epid, efd)? {
+                        return Err(SharingError::ExportFdHeld {
+                            pid,
+                            fd,
+                            exporter: ens,
+                        });
+                    }
+                }
+            }
+        }
+    }
+    Ok(resolved)
+}
+
+/// Whether `pid`'s fd `fd` may be exported device memory: an NVIDIA control device (the
+/// driver's export) or a memfd (the stand-in's). Others are not compared.
+fn maybe_exported(pid: i32, fd: i32) -> bool {
+    crate::procfs::fd_target(pid, fd).is_ok_and(|p| {
+        let p = p.to_string_lossy();
+        p.starts_with("/memfd:") || p == "/dev/nvidiactl"
+    })
+}
+
+/// A process outside `inside` (host pids) that holds the same open file as `pid`'s `fd`: the
+/// exporter of an import whose exporter is not in the dump (a scan of `/proc`, only on that
+/// refusal). Its pid as `/proc` numbers it.
+pub fn holder_outside(inside: &[i32], pid: i32, fd: i32) -> Option<i32> {
+    let dir = std::fs::read_dir("/proc").ok()?;
+    for e in dir.flatten() {
+        let Some(other) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
+            continue;
+        };
+        if other == pid || inside.contains(&other) {
+            continue;
+        }
+        for ofd in crate::procfs::fd_numbers(other).unwrap_or_default() {
+            if maybe_exported(other, ofd) && same_file(pid, fd, other, ofd).unwrap_or(false) {
+                return Some(other);
+            }
+        }
+    }
+    None
+}
+
+/// Tells each importer whose imports [`resolve_shareable`] resolved what they are (its agent
+/// thread let run alone; the caller traces the processes).
+pub fn announce(resolved: &[Resolved], timeout: Duration) -> Result<(), SharingError> {
+    let mut by_pid: BTreeMap<i32, Vec<&Resolved>> = BTreeMap::new();
+    for r in resolved {
+        by_pid.entry(r.importer).or_default().push(r);
+    }
+    for (pid, rs) in by_pid {
+        with_agent(pid, timeout, |s| {
+            for r in &rs {
+                s.shareable_source(r.import, r.exporter, r.id)?;
+            }
+            Ok(())
+        })?;
+    }
+    Ok(())
+}
+
+/// Makes the descriptors `p`'s program holds of its own shareable exports, and its agent's
+/// duplicates, name its current memory again (its agent's `ShareFds`, which re-exports and
+/// `dup3`s while a tracer holds the threads), once its memory is back and before its threads
+/// run: a rollback, a restore, `gpusnap recover`. `fault_point`: the test point just before.
+pub fn repoint(
+    p: Process,
+    timeout: Duration,
+    fault_point: Option<&'static str>,
+) -> Result<(), SharingError> {
+    if agent::agent_thread(p.pid).is_none() {
+        return Ok(());
+    }
+    with_agent(p.pid, timeout, |s| {
+        let exports = s.list_sharing()?.iter().any(|x| x.shareable && !x.import);
+        if exports {
+            if let Some(point) = fault_point {
+                crate::fault::kill_criu_at(point);
+            }
+            let n = s.share_fds()?.len();
+            log::info!(
+                "pid {} (nspid {}): its descriptors of {n} shareable exports name their current memory",
+                p.pid,
+                p.nspid
+            );
+        }
+        Ok(())
+    })
 }
 
 /// A process of a rollback or a restore that may take part in a reimport.
@@ -187,7 +434,11 @@ pub fn reimport(
     }
     let mut by_exporter: BTreeMap<u32, Vec<&Share>> = BTreeMap::new();
     for s in &unmapped {
-        by_exporter.entry(s.pid).or_default().push(s);
+        let wanted = by_exporter.entry(s.pid).or_default();
+        // Several imports of one allocation (shareable handles imported twice) take one fd.
+        if !wanted.iter().any(|w| w.id == s.id) {
+            wanted.push(s);
+        }
     }
     let mut memory = Vec::new();
     for (&exporter, wanted) in &by_exporter {
@@ -201,7 +452,7 @@ pub fn reimport(
         for w in wanted {
             let i = fds
                 .iter()
-                .position(|m| m.id == w.id && m.size == w.size)
+                .position(|m| m.id == w.id && (w.shareable || m.size == w.size))
                 .ok_or(SharingError::NoSuchExport {
                     importer: me,
                     exporter,
@@ -243,6 +494,9 @@ mod tests {
             addr: 0x7000_0000_0000 + id * (2 << 20),
             size: 2 << 20,
             mapped: true,
+            shareable: false,
+            agent_fd: -1,
+            app_fd: -1,
         }
     }
 
@@ -300,6 +554,172 @@ mod tests {
             })
         ));
         check(&members, |pid| pid == 12).unwrap();
+    }
+
+    fn memfd() -> std::os::fd::OwnedFd {
+        use std::os::fd::FromRawFd;
+        // SAFETY: a plain memfd_create with a NUL-terminated name.
+        let fd = unsafe { libc::memfd_create(c"sharing-test".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(fd >= 0);
+        // SAFETY: a new descriptor nothing else owns.
+        unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) }
+    }
+
+    fn shareable(import: bool, id: u64, agent_fd: i32, app_fd: i32, mapped: bool) -> Share {
+        Share {
+            import,
+            pid: 0,
+            id,
+            addr: 0x7000_0000_0000,
+            size: 2 << 20,
+            mapped,
+            shareable: true,
+            agent_fd,
+            app_fd,
+        }
+    }
+
+    /// Both "processes" are this one (kcmp of a process with itself compares its own fds).
+    fn resolve(exp: &mut Vec<Share>, imp: &mut Vec<Share>) -> Result<Vec<Resolved>, SharingError> {
+        let me = std::process::id() as i32;
+        let mut members = [
+            Sharer {
+                pid: me,
+                nspid: 10,
+                shares: exp,
+            },
+            Sharer {
+                pid: me,
+                nspid: 11,
+                shares: imp,
+            },
+        ];
+        resolve_shareable(&mut members, &[], |_, _| Some(4242))
+    }
+
+    #[test]
+    fn a_shareable_import_is_found_by_its_open_file() {
+        use std::os::fd::AsRawFd;
+        let app = memfd();
+        let agent = app.try_clone().unwrap();
+        let ident = app.try_clone().unwrap();
+        let other = memfd();
+        let mut exp = vec![shareable(
+            false,
+            7,
+            agent.as_raw_fd(),
+            app.as_raw_fd(),
+            true,
+        )];
+        let mut imp = vec![shareable(true, 1, ident.as_raw_fd(), -1, true)];
+        let r = resolve(&mut exp, &mut imp).unwrap();
+        assert_eq!(
+            r,
+            [Resolved {
+                importer: std::process::id() as i32,
+                import: 1,
+                exporter: 10,
+                id: 7
+            }]
+        );
+        assert_eq!((imp[0].pid, imp[0].id, imp[0].agent_fd), (10, 7, -1));
+        // Then the usual rule sees an import of a process inside the dump.
+        let members = [
+            Member {
+                nspid: 10,
+                split: true,
+                shares: &exp,
+            },
+            Member {
+                nspid: 11,
+                split: true,
+                shares: &imp,
+            },
+        ];
+        check(&members, |_| false).unwrap();
+
+        // An import of another file: its exporter is named when found outside the dump.
+        let mut exp = vec![shareable(
+            false,
+            7,
+            agent.as_raw_fd(),
+            app.as_raw_fd(),
+            true,
+        )];
+        let mut imp = vec![shareable(true, 1, other.as_raw_fd(), -1, true)];
+        let e = resolve(&mut exp, &mut imp).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                SharingError::ShareableExporterOutside {
+                    importer: 11,
+                    exporter: 4242
+                }
+            ),
+            "{e}"
+        );
+        assert!(
+            e.to_string().contains("pid 4242 is not in this dump"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn shareable_exports_nobody_imports_or_that_are_not_moved_are_refused() {
+        use std::os::fd::AsRawFd;
+        let app = memfd();
+        let agent = app.try_clone().unwrap();
+        let mut exp = vec![shareable(
+            false,
+            7,
+            agent.as_raw_fd(),
+            app.as_raw_fd(),
+            true,
+        )];
+        let mut imp = Vec::new();
+        assert!(matches!(
+            resolve(&mut exp, &mut imp),
+            Err(SharingError::ShareableNoImporter { exporter: 10 })
+        ));
+        let mut exp = vec![shareable(false, 0, agent.as_raw_fd(), -1, false)];
+        assert!(matches!(
+            resolve(&mut exp, &mut imp),
+            Err(SharingError::ShareableNotMoved { exporter: 10 })
+        ));
+    }
+
+    #[test]
+    fn a_descriptor_of_an_export_held_elsewhere_is_refused() {
+        use std::os::fd::AsRawFd;
+        let app = memfd();
+        let agent = app.try_clone().unwrap();
+        let ident = app.try_clone().unwrap();
+        let stray = app.try_clone().unwrap();
+        let mut exp = vec![shareable(
+            false,
+            7,
+            agent.as_raw_fd(),
+            app.as_raw_fd(),
+            true,
+        )];
+        let mut imp = vec![shareable(true, 1, ident.as_raw_fd(), -1, true)];
+        let e = resolve(&mut exp, &mut imp).unwrap_err();
+        match e {
+            SharingError::ExportFdHeld { fd, exporter, .. } => {
+                assert_eq!((fd, exporter), (stray.as_raw_fd(), 10));
+            }
+            other => panic!("{other}"),
+        }
+        drop(stray);
+        let mut exp = vec![shareable(
+            false,
+            7,
+            agent.as_raw_fd(),
+            app.as_raw_fd(),
+            true,
+        )];
+        let mut imp = vec![shareable(true, 1, ident.as_raw_fd(), -1, true)];
+        resolve(&mut exp, &mut imp).unwrap();
     }
 
     #[test]

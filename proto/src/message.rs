@@ -244,6 +244,18 @@ pub enum Request {
         /// The exporter's allocation id.
         id: u64,
     },
+    /// To an importer of memory another process exported with `cuMemExportToShareableHandle`
+    /// (its threads held): the plugin found (with `kcmp`) that its import `import` is exporter
+    /// `exporter_pid`'s allocation `id`. The agent records it (what a later [`Request::Reimport`]
+    /// names) and closes the descriptor it kept to identify the import.
+    ShareableSource {
+        /// The importer's own import id ([`Reply::Shared`] of an unresolved import).
+        import: u64,
+        /// The exporter's pid in the importer's pid namespace.
+        exporter_pid: u32,
+        /// The exporter's allocation id.
+        id: u64,
+    },
 }
 
 /// Bits of [`Reply::Hello::hazards`]: what the process did that the driver's checkpoint cannot
@@ -267,6 +279,17 @@ pub mod hazard {
     /// without an error, but on the H200 a wait on it after the importer's restore did not wait
     /// for the exporter's work.
     pub const IPC_EVENT_IMPORT: u32 = 1 << 6;
+    /// `cuMemExportToShareableHandle` (POSIX fd) of an application handle the agent moves:
+    /// carried on the split path when every importer is in the dump (`docs/ipc.md`).
+    pub const SHAREABLE_EXPORT: u32 = 1 << 7;
+    /// `cuMemImportFromShareableHandle` (POSIX fd), the handle virtualized by the agent:
+    /// carried like [`SHAREABLE_EXPORT`].
+    pub const SHAREABLE_IMPORT: u32 = 1 << 8;
+    /// The bits that make the plugin ask the agent for its shares (`ListSharing`).
+    pub const SHARING: u32 =
+        SERVED_IPC_EXPORT | SERVED_IPC_IMPORT | SHAREABLE_EXPORT | SHAREABLE_IMPORT;
+    /// The bits of an importer (its release unmaps another process's memory).
+    pub const IMPORTING: u32 = SERVED_IPC_IMPORT | SHAREABLE_IMPORT;
     /// The bits that refuse a dump by themselves (the served IPC bits need a look at the tree).
     pub const REFUSING: u32 =
         MANAGED_MEMORY | IPC_EXPORT | IPC_IMPORT | PEER_ACCESS | IPC_EVENT_IMPORT;
@@ -296,6 +319,12 @@ pub mod hazard {
             v.push(
                 "an interprocess CUDA event of another process opened here (cuIpcOpenEventHandle)",
             );
+        }
+        if bits & SHAREABLE_EXPORT != 0 {
+            v.push("device memory exported with cuMemExportToShareableHandle (POSIX fd)");
+        }
+        if bits & SHAREABLE_IMPORT != 0 {
+            v.push("another process's device memory imported with cuMemImportFromShareableHandle");
         }
         v
     }
@@ -466,6 +495,15 @@ pub enum Reply {
     /// exporter `pid`) mapped here at `addr`, `mapped` false while a release has it unmapped.
     /// Else an allocation of this process's, exported, that process `pid` fetched (0: nobody
     /// fetched it yet); `mapped` is whether this process maps it.
+    ///
+    /// `shareable`: a share the program made itself with `cuMemExportToShareableHandle` /
+    /// `cuMemImportFromShareableHandle`. Export: `pid` 0, `id` the allocation (0 and `mapped`
+    /// false: not memory the agent moves, not carried), `agent_fd` the agent's duplicate of the
+    /// descriptor the program got, `app_fd` that descriptor's number while it is still the same
+    /// open file (else -1). Import not yet resolved: `pid` 0, `id` the importer's own import id,
+    /// `agent_fd` the agent's duplicate of the descriptor imported; once resolved (told by
+    /// [`Request::ShareableSource`]) `pid` and `id` name the exporter's allocation and `agent_fd`
+    /// is -1. `app_fd` is -1 for an import (the plugin looks at every descriptor itself).
     Shared {
         import: bool,
         pid: u32,
@@ -473,6 +511,9 @@ pub enum Reply {
         addr: u64,
         size: u64,
         mapped: bool,
+        shareable: bool,
+        agent_fd: i32,
+        app_fd: i32,
     },
     /// Every share was listed.
     SharedEnd {
@@ -488,6 +529,8 @@ pub enum Reply {
     },
     /// The import is mapped again at `addr`.
     Reimported { addr: u64 },
+    /// [`Request::ShareableSource`] is recorded.
+    SourceNoted,
     /// The first message of a keeper started detached: it runs as `pid`, and a pidfd of it is
     /// attached. The process the plugin started has exited by then, so the keeper is not a
     /// child of CRIU's: CRIU never sees its exit.
@@ -537,6 +580,7 @@ mod kind {
     pub const REQ_LIST_SHARING: u16 = 0x0013;
     pub const REQ_SHARE_FDS: u16 = 0x0014;
     pub const REQ_REIMPORT: u16 = 0x0015;
+    pub const REQ_SHAREABLE_SOURCE: u16 = 0x0016;
 
     pub const REP_HELLO: u16 = 0x0101;
     pub const REP_ALLOCATION: u16 = 0x0102;
@@ -564,6 +608,7 @@ mod kind {
     pub const REP_SHARE_FD: u16 = 0x0118;
     pub const REP_SHARE_FD_END: u16 = 0x0119;
     pub const REP_REIMPORTED: u16 = 0x011A;
+    pub const REP_SOURCE_NOTED: u16 = 0x011B;
 }
 
 /// An optional u64: a presence byte (0/1), then the value (0 when absent).
@@ -746,6 +791,16 @@ impl Request {
                 w.u32(*exporter_pid);
                 w.u64(*id);
             }
+            Request::ShareableSource {
+                import,
+                exporter_pid,
+                id,
+            } => {
+                header(&mut w, kind::REQ_SHAREABLE_SOURCE);
+                w.u64(*import);
+                w.u32(*exporter_pid);
+                w.u64(*id);
+            }
         }
         w.len()
     }
@@ -814,6 +869,11 @@ impl Request {
             kind::REQ_LIST_SHARING => Request::ListSharing,
             kind::REQ_SHARE_FDS => Request::ShareFds,
             kind::REQ_REIMPORT => Request::Reimport {
+                exporter_pid: r.u32()?,
+                id: r.u64()?,
+            },
+            kind::REQ_SHAREABLE_SOURCE => Request::ShareableSource {
+                import: r.u64()?,
                 exporter_pid: r.u32()?,
                 id: r.u64()?,
             },
@@ -994,6 +1054,9 @@ impl Reply {
                 addr,
                 size,
                 mapped,
+                shareable,
+                agent_fd,
+                app_fd,
             } => {
                 header(&mut w, kind::REP_SHARED);
                 w.bool(*import);
@@ -1002,6 +1065,9 @@ impl Reply {
                 w.u64(*addr);
                 w.u64(*size);
                 w.bool(*mapped);
+                w.bool(*shareable);
+                w.i32(*agent_fd);
+                w.i32(*app_fd);
             }
             Reply::SharedEnd { count } => {
                 header(&mut w, kind::REP_SHARED_END);
@@ -1021,6 +1087,7 @@ impl Reply {
                 header(&mut w, kind::REP_REIMPORTED);
                 w.u64(*addr);
             }
+            Reply::SourceNoted => header(&mut w, kind::REP_SOURCE_NOTED),
             Reply::Reclaimed {
                 allocations,
                 bytes,
@@ -1129,6 +1196,9 @@ impl Reply {
                 addr: r.u64()?,
                 size: r.u64()?,
                 mapped: r.bool()?,
+                shareable: r.bool()?,
+                agent_fd: r.i32()?,
+                app_fd: r.i32()?,
             },
             kind::REP_SHARED_END => Reply::SharedEnd { count: r.u32()? },
             kind::REP_SHARE_FD => Reply::ShareFd {
@@ -1138,6 +1208,7 @@ impl Reply {
             },
             kind::REP_SHARE_FD_END => Reply::ShareFdEnd { count: r.u32()? },
             kind::REP_REIMPORTED => Reply::Reimported { addr: r.u64()? },
+            kind::REP_SOURCE_NOTED => Reply::SourceNoted,
             kind::REP_RECLAIMED => Reply::Reclaimed {
                 allocations: r.u32()?,
                 bytes: r.u64()?,

@@ -72,6 +72,11 @@ fn all_requests() -> Vec<Request> {
             exporter_pid: 77,
             id: 9,
         },
+        Request::ShareableSource {
+            import: 2,
+            exporter_pid: 77,
+            id: 9,
+        },
         Request::Adopt {
             id: 3,
             device: 1,
@@ -205,6 +210,20 @@ fn all_replies() -> Vec<Reply> {
             addr: 0x7000_0020_0000,
             size: 2 << 20,
             mapped: false,
+            shareable: false,
+            agent_fd: -1,
+            app_fd: -1,
+        },
+        Reply::Shared {
+            import: true,
+            pid: 0,
+            id: 2,
+            addr: 0x7000_0080_0000,
+            size: 2 << 20,
+            mapped: true,
+            shareable: true,
+            agent_fd: 41,
+            app_fd: 7,
         },
         Reply::Shared {
             import: false,
@@ -213,8 +232,11 @@ fn all_replies() -> Vec<Reply> {
             addr: 0x7000_0040_0000,
             size: 4 << 20,
             mapped: true,
+            shareable: false,
+            agent_fd: -1,
+            app_fd: -1,
         },
-        Reply::SharedEnd { count: 2 },
+        Reply::SharedEnd { count: 3 },
         Reply::ShareFd {
             id: 3,
             addr: 0x7000_0040_0000,
@@ -224,6 +246,7 @@ fn all_replies() -> Vec<Reply> {
         Reply::Reimported {
             addr: 0x7000_0020_0000,
         },
+        Reply::SourceNoted,
         Reply::Reclaimed {
             allocations: 1,
             bytes: 2 << 20,
@@ -336,10 +359,10 @@ fn header_errors_are_typed() {
     b[0] ^= 1;
     assert!(matches!(Request::decode(&b), Err(ProtoError::BadMagic)));
     let mut b = enc_req(&Request::Release);
-    b[4] = 8;
+    b[4] = 9;
     assert!(matches!(
         Request::decode(&b),
-        Err(ProtoError::VersionMismatch { ours: 7, theirs: 8 })
+        Err(ProtoError::VersionMismatch { ours: 8, theirs: 9 })
     ));
     let mut b = enc_req(&Request::Release);
     b[6] = 0x77;
@@ -776,6 +799,8 @@ fn every_hazard_bit_has_its_own_words_and_the_event_import_refuses() {
         hazard::SERVED_IPC_EXPORT,
         hazard::SERVED_IPC_IMPORT,
         hazard::IPC_EVENT_IMPORT,
+        hazard::SHAREABLE_EXPORT,
+        hazard::SHAREABLE_IMPORT,
     ];
     let mut seen = std::collections::HashSet::new();
     for b in bits {
@@ -785,6 +810,9 @@ fn every_hazard_bit_has_its_own_words_and_the_event_import_refuses() {
         assert!(seen.insert(words[0]), "{b:#x}");
     }
     assert_ne!(hazard::REFUSING & hazard::IPC_EVENT_IMPORT, 0);
+    // Carried shares need a look at the whole tree, never refuse by themselves.
+    assert_eq!(hazard::REFUSING & hazard::SHARING, 0);
+    assert_eq!(hazard::SHARING & hazard::IMPORTING, hazard::IMPORTING);
     assert_eq!(
         hazard::describe(hazard::IPC_EVENT_IMPORT),
         ["an interprocess CUDA event of another process opened here (cuIpcOpenEventHandle)"]

@@ -1,0 +1,683 @@
+//! Process trees that share device memory through shareable handles the program made itself
+//! (`cuMemExportToShareableHandle` / `cuMemImportFromShareableHandle`, POSIX fds), checkpointed
+//! on the split path with a real CRIU and the stand-in driver: `fakegpu-share export --loop`
+//! (an exporter of one 8 MiB `cuMemCreate` allocation and the importer it spawned; the importer
+//! bumps a counter in it every 20 ms, the exporter reads it), in both ways of passing the fd:
+//! `scm` (`SCM_RIGHTS`, both sides close their fds) and `pidfd` (the exporter keeps its fd, the
+//! importer takes it with `pidfd_getfd`, as PyTorch does). The plugin finds the import's export
+//! with `kcmp`; the memory is saved once, by the exporter; the importer's release unmaps it and
+//! a reimport maps the exporter's current memory at the same place before any thread runs.
+//! Checked: both run on after `-R` and after a restore, bit-exact and still sharing (the
+//! exporter sees the importer's counter grow); in `pidfd` mode the exporter's own fd names the
+//! memory they share afterwards (the importer takes it again and compares); a dump of the
+//! importer alone is refused naming the exporter, of the exporter alone refused; a descriptor
+//! of the export held by the importer, or by a process without CUDA, is refused; CRIU killed
+//! at the reimport points and before a rolled-back exporter's fd names its memory again
+//! (`rollback-repoint`).
+//!
+//! Root and CRIU are needed; `GPUSNAP_SKIP_CRIU_TESTS=1` skips.
+
+mod common;
+
+use common::split::Split;
+use criu_tests::CriuRun;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+/// One tick line of a `--loop` log.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Tick {
+    counter: u64,
+    ok: bool,
+}
+
+/// The pid and the ticks of one side's log.
+fn read_log(path: &Path) -> (Option<i32>, Vec<Tick>) {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let mut pid = None;
+    let mut ticks = Vec::new();
+    for line in text.lines() {
+        let w: Vec<&str> = line.split_whitespace().collect();
+        match w.as_slice() {
+            ["pid", p] => pid = p.parse().ok(),
+            ["tick", _, "counter", c, "ok", ok] => ticks.push(Tick {
+                counter: c.parse().unwrap_or(0),
+                ok: *ok == "1",
+            }),
+            ["refetch", ..] => {}
+            ["tick", ..] => ticks.push(Tick {
+                counter: 0,
+                ok: false,
+            }),
+            _ => {}
+        }
+    }
+    (pid, ticks)
+}
+
+struct Pair {
+    s: Split,
+    log: PathBuf,
+    exporter: std::process::Child,
+}
+
+impl Pair {
+    fn start(test: &str, pass: &str) -> Option<Pair> {
+        Self::start_with(test, pass, &[])
+    }
+
+    fn start_with(test: &str, pass: &str, extra: &[&str]) -> Option<Pair> {
+        // The harness's own workload is one small process; the pair is started beside it.
+        let s = Split::launch(
+            test,
+            1,
+            &["--seed", "5", "--allocs", "1", "--mib", "2"],
+            &[],
+        )?;
+        let log = s.w.path.join("share");
+        let lib = common::libcuda_dir(&s.w.path);
+        let agent = s.w.harness().agent_so().expect("agent").to_owned();
+        let mut cmd = Command::new(common::built("fake-cuda-device", "fakegpu-share"));
+        cmd.args(["export", "--bytes", "8388608", "--pass", pass, "--loop"])
+            .arg(&log)
+            .args(extra)
+            .env("LD_LIBRARY_PATH", &lib)
+            .env("LD_PRELOAD", &agent)
+            .env("GPUSNAP_AGENT_DEBUG", "1")
+            .env("FAKECUDA_DIR", &s.state)
+            .env_remove("GPUSNAP_AGENT_MIN_BYTES")
+            .stdout(std::fs::File::create(s.w.path.join("share.out")).expect("out"))
+            .stderr(std::fs::File::create(s.w.path.join("share.err")).expect("err"));
+        let exporter = criu_tests::procs::spawn_in_new_session(&mut cmd).expect("fakegpu-share");
+        let p = Pair { s, log, exporter };
+        p.wait_ticks(5);
+        Some(p)
+    }
+
+    fn side(&self, which: &str) -> PathBuf {
+        self.log.with_extension(which)
+    }
+
+    /// Waits until both sides logged `n` more ticks than now; returns (exporter, importer).
+    fn wait_ticks(&self, n: usize) -> (Vec<Tick>, Vec<Tick>) {
+        let base = (
+            read_log(&self.side("exporter")).1.len(),
+            read_log(&self.side("importer")).1.len(),
+        );
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let e = read_log(&self.side("exporter")).1;
+            let i = read_log(&self.side("importer")).1;
+            if e.len() >= base.0 + n && i.len() >= base.1 + n {
+                return (e, i);
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the pair stopped ticking: exporter {} ticks, importer {} ticks\n{}",
+                e.len(),
+                i.len(),
+                self.describe()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Waits until the exporter alone logged `n` more ticks.
+    fn wait_exporter_ticks(&self, n: usize) {
+        let base = read_log(&self.side("exporter")).1.len();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while read_log(&self.side("exporter")).1.len() < base + n {
+            assert!(
+                Instant::now() < deadline,
+                "the exporter stopped\n{}",
+                self.describe()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn pids(&self) -> (i32, i32) {
+        (
+            read_log(&self.side("exporter")).0.expect("exporter pid"),
+            read_log(&self.side("importer")).0.expect("importer pid"),
+        )
+    }
+
+    fn describe(&self) -> String {
+        let tail = |p: PathBuf| {
+            let t = std::fs::read_to_string(&p).unwrap_or_default();
+            let lines: Vec<&str> = t.lines().collect();
+            lines[lines.len().saturating_sub(8)..].join("\n")
+        };
+        format!(
+            "--- exporter log ---\n{}\n--- importer log ---\n{}\n--- stderr ---\n{}",
+            tail(self.side("exporter")),
+            tail(self.side("importer")),
+            tail(self.s.w.path.join("share.err"))
+        )
+    }
+
+    fn dump(&self, pid: i32, leave_running: bool) -> CriuRun {
+        let pid = pid.to_string();
+        let mut extra = vec!["-t", pid.as_str()];
+        if leave_running {
+            extra.push("--leave-running");
+        }
+        self.s.criu("dump", "dump.log", &extra, &[])
+    }
+
+    /// Both sides run on, bit-exact, and still share the memory: every tick `ok`, the counter
+    /// the importer bumps keeps growing past `before`, and the exporter sees it grow.
+    fn assert_shared_on(&self, before: u64, run: &CriuRun) {
+        let (e, i) = self.wait_ticks(10);
+        let all_ok = e.iter().chain(&i).all(|t| t.ok);
+        assert!(
+            all_ok,
+            "a tick saw a damaged buffer\n{}\n{}",
+            self.s.describe(run),
+            self.describe()
+        );
+        let last_i = i.last().expect("importer ticks").counter;
+        let last_e = e.last().expect("exporter ticks").counter;
+        assert!(
+            last_i > before && last_e > before,
+            "the counter did not grow past {before} on both sides (importer {last_i}, exporter {last_e}): the memory is not shared\n{}\n{}",
+            self.s.describe(run),
+            self.describe()
+        );
+    }
+
+    fn counter(&self) -> u64 {
+        read_log(&self.side("importer"))
+            .1
+            .last()
+            .map_or(0, |t| t.counter)
+    }
+
+    /// Waits until both dumped processes are gone (their pids free for the restore); the
+    /// importer, an orphan once the exporter died, may be the harness's to reap.
+    fn wait_gone(&self) {
+        let (e, i) = self.pids();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        for pid in [e, i] {
+            while Path::new(&format!("/proc/{pid}")).exists() {
+                // SAFETY: waitpid with WNOHANG and no status; a pid that is not our child
+                // only fails.
+                unsafe { libc::waitpid(pid, std::ptr::null_mut(), libc::WNOHANG) };
+                assert!(
+                    Instant::now() < deadline,
+                    "pid {pid} still there after the dump"
+                );
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+    }
+
+    fn kill_pair(&mut self) {
+        let (e, i) = self.pids();
+        for pid in [i, e] {
+            // SAFETY: kill(2) of the test's own workload.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+        let _ = self.exporter.wait();
+    }
+}
+
+impl Drop for Pair {
+    fn drop(&mut self) {
+        if let (Some(e), Some(i)) = (
+            read_log(&self.side("exporter")).0,
+            read_log(&self.side("importer")).0,
+        ) {
+            for pid in [i, e] {
+                // SAFETY: kill(2) of the test's own workload (or of nothing any more).
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+        }
+        let _ = self.exporter.try_wait();
+    }
+}
+
+impl Pair {
+    /// The importer takes the exporter's fd again (`pidfd` mode) and compares what it maps
+    /// with its own mapping: true when they are the same memory.
+    fn refetch_same(&self) -> bool {
+        let trigger = self.log.with_extension("refetch");
+        std::fs::write(&trigger, "").expect("refetch trigger");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while trigger.exists() {
+            assert!(
+                Instant::now() < deadline,
+                "the importer did not take the fd again\n{}",
+                self.describe()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let text = std::fs::read_to_string(self.side("importer")).unwrap_or_default();
+        let last = text
+            .lines()
+            .filter(|l| l.starts_with("refetch"))
+            .next_back()
+            .unwrap_or("none")
+            .to_owned();
+        assert!(
+            last.starts_with("refetch same"),
+            "{last}\n{}",
+            self.describe()
+        );
+        last == "refetch same 1"
+    }
+}
+
+const PASSES: [&str; 2] = ["scm", "pidfd"];
+
+/// `-R` of the tree, both ways of passing the fd: the importer's mapping is unmapped for the
+/// driver's checkpoint and mapped again from the exporter's memory before it runs.
+#[test]
+fn a_shareable_tree_runs_on_after_leave_running() {
+    let configs: [(&str, &[&str]); 3] = [
+        ("scm", &[]),
+        ("pidfd", &[]),
+        // The importer releases its handle once mapped: the mapping alone holds the memory.
+        ("scm", &["--importer-releases-handle"]),
+    ];
+    for (i, (pass, extra)) in configs.into_iter().enumerate() {
+        let Some(p) = Pair::start_with(&format!("shareable-leave-running-{pass}-{i}"), pass, extra)
+        else {
+            return;
+        };
+        let (exporter, _) = p.pids();
+        let before = p.counter();
+        let dump = p.dump(exporter, true);
+        p.s.assert_ok(&dump);
+        p.s.assert_line(
+            &dump,
+            &["imports of shareable handles resolved to their exporters"],
+        );
+        p.s.assert_line(
+            &dump,
+            &["CUDA IPC imports mapped again from their exporters' memory"],
+        );
+        p.assert_shared_on(before, &dump);
+        if pass == "pidfd" {
+            assert!(
+                p.refetch_same(),
+                "after -R the exporter's own fd names other memory\n{}",
+                p.describe()
+            );
+        }
+        // Again: the import is known by its exporter now, the exporter's descriptors are of
+        // the memory the first rollback brought back.
+        let before = p.counter();
+        let again = p.s.criu(
+            "dump",
+            "dump-again.log",
+            &["-t", &exporter.to_string(), "--leave-running"],
+            &[],
+        );
+        p.s.assert_ok(&again);
+        p.s.assert_line(
+            &again,
+            &["CUDA IPC imports mapped again from their exporters' memory"],
+        );
+        p.assert_shared_on(before, &again);
+    }
+}
+
+/// Dump and restore of the tree (hand-over and agent load): the exporter's memory comes back,
+/// the importer maps it again at its old place, and in `pidfd` mode the exporter's own fd
+/// names that memory.
+#[test]
+fn a_shareable_tree_is_restored_sharing_its_memory() {
+    for pass in PASSES {
+        for handover in ["true", "false"] {
+            let Some(mut p) = Pair::start(&format!("shareable-restore-{pass}-{handover}"), pass)
+            else {
+                return;
+            };
+            let (exporter, _) = p.pids();
+            let dump = p.s.criu(
+                "dump",
+                "dump.log",
+                &["-t", &exporter.to_string()],
+                &[("GPUSNAP_HANDOVER", handover)],
+            );
+            p.s.assert_ok(&dump);
+            let before = p.counter();
+            let _ = p.exporter.wait();
+            p.wait_gone();
+            let restore = p.s.restore();
+            p.s.assert_ok(&restore);
+            p.s.assert_line(
+                &restore,
+                &["CUDA IPC imports mapped again from their exporters' memory"],
+            );
+            p.assert_shared_on(before, &restore);
+            if pass == "pidfd" {
+                assert!(
+                    p.refetch_same(),
+                    "after the restore the exporter's own fd names other memory\n{}",
+                    p.describe()
+                );
+            }
+            // The restored tree is dumped again (-R), still sharing after it.
+            let before = p.counter();
+            let (exporter, _) = p.pids();
+            let again = p.s.criu(
+                "dump",
+                "dump-again.log",
+                &["-t", &exporter.to_string(), "--leave-running"],
+                &[],
+            );
+            p.s.assert_ok(&again);
+            p.assert_shared_on(before, &again);
+            p.kill_pair();
+        }
+    }
+}
+
+/// The importer alone: refused, naming the exporter (found holding the export's open file),
+/// and the pair runs on.
+#[test]
+fn a_dump_of_the_importer_alone_is_refused_naming_the_exporter() {
+    for pass in PASSES {
+        let Some(p) = Pair::start(&format!("shareable-importer-alone-{pass}"), pass) else {
+            return;
+        };
+        let (exporter, importer) = p.pids();
+        let before = p.counter();
+        let dump = p.dump(importer, true);
+        assert!(!dump.succeeded(), "{}", p.s.describe(&dump));
+        p.s.assert_line(
+            &dump,
+            &[
+                &format!("pid {importer} imported device memory"),
+                &format!("that pid {exporter} exported, and pid {exporter} is not in this dump"),
+            ],
+        );
+        p.assert_shared_on(before, &dump);
+    }
+}
+
+/// The exporter without its importer (started outside the exporter's tree): refused, since an
+/// importer outside the dump cannot be seen, and the pair runs on.
+#[test]
+fn a_dump_of_the_exporter_without_its_importer_is_refused() {
+    for pass in PASSES {
+        let Some(p) = Pair::start_with(
+            &format!("shareable-exporter-alone-{pass}"),
+            pass,
+            &["--detach-importer"],
+        ) else {
+            return;
+        };
+        let (exporter, _) = p.pids();
+        let before = p.counter();
+        let dump = p.dump(exporter, true);
+        assert!(!dump.succeeded(), "{}", p.s.describe(&dump));
+        p.s.assert_line(
+            &dump,
+            &[&format!(
+                "pid {exporter} exported device memory (cuMemExportToShareableHandle) that no process of this dump imported"
+            )],
+        );
+        p.assert_shared_on(before, &dump);
+    }
+}
+
+/// A descriptor of the export held by the importer after its import: not carried (after a
+/// restore it would name other memory), refused naming it; the pair runs on.
+#[test]
+fn an_export_descriptor_held_by_the_importer_is_refused() {
+    let Some(p) = Pair::start_with(
+        "shareable-importer-keeps-fd",
+        "scm",
+        &["--importer-keeps-fd"],
+    ) else {
+        return;
+    };
+    let (exporter, importer) = p.pids();
+    let before = p.counter();
+    let dump = p.dump(exporter, true);
+    assert!(!dump.succeeded(), "{}", p.s.describe(&dump));
+    p.s.assert_line(
+        &dump,
+        &[
+            &format!("pid {importer} holds fd"),
+            &format!("a descriptor of device memory pid {exporter} exported"),
+        ],
+    );
+    p.assert_shared_on(before, &dump);
+}
+
+/// Whether the side's log stays still for `for_ms` (it is held), and the process is stopped.
+fn held(p: &Pair, which: &str, pid: i32, for_ms: u64) -> bool {
+    let before = read_log(&p.side(which)).1.len();
+    std::thread::sleep(Duration::from_millis(for_ms));
+    let after = read_log(&p.side(which)).1.len();
+    let state = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|t| t.rsplit(')').next().map(|r| r.trim().chars().next()))
+        .flatten();
+    after == before && matches!(state, Some('T' | 't'))
+}
+
+/// CRIU killed in a rollback after the exporter is back and before the importer maps its share
+/// again: the exporter runs on, the importer is held (it never runs without the share), and
+/// `gpusnap recover` maps the share again from the running exporter; both run on, still sharing.
+#[test]
+fn criu_killed_before_an_importer_maps_its_share_again_leaves_it_held_and_recoverable() {
+    let Some(p) = Pair::start("shareable-kill-rollback", "pidfd") else {
+        return;
+    };
+    let (exporter, importer) = p.pids();
+    let before = p.counter();
+    let exp = exporter.to_string();
+    let dump = p.s.criu(
+        "dump",
+        "dump.log",
+        &["-t", &exp, "--leave-running"],
+        &[("GPUSNAP_TEST_KILL_CRIU_AT", "rollback-reimport")],
+    );
+    assert!(!dump.succeeded(), "{}", p.s.describe(&dump));
+    p.s.assert_line(&dump, &["GPUSNAP_TEST_KILL_CRIU_AT=rollback-reimport"]);
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(
+        held(&p, "importer", importer, 400),
+        "the importer ran (or is not stopped) after CRIU died\n{}\n{}",
+        p.s.describe(&dump),
+        p.describe()
+    );
+    // The exporter runs on meanwhile (its rollback was complete).
+    p.wait_exporter_ticks(3);
+    let (ok, out) = p.s.run_cli(&[
+        "recover",
+        &importer.to_string(),
+        "--images",
+        p.s.w.images.to_str().expect("utf-8"),
+    ]);
+    assert!(
+        ok,
+        "gpusnap recover of the importer failed:\n{out}\n{}",
+        p.describe()
+    );
+    assert!(out.contains("CUDA IPC shares mapped again"), "{out}");
+    p.assert_shared_on(before, &dump);
+    assert!(
+        p.refetch_same(),
+        "the exporter's own fd names other memory after the rollback\n{}",
+        p.describe()
+    );
+    // The recovered tree is dumped again: the recover's read-only ShareFds of the running
+    // exporter left its descriptors as they were (its own fd is still its agent's duplicate).
+    let before = p.counter();
+    let again = p.s.criu(
+        "dump",
+        "dump-again.log",
+        &["-t", &exp, "--leave-running"],
+        &[],
+    );
+    p.s.assert_ok(&again);
+    p.assert_shared_on(before, &again);
+    assert!(
+        p.refetch_same(),
+        "the exporter's own fd names other memory after the second rollback\n{}",
+        p.describe()
+    );
+}
+
+/// A process without CUDA in the dump (it would pass the fd on) holding a copy of the
+/// exported fd: refused naming it, as its copy would name no memory after a restore; the pair
+/// runs on.
+#[test]
+fn an_export_descriptor_held_by_a_process_without_cuda_is_refused() {
+    let Some(p) = Pair::start_with("shareable-middleman", "scm", &["--middleman"]) else {
+        return;
+    };
+    let middleman: i32 = std::fs::read_to_string(p.log.with_extension("middleman"))
+        .ok()
+        .and_then(|t| t.trim().parse().ok())
+        .expect("the middleman's pid");
+    let (exporter, _) = p.pids();
+    let before = p.counter();
+    let dump = p.dump(exporter, true);
+    // SAFETY: kill(2) of the test's own workload.
+    unsafe { libc::kill(middleman, libc::SIGKILL) };
+    assert!(!dump.succeeded(), "{}", p.s.describe(&dump));
+    p.s.assert_line(
+        &dump,
+        &[
+            &format!("pid {middleman} holds fd"),
+            &format!("a descriptor of device memory pid {exporter} exported"),
+        ],
+    );
+    p.assert_shared_on(before, &dump);
+}
+
+/// CRIU killed in a rollback after the exporter's memory is back and before its agent puts it
+/// under the program's fd: neither side runs (the exporter never runs with an fd of the old
+/// memory, the importer is not rolled back yet), and `gpusnap recover` of the exporter, then of
+/// the importer, brings both back sharing, the exporter's fd naming the shared memory.
+#[test]
+fn criu_killed_before_an_exporter_s_fd_names_its_memory_again_leaves_both_held_and_recoverable() {
+    let Some(p) = Pair::start("shareable-kill-repoint", "pidfd") else {
+        return;
+    };
+    let (exporter, importer) = p.pids();
+    let before = p.counter();
+    let exp = exporter.to_string();
+    let dump = p.s.criu(
+        "dump",
+        "dump.log",
+        &["-t", &exp, "--leave-running"],
+        &[("GPUSNAP_TEST_KILL_CRIU_AT", "rollback-repoint")],
+    );
+    assert!(!dump.succeeded(), "{}", p.s.describe(&dump));
+    p.s.assert_line(&dump, &["GPUSNAP_TEST_KILL_CRIU_AT=rollback-repoint"]);
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(
+        held(&p, "exporter", exporter, 400),
+        "the exporter ran (or is not stopped) after CRIU died\n{}\n{}",
+        p.s.describe(&dump),
+        p.describe()
+    );
+    // The importer is not rolled back yet: locked by the driver (its CUDA calls wait), so it
+    // logs no tick.
+    let ticks = read_log(&p.side("importer")).1.len();
+    std::thread::sleep(Duration::from_millis(400));
+    assert_eq!(
+        read_log(&p.side("importer")).1.len(),
+        ticks,
+        "the importer ticked after CRIU died\n{}\n{}",
+        p.s.describe(&dump),
+        p.describe()
+    );
+    let images = p.s.w.images.to_str().expect("utf-8").to_owned();
+    for pid in [exporter, importer] {
+        let (ok, out) =
+            p.s.run_cli(&["recover", &pid.to_string(), "--images", &images]);
+        assert!(
+            ok,
+            "gpusnap recover of pid {pid} failed:\n{out}\n{}",
+            p.describe()
+        );
+    }
+    p.assert_shared_on(before, &dump);
+    assert!(
+        p.refetch_same(),
+        "the exporter's own fd names other memory after the recover\n{}",
+        p.describe()
+    );
+}
+
+/// CRIU killed in a restore after every process's own memory is back and before the importer
+/// maps its share again: nothing of the tree runs (the kernel kills the half-restored
+/// processes), and a new restore brings both back, still sharing.
+#[test]
+fn criu_killed_before_a_restored_importer_maps_its_share_again_runs_nothing() {
+    let Some(mut p) = Pair::start("shareable-kill-restore", "scm") else {
+        return;
+    };
+    let (exporter, importer) = p.pids();
+    let dump =
+        p.s.criu("dump", "dump.log", &["-t", &exporter.to_string()], &[]);
+    p.s.assert_ok(&dump);
+    let before = p.counter();
+    let _ = p.exporter.wait();
+    p.wait_gone();
+    // The pair's stderr as at the dump: the agents' debug lines of the killed restore grow it,
+    // and CRIU restores only a file of the size it dumped.
+    let outputs: Vec<(PathBuf, u64)> = ["share.err", "share.out"]
+        .iter()
+        .map(|f| p.s.w.path.join(f))
+        .map(|f| {
+            let len = std::fs::metadata(&f).map_or(0, |m| m.len());
+            (f, len)
+        })
+        .collect();
+    // The stand-in keeps each process's driver state in a file (the real driver keeps it in the
+    // process, restored with it): as at the dump, for the second restore.
+    let driver_states: Vec<(PathBuf, String)> = [exporter, importer]
+        .iter()
+        .map(|pid| p.s.state.join(format!("{pid}.state")))
+        .map(|f| {
+            let text = std::fs::read_to_string(&f).unwrap_or_default();
+            (f, text)
+        })
+        .collect();
+    let restore = p.s.criu(
+        "restore",
+        "restore.log",
+        &["--restore-detached"],
+        &[("GPUSNAP_TEST_KILL_CRIU_AT", "restore-reimport")],
+    );
+    assert!(!restore.succeeded(), "{}", p.s.describe(&restore));
+    p.s.assert_line(&restore, &["GPUSNAP_TEST_KILL_CRIU_AT=restore-reimport"]);
+    // Killed with CRIU (PTRACE_O_EXITKILL): no tick after the dump's last one.
+    std::thread::sleep(Duration::from_millis(300));
+    let ticks_now = read_log(&p.side("importer")).1.len();
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        read_log(&p.side("importer")).1.len(),
+        ticks_now,
+        "the importer ticked after CRIU died in the restore\n{}",
+        p.describe()
+    );
+    p.wait_gone();
+    for (f, len) in &outputs {
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .open(f)
+            .expect("pair output");
+        file.set_len(*len)
+            .expect("truncate to its size at the dump");
+    }
+    for (f, text) in &driver_states {
+        std::fs::write(f, text).expect("the stand-in's driver state as at the dump");
+    }
+    let again = p.s.restore_in("restore-again.log", &[]);
+    p.s.assert_ok(&again);
+    p.assert_shared_on(before, &again);
+    p.kill_pair();
+}

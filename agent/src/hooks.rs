@@ -575,8 +575,8 @@ pub unsafe extern "C" fn cuMemUnmap(ptr: CUdeviceptr, size: usize) -> CuRes {
         // SAFETY: the caller's arguments are passed to the real function unchanged.
         let rc = unsafe { (drv.mem_unmap)(ptr, size) };
         if rc == CUDA_SUCCESS {
-            table::lock().record_app_unmap(ptr, size as u64);
-            crate::lend::forget_own_range(ptr, size as u64);
+            let gone = table::lock().record_app_unmap(ptr, size as u64);
+            crate::lend::forget_own_handles(&gone);
             crate::shareable::unmapped(ptr as u64, size as u64);
             crate::shareable::forget_gone_exports();
         }
@@ -622,8 +622,15 @@ pub unsafe extern "C" fn cuMemRelease(handle: CUmemGenericAllocationHandle) -> C
                 }
                 rc
             }
-            // SAFETY: the driver handle behind the application's, whose last reference this was.
-            Some(table::AppRelease::ReleaseReal(real)) => unsafe { (drv.mem_release)(real) },
+            Some(table::AppRelease::ReleaseReal(real)) => {
+                // Unmapped already: the handle is gone, and its own descriptor with it.
+                if table::lock().real_handle(handle).is_none() {
+                    crate::lend::forget_own_handles(&[real]);
+                }
+                // SAFETY: the driver handle behind the application's, whose last reference
+                // this was.
+                unsafe { (drv.mem_release)(real) }
+            }
             Some(table::AppRelease::Counted) => CUDA_SUCCESS,
             Some(table::AppRelease::Invalid) => CUDA_ERROR_INVALID_VALUE,
         }
@@ -940,7 +947,10 @@ pub unsafe extern "C" fn cuMemExportToShareableHandle(
                 // driver will not export again: the descriptor it was imported from names the
                 // same memory, so a copy of it is the program's export.
                 // SAFETY: for POSIX fds `out` points to an int (checked non-null above).
-                unsafe { out.cast::<c_int>().write_unaligned(std::os::fd::IntoRawFd::into_raw_fd(own)) };
+                unsafe {
+                    out.cast::<c_int>()
+                        .write_unaligned(std::os::fd::IntoRawFd::into_raw_fd(own))
+                };
                 rc = CUDA_SUCCESS;
             }
             if rc == CUDA_SUCCESS {

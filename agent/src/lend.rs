@@ -130,6 +130,15 @@ pub(crate) fn own_descriptor(addr: u64, id: u64, handle: Handle) -> Option<Owned
     }
 }
 
+/// The number of the own descriptor kept for the allocation at `addr`, if any (listed, so that
+/// the plugin does not take it for a program's copy of an export).
+pub(crate) fn own_fd_number(addr: u64) -> Option<i32> {
+    let mut g = own_within()?;
+    let own = of_this_process(&mut g, start_time())?;
+    own.get(&addr)
+        .map(|(_, _, fd)| std::os::fd::AsRawFd::as_raw_fd(fd))
+}
+
 /// A copy of the own descriptor the handle `handle` was imported from, wherever it is mapped
 /// (an application's export of its handle after a hand-over: the driver will not export an
 /// imported handle).
@@ -156,20 +165,26 @@ pub(crate) fn forget_own_within(addr: u64) {
     }
 }
 
-/// After the application unmapped `addr..addr+size` (`cuMemUnmap`): the own descriptors of
-/// what was mapped there are closed, so they never keep memory alive that the application
-/// let go (a later mapping of an imported handle is copied, not lent: [`crate::table`]).
-pub fn forget_own_range(addr: u64, size: u64) {
+/// After the application let go of its handles whose driver handles are `gone` (the last
+/// release, or the last unmap after it): the own descriptors they were imported from are
+/// closed, so they never keep memory alive that the application let go. (While the handle
+/// lives, its descriptor serves the application's exports of it; a later mapping of it is
+/// copied at a dump, not lent: [`crate::table`].)
+pub fn forget_own_handles(gone: &[Handle]) {
+    if gone.is_empty() {
+        return;
+    }
     let mut g = own();
     if let Some(o) = g.as_mut() {
-        let gone: Vec<u64> = o
+        let at: Vec<u64> = o
             .held
-            .range(addr..addr.saturating_add(size))
+            .iter()
+            .filter(|(_, (_, h, _))| gone.contains(h))
             .map(|(a, _)| *a)
             .collect();
-        for a in gone {
+        for a in at {
             o.held.remove(&a);
-            debug!("own descriptor of {a:#x} closed (unmapped by the application)");
+            debug!("own descriptor of {a:#x} closed (its handle released by the application)");
         }
     }
 }

@@ -483,6 +483,7 @@ fn list_sharing(ch: &Channel) -> Result<(), ProtoError> {
             shareable: false,
             agent_fd: -1,
             app_fd: -1,
+            own_fd: -1,
         })?;
     }
     for s in &shareable {
@@ -496,6 +497,11 @@ fn list_sharing(ch: &Channel) -> Result<(), ProtoError> {
             shareable: true,
             agent_fd: s.agent_fd,
             app_fd: s.app_fd,
+            own_fd: if s.import {
+                -1
+            } else {
+                crate::lend::own_fd_number(s.addr).unwrap_or(-1)
+            },
         })?;
     }
     ch.send_reply(&Reply::SharedEnd {

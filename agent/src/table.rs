@@ -609,7 +609,9 @@ impl Table {
 
     /// The application unmapped `[addr, addr+size)`: forget the mappings that start inside it
     /// (and a virtual handle left with neither mappings nor application references).
-    pub fn record_app_unmap(&mut self, addr: u64, size: u64) {
+    /// Returns the driver handles of the application handles that are gone with it (no
+    /// reference and no mapping left).
+    pub fn record_app_unmap(&mut self, addr: u64, size: u64) -> Vec<Handle> {
         let end = addr.saturating_add(size);
         let mut handles = Vec::new();
         let gone: Vec<u64> = self.app_maps.range(addr..end).map(|(a, _)| *a).collect();
@@ -625,14 +627,16 @@ impl Table {
         for a in moved {
             handles.extend(self.converted.remove(&a).and_then(|c| c.app_handle));
         }
+        let mut dropped = Vec::new();
         for v in handles {
             if let Some(h) = self.virtual_handles.get_mut(&v) {
                 h.mappings = h.mappings.saturating_sub(1);
                 if h.mappings == 0 && h.app_refs == 0 {
-                    self.virtual_handles.remove(&v);
+                    dropped.extend(self.virtual_handles.remove(&v).and_then(|a| a.real));
                 }
             }
         }
+        dropped
     }
 
     /// Every entry, converted first then the application's, each in address order.

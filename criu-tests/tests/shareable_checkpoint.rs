@@ -268,6 +268,38 @@ impl Pair {
         );
         last == "refetch same 1"
     }
+
+    /// The exporter exports its handle again (a new fd), imports it itself and compares what it
+    /// maps with its own mapping: true when they are the same memory. After a hand-over the
+    /// handle maps imported memory, which the driver will not export again; the program's
+    /// export must work all the same. (The new export is imported by no one: a later dump of
+    /// the tree is refused, so this comes last.)
+    fn reexport_same(&self) -> bool {
+        let trigger = self.log.with_extension("reexport");
+        std::fs::write(&trigger, "").expect("reexport trigger");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while trigger.exists() {
+            assert!(
+                Instant::now() < deadline,
+                "the exporter did not export again\n{}",
+                self.describe()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let text = std::fs::read_to_string(self.side("exporter")).unwrap_or_default();
+        let last = text
+            .lines()
+            .filter(|l| l.starts_with("reexport"))
+            .next_back()
+            .unwrap_or("none")
+            .to_owned();
+        assert!(
+            last.starts_with("reexport same"),
+            "{last}\n{}",
+            self.describe()
+        );
+        last == "reexport same 1"
+    }
 }
 
 const PASSES: [&str; 2] = ["scm", "pidfd"];
@@ -322,6 +354,11 @@ fn a_shareable_tree_runs_on_after_leave_running() {
             &["CUDA IPC imports mapped again from their exporters' memory"],
         );
         p.assert_shared_on(before, &again);
+        assert!(
+            p.reexport_same(),
+            "after two -R the exporter's new export names other memory\n{}",
+            p.describe()
+        );
     }
 }
 
@@ -372,6 +409,11 @@ fn a_shareable_tree_is_restored_sharing_its_memory() {
             );
             p.s.assert_ok(&again);
             p.assert_shared_on(before, &again);
+            assert!(
+                p.reexport_same(),
+                "after the restore the exporter's new export names other memory\n{}",
+                p.describe()
+            );
             p.kill_pair();
         }
     }

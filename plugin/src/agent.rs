@@ -104,6 +104,8 @@ pub struct Share {
     pub agent_fd: i32,
     /// Shareable export: the program's descriptor of it, while it is still that file (-1).
     pub app_fd: i32,
+    /// Export: the agent's own descriptor of the allocation a hand-over left (-1).
+    pub own_fd: i32,
 }
 
 impl Share {
@@ -490,6 +492,7 @@ impl AgentSession {
                     shareable,
                     agent_fd,
                     app_fd,
+                    own_fd,
                 } if out.len() < MAX_SHARES => out.push(Share {
                     import,
                     pid,
@@ -500,6 +503,7 @@ impl AgentSession {
                     shareable,
                     agent_fd,
                     app_fd,
+                    own_fd,
                 }),
                 Reply::SharedEnd { count } if count as usize == out.len() => return Ok(out),
                 got => return Err(self.unexpected("Shared, or SharedEnd with their count", got)),

@@ -184,7 +184,7 @@ pub fn resolve_shareable(
             m.shares
                 .iter()
                 .filter(|s| s.shareable)
-                .flat_map(move |s| [(m.pid, s.agent_fd), (m.pid, s.app_fd)])
+                .flat_map(move |s| [(m.pid, s.agent_fd), (m.pid, s.app_fd), (m.pid, s.own_fd)])
         })
         .filter(|&(_, fd)| fd >= 0)
         .collect();
@@ -497,6 +497,7 @@ mod tests {
             shareable: false,
             agent_fd: -1,
             app_fd: -1,
+            own_fd: -1,
         }
     }
 
@@ -576,6 +577,7 @@ mod tests {
             shareable: true,
             agent_fd,
             app_fd,
+            own_fd: -1,
         }
     }
 

@@ -504,6 +504,8 @@ pub enum Reply {
     /// `agent_fd` the agent's duplicate of the descriptor imported; once resolved (told by
     /// [`Request::ShareableSource`]) `pid` and `id` name the exporter's allocation and `agent_fd`
     /// is -1. `app_fd` is -1 for an import (the plugin looks at every descriptor itself).
+    /// `own_fd`: for an export, the descriptor a hand-over left the agent as the allocation's own
+    /// (the same open file as `agent_fd` once a restore or rollback handed it out), else -1.
     Shared {
         import: bool,
         pid: u32,
@@ -514,6 +516,7 @@ pub enum Reply {
         shareable: bool,
         agent_fd: i32,
         app_fd: i32,
+        own_fd: i32,
     },
     /// Every share was listed.
     SharedEnd {
@@ -1057,6 +1060,7 @@ impl Reply {
                 shareable,
                 agent_fd,
                 app_fd,
+                own_fd,
             } => {
                 header(&mut w, kind::REP_SHARED);
                 w.bool(*import);
@@ -1068,6 +1072,7 @@ impl Reply {
                 w.bool(*shareable);
                 w.i32(*agent_fd);
                 w.i32(*app_fd);
+                w.i32(*own_fd);
             }
             Reply::SharedEnd { count } => {
                 header(&mut w, kind::REP_SHARED_END);
@@ -1199,6 +1204,7 @@ impl Reply {
                 shareable: r.bool()?,
                 agent_fd: r.i32()?,
                 app_fd: r.i32()?,
+                own_fd: r.i32()?,
             },
             kind::REP_SHARED_END => Reply::SharedEnd { count: r.u32()? },
             kind::REP_SHARE_FD => Reply::ShareFd {

@@ -213,6 +213,7 @@ fn all_replies() -> Vec<Reply> {
             shareable: false,
             agent_fd: -1,
             app_fd: -1,
+            own_fd: -1,
         },
         Reply::Shared {
             import: true,
@@ -224,6 +225,7 @@ fn all_replies() -> Vec<Reply> {
             shareable: true,
             agent_fd: 41,
             app_fd: 7,
+            own_fd: 43,
         },
         Reply::Shared {
             import: false,
@@ -235,6 +237,7 @@ fn all_replies() -> Vec<Reply> {
             shareable: false,
             agent_fd: -1,
             app_fd: -1,
+            own_fd: -1,
         },
         Reply::SharedEnd { count: 3 },
         Reply::ShareFd {
@@ -387,7 +390,7 @@ fn header_errors_are_typed() {
 
 #[test]
 fn bad_field_values_are_rejected() {
-    // Allocation kind 3.
+    // Allocation kind 6 (none such).
     let mut b = enc_rep(&Reply::Allocation {
         id: 1,
         device: 0,
@@ -395,7 +398,7 @@ fn bad_field_values_are_rejected() {
         size: 0,
         kind: AllocKind::AppVmm,
     });
-    *b.last_mut().unwrap() = 5;
+    *b.last_mut().unwrap() = 6;
     assert!(matches!(Reply::decode(&b), Err(ProtoError::Malformed(_))));
     // Boolean 2.
     let mut b = enc_rep(&Reply::Hello {

@@ -33,6 +33,12 @@
 //! exporter's fd again (`pidfd_getfd`), imports it, maps it at a second place, compares the two
 //! mappings byte for byte, logs `refetch same 0|1` (or `refetch error ...`), undoes the second
 //! mapping and removes the file: the exporter's own fd still names the memory they share.
+//!
+//! Whenever the file `PATH.reexport` exists the exporter exports its handle again (a new fd),
+//! imports that fd itself, maps it at a second place, compares the two mappings (all but the
+//! counter, which it must then see the importer move through the new mapping), logs
+//! `reexport same 0|1` (or `reexport error ...`), undoes it all and removes the file: an export
+//! made after a checkpoint names the memory the handle maps.
 
 use std::ffi::{CStr, c_char, c_int, c_void};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -476,7 +482,65 @@ fn export(args: &Args) {
     {
         std::thread::sleep(std::time::Duration::from_millis(5));
     }
-    tick_loop(&drv, base, bytes, &format!("{log}.exporter"), false, None);
+    let reexport = Again::Reexport(h, format!("{log}.reexport"));
+    tick_loop(
+        &drv,
+        base,
+        bytes,
+        &format!("{log}.exporter"),
+        false,
+        reexport,
+    );
+}
+
+/// What a tick loop does again when its trigger file appears.
+enum Again {
+    Nothing,
+    /// The importer: take the exporter's fd again (pid, fd number).
+    Refetch((i32, RawFd), String),
+    /// The exporter: export its handle again.
+    Reexport(Handle, String),
+}
+
+/// A new export of `h`, imported here and mapped at a second place: whether it holds what the
+/// mapping at `p` holds.
+fn reexport(drv: &Driver, h: Handle, p: DevPtr, bytes: usize) -> Result<bool, String> {
+    let mut fd: c_int = -1;
+    // SAFETY: for POSIX fds the out parameter is an int.
+    let rc = unsafe { (drv.export)((&raw mut fd).cast(), h, HANDLE_TYPE_POSIX_FD, 0) };
+    if rc != 0 {
+        return Err(format!("cuMemExportToShareableHandle: CUDA error {rc}"));
+    }
+    // SAFETY: the descriptor the export just returned, owned here.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let again = drv.import(fd.as_raw_fd())?;
+    drop(fd);
+    let q = drv.map_whole(again, bytes)?;
+    // The importer bumps the counter (the first 8 bytes) meanwhile: compare the rest, and see
+    // the counter through the new mapping move when the importer writes through the old one.
+    let (a, b) = (drv.read(p, bytes)?, drv.read(q, bytes)?);
+    let mut same = a[8..] == b[8..];
+    if same {
+        let c = |v: &[u8]| u64::from_le_bytes(v[..8].try_into().unwrap_or([0; 8]));
+        let t0 = std::time::Instant::now();
+        let start = c(&drv.read(q, bytes)?);
+        same = loop {
+            if c(&drv.read(q, 8)?) != start {
+                break true;
+            }
+            if t0.elapsed() > std::time::Duration::from_secs(5) {
+                break false;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        };
+    }
+    // SAFETY: the mapping and reservation made just above, undone once.
+    unsafe {
+        (drv.unmap)(q, bytes);
+        (drv.free_addr)(q, bytes);
+        (drv.release)(again);
+    }
+    Ok(same)
 }
 
 fn import(args: &Args) {
@@ -517,8 +581,11 @@ fn import(args: &Args) {
     let mut data = pattern(bytes);
     data[..8].copy_from_slice(&0u64.to_le_bytes());
     drv.write(p, &data).unwrap_or_else(|e| die(&e));
-    let refetch = from.map(|f| (f, format!("{log}.refetch")));
-    tick_loop(&drv, p, bytes, &format!("{log}.importer"), true, refetch);
+    let again = match from {
+        Some(f) => Again::Refetch(f, format!("{log}.refetch")),
+        None => Again::Nothing,
+    };
+    tick_loop(&drv, p, bytes, &format!("{log}.importer"), true, again);
 }
 
 /// The exporter's fd taken again, imported and mapped at a second place: whether it holds what
@@ -540,27 +607,28 @@ fn refetch(drv: &Driver, (pid, fd): (i32, RawFd), p: DevPtr, bytes: usize) -> Re
 }
 
 /// One tick every 20 ms until killed (see the module's comment).
-fn tick_loop(
-    drv: &Driver,
-    p: DevPtr,
-    bytes: usize,
-    log: &str,
-    bump: bool,
-    refetch_from: Option<((i32, RawFd), String)>,
-) -> ! {
+fn tick_loop(drv: &Driver, p: DevPtr, bytes: usize, log: &str, bump: bool, again: Again) -> ! {
     let want = pattern(bytes);
     let mut f = open_log(log);
     log_line(&mut f, format_args!("pid {}", std::process::id()));
     let mut tick = 0u64;
     loop {
-        if let Some((from, trigger)) = &refetch_from
-            && std::path::Path::new(trigger).exists()
-        {
-            match refetch(drv, *from, p, bytes) {
-                Ok(same) => log_line(&mut f, format_args!("refetch same {}", u8::from(same))),
-                Err(e) => log_line(&mut f, format_args!("refetch error {e}")),
+        match &again {
+            Again::Refetch(from, trigger) if std::path::Path::new(trigger).exists() => {
+                match refetch(drv, *from, p, bytes) {
+                    Ok(same) => log_line(&mut f, format_args!("refetch same {}", u8::from(same))),
+                    Err(e) => log_line(&mut f, format_args!("refetch error {e}")),
+                }
+                let _ = std::fs::remove_file(trigger);
             }
-            let _ = std::fs::remove_file(trigger);
+            Again::Reexport(h, trigger) if std::path::Path::new(trigger).exists() => {
+                match reexport(drv, *h, p, bytes) {
+                    Ok(same) => log_line(&mut f, format_args!("reexport same {}", u8::from(same))),
+                    Err(e) => log_line(&mut f, format_args!("reexport error {e}")),
+                }
+                let _ = std::fs::remove_file(trigger);
+            }
+            _ => {}
         }
         let (counter, ok) = match drv.read(p, bytes) {
             Ok(v) => {

@@ -584,9 +584,11 @@ fn ipc_blind_spot(procs: &[Tracked]) -> Option<String> {
     (procs.len() > 1 && !blind.is_empty()).then(|| {
         format!(
             "{} GPU processes in this dump; pid(s) {} run without the gpusnap agent, so CUDA IPC \
-             between them cannot be detected. If they share device memory through CUDA IPC, the \
-             driver (before r610) checkpoints them but their restore fails: preload the agent \
-             (it refuses such a dump) or use criu dump -R",
+             between them cannot be detected. If one opened another's device memory through \
+             CUDA IPC, the driver (before r610) checkpoints it but cannot restore it: not at a \
+             restore, not when this dump rolls back (a failure, or criu dump -R), not with \
+             gpusnap recover: it is left checkpointed by the driver. Start such a tree with the \
+             gpusnap agent preloaded in every process (it carries or refuses the share)",
             procs.len(),
             blind.join(", ")
         )

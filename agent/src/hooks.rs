@@ -577,7 +577,7 @@ pub unsafe extern "C" fn cuMemUnmap(ptr: CUdeviceptr, size: usize) -> CuRes {
         if rc == CUDA_SUCCESS {
             let gone = table::lock().record_app_unmap(ptr, size as u64);
             crate::lend::forget_own_handles(&gone);
-            crate::shareable::unmapped(ptr as u64, size as u64);
+            crate::shareable::unmapped(ptr, size as u64);
             crate::shareable::forget_gone_exports();
         }
         rc
@@ -597,9 +597,9 @@ pub unsafe extern "C" fn cuMemRelease(handle: CUmemGenericAllocationHandle) -> C
             Err(rc) => return rc,
         };
         match crate::shareable::app_release(handle) {
-            // SAFETY: the driver's imported handle behind the application's value, whose last
-            // reference this was.
             Some(crate::shareable::Release::Real(real)) => {
+                // SAFETY: the driver's imported handle behind the application's value, whose
+                // last reference this was.
                 return unsafe { (drv.mem_release)(real) };
             }
             Some(crate::shareable::Release::Counted) => return CUDA_SUCCESS,

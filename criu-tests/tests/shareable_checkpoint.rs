@@ -257,8 +257,7 @@ impl Pair {
         let text = std::fs::read_to_string(self.side("importer")).unwrap_or_default();
         let last = text
             .lines()
-            .filter(|l| l.starts_with("refetch"))
-            .next_back()
+            .rfind(|l| l.starts_with("refetch"))
             .unwrap_or("none")
             .to_owned();
         assert!(
@@ -289,8 +288,7 @@ impl Pair {
         let text = std::fs::read_to_string(self.side("exporter")).unwrap_or_default();
         let last = text
             .lines()
-            .filter(|l| l.starts_with("reexport"))
-            .next_back()
+            .rfind(|l| l.starts_with("reexport"))
             .unwrap_or("none")
             .to_owned();
         assert!(

@@ -664,10 +664,13 @@ fn main() {
         "import" => import(&args),
         "detach" => {
             let exe = std::env::current_exe().unwrap_or_else(|e| die(&format!("current_exe: {e}")));
-            Command::new(exe)
+            // Exits at once without waiting: the importer is re-parented away from the
+            // exporter's tree (the point of `detach`).
+            let child = Command::new(exe)
                 .args(&args.0)
                 .spawn()
                 .unwrap_or_else(|e| die(&format!("running the importer: {e}")));
+            std::mem::forget(child);
         }
         other => die(&format!("{other}: export or import")),
     }

@@ -562,7 +562,12 @@ pub fn share_fds(
     repoint: bool,
 ) -> Result<Vec<(u64, u64, u64, OwnedFd)>, ShareableError> {
     let handles: Vec<Handle> = {
-        let st = try_state().ok_or(ShareableError::Busy)?;
+        let mut st = try_state().ok_or(ShareableError::Busy)?;
+        // Before this call opens any descriptor: a number the program no longer holds as the
+        // export is forgotten, so a descriptor of ours that takes that number later is never
+        // taken for the program's (found on the H200: the program had closed its fd after
+        // passing it on, and dup3 over our own new descriptor failed the restore).
+        forget_stale_app_fds(&mut st.exports);
         let mut v: Vec<Handle> = st.exports.iter().map(|e| e.handle).collect();
         v.sort_unstable();
         v.dedup();
@@ -593,7 +598,10 @@ pub fn share_fds(
         }
         let mut st = try_state().ok_or(ShareableError::Busy)?;
         for e in st.exports.iter_mut().filter(|e| e.handle == handle) {
-            if e.app_fd >= 0 && same_file_here(e.app_fd, e.dup.as_raw_fd()) {
+            if e.app_fd >= 0
+                && e.app_fd != fresh.as_raw_fd()
+                && same_file_here(e.app_fd, e.dup.as_raw_fd())
+            {
                 // SAFETY: both numbers are open descriptors of this process; dup3 replaces the
                 // program's (the same open file as our duplicate, checked just above) with the
                 // new export, atomically.
@@ -620,9 +628,55 @@ pub fn share_fds(
     Ok(out)
 }
 
+/// Forgets the program's fd number of each export whose number is no longer the same open
+/// file as the agent's duplicate (the program closed it; the number may name anything now).
+fn forget_stale_app_fds(exports: &mut [Export]) {
+    for e in exports.iter_mut() {
+        if e.app_fd >= 0 && !same_file_here(e.app_fd, e.dup.as_raw_fd()) {
+            debug!(
+                "shareable: fd {} is no longer the program's export; forgotten",
+                e.app_fd
+            );
+            e.app_fd = -1;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A program that closed its exported fd: the number is forgotten before anything of ours
+    /// can take it, and one still held is kept.
+    #[test]
+    fn a_closed_program_fd_is_forgotten() {
+        let (a, _b) = std::os::unix::net::UnixStream::pair().unwrap();
+        let (c, _d) = std::os::unix::net::UnixStream::pair().unwrap();
+        let dup_a = dup_cloexec(a.as_raw_fd()).unwrap();
+        let dup_c = dup_cloexec(c.as_raw_fd()).unwrap();
+        let closed = a.as_raw_fd();
+        let mut exports = vec![
+            Export {
+                handle: 1,
+                dup: dup_a,
+                app_fd: closed,
+            },
+            Export {
+                handle: 2,
+                dup: dup_c,
+                app_fd: c.as_raw_fd(),
+            },
+        ];
+        drop(a);
+        forget_stale_app_fds(&mut exports);
+        assert_eq!(exports[0].app_fd, -1, "closed by the program");
+        assert_eq!(exports[1].app_fd, c.as_raw_fd(), "still the program's");
+        // A file of ours that takes the old number later is never the program's.
+        let ours = dup_cloexec(exports[0].dup.as_raw_fd()).unwrap();
+        forget_stale_app_fds(&mut exports);
+        assert_eq!(exports[0].app_fd, -1);
+        drop(ours);
+    }
 
     #[test]
     fn kcmp_tells_one_open_file_from_another() {

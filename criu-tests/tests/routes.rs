@@ -54,8 +54,12 @@ fn routes_taken(s: &Split, dump: &CriuRun) -> (usize, usize) {
 fn routes_in(s: &Split, dump: &CriuRun, last: bool) -> (usize, usize) {
     let lines = dump.gpusnap_lines();
     let mut routes = lines.into_iter().filter(|l| l.contains("routes: "));
-    let line = if last { routes.next_back() } else { routes.next() }
-        .unwrap_or_else(|| panic!("no routes line\n{}", s.describe(dump)));
+    let line = if last {
+        routes.next_back()
+    } else {
+        routes.next()
+    }
+    .unwrap_or_else(|| panic!("no routes line\n{}", s.describe(dump)));
     let after = line.split("routes: ").nth(1).expect("routes: ...");
     // "A lent, B copied first, C left to the driver; ..."
     let num = |what: &str| -> usize {

@@ -74,7 +74,7 @@ pub type ImportRelease = fn(&Driver, &mut Gpu) -> Result<(u32, u64), Fail>;
 #[derive(Clone, Copy)]
 pub struct ReleaseAlso {
     /// Told of each allocation a `Release` unmaps: `lend::forget_own_within`.
-    pub released: fn(u64),
+    pub released: fn(u64, Handle),
     pub imports: ImportRelease,
 }
 
@@ -508,7 +508,7 @@ fn not_copied(c: &Chunk, hash: Option<ChunkHash>, known: &KnownChunks) -> Option
 
 /// Unmaps and releases every dumped allocation, keeping its reservation. The table is marked
 /// first (so a concurrent free cannot release the handle twice) and restored if the unmap fails.
-/// `released(addr)` is told of each allocation whose memory is gone: the hand-over's registry of
+/// `released(addr, handle)` is told of each allocation whose memory is gone: the hand-over's registry of
 /// kept descriptors (`lend::forget_own_within`) sits above this module and is passed in.
 pub(crate) fn release(
     drv: &Driver,
@@ -547,7 +547,7 @@ pub(crate) fn release(
         }
         // A descriptor kept since a reclaim names this memory, which is gone from here on (a
         // hand-over's lend holds its own copy): never lend it again.
-        released(s.addr);
+        released(s.addr, handle);
         count += 1;
         bytes += s.size;
     }

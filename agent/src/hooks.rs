@@ -458,15 +458,16 @@ pub unsafe extern "C" fn cuMemCreate(
             None
         };
         let made_with = lendable.filter(|with_fd| {
-            // SAFETY: handle is the caller's out pointer, with_fd a whole property struct.
-            let rc = unsafe {
-                (drv.mem_create)(
-                    handle,
-                    size,
-                    with_fd.as_ptr().cast::<CUmemAllocationProp>(),
-                    flags,
-                )
+            // SAFETY: the bytes are a whole CUmemAllocationProp (plain data, no padding: the
+            // layout test in cu.rs), copied out unaligned into a properly aligned local.
+            let prop = unsafe {
+                with_fd
+                    .as_ptr()
+                    .cast::<CUmemAllocationProp>()
+                    .read_unaligned()
             };
+            // SAFETY: handle is the caller's out pointer, prop a valid aligned property struct.
+            let rc = unsafe { (drv.mem_create)(handle, size, &prop, flags) };
             rc == CUDA_SUCCESS
         });
         let rc = if made_with.is_some() {
@@ -1005,7 +1006,13 @@ pub unsafe extern "C" fn cuMulticastBindMem(
         // SAFETY: the caller's arguments, the memory handle translated.
         let rc = unsafe { bind(mc_handle, mc_offset, real, mem_offset, size, flags) };
         if rc == CUDA_SUCCESS && real != mem_handle {
-            table::lock().pin(mem_handle);
+            if crate::shareable::import_real(mem_handle).is_some() {
+                // Another process's memory bound to a multicast object: a release would unmap
+                // bound memory, so such a process is not carried (refused at dump).
+                crate::hazards::record(hazard::IPC_IMPORT);
+            } else {
+                table::lock().pin(mem_handle);
+            }
         }
         rc
     })

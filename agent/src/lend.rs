@@ -158,9 +158,16 @@ pub fn forget_own(addr: u64) {
 
 /// [`forget_own`] from the agent's thread (a release): bounded; a descriptor left is never lent
 /// again (its handle is no longer mapped) and goes when the application frees the allocation.
-pub(crate) fn forget_own_within(addr: u64) {
+pub(crate) fn forget_own_within(addr: u64, handle: Handle) {
     match own_within() {
-        Some(mut g) => forget_own_in(&mut g, addr),
+        Some(mut g) => {
+            forget_own_in(&mut g, addr);
+            // The handle's descriptor kept at another address (the program mapped the handle
+            // again elsewhere): its memory is released too.
+            if let Some(o) = g.as_mut() {
+                o.held.retain(|_, (_, h, _)| *h != handle);
+            }
+        }
         None => debug!("own descriptor of {addr:#x} left (its lock is held): never lent again"),
     }
 }

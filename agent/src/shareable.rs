@@ -602,10 +602,15 @@ pub fn share_fds(
                 && e.app_fd != fresh.as_raw_fd()
                 && same_file_here(e.app_fd, e.dup.as_raw_fd())
             {
+                // The program's close-on-exec flag stays as it set it (it may pass the fd on
+                // to a program it execs).
+                // SAFETY: F_GETFD on an open descriptor of this process (checked just above).
+                let cloexec = unsafe { libc::fcntl(e.app_fd, libc::F_GETFD) } & libc::FD_CLOEXEC;
+                let flags = if cloexec != 0 { libc::O_CLOEXEC } else { 0 };
                 // SAFETY: both numbers are open descriptors of this process; dup3 replaces the
                 // program's (the same open file as our duplicate, checked just above) with the
                 // new export, atomically.
-                let rc = unsafe { libc::dup3(fresh.as_raw_fd(), e.app_fd, libc::O_CLOEXEC) };
+                let rc = unsafe { libc::dup3(fresh.as_raw_fd(), e.app_fd, flags) };
                 if rc < 0 {
                     return Err(ShareableError::Os {
                         what: "dup3 of the new export over the program's fd",

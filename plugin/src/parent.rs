@@ -1,9 +1,9 @@
 //! The parent image an incremental dump compares against: found through the image directory's
 //! `parent` link, read back and checked whole before anything of it is referenced.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::sync::Mutex;
+use std::sync::{Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
@@ -15,15 +15,24 @@ type Checked = (Result<Option<VerifyReport>, ImageError>, f64);
 /// The parent images of an incremental dump, read back and checked on a thread of their own
 /// from the dump's start ([`start_checks`], at `init`): the check then runs beside CRIU's seize,
 /// the lock and the hand-over instead of after them (16 GiB took 1.1 s on the H200, which the
-/// final dump of a pre-copy chain otherwise waited for). A dump's processes take their results
-/// here; one that finds none checks its parent itself.
-enum Checks {
-    Running(JoinHandle<HashMap<u32, Checked>>),
-    Done(HashMap<u32, Checked>),
+/// final dump of a pre-copy chain otherwise waited for). Each process's result is published as
+/// soon as its own parent is checked; a dump's process takes it here, and one that finds none
+/// checks its parent itself. The thread is joined at the dump's end ([`finish_checks`]).
+#[derive(Default)]
+struct Checks {
+    /// Processes whose parent the thread has still to check.
+    pending: BTreeSet<u32>,
+    results: HashMap<u32, Checked>,
+    thread: Option<JoinHandle<()>>,
 }
 
 /// One dump per CRIU process, so one set of checks.
 static CHECKS: Mutex<Option<Checks>> = Mutex::new(None);
+static CHECKED: Condvar = Condvar::new();
+
+fn checks() -> MutexGuard<'static, Option<Checks>> {
+    CHECKS.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 /// At the dump's `init`: when `dir` has a parent link and `incremental` is on, starts reading
 /// back and checking every process's parent image there, with `threads` readers.
@@ -42,45 +51,68 @@ pub fn start_checks(dir: BorrowedFd<'_>, incremental: bool, threads: usize) {
     let Ok(dir) = dir.try_clone_to_owned() else {
         return;
     };
+    let mut g = checks();
+    *g = Some(Checks {
+        pending: nspids.iter().copied().collect(),
+        ..Checks::default()
+    });
     let started = std::thread::Builder::new()
         .name("gpusnap-parent".into())
         .spawn(move || check_all(&dir, &nspids, threads));
     match started {
         Ok(h) => {
             log::debug!("parent images being checked from the dump's start");
-            *CHECKS.lock().unwrap_or_else(|e| e.into_inner()) = Some(Checks::Running(h));
+            if let Some(c) = g.as_mut() {
+                c.thread = Some(h);
+            }
         }
-        Err(e) => log::debug!("parent images not checked ahead ({e}): each dump checks its own"),
+        Err(e) => {
+            *g = None;
+            log::debug!("parent images not checked ahead ({e}): each dump checks its own");
+        }
     }
 }
 
-fn check_all(dir: &OwnedFd, nspids: &[u32], threads: usize) -> HashMap<u32, Checked> {
+fn check_all(dir: &OwnedFd, nspids: &[u32], threads: usize) {
     crate::signals::block_all();
     crate::logger::defer_this_thread();
-    nspids
-        .iter()
-        .map(|&nspid| {
-            let t0 = Instant::now();
-            let r = gpusnap_image::verify_parent(dir.as_fd(), nspid, threads);
-            (nspid, (r, t0.elapsed().as_secs_f64()))
-        })
-        .collect()
+    for &nspid in nspids {
+        let t0 = Instant::now();
+        let r = gpusnap_image::verify_parent(dir.as_fd(), nspid, threads);
+        let mut g = checks();
+        if let Some(c) = g.as_mut() {
+            c.pending.remove(&nspid);
+            c.results.insert(nspid, (r, t0.elapsed().as_secs_f64()));
+        }
+        CHECKED.notify_all();
+    }
 }
 
-/// `nspid`'s result of [`start_checks`] (waiting for them if need be), taken once; None when
-/// none were started or they hold none for it.
+/// `nspid`'s result of [`start_checks`] (waiting for it if need be), taken once; None when none
+/// were started or they hold none for it.
 fn take_checked(nspid: u32) -> Option<(Checked, f64)> {
-    let mut g = CHECKS.lock().unwrap_or_else(|e| e.into_inner());
     let t0 = Instant::now();
-    if let Some(Checks::Running(_)) = g.as_ref()
-        && let Some(Checks::Running(h)) = g.take()
-    {
-        *g = Some(Checks::Done(h.join().unwrap_or_default()));
+    let mut g = checks();
+    // Bounded by the thread's life: one that stopped without publishing (a panic) leaves the
+    // process to check its own parent, never to wait for ever.
+    while g.as_ref().is_some_and(|c| {
+        c.pending.contains(&nspid) && !c.thread.as_ref().is_some_and(|t| t.is_finished())
+    }) {
+        g = CHECKED
+            .wait_timeout(g, std::time::Duration::from_millis(100))
+            .unwrap_or_else(|e| e.into_inner())
+            .0;
     }
     let waited = t0.elapsed().as_secs_f64();
-    match g.as_mut() {
-        Some(Checks::Done(m)) => m.remove(&nspid).map(|c| (c, waited)),
-        _ => None,
+    g.as_mut()?.results.remove(&nspid).map(|c| (c, waited))
+}
+
+/// At the dump's end: waits for the checks still running (none may outlive the plugin) and
+/// forgets them.
+pub fn finish_checks() {
+    let thread = checks().take().and_then(|c| c.thread);
+    if let Some(t) = thread {
+        let _ = t.join();
     }
 }
 

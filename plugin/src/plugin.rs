@@ -291,7 +291,10 @@ impl Plugin {
     pub fn exit(&mut self, ret: i32) {
         self.amd.exit(ret);
         match &mut self.run {
-            Run::Dump(d) => d.exit(ret),
+            Run::Dump(d) => {
+                d.exit(ret);
+                crate::parent::finish_checks();
+            }
             Run::Restore(r) => r.exit(),
             Run::Disabled(_) => {}
         }

@@ -19,48 +19,9 @@
 
 mod common;
 
-use common::split::Split;
-use criu_tests::CriuRun;
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use common::pair::{Pair, read_log};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
-
-/// One tick line of a `--loop` log.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Tick {
-    counter: u64,
-    ok: bool,
-}
-
-/// The pid and the ticks of one side's log.
-fn read_log(path: &Path) -> (Option<i32>, Vec<Tick>) {
-    let text = std::fs::read_to_string(path).unwrap_or_default();
-    let mut pid = None;
-    let mut ticks = Vec::new();
-    for line in text.lines() {
-        let w: Vec<&str> = line.split_whitespace().collect();
-        match w.as_slice() {
-            ["pid", p] => pid = p.parse().ok(),
-            ["tick", _, "counter", c, "ok", ok] => ticks.push(Tick {
-                counter: c.parse().unwrap_or(0),
-                ok: *ok == "1",
-            }),
-            ["refetch", ..] => {}
-            ["tick", ..] => ticks.push(Tick {
-                counter: 0,
-                ok: false,
-            }),
-            _ => {}
-        }
-    }
-    (pid, ticks)
-}
-
-struct Pair {
-    s: Split,
-    log: PathBuf,
-    exporter: std::process::Child,
-}
 
 impl Pair {
     fn start(test: &str, pass: &str) -> Option<Pair> {
@@ -68,174 +29,12 @@ impl Pair {
     }
 
     fn start_with(test: &str, pass: &str, extra: &[&str]) -> Option<Pair> {
-        // The harness's own workload is one small process; the pair is started beside it.
-        let s = Split::launch(
+        Pair::launch(
             test,
-            1,
-            &["--seed", "5", "--allocs", "1", "--mib", "2"],
-            &[],
-        )?;
-        let log = s.w.path.join("share");
-        let lib = common::libcuda_dir(&s.w.path);
-        let agent = s.w.harness().agent_so().expect("agent").to_owned();
-        let mut cmd = Command::new(common::built("fake-cuda-device", "fakegpu-share"));
-        cmd.args(["export", "--bytes", "8388608", "--pass", pass, "--loop"])
-            .arg(&log)
-            .args(extra)
-            .env("LD_LIBRARY_PATH", &lib)
-            .env("LD_PRELOAD", &agent)
-            .env("GPUSNAP_AGENT_DEBUG", "1")
-            .env("FAKECUDA_DIR", &s.state)
-            .env_remove("GPUSNAP_AGENT_MIN_BYTES")
-            .stdout(std::fs::File::create(s.w.path.join("share.out")).expect("out"))
-            .stderr(std::fs::File::create(s.w.path.join("share.err")).expect("err"));
-        let exporter = criu_tests::procs::spawn_in_new_session(&mut cmd).expect("fakegpu-share");
-        let p = Pair { s, log, exporter };
-        p.wait_ticks(5);
-        Some(p)
-    }
-
-    fn side(&self, which: &str) -> PathBuf {
-        self.log.with_extension(which)
-    }
-
-    /// Waits until both sides logged `n` more ticks than now; returns (exporter, importer).
-    fn wait_ticks(&self, n: usize) -> (Vec<Tick>, Vec<Tick>) {
-        let base = (
-            read_log(&self.side("exporter")).1.len(),
-            read_log(&self.side("importer")).1.len(),
-        );
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let e = read_log(&self.side("exporter")).1;
-            let i = read_log(&self.side("importer")).1;
-            if e.len() >= base.0 + n && i.len() >= base.1 + n {
-                return (e, i);
-            }
-            assert!(
-                Instant::now() < deadline,
-                "the pair stopped ticking: exporter {} ticks, importer {} ticks\n{}",
-                e.len(),
-                i.len(),
-                self.describe()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    /// Waits until the exporter alone logged `n` more ticks.
-    fn wait_exporter_ticks(&self, n: usize) {
-        let base = read_log(&self.side("exporter")).1.len();
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while read_log(&self.side("exporter")).1.len() < base + n {
-            assert!(
-                Instant::now() < deadline,
-                "the exporter stopped\n{}",
-                self.describe()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    fn pids(&self) -> (i32, i32) {
-        (
-            read_log(&self.side("exporter")).0.expect("exporter pid"),
-            read_log(&self.side("importer")).0.expect("importer pid"),
+            "fakegpu-share",
+            &["export", "--bytes", "8388608", "--pass", pass, "--loop"],
+            extra,
         )
-    }
-
-    fn describe(&self) -> String {
-        let tail = |p: PathBuf| {
-            let t = std::fs::read_to_string(&p).unwrap_or_default();
-            let lines: Vec<&str> = t.lines().collect();
-            lines[lines.len().saturating_sub(8)..].join("\n")
-        };
-        format!(
-            "--- exporter log ---\n{}\n--- importer log ---\n{}\n--- stderr ---\n{}",
-            tail(self.side("exporter")),
-            tail(self.side("importer")),
-            tail(self.s.w.path.join("share.err"))
-        )
-    }
-
-    fn dump(&self, pid: i32, leave_running: bool) -> CriuRun {
-        let pid = pid.to_string();
-        let mut extra = vec!["-t", pid.as_str()];
-        if leave_running {
-            extra.push("--leave-running");
-        }
-        self.s.criu("dump", "dump.log", &extra, &[])
-    }
-
-    /// Both sides run on, bit-exact, and still share the memory: every tick `ok`, the counter
-    /// the importer bumps keeps growing past `before`, and the exporter sees it grow.
-    fn assert_shared_on(&self, before: u64, run: &CriuRun) {
-        let (e, i) = self.wait_ticks(10);
-        let all_ok = e.iter().chain(&i).all(|t| t.ok);
-        assert!(
-            all_ok,
-            "a tick saw a damaged buffer\n{}\n{}",
-            self.s.describe(run),
-            self.describe()
-        );
-        let last_i = i.last().expect("importer ticks").counter;
-        let last_e = e.last().expect("exporter ticks").counter;
-        assert!(
-            last_i > before && last_e > before,
-            "the counter did not grow past {before} on both sides (importer {last_i}, exporter {last_e}): the memory is not shared\n{}\n{}",
-            self.s.describe(run),
-            self.describe()
-        );
-    }
-
-    fn counter(&self) -> u64 {
-        read_log(&self.side("importer"))
-            .1
-            .last()
-            .map_or(0, |t| t.counter)
-    }
-
-    /// Waits until both dumped processes are gone (their pids free for the restore); the
-    /// importer, an orphan once the exporter died, may be the harness's to reap.
-    fn wait_gone(&self) {
-        let (e, i) = self.pids();
-        let deadline = Instant::now() + Duration::from_secs(20);
-        for pid in [e, i] {
-            while Path::new(&format!("/proc/{pid}")).exists() {
-                // SAFETY: waitpid with WNOHANG and no status; a pid that is not our child
-                // only fails.
-                unsafe { libc::waitpid(pid, std::ptr::null_mut(), libc::WNOHANG) };
-                assert!(
-                    Instant::now() < deadline,
-                    "pid {pid} still there after the dump"
-                );
-                std::thread::sleep(Duration::from_millis(10));
-            }
-        }
-    }
-
-    fn kill_pair(&mut self) {
-        let (e, i) = self.pids();
-        for pid in [i, e] {
-            // SAFETY: kill(2) of the test's own workload.
-            unsafe { libc::kill(pid, libc::SIGKILL) };
-        }
-        let _ = self.exporter.wait();
-    }
-}
-
-impl Drop for Pair {
-    fn drop(&mut self) {
-        if let (Some(e), Some(i)) = (
-            read_log(&self.side("exporter")).0,
-            read_log(&self.side("importer")).0,
-        ) {
-            for pid in [i, e] {
-                // SAFETY: kill(2) of the test's own workload (or of nothing any more).
-                unsafe { libc::kill(pid, libc::SIGKILL) };
-            }
-        }
-        let _ = self.exporter.try_wait();
     }
 }
 

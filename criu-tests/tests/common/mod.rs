@@ -3,6 +3,7 @@
 
 #![allow(dead_code)] // each test binary uses its own part
 
+pub mod pair;
 pub mod split;
 
 /// Ticks a process must write after a restore or rollback to count as running on.

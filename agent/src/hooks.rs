@@ -534,10 +534,12 @@ pub unsafe extern "C" fn cuMemMap(
             Ok(r) => r,
             Err(rc) => return rc,
         };
+        let import = (real != handle && crate::shareable::import_real(handle).is_some())
+            .then(crate::shareable::ImportCall::begin);
         // SAFETY: the caller's arguments are passed to the real function, the handle translated.
         let rc = unsafe { (drv.mem_map)(ptr, size, offset, real, flags) };
         if rc == CUDA_SUCCESS {
-            if real != handle && crate::shareable::import_real(handle).is_some() {
+            if import.is_some() {
                 crate::shareable::mapped(handle, ptr, size as u64, offset as u64);
                 return rc;
             }
@@ -573,6 +575,8 @@ pub unsafe extern "C" fn cuMemUnmap(ptr: CUdeviceptr, size: usize) -> CuRes {
             }
             t.begin_app_unmap(ptr, size as u64);
         }
+        let _import = crate::shareable::maps_an_import(ptr, size as u64)
+            .then(crate::shareable::ImportCall::begin);
         // SAFETY: the caller's arguments are passed to the real function unchanged.
         let rc = unsafe { (drv.mem_unmap)(ptr, size) };
         if rc == CUDA_SUCCESS {

@@ -221,6 +221,41 @@ pub fn import_real(v: Handle) -> Option<Option<Handle>> {
     st.imports.get(&v).map(|m| m.real)
 }
 
+/// Program calls that map or unmap an imported handle and have not recorded it yet. A thread
+/// a dump seizes inside one (after the driver's call, before the record) would leave a mapping
+/// the release does not know of, so the listing and the release answer Busy while any is in
+/// flight: such a dump is refused before anything is released, and the program runs on.
+static IMPORT_CALLS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+/// One program call on an imported handle, from before the driver's call until it is recorded.
+pub struct ImportCall(());
+
+impl ImportCall {
+    pub fn begin() -> ImportCall {
+        IMPORT_CALLS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        ImportCall(())
+    }
+}
+
+impl Drop for ImportCall {
+    fn drop(&mut self) {
+        IMPORT_CALLS.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+fn import_call_in_flight() -> bool {
+    IMPORT_CALLS.load(std::sync::atomic::Ordering::SeqCst) > 0
+}
+
+/// Whether `[addr, addr+size)` holds a recorded mapping of an imported handle.
+pub fn maps_an_import(addr: u64, size: u64) -> bool {
+    let end = addr.saturating_add(size);
+    let st = state();
+    st.imports
+        .values()
+        .any(|m| m.maps.iter().any(|x| x.addr >= addr && x.addr < end))
+}
+
 /// The program mapped imported value `v` (the driver accepted it).
 pub fn mapped(v: Handle, addr: u64, size: u64, offset: u64) {
     if let Some(m) = state().imports.get_mut(&v) {
@@ -304,6 +339,9 @@ pub struct Share {
 
 /// This process's shareable exports and imports; `None` when a lock is held.
 pub fn sharing() -> Option<Vec<Share>> {
+    if import_call_in_flight() {
+        return None;
+    }
     let t = table::try_lock_for(table::AGENT_LOCK_WAIT)?;
     let st = try_state()?;
     let mut v = Vec::new();
@@ -431,6 +469,9 @@ pub fn import_devices() -> Option<Vec<i32>> {
 /// process's memory. Refused before anything is touched when an import is not resolved.
 /// Returns (imports, bytes unmapped).
 pub fn release_imports(drv: &Driver) -> Result<(u32, u64), ShareableError> {
+    if import_call_in_flight() {
+        return Err(ShareableError::Busy);
+    }
     let mut st = try_state().ok_or(ShareableError::Busy)?;
     if let Some(m) = st.imports.values().find(|m| m.source.is_none()) {
         return Err(ShareableError::Unresolved(m.id));
@@ -696,11 +737,18 @@ mod tests {
         assert!(!same_file_here(closed, dup.as_raw_fd()));
     }
 
-    /// An import's life as the hooks see it: the program's value names the driver's handle,
-    /// its mappings are recorded, the last release with no mapping left forgets it and closes
-    /// the duplicate kept to identify it. (One test: the state is the process's.)
+    /// An import's life as the hooks see it (and a call in flight): the program's value names
+    /// the driver's handle, its mappings are recorded, the last release with no mapping left
+    /// forgets it and closes the duplicate kept to identify it. (One test: the state is the
+    /// process's.)
     #[test]
     fn an_import_is_virtualized_and_forgotten_with_its_duplicate() {
+        // A program call on an imported handle in flight makes the listing Busy (a dump is then
+        // refused before any release); its end lifts it. (Here: the state is the process's.)
+        let call = ImportCall::begin();
+        assert!(sharing().is_none(), "listing while a call is in flight");
+        drop(call);
+        assert!(!import_call_in_flight());
         let (a, _b) = std::os::unix::net::UnixStream::pair().unwrap();
         let v = imported(0x51, a.as_raw_fd(), 0).unwrap();
         assert_eq!(import_real(v), Some(Some(0x51)));

@@ -392,23 +392,36 @@ const DESCRIPTOR_MARGIN: u64 = 32;
 /// [`DESCRIPTOR_MARGIN`] to spare (the limit is the application's: it is not raised). The
 /// plugin then copies the data out first, and nothing of the job changed.
 fn descriptors_fit(n: usize) -> Result<(), Fail> {
+    let need = n as u64 + DESCRIPTOR_MARGIN;
+    match descriptors_in_use() {
+        Some((open, limit)) if open + need > limit => Err(Fail::bad_state(format!(
+            "descriptor limit: the process has {open} of {limit} descriptors open; lending {n} allocations needs {need} more (one kept per allocation, and a margin)"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// Whether the agent may keep one more descriptor of its own and still leave the program
+/// [`DESCRIPTOR_MARGIN`] under its soft limit (the agent's copies must never make the program
+/// run out of descriptors sooner than without it).
+pub(crate) fn room_for_one_more_descriptor() -> bool {
+    descriptors_in_use().is_none_or(|(open, limit)| open + 1 + DESCRIPTOR_MARGIN <= limit)
+}
+
+/// The process's open descriptors and its soft `RLIMIT_NOFILE`; None when unlimited or unknown.
+fn descriptors_in_use() -> Option<(u64, u64)> {
     let mut lim = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
     };
     // SAFETY: getrlimit(2) into a valid rlimit.
-    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
-        return Ok(());
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0
+        || lim.rlim_cur == libc::RLIM_INFINITY
+    {
+        return None;
     }
     let open = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count() as u64);
-    let need = n as u64 + DESCRIPTOR_MARGIN;
-    if lim.rlim_cur != libc::RLIM_INFINITY && open + need > lim.rlim_cur {
-        return Err(Fail::bad_state(format!(
-            "descriptor limit: the process has {open} of {} descriptors open; lending {n} allocations needs {need} more (one kept per allocation, and a margin)",
-            lim.rlim_cur
-        )));
-    }
-    Ok(())
+    Some((open, lim.rlim_cur))
 }
 
 /// `Reclaim`: maps every kept allocation again at its address. Allocations done so far stay

@@ -155,6 +155,12 @@ fn dup_cloexec(fd: RawFd) -> Option<OwnedFd> {
 /// The program exported application handle `handle` as POSIX fd `app_fd`. False when the
 /// agent could not keep its duplicate (the caller records the refusing hazard instead).
 pub fn exported(handle: Handle, app_fd: RawFd) -> bool {
+    if !crate::lend::room_for_one_more_descriptor() {
+        debug!(
+            "cuMemExportToShareableHandle: near the descriptor limit, no duplicate kept; not carried"
+        );
+        return false;
+    }
     let Some(dup) = dup_cloexec(app_fd) else {
         debug!("cuMemExportToShareableHandle: no duplicate of fd {app_fd}; not carried");
         return false;
@@ -190,6 +196,12 @@ pub fn forget_gone_exports() {
 /// when the agent could not keep a duplicate (the caller passes the driver's handle on and
 /// records the refusing hazard).
 pub fn imported(real: Handle, app_fd: RawFd, device: i32) -> Option<Handle> {
+    if !crate::lend::room_for_one_more_descriptor() {
+        debug!(
+            "cuMemImportFromShareableHandle: near the descriptor limit, no duplicate kept; not carried"
+        );
+        return None;
+    }
     let ident = dup_cloexec(app_fd)?;
     let v = table::lock().reserve_virtual();
     let mut st = state();

@@ -239,6 +239,32 @@ fn a_dump_of_the_importer_alone_is_refused_naming_the_exporter() {
     }
 }
 
+/// Near its descriptor limit (a soft `RLIMIT_NOFILE` of 40, a margin of 32 kept free) the agent
+/// keeps no copy of an export or an import, so the program gets exactly the descriptors it
+/// would get without the agent; such shares are not carried: the dump is refused naming them,
+/// and the pair runs on sharing.
+#[test]
+fn near_the_descriptor_limit_the_agent_keeps_no_copies_and_refuses() {
+    let Some(p) = Pair::launch_with_nofile(
+        "shareable-nofile",
+        "fakegpu-share",
+        &["export", "--bytes", "8388608", "--pass", "scm", "--loop"],
+        &[],
+        Some(40),
+    ) else {
+        return;
+    };
+    let (exporter, _) = p.pids();
+    let before = p.counter();
+    let dump = p.dump(exporter, true);
+    assert!(!dump.succeeded(), "{}", p.s.describe(&dump));
+    p.s.assert_line(
+        &dump,
+        &["device memory exported to other processes (CUDA IPC handles)"],
+    );
+    p.assert_shared_on(before, &dump);
+}
+
 /// The exporter without its importer (started outside the exporter's tree): refused, since an
 /// importer outside the dump cannot be seen, and the pair runs on.
 #[test]

@@ -48,6 +48,18 @@ impl Pair {
     /// Starts `fake-cuda-device`'s `bin` as `bin <args> <log> <extra>` under the agent, beside
     /// the split harness's own small workload, and waits until both sides tick.
     pub fn launch(test: &str, bin: &str, args: &[&str], extra: &[&str]) -> Option<Pair> {
+        Self::launch_with_nofile(test, bin, args, extra, None)
+    }
+
+    /// [`launch`](Self::launch) with the pair's soft `RLIMIT_NOFILE` set to `nofile` (the
+    /// importer inherits it).
+    pub fn launch_with_nofile(
+        test: &str,
+        bin: &str,
+        args: &[&str],
+        extra: &[&str],
+        nofile: Option<u64>,
+    ) -> Option<Pair> {
         // The harness's own workload is one small process; the pair is started beside it.
         let s = Split::launch(
             test,
@@ -69,6 +81,27 @@ impl Pair {
             .env_remove("GPUSNAP_AGENT_MIN_BYTES")
             .stdout(std::fs::File::create(s.w.path.join("share.out")).expect("out"))
             .stderr(std::fs::File::create(s.w.path.join("share.err")).expect("err"));
+        if let Some(soft) = nofile {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: between fork and exec only getrlimit/setrlimit run (async-signal-safe),
+            // on plain structs of this closure.
+            unsafe {
+                cmd.pre_exec(move || {
+                    let mut lim = libc::rlimit {
+                        rlim_cur: 0,
+                        rlim_max: 0,
+                    };
+                    if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    lim.rlim_cur = soft.min(lim.rlim_max);
+                    if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                })
+            };
+        }
         let exporter = criu_tests::procs::spawn_in_new_session(&mut cmd).expect(bin);
         let p = Pair { s, log, exporter };
         p.wait_ticks(5);

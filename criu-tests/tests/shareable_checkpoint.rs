@@ -239,10 +239,13 @@ fn a_dump_of_the_importer_alone_is_refused_naming_the_exporter() {
     }
 }
 
-/// Near its descriptor limit (a soft `RLIMIT_NOFILE` of 40, a margin of 32 kept free) the agent
+/// Near its descriptor limit (a soft `RLIMIT_NOFILE` of 36, a margin of 32 kept free) the agent
 /// keeps no copy of an export or an import, so the program gets exactly the descriptors it
 /// would get without the agent; such shares are not carried: the dump is refused naming them,
-/// and the pair runs on sharing.
+/// and the pair runs on sharing. 36 is the margin plus the four descriptors every process has
+/// when the agent counts (the three standard ones and the listing's own): the count at the
+/// moment of the export depends on how far the program's start-up got (a limit of 40 let a copy
+/// be kept once in CI), so only a limit no start-up can get under makes this test decide.
 #[test]
 fn near_the_descriptor_limit_the_agent_keeps_no_copies_and_refuses() {
     let Some(p) = Pair::launch_with_nofile(
@@ -250,7 +253,7 @@ fn near_the_descriptor_limit_the_agent_keeps_no_copies_and_refuses() {
         "fakegpu-share",
         &["export", "--bytes", "8388608", "--pass", "scm", "--loop"],
         &[],
-        Some(40),
+        Some(36),
     ) else {
         return;
     };

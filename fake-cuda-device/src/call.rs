@@ -39,10 +39,15 @@ pub fn run_unlocked(call: &str, body: impl FnOnce() -> CuResult) -> CUresult {
 
 fn run_inner(call: &str, gated: bool, body: impl FnOnce() -> CuResult) -> CUresult {
     let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| {
-        if gated {
+        // Counted while its body runs, so that the checkpoint lock waits for it (`calls`). An
+        // injected hang is not counted: the tests that hang a call expect the lock to work.
+        let _in_flight = if gated {
             crate::lock::wait_until_unlocked(call)?;
             crate::inject::apply(call)?;
-        }
+            Some(crate::lock::enter_unlocked(call)?)
+        } else {
+            None
+        };
         body()
     }));
     match outcome {

@@ -42,6 +42,7 @@
 
 mod alloc;
 mod call;
+mod calls;
 mod codes;
 mod copy;
 mod ctx;

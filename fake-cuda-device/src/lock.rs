@@ -80,6 +80,29 @@ fn current() -> Lock {
     parse(std::fs::read_to_string(path).ok().as_deref())
 }
 
+/// Counts a call in flight ([`crate::calls`]) once the process is not locked; `Err` if the
+/// driver state is `failed`. The count is raised before the state is read, and dropped again
+/// while the call waits, so a lock either sees the call or the call sees the lock.
+pub fn enter_unlocked(call: &str) -> Result<crate::calls::InFlight, crate::codes::CUresult> {
+    loop {
+        let counted = crate::calls::enter();
+        if !counted.outermost() {
+            // Inside a call of this thread's that already passed the lock.
+            return Ok(counted);
+        }
+        match current() {
+            Lock::Free => return Ok(counted),
+            Lock::Failed => {
+                debug(format_args!("{call}: the driver state is `failed`"));
+                return Err(UNKNOWN);
+            }
+            Lock::Held => {}
+        }
+        drop(counted);
+        wait_until_unlocked(call)?;
+    }
+}
+
 /// Returns once the process is not locked; `Err` if the driver state is `failed`.
 pub fn wait_until_unlocked(call: &str) -> CuResult {
     let start = Instant::now();

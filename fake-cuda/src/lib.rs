@@ -841,6 +841,18 @@ fn op_inner(s: &Settings, pid: i32, op: Op, args: &OpArgs, r: &mut Record) -> u3
         return code::UNKNOWN;
     }
     r.after = Some(to);
+    if op == Op::Lock
+        && let Err(e) = calls::wait_until_none(&s.dir, pid, args.timeout_ms)
+    {
+        // As the real driver: a lock that timed out leaves the process running.
+        if let Err(w) = write_state(&s.dir, pid, before) {
+            r.msg = format!("{e}; and writing the state back: {w}");
+            return code::UNKNOWN;
+        }
+        r.after = Some(before);
+        r.msg = e;
+        return code::TIMEOUT;
+    }
     code::SUCCESS
 }
 
@@ -1287,6 +1299,7 @@ pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: c_int) -> C
     })
 }
 
+pub mod calls;
 pub mod state_page;
 
 #[cfg(test)]

@@ -80,6 +80,7 @@ def run_path(a, log, path, workload, prefix):
                 popen.wait(timeout=30)
             if not procs.wait_pids_free(pids, 60, log):
                 raise RuntimeError("cycle %d: dumped pids still in use" % (i + 1))
+            lent = any("lent to keeper" in l for l in dump.get("gpusnap_lines", []))
             n = len(ticks())
             restore = criu.criu_restore(imgdir, a.plugdir, mode, log, timeout=120 + 10 * a.gib)
             if restore["rc"] != 0:
@@ -88,9 +89,16 @@ def run_path(a, log, path, workload, prefix):
                 raise RuntimeError("cycle %d: restored pid %s, dumped %d" % (i + 1, restore["pid"], pid))
             if not procs.wait_until(lambda: len(ticks()) >= n + 3, 30):
                 raise RuntimeError("cycle %d: fewer than 3 ticks after the restore" % (i + 1))
+            # Which way the data went each cycle: lent to the keeper at the dump ("handoff") or
+            # copied out first ("copy"), and loaded by a keeper or by the job's agent at restore.
+            rprocs = ((criu.read_stats_json(imgdir) or {}).get("restore") or {}).get("processes") or []
+            rpaths = sorted({p.get("data_path") for p in rprocs if p.get("data_path")})
             shutil.rmtree(imgdir, ignore_errors=True)
             r = readings(pid)
             r.update(cycle=i + 1, dump_s=round(dump["secs"], 3), restore_s=round(restore["secs"], 3))
+            if path == "split":
+                r.update(data_path="handoff" if lent else "copy",
+                         restore_data_path=",".join(rpaths) or None)
             rec["cycles"].append(r)
             log("cycle %d: dump %.2f s, restore %.2f s, %s" % (i + 1, dump["secs"], restore["secs"], r))
         ready, all_ticks, errors = ticklog.parse_workload_log(wlog)
@@ -122,6 +130,8 @@ def run_path(a, log, path, workload, prefix):
         output.archive_add([wlog, wout], "cycles/" + name, log)
         shutil.rmtree(imgdir, ignore_errors=True)
     rec["cycles_done"] = len(rec["cycles"])
+    if path == "split":
+        rec["handover_cycles"] = sum(1 for c in rec["cycles"] if c.get("data_path") == "handoff")
     rec["identical"] = not any(p.startswith("checker") for p in rec["problems"])
     rec["pass"] = not rec["problems"] and rec["cycles_done"] == a.cycles
     rec["case_s"] = round(time.time() - t_case, 1)

@@ -7,8 +7,9 @@ repo=$(dirname -- "$(dirname -- "$(readlink -f -- "${BASH_SOURCE[0]}")")")
 cd -- "$repo"
 cargo build --release -p gpusnap-plugin -p gpusnap-agent -p gpusnap -p gpusnap-keeper
 mkdir -p .devcarry
-cp target/release/libgpusnap.so target/release/libgpusnap_agent.so target/release/gpusnap \
-    target/release/gpusnap-keeper .devcarry/
+t=${CARGO_TARGET_DIR:-target}/release
+cp "$t"/libgpusnap.so "$t"/libgpusnap_agent.so "$t"/gpusnap \
+    "$t"/gpusnap-keeper .devcarry/
 strip --strip-debug .devcarry/*.so .devcarry/gpusnap .devcarry/gpusnap-keeper 2>/dev/null || true
 git rev-parse HEAD >.devcarry/COMMIT
 du -sh .devcarry .criu-root

@@ -177,7 +177,7 @@ pub fn pause(ctx: &Ctx, pid: i32) -> Result<Option<Tracked>, DumpError> {
                 // A keeper only for a process with something to lend; each allocation's route
                 // and its reason are logged once, here.
                 let unavailable = if listed.iter().any(|(_, k)| k.lendable()) {
-                    match keeper_for(ctx, pid, &lending_gpus(ctx, &listed)) {
+                    match keeper_for(ctx, pid, &lending_gpus(&ctx.gpus, &listed)) {
                         Ok(k) => {
                             split.keeper = Some(k);
                             None
@@ -282,9 +282,11 @@ fn is_live_mps_process(stat: &str) -> bool {
 /// The UUIDs of the GPUs that hold memory the job will lend: the keeper makes its contexts
 /// there as soon as it starts, so that the lend on the job's pause is only the imports (on the
 /// H200 the context made at the first `Adopt` was most of the lend's 0.14 s at 16 GiB).
-fn lending_gpus(ctx: &Ctx, listed: &[(AllocationRecord, gpusnap_proto::AllocKind)]) -> Vec<[u8; 16]> {
-    ctx.gpus
-        .iter()
+fn lending_gpus(
+    gpus: &[gpusnap_cuda::driver::GpuInfo],
+    listed: &[(AllocationRecord, gpusnap_proto::AllocKind)],
+) -> Vec<[u8; 16]> {
+    gpus.iter()
         .filter(|g| {
             listed
                 .iter()
@@ -1722,6 +1724,34 @@ mod tests {
     use super::*;
     use crate::pid::NsPid;
     use gpusnap_image::{ChunkEntry, Codec};
+
+    #[test]
+    fn the_keeper_prepares_only_the_gpus_of_memory_it_will_be_lent() {
+        use gpusnap_cuda::driver::GpuInfo;
+        use gpusnap_proto::AllocKind;
+        let gpu = |ordinal: u32, byte: u8| GpuInfo {
+            ordinal,
+            uuid: gpusnap_cuda::GpuUuid::from_bytes([byte; 16]),
+            name: "NVIDIA H200".into(),
+            total_mem: 1 << 30,
+        };
+        let alloc = |id: u64, device: u32| AllocationRecord {
+            id,
+            device,
+            addr: id << 21,
+            size: 1 << 21,
+            moved: true,
+            lent: false,
+        };
+        let gpus = [gpu(0, 0xa0), gpu(1, 0xb1), gpu(2, 0xc2)];
+        let listed = [
+            (alloc(1, 1), AllocKind::Converted),
+            (alloc(2, 2), AllocKind::ConvertedNoExport),
+            (alloc(3, 1), AllocKind::AppHandleLendable),
+        ];
+        assert_eq!(lending_gpus(&gpus, &listed), vec![[0xb1; 16]]);
+        assert!(lending_gpus(&gpus, &listed[1..2]).is_empty());
+    }
 
     #[test]
     fn several_processes_without_the_agent_get_the_ipc_warning() {

@@ -13,7 +13,6 @@
 mod common;
 
 use common::pair::{Pair, read_log};
-use std::path::PathBuf;
 use std::time::Duration;
 
 impl Pair {
@@ -157,68 +156,7 @@ fn criu_killed_before_an_importer_maps_its_share_again_leaves_it_held_and_recove
 /// processes), and a new restore brings both back, still sharing.
 #[test]
 fn criu_killed_before_a_restored_importer_maps_its_share_again_runs_nothing() {
-    let Some(mut p) = Pair::start("ipc-checkpoint-kill-restore") else {
-        return;
-    };
-    let (exporter, importer) = p.pids();
-    let dump =
-        p.s.criu("dump", "dump.log", &["-t", &exporter.to_string()], &[]);
-    p.s.assert_ok(&dump);
-    let before = p.counter();
-    let _ = p.exporter.wait();
-    p.wait_gone();
-    // The pair's stderr as at the dump: the agents' debug lines of the killed restore grow it,
-    // and CRIU restores only a file of the size it dumped.
-    let outputs: Vec<(PathBuf, u64)> = ["share.err", "share.out"]
-        .iter()
-        .map(|f| p.s.w.path.join(f))
-        .map(|f| {
-            let len = std::fs::metadata(&f).map_or(0, |m| m.len());
-            (f, len)
-        })
-        .collect();
-    // The stand-in keeps each process's driver state in a file (the real driver keeps it in the
-    // process, restored with it): as at the dump, for the second restore.
-    let driver_states: Vec<(PathBuf, String)> = [exporter, importer]
-        .iter()
-        .map(|pid| p.s.state.join(format!("{pid}.state")))
-        .map(|f| {
-            let text = std::fs::read_to_string(&f).unwrap_or_default();
-            (f, text)
-        })
-        .collect();
-    let restore = p.s.criu(
-        "restore",
-        "restore.log",
-        &["--restore-detached"],
-        &[("GPUSNAP_TEST_KILL_CRIU_AT", "restore-reimport")],
-    );
-    assert!(!restore.succeeded(), "{}", p.s.describe(&restore));
-    p.s.assert_line(&restore, &["GPUSNAP_TEST_KILL_CRIU_AT=restore-reimport"]);
-    // Killed with CRIU (PTRACE_O_EXITKILL): no tick after the dump's last one.
-    std::thread::sleep(Duration::from_millis(300));
-    let ticks_now = read_log(&p.side("importer")).1.len();
-    std::thread::sleep(Duration::from_millis(300));
-    assert_eq!(
-        read_log(&p.side("importer")).1.len(),
-        ticks_now,
-        "the importer ticked after CRIU died in the restore\n{}",
-        p.describe()
-    );
-    p.wait_gone();
-    for (f, len) in &outputs {
-        let file = std::fs::OpenOptions::new()
-            .write(true)
-            .open(f)
-            .expect("pair output");
-        file.set_len(*len)
-            .expect("truncate to its size at the dump");
+    if let Some(p) = Pair::start("ipc-checkpoint-kill-restore") {
+        p.killed_restore_runs_nothing_and_a_second_restore_shares();
     }
-    for (f, text) in &driver_states {
-        std::fs::write(f, text).expect("the stand-in's driver state as at the dump");
-    }
-    let again = p.s.restore_in("restore-again.log", &[]);
-    p.s.assert_ok(&again);
-    p.assert_shared_on(before, &again);
-    p.kill_pair();
 }

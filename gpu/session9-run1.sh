@@ -9,12 +9,8 @@
 # Usage: gpu/session9-run1.sh   (carry .criu-root-sid and .devcarry)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export OUT=${OUT:-$PWD/out}
-mkdir -p "$OUT"
-t0=$(date +%s)
-say() { echo "[session9-run1 +$(( $(date +%s) - t0 ))s] $*" | tee -a "$OUT/session9-run1.log"; }
-left() { echo $(( 560 - ($(date +%s) - t0) )); }
-cap() { local l; l=$(left); (( l < $1 )) && echo "$l" || echo "$1"; }
+. gpu/call.sh
+call_begin session9-run1 560
 export GPUSNAP_CRIU_ROOT=$PWD/.criu-root-sid
 agent=$PWD/.devcarry/libgpusnap_agent.so
 say "build $(cat .devcarry/COMMIT 2>/dev/null); $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 | head -1); criu $(scripts/criu --version 2>&1 | head -1)"
@@ -36,8 +32,4 @@ if (( l > 60 )); then
 else
     say "conformance skipped: ${l}s left"
 fi
-(cd "$OUT" && tar czf session9-run1.tar.gz --exclude=session9-run1.tar.gz \
-    --exclude=session9-run1.log . 2>/dev/null)
-find "$OUT" -mindepth 1 -maxdepth 1 ! -name session9-run1.tar.gz ! -name session9-run1.log \
-    -exec rm -rf {} +
-say "done; $(ls "$OUT" | tr '\n' ' ')"
+call_end

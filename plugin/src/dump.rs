@@ -1787,6 +1787,7 @@ mod tests {
             size,
             moved: true,
             lent: false,
+            rdma_capable: false,
         };
         let chunk = |addr, len| ChunkEntry {
             file: 0,

@@ -55,6 +55,7 @@ fn make_image(dir: BorrowedFd<'_>, nspid: u32) -> Manifest {
                 size: 3 * 65536,
                 moved: true,
                 lent: false,
+                rdma_capable: false,
             },
             AllocationRecord {
                 id: 2,
@@ -63,6 +64,7 @@ fn make_image(dir: BorrowedFd<'_>, nspid: u32) -> Manifest {
                 size: 1 << 21,
                 moved: false,
                 lent: false,
+                rdma_capable: false,
             },
         ],
         files: vec![w0.finish().unwrap(), w1.finish().unwrap()],
@@ -128,6 +130,7 @@ fn make_amd_image(dir: BorrowedFd<'_>, nspid: u32) -> Manifest {
             size: 65536,
             moved: true,
             lent: false,
+            rdma_capable: false,
         }],
         files: vec![w.finish().unwrap()],
         chunks: vec![chunk],

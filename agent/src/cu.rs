@@ -34,12 +34,144 @@ pub fn requested_handle_types(p: &PropBytes) -> u32 {
     u32::from_ne_bytes(b)
 }
 
+/// Offsets in a [`PropBytes`] of the fields a keeper's memory is decided by.
+const TYPE_AT: usize = std::mem::offset_of!(CUmemAllocationProp, type_);
+const LOCATION_AT: usize = std::mem::offset_of!(CUmemAllocationProp, location);
+const LOCATION_TYPE_AT: usize = LOCATION_AT + std::mem::offset_of!(CUmemLocation, type_);
+const LOCATION_ID_AT: usize = LOCATION_AT + std::mem::offset_of!(CUmemLocation, id);
+const FLAGS_AT: usize = std::mem::offset_of!(CUmemAllocationProp, allocFlags);
+const RDMA_AT: usize =
+    FLAGS_AT + std::mem::offset_of!(CUmemAllocationProp_st__bindgen_ty_1, gpuDirectRDMACapable);
+
+/// `CU_MEM_ALLOCATION_TYPE_PINNED`, `CU_MEM_LOCATION_TYPE_DEVICE` as raw values.
+const ALLOCATION_TYPE_PINNED: u32 = 1;
+const LOCATION_TYPE_DEVICE: u32 = 1;
+
+fn u32_at(p: &PropBytes, at: usize) -> u32 {
+    let mut b = [0u8; 4];
+    b.copy_from_slice(&p[at..at + 4]);
+    u32::from_ne_bytes(b)
+}
+
+/// What a keeper must make at a restore for the job to get memory with the properties it had:
+/// pinned memory on the device, exportable as a POSIX fd, and RDMA-capable or not.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KeeperMemory {
+    /// `allocFlags.gpuDirectRDMACapable` set (PyTorch's expandable segments ask for it where the
+    /// device supports GPUDirect RDMA with VMM memory).
+    pub rdma_capable: bool,
+}
+
+impl KeeperMemory {
+    /// The properties a keeper creates this memory with on device `dev`.
+    pub fn prop(self, dev: CUdevice) -> PropBytes {
+        let mut p = device_prop(dev, true);
+        p.allocFlags.gpuDirectRDMACapable = u8::from(self.rdma_capable);
+        prop_bytes(&p)
+    }
+}
+
+/// Why memory with some properties is not what a keeper makes (it is then copied out first,
+/// never lent: a keeper restoring it would give the job other memory than it had).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NotKeeperMemory {
+    /// The device has no POSIX-fd handles: nothing of it can be exported.
+    NoPosixFdHandles,
+    /// Not `CU_MEM_ALLOCATION_TYPE_PINNED`.
+    NotPinned(u32),
+    /// Located elsewhere than on the device the allocation is recorded on (host, NUMA node).
+    OtherLocation { location_type: u32, id: i32 },
+    /// Handle types other than (or besides) POSIX fds.
+    HandleTypes(u32),
+    /// `gpuDirectRDMACapable` other than 0 or 1.
+    RdmaValue(u8),
+    /// Another field or flag byte is set: compression, usage, the reserved bytes, Windows
+    /// handle metadata.
+    OtherFlags,
+}
+
+impl fmt::Display for NotKeeperMemory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            NotKeeperMemory::NoPosixFdHandles => write!(f, "the device has no POSIX-fd handles"),
+            NotKeeperMemory::NotPinned(t) => write!(f, "allocation type {t} (not pinned)"),
+            NotKeeperMemory::OtherLocation { location_type, id } => {
+                write!(f, "location type {location_type} id {id} (not this device)")
+            }
+            NotKeeperMemory::HandleTypes(t) => write!(f, "requested handle types {t:#x}"),
+            NotKeeperMemory::RdmaValue(v) => write!(f, "gpuDirectRDMACapable {v}"),
+            NotKeeperMemory::OtherFlags => write!(
+                f,
+                "compression, usage, reserved flag bytes or Windows metadata set"
+            ),
+        }
+    }
+}
+
+/// Whether memory created with exactly `real` on device `dev` is what a keeper makes again
+/// ([`KeeperMemory::prop`]): pinned, on `dev`, POSIX-fd handles only, `gpuDirectRDMACapable`
+/// 0 or 1, every other byte zero. Decided from the bytes, so a value cudarc's enums do not
+/// list is never read as an enum.
+pub fn keeper_memory(real: &PropBytes, dev: CUdevice) -> Result<KeeperMemory, NotKeeperMemory> {
+    let ty = u32_at(real, TYPE_AT);
+    if ty != ALLOCATION_TYPE_PINNED {
+        return Err(NotKeeperMemory::NotPinned(ty));
+    }
+    let (location_type, id) = (
+        u32_at(real, LOCATION_TYPE_AT),
+        u32_at(real, LOCATION_ID_AT) as i32,
+    );
+    if location_type != LOCATION_TYPE_DEVICE || id != dev {
+        return Err(NotKeeperMemory::OtherLocation { location_type, id });
+    }
+    let types = requested_handle_types(real);
+    if types != HANDLE_TYPE_POSIX_FD {
+        return Err(NotKeeperMemory::HandleTypes(types));
+    }
+    let rdma = real[RDMA_AT];
+    if rdma > 1 {
+        return Err(NotKeeperMemory::RdmaValue(rdma));
+    }
+    let made = KeeperMemory {
+        rdma_capable: rdma == 1,
+    };
+    // Everything else (the Windows metadata pointer, compression, usage, reserved) must be
+    // zero: comparing whole bytes catches any field this check does not name.
+    if made.prop(dev) != *real {
+        return Err(NotKeeperMemory::OtherFlags);
+    }
+    Ok(made)
+}
+
+/// Whether the memory of an application's `cuMemCreate` with properties `asked` on device `dev`
+/// can be lent: with no handle type asked, the agent adds the POSIX-fd type; with the POSIX-fd
+/// type asked (as PyTorch's expandable segments do), the handle is exported as it is.
+pub fn app_lendability(
+    posix_fd_supported: bool,
+    asked: &PropBytes,
+    dev: CUdevice,
+) -> Result<KeeperMemory, NotKeeperMemory> {
+    if !posix_fd_supported {
+        return Err(NotKeeperMemory::NoPosixFdHandles);
+    }
+    keeper_memory(&with_posix_fd(asked), dev)
+}
+
+/// `p` with the POSIX-fd handle type added to what it requests.
+fn with_posix_fd(p: &PropBytes) -> PropBytes {
+    let mut out = *p;
+    let types = requested_handle_types(p) | HANDLE_TYPE_POSIX_FD;
+    out[HANDLE_TYPES_AT..HANDLE_TYPES_AT + 4].copy_from_slice(&types.to_ne_bytes());
+    out
+}
+
 /// The properties the agent creates an application's `cuMemCreate` memory with, when they
-/// differ from the application's: plain pinned memory on device `dev` (nothing else set) gets
-/// the POSIX-fd handle type added where the device supports it, so a dump can lend it to the
-/// keeper instead of copying it off the GPU first. Any other properties (another handle
-/// type, compression, RDMA or usage flags, a host location) are used exactly as asked: `None`.
-/// The handle's properties as the application reads them are its own ([`AppHandle::asked`]).
+/// differ from the application's: memory a keeper can make again ([`app_lendability`]) that
+/// asks for no handle type gets the POSIX-fd type added, so a dump can lend it to the keeper
+/// instead of copying it off the GPU first. Memory that already asks for POSIX fds, and any
+/// other properties (other handle types, compression or usage flags, a host location), is
+/// created exactly as asked: `None`. The handle's properties as the application reads them are
+/// its own ([`AppHandle::asked`]).
 ///
 /// [`AppHandle::asked`]: crate::table::AppHandle::asked
 pub fn lendable_prop(
@@ -47,18 +179,24 @@ pub fn lendable_prop(
     asked: &PropBytes,
     dev: CUdevice,
 ) -> Option<PropBytes> {
-    if !posix_fd_supported || requested_handle_types(asked) != 0 {
+    if requested_handle_types(asked) != 0 {
         return None;
     }
-    let plain = prop_bytes(&device_prop(dev, false));
-    (asked == &plain).then(|| prop_bytes(&device_prop(dev, true)))
+    app_lendability(posix_fd_supported, asked, dev)
+        .ok()
+        .map(|_| with_posix_fd(asked))
 }
 
-/// Whether memory created with `real` is what a keeper makes at a restore (plain pinned memory
-/// on `dev`, exportable as a POSIX fd): only such memory is lent, so a restore through the
-/// keeper gives the job memory with the properties it had.
+/// The `gpuDirectRDMACapable` flag of properties held as bytes.
+pub fn rdma_capable(p: &PropBytes) -> bool {
+    p[RDMA_AT] != 0
+}
+
+/// Whether memory created with `real` is what a keeper makes at a restore
+/// ([`keeper_memory`]): only such memory is lent, so a restore through the keeper gives the
+/// job memory with the properties it had.
 pub fn is_keeper_prop(real: &PropBytes, dev: CUdevice) -> bool {
-    real == &prop_bytes(&device_prop(dev, true))
+    keeper_memory(real, dev).is_ok()
 }
 
 fn prop_bytes(p: &CUmemAllocationProp) -> PropBytes {
@@ -379,6 +517,26 @@ impl Driver {
         Ok(h)
     }
 
+    /// `cuMemGetAllocationPropertiesFromHandle` of a driver handle, as bytes; None where the
+    /// driver lacks the call.
+    pub fn props_of_handle(
+        &self,
+        h: CUmemGenericAllocationHandle,
+    ) -> Result<Option<PropBytes>, CuError> {
+        let Some(get) = self.mem_get_allocation_properties_from_handle else {
+            return Ok(None);
+        };
+        // Never read as the struct: the driver may write enum values cudarc does not list.
+        let mut out = std::mem::MaybeUninit::<CUmemAllocationProp>::zeroed();
+        // SAFETY: out is an aligned, writable CUmemAllocationProp; h is a live handle of ours.
+        let rc = unsafe { get(out.as_mut_ptr(), h) };
+        self.check(rc, || {
+            format!("cuMemGetAllocationPropertiesFromHandle(handle {h:#x})")
+        })?;
+        // SAFETY: the zeroed (then written) struct read as its plain bytes, no padding.
+        Ok(Some(unsafe { out.as_ptr().cast::<PropBytes>().read() }))
+    }
+
     /// An error for a call that could not be made (the driver lacks it) or returned nonsense.
     fn missing(&self, code: CuRes, call: String) -> CuError {
         CuError {
@@ -648,20 +806,131 @@ mod prop_tests {
     }
 
     #[test]
-    fn only_plain_device_memory_is_made_lendable() {
-        let plain = prop_bytes(&device_prop(1, false));
+    fn prop_field_offsets() {
+        assert_eq!(
+            (TYPE_AT, LOCATION_TYPE_AT, LOCATION_ID_AT, FLAGS_AT, RDMA_AT),
+            (0, 8, 12, 24, 25)
+        );
+    }
+
+    /// Plain pinned memory on device 1 with `types` requested and `rdma` as the RDMA byte.
+    fn asked(types: u32, rdma: u8) -> PropBytes {
+        let mut p = device_prop(1, false);
+        p.allocFlags.gpuDirectRDMACapable = rdma;
+        with_requested_handle_types(&prop_bytes(&p), types)
+    }
+
+    const PLAIN: KeeperMemory = KeeperMemory {
+        rdma_capable: false,
+    };
+    const RDMA: KeeperMemory = KeeperMemory { rdma_capable: true };
+
+    #[test]
+    fn plain_memory_gets_a_posix_fd_type_and_is_lent() {
+        let plain = asked(0, 0);
+        assert_eq!(app_lendability(true, &plain, 1), Ok(PLAIN));
         let made = lendable_prop(true, &plain, 1).expect("plain memory gets a POSIX fd type");
-        assert!(is_keeper_prop(&made, 1));
-        assert_eq!(with_requested_handle_types(&made, 0), plain);
-        // no support on the device, another device's location, flags set, a type asked for
-        assert_eq!(lendable_prop(false, &plain, 1), None);
-        assert_eq!(lendable_prop(true, &plain, 0), None);
-        let mut flagged = device_prop(1, false);
-        flagged.allocFlags.gpuDirectRDMACapable = 1;
-        assert_eq!(lendable_prop(true, &prop_bytes(&flagged), 1), None);
-        let asked = prop_bytes(&device_prop(1, true));
-        assert_eq!(lendable_prop(true, &asked, 1), None);
-        assert!(is_keeper_prop(&asked, 1));
-        assert!(!is_keeper_prop(&prop_bytes(&flagged), 1));
+        assert_eq!(made, asked(HANDLE_TYPE_POSIX_FD, 0));
+        assert_eq!(keeper_memory(&made, 1), Ok(PLAIN));
+        assert_eq!(made, PLAIN.prop(1));
+        // created as asked, but not what a keeper makes
+        assert!(!is_keeper_prop(&plain, 1));
+    }
+
+    #[test]
+    fn posix_fd_asked_is_lent_as_it_is() {
+        let posix = asked(HANDLE_TYPE_POSIX_FD, 0);
+        assert_eq!(app_lendability(true, &posix, 1), Ok(PLAIN));
+        assert_eq!(lendable_prop(true, &posix, 1), None);
+        assert!(is_keeper_prop(&posix, 1));
+    }
+
+    #[test]
+    fn rdma_capable_memory_is_lent_and_made_again_with_the_flag() {
+        let rdma = asked(0, 1);
+        assert_eq!(app_lendability(true, &rdma, 1), Ok(RDMA));
+        let made = lendable_prop(true, &rdma, 1).expect("RDMA memory gets a POSIX fd type");
+        assert_eq!(made, asked(HANDLE_TYPE_POSIX_FD, 1));
+        assert_eq!(keeper_memory(&made, 1), Ok(RDMA));
+        assert_eq!(RDMA.prop(1), made);
+    }
+
+    #[test]
+    fn rdma_capable_posix_fd_memory_is_lent_as_it_is() {
+        // What PyTorch's expandable segments ask for on an H200.
+        let torch = asked(HANDLE_TYPE_POSIX_FD, 1);
+        assert_eq!(app_lendability(true, &torch, 1), Ok(RDMA));
+        assert_eq!(lendable_prop(true, &torch, 1), None);
+        assert_eq!(keeper_memory(&torch, 1), Ok(RDMA));
+        assert_eq!(RDMA.prop(1), torch);
+    }
+
+    #[test]
+    fn memory_a_keeper_cannot_make_is_not_lent() {
+        let set = |at: usize, v: u8| {
+            let mut p = asked(0, 1);
+            p[at] = v;
+            p
+        };
+        // compression (allocFlags' first byte), usage, reserved
+        for (at, v) in [
+            (FLAGS_AT, 1),
+            (FLAGS_AT + 2, 1),
+            (FLAGS_AT + 3, 0x80),
+            (31, 1),
+        ] {
+            let p = set(at, v);
+            assert_eq!(
+                app_lendability(true, &p, 1),
+                Err(NotKeeperMemory::OtherFlags),
+                "byte {at}"
+            );
+            assert_eq!(lendable_prop(true, &p, 1), None);
+            assert!(!is_keeper_prop(&with_posix_fd(&p), 1));
+        }
+        // Windows handle metadata (a pointer)
+        assert_eq!(
+            app_lendability(true, &set(16, 1), 1),
+            Err(NotKeeperMemory::OtherFlags)
+        );
+        assert_eq!(
+            app_lendability(true, &set(RDMA_AT, 2), 1),
+            Err(NotKeeperMemory::RdmaValue(2))
+        );
+        // another device's location, a host location, not pinned
+        assert_eq!(
+            app_lendability(true, &asked(0, 0), 0),
+            Err(NotKeeperMemory::OtherLocation {
+                location_type: 1,
+                id: 1
+            })
+        );
+        assert_eq!(
+            app_lendability(true, &set(LOCATION_TYPE_AT, 2), 1),
+            Err(NotKeeperMemory::OtherLocation {
+                location_type: 2,
+                id: 1
+            })
+        );
+        assert_eq!(
+            app_lendability(true, &set(TYPE_AT, 0), 1),
+            Err(NotKeeperMemory::NotPinned(0))
+        );
+        // other handle types, alone or beside POSIX fds
+        for types in [2, 8, HANDLE_TYPE_POSIX_FD | 8] {
+            let p = asked(types, 0);
+            assert_eq!(
+                app_lendability(true, &p, 1),
+                Err(NotKeeperMemory::HandleTypes(types | HANDLE_TYPE_POSIX_FD))
+            );
+            assert_eq!(lendable_prop(true, &p, 1), None);
+            assert!(!is_keeper_prop(&p, 1));
+        }
+        // no POSIX fds on the device
+        assert_eq!(
+            app_lendability(false, &asked(0, 0), 1),
+            Err(NotKeeperMemory::NoPosixFdHandles)
+        );
+        assert_eq!(lendable_prop(false, &asked(0, 0), 1), None);
     }
 }

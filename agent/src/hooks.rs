@@ -452,8 +452,13 @@ pub unsafe extern "C" fn cuMemCreate(
             // it next); copied as bytes, unaligned.
             let asked = unsafe { prop.cast::<table::PropBytes>().read_unaligned() };
             // SAFETY: as above.
-            unsafe { device_of_prop(prop) }
-                .and_then(|dev| crate::cu::lendable_prop(drv.posix_fd_handles(dev), &asked, dev))
+            unsafe { device_of_prop(prop) }.and_then(|dev| {
+                let posix_fd = drv.posix_fd_handles(dev);
+                if let Err(why) = crate::cu::app_lendability(posix_fd, &asked, dev) {
+                    debug!("cuMemCreate: {size} bytes on device {dev} are copied first at a dump, not lent: {why}");
+                }
+                crate::cu::lendable_prop(posix_fd, &asked, dev)
+            })
         } else {
             None
         };
@@ -707,10 +712,30 @@ pub unsafe extern "C" fn cuMemGetAllocationPropertiesFromHandle(
         };
         // SAFETY: the caller's arguments, the handle translated.
         let rc = unsafe { get(prop, real) };
+        let known = {
+            let t = table::lock();
+            t.props_of(handle).map(|p| (p, t.is_imported(handle)))
+        };
         if rc == CUDA_SUCCESS
             && !prop.is_null()
-            && let Some((asked, made)) = table::lock().props_of(handle)
+            && let Some(((asked, made), imported)) = known
         {
+            if imported {
+                // Memory imported at a hand-over: what the driver says of an import need not be
+                // what the creator asked (not measured), and the memory was made with exactly
+                // those properties (checked at the hand-over). The location stays the driver's.
+                let location = std::mem::offset_of!(CUmemAllocationProp, location);
+                let location_end = location + std::mem::size_of::<CUmemLocation>();
+                let out = prop.cast::<u8>();
+                for (i, b) in asked.iter().enumerate() {
+                    if !(location..location_end).contains(&i) {
+                        // SAFETY: prop is the caller's whole CUmemAllocationProp, just written
+                        // by the driver; i lies inside it.
+                        unsafe { out.add(i).write(*b) };
+                    }
+                }
+                return rc;
+            }
             let types = crate::cu::requested_handle_types(&asked);
             if types != crate::cu::requested_handle_types(&made) {
                 // The handle type the agent added is not the application's to see.

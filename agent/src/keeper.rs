@@ -97,6 +97,8 @@ pub enum KeeperError {
     TableLocked,
     /// The plugin's list of the parent image's chunks was refused (the list's words).
     KnownChunks(String),
+    /// RDMA-capable memory on a device without POSIX-fd handles: it could not be handed over.
+    NotExportable { id: u64 },
 }
 
 impl fmt::Display for KeeperError {
@@ -109,6 +111,10 @@ impl fmt::Display for KeeperError {
             Self::NoGpu(uuid) => write!(f, "no GPU with UUID {} is visible here", hex(uuid)),
             Self::TableLocked => write!(f, "the keeper's table is locked"),
             Self::KnownChunks(why) => write!(f, "{why}"),
+            Self::NotExportable { id } => write!(
+                f,
+                "#{id}: RDMA-capable memory on a device without POSIX-fd handles cannot be handed over"
+            ),
         }
     }
 }
@@ -245,10 +251,12 @@ fn serve(ch: &Channel, gpus: &[[u8; 16]]) -> Result<(), KeeperError> {
                     gpu: uuid,
                     addr,
                     size,
+                    rdma_capable,
                 },
                 None,
             ) => {
-                let expected = expect(&mut gpu, id, &uuid, addr, size);
+                let made = crate::cu::KeeperMemory { rdma_capable };
+                let expected = expect(&mut gpu, id, &uuid, (addr, size), made);
                 answer(
                     ch,
                     expected.map(|device| Reply::Expected { id, device }),
@@ -375,30 +383,46 @@ fn adopt(
     Ok(())
 }
 
-/// Records the job's allocation `id` at `addr` on the GPU with UUID `uuid` for the load that
-/// follows, and reserves an address range for it here (the job's where it is free,
+/// Records the job's allocation `id` at `addr` (`size` bytes) on the GPU with UUID `uuid` for
+/// the load that follows, to be made as `made` says (the job's memory was RDMA-capable or
+/// not), and reserves an address range for it here (the job's where it is free,
 /// [`reserve_for_job`]). Returns the keeper's ordinal of that GPU.
 fn expect(
     gpu: &mut Gpu,
     id: u64,
     uuid: &[u8; 16],
-    addr: u64,
-    size: u64,
+    (addr, size): (u64, u64),
+    made: crate::cu::KeeperMemory,
 ) -> Result<u32, KeeperError> {
     let drv = driver()?;
     let dev = drv.ordinal_of(uuid)?.ok_or(KeeperError::NoGpu(*uuid))?;
+    let cu_dev = drv.device(dev)?;
+    let exportable = drv.posix_fd_handles(cu_dev);
+    // Plain memory is the agent's own (exportable where the device can); anything else is
+    // made with exactly the job's properties, which need POSIX-fd handles to be handed over.
+    let made_as = match (made.rdma_capable, exportable) {
+        (false, _) => None,
+        (true, true) => Some(made.prop(cu_dev)),
+        (true, false) => return Err(KeeperError::NotExportable { id }),
+    };
     // The reservation is made in that device's context.
     gpu.prepare(drv, dev, 0, 0)?;
     let at = reserve_for_job(drv, addr, size)?;
-    let exportable = drv.posix_fd_handles(drv.device(dev)?);
     match table::try_lock_for(AGENT_LOCK_WAIT) {
-        Some(mut t) => t.insert_expected(id, dev, (addr, at), size, exportable),
+        Some(mut t) => t.insert_expected(id, dev, (addr, at), size, (exportable, made_as)),
         None => {
             let _ = drv.free_reservation(at, size);
             return Err(KeeperError::TableLocked);
         }
     }
-    debug!("keeper: expecting #{id} at {addr:#x} (here {at:#x}, {size} bytes) on device {dev}");
+    debug!(
+        "keeper: expecting #{id} at {addr:#x} (here {at:#x}, {size} bytes) on device {dev}{}",
+        if made.rdma_capable {
+            ", RDMA-capable"
+        } else {
+            ""
+        }
+    );
     u32::try_from(dev).map_err(|_| KeeperError::Device(dev.into()))
 }
 

@@ -463,7 +463,9 @@ fn reclaim_all(gpu: &mut Gpu) -> Result<Reply, Fail> {
     let m = guard.as_mut().expect("counted above");
     let (mut count, mut bytes) = (0u32, 0u64);
     while let Some(k) = m.held.last() {
-        let handle = map_from_descriptor(drv, gpu, k.device, k.addr, k.size, k.fd.as_fd())?;
+        // The memory the job had: nothing to check.
+        let handle =
+            map_from_descriptor(drv, gpu, k.device, k.addr, k.size, k.fd.as_fd(), |_| Ok(()))?;
         count += 1;
         bytes += k.size;
         debug!("reclaimed #{} at {:#x} ({} bytes)", k.id, k.addr, k.size);
@@ -481,7 +483,8 @@ fn reclaim_all(gpu: &mut Gpu) -> Result<Reply, Fail> {
 }
 
 /// Imports the exported memory `fd` and maps it at `addr`, the table's allocation there
-/// (`Reclaim`, and a restore's hand-over). Returns the imported handle; an allocation freed
+/// (`Reclaim`, and a restore's hand-over). `check` sees the imported handle before it is mapped
+/// (refused: released, nothing mapped). Returns the imported handle; an allocation freed
 /// meanwhile is unmapped again.
 pub(crate) fn map_from_descriptor(
     drv: &crate::real::Driver,
@@ -490,9 +493,14 @@ pub(crate) fn map_from_descriptor(
     addr: u64,
     size: u64,
     fd: std::os::fd::BorrowedFd<'_>,
+    check: impl FnOnce(Handle) -> Result<(), Fail>,
 ) -> Result<Handle, Fail> {
     gpu.prepare(drv, device, 0, 0)?;
     let handle = drv.import_fd(fd)?;
+    if let Err(f) = check(handle) {
+        let _ = drv.release(addr, handle);
+        return Err(f);
+    }
     if let Err(e) = crate::vmm::map_handle(drv, device, addr, size, handle) {
         let _ = drv.release(addr, handle);
         return Err(e.into());

@@ -633,10 +633,13 @@ fn list(ch: &Channel) -> Result<(), ProtoError> {
             kind: match (e.converted, e.exportable, e.app_handle) {
                 (false, _, _) => AllocKind::AppVmm,
                 (true, true, true) => AllocKind::AppHandleLendable,
+                // Not lendable: imported at a hand-over, or properties a keeper cannot make.
+                (true, false, true) if e.imported => AllocKind::AppHandleImported,
                 (true, false, true) => AllocKind::AppHandleMapping,
                 (true, true, false) => AllocKind::Converted,
                 (true, false, false) => AllocKind::ConvertedNoExport,
             },
+            rdma_capable: e.rdma_capable,
         })?;
     }
     ch.send_reply(&Reply::AllocationsEnd {

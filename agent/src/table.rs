@@ -54,6 +54,9 @@ pub struct Converted {
     /// handles; an application handle whose memory is what a keeper makes
     /// ([`crate::cu::is_keeper_prop`]).
     pub exportable: bool,
+    /// In a keeper at a restore: the properties the job's memory is created with
+    /// ([`crate::cu::KeeperMemory::prop`], from `Expect`); None for the agent's own.
+    pub made_as: Option<PropBytes>,
 }
 
 /// Application handle values start here (the driver's own values are small or pointer-like).
@@ -150,6 +153,11 @@ pub struct Listed {
     pub exportable: bool,
     /// A converted entry that is the mapping of an application handle.
     pub app_handle: bool,
+    /// That handle's driver handle is imported (a hand-over mapped it back from a descriptor).
+    pub imported: bool,
+    /// Its memory is `gpuDirectRDMACapable` (an application handle's, or a keeper's entry
+    /// made so): a keeper restoring it must make it so.
+    pub rdma_capable: bool,
 }
 
 /// Counts for `Hello`.
@@ -226,15 +234,19 @@ impl Table {
     /// mapped_at)`), to be re-created here
     /// at `mapped_at` (its reservation, made) by the load that follows (state Released until
     /// then).
+    /// `made_as`: the properties to create it with (None: the agent's own).
     pub fn insert_expected(
         &mut self,
         id: u64,
         device: i32,
         at: (u64, u64),
         size: u64,
-        exportable: bool,
+        (exportable, made_as): (bool, Option<PropBytes>),
     ) {
         self.insert_for_job(id, device, at, size, Backing::Released, exportable);
+        if let Some(c) = self.converted.get_mut(&at.0) {
+            c.made_as = made_as;
+        }
     }
 
     /// A keeper's entry for the job's allocation `id`, under the job's id and address.
@@ -257,6 +269,7 @@ impl Table {
             backing,
             app_handle: None,
             exportable,
+            made_as: None,
         };
         self.converted.insert(addr, c);
     }
@@ -283,6 +296,7 @@ impl Table {
                 backing: Backing::Mapped(handle),
                 app_handle,
                 exportable: false,
+                made_as: None,
             },
         );
         id
@@ -374,11 +388,15 @@ impl Table {
         Ok(ah.app_refs == 0)
     }
 
-    /// The application's allocation properties for re-creating the memory at `addr`; None for
-    /// a converted `cuMemAlloc` (the agent's own properties).
+    /// The allocation properties for re-creating the memory at `addr`: the application's own
+    /// for the mapping of its handle, the job's in a keeper's entry that `Expect` gave them;
+    /// None for a converted `cuMemAlloc` (the agent's own properties).
     pub fn app_prop(&self, addr: u64) -> Option<PropBytes> {
-        let v = self.converted.get(&addr)?.app_handle?;
-        Some(self.virtual_handles.get(&v)?.prop)
+        let c = self.converted.get(&addr)?;
+        match c.app_handle {
+            Some(v) => Some(self.virtual_handles.get(&v)?.prop),
+            None => c.made_as,
+        }
     }
 
     /// A driver handle for device memory the application just created: returns the value the
@@ -427,6 +445,12 @@ impl Table {
     /// ones its memory was made with; None when `v` is not one of ours.
     pub fn props_of(&self, v: Handle) -> Option<(PropBytes, PropBytes)> {
         self.virtual_handles.get(&v).map(|a| (a.asked, a.prop))
+    }
+
+    /// Whether virtual handle `v`'s driver handle is imported (a hand-over mapped its memory
+    /// back from a descriptor).
+    pub fn is_imported(&self, v: Handle) -> bool {
+        self.virtual_handles.get(&v).is_some_and(|a| a.imported)
     }
 
     /// The application value of a driver handle (for `cuMemRetainAllocationHandle`), if the
@@ -641,14 +665,20 @@ impl Table {
 
     /// Every entry, converted first then the application's, each in address order.
     pub fn listing(&self) -> Vec<Listed> {
-        let conv = self.converted.values().map(|c| Listed {
-            id: c.id,
-            device: c.device,
-            addr: c.addr,
-            size: c.size,
-            converted: true,
-            exportable: c.exportable,
-            app_handle: c.app_handle.is_some(),
+        let conv = self.converted.values().map(|c| {
+            let handle = c.app_handle.and_then(|v| self.virtual_handles.get(&v));
+            let prop = handle.map(|a| a.prop).or(c.made_as);
+            Listed {
+                id: c.id,
+                device: c.device,
+                addr: c.addr,
+                size: c.size,
+                converted: true,
+                exportable: c.exportable,
+                app_handle: c.app_handle.is_some(),
+                imported: handle.is_some_and(|a| a.imported),
+                rdma_capable: prop.is_some_and(|p| crate::cu::rdma_capable(&p)),
+            }
         });
         let app = self.app_maps.values().map(|m| Listed {
             id: m.id,
@@ -658,6 +688,8 @@ impl Table {
             converted: false,
             exportable: false,
             app_handle: false,
+            imported: false,
+            rdma_capable: false,
         });
         conv.chain(app).collect()
     }
@@ -1041,7 +1073,13 @@ mod tests {
     fn a_keeper_s_entry_is_the_job_s_address_mapped_elsewhere() {
         let mut t = Table::new();
         t.insert_adopted(7, 0, (0x7fc4_dba0_0000, 0x7f00_0000_0000), MB2, 0x11);
-        t.insert_expected(9, 0, (0x7fc4_dbe0_0000, 0x7fc4_dbe0_0000), MB2, true);
+        t.insert_expected(
+            9,
+            0,
+            (0x7fc4_dbe0_0000, 0x7fc4_dbe0_0000),
+            MB2,
+            (true, None),
+        );
         let (spans, released) = crate::session::spans_of(&t);
         let got: Vec<(u64, u64, u64)> = spans.iter().map(|s| (s.id, s.addr, s.at)).collect();
         assert_eq!(

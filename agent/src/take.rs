@@ -88,6 +88,7 @@ fn take_all(ch: &Channel, gpu: &mut Gpu, first: Take) -> Result<Reply, Fail> {
             t.addr,
             t.size,
             t.fd.as_fd(),
+            |h| same_memory_kind(drv, t.addr, h),
         )?;
         crate::lend::keep_own(t.id, t.addr, handle, t.fd);
         taken[i] = true;
@@ -111,4 +112,30 @@ fn take_all(ch: &Channel, gpu: &mut Gpu, first: Take) -> Result<Reply, Fail> {
         bytes,
         micros,
     })
+}
+
+/// The memory the keeper made for the allocation at `addr` must be RDMA-capable exactly where
+/// the job's was (its own `cuMemCreate` properties, kept by the table; the agent's own
+/// conversions are not): the program would otherwise run on memory other than it asked for.
+/// A driver without `cuMemGetAllocationPropertiesFromHandle` cannot say, and is trusted.
+fn same_memory_kind(
+    drv: &crate::real::Driver,
+    addr: u64,
+    imported: cudarc::driver::sys::CUmemGenericAllocationHandle,
+) -> Result<(), Fail> {
+    let Some(got) = drv.props_of_handle(imported)? else {
+        return Ok(());
+    };
+    let had = table::try_lock_for(AGENT_LOCK_WAIT)
+        .ok_or_else(Fail::busy)?
+        .app_prop(addr)
+        .is_some_and(|p| crate::cu::rdma_capable(&p));
+    if crate::cu::rdma_capable(&got) != had {
+        return Err(Fail::bad_state(format!(
+            "the memory handed over for {addr:#x} has gpuDirectRDMACapable {}, the job's had {}: refusing it",
+            u8::from(!had),
+            u8::from(had)
+        )));
+    }
+    Ok(())
 }

@@ -259,6 +259,7 @@ fn write_fake_gpu_state(dir: &Path, nspid: u32) -> Manifest {
             size: addr - BASE,
             moved: true,
             lent: false,
+            rdma_capable: false,
         }],
         files,
         chunks,

@@ -45,7 +45,7 @@ fn start(test: &str) -> Option<Split> {
             "--mib",
             "4",
             "--app-vmm",
-            "--app-vmm-rdma",
+            "--app-vmm-compressed",
         ],
         &[],
     )
@@ -91,7 +91,7 @@ fn two_dumps_with(
     );
     s.assert_ok(&dump1);
     if s.app_vmm {
-        // The application's own VMM memory is RDMA-capable, which a keeper does not make, so
+        // The application's own VMM memory is compressible, which a keeper does not make, so
         // the agent does not lend it: it alone is copied out first
         // (its route named in the log), the rest is lent; the -R maps the lent memory back and
         // reloads that part from the files.

@@ -1,7 +1,7 @@
 //! Routes per allocation, with a real CRIU on the stand-in driver: a job with allocations the
 //! agent can lend (its converted `cuMemAlloc`s, created exportable) and one it cannot (the
-//! workload's own `cuMemCreate` handle of RDMA-capable memory, which a keeper does not make,
-//! mapped whole: `--app-vmm --app-vmm-rdma`) lends the first to the keeper
+//! workload's own `cuMemCreate` handle of compressible memory, which a keeper does not make,
+//! mapped whole: `--app-vmm --app-vmm-compressed`) lends the first to the keeper
 //! and copies the other out first, before the driver checkpoint. The image records which was
 //! lent; a restore (the job's agent loads all of it: a mixed image is not handed over at restore)
 //! and `-R` (the lent ones mapped back from the kept descriptors, the copied one reloaded) run on
@@ -17,7 +17,7 @@ use criu_tests::CriuRun;
 use std::time::Duration;
 
 /// 3 data allocations and the counter (converted, exportable on the stand-in) and the
-/// workload's own 2 MiB `cuMemCreate` mapping of RDMA-capable memory (copied first).
+/// workload's own 2 MiB `cuMemCreate` mapping of compressible memory (copied first).
 const LENDABLE: usize = 4;
 const COPIED_FIRST: usize = 1;
 
@@ -33,7 +33,7 @@ fn start(test: &str) -> Option<Split> {
             "--mib",
             "4",
             "--app-vmm",
-            "--app-vmm-rdma",
+            "--app-vmm-compressed",
         ],
         &[],
     )
@@ -85,7 +85,7 @@ fn assert_mixed(s: &Split, dump: &CriuRun) {
         dump,
         &[
             &format!("{LENDABLE} lend (created exportable): #"),
-            "copy first (the application's own cuMemCreate handle",
+            "copy first (the application's own cuMemCreate handle, with properties a keeper cannot make again)",
         ],
     );
     s.assert_line(
@@ -321,6 +321,85 @@ fn an_application_handle_mapped_again_after_a_hand_over_is_copied_first() {
         "routes ({lent}, {copied})\n{}",
         s.describe(&second)
     );
+    let last = s.vmm.last_ticks();
+    s.assert_runs_on(&last, &second);
+    assert!(s.vmm.original_running(), "{}", s.describe(&second));
+}
+
+/// The workload's own 2 MiB `cuMemCreate` handle as PyTorch's expandable segments make it on an
+/// H200 (POSIX-fd handle type asked, `gpuDirectRDMACapable`), kept and checked every tick
+/// (data and the properties read back), beside 2 data allocations and the counter.
+fn start_rdma(test: &str) -> Option<Split> {
+    Split::launch(
+        test,
+        1,
+        &[
+            "--seed",
+            "31",
+            "--allocs",
+            "2",
+            "--mib",
+            "4",
+            "--app-vmm",
+            "--app-vmm-posix",
+            "--app-vmm-rdma",
+        ],
+        &[],
+    )
+}
+
+/// Everything of the RDMA job is lent at the dump, its own handle among it, and the image
+/// records that handle's memory as RDMA-capable.
+fn assert_rdma_lent(s: &Split, dump: &CriuRun) {
+    assert_eq!(routes_taken(s, dump), (4, 0), "{}", s.describe(dump));
+    s.assert_line(dump, &["routes: 4 lent", "1 of the lent are RDMA-capable"]);
+    let m = manifest(s);
+    let rdma: Vec<_> = m.allocations.iter().filter(|a| a.rdma_capable).collect();
+    assert!(
+        rdma.len() == 1 && rdma[0].lent && rdma[0].size == 2 << 20,
+        "{m:?}"
+    );
+    assert!(
+        m.allocations.iter().filter(|a| a.moved).all(|a| a.lent),
+        "{m:?}"
+    );
+}
+
+/// RDMA-capable memory with the POSIX-fd type the program asked for itself is lent, and the
+/// restore hands it over through the keeper, which makes it RDMA-capable again (the job's agent
+/// refuses memory of another kind at the hand-over); the workload reads back exactly the
+/// properties it created its handle with, every tick after the restore.
+#[test]
+fn rdma_capable_application_memory_is_lent_and_made_again_at_restore() {
+    let Some(mut s) = start_rdma("routes-rdma-restore") else {
+        return;
+    };
+    let dump = s.dump(false);
+    s.assert_ok(&dump);
+    assert_rdma_lent(&s, &dump);
+    let last = s.reap_dumped();
+    let restore = s.restore();
+    s.assert_ok(&restore);
+    s.assert_line(&restore, &["restore hand-over planned"]);
+    s.assert_runs_on(&last, &restore);
+}
+
+/// The same job dumped with `-R`: the lent memory is mapped back from the kept descriptors (the
+/// same memory), the workload's properties still read back as created, and a second `-R` lends
+/// the handle again (its kept descriptor) and runs on.
+#[test]
+fn rdma_capable_application_memory_runs_on_after_leave_running() {
+    let Some(mut s) = start_rdma("routes-rdma-R") else {
+        return;
+    };
+    let first = s.dump(true);
+    s.assert_ok(&first);
+    assert_rdma_lent(&s, &first);
+    let before = s.vmm.last_ticks();
+    s.assert_runs_on(&before, &first);
+    let second = s.dump(true);
+    s.assert_ok(&second);
+    assert_eq!(routes_taken(&s, &second), (4, 0), "{}", s.describe(&second));
     let last = s.vmm.last_ticks();
     s.assert_runs_on(&last, &second);
     assert!(s.vmm.original_running(), "{}", s.describe(&second));

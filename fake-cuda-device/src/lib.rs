@@ -129,6 +129,8 @@ exports! {
     cuMemCreate => vmm::create
         [handle: *mut Handle, size: usize, prop: *const AllocationProp, flags: u64];
     cuMemRelease => vmm::release [handle: Handle];
+    cuMemGetAllocationPropertiesFromHandle => vmm::get_allocation_properties_from_handle
+        [prop: *mut AllocationProp, handle: Handle];
     cuMemMap => vmm::map
         [ptr: CUdeviceptr, size: usize, offset: usize, handle: Handle, flags: u64];
     cuMemUnmap => vmm::unmap [ptr: CUdeviceptr, size: usize];

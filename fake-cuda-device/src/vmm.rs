@@ -38,6 +38,55 @@ pub const HANDLE_TAG: u64 = 0xfa4e_0000_0000_0000;
 /// The memfd name (`/proc/<pid>/maps` shows `/memfd:fakecuda-dev (deleted)`).
 pub const MEMFD_NAME: &std::ffi::CStr = c"fakecuda-dev";
 
+/// The properties a memfd's memory was created with travel in its name, after this prefix
+/// (`fakecuda-dev:d<device>:t<handle types, hex>:f<allocFlags, 16 hex digits>`), so that an
+/// import in another process reads them back as the driver keeps them with the physical memory.
+const PROPS_IN_NAME: &str = "fakecuda-dev:";
+
+/// The memfd name recording `p` (a checked property struct).
+fn memfd_name_of(p: &AllocationProp) -> std::ffi::CString {
+    let name = format!(
+        "{PROPS_IN_NAME}d{}:t{:x}:f{}",
+        p.location.id,
+        p.requested_handle_types,
+        p.alloc_flags
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect::<String>()
+    );
+    // Digits, letters and colons only: never a NUL.
+    std::ffi::CString::new(name).unwrap_or_else(|_| MEMFD_NAME.to_owned())
+}
+
+/// The properties recorded in the name of memfd `fd` ([`memfd_name_of`]).
+fn props_of_memfd(fd: i32) -> Option<AllocationProp> {
+    let link = std::fs::read_link(format!("/proc/self/fd/{fd}")).ok()?;
+    let link = link.to_string_lossy();
+    let rest = link.strip_prefix("/memfd:")?.strip_prefix(PROPS_IN_NAME)?;
+    let rest = rest.split(' ').next()?;
+    let mut fields = rest.split(':');
+    let id: i32 = fields.next()?.strip_prefix('d')?.parse().ok()?;
+    let types = u32::from_str_radix(fields.next()?.strip_prefix('t')?, 16).ok()?;
+    let flags_hex = fields.next()?.strip_prefix('f')?;
+    if flags_hex.len() != 16 {
+        return None;
+    }
+    let mut alloc_flags = [0u8; 8];
+    for (i, b) in alloc_flags.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&flags_hex[2 * i..2 * i + 2], 16).ok()?;
+    }
+    Some(AllocationProp {
+        type_: ALLOCATION_PINNED,
+        requested_handle_types: types,
+        location: Location {
+            type_: LOCATION_DEVICE,
+            id,
+        },
+        win32_handle_meta_data: std::ptr::null_mut(),
+        alloc_flags,
+    })
+}
+
 /// `CU_MEM_LOCATION_TYPE_DEVICE`.
 const LOCATION_DEVICE: u32 = 1;
 /// `CU_MEM_ALLOCATION_TYPE_PINNED`.
@@ -285,7 +334,16 @@ pub unsafe extern "C" fn create(
             return invalid(CALL, format_args!("size {size} flags {flags:#x}"));
         }
         // SAFETY: checked readable by check_prop.
-        let types = unsafe { prop.read_unaligned() }.requested_handle_types;
+        let asked = unsafe { prop.read_unaligned() };
+        let types = asked.requested_handle_types;
+        // allocFlags: compressionType, gpuDirectRDMACapable, usage (u16), reserved[4]. The
+        // driver stores what it accepts and returns it from
+        // cuMemGetAllocationPropertiesFromHandle; a flag byte that is not 0 or 1, or the
+        // reserved bytes set, are refused here as invalid.
+        let flags = asked.alloc_flags;
+        if flags[1] > 1 || flags[4..].iter().any(|&b| b != 0) {
+            return invalid(CALL, format_args!("allocation flags {flags:02x?}"));
+        }
         if types & !HANDLE_TYPES_KNOWN != 0 {
             return invalid(CALL, format_args!("requested handle types {types:#x}"));
         }
@@ -296,8 +354,9 @@ pub unsafe extern "C" fn create(
             return Err(NOT_SUPPORTED);
         }
         charge(size)?;
+        let name = memfd_name_of(&asked);
         // SAFETY: a valid name and flags.
-        let fd = unsafe { libc::memfd_create(MEMFD_NAME.as_ptr(), libc::MFD_CLOEXEC) };
+        let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
         if fd < 0 {
             refund(size);
             return Err(os_error(CALL, "memfd_create"));
@@ -417,6 +476,28 @@ pub unsafe extern "C" fn import_from_shareable_handle(
         origins().insert(new, Origin::Imported);
         // SAFETY: the caller's out pointer, checked for null above.
         unsafe { put(handle, HANDLE_TAG | new as u32 as u64) }
+    })
+}
+
+/// `cuMemGetAllocationPropertiesFromHandle`: the properties the memory was created with, for a
+/// created or an imported handle alike (they travel with the memory).
+pub unsafe extern "C" fn get_allocation_properties_from_handle(
+    prop: *mut AllocationProp,
+    handle: Handle,
+) -> CUresult {
+    const CALL: &str = "cuMemGetAllocationPropertiesFromHandle";
+    call::run(CALL, || {
+        need_context()?;
+        if prop.is_null() {
+            return invalid(CALL, format_args!("null property pointer"));
+        }
+        let (fd, _) = handle_fd(CALL, handle)?;
+        let Some(p) = props_of_memfd(fd) else {
+            return invalid(CALL, format_args!("{handle:#x}: no properties recorded"));
+        };
+        // SAFETY: the caller's out pointer, checked for null above; written unaligned.
+        unsafe { prop.write_unaligned(p) };
+        Ok(())
     })
 }
 

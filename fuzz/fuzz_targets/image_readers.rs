@@ -180,6 +180,7 @@ fn structured(d: &Dir, data: &[u8]) {
         size: 4096,
         moved: false,
         lent: false,
+        rdma_capable: false,
     }];
     if addr > base {
         allocations.push(AllocationRecord {
@@ -189,6 +190,7 @@ fn structured(d: &Dir, data: &[u8]) {
             size: addr - base,
             moved: true,
             lent: false,
+            rdma_capable: false,
         });
     }
     let m = Manifest {

@@ -138,6 +138,7 @@ fn main() {
             size: bytes as u64,
             moved: true,
             lent: false,
+            rdma_capable: false,
         }],
         files,
         chunks,

@@ -76,6 +76,7 @@ fn main() {
             size,
             moved: is_moved,
             lent: false,
+            rdma_capable: false,
         });
         addr += size;
     }

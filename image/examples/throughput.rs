@@ -72,6 +72,7 @@ fn main() {
                 size: (chunks * len) as u64,
                 moved: true,
                 lent: false,
+                rdma_capable: false,
             }],
             files: vec![file],
             chunks: entries,

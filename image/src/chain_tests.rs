@@ -53,6 +53,7 @@ fn allocations(chunks: usize) -> Vec<AllocationRecord> {
         size: (chunks * CHUNK) as u64,
         moved: true,
         lent: false,
+        rdma_capable: false,
     }]
 }
 
@@ -455,6 +456,7 @@ fn only_allocations_held_alike_are_referenced() {
             size: half,
             moved: true,
             lent: false,
+            rdma_capable: false,
         },
         AllocationRecord {
             id: 2,
@@ -463,6 +465,7 @@ fn only_allocations_held_alike_are_referenced() {
             size: half,
             moved: true,
             lent: false,
+            rdma_capable: false,
         },
     ];
     write_manifest(d1.as_fd(), &m1).unwrap();

@@ -94,6 +94,7 @@ fn manifest(nspid: u32, files: Vec<FileEntry>, chunks: Vec<ChunkEntry>) -> Manif
                 size: c.len,
                 moved: true,
                 lent: false,
+                rdma_capable: false,
             }),
         }
     }

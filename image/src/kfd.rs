@@ -693,6 +693,7 @@ mod tests {
                 size: 1 << 20,
                 moved: true,
                 lent: false,
+                rdma_capable: false,
             }],
             files: vec![],
             chunks: vec![],

@@ -82,12 +82,13 @@ pub const BUILD: &str = env!("GPUSNAP_BUILD");
 /// `parent_depth` to chunk entries (incremental checkpoints); version 3 `device_hash` and the
 /// `zero` codec (chunks hashed and found all zero on the GPU); version 4 the `raw_sum64` codec
 /// (raw chunks checked by their device hash, so the dump hashes nothing on the host); version 5
-/// `lent` on allocation entries (a restore may hand the memory over). Readers accept
-/// [`READ_MANIFEST_VERSIONS`].
-pub const FORMAT_VERSION: u32 = 5;
+/// `lent` on allocation entries (a restore may hand the memory over); version 6
+/// `rdma_capable` on allocation entries (what a keeper restoring the memory must make). Readers
+/// accept [`READ_MANIFEST_VERSIONS`].
+pub const FORMAT_VERSION: u32 = 6;
 
-/// Manifest versions readers accept: 1 (no incremental fields), 2, 3, 4 and 5.
-pub const READ_MANIFEST_VERSIONS: [u32; 5] = [1, 2, 3, 4, 5];
+/// Manifest versions readers accept: 1 (no incremental fields), 2, 3, 4, 5 and 6.
+pub const READ_MANIFEST_VERSIONS: [u32; 6] = [1, 2, 3, 4, 5, 6];
 
 /// The version of the data-file header and of the device-file record. Their layout did not
 /// change with manifest version 2, so it is still 1, and readers accept only 1.

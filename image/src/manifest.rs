@@ -172,6 +172,11 @@ pub struct AllocationRecord {
     /// absent (false) before.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub lent: bool,
+    /// The memory was created `gpuDirectRDMACapable` (the application's own `cuMemCreate`
+    /// handle asked for it, as PyTorch's expandable segments do): a keeper restoring it makes it
+    /// so. Format 6; absent (false) before.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub rdma_capable: bool,
 }
 
 /// Everything about one checkpointed process. Written last; its presence means the dump of this

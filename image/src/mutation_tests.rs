@@ -104,6 +104,7 @@ fn build_image() -> Image {
             size: 2800,
             moved: true,
             lent: false,
+            rdma_capable: false,
         },
         AllocationRecord {
             id: 2,
@@ -112,6 +113,7 @@ fn build_image() -> Image {
             size: 3800,
             moved: true,
             lent: false,
+            rdma_capable: false,
         },
         AllocationRecord {
             id: 3,
@@ -120,6 +122,7 @@ fn build_image() -> Image {
             size: 1024,
             moved: true,
             lent: false,
+            rdma_capable: false,
         },
     ];
     let manifest = Manifest {

@@ -87,6 +87,7 @@ fn make_image(dir: BorrowedFd<'_>) -> Image {
                 size: 3 * CHUNK as u64,
                 moved: true,
                 lent: false,
+                rdma_capable: false,
             },
             AllocationRecord {
                 id: 2,
@@ -95,6 +96,7 @@ fn make_image(dir: BorrowedFd<'_>) -> Image {
                 size: 2 * CHUNK as u64,
                 moved: true,
                 lent: false,
+                rdma_capable: false,
             },
             AllocationRecord {
                 id: 3,
@@ -103,6 +105,7 @@ fn make_image(dir: BorrowedFd<'_>) -> Image {
                 size: 1 << 20,
                 moved: false,
                 lent: false,
+                rdma_capable: false,
             },
         ],
         files,
@@ -238,6 +241,7 @@ fn raw_chunks_hashed_while_written_match_chunks_hashed_first() {
             size: d.len() as u64 + 1000,
             moved: true,
             lent: false,
+            rdma_capable: false,
         }],
         files: vec![fb.clone()],
         chunks: vec![
@@ -483,24 +487,24 @@ fn unknown_version_is_refused() {
     let good = std::fs::read(&path).unwrap();
     // In the header line.
     let bad = String::from_utf8(good.clone()).unwrap().replacen(
-        "GPUSNAP-MANIFEST 5 ",
         "GPUSNAP-MANIFEST 6 ",
+        "GPUSNAP-MANIFEST 7 ",
         1,
     );
-    assert_ne!(bad.as_bytes(), &good[..], "the header names version 5");
+    assert_ne!(bad.as_bytes(), &good[..], "the header names version 6");
     std::fs::write(&path, bad).unwrap();
     let e = read_manifest(t.fd(), NSPID).unwrap_err();
     assert!(
-        matches!(e, ImageError::UnsupportedVersion { found: 6, .. }),
+        matches!(e, ImageError::UnsupportedVersion { found: 7, .. }),
         "{e}"
     );
     // In the JSON body, with a correct checksum.
     let mut m = img.m.clone();
-    m.format_version = 7;
+    m.format_version = 8;
     plant(t.fd(), &m);
     let e = read_manifest(t.fd(), NSPID).unwrap_err();
     assert!(
-        matches!(e, ImageError::UnsupportedVersion { found: 7, .. }),
+        matches!(e, ImageError::UnsupportedVersion { found: 8, .. }),
         "{e}"
     );
     // The message names the versions this build reads: every one of READ_MANIFEST_VERSIONS
@@ -1174,6 +1178,7 @@ fn large_chunks_round_trip() {
             size: 4 << 20,
             moved: true,
             lent: false,
+            rdma_capable: false,
         }],
         files: vec![file],
         chunks,
@@ -1327,6 +1332,7 @@ fn zero_chunks_and_device_hashes() {
         size: 2 * zlen,
         moved: true,
         lent: false,
+        rdma_capable: false,
     });
     m.chunks.push(ChunkEntry::zero(zbase, zlen, zhash));
     m.chunks.push(ChunkEntry::zero(zbase + zlen, zlen, zhash));
@@ -1420,6 +1426,7 @@ fn raw_sum64_chunks_are_checked_by_their_device_hash() {
             size: 2 * CHUNK as u64,
             moved: true,
             lent: false,
+            rdma_capable: false,
         }],
         files: vec![w.finish().unwrap()],
         chunks,
@@ -1478,6 +1485,7 @@ fn lent_is_written_only_when_true_and_read_back() {
         size: 4096,
         moved: true,
         lent: false,
+        rdma_capable: false,
     };
     let plain = serde_json::to_string(&a).unwrap();
     assert!(!plain.contains("lent"), "{plain}");
@@ -1485,5 +1493,13 @@ fn lent_is_written_only_when_true_and_read_back() {
     a.lent = true;
     let lent = serde_json::to_string(&a).unwrap();
     assert!(lent.contains("\"lent\":true"), "{lent}");
+    assert!(!lent.contains("rdma"), "{lent}");
     assert_eq!(serde_json::from_str::<AllocationRecord>(&lent).unwrap(), a);
+    // Version 6: RDMA-capable memory, written only when true; an older record reads as not.
+    a.rdma_capable = true;
+    let rdma = serde_json::to_string(&a).unwrap();
+    assert!(rdma.contains("\"rdma_capable\":true"), "{rdma}");
+    assert_eq!(serde_json::from_str::<AllocationRecord>(&rdma).unwrap(), a);
+    let old: AllocationRecord = serde_json::from_str(&lent).unwrap();
+    assert!(!old.rdma_capable);
 }

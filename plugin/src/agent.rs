@@ -353,6 +353,7 @@ impl AgentSession {
                     addr,
                     size,
                     kind,
+                    rdma_capable,
                 } => out.push((
                     AllocationRecord {
                         id,
@@ -361,6 +362,7 @@ impl AgentSession {
                         size,
                         moved: kind.moved(),
                         lent: false,
+                        rdma_capable,
                     },
                     kind,
                 )),
@@ -675,15 +677,18 @@ impl AgentSession {
         }
     }
 
-    /// `Expect` (to a keeper at a restore): allocation `id` of the job goes at `addr` on the
-    /// GPU `gpu`. Returns the keeper's ordinal of that GPU.
-    pub fn expect(&self, id: u64, gpu: [u8; 16], addr: u64, size: u64) -> Result<u32, AgentError> {
+    /// `Expect` (to a keeper at a restore): allocation `a` of the job goes at its address on
+    /// the GPU `gpu`, made RDMA-capable where the image says it was. Returns the keeper's
+    /// ordinal of that GPU.
+    pub fn expect(&self, a: &AllocationRecord, gpu: [u8; 16]) -> Result<u32, AgentError> {
+        let id = a.id;
         self.send(
             &Request::Expect {
                 id,
                 gpu,
-                addr,
-                size,
+                addr: a.addr,
+                size: a.size,
+                rdma_capable: a.rdma_capable,
             },
             None,
         )?;
@@ -803,6 +808,7 @@ mod tests {
                     addr: 0x1000,
                     size: 4096,
                     kind: AllocKind::Converted,
+                    rdma_capable: false,
                 })
                 .unwrap();
             theirs

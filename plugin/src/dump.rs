@@ -1836,6 +1836,7 @@ mod tests {
             size,
             moved: true,
             lent: false,
+            rdma_capable: false,
         };
         let chunk = |addr, len| ChunkEntry {
             file: 0,

@@ -339,6 +339,7 @@ mod tests {
             size,
             moved,
             lent: false,
+            rdma_capable: false,
         }
     }
 

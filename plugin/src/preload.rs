@@ -294,8 +294,7 @@ fn load_into(keeper: &Keeper, job: &LoadJob) -> Result<(LoadStats, KeeperPhases)
             .targets
             .get(&a.device)
             .ok_or(PreloadError::NoGpu { device: a.device })?;
-        s.expect(a.id, *gpu, a.addr, a.size)
-            .map_err(PreloadError::Session)?;
+        s.expect(a, *gpu).map_err(PreloadError::Session)?;
     }
     let expect_s = t0.elapsed().as_secs_f64() - ready_s;
     let shape = crate::load::ring_shape(job.slots, &job.manifest);
@@ -391,6 +390,7 @@ mod tests {
                 size: 2 << 20,
                 moved: true,
                 lent: true,
+                rdma_capable: false,
             }],
             chunks: vec![gpusnap_image::ChunkEntry::zero(
                 0x7000_0000_0000,

@@ -24,9 +24,13 @@ pub enum AllocRoute {
 pub enum CopyFirst {
     /// The agent's conversion, created without a POSIX-fd handle type (the device has none).
     NotExportable,
-    /// The mapping of one of the application's own `cuMemCreate` handles: the handle is the
-    /// application's, made without an exportable handle type the agent could rely on.
-    ApplicationHandle,
+    /// The mapping of one of the application's own `cuMemCreate` handles whose properties a
+    /// keeper cannot make again at a restore (compression or usage flags, other handle types,
+    /// another location): lent, it would come back as other memory.
+    ApplicationProperties,
+    /// The mapping of one of the application's own handles whose memory a hand-over mapped back
+    /// from a descriptor: the driver will not export an imported handle again.
+    ImportedHandle,
     /// `handover = false`.
     HandoverOff,
     /// No keeper could be started at PAUSE.
@@ -54,7 +58,10 @@ impl AllocRoute {
             (AllocKind::Converted | AllocKind::AppHandleLendable, None) => AllocRoute::Lend,
             (AllocKind::ConvertedNoExport, None) => AllocRoute::CopyFirst(CopyFirst::NotExportable),
             (AllocKind::AppHandleMapping, None) => {
-                AllocRoute::CopyFirst(CopyFirst::ApplicationHandle)
+                AllocRoute::CopyFirst(CopyFirst::ApplicationProperties)
+            }
+            (AllocKind::AppHandleImported, None) => {
+                AllocRoute::CopyFirst(CopyFirst::ImportedHandle)
             }
         }
     }
@@ -66,8 +73,11 @@ impl AllocRoute {
             AllocRoute::CopyFirst(CopyFirst::NotExportable) => {
                 "copy first (not exportable: the device has no POSIX-fd handles)"
             }
-            AllocRoute::CopyFirst(CopyFirst::ApplicationHandle) => {
-                "copy first (the application's own cuMemCreate handle, of memory a keeper does not make or the driver will not export)"
+            AllocRoute::CopyFirst(CopyFirst::ApplicationProperties) => {
+                "copy first (the application's own cuMemCreate handle, with properties a keeper cannot make again)"
+            }
+            AllocRoute::CopyFirst(CopyFirst::ImportedHandle) => {
+                "copy first (the application's own cuMemCreate handle, imported at a hand-over: the driver will not export it again)"
             }
             AllocRoute::CopyFirst(CopyFirst::HandoverOff) => "copy first (handover = false)",
             AllocRoute::CopyFirst(CopyFirst::NoKeeper) => "copy first (no keeper)",
@@ -202,8 +212,13 @@ impl Routes {
                 )
             })
             .collect();
+        let rdma = self
+            .0
+            .iter()
+            .filter(|(a, r)| a.rdma_capable && *r == AllocRoute::Lend)
+            .count();
         format!(
-            "routes: {} lent, {} copied first, {} left to the driver; {}",
+            "routes: {} lent, {} copied first, {} left to the driver; {}{}",
             self.lent(),
             self.copied_first(),
             self.count(|r| matches!(r, AllocRoute::Driver(_))),
@@ -211,6 +226,11 @@ impl Routes {
                 "no allocation listed".to_owned()
             } else {
                 parts.join("; ")
+            },
+            if rdma > 0 {
+                format!("; {rdma} of the lent are RDMA-capable (made so again at a restore)")
+            } else {
+                String::new()
             }
         )
     }
@@ -228,6 +248,7 @@ mod tests {
             size: 0x1000,
             moved,
             lent: false,
+            rdma_capable: false,
         }
     }
 
@@ -254,7 +275,7 @@ mod tests {
         );
         assert_eq!(
             r.0[2].1,
-            AllocRoute::CopyFirst(CopyFirst::ApplicationHandle)
+            AllocRoute::CopyFirst(CopyFirst::ApplicationProperties)
         );
         assert_eq!(
             r.0[3].1,
@@ -298,5 +319,43 @@ mod tests {
             "{s}"
         );
         assert!(!s.contains("#7"), "only the first few are named: {s}");
+    }
+
+    #[test]
+    fn application_handles_route_by_what_a_keeper_can_make() {
+        let rdma = AllocationRecord {
+            rdma_capable: true,
+            ..rec(1, true)
+        };
+        let listed = vec![
+            (rdma, AllocKind::AppHandleLendable),
+            (rec(2, true), AllocKind::AppHandleMapping),
+            (rec(3, true), AllocKind::AppHandleImported),
+        ];
+        let r = Routes::decide(&listed, None);
+        assert_eq!(r.0[0].1, AllocRoute::Lend);
+        assert_eq!(
+            r.0[1].1,
+            AllocRoute::CopyFirst(CopyFirst::ApplicationProperties)
+        );
+        assert_eq!(r.0[2].1, AllocRoute::CopyFirst(CopyFirst::ImportedHandle));
+        // The image keeps what the keeper must make.
+        let recs = r.records();
+        assert!(recs[0].lent && recs[0].rdma_capable);
+        assert!(!recs[1].lent && !recs[1].rdma_capable);
+        let s = r.summary();
+        assert!(
+            s.starts_with("routes: 1 lent, 2 copied first, 0 left"),
+            "{s}"
+        );
+        assert!(
+            s.contains("with properties a keeper cannot make again"),
+            "{s}"
+        );
+        assert!(s.contains("imported at a hand-over"), "{s}");
+        assert!(
+            s.ends_with("; 1 of the lent are RDMA-capable (made so again at a restore)"),
+            "{s}"
+        );
     }
 }

@@ -35,6 +35,6 @@ pub use message::{
 pub use socket::{peer_cred, seqpacket_pair};
 
 /// Version carried in every message header and in `Hello`.
-pub const PROTOCOL_VERSION: u16 = 8;
+pub const PROTOCOL_VERSION: u16 = 9;
 /// Largest message on the wire, header included.
 pub const MAX_MESSAGE: usize = 512;

@@ -28,13 +28,19 @@ pub enum AllocKind {
     /// POSIX-fd handles): the agent moves its data by copying only, never lends it.
     ConvertedNoExport = 3,
     /// The whole mapping of one of the application's own `cuMemCreate` handles whose memory is
-    /// not what a keeper makes (properties other than plain device memory, or a handle the
-    /// driver will not export again): the agent moves its data by copying only, never lends it.
+    /// not what a keeper makes (compression or usage flags, other handle types, another
+    /// location: properties a keeper cannot create again): the agent moves its data by copying
+    /// only, never lends it.
     AppHandleMapping = 4,
-    /// The whole mapping of one of the application's own `cuMemCreate` handles of plain device
-    /// memory, which the agent created exportable: moved, and lent at a hand-over like
-    /// [`AllocKind::Converted`].
+    /// The whole mapping of one of the application's own `cuMemCreate` handles of memory a
+    /// keeper makes again (pinned device memory, POSIX-fd handles, RDMA-capable or not:
+    /// [`Reply::Allocation::rdma_capable`]), exportable as the application asked or as the
+    /// agent created it: moved, and lent at a hand-over like [`AllocKind::Converted`].
     AppHandleLendable = 5,
+    /// The whole mapping of one of the application's own handles whose driver handle was
+    /// imported at a hand-over (the memory mapped back from a descriptor), which the driver will
+    /// not export again: moved by copying only.
+    AppHandleImported = 6,
 }
 
 impl AllocKind {
@@ -45,6 +51,7 @@ impl AllocKind {
             3 => Ok(AllocKind::ConvertedNoExport),
             4 => Ok(AllocKind::AppHandleMapping),
             5 => Ok(AllocKind::AppHandleLendable),
+            6 => Ok(AllocKind::AppHandleImported),
             _ => Err(ProtoError::Malformed("unknown allocation kind")),
         }
     }
@@ -216,6 +223,8 @@ pub enum Request {
         addr: u64,
         /// Bytes.
         size: u64,
+        /// Created `gpuDirectRDMACapable`, as the job's memory was (the image's record).
+        rdma_capable: bool,
     },
     /// To a restored job's agent (its threads held): map the attached exported memory, which
     /// the keeper loaded from the image and checked, at `addr` as allocation `id`.
@@ -369,6 +378,9 @@ pub enum Reply {
         size: u64,
         /// How it is held.
         kind: AllocKind,
+        /// Its memory is `gpuDirectRDMACapable` (the application's own handle asked for it): a
+        /// keeper restoring it makes it so.
+        rdma_capable: bool,
     },
     /// End of a listing.
     AllocationsEnd {
@@ -773,12 +785,14 @@ impl Request {
                 gpu,
                 addr,
                 size,
+                rdma_capable,
             } => {
                 header(&mut w, kind::REQ_EXPECT);
                 w.u64(*id);
                 w.bytes16(gpu);
                 w.u64(*addr);
                 w.u64(*size);
+                w.bool(*rdma_capable);
             }
             Request::Take { id, addr, size } => {
                 header(&mut w, kind::REQ_TAKE);
@@ -862,6 +876,7 @@ impl Request {
                 gpu: r.bytes16()?,
                 addr: r.u64()?,
                 size: r.u64()?,
+                rdma_capable: r.bool()?,
             },
             kind::REQ_TAKE => Request::Take {
                 id: r.u64()?,
@@ -921,6 +936,7 @@ impl Reply {
                 addr,
                 size,
                 kind,
+                rdma_capable,
             } => {
                 header(&mut w, kind::REP_ALLOCATION);
                 w.u64(*id);
@@ -928,6 +944,7 @@ impl Reply {
                 w.u64(*addr);
                 w.u64(*size);
                 w.u8(*kind as u8);
+                w.bool(*rdma_capable);
             }
             Reply::AllocationsEnd { count } => {
                 header(&mut w, kind::REP_ALLOCATIONS_END);
@@ -1134,6 +1151,7 @@ impl Reply {
                 addr: r.u64()?,
                 size: r.u64()?,
                 kind: AllocKind::from_u8(r.u8()?)?,
+                rdma_capable: r.bool()?,
             },
             kind::REP_ALLOCATIONS_END => Reply::AllocationsEnd { count: r.u32()? },
             kind::REP_READY => Reply::Ready,

@@ -59,6 +59,14 @@ fn all_requests() -> Vec<Request> {
             gpu: [0xa5; 16],
             addr: 0x7000_0040_0000,
             size: 4 << 20,
+            rdma_capable: false,
+        },
+        Request::Expect {
+            id: 5,
+            gpu: [0x5a; 16],
+            addr: 0x7000_0080_0000,
+            size: 2 << 20,
+            rdma_capable: true,
         },
         Request::Take {
             id: 4,
@@ -111,6 +119,7 @@ fn all_replies() -> Vec<Reply> {
             addr: 0x7000_0020_0000,
             size: 2 << 20,
             kind: AllocKind::Converted,
+            rdma_capable: false,
         },
         Reply::Allocation {
             id: 10,
@@ -118,6 +127,7 @@ fn all_replies() -> Vec<Reply> {
             addr: 1,
             size: 2,
             kind: AllocKind::AppVmm,
+            rdma_capable: false,
         },
         Reply::Allocation {
             id: 11,
@@ -125,6 +135,7 @@ fn all_replies() -> Vec<Reply> {
             addr: 0x7000_0040_0000,
             size: 2 << 20,
             kind: AllocKind::ConvertedNoExport,
+            rdma_capable: false,
         },
         Reply::Allocation {
             id: 12,
@@ -132,6 +143,7 @@ fn all_replies() -> Vec<Reply> {
             addr: 0x7000_0060_0000,
             size: 2 << 20,
             kind: AllocKind::AppHandleMapping,
+            rdma_capable: false,
         },
         Reply::Allocation {
             id: 13,
@@ -139,8 +151,17 @@ fn all_replies() -> Vec<Reply> {
             addr: 0x7000_0080_0000,
             size: 2 << 20,
             kind: AllocKind::AppHandleLendable,
+            rdma_capable: true,
         },
-        Reply::AllocationsEnd { count: 5 },
+        Reply::Allocation {
+            id: 14,
+            device: 0,
+            addr: 0x7000_00a0_0000,
+            size: 2 << 20,
+            kind: AllocKind::AppHandleImported,
+            rdma_capable: false,
+        },
+        Reply::AllocationsEnd { count: 6 },
         Reply::Ready,
         Reply::ChunkReady {
             slot: 1,
@@ -362,10 +383,10 @@ fn header_errors_are_typed() {
     b[0] ^= 1;
     assert!(matches!(Request::decode(&b), Err(ProtoError::BadMagic)));
     let mut b = enc_req(&Request::Release);
-    b[4] = 9;
+    b[4] = 10;
     assert!(matches!(
         Request::decode(&b),
-        Err(ProtoError::VersionMismatch { ours: 8, theirs: 9 })
+        Err(ProtoError::VersionMismatch { ours: 9, theirs: 10 })
     ));
     let mut b = enc_req(&Request::Release);
     b[6] = 0x77;
@@ -390,16 +411,35 @@ fn header_errors_are_typed() {
 
 #[test]
 fn bad_field_values_are_rejected() {
-    // Allocation kind 6 (none such).
-    let mut b = enc_rep(&Reply::Allocation {
+    // Allocation kind 7 (none such), then an RDMA flag of 2; the kind byte is the one before
+    // the last.
+    let alloc = enc_rep(&Reply::Allocation {
         id: 1,
         device: 0,
         addr: 0,
         size: 0,
         kind: AllocKind::AppVmm,
+        rdma_capable: false,
     });
-    *b.last_mut().unwrap() = 6;
+    assert_eq!(alloc.len(), HEADER_LEN + 8 + 4 + 8 + 8 + 1 + 1);
+    let n = alloc.len();
+    let mut b = alloc.clone();
+    b[n - 2] = 7;
     assert!(matches!(Reply::decode(&b), Err(ProtoError::Malformed(_))));
+    let mut b = alloc;
+    b[n - 1] = 2;
+    assert!(matches!(Reply::decode(&b), Err(ProtoError::Malformed(_))));
+    // Expect's RDMA flag is its last byte.
+    let mut b = enc_req(&Request::Expect {
+        id: 1,
+        gpu: [0; 16],
+        addr: 0,
+        size: 0,
+        rdma_capable: true,
+    });
+    assert_eq!(b.len(), HEADER_LEN + 8 + 16 + 8 + 8 + 1);
+    *b.last_mut().unwrap() = 2;
+    assert!(matches!(Request::decode(&b), Err(ProtoError::Malformed(_))));
     // Boolean 2.
     let mut b = enc_rep(&Reply::Hello {
         version: 1,

@@ -7,7 +7,8 @@
 //!
 //! ```text
 //! fakegpu-vmm --log PATH [--seed S] [--allocs N] [--mib M] [--resolve dlsym|proc]
-//!             [--app-vmm [--app-vmm-remap | --app-vmm-release] [--app-vmm-rdma]]
+//!             [--app-vmm [--app-vmm-remap | --app-vmm-release] [--app-vmm-rdma]
+//!                        [--app-vmm-posix] [--app-vmm-compressed]]
 //!             [--threads T] [--procs P]
 //!             [--hazard managed|ipc|ipc-driver|peer|ipc-event|ipc-event-closed]
 //!             [--devices D]
@@ -21,9 +22,15 @@
 //!   With `--app-vmm-remap` it unmaps that handle and maps it again every tick (so a handle value
 //!   that did not survive a checkpoint fails the tick); with `--app-vmm-release` it releases the
 //!   handle right after mapping it (the mapping alone holds the memory). `--app-vmm-rdma` asks
-//!   for `gpuDirectRDMACapable` memory (properties a keeper does not make, so the agent copies
-//!   it first instead of lending it). The handle is created without a shareable handle type,
-//!   and the workload checks that it cannot be exported, as the driver says without the agent.
+//!   for `gpuDirectRDMACapable` memory, `--app-vmm-posix` for the POSIX-fd handle type (both:
+//!   what PyTorch's expandable segments ask for on an H200; a keeper makes such memory again,
+//!   so it is lent), `--app-vmm-compressed` for compressible memory (compressionType 1: a
+//!   keeper does not make it, so it is copied first). Without `--app-vmm-posix` the handle is
+//!   created without a shareable handle type, and the workload checks that it cannot be
+//!   exported, as the driver says without the agent (with it, it exports nothing: an export
+//!   nobody imports makes the dump refuse the process). While it keeps the
+//!   handle, every tick reads its properties back (`cuMemGetAllocationPropertiesFromHandle`)
+//!   and fails the tick unless they are exactly what it created the handle with.
 //! - Each data allocation is filled with a pattern from `S` with `cuMemcpyHtoD_v2` (the second
 //!   half of allocation 1 with zeros, which compresses); the counter starts at 0.
 //! - Every 50 ms, tick `K` (1, 2, ...): every allocation is copied back with `cuMemcpyDtoH_v2`
@@ -88,11 +95,13 @@ type SetAccessFn = unsafe extern "C" fn(DevPtr, usize, *const AccessDesc, usize)
 type UnmapFn = unsafe extern "C" fn(DevPtr, usize) -> CuResult;
 type ReleaseFn = unsafe extern "C" fn(u64) -> CuResult;
 type ExportFn = unsafe extern "C" fn(*mut c_void, u64, u32, u64) -> CuResult;
+type GetPropsFn = unsafe extern "C" fn(*mut AllocationProp, u64) -> CuResult;
 type GetProcAddressV2 =
     unsafe extern "C" fn(*const i8, *mut *mut c_void, c_int, u64, *mut c_int) -> CuResult;
 
 /// `CUmemAllocationProp` (CUDA 13 cuda.h).
 #[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct AllocationProp {
     type_: u32,
     requested_handle_types: u32,
@@ -126,6 +135,7 @@ struct Driver {
     unmap: UnmapFn,
     release: ReleaseFn,
     export: ExportFn,
+    get_props: GetPropsFn,
 }
 
 /// How entry points are found.
@@ -235,6 +245,12 @@ impl Driver {
                 "cuMemExportToShareableHandle",
                 ExportFn
             ),
+            get_props: entry!(
+                how,
+                "cuMemGetAllocationPropertiesFromHandle",
+                "cuMemGetAllocationPropertiesFromHandle",
+                GetPropsFn
+            ),
         }
     }
 
@@ -284,20 +300,10 @@ impl Driver {
         Ok(p)
     }
 
-    /// `APP_VMM` bytes mapped with the application's own VMM calls on device 0; returns the
-    /// address and the handle.
-    fn app_vmm(&self, rdma: bool) -> Result<(DevPtr, u64), String> {
-        let mut alloc_flags = [0; 8];
-        // allocFlags.gpuDirectRDMACapable (the second byte)
-        alloc_flags[1] = u8::from(rdma);
-        let prop = AllocationProp {
-            type_: 1,
-            requested_handle_types: 0,
-            location_type: 1,
-            location_id: 0,
-            win32_handle_meta_data: std::ptr::null_mut(),
-            alloc_flags,
-        };
+    /// `APP_VMM` bytes mapped with the application's own VMM calls on device 0, created with
+    /// `prop`; returns the address and the handle.
+    fn app_vmm(&self, prop: &AllocationProp) -> Result<(DevPtr, u64), String> {
+        let prop = *prop;
         let mut addr = 0;
         // SAFETY: valid out pointer; no fixed address, default alignment.
         self.check("cuMemAddressReserve", unsafe {
@@ -309,23 +315,49 @@ impl Driver {
             (self.create)(&mut handle, APP_VMM, &prop, 0)
         })?;
         // Created with no shareable handle type: not exportable (whatever the agent makes of
-        // the memory behind it).
-        let mut fd: c_int = -1;
-        // SAFETY: an int out pointer, the handle just made, POSIX-fd type, no flags.
-        let rc = unsafe { (self.export)((&raw mut fd).cast(), handle, 1, 0) };
-        if rc == 0 {
-            // SAFETY: the descriptor the export just returned.
-            unsafe { libc::close(fd) };
-            return Err("cuMemExportToShareableHandle of a handle created without \
-                        shareable handle types succeeded"
-                .into());
+        // the memory behind it). One created with the POSIX-fd type is not exported here: an
+        // export nobody imports would make the dump refuse the process (`docs/ipc.md`).
+        if prop.requested_handle_types & 1 == 0 {
+            let mut fd: c_int = -1;
+            // SAFETY: an int out pointer, the handle just made, POSIX-fd type, no flags.
+            let rc = unsafe { (self.export)((&raw mut fd).cast(), handle, 1, 0) };
+            if rc == 0 {
+                // SAFETY: the descriptor the export just returned.
+                unsafe { libc::close(fd) };
+                return Err("cuMemExportToShareableHandle of a handle created without \
+                            shareable handle types succeeded"
+                    .into());
+            }
         }
+        self.check_props(handle, &prop)?;
         // SAFETY: the reservation and the handle just made, of the same size.
         self.check("cuMemMap", unsafe {
             (self.map)(addr, APP_VMM, 0, handle, 0)
         })?;
         self.app_vmm_access(addr)?;
         Ok((addr, handle))
+    }
+
+    /// The handle's properties read back must be exactly `asked`.
+    fn check_props(&self, handle: u64, asked: &AllocationProp) -> Result<(), String> {
+        let mut got = AllocationProp {
+            type_: 0,
+            requested_handle_types: 0,
+            location_type: 0,
+            location_id: 0,
+            win32_handle_meta_data: std::ptr::null_mut(),
+            alloc_flags: [0; 8],
+        };
+        // SAFETY: a valid out struct; the application's live handle.
+        self.check("cuMemGetAllocationPropertiesFromHandle", unsafe {
+            (self.get_props)(&mut got, handle)
+        })?;
+        if got != *asked {
+            return Err(format!(
+                "the handle's properties read back {got:?}, created with {asked:?}"
+            ));
+        }
+        Ok(())
     }
 
     fn app_vmm_access(&self, addr: DevPtr) -> Result<(), String> {
@@ -431,6 +463,8 @@ struct Settings {
     app_vmm_remap: bool,
     app_vmm_release: bool,
     app_vmm_rdma: bool,
+    app_vmm_posix: bool,
+    app_vmm_compressed: bool,
     threads: usize,
     hazard: Option<String>,
     devices: usize,
@@ -448,6 +482,8 @@ fn main() {
         app_vmm_remap: args.iter().any(|a| a == "--app-vmm-remap"),
         app_vmm_release: args.iter().any(|a| a == "--app-vmm-release"),
         app_vmm_rdma: args.iter().any(|a| a == "--app-vmm-rdma"),
+        app_vmm_posix: args.iter().any(|a| a == "--app-vmm-posix"),
+        app_vmm_compressed: args.iter().any(|a| a == "--app-vmm-compressed"),
         threads: num(&args, "--threads", 0) as usize,
         hazard: arg(&args, "--hazard"),
         devices: num(&args, "--devices", 1).max(1) as usize,
@@ -610,12 +646,35 @@ fn run(s: &Settings) -> ! {
         .collect();
     drv.make_current(ctx).unwrap_or_else(|e| die(&e));
     let mut remap = None;
+    // The application's handle and the properties it was created with, while it is kept.
+    let mut kept_handle = None;
     if s.app_vmm {
-        let (ptr, handle) = drv.app_vmm(s.app_vmm_rdma).unwrap_or_else(|e| die(&e));
+        // allocFlags: compressionType (byte 0), gpuDirectRDMACapable (byte 1).
+        let prop = AllocationProp {
+            type_: 1,
+            requested_handle_types: u32::from(s.app_vmm_posix),
+            location_type: 1,
+            location_id: 0,
+            win32_handle_meta_data: std::ptr::null_mut(),
+            alloc_flags: [
+                u8::from(s.app_vmm_compressed),
+                u8::from(s.app_vmm_rdma),
+                0,
+                0,
+                0,
+                0,
+                0,
+                0,
+            ],
+        };
+        let (ptr, handle) = drv.app_vmm(&prop).unwrap_or_else(|e| die(&e));
         if s.app_vmm_release {
             drv.app_vmm_release(handle).unwrap_or_else(|e| die(&e));
-        } else if s.app_vmm_remap {
-            remap = Some((ptr, handle));
+        } else {
+            kept_handle = Some((handle, prop));
+            if s.app_vmm_remap {
+                remap = Some((ptr, handle));
+            }
         }
         buffers.push(Buffer {
             ptr,
@@ -674,6 +733,11 @@ fn run(s: &Settings) -> ! {
         }
         if let Some((ptr, handle)) = remap
             && let Err(e) = drv.app_vmm_remap(ptr, handle)
+        {
+            errors.push(e);
+        }
+        if let Some((handle, prop)) = &kept_handle
+            && let Err(e) = drv.check_props(*handle, prop)
         {
             errors.push(e);
         }

@@ -223,6 +223,7 @@ impl Checkpointed<'_> {
                 size: b.size,
                 moved: true,
                 lent: false,
+                rdma_capable: false,
             })
             .collect();
         m.files = written.files.clone();

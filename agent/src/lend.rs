@@ -260,18 +260,26 @@ fn lend(
             spans[i].id, spans[i].addr
         )));
     }
-    let (handles, exportable): (HashMap<u64, Handle>, HashMap<u64, bool>) = {
+    // Per allocation id: its handle, whether it was created exportable, and whether it is
+    // RDMA-capable (said with each `Lent`, so a restored job can check what a keeper made).
+    let (handles, exportable, rdma) = {
         let t = table::try_lock_for(AGENT_LOCK_WAIT).ok_or_else(Fail::busy)?;
-        let mut handles = HashMap::new();
-        let mut exportable = HashMap::new();
+        let mut handles: HashMap<u64, Handle> = HashMap::new();
+        let mut exportable: HashMap<u64, bool> = HashMap::new();
+        let mut rdma: HashMap<u64, bool> = HashMap::new();
         for c in t.converted() {
             let table::Backing::Mapped(h) = c.backing else {
                 return Err(Fail::bad_state(format!("allocation #{} is released", c.id)));
             };
             handles.insert(c.id, h);
             exportable.insert(c.id, c.exportable);
+            rdma.insert(
+                c.id,
+                t.app_prop(c.addr)
+                    .is_some_and(|p| crate::cu::rdma_capable(&p)),
+            );
         }
-        (handles, exportable)
+        (handles, exportable, rdma)
     };
     let mut owned = own_descriptors(&spans, &handles)?;
     // Only what was created exportable (the listing's `Converted`) is lent; the rest
@@ -302,6 +310,7 @@ fn lend(
                 device: u32::try_from(s.device).unwrap_or(u32::MAX),
                 addr: s.addr,
                 size: s.size,
+                rdma_capable: rdma.get(&s.id) == Some(&true),
             },
             fd.as_fd(),
         )?;

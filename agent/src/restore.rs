@@ -114,6 +114,12 @@ fn recreate(drv: &Driver, spans: &[Span], released: &[bool]) -> Result<usize, Fa
             .app_prop(s.addr);
         // At the reservation in this process (a keeper's may lie elsewhere than the job's).
         let handle = vmm::back(drv, s.device, s.at, s.size, prop.as_ref())?;
+        if let Some(p) = prop.filter(|_| crate::keeper::active())
+            && let Err(f) = made_as_asked(drv, handle, &p, s.addr)
+        {
+            let _ = vmm::unback(drv, s.at, s.size, handle);
+            return Err(f);
+        }
         // The guard is dropped at the end of this statement, before any further driver call.
         let marked = match table::try_lock_for(AGENT_LOCK_WAIT) {
             None => Err(Fail::busy()),
@@ -133,6 +139,33 @@ fn recreate(drv: &Driver, spans: &[Span], released: &[bool]) -> Result<usize, Fa
         n += 1;
     }
     Ok(n)
+}
+
+/// In a keeper: the memory just created for the job's allocation at `addr` is RDMA-capable
+/// as `asked` (the job's properties): the driver is asked about the handle it made. Otherwise
+/// the keeper's load fails and the job's agent loads the image itself, with the job's own
+/// properties (what the restored job checks at `Take` is the keeper's word, this check).
+fn made_as_asked(
+    drv: &Driver,
+    handle: cudarc::driver::sys::CUmemGenericAllocationHandle,
+    asked: &crate::cu::PropBytes,
+    addr: u64,
+) -> Result<(), Fail> {
+    let Some(made) = drv.props_of_handle(handle)? else {
+        return Ok(());
+    };
+    let (want, got) = (
+        crate::cu::rdma_capable(asked),
+        crate::cu::rdma_capable(&made),
+    );
+    if want != got {
+        return Err(Fail::bad_state(format!(
+            "the driver made the memory for {addr:#x} with gpuDirectRDMACapable {}, not {} as the job's: the job's agent loads it instead",
+            u8::from(got),
+            u8::from(want)
+        )));
+    }
+    Ok(())
 }
 
 fn chunk_of(span: &Span, addr: u64, len: u64) -> Chunk {

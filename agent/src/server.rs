@@ -374,8 +374,22 @@ impl Agent {
                         format!("{r:?} needs the staging memfd attached"),
                     );
                 }
-                (Request::Take { id, addr, size }, Some(fd)) => {
-                    let first = crate::take::Take { id, addr, size, fd };
+                (
+                    Request::Take {
+                        id,
+                        addr,
+                        size,
+                        rdma_capable,
+                    },
+                    Some(fd),
+                ) => {
+                    let first = crate::take::Take {
+                        id,
+                        addr,
+                        size,
+                        rdma_capable,
+                        fd,
+                    };
                     return crate::take::run(ch, &mut self.gpu, first);
                 }
                 (Request::Reimport { exporter_pid, id }, Some(fd)) => {

@@ -22,6 +22,8 @@ pub struct Take {
     pub id: u64,
     pub addr: u64,
     pub size: u64,
+    /// The keeper made the memory RDMA-capable.
+    pub rdma_capable: bool,
     pub fd: OwnedFd,
 }
 
@@ -55,7 +57,21 @@ fn take_all(ch: &Channel, gpu: &mut Gpu, first: Take) -> Result<Reply, Fail> {
         let t = match next.take() {
             Some(t) => t,
             None => match ch.recv_request(Some(PEER_WAIT))? {
-                (Request::Take { id, addr, size }, Some(fd)) => Take { id, addr, size, fd },
+                (
+                    Request::Take {
+                        id,
+                        addr,
+                        size,
+                        rdma_capable,
+                    },
+                    Some(fd),
+                ) => Take {
+                    id,
+                    addr,
+                    size,
+                    rdma_capable,
+                    fd,
+                },
                 (Request::TakeEnd, None) => break,
                 (Request::Abort, _) => return Err(Fail::Aborted),
                 (other, _) => {
@@ -88,7 +104,7 @@ fn take_all(ch: &Channel, gpu: &mut Gpu, first: Take) -> Result<Reply, Fail> {
             t.addr,
             t.size,
             t.fd.as_fd(),
-            |h| same_memory_kind(drv, t.addr, h),
+            |h| same_memory_kind(drv, (t.addr, t.rdma_capable), h),
         )?;
         crate::lend::keep_own(t.id, t.addr, handle, t.fd);
         taken[i] = true;
@@ -117,25 +133,33 @@ fn take_all(ch: &Channel, gpu: &mut Gpu, first: Take) -> Result<Reply, Fail> {
 /// The memory the keeper made for the allocation at `addr` must be RDMA-capable exactly where
 /// the job's was (its own `cuMemCreate` properties, kept by the table; the agent's own
 /// conversions are not): the program would otherwise run on memory other than it asked for.
-/// A driver without `cuMemGetAllocationPropertiesFromHandle` cannot say, and is trusted.
+/// What the keeper says it made (`made_rdma`, checked against the driver in the keeper when it
+/// created the memory) decides; how the driver describes the imported handle here is only
+/// logged where it differs, since what it reports for an import was never seen on a GPU.
 fn same_memory_kind(
     drv: &crate::real::Driver,
-    addr: u64,
+    (addr, made_rdma): (u64, bool),
     imported: cudarc::driver::sys::CUmemGenericAllocationHandle,
 ) -> Result<(), Fail> {
-    let Some(got) = drv.props_of_handle(imported)? else {
-        return Ok(());
-    };
     let had = table::try_lock_for(AGENT_LOCK_WAIT)
         .ok_or_else(Fail::busy)?
         .app_prop(addr)
         .is_some_and(|p| crate::cu::rdma_capable(&p));
-    if crate::cu::rdma_capable(&got) != had {
+    if made_rdma != had {
         return Err(Fail::bad_state(format!(
-            "the memory handed over for {addr:#x} has gpuDirectRDMACapable {}, the job's had {}: refusing it",
-            u8::from(!had),
+            "the memory handed over for {addr:#x} was made with gpuDirectRDMACapable {}, the job's had {}: refusing it",
+            u8::from(made_rdma),
             u8::from(had)
         )));
+    }
+    if let Ok(Some(got)) = drv.props_of_handle(imported)
+        && crate::cu::rdma_capable(&got) != had
+    {
+        debug!(
+            "hand-over: the driver describes the memory imported at {addr:#x} with gpuDirectRDMACapable {} (the keeper made it {}); taken",
+            u8::from(crate::cu::rdma_capable(&got)),
+            u8::from(had)
+        );
     }
     Ok(())
 }

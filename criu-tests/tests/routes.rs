@@ -290,6 +290,11 @@ fn a_plain_application_handle_is_lent_and_handed_over_at_restore() {
     let restore = s.restore();
     s.assert_ok(&restore);
     s.assert_line(&restore, &["restore hand-over planned"]);
+    // The keeper's memory was taken, not the job's agent's own load after a refusal.
+    s.assert_line(
+        &restore,
+        &["the keeper's load ran", "then mapped 4 allocations"],
+    );
     s.assert_runs_on(&last, &restore);
 }
 
@@ -366,9 +371,10 @@ fn assert_rdma_lent(s: &Split, dump: &CriuRun) {
 }
 
 /// RDMA-capable memory with the POSIX-fd type the program asked for itself is lent, and the
-/// restore hands it over through the keeper, which makes it RDMA-capable again (the job's agent
-/// refuses memory of another kind at the hand-over); the workload reads back exactly the
-/// properties it created its handle with, every tick after the restore.
+/// restore hands it over through the keeper, which makes it RDMA-capable again (checked with the
+/// driver in the keeper; the job's agent refuses memory the keeper says is of another kind);
+/// the workload reads back exactly the properties it created its handle with, every tick after
+/// the restore.
 #[test]
 fn rdma_capable_application_memory_is_lent_and_made_again_at_restore() {
     let Some(mut s) = start_rdma("routes-rdma-restore") else {
@@ -381,6 +387,11 @@ fn rdma_capable_application_memory_is_lent_and_made_again_at_restore() {
     let restore = s.restore();
     s.assert_ok(&restore);
     s.assert_line(&restore, &["restore hand-over planned"]);
+    // The keeper's memory was taken, not the job's agent's own load after a refusal.
+    s.assert_line(
+        &restore,
+        &["the keeper's load ran", "then mapped 4 allocations"],
+    );
     s.assert_runs_on(&last, &restore);
 }
 

@@ -78,6 +78,8 @@ pub struct LentAllocation {
     pub device: u32,
     pub addr: u64,
     pub size: u64,
+    /// The lender made it `gpuDirectRDMACapable`.
+    pub rdma_capable: bool,
     pub fd: std::os::fd::OwnedFd,
 }
 
@@ -422,6 +424,7 @@ impl AgentSession {
                         device,
                         addr,
                         size,
+                        rdma_capable,
                     },
                     Some(fd),
                 ) => out.push(LentAllocation {
@@ -429,6 +432,7 @@ impl AgentSession {
                     device,
                     addr,
                     size,
+                    rdma_capable,
                     fd,
                 }),
                 (Reply::LentEnd { count, .. }, None) if count as usize == out.len() => {
@@ -705,6 +709,7 @@ impl AgentSession {
             id: lent.id,
             addr: lent.addr,
             size: lent.size,
+            rdma_capable: lent.rdma_capable,
         };
         self.send(&req, Some(lent.fd.as_fd()))?;
         match self.recv(self.timeout)? {

@@ -1742,6 +1742,7 @@ mod tests {
             size: 1 << 21,
             moved: true,
             lent: false,
+            rdma_capable: false,
         };
         let gpus = [gpu(0, 0xa0), gpu(1, 0xb1), gpu(2, 0xc2)];
         let listed = [

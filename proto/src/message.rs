@@ -235,6 +235,9 @@ pub enum Request {
         addr: u64,
         /// Bytes.
         size: u64,
+        /// The keeper made the memory `gpuDirectRDMACapable` (its [`Reply::Lent`]): the job's
+        /// agent refuses memory other than its program asked for.
+        rdma_capable: bool,
     },
     /// Every allocation was handed over with `Take`: the memory is whole if none is missing.
     TakeEnd,
@@ -469,6 +472,8 @@ pub enum Reply {
         addr: u64,
         /// Bytes.
         size: u64,
+        /// The memory is `gpuDirectRDMACapable` (as the lender created it).
+        rdma_capable: bool,
     },
     /// Every converted allocation was lent.
     LentEnd {
@@ -794,11 +799,17 @@ impl Request {
                 w.u64(*size);
                 w.bool(*rdma_capable);
             }
-            Request::Take { id, addr, size } => {
+            Request::Take {
+                id,
+                addr,
+                size,
+                rdma_capable,
+            } => {
                 header(&mut w, kind::REQ_TAKE);
                 w.u64(*id);
                 w.u64(*addr);
                 w.u64(*size);
+                w.bool(*rdma_capable);
             }
             Request::TakeEnd => header(&mut w, kind::REQ_TAKE_END),
             Request::ListSharing => header(&mut w, kind::REQ_LIST_SHARING),
@@ -882,6 +893,7 @@ impl Request {
                 id: r.u64()?,
                 addr: r.u64()?,
                 size: r.u64()?,
+                rdma_capable: r.bool()?,
             },
             kind::REQ_TAKE_END => Request::TakeEnd,
             kind::REQ_LIST_SHARING => Request::ListSharing,
@@ -1028,12 +1040,14 @@ impl Reply {
                 device,
                 addr,
                 size,
+                rdma_capable,
             } => {
                 header(&mut w, kind::REP_LENT);
                 w.u64(*id);
                 w.u32(*device);
                 w.u64(*addr);
                 w.u64(*size);
+                w.bool(*rdma_capable);
             }
             Reply::LentEnd { count, bytes } => {
                 header(&mut w, kind::REP_LENT_END);
@@ -1195,6 +1209,7 @@ impl Reply {
                 device: r.u32()?,
                 addr: r.u64()?,
                 size: r.u64()?,
+                rdma_capable: r.bool()?,
             },
             kind::REP_LENT_END => Reply::LentEnd {
                 count: r.u32()?,

@@ -72,6 +72,7 @@ fn all_requests() -> Vec<Request> {
             id: 4,
             addr: 0x7000_0040_0000,
             size: 4 << 20,
+            rdma_capable: true,
         },
         Request::TakeEnd,
         Request::ListSharing,
@@ -210,6 +211,7 @@ fn all_replies() -> Vec<Reply> {
             device: 1,
             addr: 0x7000_0020_0000,
             size: 2 << 20,
+            rdma_capable: true,
         },
         Reply::LentEnd {
             count: 1,
@@ -386,7 +388,10 @@ fn header_errors_are_typed() {
     b[4] = 10;
     assert!(matches!(
         Request::decode(&b),
-        Err(ProtoError::VersionMismatch { ours: 9, theirs: 10 })
+        Err(ProtoError::VersionMismatch {
+            ours: 9,
+            theirs: 10
+        })
     ));
     let mut b = enc_req(&Request::Release);
     b[6] = 0x77;

@@ -495,24 +495,6 @@ pub fn forget_export(base: CUdeviceptr) {
     }
 }
 
-fn random_key() -> io::Result<[u8; 16]> {
-    let mut key = [0u8; 16];
-    let mut got = 0;
-    while got < key.len() {
-        // SAFETY: the buffer's remaining bytes are writable.
-        let n = unsafe { libc::getrandom(key[got..].as_mut_ptr().cast(), key.len() - got, 0) };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            if e.raw_os_error() == Some(libc::EINTR) {
-                continue;
-            }
-            return Err(e);
-        }
-        got += n as usize;
-    }
-    Ok(key)
-}
-
 /// `sockaddr_un` of an abstract name, and its length.
 fn abstract_addr(name: &str) -> io::Result<(libc::sockaddr_un, libc::socklen_t)> {
     // SAFETY: sockaddr_un is plain data; all zeros is valid.
@@ -546,7 +528,7 @@ fn ensure_service() -> Result<[u8; 16], IpcError> {
     if let Some(s) = &st.service {
         return Ok(s.key);
     }
-    let key = random_key().map_err(IpcError::Service)?;
+    let key = crate::identity::key().map_err(IpcError::Service)?;
     let name = service_name(std::process::id(), &key);
     let listener = seqpacket_socket().map_err(IpcError::Service)?;
     let (addr, len) = abstract_addr(&name).map_err(IpcError::Service)?;
@@ -841,6 +823,8 @@ pub struct Share {
     pub size: u64,
     /// Import: mapped now (false between a release and a reimport). Export: always true.
     pub mapped: bool,
+    /// The exporter's key ([`crate::identity`]): the import's source, or this process's.
+    pub key: [u8; 16],
 }
 
 /// The shares of this process: every import, and every export once per process that fetched
@@ -856,8 +840,10 @@ pub fn sharing() -> Option<Vec<Share>> {
             addr: base,
             size: m.size,
             mapped: m.mapped,
+            key: m.source.1,
         });
     }
+    let own_key = st.service.as_ref().map_or([0; 16], |s| s.key);
     for (&base, e) in &st.exports {
         let pids: Vec<u32> = if e.importers.is_empty() {
             vec![0]
@@ -872,6 +858,7 @@ pub fn sharing() -> Option<Vec<Share>> {
                 addr: base,
                 size: e.size,
                 mapped: true,
+                key: own_key,
             });
         }
     }

@@ -46,6 +46,7 @@ mod guard;
 mod hazards;
 mod held;
 mod hooks;
+mod identity;
 mod ipc;
 pub mod keeper;
 mod lend;

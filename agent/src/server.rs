@@ -447,7 +447,8 @@ impl Agent {
                 import,
                 exporter_pid,
                 id,
-            } => shareable_source(ch, import, exporter_pid, id),
+                key,
+            } => shareable_source(ch, import, exporter_pid, id, key),
             Request::Abort => ch.send_reply(&Reply::Aborted),
             other => ch.send_reply(&Reply::Error {
                 code: ErrorCode::BadState,
@@ -498,6 +499,7 @@ fn list_sharing(ch: &Channel) -> Result<(), ProtoError> {
             agent_fd: -1,
             app_fd: -1,
             own_fd: -1,
+            key: s.key,
         })?;
     }
     for s in &shareable {
@@ -516,6 +518,7 @@ fn list_sharing(ch: &Channel) -> Result<(), ProtoError> {
             } else {
                 crate::lend::own_fd_number(s.addr).unwrap_or(-1)
             },
+            key: s.key,
         })?;
     }
     ch.send_reply(&Reply::SharedEnd {
@@ -529,8 +532,9 @@ fn shareable_source(
     import: u64,
     exporter_pid: u32,
     id: u64,
+    key: [u8; 16],
 ) -> Result<(), ProtoError> {
-    match crate::shareable::note_source(import, exporter_pid, id) {
+    match crate::shareable::note_source(import, exporter_pid, id, key) {
         Ok(()) => ch.send_reply(&Reply::SourceNoted),
         Err(crate::shareable::ShareableError::Busy) => ch.send_reply(&busy_reply()),
         Err(e) => ch.send_reply(&Reply::Error {

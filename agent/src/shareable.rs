@@ -72,6 +72,8 @@ struct Import {
     ident: Option<OwnedFd>,
     /// The exporter (its pid in this process's namespace) and its allocation id.
     source: Option<(u32, u64)>,
+    /// The exporter's key ([`crate::identity`]), with `source`.
+    source_key: [u8; 16],
     maps: Vec<ImportMap>,
     /// A release took its memory (the driver's handle and every mapping) away.
     released: bool,
@@ -219,6 +221,7 @@ pub fn imported(real: Handle, app_fd: RawFd, device: i32) -> Option<Handle> {
             device,
             ident: Some(ident),
             source: None,
+            source_key: [0; 16],
             maps: Vec::new(),
             released: false,
         },
@@ -347,6 +350,9 @@ pub struct Share {
     pub mapped: bool,
     pub agent_fd: i32,
     pub app_fd: i32,
+    /// The exporter's key: this process's for an export, the resolved source's for an import
+    /// (zeros until resolved).
+    pub key: [u8; 16],
 }
 
 /// This process's shareable exports and imports; `None` when a lock is held.
@@ -357,6 +363,9 @@ pub fn sharing() -> Option<Vec<Share>> {
     let t = table::try_lock_for(table::AGENT_LOCK_WAIT)?;
     let st = try_state()?;
     let mut v = Vec::new();
+    // Without a key (getrandom failed) the exports say zeros, which no resolved import holds
+    // unless the plugin told it so.
+    let own_key = crate::identity::key().unwrap_or([0; 16]);
     {
         for e in &st.exports {
             // Carried only as a movable mapping of the handle (moved by the split path).
@@ -375,6 +384,7 @@ pub fn sharing() -> Option<Vec<Share>> {
                 mapped: moved.is_some(),
                 agent_fd: e.dup.as_raw_fd(),
                 app_fd,
+                key: own_key,
             });
         }
     }
@@ -395,6 +405,7 @@ pub fn sharing() -> Option<Vec<Share>> {
             mapped: m.whole(),
             agent_fd,
             app_fd: -1,
+            key: m.source_key,
         });
     }
     Some(v)
@@ -452,9 +463,9 @@ impl From<CuError> for ShareableError {
     }
 }
 
-/// `ShareableSource`: import `import` is exporter `pid`'s allocation `id`; the duplicate kept
-/// to identify it is closed.
-pub fn note_source(import: u64, pid: u32, id: u64) -> Result<(), ShareableError> {
+/// `ShareableSource`: import `import` is exporter `pid`'s allocation `id`, an exporter whose
+/// key is `key`; the duplicate kept to identify it is closed.
+pub fn note_source(import: u64, pid: u32, id: u64, key: [u8; 16]) -> Result<(), ShareableError> {
     let mut st = try_state().ok_or(ShareableError::Busy)?;
     let m = st
         .imports
@@ -462,6 +473,7 @@ pub fn note_source(import: u64, pid: u32, id: u64) -> Result<(), ShareableError>
         .find(|m| m.id == import)
         .ok_or(ShareableError::NoImport(import))?;
     m.source = Some((pid, id));
+    m.source_key = key;
     m.ident = None;
     debug!("shareable: import #{import} is allocation #{id} of pid {pid}");
     Ok(())

@@ -91,6 +91,7 @@ fn sends() -> Vec<Send> {
                 import: 9,
                 exporter_pid: 1,
                 id: 1,
+                key: [1; 16],
             },
             with_fd,
         ));

@@ -108,6 +108,10 @@ pub struct Share {
     pub app_fd: i32,
     /// Export: the agent's own descriptor of the allocation a hand-over left (-1).
     pub own_fd: i32,
+    /// The exporter's key: its own for an export, the source's for an import (zeros: an
+    /// unresolved shareable import). An import is carried only with an export of the same pid,
+    /// allocation *and* key.
+    pub key: [u8; 16],
 }
 
 impl Share {
@@ -499,6 +503,7 @@ impl AgentSession {
                     agent_fd,
                     app_fd,
                     own_fd,
+                    key,
                 } if out.len() < MAX_SHARES => out.push(Share {
                     import,
                     pid,
@@ -510,6 +515,7 @@ impl AgentSession {
                     agent_fd,
                     app_fd,
                     own_fd,
+                    key,
                 }),
                 Reply::SharedEnd { count } if count as usize == out.len() => return Ok(out),
                 got => return Err(self.unexpected("Shared, or SharedEnd with their count", got)),
@@ -560,11 +566,13 @@ impl AgentSession {
         import: u64,
         exporter_pid: u32,
         id: u64,
+        key: [u8; 16],
     ) -> Result<(), AgentError> {
         let req = Request::ShareableSource {
             import,
             exporter_pid,
             id,
+            key,
         };
         self.send(&req, None)?;
         match self.recv(self.timeout)? {

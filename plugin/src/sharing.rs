@@ -32,6 +32,10 @@ pub enum SharingError {
     NotSplit { pid: u32 },
     #[error("pid {importer}: its exporter pid {exporter} is not among the restored processes")]
     NoExporter { importer: u32, exporter: u32 },
+    #[error(
+        "pid {importer} maps device memory that pid {exporter} exported, but pid {exporter} is another process now (the exporter exited and its pid was used again): not carried"
+    )]
+    ExporterReplaced { importer: u32, exporter: u32 },
     #[error("pid {importer}: exporter pid {exporter} no longer exports allocation #{id}")]
     NoSuchExport {
         importer: u32,
@@ -100,6 +104,9 @@ pub fn check(members: &[Member<'_>], gone: impl Fn(u32) -> bool) -> Result<(), S
                     exporter: s.pid,
                 });
             }
+            if s.import {
+                exported_by(members, m.nspid, s)?;
+            }
             if !s.import && s.pid != 0 && !inside.contains(&s.pid) && !gone(s.pid) {
                 return Err(SharingError::ImporterOutside {
                     exporter: m.nspid,
@@ -109,6 +116,32 @@ pub fn check(members: &[Member<'_>], gone: impl Fn(u32) -> bool) -> Result<(), S
         }
     }
     Ok(())
+}
+
+/// The import `s` of process `importer` is an export of its exporter (a member of the dump):
+/// the same allocation of the same process, told by the exporter's key. A pid used again by
+/// another process after the exporter exited has other keys; its memory must never be mapped
+/// in place of what the import held.
+fn exported_by(members: &[Member<'_>], importer: u32, s: &Share) -> Result<(), SharingError> {
+    let Some(e) = members.iter().find(|e| e.nspid == s.pid) else {
+        return Ok(()); // outside the dump: refused by the caller
+    };
+    let exports = || e.shares.iter().filter(|x| !x.import && x.id == s.id);
+    if exports().any(|x| x.key == s.key) {
+        return Ok(());
+    }
+    Err(if exports().next().is_some() {
+        SharingError::ExporterReplaced {
+            importer,
+            exporter: s.pid,
+        }
+    } else {
+        SharingError::NoSuchExport {
+            importer,
+            exporter: s.pid,
+            id: s.id,
+        }
+    })
 }
 
 /// Whether fd `fd1` of `pid1` and fd `fd2` of `pid2` are one open file (`kcmp(KCMP_FILE)`:
@@ -151,6 +184,8 @@ pub struct Resolved {
     pub import: u64,
     pub exporter: u32,
     pub id: u64,
+    /// The exporter's key, which the importer records with its source.
+    pub key: [u8; 16],
 }
 
 /// The shareable exports and imports of a dump (`docs/ipc.md`, "Shareable handles"), before
@@ -166,14 +201,14 @@ pub fn resolve_shareable(
     others: &[i32],
     outside: impl Fn(i32, i32) -> Option<i32>,
 ) -> Result<Vec<Resolved>, SharingError> {
-    // (exporter host pid, exporter nspid, allocation id, the agent's fd)
-    let mut exports: Vec<(i32, u32, u64, i32)> = Vec::new();
+    // (exporter host pid, exporter nspid, allocation id, the agent's fd, the exporter's key)
+    let mut exports: Vec<(i32, u32, u64, i32, [u8; 16])> = Vec::new();
     for m in members.iter() {
         for s in m.shares.iter().filter(|s| s.shareable && !s.import) {
             if !s.mapped {
                 return Err(SharingError::ShareableNotMoved { exporter: m.nspid });
             }
-            exports.push((m.pid, m.nspid, s.id, s.agent_fd));
+            exports.push((m.pid, m.nspid, s.id, s.agent_fd, s.key));
         }
     }
     // The agents' own descriptors (the importers' until they are told), and the exporters'
@@ -194,13 +229,13 @@ pub fn resolve_shareable(
         for s in m.shares.iter_mut().filter(|s| s.unresolved()) {
             let (import, fd) = (s.id, s.agent_fd);
             let mut found = None;
-            for &(epid, ens, id, efd) in &exports {
+            for &(epid, ens, id, efd, key) in &exports {
                 if fd >= 0 && same_file(pid, fd, epid, efd)? {
-                    found = Some((ens, id));
+                    found = Some((ens, id, key));
                     break;
                 }
             }
-            let Some((exporter, id)) = found else {
+            let Some((exporter, id, key)) = found else {
                 return Err(match (fd >= 0).then(|| outside(pid, fd)).flatten() {
                     Some(exporter) => SharingError::ShareableExporterOutside {
                         importer: nspid,
@@ -211,17 +246,19 @@ pub fn resolve_shareable(
             };
             s.pid = exporter;
             s.id = id;
+            s.key = key;
             s.agent_fd = -1;
             resolved.push(Resolved {
                 importer: pid,
                 import,
                 exporter,
                 id,
+                key,
             });
         }
     }
     // Every export is imported in the dump (an importer outside it cannot be seen).
-    for &(_, ens, id, _) in &exports {
+    for &(_, ens, id, _, _) in &exports {
         let imported = members.iter().any(|m| {
             m.shares
                 .iter()
@@ -239,7 +276,7 @@ pub fn resolve_shareable(
                 if own.contains(&(pid, fd)) || !maybe_exported(pid, fd) {
                     continue;
                 }
-                for &(epid, ens, _, efd) in &exports {
+                for &(epid, ens, _, efd, _) in &exports {
                     if same_file(pid, fd, epid, efd)? {
                         return Err(SharingError::ExportFdHeld {
                             pid,
@@ -294,7 +331,7 @@ pub fn announce(resolved: &[Resolved], timeout: Duration) -> Result<(), SharingE
     for (pid, rs) in by_pid {
         with_agent(pid, timeout, |s| {
             for r in &rs {
-                s.shareable_source(r.import, r.exporter, r.id)?;
+                s.shareable_source(r.import, r.exporter, r.id, r.key)?;
             }
             Ok(())
         })?;
@@ -498,8 +535,12 @@ mod tests {
             agent_fd: -1,
             app_fd: -1,
             own_fd: -1,
+            key: KEY,
         }
     }
+
+    /// The exporter's key in these tests.
+    const KEY: [u8; 16] = [0x4b; 16];
 
     #[test]
     fn a_tree_that_holds_both_sides_passes() {
@@ -518,6 +559,52 @@ mod tests {
             },
         ];
         check(&members, |_| false).unwrap();
+    }
+
+    /// The exporter's pid is in the dump, but as another process (the exporter exited and its
+    /// pid was used again): an export of the same allocation id with another key is not the
+    /// import's memory, and none at all is named too. Either refuses before anything is
+    /// released.
+    #[test]
+    fn an_import_whose_exporter_is_another_process_now_is_refused() {
+        let imp = [share(true, 10, 1)];
+        let tree = |exp| {
+            [
+                Member {
+                    nspid: 10,
+                    split: true,
+                    shares: exp,
+                },
+                Member {
+                    nspid: 11,
+                    split: true,
+                    shares: &imp,
+                },
+            ]
+        };
+        let mut replaced = [share(false, 11, 1)];
+        replaced[0].key = [0x77; 16];
+        let e = check(&tree(&replaced), |_| false).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                SharingError::ExporterReplaced {
+                    importer: 11,
+                    exporter: 10
+                }
+            ),
+            "{e}"
+        );
+        assert!(e.to_string().contains("its pid was used again"), "{e}");
+        // No export of that allocation at all.
+        assert!(matches!(
+            check(&tree(&[share(false, 11, 2)]), |_| false),
+            Err(SharingError::NoSuchExport {
+                importer: 11,
+                exporter: 10,
+                id: 1
+            })
+        ));
     }
 
     #[test]
@@ -578,6 +665,8 @@ mod tests {
             agent_fd,
             app_fd,
             own_fd: -1,
+            // An export says its exporter's key; an unresolved import knows none yet.
+            key: if import { [0; 16] } else { KEY },
         }
     }
 
@@ -621,10 +710,12 @@ mod tests {
                 importer: std::process::id() as i32,
                 import: 1,
                 exporter: 10,
-                id: 7
+                id: 7,
+                key: KEY,
             }]
         );
         assert_eq!((imp[0].pid, imp[0].id, imp[0].agent_fd), (10, 7, -1));
+        assert_eq!(imp[0].key, KEY, "the import records its exporter's key");
         // Then the usual rule sees an import of a process inside the dump.
         let members = [
             Member {

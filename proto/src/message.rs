@@ -267,6 +267,9 @@ pub enum Request {
         exporter_pid: u32,
         /// The exporter's allocation id.
         id: u64,
+        /// The exporter's key (its [`Reply::Shared::key`]), so that a later process with the
+        /// same pid is never taken for it.
+        key: [u8; 16],
     },
 }
 
@@ -534,6 +537,9 @@ pub enum Reply {
         agent_fd: i32,
         app_fd: i32,
         own_fd: i32,
+        /// The exporter's key (`identity`: random per process, kept across its restore): an
+        /// export says its own, an import its source's (zeros: an unresolved shareable import).
+        key: [u8; 16],
     },
     /// Every share was listed.
     SharedEnd {
@@ -823,11 +829,13 @@ impl Request {
                 import,
                 exporter_pid,
                 id,
+                key,
             } => {
                 header(&mut w, kind::REQ_SHAREABLE_SOURCE);
                 w.u64(*import);
                 w.u32(*exporter_pid);
                 w.u64(*id);
+                w.bytes16(key);
             }
         }
         w.len()
@@ -906,6 +914,7 @@ impl Request {
                 import: r.u64()?,
                 exporter_pid: r.u32()?,
                 id: r.u64()?,
+                key: r.bytes16()?,
             },
             other => return Err(ProtoError::UnknownKind(other)),
         };
@@ -1092,6 +1101,7 @@ impl Reply {
                 agent_fd,
                 app_fd,
                 own_fd,
+                key,
             } => {
                 header(&mut w, kind::REP_SHARED);
                 w.bool(*import);
@@ -1104,6 +1114,7 @@ impl Reply {
                 w.i32(*agent_fd);
                 w.i32(*app_fd);
                 w.i32(*own_fd);
+                w.bytes16(key);
             }
             Reply::SharedEnd { count } => {
                 header(&mut w, kind::REP_SHARED_END);
@@ -1238,6 +1249,7 @@ impl Reply {
                 agent_fd: r.i32()?,
                 app_fd: r.i32()?,
                 own_fd: r.i32()?,
+                key: r.bytes16()?,
             },
             kind::REP_SHARED_END => Reply::SharedEnd { count: r.u32()? },
             kind::REP_SHARE_FD => Reply::ShareFd {

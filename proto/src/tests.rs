@@ -85,6 +85,7 @@ fn all_requests() -> Vec<Request> {
             import: 2,
             exporter_pid: 77,
             id: 9,
+            key: [0xc3; 16],
         },
         Request::Adopt {
             id: 3,
@@ -237,6 +238,7 @@ fn all_replies() -> Vec<Reply> {
             agent_fd: -1,
             app_fd: -1,
             own_fd: -1,
+            key: [0x5e; 16],
         },
         Reply::Shared {
             import: true,
@@ -249,6 +251,7 @@ fn all_replies() -> Vec<Reply> {
             agent_fd: 41,
             app_fd: 7,
             own_fd: 43,
+            key: [0; 16],
         },
         Reply::Shared {
             import: false,
@@ -261,6 +264,7 @@ fn all_replies() -> Vec<Reply> {
             agent_fd: -1,
             app_fd: -1,
             own_fd: -1,
+            key: [0x5e; 16],
         },
         Reply::SharedEnd { count: 3 },
         Reply::ShareFd {

@@ -676,7 +676,7 @@ pub unsafe extern "C" fn cuMemRetainAllocationHandle(
             let mut t = table::lock();
             t.virtual_of(real).map(|v| (v, t.app_retain(v)))
         }
-        .or_else(|| crate::shareable::retained(real));
+        .or_else(|| crate::shareable::retained(real, addr as usize as u64));
         if let Some((v, release_extra)) = extra {
             // SAFETY: handle is valid for writes.
             unsafe { *handle = v };

@@ -327,13 +327,28 @@ pub fn app_release(v: Handle) -> Option<Release> {
     Some(real.map_or(Release::Counted, Release::Real))
 }
 
-/// `cuMemRetainAllocationHandle` returned driver handle `real`: the program's value, and whether
-/// the driver reference the retain added is to be released again (the agent holds one).
-pub fn retained(real: Handle) -> Option<(Handle, bool)> {
+/// `cuMemRetainAllocationHandle(addr)` returned driver handle `real`: the program's value, and
+/// whether the driver reference the retain added is to be released again (the agent holds
+/// one). After the program's last release its mapping alone held the memory, and the agent no
+/// driver handle: the retain's new reference is then the import's handle again, so the program
+/// gets its value back and a dump finds the import whole (not a driver handle it never saw).
+pub fn retained(real: Handle, addr: u64) -> Option<(Handle, bool)> {
     let mut st = state();
-    let (&v, m) = st.imports.iter_mut().find(|(_, m)| m.real == Some(real))?;
-    m.app_refs += 1;
-    Some((v, m.app_refs > 1))
+    if let Some((&v, m)) = st.imports.iter_mut().find(|(_, m)| m.real == Some(real)) {
+        m.app_refs += 1;
+        return Some((v, m.app_refs > 1));
+    }
+    let (&v, m) = st.imports.iter_mut().find(|(_, m)| {
+        m.real.is_none()
+            && !m.released
+            && m
+                .maps
+                .iter()
+                .any(|x| addr >= x.addr && addr - x.addr < x.size)
+    })?;
+    m.real = Some(real);
+    m.app_refs = 1;
+    Some((v, false))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -787,11 +802,17 @@ mod tests {
             "one duplicate kept"
         );
         // A retain of the driver's handle gives the program's value back, counted.
-        assert_eq!(retained(0x51), Some((v, true)));
+        assert_eq!(retained(0x51, 0x4000_0000), Some((v, true)));
         assert_eq!(app_release(v), Some(Release::Counted));
         // The last release: the driver's handle is released, the mapping keeps the memory.
         assert_eq!(app_release(v), Some(Release::Real(0x51)));
         assert_eq!(app_release(v), Some(Release::Invalid));
+        // A retain from the mapping after that: the driver's new reference is the import's
+        // again, under the program's value; outside the mapping nothing is adopted.
+        assert_eq!(retained(0x53, 0x4000_0000 + (2 << 20)), None);
+        assert_eq!(retained(0x53, 0x4000_1000), Some((v, false)));
+        assert_eq!(import_real(v), Some(Some(0x53)));
+        assert_eq!(app_release(v), Some(Release::Real(0x53)));
         assert!(
             same_file_here(dup, a.as_raw_fd()),
             "still mapped: still tracked"

@@ -73,7 +73,7 @@ pub type ImportRelease = fn(&Driver, &mut Gpu) -> Result<(u32, u64), Fail>;
 /// above (which this one does not import).
 #[derive(Clone, Copy)]
 pub struct ReleaseAlso {
-    /// Told of each allocation a `Release` unmaps: `lend::forget_own_within`.
+    /// Told of each allocation a `Release` unmaps: `own_fds::forget_released`.
     pub released: fn(u64, Handle),
     pub imports: ImportRelease,
 }
@@ -509,7 +509,7 @@ fn not_copied(c: &Chunk, hash: Option<ChunkHash>, known: &KnownChunks) -> Option
 /// Unmaps and releases every dumped allocation, keeping its reservation. The table is marked
 /// first (so a concurrent free cannot release the handle twice) and restored if the unmap fails.
 /// `released(addr, handle)` is told of each allocation whose memory is gone: the hand-over's registry of
-/// kept descriptors (`lend::forget_own_within`) sits above this module and is passed in.
+/// kept descriptors (`own_fds::forget_released`) sits above this module and is passed in.
 pub(crate) fn release(
     drv: &Driver,
     gpu: &mut Gpu,

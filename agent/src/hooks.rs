@@ -393,7 +393,7 @@ pub unsafe extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CuRes {
         };
         // The exported fd of a shared allocation would keep its memory alive.
         crate::ipc::forget_export(dptr);
-        crate::lend::forget_own(dptr);
+        crate::own_fds::forget_at(dptr);
         if let Some(rc) = convert::free_converted(drv, dptr) {
             return rc;
         }
@@ -586,7 +586,7 @@ pub unsafe extern "C" fn cuMemUnmap(ptr: CUdeviceptr, size: usize) -> CuRes {
         let rc = unsafe { (drv.mem_unmap)(ptr, size) };
         if rc == CUDA_SUCCESS {
             let gone = table::lock().record_app_unmap(ptr, size as u64);
-            crate::lend::forget_own_handles(&gone);
+            crate::own_fds::forget_handles(&gone);
             crate::shareable::unmapped(ptr, size as u64);
             crate::shareable::forget_gone_exports();
         }
@@ -635,7 +635,7 @@ pub unsafe extern "C" fn cuMemRelease(handle: CUmemGenericAllocationHandle) -> C
             Some(table::AppRelease::ReleaseReal(real)) => {
                 // Unmapped already: the handle is gone, and its own descriptor with it.
                 if table::lock().real_handle(handle).is_none() {
-                    crate::lend::forget_own_handles(&[real]);
+                    crate::own_fds::forget_handles(&[real]);
                 }
                 // SAFETY: the driver handle behind the application's, whose last reference
                 // this was.
@@ -971,7 +971,7 @@ pub unsafe extern "C" fn cuMemExportToShareableHandle(
             // SAFETY: the caller's arguments, the handle translated.
             let mut rc = unsafe { export(out, handle, handle_type, flags) };
             if rc != CUDA_SUCCESS
-                && let Some(own) = crate::lend::own_descriptor_of(handle)
+                && let Some(own) = crate::own_fds::copy_of_handle(handle)
             {
                 // After a hand-over the memory is mapped from an imported handle, which the
                 // driver will not export again: the descriptor it was imported from names the

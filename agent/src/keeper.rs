@@ -235,7 +235,7 @@ fn serve(ch: &Channel, gpus: &[[u8; 16]]) -> Result<(), KeeperError> {
                     &known,
                     crate::dump::Mode::Stopped,
                     crate::dump::ReleaseAlso {
-                        released: crate::lend::forget_own_within,
+                        released: crate::own_fds::forget_released,
                         imports: crate::dump::no_imports,
                     },
                 );

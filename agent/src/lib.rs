@@ -39,7 +39,9 @@ mod config;
 mod convert;
 mod cu;
 mod devhash;
+
 mod dump;
+mod fd_budget;
 mod fork;
 mod gpu;
 mod guard;
@@ -51,6 +53,7 @@ mod ipc;
 pub mod keeper;
 mod lend;
 mod log;
+mod own_fds;
 mod plan;
 mod real;
 mod restore;

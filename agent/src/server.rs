@@ -338,7 +338,7 @@ impl Agent {
                         &known,
                         mode,
                         dump::ReleaseAlso {
-                            released: crate::lend::forget_own_within,
+                            released: crate::own_fds::forget_released,
                             imports: release_imports,
                         },
                     );
@@ -516,7 +516,7 @@ fn list_sharing(ch: &Channel) -> Result<(), ProtoError> {
             own_fd: if s.import {
                 -1
             } else {
-                crate::lend::own_fd_number(s.addr).unwrap_or(-1)
+                crate::own_fds::number_at(s.addr).unwrap_or(-1)
             },
             key: s.key,
         })?;
@@ -546,22 +546,21 @@ fn shareable_source(
 
 /// `ShareFds`: a descriptor of the current memory of each exported allocation.
 fn share_fds(ch: &Channel) -> Result<(), ProtoError> {
-    let fds =
-        crate::session::need_driver().and_then(|drv| {
-            let mut fds = crate::ipc::share_fds(drv, crate::lend::own_descriptor)
-                .map_err(|e| Fail::bad_state(format!("descriptors of the exported memory: {e}")))?;
-            // The program's own fds of its exports are made to name the current memory only while
-            // a tracer holds its threads (a restore, a rollback, `gpusnap recover`'s reload).
-            let repoint = crate::held::by_a_tracer().is_ok();
-            fds.extend(
-            crate::shareable::share_fds(drv, crate::lend::own_descriptor, repoint).map_err(|e| {
+    let fds = crate::session::need_driver().and_then(|drv| {
+        let mut fds = crate::ipc::share_fds(drv, crate::own_fds::copy_at)
+            .map_err(|e| Fail::bad_state(format!("descriptors of the exported memory: {e}")))?;
+        // The program's own fds of its exports are made to name the current memory only while
+        // a tracer holds its threads (a restore, a rollback, `gpusnap recover`'s reload).
+        let repoint = crate::held::by_a_tracer().is_ok();
+        fds.extend(
+            crate::shareable::share_fds(drv, crate::own_fds::copy_at, repoint).map_err(|e| {
                 Fail::bad_state(format!(
                     "descriptors of the memory exported with cuMemExportToShareableHandle: {e}"
                 ))
             })?,
         );
-            Ok(fds)
-        });
+        Ok(fds)
+    });
     match fds {
         Ok(fds) => {
             for (id, addr, size, fd) in &fds {

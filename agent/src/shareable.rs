@@ -157,7 +157,7 @@ fn dup_cloexec(fd: RawFd) -> Option<OwnedFd> {
 /// The program exported application handle `handle` as POSIX fd `app_fd`. False when the
 /// agent could not keep its duplicate (the caller records the refusing hazard instead).
 pub fn exported(handle: Handle, app_fd: RawFd) -> bool {
-    if !crate::lend::room_for_one_more_descriptor() {
+    if !crate::fd_budget::room_for_one_more_descriptor() {
         debug!(
             "cuMemExportToShareableHandle: near the descriptor limit, no duplicate kept; not carried"
         );
@@ -198,7 +198,7 @@ pub fn forget_gone_exports() {
 /// when the agent could not keep a duplicate (the caller passes the driver's handle on and
 /// records the refusing hazard).
 pub fn imported(real: Handle, app_fd: RawFd, device: i32) -> Option<Handle> {
-    if !crate::lend::room_for_one_more_descriptor() {
+    if !crate::fd_budget::room_for_one_more_descriptor() {
         debug!(
             "cuMemImportFromShareableHandle: near the descriptor limit, no duplicate kept; not carried"
         );
@@ -341,8 +341,7 @@ pub fn retained(real: Handle, addr: u64) -> Option<(Handle, bool)> {
     let (&v, m) = st.imports.iter_mut().find(|(_, m)| {
         m.real.is_none()
             && !m.released
-            && m
-                .maps
+            && m.maps
                 .iter()
                 .any(|x| addr >= x.addr && addr - x.addr < x.size)
     })?;

@@ -106,7 +106,7 @@ fn take_all(ch: &Channel, gpu: &mut Gpu, first: Take) -> Result<Reply, Fail> {
             t.fd.as_fd(),
             |h| same_memory_kind(drv, (t.addr, t.rdma_capable), h),
         )?;
-        crate::lend::keep_own(t.id, t.addr, handle, t.fd);
+        crate::own_fds::keep_own(t.id, t.addr, handle, t.fd);
         taken[i] = true;
         count += 1;
         bytes += t.size;

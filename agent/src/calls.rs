@@ -51,6 +51,9 @@ macro_rules! hooked_calls {
                     required as mem_unmap, proc "cuMemUnmap";
                 MemRelease = cuMemRelease(CUmemGenericAllocationHandle)
                     required as mem_release, proc "cuMemRelease";
+                // Recorded where the access is not what a re-creation gives (see `hooks`).
+                MemSetAccess = cuMemSetAccess(CUdeviceptr, usize, *const CUmemAccessDesc, usize)
+                    required as mem_set_access, proc "cuMemSetAccess";
                 MemRetainAllocationHandle = cuMemRetainAllocationHandle(
                     *mut CUmemGenericAllocationHandle, *mut c_void)
                     optional as mem_retain_allocation_handle, proc "cuMemRetainAllocationHandle";

@@ -19,7 +19,8 @@ use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 
 use cudarc::driver::sys::{
     CUcontext, CUdeviceptr, CUdriverProcAddressQueryResult, CUevent, CUipcEventHandle,
-    CUipcMemHandle, CUmemAllocationProp, CUmemGenericAllocationHandle, CUmemLocation, cuuint64_t,
+    CUipcMemHandle, CUmemAccessDesc, CUmemAllocationProp, CUmemGenericAllocationHandle,
+    CUmemLocation, cuuint64_t,
 };
 use gpusnap_proto::hazard;
 
@@ -589,6 +590,89 @@ pub unsafe extern "C" fn cuMemUnmap(ptr: CUdeviceptr, size: usize) -> CuRes {
             crate::own_fds::forget_handles(&gone);
             crate::shareable::unmapped(ptr, size as u64);
             crate::shareable::forget_gone_exports();
+        }
+        rc
+    })
+}
+
+/// One `CUmemAccessDesc` as its bytes say: location type, location id, flags (12 bytes, read
+/// as plain words: a program may pass enum values the bindings do not list).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Access {
+    location_type: u32,
+    location_id: i32,
+    flags: u32,
+}
+
+/// `CU_MEM_LOCATION_TYPE_DEVICE`.
+const LOCATION_DEVICE: u32 = 1;
+/// `CU_MEM_ACCESS_FLAGS_PROT_READWRITE`.
+const ACCESS_READWRITE: u32 = 3;
+
+/// Whether `access` is what the agent gives memory of `device` when it makes it again
+/// (read-write for that GPU alone, said once or more): anything else would be lost.
+pub(crate) fn access_is_default(access: &[Access], device: i32) -> bool {
+    !access.is_empty()
+        && access.iter().all(|a| {
+            a.location_type == LOCATION_DEVICE
+                && a.location_id == device
+                && a.flags == ACCESS_READWRITE
+        })
+}
+
+/// Interposes `cuMemSetAccess`: passes through; access set on memory the agent moves (its
+/// conversions, the program's own mappings, imports) other than the default it would give that
+/// memory again is recorded ([`hazard::ACCESS_SET`]): such a process takes the driver's path,
+/// which keeps the access.
+///
+/// # Safety
+/// As the driver function.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemSetAccess(
+    ptr: CUdeviceptr,
+    size: usize,
+    desc: *const CUmemAccessDesc,
+    count: usize,
+) -> CuRes {
+    guard(CUDA_ERROR_UNKNOWN, || {
+        let drv = match driver_for("cuMemSetAccess") {
+            Ok(d) => d,
+            Err(rc) => return rc,
+        };
+        // SAFETY: the caller's arguments are passed to the real function unchanged.
+        let rc = unsafe { (drv.mem_set_access)(ptr, size, desc, count) };
+        if rc != CUDA_SUCCESS || desc.is_null() || count == 0 {
+            return rc;
+        }
+        let device = table::lock()
+            .device_of(ptr)
+            .or_else(|| crate::shareable::import_device_at(ptr));
+        let Some(device) = device else {
+            return rc; // not the agent's to move: the driver's checkpoint keeps it
+        };
+        let access: Vec<Access> = (0..count.min(64))
+            .map(|i| {
+                // SAFETY: the driver accepted `count` descriptors at `desc`, 12 bytes each
+                // (size test below); read as bytes, unaligned.
+                let b = unsafe {
+                    desc.cast::<u8>()
+                        .add(i * size_of::<CUmemAccessDesc>())
+                        .cast::<[u8; 12]>()
+                        .read_unaligned()
+                };
+                let word = |at: usize| u32::from_ne_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
+                Access {
+                    location_type: word(0),
+                    location_id: word(4) as i32,
+                    flags: word(8),
+                }
+            })
+            .collect();
+        if count > 64 || !access_is_default(&access, device) {
+            crate::hazards::record(hazard::ACCESS_SET);
+            debug!(
+                "cuMemSetAccess({ptr:#x}, {size} bytes): {access:?} on memory of device {device}: recorded (the driver's path keeps it)"
+            );
         }
         rc
     })
@@ -1480,5 +1564,31 @@ mod tests {
         assert!(!n.is_null());
         // SAFETY: as above.
         assert!(unsafe { dlsym(libc::RTLD_DEFAULT, c"no_such_symbol_gpusnap".as_ptr()) }.is_null());
+    }
+
+    #[test]
+    fn only_read_write_for_the_memory_s_own_gpu_is_the_default_access() {
+        assert_eq!(
+            size_of::<CUmemAccessDesc>(),
+            12,
+            "the bytes cuMemSetAccess is read as"
+        );
+        let rw = |id| Access {
+            location_type: LOCATION_DEVICE,
+            location_id: id,
+            flags: ACCESS_READWRITE,
+        };
+        assert!(access_is_default(&[rw(2)], 2));
+        assert!(access_is_default(&[rw(2), rw(2)], 2));
+        assert!(!access_is_default(&[], 2));
+        assert!(!access_is_default(&[rw(2), rw(3)], 2), "a peer GPU");
+        assert!(!access_is_default(&[rw(3)], 2), "another GPU only");
+        let read_only = Access { flags: 1, ..rw(2) };
+        assert!(!access_is_default(&[read_only], 2));
+        let host = Access {
+            location_type: 2,
+            ..rw(2)
+        };
+        assert!(!access_is_default(&[host], 2));
     }
 }

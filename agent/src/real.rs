@@ -152,7 +152,6 @@ crate::calls::hooked_calls!(driver_table! {
             *mut usize, *const CUmemAllocationProp, CUmemAllocationGranularity_flags);
         mem_address_reserve = "cuMemAddressReserve"(*mut CUdeviceptr, usize, usize, CUdeviceptr, u64);
         mem_address_free = "cuMemAddressFree"(CUdeviceptr, usize);
-        mem_set_access = "cuMemSetAccess"(CUdeviceptr, usize, *const CUmemAccessDesc, usize);
         stream_create = "cuStreamCreate"(*mut CUstream, c_uint);
         stream_synchronize = "cuStreamSynchronize"(CUstream);
         stream_destroy = "cuStreamDestroy_v2"(CUstream);

@@ -535,6 +535,19 @@ pub fn release_imports(drv: &Driver) -> Result<(u32, u64), ShareableError> {
     Ok((n, bytes))
 }
 
+/// The device of the import mapped at an address holding `ptr`.
+pub fn import_device_at(ptr: u64) -> Option<i32> {
+    let st = state();
+    st.imports
+        .values()
+        .find(|m| {
+            m.maps
+                .iter()
+                .any(|x| ptr >= x.addr && ptr - x.addr < x.size)
+        })
+        .map(|m| m.device)
+}
+
 /// The device the import of exporter `pid`'s allocation `id` is used on.
 pub fn import_device(pid: u32, id: u64) -> Option<i32> {
     let st = try_state()?;

@@ -309,6 +309,13 @@ impl Table {
         }
     }
 
+    /// The device of the memory the agent moves (a converted `cuMemAlloc` or an application
+    /// mapping) whose range holds `ptr`.
+    pub fn device_of(&self, ptr: u64) -> Option<i32> {
+        let (_, c) = self.converted.range(..=ptr).next_back()?;
+        (ptr - c.addr < c.size).then_some(c.device)
+    }
+
     /// The converted `cuMemAlloc` (not an application mapping) whose range holds `ptr`.
     pub fn converted_alloc_containing(&self, ptr: u64) -> Option<&Converted> {
         let (_, c) = self.converted.range(..=ptr).next_back()?;

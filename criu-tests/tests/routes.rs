@@ -415,3 +415,53 @@ fn rdma_capable_application_memory_runs_on_after_leave_running() {
     s.assert_runs_on(&last, &second);
     assert!(s.vmm.original_running(), "{}", s.describe(&second));
 }
+
+/// The program gives a second GPU access to its own mapping (`cuMemSetAccess` with two
+/// descriptors): the split path would map that memory again with read-write access for its own
+/// GPU only, so the agent records it and the process takes the driver's path, which keeps the
+/// access; dumped, restored, and it runs on bit-exact, with no data file of gpusnap's.
+#[test]
+fn access_for_another_gpu_takes_the_driver_s_path() {
+    let Some(mut s) = Split::launch(
+        "routes-peer-access",
+        1,
+        &[
+            "--seed",
+            "41",
+            "--allocs",
+            "2",
+            "--mib",
+            "4",
+            "--devices",
+            "2",
+            "--app-vmm",
+            "--app-vmm-peer",
+        ],
+        &[("FAKECUDA_DEVICES", "2")],
+    ) else {
+        return;
+    };
+    let dump = s.dump(false);
+    s.assert_ok(&dump);
+    s.assert_line(
+        &dump,
+        &[
+            "cuMemSetAccess with access other than read-write",
+            "the driver's path",
+        ],
+    );
+    s.assert_line(&dump, &["path transparent"]);
+    let data: Vec<String> =
+        s.w.image_files()
+            .into_iter()
+            .filter(|f| f.contains("-data-"))
+            .collect();
+    assert!(
+        data.is_empty(),
+        "gpusnap data files on the driver's path: {data:?}"
+    );
+    let last = s.reap_dumped();
+    let restore = s.restore();
+    s.assert_ok(&restore);
+    s.assert_runs_on(&last, &restore);
+}

@@ -243,7 +243,15 @@ fn unsupported_state(pid: i32, hello: Option<&AgentHello>) -> Option<String> {
             "CUDA MPS ({daemon}, pid {daemon_pid}, runs for its user)"
         ));
     }
-    let causes = hazard::describe(hello?.hazards & hazard::REFUSING);
+    let hello = hello?;
+    // Access of its own set on imported memory: the driver's path cannot take the import, and
+    // the split path would map it again with the default access.
+    let refusing = if hello.hazards & hazard::IMPORTING != 0 {
+        hazard::REFUSING | hazard::ACCESS_SET
+    } else {
+        hazard::REFUSING
+    };
+    let causes = hazard::describe(hello.hazards & refusing);
     (!causes.is_empty()).then(|| causes.join(", and "))
 }
 
@@ -346,6 +354,15 @@ fn split_candidate(pid: i32, hello: AgentHello) -> Result<Option<SplitPlan>, Dum
     // its release unmaps the imports, which the driver's checkpoint must not hold.
     if hello.converted_bytes == 0 && hello.hazards & hazard::IMPORTING == 0 {
         log::debug!("pid {pid}: agent holds no converted allocations; driver path");
+        return Ok(None);
+    }
+    // The split path makes memory again with read-write access for its own GPU only; the
+    // driver's checkpoint keeps whatever access the program set.
+    if hello.hazards & hazard::ACCESS_SET != 0 {
+        log::info!(
+            "pid {pid}: {}: the driver's path, which keeps that access",
+            hazard::describe(hazard::ACCESS_SET).join(", ")
+        );
         return Ok(None);
     }
     Ok(Some(SplitPlan {
@@ -1724,6 +1741,32 @@ mod tests {
     use super::*;
     use crate::pid::NsPid;
     use gpusnap_image::{ChunkEntry, Codec};
+
+    /// Access set by the program is the driver's path's to keep, unless the process imports
+    /// memory (which that path cannot take): then the dump is refused, naming it.
+    #[test]
+    fn access_set_by_the_program_refuses_only_an_importer() {
+        let me = std::process::id() as i32;
+        let hello = |hazards| AgentHello {
+            ns_pid: me,
+            ns_tid: me,
+            allocations: 1,
+            converted_bytes: 2 << 20,
+            devices: 1,
+            released: false,
+            hazards,
+            kept: 0,
+        };
+        assert_eq!(unsupported_state(me, Some(&hello(hazard::ACCESS_SET))), None);
+        let refused = unsupported_state(
+            me,
+            Some(&hello(hazard::ACCESS_SET | hazard::SHAREABLE_IMPORT)),
+        )
+        .expect("an importer with access of its own is refused");
+        assert!(refused.contains("cuMemSetAccess"), "{refused}");
+        assert!(matches!(split_candidate(me, hello(hazard::ACCESS_SET)), Ok(None)));
+        assert!(matches!(split_candidate(me, hello(0)), Ok(Some(_))));
+    }
 
     #[test]
     fn the_keeper_prepares_only_the_gpus_of_memory_it_will_be_lent() {

@@ -300,6 +300,11 @@ pub mod hazard {
     /// `cuMemImportFromShareableHandle` (POSIX fd), the handle virtualized by the agent:
     /// carried like [`SHAREABLE_EXPORT`].
     pub const SHAREABLE_IMPORT: u32 = 1 << 8;
+    /// `cuMemSetAccess` on memory the agent moves with anything but read-write access for the
+    /// memory's own GPU (read-only, or other GPUs too): the split path would make that memory
+    /// again with the default access, so such a process takes the driver's path, which keeps
+    /// it (refused if it imports memory, which the driver's path cannot take).
+    pub const ACCESS_SET: u32 = 1 << 9;
     /// The bits that make the plugin ask the agent for its shares (`ListSharing`).
     pub const SHARING: u32 =
         SERVED_IPC_EXPORT | SERVED_IPC_IMPORT | SHAREABLE_EXPORT | SHAREABLE_IMPORT;
@@ -340,6 +345,11 @@ pub mod hazard {
         }
         if bits & SHAREABLE_IMPORT != 0 {
             v.push("another process's device memory imported with cuMemImportFromShareableHandle");
+        }
+        if bits & ACCESS_SET != 0 {
+            v.push(
+                "cuMemSetAccess with access other than read-write for the memory's own GPU (read-only, or other GPUs)",
+            );
         }
         v
     }

@@ -8,7 +8,7 @@
 //! ```text
 //! fakegpu-vmm --log PATH [--seed S] [--allocs N] [--mib M] [--resolve dlsym|proc]
 //!             [--app-vmm [--app-vmm-remap | --app-vmm-release] [--app-vmm-rdma]
-//!                        [--app-vmm-posix] [--app-vmm-compressed]]
+//!                        [--app-vmm-posix] [--app-vmm-compressed] [--app-vmm-peer]]
 //!             [--threads T] [--procs P]
 //!             [--hazard managed|ipc|ipc-driver|peer|ipc-event|ipc-event-closed]
 //!             [--devices D]
@@ -25,8 +25,9 @@
 //!   for `gpuDirectRDMACapable` memory, `--app-vmm-posix` for the POSIX-fd handle type (both:
 //!   what PyTorch's expandable segments ask for on an H200; a keeper makes such memory again,
 //!   so it is lent), `--app-vmm-compressed` for compressible memory (compressionType 1: a
-//!   keeper does not make it, so it is copied first). Without `--app-vmm-posix` the handle is
-//!   created without a shareable handle type, and the workload checks that it cannot be
+//!   keeper does not make it, so it is copied first). `--app-vmm-peer` also gives GPU 1
+//!   read-write access to the mapping (with `--devices 2`), which the split path would not make
+//!   again. Without `--app-vmm-posix` the handle is created without a shareable handle type, and the workload checks that it cannot be
 //!   exported, as the driver says without the agent (with it, it exports nothing: an export
 //!   nobody imports makes the dump refuse the process). While it keeps the
 //!   handle, every tick reads its properties back (`cuMemGetAllocationPropertiesFromHandle`)
@@ -372,6 +373,20 @@ impl Driver {
         })
     }
 
+    /// Read-write access to the application's mapping for GPU 1 as well (a peer GPU reading a
+    /// device-0 allocation, as multi-GPU allocators set it up).
+    fn app_vmm_peer_access(&self, addr: DevPtr) -> Result<(), String> {
+        let desc = [0, 1].map(|id| AccessDesc {
+            location_type: 1,
+            location_id: id,
+            flags: 3,
+        });
+        // SAFETY: a mapping of APP_VMM bytes at addr; two descriptors.
+        self.check("cuMemSetAccess(peer)", unsafe {
+            (self.set_access)(addr, APP_VMM, desc.as_ptr(), desc.len())
+        })
+    }
+
     /// Unmaps the application's mapping and maps `handle` there again (its contents stay).
     fn app_vmm_remap(&self, addr: DevPtr, handle: u64) -> Result<(), String> {
         // SAFETY: the whole mapping made by app_vmm.
@@ -465,6 +480,7 @@ struct Settings {
     app_vmm_rdma: bool,
     app_vmm_posix: bool,
     app_vmm_compressed: bool,
+    app_vmm_peer: bool,
     threads: usize,
     hazard: Option<String>,
     devices: usize,
@@ -484,6 +500,7 @@ fn main() {
         app_vmm_rdma: args.iter().any(|a| a == "--app-vmm-rdma"),
         app_vmm_posix: args.iter().any(|a| a == "--app-vmm-posix"),
         app_vmm_compressed: args.iter().any(|a| a == "--app-vmm-compressed"),
+        app_vmm_peer: args.iter().any(|a| a == "--app-vmm-peer"),
         threads: num(&args, "--threads", 0) as usize,
         hazard: arg(&args, "--hazard"),
         devices: num(&args, "--devices", 1).max(1) as usize,
@@ -668,6 +685,9 @@ fn run(s: &Settings) -> ! {
             ],
         };
         let (ptr, handle) = drv.app_vmm(&prop).unwrap_or_else(|e| die(&e));
+        if s.app_vmm_peer {
+            drv.app_vmm_peer_access(ptr).unwrap_or_else(|e| die(&e));
+        }
         if s.app_vmm_release {
             drv.app_vmm_release(handle).unwrap_or_else(|e| die(&e));
         } else {

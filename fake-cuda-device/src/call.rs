@@ -39,14 +39,17 @@ pub fn run_unlocked(call: &str, body: impl FnOnce() -> CuResult) -> CUresult {
 
 fn run_inner(call: &str, gated: bool, body: impl FnOnce() -> CuResult) -> CUresult {
     let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| {
-        // Counted while its body runs, so that the checkpoint lock waits for it (`calls`). An
-        // injected hang is not counted: the tests that hang a call expect the lock to work.
-        let _in_flight = if gated {
-            crate::lock::wait_until_unlocked(call)?;
-            crate::inject::apply(call)?;
-            Some(crate::lock::enter_unlocked(call)?)
-        } else {
-            None
+        // In flight while its body runs, so that the checkpoint lock waits for it (`calls`).
+        // An injected hang is not: the tests that hang a call expect the lock to work. A call
+        // from inside another of this thread's passed the gate with it.
+        let _in_flight = match gated {
+            false => None,
+            true if crate::calls::nested() => Some(crate::calls::enter()),
+            true => {
+                crate::lock::wait_until_unlocked(call)?;
+                crate::inject::apply(call)?;
+                Some(crate::lock::enter_unlocked(call)?)
+            }
         };
         body()
     }));

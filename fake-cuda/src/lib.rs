@@ -841,17 +841,21 @@ fn op_inner(s: &Settings, pid: i32, op: Op, args: &OpArgs, r: &mut Record) -> u3
         return code::UNKNOWN;
     }
     r.after = Some(to);
-    if op == Op::Lock
-        && let Err(e) = calls::wait_until_none(&s.dir, pid, args.timeout_ms)
-    {
-        // As the real driver: a lock that timed out leaves the process running.
-        if let Err(w) = write_state(&s.dir, pid, before) {
-            r.msg = format!("{e}; and writing the state back: {w}");
-            return code::UNKNOWN;
+    if op == Op::Lock {
+        match calls::wait_until_none(&s.dir, pid, args.timeout_ms) {
+            Ok(true) => r.extra.push(("waited_for_calls", "1".into())),
+            Ok(false) => {}
+            Err(e) => {
+                // As the real driver: a lock that timed out leaves the process running.
+                if let Err(w) = write_state(&s.dir, pid, before) {
+                    r.msg = format!("{e}; and writing the state back: {w}");
+                    return code::UNKNOWN;
+                }
+                r.after = Some(before);
+                r.msg = e;
+                return code::TIMEOUT;
+            }
         }
-        r.after = Some(before);
-        r.msg = e;
-        return code::TIMEOUT;
     }
     code::SUCCESS
 }

@@ -50,6 +50,15 @@ pub enum RecoverError {
         why: String,
     },
     #[error(
+        "pid {pid} maps {unmapped} CUDA IPC shares of other processes' memory that the dump unmapped, and they could not be mapped again ({why}); the driver lock failed too ({lock}), so it is left stopped (SIGSTOP): do not continue it. Recover the exporting process first and run recover again, or restore the process tree from its image (criu restore), or kill it"
+    )]
+    ImportsUnmappedStopped {
+        pid: i32,
+        unmapped: usize,
+        why: String,
+        lock: String,
+    },
+    #[error(
         "pid {pid} is stopped with its GPU memory released (its agent says so), and the record of gpusnap's hold in {} is lost, so its threads cannot be told apart: it is left stopped. Do not continue it (it would run without its GPU memory): restore it from its image (criu restore), or kill it",
         hold::RECORD_DIR
     )]
@@ -253,7 +262,18 @@ pub fn recover(pid: i32, images: Option<&Path>) -> Result<String, RecoverError> 
         match crate::sharing::reimport(me, &fetch, ctx.agent_timeout(), None) {
             Ok(_) => done.push("CUDA IPC shares mapped again"),
             Err(e) => {
-                api.lock(pid, ctx.lock_timeout_ms)?;
+                // Held by the lock, its CUDA calls wait; without it, it stays stopped when we
+                // let go, never running on the unmapped imports.
+                if let Err(lock) = api.lock(pid, ctx.lock_timeout_ms) {
+                    crate::hold::stop_again(pid)
+                        .map_err(PtraceError::on(pid, "stopping the process again (SIGSTOP)"))?;
+                    return Err(RecoverError::ImportsUnmappedStopped {
+                        pid,
+                        unmapped,
+                        why: e.to_string(),
+                        lock: lock.to_string(),
+                    });
+                }
                 return Err(RecoverError::ImportsUnmapped {
                     pid,
                     unmapped,

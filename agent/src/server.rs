@@ -563,12 +563,15 @@ fn share_fds(ch: &Channel) -> Result<(), ProtoError> {
     });
     match fds {
         Ok(fds) => {
+            // This process's key: what its shares' importers recorded as their source's.
+            let key = crate::identity::key().unwrap_or([0; 16]);
             for (id, addr, size, fd) in &fds {
                 ch.send_reply_with(
                     &Reply::ShareFd {
                         id: *id,
                         addr: *addr,
                         size: *size,
+                        key,
                     },
                     fd.as_fd(),
                 )?;

@@ -127,6 +127,8 @@ pub struct SharedMemory {
     pub id: u64,
     pub addr: u64,
     pub size: u64,
+    /// The exporter's key (what its importers recorded).
+    pub key: [u8; 16],
     pub fd: std::os::fd::OwnedFd,
 }
 
@@ -529,8 +531,22 @@ impl AgentSession {
         let mut out = Vec::new();
         loop {
             match self.recv_with_fd()? {
-                (Reply::ShareFd { id, addr, size }, Some(fd)) if out.len() < MAX_SHARES => {
-                    out.push(SharedMemory { id, addr, size, fd });
+                (
+                    Reply::ShareFd {
+                        id,
+                        addr,
+                        size,
+                        key,
+                    },
+                    Some(fd),
+                ) if out.len() < MAX_SHARES => {
+                    out.push(SharedMemory {
+                        id,
+                        addr,
+                        size,
+                        key,
+                        fd,
+                    });
                 }
                 (Reply::ShareFdEnd { count }, None) if count as usize == out.len() => {
                     return Ok(out);

@@ -1757,14 +1757,20 @@ mod tests {
             hazards,
             kept: 0,
         };
-        assert_eq!(unsupported_state(me, Some(&hello(hazard::ACCESS_SET))), None);
+        assert_eq!(
+            unsupported_state(me, Some(&hello(hazard::ACCESS_SET))),
+            None
+        );
         let refused = unsupported_state(
             me,
             Some(&hello(hazard::ACCESS_SET | hazard::SHAREABLE_IMPORT)),
         )
         .expect("an importer with access of its own is refused");
         assert!(refused.contains("cuMemSetAccess"), "{refused}");
-        assert!(matches!(split_candidate(me, hello(hazard::ACCESS_SET)), Ok(None)));
+        assert!(matches!(
+            split_candidate(me, hello(hazard::ACCESS_SET)),
+            Ok(None)
+        ));
         assert!(matches!(split_candidate(me, hello(0)), Ok(Some(_))));
     }
 

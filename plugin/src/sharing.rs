@@ -144,6 +144,31 @@ fn exported_by(members: &[Member<'_>], importer: u32, s: &Share) -> Result<(), S
     })
 }
 
+/// Which of an exporter's current memory (`fds`, its `ShareFds`) is the import `w` of
+/// `importer`: the same allocation (and size, for the agent's IPC) from the same process, told
+/// by its key. The exporter's pid may be another process's now (`gpusnap recover` after the
+/// exporter died): its memory must never be mapped in place of the import's.
+fn export_of(
+    fds: &[crate::agent::SharedMemory],
+    w: &Share,
+    importer: u32,
+    exporter: u32,
+) -> Result<usize, SharingError> {
+    let same = |m: &crate::agent::SharedMemory| m.id == w.id && (w.shareable || m.size == w.size);
+    if let Some(i) = fds.iter().position(|m| same(m) && m.key == w.key) {
+        return Ok(i);
+    }
+    Err(if fds.iter().any(same) {
+        SharingError::ExporterReplaced { importer, exporter }
+    } else {
+        SharingError::NoSuchExport {
+            importer,
+            exporter,
+            id: w.id,
+        }
+    })
+}
+
 /// Whether fd `fd1` of `pid1` and fd `fd2` of `pid2` are one open file (`kcmp(KCMP_FILE)`:
 /// what `SCM_RIGHTS`, `dup` and `pidfd_getfd` share; nothing in the descriptor itself names
 /// the export). A closed number is `Ok(false)`.
@@ -487,14 +512,7 @@ pub fn reimport(
             other => other,
         })?;
         for w in wanted {
-            let i = fds
-                .iter()
-                .position(|m| m.id == w.id && (w.shareable || m.size == w.size))
-                .ok_or(SharingError::NoSuchExport {
-                    importer: me,
-                    exporter,
-                    id: w.id,
-                })?;
+            let i = export_of(&fds, w, me, exporter)?;
             memory.push((exporter, fds.swap_remove(i)));
         }
     }
@@ -604,6 +622,32 @@ mod tests {
                 exporter: 10,
                 id: 1
             })
+        ));
+    }
+
+    /// At a reimport (`gpusnap recover` of a held importer) the exporter's memory is taken only
+    /// from the exporter the import recorded: another process with its pid is refused.
+    #[test]
+    fn a_reimport_takes_only_the_recorded_exporter_s_memory() {
+        let mem = |key| crate::agent::SharedMemory {
+            id: 1,
+            addr: 0x7000_0000_0000 + (2 << 20),
+            size: 2 << 20,
+            key,
+            fd: memfd(),
+        };
+        let w = share(true, 10, 1);
+        assert_eq!(export_of(&[mem([1; 16]), mem(KEY)], &w, 11, 10).unwrap(), 1);
+        assert!(matches!(
+            export_of(&[mem([1; 16])], &w, 11, 10),
+            Err(SharingError::ExporterReplaced {
+                importer: 11,
+                exporter: 10
+            })
+        ));
+        assert!(matches!(
+            export_of(&[], &w, 11, 10),
+            Err(SharingError::NoSuchExport { id: 1, .. })
         ));
     }
 

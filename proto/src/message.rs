@@ -556,8 +556,14 @@ pub enum Reply {
         /// Number of [`Reply::Shared`] sent.
         count: u32,
     },
-    /// The current memory of exported allocation `id` (descriptor attached).
-    ShareFd { id: u64, addr: u64, size: u64 },
+    /// The current memory of exported allocation `id` (descriptor attached), and the exporter's
+    /// key ([`Reply::Shared::key`]): an importer maps it again only if it is its source's.
+    ShareFd {
+        id: u64,
+        addr: u64,
+        size: u64,
+        key: [u8; 16],
+    },
     /// Every exported allocation's descriptor was sent.
     ShareFdEnd {
         /// Number of [`Reply::ShareFd`] sent.
@@ -1130,11 +1136,17 @@ impl Reply {
                 header(&mut w, kind::REP_SHARED_END);
                 w.u32(*count);
             }
-            Reply::ShareFd { id, addr, size } => {
+            Reply::ShareFd {
+                id,
+                addr,
+                size,
+                key,
+            } => {
                 header(&mut w, kind::REP_SHARE_FD);
                 w.u64(*id);
                 w.u64(*addr);
                 w.u64(*size);
+                w.bytes16(key);
             }
             Reply::ShareFdEnd { count } => {
                 header(&mut w, kind::REP_SHARE_FD_END);
@@ -1266,6 +1278,7 @@ impl Reply {
                 id: r.u64()?,
                 addr: r.u64()?,
                 size: r.u64()?,
+                key: r.bytes16()?,
             },
             kind::REP_SHARE_FD_END => Reply::ShareFdEnd { count: r.u32()? },
             kind::REP_REIMPORTED => Reply::Reimported { addr: r.u64()? },

@@ -271,6 +271,7 @@ fn all_replies() -> Vec<Reply> {
             id: 3,
             addr: 0x7000_0040_0000,
             size: 4 << 20,
+            key: [0x5e; 16],
         },
         Reply::ShareFdEnd { count: 1 },
         Reply::Reimported {

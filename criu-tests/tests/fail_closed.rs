@@ -359,10 +359,34 @@ fn not_reached(
     }
 }
 
+/// Whether CRIU died while its parasite was in the (one) dumped process: it had switched the
+/// parasite to daemon mode and had not yet come to the process tree, which it dumps once every
+/// process is cured.
+fn parasite_was_inside(run: &CriuRun) -> bool {
+    let Some(infected) = run.log.rfind("has been switched to daemon mode") else {
+        return false;
+    };
+    !run.log[infected..].contains("Dumping pstree")
+}
+
 /// CRIU died during a dump or its rollback: the workload is held or runs on intact, never on
-/// missing memory, and `gpusnap recover` brings it back.
+/// missing memory (or, killed with CRIU's parasite inside it, dead), and `gpusnap recover`
+/// brings it back.
 fn dump_killed(s: &mut Split, run: &CriuRun, left: Left, what: &str) {
     let pid = s.vmm.pid();
+    if !s.vmm.original_running() && parasite_was_inside(run) {
+        // A kill on the drain's thread can land while CRIU's main thread works in the process
+        // through its parasite: the process dies with CRIU then, GPU or not (CRIU's own
+        // limit). Nothing of it ran on missing memory, and no image claims to be whole.
+        assert_no_bad_tick(s, run, what);
+        assert!(
+            !s.w.images.join("inventory.img").exists(),
+            "{what}: CRIU wrote an inventory before it died\n{}",
+            s.describe(run)
+        );
+        eprintln!("{what}: the workload died with CRIU's parasite inside it (CRIU's own limit)");
+        return;
+    }
     assert!(
         s.vmm.original_running(),
         "{what}: the workload died\n{}",

@@ -1366,3 +1366,72 @@ fn sync_all() {
         .expect("run sync");
     assert!(status.success(), "sync: {status}");
 }
+
+/// The workload's driver copies take 500 ms longer while in flight (`slow`, on two helper
+/// threads that copy in a loop, so one is nearly always inside a call). The lock of the dump's
+/// PAUSE waits for the call in flight before it returns, as the real driver's does (the
+/// stand-in's record says so), and the dump and restore go through.
+#[test]
+fn the_checkpoint_lock_waits_for_a_call_in_flight() {
+    let Some(mut s) = start_with_copying_threads("lock-waits-in-flight") else {
+        return;
+    };
+    let pid = s.vmm.pid();
+    s.inject("slow cuMemcpyDtoH_v2");
+    sleep(Duration::from_millis(100));
+    let dump = s.dump(false);
+    s.assert_ok(&dump);
+    let calls = fs::read_to_string(s.state.join(format!("{pid}.log"))).unwrap_or_default();
+    assert!(
+        calls
+            .lines()
+            .any(|l| l.starts_with("lock rc=0") && l.contains("waited_for_calls=1")),
+        "no lock waited for a call in flight:\n{calls}"
+    );
+    fs::remove_file(s.state.join(format!("{pid}.dev-inject"))).expect("disarm");
+    let last = s.reap_dumped();
+    let restore = s.restore();
+    s.assert_ok(&restore);
+    s.assert_runs_on(&last, &restore);
+}
+
+/// The same with a lock timeout shorter than the call in flight: the lock times out (the
+/// stand-in, like the driver, leaves the process running), the dump fails naming the lock,
+/// and the workload runs on.
+#[test]
+fn a_call_in_flight_longer_than_the_lock_timeout_fails_the_dump_and_the_job_runs_on() {
+    let Some(s) = start_with_copying_threads("lock-timeout-in-flight") else {
+        return;
+    };
+    let pid = s.vmm.pid();
+    s.inject("slow cuMemcpyDtoH_v2");
+    sleep(Duration::from_millis(100));
+    let dump = s.dump_with(false, &[("GPUSNAP_LOCK_TIMEOUT_MS", "100")]);
+    assert!(!dump.succeeded(), "{}", s.describe(&dump));
+    s.assert_line(
+        &dump,
+        &["locking the CUDA state of pid", "the process keeps running"],
+    );
+    fs::remove_file(s.state.join(format!("{pid}.dev-inject"))).expect("disarm");
+    assert_eq!(s.driver_state(), "running", "{}", s.describe(&dump));
+    s.assert_runs_on(&s.vmm.last_ticks(), &dump);
+}
+
+/// A workload with two more threads copying from the device in a loop.
+fn start_with_copying_threads(test: &str) -> Option<Split> {
+    Split::launch(
+        test,
+        1,
+        &[
+            "--seed",
+            "13",
+            "--allocs",
+            "2",
+            "--mib",
+            "2",
+            "--threads",
+            "2",
+        ],
+        &[],
+    )
+}

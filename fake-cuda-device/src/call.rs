@@ -47,8 +47,12 @@ fn run_inner(call: &str, gated: bool, body: impl FnOnce() -> CuResult) -> CUresu
             true if crate::calls::nested() => Some(crate::calls::enter()),
             true => {
                 crate::lock::wait_until_unlocked(call)?;
-                crate::inject::apply(call)?;
-                Some(crate::lock::enter_unlocked(call)?)
+                let slow = crate::inject::apply(call)?;
+                let in_flight = crate::lock::enter_unlocked(call)?;
+                if slow {
+                    std::thread::sleep(crate::inject::SLOW);
+                }
+                Some(in_flight)
             }
         };
         body()

@@ -4,7 +4,9 @@
 //! - `fail <call> [after <n>]`: `<call>` (its exported name, e.g. `cuMemCreate`) fails with
 //!   `CUDA_ERROR_UNKNOWN`;
 //! - `hang <call> [after <n>]`: `<call>` never returns (the thread sleeps in 100 ms steps), as a
-//!   driver call stuck on a wedged GPU.
+//!   driver call stuck on a wedged GPU (before the call is in flight: the lock does not wait);
+//! - `slow <call> [after <n>]`: `<call>` takes [`SLOW`] longer, in flight (a checkpoint lock
+//!   taken meanwhile waits for it).
 //!
 //! With `after <n>`, the first `n` calls of `<call>` made while the directive is in the file go
 //! through and the ones after them fail or hang (e.g. the second `cuMemUnmap` of a release).
@@ -16,7 +18,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use crate::call::{CuResult, debug};
+use crate::call::debug;
 use crate::codes::UNKNOWN;
 
 /// What to do to a call.
@@ -24,7 +26,11 @@ use crate::codes::UNKNOWN;
 pub enum Action {
     Fail,
     Hang,
+    Slow,
 }
+
+/// How much longer a `slow` call takes.
+pub const SLOW: Duration = Duration::from_millis(500);
 
 /// A directive for one call: the action, and how many calls go through first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -40,6 +46,7 @@ pub fn parse(contents: &str, call: &str) -> Option<Directive> {
         let action = match *w.first()? {
             "fail" => Action::Fail,
             "hang" => Action::Hang,
+            "slow" => Action::Slow,
             _ => return None,
         };
         if *w.get(1)? != call {
@@ -68,24 +75,29 @@ fn due(call: &str, after: u64) -> bool {
     *n > after
 }
 
-/// Applies a directive for `call`, if any.
-pub fn apply(call: &str) -> CuResult {
+/// Applies a directive for `call`, if any; `Ok(true)`: the call is to be slow (the caller
+/// sleeps [`SLOW`] once it is in flight).
+pub fn apply(call: &str) -> Result<bool, crate::codes::CUresult> {
     let Some(path) = crate::lock::pid_file("dev-inject") else {
-        return Ok(());
+        return Ok(false);
     };
     let Ok(text) = std::fs::read_to_string(path) else {
-        return Ok(());
+        return Ok(false);
     };
     let Some(d) = parse(&text, call) else {
-        return Ok(());
+        return Ok(false);
     };
     if !due(call, d.after) {
-        return Ok(());
+        return Ok(false);
     }
     match d.action {
         Action::Fail => {
             debug(format_args!("{call}: failing as injected"));
             Err(UNKNOWN)
+        }
+        Action::Slow => {
+            debug(format_args!("{call}: slow as injected"));
+            Ok(true)
         }
         Action::Hang => {
             debug(format_args!("{call}: hanging as injected"));

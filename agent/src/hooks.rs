@@ -507,6 +507,29 @@ pub unsafe extern "C" fn cuMemCreate(
     })
 }
 
+/// Calls the driver with the translation of `handle`; if that fails and the translation is
+/// another now, once more with the new one. A program thread that reached the driver's
+/// checkpoint lock inside the call waited there with the translation of before: across a
+/// rollback or `gpusnap recover` the memory may have been released and made again under a new
+/// driver handle, and the old one is gone. Returns the handle used and the driver's status.
+fn with_current_handle(
+    handle: CUmemGenericAllocationHandle,
+    call: impl Fn(CUmemGenericAllocationHandle) -> CuRes,
+) -> Result<(CUmemGenericAllocationHandle, CuRes), CuRes> {
+    let real = real_handle(handle)?;
+    let rc = call(real);
+    if rc == CUDA_SUCCESS {
+        return Ok((real, rc));
+    }
+    match real_handle(handle) {
+        Ok(now) if now != real => {
+            debug!("handle {handle:#x} is driver handle {now:#x} now, not {real:#x}: called again");
+            Ok((now, call(now)))
+        }
+        _ => Ok((real, rc)),
+    }
+}
+
 /// The driver's value for an application handle: `Err` while a dump has released it.
 fn real_handle(h: CUmemGenericAllocationHandle) -> Result<CUmemGenericAllocationHandle, CuRes> {
     let known = table::lock()
@@ -536,14 +559,15 @@ pub unsafe extern "C" fn cuMemMap(
             Ok(d) => d,
             Err(rc) => return rc,
         };
-        let real = match real_handle(handle) {
-            Ok(r) => r,
-            Err(rc) => return rc,
-        };
-        let import = (real != handle && crate::shareable::import_real(handle).is_some())
+        let import = crate::shareable::import_real(handle)
+            .is_some()
             .then(crate::shareable::ImportCall::begin);
         // SAFETY: the caller's arguments are passed to the real function, the handle translated.
-        let rc = unsafe { (drv.mem_map)(ptr, size, offset, real, flags) };
+        let call = |real| unsafe { (drv.mem_map)(ptr, size, offset, real, flags) };
+        let (real, rc) = match with_current_handle(handle, call) {
+            Ok(done) => done,
+            Err(rc) => return rc,
+        };
         if rc == CUDA_SUCCESS {
             if import.is_some() {
                 crate::shareable::mapped(handle, ptr, size as u64, offset as u64);
@@ -790,12 +814,12 @@ pub unsafe extern "C" fn cuMemGetAllocationPropertiesFromHandle(
         let Some(get) = drv.mem_get_allocation_properties_from_handle else {
             return CUDA_ERROR_NOT_SUPPORTED;
         };
-        let real = match real_handle(handle) {
-            Ok(real) => real,
+        // SAFETY: the caller's arguments, the handle translated.
+        let call = |real| unsafe { get(prop, real) };
+        let rc = match with_current_handle(handle, call) {
+            Ok((_, rc)) => rc,
             Err(rc) => return rc,
         };
-        // SAFETY: the caller's arguments, the handle translated.
-        let rc = unsafe { get(prop, real) };
         let known = {
             let t = table::lock();
             t.props_of(handle).map(|p| (p, t.is_imported(handle)))
@@ -1456,7 +1480,7 @@ mod tests {
             assert!(!h.hook_addr().is_null());
             assert!(exports.insert(h.hook_addr()), "{h:?} shares an export");
         }
-        assert_eq!(Hooked::ALL.len(), 22);
+        assert_eq!(Hooked::ALL.len(), 23);
     }
 
     #[test]

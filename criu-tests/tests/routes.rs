@@ -286,11 +286,16 @@ fn a_plain_application_handle_is_lent_and_handed_over_at_restore() {
             "the image holds {lent} lent and 0 copied-first allocations"
         )],
     );
+    restores_through_the_keeper(&mut s);
+}
+
+/// The dumped job (4 allocations) restored: the keeper's memory was taken (not the job's
+/// agent's own load after a refusal), and it runs on bit-exact.
+fn restores_through_the_keeper(s: &mut Split) {
     let last = s.reap_dumped();
     let restore = s.restore();
     s.assert_ok(&restore);
     s.assert_line(&restore, &["restore hand-over planned"]);
-    // The keeper's memory was taken, not the job's agent's own load after a refusal.
     s.assert_line(
         &restore,
         &["the keeper's load ran", "then mapped 4 allocations"],
@@ -383,16 +388,7 @@ fn rdma_capable_application_memory_is_lent_and_made_again_at_restore() {
     let dump = s.dump(false);
     s.assert_ok(&dump);
     assert_rdma_lent(&s, &dump);
-    let last = s.reap_dumped();
-    let restore = s.restore();
-    s.assert_ok(&restore);
-    s.assert_line(&restore, &["restore hand-over planned"]);
-    // The keeper's memory was taken, not the job's agent's own load after a refusal.
-    s.assert_line(
-        &restore,
-        &["the keeper's load ran", "then mapped 4 allocations"],
-    );
-    s.assert_runs_on(&last, &restore);
+    restores_through_the_keeper(&mut s);
 }
 
 /// The same job dumped with `-R`: the lent memory is mapped back from the kept descriptors (the

@@ -123,6 +123,8 @@ def run_c_case(cfg, log, path, gib, leave_running, tag="e2e"):
         if img["gpusnap_data_files"] == 0 and path.startswith("split"):
             rec["problems"].append("split path not taken: no gpusnap-*-data-*.img in the image dir")
         rec["handover"] = any("lent to keeper" in l for l in dump["gpusnap_lines"])
+        # The record field: "handoff" (lent to the keeper), "copy" or "mixed".
+        rec["data_path"] = criu.data_path(dump["gpusnap_lines"])
         for l in dump["gpusnap_lines"]:
             m = re.search(r"the drain ran ([0-9.]+) s beside CRIU's dump; at CRIU's end "
                           r"\(([0-9.]+) s after the hand-over\) it waited ([0-9.]+) s", l)

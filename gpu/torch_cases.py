@@ -149,19 +149,6 @@ def read_output(path):
     return vals, ts, ready, done
 
 
-def data_path(lines):
-    """handoff / copy / mixed from the dump's routes line (None: no split-path process)."""
-    kinds = set()
-    for l in lines:
-        m = re.search(r"routes: (\d+) lent, (\d+) copied first", l)
-        if m:
-            lent, copied = int(m.group(1)), int(m.group(2))
-            kinds.add("mixed" if lent and copied else "handoff" if lent else "copy")
-    if not kinds:
-        return None
-    return kinds.pop() if len(kinds) == 1 else "mixed"
-
-
 def ready_params(ready):
     """The model's parameter count from a `ready ... params N ...` line, or None."""
     words = (ready or "").split()
@@ -356,7 +343,7 @@ class Runner:
             rec["gpusnap_data_files"] = img["gpusnap_data_files"]
             rec["phases"] = criu.read_stats_json(imgdir)
             rec["dump_gpusnap_lines"] = dump["gpusnap_lines"]
-            rec["data_path"] = data_path(dump["gpusnap_lines"])
+            rec["data_path"] = criu.data_path(dump["gpusnap_lines"])
             log("image: %.3f GiB in %d files, gpusnap data files %d; largest %s" % (
                 img["image_bytes"] / 2**30, img["n_files"], img["gpusnap_data_files"], img["largest"][:5]))
             refused = dump["rc"] != 0

@@ -3,6 +3,7 @@ directory, and the gpusnap CLI."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -47,6 +48,19 @@ def gpusnap_lines(path, needle="gpusnap:"):
             return [l.rstrip("\n") for l in f if needle in l]
     except OSError:
         return []
+
+
+def data_path(lines):
+    """handoff / copy / mixed from the dump's routes line (None: no split-path process)."""
+    kinds = set()
+    for l in lines:
+        m = re.search(r"routes: (\d+) lent, (\d+) copied first", l)
+        if m:
+            lent, copied = int(m.group(1)), int(m.group(2))
+            kinds.add("mixed" if lent and copied else "handoff" if lent else "copy")
+    if not kinds:
+        return None
+    return kinds.pop() if len(kinds) == 1 else "mixed"
 
 
 def log_agent_lines(log, path, n=40):

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# The tenth session's device call (issue 23), CRIU 4.2.1, the whole cut at 540 s: the pre-copy
-# chain's final dump with the faster host-side chunk hash (1e6bc43), with the default 16 parent
-# readers and with 8 (does a check that leaves CPU to the keeper and CRIU shorten the pause?);
-# 16 GiB hand-over against copy-first again, now with data_path in every record; then the kill
-# matrix of the split path with the hand-over on this build. Packed into $OUT/session10-run1.tar.gz.
+# The tenth session's device call (issue 23), CRIU 4.2.1, the whole cut at 480 s: the pre-copy
+# chain's final dump with the faster host-side chunk hash (1e6bc43; the parent's check is what
+# its pause waited for); 16 GiB hand-over against copy-first again, now with data_path in every
+# record; then the kill matrix of the split path with the hand-over on this build. Packed into
+# $OUT/session10-run1.tar.gz.
 #
 # Usage: gpu/session10-run1.sh   (carry .criu-root-sid and .devcarry)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . gpu/call.sh
-call_begin session10-run1 540
+call_begin session10-run1 480
 export GPUSNAP_CRIU_ROOT=$PWD/.criu-root-sid
 say "build $(cat .devcarry/COMMIT 2>/dev/null); $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 | head -1); criu $(scripts/criu --version 2>&1 | head -1)"
 timeout 80 gpu/prepare.sh "$OUT/prepare.log" >"$OUT/prepare.out" 2>&1
@@ -18,12 +18,8 @@ timeout 40 dd if=/dev/zero of=/dev/shm/gpusnap-warm bs=1M count=30720 status=non
 rm -f /dev/shm/gpusnap-warm
 say "warmed 30 GiB of /dev/shm"
 timeout "$(cap 90)" gpu/precopy.sh --gib 16 --name precopy-handover-h200 >"$OUT/precopy.out" 2>&1
-say "precopy (16 readers) rc $?: $(grep -o 'final {"pause_s": [0-9.]*' "$OUT/precopy.out" | tail -1)"
-mv "$OUT/logs.tar" "$OUT/logs-precopy16.tar" 2>/dev/null
-GPUSNAP_READER_THREADS=8 timeout "$(cap 90)" gpu/precopy.sh --gib 16 --name precopy-handover-readers8-h200 \
-    >"$OUT/precopy-readers8.out" 2>&1
-say "precopy (8 readers) rc $?: $(grep -o 'final {"pause_s": [0-9.]*' "$OUT/precopy-readers8.out" | tail -1)"
-mv "$OUT/logs.tar" "$OUT/logs-precopy8.tar" 2>/dev/null
+say "precopy rc $?: $(grep -o 'final {"pause_s": [0-9.]*' "$OUT/precopy.out" | tail -1)"
+mv "$OUT/logs.tar" "$OUT/logs-precopy.tar" 2>/dev/null
 timeout "$(cap 70)" gpu/e2e.sh --gib 16 --path splits --log-name e2e16 >"$OUT/e2e16.out" 2>&1
 say "e2e 16 GiB (split, split-copyfirst) rc $?"
 l=$(( $(left) - 25 ))

@@ -2,8 +2,8 @@
 # The tenth session's device call (issue 23), CRIU 4.2.1, the whole cut at 420 s: the pre-copy
 # chain's final dump with the faster host-side chunk hash (1e6bc43; the parent's check is what
 # its pause waited for); 16 GiB hand-over against copy-first again, now with data_path in every
-# record; then the kill matrix of the split path with the hand-over on this build. Packed into
-# $OUT/session10-run1.tar.gz.
+# record; then the kill matrix of the split path with the hand-over on this build; with time
+# left, the ring probe and a hand-over dump at 64 GiB. Packed into $OUT/session10-run1.tar.gz.
 #
 # Usage: gpu/session10-run1.sh   (carry .criu-root-sid and .devcarry)
 set -uo pipefail
@@ -29,5 +29,18 @@ if (( l > 60 )); then
     say "kill matrix, split (deadline ${l}s) rc $?: $(grep -c '"pass": true' "$OUT"/faults-matrix-handover-h200.jsonl 2>/dev/null) passed of $(wc -l <"$OUT"/faults-matrix-handover-h200.jsonl 2>/dev/null)"
 else
     say "kill matrix skipped: ${l}s left"
+fi
+# What is left: the 64 GiB drain against the ring probe's rate in the same VM (the probe's
+# first run also touches the tmpfs pages the dump then writes).
+if (( $(left) > 110 )); then
+    timeout "$(cap 60)" /tmp/gpusnap-bin/ring_probe --gib 64 --repeat 2 --dir /dev/shm/gpusnap-probe \
+        --slots 16 --slot-mib 32 --streams 4 --threads 16 >"$OUT/ring64.out" 2>&1
+    say "ring probe 64 GiB rc $?: $(grep -o '"write_gbps": [0-9.]*' "$OUT/ring64.out" | tr '\n' ' ')"
+    rm -rf /dev/shm/gpusnap-probe
+    timeout "$(cap 70)" python3 gpu/e2e.py --gib 64 --path split --no-leave-running \
+        --log-name e2e64 >"$OUT/e2e64.out" 2>&1
+    say "e2e 64 GiB (hand-over, dump + restore) rc $?"
+else
+    say "64 GiB probe and dump skipped: $(left)s left"
 fi
 call_end

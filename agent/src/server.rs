@@ -311,6 +311,10 @@ impl Agent {
                 Request::PreCopyBegin { .. } => dump::Mode::Live,
                 _ => dump::Mode::Stopped,
             };
+            let (req, fd) = match crate::take::Take::from_message((req, fd)) {
+                Ok(first) => return crate::take::run(ch, &mut self.gpu, first),
+                Err(other) => other,
+            };
             match (req, fd) {
                 (
                     Request::DumpBegin {
@@ -373,24 +377,6 @@ impl Agent {
                         ErrorCode::BadRequest,
                         format!("{r:?} needs the staging memfd attached"),
                     );
-                }
-                (
-                    Request::Take {
-                        id,
-                        addr,
-                        size,
-                        rdma_capable,
-                    },
-                    Some(fd),
-                ) => {
-                    let first = crate::take::Take {
-                        id,
-                        addr,
-                        size,
-                        rdma_capable,
-                        fd,
-                    };
-                    return crate::take::run(ch, &mut self.gpu, first);
                 }
                 (Request::Reimport { exporter_pid, id }, Some(fd)) => {
                     reimport(ch, &mut self.gpu, exporter_pid, id, fd)

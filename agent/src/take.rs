@@ -27,6 +27,33 @@ pub struct Take {
     pub fd: OwnedFd,
 }
 
+impl Take {
+    /// The message `(request, descriptor)` as a `Take` with its descriptor; any other message
+    /// is given back unchanged. The one place that reads a `Take` off the wire.
+    pub fn from_message(
+        msg: (Request, Option<OwnedFd>),
+    ) -> Result<Take, (Request, Option<OwnedFd>)> {
+        match msg {
+            (
+                Request::Take {
+                    id,
+                    addr,
+                    size,
+                    rdma_capable,
+                },
+                Some(fd),
+            ) => Ok(Take {
+                id,
+                addr,
+                size,
+                rdma_capable,
+                fd,
+            }),
+            other => Err(other),
+        }
+    }
+}
+
 /// `Take` .. `TakeEnd` on this connection, starting with `first`; the connection is closed
 /// afterwards.
 pub fn run(ch: &Channel, gpu: &mut Gpu, first: Take) {
@@ -56,25 +83,11 @@ fn take_all(ch: &Channel, gpu: &mut Gpu, first: Take) -> Result<Reply, Fail> {
     loop {
         let t = match next.take() {
             Some(t) => t,
-            None => match ch.recv_request(Some(PEER_WAIT))? {
-                (
-                    Request::Take {
-                        id,
-                        addr,
-                        size,
-                        rdma_capable,
-                    },
-                    Some(fd),
-                ) => Take {
-                    id,
-                    addr,
-                    size,
-                    rdma_capable,
-                    fd,
-                },
-                (Request::TakeEnd, None) => break,
-                (Request::Abort, _) => return Err(Fail::Aborted),
-                (other, _) => {
+            None => match Take::from_message(ch.recv_request(Some(PEER_WAIT))?) {
+                Ok(t) => t,
+                Err((Request::TakeEnd, None)) => break,
+                Err((Request::Abort, _)) => return Err(Fail::Aborted),
+                Err((other, _)) => {
                     return Err(Fail::unexpected(
                         &other,
                         "while memory is handed over (Take with its descriptor, or TakeEnd)",

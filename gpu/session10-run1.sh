@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The tenth session's device call (issue 23), CRIU 4.2.1, the whole cut at 420 s: the pre-copy
+# The tenth session's device call (issue 23), CRIU 4.2.1, the whole cut at 420 s (CALL_LIMIT_S): the pre-copy
 # chain's final dump with the faster host-side chunk hash (1e6bc43; the parent's check is what
 # its pause waited for); 16 GiB hand-over against copy-first again, now with data_path in every
 # record; then the kill matrix of the split path with the hand-over on this build; with time
@@ -9,7 +9,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . gpu/call.sh
-call_begin session10-run1 420
+call_begin session10-run1 "${CALL_LIMIT_S:-420}"
 export GPUSNAP_CRIU_ROOT=$PWD/.criu-root-sid
 say "build $(cat .devcarry/COMMIT 2>/dev/null); $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 | head -1); criu $(scripts/criu --version 2>&1 | head -1)"
 timeout 80 gpu/prepare.sh "$OUT/prepare.log" >"$OUT/prepare.out" 2>&1

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The tenth session's device call (issue 23), CRIU 4.2.1, the whole cut at 420 s (CALL_LIMIT_S): the pre-copy
-# chain's final dump with the faster host-side chunk hash (1e6bc43; the parent's check is what
+# The tenth session's device call (issue 23), CRIU 4.2.1, the whole cut at 420 s (or
+# CALL_LIMIT_S): the pre-copy chain's final dump with the faster host-side chunk hash (1e6bc43; the parent's check is what
 # its pause waited for); 16 GiB hand-over against copy-first again, now with data_path in every
 # record; then the kill matrix of the split path with the hand-over on this build; with time
 # left, the ring probe and a hand-over dump at 64 GiB. Packed into $OUT/session10-run1.tar.gz.

@@ -128,7 +128,15 @@ fn a_keeper_that_cannot_load_leaves_the_load_to_the_agent() {
 /// The lines every hand-over dump logs.
 fn assert_handed_over(s: &Split, dump: &CriuRun) {
     s.assert_line(dump, &["hand-over planned: keeper pid"]);
-    s.assert_line(dump, &["allocations", "lent to keeper pid"]);
+    s.assert_line(
+        dump,
+        &[
+            "allocations",
+            "lent to keeper pid",
+            "the job's exports",
+            "the keeper's first adoption",
+        ],
+    );
     s.assert_line(dump, &["drain started"]);
     s.assert_line(dump, &["the drain ran", "beside CRIU's dump"]);
 }

@@ -778,7 +778,7 @@ fn hand_over(ctx: &Ctx, t: &mut Tracked, release: &Mutex<Option<Hold>>) -> Resul
     }
     let allocations: Vec<AllocationRecord> = listed.into_iter().map(|(a, _)| a).collect();
     let staging = take_ring(ctx, t, &allocations)?;
-    let lent = crate::handover::lend_to_keeper(&session, &keeper, &routes)?;
+    let (lent, times) = crate::handover::lend_to_keeper(&session, &keeper, &routes)?;
     // Adopted: from here the session serves the drain; the keeper stays for the reaping.
     let drain_session = keeper
         .take_session()
@@ -793,9 +793,13 @@ fn hand_over(ctx: &Ctx, t: &mut Tracked, release: &Mutex<Option<Hold>>) -> Resul
             .sum()
     };
     log::info!(
-        "pid {pid}: {lent} allocations ({:.2} GiB) lent to keeper pid {}",
+        "pid {pid}: {lent} allocations ({:.2} GiB) lent to keeper pid {}: the job's exports {:.3} s, the keeper's first adoption {:.3} s (its CUDA start included), the other {} {:.3} s",
         gib(moved_bytes(true)),
-        keeper.pid()
+        keeper.pid(),
+        times.export_s,
+        times.first_adopt_s,
+        lent.saturating_sub(1),
+        times.other_adopts_s,
     );
     crate::fault::kill_criu_at("dump-lent");
 

@@ -82,14 +82,29 @@ impl std::fmt::Debug for Lent {
     }
 }
 
-/// Exports the job's memory and has the keeper adopt all of it. Nothing of the job is changed
-/// if this fails (its agent is told to abort, which closes the copies).
+/// How long the parts of a lend took, for the log: the job's exports, the keeper's first
+/// `Adopt` (which also waits for the keeper's CUDA start) and the others.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LendTimes {
+    pub export_s: f64,
+    pub first_adopt_s: f64,
+    pub other_adopts_s: f64,
+}
+
+/// Exports the job's memory and has the keeper adopt all of it; returns how many allocations
+/// and how long the parts took. Nothing of the job is changed if this fails (its agent is told
+/// to abort, which closes the copies).
 pub fn lend_to_keeper(
     session: &AgentSession,
     keeper: &Keeper,
     routes: &crate::route::Routes,
-) -> Result<usize, HandOverError> {
+) -> Result<(usize, LendTimes), HandOverError> {
+    let t0 = Instant::now();
     let lent: Vec<LentAllocation> = session.lend().map_err(HandOverError::KeeperSession)?;
+    let mut times = LendTimes {
+        export_s: t0.elapsed().as_secs_f64(),
+        ..LendTimes::default()
+    };
     let listed = routes.lent();
     if lent.len() != listed {
         session.abort();
@@ -107,15 +122,22 @@ pub fn lend_to_keeper(
         });
     }
     let ks = keeper.session().ok_or(HandOverError::NoKeeper)?;
-    for l in &lent {
+    for (i, l) in lent.iter().enumerate() {
+        let t = Instant::now();
         if let Err(e) = ks.adopt(l) {
             session.abort();
             return Err(HandOverError::KeeperSession(e));
         }
+        let took = t.elapsed().as_secs_f64();
+        if i == 0 {
+            times.first_adopt_s = took;
+        } else {
+            times.other_adopts_s += took;
+        }
     }
     // `lent` is dropped here: our copies of the descriptors close; the job and the keeper
     // hold the memory.
-    Ok(lent.len())
+    Ok((lent.len(), times))
 }
 
 /// What a drain needs besides the keeper.

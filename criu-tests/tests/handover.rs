@@ -128,6 +128,26 @@ fn a_keeper_that_cannot_load_leaves_the_load_to_the_agent() {
 /// The lines every hand-over dump logs.
 fn assert_handed_over(s: &Split, dump: &CriuRun) {
     s.assert_line(dump, &["hand-over planned: keeper pid"]);
+    // The keeper's CUDA start is waited for before the lock, while the job runs, not by the
+    // lend on the job's pause.
+    let lines = dump.gpusnap_lines();
+    let ready = lines
+        .iter()
+        .position(|l| l.contains("hand-over planned") && l.contains("before the lock"));
+    let locked = lines
+        .iter()
+        .position(|l| l.contains("CUDA state found") && l.contains("; lock "));
+    match (ready, locked) {
+        (Some(r), Some(l)) => assert!(
+            r < l,
+            "the keeper was waited for after the lock (lines {r} and {l}) in {}",
+            dump.log_path.display()
+        ),
+        _ => panic!(
+            "no keeper-ready line ({ready:?}) or lock line ({locked:?}) in {}",
+            dump.log_path.display()
+        ),
+    }
     s.assert_line(
         dump,
         &[

@@ -38,6 +38,13 @@ pub enum KeeperError {
     Spawn { path: String, err: std::io::Error },
     #[error("starting {path}: it did not detach: {why}")]
     Detach { path: String, why: DetachError },
+    #[error("keeper pid {pid} did not become ready: {err}")]
+    NotReady {
+        pid: libc::pid_t,
+        err: crate::agent::AgentError,
+    },
+    #[error("keeper pid {pid}: its connection was already taken")]
+    NoSession { pid: libc::pid_t },
 }
 
 /// Why the process that starts the keeper did not hand it over.
@@ -162,6 +169,20 @@ impl Keeper {
     /// The session to the keeper (until [`Self::take_session`]).
     pub fn session(&self) -> Option<&AgentSession> {
         self.session.as_ref()
+    }
+
+    /// Waits until the keeper has started CUDA (its driver and the contexts it was started
+    /// for): it answers `Hello` only then. Returns how long that took.
+    pub fn wait_ready(&self) -> Result<f64, KeeperError> {
+        let t0 = Instant::now();
+        let session = self
+            .session
+            .as_ref()
+            .ok_or(KeeperError::NoSession { pid: self.pid })?;
+        session
+            .hello()
+            .map_err(|err| KeeperError::NotReady { pid: self.pid, err })?;
+        Ok(t0.elapsed().as_secs_f64())
     }
 
     /// Takes the session (its `release` consumes it).

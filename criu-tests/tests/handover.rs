@@ -93,6 +93,34 @@ fn a_copy_first_image_is_loaded_by_the_agent() {
     s.assert_runs_on(&last, &restore);
 }
 
+/// A keeper that cannot start CUDA (here: its driver library is missing) is found out at PAUSE,
+/// before the lock, while the job runs: it is let go, the memory takes the copy-first route,
+/// and the dump and its restore go on bit-exact.
+#[test]
+fn a_dump_keeper_that_cannot_start_cuda_is_dropped_before_the_lock() {
+    let Some(mut s) = start("handover-dump-keeper-no-driver") else {
+        return;
+    };
+    let dump = s.dump_with(
+        false,
+        &[("GPUSNAP_TEST_KEEPER_LIBCUDA", "/nonexistent/libcuda.so.1")],
+    );
+    s.assert_ok(&dump);
+    s.assert_line(&dump, &["no hand-over (keeper pid", "did not become ready"]);
+    s.assert_line(&dump, &["routes: 0 lent"]);
+    assert!(
+        dump.gpusnap_lines()
+            .iter()
+            .all(|l| !l.contains("lent to keeper")),
+        "memory was lent to a keeper that was not ready\n{}",
+        s.describe(&dump)
+    );
+    let last = s.reap_dumped();
+    let restore = s.restore();
+    s.assert_ok(&restore);
+    s.assert_runs_on(&last, &restore);
+}
+
 /// A keeper that cannot load (here: its driver library is missing) does not fail the restore:
 /// it waits to be let go, and the job's agent loads the image instead, bit-exact. A keeper that
 /// cannot even be started leaves the load to the agent as well.

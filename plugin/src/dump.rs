@@ -318,7 +318,11 @@ fn keeper_for(
         );
         return Err(crate::route::CopyFirst::HandoverOff);
     }
-    let libcuda = crate::keeper::job_libcuda(pid);
+    // The test hook names another library (a missing one: a keeper that cannot start CUDA).
+    let libcuda = std::env::var_os(crate::preload::KEEPER_LIBCUDA_ENV)
+        .filter(|v| !v.is_empty())
+        .map(std::path::PathBuf::from)
+        .or_else(|| crate::keeper::job_libcuda(pid));
     match crate::keeper::Keeper::spawn(
         &ctx.cfg.keeper,
         libcuda.as_deref(),

@@ -168,9 +168,10 @@ pub enum Handed {
     Fallback(PreloadError),
 }
 
-/// Test hook: the driver library a restore's keeper loads. With a real driver the job's library
-/// and the plugin's are one (`libcuda.so.1`, or `GPUSNAP_LIBCUDA`); the stand-ins are two (the
-/// checkpoint API's for the plugin, the device's for the job), and the keeper needs the job's.
+/// Test hook: the driver library a restore's keeper loads (and, when set, a dump's, which
+/// otherwise loads the job's own). With a real driver the job's library and the plugin's are one
+/// (`libcuda.so.1`, or `GPUSNAP_LIBCUDA`); the stand-ins are two (the checkpoint API's for the
+/// plugin, the device's for the job), and the keeper needs the job's.
 pub const KEEPER_LIBCUDA_ENV: &str = "GPUSNAP_TEST_KEEPER_LIBCUDA";
 
 impl Preload {

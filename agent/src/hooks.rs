@@ -530,15 +530,37 @@ fn with_current_handle(
     }
 }
 
-/// The driver's value for an application handle: `Err` while a dump has released it.
+/// How often a program call on released memory looks whether it is back.
+const RELEASED_POLL: std::time::Duration = std::time::Duration::from_millis(2);
+
+/// The driver's value for an application handle. While a dump has released the memory the
+/// call waits until it is back: the process is then locked or checkpointed by the driver,
+/// whose own calls wait the same way (a rollback, `gpusnap recover` or a restore brings the
+/// memory back; a job that is killed never returns). Failing instead would show the program
+/// an error it never gets without the agent: CI saw a tick fail when CRIU died after the
+/// driver checkpoint and the program's thread ran on into such a call before the recover.
 fn real_handle(h: CUmemGenericAllocationHandle) -> Result<CUmemGenericAllocationHandle, CuRes> {
-    let known = table::lock()
-        .real_handle(h)
-        .or_else(|| crate::shareable::import_real(h));
-    match known {
-        None => Ok(h),
-        Some(Some(real)) => Ok(real),
-        Some(None) => Err(CUDA_ERROR_INVALID_VALUE),
+    let mut waited = false;
+    loop {
+        let known = table::lock()
+            .real_handle(h)
+            .or_else(|| crate::shareable::import_real(h));
+        match known {
+            None => return Ok(h),
+            Some(Some(real)) => {
+                if waited {
+                    debug!("handle {h:#x} is back (driver handle {real:#x}): the call goes on");
+                }
+                return Ok(real);
+            }
+            Some(None) => {
+                if !waited {
+                    debug!("handle {h:#x} is released by a dump: the call waits for it");
+                    waited = true;
+                }
+                std::thread::sleep(RELEASED_POLL);
+            }
+        }
     }
 }
 

@@ -18,9 +18,15 @@ pub struct Tick {
 /// The pid and the ticks of one side's log.
 pub fn read_log(path: &Path) -> (Option<i32>, Vec<Tick>) {
     let text = std::fs::read_to_string(path).unwrap_or_default();
+    // Only whole lines: the side may be writing its last one as we read (CI once read
+    // "tick " and took it for a damaged tick).
+    let whole = match text.rfind('\n') {
+        Some(end) => &text[..=end],
+        None => "",
+    };
     let mut pid = None;
     let mut ticks = Vec::new();
-    for line in text.lines() {
+    for line in whole.lines() {
         let w: Vec<&str> = line.split_whitespace().collect();
         match w.as_slice() {
             ["pid", p] => pid = p.parse().ok(),

@@ -319,10 +319,8 @@ fn keeper_for(
         return Err(crate::route::CopyFirst::HandoverOff);
     }
     // The test hook names another library (a missing one: a keeper that cannot start CUDA).
-    let libcuda = std::env::var_os(crate::preload::KEEPER_LIBCUDA_ENV)
-        .filter(|v| !v.is_empty())
-        .map(std::path::PathBuf::from)
-        .or_else(|| crate::keeper::job_libcuda(pid));
+    let libcuda =
+        crate::preload::keeper_libcuda_override().or_else(|| crate::keeper::job_libcuda(pid));
     match crate::keeper::Keeper::spawn(
         &ctx.cfg.keeper,
         libcuda.as_deref(),
@@ -809,7 +807,7 @@ fn hand_over(ctx: &Ctx, t: &mut Tracked, release: &Mutex<Option<Hold>>) -> Resul
             .sum()
     };
     log::info!(
-        "pid {pid}: {lent} allocations ({:.2} GiB) lent to keeper pid {}: the job's exports {:.3} s, the keeper's first adoption {:.3} s (its CUDA start included), the other {} {:.3} s",
+        "pid {pid}: {lent} allocations ({:.2} GiB) lent to keeper pid {}: the job's exports {:.3} s, the keeper's first adoption {:.3} s, the other {} {:.3} s",
         gib(moved_bytes(true)),
         keeper.pid(),
         times.export_s,

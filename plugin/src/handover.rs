@@ -83,7 +83,8 @@ impl std::fmt::Debug for Lent {
 }
 
 /// How long the parts of a lend took, for the log: the job's exports, the keeper's first
-/// `Adopt` (which also waits for the keeper's CUDA start) and the others.
+/// `Adopt` and the others (the first one waited for the keeper's CUDA start until the plugin
+/// waited for the keeper before the lock; the split shows that it no longer does).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct LendTimes {
     pub export_s: f64,

@@ -174,17 +174,22 @@ pub enum Handed {
 /// plugin, the device's for the job), and the keeper needs the job's.
 pub const KEEPER_LIBCUDA_ENV: &str = "GPUSNAP_TEST_KEEPER_LIBCUDA";
 
+/// The library [`KEEPER_LIBCUDA_ENV`] names, if it is set and not empty.
+pub fn keeper_libcuda_override() -> Option<std::path::PathBuf> {
+    std::env::var_os(KEEPER_LIBCUDA_ENV)
+        .filter(|v| !v.is_empty())
+        .map(std::path::PathBuf::from)
+}
+
 impl Preload {
     /// Starts a keeper for the process of `m` (`init(RESTORE)`); it makes its contexts on
     /// `gpus` (the plan's) while CRIU forks the tree.
     pub fn start(cfg: &Config, m: &Manifest, gpus: &[[u8; 16]]) -> Result<Preload, KeeperError> {
-        let libcuda = std::env::var(KEEPER_LIBCUDA_ENV)
-            .ok()
-            .filter(|v| !v.is_empty())
-            .unwrap_or_else(gpusnap_cuda::driver::libcuda_path);
+        let libcuda = keeper_libcuda_override()
+            .unwrap_or_else(|| gpusnap_cuda::driver::libcuda_path().into());
         let keeper = Keeper::spawn(
             &cfg.keeper,
-            Some(std::path::Path::new(&libcuda)),
+            Some(libcuda.as_path()),
             gpus,
             m.nspid as i32,
             Duration::from_millis(cfg.agent_timeout_ms),

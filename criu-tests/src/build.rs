@@ -80,3 +80,48 @@ pub fn built(package: &'static str, artifact: &str) -> PathBuf {
     self::artifact(&profile_dir, artifact)
         .unwrap_or_else(|| panic!("{artifact} not found after building {package}"))
 }
+
+/// The hostile test build of the agent (`gpusnap-agent` with its `hostile` feature:
+/// `gpusnap_proto::hostile`), built once per test binary into a target dir of its own
+/// (`<target>/hostile`) so that the feature never reaches the workspace's own agent.
+pub fn hostile_agent() -> PathBuf {
+    static BUILT: Mutex<Option<PathBuf>> = Mutex::new(None);
+    let mut done = BUILT.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(p) = done.as_ref() {
+        return p.clone();
+    }
+    let profile_dir = profile_dir();
+    let target = profile_dir
+        .parent()
+        .expect("profile dir has a parent")
+        .join("hostile");
+    let mut cmd = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    cmd.args([
+        "build",
+        "--quiet",
+        "-p",
+        "gpusnap-agent",
+        "--features",
+        "hostile",
+        "--lib",
+    ])
+    .arg("--target-dir")
+    .arg(&target)
+    .current_dir(env!("CARGO_MANIFEST_DIR"))
+    .stdin(Stdio::null());
+    eprintln!(
+        "criu-tests: building the hostile agent into {}",
+        target.display()
+    );
+    let out = cmd.output().expect("cargo build of the hostile agent");
+    assert!(
+        out.status.success(),
+        "cargo build of the hostile agent failed ({}):\n{}",
+        out.status,
+        output_text(&out)
+    );
+    let so = artifact(&target.join("debug"), "libgpusnap_agent.so")
+        .expect("libgpusnap_agent.so in the hostile target dir");
+    *done = Some(so.clone());
+    so
+}

@@ -42,7 +42,8 @@ pub enum AgentError {
         expected: &'static str,
         got: String,
     },
-    #[error("agent of pid {pid} reports: {message}")]
+    /// `message` is the job's text: shown quoted and escaped.
+    #[error("agent of pid {pid} reports: {message:?}")]
     Refused { pid: i32, message: String },
     #[error("agent thread (namespace tid {ns_tid}) of pid {pid} not found in /proc/{pid}/task")]
     NoThread { pid: i32, ns_tid: i32 },

@@ -39,7 +39,7 @@ pub fn print_deferred() {
 /// line printed that way was overwritten by CRIU's main thread, which was logging at the
 /// same moment, and the kill went unrecorded.
 pub fn print_now(text: &str) {
-    let line = format!("gpusnap: {text}\n");
+    let line = prefixed(text) + "\n";
     // SAFETY: CRIU's getter takes no arguments.
     match criu::log_get_fd().map(|f| unsafe { f() }) {
         Some(fd) if fd >= 0 => write_all(fd, line.as_bytes()),
@@ -67,6 +67,23 @@ fn write_all(fd: i32, mut bytes: &[u8]) {
     }
 }
 
+/// `text` as lines of CRIU's log: each line of it prefixed `gpusnap: `, so nothing in it can
+/// pass for a line of CRIU's, and every other control character (escape sequences, carriage
+/// returns, NUL) written as an escape. Text from the job (an agent's error, a path) can reach a
+/// message; this is the last guard, after the quoting where such text is shown.
+pub fn prefixed(text: &str) -> String {
+    let mut out = String::with_capacity(text.len() + 10);
+    out.push_str("gpusnap: ");
+    for c in text.chars() {
+        match c {
+            '\n' => out.push_str("\ngpusnap:   "),
+            c if c.is_control() => out.extend(c.escape_debug()),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
 fn print(level: u32, line: &CString) {
     match criu::print_on_level() {
         // SAFETY: a fixed "%s" format with one NUL-terminated string argument.
@@ -90,7 +107,7 @@ impl log::Log for CriuLogger {
             log::Level::Info => criu::level::INFO,
             _ => criu::level::DEBUG,
         };
-        let mut text = format!("gpusnap: {}", r.args()).replace('\0', "\\0");
+        let mut text = prefixed(&r.args().to_string());
         // CRIU's buffer is 8 KiB; keep well inside it.
         if text.len() > 4000 {
             let mut cut = 4000;
@@ -126,7 +143,7 @@ pub fn tell_user(msg: &str) {
     if criu::print_on_level().is_none() || log_is_stderr() {
         return;
     }
-    write_all(2, format!("gpusnap: {msg}\n").as_bytes());
+    write_all(2, (prefixed(msg) + "\n").as_bytes());
 }
 
 /// Whether CRIU's log descriptor is the same file as its stderr.
@@ -165,4 +182,20 @@ pub fn init(configured: Option<log::LevelFilter>) {
     std::panic::set_hook(Box::new(|info| {
         log::error!("internal error (panic): {info}; please report this as a gpusnap bug");
     }));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::prefixed;
+
+    #[test]
+    fn every_line_is_prefixed_and_control_characters_are_escaped() {
+        let forged = "x\n(00.9) Dumping finished successfully\x1b[2K\r\0";
+        let out = prefixed(forged);
+        assert_eq!(
+            out,
+            "gpusnap: x\ngpusnap:   (00.9) Dumping finished successfully\\u{1b}[2K\\r\\0"
+        );
+        assert!(out.lines().all(|l| l.starts_with("gpusnap: ")));
+    }
 }

@@ -85,16 +85,29 @@ impl Channel {
 
     /// Sends a reply. EINTR is [`ProtoError::Interrupted`] (nothing was sent).
     pub fn send_reply(&self, r: &Reply) -> Result<(), ProtoError> {
-        let mut buf = [0u8; MAX_MESSAGE];
-        let n = r.encode(&mut buf);
-        self.send_raw(&buf[..n], None)
+        #[cfg(feature = "hostile")]
+        return crate::hostile::send(self, r, None);
+        #[cfg(not(feature = "hostile"))]
+        self.send_raw_reply(r, None)
     }
 
     /// Sends a reply with `attach` passed as SCM_RIGHTS (a hand-over's exported descriptor).
     pub fn send_reply_with(&self, r: &Reply, attach: BorrowedFd<'_>) -> Result<(), ProtoError> {
+        #[cfg(feature = "hostile")]
+        return crate::hostile::send(self, r, Some(attach));
+        #[cfg(not(feature = "hostile"))]
+        self.send_raw_reply(r, Some(attach))
+    }
+
+    /// Encodes and sends a reply as it is (the test build's hostile interposer calls this).
+    pub(crate) fn send_raw_reply(
+        &self,
+        r: &Reply,
+        attach: Option<BorrowedFd<'_>>,
+    ) -> Result<(), ProtoError> {
         let mut buf = [0u8; MAX_MESSAGE];
         let n = r.encode(&mut buf);
-        self.send_raw(&buf[..n], Some(attach))
+        self.send_raw(&buf[..n], attach)
     }
 
     /// Waits at most `timeout` for a reply that may carry one descriptor (a hand-over's).

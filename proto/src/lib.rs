@@ -11,11 +11,14 @@
 //! - `door`: how a client reaches a process's agent (no socket name; `pidfd_getfd`).
 //! - `channel`: [`Channel`], one connection; whole messages, at most one fd attached, timeouts.
 //! - `error`: [`ProtoError`].
+//! - `hostile` (cargo feature `hostile`, test builds only): the agent turned adversary, for CI.
 
 mod channel;
 pub mod devhash;
 mod door;
 mod error;
+#[cfg(feature = "hostile")]
+pub mod hostile;
 mod message;
 mod socket;
 mod wire;

@@ -97,10 +97,44 @@ impl Split {
         args: &[&str],
         env: &[(&'static str, &'static str)],
     ) -> Option<Split> {
+        Split::launch_agent(test, procs, args, env, None)
+    }
+
+    /// [`launch`](Self::launch) with the hostile test build of the agent
+    /// (`criu_tests::build::hostile_agent`) playing `attack` (`GPUSNAP_HOSTILE`).
+    pub fn hostile(
+        test: &str,
+        attack: &'static str,
+        args: &[&str],
+        env: &[(&'static str, &'static str)],
+    ) -> Option<Split> {
+        let mut env = env.to_vec();
+        env.push(("GPUSNAP_HOSTILE", attack));
+        let mut s = Split::launch_agent(
+            test,
+            1,
+            args,
+            &env,
+            Some(criu_tests::build::hostile_agent()),
+        )?;
+        // The attack is the job's alone: CRIU's configuration would refuse the variable.
+        s.common_env.retain(|(k, _)| *k != "GPUSNAP_HOSTILE");
+        Some(s)
+    }
+
+    /// [`launch`](Self::launch) with `agent` preloaded (else the workspace's agent).
+    pub fn launch_agent(
+        test: &str,
+        procs: usize,
+        args: &[&str],
+        env: &[(&'static str, &'static str)],
+        agent: Option<PathBuf>,
+    ) -> Option<Split> {
         let h = harness(test)?;
         let w = h.workdir(test);
         let (fakecuda_so, cli) = built().clone();
-        let agent = h.agent_so().unwrap_or_else(|e| panic!("{e}")).to_owned();
+        let agent =
+            agent.unwrap_or_else(|| h.agent_so().unwrap_or_else(|e| panic!("{e}")).to_owned());
         let state = w.path.join("fakecuda");
         fs::create_dir_all(&state).expect("mkdir fakecuda");
         let lib = libcuda_dir(&w.path);

@@ -32,6 +32,9 @@ say "installing the private CRIU root"
 scripts/install-criu.sh
 say "building gpusnap (release)"
 scripts/build-device-bundle.sh >/dev/null
+release=${CARGO_TARGET_DIR:-target}/release
+say "built: $release/gpusnap (the command), $release/libgpusnap.so (the plugin), \
+$release/libgpusnap_agent.so, $release/gpusnap-keeper; stripped copies in .devcarry/"
 
 if [[ -d /proc/driver/nvidia/gpus ]] && { command -v nvcc >/dev/null || [[ -x /usr/local/cuda/bin/nvcc ]]; }; then
     say "NVIDIA GPU found: checkpoint/restore of a CUDA process, both paths"
@@ -43,11 +46,14 @@ work=$(mktemp -d /tmp/gpusnap-demo.XXXXXX)
 mkdir -p "$work/plugins" "$work/img"
 install -m 0755 .devcarry/libgpusnap.so "$work/plugins/gpusnap.so"
 cargo build -q --release -p criu-tests --bin counter
-setsid target/release/counter --log "$work/count" --seed 7 </dev/null >/dev/null 2>&1 &
+setsid "$release/counter" --log "$work/count" --seed 7 </dev/null >/dev/null 2>&1 &
 pid=$!
+# CRIU kills the counter after the dump, as it should. Out of bash's job table, its death is not
+# announced as a "Killed" line (bash reports it as soon as it reaps the job, before any `wait`
+# could hide it); a counter that fails to start still fails the dump below, and the script.
+disown "$pid"
 sleep 1
 scripts/criu dump -t "$pid" -D "$work/img" -L "$work/plugins" -v4 -o dump.log
-{ wait "$pid"; } 2>/dev/null || true # CRIU killed it after the dump
 before=$(tail -n1 "$work/count" | awk '{print $1}')
 say "dumped pid $pid at count $before; gpusnap said:"
 grep 'gpusnap:' "$work/img/dump.log" | sed 's/^/    /'

@@ -62,3 +62,97 @@ fn an_agents_error_text_cannot_forge_log_lines() {
     );
     assert_job_runs_on(&mut s, &dump);
 }
+
+/// Item 1: root never runs a library the job chose. The job maps a file of its own named
+/// `libcuda.so.666` (first in its maps, below the real driver); a dump with the hand-over on
+/// and no test override of the keeper's library must not load it in root's keeper: the job's
+/// driver library is not the host's (here the checkpoint stand-in), so the memory is copied
+/// first, with the reason logged. The library's constructor records every process it runs in.
+#[test]
+fn root_never_loads_a_driver_library_the_job_chose() {
+    let Some(h) = criu_tests::harness("hostile-job-libcuda") else {
+        return;
+    };
+    // Built outside the test's work dir so that it exists before the workload starts.
+    let dir = criu_tests::build::profile_dir()
+        .join("criu-tests")
+        .join(format!("hostile-libcuda-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    let evil = dir.join("libcuda.so.666");
+    let marker = dir.join("ran-in");
+    let src = dir.join("evil.c");
+    std::fs::write(
+        &src,
+        format!(
+            r#"#include <fcntl.h>
+#include <stdio.h>
+#include <sys/mman.h>
+#include <unistd.h>
+__attribute__((constructor)) static void ran(void) {{
+    FILE *f = fopen("{marker}", "a");
+    if (f) {{ fprintf(f, "%d\n", (int)getpid()); fclose(f); }}
+    /* Mapped again low, so it is the first libcuda.so* line of the job's maps. */
+    int fd = open("{evil}", O_RDONLY);
+    if (fd >= 0) {{ mmap((void *)0x10000000, 4096, PROT_READ, MAP_PRIVATE, fd, 0); close(fd); }}
+}}
+"#,
+            marker = marker.display(),
+            evil = evil.display()
+        ),
+    )
+    .expect("write evil.c");
+    let cc = std::process::Command::new("cc")
+        .args(["-shared", "-fPIC", "-o"])
+        .arg(&evil)
+        .arg(&src)
+        .output()
+        .expect("run cc");
+    assert!(
+        cc.status.success(),
+        "cc: {}",
+        criu_tests::fixtures::output_text(&cc)
+    );
+    drop(h);
+    let agent = criu_tests::harness("hostile-job-libcuda")
+        .expect("harness")
+        .agent_so()
+        .expect("agent")
+        .to_owned();
+    let preload: &'static str =
+        Box::leak(format!("{}:{}", evil.display(), agent.display()).into_boxed_str());
+    let Some(mut s) = Split::launch_agent(
+        "hostile-job-libcuda",
+        1,
+        ARGS,
+        &[("LD_PRELOAD", preload)],
+        Some(agent),
+    ) else {
+        return;
+    };
+    s.common_env.retain(|(k, _)| *k != "LD_PRELOAD");
+    s.vmm.wait_for_tick(2);
+    let job = s.vmm.pid();
+    let maps = std::fs::read_to_string(format!("/proc/{job}/maps")).expect("maps");
+    let first = maps.lines().find(|l| l.contains("libcuda.so"));
+    assert!(
+        first.is_some_and(|l| l.contains("libcuda.so.666")),
+        "the job's own library is not its first libcuda mapping: {first:?}"
+    );
+    // Hand-over on, no test override: the dump's keeper would pick the job's library.
+    let dump = s.dump_with(true, &[("GPUSNAP_TEST_KEEPER_LIBCUDA", "")]);
+    s.assert_ok(&dump);
+    let ran: Vec<String> = std::fs::read_to_string(&marker)
+        .unwrap_or_default()
+        .lines()
+        .map(str::to_owned)
+        .collect();
+    assert!(
+        ran.iter().all(|p| *p == job.to_string()),
+        "the job's library ran in another process (pids {ran:?}, job {job})\n{}",
+        s.describe(&dump)
+    );
+    s.assert_line(&dump, &["no hand-over", "not the host's driver library"]);
+    assert_job_runs_on(&mut s, &dump);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -318,12 +318,24 @@ fn keeper_for(
         );
         return Err(crate::route::CopyFirst::HandoverOff);
     }
-    // The test hook names another library (a missing one: a keeper that cannot start CUDA).
-    let libcuda =
-        crate::preload::keeper_libcuda_override().or_else(|| crate::keeper::job_libcuda(pid));
+    // The test hook (root's environment) names the keeper's library outright (a missing one:
+    // a keeper that cannot start CUDA). Otherwise only the host's, and only if it is the file
+    // the job has mapped: never a library the job chose.
+    let libcuda = match crate::preload::keeper_libcuda_override() {
+        Some(named) => named,
+        None => match crate::keeper::host_library_for(pid, &gpusnap_cuda::driver::libcuda_path()) {
+            Ok(host) => host,
+            Err(e) => {
+                log::warn!(
+                    "pid {pid}: no hand-over ({e}): the device data is copied out before the driver checkpoint"
+                );
+                return Err(crate::route::CopyFirst::DriverLibrary);
+            }
+        },
+    };
     match crate::keeper::Keeper::spawn(
         &ctx.cfg.keeper,
-        libcuda.as_deref(),
+        Some(libcuda.as_path()),
         gpus,
         pid,
         ctx.agent_timeout(),
@@ -344,9 +356,7 @@ fn keeper_for(
             log::info!(
                 "pid {pid}: hand-over planned: keeper pid {} ({}) holds the device memory across the driver checkpoint and drains it beside CRIU's dump; ready (CUDA started) in {ready_s:.3} s, before the lock",
                 k.pid(),
-                libcuda
-                    .as_deref()
-                    .map_or("libcuda.so.1".into(), |p| p.display().to_string())
+                libcuda.display()
             );
             Ok(k)
         }

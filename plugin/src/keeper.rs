@@ -387,16 +387,192 @@ fn plugin_dir() -> Option<PathBuf> {
     p.parent().map(Path::to_path_buf)
 }
 
-/// The driver library the job `pid` has mapped, as a path this process can open (through the
-/// job's root, for a container), if any.
-pub fn job_libcuda(pid: i32) -> Option<PathBuf> {
-    let maps = crate::procfs::maps(pid).ok()?;
-    let path = maps.lines().find_map(|l| {
-        let p = l.split_whitespace().nth(5)?;
-        let name = Path::new(p).file_name()?.to_str()?;
-        name.starts_with("libcuda.so").then(|| p.to_owned())
+/// Why a dump's keeper is given no driver library, so the memory is copied out first. The
+/// keeper runs as root: it loads only the host's driver library, never a file the job chose.
+#[derive(Debug, thiserror::Error)]
+pub enum LibraryRefused {
+    #[error("the host's driver library {name} is not loaded in CRIU's process")]
+    NotLoaded { name: String },
+    #[error("the host's driver library {path}: {err}")]
+    Stat { path: String, err: std::io::Error },
+    #[error(
+        "the host's driver library {path} is {why}: the keeper runs as root and loads only a root-owned library that only root can write"
+    )]
+    NotPrivate { path: String, why: &'static str },
+    #[error("reading the job's mappings: {0}")]
+    Maps(std::io::Error),
+    #[error("the job maps no driver library (libcuda.so*)")]
+    NoneMapped,
+    #[error(
+        "the job maps {job:?} (device {dev_major}:{dev_minor}, inode {inode}), which is not the host's driver library {host} (a container that ships its own libcuda?); the keeper never loads a library the job chose"
+    )]
+    Mismatch {
+        job: String,
+        dev_major: u32,
+        dev_minor: u32,
+        inode: u64,
+        host: String,
+    },
+}
+
+/// A mapped file as `/proc/<pid>/maps` names it: device and inode, which the job cannot fake
+/// (the kernel writes them), and the path, which it can (shown only, quoted).
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct MappedFile {
+    dev_major: u32,
+    dev_minor: u32,
+    inode: u64,
+    path: String,
+}
+
+/// The driver library a dump's keeper loads for the job `pid`: the host's (`host`, a path or
+/// a name the loader resolved for CRIU, e.g. `libcuda.so.1`), and only if it is root's alone
+/// and every `libcuda.so*` file the job maps is that same file (device and inode, read from
+/// `/proc/<pid>/maps`: no path inside the job's root is ever opened). A job whose driver
+/// library is another file (its container's own) gets the copy-first route.
+pub fn host_library_for(pid: i32, host: &str) -> Result<PathBuf, LibraryRefused> {
+    let host = resolve_host_library(host)?;
+    let shown = host.display().to_string();
+    let md = std::fs::metadata(&host).map_err(|err| LibraryRefused::Stat {
+        path: shown.clone(),
+        err,
     })?;
-    Some(PathBuf::from(format!("/proc/{pid}/root{path}")))
+    private_to_root(&host, &md)?;
+    let maps = crate::procfs::maps(pid).map_err(LibraryRefused::Maps)?;
+    use std::os::unix::fs::MetadataExt;
+    job_maps_only(
+        &maps,
+        (libc::major(md.dev()), libc::minor(md.dev()), md.ino()),
+        &shown,
+    )?;
+    Ok(host)
+}
+
+/// `host` as an absolute path: itself if it names one, else the file the dynamic loader gave
+/// CRIU's process for that name (already loaded: `RTLD_NOLOAD` maps and runs nothing).
+fn resolve_host_library(host: &str) -> Result<PathBuf, LibraryRefused> {
+    if host.contains('/') {
+        return std::fs::canonicalize(host).map_err(|err| LibraryRefused::Stat {
+            path: host.to_owned(),
+            err,
+        });
+    }
+    let not_loaded = || LibraryRefused::NotLoaded {
+        name: host.to_owned(),
+    };
+    let name = CString::new(host).map_err(|_| not_loaded())?;
+    // SAFETY: dlopen with a NUL-terminated name; RTLD_NOLOAD only returns a library that is
+    // already loaded (no constructor runs); the handle is closed below.
+    let handle = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_LAZY | libc::RTLD_NOLOAD) };
+    if handle.is_null() {
+        return Err(not_loaded());
+    }
+    let mut found = None;
+    for sym in [c"cuDriverGetVersion", c"cuInit", c"cuGetProcAddress"] {
+        // SAFETY: dlsym on a live handle with a NUL-terminated name.
+        let addr = unsafe { libc::dlsym(handle, sym.as_ptr()) };
+        if addr.is_null() {
+            continue;
+        }
+        // SAFETY: a zeroed Dl_info that dladdr fills; dli_fname, when set, is a NUL-terminated
+        // path owned by the loader, copied before the handle is closed.
+        unsafe {
+            let mut info: libc::Dl_info = std::mem::zeroed();
+            if libc::dladdr(addr, &mut info) != 0 && !info.dli_fname.is_null() {
+                let bytes = std::ffi::CStr::from_ptr(info.dli_fname).to_bytes();
+                use std::os::unix::ffi::OsStrExt;
+                found = Some(PathBuf::from(std::ffi::OsStr::from_bytes(bytes)));
+            }
+        }
+        break;
+    }
+    // SAFETY: closes the reference the NOLOAD dlopen took; the library stays loaded.
+    unsafe { libc::dlclose(handle) };
+    let path = found.ok_or_else(not_loaded)?;
+    std::fs::canonicalize(&path).map_err(|err| LibraryRefused::Stat {
+        path: path.display().to_string(),
+        err,
+    })
+}
+
+/// A library root may load: a regular file owned by root, writable by nobody else, in a
+/// directory owned by root that nobody else can write.
+fn private_to_root(path: &Path, md: &std::fs::Metadata) -> Result<(), LibraryRefused> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let refuse = |why| LibraryRefused::NotPrivate {
+        path: path.display().to_string(),
+        why,
+    };
+    if !md.is_file() {
+        return Err(refuse("not a regular file"));
+    }
+    if md.uid() != 0 {
+        return Err(refuse("not owned by root"));
+    }
+    if md.permissions().mode() & 0o022 != 0 {
+        return Err(refuse("writable by its group or by others"));
+    }
+    let dir = path.parent().unwrap_or(Path::new("/"));
+    let dmd = std::fs::metadata(dir).map_err(|err| LibraryRefused::Stat {
+        path: dir.display().to_string(),
+        err,
+    })?;
+    if dmd.uid() != 0 || dmd.permissions().mode() & 0o022 != 0 {
+        return Err(refuse(
+            "in a directory that a user other than root owns or can write",
+        ));
+    }
+    Ok(())
+}
+
+/// Every `libcuda.so*` file in `maps` (a `/proc/<pid>/maps` text) is the file `host`
+/// (major, minor, inode); at least one is mapped.
+fn job_maps_only(
+    maps: &str,
+    (major, minor, inode): (u32, u32, u64),
+    host: &str,
+) -> Result<(), LibraryRefused> {
+    let mut any = false;
+    for f in maps.lines().filter_map(mapped_file) {
+        let is_driver = Path::new(&f.path)
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.starts_with("libcuda.so"));
+        if !is_driver {
+            continue;
+        }
+        if (f.dev_major, f.dev_minor, f.inode) != (major, minor, inode) {
+            return Err(LibraryRefused::Mismatch {
+                job: f.path,
+                dev_major: f.dev_major,
+                dev_minor: f.dev_minor,
+                inode: f.inode,
+                host: host.to_owned(),
+            });
+        }
+        any = true;
+    }
+    if any {
+        Ok(())
+    } else {
+        Err(LibraryRefused::NoneMapped)
+    }
+}
+
+/// One line of `/proc/<pid>/maps`: `start-end perms offset major:minor inode path`.
+fn mapped_file(line: &str) -> Option<MappedFile> {
+    let mut f = line.splitn(6, ' ');
+    let (_range, _perms, _off) = (f.next()?, f.next()?, f.next()?);
+    let (maj, min) = f.next()?.split_once(':')?;
+    let inode: u64 = f.next()?.parse().ok()?;
+    let path = f.next()?.trim_start().to_owned();
+    (inode != 0 && path.starts_with('/')).then_some(())?;
+    Some(MappedFile {
+        dev_major: u32::from_str_radix(maj, 16).ok()?,
+        dev_minor: u32::from_str_radix(min, 16).ok()?,
+        inode,
+        path,
+    })
 }
 
 /// `posix_spawn` of `path` with `args`, the connection `conn` as descriptor [`KEEPER_FD`], in a
@@ -487,9 +663,77 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
+    const MAPS: &str = "\
+55d0c0000000-55d0c0001000 r--p 00000000 fe:00 4242                       /usr/bin/job
+10000000-10001000 r--p 00000000 00:2a 77                        /home/job/libcuda.so.666
+7f0000000000-7f0000100000 r-xp 00000000 fe:00 1234                       /usr/lib/x86_64-linux-gnu/libcuda.so.580.1
+7f0000200000-7f0000201000 rw-p 00000000 00:00 0 
+7f0000300000-7f0000301000 rw-s 00000000 00:01 99                         /memfd:x (deleted)
+";
+
     #[test]
-    fn a_libcuda_mapping_is_found_through_the_jobs_root() {
-        // This test process maps no libcuda.
-        assert_eq!(job_libcuda(std::process::id() as i32), None);
+    fn only_the_hosts_driver_library_may_be_mapped() {
+        // A second libcuda the job mapped itself (another device and inode) is refused, by
+        // device and inode, whatever its name says.
+        let e = job_maps_only(MAPS, (0xfe, 0, 1234), "/usr/lib/libcuda.so.580.1").unwrap_err();
+        assert!(
+            matches!(&e, LibraryRefused::Mismatch { job, dev_major: 0, dev_minor: 0x2a, inode: 77, .. } if job == "/home/job/libcuda.so.666"),
+            "{e}"
+        );
+        let without: String = MAPS
+            .lines()
+            .filter(|l| !l.contains(".666"))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        job_maps_only(&without, (0xfe, 0, 1234), "host").unwrap();
+        // The same name on another file (a container's own) is refused too.
+        let e = job_maps_only(&without, (0xfe, 0, 1235), "host").unwrap_err();
+        assert!(matches!(e, LibraryRefused::Mismatch { .. }), "{e}");
+        // No driver mapped at all.
+        let none: String = without
+            .lines()
+            .filter(|l| !l.contains("libcuda"))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        assert!(matches!(
+            job_maps_only(&none, (0xfe, 0, 1234), "host"),
+            Err(LibraryRefused::NoneMapped)
+        ));
+    }
+
+    #[test]
+    fn the_hosts_library_must_be_roots_alone() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("gpusnap-lib-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let f = dir.join("libcuda.so.1");
+        std::fs::write(&f, b"x").unwrap();
+        std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o666)).unwrap();
+        let e = private_to_root(&f, &std::fs::metadata(&f).unwrap()).unwrap_err();
+        assert!(e.to_string().contains("writable"), "{e}");
+        std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let md = std::fs::metadata(&f).unwrap();
+        use std::os::unix::fs::MetadataExt;
+        if md.uid() == 0 {
+            private_to_root(&f, &md).unwrap();
+            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+            let e = private_to_root(&f, &md).unwrap_err();
+            assert!(e.to_string().contains("directory"), "{e}");
+        } else {
+            assert!(
+                private_to_root(&f, &md)
+                    .unwrap_err()
+                    .to_string()
+                    .contains("root")
+            );
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_library_name_not_loaded_is_refused_without_loading_it() {
+        let e = resolve_host_library("libgpusnap-no-such-driver.so.1").unwrap_err();
+        assert!(matches!(e, LibraryRefused::NotLoaded { .. }), "{e}");
     }
 }

@@ -35,6 +35,9 @@ pub enum CopyFirst {
     HandoverOff,
     /// No keeper could be started at PAUSE.
     NoKeeper,
+    /// The job's driver library is not the host's (or the host's is not root's alone): a
+    /// keeper, which runs as root, loads no library the job chose.
+    DriverLibrary,
     /// The hand-over failed before any memory was released; everything is copied first.
     HandOverFailed,
 }
@@ -81,6 +84,9 @@ impl AllocRoute {
             }
             AllocRoute::CopyFirst(CopyFirst::HandoverOff) => "copy first (handover = false)",
             AllocRoute::CopyFirst(CopyFirst::NoKeeper) => "copy first (no keeper)",
+            AllocRoute::CopyFirst(CopyFirst::DriverLibrary) => {
+                "copy first (the job's driver library is not the host's)"
+            }
             AllocRoute::CopyFirst(CopyFirst::HandOverFailed) => {
                 "copy first (the hand-over failed before any release)"
             }

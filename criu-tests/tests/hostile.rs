@@ -156,3 +156,21 @@ __attribute__((constructor)) static void ran(void) {{
     assert_job_runs_on(&mut s, &dump);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Item 8: root's keeper maps only where the job listed. The agent lends every allocation at
+/// another address than it listed; the plugin refuses the hand-over before the keeper maps
+/// anything, copies the memory first, and the image restores bit-exact.
+#[test]
+fn a_lend_at_another_address_than_listed_is_refused() {
+    let Some(mut s) = Split::hostile("hostile-lend-addr", "lend-addr:0x40000000", ARGS, &[]) else {
+        return;
+    };
+    s.vmm.wait_for_tick(2);
+    let dump = s.dump(false);
+    s.assert_ok(&dump);
+    s.assert_line(&dump, &["refusing to map where the job alone says"]);
+    let last = s.reap_dumped();
+    let restore = s.restore();
+    s.assert_ok(&restore);
+    s.assert_runs_on(&last, &restore);
+}

@@ -39,6 +39,18 @@ pub enum HandOverError {
     NotAsPlanned { lent: Vec<u64>, planned: Vec<u64> },
     #[error("no allocation of the process is lendable now")]
     NothingToLend,
+    #[error(
+        "the agent lent allocation {id} as (device, address, size) {lent:x?}, but listed it as {listed:x?}: refusing to map where the job alone says"
+    )]
+    NotAsListed {
+        id: u64,
+        lent: (u32, u64, u64),
+        listed: (u32, u64, u64),
+    },
+    #[error("the agent listed allocation {id} at {addr:#x} with {size} bytes: not a range")]
+    BadRange { id: u64, addr: u64, size: u64 },
+    #[error("the agent listed allocations {first} and {second} overlapping")]
+    Overlap { first: u64, second: u64 },
 }
 
 /// The data of a dump whose memory is lent: the keeper, and the drain once it runs (from
@@ -122,6 +134,10 @@ pub fn lend_to_keeper(
             planned: routes.lend_ids().into_iter().collect(),
         });
     }
+    if let Err(e) = as_listed(&lent, routes) {
+        session.abort();
+        return Err(e);
+    }
     let ks = keeper.session().ok_or(HandOverError::NoKeeper)?;
     for (i, l) in lent.iter().enumerate() {
         let t = Instant::now();
@@ -139,6 +155,52 @@ pub fn lend_to_keeper(
     // `lent` is dropped here: our copies of the descriptors close; the job and the keeper
     // hold the memory.
     Ok((lent.len(), times))
+}
+
+/// Checks each lent allocation against the job's own listing before root's keeper maps
+/// anything: the same device, address and size as listed, and the listed ranges well formed
+/// (not empty, not wrapping, not overlapping: one unified address space on every GPU). The
+/// agent's `Lent` replies are the job's words; the keeper must not map where they alone say.
+fn as_listed(lent: &[LentAllocation], routes: &crate::route::Routes) -> Result<(), HandOverError> {
+    let listed: std::collections::BTreeMap<u64, &gpusnap_image::AllocationRecord> = routes
+        .0
+        .iter()
+        .filter(|(_, r)| *r == crate::route::AllocRoute::Lend)
+        .map(|(a, _)| (a.id, a))
+        .collect();
+    let mut ranges = Vec::with_capacity(lent.len());
+    for l in lent {
+        let Some(a) = listed.get(&l.id) else {
+            return Err(HandOverError::NotAsPlanned {
+                lent: lent.iter().map(|l| l.id).collect(),
+                planned: listed.keys().copied().collect(),
+            });
+        };
+        if (l.device, l.addr, l.size) != (a.device, a.addr, a.size) {
+            return Err(HandOverError::NotAsListed {
+                id: l.id,
+                lent: (l.device, l.addr, l.size),
+                listed: (a.device, a.addr, a.size),
+            });
+        }
+        let end = a.addr.checked_add(a.size).filter(|_| a.size > 0);
+        let Some(end) = end else {
+            return Err(HandOverError::BadRange {
+                id: a.id,
+                addr: a.addr,
+                size: a.size,
+            });
+        };
+        ranges.push((a.addr, end, a.id));
+    }
+    ranges.sort_unstable();
+    if let Some(w) = ranges.windows(2).find(|w| w[1].0 < w[0].1) {
+        return Err(HandOverError::Overlap {
+            first: w[0].2,
+            second: w[1].2,
+        });
+    }
+    Ok(())
 }
 
 /// What a drain needs besides the keeper.
@@ -266,4 +328,88 @@ pub fn abandon(lent: &mut Lent) {
         let _ = d.join();
     }
     lent.keeper.take();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::route::{AllocRoute, Routes};
+    use gpusnap_image::AllocationRecord;
+
+    fn record(id: u64, addr: u64, size: u64) -> AllocationRecord {
+        AllocationRecord {
+            id,
+            device: 0,
+            addr,
+            size,
+            moved: true,
+            lent: true,
+            rdma_capable: false,
+        }
+    }
+
+    fn lent(id: u64, addr: u64, size: u64) -> LentAllocation {
+        LentAllocation {
+            id,
+            device: 0,
+            addr,
+            size,
+            rdma_capable: false,
+            fd: std::fs::File::open("/dev/null").unwrap().into(),
+        }
+    }
+
+    fn routes(records: &[AllocationRecord]) -> Routes {
+        Routes(
+            records
+                .iter()
+                .map(|r| (r.clone(), AllocRoute::Lend))
+                .collect(),
+        )
+    }
+
+    #[test]
+    fn a_lend_must_be_as_the_job_listed() {
+        let r = routes(&[
+            record(1, 0x10_0000, 0x20_0000),
+            record(2, 0x40_0000, 0x20_0000),
+        ]);
+        as_listed(
+            &[lent(1, 0x10_0000, 0x20_0000), lent(2, 0x40_0000, 0x20_0000)],
+            &r,
+        )
+        .unwrap();
+        // Another address or size than listed: refused before the keeper maps anything.
+        let e = as_listed(
+            &[lent(1, 0x10_0000, 0x20_0000), lent(2, 0x80_0000, 0x20_0000)],
+            &r,
+        )
+        .unwrap_err();
+        assert!(matches!(e, HandOverError::NotAsListed { id: 2, .. }), "{e}");
+        let e = as_listed(&[lent(1, 0x10_0000, 0x40_0000)], &r).unwrap_err();
+        assert!(matches!(e, HandOverError::NotAsListed { id: 1, .. }), "{e}");
+        // An id that was never listed.
+        let e = as_listed(&[lent(3, 0x10_0000, 0x20_0000)], &r).unwrap_err();
+        assert!(matches!(e, HandOverError::NotAsPlanned { .. }), "{e}");
+    }
+
+    #[test]
+    fn listed_ranges_must_be_well_formed() {
+        let overlapping = routes(&[
+            record(1, 0x10_0000, 0x20_0000),
+            record(2, 0x20_0000, 0x20_0000),
+        ]);
+        let e = as_listed(
+            &[lent(1, 0x10_0000, 0x20_0000), lent(2, 0x20_0000, 0x20_0000)],
+            &overlapping,
+        )
+        .unwrap_err();
+        assert!(matches!(e, HandOverError::Overlap { .. }), "{e}");
+        let wrapping = routes(&[record(1, u64::MAX - 10, 0x20_0000)]);
+        let e = as_listed(&[lent(1, u64::MAX - 10, 0x20_0000)], &wrapping).unwrap_err();
+        assert!(matches!(e, HandOverError::BadRange { .. }), "{e}");
+        let empty = routes(&[record(1, 0x10_0000, 0)]);
+        let e = as_listed(&[lent(1, 0x10_0000, 0)], &empty).unwrap_err();
+        assert!(matches!(e, HandOverError::BadRange { .. }), "{e}");
+    }
 }

@@ -12,7 +12,7 @@ use serde::Serialize;
 use serde::ser::{SerializeStruct, Serializer};
 use serde_json::Value;
 
-use crate::util::{self, EXIT_PROBLEM};
+use crate::util::{self, EXIT_NOTHING, EXIT_PROBLEM};
 
 const SYNOPSIS: &str = "DIR [--json]";
 
@@ -58,10 +58,13 @@ pub fn run(args: &[String]) -> ExitCode {
         }
         return ExitCode::from(EXIT_PROBLEM);
     }
-    if report.ok() {
-        ExitCode::SUCCESS
-    } else {
+    if !report.ok() {
         ExitCode::from(EXIT_PROBLEM)
+    } else if report.is_empty() {
+        // As `verify`: a script must be able to tell "shown" from "found nothing to show".
+        ExitCode::from(EXIT_NOTHING)
+    } else {
+        ExitCode::SUCCESS
     }
 }
 
@@ -117,6 +120,13 @@ impl Report {
         self.processes.iter().all(|(_, r)| r.is_ok()) && self.stats.is_ok()
     }
 
+    /// No gpusnap image in the directory, nor any file of an interrupted dump: nothing to
+    /// inspect (exit 3, as `verify` there). A stats file alone (a dump without GPU processes)
+    /// is no image either.
+    fn is_empty(&self) -> bool {
+        self.processes.is_empty() && self.leftovers.is_empty()
+    }
+
     /// The JSON report, serialized straight from the manifests as it is written: no tree of
     /// `Value`s, no output string (a 250 MB manifest used to take 5.7 GB here).
     fn json(&self) -> ReportJson<'_> {
@@ -147,7 +157,9 @@ impl Report {
     }
 
     fn write_text(&self, out: &mut impl Write) -> io::Result<()> {
-        if self.processes.is_empty() {
+        if self.is_empty() {
+            writeln!(out, "{}: no gpusnap images (nothing to inspect)", self.dir)?;
+        } else if self.processes.is_empty() {
             writeln!(out, "{}: no gpusnap manifests", self.dir)?;
         }
         for (nspid, r) in &self.processes {

@@ -10,8 +10,9 @@
 //! Image bytes are parsed only by the `gpusnap-image` crate; this binary formats what it returns.
 //! `gpusnap SUB --help` and `gpusnap help SUB` describe a subcommand. Exit codes ([`util::EXITS`],
 //! `docs/cli.md`): 0 ok, 1 a problem found (damage, a failed check, a failed recover), 2 usage
-//! error, 3 nothing found to act on (no gpusnap image in DIR, no such DIR), 4 environment or
-//! driver problem (configuration, driver, permissions).
+//! error, 3 nothing found to act on (no gpusnap image in DIR, no such DIR), 4 an environment or
+//! driver problem kept the command from its work (configuration, driver, permissions). `check`
+//! reports such problems as findings: a `fail` line, exit 1, never 4.
 
 mod check;
 mod check_cdi;
@@ -45,7 +46,8 @@ const COMMANDS: &[Command] = &[
         about: "show the gpusnap images in a CRIU image directory",
         help: "For each process: its GPUs, allocations, data files, chunks and codecs, and what a\n\
                restore needs. --json prints one JSON document instead.\n\
-               Exit: 0 shown, 1 an image is damaged, 2 usage, 3 no such DIR, 4 DIR unreadable.",
+               Exit: 0 shown, 1 an image is damaged, 2 usage, 3 nothing to inspect (no gpusnap\n\
+               image in DIR, or no such DIR), 4 DIR unreadable.",
         run: inspect::run,
     },
     Command {
@@ -66,7 +68,8 @@ const COMMANDS: &[Command] = &[
         help: "One line per finding, `ok|warn|fail  what  — what to do`. The configuration file\n\
                (/etc/criu/gpusnap.conf or $GPUSNAP_CONFIG) and the GPUSNAP_* environment are\n\
                checked as the plugin reads them, every problem on its own line.\n\
-               Exit: 0 no failure, 1 a check failed, 2 usage.",
+               Exit: 0 no failure, 1 a check failed (a configuration or driver problem too:\n\
+               check reports it, it is not stopped by it), 2 usage.",
         run: check::run,
     },
     Command {

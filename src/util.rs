@@ -11,7 +11,8 @@ pub const EXIT_PROBLEM: u8 = 1;
 pub const EXIT_USAGE: u8 = 2;
 /// Nothing was found to act on: no gpusnap image in the directory, or no such directory.
 pub const EXIT_NOTHING: u8 = 3;
-/// The environment is in the way: the configuration, the driver, permissions.
+/// The environment kept the command from its work: the configuration, the driver, permissions.
+/// `check`, whose work is to find such problems, reports them as [`EXIT_PROBLEM`].
 pub const EXIT_ENVIRONMENT: u8 = 4;
 
 /// Every exit status, with what it means (for `--help` and `docs/cli.md`).
@@ -19,7 +20,7 @@ pub const EXITS: [(u8, &str); 5] = [
     (0, "ok: intact, ready, done (or nothing needed doing)"),
     (
         EXIT_PROBLEM,
-        "a problem was found: damage, a failed check, not recovered",
+        "a problem was found: damage, a `check` fail line (configuration too), not recovered",
     ),
     (EXIT_USAGE, "usage error"),
     (
@@ -28,7 +29,7 @@ pub const EXITS: [(u8, &str); 5] = [
     ),
     (
         EXIT_ENVIRONMENT,
-        "environment or driver problem: configuration, driver, permissions",
+        "configuration, driver or permissions stopped the command (`check` reports them: 1)",
     ),
 ];
 

@@ -370,10 +370,28 @@ fn nothing_to_verify_exits_3() {
     let o = gpusnap(&["verify", "/nonexistent/gpusnap-dir"]);
     assert_eq!(o.status.code(), Some(3), "{o:?}");
     assert!(String::from_utf8_lossy(&o.stderr).contains("/nonexistent/gpusnap-dir"));
+}
+
+/// `inspect` of a directory with no gpusnap image exits 3 like `verify` (it used to exit 0),
+/// still printing its report; a missing directory exits 3 too.
+#[test]
+fn nothing_to_inspect_exits_3() {
+    let t = TempDir::new("cli-test");
+    let o = gpusnap(&["inspect", t.path_str()]);
+    assert_eq!(o.status.code(), Some(3), "{o:?}");
+    assert!(
+        stdout(&o).contains("no gpusnap images (nothing to inspect)"),
+        "{o:?}"
+    );
     let o = gpusnap(&["inspect", t.path_str(), "--json"]);
-    assert!(o.status.success());
+    assert_eq!(o.status.code(), Some(3), "{o:?}");
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["processes"].as_array().unwrap().len(), 0);
+    let o = gpusnap(&["inspect", "/nonexistent/gpusnap-dir"]);
+    assert_eq!(o.status.code(), Some(3), "{o:?}");
+    // CRIU's own files, no gpusnap's: still nothing to inspect.
+    std::fs::write(t.file("inventory.img"), b"criu").unwrap();
+    assert_eq!(gpusnap(&["inspect", t.path_str()]).status.code(), Some(3));
 }
 
 #[test]

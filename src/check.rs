@@ -87,7 +87,8 @@ pub fn run(args: &[String]) -> ExitCode {
         return ExitCode::from(EXIT_USAGE);
     }
     let mut findings = check_config(gpusnap_config::load());
-    findings.extend(check_criu());
+    let (criu_findings, criu) = check_criu();
+    findings.extend(criu_findings);
     findings.extend(check_plugin_dir());
     findings.extend(check_driver(Path::new("/proc/driver/nvidia/version")));
     findings.extend(check_libcuda());
@@ -98,7 +99,7 @@ pub fn run(args: &[String]) -> ExitCode {
     if let Ok(mounts) = std::fs::read_to_string("/proc/mounts") {
         findings.extend(shm_huge_pages(&mounts));
     }
-    findings.extend(crate::check_containers::findings());
+    findings.extend(crate::check_containers::findings(criu.as_ref()));
     findings.extend(crate::check_cdi::findings());
     for f in &findings {
         println!("{}", f.line());
@@ -171,33 +172,56 @@ pub(crate) fn parse_criu_version(out: &str) -> Option<(u32, u32, u32)> {
     Some((major, minor, patch))
 }
 
-fn check_criu() -> Vec<Finding> {
+/// The criu that [`check_criu`] judged, and its version: the container part does not judge the
+/// same binary a second time.
+pub(crate) struct CriuSeen {
+    pub(crate) path: PathBuf,
+    pub(crate) version: Option<(u32, u32, u32)>,
+}
+
+impl CriuSeen {
+    /// Whether this criu was found too old (and said so in a `fail` line).
+    pub(crate) fn too_old(&self) -> bool {
+        self.version.is_some_and(|v| v < MIN_CRIU)
+    }
+}
+
+fn check_criu() -> (Vec<Finding>, Option<CriuSeen>) {
     let criu = match env_path("GPUSNAP_CRIU") {
         Some(p) => p,
         None => match find_on_path("criu") {
             Some(p) => p,
             None => {
-                return vec![Finding::fail(
+                let f = Finding::fail(
                     "CRIU not found on PATH",
                     format!(
                         "install CRIU >= {}.{}.{} or set GPUSNAP_CRIU to its path",
                         MIN_CRIU.0, MIN_CRIU.1, MIN_CRIU.2
                     ),
-                )];
+                );
+                return (vec![f], None);
             }
         },
     };
     let out = match Command::new(&criu).arg("--version").output() {
         Ok(o) => o,
         Err(e) => {
-            return vec![Finding::fail(
+            let f = Finding::fail(
                 format!("CRIU at {} does not run: {e}", criu.display()),
                 "fix the installation or point GPUSNAP_CRIU at a working criu",
-            )];
+            );
+            return (vec![f], None);
         }
     };
-    let text = String::from_utf8_lossy(&out.stdout);
-    criu_version_findings(parse_criu_version(&text), &criu)
+    let version = parse_criu_version(&String::from_utf8_lossy(&out.stdout));
+    let findings = criu_version_findings(version, &criu);
+    (
+        findings,
+        Some(CriuSeen {
+            path: criu,
+            version,
+        }),
+    )
 }
 
 /// What CRIU's version means for gpusnap: too old, usable, or usable but slower to restore.
@@ -228,7 +252,10 @@ fn criu_version_findings(version: Option<(u32, u32, u32)>, criu: &Path) -> Vec<F
                 criu.display()
             ),
             format!(
-                "gpusnap needs CRIU >= {}.{}.{} (plugin inventory API); upgrade CRIU",
+                "gpusnap needs CRIU >= {}.{}.{} (plugin inventory API): install one (the \
+                 distribution's where it is new enough, else the gpusnap-criu package that \
+                 scripts/build-deb.sh --with-criu builds, which puts it on PATH for runc and \
+                 Podman too), or set GPUSNAP_CRIU to one",
                 MIN_CRIU.0, MIN_CRIU.1, MIN_CRIU.2
             ),
         )],

@@ -15,19 +15,19 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use crate::check::{Finding, MIN_CRIU, parse_criu_version};
+use crate::check::{CriuSeen, Finding, MIN_CRIU, parse_criu_version};
 
 /// Podman's default `nofile` ulimit for containers (hard and soft).
 const PODMAN_DEFAULT_NOFILE: u64 = 1 << 20;
 /// CAP_SYS_RESOURCE's bit in the capability sets.
 const CAP_SYS_RESOURCE: u32 = 24;
 
-/// The container findings (none without Podman).
-pub fn findings() -> Vec<Finding> {
+/// The container findings (none without Podman). `seen` is the criu the host part judged.
+pub(crate) fn findings(seen: Option<&CriuSeen>) -> Vec<Finding> {
     let Some(podman) = on_path("podman") else {
         return Vec::new();
     };
-    let mut out = vec![criu_on_path()];
+    let mut out: Vec<Finding> = criu_on_path(seen).into_iter().collect();
     let info = Command::new(&podman)
         .args([
             "info",
@@ -87,16 +87,30 @@ fn on_path(name: &str) -> Option<PathBuf> {
         })
 }
 
-fn criu_on_path() -> Finding {
+/// The `criu` runc will run; nothing when it is the criu the host part already failed as too
+/// old (one `fail` line for one old criu: that line names what runc needs too).
+fn criu_on_path(seen: Option<&CriuSeen>) -> Option<Finding> {
     let Some(criu) = on_path("criu") else {
-        return criu_on_path_finding(None, None);
+        return Some(criu_on_path_finding(None, None));
     };
+    if seen.is_some_and(|s| s.too_old() && same_file(&s.path, &criu)) {
+        return None;
+    }
     let version = Command::new(&criu)
         .arg("--version")
         .output()
         .ok()
         .and_then(|o| parse_criu_version(&String::from_utf8_lossy(&o.stdout)));
-    criu_on_path_finding(Some(&criu), version)
+    Some(criu_on_path_finding(Some(&criu), version))
+}
+
+/// Whether two paths name one file (the same device and inode, links followed).
+fn same_file(a: &Path, b: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (a.metadata(), b.metadata()) {
+        (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+        _ => false,
+    }
 }
 
 /// What the `criu` runc will run means for container checkpoints.
@@ -278,6 +292,21 @@ mod tests {
             old.line()
         );
         assert_eq!(criu_on_path_finding(Some(p), None).level, Level::Warn);
+    }
+
+    #[test]
+    fn one_criu_is_one_file() {
+        let t = std::env::temp_dir().join(format!("gpusnap-same-file-{}", std::process::id()));
+        std::fs::create_dir_all(&t).unwrap();
+        let (criu, other, link) = (t.join("criu"), t.join("other"), t.join("link"));
+        std::fs::write(&criu, b"").unwrap();
+        std::fs::write(&other, b"").unwrap();
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(&criu, &link).unwrap();
+        assert!(same_file(&criu, &link));
+        assert!(!same_file(&criu, &other));
+        assert!(!same_file(&criu, &t.join("missing")));
+        std::fs::remove_dir_all(&t).unwrap();
     }
 
     #[test]

@@ -524,6 +524,56 @@ fn check_reports_each_finding() {
     );
 }
 
+/// One old criu is one `fail` line, also where Podman is installed and runc would run that
+/// same criu from PATH (it used to be judged twice).
+#[test]
+fn check_fails_one_old_criu_once() {
+    use std::os::unix::fs::PermissionsExt;
+    let t = TempDir::new("cli-test");
+    let bin = t.file("bin");
+    std::fs::create_dir(&bin).unwrap();
+    for (name, script) in [
+        ("criu", "#!/bin/sh\necho 'Version: 3.17'\n"),
+        (
+            "podman",
+            "#!/bin/sh\necho 'runc|/bin/true|/var/lib/containers/storage'\n",
+        ),
+    ] {
+        let p = bin.join(name);
+        std::fs::write(&p, script).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let path = format!("{}:/usr/bin:/bin", bin.display());
+    let o = Command::new(env!("CARGO_BIN_EXE_gpusnap"))
+        .arg("check")
+        .env("PATH", &path)
+        .env_remove("GPUSNAP_CRIU")
+        .env("GPUSNAP_CONFIG", "/dev/null")
+        .output()
+        .unwrap();
+    let s = stdout(&o);
+    assert_eq!(o.status.code(), Some(1), "{s}");
+    let old: Vec<&str> = s.lines().filter(|l| l.contains("3.17")).collect();
+    assert_eq!(old.len(), 1, "{s}");
+    assert!(old[0].starts_with("fail  CRIU 3.17.0 ("), "{s}");
+    assert!(old[0].contains("too old") && old[0].contains("runc"), "{s}");
+    assert!(s.contains("podman's runtime runc can checkpoint"), "{s}");
+    // A different criu for gpusnap (GPUSNAP_CRIU) leaves the one runc runs judged on its own.
+    let o = Command::new(env!("CARGO_BIN_EXE_gpusnap"))
+        .arg("check")
+        .env("PATH", &path)
+        .env("GPUSNAP_CRIU", "/nonexistent/criu")
+        .env("GPUSNAP_CONFIG", "/dev/null")
+        .output()
+        .unwrap();
+    let s = stdout(&o);
+    assert!(
+        s.lines()
+            .any(|l| l.starts_with("fail  criu on PATH (") && l.contains("is CRIU 3.17.0")),
+        "{s}"
+    );
+}
+
 #[test]
 fn recover_checks_its_arguments_and_the_process() {
     assert_eq!(gpusnap(&["recover"]).status.code(), Some(2));

@@ -122,19 +122,50 @@ fn check_config(
         Ok(c) => vec![Finding::ok(format!(
             "configuration ({}{}): {}",
             path.display(),
-            if path.exists() { "" } else { ", absent: defaults" },
+            if path.exists() {
+                ""
+            } else {
+                ", absent: defaults"
+            },
             c.describe()
         ))],
-        Err(e) => e
-            .problems()
-            .into_iter()
-            .map(|p| {
-                Finding::fail(
-                    format!("configuration: {p}"),
-                    "fix it (config/gpusnap.conf.example documents every key); the plugin refuses every dump and restore until then",
-                )
-            })
-            .collect(),
+        Err(e) => {
+            let exe = std::env::current_exe().ok();
+            let todo = format!(
+                "fix it ({}); the plugin refuses every dump and restore until then",
+                config_example_hint(exe.as_deref(), &|p| p.is_file())
+            );
+            e.problems()
+                .into_iter()
+                .map(|p| Finding::fail(format!("configuration: {p}"), todo.clone()))
+                .collect()
+        }
+    }
+}
+
+/// The example configuration in a checkout, from its root.
+const REPO_CONFIG_EXAMPLE: &str = "config/gpusnap.conf.example";
+/// The configuration the Debian package installs (scripts/build-deb.sh): the example with every
+/// key commented out at its default.
+const INSTALLED_CONFIG: &str = "/etc/criu/gpusnap.conf";
+
+/// Where this host documents every configuration key: the checkout's example when this binary
+/// runs from one (`target/<profile>/gpusnap`, `.devcarry/gpusnap`), else the configuration file
+/// as installed. An installed system has no checkout to point at.
+fn config_example_hint(exe: Option<&Path>, is_file: &dyn Fn(&Path) -> bool) -> String {
+    let checkout = exe
+        .into_iter()
+        .flat_map(Path::ancestors)
+        .skip(1)
+        .take(3)
+        .map(|d| d.join(REPO_CONFIG_EXAMPLE))
+        .find(|p| is_file(p));
+    match checkout {
+        Some(example) => format!("{} documents every key", example.display()),
+        None => format!(
+            "{INSTALLED_CONFIG} as the gpusnap package installs it lists every key, commented out \
+             at its default"
+        ),
     }
 }
 
@@ -600,6 +631,32 @@ mod tests {
                 .collect::<Vec<_>>(),
             [Level::Warn]
         );
+    }
+
+    #[test]
+    fn the_config_hint_names_a_file_of_this_host() {
+        let example = Path::new("/src/gpusnap/config/gpusnap.conf.example");
+        let only_the_checkout = |p: &Path| p == example;
+        for exe in [
+            "/src/gpusnap/target/release/gpusnap",
+            "/src/gpusnap/target/debug/gpusnap",
+            "/src/gpusnap/.devcarry/gpusnap",
+        ] {
+            assert_eq!(
+                config_example_hint(Some(Path::new(exe)), &only_the_checkout),
+                "/src/gpusnap/config/gpusnap.conf.example documents every key",
+                "{exe}"
+            );
+        }
+        // Installed: no checkout above /usr/bin, and no repository path in the hint.
+        for exe in [Some(Path::new("/usr/bin/gpusnap")), None] {
+            let hint = config_example_hint(exe, &only_the_checkout);
+            assert!(
+                hint.starts_with("/etc/criu/gpusnap.conf as the gpusnap package"),
+                "{hint}"
+            );
+            assert!(!hint.contains("config/gpusnap.conf.example"), "{hint}");
+        }
     }
 
     #[test]

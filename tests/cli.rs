@@ -469,6 +469,18 @@ fn check_lists_every_configuration_problem() {
     for needle in ["writer_thread`", "key `mode`", "GPUSNAP_DURABEL"] {
         assert!(config.iter().any(|l| l.contains(needle)), "{needle}: {s}");
     }
+    // The hint names a file that exists here: this checkout's example when the binary runs from
+    // it, the installed configuration otherwise; never a bare repository path.
+    let checkout = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let hint = if Path::new(env!("CARGO_BIN_EXE_gpusnap")).starts_with(checkout) {
+        format!(
+            "({}/config/gpusnap.conf.example documents every key)",
+            checkout.display()
+        )
+    } else {
+        "(/etc/criu/gpusnap.conf as the gpusnap package installs it".to_owned()
+    };
+    assert!(config.iter().all(|l| l.contains(&hint)), "{hint}: {s}");
     let o = Command::new(env!("CARGO_BIN_EXE_gpusnap"))
         .arg("check")
         .env("GPUSNAP_CONFIG", "/dev/null")

@@ -58,7 +58,8 @@ pub fn cannot_run() -> Option<String> {
     for tool in ["podman", "runc"] {
         if which(tool).is_none() {
             return Some(format!(
-                "{tool} is not installed (apt-get install podman runc; .ci/run installs them)"
+                "{tool} is not installed (apt-get install --no-install-recommends podman runc \
+                 busybox-static; .ci/run installs them)"
             ));
         }
     }
@@ -294,6 +295,73 @@ impl Podman {
     }
 }
 
+/// What every container and image name of the Podman test starts with: containers
+/// `gpusnap-test-<pid>-<what>`, images `localhost/gpusnap-test:<pid>`, `<pid>` the test's.
+pub const NAME_PREFIX: &str = "gpusnap-test";
+
+/// The pid of the test run that named a container `gpusnap-test-<pid>-<what>` or an image
+/// `[localhost/]gpusnap-test:<pid>`; `None` for any other name.
+pub fn test_pid_of(name: &str) -> Option<i32> {
+    let name = name.strip_prefix("localhost/").unwrap_or(name);
+    let rest = name.strip_prefix(NAME_PREFIX)?;
+    let pid = if let Some(tag) = rest.strip_prefix(':') {
+        tag
+    } else {
+        rest.strip_prefix('-')?.split_once('-')?.0
+    };
+    (!pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit()))
+        .then(|| pid.parse().ok())
+        .flatten()
+}
+
+impl Podman {
+    /// Removes the containers and images an earlier run of the test left behind (one that was
+    /// killed or interrupted before its clean-up): those named with [`NAME_PREFIX`] whose test
+    /// pid is no longer alive. Call it holding the [`HostLock`]. Returns what it removed;
+    /// failures are warnings, never panics.
+    pub fn remove_stale(&self) -> Vec<String> {
+        let list = |args: &[&str]| -> Vec<String> {
+            let mut cmd = self.command("podman");
+            cmd.args(args);
+            match run_bounded(&mut cmd, "podman list", &self.dir, COMMAND_LIMIT) {
+                Ok(o) if o.ok() => o.stdout.lines().map(|l| l.trim().to_owned()).collect(),
+                Ok(o) => {
+                    eprintln!("criu-tests: warning: listing earlier runs' leftovers: {o}");
+                    Vec::new()
+                }
+                Err(e) => {
+                    eprintln!("criu-tests: warning: listing earlier runs' leftovers: {e}");
+                    Vec::new()
+                }
+            }
+        };
+        let stale = |name: &String| test_pid_of(name).is_some_and(|pid| !procs::is_alive(pid));
+        let mut removed = Vec::new();
+        let containers = list(&["ps", "-a", "--format", "{{.Names}}"]);
+        for c in containers.iter().filter(|c| stale(c)) {
+            let mut cmd = self.command("podman");
+            cmd.args(["rm", "-f", "-t", "0", c]);
+            match run_bounded(&mut cmd, "podman rm", &self.dir, COMMAND_LIMIT) {
+                Ok(o) if o.ok() => removed.push(format!("container {c}")),
+                Ok(o) => eprintln!("criu-tests: warning: removing stale container {c}: {o}"),
+                Err(e) => eprintln!("criu-tests: warning: removing stale container {c}: {e}"),
+            }
+        }
+        let images = list(&["images", "--format", "{{.Repository}}:{{.Tag}}"]);
+        for i in images.iter().filter(|i| stale(i)) {
+            let mut cmd = self.command("podman");
+            cmd.args(["rmi", "-f", i]);
+            match run_bounded(&mut cmd, "podman rmi", &self.dir, COMMAND_LIMIT) {
+                Ok(o) if o.ok() => removed.push(format!("image {i}")),
+                Ok(o) => eprintln!("criu-tests: warning: removing stale image {i}: {o}"),
+                Err(e) => eprintln!("criu-tests: warning: removing stale image {i}: {e}"),
+            }
+        }
+        reap_zombies();
+        removed
+    }
+}
+
 /// Reaps every exited child of this process (the harness is a subreaper, so the daemonised
 /// conmon processes of the test's containers end up as its children).
 pub fn reap_zombies() {
@@ -336,4 +404,73 @@ pub fn shared_libraries(bin: &Path) -> Result<Vec<PathBuf>, String> {
             path.starts_with('/').then(|| PathBuf::from(path))
         })
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_test_pid_is_read_from_its_names() {
+        assert_eq!(test_pid_of("gpusnap-test-4242-cpu"), Some(4242));
+        assert_eq!(test_pid_of("gpusnap-test-4242-split-copy"), Some(4242));
+        assert_eq!(test_pid_of("localhost/gpusnap-test:4242"), Some(4242));
+        assert_eq!(test_pid_of("gpusnap-test:4242"), Some(4242));
+        for other in [
+            "job",
+            "gpusnap-test",
+            "gpusnap-test-",
+            "gpusnap-test-4242",
+            "gpusnap-test-abc-cpu",
+            "gpusnap-test--cpu",
+            "localhost/gpusnap-test:latest",
+            "docker.io/library/busybox:latest",
+            "gpusnap-tests-4242-cpu",
+            "<none>:<none>",
+        ] {
+            assert_eq!(test_pid_of(other), None, "{other}");
+        }
+    }
+
+    /// With a stand-in `podman` first on the test's `PATH`: only the names of a run whose pid
+    /// is gone are removed, containers before images.
+    #[test]
+    fn only_a_gone_runs_leftovers_are_removed() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("gpusnap-stale-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).unwrap();
+        let podman = Podman::new(&dir, "#!/bin/sh\nexit 1\n").unwrap();
+        let mut child = Command::new("true").spawn().unwrap();
+        let gone = child.id();
+        child.wait().unwrap();
+        let alive = std::process::id();
+        let log = dir.join("calls");
+        let fake = format!(
+            "#!/bin/sh\n\
+             case \"$1\" in\n\
+             ps) printf 'gpusnap-test-{gone}-cpu\\ngpusnap-test-{alive}-cpu\\njob\\n' ;;\n\
+             images) printf 'localhost/gpusnap-test:{gone}\\nlocalhost/gpusnap-test:{alive}\\n\\
+             docker.io/library/busybox:latest\\n' ;;\n\
+             *) echo \"$@\" >>'{}' ;;\n\
+             esac\n",
+            log.display()
+        );
+        let bin = podman.bin.join("podman");
+        fs::write(&bin, fake).unwrap();
+        fs::set_permissions(&bin, fs::Permissions::from_mode(0o755)).unwrap();
+        let removed = podman.remove_stale();
+        assert_eq!(
+            removed,
+            [
+                format!("container gpusnap-test-{gone}-cpu"),
+                format!("image localhost/gpusnap-test:{gone}"),
+            ]
+        );
+        assert_eq!(
+            fs::read_to_string(&log).unwrap(),
+            format!("rm -f -t 0 gpusnap-test-{gone}-cpu\nrmi -f localhost/gpusnap-test:{gone}\n")
+        );
+        fs::remove_dir_all(&dir).unwrap();
+    }
 }

@@ -32,10 +32,11 @@
 //!    restore loaded it back, and the job's device memory and counter go on exactly;
 //!
 //! and at the end `dpkg --purge gpusnap gpusnap-criu` leaves none of the packages' files and
-//! puts `/usr/sbin/criu` (and dpkg's diversions) back as they were. Every podman
-//! command is bounded in time ([`podman::COMMAND_LIMIT`]); containers and images are removed
-//! whether the test passes or not. Skipped, with the reason printed, only where podman or runc
-//! is not installed.
+//! puts `/usr/sbin/criu` (and dpkg's diversions) back as they were. Every podman command is
+//! bounded in time ([`podman::COMMAND_LIMIT`]); containers and images are removed whether the
+//! test passes or not, and those an earlier run left (killed before its clean-up: named
+//! `gpusnap-test-<pid>-...`, that pid gone) before the test starts. Skipped, with the reason
+//! printed, only where podman or runc is not installed.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -138,6 +139,10 @@ fn setup() -> Option<Setup> {
         flag = fail_flag.display(),
     );
     let podman = Podman::new(&work, &wrapper).unwrap_or_else(|e| panic!("{e}"));
+    // An earlier run killed before its clean-up left its containers (running) and image.
+    for what in podman.remove_stale() {
+        eprintln!("criu-tests: removed {what}, left by an earlier run of the test");
+    }
     let mut s = Setup {
         h,
         logs,

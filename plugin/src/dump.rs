@@ -65,6 +65,12 @@ pub enum DumpError {
          Nothing was done; bring it back with `gpusnap recover {pid} --images <that dump's image dir>`, then dump it again"
     )]
     Interrupted { pid: i32 },
+    #[error(transparent)]
+    Busy(#[from] crate::joblock::JobLockError),
+    #[error(
+        "pid {pid} is stopped (state T, e.g. by SIGSTOP or a debugger): the driver cannot lock the GPU state of a stopped process; continue it (`kill -CONT {pid}`) and dump again"
+    )]
+    Stopped { pid: i32 },
     #[error("holding the threads of pid {pid} before its memory is released: {err}")]
     Hold { pid: i32, err: std::io::Error },
     #[error("hand-over: {0}")]
@@ -115,6 +121,14 @@ pub fn pause(ctx: &Ctx, pid: i32) -> Result<Option<Tracked>, DumpError> {
     let Ok(restore_tid) = ctx.api.restore_thread_id(pid) else {
         return Ok(None);
     };
+    // One dump, recover or pre-copy at a time per job, taken before any call that changes
+    // the driver state: a second CRIU is refused here, touching nothing.
+    let job_lock = crate::joblock::JobLock::take(HostPid(pid))?;
+    // Stopped by a signal (not by an interrupted dump: that has a hold record, above): the
+    // driver's lock would wait for CRIU's timeout, so say what it is now.
+    if procfs::state_and_start(pid).is_ok_and(|(state, _)| state == procfs::ProcState::Stopped) {
+        return Err(DumpError::Stopped { pid });
+    }
     let initial = ctx
         .api
         .process_state(pid)
@@ -131,6 +145,7 @@ pub fn pause(ctx: &Ctx, pid: i32) -> Result<Option<Tracked>, DumpError> {
         hold: None,
         timings: Vec::new(),
         shares: Vec::new(),
+        job_lock: Some(job_lock),
     };
     // The agent is asked while the process runs; the connection is closed again before CRIU
     // seizes it (the process must hold no socket to CRIU when its files are dumped).
@@ -1142,7 +1157,19 @@ pub fn rollback(
         return Ok(());
     }
     let t0 = Instant::now();
-    let restore_thread = ptrace::resume(t.restore_tid, "driver restore thread")?;
+    let restore_thread = match ptrace::resume(t.restore_tid, "driver restore thread") {
+        Ok(th) => Some(th),
+        // Only locked, and the thread is not ours to resume (CRIU never seized the process,
+        // e.g. another CRIU had it): it runs, so the unlock needs no resume. The lock must
+        // not stay because ptrace said no.
+        Err(e) if matches!(t.phase, Phase::Locked) && e.err.raw_os_error() == Some(libc::ESRCH) => {
+            log::warn!(
+                "pid {pid}: its driver thread is not traced by this CRIU ({e}); unlocking it as it runs"
+            );
+            None
+        }
+        Err(e) => return Err(e.into()),
+    };
     // The driver knows best: a call that failed may or may not have changed the state (a
     // checkpoint that failed leaves the process locked, and a restore would then be refused).
     match ctx.api.process_state(pid) {
@@ -1189,10 +1216,12 @@ pub fn rollback(
         },
     };
     undo(ctx, &target, &mut t.phase, &mut t.hold)?;
-    restore_thread.stop().map_err(PtraceError::on(
-        t.restore_tid,
-        "stopping the driver restore thread",
-    ))?;
+    if let Some(th) = restore_thread {
+        th.stop().map_err(PtraceError::on(
+            t.restore_tid,
+            "stopping the driver restore thread",
+        ))?;
+    }
     log::info!(
         "pid {pid}: rolled back to {} in {:.3} s",
         t.initial,
@@ -1844,6 +1873,7 @@ mod tests {
             hold: None,
             timings: Vec::new(),
             shares: Vec::new(),
+            job_lock: None,
         };
         assert_eq!(ipc_blind_spot(&[tracked(10, false)]), None, "one process");
         assert_eq!(

@@ -33,6 +33,7 @@ pub mod gpumap;
 pub mod handover;
 pub mod hold;
 pub mod host_gpus;
+pub mod joblock;
 pub mod keeper;
 pub mod load;
 pub mod logger;

@@ -28,6 +28,8 @@ use std::time::Instant;
 
 #[derive(Debug, thiserror::Error)]
 pub enum PreCopyError {
+    #[error(transparent)]
+    JobBusy(#[from] crate::joblock::JobLockError),
     #[error("configuration: {0}")]
     Config(#[from] gpusnap_config::ConfigError),
     #[error("pid {pid}: {err}")]
@@ -116,6 +118,8 @@ pub fn precopy(
 ) -> Result<PreCopyReport, PreCopyError> {
     let t0 = Instant::now();
     let cfg = gpusnap_config::load()?;
+    // Never beside a dump or `recover` of the same job (crate::joblock).
+    let _job_lock = crate::joblock::JobLock::take(HostPid(pid))?;
     let nspid = procfs::ns_pid(HostPid(pid))
         .map_err(|err| PreCopyError::Proc { pid, err })?
         .get();

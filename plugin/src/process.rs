@@ -257,6 +257,8 @@ pub struct Tracked {
     pub timings: Vec<(&'static str, f64)>,
     /// Its CUDA IPC shares through the agent, as listed at PAUSE (`crate::sharing`).
     pub shares: Vec<crate::agent::Share>,
+    /// This dump's claim on the process ([`crate::joblock`]), held until the dump ends.
+    pub job_lock: Option<crate::joblock::JobLock>,
 }
 
 impl Tracked {

@@ -1,0 +1,120 @@
+//! Careless operators and busy clusters (issue 33): two dumps of one job at once, and a job
+//! stopped by a signal. Real CRIU on the stand-in driver, the hand-over on (the default).
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::split::Split;
+
+const ARGS: &[&str] = &["--seed", "17", "--allocs", "3", "--mib", "4"];
+
+/// Two `criu dump -R` of one job started together: one is refused before it touches anything
+/// (naming the other operation), the other dumps; the job computes on, its driver state is
+/// `running`, and nothing needs `gpusnap recover`. Repeated, since who wins is a race (before
+/// the job lock, 2 runs of 4 left the job locked by the driver and stopped).
+#[test]
+fn two_dumps_of_one_job_never_strand_it() {
+    let Some(mut s) = Split::launch("overlap-two-dumps", 1, ARGS, &[]) else {
+        return;
+    };
+    s.vmm.wait_for_tick(2);
+    for round in 0..4 {
+        let dirs: Vec<_> = (0..2)
+            .map(|i| {
+                let d = s.w.path.join(format!("images-{round}-{i}"));
+                std::fs::create_dir_all(&d).expect("mkdir images");
+                d
+            })
+            .collect();
+        let pid = s.vmm.pid().to_string();
+        let runs: Vec<_> = std::thread::scope(|sc| {
+            let handles: Vec<_> = dirs
+                .iter()
+                .enumerate()
+                .map(|(i, d)| {
+                    let s = &s;
+                    let pid = pid.as_str();
+                    sc.spawn(move || {
+                        s.criu_at(
+                            d,
+                            "dump",
+                            &format!("dump-{round}-{i}.log"),
+                            &["-t", pid, "--leave-running"],
+                            &[],
+                        )
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let ok = runs.iter().filter(|r| r.succeeded()).count();
+        let described = runs
+            .iter()
+            .map(|r| s.describe(r))
+            .collect::<Vec<_>>()
+            .join("\n=====\n");
+        let describe = || described.clone();
+        assert!(
+            ok >= 1,
+            "round {round}: neither dump succeeded\n{}",
+            describe()
+        );
+        for r in runs.iter().filter(|r| !r.succeeded()) {
+            // The loser failed cleanly: refused by the job lock, or by CRIU itself (the other
+            // CRIU had seized the process), never a rollback that left something behind.
+            assert!(
+                !r.log.contains("ROLLBACK FAILED")
+                    && !r.log.contains(&format!("gpusnap recover {pid}")),
+                "round {round}: a failed dump left the job to recover\n{}",
+                describe()
+            );
+        }
+        assert_eq!(
+            s.driver_state(),
+            "running",
+            "round {round}: the driver state is not running\n{}",
+            describe()
+        );
+        assert!(s.vmm.original_running(), "round {round}\n{}", describe());
+        let last = s.vmm.last_ticks();
+        let t0 = Instant::now();
+        while s.vmm.last_ticks()[0] < last[0] + 2 {
+            assert!(
+                t0.elapsed() < Duration::from_secs(20),
+                "round {round}: the job stopped computing\n{}",
+                describe()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+/// A job stopped by SIGSTOP: the dump says so at once (it used to wait about 10 s for CRIU's
+/// timeout and speak of a long-running kernel), touches nothing, and the job runs on once
+/// continued.
+#[test]
+fn a_stopped_job_is_named_as_stopped() {
+    let Some(s) = Split::launch("overlap-sigstop", 1, ARGS, &[]) else {
+        return;
+    };
+    s.vmm.wait_for_tick(2);
+    let pid = s.vmm.pid();
+    // SAFETY: kill(2) of the test's own workload.
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    let t0 = Instant::now();
+    let dump = s.dump(true);
+    let took = t0.elapsed();
+    // SAFETY: as above.
+    unsafe { libc::kill(pid, libc::SIGCONT) };
+    assert!(!dump.succeeded(), "{}", s.describe(&dump));
+    s.assert_line(&dump, &["is stopped", "kill -CONT"]);
+    assert!(
+        took < Duration::from_secs(5),
+        "took {took:?}\n{}",
+        s.describe(&dump)
+    );
+    assert_eq!(s.driver_state(), "running", "{}", s.describe(&dump));
+    let last = s.vmm.last_ticks();
+    s.assert_runs_on(&last, &dump);
+}

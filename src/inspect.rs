@@ -102,7 +102,9 @@ impl Report {
                 ImageFileKind::Data { nspid, .. } | ImageFileKind::Kfd { nspid } => {
                     !with_manifest.contains(nspid)
                 }
-                ImageFileKind::ManifestTmp { .. } | ImageFileKind::StatsTmp => true,
+                ImageFileKind::ManifestTmp { .. }
+                | ImageFileKind::StatsTmp
+                | ImageFileKind::Failed { .. } => true,
                 ImageFileKind::Manifest { .. } | ImageFileKind::Stats => false,
             })
             .map(|(_, n)| n.clone())

@@ -118,3 +118,84 @@ fn a_stopped_job_is_named_as_stopped() {
     let last = s.vmm.last_ticks();
     s.assert_runs_on(&last, &dump);
 }
+
+/// Unmounts a test's tmpfs, also when the test fails.
+struct Tmpfs(std::path::PathBuf);
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.0)
+            .status();
+    }
+}
+
+/// A disk that fills up during the drain, after CRIU's own part: CRIU still exits 0 (its fini
+/// hook cannot fail the dump), so the dump says so on stderr in one fixed line, marks the
+/// directory NOT-A-CHECKPOINT, `gpusnap verify` and `criu restore` refuse it, and the job runs
+/// on. (It used to exit 0 with nothing on stderr and gpusnap's files deleted.)
+#[test]
+fn a_disk_full_during_the_drain_is_never_a_checkpoint() {
+    let Some(mut s) = Split::launch(
+        "overlap-disk-full",
+        1,
+        &["--seed", "19", "--allocs", "4", "--mib", "32"],
+        &[],
+    ) else {
+        return;
+    };
+    s.vmm.wait_for_tick(2);
+    let full = s.w.path.join("full");
+    std::fs::create_dir_all(&full).expect("mkdir");
+    let mounted = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=330m", "gpusnap-test-full"])
+        .arg(&full)
+        .status()
+        .expect("mount");
+    assert!(mounted.success(), "mount tmpfs");
+    let _umount = Tmpfs(full.clone());
+    let pid = s.vmm.pid().to_string();
+    let dump = s.criu_at(
+        &full,
+        "dump",
+        "dump-full.log",
+        &["-t", pid.as_str(), "--leave-running"],
+        &[],
+    );
+    let marker = full.join(format!("gpusnap-{pid}-NOT-A-CHECKPOINT.txt"));
+    if dump.status.success() {
+        assert!(
+            dump.output
+                .lines()
+                .any(|l| l.starts_with("gpusnap: NOT A CHECKPOINT:")),
+            "CRIU exited 0 without saying the image is not a checkpoint\n{}",
+            s.describe(&dump)
+        );
+        assert!(
+            marker.is_file(),
+            "no {}\n{}",
+            marker.display(),
+            s.describe(&dump)
+        );
+        let (ok, text) = s.run_cli(&["verify", full.to_str().unwrap()]);
+        assert!(!ok, "gpusnap verify took it: {text}");
+        let restore = s.criu_at(
+            &full,
+            "restore",
+            "restore-full.log",
+            &["--restore-detached"],
+            &[],
+        );
+        assert!(
+            !restore.status.success(),
+            "criu restore took it\n{}",
+            s.describe(&restore)
+        );
+    } else {
+        eprintln!("overlap-disk-full: CRIU's own part failed (the disk filled before the drain)");
+    }
+    assert!(s.vmm.original_running(), "{}", s.describe(&dump));
+    let last = s.vmm.last_ticks();
+    s.assert_runs_on(&last, &dump);
+}

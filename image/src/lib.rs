@@ -63,7 +63,7 @@ pub use manifest::{
     MAX_MANIFEST_BODY, Manifest, encode_manifest_unchecked, read_manifest, write_manifest,
 };
 pub use names::{
-    ImageFileKind, STATS_FILE_NAME, data_file_name, list_image_files, list_manifests,
+    ImageFileKind, STATS_FILE_NAME, data_file_name, failed_marker_name, list_image_files, list_manifests,
     manifest_file_name, manifest_tmp_name, parse_file_name, read_manifests, remove_process_files,
     unfinished_dumps,
 };

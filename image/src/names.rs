@@ -27,6 +27,14 @@ pub fn manifest_tmp_name(nspid: u32) -> String {
     format!("gpusnap-{nspid}-manifest.img.tmp")
 }
 
+/// `gpusnap-<nspid>-NOT-A-CHECKPOINT.txt`: left by a dump whose GPU data was lost after CRIU
+/// had decided its own part succeeded (CRIU then reports success); it says why, in words.
+/// Like any gpusnap file of a process without a manifest, it makes every tool refuse the
+/// directory as an unfinished dump.
+pub fn failed_marker_name(nspid: u32) -> String {
+    format!("gpusnap-{nspid}-NOT-A-CHECKPOINT.txt")
+}
+
 /// What a gpusnap file name denotes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum ImageFileKind {
@@ -45,6 +53,10 @@ pub enum ImageFileKind {
     Kfd {
         nspid: u32,
     },
+    /// [`failed_marker_name`]: this process's dump failed after CRIU's part.
+    Failed {
+        nspid: u32,
+    },
     Stats,
     StatsTmp,
 }
@@ -56,7 +68,8 @@ impl ImageFileKind {
             ImageFileKind::Manifest { nspid }
             | ImageFileKind::ManifestTmp { nspid }
             | ImageFileKind::Data { nspid, .. }
-            | ImageFileKind::Kfd { nspid } => Some(nspid),
+            | ImageFileKind::Kfd { nspid }
+            | ImageFileKind::Failed { nspid } => Some(nspid),
             ImageFileKind::Stats | ImageFileKind::StatsTmp => None,
         }
     }
@@ -85,6 +98,7 @@ pub fn parse_file_name(name: &str) -> Option<ImageFileKind> {
         "manifest.img" => Some(ImageFileKind::Manifest { nspid }),
         "manifest.img.tmp" => Some(ImageFileKind::ManifestTmp { nspid }),
         "kfd.img" => Some(ImageFileKind::Kfd { nspid }),
+        "NOT-A-CHECKPOINT.txt" => Some(ImageFileKind::Failed { nspid }),
         _ => {
             let index = canonical_u32(rest.strip_prefix("data-")?.strip_suffix(".img")?)?;
             Some(ImageFileKind::Data { nspid, index })
@@ -132,7 +146,8 @@ pub fn unfinished_dumps(dir: BorrowedFd<'_>) -> Result<Vec<(u32, String)>, Image
         let nspid = match kind {
             ImageFileKind::ManifestTmp { nspid }
             | ImageFileKind::Data { nspid, .. }
-            | ImageFileKind::Kfd { nspid } => nspid,
+            | ImageFileKind::Kfd { nspid }
+            | ImageFileKind::Failed { nspid } => nspid,
             _ => continue,
         };
         if !finished.contains(&nspid) && !out.iter().any(|(p, _)| *p == nspid) {

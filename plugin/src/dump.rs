@@ -1624,18 +1624,21 @@ impl DumpRun {
             .collect();
         crate::logger::print_deferred();
         let drain_failed = drained.iter().any(Result::is_err);
-        if ret == 0 && drain_failed && !leave_running {
+        if ret == 0 && drain_failed {
             // CRIU's part succeeded and it would now kill the job, whose data is not in the
             // image: it must go on running (its memory is its own, lent descriptors kept).
-            leave_running = crate::criu::keep_tasks_alive();
-            log::error!(
-                "the device data of this dump could not be written into the image; {}",
-                if leave_running {
-                    "CRIU was told to leave the processes running (they are rolled back below): the dump is NOT usable, although CRIU reports success"
+            let kept = leave_running || crate::criu::keep_tasks_alive();
+            // CRIU reports success whatever this hook does: one fixed line on CRIU's stderr
+            // that a script can match, and a marker in the directory that every tool refuses.
+            crate::logger::tell_user(&format!(
+                "{NOT_A_CHECKPOINT}: the GPU data of this dump could not be written into the image, although CRIU reports success; {}",
+                if kept {
+                    "the job runs on (rolled back); the image directory is marked NOT-A-CHECKPOINT and no restore takes it"
                 } else {
-                    "and CRIU cannot be told to leave the processes running"
+                    "CRIU could not be told to leave the job running; the image directory is marked NOT-A-CHECKPOINT and no restore takes it"
                 }
-            );
+            ));
+            leave_running = kept;
         }
         let mut stats = Vec::new();
         let dumped: Vec<crate::sharing::Process> = self
@@ -1653,7 +1656,8 @@ impl DumpRun {
         for (i, drained) in order {
             let t = &mut self.tracked[i];
             let failed = drained.is_err();
-            if let Err(e) = drained {
+            let cause = drained.as_ref().err().map(ToString::to_string);
+            if let Some(e) = &cause {
                 log::error!(
                     "pid {}: {e}; this process's image is incomplete and its gpusnap files are removed: restore will refuse it",
                     t.pid
@@ -1672,7 +1676,12 @@ impl DumpRun {
             if ret != 0 || leave_running || failed {
                 match rollback(ctx, t, &dumped) {
                     // A failed dump's files are no use to anyone.
-                    Ok(()) if ret != 0 || failed => remove_partial_files(ctx, t),
+                    Ok(()) if ret != 0 || failed => {
+                        remove_partial_files(ctx, t);
+                        if let (0, Some(cause)) = (ret, &cause) {
+                            mark_not_a_checkpoint(ctx, t, cause);
+                        }
+                    }
                     Ok(()) => {}
                     Err(e) => {
                         let held = match &t.phase {
@@ -1700,6 +1709,49 @@ impl DumpRun {
                 log::warn!("writing gpusnap-stats.json failed: {e}");
             }
         }
+    }
+}
+
+/// The one line a dump whose GPU data was lost after CRIU's part prints on CRIU's stderr
+/// (CRIU itself then exits 0) starts `gpusnap: NOT A CHECKPOINT:`; scripts match it.
+pub const NOT_A_CHECKPOINT: &str = "NOT A CHECKPOINT";
+
+/// Leaves `gpusnap-<nspid>-NOT-A-CHECKPOINT.txt` (the cause, in words) where this process's
+/// gpusnap files were: `criu restore`, `gpusnap verify` and `inspect` then refuse the
+/// directory as an unfinished dump, naming that file.
+fn mark_not_a_checkpoint(ctx: &Ctx, t: &Tracked, cause: &str) {
+    let name = gpusnap_image::failed_marker_name(t.nspid.get());
+    let text = format!(
+        "This directory is NOT a usable checkpoint: the GPU data of pid {} (namespace pid {}) could not be written after CRIU's own part had succeeded, so CRIU reported success.\nCause: {cause}\nDump the job again.\n",
+        t.pid,
+        t.nspid.get()
+    );
+    let written = std::ffi::CString::new(name.as_str())
+        .map_err(std::io::Error::other)
+        .and_then(|c| {
+            // SAFETY: openat on the image dir's descriptor with a NUL-terminated name;
+            // O_EXCL|O_NOFOLLOW never follows or reuses a file planted there.
+            let fd = unsafe {
+                libc::openat(
+                    std::os::fd::AsRawFd::as_raw_fd(&ctx.image_dir()),
+                    c.as_ptr(),
+                    libc::O_WRONLY
+                        | libc::O_CREAT
+                        | libc::O_EXCL
+                        | libc::O_NOFOLLOW
+                        | libc::O_CLOEXEC,
+                    0o600,
+                )
+            };
+            if fd < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // SAFETY: fd was just opened and is owned by the File from here on.
+            let mut f = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+            std::io::Write::write_all(&mut f, text.as_bytes())
+        });
+    if let Err(e) = written {
+        log::error!("pid {}: writing {name}: {e}", t.pid);
     }
 }
 

@@ -113,9 +113,7 @@ __attribute__((constructor)) static void ran(void) {{
         "cc: {}",
         criu_tests::fixtures::output_text(&cc)
     );
-    drop(h);
-    let agent = criu_tests::harness("hostile-job-libcuda")
-        .expect("harness")
+    let agent = h
         .agent_so()
         .expect("agent")
         .to_owned();

@@ -20,6 +20,8 @@ use std::path::{Path, PathBuf};
 #[derive(Debug, thiserror::Error)]
 pub enum RecoverError {
     #[error(transparent)]
+    JobBusy(#[from] crate::joblock::JobLockError),
+    #[error(transparent)]
     Driver(#[from] DriverError),
     #[error("configuration: {0}")]
     Config(#[from] gpusnap_config::ConfigError),
@@ -123,6 +125,9 @@ pub fn recover(pid: i32, images: Option<&Path>) -> Result<String, RecoverError> 
         }
         None => {}
     }
+    // Never beside a dump or pre-copy of the same job (crate::joblock): a live dump's
+    // rollback and this recovery would undo the same phases twice.
+    let _job_lock = crate::joblock::JobLock::take(crate::pid::HostPid(pid))?;
     let api = gpusnap_cuda::driver::api()?;
     api.init()?;
     // A hold of a dump whose CRIU died leaves the process in a group stop, where the driver

@@ -192,6 +192,13 @@ fn a_disk_full_during_the_drain_is_never_a_checkpoint() {
             "criu restore took it\n{}",
             s.describe(&restore)
         );
+        // Refused once, naming the marker (the AMD side used to repeat the refusal).
+        s.assert_line(&restore, &["NOT-A-CHECKPOINT"]);
+        assert!(
+            !restore.log.contains("amd: restore refused"),
+            "the refusal was repeated\n{}",
+            s.describe(&restore)
+        );
     } else {
         eprintln!("overlap-disk-full: CRIU's own part failed (the disk filled before the drain)");
     }

@@ -120,6 +120,9 @@ pub fn init(raw_stage: i32) -> i32 {
     };
     let (rc, amd) = if !criu::is_4_1_or_newer() && criu::inside_criu() {
         (rc, crate::amd::AmdSide::Idle("CRIU older than 4.1".into()))
+    } else if rc != 0 {
+        // Refused already, with its reason: the AMD side would only say it again.
+        (rc, crate::amd::AmdSide::Idle("restore refused".into()))
     } else {
         match crate::amd::AmdSide::init(stage, &amd_cfg, image_dir) {
             Ok(a) => (rc, a),

@@ -61,7 +61,7 @@ pub enum RecoverError {
         lock: String,
     },
     #[error(
-        "pid {pid} is stopped with its GPU memory released (its agent says so), and the record of gpusnap's hold in {} is lost, so its threads cannot be told apart: it is left stopped. Do not continue it (it would run without its GPU memory): restore it from its image (criu restore), or kill it",
+        "pid {pid} is stopped with its GPU memory released (its agent says so), and the record of gpusnap's hold in {} is lost, so its threads cannot be told apart: it is left stopped. Do not continue it (it would run without its GPU memory). The interrupted dump left no usable image: restore an earlier complete checkpoint of the job if there is one (criu restore), or kill it",
         hold::RECORD_DIR
     )]
     StoppedReleased { pid: i32 },

@@ -47,7 +47,8 @@ fn descriptors_in_use() -> Option<(u64, u64)> {
     {
         return None;
     }
-    let open = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count() as u64);
+    // At the limit even the directory cannot be opened (EMFILE): then nothing is free.
+    let open = std::fs::read_dir("/proc/self/fd").map_or(lim.rlim_cur, |d| d.count() as u64);
     Some((open, lim.rlim_cur))
 }
 

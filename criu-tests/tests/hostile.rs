@@ -113,10 +113,7 @@ __attribute__((constructor)) static void ran(void) {{
         "cc: {}",
         criu_tests::fixtures::output_text(&cc)
     );
-    let agent = h
-        .agent_so()
-        .expect("agent")
-        .to_owned();
+    let agent = h.agent_so().expect("agent").to_owned();
     let preload: &'static str =
         Box::leak(format!("{}:{}", evil.display(), agent.display()).into_boxed_str());
     let Some(mut s) = Split::launch_agent(

@@ -206,3 +206,39 @@ fn a_disk_full_during_the_drain_is_never_a_checkpoint() {
     let last = s.vmm.last_ticks();
     s.assert_runs_on(&last, &dump);
 }
+
+/// A job at its descriptor limit (two free under its soft RLIMIT_NOFILE): the dump is refused
+/// before anything moves, naming the limit, and the job runs on. (It used to exit 0 with the
+/// job held, and the `gpusnap recover` it suggested failed with a bare driver error.)
+#[test]
+fn a_job_at_its_descriptor_limit_is_refused_naming_it() {
+    let Some(mut s) = Split::launch("overlap-nofile", 1, ARGS, &[]) else {
+        return;
+    };
+    s.vmm.wait_for_tick(2);
+    let pid = s.vmm.pid();
+    let open = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .count() as u64;
+    let mut old = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: prlimit(2) reading the workload's limit into a valid rlimit.
+    let rc = unsafe { libc::prlimit(pid, libc::RLIMIT_NOFILE, std::ptr::null(), &mut old) };
+    assert_eq!(rc, 0, "prlimit: {}", std::io::Error::last_os_error());
+    // Only the soft limit is lowered (raising the hard one needs CAP_SYS_RESOURCE).
+    let lim = libc::rlimit {
+        rlim_cur: open + 2,
+        rlim_max: old.rlim_max,
+    };
+    // SAFETY: prlimit(2) of the test's own workload with a valid rlimit; old limit not read.
+    let rc = unsafe { libc::prlimit(pid, libc::RLIMIT_NOFILE, &lim, std::ptr::null_mut()) };
+    assert_eq!(rc, 0, "prlimit: {}", std::io::Error::last_os_error());
+    let dump = s.dump(true);
+    assert!(!dump.succeeded(), "{}", s.describe(&dump));
+    s.assert_line(&dump, &["RLIMIT_NOFILE", "nothing was moved"]);
+    assert_eq!(s.driver_state(), "running", "{}", s.describe(&dump));
+    let last = s.vmm.last_ticks();
+    s.assert_runs_on(&last, &dump);
+}

@@ -68,6 +68,15 @@ pub enum DumpError {
     #[error(transparent)]
     Busy(#[from] crate::joblock::JobLockError),
     #[error(
+        "pid {pid} has {open} descriptors open and its soft RLIMIT_NOFILE (open files) is {limit}: a GPU checkpoint of a process with the gpusnap agent needs {needed} free there (the agent's connection, the staging ring, a reload); nothing was moved. Start the job with a higher limit (ulimit -n, or the container's nofile) and dump again"
+    )]
+    DescriptorLimit {
+        pid: i32,
+        open: u64,
+        limit: u64,
+        needed: u64,
+    },
+    #[error(
         "pid {pid} is stopped (state T, e.g. by SIGSTOP or a debugger): the driver cannot lock the GPU state of a stopped process; continue it (`kill -CONT {pid}`) and dump again"
     )]
     Stopped { pid: i32 },
@@ -108,6 +117,11 @@ impl DumpError {
 fn driver(what: &'static str) -> impl FnOnce(DriverError) -> DumpError {
     move |err| DumpError::Driver { what, err }
 }
+
+/// Free descriptors a job with the agent must have under its soft `RLIMIT_NOFILE` for a
+/// dump: the plugin's connection, the staging ring, the descriptors a rollback's reload and a
+/// hand-over's reclaim open, with room to spare.
+pub const AGENT_DESCRIPTORS_NEEDED: u64 = 16;
 
 /// PAUSE_DEVICES: the process still runs. `Ok(None)`: not a CUDA process.
 pub fn pause(ctx: &Ctx, pid: i32) -> Result<Option<Tracked>, DumpError> {
@@ -178,6 +192,20 @@ pub fn pause(ctx: &Ctx, pid: i32) -> Result<Option<Tracked>, DumpError> {
     // the driver state, would save the process without it.
     if hello.as_ref().is_some_and(|h| h.released) {
         return Err(DumpError::Interrupted { pid });
+    }
+    // The agent's way back (its connection, the staging ring, the reload) needs descriptors in
+    // the job; at its limit a rollback would fail after the memory moved. Refused now, before
+    // anything moves (raising the job's limit would be visible to the program).
+    if hello.is_some()
+        && let Ok((open, Some(limit))) = procfs::descriptors(pid)
+        && open.saturating_add(AGENT_DESCRIPTORS_NEEDED) > limit
+    {
+        return Err(DumpError::DescriptorLimit {
+            pid,
+            open,
+            limit,
+            needed: AGENT_DESCRIPTORS_NEEDED,
+        });
     }
     if initial == ProcessState::Running && ctx.cfg.mode == Mode::Auto {
         match hello.map(|h| split_candidate(pid, h)).transpose() {

@@ -306,6 +306,22 @@ pub fn maps(pid: i32) -> io::Result<String> {
     read(&format!("/proc/{pid}/maps"))
 }
 
+/// `pid`'s open descriptors and its soft `RLIMIT_NOFILE` ("Max open files" in
+/// `/proc/<pid>/limits`); `None` for the limit when it is unlimited.
+pub fn descriptors(pid: i32) -> io::Result<(u64, Option<u64>)> {
+    let open = std::fs::read_dir(format!("/proc/{pid}/fd"))?.count() as u64;
+    let limits = read(&format!("/proc/{pid}/limits"))?;
+    Ok((open, parse_nofile_soft(&limits)))
+}
+
+/// The soft limit of the "Max open files" line of a `/proc/<pid>/limits` text.
+fn parse_nofile_soft(limits: &str) -> Option<u64> {
+    let rest = limits
+        .lines()
+        .find_map(|l| l.strip_prefix("Max open files"))?;
+    rest.split_whitespace().next()?.parse().ok()
+}
+
 /// The program name `pid` runs (from its command line; the stat name is cut at 15 characters).
 pub fn argv0(pid: i32) -> io::Result<String> {
     std::fs::read(format!("/proc/{pid}/cmdline")).map(|c| parse_argv0(&c))
@@ -423,6 +439,14 @@ pub fn read_u32(pid: i32, addr: u64) -> io::Result<u32> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_soft_descriptor_limit_is_read() {
+        let text = "Limit                     Soft Limit           Hard Limit           Units     \nMax cpu time              unlimited            unlimited            seconds   \nMax open files            1024                 524288               files     \n";
+        assert_eq!(super::parse_nofile_soft(text), Some(1024));
+        let unlimited = text.replace("1024 ", "unlimited");
+        assert_eq!(super::parse_nofile_soft(&unlimited), None);
+    }
+
     use super::*;
 
     #[test]

@@ -315,7 +315,7 @@ impl Channel {
         // Take ownership of every received descriptor first, so each is closed whatever happens.
         let fds = Self::take_fds(&msg);
         if msg.msg_flags & libc::MSG_CTRUNC != 0 {
-            return Err(ProtoError::TooManyFds(fds.len().max(MAX_FDS_RECEIVED + 1)));
+            return Err(ProtoError::DescriptorsDropped);
         }
         if n == 0 && fds.is_empty() {
             return Err(ProtoError::Closed);

@@ -34,6 +34,12 @@ pub enum ProtoError {
         /// The version in the received header.
         theirs: u16,
     },
+    /// The kernel cut the control data: the attached descriptors could not all be received,
+    /// because the receiver is at its descriptor limit or more were sent than fit.
+    #[error(
+        "a descriptor sent with the message was dropped by the kernel (control data cut): the receiving process is at its RLIMIT_NOFILE descriptor limit, or more descriptors were sent than one message may carry"
+    )]
+    DescriptorsDropped,
     /// More than one file descriptor was attached (all of them were closed).
     #[error("message carried {0} file descriptors, at most 1 is allowed")]
     TooManyFds(usize),

@@ -324,13 +324,19 @@ fn check_plugin_dir() -> Vec<Finding> {
     let keeper = if configured.is_empty() && beside.is_file() {
         beside.to_string_lossy().into_owned()
     } else {
-        configured
+        configured.clone()
     };
     match gpusnap::keeper::locate(&keeper) {
         Ok(p) => out.push(Finding::ok(format!(
             "keeper {} (the split path hands device memory to it across the driver checkpoint)",
             p.display()
         ))),
+        // Named in the configuration and unusable (a directory, not executable): a mistake
+        // to fix, not an optional part missing.
+        Err(e) if !configured.is_empty() => out.push(Finding::fail(
+            format!("the configured keeper is unusable: {e}"),
+            "set `keeper` (GPUSNAP_KEEPER) to the gpusnap-keeper program, or remove it to use the one beside the plugin or in /usr/libexec/gpusnap",
+        )),
         Err(e) => out.push(Finding::warn(
             format!("no usable gpusnap-keeper: {e}"),
             "without it the split path copies the data out before the driver checkpoint (slower dumps and -R); install it as /usr/libexec/gpusnap/gpusnap-keeper",

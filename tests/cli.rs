@@ -536,6 +536,29 @@ fn check_reports_each_finding() {
     );
 }
 
+/// A keeper the configuration names that is no program (a directory) fails the check; it used
+/// to pass with a warning, as if none had been configured.
+#[test]
+fn check_fails_a_configured_keeper_that_is_a_directory() {
+    let t = TempDir::new("cli-test");
+    std::fs::write(t.file("gpusnap.so"), b"").unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_gpusnap"))
+        .arg("check")
+        .env("GPUSNAP_CRIU", "/nonexistent/criu")
+        .env("CRIU_LIBS_DIR", t.path_str())
+        .env("GPUSNAP_KEEPER", t.path_str())
+        .output()
+        .unwrap();
+    let s = stdout(&o);
+    assert_eq!(o.status.code(), Some(1), "{s}");
+    assert!(
+        s.lines()
+            .any(|l| l.starts_with("fail  the configured keeper is unusable")
+                && l.contains("not a regular file")),
+        "{s}"
+    );
+}
+
 /// One old criu is one `fail` line, also where Podman is installed and runc would run that
 /// same criu from PATH (it used to be judged twice).
 #[test]

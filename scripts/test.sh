@@ -5,12 +5,15 @@
 #
 # 1. builds the private CRIU 4.1.1 root (scripts/install-criu.sh; fast when present),
 # 2. cargo fmt --all -- --check
-# 3. cargo clippy --workspace --all-targets -- -D warnings
-# 4. the GPU harness's Python unit tests (gpu/test_*.py: the tick checker), on the CPU; skipped
+# 3. the structure check, python3 scripts/structure.py (the crates' layers, import cycles and
+#    module maps against scripts/layers.toml; its unit tests, scripts/test_*.py, first); skipped
 #    with a message if python3 is missing
-# 5. cargo test --workspace --no-fail-fast  (includes criu-tests: real criu dump/restore, and the
+# 4. cargo clippy --workspace --all-targets -- -D warnings
+# 5. the GPU harness's Python unit tests (gpu/test_*.py: the tick checker), on the CPU; skipped
+#    with a message if python3 is missing
+# 6. cargo test --workspace --no-fail-fast  (includes criu-tests: real criu dump/restore, and the
 #    Podman test, which installs the gpusnap package, runs containers and purges it; needs root)
-# 6. the same tests again against CRIU 4.2.x (Debian sid, in .criu-root-sid): the first CRIU with
+# 7. the same tests again against CRIU 4.2.x (Debian sid, in .criu-root-sid): the first CRIU with
 #    the POST_FORKING hook, where gpusnap's restore-time checksum pass runs beside CRIU's restore
 #
 # Stops at the first failing step. GPUSNAP_SKIP_CRIU_TESTS=1 skips the CRIU install and the
@@ -97,6 +100,18 @@ fi
 
 step "cargo fmt --all -- --check"
 cargo fmt --all -- --check || fail "formatting differs: run 'cargo fmt --all'"
+
+# The plan checked against the code: the rules are scripts/layers.toml (docs/development.md).
+if command -v python3 >/dev/null; then
+    step "python3 scripts/structure.py (after its unit tests, scripts/test_*.py)"
+    python3 -B -m unittest discover -s scripts -p 'test_*.py' ||
+        fail "the structure checker's unit tests failed (scripts/test_*.py)"
+    python3 -B scripts/structure.py ||
+        fail "the structure check found a problem (python3 scripts/structure.py; the rules are in scripts/layers.toml)"
+else
+    step "python3 not found"
+    skip "the structure check (python3 scripts/structure.py): python3 not found"
+fi
 
 step "cargo clippy --workspace --all-targets -- -D warnings"
 cargo clippy --workspace --all-targets -- -D warnings || fail "clippy reported warnings or errors"

@@ -68,7 +68,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 repo=$PWD
-# shellcheck source=gpu/call.sh
+# shellcheck source=gpu/call.sh disable=SC1091
 . gpu/call.sh
 
 # criu_root 4.2|4.1: the private CRIU root of that version (GPUSNAP_CRIU_ROOT).

@@ -14,7 +14,8 @@ use gpusnap_image::AllocationRecord;
 use gpusnap_proto::{AllocKind, Channel, PROTOCOL_VERSION, ProtoError, Reply, Request};
 use std::io;
 use std::os::fd::BorrowedFd;
-use std::time::Duration;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 /// The agent's thread names itself so (a restored process's agent thread can be found without
 /// asking the agent, whose thread is stopped then).
@@ -53,6 +54,127 @@ pub enum AgentError {
     AlreadyReleased { pid: i32 },
     #[error("the agent of pid {pid} made no progress for {stall:?} (hung?)")]
     Stalled { pid: i32, stall: Duration },
+    /// More replies of a kind than the agent may send (issue 32, item 4): what it sends is
+    /// kept in root's memory, so it is bounded by what it said it holds.
+    #[error("the agent of pid {pid} sent more than {limit} {what} ({bound}): refused")]
+    TooMany {
+        pid: i32,
+        what: &'static str,
+        limit: usize,
+        bound: &'static str,
+    },
+    /// A reply sequence that did not end in its overall time (issue 32, item 6).
+    #[error(
+        "the agent of pid {pid}: {what} did not end within {limit:?} (the agent timeout plus {per:?} for each of at most {count} replies): refused as hung"
+    )]
+    Overdue {
+        pid: i32,
+        what: &'static str,
+        limit: Duration,
+        per: Duration,
+        count: usize,
+    },
+    #[error("the agent of pid {pid} listed {fault}: refused")]
+    BadListing { pid: i32, fault: ListingFault },
+}
+
+/// What is wrong with a listing (`ListAllocations`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ListingFault {
+    #[error("allocation id {id} twice")]
+    DuplicateId { id: u64 },
+    #[error("allocation #{id} [{addr:#x}, +{size}), which wraps around the address space")]
+    Wraps { id: u64, addr: u64, size: u64 },
+    #[error(
+        "allocation #{id} [{addr:#x}, +{size}) overlapping allocation #{other} [{other_addr:#x}, +{other_size})"
+    )]
+    Overlap {
+        id: u64,
+        addr: u64,
+        size: u64,
+        other: u64,
+        other_addr: u64,
+        other_size: u64,
+    },
+    #[error("{bytes} bytes of allocations to move, more than the {limit} any job may hold")]
+    TooManyBytes { bytes: u64, limit: u64 },
+    #[error("{sent} allocations but ended the list with a count of {said}")]
+    CountMismatch { sent: usize, said: u32 },
+}
+
+/// Most allocations one agent may list, or lend: far more than a job holds (a PyTorch job with
+/// expandable segments maps a few thousand), and a bound on what root keeps for it.
+pub const MAX_ALLOCATIONS: usize = 1 << 18;
+/// Allocations a running process may make between its `Hello` and its listing (the listing at
+/// PAUSE asks a running job): a listing may exceed the `Hello`'s count by this much.
+pub const LIST_SLACK: usize = 1024;
+/// Most bytes of moved allocations one agent may list (4 TiB: more device memory than any one
+/// host has today). The data phase's chunks, its time and its disk are bounded by the listing,
+/// so the listing is bounded too.
+pub const MAX_LISTED_BYTES: u64 = 1 << 42;
+/// What a listing may take per allocation, on top of the agent timeout: its overall time is
+/// `agent_timeout + LIST_ALLOWANCE × (the Hello's count + LIST_SLACK)` (at most
+/// [`MAX_ALLOCATIONS`] allocations). A reply costs microseconds.
+pub const LIST_ALLOWANCE: Duration = Duration::from_micros(100);
+/// What a lend may take per allocation, on top of the agent timeout: the job's agent exports
+/// each one (about 2 ms on the H200), so `agent_timeout + LEND_ALLOWANCE × (allocations it may
+/// lend)`.
+pub const LEND_ALLOWANCE: Duration = Duration::from_millis(10);
+
+/// One allocation whose data a transfer moves, as the agent listed it (or a keeper adopted
+/// it): the chunks of a copy-out must be its slot-sized cut.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Moved {
+    pub id: u64,
+    pub addr: u64,
+    pub size: u64,
+}
+
+/// What the agent said on this connection that bounds what it may send next.
+#[derive(Debug, Default)]
+struct Said {
+    /// The `Hello`'s allocation count.
+    hello_allocations: Option<u32>,
+    /// The last listing's moved allocations, and how many of them are lendable.
+    listed: Option<(Vec<Moved>, usize)>,
+    /// Allocations a keeper adopted (its drain moves them).
+    adopted: Vec<Moved>,
+    /// `Expect`s a keeper answered (a restore's: what its lend gives back).
+    expected: usize,
+}
+
+/// An overall time for a sequence of replies.
+struct Deadline {
+    at: Instant,
+    limit: Duration,
+    what: &'static str,
+    per: Duration,
+    count: usize,
+}
+
+impl Deadline {
+    /// `timeout + per × count`: the time a sequence of at most `count` replies may take.
+    fn new(timeout: Duration, per: Duration, count: usize, what: &'static str) -> Deadline {
+        let limit =
+            timeout.saturating_add(per.saturating_mul(u32::try_from(count).unwrap_or(u32::MAX)));
+        Deadline {
+            at: Instant::now() + limit,
+            limit,
+            what,
+            per,
+            count,
+        }
+    }
+
+    fn overdue(&self, pid: i32) -> AgentError {
+        AgentError::Overdue {
+            pid,
+            what: self.what,
+            limit: self.limit,
+            per: self.per,
+            count: self.count,
+        }
+    }
 }
 
 /// What the agent said about itself.
@@ -164,6 +286,8 @@ pub struct AgentSession {
     door: Option<gpusnap_proto::Door>,
     /// Whether the agent has answered anything (else the knock may still be queued).
     answered: std::sync::atomic::AtomicBool,
+    /// What bounds the agent's next replies (boxed: a session is part of larger values).
+    said: Box<Mutex<Said>>,
 }
 
 impl Drop for AgentSession {
@@ -202,6 +326,7 @@ impl AgentSession {
             timeout,
             door: Some(door),
             answered: std::sync::atomic::AtomicBool::new(false),
+            said: Box::default(),
         }))
     }
 
@@ -222,6 +347,7 @@ impl AgentSession {
             timeout,
             door: None,
             answered: std::sync::atomic::AtomicBool::new(false),
+            said: Box::default(),
         }
     }
 
@@ -256,12 +382,68 @@ impl AgentSession {
         }
     }
 
-    /// The next reply and the descriptor it may carry; an agent's `Error` (without one) becomes
-    /// [`AgentError::Refused`].
-    fn recv_with_fd(&self) -> Result<(Reply, Option<std::os::fd::OwnedFd>), AgentError> {
+    /// The next reply of a sequence bounded by `d`: each waited for at most the agent timeout,
+    /// all of them within the deadline.
+    fn recv_within(&self, d: &Deadline) -> Result<Reply, AgentError> {
+        let left = d.at.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(d.overdue(self.pid));
+        }
+        match self.recv(left.min(self.timeout)) {
+            Err(AgentError::Proto {
+                err: ProtoError::Timeout,
+                ..
+            }) if Instant::now() >= d.at => Err(d.overdue(self.pid)),
+            r => r,
+        }
+    }
+
+    /// [`Self::recv_within`] for replies that may carry a descriptor.
+    fn recv_fd_within(
+        &self,
+        d: &Deadline,
+    ) -> Result<(Reply, Option<std::os::fd::OwnedFd>), AgentError> {
+        let left = d.at.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(d.overdue(self.pid));
+        }
+        match self.recv_with_fd(left.min(self.timeout)) {
+            Err(AgentError::Proto {
+                err: ProtoError::Timeout,
+                ..
+            }) if Instant::now() >= d.at => Err(d.overdue(self.pid)),
+            r => r,
+        }
+    }
+
+    /// What bounds the agent's next replies.
+    fn said(&self) -> std::sync::MutexGuard<'_, Said> {
+        self.said.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The allocations whose chunks a copy-out on this connection may announce: the moved ones
+    /// of the last listing, and those a keeper adopted. Empty if neither: then no chunk is
+    /// accepted.
+    pub fn moved(&self) -> Vec<Moved> {
+        let said = self.said();
+        let mut v: Vec<Moved> = said
+            .listed
+            .as_ref()
+            .map(|(m, _)| m.clone())
+            .unwrap_or_default();
+        v.extend(said.adopted.iter().copied());
+        v
+    }
+
+    /// The next reply and the descriptor it may carry, waited for at most `timeout`; an
+    /// agent's `Error` (without one) becomes [`AgentError::Refused`].
+    fn recv_with_fd(
+        &self,
+        timeout: Duration,
+    ) -> Result<(Reply, Option<std::os::fd::OwnedFd>), AgentError> {
         let (reply, fd) = self
             .chan
-            .recv_reply_with_fd(Some(self.timeout))
+            .recv_reply_with_fd(Some(timeout))
             .map_err(self.proto())?;
         self.answered
             .store(true, std::sync::atomic::Ordering::Relaxed);
@@ -271,6 +453,13 @@ impl AgentSession {
                 message,
             }),
             other => Ok(other),
+        }
+    }
+
+    fn bad_listing(&self, fault: ListingFault) -> AgentError {
+        AgentError::BadListing {
+            pid: self.pid,
+            fault,
         }
     }
 
@@ -321,6 +510,7 @@ impl AgentSession {
                         });
                     }
                 }
+                self.said().hello_allocations = Some(allocations);
                 Ok(AgentHello {
                     ns_pid,
                     ns_tid: tid,
@@ -351,11 +541,33 @@ impl AgentSession {
     }
 
     /// `ListAllocations`, with how the agent holds each (what its route depends on).
+    ///
+    /// Bounded (issue 32, items 4 and 6): at most the `Hello`'s count plus [`LIST_SLACK`]
+    /// allocations (without a `Hello` on this connection, [`MAX_ALLOCATIONS`]), all within
+    /// `agent_timeout + LIST_ALLOWANCE × that many`; ids unique, the moved allocations apart
+    /// and no more than [`MAX_LISTED_BYTES`] together, and the end's count right. The moved
+    /// ones bound the chunks of a copy-out on this connection ([`Self::moved`]).
     pub fn list_kinds(&self) -> Result<Vec<(AllocationRecord, AllocKind)>, AgentError> {
+        let (limit, bound) = match self.said().hello_allocations {
+            Some(n) => (
+                (n as usize).saturating_add(LIST_SLACK).min(MAX_ALLOCATIONS),
+                "its Hello's count plus the slack for a running job",
+            ),
+            None => (MAX_ALLOCATIONS, "the most any agent may list"),
+        };
         self.send(&Request::ListAllocations, None)?;
+        let deadline = Deadline::new(self.timeout, LIST_ALLOWANCE, limit, "its listing");
         let mut out = Vec::new();
         loop {
-            match self.recv(self.timeout)? {
+            match self.recv_within(&deadline)? {
+                Reply::Allocation { .. } if out.len() >= limit => {
+                    return Err(AgentError::TooMany {
+                        pid: self.pid,
+                        what: "allocations",
+                        limit,
+                        bound,
+                    });
+                }
                 Reply::Allocation {
                     id,
                     device,
@@ -375,7 +587,18 @@ impl AgentSession {
                     },
                     kind,
                 )),
-                Reply::AllocationsEnd { .. } => return Ok(out),
+                Reply::AllocationsEnd { count } => {
+                    if count as usize != out.len() {
+                        return Err(self.bad_listing(ListingFault::CountMismatch {
+                            sent: out.len(),
+                            said: count,
+                        }));
+                    }
+                    let moved = check_listing(&out).map_err(|f| self.bad_listing(f))?;
+                    let lendable = out.iter().filter(|(_, k)| k.lendable()).count();
+                    self.said().listed = Some((moved, lendable));
+                    return Ok(out);
+                }
                 got => return Err(self.unexpected("Allocation", got)),
             }
         }
@@ -420,11 +643,33 @@ impl AgentSession {
 
     /// `LendBegin`: the job's agent exports every converted allocation; returns them with a
     /// copy of each descriptor. `release` (or `abort`) must follow.
+    ///
+    /// Each reply carries a descriptor, so they are bounded (issue 32, items 4 and 6): no more
+    /// than the lendable allocations the agent listed on this connection (a keeper: the
+    /// allocations it was told to expect), all within `agent_timeout + LEND_ALLOWANCE × that
+    /// many`.
     pub fn lend(&self) -> Result<Vec<LentAllocation>, AgentError> {
+        let (limit, bound) = {
+            let said = self.said();
+            match (&said.listed, said.expected) {
+                (Some((_, lendable)), _) => (*lendable, "the lendable allocations it listed"),
+                (None, n) if n > 0 => (n, "the allocations it was told to expect"),
+                (None, _) => (MAX_ALLOCATIONS, "the most any agent may list"),
+            }
+        };
         self.send(&Request::LendBegin, None)?;
+        let deadline = Deadline::new(self.timeout, LEND_ALLOWANCE, limit, "its lend");
         let mut out = Vec::new();
         loop {
-            match self.recv_with_fd()? {
+            match self.recv_fd_within(&deadline)? {
+                (Reply::Lent { .. }, Some(_)) if out.len() >= limit => {
+                    return Err(AgentError::TooMany {
+                        pid: self.pid,
+                        what: "lent allocations",
+                        limit,
+                        bound,
+                    });
+                }
                 (
                     Reply::Lent {
                         id,
@@ -470,7 +715,14 @@ impl AgentSession {
         };
         self.send(&req, Some(lent.fd.as_fd()))?;
         match self.recv(self.timeout)? {
-            Reply::Adopted { id } if id == lent.id => Ok(()),
+            Reply::Adopted { id } if id == lent.id => {
+                self.said().adopted.push(Moved {
+                    id: lent.id,
+                    addr: lent.addr,
+                    size: lent.size,
+                });
+                Ok(())
+            }
             got => Err(self.unexpected("Adopted", got)),
         }
     }
@@ -489,12 +741,14 @@ impl AgentSession {
         Ok(r)
     }
 
-    /// `ListSharing`: the process's CUDA IPC shares through its agent.
+    /// `ListSharing`: the process's CUDA IPC shares through its agent (at most
+    /// [`MAX_SHARES`], within `agent_timeout + LIST_ALLOWANCE × MAX_SHARES`).
     pub fn list_sharing(&self) -> Result<Vec<Share>, AgentError> {
         self.send(&Request::ListSharing, None)?;
+        let deadline = Deadline::new(self.timeout, LIST_ALLOWANCE, MAX_SHARES, "its shares");
         let mut out = Vec::new();
         loop {
-            match self.recv(self.timeout)? {
+            match self.recv_within(&deadline)? {
                 Reply::Shared {
                     import,
                     pid,
@@ -526,12 +780,19 @@ impl AgentSession {
         }
     }
 
-    /// `ShareFds`: a descriptor of the current memory of each allocation the process exported.
+    /// `ShareFds`: a descriptor of the current memory of each allocation the process exported
+    /// (at most [`MAX_SHARES`], within `agent_timeout + LEND_ALLOWANCE × MAX_SHARES`).
     pub fn share_fds(&self) -> Result<Vec<SharedMemory>, AgentError> {
         self.send(&Request::ShareFds, None)?;
+        let deadline = Deadline::new(
+            self.timeout,
+            LEND_ALLOWANCE,
+            MAX_SHARES,
+            "its shares' descriptors",
+        );
         let mut out = Vec::new();
         loop {
-            match self.recv_with_fd()? {
+            match self.recv_fd_within(&deadline)? {
                 (
                     Reply::ShareFd {
                         id,
@@ -722,7 +983,10 @@ impl AgentSession {
             None,
         )?;
         match self.recv(self.timeout)? {
-            Reply::Expected { id: got, device } if got == id => Ok(device),
+            Reply::Expected { id: got, device } if got == id => {
+                self.said().expected += 1;
+                Ok(device)
+            }
             got => Err(self.unexpected("Expected", got)),
         }
     }
@@ -773,6 +1037,62 @@ impl AgentSession {
     }
 }
 
+/// A listing's moved allocations, once its ids are unique, the moved ones do not wrap, do not
+/// overlap one another (no two live mappings share an address) and are no more than
+/// [`MAX_LISTED_BYTES`] together.
+fn check_listing(listed: &[(AllocationRecord, AllocKind)]) -> Result<Vec<Moved>, ListingFault> {
+    let mut ids = std::collections::HashSet::with_capacity(listed.len());
+    for (a, _) in listed {
+        if !ids.insert(a.id) {
+            return Err(ListingFault::DuplicateId { id: a.id });
+        }
+    }
+    let mut moved: Vec<Moved> = listed
+        .iter()
+        .filter(|(a, _)| a.moved)
+        .map(|(a, _)| Moved {
+            id: a.id,
+            addr: a.addr,
+            size: a.size,
+        })
+        .collect();
+    moved.sort_by_key(|m| m.addr);
+    let mut bytes = 0u64;
+    let mut prev: Option<&Moved> = None;
+    for m in &moved {
+        if m.addr.checked_add(m.size).is_none() {
+            return Err(ListingFault::Wraps {
+                id: m.id,
+                addr: m.addr,
+                size: m.size,
+            });
+        }
+        if let Some(p) = prev
+            && p.addr + p.size > m.addr
+        {
+            return Err(ListingFault::Overlap {
+                id: m.id,
+                addr: m.addr,
+                size: m.size,
+                other: p.id,
+                other_addr: p.addr,
+                other_size: p.size,
+            });
+        }
+        bytes = bytes.saturating_add(m.size);
+        if m.size > 0 {
+            prev = Some(m);
+        }
+    }
+    if bytes > MAX_LISTED_BYTES {
+        return Err(ListingFault::TooManyBytes {
+            bytes,
+            limit: MAX_LISTED_BYTES,
+        });
+    }
+    Ok(moved)
+}
+
 /// Host tid of the agent thread of `pid` whose tid in the process's namespace is `ns_tid`.
 pub fn host_tid(pid: i32, ns_tid: i32) -> Result<i32, AgentError> {
     procfs::host_tid(pid, ns_tid)
@@ -788,6 +1108,7 @@ pub fn agent_thread(pid: i32) -> Option<i32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::fd::AsFd;
 
     #[test]
     fn no_agent_means_none() {
@@ -812,6 +1133,7 @@ mod tests {
             timeout: Duration::from_secs(5),
             door: None,
             answered: std::sync::atomic::AtomicBool::new(false),
+            said: Box::default(),
         };
         let agent = std::thread::spawn(move || {
             let (r, _) = theirs.recv_request(Some(Duration::from_secs(5))).unwrap();
@@ -852,6 +1174,234 @@ mod tests {
         let list = s.list().unwrap();
         assert_eq!(list.len(), 1);
         assert!(list[0].moved && list[0].addr == 0x1000);
+        agent.join().unwrap();
+    }
+
+    fn allocation(id: u64, addr: u64, size: u64) -> Reply {
+        Reply::Allocation {
+            id,
+            device: 0,
+            addr,
+            size,
+            kind: AllocKind::Converted,
+            rdma_capable: false,
+        }
+    }
+
+    fn hello_reply(allocations: u32) -> Reply {
+        Reply::Hello {
+            version: PROTOCOL_VERSION,
+            pid: 7,
+            tid: 8,
+            allocations,
+            converted_bytes: 0,
+            devices: 1,
+            released: false,
+            hazards: 0,
+            kept: 0,
+        }
+    }
+
+    /// A session whose agent (a thread) answers `Hello` with `allocations` and then the
+    /// listing request with `play`; returns the listing's outcome and how long it took.
+    fn list_against(
+        allocations: u32,
+        timeout: Duration,
+        play: impl FnOnce(&Channel) + Send + 'static,
+    ) -> (Result<Vec<AllocationRecord>, AgentError>, Duration) {
+        let (ours, theirs) = Channel::pair().unwrap();
+        let s = AgentSession::over(1, ours, timeout);
+        let agent = std::thread::spawn(move || {
+            let (r, _) = theirs.recv_request(Some(Duration::from_secs(5))).unwrap();
+            assert!(matches!(r, Request::Hello { .. }));
+            theirs.send_reply(&hello_reply(allocations)).unwrap();
+            let (r, _) = theirs.recv_request(Some(Duration::from_secs(5))).unwrap();
+            assert!(matches!(r, Request::ListAllocations));
+            play(&theirs);
+        });
+        s.hello().unwrap();
+        let t0 = Instant::now();
+        let listed = s.list();
+        let took = t0.elapsed();
+        drop(s);
+        agent.join().unwrap();
+        (listed, took)
+    }
+
+    /// Issue 32, item 4: a flood of `Allocation` replies is refused once it passes the
+    /// `Hello`'s count and the slack, not kept.
+    #[test]
+    fn a_listing_is_bounded_by_the_hello() {
+        let (listed, _) = list_against(3, Duration::from_secs(5), |ch| {
+            for i in 0..100_000u64 {
+                if ch
+                    .send_reply(&allocation(i + 1, (i + 1) << 30, 1 << 20))
+                    .is_err()
+                {
+                    return; // the session hung up: refused
+                }
+            }
+            let _ = ch.send_reply(&Reply::AllocationsEnd { count: 100_000 });
+        });
+        match listed {
+            Err(AgentError::TooMany { what, limit, .. }) => {
+                assert_eq!((what, limit), ("allocations", 3 + LIST_SLACK));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// Duplicated ids, overlapping moved allocations and a wrong count are refused.
+    #[test]
+    fn a_listing_that_cannot_be_true_is_refused() {
+        type Case = (Vec<Reply>, fn(&ListingFault) -> bool);
+        let cases: Vec<Case> = vec![
+            (
+                vec![allocation(1, 1 << 30, 4096), allocation(1, 2 << 30, 4096)],
+                |f| matches!(f, ListingFault::DuplicateId { id: 1 }),
+            ),
+            (
+                vec![
+                    allocation(1, 1 << 30, 8192),
+                    allocation(2, (1 << 30) + 4096, 4096),
+                ],
+                |f| {
+                    matches!(
+                        f,
+                        ListingFault::Overlap {
+                            id: 2,
+                            other: 1,
+                            ..
+                        }
+                    )
+                },
+            ),
+            (vec![allocation(1, u64::MAX - 10, 4096)], |f| {
+                matches!(f, ListingFault::Wraps { id: 1, .. })
+            }),
+            (vec![allocation(1, 1 << 30, MAX_LISTED_BYTES + 1)], |f| {
+                matches!(f, ListingFault::TooManyBytes { .. })
+            }),
+        ];
+        for (replies, expect) in cases {
+            let n = replies.len() as u32;
+            let (listed, _) = list_against(n, Duration::from_secs(5), move |ch| {
+                for r in &replies {
+                    ch.send_reply(r).unwrap();
+                }
+                ch.send_reply(&Reply::AllocationsEnd { count: n }).unwrap();
+            });
+            match listed {
+                Err(AgentError::BadListing { fault, .. }) if expect(&fault) => {}
+                other => panic!("{other:?}"),
+            }
+        }
+        let (listed, _) = list_against(1, Duration::from_secs(5), |ch| {
+            ch.send_reply(&allocation(1, 1 << 30, 4096)).unwrap();
+            ch.send_reply(&Reply::AllocationsEnd { count: 2 }).unwrap();
+        });
+        assert!(
+            matches!(
+                listed,
+                Err(AgentError::BadListing {
+                    fault: ListingFault::CountMismatch { sent: 1, said: 2 },
+                    ..
+                })
+            ),
+            "{listed:?}"
+        );
+    }
+
+    /// Issue 32, item 6: a listing whose replies each come within the timeout, but never end,
+    /// is refused at `timeout + LIST_ALLOWANCE × (count + slack)`.
+    #[test]
+    fn a_dripping_listing_ends_at_its_deadline() {
+        let timeout = Duration::from_millis(300);
+        let (listed, took) = list_against(2, timeout, |ch| {
+            for i in 0..40u64 {
+                std::thread::sleep(Duration::from_millis(200));
+                if ch
+                    .send_reply(&allocation(i + 1, (i + 1) << 30, 4096))
+                    .is_err()
+                {
+                    return;
+                }
+            }
+        });
+        assert!(
+            matches!(
+                listed,
+                Err(AgentError::Overdue {
+                    what: "its listing",
+                    ..
+                })
+            ),
+            "{listed:?}"
+        );
+        let limit = timeout + LIST_ALLOWANCE * (2 + LIST_SLACK as u32);
+        assert!(
+            took >= limit && took < limit + Duration::from_millis(250),
+            "{took:?}"
+        );
+    }
+
+    /// The moved allocations of a listing bound a copy-out; a lend is bounded by the
+    /// lendable ones.
+    #[test]
+    fn a_lend_is_bounded_by_the_listing() {
+        let (ours, theirs) = Channel::pair().unwrap();
+        let s = AgentSession::over(1, ours, Duration::from_secs(5));
+        let agent = std::thread::spawn(move || {
+            let (r, _) = theirs.recv_request(Some(Duration::from_secs(5))).unwrap();
+            assert!(matches!(r, Request::ListAllocations));
+            theirs.send_reply(&allocation(4, 1 << 30, 8192)).unwrap();
+            theirs
+                .send_reply(&Reply::Allocation {
+                    id: 5,
+                    device: 0,
+                    addr: 1 << 30,
+                    size: 8192,
+                    kind: AllocKind::AppVmm,
+                    rdma_capable: false,
+                })
+                .unwrap();
+            theirs
+                .send_reply(&Reply::AllocationsEnd { count: 2 })
+                .unwrap();
+            let (r, _) = theirs.recv_request(Some(Duration::from_secs(5))).unwrap();
+            assert!(matches!(r, Request::LendBegin));
+            for id in 0..3 {
+                let f = std::fs::File::open("/dev/null").unwrap();
+                let lent = Reply::Lent {
+                    id,
+                    device: 0,
+                    addr: 1 << 30,
+                    size: 8192,
+                    rdma_capable: false,
+                };
+                if theirs.send_reply_with(&lent, f.as_fd()).is_err() {
+                    return;
+                }
+            }
+        });
+        let listed = s.list().unwrap();
+        assert_eq!(listed.len(), 2);
+        // The AppVmm one is not moved, and may overlap.
+        assert_eq!(
+            s.moved(),
+            vec![Moved {
+                id: 4,
+                addr: 1 << 30,
+                size: 8192
+            }]
+        );
+        match s.lend() {
+            Err(AgentError::TooMany { what, limit, .. }) => {
+                assert_eq!((what, limit), ("lent allocations", 1));
+            }
+            other => panic!("{other:?}"),
+        }
+        drop(s);
         agent.join().unwrap();
     }
 }

@@ -9,14 +9,16 @@
 //! Every thread here blocks all signals (CRIU's SIGALRM must reach its main thread) and is
 //! joined before the function returns.
 
-use crate::agent::{AgentError, AgentSession, RingShape, Transfer};
-use crate::staging::Staging;
+use crate::agent::{AgentError, AgentSession, Moved, RingShape, Transfer};
+use crate::staging::{RingError, Staging};
 use crossbeam_channel::{Receiver, Sender, bounded, unbounded};
 use gpusnap_image::{
     ChunkEntry, ChunkSources, Codec, DataFileWriter, DedupIndex, FileEntry, Manifest, hash_chunk,
 };
 use gpusnap_proto::{ProtoError, Reply};
+use std::collections::{HashMap, HashSet};
 use std::os::fd::{AsFd, BorrowedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 /// How long the data path waits for any progress from the agent before giving up.
@@ -24,6 +26,63 @@ use std::time::{Duration, Instant};
 pub struct Limits {
     pub stall: Duration,
     pub streams: u32,
+}
+
+/// The slowest a data phase may move its bytes (16 MiB/s, far below any disk or network file
+/// system an image goes to), for its overall deadline ([`phase_limit`]).
+pub const FLOOR_RATE: u64 = 16 << 20;
+/// What each chunk may add to a data phase's overall time, whatever its size (its messages and
+/// its file write).
+pub const PER_CHUNK: Duration = Duration::from_millis(1);
+
+/// A data phase's overall time, counted from the agent's `Ready` (that wait is itself bounded
+/// by the agent timeout):
+///
+/// `limit = agent_timeout + bytes / FLOOR_RATE + chunks × PER_CHUNK`
+///
+/// where a dump's `bytes` and `chunks` are those of the allocations the agent listed (their
+/// slot-sized cut), and a restore's those of the manifest. The per-message timeout alone let a
+/// job that answers just before each timeout hold CRIU, and its frozen tree, for ever
+/// (issue 32, item 6).
+pub fn phase_limit(timeout: Duration, bytes: u64, chunks: u64) -> Duration {
+    let at_floor = Duration::from_secs_f64(bytes as f64 / FLOOR_RATE as f64);
+    let per_chunk = PER_CHUNK.saturating_mul(u32::try_from(chunks).unwrap_or(u32::MAX));
+    timeout.saturating_add(at_floor).saturating_add(per_chunk)
+}
+
+/// Which announcement of a chunk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ChunkKind {
+    Ready,
+    Zero,
+    Unchanged,
+}
+
+impl std::fmt::Display for ChunkKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ChunkKind::Ready => "ChunkReady",
+            ChunkKind::Zero => "ChunkZero",
+            ChunkKind::Unchanged => "ChunkUnchanged",
+        })
+    }
+}
+
+/// Why a chunk the agent announced is refused.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ChunkFault {
+    #[error("an allocation it did not list for this transfer")]
+    NotListed,
+    #[error("which does not lie inside the allocation [{start:#x}, +{size})")]
+    Outside { start: u64, size: u64 },
+    #[error("which is not one of the allocation's {slot}-byte chunks")]
+    NotTheCut { slot: u64 },
+    #[error("a range it already announced")]
+    Again,
+    #[error("in slot {slot} of a ring of {slots}")]
+    SlotOutOfRange { slot: u32, slots: u32 },
+    #[error("past the {listed} bytes it listed")]
+    OverBudget { listed: u64 },
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -43,6 +102,36 @@ pub enum DataError {
     Ring(std::io::Error),
     #[error("{0} panicked")]
     Panicked(&'static str),
+    /// A chunk outside what the agent listed (issue 32, item 5): the phase fails before
+    /// anything of it is written.
+    #[error(
+        "pid {pid}: the agent announced {kind} [{addr:#x}, +{len}) of allocation #{id}, {fault}: refused"
+    )]
+    Chunk {
+        pid: i32,
+        kind: ChunkKind,
+        id: u64,
+        addr: u64,
+        len: u64,
+        fault: ChunkFault,
+    },
+    #[error(
+        "pid {pid}: the agent handed back slot {slot}, which it does not hold (the ring has {slots}): refused"
+    )]
+    SlotNotLent { pid: i32, slot: u32, slots: usize },
+    /// The phase's overall deadline ([`phase_limit`]) passed.
+    #[error(
+        "pid {pid}: the agent did not finish moving {bytes} bytes in {chunks} chunks within {limit:?} (the agent timeout {timeout:?} + the bytes at 16 MiB/s + 1 ms a chunk): refused as hung"
+    )]
+    Overdue {
+        pid: i32,
+        bytes: u64,
+        chunks: u64,
+        timeout: Duration,
+        limit: Duration,
+    },
+    #[error("pid {pid}: {err}")]
+    RingChanged { pid: i32, err: RingError },
 }
 
 /// How a load checks the chunks it reads.
@@ -156,19 +245,169 @@ struct Work {
     device_hash: Option<u64>,
 }
 
+/// What the agent may announce in one copy-out (issue 32, items 4 and 5): chunks of the
+/// allocations it listed for it (or a keeper adopted), each exactly one of the slot-sized
+/// pieces the agent cuts an allocation into (`agent/src/plan.rs`), each once. So root keeps at
+/// most one entry per listed chunk and writes at most the listed bytes, and anything else fails
+/// the phase at once, naming the allocation and the range.
+struct Admission {
+    pid: i32,
+    slot_size: u64,
+    slots: u32,
+    by_id: HashMap<u64, Moved>,
+    /// (allocation id, chunk index) of every chunk announced so far.
+    seen: HashSet<(u64, u64)>,
+    listed_bytes: u64,
+    listed_chunks: u64,
+    admitted_bytes: u64,
+}
+
+impl Admission {
+    fn new(pid: i32, moved: Vec<Moved>, slot_size: u64, slots: u32) -> Admission {
+        let slot_size = slot_size.max(1);
+        let listed_bytes = moved.iter().fold(0u64, |b, m| b.saturating_add(m.size));
+        let listed_chunks = moved
+            .iter()
+            .fold(0u64, |c, m| c.saturating_add(m.size.div_ceil(slot_size)));
+        Admission {
+            pid,
+            slot_size,
+            slots,
+            by_id: moved.into_iter().map(|m| (m.id, m)).collect(),
+            seen: HashSet::new(),
+            listed_bytes,
+            listed_chunks,
+            admitted_bytes: 0,
+        }
+    }
+
+    /// Admits one announced chunk (`slot`: the ring slot a `ChunkReady` fills).
+    fn admit(
+        &mut self,
+        kind: ChunkKind,
+        slot: Option<u32>,
+        id: u64,
+        addr: u64,
+        len: u64,
+    ) -> Result<(), DataError> {
+        let refuse = |fault| DataError::Chunk {
+            pid: self.pid,
+            kind,
+            id,
+            addr,
+            len,
+            fault,
+        };
+        if let Some(slot) = slot
+            && slot >= self.slots
+        {
+            return Err(refuse(ChunkFault::SlotOutOfRange {
+                slot,
+                slots: self.slots,
+            }));
+        }
+        let Some(a) = self.by_id.get(&id) else {
+            return Err(refuse(ChunkFault::NotListed));
+        };
+        let inside = addr >= a.addr
+            && addr
+                .checked_add(len)
+                .is_some_and(|end| end <= a.addr.saturating_add(a.size));
+        if !inside {
+            return Err(refuse(ChunkFault::Outside {
+                start: a.addr,
+                size: a.size,
+            }));
+        }
+        let off = addr - a.addr;
+        let cut = off.is_multiple_of(self.slot_size) && len == self.slot_size.min(a.size - off);
+        if !cut {
+            return Err(refuse(ChunkFault::NotTheCut {
+                slot: self.slot_size,
+            }));
+        }
+        if !self.seen.insert((id, off / self.slot_size)) {
+            return Err(refuse(ChunkFault::Again));
+        }
+        // Implied by the above (disjoint pieces of listed allocations); kept as the promise.
+        self.admitted_bytes += len;
+        if self.admitted_bytes > self.listed_bytes {
+            return Err(refuse(ChunkFault::OverBudget {
+                listed: self.listed_bytes,
+            }));
+        }
+        Ok(())
+    }
+
+    /// When the copy-out must be over, counted from now ([`phase_limit`]).
+    fn deadline(&self, timeout: Duration) -> Deadline {
+        Deadline::new(self.pid, timeout, self.listed_bytes, self.listed_chunks)
+    }
+}
+
+/// A data phase's overall deadline ([`phase_limit`]).
+#[derive(Clone, Copy, Debug)]
+struct Deadline {
+    pid: i32,
+    at: Instant,
+    timeout: Duration,
+    limit: Duration,
+    bytes: u64,
+    chunks: u64,
+}
+
+impl Deadline {
+    fn new(pid: i32, timeout: Duration, bytes: u64, chunks: u64) -> Deadline {
+        let limit = phase_limit(timeout, bytes, chunks);
+        Deadline {
+            pid,
+            at: Instant::now() + limit,
+            timeout,
+            limit,
+            bytes,
+            chunks,
+        }
+    }
+
+    fn check(&self) -> Result<(), DataError> {
+        if Instant::now() < self.at {
+            return Ok(());
+        }
+        Err(DataError::Overdue {
+            pid: self.pid,
+            bytes: self.bytes,
+            chunks: self.chunks,
+            timeout: self.timeout,
+            limit: self.limit,
+        })
+    }
+}
+
 /// Tells the agent about the ring (its memfd attached) and waits until it is mapped and pinned.
+/// The ring is checked as we made it (size and seals) before and after: the job holds it from
+/// here on.
 fn hand_over_ring(
     agent: &AgentSession,
     staging: &Staging,
     limits: Limits,
     way: Transfer,
 ) -> Result<(), DataError> {
+    let intact = || {
+        staging
+            .check_intact()
+            .map_err(|err| DataError::RingChanged {
+                pid: agent.pid(),
+                err,
+            })
+    };
+    intact()?;
     let shape = RingShape {
         slot_size: staging.slot_size() as u64,
         slots: staging.slots() as u32,
         streams: limits.streams,
     };
-    Ok(agent.begin(way, staging.fd().as_fd(), shape)?)
+    agent.begin(way, staging.fd().as_fd(), shape)?;
+    intact()
 }
 
 /// Copies every converted allocation of the agent into image files `gpusnap-<nspid>-data-*`.
@@ -226,7 +465,14 @@ pub fn copy_out_into(
         Round::Paused => Transfer::Out,
         Round::Live => Transfer::OutLive,
     };
+    let mut admission = Admission::new(
+        agent.pid(),
+        agent.moved(),
+        staging.slot_size() as u64,
+        staging.slots() as u32,
+    );
     hand_over_ring(agent, staging, limits, way)?;
+    let deadline = admission.deadline(limits.stall);
 
     let (work_tx, work_rx) = bounded::<Work>(staging.slots());
     let (err_tx, err_rx) = unbounded::<DataError>();
@@ -254,7 +500,11 @@ pub fn copy_out_into(
             agent,
             &work_tx,
             &err_rx,
-            limits.stall,
+            Bounds {
+                stall: limits.stall,
+                deadline,
+                admission: &mut admission,
+            },
             parent,
             &mut data.chunks,
             &mut data.copied_bytes,
@@ -311,17 +561,31 @@ pub fn copy_out_into(
     Ok(data)
 }
 
+/// What bounds a dump's replies: the stall (time without any message), the overall deadline,
+/// and the chunks the agent may announce.
+struct Bounds<'a> {
+    stall: Duration,
+    deadline: Deadline,
+    admission: &'a mut Admission,
+}
+
 /// Main-thread side of a dump: route `ChunkReady` to writers until `DumpDataDone`; record each
-/// `ChunkZero` and `ChunkUnchanged` (nothing to write) in `unwritten`.
+/// `ChunkZero` and `ChunkUnchanged` (nothing to write) in `unwritten`. Every announcement is
+/// admitted first ([`Admission`]), and the whole ends by the deadline.
 fn pump_dump_replies(
     agent: &AgentSession,
     work: &Sender<Work>,
     errors: &Receiver<DataError>,
-    stall: Duration,
+    bounds: Bounds<'_>,
     parent: Option<&DedupIndex>,
     unwritten: &mut Vec<ChunkEntry>,
     copied: &mut u64,
 ) -> Result<(), DataError> {
+    let Bounds {
+        stall,
+        deadline,
+        admission,
+    } = bounds;
     let mut last = Instant::now();
     // The second announcement means the first chunk was handed to a writer (a point for a
     // test to kill CRIU at).
@@ -330,15 +594,17 @@ fn pump_dump_replies(
         if let Ok(e) = errors.try_recv() {
             return Err(e);
         }
+        deadline.check()?;
         match agent.recv(Duration::from_millis(200)) {
             Ok(Reply::ChunkReady {
                 slot,
+                alloc_id,
                 addr,
                 len,
                 device_hash,
-                ..
             }) => {
                 last = Instant::now();
+                admission.admit(ChunkKind::Ready, Some(slot), alloc_id, addr, len)?;
                 if sent == 1 {
                     crate::fault::kill_criu_at("dump-data-out");
                 }
@@ -355,21 +621,23 @@ fn pump_dump_replies(
                 }
             }
             Ok(Reply::ChunkZero {
+                alloc_id,
                 addr,
                 len,
                 device_hash,
-                ..
             }) => {
                 last = Instant::now();
+                admission.admit(ChunkKind::Zero, None, alloc_id, addr, len)?;
                 unwritten.push(ChunkEntry::zero(addr, len, device_hash));
             }
             Ok(Reply::ChunkUnchanged {
+                alloc_id,
                 addr,
                 len,
                 device_hash,
-                ..
             }) => {
                 last = Instant::now();
+                admission.admit(ChunkKind::Unchanged, None, alloc_id, addr, len)?;
                 let r = parent.and_then(|p| p.reference_by_device_hash(addr, len, device_hash));
                 match r {
                     Some(r) => unwritten.push(r),
@@ -576,6 +844,21 @@ pub fn copy_in(
     let t0 = Instant::now();
     let sources = ChunkSources::open(dir, manifest)?;
     hand_over_ring(agent, staging, limits, Transfer::In)?;
+    let bytes = manifest
+        .chunks
+        .iter()
+        .fold(0u64, |b, c| b.saturating_add(c.len));
+    let deadline = Deadline::new(
+        agent.pid(),
+        limits.stall,
+        bytes,
+        manifest.chunks.len() as u64,
+    );
+    // Which slots the agent holds (between our ChunkLoad and its SlotFree): a SlotFree of
+    // another is refused, so that a reader never fills a slot the agent is copying from.
+    let lent: Vec<AtomicBool> = (0..staging.slots())
+        .map(|_| AtomicBool::new(false))
+        .collect();
 
     let (free_tx, free_rx) = bounded::<u32>(staging.slots());
     for i in 0..staging.slots() as u32 {
@@ -594,17 +877,26 @@ pub fn copy_in(
         for r in 0..readers {
             let free_rx = free_rx.clone();
             let err_tx = err_tx.clone();
-            let (files, sources) = (&files, &sources);
+            let (files, sources, lent) = (&files, &sources, &lent);
             s.spawn(move || {
                 crate::signals::block_all();
                 let mine = files.iter().copied().skip(r).step_by(readers);
-                if let Err(e) = read_files(mine, &free_rx, agent, staging, sources, checks) {
+                let ring = LoadRing { staging, lent };
+                if let Err(e) = read_files(mine, &free_rx, agent, ring, sources, checks) {
                     let _ = err_tx.send(e);
                 }
             });
         }
         drop(free_rx);
-        let res = pump_load_replies(agent, &free_tx, &err_rx, total, limits.stall, fault_point);
+        let res = pump_load_replies(
+            agent,
+            &free_tx,
+            &err_rx,
+            total,
+            (limits.stall, deadline),
+            fault_point,
+            &lent,
+        );
         // Unblock readers waiting for a slot, whatever happened.
         drop(free_tx);
         res
@@ -656,14 +948,22 @@ fn file_groups(manifest: &Manifest) -> Vec<(u32, u32)> {
     v
 }
 
+/// The ring of a load, with which of its slots the agent holds.
+#[derive(Clone, Copy)]
+struct LoadRing<'a> {
+    staging: &'a Staging,
+    lent: &'a [AtomicBool],
+}
+
 fn read_files(
     files: impl Iterator<Item = (u32, u32)>,
     free: &Receiver<u32>,
     agent: &AgentSession,
-    staging: &Staging,
+    ring: LoadRing<'_>,
     sources: &ChunkSources<'_>,
     checks: ReadChecks,
 ) -> Result<(), DataError> {
+    let LoadRing { staging, lent } = ring;
     let mut scratch = Vec::new();
     for (depth, file) in files {
         let reader = sources.reader(depth, file)?;
@@ -680,19 +980,24 @@ fn read_files(
                     reader.read_chunk_for_device_check(c, out, &mut scratch)?
                 }
             }
+            // Lent before the agent can hand it back.
+            lent[slot as usize].store(true, Ordering::SeqCst);
             agent.chunk_load(slot, c.addr, c.len, c.device_hash)?;
         }
     }
     Ok(())
 }
 
+/// Main-thread side of a load: every `SlotFree` (of a slot the agent holds) goes back to the
+/// readers until all `total` chunks are loaded, by the deadline.
 fn pump_load_replies(
     agent: &AgentSession,
     free: &Sender<u32>,
     errors: &Receiver<DataError>,
     total: usize,
-    stall: Duration,
+    (stall, deadline): (Duration, Deadline),
     fault_point: &'static str,
+    lent: &[AtomicBool],
 ) -> Result<(), DataError> {
     let mut done = 0;
     let mut last = Instant::now();
@@ -700,8 +1005,19 @@ fn pump_load_replies(
         if let Ok(e) = errors.try_recv() {
             return Err(e);
         }
+        deadline.check()?;
         match agent.recv(Duration::from_millis(200)) {
             Ok(Reply::SlotFree { slot }) => {
+                let held = lent
+                    .get(slot as usize)
+                    .is_some_and(|l| l.swap(false, Ordering::SeqCst));
+                if !held {
+                    return Err(DataError::SlotNotLent {
+                        pid: agent.pid(),
+                        slot,
+                        slots: lent.len(),
+                    });
+                }
                 done += 1;
                 if done == 1 {
                     crate::fault::kill_criu_at(fault_point);
@@ -752,5 +1068,94 @@ mod tests {
             ..crate::test_manifest()
         };
         assert_eq!(file_groups(&m), vec![(0, 2), (0, 5), (0, 11), (2, 5)]);
+    }
+
+    fn fault(r: Result<(), DataError>) -> Option<ChunkFault> {
+        match r {
+            Ok(()) => None,
+            Err(DataError::Chunk { fault, .. }) => Some(fault),
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// Issue 32, items 4 and 5: only the slot-sized cut of a listed allocation, each piece
+    /// once, in a slot of the ring.
+    #[test]
+    fn only_the_listed_chunks_are_admitted_once() {
+        let a = Moved {
+            id: 7,
+            addr: 1 << 30,
+            size: 10 * 4096 + 100,
+        };
+        let slot = 4 * 4096;
+        let mut adm = Admission::new(1, vec![a], slot, 2);
+        assert_eq!((adm.listed_chunks, adm.listed_bytes), (3, a.size));
+        let base = a.addr;
+        use ChunkKind::*;
+        assert_eq!(fault(adm.admit(Ready, Some(0), 7, base, slot)), None);
+        assert_eq!(
+            fault(adm.admit(Zero, None, 7, base, slot)),
+            Some(ChunkFault::Again)
+        );
+        assert_eq!(
+            fault(adm.admit(Ready, Some(2), 7, base + slot, slot)),
+            Some(ChunkFault::SlotOutOfRange { slot: 2, slots: 2 })
+        );
+        assert_eq!(
+            fault(adm.admit(Zero, None, 8, base + slot, slot)),
+            Some(ChunkFault::NotListed)
+        );
+        assert_eq!(
+            fault(adm.admit(Zero, None, 7, base + 4096, slot)),
+            Some(ChunkFault::NotTheCut { slot })
+        );
+        assert_eq!(
+            fault(adm.admit(Zero, None, 7, base + slot, 4096)),
+            Some(ChunkFault::NotTheCut { slot })
+        );
+        assert_eq!(
+            fault(adm.admit(Unchanged, None, 7, base - 4096, 4096)),
+            Some(ChunkFault::Outside {
+                start: a.addr,
+                size: a.size
+            })
+        );
+        assert_eq!(
+            fault(adm.admit(Ready, Some(1), 7, base + 2 * slot, slot)),
+            Some(ChunkFault::Outside {
+                start: a.addr,
+                size: a.size
+            })
+        );
+        assert_eq!(fault(adm.admit(Zero, None, 7, base + slot, slot)), None);
+        let last = a.size - 2 * slot;
+        assert_eq!(
+            fault(adm.admit(Unchanged, None, 7, base + 2 * slot, last)),
+            None
+        );
+        assert_eq!(adm.admitted_bytes, a.size);
+        // Nothing listed: nothing admitted.
+        let mut none = Admission::new(1, Vec::new(), slot, 2);
+        assert_eq!(
+            fault(none.admit(Zero, None, 7, base, slot)),
+            Some(ChunkFault::NotListed)
+        );
+    }
+
+    /// Issue 32, item 6: the formula.
+    #[test]
+    fn a_phase_limit_grows_with_what_it_moves() {
+        let t = Duration::from_secs(30);
+        assert_eq!(phase_limit(t, 0, 0), t);
+        assert_eq!(
+            phase_limit(t, 16 << 20, 1000),
+            t + Duration::from_secs(1) + Duration::from_secs(1)
+        );
+        assert_eq!(
+            phase_limit(Duration::from_secs(1), 8 << 30, 256),
+            Duration::from_secs(1 + 512) + Duration::from_millis(256)
+        );
+        // Never overflows.
+        assert!(phase_limit(t, u64::MAX, u64::MAX) > t);
     }
 }

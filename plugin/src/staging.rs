@@ -4,9 +4,29 @@
 //! Ownership of a slot is handed back and forth by protocol messages: between the agent's
 //! `ChunkReady` and our `SlotFree` (dump), or between our `ChunkLoad` and its `SlotFree`
 //! (restore), only one side touches it. [`Staging::slot_mut`] relies on that.
+//!
+//! The job holds the memfd too (its agent maps it), with the job's rights: it could truncate it,
+//! and our reads of the shared mapping would then fault (SIGBUS in root's CRIU). So the memfd is
+//! sealed against any change of size (`F_SEAL_SHRINK | F_SEAL_GROW`, and `F_SEAL_SEAL` so that
+//! the job cannot change the seals) before it ever leaves this process, and
+//! [`Staging::check_intact`] refuses a ring whose size or seals are not what we made.
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+/// The seals every ring carries: its size never changes, nor do its seals.
+const SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+
+/// A ring that is not as we made it.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum RingError {
+    #[error("the staging ring's memfd is {found} bytes, not the {made} we made: refused")]
+    Resized { made: u64, found: u64 },
+    #[error("the staging ring's memfd has seals {found:#x}, not {made:#x}: refused")]
+    Unsealed { made: i32, found: i32 },
+    #[error("checking the staging ring's memfd: {0}")]
+    Os(crate::stall::OsError),
+}
 
 /// Slot sizes are whole pages (the agent refuses anything else, `agent/src/plan.rs`).
 const PAGE: u64 = 4096;
@@ -143,15 +163,29 @@ impl Staging {
         let len = slot_size
             .checked_mul(slots)
             .ok_or_else(|| io::Error::other("staging size overflows"))?;
+        let len_off = libc::off_t::try_from(len)
+            .map_err(|_| io::Error::other("staging size overflows off_t"))?;
         // SAFETY: memfd_create with a static NUL-terminated name.
-        let raw = unsafe { libc::memfd_create(c"gpusnap-staging".as_ptr(), libc::MFD_CLOEXEC) };
+        let raw = unsafe {
+            libc::memfd_create(
+                c"gpusnap-staging".as_ptr(),
+                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+            )
+        };
         if raw < 0 {
             return Err(io::Error::last_os_error());
         }
         // SAFETY: `raw` is a fresh fd that we now own.
         let fd = unsafe { OwnedFd::from_raw_fd(raw) };
         // SAFETY: ftruncate on our own memfd.
-        if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), len_off) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // Sealed before anyone else can hold it: the job's agent gets it later, and can then
+        // neither shrink it under our mapping (a read of a page past the end is a SIGBUS) nor
+        // grow it, nor undo the seals.
+        // SAFETY: fcntl(F_ADD_SEALS) on our own memfd, created with MFD_ALLOW_SEALING.
+        if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, SEALS) } != 0 {
             return Err(io::Error::last_os_error());
         }
         // SAFETY: a fresh shared mapping of the memfd, length as truncated.
@@ -209,18 +243,62 @@ impl Staging {
         });
     }
 
-    /// Drops the ring's contents (truncates the memfd to 0). For when the agent may still have
-    /// the ring mapped (it stopped answering): CRIU then dumps an empty mapping, not the ring's
-    /// pages. The agent never reads or writes ring memory with the CPU (only DMA into pages it
-    /// pinned, which stay alive until it unpins them), so this cannot fault it.
+    /// Drops the ring's contents (punches out every page of the memfd; its size is sealed).
+    /// For when the agent may still have the ring mapped (it stopped answering): CRIU then
+    /// dumps an empty mapping, not the ring's pages. Pages the agent pinned for DMA stay alive
+    /// until it unpins them, and a CPU access to the hole reads zeros, so this cannot fault it.
     pub fn discard(&self) {
-        // SAFETY: ftruncate on our own memfd.
-        if unsafe { libc::ftruncate(self.fd.as_raw_fd(), 0) } != 0 {
+        let len = self.len() as libc::off_t;
+        // SAFETY: fallocate on our own memfd, within its size; frees the pages, keeps the size.
+        let rc = unsafe {
+            libc::fallocate(
+                self.fd.as_raw_fd(),
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                0,
+                len,
+            )
+        };
+        if rc != 0 {
             log::warn!(
-                "cannot truncate the staging ring: {}",
+                "cannot drop the staging ring's pages: {}",
                 io::Error::last_os_error()
             );
         }
+    }
+
+    /// Bytes of the ring, as made.
+    fn len(&self) -> usize {
+        self.slot_size * self.slots
+    }
+
+    /// The memfd still has the size and the seals we gave it. The seals make a change
+    /// impossible; this makes the promise checked where the ring is handed to the job and
+    /// read back.
+    pub fn check_intact(&self) -> Result<(), RingError> {
+        let os = |e: io::Error| RingError::Os(crate::stall::OsError::from(e));
+        // SAFETY: fcntl(F_GET_SEALS) on our own memfd.
+        let seals = unsafe { libc::fcntl(self.fd.as_raw_fd(), libc::F_GET_SEALS) };
+        if seals < 0 {
+            return Err(os(io::Error::last_os_error()));
+        }
+        if seals & SEALS != SEALS {
+            return Err(RingError::Unsealed {
+                made: SEALS,
+                found: seals,
+            });
+        }
+        let mut st = std::mem::MaybeUninit::<libc::stat>::zeroed();
+        // SAFETY: fstat on our own fd into a zeroed stat buffer.
+        if unsafe { libc::fstat(self.fd.as_raw_fd(), st.as_mut_ptr()) } != 0 {
+            return Err(os(io::Error::last_os_error()));
+        }
+        // SAFETY: fstat succeeded and filled the struct (which was zeroed before anyway).
+        let found = unsafe { st.assume_init() }.st_size as u64;
+        let made = self.len() as u64;
+        if found != made {
+            return Err(RingError::Resized { made, found });
+        }
+        Ok(())
     }
 
     pub fn fd(&self) -> &OwnedFd {
@@ -260,7 +338,7 @@ impl Staging {
 impl Drop for Staging {
     fn drop(&mut self) {
         // SAFETY: unmapping exactly the mapping created in `new`.
-        unsafe { libc::munmap(self.base.cast(), self.slot_size * self.slots) };
+        unsafe { libc::munmap(self.base.cast(), self.len()) };
     }
 }
 
@@ -397,6 +475,35 @@ mod tests {
                 assert!(ring_bytes(back) <= data.next_multiple_of(4096));
             }
         }
+    }
+
+    /// Issue 32, item 3: the job (holding the memfd, or reopening it through /proc) cannot
+    /// change the ring's size under our mapping; `discard` drops the pages but keeps the size.
+    #[test]
+    fn the_ring_cannot_be_resized_by_its_other_holder() {
+        let s = Staging::new(4096, 2).unwrap();
+        s.check_intact().unwrap();
+        let reopened = std::fs::OpenOptions::new()
+            .write(true)
+            .open(format!("/proc/self/fd/{}", s.fd().as_raw_fd()))
+            .unwrap();
+        for len in [0, 4096, 3 * 4096] {
+            let e = reopened.set_len(len).unwrap_err();
+            assert_eq!(e.raw_os_error(), Some(libc::EPERM), "{len}: {e}");
+            // SAFETY: ftruncate on our own fd; expected to fail.
+            let rc = unsafe { libc::ftruncate(s.fd().as_raw_fd(), len as libc::off_t) };
+            assert_ne!(rc, 0);
+        }
+        // SAFETY: fcntl on our own fd; the seals are sealed.
+        let rc = unsafe { libc::fcntl(s.fd().as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_WRITE) };
+        assert_ne!(rc, 0);
+        s.check_intact().unwrap();
+        // SAFETY: single-threaded test owns every slot.
+        unsafe { s.slot_mut(1, 4096).fill(5) };
+        s.discard();
+        s.check_intact().unwrap();
+        // SAFETY: as above; the hole reads as zeros, no fault.
+        assert!(unsafe { s.slot(1, 4096) }.iter().all(|b| *b == 0));
     }
 
     #[test]

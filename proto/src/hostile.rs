@@ -194,9 +194,22 @@ pub(crate) fn send(
     ch.send_raw_reply(r, attach)
 }
 
-/// Truncates every staging memfd this process holds (`/proc/self/fd` names them
-/// `memfd:gpusnap-staging…`) to 0 bytes.
+/// Truncates every staging memfd this process holds or maps to 0 bytes: the descriptors
+/// `/proc/self/fd` names `memfd:gpusnap-staging…`, and the mappings of one (the agent closes its
+/// descriptor once it has mapped the ring; a patched agent would keep it, the test reopens the
+/// mapping through `/proc/self/map_files`, which the workload, run as root, may).
 fn shrink_staging() {
+    if let Ok(maps) = std::fs::read_to_string("/proc/self/maps") {
+        for line in maps.lines().filter(|l| l.contains("memfd:gpusnap-staging")) {
+            let Some(range) = line.split_whitespace().next() else {
+                continue;
+            };
+            let path = format!("/proc/self/map_files/{range}");
+            if let Ok(f) = std::fs::OpenOptions::new().write(true).open(&path) {
+                let _ = f.set_len(0);
+            }
+        }
+    }
     let Ok(dir) = std::fs::read_dir("/proc/self/fd") else {
         return;
     };

@@ -402,6 +402,12 @@ fn dump_with_keeper_killed_at(s: &Split, moment: &str) -> CriuRun {
     let env = [
         ("GPUSNAP_LIBCUDA", s.fakecuda_so.to_str().expect("utf-8")),
         ("FAKECUDA_DIR", s.state.to_str().expect("utf-8")),
+        // The stand-in's keeper loads the job's driver stand-in, named by root's test knob
+        // (a dump's keeper never loads a library because the job maps it).
+        (
+            "GPUSNAP_TEST_KEEPER_LIBCUDA",
+            s.job_libcuda.to_str().expect("utf-8"),
+        ),
         ("GPUSNAP_STAGING_SLOTS", "2"),
         ("GPUSNAP_STAGING_SLOT_MIB", "1"),
         ("FAKECUDA_CALL_DELAY_MS", "1000"),
@@ -499,6 +505,10 @@ fn the_keeper_is_not_criu_s_child() {
     let env = [
         ("GPUSNAP_LIBCUDA", s.fakecuda_so.to_str().expect("utf-8")),
         ("FAKECUDA_DIR", s.state.to_str().expect("utf-8")),
+        (
+            "GPUSNAP_TEST_KEEPER_LIBCUDA",
+            s.job_libcuda.to_str().expect("utf-8"),
+        ),
         ("FAKECUDA_CALL_DELAY_MS", "300"),
     ];
     let mut criu = s.w.spawn_criu(&args, &env, &log);

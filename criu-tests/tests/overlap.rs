@@ -242,3 +242,59 @@ fn a_job_at_its_descriptor_limit_is_refused_naming_it() {
     let last = s.vmm.last_ticks();
     s.assert_runs_on(&last, &dump);
 }
+
+/// A keeper stopped (SIGSTOP) once it is ready, before the lend: the dump notices within a
+/// tenth of a second that it cannot answer, copies the memory first instead, and the job runs
+/// on. (It used to hold the job for the 30 s agent timeout and 5 s more.)
+#[test]
+fn a_stopped_keeper_is_given_up_at_once() {
+    let Some(mut s) = Split::launch("overlap-keeper-stopped", 1, ARGS, &[]) else {
+        return;
+    };
+    s.vmm.wait_for_tick(2);
+    let log = s.w.path.join("dump.log");
+    let mut args = s.w.criu_args_in("dump", &s.w.images, &log);
+    args.extend(["-t".to_owned(), s.vmm.pid().to_string(), "-R".to_owned()]);
+    let env = [
+        ("GPUSNAP_LIBCUDA", s.fakecuda_so.to_str().expect("utf-8")),
+        ("FAKECUDA_DIR", s.state.to_str().expect("utf-8")),
+        (
+            "GPUSNAP_TEST_KEEPER_LIBCUDA",
+            s.job_libcuda.to_str().expect("utf-8"),
+        ),
+        // The driver lock takes a while: the keeper is stopped before the lend.
+        ("FAKECUDA_CALL_DELAY_MS", "300"),
+    ];
+    let t0 = Instant::now();
+    let mut criu = s.w.spawn_criu(&args, &env, &log);
+    let keeper = loop {
+        let text = criu.log_so_far();
+        if let Some(pid) = text
+            .lines()
+            .filter(|l| l.contains("hand-over planned"))
+            .find_map(|l| l.split("keeper pid ").nth(1))
+            .and_then(|t| t.split_whitespace().next())
+            .and_then(|p| p.parse::<i32>().ok())
+        {
+            break pid;
+        }
+        assert!(
+            criu.try_status().is_none() && t0.elapsed() < common::WAIT,
+            "criu ended or took too long before planning a hand-over:\n{text}"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    };
+    // SAFETY: kill(2) of the keeper the test's CRIU started.
+    unsafe { libc::kill(keeper, libc::SIGSTOP) };
+    let dump = criu.wait(Duration::from_secs(60)).expect("criu");
+    let took = t0.elapsed();
+    s.assert_ok(&dump);
+    s.assert_line(&dump, &["is stopped", "given up on at once"]);
+    assert!(
+        took < Duration::from_secs(15),
+        "the dump took {took:?} with a stopped keeper\n{}",
+        s.describe(&dump)
+    );
+    let last = s.vmm.last_ticks();
+    s.assert_runs_on(&last, &dump);
+}

@@ -54,6 +54,12 @@ pub enum AgentError {
     AlreadyReleased { pid: i32 },
     #[error("the agent of pid {pid} made no progress for {stall:?} (hung?)")]
     Stalled { pid: i32, stall: Duration },
+    /// The peer process (a keeper) is stopped (SIGSTOP, a debugger): it cannot answer, so
+    /// waiting out the agent timeout would only hold the job longer.
+    #[error(
+        "the keeper (pid {peer}) serving pid {pid} is stopped (state {state}) and cannot answer: given up on at once"
+    )]
+    PeerStopped { pid: i32, peer: i32, state: char },
     /// More replies of a kind than the agent may send (issue 32, item 4): what it sends is
     /// kept in root's memory, so it is bounded by what it said it holds.
     #[error("the agent of pid {pid} sent more than {limit} {what} ({bound}): refused")]
@@ -288,7 +294,13 @@ pub struct AgentSession {
     answered: std::sync::atomic::AtomicBool,
     /// What bounds the agent's next replies (boxed: a session is part of larger values).
     said: Box<Mutex<Said>>,
+    /// A peer process of our own making (a keeper) whose state is looked at while a reply is
+    /// awaited, so that a stopped one is noticed within [`PEER_CHECK`], not the timeout.
+    peer: Option<i32>,
 }
+
+/// How often a wait for a watched peer's reply looks whether the peer is stopped.
+const PEER_CHECK: Duration = Duration::from_millis(100);
 
 impl Drop for AgentSession {
     fn drop(&mut self) {
@@ -327,6 +339,7 @@ impl AgentSession {
             door: Some(door),
             answered: std::sync::atomic::AtomicBool::new(false),
             said: Box::default(),
+            peer: None,
         }))
     }
 
@@ -348,6 +361,56 @@ impl AgentSession {
             door: None,
             answered: std::sync::atomic::AtomicBool::new(false),
             said: Box::default(),
+            peer: None,
+        }
+    }
+
+    /// Watches `peer` (the keeper's pid) while replies are awaited: a stopped peer fails the
+    /// wait within [`PEER_CHECK`] ([`AgentError::PeerStopped`]).
+    pub fn watching(mut self, peer: i32) -> Self {
+        self.peer = Some(peer);
+        self
+    }
+
+    /// The watched peer's state, if it is stopped (`T`, or `t`: traced and stopped).
+    fn peer_stopped(&self) -> Option<(i32, char)> {
+        let peer = self.peer?;
+        let (state, _) = crate::procfs::state_and_start(peer).ok()?;
+        matches!(
+            state,
+            crate::procfs::ProcState::Stopped | crate::procfs::ProcState::TracingStop
+        )
+        .then(|| (peer, state.letter()))
+    }
+
+    /// `recv` (a channel wait of at most its argument) for at most `timeout`, in slices of
+    /// [`PEER_CHECK`] when a peer is watched, failing at once once that peer is stopped.
+    fn wait_watched<T>(
+        &self,
+        timeout: Duration,
+        recv: impl Fn(Duration) -> Result<T, ProtoError>,
+    ) -> Result<T, AgentError> {
+        if self.peer.is_none() {
+            return recv(timeout).map_err(self.proto());
+        }
+        let until = Instant::now() + timeout;
+        loop {
+            let left = until.saturating_duration_since(Instant::now());
+            match recv(left.min(PEER_CHECK)) {
+                Err(ProtoError::Timeout) if !left.is_zero() => {
+                    if let Some((peer, state)) = self.peer_stopped() {
+                        return Err(AgentError::PeerStopped {
+                            pid: self.pid,
+                            peer,
+                            state,
+                        });
+                    }
+                    if Instant::now() >= until {
+                        return Err(self.proto()(ProtoError::Timeout));
+                    }
+                }
+                r => return r.map_err(self.proto()),
+            }
         }
     }
 
@@ -370,7 +433,7 @@ impl AgentSession {
 
     /// The next reply; an agent's `Error` becomes [`AgentError::Refused`].
     pub fn recv(&self, timeout: Duration) -> Result<Reply, AgentError> {
-        let reply = self.chan.recv_reply(Some(timeout)).map_err(self.proto())?;
+        let reply = self.wait_watched(timeout, |t| self.chan.recv_reply(Some(t)))?;
         self.answered
             .store(true, std::sync::atomic::Ordering::Relaxed);
         match reply {
@@ -441,10 +504,7 @@ impl AgentSession {
         &self,
         timeout: Duration,
     ) -> Result<(Reply, Option<std::os::fd::OwnedFd>), AgentError> {
-        let (reply, fd) = self
-            .chan
-            .recv_reply_with_fd(Some(timeout))
-            .map_err(self.proto())?;
+        let (reply, fd) = self.wait_watched(timeout, |t| self.chan.recv_reply_with_fd(Some(t)))?;
         self.answered
             .store(true, std::sync::atomic::Ordering::Relaxed);
         match (reply, fd) {

@@ -145,7 +145,8 @@ impl Keeper {
         Ok(Keeper {
             pid,
             pidfd,
-            session: Some(AgentSession::over(job_pid, ours, timeout)),
+            // A stopped keeper is noticed within a tenth of a second, not the agent timeout.
+            session: Some(AgentSession::over(job_pid, ours, timeout).watching(pid)),
         })
     }
 

@@ -452,6 +452,26 @@ fn dump_with_keeper_killed_at(s: &Split, moment: &str) -> CriuRun {
 /// image restores.
 fn assert_runs_on_and_image_refused(s: &mut Split, dump: &CriuRun) {
     s.assert_line(dump, &["mapped back from the descriptors it kept"]);
+    // CRIU reports success (its part did succeed): the one fixed stderr line a script matches,
+    // and the directory's marker, say it is not a checkpoint.
+    if dump.status.success() {
+        assert!(
+            dump.output
+                .lines()
+                .any(|l| l.starts_with("gpusnap: NOT A CHECKPOINT:")),
+            "CRIU exited 0 and nothing on stderr says the image is not a checkpoint\n{}",
+            s.describe(dump)
+        );
+        let marker =
+            s.w.images
+                .join(format!("gpusnap-{}-NOT-A-CHECKPOINT.txt", s.vmm.pid()));
+        assert!(
+            marker.is_file(),
+            "no {}\n{}",
+            marker.display(),
+            s.describe(dump)
+        );
+    }
     assert!(s.vmm.original_running(), "{}", s.describe(dump));
     let last = s.vmm.last_ticks();
     s.assert_runs_on(&last, dump);

@@ -131,10 +131,13 @@ impl Drop for Tmpfs {
     }
 }
 
-/// A disk that fills up during the drain, after CRIU's own part: CRIU still exits 0 (its fini
-/// hook cannot fail the dump), so the dump says so on stderr in one fixed line, marks the
-/// directory NOT-A-CHECKPOINT, `gpusnap verify` and `criu restore` refuse it, and the job runs
-/// on. (It used to exit 0 with nothing on stderr and gpusnap's files deleted.)
+/// A disk that fills up around the drain (a 330 MiB tmpfs, a 4×32 MiB job). The drain's space
+/// is held from the checkpoint on, so CRIU's own part now runs out first and fails the dump;
+/// should the drain still run out after CRIU's part (CRIU then exits 0: its fini hook cannot
+/// fail the dump), the dump says so on stderr in one fixed line, marks the directory
+/// NOT-A-CHECKPOINT, and `gpusnap verify` and `criu restore` refuse it (that branch is also
+/// played by `handover.rs`'s keeper killed after CRIU's part). Either way the job runs on.
+/// (It used to exit 0 with nothing on stderr and gpusnap's files deleted.)
 #[test]
 fn a_disk_full_during_the_drain_is_never_a_checkpoint() {
     let Some(mut s) = Split::launch(
@@ -295,6 +298,53 @@ fn a_stopped_keeper_is_given_up_at_once() {
         "the dump took {took:?} with a stopped keeper\n{}",
         s.describe(&dump)
     );
+    let last = s.vmm.last_ticks();
+    s.assert_runs_on(&last, &dump);
+}
+
+/// A disk without room for the GPU data at the checkpoint (a 100 MiB tmpfs, a 4×32 MiB job):
+/// the hand-over's space reservation fails while the dump can still fail, so CRIU exits
+/// non-zero naming the lack of space, nothing is released, no image claims the job, and the
+/// job runs on. (Before the reservation the drain ran into the full disk after CRIU's part.)
+#[test]
+fn a_disk_without_room_for_the_gpu_data_fails_the_dump() {
+    let Some(mut s) = Split::launch(
+        "overlap-no-room",
+        1,
+        &["--seed", "23", "--allocs", "4", "--mib", "32"],
+        &[],
+    ) else {
+        return;
+    };
+    s.vmm.wait_for_tick(2);
+    let small = s.w.path.join("small");
+    std::fs::create_dir_all(&small).expect("mkdir");
+    let mounted = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=100m", "gpusnap-test-small"])
+        .arg(&small)
+        .status()
+        .expect("mount");
+    assert!(mounted.success(), "mount tmpfs");
+    let _umount = Tmpfs(small.clone());
+    let pid = s.vmm.pid().to_string();
+    let dump = s.criu_at(
+        &small,
+        "dump",
+        "dump-small.log",
+        &["-t", pid.as_str(), "--leave-running"],
+        &[],
+    );
+    assert!(!dump.status.success(), "{}", s.describe(&dump));
+    s.assert_line(
+        &dump,
+        &["bytes free for the GPU data", "nothing was released"],
+    );
+    assert!(
+        dump.output.contains("bytes free for the GPU data"),
+        "not on CRIU's stderr\n{}",
+        s.describe(&dump)
+    );
+    assert_eq!(s.driver_state(), "running", "{}", s.describe(&dump));
     let last = s.vmm.last_ticks();
     s.assert_runs_on(&last, &dump);
 }

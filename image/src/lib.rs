@@ -23,6 +23,7 @@ mod kfd;
 mod manifest;
 mod names;
 mod reader;
+mod reserve;
 mod stats;
 mod sys;
 mod validate;
@@ -63,11 +64,12 @@ pub use manifest::{
     MAX_MANIFEST_BODY, Manifest, encode_manifest_unchecked, read_manifest, write_manifest,
 };
 pub use names::{
-    ImageFileKind, STATS_FILE_NAME, data_file_name, failed_marker_name, list_image_files, list_manifests,
-    manifest_file_name, manifest_tmp_name, parse_file_name, read_manifests, remove_process_files,
-    unfinished_dumps,
+    ImageFileKind, STATS_FILE_NAME, data_file_name, failed_marker_name, list_image_files,
+    list_manifests, manifest_file_name, manifest_tmp_name, parse_file_name, read_manifests,
+    remove_process_files, unfinished_dumps,
 };
 pub use reader::{DataFileReader, DataFileScan, VerifyReport, scan_data_file, verify_image};
+pub use reserve::{CHUNK_OVERHEAD, Reservation, ReserveError};
 pub use stats::{MAX_STATS_LEN, read_stats, write_stats};
 pub use validate::validate_manifest_structure;
 pub use writer::{ChunkHashes, DataFileWriter, WriterTimes, hash_chunk};

@@ -432,6 +432,7 @@ pub fn copy_out(
     let first_file = 0;
     copy_out_into(
         agent, staging, dir, nspid, first_file, writers, codec, parent, limits, durable, round,
+        None,
     )
 }
 
@@ -450,6 +451,7 @@ pub fn copy_out_into(
     limits: Limits,
     durable: bool,
     round: Round,
+    reserved: Option<&gpusnap_image::Reservation>,
 ) -> Result<DumpData, DataError> {
     let t0 = Instant::now();
     // The parent's chunks with device hashes: the agent compares them on the GPU and does not
@@ -489,6 +491,7 @@ pub fn copy_out_into(
                     parent,
                     durable,
                     round,
+                    reserved,
                 };
                 let index = first_file.saturating_add(index as u32);
                 s.spawn(move || writer(index, rx, err_tx, agent, staging, out))
@@ -668,6 +671,8 @@ struct Out<'a> {
     /// fsync each file when it is finished.
     durable: bool,
     round: Round,
+    /// Space held for this copy (a drain's), handed back chunk by chunk before each write.
+    reserved: Option<&'a gpusnap_image::Reservation>,
 }
 
 /// What one writer thread made: its file (created with the first chunk it writes; a thread
@@ -730,6 +735,11 @@ fn writer(
                     && let Some(r) = p.reference(w.addr, w.len, h)
                 {
                     return Ok(r);
+                }
+                // The space held for this chunk goes back to the file system just before it
+                // is written (the record header is small beside it).
+                if let Some(r) = out.reserved {
+                    r.release(w.len.saturating_add(gpusnap_image::CHUNK_OVERHEAD));
                 }
                 if file.is_none() {
                     let mut f = DataFileWriter::create(out.dir, out.nspid, index)

@@ -67,6 +67,8 @@ pub enum DumpError {
     Interrupted { pid: i32 },
     #[error(transparent)]
     Busy(#[from] crate::joblock::JobLockError),
+    #[error("pid {pid}: {why}")]
+    NoSpace { pid: i32, why: String },
     #[error(
         "pid {pid} has {open} descriptors open and its soft RLIMIT_NOFILE (open files) is {limit}: a GPU checkpoint of a process with the gpusnap agent needs {needed} free there (the agent's connection, the staging ring, a reload); nothing was moved. Start the job with a higher limit (ulimit -n, or the container's nofile) and dump again"
     )]
@@ -101,10 +103,12 @@ pub enum DumpError {
 impl DumpError {
     /// A failed fsync (of a data file or the directory with `durable = true`, or of a manifest):
     /// the disk may have lost writes, so the dump fails instead of trying another path on it.
+    /// So does a disk without room for the GPU data: every other path writes the same bytes.
     fn is_durability(&self) -> bool {
         matches!(
             self,
             DumpError::Durable(_)
+                | DumpError::NoSpace { .. }
                 | DumpError::Data(DataError::Sync(_))
                 | DumpError::Manifest(ImageError::Io {
                     op: IoOp::Fsync,
@@ -659,6 +663,7 @@ fn shares_are_whole(procs: &[Tracked]) -> Result<(), crate::sharing::SharingErro
     let members: Vec<crate::sharing::Member<'_>> = procs
         .iter()
         .map(|t| crate::sharing::Member {
+            pid: t.pid,
             nspid: t.nspid.get(),
             split: t.is_split(),
             shares: &t.shares,
@@ -902,6 +907,33 @@ fn hand_over(ctx: &Ctx, t: &mut Tracked, release: &Mutex<Option<Hold>>) -> Resul
         None
     };
 
+    // The drain writes after CRIU has decided its part succeeded, when a full disk can no
+    // longer fail the dump: the space is held now, while it still can.
+    let reserved = match gpusnap_image::Reservation::take(
+        dir,
+        drain_reservation(
+            &routes,
+            staging.slot_size() as u64,
+            ctx.cfg.effective_writer_threads(),
+        ),
+    ) {
+        Ok(r) => Some(r),
+        Err(gpusnap_image::ReserveError::Unsupported(e)) => {
+            log::info!(
+                "pid {pid}: no space held for the drain (the file system cannot: {e}); a disk that fills up during it leaves the image marked NOT-A-CHECKPOINT"
+            );
+            None
+        }
+        Err(e) => {
+            crate::logger::tell_user(&format!(
+                "pid {pid}: {e}; the dump fails, nothing was released"
+            ));
+            return Err(DumpError::NoSpace {
+                pid,
+                why: e.to_string(),
+            });
+        }
+    };
     let agent_tid = session_agent_tid(t)?;
     t.hold = Some(
         crate::hold::Hold::place(pid, &[t.restore_tid, agent_tid])
@@ -925,6 +957,7 @@ fn hand_over(ctx: &Ctx, t: &mut Tracked, release: &Mutex<Option<Hold>>) -> Resul
         } else {
             0
         },
+        reserved,
     };
     // Until the drain has finished, the job's own descriptors are where the lent memory lives:
     // the manifest in hand lists the copy-first part only (that part's, written above, or one
@@ -976,6 +1009,23 @@ fn hand_over(ctx: &Ctx, t: &mut Tracked, release: &Mutex<Option<Hold>>) -> Resul
     *release.lock().unwrap_or_else(|e| e.into_inner()) = t.hold.take();
     crate::fault::kill_criu_at("dump-relocked");
     Ok(())
+}
+
+/// The bytes a drain of the lent allocations writes at most: their data, and for each chunk
+/// (one staging slot at most) and each data file a page of headers and rounding
+/// ([`gpusnap_image::CHUNK_OVERHEAD`]).
+fn drain_reservation(routes: &crate::route::Routes, slot: u64, writers: usize) -> u64 {
+    let overhead = gpusnap_image::CHUNK_OVERHEAD;
+    let lent = routes
+        .0
+        .iter()
+        .filter(|(a, r)| a.moved && *r == crate::route::AllocRoute::Lend)
+        .map(|(a, _)| {
+            a.size
+                .saturating_add(a.size.div_ceil(slot.max(1)).saturating_mul(overhead))
+        })
+        .fold(0u64, u64::saturating_add);
+    lent.saturating_add((writers as u64).saturating_mul(overhead))
 }
 
 /// The staging ring for `allocations`: the one made at PAUSE if it fits, else a new one.

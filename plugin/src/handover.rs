@@ -220,6 +220,9 @@ pub struct DrainJob {
     pub durable: bool,
     /// The first data file number (those below belong to the copy-first part).
     pub first_file: u32,
+    /// Space held in the image directory for the drain's data, taken while the dump could
+    /// still fail (`None` where the file system cannot hold space).
+    pub reserved: Option<gpusnap_image::Reservation>,
 }
 
 /// The keeper's copy-out with the plugin's writers, on a thread of its own.
@@ -262,6 +265,7 @@ impl Drain {
                     limits,
                     durable,
                     first_file,
+                    reserved,
                 } = job;
                 // The parent image is read back and checked here, beside CRIU's dump: the
                 // job's memory is still whole, so what a damaged parent lacks is written fresh.
@@ -285,6 +289,7 @@ impl Drain {
                     limits,
                     durable,
                     datapath::Round::Paused,
+                    reserved.as_ref(),
                 )
                 .and_then(|data| {
                     crate::fault::kill_criu_beside_at("dump-drained");

@@ -215,7 +215,7 @@ fn a_disk_full_during_the_drain_is_never_a_checkpoint() {
 /// job held, and the `gpusnap recover` it suggested failed with a bare driver error.)
 #[test]
 fn a_job_at_its_descriptor_limit_is_refused_naming_it() {
-    let Some(mut s) = Split::launch("overlap-nofile", 1, ARGS, &[]) else {
+    let Some(s) = Split::launch("overlap-nofile", 1, ARGS, &[]) else {
         return;
     };
     s.vmm.wait_for_tick(2);
@@ -251,7 +251,7 @@ fn a_job_at_its_descriptor_limit_is_refused_naming_it() {
 /// on. (It used to hold the job for the 30 s agent timeout and 5 s more.)
 #[test]
 fn a_stopped_keeper_is_given_up_at_once() {
-    let Some(mut s) = Split::launch("overlap-keeper-stopped", 1, ARGS, &[]) else {
+    let Some(s) = Split::launch("overlap-keeper-stopped", 1, ARGS, &[]) else {
         return;
     };
     s.vmm.wait_for_tick(2);
@@ -308,7 +308,7 @@ fn a_stopped_keeper_is_given_up_at_once() {
 /// job runs on. (Before the reservation the drain ran into the full disk after CRIU's part.)
 #[test]
 fn a_disk_without_room_for_the_gpu_data_fails_the_dump() {
-    let Some(mut s) = Split::launch(
+    let Some(s) = Split::launch(
         "overlap-no-room",
         1,
         &["--seed", "23", "--allocs", "4", "--mib", "32"],

@@ -1194,6 +1194,7 @@ mod tests {
             door: None,
             answered: std::sync::atomic::AtomicBool::new(false),
             said: Box::default(),
+            peer: None,
         };
         let agent = std::thread::spawn(move || {
             let (r, _) = theirs.recv_request(Some(Duration::from_secs(5))).unwrap();

@@ -140,10 +140,22 @@ impl log::Log for CriuLogger {
 /// on before anything can run (a bad configuration, a bad test knob).
 pub fn tell_user(msg: &str) {
     log::error!("{msg}");
-    if criu::print_on_level().is_none() || log_is_stderr() {
+    if criu::print_on_level().is_none() || log_is_stderr() || rpc_mode() {
         return;
     }
     write_all(2, (prefixed(msg) + "\n").as_bytes());
+}
+
+/// Whether this CRIU serves a runtime over RPC (`criu swrk`, as runc, crun and so Podman and
+/// containerd start it, or `criu service`): its stdio then is not a user's terminal. runc gives
+/// a checkpoint's CRIU none (`/dev/null`) and a restore's the container's own, where gpusnap's
+/// words must never land; the runtime shows CRIU's log and the image directory's marker instead.
+fn rpc_mode() -> bool {
+    std::fs::read("/proc/self/cmdline").is_ok_and(|c| {
+        c.split(|b| *b == 0)
+            .nth(1)
+            .is_some_and(|arg| arg == b"swrk" || arg == b"service")
+    })
 }
 
 /// Whether CRIU's log descriptor is the same file as its stderr.

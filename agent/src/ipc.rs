@@ -9,10 +9,12 @@
 //! - Exporter (`cuIpcGetMemHandle` of a pointer in a converted, exportable allocation): the
 //!   allocation's physical memory is exported as a POSIX fd (once per allocation, on the
 //!   application's thread, kept until `cuMemFree`), and the token names this process, its
-//!   random key and the allocation. The first export binds the service: a `SOCK_SEQPACKET`
-//!   listener on the abstract name `gpusnap-ipc:<pid>:<key>` (128 random bits, so nobody can
-//!   bind the name first), and the thread `gpusnap-ipc` that serves it (all signals blocked; it
-//!   makes no CUDA call, it only hands out the fds kept).
+//!   random key and the allocation, and the service's name. The first export binds the service:
+//!   a `SOCK_SEQPACKET` listener on the abstract name `gpusnap-ipc:<pid>:<name>`, where `<name>`
+//!   is 128 random bits of its own, not the key (so nobody can bind the name first, and the name,
+//!   which `/proc/net/unix` shows every user, tells nothing of the key), and the thread
+//!   `gpusnap-ipc` that serves it (all signals blocked; it makes no CUDA call, it only hands out
+//!   the fds kept).
 //! - Importer (`cuIpcOpenMemHandle_v2` of a token): one short connection to the exporter's
 //!   name (connect, check the peer, ask, receive the fd with `SCM_RIGHTS`, close), then
 //!   `cuMemImportFromShareableHandle` + reserve + map + set access on the current context's
@@ -22,7 +24,7 @@
 //! - Who may: the exporter serves only its own user or root (`SO_PEERCRED` of the
 //!   connection); the importer takes memory only from the process the token names (peer pid)
 //!   running as its own user or root. The name is not a secret (`/proc/net/unix` lists it); it
-//!   only cannot be taken before the exporter has it. Nothing waits without a bound: the
+//!   only cannot be taken before the exporter has it, and it holds no key. Nothing waits without a bound: the
 //!   importer's socket times out ([`CLIENT_TIMEOUT`]), the server's connections too
 //!   ([`SERVE_TIMEOUT`]), and the server's lock waits are bounded.
 //! - Handles that are not tokens go to the driver untouched. Anything that fails returns the
@@ -75,20 +77,23 @@ pub const THREAD_NAME: &str = "gpusnap-ipc";
 
 /// First bytes of a token: what tells the importer's agent the handle is one of ours.
 const TOKEN_MAGIC: [u8; 8] = *b"gpusnapI";
-/// Layout version of the token and of the messages.
-pub const VERSION: u32 = 1;
+/// Layout version of the token and of the messages (2: the token carries the service's name,
+/// which is no longer the key).
+pub const VERSION: u32 = 2;
 const REQUEST_MAGIC: [u8; 8] = *b"gpusnapQ";
 const REPLY_MAGIC: [u8; 8] = *b"gpusnapR";
 const REQUEST_BYTES: usize = 40;
 const REPLY_BYTES: usize = 24;
 
 /// What an agent-made IPC handle holds: magic (8), version (4), exporter pid (4), key (16),
-/// allocation id (8), zeros (24). Little-endian.
+/// allocation id (8), the service's name (16), zeros (8). Little-endian.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Token {
     pub exporter_pid: u32,
     pub key: [u8; 16],
     pub alloc_id: u64,
+    /// The random part of the exporter's abstract socket name ([`service_name`]).
+    pub name: [u8; 16],
 }
 
 /// A handle that begins like a token but is not a valid one.
@@ -129,6 +134,7 @@ impl Token {
         b[12..16].copy_from_slice(&self.exporter_pid.to_le_bytes());
         b[16..32].copy_from_slice(&self.key);
         b[32..40].copy_from_slice(&self.alloc_id.to_le_bytes());
+        b[40..56].copy_from_slice(&self.name);
         b
     }
 
@@ -141,7 +147,7 @@ impl Token {
         if version != VERSION {
             return Err(TokenError::Version(version));
         }
-        if b[40..].iter().any(|&x| x != 0) {
+        if b[56..].iter().any(|&x| x != 0) {
             return Err(TokenError::ReservedNotZero);
         }
         let exporter_pid = u32_at(b, 12);
@@ -150,10 +156,13 @@ impl Token {
         }
         let mut key = [0u8; 16];
         key.copy_from_slice(&b[16..32]);
+        let mut name = [0u8; 16];
+        name.copy_from_slice(&b[40..56]);
         Ok(Some(Token {
             exporter_pid,
             key,
             alloc_id: u64_at(b, 32),
+            name,
         }))
     }
 }
@@ -222,10 +231,30 @@ impl Reply {
     }
 }
 
-/// The abstract socket name of an exporter's service (without the leading NUL).
-pub fn service_name(pid: u32, key: &[u8; 16]) -> String {
-    let hex: String = key.iter().map(|b| format!("{b:02x}")).collect();
+/// The abstract socket name of an exporter's service (without the leading NUL): its pid and
+/// the random bits of [`Token::name`], never its key (every user can list the name).
+pub fn service_name(pid: u32, name: &[u8; 16]) -> String {
+    let hex: String = name.iter().map(|b| format!("{b:02x}")).collect();
     format!("gpusnap-ipc:{pid}:{hex}")
+}
+
+/// 128 random bits (`getrandom`).
+fn random_bits() -> io::Result<[u8; 16]> {
+    let mut out = [0u8; 16];
+    let mut got = 0;
+    while got < out.len() {
+        // SAFETY: the buffer's remaining bytes are writable.
+        let n = unsafe { libc::getrandom(out[got..].as_mut_ptr().cast(), out.len() - got, 0) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EINTR) {
+                continue;
+            }
+            return Err(e);
+        }
+        got += n as usize;
+    }
+    Ok(out)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -329,10 +358,13 @@ struct Import {
     mapped: bool,
 }
 
-/// The exporter's service: its key and listener (the thread knows the listener by number).
+/// The exporter's service: its key, name and listener (the thread knows the listener by
+/// number).
 #[derive(Debug)]
 struct Service {
     key: [u8; 16],
+    /// The random part of the listener's name ([`service_name`]), not the key.
+    name: [u8; 16],
     /// Held, never read here: it keeps the name bound and the thread's descriptor open.
     _listener: OwnedFd,
 }
@@ -440,7 +472,7 @@ fn export(
     let Backing::Mapped(handle) = backing else {
         return Err(IpcError::Released(id));
     };
-    let key = ensure_service()?;
+    let (key, name) = ensure_service()?;
     let have = state().exports.get(&base).is_some_and(|e| e.id == id);
     if !have {
         // The driver call outside any lock.
@@ -477,6 +509,7 @@ fn export(
         exporter_pid: std::process::id(),
         key,
         alloc_id: id,
+        name,
     }
     .encode())
 }
@@ -522,14 +555,15 @@ fn seqpacket_socket() -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
-/// The service's key, binding the listener and starting the thread the first time.
-fn ensure_service() -> Result<[u8; 16], IpcError> {
+/// The service's key and name, binding the listener and starting the thread the first time.
+fn ensure_service() -> Result<([u8; 16], [u8; 16]), IpcError> {
     let mut st = state();
     if let Some(s) = &st.service {
-        return Ok(s.key);
+        return Ok((s.key, s.name));
     }
     let key = crate::identity::key().map_err(IpcError::Service)?;
-    let name = service_name(std::process::id(), &key);
+    let random = random_bits().map_err(IpcError::Service)?;
+    let name = service_name(std::process::id(), &random);
     let listener = seqpacket_socket().map_err(IpcError::Service)?;
     let (addr, len) = abstract_addr(&name).map_err(IpcError::Service)?;
     // SAFETY: addr is a valid sockaddr_un of length len.
@@ -554,9 +588,10 @@ fn ensure_service() -> Result<[u8; 16], IpcError> {
     debug!("ipc: serving on @{name}");
     st.service = Some(Service {
         key,
+        name: random,
         _listener: listener,
     });
-    Ok(key)
+    Ok((key, random))
 }
 
 /// Blocks every signal in the calling thread; returns the old mask. A thread spawned meanwhile
@@ -986,7 +1021,7 @@ fn fetch(t: &Token) -> Result<(OwnedFd, u64), IpcError> {
     let sock = seqpacket_socket().map_err(IpcError::Connect)?;
     set_timeouts(sock.as_fd(), CLIENT_TIMEOUT).map_err(IpcError::Connect)?;
     let (addr, len) =
-        abstract_addr(&service_name(t.exporter_pid, &t.key)).map_err(IpcError::Connect)?;
+        abstract_addr(&service_name(t.exporter_pid, &t.name)).map_err(IpcError::Connect)?;
     loop {
         // SAFETY: addr is a valid sockaddr_un of length len.
         if unsafe { libc::connect(sock.as_raw_fd(), (&raw const addr).cast(), len) } == 0 {
@@ -1175,6 +1210,7 @@ mod tests {
             exporter_pid: 4242,
             key: [7; 16],
             alloc_id: 99,
+            name: [9; 16],
         }
     }
 
@@ -1194,8 +1230,8 @@ mod tests {
     #[test]
     fn bad_tokens_are_refused_not_trusted() {
         let mut b = token().encode();
-        b[8] = 2;
-        assert_eq!(Token::decode(&b), Err(TokenError::Version(2)));
+        b[8] = 1;
+        assert_eq!(Token::decode(&b), Err(TokenError::Version(1)));
         let mut b = token().encode();
         b[63] = 1;
         assert_eq!(Token::decode(&b), Err(TokenError::ReservedNotZero));
@@ -1237,6 +1273,13 @@ mod tests {
 
     #[test]
     fn the_service_name_is_abstract_and_fits() {
+        // The name comes from the token's own random bits, never from its key.
+        let t = token();
+        assert_eq!(
+            service_name(t.exporter_pid, &t.name),
+            "gpusnap-ipc:4242:09090909090909090909090909090909"
+        );
+        assert_eq!(Token::decode(&t.encode()).unwrap().unwrap().name, t.name);
         let name = service_name(u32::MAX, &[0xff; 16]);
         assert_eq!(
             name,

@@ -9,6 +9,16 @@
 //! importer's agent maps it at its old address ([`AgentSession::reimport`]), before any of the
 //! importer's threads runs. Here: [`check`], the dump-time rule that every side of every share
 //! is in the dump, and [`reimport`].
+//!
+//! What an agent lists is the job's word (the agent runs inside it, with its rights), so a share
+//! is honoured only between processes whose owners may already reach the memory: the importer
+//! runs as the exporter's user (real and effective uid, `/proc/<pid>/status`), or the exporter's
+//! own agent says that the importer fetched that allocation (its `ListSharing` names the pids
+//! that fetched each export). A key, which the exporter's socket name once showed every user,
+//! is never proof by itself. A share refused so is logged and never mapped into the importer:
+//! at a dump it refuses the dump before anything is released; at a rollback, a restore or
+//! `gpusnap recover` that import is not mapped again and the importer is held (or, at a
+//! restore, not let run).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
@@ -73,14 +83,62 @@ pub enum SharingError {
         #[source]
         source: std::io::Error,
     },
+    #[error(
+        "pid {importer} lists device memory of pid {exporter} (allocation #{id}) as imported, but {}, and pid {exporter}'s agent does not say that pid {importer} fetched it: the share is refused, that memory is never mapped into pid {importer}",
+        owners(*importer, importer_uids, *exporter, exporter_uids)
+    )]
+    ForeignShare {
+        importer: u32,
+        exporter: u32,
+        id: u64,
+        /// (real, effective) uid, `None` when unreadable.
+        importer_uids: Option<(u32, u32)>,
+        exporter_uids: Option<(u32, u32)>,
+    },
     #[error(transparent)]
     Agent(#[from] AgentError),
     #[error(transparent)]
     Ptrace(#[from] PtraceError),
 }
 
+/// How [`SharingError::ForeignShare`] names the two owners.
+fn owners(importer: u32, i: &Option<(u32, u32)>, exporter: u32, e: &Option<(u32, u32)>) -> String {
+    let one = |pid: u32, u: &Option<(u32, u32)>| match u {
+        Some((r, e)) if r == e => format!("pid {pid} runs as uid {r}"),
+        Some((r, e)) => format!("pid {pid} runs as uid {r} (effective {e})"),
+        None => format!("the owner of pid {pid} cannot be read"),
+    };
+    format!("{} and {}", one(importer, i), one(exporter, e))
+}
+
+/// The real and effective uid of host pid `pid` (`/proc/<pid>/status`), `None` when unreadable
+/// (gone, or another pid namespace's number).
+pub fn owner(pid: i32) -> Option<(u32, u32)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let uids = status.lines().find_map(|l| l.strip_prefix("Uid:"))?;
+    let mut it = uids.split_whitespace().map(|v| v.parse::<u32>().ok());
+    Some((it.next()??, it.next()??))
+}
+
+/// Whether two processes' owners are one: both known and equal (real and effective uid).
+fn same_owner(a: Option<(u32, u32)>, b: Option<(u32, u32)>) -> bool {
+    a.is_some() && a == b
+}
+
+/// Whether the exporter's own listing (`exports`) says that `importer` (its namespace pid)
+/// fetched the allocation the import `s` names, with the exporter's key (the agent's CUDA IPC
+/// records every pid it handed an allocation to; shareable exports record none).
+fn confirmed_by_exporter(exports: &[Share], s: &Share, importer: u32) -> bool {
+    importer != 0
+        && exports.iter().any(|x| {
+            !x.import && !x.shareable && x.id == s.id && x.key == s.key && x.pid == importer
+        })
+}
+
 /// One GPU process of a dump, as [`check`] sees it.
 pub struct Member<'a> {
+    /// Host pid (whose owner [`check`] reads).
+    pub pid: i32,
     pub nspid: u32,
     /// Dumped on the split path (the only one that carries shares).
     pub split: bool,
@@ -89,9 +147,19 @@ pub struct Member<'a> {
 }
 
 /// The dump-time rule: every importer's exporter and every exporter's importer is in the dump,
-/// and on the split path. `gone(pid)`: an importer outside the dump that has exited (it holds
-/// nothing any more).
+/// and on the split path, and every importer may reach its exporter's memory (the same owner,
+/// or the exporter's agent names it as having fetched it). `gone(pid)`: an importer outside the
+/// dump that has exited (it holds nothing any more).
 pub fn check(members: &[Member<'_>], gone: impl Fn(u32) -> bool) -> Result<(), SharingError> {
+    check_with(members, gone, owner)
+}
+
+/// [`check`] with the owners read by `owner_of(host pid)`.
+fn check_with(
+    members: &[Member<'_>],
+    gone: impl Fn(u32) -> bool,
+    owner_of: impl Fn(i32) -> Option<(u32, u32)>,
+) -> Result<(), SharingError> {
     let inside: BTreeSet<u32> = members.iter().map(|m| m.nspid).collect();
     for m in members.iter().filter(|m| !m.shares.is_empty()) {
         if !m.split {
@@ -106,6 +174,7 @@ pub fn check(members: &[Member<'_>], gone: impl Fn(u32) -> bool) -> Result<(), S
             }
             if s.import {
                 exported_by(members, m.nspid, s)?;
+                may_reach(members, m, s, &owner_of)?;
             }
             if !s.import && s.pid != 0 && !inside.contains(&s.pid) && !gone(s.pid) {
                 return Err(SharingError::ImporterOutside {
@@ -144,17 +213,52 @@ fn exported_by(members: &[Member<'_>], importer: u32, s: &Share) -> Result<(), S
     })
 }
 
+/// The importer `m` may reach the memory its import `s` names: it runs as the exporter's owner,
+/// or the exporter's agent says `m` fetched it. Refused otherwise, before anything is released.
+fn may_reach(
+    members: &[Member<'_>],
+    m: &Member<'_>,
+    s: &Share,
+    owner_of: &impl Fn(i32) -> Option<(u32, u32)>,
+) -> Result<(), SharingError> {
+    let Some(e) = members.iter().find(|e| e.nspid == s.pid) else {
+        return Ok(()); // outside the dump: refused by the caller
+    };
+    let (mine, theirs) = (owner_of(m.pid), owner_of(e.pid));
+    if same_owner(mine, theirs) || confirmed_by_exporter(e.shares, s, m.nspid) {
+        return Ok(());
+    }
+    let refused = SharingError::ForeignShare {
+        importer: m.nspid,
+        exporter: s.pid,
+        id: s.id,
+        importer_uids: mine,
+        exporter_uids: theirs,
+    };
+    log::warn!("{refused}");
+    Err(refused)
+}
+
 /// Which of an exporter's current memory (`fds`, its `ShareFds`) is the import `w` of
-/// `importer`: the same allocation (and size, for the agent's IPC) from the same process, told
-/// by its key. The exporter's pid may be another process's now (`gpusnap recover` after the
-/// exporter died): its memory must never be mapped in place of the import's.
+/// `importer`: the same allocation from the same process, told by its key, and of the size the
+/// import maps (the whole allocation for the agent's IPC; for a shareable handle, whose
+/// importer may map a part, no more than the export). The exporter's pid may be another
+/// process's now (`gpusnap recover` after the exporter died): its memory must never be mapped
+/// in place of the import's.
 fn export_of(
     fds: &[crate::agent::SharedMemory],
     w: &Share,
     importer: u32,
     exporter: u32,
 ) -> Result<usize, SharingError> {
-    let same = |m: &crate::agent::SharedMemory| m.id == w.id && (w.shareable || m.size == w.size);
+    let same = |m: &crate::agent::SharedMemory| {
+        m.id == w.id
+            && if w.shareable {
+                w.size <= m.size
+            } else {
+                m.size == w.size
+            }
+    };
     if let Some(i) = fds.iter().position(|m| same(m) && m.key == w.key) {
         return Ok(i);
     }
@@ -403,21 +507,40 @@ pub struct Process {
 }
 
 /// The exporters as running processes (`gpusnap recover`, outside CRIU): their memory is their
-/// own, and their agents answer the read-only `ShareFds` while they run. Pids as the importer's
-/// namespace numbers them, which must be ours (`same_ns`).
-pub fn from_running(
+/// own, and their agents answer the read-only `ListSharing` and `ShareFds` while they run. Pids
+/// as the importer's namespace numbers them, which must be ours (`same_ns`).
+pub fn from_running(same_ns: bool, timeout: Duration) -> Running {
+    Running { same_ns, timeout }
+}
+
+/// [`from_running`]'s exporters.
+pub struct Running {
     same_ns: bool,
     timeout: Duration,
-) -> impl Fn(u32) -> Result<Vec<crate::agent::SharedMemory>, SharingError> {
-    move |exporter| {
-        if !same_ns {
+}
+
+impl Exporters for Running {
+    fn host_pid(&self, exporter: u32) -> Result<i32, SharingError> {
+        if !self.same_ns {
             return Err(SharingError::NoExporter {
                 importer: 0,
                 exporter,
             });
         }
-        let pid = exporter as i32;
-        let s = AgentSession::connect(pid, timeout)?.ok_or(SharingError::NoAgentThread { pid })?;
+        Ok(exporter as i32)
+    }
+
+    fn shares(&self, exporter: u32) -> Result<Vec<Share>, SharingError> {
+        let pid = self.host_pid(exporter)?;
+        let s =
+            AgentSession::connect(pid, self.timeout)?.ok_or(SharingError::NoAgentThread { pid })?;
+        Ok(s.list_sharing()?)
+    }
+
+    fn memory(&self, exporter: u32) -> Result<Vec<crate::agent::SharedMemory>, SharingError> {
+        let pid = self.host_pid(exporter)?;
+        let s =
+            AgentSession::connect(pid, self.timeout)?.ok_or(SharingError::NoAgentThread { pid })?;
         Ok(s.share_fds()?)
     }
 }
@@ -449,24 +572,54 @@ fn with_agent<R>(
     result
 }
 
-/// Where an importer's exporters' current memory comes from: `fetch(exporter nspid)`.
-pub type Fetch<'a> = dyn Fn(u32) -> Result<Vec<crate::agent::SharedMemory>, SharingError> + 'a;
+/// Where an importer's exporters are found at a reimport, by the namespace pid its imports
+/// name: [`from_traced`] (a rollback, a restore) or [`from_running`] (`gpusnap recover`).
+pub trait Exporters {
+    /// The exporter's host pid (whose owner is compared with the importer's).
+    fn host_pid(&self, exporter: u32) -> Result<i32, SharingError>;
+    /// What the exporter's agent lists (`ListSharing`): which pids fetched its exports.
+    fn shares(&self, exporter: u32) -> Result<Vec<Share>, SharingError>;
+    /// The current memory of its exports (`ShareFds`).
+    fn memory(&self, exporter: u32) -> Result<Vec<crate::agent::SharedMemory>, SharingError>;
+}
+
+/// What [`reimport`] takes its exporters from.
+pub type Fetch<'a> = dyn Exporters + 'a;
 
 /// The exporters among `processes` (all traced by the caller, CRIU's main thread): each one's
-/// agent thread is let run alone for its `ShareFds`.
-pub fn from_traced(
-    processes: &[Process],
+/// agent thread is let run alone for its `ListSharing` and `ShareFds`.
+pub fn from_traced(processes: &[Process], timeout: Duration) -> Traced<'_> {
+    Traced { processes, timeout }
+}
+
+/// [`from_traced`]'s exporters.
+pub struct Traced<'a> {
+    processes: &'a [Process],
     timeout: Duration,
-) -> impl Fn(u32) -> Result<Vec<crate::agent::SharedMemory>, SharingError> + '_ {
-    move |exporter| {
-        let p = processes
+}
+
+impl Exporters for Traced<'_> {
+    fn host_pid(&self, exporter: u32) -> Result<i32, SharingError> {
+        self.processes
             .iter()
             .find(|p| p.nspid == exporter)
+            .map(|p| p.pid)
             .ok_or(SharingError::NoExporter {
                 importer: 0,
                 exporter,
-            })?;
-        with_agent(p.pid, timeout, |s| Ok(s.share_fds()?))
+            })
+    }
+
+    fn shares(&self, exporter: u32) -> Result<Vec<Share>, SharingError> {
+        with_agent(self.host_pid(exporter)?, self.timeout, |s| {
+            Ok(s.list_sharing()?)
+        })
+    }
+
+    fn memory(&self, exporter: u32) -> Result<Vec<crate::agent::SharedMemory>, SharingError> {
+        with_agent(self.host_pid(exporter)?, self.timeout, |s| {
+            Ok(s.share_fds()?)
+        })
     }
 }
 
@@ -502,16 +655,49 @@ pub fn reimport(
             wanted.push(s);
         }
     }
+    let in_place = |e: SharingError| match e {
+        SharingError::NoExporter { exporter, .. } => SharingError::NoExporter {
+            importer: me,
+            exporter,
+        },
+        other => other,
+    };
+    let mine = owner(importer.pid);
     let mut memory = Vec::new();
+    let mut refused = Vec::new();
     for (&exporter, wanted) in &by_exporter {
-        let mut fds = fetch(exporter).map_err(|e| match e {
-            SharingError::NoExporter { exporter, .. } => SharingError::NoExporter {
+        // Never on the importer's word alone: its owner must be the exporter's, or the
+        // exporter's agent must say it fetched that allocation.
+        let theirs = owner(fetch.host_pid(exporter).map_err(in_place)?);
+        let listed = if same_owner(mine, theirs) {
+            None
+        } else {
+            Some(fetch.shares(exporter).map_err(in_place)?)
+        };
+        let mut allowed = Vec::new();
+        for w in wanted {
+            if listed
+                .as_ref()
+                .is_none_or(|l| confirmed_by_exporter(l, w, me))
+            {
+                allowed.push(*w);
+                continue;
+            }
+            let e = SharingError::ForeignShare {
                 importer: me,
                 exporter,
-            },
-            other => other,
-        })?;
-        for w in wanted {
+                id: w.id,
+                importer_uids: mine,
+                exporter_uids: theirs,
+            };
+            log::warn!("pid {}: {e}", importer.pid);
+            refused.push(e);
+        }
+        if allowed.is_empty() {
+            continue;
+        }
+        let mut fds = fetch.memory(exporter).map_err(in_place)?;
+        for w in allowed {
             let i = export_of(&fds, w, me, exporter)?;
             memory.push((exporter, fds.swap_remove(i)));
         }
@@ -519,6 +705,10 @@ pub fn reimport(
     let mapped = with_agent(importer.pid, timeout, |s| {
         for (exporter, mem) in &memory {
             s.reimport(*exporter, mem)?;
+        }
+        if !refused.is_empty() {
+            // The refused imports stay unmapped: the caller holds the importer.
+            return Ok(memory.len());
         }
         let left = s
             .list_sharing()?
@@ -530,6 +720,9 @@ pub fn reimport(
         }
         Ok(memory.len())
     })?;
+    if let Some(first) = refused.into_iter().next() {
+        return Err(first);
+    }
     log::info!(
         "pid {} (nspid {me}): {mapped} CUDA IPC imports mapped again from their exporters' memory",
         importer.pid
@@ -566,11 +759,13 @@ mod tests {
         let imp = [share(true, 10, 1)];
         let members = [
             Member {
+                pid: std::process::id() as i32,
                 nspid: 10,
                 split: true,
                 shares: &exp,
             },
             Member {
+                pid: std::process::id() as i32,
                 nspid: 11,
                 split: true,
                 shares: &imp,
@@ -589,11 +784,13 @@ mod tests {
         let tree = |exp| {
             [
                 Member {
+                    pid: std::process::id() as i32,
                     nspid: 10,
                     split: true,
                     shares: exp,
                 },
                 Member {
+                    pid: std::process::id() as i32,
                     nspid: 11,
                     split: true,
                     shares: &imp,
@@ -655,6 +852,7 @@ mod tests {
     fn an_exporter_outside_the_dump_is_named() {
         let imp = [share(true, 10, 1)];
         let members = [Member {
+            pid: std::process::id() as i32,
             nspid: 11,
             split: true,
             shares: &imp,
@@ -674,6 +872,7 @@ mod tests {
     fn an_importer_outside_the_dump_is_named_unless_it_is_gone() {
         let exp = [share(false, 12, 1), share(false, 0, 2)];
         let members = [Member {
+            pid: std::process::id() as i32,
             nspid: 10,
             split: true,
             shares: &exp,
@@ -686,6 +885,107 @@ mod tests {
             })
         ));
         check(&members, |pid| pid == 12).unwrap();
+    }
+
+    /// A victim (nspid 10, uid 1001) and a job (nspid 11, uid 65534): `exp` is what the victim
+    /// lists, `imp` what the job lists.
+    fn victim_and_job<'a>(exp: &'a [Share], imp: &'a [Share]) -> [Member<'a>; 2] {
+        [
+            Member {
+                pid: 1001,
+                nspid: 10,
+                split: true,
+                shares: exp,
+            },
+            Member {
+                pid: 65534,
+                nspid: 11,
+                split: true,
+                shares: imp,
+            },
+        ]
+    }
+
+    /// An import of another user's memory is refused at the dump, naming both owners, unless
+    /// the exporter's own agent says that importer fetched it; a key alone is no proof.
+    #[test]
+    fn an_import_of_another_users_memory_is_refused_unless_the_exporter_confirms_it() {
+        // Owners by host pid: here the pid is the uid.
+        let owner_of = |pid: i32| Some((pid as u32, pid as u32));
+        // The job lists the victim's allocation #1 with its right key; the victim's export was
+        // fetched by nspid 12 only (gone by now, as far as the rule cares).
+        let exp = [share(false, 12, 1)];
+        let imp = [share(true, 10, 1)];
+        let e = check_with(&victim_and_job(&exp, &imp), |pid| pid == 12, owner_of).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                SharingError::ForeignShare {
+                    importer: 11,
+                    exporter: 10,
+                    id: 1,
+                    importer_uids: Some((65534, 65534)),
+                    exporter_uids: Some((1001, 1001)),
+                }
+            ),
+            "{e}"
+        );
+        let text = e.to_string();
+        assert!(
+            text.contains("pid 11 runs as uid 65534") && text.contains("pid 10 runs as uid 1001"),
+            "{text}"
+        );
+        // The same owner: carried. An owner that cannot be read is not the same owner.
+        check_with(
+            &victim_and_job(&exp, &imp),
+            |pid| pid == 12,
+            |_| Some((7, 7)),
+        )
+        .unwrap();
+        assert!(check_with(&victim_and_job(&exp, &imp), |pid| pid == 12, |_| None).is_err());
+        // The exporter's agent names the importer as having fetched it: carried.
+        let fetched = [share(false, 11, 1)];
+        check_with(&victim_and_job(&fetched, &imp), |_| false, owner_of).unwrap();
+        // ... but not another allocation, nor with another key.
+        let other = [share(false, 11, 2), share(false, 12, 1)];
+        assert!(check_with(&victim_and_job(&other, &imp), |_| true, owner_of).is_err());
+        let mut rekeyed = share(false, 11, 1);
+        rekeyed.key = [1; 16];
+        assert!(!confirmed_by_exporter(&[rekeyed], &imp[0], 11));
+        // A shareable export names nobody that fetched it: only the same owner carries it.
+        let mut sh = share(false, 11, 1);
+        sh.shareable = true;
+        assert!(!confirmed_by_exporter(&[sh], &imp[0], 11));
+    }
+
+    /// The size check holds for every kind of share: the agent's IPC maps the whole allocation,
+    /// a shareable import no more than the export.
+    #[test]
+    fn a_reimport_checks_the_size_of_every_kind() {
+        let mem = |size| crate::agent::SharedMemory {
+            id: 1,
+            addr: 0x7000_0000_0000,
+            size,
+            key: KEY,
+            fd: memfd(),
+        };
+        let ipc = share(true, 10, 1);
+        assert!(export_of(&[mem(4 << 20)], &ipc, 11, 10).is_err());
+        assert_eq!(export_of(&[mem(2 << 20)], &ipc, 11, 10).unwrap(), 0);
+        let mut part = share(true, 10, 1);
+        part.shareable = true;
+        assert_eq!(export_of(&[mem(4 << 20)], &part, 11, 10).unwrap(), 0);
+        part.size = 8 << 20;
+        assert!(export_of(&[mem(4 << 20)], &part, 11, 10).is_err());
+    }
+
+    /// This process's owner, as `/proc` says it.
+    #[test]
+    fn the_owner_of_a_process_is_read() {
+        // SAFETY: getuid and geteuid have no preconditions.
+        let me = unsafe { (libc::getuid(), libc::geteuid()) };
+        assert_eq!(owner(std::process::id() as i32), Some(me));
+        assert_eq!(owner(-1), None);
     }
 
     fn memfd() -> std::os::fd::OwnedFd {
@@ -763,11 +1063,13 @@ mod tests {
         // Then the usual rule sees an import of a process inside the dump.
         let members = [
             Member {
+                pid: std::process::id() as i32,
                 nspid: 10,
                 split: true,
                 shares: &exp,
             },
             Member {
+                pid: std::process::id() as i32,
                 nspid: 11,
                 split: true,
                 shares: &imp,
@@ -863,6 +1165,7 @@ mod tests {
     fn shares_on_the_transparent_path_are_refused() {
         let exp = [share(false, 0, 1)];
         let members = [Member {
+            pid: std::process::id() as i32,
             nspid: 10,
             split: false,
             shares: &exp,
@@ -874,6 +1177,7 @@ mod tests {
         // A process that shares nothing may take either path.
         let none: [Share; 0] = [];
         let members = [Member {
+            pid: std::process::id() as i32,
             nspid: 10,
             split: false,
             shares: &none,

@@ -16,7 +16,8 @@
 //!   and a forged "Dumping finished successfully" line.
 //! - `lend-addr:DELTA`: every `Lent` address moved by DELTA bytes.
 //! - `fake-share:PID:ID:KEYHEX:ADDR:SIZE`: one more CUDA IPC import (of process PID's
-//!   allocation ID, exporter key KEYHEX, mapped at ADDR) before `SharedEnd`.
+//!   allocation ID, exporter key KEYHEX, at ADDR, unmapped as after a release) before
+//!   `SharedEnd`, and `Hello` says `SERVED_IPC_IMPORT` (so that a dump asks for the list).
 
 use std::os::fd::BorrowedFd;
 use std::sync::Mutex;
@@ -161,6 +162,14 @@ pub(crate) fn send(
             }
             return ch.send_raw_reply(&moved, attach);
         }
+        ("fake-share", Reply::Hello { .. }) => {
+            // Says it imports, so that a dump asks for the list.
+            let mut said = r.clone();
+            if let Reply::Hello { hazards, .. } = &mut said {
+                *hazards |= crate::hazard::SERVED_IPC_IMPORT;
+            }
+            return ch.send_raw_reply(&said, attach);
+        }
         ("fake-share", Reply::SharedEnd { count }) => {
             let mut key = [0u8; 16];
             if let Some(hex) = a.get(3) {
@@ -178,7 +187,9 @@ pub(crate) fn send(
                     id: arg_u64(&a, 2, 0),
                     addr: arg_u64(&a, 4, 0),
                     size: arg_u64(&a, 5, 0),
-                    mapped: true,
+                    // Unmapped, as a release leaves an import: what a rollback, a restore and
+                    // `gpusnap recover` map again.
+                    mapped: false,
                     shareable: false,
                     agent_fd: -1,
                     app_fd: -1,

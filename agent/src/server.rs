@@ -1,17 +1,26 @@
 //! The agent thread: waits at its door (`gpusnap_proto`'s `door`: no socket name, reached with
 //! `pidfd_getfd`), takes one connection at a time from root or the process's own user, and
-//! serves requests until the peer closes or an operation ends (after `Released`, `Restored`, `Aborted` or an operation's error the connection is
-//! closed: the agent must hold no connection when CRIU dumps the process's descriptors).
+//! serves requests until the peer closes or an operation ends (after `Released`, `Restored`,
+//! `Aborted` or an operation's error the connection is closed: the agent must hold no
+//! connection when CRIU dumps the process's descriptors). A connection that sends anything
+//! malformed is closed at once.
+//!
+//! From a dump's `DumpBegin` or `LendBegin` until the door is sealed and opened again (the
+//! dump's CRIU part is over; `gpusnap_proto::seal_door`), only the dumper's knocks are taken
+//! ([`DUMPER`]): another's is dropped without its descriptor ever entering the process, so the
+//! thread, whenever the dump stops it, holds no other client's socket for CRIU to find. Nothing
+//! here opens a file while it waits (a descriptor open when a tracer stops the thread is dumped
+//! with the process).
 //!
 //! The thread is started once (first conversion, or at load with `GPUSNAP_AGENT_EAGER=1`),
 //! named `gpusnap-agent`, with every signal blocked.
 
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 
 use gpusnap_proto::{
     AllocKind, Channel, DoorInside, ErrorCode, Knock, PROTOCOL_VERSION, ProtoError, Reply, Request,
-    peer_cred, take_knock,
+    door_sealed, peer_cred, renew_door, take_knock_from,
 };
 
 use crate::gpu::Gpu;
@@ -59,18 +68,23 @@ fn block_all_signals() -> Option<libc::sigset_t> {
 }
 
 /// Descriptor numbers a forked child inherits from the agent and must close: the door's two
-/// ends, its label, and the connection being served (-1: none). Written only under the fork
-/// fence (the table lock, which fork's prepare handler takes), so a child sees them exactly as
-/// they were when it was forked.
-static AGENT_FDS: [AtomicI32; 4] = [const { AtomicI32::new(-1) }; 4];
+/// ends, its label, and the connections taken and not yet closed (-1: none). Written only under
+/// the fork fence (the table lock, which fork's prepare handler takes), so a child sees them
+/// exactly as they were when it was forked.
+static AGENT_FDS: [AtomicI32; FIRST_CONNECTION + WAITING_MAX] =
+    [const { AtomicI32::new(-1) }; FIRST_CONNECTION + WAITING_MAX];
 const DOOR_AGENT_END: usize = 0;
 const DOOR_CLIENT_END: usize = 1;
 const DOOR_LABEL: usize = 2;
-const CONNECTION: usize = 3;
+const FIRST_CONNECTION: usize = 3;
+
+/// Connections taken that have not sent their first request yet, at most: a newer knock
+/// replaces the oldest of them.
+const WAITING_MAX: usize = 8;
 
 /// In a forked child: no agent thread exists; let a child that uses CUDA start its own, and
-/// close the parent agent's door and connection, which the child inherited (a client would
-/// otherwise find the parent's door in the child, and the parent's connection would stay open).
+/// close the parent agent's door and connections, which the child inherited (a client would
+/// otherwise find the parent's door in the child, and the parent's connections would stay open).
 pub fn forget_in_child() {
     if STARTED.swap(false, Ordering::AcqRel) {
         for slot in &AGENT_FDS {
@@ -101,7 +115,7 @@ fn agent_main() {
     let DoorInside {
         agent_end,
         // Kept open for the life of the thread: clients copy the client end, find the label.
-        client_end: _client_end,
+        client_end,
         label: _label,
     } = match installed {
         Ok(d) => d,
@@ -110,11 +124,14 @@ fn agent_main() {
             return;
         }
     };
-    let door = Channel::new(agent_end);
+    let door = Door {
+        agent: Channel::new(agent_end),
+        client: client_end,
+    };
     debug!("agent door open");
     let mut agent = Agent { gpu: Gpu::new() };
     loop {
-        if let Err(e) = wait_readable(&door) {
+        if let Err(e) = wait_readable(&door.agent) {
             if matches!(e.raw_os_error(), Some(libc::EBADF | libc::ENOTSOCK)) {
                 // The application closed our descriptor: never read from that number again.
                 debug!("the agent's door is gone ({e}); agent stays idle");
@@ -124,53 +141,231 @@ fn agent_main() {
             std::thread::sleep(std::time::Duration::from_millis(100));
             continue;
         }
-        let fence = table::try_lock_for(AGENT_LOCK_WAIT);
-        let knock = take_knock(&door);
-        if let Ok(Knock::Connection(c)) = &knock {
-            AGENT_FDS[CONNECTION].store(c.as_raw_fd(), Ordering::Release);
+        let (conn, first) = match next_connection(&door) {
+            Ok(Some(c)) => c,
+            Ok(None) => continue,
+            Err(Gone) => return,
+        };
+        let ch = Channel::new(conn.fd);
+        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| agent.serve(&ch, first)))
+            .is_err()
+        {
+            debug!("agent: panic while serving a connection; closing it");
         }
-        drop(fence);
-        let conn = match knock {
-            Ok(Knock::Connection(c)) => c,
-            Ok(Knock::Nothing) | Err(ProtoError::Interrupted) => continue,
-            Ok(Knock::Malformed(why)) => {
-                debug!("ignoring {why} at the door");
+        close_connection(Taken {
+            fd: ch.into_fd(),
+            slot: conn.slot,
+            since: conn.since,
+        });
+    }
+}
+
+/// The agent's side of its door: its own end, and the client end it keeps for clients to copy
+/// (and to replace when the door was sealed).
+struct Door {
+    agent: Channel,
+    client: OwnedFd,
+}
+
+/// The door is unusable (the application closed its descriptor): the agent stays idle.
+struct Gone;
+
+/// A connection taken from the door: its descriptor, its slot in [`AGENT_FDS`], since when.
+struct Taken {
+    fd: OwnedFd,
+    slot: usize,
+    since: std::time::Instant,
+}
+
+/// A connection's first request, already read.
+type First = (Request, Option<OwnedFd>);
+
+/// The next connection to serve and its first request: every knock at the door is taken (while
+/// a dump holds the process, only the dumper's, [`DUMPER`]) and its connection served only once
+/// it sends a well-formed request, the first to do so. One that sends anything else, or that
+/// closes, is closed at once; one that sends nothing for [`FIRST_REQUEST_LIMIT`], or is the
+/// oldest of [`WAITING_MAX`] when another knock comes, is closed too. So neither idle knocks nor
+/// garbage hold the agent from the plugin's connection, whose `Hello` follows its knock within
+/// microseconds. `Ok(None)`: nothing to serve (back to waiting at the door).
+fn next_connection(door: &Door) -> Result<Option<(Taken, First)>, Gone> {
+    let mut waiting: Vec<Taken> = Vec::new();
+    loop {
+        take_knocks(door, &mut waiting)?;
+        let now = std::time::Instant::now();
+        for t in std::mem::take(&mut waiting) {
+            if now.duration_since(t.since) >= FIRST_REQUEST_LIMIT {
+                debug!("closing a connection that sent nothing for {FIRST_REQUEST_LIMIT:?}");
+                close_connection(t);
+            } else {
+                waiting.push(t);
+            }
+        }
+        if waiting.is_empty() {
+            return Ok(None);
+        }
+        let mut fds: Vec<libc::pollfd> = std::iter::once(door.agent.fd().as_raw_fd())
+            .chain(waiting.iter().map(|t| t.fd.as_raw_fd()))
+            .map(|fd| libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            })
+            .collect();
+        let left = waiting
+            .iter()
+            .map(|t| FIRST_REQUEST_LIMIT.saturating_sub(now.duration_since(t.since)))
+            .min()
+            .unwrap_or_default();
+        // SAFETY: fds is a vector of valid pollfds of the length given.
+        let n = unsafe {
+            libc::poll(
+                fds.as_mut_ptr(),
+                fds.len() as libc::nfds_t,
+                left.as_millis().max(1) as i32,
+            )
+        };
+        if n <= 0 {
+            continue; // a signal, or a limit reached: looked at again above
+        }
+        let mut i = 0;
+        for pfd in &fds[1..] {
+            if pfd.revents == 0 {
+                i += 1;
                 continue;
+            }
+            let t = waiting.remove(i);
+            let ch = Channel::new(t.fd);
+            let outcome = ch.try_recv_request();
+            let t = Taken {
+                fd: ch.into_fd(),
+                slot: t.slot,
+                since: t.since,
+            };
+            match outcome {
+                Ok(Some(first)) => {
+                    for other in waiting {
+                        close_connection(other);
+                    }
+                    return Ok(Some((t, first)));
+                }
+                Ok(None) | Err(ProtoError::Interrupted) => {
+                    waiting.insert(i, t);
+                    i += 1;
+                }
+                Err(ProtoError::Closed) => close_connection(t),
+                Err(e) => {
+                    debug!("closing a connection whose first request is malformed: {e}");
+                    refuse_now(t.fd.as_fd(), &e);
+                    close_connection(t);
+                }
+            }
+        }
+    }
+}
+
+/// Takes every knock queued at the door into `waiting` (the oldest closed to make room),
+/// dropping those [`take_knock_from`] refuses and connections [`peer_allowed`] refuses; opens a
+/// sealed door again.
+fn take_knocks(door: &Door, waiting: &mut Vec<Taken>) -> Result<(), Gone> {
+    /// What one look at the door found (a connection already recorded in [`AGENT_FDS`]).
+    enum Found {
+        Conn(Taken),
+        Nothing,
+        Malformed(&'static str),
+        Refused { pid: i32, uid: u32 },
+    }
+    loop {
+        // While a dump holds the process, only its knocks are taken; any other's descriptor
+        // never enters the process, where CRIU would find it.
+        let dumper = dumper();
+        if waiting.len() >= WAITING_MAX && readable(door.agent.fd()) {
+            let oldest = waiting.remove(0);
+            debug!("closing the oldest connection that sent nothing: another knock waits");
+            close_connection(oldest);
+        }
+        let fence = table::try_lock_for(AGENT_LOCK_WAIT);
+        let found =
+            take_knock_from(&door.agent, |pid, _| dumper == 0 || pid == dumper).map(|k| match k {
+                Knock::Connection(fd) => {
+                    // A slot is free: at most WAITING_MAX wait, and none is being served.
+                    let slot = (FIRST_CONNECTION..AGENT_FDS.len())
+                        .find(|&i| AGENT_FDS[i].load(Ordering::Acquire) < 0)
+                        .unwrap_or(AGENT_FDS.len() - 1);
+                    AGENT_FDS[slot].store(fd.as_raw_fd(), Ordering::Release);
+                    Found::Conn(Taken {
+                        fd,
+                        slot,
+                        since: std::time::Instant::now(),
+                    })
+                }
+                Knock::Nothing => Found::Nothing,
+                Knock::Malformed(why) => Found::Malformed(why),
+                Knock::Refused { pid, uid } => Found::Refused { pid, uid },
+            });
+        drop(fence);
+        match found {
+            Ok(Found::Conn(t)) if peer_allowed(&t.fd, dumper) => waiting.push(t),
+            Ok(Found::Conn(t)) => close_connection(t),
+            Ok(Found::Nothing) | Err(ProtoError::Closed) if door_sealed(door.agent.fd()) => {
+                // A dump sealed the door, and this thread runs again: a new door at the same
+                // numbers (the label still names them), every old copy of it cut off.
+                match renew_door(door.agent.fd(), door.client.as_fd()) {
+                    Ok(()) => {
+                        // The dump that sealed it is past its CRIU part.
+                        DUMPER.store(0, Ordering::Release);
+                        debug!("the door was sealed; opened a new one");
+                    }
+                    Err(e) => {
+                        debug!("the door was sealed and cannot be opened again: {e}");
+                        std::thread::sleep(std::time::Duration::from_millis(100));
+                    }
+                }
+                return Ok(());
+            }
+            // An empty record reads as a closed peer; the door is not shut.
+            Ok(Found::Nothing) | Err(ProtoError::Closed) => return Ok(()),
+            Err(ProtoError::Interrupted) => {}
+            Ok(Found::Malformed(why)) => debug!("ignoring {why} at the door"),
+            Ok(Found::Refused { pid, uid }) => {
+                debug!(
+                    "dropped a knock of pid {pid} uid {uid}: pid {dumper} is dumping the process"
+                )
             }
             Err(ProtoError::Io(e))
                 if matches!(e.raw_os_error(), Some(libc::EBADF | libc::ENOTSOCK)) =>
             {
                 debug!("the agent's door is gone ({e}); agent stays idle");
-                return;
+                return Err(Gone);
             }
             Err(e) => {
                 // E.g. no descriptor left for the attached socket: try again later.
                 debug!("taking a knock: {e}");
                 std::thread::sleep(std::time::Duration::from_millis(100));
-                continue;
+                return Ok(());
             }
-        };
-        if peer_allowed(&conn) && first_request_comes(&conn, &door) {
-            let ch = Channel::new(conn);
-            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| agent.serve(&ch))).is_err()
-            {
-                debug!("agent: panic while serving a connection; closing it");
-            }
-            close_connection(ch.into_fd());
-        } else {
-            close_connection(conn);
         }
     }
 }
 
-/// Closes the served connection and forgets its number, under the fork fence (a child forked
-/// in between would otherwise close whatever file next got that number).
-fn close_connection(conn: OwnedFd) {
+/// Whether a record waits on `fd` now.
+fn readable(fd: BorrowedFd<'_>) -> bool {
+    let mut pfd = libc::pollfd {
+        fd: fd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: pfd is one valid pollfd; a zero timeout never blocks.
+    unsafe { libc::poll(&mut pfd, 1, 0) > 0 && pfd.revents & libc::POLLIN != 0 }
+}
+
+/// Closes a connection and forgets its number, under the fork fence (a child forked in between
+/// would otherwise close whatever file next got that number).
+fn close_connection(conn: Taken) {
     let fence = table::try_lock_for(AGENT_LOCK_WAIT);
     // Forgotten first: should the fence have timed out and a fork land in between, the child
     // leaks one descriptor rather than closing whatever file next got this number.
-    AGENT_FDS[CONNECTION].store(-1, Ordering::Release);
-    drop(conn);
+    AGENT_FDS[conn.slot].store(-1, Ordering::Release);
+    drop(conn.fd);
     drop(fence);
 }
 
@@ -200,51 +395,18 @@ fn wait_readable(door: &Channel) -> std::io::Result<()> {
 /// (the plugin's `Hello` follows its knock within microseconds).
 const FIRST_REQUEST_LIMIT: std::time::Duration = std::time::Duration::from_millis(500);
 
-/// Whether a connection just taken sends a request before another knock waits at the door and
-/// within [`FIRST_REQUEST_LIMIT`]: a connection that has said nothing gives way to the next
-/// knock at once, so idle knocks queued ahead of the plugin's (anyone with ptrace rights over
-/// the process can knock) cost it nothing, and none is still queued when CRIU dumps.
-fn first_request_comes(conn: &OwnedFd, door: &Channel) -> bool {
-    let deadline = std::time::Instant::now() + FIRST_REQUEST_LIMIT;
-    loop {
-        let mut fds = [
-            libc::pollfd {
-                fd: conn.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            },
-            libc::pollfd {
-                fd: door.fd().as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            },
-        ];
-        let left = deadline.saturating_duration_since(std::time::Instant::now());
-        if left.is_zero() {
-            debug!("closing a connection that sent nothing for {FIRST_REQUEST_LIMIT:?}");
-            return false;
-        }
-        // SAFETY: fds is an array of two valid pollfds.
-        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, left.as_millis().max(1) as i32) };
-        if n < 0 {
-            if std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
-                continue;
-            }
-            return true; // let the request loop find out what is wrong
-        }
-        if fds[0].revents != 0 {
-            return true; // a request, or the peer closed: the serve loop handles both
-        }
-        if fds[1].revents & libc::POLLIN != 0 {
-            debug!("a connection that sent nothing gives way to the next knock");
-            return false;
-        }
-    }
-}
-
-/// Root, or the user the process runs as.
-fn peer_allowed(conn: &OwnedFd) -> bool {
+/// Root, or the user the process runs as; during a dump by `dumper` (not 0), only a
+/// connection that dumper made (a knock taken just as the sealing plugin drained the door may
+/// be another's).
+fn peer_allowed(conn: &OwnedFd, dumper: i32) -> bool {
     match peer_cred(conn.as_fd()) {
+        Ok(c) if dumper != 0 && c.pid != dumper => {
+            debug!(
+                "refusing a connection from pid {} while pid {dumper} dumps the process",
+                c.pid
+            );
+            false
+        }
         // SAFETY: geteuid has no preconditions.
         Ok(c) if c.uid == 0 || c.uid == unsafe { libc::geteuid() } => true,
         Ok(c) => {
@@ -255,6 +417,38 @@ fn peer_allowed(conn: &OwnedFd) -> bool {
             debug!("SO_PEERCRED: {e}");
             false
         }
+    }
+}
+
+/// The process (its pid as this process's namespace numbers it) that began a dump of this
+/// process (`DumpBegin`, `LendBegin`), until the door it seals is opened again; 0: none, or a
+/// dumper outside this pid namespace (then every allowed client is taken, as before).
+static DUMPER: AtomicI32 = AtomicI32::new(0);
+
+/// [`DUMPER`], forgotten when that process is gone (CRIU killed before it sealed the door:
+/// `gpusnap recover` must get in). No file is opened for it.
+fn dumper() -> i32 {
+    let pid = DUMPER.load(Ordering::Acquire);
+    if pid <= 0 {
+        return 0;
+    }
+    // SAFETY: kill with signal 0 sends nothing; it only checks that the process exists.
+    let rc = unsafe { libc::kill(pid, 0) };
+    if rc != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH) {
+        DUMPER.store(0, Ordering::Release);
+        return 0;
+    }
+    pid
+}
+
+/// The connection `ch` begins a dump: while a tracer holds the application (a checkpoint, not
+/// a client copying a running job's memory), its peer is [`DUMPER`] from now on.
+fn dump_begins(ch: &Channel) {
+    if crate::held::by_a_tracer().is_err() {
+        return;
+    }
+    if let Ok(c) = peer_cred(ch.fd()) {
+        DUMPER.store(c.pid.max(0), Ordering::Release);
     }
 }
 
@@ -277,17 +471,23 @@ impl Agent {
     /// agent serves one connection at a time, and a client that holds one without using it
     /// (or keeps it with requests outside an operation) would otherwise keep the plugin's
     /// knock queued at the door, which makes CRIU's dump fail on an in-flight socket.
-    fn serve(&mut self, ch: &Channel) {
+    /// `first`: the request the connection was taken on ([`next_connection`]).
+    fn serve(&mut self, ch: &Channel, first: First) {
         let deadline = std::time::Instant::now() + SESSION_LIMIT;
         // The parent image's chunks this connection announced (`KnownChunk`), for its dump.
         let mut known = dump::KnownChunks::default();
+        let mut first = Some(first);
         loop {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
             if left.is_zero() {
                 debug!("closing a connection that used {SESSION_LIMIT:?} without an operation");
                 return;
             }
-            let (req, fd) = match ch.recv_request(Some(left.min(IDLE_LIMIT))) {
+            let received = match first.take() {
+                Some(m) => Ok(m),
+                None => ch.recv_request(Some(left.min(IDLE_LIMIT))),
+            };
+            let (req, fd) = match received {
                 Ok(m) => m,
                 Err(ProtoError::Closed | ProtoError::Io(_)) => return,
                 Err(ProtoError::Timeout) => {
@@ -295,13 +495,12 @@ impl Agent {
                     return;
                 }
                 Err(ProtoError::Interrupted) => continue,
-                Err(e @ ProtoError::VersionMismatch { .. }) => {
-                    reply(ch, ErrorCode::VersionMismatch, e.to_string());
-                    continue;
-                }
+                // Anything malformed ends the connection at once: a client that cannot speak
+                // the protocol never holds the agent (it serves one connection at a time).
                 Err(e) => {
-                    reply(ch, ErrorCode::BadRequest, e.to_string());
-                    continue;
+                    debug!("closing a connection that sent a malformed request: {e}");
+                    refuse_now(ch.fd(), &e);
+                    return;
                 }
             };
             if !matches!(req, Request::KnownChunk { .. }) {
@@ -334,6 +533,9 @@ impl Agent {
                         slots,
                         streams,
                     };
+                    if matches!(mode, dump::Mode::Stopped) {
+                        dump_begins(ch);
+                    }
                     return dump::run(
                         &mut self.gpu,
                         ch,
@@ -377,15 +579,19 @@ impl Agent {
                         ErrorCode::BadRequest,
                         format!("{r:?} needs the staging memfd attached"),
                     );
+                    return;
                 }
                 (Request::Reimport { exporter_pid, id }, Some(fd)) => {
                     reimport(ch, &mut self.gpu, exporter_pid, id, fd)
                 }
-                (r, Some(_)) => reply(
-                    ch,
-                    ErrorCode::BadRequest,
-                    format!("{r:?} carries no file descriptor"),
-                ),
+                (r, Some(_)) => {
+                    reply(
+                        ch,
+                        ErrorCode::BadRequest,
+                        format!("{r:?} carries no file descriptor"),
+                    );
+                    return;
+                }
                 (
                     Request::KnownChunk {
                         addr,
@@ -400,6 +606,7 @@ impl Agent {
                     }
                 }
                 (Request::LendBegin, None) => {
+                    dump_begins(ch);
                     return crate::lend::run(ch, &mut self.gpu, release_imports);
                 }
 
@@ -596,6 +803,31 @@ fn reimport(ch: &Channel, gpu: &mut crate::gpu::Gpu, exporter_pid: u32, id: u64,
         })
     })();
     crate::session::conclude(ch, gpu, None, result.map(|addr| Reply::Reimported { addr }));
+}
+
+/// The refusal of a malformed request, sent without waiting (a peer that does not read gets
+/// nothing) just before its connection is closed.
+fn refuse_now(conn: BorrowedFd<'_>, e: &ProtoError) {
+    let code = match e {
+        ProtoError::VersionMismatch { .. } => ErrorCode::VersionMismatch,
+        _ => ErrorCode::BadRequest,
+    };
+    let mut buf = [0u8; gpusnap_proto::MAX_MESSAGE];
+    let n = Reply::Error {
+        code,
+        message: e.to_string(),
+    }
+    .encode(&mut buf);
+    // SAFETY: send of `n` initialized bytes of `buf` on a socket this thread holds; it never
+    // waits and never raises SIGPIPE.
+    unsafe {
+        libc::send(
+            conn.as_raw_fd(),
+            buf.as_ptr().cast(),
+            n,
+            libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+        )
+    };
 }
 
 fn reply(ch: &Channel, code: ErrorCode, message: String) {

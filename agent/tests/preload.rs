@@ -267,7 +267,8 @@ fn eager_agent_answers_without_a_gpu() {
     ch.send_request(&Request::Abort, None).unwrap();
     assert_eq!(ch.recv_reply(WAIT).unwrap(), Reply::Aborted);
 
-    // A descriptor where none belongs, and a DumpBegin without one.
+    // A descriptor where none belongs, and a DumpBegin without one: refused, and each ends its
+    // connection (anything malformed does).
     let fd = memfd(4096);
     ch.send_request(&Request::ListAllocations, Some(fd.as_fd()))
         .unwrap();
@@ -278,6 +279,8 @@ fn eager_agent_answers_without_a_gpu() {
             ..
         }
     ));
+    assert!(matches!(ch.recv_reply(WAIT), Err(ProtoError::Closed)));
+    let ch = child.connect();
     ch.send_request(
         &Request::DumpBegin {
             slot_size: 4096,
@@ -294,8 +297,10 @@ fn eager_agent_answers_without_a_gpu() {
             ..
         }
     ));
+    assert!(matches!(ch.recv_reply(WAIT), Err(ProtoError::Closed)));
 
     // Bad ring parameters: refused before any CUDA call, then the connection is closed.
+    let ch = child.connect();
     ch.send_request(
         &Request::DumpBegin {
             slot_size: 1000,
@@ -364,8 +369,10 @@ fn eager_agent_answers_without_a_gpu() {
     );
 }
 
+/// Garbage is refused and ends its connection at once (a client that cannot speak the protocol
+/// never holds the agent, which serves one connection at a time); the agent serves the next.
 #[test]
-fn garbage_on_the_socket_is_answered_not_fatal() {
+fn garbage_on_the_socket_ends_the_connection_not_the_agent() {
     let child = EagerChild::start("30");
     let ch = child.connect();
     // SAFETY: sending raw bytes on a connected socket.
@@ -378,6 +385,8 @@ fn garbage_on_the_socket_is_answered_not_fatal() {
             ..
         }
     ));
+    assert!(matches!(ch.recv_reply(WAIT), Err(ProtoError::Closed)));
+    let ch = child.connect();
     ch.send_request(&Request::ListAllocations, None).unwrap();
     assert_eq!(
         ch.recv_reply(WAIT).unwrap(),

@@ -276,7 +276,11 @@ impl Plugin {
 
     pub fn checkpoint_devices(&mut self, pid: i32) -> i32 {
         match &mut self.run {
-            Run::Dump(d) => answer(d.checkpoint_devices(pid)),
+            Run::Dump(d) => {
+                let rc = answer(d.checkpoint_devices(pid));
+                seal_agent_door(pid);
+                rc
+            }
             _ => ENOTSUP,
         }
     }
@@ -301,6 +305,21 @@ impl Plugin {
             Run::Restore(r) => r.exit(),
             Run::Disabled(_) => {}
         }
+    }
+}
+
+/// After CHECKPOINT_DEVICES of `pid` (CRIU calls it for every process of the tree, and the
+/// first call has stopped again every agent thread it let run): `pid`'s agent door, if it has
+/// one, is sealed until CRIU has dumped its descriptors (`gpusnap_proto::seal_door`), so that no
+/// other client's knock is in flight there, where CRIU cannot dump it. The agent opens a new
+/// door once its thread runs again.
+fn seal_agent_door(pid: i32) {
+    match gpusnap_proto::seal_door(pid) {
+        Ok(Some(n)) if n > 0 => log::info!(
+            "pid {pid}: the agent's door sealed for the dump; {n} knocks of other clients taken out of it"
+        ),
+        Ok(_) => {}
+        Err(e) => log::warn!("pid {pid}: cannot seal the agent's door for the dump: {e}"),
     }
 }
 

@@ -1024,11 +1024,13 @@ fn image_matches_agent(ctx: &Ctx, pid: i32, m: &Manifest) -> Result<u32, Restore
     } else {
         ctx.agent_timeout().min(std::time::Duration::from_secs(3))
     };
-    let Some(session) = agent::AgentSession::connect(pid, wait)? else {
+    // A connection that fails counts as an agent that does not answer (its door still sealed
+    // by the dump: an agent that hung then has not run since).
+    let Some(session) = agent::AgentSession::connect(pid, wait).transpose() else {
         // No agent listens: nothing was moved by one (`prepare` refused an image that says so).
         return Ok(0);
     };
-    let (released, sharing) = match session.hello() {
+    let (released, sharing) = match session.and_then(|s| s.hello()) {
         Ok(h) => (h.released, h.hazards & gpusnap_proto::hazard::SHARING),
         Err(e) if !has_data(m) => {
             log::warn!(

@@ -28,8 +28,8 @@ mod tests;
 
 pub use channel::Channel;
 pub use door::{
-    DOOR_LABEL_PREFIX, Door, DoorInside, KNOCK, Knock, connect_agent, install_door, parse_label,
-    pidfd_getfd, pidfd_open, take_knock,
+    DOOR_LABEL_PREFIX, Door, DoorInside, KNOCK, Knock, connect_agent, door_sealed, install_door,
+    parse_label, pidfd_getfd, pidfd_open, renew_door, seal_door, take_knock, take_knock_from,
 };
 pub use error::ProtoError;
 pub use message::{

@@ -65,7 +65,7 @@ CASE_PATHS = {
 MODES = {"split": "auto", "transparent": "transparent"}
 
 # Payload of the first chunk of a data file: after the 64-byte file header and the 64-byte record
-# header (image/src/header.rs); 4096 bytes in, so not the header checksum that is hit.
+# header (common/image/src/header.rs); 4096 bytes in, so not the header checksum that is hit.
 FLIP_OFFSET = 64 + 64 + 4096
 
 # A torch process that spends nearly all its time inside one long kernel; a line per kernel.

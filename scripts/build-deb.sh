@@ -189,7 +189,7 @@ install -d -m 0755 "$root/etc/criu"
     echo "# /etc/criu/gpusnap.conf, installed by the gpusnap package. Every setting below is"
     echo "# commented out at its default; uncomment a line to change it."
     echo "#"
-    sed -E 's/^([a-z_]+ = )/# \1/' config/gpusnap.conf.example
+    sed -E 's/^([a-z_]+ = )/# \1/' common/config/gpusnap.conf.example
 } >"$root/etc/criu/gpusnap.conf"
 chmod 0644 "$root/etc/criu/gpusnap.conf"
 install -D -m 0644 LICENSE "$root/usr/share/doc/gpusnap/copyright"

@@ -144,7 +144,7 @@ fn check_config(
 }
 
 /// The example configuration in a checkout, from its root.
-const REPO_CONFIG_EXAMPLE: &str = "config/gpusnap.conf.example";
+const REPO_CONFIG_EXAMPLE: &str = "common/config/gpusnap.conf.example";
 /// The configuration the Debian package installs (scripts/build-deb.sh): the example with every
 /// key commented out at its default.
 const INSTALLED_CONFIG: &str = "/etc/criu/gpusnap.conf";
@@ -641,7 +641,7 @@ mod tests {
 
     #[test]
     fn the_config_hint_names_a_file_of_this_host() {
-        let example = Path::new("/src/gpusnap/config/gpusnap.conf.example");
+        let example = Path::new("/src/gpusnap/common/config/gpusnap.conf.example");
         let only_the_checkout = |p: &Path| p == example;
         for exe in [
             "/src/gpusnap/target/release/gpusnap",
@@ -650,7 +650,7 @@ mod tests {
         ] {
             assert_eq!(
                 config_example_hint(Some(Path::new(exe)), &only_the_checkout),
-                "/src/gpusnap/config/gpusnap.conf.example documents every key",
+                "/src/gpusnap/common/config/gpusnap.conf.example documents every key",
                 "{exe}"
             );
         }
@@ -661,7 +661,10 @@ mod tests {
                 hint.starts_with("/etc/criu/gpusnap.conf as the gpusnap package"),
                 "{hint}"
             );
-            assert!(!hint.contains("config/gpusnap.conf.example"), "{hint}");
+            assert!(
+                !hint.contains("common/config/gpusnap.conf.example"),
+                "{hint}"
+            );
         }
     }
 

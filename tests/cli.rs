@@ -474,7 +474,7 @@ fn check_lists_every_configuration_problem() {
     let checkout = Path::new(env!("CARGO_MANIFEST_DIR"));
     let hint = if Path::new(env!("CARGO_BIN_EXE_gpusnap")).starts_with(checkout) {
         format!(
-            "({}/config/gpusnap.conf.example documents every key)",
+            "({}/common/config/gpusnap.conf.example documents every key)",
             checkout.display()
         )
     } else {

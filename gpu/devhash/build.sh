@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Builds the agent's device hash kernel to PTX (run on the GPU machine, which has nvcc):
-#     gpu/devhash/build.sh [OUT.ptx]     (default: agent/src/devhash/sum64.ptx)
+#     gpu/devhash/build.sh [OUT.ptx]     (default: cuda-backend/agent/src/devhash/sum64.ptx)
 # compute_75 PTX, declared ISA 7.0: the driver JIT-compiles it for any GPU from Turing on. The PTX is committed,
 # so building gpusnap needs no CUDA toolkit.
 set -euo pipefail
 here=$(dirname -- "$(readlink -f -- "${BASH_SOURCE[0]}")")
-out=${1:-$here/../../agent/src/devhash/sum64.ptx}
+out=${1:-$here/../../cuda-backend/agent/src/devhash/sum64.ptx}
 nvcc --version | tail -2
 nvcc -ptx -arch=compute_75 -O3 -o "$out" "$here/sum64.cu"
 # nvcc 13 declares PTX ISA 9.0, which only CUDA 13 drivers (r580) load. The kernel uses only

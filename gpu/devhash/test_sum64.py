@@ -3,7 +3,7 @@
     python3 gpu/devhash/test_sum64.py PTX [--gib N]
 
 The reference here is written from docs/image-format.md ("Device hash") with numpy; the Rust
-reference (image/src/devhash.rs) is checked against fixed vectors this script prints.
+reference (common/image/src/devhash.rs) is checked against fixed vectors this script prints.
 """
 import argparse, sys, time
 import numpy as np

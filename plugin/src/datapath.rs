@@ -247,7 +247,7 @@ struct Work {
 
 /// What the agent may announce in one copy-out (issue 32, items 4 and 5): chunks of the
 /// allocations it listed for it (or a keeper adopted), each exactly one of the slot-sized
-/// pieces the agent cuts an allocation into (`agent/src/plan.rs`), each once. So root keeps at
+/// pieces the agent cuts an allocation into (`cuda-backend/agent/src/plan.rs`), each once. So root keeps at
 /// most one entry per listed chunk and writes at most the listed bytes, and anything else fails
 /// the phase at once, naming the allocation and the range.
 struct Admission {

@@ -28,7 +28,7 @@ pub enum RingError {
     Os(crate::stall::OsError),
 }
 
-/// Slot sizes are whole pages (the agent refuses anything else, `agent/src/plan.rs`).
+/// Slot sizes are whole pages (the agent refuses anything else, `cuda-backend/agent/src/plan.rs`).
 const PAGE: u64 = 4096;
 
 /// How big a ring is: `slots` slots of `slot_size` bytes. The whole ring is populated (and, by

@@ -15,7 +15,7 @@
 //! an integer decimal digits only, a string as written (not trimmed). A typo must not silently
 //! checkpoint with settings the user did not ask for.
 //!
-//! `config/gpusnap.conf.example` documents every key.
+//! `common/config/gpusnap.conf.example` documents every key.
 //!
 //! This crate only parses and validates; it does not act on any value.
 

@@ -11,6 +11,7 @@
 //! - `door`: how a client reaches a process's agent (no socket name; `pidfd_getfd`).
 //! - `channel`: [`Channel`], one connection; whole messages, at most one fd attached, timeouts.
 //! - `error`: [`ProtoError`].
+//! - `devhash`: the device hash's definition, which the agent's GPU kernel and the host agree on.
 //! - `hostile` (cargo feature `hostile`, test builds only): the agent turned adversary, for CI.
 
 mod channel;

@@ -13,6 +13,17 @@
 //! Boundaries: this crate knows nothing of CUDA, CRIU or the agent. Files are always opened relative
 //! to a directory file descriptor (CRIU hands plugins `criu_get_image_dir()`), never by path. Every
 //! size read from a file is untrusted until checked; readers refuse anything they cannot prove whole.
+//!
+//! Modules:
+//! - `header`: the 64-byte headers of data files and chunk records;
+//! - `writer` / `reader`: data files, written chunk by chunk and read back checked;
+//! - `manifest` / `validate`: the manifest, its encoding and its structural checks;
+//! - `chain`: a pre-copy chain's parent images, and what a dump may reference in them;
+//! - `names`: gpusnap's file names in CRIU's directory, and listing them;
+//! - `stats`: `gpusnap-stats.json`;
+//! - `kfd` / `devfile`: an AMD process's KFD state, and device-file records;
+//! - `durable` / `reserve`: fsync of the directory, and disk space held for a drain;
+//! - `error`: [`ImageError`]; `sys`: the few system calls, relative to a directory descriptor.
 
 mod chain;
 mod devfile;

@@ -2,10 +2,10 @@
 //! the short git hash of HEAD, with `-dirty` when the work tree has changes, or `unknown` when the
 //! source is not a git checkout (a tarball) or git is missing.
 //!
-//! This is the build script of the `gpusnap-image` crate (`build = "../build.rs"` in its
-//! Cargo.toml), which exports the result as `gpusnap_image::BUILD`; the plugin and the CLI read it
-//! from there, so everything linked into one binary reports the same build. Cargo runs a build
-//! script in its package's directory, so git commands below run in `image/`.
+//! This is the build script of the `gpusnap-image` crate, which exports the result as
+//! `gpusnap_image::BUILD`; the plugin and the CLI read it from there, so everything linked into
+//! one binary reports the same build. Cargo runs a build script in its package's directory, so
+//! git commands below run in `common/image/`.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -1,6 +1,6 @@
 //! The checkpoint lock waits for the process's CUDA calls in flight, as the real driver's does.
 //!
-//! `libfakecudadev.so` (the workload side, `fake-cuda-device/src/calls.rs`) gives each working
+//! `libfakecudadev.so` (the workload side, `criu-tests/fake-cuda-device/src/calls.rs`) gives each working
 //! call of a thread a slot holding the thread's id while it runs, and writes the slots' address
 //! into `$FAKECUDA_DIR/<pid>.calls`. After the lock state is written, [`wait_until_none`] reads
 //! the slots through `/proc/<pid>/mem` until none names a thread that runs: a call that started

@@ -9,7 +9,7 @@
 //! is loaded or started at load time except with `GPUSNAP_AGENT_EAGER=1`.
 //!
 //! Modules, in layers: each imports only from the layers below it and, within its layer, from
-//! modules listed before it, so there is no import cycle (`grep -n 'crate::' agent/src/*.rs`
+//! modules listed before it, so there is no import cycle (`grep -n 'crate::' cuda-backend/agent/src/*.rs`
 //! shows every import).
 //! 1. Foundation, no CUDA: `log` (debug lines with `GPUSNAP_AGENT_DEBUG=1`, and the few errors
 //!    always written; `debug!` reads the setting where it is expanded), `config` (environment

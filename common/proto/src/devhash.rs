@@ -1,5 +1,5 @@
 //! gpusnap-sum64: the chunk hash the agent computes on the GPU, defined here once for every
-//! side that must agree on it (the agent's kernel `agent/src/devhash/sum64.ptx`, built from
+//! side that must agree on it (the agent's kernel `cuda-backend/agent/src/devhash/sum64.ptx`, built from
 //! `gpu/devhash/sum64.cu`; the stand-in driver that plays that kernel in CI; `gpusnap verify`'s
 //! host pass). `docs/image-format.md` ("Device hash") states the same in words.
 //!

@@ -5,7 +5,7 @@
 #                   [--alloc driver|runtime] [--chunk-mib M] [--interval-ms MS]
 #                   [--no-leave-running] [--no-restore] [--keep-images] [--budget-s S] [--mock]
 #
-# Builds gpu/workload.cu (gpu/build.sh, into /tmp/gpusnap-bin), installs .devcarry/libgpusnap.so
+# Builds gpu/workload.cu (gpu/build.sh, into /tmp/gpusnap-bin), installs .devcarry/libgpusnap_plugin.so
 # as /tmp/gpusnap-plugins/gpusnap.so, remounts /dev/shm at 120G, then runs gpu/e2e.py: for each
 # size (default 4 16) and path (default both):
 #   a) start the workload (setsid, stdin /dev/null; split: LD_PRELOAD the agent), wait for ready

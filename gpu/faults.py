@@ -20,7 +20,7 @@ Cases (each independent: a failure is recorded and the next case runs):
                             was never dumped: exit 0, "nothing to recover", ticks go on.
   kill-matrix               (only when named; a device call of its own) split and transparent,
                             --matrix-gib (16) GiB: for each point of GPUSNAP_TEST_KILL_CRIU_AT
-                            (plugin/src/fault.rs; --points), criu dump / dump -R / restore with it
+                            (common/host/src/fault.rs; --points), criu dump / dump -R / restore with it
                             set, so that the plugin SIGKILLs its criu there. Dump side: the
                             workload survives, never logs ok 0, does not tick while released or
                             locked (--watch-s), is group-stopped (T) when killed between release
@@ -644,12 +644,12 @@ def _kernel_ticks(path):
 # ------------------------------------------------------------------------------ kill-matrix
 #
 # GPUSNAP_TEST_KILL_CRIU_AT=<point> in criu's environment makes the plugin SIGKILL its own criu at
-# that point (plugin/src/fault.rs). One case per point and path; one workload per path is handed
+# that point (common/host/src/fault.rs). One case per point and path; one workload per path is handed
 # from case to case (a chain) while that is safe, so that few expensive transparent dumps run.
 
 MATRIX_CASE = "kill-matrix"
 KNOB = "GPUSNAP_TEST_KILL_CRIU_AT"
-# plugin/src/fault.rs's POINTS, in the order a dump (then its rollback) or a restore reaches them,
+# common/host/src/fault.rs's POINTS, in the order a dump (then its rollback) or a restore reaches them,
 # less STANDIN_ONLY_POINTS.
 KILL_POINTS = ["dump-locked", "dump-data-out", "dump-lent", "dump-released", "dump-relocked",
                "dump-checkpointed", "dump-drained", "dump-before-manifest", "rollback-restored",

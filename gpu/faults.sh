@@ -27,7 +27,7 @@
 #                      [--paths split,transparent] [--sleep-cycles 2e10] [--lock-timeout-ms 1000]
 #                      [--deadline-s 500] [--keep-images] [--mock]
 # Builds gpu/workload.cu (gpu/build.sh), remounts /dev/shm at 120G, runs gpu/faults.py (which
-# installs .devcarry/libgpusnap.so as /tmp/gpusnap-plugins/gpusnap.so). Helpers run with python3
+# installs .devcarry/libgpusnap_plugin.so as /tmp/gpusnap-plugins/gpusnap.so). Helpers run with python3
 # (torch); PYTHON=... picks another. Output: $OUT/faults.log (also on stdout), $OUT/faults-h200.jsonl
 # and bench/results/faults-h200.jsonl (one record per case and path: run, date, gpu, driver,
 # case, path, pass, detail, info), per-case logs in $OUT/logs.tar (OUT defaults to ./out).

@@ -23,7 +23,7 @@ serve: gpusnap is expected to refuse the dump, naming the cause, and the pair to
 - ``share-check`` / ``share-check-no-agent``: no checkpoint; the pair, with and without the
   agent, must tick and share (records ``share_worked``, the torch version).
 - ``kill:<point>`` (``kill-matrix`` = the default points below): ``GPUSNAP_TEST_KILL_CRIU_AT=
-  <point>`` in criu's environment only (plugin/src/fault.rs), as criu-tests/tests/ipc_checkpoint.rs
+  <point>`` in criu's environment only (common/host/src/fault.rs), as criu-tests/tests/ipc_checkpoint.rs
   does with the stand-in: a fresh pair per point.
   Dump side (``dump-*``: ``criu dump``; ``rollback-*``: ``criu dump -R``): criu rc -9 with the
   plugin's ``test fault GPUSNAP_TEST_KILL_CRIU_AT=<point>`` line; both processes alive, no thread
@@ -83,7 +83,7 @@ CASE_NAME = {"default": "ipc-torch-ckpt", "expandable": "ipc-torch-expandable-ck
 CKPT_KINDS = ["dump-restore", "leave-running", "share-check", "share-check-no-agent"]
 KNOB = "GPUSNAP_TEST_KILL_CRIU_AT"
 MATRIX_CASE = "ipc-kill-matrix"
-# plugin/src/fault.rs: POINTS and IPC_POINTS (the AMD ones are not ours).
+# common/host/src/fault.rs: POINTS and IPC_POINTS (the AMD ones are not ours).
 KNOWN_POINTS = ["dump-locked", "dump-data-out", "dump-lent", "dump-released", "dump-relocked",
                 "dump-checkpointed", "dump-drained", "dump-before-manifest", "rollback-restored",
                 "rollback-reload", "rollback-reclaimed", "rollback-reimport",

@@ -29,7 +29,7 @@
 # root that script made: its stamp file lists the Debian packages it holds).
 #
 # Without --from it builds the four artifacts with `cargo build --release` (in
-# $CARGO_TARGET_DIR, default target/); --from DIR takes libgpusnap.so, libgpusnap_agent.so,
+# $CARGO_TARGET_DIR, default target/); --from DIR takes libgpusnap_plugin.so, libgpusnap_agent.so,
 # gpusnap and gpusnap-keeper from DIR instead (the tests pass their own build). The packages go to --out DIR
 # (default target/deb/); their paths are the last lines printed (gpusnap first).
 #
@@ -70,7 +70,7 @@ if [[ -z $from ]]; then
     cargo build --release -p gpusnap-plugin -p gpusnap-agent -p gpusnap -p gpusnap-keeper >&2
     from=${CARGO_TARGET_DIR:-$repo/target}/release
 fi
-for f in libgpusnap.so libgpusnap_agent.so gpusnap gpusnap-keeper; do
+for f in libgpusnap_plugin.so libgpusnap_agent.so gpusnap gpusnap-keeper; do
     [[ -f $from/$f ]] || die "$from/$f is missing (build it, or point --from at a directory with it)"
 done
 
@@ -174,7 +174,7 @@ stage=$(mktemp -d "${TMPDIR:-/tmp}/gpusnap-deb.XXXXXX")
 trap 'rm -rf -- "$stage"' EXIT
 root=$stage/$pkg
 
-install -D -m 0644 "$from/libgpusnap.so" "$root/usr/lib/criu/gpusnap.so"
+install -D -m 0644 "$from/libgpusnap_plugin.so" "$root/usr/lib/criu/gpusnap.so"
 install -D -m 0644 "$from/libgpusnap_agent.so" "$root/usr/lib/gpusnap/libgpusnap_agent.so"
 install -D -m 0755 "$from/gpusnap" "$root/usr/bin/gpusnap"
 install -D -m 0755 "$from/gpusnap-keeper" "$root/usr/libexec/gpusnap/gpusnap-keeper"

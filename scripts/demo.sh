@@ -33,7 +33,7 @@ scripts/install-criu.sh
 say "building gpusnap (release)"
 scripts/build-device-bundle.sh >/dev/null
 release=${CARGO_TARGET_DIR:-target}/release
-say "built: $release/gpusnap (the command), $release/libgpusnap.so (the plugin), \
+say "built: $release/gpusnap (the command), $release/libgpusnap_plugin.so (the plugin), \
 $release/libgpusnap_agent.so, $release/gpusnap-keeper; stripped copies in .devcarry/"
 
 if [[ -d /proc/driver/nvidia/gpus ]] && { command -v nvcc >/dev/null || [[ -x /usr/local/cuda/bin/nvcc ]]; }; then
@@ -44,7 +44,7 @@ fi
 say "no NVIDIA GPU (or no nvcc) here: CRIU + gpusnap on a CPU process"
 work=$(mktemp -d /tmp/gpusnap-demo.XXXXXX)
 mkdir -p "$work/plugins" "$work/img"
-install -m 0755 .devcarry/libgpusnap.so "$work/plugins/gpusnap.so"
+install -m 0755 .devcarry/libgpusnap_plugin.so "$work/plugins/gpusnap.so"
 cargo build -q --release -p criu-tests --bin counter
 setsid "$release/counter" --log "$work/count" --seed 7 </dev/null >/dev/null 2>&1 &
 pid=$!

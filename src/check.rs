@@ -315,7 +315,7 @@ fn check_plugin_dir() -> Vec<Finding> {
     } else {
         out.push(Finding::fail(
             format!("gpusnap.so is not in {}", dir.display()),
-            "install the plugin there (cp target/release/libgpusnap.so <dir>/gpusnap.so)",
+            "install the plugin there (cp target/release/libgpusnap_plugin.so <dir>/gpusnap.so)",
         ));
     }
     // The split path's keeper: the plugin looks beside itself, then in /usr/libexec/gpusnap.
@@ -326,7 +326,7 @@ fn check_plugin_dir() -> Vec<Finding> {
     } else {
         configured.clone()
     };
-    match gpusnap::keeper::locate(&keeper) {
+    match gpusnap_cuda::keeper::locate(&keeper) {
         Ok(p) => out.push(Finding::ok(format!(
             "keeper {} (the split path hands device memory to it across the driver checkpoint)",
             p.display()

@@ -1,5 +1,5 @@
 //! `gpusnap precopy PID --images DIR [--parent PATH] [--json]`: one pre-copy round of a running
-//! split-path process (`gpusnap::precopy`). The process keeps running; DIR then holds its device
+//! split-path process (`gpusnap_cuda::precopy`). The process keeps running; DIR then holds its device
 //! data as of the round, and a `criu dump` into a directory whose `parent` link leads to DIR
 //! copies only the chunks that changed since.
 
@@ -46,7 +46,8 @@ pub fn run(args: &[String]) -> ExitCode {
         eprintln!("gpusnap precopy: no process {pid}");
         return ExitCode::from(EXIT_PROBLEM);
     }
-    match gpusnap::precopy::precopy(pid, Path::new(&images), parent.as_deref().map(Path::new)) {
+    match gpusnap_cuda::precopy::precopy(pid, Path::new(&images), parent.as_deref().map(Path::new))
+    {
         Ok(r) => {
             let d = &r.data;
             if as_json {
@@ -92,7 +93,7 @@ pub fn run(args: &[String]) -> ExitCode {
         }
         Err(e) => {
             eprintln!("gpusnap precopy: {e}");
-            use gpusnap::precopy::PreCopyError;
+            use gpusnap_cuda::precopy::PreCopyError;
             ExitCode::from(match e {
                 PreCopyError::Driver(_) | PreCopyError::Config(_) => EXIT_ENVIRONMENT,
                 _ => EXIT_PROBLEM,

@@ -1,6 +1,7 @@
 //! `gpusnap recover PID [--images DIR]`: brings a GPU process back to running after a dump that
-//! was cut short (CRIU killed mid-dump). The work is the plugin's (`gpusnap::recover`), so the
-//! CLI and the plugin undo a dump the same way.
+//! was cut short (CRIU killed mid-dump). The work is the backends' (`gpusnap_rocm::run::recover`
+//! for an AMD process, `gpusnap_cuda::recover` for an NVIDIA one), so the CLI and the plugin
+//! undo a dump the same way.
 
 use std::path::Path;
 use std::process::ExitCode;
@@ -38,14 +39,31 @@ pub fn run(args: &[String]) -> ExitCode {
         eprintln!("gpusnap recover: no process {pid}");
         return ExitCode::from(EXIT_PROBLEM);
     }
-    match gpusnap::recover::recover(pid, images.as_deref().map(Path::new)) {
+    // An AMD GPU process (it holds a KFD file): its memory never left, only its queues may be
+    // paused.
+    match gpusnap_rocm::run::recover::recover(pid) {
+        Ok(Some(gpusnap_rocm::run::recover::Recovered::Unpaused)) => {
+            println!("pid {pid} recovered (AMD GPU queues unpaused); it runs again");
+            return ExitCode::SUCCESS;
+        }
+        Ok(Some(gpusnap_rocm::run::recover::Recovered::Running)) => {
+            println!("pid {pid}'s AMD GPU queues were not paused: nothing to recover");
+            return ExitCode::SUCCESS;
+        }
+        Ok(None) => {}
+        Err(e) => {
+            eprintln!("gpusnap recover: {e}");
+            return ExitCode::from(EXIT_PROBLEM);
+        }
+    }
+    match gpusnap_cuda::recover::recover(pid, images.as_deref().map(Path::new)) {
         Ok(msg) => {
             println!("{msg}");
             ExitCode::SUCCESS
         }
         Err(e) => {
             eprintln!("gpusnap recover: {e}");
-            use gpusnap::recover::RecoverError;
+            use gpusnap_cuda::recover::RecoverError;
             ExitCode::from(match e {
                 RecoverError::Driver(_) | RecoverError::Config(_) => EXIT_ENVIRONMENT,
                 _ => EXIT_PROBLEM,

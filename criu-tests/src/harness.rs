@@ -49,7 +49,7 @@ pub struct Harness {
     pub profile_dir: PathBuf,
     /// `scripts/criu`.
     pub criu: PathBuf,
-    /// The freshly built `libgpusnap.so`.
+    /// The freshly built `libgpusnap_plugin.so`.
     pub plugin_so: PathBuf,
     /// The freshly built `gpusnap-keeper`, installed next to the plugin as a package does.
     pub keeper: PathBuf,
@@ -123,8 +123,9 @@ impl Harness {
         let criu_version = parse_criu_version(&v)
             .ok_or_else(|| format!("no `Version: X.Y[.Z]` line in `criu --version`: {v}"))?;
 
-        let plugin_so = prebuilt(PLUGIN_SO_ENV)
-            .unwrap_or_else(|| build::package(&profile_dir, "gpusnap-plugin", "libgpusnap.so"))?;
+        let plugin_so = prebuilt(PLUGIN_SO_ENV).unwrap_or_else(|| {
+            build::package(&profile_dir, "gpusnap-plugin", "libgpusnap_plugin.so")
+        })?;
         let keeper = prebuilt(KEEPER_ENV)
             .unwrap_or_else(|| build::package(&profile_dir, "gpusnap-keeper", "gpusnap-keeper"))?;
         procs::become_subreaper().map_err(|e| format!("PR_SET_CHILD_SUBREAPER: {e}"))?;

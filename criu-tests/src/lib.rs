@@ -2,7 +2,7 @@
 //!
 //! The tests (in `tests/`) run `scripts/criu dump` and `restore` (the private CRIU 4.1.1 root
 //! built by `scripts/install-criu.sh`) on small workloads (`src/bin/`) with the freshly built
-//! `libgpusnap.so` in the plugin directory, and check what users would check: CRIU succeeds,
+//! `libgpusnap_plugin.so` in the plugin directory, and check what users would check: CRIU succeeds,
 //! the restored processes carry on with their memory intact, and gpusnap's log lines and
 //! image files are as documented.
 //!

@@ -52,7 +52,7 @@ pub fn build(h: &Harness, work: &Path) -> (PathBuf, PathBuf) {
         .unwrap_or_else(|e| panic!("building the agent: {e}"));
     let cli = gpusnap_cli(h).unwrap_or_else(|e| panic!("building gpusnap: {e}"));
     for (src, name) in [
-        (h.plugin_so.as_path(), "libgpusnap.so"),
+        (h.plugin_so.as_path(), "libgpusnap_plugin.so"),
         (agent, "libgpusnap_agent.so"),
         (cli, "gpusnap"),
         (h.keeper.as_path(), "gpusnap-keeper"),

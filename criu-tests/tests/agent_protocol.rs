@@ -12,9 +12,9 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use common::{MORE_TICKS, Vmm, libcuda_dir};
-use gpusnap::agent::{AgentSession, RingShape, Transfer, agent_thread};
-use gpusnap::ptrace::{RunningThread, SeizedProcess};
-use gpusnap::staging::Staging;
+use gpusnap_cuda::agent::{AgentSession, RingShape, Transfer, agent_thread};
+use gpusnap_cuda::staging::Staging;
+use gpusnap_host::ptrace::{RunningThread, SeizedProcess};
 use gpusnap_proto::{MAX_MESSAGE, PROTOCOL_VERSION, Reply, Request};
 
 const WAIT: Duration = Duration::from_secs(5);

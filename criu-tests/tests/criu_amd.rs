@@ -771,7 +771,7 @@ fn amd_untranslatable_mapping_fails_the_restore() {
 
 // ---- Fail closed: CRIU killed at every AMD phase boundary (`GPUSNAP_TEST_KILL_CRIU_AT`) ----
 //
-// What each kill must leave, from the plugin's protocol (plugin/src/amd/phase.rs), not from
+// What each kill must leave, from the plugin's protocol (rocm-backend/src/run/phase.rs), not from
 // what a run showed:
 // - in a dump or its undo (`-R`), the process's queues are paused and its device memory is in
 //   place (an AMD dump releases none): it runs on the CPU, computes nothing on the GPU, and
@@ -819,7 +819,7 @@ fn expected(op: Op, point: &str) -> Option<Left> {
 
 #[test]
 fn amd_matrix_names_every_amd_fault_point() {
-    assert_eq!(AMD_POINTS, gpusnap::fault::AMD_POINTS);
+    assert_eq!(AMD_POINTS, gpusnap_host::fault::AMD_POINTS);
     for p in AMD_POINTS {
         let reached: Vec<Op> = [Op::Dump, Op::DumpLeaveRunning, Op::Restore]
             .into_iter()

@@ -1,5 +1,5 @@
 //! Fail closed, end to end: CRIU killed at every named point of a dump, a `dump -R` and a
-//! restore (`GPUSNAP_TEST_KILL_CRIU_AT`, plugin/src/fault.rs), on the split path (`fakegpu-vmm`
+//! restore (`GPUSNAP_TEST_KILL_CRIU_AT`, common/host/src/fault.rs), on the split path (`fakegpu-vmm`
 //! with the agent, `mode = auto`) and on the transparent path (the same workload, `mode =
 //! transparent`: the driver checkpoints everything and CRIU dumps the device memory).
 //!
@@ -507,7 +507,7 @@ fn restore_killed(
 /// reached by some route and operation, and every restore point only by restores.
 #[test]
 fn the_matrix_names_every_fault_point() {
-    assert_eq!(POINTS, gpusnap::fault::POINTS);
+    assert_eq!(POINTS, gpusnap_host::fault::POINTS);
     for p in POINTS {
         let reached: Vec<(Route, Op)> = [Route::Split, Route::HandOver, Route::Transparent]
             .into_iter()

@@ -633,14 +633,14 @@ fn another_user_cannot_block_a_restore_by_taking_a_name() {
 /// says why, and the workload never notices (every tick stays good).
 #[test]
 fn the_agent_releases_and_loads_only_while_the_process_is_held() {
-    use gpusnap::agent::{AgentError, AgentSession, RingShape, Transfer};
+    use gpusnap_cuda::agent::{AgentError, AgentSession, RingShape, Transfer};
     use gpusnap_proto::Reply;
     let Some(s) = Split::start("split-agent-outside") else {
         return;
     };
     let pid = s.vmm.pid();
     let wait = Duration::from_secs(10);
-    let ring = gpusnap::staging::Staging::new(1 << 20, 4).expect("ring");
+    let ring = gpusnap_cuda::staging::Staging::new(1 << 20, 4).expect("ring");
     let shape = RingShape {
         slot_size: 1 << 20,
         slots: 4,

@@ -24,7 +24,7 @@ import os
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CRIU = os.path.join(REPO, "scripts", "criu")
 DEVCARRY = os.path.join(REPO, ".devcarry")
-PLUGIN_SO = os.path.join(DEVCARRY, "libgpusnap.so")
+PLUGIN_SO = os.path.join(DEVCARRY, "libgpusnap_plugin.so")
 AGENT_SO = os.path.join(DEVCARRY, "libgpusnap_agent.so")
 KEEPER = os.path.join(DEVCARRY, "gpusnap-keeper")
 GPUSNAP_CLI = os.path.join(DEVCARRY, "gpusnap")

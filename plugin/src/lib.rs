@@ -1,78 +1,16 @@
-//! gpusnap: a CRIU plugin that checkpoints and restores CUDA processes.
+//! gpusnap-plugin: the shared object CRIU loads (`gpusnap.so`), CRIU's side of gpusnap.
 //!
-//! This crate is the shared object CRIU loads (`gpusnap.so`). The `extern "C"` functions here
-//! are thin: they catch panics (none may cross into CRIU) and call [`plugin`], which reads like
-//! the protocol. Modules:
-//! - [`criu`]: the plugin ABI and CRIU's exports, all resolved at run time;
-//! - [`logger`]: `log` into CRIU's own log;
-//! - [`plugin`]: hook bodies, dispatching to the run of the stage;
-//! - [`dump`] / [`restore`]: each side's run and per-process protocol; [`recover`] reuses the
-//!   dump's undo sequence outside CRIU;
-//! - [`process`]: a dump's per-process state machine ([`process::Phase`]);
-//! - [`agent`]: the conversation with the in-process agent ([`agent::AgentSession`]);
-//! - [`datapath`] / [`staging`]: moving device data through the shared ring into image files;
-//! - [`signals`]: every thread gpusnap starts blocks CRIU's signals;
-//! - [`ptrace`]: running one seized thread while CRIU holds the others;
-//! - [`stall`]: a driver checkpoint that waits on a stopped thread of its process;
-//! - [`hold`]: keeping a process from running on absent device memory should CRIU die;
-//! - [`reap`]: killing a process that must not run, and reaping its traced threads;
-//! - [`procfs`]: everything read from `/proc`;
-//! - [`pid`]: host pids and namespace pids, as two types;
-//! - [`precopy`]: a pre-copy round of a running process (`gpusnap precopy`);
-//! - [`amd`]: AMD GPU processes through the KFD's CRIU interface (the kfd path).
+//! The `extern "C"` functions here are thin: they catch panics (none may cross into CRIU) and
+//! call [`plugin`], which holds one backend per GPU vendor for the run (`gpusnap-cuda`,
+//! `gpusnap-rocm`, each a [`gpusnap_host::Backend`]) and hands each hook to them. Modules:
+//! - [`plugin`]: the run's backends and the hook bodies that dispatch to them.
+//!
+//! What the backends share (CRIU's ABI, logging, `/proc`, ptrace, holds, pids, fault points)
+//! is `gpusnap-host`; the vendors' orchestration lives in their crates.
 
-pub mod agent;
-pub mod amd;
-pub mod context;
-pub mod criu;
-pub mod datapath;
-pub mod devfile;
-pub mod dump;
-pub mod fault;
-pub mod gpumap;
-pub mod handover;
-pub mod hold;
-pub mod host_gpus;
-pub mod joblock;
-pub mod keeper;
-pub mod load;
-pub mod logger;
-pub mod parent;
-pub mod pid;
 pub mod plugin;
-pub mod precopy;
-pub mod preload;
-pub mod process;
-pub mod procfs;
-pub mod ptrace;
-pub mod reap;
-pub mod recover;
-pub mod restore;
-pub mod route;
-pub mod sharing;
-pub mod signals;
-pub mod staging;
-pub mod stall;
 
-use criu::{HOOK_SLOTS, PluginDesc, hook};
-
-/// An empty split-path manifest of nspid 1, for tests to fill in what they look at.
-#[cfg(test)]
-pub(crate) fn test_manifest() -> gpusnap_image::Manifest {
-    gpusnap_image::Manifest {
-        format_version: 1,
-        nspid: 1,
-        path: gpusnap_image::CheckpointPath::Split,
-        created_unix_s: 0,
-        gpusnap_version: String::new(),
-        driver_version: 0,
-        gpus: vec![],
-        allocations: vec![],
-        files: vec![],
-        chunks: vec![],
-        timings_s: Default::default(),
-    }
-}
+use gpusnap_host::criu::{self, HOOK_SLOTS, PluginDesc, hook};
 use std::ffi::{c_int, c_void};
 use std::os::fd::{BorrowedFd, IntoRawFd};
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -173,7 +111,7 @@ unsafe extern "C" fn handle_device_vma(fd: c_int, st: *const libc::stat) -> c_in
         if rc != plugin::ENOTSUP {
             return rc;
         }
-        if crate::amd::explain_device_vma(rdev) {
+        if gpusnap_rocm::run::explain_device_vma(rdev) {
             return plugin::ENOTSUP;
         }
         if libc::major(rdev) == NVIDIA_MAJOR {

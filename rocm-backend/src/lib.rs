@@ -14,18 +14,25 @@
 //! - [`kfd::vma`]: which BO a mapping of `/dev/kfd` or a render node shows, and its offset
 //!   after RESTORE (for the plugin's `HANDLE_DEVICE_VMA`/`UPDATE_VMA_MAP`).
 //!
-//! The plugin's `amd` module drives these from CRIU's hooks. What does not exist: an SDMA
-//! copy for VRAM that the CPU cannot map, the HIP split path.
+//! - `run`: AMD's side of a CRIU run ([`run::AmdSide`], a [`gpusnap_host::Backend`]): the
+//!   dump, restore and recover of AMD processes from CRIU's hooks, built on the above.
+//!
+//! Host services (CRIU's ABI and log, `/proc`, ptrace, holds, pids, fault points) come from
+//! `gpusnap-host`, re-exported under their names. What does not exist: an SDMA copy for VRAM
+//! that the CPU cannot map, the HIP split path.
 //!
 //! What was never run: every ioctl against a real KFD and the topology reader against a real
 //! sysfs tree. The build machine has no AMD GPU and no ROCm; the tests cover the layouts, the
 //! ioctl numbers, a fake sysfs tree, the failure paths, and the whole sequence with real CRIU
-//! against the stand-in KFD (`fake-kfd/`).
+//! against the stand-in KFD (`criu-tests/fake-kfd/`).
 
 pub mod bo;
 pub mod gpumatch;
 pub mod kfd;
+pub mod run;
 pub mod topology;
+
+pub use gpusnap_host::{criu, fault, hold, logger, pid, procfs, ptrace, reap, signals};
 
 use std::path::Path;
 

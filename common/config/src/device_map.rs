@@ -1,7 +1,5 @@
 //! Parsing of `device_map`: which GPU of the restore machine stands in for which GPU of the dump.
 
-use gpusnap_cuda::GpuUuid;
-
 /// Parses `"OLD=NEW,OLD=NEW"` into normalised pairs (32 lowercase hex digits each).
 ///
 /// Each UUID is either `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx` (as `nvidia-smi -L` prints it)
@@ -33,25 +31,28 @@ pub fn parse(text: &str) -> Result<Vec<(String, String)>, String> {
     Ok(pairs)
 }
 
-/// Returns the 32 lowercase hex digits of a GPU UUID written in either accepted form.
-///
-/// [`GpuUuid`] reads looser spellings (dashes anywhere); a config names a GPU only as one of
-/// its two written forms, so a mistyped group is refused rather than guessed at.
+/// Returns the 32 lowercase hex digits of a GPU UUID written in either accepted form:
+/// `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx` (the dashes exactly there) or 32 hex digits. A
+/// mistyped group is refused rather than guessed at.
 pub fn normalise_uuid(uuid: &str) -> Result<String, String> {
     let bad = || {
         format!(
             "GPU UUIDs as GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx or 32 hex digits; got `{uuid}`"
         )
     };
-    let parsed: GpuUuid = uuid.parse().map_err(|_| bad())?;
-    let hex = parsed.to_string();
-    let form = if uuid.starts_with("GPU-") {
-        parsed.to_nvml_string()
-    } else {
-        hex.clone()
+    let hex: String = match uuid.strip_prefix("GPU-") {
+        Some(rest) => {
+            let groups: Vec<&str> = rest.split('-').collect();
+            let lens: Vec<usize> = groups.iter().map(|g| g.len()).collect();
+            if lens != [8, 4, 4, 4, 12] {
+                return Err(bad());
+            }
+            groups.concat()
+        }
+        None => uuid.to_owned(),
     };
-    if !uuid.eq_ignore_ascii_case(&form) {
+    if hex.len() != 32 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
         return Err(bad());
     }
-    Ok(hex)
+    Ok(hex.to_ascii_lowercase())
 }

@@ -13,9 +13,9 @@
 //! with ptrace for the modes that move data (the agent releases and loads memory only then) and
 //! lets only the agent's thread run; the target must not be traced by anyone else.
 
-use gpusnap::agent::{AgentSession, RingShape, Transfer};
-use gpusnap::ptrace::{RunningThread, SeizedProcess};
-use gpusnap::staging::Staging;
+use gpusnap_cuda::agent::{AgentSession, RingShape, Transfer};
+use gpusnap_cuda::staging::Staging;
+use gpusnap_host::ptrace::{RunningThread, SeizedProcess};
 use gpusnap_proto::Reply;
 use std::collections::VecDeque;
 use std::io::{Read, Write};
@@ -297,7 +297,8 @@ fn driver(pid: i32, checkpoint: bool) -> Res<()> {
 /// thread first (a tuple drops its fields in order), then detaches every thread: a detach
 /// needs the thread stopped.
 fn hold(pid: i32) -> Res<(RunningThread, SeizedProcess)> {
-    let tid = gpusnap::agent::agent_thread(pid).ok_or("no gpusnap-agent thread in the target")?;
+    let tid =
+        gpusnap_cuda::agent::agent_thread(pid).ok_or("no gpusnap-agent thread in the target")?;
     let seized = SeizedProcess::seize(pid).map_err(|e| format!("seize {pid}: {e}"))?;
     let agent = RunningThread::resume(tid).map_err(|e| format!("resume the agent thread: {e}"))?;
     Ok((agent, seized))

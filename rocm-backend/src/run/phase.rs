@@ -23,9 +23,9 @@
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
-use gpusnap_rocm::kfd::ProcessInfo;
+use crate::kfd::ProcessInfo;
 
-pub use crate::process::ImpossibleMove;
+pub use gpusnap_host::ImpossibleMove;
 
 /// Where one AMD process stands in a dump.
 #[derive(Debug)]

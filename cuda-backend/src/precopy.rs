@@ -69,7 +69,7 @@ pub enum PreCopyError {
         wanted: PathBuf,
     },
     #[error("the NVIDIA driver: {0}")]
-    Driver(#[from] gpusnap_cuda::DriverError),
+    Driver(#[from] crate::DriverError),
     #[error(
         "the process's allocations changed during the round ({0}); nothing of the process was changed: run the round again"
     )]
@@ -123,7 +123,7 @@ pub fn precopy(
     let nspid = procfs::ns_pid(HostPid(pid))
         .map_err(|err| PreCopyError::Proc { pid, err })?
         .get();
-    let api = gpusnap_cuda::driver::api()?;
+    let api = crate::driver::api()?;
     api.init()?;
     let driver = (api.driver_version().unwrap_or(0), api.gpus()?);
 

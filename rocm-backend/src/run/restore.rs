@@ -27,16 +27,16 @@ use std::collections::BTreeMap;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::time::Instant;
 
+use crate::bo::BoMapping;
+use crate::gpumatch::{WantedGpu, match_gpus};
+use crate::kfd::KfdError;
+use crate::kfd::criu;
+use crate::kfd::device::{DeviceFile, KfdDevice, open_device};
+use crate::kfd::sys::{KFD_IOC_ALLOC_MEM_FLAGS_VRAM, KfdCriuBoBucket, KfdCriuDeviceBucket};
+use crate::kfd::vma;
+use crate::topology::{self, Gpu, TopologyError};
 use gpusnap_config::Config;
 use gpusnap_image::{CheckpointPath, ImageError, KfdFileKind, KfdState, KfdVmaNode, Manifest};
-use gpusnap_rocm::bo::BoMapping;
-use gpusnap_rocm::gpumatch::{WantedGpu, match_gpus};
-use gpusnap_rocm::kfd::KfdError;
-use gpusnap_rocm::kfd::criu;
-use gpusnap_rocm::kfd::device::{DeviceFile, KfdDevice, open_device};
-use gpusnap_rocm::kfd::sys::{KFD_IOC_ALLOC_MEM_FLAGS_VRAM, KfdCriuBoBucket, KfdCriuDeviceBucket};
-use gpusnap_rocm::kfd::vma;
-use gpusnap_rocm::topology::{self, Gpu, TopologyError};
 
 use super::data::{self, BoTarget, DataError};
 use super::phase::{ImpossibleMove, RestorePhase};

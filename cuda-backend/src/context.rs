@@ -1,9 +1,9 @@
 //! Settings and handles shared by the hooks of one CRIU run.
 
+use crate::CheckpointApi;
 use crate::datapath::Limits;
-use gpusnap_config::{Compress, Config};
-use gpusnap_cuda::CheckpointApi;
-use gpusnap_cuda::driver::GpuInfo;
+use crate::driver::GpuInfo;
+use gpusnap_config::Config;
 use gpusnap_image::Codec;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::time::Duration;
@@ -28,18 +28,18 @@ pub struct Ctx {
 /// Why no usable NVIDIA driver is here, if none is.
 pub fn driver_absent_reason() -> Option<String> {
     // A named driver library is taken as it is; otherwise the kernel module must be there.
-    let named = std::env::var_os(gpusnap_cuda::driver::LIBCUDA_ENV).is_some_and(|v| !v.is_empty());
+    let named = std::env::var_os(crate::driver::LIBCUDA_ENV).is_some_and(|v| !v.is_empty());
     if !named && !std::path::Path::new("/proc/driver/nvidia/gpus").exists() {
         return Some("no /proc/driver/nvidia/gpus".into());
     }
-    gpusnap_cuda::driver::api().err().map(|e| e.to_string())
+    crate::driver::api().err().map(|e| e.to_string())
 }
 
 /// The driver could not be loaded for a run, or CRIU gave no image directory.
 #[derive(Debug, thiserror::Error)]
 pub enum CtxError {
     #[error(transparent)]
-    Driver(#[from] gpusnap_cuda::DriverError),
+    Driver(#[from] crate::DriverError),
     #[error("CRIU gave no image directory")]
     NoImageDir,
 }
@@ -49,7 +49,7 @@ impl Ctx {
     /// driver library must not be initialised before the restore's forks). `dir`: CRIU's image
     /// directory, as the run fetched it at init.
     pub fn open(cfg: &Config, dir: Option<BorrowedFd<'static>>) -> Result<Self, CtxError> {
-        let api = gpusnap_cuda::driver::api()?;
+        let api = crate::driver::api()?;
         api.init()?;
         let driver_version = api.driver_version().unwrap_or(0);
         let gpus = api.gpus()?;
@@ -103,50 +103,7 @@ impl Ctx {
     }
 }
 
-/// The codec data chunks are written with into `dir`, and why (for the log).
-pub fn codec_for(cfg: &Config, dir: BorrowedFd<'_>) -> (Codec, &'static str) {
-    match cfg.compress {
-        Compress::Off => (Codec::Raw, "compress = off"),
-        Compress::Zstd => (Codec::Zstd, "compress = zstd"),
-        Compress::Auto => match in_memory(dir) {
-            Some(true) => (
-                Codec::Raw,
-                "compress = auto: the image directory is in memory",
-            ),
-            Some(false) => (
-                Codec::Zstd,
-                "compress = auto: the image directory is on a disk",
-            ),
-            None => (
-                Codec::Raw,
-                "compress = auto: the image directory's filesystem is unknown",
-            ),
-        },
-    }
-}
-
-/// Whether `dir` lies on a filesystem held in memory (tmpfs, ramfs, hugetlbfs); `None` when
-/// `fstatfs` fails.
-fn in_memory(dir: BorrowedFd<'_>) -> Option<bool> {
-    const TMPFS_MAGIC: i64 = 0x0102_1994;
-    const RAMFS_MAGIC: i64 = 0x8584_58f6;
-    const HUGETLBFS_MAGIC: i64 = 0x9584_58f6;
-    use std::os::fd::AsRawFd;
-    let mut st = std::mem::MaybeUninit::<libc::statfs>::zeroed();
-    // SAFETY: fstatfs writes one statfs into the buffer we own; checked before it is read.
-    let rc = unsafe { libc::fstatfs(dir.as_raw_fd(), st.as_mut_ptr()) };
-    if rc != 0 {
-        return None;
-    }
-    // f_type is i64 on x86_64, narrower elsewhere.
-    #[allow(clippy::unnecessary_cast)]
-    // SAFETY: fstatfs succeeded, so it filled the struct.
-    let f_type = unsafe { st.assume_init() }.f_type as i64;
-    Some(matches!(
-        f_type,
-        TMPFS_MAGIC | RAMFS_MAGIC | HUGETLBFS_MAGIC
-    ))
-}
+pub use gpusnap_host::codec::codec_for;
 
 /// The data path's limits: how long the agent may show no progress, and its copy streams.
 pub fn limits_of(cfg: &Config) -> Limits {
@@ -167,24 +124,6 @@ pub fn lock_timeout_ms(configured_ms: u64, criu_timeout_s: Option<u32>) -> u32 {
 
 #[cfg(test)]
 mod tests {
-    #[test]
-    fn compress_auto_follows_the_filesystem() {
-        use std::os::fd::AsFd;
-        let mut cfg = gpusnap_config::Config {
-            compress: gpusnap_config::Compress::Auto,
-            ..Default::default()
-        };
-        let shm = std::fs::File::open("/dev/shm").expect("/dev/shm");
-        assert_eq!(super::codec_for(&cfg, shm.as_fd()).0, super::Codec::Raw);
-        // The build tree is on a disk here (CI and the development machine).
-        let disk = std::fs::File::open(env!("CARGO_MANIFEST_DIR")).expect("crate dir");
-        if super::in_memory(disk.as_fd()) == Some(false) {
-            assert_eq!(super::codec_for(&cfg, disk.as_fd()).0, super::Codec::Zstd);
-        }
-        cfg.compress = gpusnap_config::Compress::Off;
-        assert_eq!(super::codec_for(&cfg, disk.as_fd()).0, super::Codec::Raw);
-    }
-
     #[test]
     fn lock_timeout_stays_inside_criu_alarm() {
         assert_eq!(super::lock_timeout_ms(0, Some(10)), 8_000);

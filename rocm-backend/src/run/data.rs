@@ -8,12 +8,12 @@ use std::collections::BTreeMap;
 use std::os::fd::BorrowedFd;
 use std::time::Instant;
 
+use crate::bo::BoMapping;
 use crossbeam_channel::bounded;
 use gpusnap_config::Config;
 use gpusnap_image::{
     ChunkEntry, Codec, DataFileReader, DataFileWriter, FileEntry, ImageError, Manifest,
 };
-use gpusnap_rocm::bo::BoMapping;
 
 /// Why buffer-object contents could not be written or read back.
 #[derive(Debug, thiserror::Error)]

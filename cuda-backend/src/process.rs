@@ -15,9 +15,9 @@
 //! `Untouched` also covers a process that was already locked by someone else at PAUSE: gpusnap
 //! did not lock it, so it does not unlock it.
 
+use crate::ProcessState;
 use crate::datapath::DumpData;
 use crate::pid::NsPid;
-use gpusnap_cuda::ProcessState;
 use gpusnap_image::Manifest;
 
 /// Device data that lives only in gpusnap's image files while the process's memory is released:
@@ -60,13 +60,7 @@ pub enum Phase {
     Checkpointed(Option<MovedData>),
 }
 
-/// A transition the current phase does not allow: a bug in the caller, never a state to act on.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
-#[error("{from} cannot become {to}")]
-pub struct ImpossibleMove {
-    pub from: &'static str,
-    pub to: &'static str,
-}
+pub use gpusnap_host::ImpossibleMove;
 
 impl Phase {
     pub fn name(&self) -> &'static str {

@@ -17,17 +17,17 @@ use std::collections::BTreeMap;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::time::Instant;
 
+use crate::bo::BoMapping;
+use crate::kfd::criu::{self, KfdCheckpoint};
+use crate::kfd::device::{DeviceFile, KfdDevice, device_of, device_of_stat};
+use crate::kfd::vma::{self, BoView, VmaNode};
+use crate::kfd::{KfdError, KfdVersion};
+use crate::topology::{self, Gpu, TopologyError};
 use gpusnap_config::Config;
 use gpusnap_image::{
     AllocationRecord, CheckpointPath, GpuRecord, ImageError, KfdBoRecord, KfdFileKind,
     KfdFileRecord, KfdGpuRecord, KfdState, KfdVmaNode, KfdVmaRecord, Manifest,
 };
-use gpusnap_rocm::bo::BoMapping;
-use gpusnap_rocm::kfd::criu::{self, KfdCheckpoint};
-use gpusnap_rocm::kfd::device::{DeviceFile, KfdDevice, device_of, device_of_stat};
-use gpusnap_rocm::kfd::vma::{self, BoView, VmaNode};
-use gpusnap_rocm::kfd::{KfdError, KfdVersion};
-use gpusnap_rocm::topology::{self, Gpu, TopologyError};
 
 use super::coexist;
 use super::data::{self, BoSource, DataError, Written};
@@ -609,7 +609,7 @@ impl AmdDump {
                 gpu: taken.gpu_index(ckpt.bos[*i].gpu_id),
             })
             .collect();
-        let codec = crate::context::codec_for(&self.cfg, dir).0;
+        let codec = gpusnap_host::codec::codec_for(&self.cfg, dir).0;
         gpusnap_image::remove_process_files(dir, nspid)?;
         let written = data::write_bos(dir, nspid, &sources, &self.cfg, codec)?;
         drop(sources);

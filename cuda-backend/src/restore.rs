@@ -13,8 +13,8 @@ use crate::procfs;
 use crate::ptrace::{self, PtraceError, RunningThread};
 use crate::staging::RingMaker;
 use crate::stall::{self, DriverCall, StallError, Watched};
+use crate::{DriverError, GpuUuid, ParseGpuUuidError};
 use gpusnap_config::{Config, Mode, Verify};
-use gpusnap_cuda::{DriverError, GpuUuid, ParseGpuUuidError};
 use gpusnap_image::{CheckpointPath, ImageError, Manifest};
 use std::collections::HashMap;
 use std::os::fd::BorrowedFd;
@@ -185,7 +185,7 @@ pub type Restored = Vec<(i32, Result<RestoredProcess, RestoreError>)>;
 /// gpusnap files of a process without a manifest (a dump that did not finish) refuse them all.
 /// Runs in `init`, so a truncated or foreign image fails the restore before anything is created.
 pub fn read_manifests(dir: BorrowedFd<'_>) -> Result<HashMap<u32, Manifest>, ImageError> {
-    // AMD (kfd-path) processes are restored by `crate::amd`.
+    // AMD (kfd-path) processes are restored by the ROCm backend.
     Ok(gpusnap_image::read_manifests(dir)?
         .into_iter()
         .filter(|(_, m)| m.path != CheckpointPath::Kfd)
@@ -515,7 +515,7 @@ impl RestoreRun {
                 .name("gpusnap-cuinit".into())
                 .spawn(|| {
                     crate::signals::block_all();
-                    if let Ok(api) = gpusnap_cuda::driver::api()
+                    if let Ok(api) = crate::driver::api()
                         && let Err(e) = api.init()
                     {
                         // Said again, with context, when the restore needs the driver.
@@ -808,7 +808,7 @@ pub fn gpu_plan(
         .map(|g| gpumap::HostGpu {
             uuid: g.uuid.to_string(),
             name: g.name.clone(),
-            free: gpusnap_cuda::nvml::free_memory(&g.uuid),
+            free: crate::nvml::free_memory(&g.uuid),
         })
         .collect();
     let pairs = gpumap::plan(&m.gpus, &need, &host, &ctx.cfg.device_map)?;
@@ -1297,7 +1297,7 @@ mod tests {
 
     #[test]
     fn uuid_pairs_refuse_a_bad_uuid_naming_it() {
-        use gpusnap_cuda::GpuUuid;
+        use crate::GpuUuid;
         let pair = |old: &str, new: &str| gpumap::Pair {
             old: old.into(),
             new: new.into(),

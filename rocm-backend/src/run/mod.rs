@@ -29,9 +29,9 @@ pub mod restore;
 
 use std::os::fd::{BorrowedFd, OwnedFd};
 
+use crate::kfd::device::{KfdDevice, RealKfd};
+use crate::kfd::standin::StandinKfd;
 use gpusnap_config::Config;
-use gpusnap_rocm::kfd::device::{KfdDevice, RealKfd};
-use gpusnap_rocm::kfd::standin::StandinKfd;
 
 use crate::criu::{Reopened, Stage};
 
@@ -40,7 +40,7 @@ pub fn kfd_device() -> Option<Box<dyn KfdDevice>> {
     if let Some(s) = StandinKfd::from_env() {
         return Some(Box::new(s));
     }
-    std::path::Path::new(gpusnap_rocm::kfd::sys::KFD_DEVICE)
+    std::path::Path::new(crate::kfd::sys::KFD_DEVICE)
         .exists()
         .then(|| Box::new(RealKfd) as Box<dyn KfdDevice>)
 }
@@ -152,8 +152,48 @@ impl AmdSide {
     }
 }
 
+/// The AMD side answers CRIU's file and mapping hooks (the KFD is a file CRIU hands to
+/// plugins), and resumes restored processes.
+impl gpusnap_host::Backend for AmdSide {
+    fn name(&self) -> &'static str {
+        "amd"
+    }
+
+    fn dump_ext_file(&mut self, fd: BorrowedFd<'_>, id: u32) -> gpusnap_host::Answer {
+        AmdSide::dump_ext_file(self, fd, id)
+            .map_or(gpusnap_host::Answer::NotMine, gpusnap_host::Answer::of_rc)
+    }
+
+    fn restore_ext_file(&mut self, dir: BorrowedFd<'_>, id: u32) -> Option<Reopened> {
+        AmdSide::restore_ext_file(self, dir, id)
+    }
+
+    fn handle_device_vma(
+        &mut self,
+        fd: BorrowedFd<'_>,
+        mode: u32,
+        rdev: u64,
+    ) -> gpusnap_host::Answer {
+        AmdSide::handle_device_vma(self, fd, mode, rdev)
+            .map_or(gpusnap_host::Answer::NotMine, gpusnap_host::Answer::of_rc)
+    }
+
+    fn update_vma_map(&mut self, path: &str, addr: u64, old: u64) -> Option<(u64, OwnedFd)> {
+        AmdSide::update_vma_map(self, path, addr, old)
+    }
+
+    fn resume_devices_late(&mut self, pid: i32) -> gpusnap_host::Answer {
+        AmdSide::resume_devices_late(self, pid)
+            .map_or(gpusnap_host::Answer::NotMine, gpusnap_host::Answer::of_rc)
+    }
+
+    fn exit(&mut self, ret: i32) {
+        AmdSide::exit(self, ret)
+    }
+}
+
 /// Character-device major of DRM (`/dev/dri/*`).
-const DRM_MAJOR: u32 = gpusnap_rocm::kfd::device::DRM_MAJOR;
+const DRM_MAJOR: u32 = crate::kfd::device::DRM_MAJOR;
 
 /// The major of `/dev/kfd` on this host (allocated at driver load), from `/proc/devices`.
 fn kfd_major() -> Option<u32> {

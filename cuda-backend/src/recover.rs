@@ -13,7 +13,7 @@ use crate::pid::{HostPid, NsPid};
 use crate::process::{MovedData, Phase};
 use crate::procfs;
 use crate::ptrace::{self, PtraceError, SeizedProcess};
-use gpusnap_cuda::{DriverError, ProcessState};
+use crate::{DriverError, ProcessState};
 use gpusnap_image::ImageError;
 use std::path::{Path, PathBuf};
 
@@ -71,8 +71,6 @@ pub enum RecoverError {
     MovedOn { pid: i32 },
     #[error("ending the group stop of pid {pid} (SIGCONT) failed: {err}")]
     Continue { pid: i32, err: std::io::Error },
-    #[error(transparent)]
-    Amd(#[from] crate::amd::recover::RecoverError),
 }
 
 /// A stopped process without a hold record: asks its agent (the one thread found by name)
@@ -110,25 +108,10 @@ fn stopped_without_record(pid: i32) -> Result<(), RecoverError> {
 
 /// Returns what was done, or what went wrong and what to do about it.
 pub fn recover(pid: i32, images: Option<&Path>) -> Result<String, RecoverError> {
-    // An AMD GPU process (it holds a KFD file): its memory never left, only its queues may be
-    // paused.
-    match crate::amd::recover::recover(pid)? {
-        Some(crate::amd::recover::Recovered::Unpaused) => {
-            return Ok(format!(
-                "pid {pid} recovered (AMD GPU queues unpaused); it runs again"
-            ));
-        }
-        Some(crate::amd::recover::Recovered::Running) => {
-            return Ok(format!(
-                "pid {pid}'s AMD GPU queues were not paused: nothing to recover"
-            ));
-        }
-        None => {}
-    }
     // Never beside a dump or pre-copy of the same job (crate::joblock): a live dump's
     // rollback and this recovery would undo the same phases twice.
     let _job_lock = crate::joblock::JobLock::take(crate::pid::HostPid(pid))?;
-    let api = gpusnap_cuda::driver::api()?;
+    let api = crate::driver::api()?;
     api.init()?;
     // A hold of a dump whose CRIU died leaves the process in a group stop, where the driver
     // cannot answer (its own thread in the process is stopped too): take the process over

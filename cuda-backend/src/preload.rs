@@ -19,13 +19,13 @@
 //! the image itself. The keeper must not exit while CRIU restores (CRIU takes a child's exit
 //! then for a failure of its own); it is reaped only from RESUME_DEVICES_LATE on, or in `exit`.
 
+use crate::GpuUuid;
 use crate::agent::{AgentError, AgentSession, LentAllocation};
 use crate::datapath::{self, DataError, LoadStats};
 use crate::gpumap;
 use crate::keeper::{Keeper, KeeperError, KeeperKiller};
 use crate::staging::Staging;
 use gpusnap_config::Config;
-use gpusnap_cuda::GpuUuid;
 use gpusnap_image::{CheckpointPath, Manifest};
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::fd::BorrowedFd;
@@ -185,8 +185,8 @@ impl Preload {
     /// Starts a keeper for the process of `m` (`init(RESTORE)`); it makes its contexts on
     /// `gpus` (the plan's) while CRIU forks the tree.
     pub fn start(cfg: &Config, m: &Manifest, gpus: &[[u8; 16]]) -> Result<Preload, KeeperError> {
-        let libcuda = keeper_libcuda_override()
-            .unwrap_or_else(|| gpusnap_cuda::driver::libcuda_path().into());
+        let libcuda =
+            keeper_libcuda_override().unwrap_or_else(|| crate::driver::libcuda_path().into());
         let keeper = Keeper::spawn(
             &cfg.keeper,
             Some(libcuda.as_path()),

@@ -13,8 +13,8 @@ use crate::procfs::{self, Stat};
 use crate::ptrace::{self, PtraceError, RunningThread};
 use crate::staging::{RingShape, Staging};
 use crate::stall::{self, DriverCall, StallError, Watched};
+use crate::{DriverError, ProcessState};
 use gpusnap_config::Mode;
-use gpusnap_cuda::{DriverError, ProcessState};
 use gpusnap_image::{AllocationRecord, CheckpointPath, ImageError, IoOp, Manifest};
 use gpusnap_proto::hazard;
 use std::os::fd::BorrowedFd;
@@ -125,7 +125,7 @@ fn driver(what: &'static str) -> impl FnOnce(DriverError) -> DumpError {
 /// Free descriptors a job with the agent must have under its soft `RLIMIT_NOFILE` for a
 /// dump: the plugin's connection, the staging ring, the descriptors a rollback's reload and a
 /// hand-over's reclaim open, with room to spare.
-pub const AGENT_DESCRIPTORS_NEEDED: u64 = 16;
+pub const AGENT_DESCRIPTORS_NEEDED: u64 = 8;
 
 /// PAUSE_DEVICES: the process still runs. `Ok(None)`: not a CUDA process.
 pub fn pause(ctx: &Ctx, pid: i32) -> Result<Option<Tracked>, DumpError> {
@@ -338,7 +338,7 @@ fn is_live_mps_process(stat: &str) -> bool {
 /// there as soon as it starts, so that the lend on the job's pause is only the imports (on the
 /// H200 the context made at the first `Adopt` was most of the lend's 0.14 s at 16 GiB).
 fn lending_gpus(
-    gpus: &[gpusnap_cuda::driver::GpuInfo],
+    gpus: &[crate::driver::GpuInfo],
     listed: &[(AllocationRecord, gpusnap_proto::AllocKind)],
 ) -> Vec<[u8; 16]> {
     gpus.iter()
@@ -370,7 +370,7 @@ fn keeper_for(
     // the job has mapped: never a library the job chose.
     let libcuda = match crate::preload::keeper_libcuda_override() {
         Some(named) => named,
-        None => match crate::keeper::host_library_for(pid, &gpusnap_cuda::driver::libcuda_path()) {
+        None => match crate::keeper::host_library_for(pid, &crate::driver::libcuda_path()) {
             Ok(host) => host,
             Err(e) => {
                 log::warn!(
@@ -1560,7 +1560,7 @@ fn new_manifest(
 pub fn manifest_of(
     nspid: u32,
     path: CheckpointPath,
-    driver: (i32, &[gpusnap_cuda::driver::GpuInfo]),
+    driver: (i32, &[crate::driver::GpuInfo]),
     allocations: Vec<AllocationRecord>,
     data: &datapath::DumpData,
 ) -> Manifest {
@@ -1963,11 +1963,11 @@ mod tests {
 
     #[test]
     fn the_keeper_prepares_only_the_gpus_of_memory_it_will_be_lent() {
-        use gpusnap_cuda::driver::GpuInfo;
+        use crate::driver::GpuInfo;
         use gpusnap_proto::AllocKind;
         let gpu = |ordinal: u32, byte: u8| GpuInfo {
             ordinal,
-            uuid: gpusnap_cuda::GpuUuid::from_bytes([byte; 16]),
+            uuid: crate::GpuUuid::from_bytes([byte; 16]),
             name: "NVIDIA H200".into(),
             total_mem: 1 << 30,
         };

@@ -7,10 +7,10 @@ use std::io;
 use std::os::fd::AsFd;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 
+use crate::kfd::KfdError;
+use crate::kfd::criu;
+use crate::kfd::device::{DeviceFile, KfdDevice};
 use gpusnap_proto::{pidfd_getfd, pidfd_open};
-use gpusnap_rocm::kfd::KfdError;
-use gpusnap_rocm::kfd::criu;
-use gpusnap_rocm::kfd::device::{DeviceFile, KfdDevice};
 
 use crate::procfs;
 use crate::ptrace::SeizedProcess;

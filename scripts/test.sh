@@ -8,7 +8,8 @@
 # 3. the structure check, python3 scripts/structure.py (the crates' layers, import cycles and
 #    module maps against scripts/layers.toml; its unit tests, scripts/test_*.py, first); skipped
 #    with a message if python3 is missing
-# 4. cargo clippy --workspace --all-targets -- -D warnings
+# 4. cargo clippy --workspace --all-targets -- -D warnings, then cargo doc (broken intra-doc
+#    links are errors)
 # 5. the GPU harness's Python unit tests (gpu/test_*.py: the tick checker), on the CPU; skipped
 #    with a message if python3 is missing
 # 6. cargo test --workspace --no-fail-fast  (includes criu-tests: real criu dump/restore, and the
@@ -115,6 +116,11 @@ fi
 
 step "cargo clippy --workspace --all-targets -- -D warnings"
 cargo clippy --workspace --all-targets -- -D warnings || fail "clippy reported warnings or errors"
+
+# The docs' links between items are checked: a moved or renamed item breaks them here first.
+step "cargo doc --workspace --no-deps (broken intra-doc links are errors)"
+RUSTDOCFLAGS="-D rustdoc::broken_intra_doc_links" cargo doc --workspace --no-deps --quiet ||
+    fail "cargo doc found broken intra-doc links"
 
 # The GPU scripts run only on a GPU machine; the parts of them that need none are tested here.
 if command -v python3 >/dev/null; then

@@ -3,8 +3,8 @@
 //! first: the file and the `GPUSNAP_*` environment read as the plugin reads them, each
 //! problem a line of its own.
 //!
-//! Where Podman is installed, [`crate::check_containers`] adds what container checkpoints need;
-//! [`crate::check_cdi`] checks the CDI spec that gives containers the agent.
+//! Where Podman is installed, `containers` adds what container checkpoints need; `cdi` checks
+//! the CDI spec that gives containers the agent; `amd` what AMD GPUs need.
 //!
 //! Environment: `GPUSNAP_CRIU` (criu binary), `CRIU_LIBS_DIR` (CRIU's plugin directory),
 //! `GPUSNAP_AGENT_LIB` (the agent library), `GPUSNAP_LIBCUDA` (driver library to probe, default
@@ -17,6 +17,8 @@ use std::process::{Command, ExitCode};
 use crate::util::{EXIT_PROBLEM, EXIT_USAGE};
 
 mod amd;
+mod cdi;
+mod containers;
 
 pub(crate) const MIN_CRIU: (u32, u32, u32) = (4, 1, 1);
 /// The first CRIU with the POST_FORKING plugin hook.
@@ -99,8 +101,8 @@ pub fn run(args: &[String]) -> ExitCode {
     if let Ok(mounts) = std::fs::read_to_string("/proc/mounts") {
         findings.extend(shm_huge_pages(&mounts));
     }
-    findings.extend(crate::check_containers::findings(criu.as_ref()));
-    findings.extend(crate::check_cdi::findings());
+    findings.extend(containers::findings(criu.as_ref()));
+    findings.extend(cdi::findings());
     for f in &findings {
         println!("{}", f.line());
     }

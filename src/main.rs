@@ -7,6 +7,9 @@
 //! - `precopy PID --images DIR [--parent PATH]`: copy a running process's device data ahead of
 //!   its dump, so the dump copies only what changed.
 //!
+//! One module each: `inspect`, `verify`, `check` (with its `amd`, `cdi` and `containers`
+//! parts), `recover`, `precopy`; `util` holds the exit codes and the shared helpers.
+//!
 //! Image bytes are parsed only by the `gpusnap-image` crate; this binary formats what it returns.
 //! `gpusnap SUB --help` and `gpusnap help SUB` describe a subcommand. Exit codes ([`util::EXITS`],
 //! `docs/cli.md`): 0 ok, 1 a problem found (damage, a failed check, a failed recover), 2 usage
@@ -15,8 +18,6 @@
 //! reports such problems as findings: a `fail` line, exit 1, never 4.
 
 mod check;
-mod check_cdi;
-mod check_containers;
 mod inspect;
 mod precopy;
 mod recover;

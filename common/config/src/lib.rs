@@ -17,7 +17,9 @@
 //!
 //! `common/config/gpusnap.conf.example` documents every key.
 //!
-//! This crate only parses and validates; it does not act on any value.
+//! This crate only parses and validates; it does not act on any value. Modules: `keys` (every
+//! key, its type and its environment name), `file` (the TOML file), `device_map` (which GPU
+//! stands in for which), `error` ([`ConfigError`]).
 
 mod device_map;
 mod error;

@@ -18,7 +18,9 @@ use std::fs::File;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::fs::MetadataExt;
 
-use crate::manifest::read_manifest_local;
+use crate::manifest::{
+    check_for_write, encode_manifest_unchecked, read_manifest_local, write_manifest_bytes,
+};
 use crate::validate::validate_structure;
 use crate::{
     AllocationRecord, CheckpointPath, ChunkEntry, ChunkHashes, DataFileReader, ImageError, IoOp,
@@ -474,4 +476,26 @@ pub fn parent_for_dedup(
         }
     }
     ParentImage::Usable(index)
+}
+
+/// Reads, checks and returns the manifest of process `nspid`. Validates everything that can be
+/// checked without reading chunk data (see `docs/image-format.md`, "What readers refuse"): the
+/// header line, checksum, version, JSON schema, every name, every data file's existence, exact
+/// size and header, every chunk's bounds, overlaps, allocations and sums; and, if chunks
+/// reference ancestor images, the `parent` chain, each ancestor's manifest and data files as
+/// above, and that every reference matches the ancestor's own record of the chunk.
+pub fn read_manifest(dir: BorrowedFd<'_>, nspid: u32) -> Result<Manifest, ImageError> {
+    let m = read_manifest_local(dir, nspid)?;
+    open_ancestors(dir, &m)?;
+    Ok(m)
+}
+
+/// Writes `m` as `gpusnap-<nspid>-manifest.img`, after checking it as [`read_manifest`] would
+/// (data files and referenced ancestors included), so a manifest that a restore would refuse
+/// is never written. Atomic: written to `gpusnap-<nspid>-manifest.img.tmp`, fsynced, then
+/// renamed over the final name.
+pub fn write_manifest(dir: BorrowedFd<'_>, m: &Manifest) -> Result<(), ImageError> {
+    check_for_write(dir, m)?;
+    open_ancestors(dir, m)?;
+    write_manifest_bytes(dir, m.nspid, &encode_manifest_unchecked(m))
 }

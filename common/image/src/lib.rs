@@ -54,7 +54,7 @@ mod mutation_tests;
 
 pub use chain::{
     Ancestors, ChunkSources, DedupIndex, MAX_CHAIN_DEPTH, PARENT_LINK, ParentImage, open_ancestors,
-    open_parent_dir, parent_for_dedup, verify_parent,
+    open_parent_dir, parent_for_dedup, read_manifest, verify_parent, write_manifest,
 };
 pub use devfile::{
     DEVFILE_MAGIC, DevFileRecord, decode_dev_file, devfile_name, encode_dev_file,
@@ -72,7 +72,7 @@ pub use kfd::{
 };
 pub use manifest::{
     AllocationRecord, CheckpointPath, ChunkEntry, Codec, FileEntry, GpuRecord, MANIFEST_MAGIC,
-    MAX_MANIFEST_BODY, Manifest, encode_manifest_unchecked, read_manifest, write_manifest,
+    MAX_MANIFEST_BODY, Manifest, encode_manifest_unchecked,
 };
 pub use names::{
     ImageFileKind, STATS_FILE_NAME, data_file_name, failed_marker_name, list_image_files,

@@ -14,7 +14,7 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use crate::names::manifest_tmp_name;
 use crate::{
-    FORMAT_VERSION, ImageError, ImageFileKind, IoOp, READ_MANIFEST_VERSIONS, chain, data_file_name,
+    FORMAT_VERSION, ImageError, ImageFileKind, IoOp, READ_MANIFEST_VERSIONS, data_file_name,
     manifest_file_name, parse_file_name, sys, validate,
 };
 
@@ -248,11 +248,9 @@ impl Manifest {
     }
 }
 
-/// Writes `m` as `gpusnap-<nspid>-manifest.img`, after checking it as [`read_manifest`] would
-/// (data files and referenced ancestors included), so a manifest that a restore would refuse
-/// is never written. Only [`FORMAT_VERSION`] is written. Atomic:
-/// written to `gpusnap-<nspid>-manifest.img.tmp`, fsynced, then renamed over the final name.
-pub fn write_manifest(dir: BorrowedFd<'_>, m: &Manifest) -> Result<(), ImageError> {
+/// The checks [`crate::write_manifest`] makes of `m` before writing it, but the ancestors':
+/// only [`FORMAT_VERSION`] is written, and a manifest a restore would refuse never is.
+pub(crate) fn check_for_write(dir: BorrowedFd<'_>, m: &Manifest) -> Result<(), ImageError> {
     let name = manifest_file_name(m.nspid);
     if m.format_version != FORMAT_VERSION {
         return Err(ImageError::UnsupportedVersion {
@@ -262,9 +260,7 @@ pub fn write_manifest(dir: BorrowedFd<'_>, m: &Manifest) -> Result<(), ImageErro
     }
     validate::validate_structure(m, &name)?;
     validate::validate_files(dir, m, &name)?;
-    check_kfd_state(dir, m)?;
-    chain::open_ancestors(dir, m)?;
-    write_manifest_bytes(dir, m.nspid, &encode_manifest_unchecked(m))
+    check_kfd_state(dir, m)
 }
 
 /// The bytes of a manifest file for `m`, without any validation. For tests, fuzzing and tools
@@ -388,19 +384,7 @@ fn parse_header_line(head: &[u8], file: &str) -> Result<HeaderLine, ImageError> 
     })
 }
 
-/// Reads, checks and returns the manifest of process `nspid`. Validates everything that can be
-/// checked without reading chunk data (see `docs/image-format.md`, "What readers refuse"): the
-/// header line, checksum, version, JSON schema, every name, every data file's existence, exact
-/// size and header, every chunk's bounds, overlaps, allocations and sums; and, if chunks
-/// reference ancestor images, the `parent` chain, each ancestor's manifest and data files as
-/// above, and that every reference matches the ancestor's own record of the chunk.
-pub fn read_manifest(dir: BorrowedFd<'_>, nspid: u32) -> Result<Manifest, ImageError> {
-    let m = read_manifest_local(dir, nspid)?;
-    chain::open_ancestors(dir, &m)?;
-    Ok(m)
-}
-
-/// [`read_manifest`] without following references to ancestor images.
+/// [`crate::read_manifest`] without following references to ancestor images.
 pub(crate) fn read_manifest_local(dir: BorrowedFd<'_>, nspid: u32) -> Result<Manifest, ImageError> {
     let name = manifest_file_name(nspid);
     let (file, size) = sys::open_regular(dir, &name)?;

@@ -14,7 +14,8 @@
 //! 1. Foundation, no CUDA: `log` (debug lines with `GPUSNAP_AGENT_DEBUG=1`, and the few errors
 //!    always written; `debug!` reads the setting where it is expanded), `config` (environment
 //!    settings; a bad one turns the agent off), `guard` (no panic into C), `role` (application
-//!    or keeper), `hazards`, `plan` (pure planning).
+//!    or keeper), `hazards`, `plan` (pure planning), `fd_budget` (the program's descriptor
+//!    budget, never eaten into), `identity` (this process's random key for its shares).
 //! 2. The driver: `calls` (the one list of interposed calls), `real` (glibc's `dlsym` and the
 //!    table of real libcuda functions, its hooked entries expanded from `calls`), `cu` (checked
 //!    one-call wrappers over that table, with readable errors).
@@ -25,11 +26,13 @@
 //!    machine), `convert` (the allocation and free paths behind the hooks), `staging` (the
 //!    shared ring), `devhash` (chunk hashes computed on the GPU by the agent's own kernel),
 //!    `session` (what the data operations share), `held` (whether a tracer holds the process:
-//!    releases and loads happen only then).
+//!    releases and loads happen only then), `own_fds` (descriptors the agent keeps across a
+//!    hand-over).
 //! 5. The operations: `dump`, `lend` (the hand-over in the job: export, release with
 //!    descriptors kept, reclaim), `restore`, `take`.
 //! 6. The top: `ipc` (legacy CUDA IPC served for converted allocations, and what a dump needs
-//!    of those shares; see docs/ipc.md), `server` (the agent thread, its socket and request
+//!    of those shares; see docs/ipc.md), `shareable` (the program's own shareable handles,
+//!    `cuMemExportToShareableHandle`), `server` (the agent thread, its socket and request
 //!    dispatch), `hooks` (the exported
 //!    interposers: `dlsym`, `cuGetProcAddress*`, `cuMem*`), `keeper` (the other side of the
 //!    hand-over, run by the `gpusnap-keeper` process), `fork` (`pthread_atfork` handlers).

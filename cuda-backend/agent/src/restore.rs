@@ -114,7 +114,7 @@ fn recreate(drv: &Driver, spans: &[Span], released: &[bool]) -> Result<usize, Fa
             .app_prop(s.addr);
         // At the reservation in this process (a keeper's may lie elsewhere than the job's).
         let handle = vmm::back(drv, s.device, s.at, s.size, prop.as_ref())?;
-        if let Some(p) = prop.filter(|_| crate::keeper::active())
+        if let Some(p) = prop.filter(|_| crate::role::keeper())
             && let Err(f) = made_as_asked(drv, handle, &p, s.addr)
         {
             let _ = vmm::unback(drv, s.at, s.size, handle);

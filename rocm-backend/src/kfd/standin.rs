@@ -57,12 +57,12 @@ pub mod request {
     /// Stand-in process API (what ROCr would do through other KFD ioctls): bind a GPU.
     /// payload: gpu_id u32; fds: [kfd, render node].
     pub const ACQUIRE_VM: u32 = 3;
-    /// Allocate a buffer object. payload: gpu_id u32, flags u32, va u64, size u64; fds: [kfd].
+    /// Allocate a buffer object. payload: gpu_id u32, flags u32, va u64, size u64; fds: `[kfd]`.
     /// Reply payload: mmap offset u64.
     pub const ALLOC: u32 = 4;
     /// Start the process's queue: a "kernel" that fills BO `va` with a pattern of `seed` once,
     /// then counts ticks into the first 8 bytes of BO `counter_va` while the queue runs.
-    /// payload: va u64, seed u64, counter_va u64; fds: [kfd].
+    /// payload: va u64, seed u64, counter_va u64; fds: `[kfd]`.
     pub const START: u32 = 5;
     /// Tests: the state of the KFD process of `pid`, as JSON. payload: pid u32.
     pub const STATUS: u32 = 6;

@@ -17,7 +17,7 @@ use std::process::Command;
 
 use serde_json::Value;
 
-use crate::check::Finding;
+use super::Finding;
 
 /// The spec the package installs.
 pub const SPEC: &str = "/etc/cdi/gpusnap.json";
@@ -215,7 +215,7 @@ mod tests {
 
     /// The spec `scripts/build-deb.sh` installs, read from the script itself.
     fn packaged_spec() -> String {
-        let script = include_str!("../scripts/build-deb.sh");
+        let script = include_str!("../../scripts/build-deb.sh");
         let start = script
             .find("<<'SPEC'\n")
             .expect("build-deb.sh writes the spec with <<'SPEC'")

@@ -15,7 +15,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use crate::check::{CriuSeen, Finding, MIN_CRIU, parse_criu_version};
+use super::{CriuSeen, Finding, MIN_CRIU, parse_criu_version};
 
 /// Podman's default `nofile` ulimit for containers (hard and soft).
 const PODMAN_DEFAULT_NOFILE: u64 = 1 << 20;

@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import faults  # noqa: E402
 
 FAULT_RS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                        "plugin", "src", "fault.rs")
+                        "common", "host", "src", "fault.rs")
 
 
 class Points(unittest.TestCase):

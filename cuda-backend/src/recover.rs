@@ -281,3 +281,18 @@ pub fn recover(pid: i32, images: Option<&Path>) -> Result<String, RecoverError> 
         format!("pid {pid} recovered ({}); it runs again", done.join(", "))
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::RecoverError;
+
+    /// An interrupted dump has no usable image: the advice for a job whose hold record is lost
+    /// must not send the user to it (it once said "restore it from its image").
+    #[test]
+    fn a_lost_hold_record_does_not_point_at_the_interrupted_dumps_image() {
+        let text = RecoverError::StoppedReleased { pid: 7 }.to_string();
+        assert!(!text.contains("restore it from its image"), "{text}");
+        assert!(text.contains("no usable image"), "{text}");
+        assert!(text.contains("Do not continue it"), "{text}");
+    }
+}

@@ -70,6 +70,7 @@ fn make_image(dir: BorrowedFd<'_>, nspid: u32) -> Manifest {
         files: vec![w0.finish().unwrap(), w1.finish().unwrap()],
         chunks,
         timings_s: BTreeMap::from([("lock".to_string(), 0.002), ("data".to_string(), 0.5)]),
+        requires: None,
     };
     write_manifest(dir, &m).unwrap();
     m
@@ -135,6 +136,7 @@ fn make_amd_image(dir: BorrowedFd<'_>, nspid: u32) -> Manifest {
         files: vec![w.finish().unwrap()],
         chunks: vec![chunk],
         timings_s: BTreeMap::new(),
+        requires: None,
     };
     write_manifest(dir, &m).unwrap();
     m

@@ -264,6 +264,7 @@ fn write_fake_gpu_state(dir: &Path, nspid: u32) -> Manifest {
         files,
         chunks,
         timings_s: [("lock".to_string(), 0.001)].into_iter().collect(),
+        requires: None,
     };
     write_manifest(d.as_fd(), &m).unwrap();
     m

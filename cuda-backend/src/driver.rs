@@ -10,6 +10,11 @@
 //! and a value they do not list (a newer driver's error code, or CUDA 13.4's CHECKPOINTING and
 //! RESTORING states) would be undefined behaviour in them. The argument structs are cudarc's
 //! (plain integers, pointers and bytes); their layouts are tested against cuda.h below.
+//!
+//! [`stack`]: the driver stack a process ran on (kernel driver version, driver library digest),
+//! recorded at a dump and checked of the node at a restore's `init`.
+
+pub mod stack;
 
 use crate::GpuUuid;
 use cudarc::driver::sys::{

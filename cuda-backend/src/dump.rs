@@ -1543,8 +1543,10 @@ fn new_manifest(
     allocations: Vec<AllocationRecord>,
     data: &datapath::DumpData,
 ) -> Manifest {
+    let requires = crate::driver::stack::requirements(t.pid, &allocations);
     Manifest {
         timings_s: t.timings.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+        requires: Some(requires),
         ..manifest_of(
             t.nspid.get(),
             path,
@@ -1588,6 +1590,7 @@ pub fn manifest_of(
         files: data.files.clone(),
         chunks: data.chunks.clone(),
         timings_s: Default::default(),
+        requires: None,
     }
 }
 

@@ -75,6 +75,7 @@ pub(crate) fn test_manifest() -> gpusnap_image::Manifest {
         files: vec![],
         chunks: vec![],
         timings_s: Default::default(),
+        requires: None,
     }
 }
 

@@ -366,11 +366,11 @@ impl RestoreRun {
             );
             return RestoreInit::Refused;
         }
-        match early_gpu_check(&run.manifests, &run.cfg.device_map) {
+        match node_check(&run.manifests, &run.cfg) {
             Ok(plan) => run.early_plan = plan,
             Err(e) => {
                 log::error!(
-                    "restore refused: {e} (checked against /proc/driver/nvidia before CRIU restored any process); nothing was restored and no GPU was touched"
+                    "restore refused: {e} (checked against /proc/driver/nvidia and the driver library before CRIU restored any process); nothing was restored and no GPU was touched"
                 );
                 return RestoreInit::Refused;
             }
@@ -714,16 +714,72 @@ fn moved_bytes_on(m: &Manifest, device: u32) -> u64 {
         .sum()
 }
 
+/// Why this node cannot take the image: every mismatch found, in one message.
+#[derive(Debug, thiserror::Error)]
+#[error("this node cannot take the image: {}", numbered(.0))]
+pub struct NodeRefusal(pub Vec<NodeMismatch>);
+
+/// One reason of a [`NodeRefusal`].
+#[derive(Debug, thiserror::Error)]
+pub enum NodeMismatch {
+    #[error(transparent)]
+    DriverStack(#[from] crate::driver::stack::Mismatch),
+    #[error(transparent)]
+    Gpus(#[from] RestoreError),
+}
+
+fn numbered(v: &[NodeMismatch]) -> String {
+    if let [one] = v {
+        return one.to_string();
+    }
+    v.iter()
+        .enumerate()
+        .map(|(i, m)| format!("({}) {m}", i + 1))
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// Everything `init` checks of this node before CRIU creates any process, every mismatch at
+/// once: the driver stack ([`crate::driver::stack::check_node`]: kernel driver version, driver
+/// library) and the GPUs ([`early_gpu_check`]: models, UUIDs, `device_map`). On success, the
+/// early GPU plan.
+pub fn node_check(
+    manifests: &HashMap<u32, Manifest>,
+    cfg: &Config,
+) -> Result<HashMap<u32, Vec<gpumap::Pair>>, NodeRefusal> {
+    let mut ms: Vec<&Manifest> = manifests.values().collect();
+    ms.sort_by_key(|m| m.nspid);
+    let node_kernel = crate::driver::stack::kernel_driver_version();
+    let mut problems: Vec<NodeMismatch> = crate::driver::stack::check_node(
+        ms.iter().copied(),
+        node_kernel.as_deref(),
+        cfg.allow_other_kernel_driver,
+    )
+    .into_iter()
+    .map(NodeMismatch::from)
+    .collect();
+    let plan = early_gpu_check_in(&crate::host_gpus::proc_dir(), manifests, &cfg.device_map);
+    match plan {
+        Ok(plan) if problems.is_empty() => Ok(plan),
+        Ok(_) => Err(NodeRefusal(problems)),
+        Err(gpu) => {
+            problems.extend(gpu.into_iter().map(NodeMismatch::from));
+            Err(NodeRefusal(problems))
+        }
+    }
+}
+
 /// The GPU plan of every process against the GPUs the kernel driver lists (model and UUID; free
 /// memory is checked later, by [`gpu_plan`]), in `init`, before CRIU restores any process. Where
 /// the list cannot be read, or cannot speak for the image's GPUs, the check is left to
 /// [`gpu_plan`] and `Ok` is returned: MIG instances (CUDA names them `... MIG ...` and gives them
 /// their own UUIDs, while the list holds the physical GPUs) and a configured `device_map` (whose
 /// targets may be such instances).
+/// Every process's problem is returned (one per process).
 pub fn early_gpu_check(
     manifests: &HashMap<u32, Manifest>,
     device_map: &[(String, String)],
-) -> Result<HashMap<u32, Vec<gpumap::Pair>>, RestoreError> {
+) -> Result<HashMap<u32, Vec<gpumap::Pair>>, Vec<RestoreError>> {
     early_gpu_check_in(&crate::host_gpus::proc_dir(), manifests, device_map)
 }
 
@@ -732,7 +788,7 @@ fn early_gpu_check_in(
     dir: &std::path::Path,
     manifests: &HashMap<u32, Manifest>,
     device_map: &[(String, String)],
-) -> Result<HashMap<u32, Vec<gpumap::Pair>>, RestoreError> {
+) -> Result<HashMap<u32, Vec<gpumap::Pair>>, Vec<RestoreError>> {
     let none = HashMap::new();
     if manifests
         .values()
@@ -752,15 +808,23 @@ fn early_gpu_check_in(
     let mut ms: Vec<&Manifest> = manifests.values().filter(|m| !m.gpus.is_empty()).collect();
     ms.sort_by_key(|m| m.nspid);
     let mut plan = HashMap::new();
+    let mut problems = Vec::new();
     for m in ms {
-        let pairs =
-            plan_against_listing(m, &host, device_map).map_err(|err| RestoreError::GpuPlan {
+        match plan_against_listing(m, &host, device_map) {
+            Ok(pairs) => {
+                plan.insert(m.nspid, pairs);
+            }
+            Err(err) => problems.push(RestoreError::GpuPlan {
                 nspid: Some(m.nspid),
                 err,
-            })?;
-        plan.insert(m.nspid, pairs);
+            }),
+        }
     }
-    Ok(plan)
+    if problems.is_empty() {
+        Ok(plan)
+    } else {
+        Err(problems)
+    }
 }
 
 /// [`gpumap::plan`] against the kernel driver's listing. A listed GPU with a UUID of the image is
@@ -1265,9 +1329,7 @@ mod tests {
         )
         .unwrap();
         let one = |name: &str| HashMap::from([(7, manifest(vec![gpu(&"a".repeat(32), name)]))]);
-        let e = early_gpu_check_in(&dir, &one("NVIDIA H200"), &[])
-            .unwrap_err()
-            .to_string();
+        let e = early_gpu_check_in(&dir, &one("NVIDIA H200"), &[]).unwrap_err()[0].to_string();
         assert!(e.contains("is not on this host"), "{e}");
         assert!(early_gpu_check_in(&dir, &one("NVIDIA H100 80GB HBM3 MIG 1g.10gb"), &[]).is_ok());
         let map = [("a".repeat(32), "0".repeat(30) + "bb")];

@@ -210,6 +210,7 @@ fn structured(d: &Dir, data: &[u8]) {
         files,
         chunks,
         timings_s: Default::default(),
+        requires: None,
     };
     write_manifest(fd, &m).expect("a freshly written image is accepted");
     assert_eq!(read_manifest(fd, NSPID).unwrap(), m);

@@ -172,6 +172,13 @@ pub(crate) const KEYS: &[Key] = &[
         },
     },
     Key {
+        name: "allow_other_kernel_driver",
+        set: |c, r, o| {
+            c.allow_other_kernel_driver = boolean(r, o)?;
+            Ok(())
+        },
+    },
+    Key {
         name: "log_level",
         set: |c, r, o| {
             c.log_level = match string(r, o, LOG_LEVELS)? {

@@ -209,6 +209,10 @@ pub struct Config {
     pub lock_timeout_ms: u64,
     /// (old GPU UUID, new GPU UUID) pairs, each as 32 lowercase hex digits.
     pub device_map: Vec<(String, String)>,
+    /// A restore may run on a node whose NVIDIA kernel driver has another version than the
+    /// dump's (false: refused at the restore's first hook). The driver library the process had
+    /// mapped must be the same file either way.
+    pub allow_other_kernel_driver: bool,
     /// `None`: follow CRIU's log level.
     pub log_level: Option<LogLevel>,
 }
@@ -231,6 +235,7 @@ impl Default for Config {
             agent_timeout_ms: 30_000,
             lock_timeout_ms: 0,
             device_map: Vec::new(),
+            allow_other_kernel_driver: false,
             log_level: None,
         }
     }
@@ -327,6 +332,11 @@ impl Config {
                 let _ = write!(s, "{sep}{old}={new}");
             }
         }
+        let _ = write!(
+            s,
+            " allow_other_kernel_driver={}",
+            self.allow_other_kernel_driver
+        );
         let _ = write!(
             s,
             " log_level={}",

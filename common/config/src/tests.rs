@@ -121,6 +121,7 @@ keeper = "/opt/gpusnap/gpusnap-keeper"
 agent_timeout_ms = 100
 lock_timeout_ms = 3600000
 device_map = "{UUID_A}={UUID_B}"
+allow_other_kernel_driver = true
 log_level = "debug"
 "#
     ))
@@ -141,6 +142,7 @@ log_level = "debug"
         agent_timeout_ms: 100,
         lock_timeout_ms: 3_600_000,
         device_map: vec![(HEX_A.to_owned(), HEX_B.to_owned())],
+        allow_other_kernel_driver: true,
         log_level: Some(LogLevel::Debug),
     };
     assert_eq!(c, expected);

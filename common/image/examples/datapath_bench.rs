@@ -143,6 +143,7 @@ fn main() {
         files,
         chunks,
         timings_s: Default::default(),
+        requires: None,
     };
     let t0 = Instant::now();
     write_manifest(dir.as_fd(), &m).expect("manifest");

@@ -104,6 +104,7 @@ fn main() {
         files,
         chunks,
         timings_s: BTreeMap::from([("data".to_string(), 1.0)]),
+        requires: None,
     };
     write_manifest(fd, &m).expect("write the manifest");
     let size = std::fs::metadata(format!("{path}/{}", manifest_file_name(nspid)))

@@ -77,6 +77,7 @@ fn main() {
             files: vec![file],
             chunks: entries,
             timings_s: BTreeMap::new(),
+            requires: None,
         };
         write_manifest(fd, &m).unwrap();
         let m = read_manifest(fd, 1).unwrap();

@@ -76,6 +76,7 @@ fn manifest(nspid: u32, chunks: Vec<ChunkEntry>, files: Vec<FileEntry>) -> Manif
         files,
         chunks,
         timings_s: BTreeMap::new(),
+        requires: None,
     }
 }
 

@@ -115,6 +115,7 @@ fn manifest(nspid: u32, files: Vec<FileEntry>, chunks: Vec<ChunkEntry>) -> Manif
         files,
         chunks,
         timings_s: BTreeMap::from([("data".to_string(), 0.5)]),
+        requires: None,
     }
 }
 

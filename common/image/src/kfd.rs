@@ -698,6 +698,7 @@ mod tests {
             files: vec![],
             chunks: vec![],
             timings_s: Default::default(),
+            requires: None,
         }
     }
 

@@ -71,8 +71,9 @@ pub use kfd::{
     read_kfd_state, validate_kfd_state, write_kfd_file, write_kfd_state,
 };
 pub use manifest::{
-    AllocationRecord, CheckpointPath, ChunkEntry, Codec, FileEntry, GpuRecord, MANIFEST_MAGIC,
-    MAX_MANIFEST_BODY, Manifest, encode_manifest_unchecked,
+    AllocationRecord, CheckpointPath, ChunkEntry, Codec, FileEntry, GpuRecord, LibraryDigest,
+    MANIFEST_MAGIC, MAX_MANIFEST_BODY, MAX_REQUIREMENT_TEXT, Manifest, Requirements,
+    encode_manifest_unchecked,
 };
 pub use names::{
     ImageFileKind, STATS_FILE_NAME, data_file_name, failed_marker_name, list_image_files,
@@ -96,12 +97,14 @@ pub const BUILD: &str = env!("GPUSNAP_BUILD");
 /// `zero` codec (chunks hashed and found all zero on the GPU); version 4 the `raw_sum64` codec
 /// (raw chunks checked by their device hash, so the dump hashes nothing on the host); version 5
 /// `lent` on allocation entries (a restore may hand the memory over); version 6
-/// `rdma_capable` on allocation entries (what a keeper restoring the memory must make). Readers
-/// accept [`READ_MANIFEST_VERSIONS`].
-pub const FORMAT_VERSION: u32 = 6;
+/// `rdma_capable` on allocation entries (what a keeper restoring the memory must make); version
+/// 7 `requires` (the kernel driver's version, the driver library's digest and the device memory
+/// in use per GPU: what a restore checks of the node first). Readers accept
+/// [`READ_MANIFEST_VERSIONS`].
+pub const FORMAT_VERSION: u32 = 7;
 
-/// Manifest versions readers accept: 1 (no incremental fields), 2, 3, 4, 5 and 6.
-pub const READ_MANIFEST_VERSIONS: [u32; 6] = [1, 2, 3, 4, 5, 6];
+/// Manifest versions readers accept: 1 (no incremental fields), 2, 3, 4, 5, 6 and 7.
+pub const READ_MANIFEST_VERSIONS: [u32; 7] = [1, 2, 3, 4, 5, 6, 7];
 
 /// The version of the data-file header and of the device-file record. Their layout did not
 /// change with manifest version 2, so it is still 1, and readers accept only 1.

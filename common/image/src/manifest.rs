@@ -200,6 +200,146 @@ pub struct Manifest {
     pub chunks: Vec<ChunkEntry>,
     /// Phase name to seconds, e.g. `"lock": 0.012`.
     pub timings_s: BTreeMap<String, f64>,
+    /// What a restore needs of the node beyond the GPUs' models and UUIDs: the driver stack the
+    /// process ran on and the device memory it used (format 7; absent before, and then nothing
+    /// of it is checked).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requires: Option<Requirements>,
+}
+
+/// Longest text field of [`Requirements`] readers accept (a version string or a path).
+pub const MAX_REQUIREMENT_TEXT: usize = 4096;
+
+/// What a restore needs of the node, recorded at the dump (format 7).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Requirements {
+    /// The NVIDIA kernel driver's version as `/proc/driver/nvidia/version` gives it, e.g.
+    /// `580.95.05`; absent where it could not be read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kernel_driver: Option<String>,
+    /// The driver library the process had mapped; absent where it had none the dump knew.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub driver_library: Option<LibraryDigest>,
+    /// Device memory in use by the process, in bytes, per GPU ordinal (one of
+    /// [`Manifest::gpus`]); only the GPUs where it is known (the split path: the allocations
+    /// the agent tracked).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub gpu_mem_used: BTreeMap<u32, u64>,
+}
+
+/// A file the restore needs as it was, named by the path the process saw and identified by
+/// its size and XXH3-128 digest (read through `/proc/<pid>/map_files`, never by that path).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LibraryDigest {
+    /// The mapping's path in the process's mount namespace, e.g.
+    /// `/usr/lib/x86_64-linux-gnu/libcuda.so.580.95.05`.
+    pub path: String,
+    pub size: u64,
+    /// XXH3-128 of the file's bytes, as 32 lowercase hex digits.
+    pub xxh3_128: String,
+}
+
+impl LibraryDigest {
+    /// The digest of everything `r` reads until its end, for a file the process saw at `path`.
+    pub fn of_reader(path: &str, r: &mut impl std::io::Read) -> std::io::Result<LibraryDigest> {
+        let mut h = xxhash_rust::xxh3::Xxh3Default::new();
+        let mut buf = vec![0u8; 1 << 20];
+        let mut size = 0u64;
+        loop {
+            let n = match r.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
+            };
+            h.update(&buf[..n]);
+            size += n as u64;
+        }
+        Ok(LibraryDigest {
+            path: path.to_owned(),
+            size,
+            xxh3_128: format!("{:032x}", h.digest128()),
+        })
+    }
+
+    /// The file name of [`Self::path`].
+    pub fn file_name(&self) -> &str {
+        self.path.rsplit('/').next().unwrap_or(&self.path)
+    }
+}
+
+impl Requirements {
+    /// The driver-stack identity a runtime or scheduler compares between nodes (KEP-6274):
+    /// `nvidia=<kernel driver>;cuda=<API version>;lib=<file name>@<xxh3-128>`, the parts known.
+    pub fn driver_stack_identity(&self, cuda_api: i32) -> String {
+        let mut parts = Vec::new();
+        if let Some(k) = &self.kernel_driver {
+            parts.push(format!("nvidia={k}"));
+        }
+        if cuda_api > 0 {
+            parts.push(format!("cuda={cuda_api}"));
+        }
+        if let Some(l) = &self.driver_library {
+            parts.push(format!("lib={}@{}", l.file_name(), l.xxh3_128));
+        }
+        parts.join(";")
+    }
+
+    /// The fields' own rules: bounded printable text, a digest of 32 lowercase hex digits,
+    /// GPU ordinals of the image; a problem names `file`.
+    fn check(&self, gpus: &[GpuRecord], file: &str) -> Result<(), ImageError> {
+        let bad = |detail: String| ImageError::InvalidManifest {
+            file: file.to_owned(),
+            detail,
+        };
+        let text_ok = |s: &str| {
+            !s.is_empty() && s.len() <= MAX_REQUIREMENT_TEXT && s.chars().all(|c| !c.is_control())
+        };
+        if let Some(k) = &self.kernel_driver
+            && !text_ok(k)
+        {
+            return Err(bad(
+                "requires.kernel_driver is empty, too long or not printable".into(),
+            ));
+        }
+        if let Some(l) = &self.driver_library {
+            if !text_ok(&l.path) || !l.path.starts_with('/') {
+                return Err(bad(
+                    "requires.driver_library.path is not an absolute printable path".into(),
+                ));
+            }
+            if l.xxh3_128.len() != 32
+                || !l
+                    .xxh3_128
+                    .bytes()
+                    .all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+            {
+                return Err(bad(
+                    "requires.driver_library.xxh3_128 is not 32 lowercase hex digits".into(),
+                ));
+            }
+        }
+        if let Some(o) = self
+            .gpu_mem_used
+            .keys()
+            .find(|o| !gpus.iter().any(|g| g.ordinal == **o))
+        {
+            return Err(bad(format!(
+                "requires.gpu_mem_used names GPU ordinal {o}, not one of the image's GPUs"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// [`Requirements::check`] of `m`'s requirements, as an [`ImageError`] naming `file`.
+fn check_requirements(m: &Manifest, file: &str) -> Result<(), ImageError> {
+    match &m.requires {
+        Some(r) => r.check(&m.gpus, file),
+        None => Ok(()),
+    }
 }
 
 impl Manifest {
@@ -221,6 +361,7 @@ impl Manifest {
             files: Vec::new(),
             chunks: Vec::new(),
             timings_s: BTreeMap::new(),
+            requires: None,
         }
     }
 
@@ -259,6 +400,7 @@ pub(crate) fn check_for_write(dir: BorrowedFd<'_>, m: &Manifest) -> Result<(), I
         });
     }
     validate::validate_structure(m, &name)?;
+    check_requirements(m, &name)?;
     validate::validate_files(dir, m, &name)?;
     check_kfd_state(dir, m)
 }
@@ -441,6 +583,7 @@ pub(crate) fn read_manifest_local(dir: BorrowedFd<'_>, nspid: u32) -> Result<Man
         });
     }
     validate::validate_structure(&m, &name)?;
+    check_requirements(&m, &name)?;
     validate::validate_files(dir, &m, &name)?;
     check_kfd_state(dir, &m)?;
     Ok(m)

@@ -142,6 +142,7 @@ fn build_image() -> Image {
         files,
         chunks: entries,
         timings_s: Default::default(),
+        requires: None,
     };
     write_manifest(fd, &manifest).unwrap();
     let devfile = DevFileRecord {

@@ -111,6 +111,7 @@ fn make_image(dir: BorrowedFd<'_>) -> Image {
         files,
         chunks,
         timings_s: BTreeMap::from([("lock".to_string(), 0.01), ("copy".to_string(), 1.5)]),
+        requires: None,
     };
     write_manifest(dir, &m).unwrap();
     Image { m, data }
@@ -487,24 +488,24 @@ fn unknown_version_is_refused() {
     let good = std::fs::read(&path).unwrap();
     // In the header line.
     let bad = String::from_utf8(good.clone()).unwrap().replacen(
-        "GPUSNAP-MANIFEST 6 ",
         "GPUSNAP-MANIFEST 7 ",
+        "GPUSNAP-MANIFEST 8 ",
         1,
     );
-    assert_ne!(bad.as_bytes(), &good[..], "the header names version 6");
+    assert_ne!(bad.as_bytes(), &good[..], "the header names version 7");
     std::fs::write(&path, bad).unwrap();
     let e = read_manifest(t.fd(), NSPID).unwrap_err();
     assert!(
-        matches!(e, ImageError::UnsupportedVersion { found: 7, .. }),
+        matches!(e, ImageError::UnsupportedVersion { found: 8, .. }),
         "{e}"
     );
     // In the JSON body, with a correct checksum.
     let mut m = img.m.clone();
-    m.format_version = 8;
+    m.format_version = 9;
     plant(t.fd(), &m);
     let e = read_manifest(t.fd(), NSPID).unwrap_err();
     assert!(
-        matches!(e, ImageError::UnsupportedVersion { found: 8, .. }),
+        matches!(e, ImageError::UnsupportedVersion { found: 9, .. }),
         "{e}"
     );
     // The message names the versions this build reads: every one of READ_MANIFEST_VERSIONS
@@ -852,6 +853,7 @@ fn transparent_manifest_round_trip() {
         files: vec![],
         chunks: vec![],
         timings_s: BTreeMap::new(),
+        requires: None,
     };
     write_manifest(t.fd(), &m).unwrap();
     assert_eq!(read_manifest(t.fd(), 7).unwrap(), m);
@@ -1183,6 +1185,7 @@ fn large_chunks_round_trip() {
         files: vec![file],
         chunks,
         timings_s: BTreeMap::new(),
+        requires: None,
     };
     write_manifest(t.fd(), &m).unwrap();
     let m = read_manifest(t.fd(), 1).unwrap();
@@ -1502,4 +1505,58 @@ fn lent_is_written_only_when_true_and_read_back() {
     assert_eq!(serde_json::from_str::<AllocationRecord>(&rdma).unwrap(), a);
     let old: AllocationRecord = serde_json::from_str(&lent).unwrap();
     assert!(!old.rdma_capable);
+}
+
+#[test]
+fn version_7_records_what_a_restore_needs_and_older_manifests_read_without_it() {
+    use crate::{LibraryDigest, Requirements};
+    let t = TempDir::new("image-test");
+    let mut img = make_image(t.fd());
+    // Without requirements (as every manifest before version 7): the field is not written.
+    let plain = serde_json::to_string(&img.m).unwrap();
+    assert!(!plain.contains("requires"), "{plain}");
+    let mut old: serde_json::Value = serde_json::from_str(&plain).unwrap();
+    old["format_version"] = 6.into();
+    let old: Manifest = serde_json::from_value(old).unwrap();
+    assert_eq!(old.requires, None);
+
+    let req = Requirements {
+        kernel_driver: Some("580.95.05".into()),
+        driver_library: Some(LibraryDigest {
+            path: "/usr/lib/x86_64-linux-gnu/libcuda.so.580.95.05".into(),
+            size: 1234,
+            xxh3_128: "0123456789abcdef0123456789abcdef".into(),
+        }),
+        gpu_mem_used: BTreeMap::from([(0, 5 << 20)]),
+    };
+    img.m.requires = Some(req.clone());
+    write_manifest(t.fd(), &img.m).unwrap();
+    assert_eq!(
+        read_manifest(t.fd(), NSPID).unwrap().requires,
+        Some(req.clone())
+    );
+    assert_eq!(
+        req.driver_stack_identity(13000),
+        "nvidia=580.95.05;cuda=13000;lib=libcuda.so.580.95.05@0123456789abcdef0123456789abcdef"
+    );
+
+    // Each field's rules, refused naming the manifest, both when written and when read.
+    let bad = |edit: &dyn Fn(&mut Requirements)| {
+        let mut m = img.m.clone();
+        let mut r = req.clone();
+        edit(&mut r);
+        m.requires = Some(r);
+        assert!(write_manifest(t.fd(), &m).is_err());
+        plant(t.fd(), &m);
+        let e = read_manifest(t.fd(), NSPID).unwrap_err();
+        assert!(matches!(e, ImageError::InvalidManifest { .. }), "{e}");
+    };
+    bad(&|r| r.kernel_driver = Some(String::new()));
+    bad(&|r| r.kernel_driver = Some("580\n".into()));
+    bad(&|r| r.kernel_driver = Some("9".repeat(crate::MAX_REQUIREMENT_TEXT + 1)));
+    bad(&|r| r.driver_library.as_mut().unwrap().path = "libcuda.so.1".into());
+    bad(&|r| r.driver_library.as_mut().unwrap().xxh3_128 = "ABC".into());
+    bad(&|r| {
+        r.gpu_mem_used.insert(3, 1);
+    });
 }

@@ -6,7 +6,7 @@ use std::os::fd::{AsFd, BorrowedFd};
 use std::process::ExitCode;
 
 use gpusnap_image::{
-    AllocationRecord, CheckpointPath, FileEntry, GpuRecord, ImageFileKind, Manifest,
+    AllocationRecord, CheckpointPath, FileEntry, GpuRecord, ImageFileKind, Manifest, Requirements,
 };
 use serde::Serialize;
 use serde::ser::{SerializeStruct, Serializer};
@@ -32,12 +32,16 @@ pub fn run(args: &[String]) -> ExitCode {
     let Some(dir) = dir else {
         return util::usage_error("inspect", SYNOPSIS, "missing DIR");
     };
+    let (dir, container, _unpacked) = match util::image_dir(&dir) {
+        Ok(d) => d,
+        Err(e) => return e.exit("inspect"),
+    };
     let file = match util::open_dir(&dir) {
         Ok(f) => f,
         Err(e) => return e.exit("inspect"),
     };
     let report = match Report::gather(&dir, file.as_fd()) {
-        Ok(r) => r,
+        Ok(r) => Report { container, ..r },
         Err(e) => {
             eprintln!("gpusnap inspect: {e}");
             return ExitCode::from(EXIT_PROBLEM);
@@ -75,6 +79,8 @@ struct Report {
     /// gpusnap files that belong to no manifest (an interrupted dump) or are temporaries.
     leftovers: Vec<String>,
     stats: Result<Option<Value>, String>,
+    /// What the container's saved spec needs of the node, when the image is a container's.
+    container: Option<util::ContainerNeeds>,
 }
 
 impl Report {
@@ -115,6 +121,7 @@ impl Report {
             processes,
             leftovers,
             stats,
+            container: None,
         })
     }
 
@@ -136,10 +143,20 @@ impl Report {
             Ok(v) => (v.as_ref(), None),
             Err(e) => (None, Some(e.as_str())),
         };
+        let manifests: Vec<&Manifest> = self
+            .processes
+            .iter()
+            .filter_map(|(_, r)| r.as_ref().ok())
+            .collect();
+        let needs = NodeNeeds::of(&manifests);
         ReportJson {
             dir: &self.dir,
             structure_ok: self.ok(),
             checksums: CHECKSUMS_NOT_CHECKED,
+            driver_stack_identity: needs.identity,
+            min_gpu_memory_bytes: needs.min_gpu_memory,
+            gpu_memory_bytes: needs.per_gpu,
+            container: self.container.as_ref(),
             processes: self
                 .processes
                 .iter()
@@ -170,6 +187,9 @@ impl Report {
                 Err(e) => writeln!(out, "process {nspid}: UNREADABLE: {e}")?,
             }
             writeln!(out)?;
+        }
+        if let Some(c) = &self.container {
+            c.write_text(out)?;
         }
         if !self.leftovers.is_empty() {
             writeln!(out, "leftover files (no manifest; an interrupted dump?):")?;
@@ -211,6 +231,18 @@ struct ReportJson<'a> {
     structure_ok: bool,
     /// Always [`CHECKSUMS_NOT_CHECKED`]: only `gpusnap verify` reads chunks.
     checksums: &'static str,
+    /// The driver stack the image needs, as one string a runtime compares between nodes
+    /// (KEP-6274): `nvidia=<kernel driver>;cuda=<API>;lib=<file>@<xxh3-128>`; `null` when the
+    /// manifests record none (before format 7) or disagree.
+    driver_stack_identity: Option<String>,
+    /// The least device memory a GPU of the node must have for the restore: the largest of
+    /// [`Self::gpu_memory_bytes`] (KEP-6274); `null` where no manifest records it.
+    min_gpu_memory_bytes: Option<u64>,
+    /// Device memory the image's processes use, summed per GPU UUID, where recorded.
+    gpu_memory_bytes: BTreeMap<String, u64>,
+    /// What the container's saved spec needs of the node (device nodes, driver-library mounts),
+    /// when `DIR` is a container checkpoint (`spec.dump` beside `checkpoint/`).
+    container: Option<&'a util::ContainerNeeds>,
     processes: Vec<ProcessJson<'a>>,
     leftover_files: &'a [String],
     stats: Option<&'a Value>,
@@ -258,6 +290,39 @@ struct ManifestJson<'a> {
     chunk_count: usize,
     files: &'a [FileEntry],
     timings_s: &'a BTreeMap<String, f64>,
+    /// What a restore needs of the node (format 7), as recorded.
+    requires: Option<&'a Requirements>,
+}
+
+/// What the image as a whole needs of a node.
+struct NodeNeeds {
+    identity: Option<String>,
+    min_gpu_memory: Option<u64>,
+    per_gpu: BTreeMap<String, u64>,
+}
+
+impl NodeNeeds {
+    fn of(manifests: &[&Manifest]) -> NodeNeeds {
+        let ids: BTreeSet<String> = manifests
+            .iter()
+            .filter_map(|m| Some(m.requires.as_ref()?.driver_stack_identity(m.driver_version)))
+            .filter(|s| !s.is_empty())
+            .collect();
+        let mut per_gpu: BTreeMap<String, u64> = BTreeMap::new();
+        for m in manifests {
+            let Some(r) = &m.requires else { continue };
+            for (ordinal, used) in &r.gpu_mem_used {
+                if let Some(g) = m.gpus.iter().find(|g| g.ordinal == *ordinal) {
+                    *per_gpu.entry(g.uuid.clone()).or_default() += used;
+                }
+            }
+        }
+        NodeNeeds {
+            identity: (ids.len() == 1).then(|| ids.into_iter().next()).flatten(),
+            min_gpu_memory: per_gpu.values().max().copied(),
+            per_gpu,
+        }
+    }
 }
 
 /// The allocations, serialized one at a time as they are written.
@@ -397,6 +462,7 @@ fn process_json(m: &Manifest) -> ManifestJson<'_> {
         chunk_count: m.chunks.len(),
         files: &m.files,
         timings_s: &m.timings_s,
+        requires: m.requires.as_ref(),
     }
 }
 
@@ -487,6 +553,21 @@ fn write_process_text(out: &mut impl Write, m: &Manifest) -> io::Result<()> {
             t.referenced_chunks(),
             parts.join(", ")
         )?;
+    }
+    if let Some(r) = &m.requires {
+        let id = r.driver_stack_identity(m.driver_version);
+        writeln!(
+            out,
+            "  needs: driver stack {}",
+            if id.is_empty() { "(not recorded)" } else { &id }
+        )?;
+        for (o, b) in &r.gpu_mem_used {
+            writeln!(
+                out,
+                "  needs: {} of device memory on GPU {o}",
+                util::bytes(*b)
+            )?;
+        }
     }
     if !m.timings_s.is_empty() {
         let phases: Vec<String> = m

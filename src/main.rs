@@ -8,7 +8,8 @@
 //!   its dump, so the dump copies only what changed.
 //!
 //! One module each: `inspect`, `verify`, `check` (with its `amd`, `cdi` and `containers`
-//! parts), `recover`, `precopy`; `util` holds the exit codes and the shared helpers.
+//! parts), `recover`, `precopy`; `util` holds the exit codes and the shared helpers; `archive`
+//! unpacks a checkpoint archive given to `inspect` or `verify`, as untrusted input.
 //!
 //! Image bytes are parsed only by the `gpusnap-image` crate; this binary formats what it returns.
 //! `gpusnap SUB --help` and `gpusnap help SUB` describe a subcommand. Exit codes ([`util::EXITS`],
@@ -17,6 +18,7 @@
 //! driver problem kept the command from its work (configuration, driver, permissions). `check`
 //! reports such problems as findings: a `fail` line, exit 1, never 4.
 
+mod archive;
 mod check;
 mod inspect;
 mod precopy;

@@ -71,6 +71,159 @@ pub fn open_dir(path: &str) -> Result<File, DirError> {
         })
 }
 
+/// Largest container spec (`spec.dump`) read: a real one is a few KiB.
+const MAX_SPEC_BYTES: u64 = 16 << 20;
+
+/// What a container's saved OCI spec (`spec.dump` of a Podman or containerd checkpoint) needs of
+/// the node it is restored on, before runc (and so CRIU and gpusnap) runs: the NVIDIA device
+/// nodes it names and the mounts of driver files (whose names carry the driver's version).
+#[derive(Debug, Default, serde::Serialize)]
+pub struct ContainerNeeds {
+    /// The spec file read.
+    pub spec: String,
+    /// `/dev/nvidia*` device nodes of `linux.devices`, and device-node bind mounts.
+    pub device_nodes: Vec<String>,
+    /// Bind mounts of NVIDIA driver files (`libcuda`, `libnvidia-*`, `nvidia-*` binaries,
+    /// firmware), as `source -> destination`.
+    pub driver_mounts: Vec<DriverMount>,
+    /// Why the spec could not be read, if it could not.
+    pub error: Option<String>,
+}
+
+#[derive(Debug, serde::Serialize)]
+pub struct DriverMount {
+    pub source: String,
+    pub destination: String,
+}
+
+fn is_driver_file(path: &str) -> bool {
+    let name = path.rsplit('/').next().unwrap_or(path);
+    name.starts_with("libcuda")
+        || name.starts_with("libnvidia")
+        || name.starts_with("libnvcuvid")
+        || name.starts_with("nvidia-")
+        || path.contains("/firmware/nvidia/")
+}
+
+impl ContainerNeeds {
+    /// Reads the OCI spec at `path` (at most [`MAX_SPEC_BYTES`], not following a final symlink).
+    pub fn read(path: &std::path::Path) -> ContainerNeeds {
+        let mut needs = ContainerNeeds {
+            spec: path.display().to_string(),
+            ..Default::default()
+        };
+        let parsed = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(path)
+            .and_then(|f| {
+                use std::io::Read;
+                let mut text = Vec::new();
+                f.take(MAX_SPEC_BYTES + 1).read_to_end(&mut text)?;
+                if text.len() as u64 > MAX_SPEC_BYTES {
+                    return Err(std::io::Error::other("larger than 16 MiB"));
+                }
+                serde_json::from_slice::<serde_json::Value>(&text).map_err(std::io::Error::other)
+            });
+        let spec = match parsed {
+            Ok(v) => v,
+            Err(e) => {
+                needs.error = Some(e.to_string());
+                return needs;
+            }
+        };
+        let devices = spec["linux"]["devices"].as_array().into_iter().flatten();
+        for d in devices {
+            if let Some(p) = d["path"].as_str()
+                && p.starts_with("/dev/nvidia")
+            {
+                needs.device_nodes.push(p.to_owned());
+            }
+        }
+        for m in spec["mounts"].as_array().into_iter().flatten() {
+            let (Some(src), Some(dst)) = (m["source"].as_str(), m["destination"].as_str()) else {
+                continue;
+            };
+            if src.starts_with("/dev/nvidia") {
+                if !needs.device_nodes.iter().any(|d| d == src) {
+                    needs.device_nodes.push(src.to_owned());
+                }
+            } else if is_driver_file(src) || is_driver_file(dst) {
+                needs.driver_mounts.push(DriverMount {
+                    source: src.to_owned(),
+                    destination: dst.to_owned(),
+                });
+            }
+        }
+        needs
+    }
+
+    /// The text report's lines.
+    pub fn write_text(&self, out: &mut impl std::io::Write) -> std::io::Result<()> {
+        writeln!(out, "container spec {}:", self.spec)?;
+        if let Some(e) = &self.error {
+            return writeln!(out, "  unreadable: {e}");
+        }
+        if self.device_nodes.is_empty() && self.driver_mounts.is_empty() {
+            writeln!(out, "  names no NVIDIA device node or driver file")?;
+        }
+        for d in &self.device_nodes {
+            writeln!(out, "  needs device node {d}")?;
+        }
+        for m in &self.driver_mounts {
+            writeln!(
+                out,
+                "  needs driver file {} (at {})",
+                m.source, m.destination
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// The image directory `arg` names, and the container spec that goes with it: `arg` itself, or
+/// its `checkpoint/` when `arg` is a container checkpoint (Podman's export or a
+/// containerd/kubelet archive, unpacked: `checkpoint/` beside `spec.dump`), or an archive file
+/// unpacked into a bounded temporary directory ([`crate::archive`]), which lives as long as the
+/// returned [`crate::archive::Unpacked`].
+pub fn image_dir(
+    arg: &str,
+) -> Result<
+    (
+        String,
+        Option<ContainerNeeds>,
+        Option<crate::archive::Unpacked>,
+    ),
+    DirError,
+> {
+    let path = std::path::Path::new(arg);
+    let unpacked = match std::fs::metadata(path) {
+        Ok(md) if md.is_file() => Some(crate::archive::unpack(path).map_err(|e| DirError {
+            code: match e {
+                crate::archive::ArchiveError::NotAnArchive(_) => EXIT_NOTHING,
+                crate::archive::ArchiveError::Temp(_) => EXIT_ENVIRONMENT,
+                _ => EXIT_PROBLEM,
+            },
+            message: format!("{arg}: {e}"),
+        })?),
+        _ => None,
+    };
+    let root = unpacked
+        .as_ref()
+        .map_or_else(|| path.to_path_buf(), |u| u.path().to_path_buf());
+    let (images, spec) = if root.join("checkpoint").is_dir() {
+        (root.join("checkpoint"), Some(root.join("spec.dump")))
+    } else if root.file_name().is_some_and(|n| n == "checkpoint") {
+        (root.clone(), root.parent().map(|p| p.join("spec.dump")))
+    } else {
+        (root.clone(), None)
+    };
+    let container = spec
+        .filter(|s| s.symlink_metadata().is_ok())
+        .map(|s| ContainerNeeds::read(&s));
+    Ok((images.display().to_string(), container, unpacked))
+}
+
 /// `1.50 GiB`, `12.0 MiB`, `512 B`.
 pub fn bytes(n: u64) -> String {
     const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];

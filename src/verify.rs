@@ -30,6 +30,10 @@ pub fn run(args: &[String]) -> ExitCode {
     let Some(dir) = dir else {
         return util::usage_error("verify", SYNOPSIS, "missing DIR");
     };
+    let (dir, _container, _unpacked) = match util::image_dir(&dir) {
+        Ok(d) => d,
+        Err(e) => return e.exit("verify"),
+    };
     let file = match util::open_dir(&dir) {
         Ok(f) => f,
         Err(e) => return e.exit("verify"),

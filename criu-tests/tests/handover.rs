@@ -181,8 +181,8 @@ fn assert_handed_over(s: &Split, dump: &CriuRun) {
         &[
             "allocations",
             "lent to keeper pid",
-            "the job's exports",
-            "the keeper's first adoption",
+            "exports and adoptions pipelined",
+            "one keeper round trip",
         ],
     );
     s.assert_line(dump, &["drain started"]);

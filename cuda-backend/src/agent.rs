@@ -703,12 +703,33 @@ impl AgentSession {
 
     /// `LendBegin`: the job's agent exports every converted allocation; returns them with a
     /// copy of each descriptor. `release` (or `abort`) must follow.
+    pub fn lend(&self) -> Result<Vec<LentAllocation>, AgentError> {
+        let mut out = Vec::new();
+        let r = self.lend_each(|l| {
+            out.push(l);
+            Ok::<(), std::convert::Infallible>(())
+        })?;
+        match r {
+            Ok(_) => Ok(out),
+            Err(never) => match never {},
+        }
+    }
+
+    /// `LendBegin`, each lent allocation given to `each` as its `Lent` arrives (so that a
+    /// keeper adopts one while the job exports the next); returns how many. `release` (or
+    /// `abort`) must follow.
     ///
     /// Each reply carries a descriptor, so they are bounded (issue 32, items 4 and 6): no more
     /// than the lendable allocations the agent listed on this connection (a keeper: the
     /// allocations it was told to expect), all within `agent_timeout + LEND_ALLOWANCE × that
-    /// many`.
-    pub fn lend(&self) -> Result<Vec<LentAllocation>, AgentError> {
+    /// many` of the job's own time: what `each` takes moves the deadline on by as much, so
+    /// the job is never blamed for its reader's work. When `each` fails, the rest of the lend
+    /// is still read (and its descriptors closed), so that an `abort` finds the job's agent
+    /// waiting for it; the outer error is the job's, the inner one `each`'s.
+    pub fn lend_each<E>(
+        &self,
+        mut each: impl FnMut(LentAllocation) -> Result<(), E>,
+    ) -> Result<Result<usize, E>, AgentError> {
         let (limit, bound) = {
             let said = self.said();
             match (&said.listed, said.expected) {
@@ -718,11 +739,12 @@ impl AgentSession {
             }
         };
         self.send(&Request::LendBegin, None)?;
-        let deadline = Deadline::new(self.timeout, LEND_ALLOWANCE, limit, "its lend");
-        let mut out = Vec::new();
+        let mut deadline = Deadline::new(self.timeout, LEND_ALLOWANCE, limit, "its lend");
+        let mut count = 0usize;
+        let mut failed: Option<E> = None;
         loop {
             match self.recv_fd_within(&deadline)? {
-                (Reply::Lent { .. }, Some(_)) if out.len() >= limit => {
+                (Reply::Lent { .. }, Some(_)) if count >= limit => {
                     return Err(AgentError::TooMany {
                         pid: self.pid,
                         what: "lent allocations",
@@ -739,16 +761,27 @@ impl AgentSession {
                         rdma_capable,
                     },
                     Some(fd),
-                ) => out.push(LentAllocation {
-                    id,
-                    device,
-                    addr,
-                    size,
-                    rdma_capable,
-                    fd,
-                }),
-                (Reply::LentEnd { count, .. }, None) if count as usize == out.len() => {
-                    return Ok(out);
+                ) => {
+                    count += 1;
+                    if failed.is_some() {
+                        continue;
+                    }
+                    let t = Instant::now();
+                    let r = each(LentAllocation {
+                        id,
+                        device,
+                        addr,
+                        size,
+                        rdma_capable,
+                        fd,
+                    });
+                    deadline.at += t.elapsed();
+                    if let Err(e) = r {
+                        failed = Some(e);
+                    }
+                }
+                (Reply::LentEnd { count: said, .. }, None) if said as usize == count => {
+                    return Ok(failed.map_or(Ok(count), Err));
                 }
                 (got, fd) => {
                     return Err(self.unexpected(
@@ -766,6 +799,18 @@ impl AgentSession {
 
     /// `Adopt` (to a keeper): import `lent`'s descriptor and map it at the job's address.
     pub fn adopt(&self, lent: &LentAllocation) -> Result<(), AgentError> {
+        self.send_adopt(lent)?;
+        self.adopted(Moved {
+            id: lent.id,
+            addr: lent.addr,
+            size: lent.size,
+        })
+    }
+
+    /// The `Adopt` of [`Self::adopt`] alone: its `Adopted` is read by [`Self::adopted`], in
+    /// the order sent (the keeper answers one request after the other), so that several may
+    /// be in flight.
+    pub fn send_adopt(&self, lent: &LentAllocation) -> Result<(), AgentError> {
         use std::os::fd::AsFd;
         let req = Request::Adopt {
             id: lent.id,
@@ -773,14 +818,14 @@ impl AgentSession {
             addr: lent.addr,
             size: lent.size,
         };
-        self.send(&req, Some(lent.fd.as_fd()))?;
+        self.send(&req, Some(lent.fd.as_fd()))
+    }
+
+    /// The keeper's answer to the oldest `Adopt` still unanswered, which was for `sent`.
+    pub fn adopted(&self, sent: Moved) -> Result<(), AgentError> {
         match self.recv(self.timeout)? {
-            Reply::Adopted { id } if id == lent.id => {
-                self.said().adopted.push(Moved {
-                    id: lent.id,
-                    addr: lent.addr,
-                    size: lent.size,
-                });
+            Reply::Adopted { id } if id == sent.id => {
+                self.said().adopted.push(sent);
                 Ok(())
             }
             got => Err(self.unexpected("Adopted", got)),

@@ -865,13 +865,13 @@ fn hand_over(ctx: &Ctx, t: &mut Tracked, release: &Mutex<Option<Hold>>) -> Resul
             .sum()
     };
     log::info!(
-        "pid {pid}: {lent} allocations ({:.2} GiB) lent to keeper pid {}: the job's exports {:.3} s, the keeper's first adoption {:.3} s, the other {} {:.3} s",
+        "pid {pid}: {lent} allocations ({:.2} GiB) lent to keeper pid {}: exports and adoptions pipelined in {:.3} s (at most {} in flight; one keeper round trip {:.6} s; waited {:.3} s for the keeper's answers)",
         gib(moved_bytes(true)),
         keeper.pid(),
-        times.export_s,
-        times.first_adopt_s,
-        lent.saturating_sub(1),
-        times.other_adopts_s,
+        times.total_s,
+        times.most_in_flight,
+        times.round_trip_s,
+        times.adopt_wait_s,
     );
     crate::fault::kill_criu_at("dump-lent");
 

@@ -94,94 +94,116 @@ impl std::fmt::Debug for Lent {
     }
 }
 
-/// How long the parts of a lend took, for the log: the job's exports, the keeper's first
-/// `Adopt` and the others (the first one waited for the keeper's CUDA start until the plugin
-/// waited for the keeper before the lock; the split shows that it no longer does).
+/// How long the parts of a lend took, for the log: the whole of it (the job's exports and the
+/// keeper's adoptions overlap), one keeper round trip (a `Hello`, measured before: what an
+/// adoption costs apart from the keeper's import and mapping), the time spent waiting for the
+/// keeper's answers, and the most adoptions in flight at once.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct LendTimes {
-    pub export_s: f64,
-    pub first_adopt_s: f64,
-    pub other_adopts_s: f64,
+    pub total_s: f64,
+    pub round_trip_s: f64,
+    pub adopt_wait_s: f64,
+    pub most_in_flight: usize,
 }
 
-/// Exports the job's memory and has the keeper adopt all of it; returns how many allocations
+/// Most `Adopt`s sent to the keeper before its answers are read: the keeper answers one after
+/// the other, so this bounds its queued answers (and the descriptors in flight) far below any
+/// socket buffer, and no side can block the other.
+pub const ADOPT_WINDOW: usize = 64;
+
+/// Exports the job's memory and has the keeper adopt all of it, pipelined: each allocation the
+/// job lends is checked against its listing and sent to the keeper as it arrives, with up to
+/// [`ADOPT_WINDOW`] adoptions in flight, so the job's exports, the keeper's imports and the
+/// round trips overlap instead of adding up (issue 36, item 3). Returns how many allocations
 /// and how long the parts took. Nothing of the job is changed if this fails (its agent is told
-/// to abort, which closes the copies).
+/// to abort, which closes the copies; the keeper's imports go with the keeper).
 pub fn lend_to_keeper(
     session: &AgentSession,
     keeper: &Keeper,
     routes: &crate::route::Routes,
 ) -> Result<(usize, LendTimes), HandOverError> {
     let t0 = Instant::now();
-    let lent: Vec<LentAllocation> = session.lend().map_err(HandOverError::KeeperSession)?;
-    let mut times = LendTimes {
-        export_s: t0.elapsed().as_secs_f64(),
-        ..LendTimes::default()
-    };
-    let listed = routes.lent();
-    if lent.len() != listed {
-        session.abort();
-        return Err(HandOverError::Incomplete {
-            lent: lent.len(),
-            listed,
-        });
-    }
-    let ids: std::collections::BTreeSet<u64> = lent.iter().map(|l| l.id).collect();
-    if ids != routes.lend_ids() {
-        session.abort();
-        return Err(HandOverError::NotAsPlanned {
-            lent: ids.into_iter().collect(),
-            planned: routes.lend_ids().into_iter().collect(),
-        });
-    }
-    if let Err(e) = as_listed(&lent, routes) {
-        session.abort();
-        return Err(e);
-    }
+    let listed = listed_to_lend(routes)?;
     let ks = keeper.session().ok_or(HandOverError::NoKeeper)?;
-    for (i, l) in lent.iter().enumerate() {
+    let mut times = LendTimes::default();
+    let t = Instant::now();
+    ks.hello().map_err(HandOverError::KeeperSession)?;
+    times.round_trip_s = t.elapsed().as_secs_f64();
+    let mut seen = std::collections::BTreeSet::new();
+    let mut in_flight = std::collections::VecDeque::with_capacity(ADOPT_WINDOW);
+    let answer = |in_flight: &mut std::collections::VecDeque<crate::agent::Moved>,
+                  times: &mut LendTimes|
+     -> Result<(), HandOverError> {
+        let Some(sent) = in_flight.pop_front() else {
+            return Ok(());
+        };
         let t = Instant::now();
-        if let Err(e) = ks.adopt(l) {
+        let r = ks.adopted(sent).map_err(HandOverError::KeeperSession);
+        times.adopt_wait_s += t.elapsed().as_secs_f64();
+        r
+    };
+    let lent = session.lend_each(|l: LentAllocation| {
+        as_listed_one(&l, &listed, &mut seen)?;
+        ks.send_adopt(&l).map_err(HandOverError::KeeperSession)?;
+        in_flight.push_back(crate::agent::Moved {
+            id: l.id,
+            addr: l.addr,
+            size: l.size,
+        });
+        times.most_in_flight = times.most_in_flight.max(in_flight.len());
+        // `l` is dropped here: our copy of the descriptor closes (the message in flight holds
+        // its own); the job and, once adopted, the keeper hold the memory.
+        if in_flight.len() >= ADOPT_WINDOW {
+            answer(&mut in_flight, &mut times)?;
+        }
+        Ok(())
+    });
+    let lent = match lent {
+        Ok(Ok(n)) => n,
+        Ok(Err(e)) => {
+            session.abort();
+            return Err(e);
+        }
+        Err(e) => {
             session.abort();
             return Err(HandOverError::KeeperSession(e));
         }
-        let took = t.elapsed().as_secs_f64();
-        if i == 0 {
-            times.first_adopt_s = took;
-        } else {
-            times.other_adopts_s += took;
+    };
+    while !in_flight.is_empty() {
+        if let Err(e) = answer(&mut in_flight, &mut times) {
+            session.abort();
+            return Err(e);
         }
     }
-    // `lent` is dropped here: our copies of the descriptors close; the job and the keeper
-    // hold the memory.
-    Ok((lent.len(), times))
+    let planned = routes.lend_ids();
+    if lent != planned.len() || seen != planned {
+        session.abort();
+        if lent != planned.len() {
+            return Err(HandOverError::Incomplete {
+                lent,
+                listed: planned.len(),
+            });
+        }
+        return Err(HandOverError::NotAsPlanned {
+            lent: seen.into_iter().collect(),
+            planned: planned.into_iter().collect(),
+        });
+    }
+    times.total_s = t0.elapsed().as_secs_f64();
+    Ok((lent, times))
 }
 
-/// Checks each lent allocation against the job's own listing before root's keeper maps
-/// anything: the same device, address and size as listed, and the listed ranges well formed
-/// (not empty, not wrapping, not overlapping: one unified address space on every GPU). The
-/// agent's `Lent` replies are the job's words; the keeper must not map where they alone say.
-fn as_listed(lent: &[LentAllocation], routes: &crate::route::Routes) -> Result<(), HandOverError> {
-    let listed: std::collections::BTreeMap<u64, &gpusnap_image::AllocationRecord> = routes
-        .0
-        .iter()
-        .filter(|(_, r)| *r == crate::route::AllocRoute::Lend)
-        .map(|(a, _)| (a.id, a))
-        .collect();
-    let mut ranges = Vec::with_capacity(lent.len());
-    for l in lent {
-        let Some(a) = listed.get(&l.id) else {
-            return Err(HandOverError::NotAsPlanned {
-                lent: lent.iter().map(|l| l.id).collect(),
-                planned: listed.keys().copied().collect(),
-            });
-        };
-        if (l.device, l.addr, l.size) != (a.device, a.addr, a.size) {
-            return Err(HandOverError::NotAsListed {
-                id: l.id,
-                lent: (l.device, l.addr, l.size),
-                listed: (a.device, a.addr, a.size),
-            });
+/// The allocations the routes lend, by id, their ranges checked before root's keeper maps
+/// anything: not empty, not wrapping, not overlapping (one unified address space on every
+/// GPU).
+fn listed_to_lend(
+    routes: &crate::route::Routes,
+) -> Result<std::collections::BTreeMap<u64, (u32, u64, u64)>, HandOverError> {
+    let mut listed = std::collections::BTreeMap::new();
+    let mut ranges = Vec::new();
+    for (a, r) in &routes.0 {
+        if *r != crate::route::AllocRoute::Lend {
+            continue;
         }
         let end = a.addr.checked_add(a.size).filter(|_| a.size > 0);
         let Some(end) = end else {
@@ -192,6 +214,7 @@ fn as_listed(lent: &[LentAllocation], routes: &crate::route::Routes) -> Result<(
             });
         };
         ranges.push((a.addr, end, a.id));
+        listed.insert(a.id, (a.device, a.addr, a.size));
     }
     ranges.sort_unstable();
     if let Some(w) = ranges.windows(2).find(|w| w[1].0 < w[0].1) {
@@ -200,7 +223,47 @@ fn as_listed(lent: &[LentAllocation], routes: &crate::route::Routes) -> Result<(
             second: w[1].2,
         });
     }
+    Ok(listed)
+}
+
+/// Checks one lent allocation against the job's own listing before root's keeper maps it: an
+/// id planned to be lent and not lent before, on the same device, address and size as
+/// listed. The agent's `Lent` replies are the job's words; the keeper must not map where they
+/// alone say.
+fn as_listed_one(
+    l: &LentAllocation,
+    listed: &std::collections::BTreeMap<u64, (u32, u64, u64)>,
+    seen: &mut std::collections::BTreeSet<u64>,
+) -> Result<(), HandOverError> {
+    let Some(&(device, addr, size)) = listed.get(&l.id) else {
+        return Err(HandOverError::NotAsPlanned {
+            lent: seen.iter().copied().chain([l.id]).collect(),
+            planned: listed.keys().copied().collect(),
+        });
+    };
+    if !seen.insert(l.id) {
+        return Err(HandOverError::NotAsPlanned {
+            lent: seen.iter().copied().chain([l.id]).collect(),
+            planned: listed.keys().copied().collect(),
+        });
+    }
+    if (l.device, l.addr, l.size) != (device, addr, size) {
+        return Err(HandOverError::NotAsListed {
+            id: l.id,
+            lent: (l.device, l.addr, l.size),
+            listed: (device, addr, size),
+        });
+    }
     Ok(())
+}
+
+/// [`listed_to_lend`] and [`as_listed_one`] over a whole lend (the unit tests' view).
+#[cfg(test)]
+fn as_listed(lent: &[LentAllocation], routes: &crate::route::Routes) -> Result<(), HandOverError> {
+    let listed = listed_to_lend(routes)?;
+    let mut seen = std::collections::BTreeSet::new();
+    lent.iter()
+        .try_for_each(|l| as_listed_one(l, &listed, &mut seen))
 }
 
 /// What a drain needs besides the keeper.

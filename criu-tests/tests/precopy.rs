@@ -284,24 +284,13 @@ fn a_round_killed_part_way_leaves_the_job_as_it_was() {
     still_running(&s, "the round after");
 }
 
-/// A pre-copy parent is checked, not trusted: one byte of the round's data file damaged, then
-/// the final dump (the hand-over) against it. The dump reads the round back beside CRIU's dump,
-/// finds the damage, references nothing of it (a full dump from the job's memory, which is
-/// still whole), and the image restores bit-exact.
-#[test]
-fn a_damaged_pre_copy_parent_is_never_referenced() {
-    let Some(mut s) = Split::launch(
-        "precopy-damaged-parent",
-        1,
-        &["--seed", "37", "--allocs", "3", "--mib", "4"],
-        &[],
-    ) else {
-        return;
-    };
+/// A pre-copy round `pre1` of the workload, then one byte of its first data file damaged (the
+/// round's `gpusnap verify` fails); returns the final dump's directory, linked to it.
+fn a_damaged_round(s: &Split) -> PathBuf {
     s.vmm.wait_for_tick(3);
-    report(&s, &precopy(&s, "pre1", None));
-    still_running(&s, "the round");
-    let pre1 = dir(&s, "pre1");
+    report(s, &precopy(s, "pre1", None));
+    still_running(s, "the round");
+    let pre1 = dir(s, "pre1");
     let mut files: Vec<PathBuf> = fs::read_dir(&pre1)
         .expect("the round's dir")
         .filter_map(|e| e.ok().map(|e| e.path()))
@@ -326,10 +315,28 @@ fn a_damaged_pre_copy_parent_is_never_referenced() {
     std::os::unix::fs::FileExt::write_all_at(&f, &b, at).expect("write a payload byte");
     let (ok, text) = s.run_cli(&["verify", pre1.to_str().expect("utf-8 path")]);
     assert!(!ok, "gpusnap verify passed a damaged round: {text}");
-
-    let d = dir(&s, "final");
+    let d = dir(s, "final");
     fs::create_dir_all(&d).expect("mkdir final");
     std::os::unix::fs::symlink("../pre1", d.join("parent")).expect("parent link");
+    d
+}
+
+/// A pre-copy parent is checked, not trusted: one byte of the round's data file damaged, then
+/// the final dump (the hand-over) against it. The drain compares against the round while the
+/// round is read back beside it, finds the damage, and copies everything again from the memory
+/// the keeper still holds: nothing of the round is referenced, and the image restores
+/// bit-exact.
+#[test]
+fn a_damaged_pre_copy_parent_is_never_referenced() {
+    let Some(mut s) = Split::launch(
+        "precopy-damaged-parent",
+        1,
+        &["--seed", "37", "--allocs", "3", "--mib", "4"],
+        &[],
+    ) else {
+        return;
+    };
+    let d = a_damaged_round(&s);
     let pid = s.vmm.pid().to_string();
     let dump = s.criu_at(&d, "dump", "dump.log", &["-t", &pid], &CONFIG);
     s.assert_ok(&dump);
@@ -338,7 +345,56 @@ fn a_damaged_pre_copy_parent_is_never_referenced() {
         &dump,
         &["the parent image is damaged", "nothing of it referenced"],
     );
+    s.assert_line(&dump, &["written fresh from the keeper's memory"]);
     let st = dump_stats(&d);
     assert_eq!(st["bytes_referenced"].as_u64(), Some(0), "{st}");
     restore_runs_on(&mut s, &d);
+}
+
+/// CRIU killed where the drain found the parent damaged, before the copy again: the job is
+/// held (its memory its own, through the descriptors it kept), `gpusnap recover` maps it back
+/// and it runs on bit-exact, and the directory holds no manifest (nothing restores).
+#[test]
+fn criu_killed_when_the_parent_is_found_damaged_leaves_the_job_recoverable() {
+    let Some(s) = Split::launch(
+        "precopy-damaged-parent-kill",
+        1,
+        &["--seed", "41", "--allocs", "3", "--mib", "4"],
+        &[],
+    ) else {
+        return;
+    };
+    let d = a_damaged_round(&s);
+    let pid = s.vmm.pid().to_string();
+    let mut config = CONFIG.to_vec();
+    config.push(("GPUSNAP_TEST_KILL_CRIU_AT", "dump-parent-damaged"));
+    let killed = s.criu_at(&d, "dump", "dump.log", &["-t", &pid], &config);
+    assert!(!killed.succeeded(), "CRIU was not killed");
+    s.assert_line(
+        &killed,
+        &["test fault", "dump-parent-damaged", "killing CRIU now"],
+    );
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let held = s.vmm.last_ticks();
+    std::thread::sleep(std::time::Duration::from_millis(700));
+    assert_eq!(
+        s.vmm.last_ticks(),
+        held,
+        "the job ran on\n{}",
+        s.describe(&killed)
+    );
+    let (ok, text) = s.run_cli(&["recover", &pid]);
+    assert!(
+        ok && text.contains("mapped back"),
+        "{text}\n{}",
+        s.describe(&killed)
+    );
+    s.assert_runs_on(&held, &killed);
+    let manifests: Vec<_> = fs::read_dir(&d)
+        .expect("the final dump's dir")
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().contains("manifest"))
+        .map(|e| e.file_name())
+        .collect();
+    assert!(manifests.is_empty(), "{manifests:?}");
 }

@@ -330,31 +330,49 @@ impl Drain {
                     first_file,
                     reserved,
                 } = job;
-                // The parent image is read back and checked here, beside CRIU's dump: the
-                // job's memory is still whole, so what a damaged parent lacks is written fresh.
-                let parent = crate::parent::parent_index(
-                    dir,
-                    pid,
-                    nspid,
-                    &allocations,
-                    incremental,
-                    readers,
-                );
-                let data = datapath::copy_out_into(
-                    &session,
-                    &staging,
-                    dir,
-                    nspid,
-                    first_file,
-                    writers,
-                    codec,
-                    parent.as_ref(),
-                    limits,
-                    durable,
-                    datapath::Round::Paused,
-                    reserved.as_ref(),
-                )
-                .and_then(|data| {
+                // The parent image is checked beside the copy, not before it (issue 36, item
+                // 2): the copy compares against the parent's chunks at once, and nothing of
+                // the parent reaches the image unless the check passes. A parent found damaged
+                // is replaced by a second, full copy from the memory the keeper still holds.
+                let candidate =
+                    crate::parent::parent_candidate(dir, pid, nspid, &allocations, incremental);
+                let copy = |parent: Option<&gpusnap_image::DedupIndex>, first_file: u32| {
+                    datapath::copy_out_into(
+                        &session,
+                        &staging,
+                        dir,
+                        nspid,
+                        first_file,
+                        writers,
+                        codec,
+                        parent,
+                        limits,
+                        durable,
+                        datapath::Round::Paused,
+                        reserved.as_ref(),
+                    )
+                };
+                let data = match candidate.as_ref() {
+                    None => copy(None, first_file),
+                    Some(index) => std::thread::scope(|s| {
+                        let check = s.spawn(|| {
+                            crate::signals::block_all();
+                            crate::logger::defer_this_thread();
+                            crate::parent::parent_checked(dir, pid, nspid, readers)
+                        });
+                        let data = copy(Some(index), first_file);
+                        // A check thread that panicked counts as a damaged parent.
+                        let whole = check.join().unwrap_or(false);
+                        match data {
+                            Ok(d) if !whole && d.referenced_chunks > 0 => {
+                                crate::fault::kill_criu_beside_at("dump-parent-damaged");
+                                recopy_fresh(dir, pid, d, |next| copy(None, next))
+                            }
+                            other => other,
+                        }
+                    }),
+                };
+                let data = data.and_then(|data| {
                     crate::fault::kill_criu_beside_at("dump-drained");
                     // The keeper drops its imports; the job still holds the memory.
                     session.release_keeper().map_err(DataError::from)?;
@@ -383,6 +401,43 @@ impl Drain {
             waited_s: t0.elapsed().as_secs_f64(),
         }
     }
+}
+
+/// A parent found damaged after the copy referenced some of its chunks: the copy's files are
+/// removed and everything is copied again, with no parent, from the memory the keeper still
+/// holds (its imports are released only after this), into data files numbered after the first
+/// copy's. Nothing the first copy wrote reaches the manifest.
+fn recopy_fresh(
+    dir: BorrowedFd<'_>,
+    pid: i32,
+    first: DumpData,
+    copy: impl FnOnce(u32) -> Result<DumpData, DataError>,
+) -> Result<DumpData, DataError> {
+    let t0 = Instant::now();
+    let next = first
+        .files
+        .iter()
+        .filter_map(|f| match gpusnap_image::parse_file_name(&f.name) {
+            Some(gpusnap_image::ImageFileKind::Data { index, .. }) => Some(index),
+            _ => None,
+        })
+        .max()
+        .map_or(0, |n| n.saturating_add(1));
+    for f in &first.files {
+        if let Err(e) = gpusnap_image::remove_data_file(dir, &f.name) {
+            log::warn!(
+                "pid {pid}: {}: not removed ({e}); the manifest does not name it",
+                f.name
+            );
+        }
+    }
+    let data = copy(next)?;
+    log::info!(
+        "pid {pid}: the parent's {} referenced chunks written fresh from the keeper's memory: a full copy again in {:.3} s",
+        first.referenced_chunks,
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(data)
 }
 
 /// Stops a drain that must not finish (the dump failed): ends the keeper (its connection goes,

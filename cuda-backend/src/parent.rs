@@ -120,8 +120,9 @@ pub fn finish_checks() {
 /// directory has a usable `parent` link and `incremental` is on. The parent is read and checked
 /// first, every chunk of it (`verify_parent`): a damaged parent makes this a full dump, so an
 /// image never references bytes that do not read back. Anything else is a full dump too, with
-/// the reason in the log. (On the hand-over route this runs in the drain, beside CRIU's dump;
-/// on the copy-first route, on the job's pause.)
+/// the reason in the log. (The copy-first route and `gpusnap precopy` use this; the hand-over's
+/// drain takes [`parent_candidate`] and [`parent_checked`] apart, so that the check runs beside
+/// its copy instead of before it.)
 pub fn parent_index(
     dir: BorrowedFd<'_>,
     pid: i32,
@@ -129,6 +130,20 @@ pub fn parent_index(
     allocations: &[AllocationRecord],
     incremental: bool,
     threads: usize,
+) -> Option<gpusnap_image::DedupIndex> {
+    let index = parent_candidate(dir, pid, nspid, allocations, incremental)?;
+    parent_checked(dir, pid, nspid, threads).then_some(index)
+}
+
+/// The parent image's chunks this process could reference, **not yet checked**: nothing of it
+/// may reach a manifest before [`parent_checked`] says the parent reads back whole. None (a
+/// full dump, the reason logged) without a usable parent or with `incremental` off.
+pub fn parent_candidate(
+    dir: BorrowedFd<'_>,
+    pid: i32,
+    nspid: u32,
+    allocations: &[AllocationRecord],
+    incremental: bool,
 ) -> Option<gpusnap_image::DedupIndex> {
     use gpusnap_image::ParentImage;
     let found = gpusnap_image::parent_for_dedup(dir, nspid, allocations);
@@ -146,30 +161,6 @@ pub fn parent_index(
         }
         ParentImage::Usable(index) => index,
     };
-    let t0 = Instant::now();
-    let (checked, when) = match take_checked(nspid) {
-        Some(((r, secs), waited)) => (
-            r,
-            format!("{secs:.3} s, from the dump's start; waited {waited:.3} s for it"),
-        ),
-        None => {
-            let r = gpusnap_image::verify_parent(dir, nspid, threads);
-            (r, format!("{:.3} s", t0.elapsed().as_secs_f64()))
-        }
-    };
-    match checked {
-        Ok(Some(report)) => log::info!(
-            "pid {pid}: parent image read back and checked: {:.2} GiB in {when}",
-            report.bytes as f64 / (1u64 << 30) as f64,
-        ),
-        Ok(None) => return None,
-        Err(e) => {
-            log::warn!(
-                "pid {pid}: the parent image is damaged ({e}): a full dump instead, nothing of it referenced"
-            );
-            return None;
-        }
-    }
     log::info!(
         "pid {pid}: incremental dump against the parent image ({} chunks to compare{})",
         index.len(),
@@ -184,4 +175,40 @@ pub fn parent_index(
         }
     );
     Some(index)
+}
+
+/// Whether `nspid`'s parent image read back whole: the check started at `init`
+/// ([`start_checks`], waited for) or, if none was, one made now with `threads` readers.
+/// Logs the outcome; false (damaged, or gone) means nothing of the parent may be referenced.
+pub fn parent_checked(dir: BorrowedFd<'_>, pid: i32, nspid: u32, threads: usize) -> bool {
+    let t0 = Instant::now();
+    let (checked, when) = match take_checked(nspid) {
+        Some(((r, secs), waited)) => (
+            r,
+            format!("{secs:.3} s, from the dump's start; waited {waited:.3} s for it"),
+        ),
+        None => {
+            let r = gpusnap_image::verify_parent(dir, nspid, threads);
+            (r, format!("{:.3} s", t0.elapsed().as_secs_f64()))
+        }
+    };
+    match checked {
+        Ok(Some(report)) => {
+            log::info!(
+                "pid {pid}: parent image read back and checked: {:.2} GiB in {when}",
+                report.bytes as f64 / (1u64 << 30) as f64,
+            );
+            true
+        }
+        Ok(None) => {
+            log::warn!("pid {pid}: the parent image is gone: nothing of it referenced");
+            false
+        }
+        Err(e) => {
+            log::warn!(
+                "pid {pid}: the parent image is damaged ({e}): a full dump instead, nothing of it referenced"
+            );
+            false
+        }
+    }
 }

@@ -65,11 +65,20 @@ pub const IPC_POINTS: &[&str] = &[
                          // not yet made to name it (its threads held)
 ];
 
+/// The points of an incremental hand-over dump whose parent image is found damaged after the
+/// drain compared against it (reached only with such a parent: `criu-tests/tests/precopy.rs`
+/// kills CRIU there).
+pub const PARENT_POINTS: &[&str] = &[
+    "dump-parent-damaged", // the drain's copy referenced the parent, the check found it
+                           // damaged: the full copy again from the keeper's memory not yet begun
+];
+
 fn known(v: &str) -> Option<&'static str> {
     POINTS
         .iter()
         .chain(AMD_POINTS)
         .chain(IPC_POINTS)
+        .chain(PARENT_POINTS)
         .copied()
         .find(|p| *p == v)
 }
@@ -83,10 +92,11 @@ fn armed() -> Option<&'static str> {
 #[derive(Debug, thiserror::Error)]
 pub enum UnknownPoint {
     #[error(
-        "{ENV}={value:?} names no fault point (known: {}, {}, {})",
+        "{ENV}={value:?} names no fault point (known: {}, {}, {}, {})",
         POINTS.join(", "),
         AMD_POINTS.join(", "),
-        IPC_POINTS.join(", ")
+        IPC_POINTS.join(", "),
+        PARENT_POINTS.join(", ")
     )]
     Point { value: String },
     #[error("{FAIL_SYNC_ENV}={value:?}: only 1 is a setting")]

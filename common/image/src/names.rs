@@ -191,3 +191,18 @@ pub fn remove_process_files(dir: BorrowedFd<'_>, nspid: u32) -> Result<usize, Im
     }
     Ok(n)
 }
+
+/// Removes one data file of a dump that is still being written (a drain that copies again
+/// what it wrote against a parent found damaged). Only a data file's name is taken.
+pub fn remove_data_file(dir: BorrowedFd<'_>, name: &str) -> Result<(), ImageError> {
+    match parse_file_name(name) {
+        Some(ImageFileKind::Data { .. }) => {
+            sys::unlink_at(dir, name, false).map_err(|e| ImageError::io(name, IoOp::Unlink, e))
+        }
+        _ => Err(ImageError::io(
+            name,
+            IoOp::Unlink,
+            std::io::Error::from_raw_os_error(libc::EINVAL),
+        )),
+    }
+}

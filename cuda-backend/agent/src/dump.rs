@@ -131,16 +131,42 @@ fn dump(
     }
     ch.send_reply(&done)?;
 
-    let (req, fd) = ch.recv_request(None)?;
-    no_fd(fd)?;
-    match req {
-        Request::Release => crate::held::by_a_tracer().map_err(Fail::bad_state)?,
-        Request::Abort => return Err(Fail::Aborted),
-        other => {
-            return Err(Fail::unexpected(
-                &other,
-                "after DumpDataDone (Release or Abort)",
-            ));
+    loop {
+        match ch.recv_request(None)? {
+            (Request::Release, None) => {
+                crate::held::by_a_tracer().map_err(Fail::bad_state)?;
+                break;
+            }
+            (Request::Abort, None) => return Err(Fail::Aborted),
+            // A keeper's drain whose parent image was found damaged after the copy compared
+            // against it: everything again, compared with nothing, from the memory still held.
+            (
+                Request::DumpBegin {
+                    slot_size,
+                    slots,
+                    streams,
+                },
+                Some(memfd),
+            ) if crate::keeper::active() => {
+                if let Some(st) = staging.take() {
+                    gpu.quiesce(need_driver()?);
+                    st.close().map_err(|e| Fail::Reply(ErrorCode::Staging, e))?;
+                }
+                let ring = Ring {
+                    slot_size,
+                    slots,
+                    streams,
+                };
+                let nothing = KnownChunks::default();
+                let (_, done) = copy_phase(gpu, ch, ring, memfd, staging, &nothing, mode, &none)?;
+                ch.send_reply(&done)?;
+            }
+            (other, _) => {
+                return Err(Fail::unexpected(
+                    &other,
+                    "after DumpDataDone (Release, Abort, or a keeper's copy again)",
+                ));
+            }
         }
     }
     let drv = need_driver()?;

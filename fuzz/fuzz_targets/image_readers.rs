@@ -6,6 +6,10 @@
 //!   damaged by input-chosen flips, truncations, extensions and manifest edits (re-checksummed).
 //!   Oracles: the undamaged image verifies and reads back exactly; after damage, every chunk that
 //!   still reads successfully holds exactly the bytes that were written at its address.
+//! - 3: raw bytes as a checkpoint archive (`gpusnap inspect/verify ARCHIVE`, `src/archive.rs`:
+//!   tar, gzip or zstd), unpacked with small limits into a fresh directory. Oracles: it is
+//!   refused or unpacked; nothing but regular files and directories is made, and nothing outside
+//!   that directory; the bytes written stay within the limit.
 //!
 //! Nothing may panic, hang or allocate beyond the input's own scale in any mode.
 #![no_main]
@@ -19,6 +23,10 @@ use std::sync::OnceLock;
 
 use gpusnap_image::*;
 use libfuzzer_sys::fuzz_target;
+
+#[path = "../../src/archive.rs"]
+#[allow(dead_code)]
+mod archive;
 
 const NSPID: u32 = 1;
 
@@ -297,10 +305,46 @@ fn structured(d: &Dir, data: &[u8]) {
 fuzz_target!(|data: &[u8]| {
     let d = dir();
     clear(d);
-    match data.first().map(|b| b % 3) {
+    match data.first().map(|b| b % 4) {
         Some(0) => raw_files(d, &data[1..], false),
         Some(1) => raw_files(d, &data[1..], true),
-        Some(_) => structured(d, &data[1..]),
+        Some(2) => structured(d, &data[1..]),
+        Some(_) => unpack(d, &data[1..]),
         None => {}
     }
 });
+
+/// Mode 3: the archive reader on arbitrary bytes, into `<dir>/unpack`.
+fn unpack(d: &Dir, data: &[u8]) {
+    let root = d.path.join("unpack");
+    let _ = std::fs::remove_dir_all(&root);
+    std::fs::create_dir(&root).unwrap();
+    let limits = archive::Limits {
+        bytes: 1 << 20,
+        entries: 64,
+    };
+    let _ = archive::unpack_into(data, &root, limits);
+    let mut total = 0u64;
+    let mut stack = vec![root.clone()];
+    while let Some(p) = stack.pop() {
+        for e in std::fs::read_dir(&p).unwrap() {
+            let e = e.unwrap();
+            let t = e.file_type().unwrap();
+            assert!(t.is_file() || t.is_dir(), "{:?} is neither", e.path());
+            if t.is_dir() {
+                stack.push(e.path());
+            } else {
+                total += e.metadata().unwrap().len();
+            }
+        }
+    }
+    assert!(total <= 1 << 20, "{total} bytes unpacked");
+    for e in std::fs::read_dir(&d.path).unwrap() {
+        let name = e.unwrap().file_name();
+        assert!(
+            name == "unpack" || name.to_string_lossy().starts_with("gpusnap-"),
+            "{name:?} made beside the unpack directory"
+        );
+    }
+    std::fs::remove_dir_all(&root).unwrap();
+}

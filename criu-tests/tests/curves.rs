@@ -80,3 +80,100 @@ fn lend_time_against_the_allocation_count() {
         );
     }
 }
+
+/// Seconds from CRIU's seize of the job to its thaw, from the `-v4` log's timestamps: the
+/// pause the job feels (the driver lock before the seize is not counted).
+fn pause_s(run: &CriuRun) -> f64 {
+    let ts = |needle: &str| {
+        run.log
+            .lines()
+            .find(|l| l.contains(needle))
+            .and_then(|l| l.strip_prefix('('))
+            .and_then(|l| l.split(')').next())
+            .and_then(|t| t.trim().parse::<f64>().ok())
+            .unwrap_or_else(|| panic!("no {needle:?} line in {}", run.log_path.display()))
+    };
+    ts("Unfreezing tasks") - ts("Seized task")
+}
+
+/// `gpusnap precopy <job> --images <dir>` (a round while the job runs).
+fn precopy_round(s: &Split, dir: &std::path::Path) {
+    let out = std::process::Command::new(&s.cli)
+        .arg("precopy")
+        .arg(s.vmm.pid().to_string())
+        .arg("--images")
+        .arg(dir)
+        .env("GPUSNAP_LIBCUDA", &s.fakecuda_so)
+        .env("FAKECUDA_DIR", &s.state)
+        .envs(s.common_env.iter().copied())
+        .output()
+        .expect("run gpusnap precopy");
+    assert!(
+        out.status.success(),
+        "gpusnap precopy failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// At stand-in sizes 64 MiB to 1 GiB, in the same run on the same job: a full `criu dump -R`
+/// (its pause, and the drain beside it), then a pre-copy round and the final `-R` dump against
+/// it (its pause, the drain, what it referenced).
+#[test]
+#[ignore = "a measurement: bench/standin-curves.sh runs it"]
+fn pre_copy_final_pause_against_a_full_dump() {
+    for mib in [64u64, 256, 1024] {
+        let per = (mib / 4).to_string();
+        let Some(s) = Split::launch(
+            "curves-precopy",
+            1,
+            &["--seed", "9", "--allocs", "4", "--mib", &per],
+            &[],
+        ) else {
+            return;
+        };
+        s.vmm.wait_for_tick(2);
+        let full_dir = s.w.path.join("full");
+        std::fs::create_dir_all(&full_dir).expect("mkdir full");
+        let pid = s.vmm.pid().to_string();
+        let full = s.criu_at(&full_dir, "dump", "full.log", &["-t", &pid, "-R"], &[]);
+        s.assert_ok(&full);
+        let pre = s.w.path.join("pre1");
+        precopy_round(&s, &pre);
+        let fin_dir = s.w.path.join("final");
+        std::fs::create_dir_all(&fin_dir).expect("mkdir final");
+        std::os::unix::fs::symlink("../pre1", fin_dir.join("parent")).expect("parent link");
+        let fin = s.criu_at(&fin_dir, "dump", "final.log", &["-t", &pid, "-R"], &[]);
+        s.assert_ok(&fin);
+        let drain = |r: &CriuRun| {
+            let l = line_with(r, "the drain ran");
+            (
+                number_after(l, "the drain ran ").unwrap_or(f64::NAN),
+                number_after(l, "it waited ").unwrap_or(f64::NAN),
+            )
+        };
+        let (full_drain, full_wait) = drain(&full);
+        let (fin_drain, fin_wait) = drain(&fin);
+        let checked = fin
+            .gpusnap_lines()
+            .into_iter()
+            .find(|l| l.contains("parent image read back and checked"))
+            .map_or("null".to_owned(), |l| format!("{:?}", l.trim()));
+        emit(
+            "precopy",
+            &[
+                ("mib", mib.to_string()),
+                ("full_pause_s", format!("{:.3}", pause_s(&full))),
+                ("full_drain_s", format!("{full_drain}")),
+                ("full_wait_s", format!("{full_wait}")),
+                ("final_pause_s", format!("{:.3}", pause_s(&fin))),
+                ("final_drain_s", format!("{fin_drain}")),
+                ("final_wait_s", format!("{fin_wait}")),
+                ("parent_check", checked),
+            ],
+        );
+        for &p in &s.vmm.pids {
+            // SAFETY: kill(2) of the test's own workload.
+            unsafe { libc::kill(p, libc::SIGKILL) };
+        }
+    }
+}

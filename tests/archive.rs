@@ -65,6 +65,7 @@ fn container_checkpoint(root: &Path) {
             path: "/usr/lib/x86_64-linux-gnu/libcuda.so.580.95.05".into(),
             size: 1000,
             xxh3_128: "00112233445566778899aabbccddeeff".into(),
+            in_job_root: false,
         }),
         gpu_mem_used: BTreeMap::from([(0, 3 << 30)]),
     });

@@ -125,17 +125,23 @@ fn setup() -> Option<Setup> {
         .unwrap_or_else(|e| panic!("building the fake driver: {e}"))
         .to_owned();
     let fake = FakeDriver { so, dir: fake_dir };
+    // The host's device stand-in: the keeper's driver library. The container ships its own copy
+    // as its libcuda.so.1, which root's keeper never loads (another file than the host's).
+    let (host_device_so, _) = criu_tests::fake_driver::fake_device(h)
+        .unwrap_or_else(|e| panic!("building the stand-in device: {e}"));
     let fail_flag = work.join("fail-restore");
     let wrapper = format!(
         "#!/bin/sh\n\
          # For runc (first on its PATH): the packaged criu with the stand-in driver.\n\
          GPUSNAP_LIBCUDA='{so}'\n\
          FAKECUDA_DIR='{dir}'\n\
-         export GPUSNAP_LIBCUDA FAKECUDA_DIR\n\
+         GPUSNAP_TEST_KEEPER_LIBCUDA='{keeper_lib}'\n\
+         export GPUSNAP_LIBCUDA FAKECUDA_DIR GPUSNAP_TEST_KEEPER_LIBCUDA\n\
          if [ -e '{flag}' ]; then FAKECUDA_FAIL=restore; export FAKECUDA_FAIL; fi\n\
          exec {CRIU_BIN} \"$@\"\n",
         so = fake.so.display(),
         dir = fake.dir.display(),
+        keeper_lib = host_device_so.display(),
         flag = fail_flag.display(),
     );
     let podman = Podman::new(&work, &wrapper).unwrap_or_else(|e| panic!("{e}"));

@@ -90,6 +90,10 @@ pub enum Spoilt {
         saved: u64,
         size: u64,
     },
+    /// The job made an allocation after the round's listing, and the agent copied it too: its
+    /// chunks are refused (they were not listed), and the round with them.
+    #[error("allocation #{id} was made after the round's listing")]
+    Unlisted { id: u64 },
 }
 
 /// What a round saved.
@@ -158,7 +162,17 @@ pub fn precopy(
         Round::Live,
     );
     drop(session);
-    let written = copied.map_err(PreCopyError::from).and_then(|data| {
+    // A live round races the program: an allocation made after the listing is refused by the
+    // data path, and the round is one to run again, like any other change during it.
+    let copied = copied.map_err(|e| match e {
+        DataError::Chunk {
+            id,
+            fault: crate::datapath::ChunkFault::NotListed,
+            ..
+        } => PreCopyError::Changed(Spoilt::Unlisted { id }),
+        e => PreCopyError::from(e),
+    });
+    let written = copied.and_then(|data| {
         // The agent ended the connection with the round; what it holds now says which
         // allocations the chunks belong to (some may have been made after the first list). An
         // application mapping caught between its unmap and map again lists as left to the

@@ -239,6 +239,11 @@ pub struct LibraryDigest {
     pub size: u64,
     /// XXH3-128 of the file's bytes, as 32 lowercase hex digits.
     pub xxh3_128: String,
+    /// The process saw another root than CRIU's (a container): `path` is inside that root,
+    /// which the runtime mounts again at a restore; CRIU's first hook cannot look at it, so only
+    /// a runtime or scheduler compares the digest (`gpusnap inspect --json`). Absent: false.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub in_job_root: bool,
 }
 
 impl LibraryDigest {
@@ -261,6 +266,7 @@ impl LibraryDigest {
             path: path.to_owned(),
             size,
             xxh3_128: format!("{:032x}", h.digest128()),
+            in_job_root: false,
         })
     }
 

@@ -1526,6 +1526,7 @@ fn version_7_records_what_a_restore_needs_and_older_manifests_read_without_it() 
             path: "/usr/lib/x86_64-linux-gnu/libcuda.so.580.95.05".into(),
             size: 1234,
             xxh3_128: "0123456789abcdef0123456789abcdef".into(),
+            in_job_root: false,
         }),
         gpu_mem_used: BTreeMap::from([(0, 5 << 20)]),
     };

@@ -92,6 +92,7 @@ fn digest_of(path: &str, f: std::fs::File) -> std::io::Result<LibraryDigest> {
             path: path.to_owned(),
             size: md.size(),
             xxh3_128: hex,
+            in_job_root: false,
         });
     }
     let d = LibraryDigest::of_reader(path, &mut std::io::BufReader::new(f))?;
@@ -110,12 +111,22 @@ pub fn mapped_driver_library(pid: i32) -> Option<LibraryDigest> {
     let opened = std::fs::File::open(format!("/proc/{pid}/map_files/{range}"))
         .and_then(|f| digest_of(path, f));
     match opened {
-        Ok(d) => Some(d),
+        Ok(mut d) => {
+            d.in_job_root = !same_root_as_ours(pid);
+            Some(d)
+        }
         Err(e) => {
             log::warn!("pid {pid}: driver library {path} not recorded: {e}");
             None
         }
     }
+}
+
+/// Whether process `pid` sees the same root directory as this process (not a container's).
+fn same_root_as_ours(pid: i32) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let id = |p: &str| std::fs::metadata(p).map(|m| (m.dev(), m.ino())).ok();
+    id(&format!("/proc/{pid}/root/")).is_some() && id(&format!("/proc/{pid}/root/")) == id("/")
 }
 
 /// What a restore of process `pid` needs of the node: the kernel driver's version, its driver
@@ -192,9 +203,12 @@ pub fn check_node<'a>(
         let Some(lib) = &r.driver_library else {
             continue;
         };
-        if seen_libs
-            .insert((lib.path.clone(), lib.xxh3_128.clone()), ())
-            .is_some()
+        // A container's library lives in its own root, which the runtime mounts at the
+        // restore: not to be looked up on this node's root.
+        if lib.in_job_root
+            || seen_libs
+                .insert((lib.path.clone(), lib.xxh3_128.clone()), ())
+                .is_some()
         {
             continue;
         }
@@ -214,6 +228,7 @@ fn check_library(lib: &LibraryDigest, at: &Path) -> Option<Mismatch> {
                 path: lib.path.clone(),
                 size,
                 xxh3_128: "(not computed: the size differs)".into(),
+                in_job_root: false,
             });
         }
         digest_of(&lib.path, f)

@@ -147,7 +147,7 @@ fn dump(
                     streams,
                 },
                 Some(memfd),
-            ) if crate::keeper::active() => {
+            ) if crate::role::keeper() => {
                 if let Some(st) = staging.take() {
                     gpu.quiesce(need_driver()?);
                     st.close().map_err(|e| Fail::Reply(ErrorCode::Staging, e))?;

@@ -3,7 +3,8 @@
 #
 #     scripts/test.sh [extra `cargo test` arguments, e.g. -- --nocapture]
 #
-# 1. builds the private CRIU 4.1.1 root (scripts/install-criu.sh; fast when present),
+# 1. builds the private CRIU 4.1.1 and 4.2 roots (scripts/install-criu.sh; fast when present)
+#    and unpacks containerd 2.x for the CRI test (scripts/install-containerd.sh),
 # 2. cargo fmt --all -- --check
 # 3. the structure check, python3 scripts/structure.py (the crates' layers, import cycles and
 #    module maps against scripts/layers.toml; its unit tests, scripts/test_*.py, first); skipped
@@ -97,6 +98,9 @@ else
     step "GPUSNAP_CRIU_SUITE=sid scripts/install-criu.sh (CRIU 4.2)"
     GPUSNAP_CRIU_SUITE=sid GPUSNAP_CRIU_ROOT=$repo/.criu-root-sid scripts/install-criu.sh ||
         fail "could not install the private CRIU 4.2 root (GPUSNAP_CRIU_SUITE=sid scripts/install-criu.sh)"
+    # The CRI test's containerd 2.x (fast when present). Without it that test says SKIPPED.
+    step "scripts/install-containerd.sh"
+    scripts/install-containerd.sh || skip "containerd 2.x for the CRI test: scripts/install-containerd.sh failed (above)"
 fi
 
 step "cargo fmt --all -- --check"

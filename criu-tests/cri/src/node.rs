@@ -17,6 +17,152 @@ use criu_tests::procs;
 
 use crate::cri::Cri;
 
+/// A node's stand-in GPUs, kernel driver and gpusnap configuration, as its `criu` wrapper
+/// gives them to CRIU (and so to gpusnap): `FAKECUDA_DEVICES`, `FAKECUDA_UUID_SALT`,
+/// `FAKECUDA_DEVICE_NAME` for the stand-in driver; a listing laid out like
+/// `/proc/driver/nvidia/gpus` (`GPUSNAP_TEST_NVIDIA_PROC`) and a version file like
+/// `/proc/driver/nvidia/version` (`GPUSNAP_TEST_NVIDIA_VERSION`) for what gpusnap reads of the
+/// kernel driver; `GPUSNAP_CONFIG` for the node's own `gpusnap.conf`.
+#[derive(Debug, Clone)]
+pub struct NodeGpus {
+    /// How many GPUs (1 to 8).
+    pub devices: usize,
+    /// Byte 4 of every UUID (0: the stand-in's own UUIDs).
+    pub uuid_salt: u8,
+    /// Another model than the stand-in's `Fake GPU`, for the driver and the listing alike.
+    pub model: Option<String>,
+    /// The kernel driver's version, e.g. `580.95.05`.
+    pub kernel_driver: String,
+    /// The text of the node's `gpusnap.conf`.
+    pub config: String,
+}
+
+impl NodeGpus {
+    /// `devices` stand-in GPUs with UUID salt `uuid_salt` on kernel driver `kernel_driver`, the
+    /// default configuration.
+    pub fn new(devices: usize, uuid_salt: u8, kernel_driver: &str) -> NodeGpus {
+        NodeGpus {
+            devices,
+            uuid_salt,
+            model: None,
+            kernel_driver: kernel_driver.into(),
+            config: String::new(),
+        }
+    }
+
+    /// The UUID of GPU `index`, spelt `GPU-xxxxxxxx-xxxx-...` (as the stand-in driver makes it:
+    /// `fa4ec0da-<salt>00-4000-8000-0000000000<index + 1>`).
+    pub fn uuid(&self, index: usize) -> String {
+        format!(
+            "GPU-fa4ec0da-{:02x}00-4000-8000-{:012x}",
+            self.uuid_salt,
+            index + 1
+        )
+    }
+
+    fn model(&self) -> &str {
+        self.model.as_deref().unwrap_or("Fake GPU")
+    }
+}
+
+/// Writes node `name`'s `criu` wrapper, its kernel-driver files and `gpusnap.conf` under `dir`.
+fn write_criu_wrapper(
+    name: &str,
+    dir: &Path,
+    criu: &CriuSetup,
+    gpus: &NodeGpus,
+) -> Result<(), String> {
+    let err = |p: &Path| {
+        let p = p.display().to_string();
+        move |e: std::io::Error| format!("{p}: {e}")
+    };
+    let listing = dir.join("nvidia-gpus");
+    let _ = fs::remove_dir_all(&listing);
+    for i in 0..gpus.devices {
+        let bus = listing.join(format!("0000:{:02x}:00.0", 0x10 + i));
+        fs::create_dir_all(&bus).map_err(err(&bus))?;
+        let info = bus.join("information");
+        fs::write(
+            &info,
+            format!(
+                "Model: \t\t {}\nIRQ:   \t\t {}\nGPU UUID: \t {}\nBus Location: \t {}\n",
+                gpus.model(),
+                100 + i,
+                gpus.uuid(i),
+                bus.file_name().unwrap_or_default().to_string_lossy()
+            ),
+        )
+        .map_err(err(&info))?;
+    }
+    let version = dir.join("nvidia-version");
+    fs::write(
+        &version,
+        format!(
+            "NVRM version: NVIDIA UNIX x86_64 Kernel Module  {}  Tue Sep 23 09:55:41 UTC 2025\n\
+             GCC version:  gcc version 12.2.0\n",
+            gpus.kernel_driver
+        ),
+    )
+    .map_err(err(&version))?;
+    let conf = dir.join("gpusnap.conf");
+    fs::write(&conf, &gpus.config).map_err(err(&conf))?;
+    let logs = dir.join("criu-logs");
+    fs::create_dir_all(&logs).map_err(err(&logs))?;
+    let model = match &gpus.model {
+        Some(m) => format!("FAKECUDA_DEVICE_NAME='{m}'\nexport FAKECUDA_DEVICE_NAME\n"),
+        None => String::new(),
+    };
+    let salt = match gpus.uuid_salt {
+        0 => String::new(),
+        s => format!("FAKECUDA_UUID_SALT={s}\nexport FAKECUDA_UUID_SALT\n"),
+    };
+    let wrapper = format!(
+        "#!/bin/sh\n\
+         # Node {name}'s criu (first on its containerd's PATH, so runc's): the harness's\n\
+         # CRIU root, the gpusnap plugin from the node's own directory, its gpusnap.conf, the\n\
+         # stand-in driver with the node's GPUs, the node's kernel-driver files.\n\
+         CRIU_LIBS_DIR='{plugins}'\n\
+         GPUSNAP_CRIU_ROOT='{root}'\n\
+         GPUSNAP_CONFIG='{conf}'\n\
+         GPUSNAP_LIBCUDA='{so}'\n\
+         GPUSNAP_TEST_NVIDIA_PROC='{listing}'\n\
+         GPUSNAP_TEST_NVIDIA_VERSION='{version}'\n\
+         FAKECUDA_DIR='{fake}'\n\
+         FAKECUDA_DEVICES={devices}\n\
+         export CRIU_LIBS_DIR GPUSNAP_CRIU_ROOT GPUSNAP_CONFIG GPUSNAP_LIBCUDA \\\n\
+         \x20 GPUSNAP_TEST_NVIDIA_PROC GPUSNAP_TEST_NVIDIA_VERSION FAKECUDA_DIR FAKECUDA_DEVICES\n\
+         {model}{salt}\
+         # A failed restore's bundle goes with its task, restore.log with it: keep copies.\n\
+         '{criu}' \"$@\"\n\
+         rc=$?\n\
+         for f in '{tasks}'/*/work/restore.log; do\n\
+         \x20 [ -f \"$f\" ] && cp \"$f\" '{logs}'/\"$(basename \"$(dirname \"$(dirname \"$f\")\")\")\"-restore.log\n\
+         done\n\
+         exit $rc\n",
+        plugins = dir.join("plugins").display(),
+        root = criu.criu_root.display(),
+        conf = conf.display(),
+        so = criu.fakecuda_so.display(),
+        listing = listing.display(),
+        version = version.display(),
+        fake = dir.join("fakecuda").display(),
+        devices = gpus.devices,
+        criu = criu.criu.display(),
+        logs = logs.display(),
+        tasks = dir.join(TASKS).display(),
+    );
+    let w = dir.join("bin/criu");
+    // Replaced, not rewritten in place: a `criu` running now keeps reading its own copy.
+    let tmp = dir.join("bin/.criu.new");
+    fs::write(&tmp, wrapper).map_err(err(&tmp))?;
+    use std::os::unix::fs::PermissionsExt;
+    fs::set_permissions(&tmp, fs::Permissions::from_mode(0o755)).map_err(err(&tmp))?;
+    fs::rename(&tmp, &w).map_err(err(&w))
+}
+
+/// Where containerd keeps its tasks' bundles, below a node's directory.
+const TASKS: &str = "state/io.containerd.runtime.v2.task/k8s.io";
+
 /// A running containerd; [`Node::shut_down`] (or dropping it) stops it and what it started.
 #[derive(Debug)]
 pub struct Node {
@@ -29,6 +175,7 @@ pub struct Node {
     pub logs: PathBuf,
     pub ctr: PathBuf,
     child: Option<Child>,
+    criu: CriuSetup,
     pub cri: Option<Cri>,
     /// (pod id, container ids) the test created, removed at shut-down.
     pub pods: Vec<(String, Vec<String>)>,
@@ -55,6 +202,7 @@ impl Node {
         dir: &Path,
         containerd_root: &Path,
         criu: &CriuSetup,
+        gpus: &NodeGpus,
         pause: &str,
     ) -> Result<Node, String> {
         let mk = |p: &Path| fs::create_dir_all(p).map_err(|e| format!("{}: {e}", p.display()));
@@ -68,27 +216,7 @@ impl Node {
         };
         copy(&criu.plugin_so, dir.join("plugins/gpusnap.so"))?;
         copy(&criu.keeper, dir.join("plugins/gpusnap-keeper"))?;
-        let wrapper = format!(
-            "#!/bin/sh\n\
-             # Node {name}'s criu (first on its containerd's PATH, so runc's): the harness's\n\
-             # CRIU root, the gpusnap plugin from the node's own directory, the stand-in driver.\n\
-             CRIU_LIBS_DIR='{plugins}'\n\
-             GPUSNAP_CRIU_ROOT='{root}'\n\
-             GPUSNAP_LIBCUDA='{so}'\n\
-             FAKECUDA_DIR='{fake}'\n\
-             export CRIU_LIBS_DIR GPUSNAP_CRIU_ROOT GPUSNAP_LIBCUDA FAKECUDA_DIR\n\
-             exec '{criu}' \"$@\"\n",
-            plugins = dir.join("plugins").display(),
-            root = criu.criu_root.display(),
-            so = criu.fakecuda_so.display(),
-            fake = dir.join("fakecuda").display(),
-            criu = criu.criu.display(),
-        );
-        let w = dir.join("bin/criu");
-        fs::write(&w, wrapper).map_err(|e| format!("{}: {e}", w.display()))?;
-        use std::os::unix::fs::PermissionsExt;
-        fs::set_permissions(&w, fs::Permissions::from_mode(0o755))
-            .map_err(|e| format!("{}: {e}", w.display()))?;
+        write_criu_wrapper(name, dir, criu, gpus)?;
         let sock = dir.join("containerd.sock");
         let d = dir.display();
         let config = format!(
@@ -141,6 +269,7 @@ impl Node {
             logs: dir.join("logs"),
             ctr: bin.join("ctr"),
             child: Some(child),
+            criu: criu.clone(),
             cri: None,
             pods: Vec::new(),
         };
@@ -160,6 +289,25 @@ impl Node {
                 .map_err(|e| format!("node {name}: {e}\n{}", node.log()))?,
         );
         Ok(node)
+    }
+
+    /// Gives the node other stand-in GPUs, kernel driver or gpusnap configuration: the next
+    /// `criu` runc starts sees them (containerd keeps running).
+    pub fn set_gpus(&self, gpus: &NodeGpus) -> Result<(), String> {
+        write_criu_wrapper(&self.name, &self.dir, &self.criu, gpus)
+    }
+
+    /// The CRIU restore log of container `id`: in the task's bundle
+    /// (`state/io.containerd.runtime.v2.task/k8s.io/<id>/work/restore.log`, which runc's error
+    /// names) while the task exists,
+    /// else the copy this node's `criu` wrapper made of it (`criu-logs/<id>-restore.log`; a
+    /// failed restore's bundle is removed with its task). Empty when there is none.
+    pub fn restore_log(&self, id: &str) -> String {
+        fs::read_to_string(self.dir.join(TASKS).join(id).join("work/restore.log"))
+            .or_else(|_| {
+                fs::read_to_string(self.dir.join("criu-logs").join(format!("{id}-restore.log")))
+            })
+            .unwrap_or_default()
     }
 
     pub fn cri(&mut self) -> &mut Cri {
@@ -236,6 +384,24 @@ impl Node {
 impl Drop for Node {
     fn drop(&mut self) {
         self.shut_down();
+    }
+}
+
+/// Unmounts what a failed restore left of node `dir`: containerd's read-only view of the
+/// checkpoint image under `/tmp/checkpoint*` (the node's pods keep their mounts).
+pub fn unmount_checkpoint_views(dir: &Path) {
+    let d = dir.display().to_string();
+    let mounts = fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    for l in mounts.lines().filter(|l| l.contains(&d)) {
+        let Some(point) = l.split_whitespace().nth(4) else {
+            continue;
+        };
+        if point.starts_with("/tmp/checkpoint") {
+            let c = std::ffi::CString::new(point).expect("no NUL in a mount point");
+            // SAFETY: umount2 reads a NUL-terminated path; MNT_DETACH never blocks.
+            unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+            let _ = fs::remove_dir(point);
+        }
     }
 }
 

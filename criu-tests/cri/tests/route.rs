@@ -14,6 +14,14 @@
 //!    image, `StartContainer`); the job goes on from the checkpointed tick with its memory and
 //!    in-memory chain exact, and node B's CRIU called the stand-in driver's restore.
 //!
+//! Node B really differs from node A: two stand-in GPUs of the same model with other UUIDs
+//! (A has one), and its own `gpusnap.conf` whose `device_map` puts A's GPU on B's second GPU
+//! (index 1): the driver's restore gets that pair. Before that, on one CRIU version (4.1), node B
+//! is given another kernel driver, then another kernel driver and another GPU model: each
+//! restore is refused at CRIU's first restore hook with one message naming every mismatch (read
+//! from the container's CRIU `restore.log`), CRIU forks nothing, no job process is left on B,
+//! and node A's job ticks on.
+//!
 //! Images come from a registry the test serves on 127.0.0.1 (containerd pulls the base image
 //! of a checkpoint at restore, even when it has it). Each node has its own `criu` wrapper,
 //! plugin directory and stand-in driver directory (see `cri_tests::node`). Everything started
@@ -25,7 +33,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use cri_tests::cri::{PodSpec, container_config};
-use cri_tests::node::{CriuSetup, Node};
+use cri_tests::node::{CriuSetup, Node, NodeGpus};
 use cri_tests::oci;
 use cri_tests::registry::Registry;
 use criu_tests::counter_log::Tick;
@@ -40,6 +48,9 @@ const JOB: &str = "job";
 const SEED: u64 = 35;
 /// How soon a started or restored job must be counting.
 const PROMPTLY: Duration = Duration::from_secs(20);
+/// Both nodes' kernel driver, and another one.
+const KERNEL_DRIVER: &str = "580.95.05";
+const OTHER_KERNEL_DRIVER: &str = "575.57.08";
 
 /// The job's counter log from its CRI log (`<time> stdout F <line>`): the lines, in order.
 fn cri_log_lines(path: &Path) -> Vec<String> {
@@ -67,11 +78,12 @@ fn parse_tick(line: &str) -> Option<Tick> {
     })
 }
 
-/// Waits until the CRI log at `path` has a tick `>= min`; returns its lines.
-fn wait_ticks(path: &Path, min: u64, what: &str) -> Vec<String> {
+/// Waits until the CRI log at `path` has a tick `>= min` after its first `skip` lines; returns
+/// the lines after those.
+fn wait_ticks(path: &Path, skip: usize, min: u64, what: &str) -> Vec<String> {
     let t0 = Instant::now();
     loop {
-        let lines = cri_log_lines(path);
+        let lines: Vec<String> = cri_log_lines(path).into_iter().skip(skip).collect();
         if lines
             .iter()
             .filter_map(|l| parse_tick(l))
@@ -87,6 +99,24 @@ fn wait_ticks(path: &Path, min: u64, what: &str) -> Vec<String> {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// The lines of the container log a CRI checkpoint archive carries (`container.log`): the
+/// job's output up to the checkpoint, which containerd may write at the head of the restored
+/// container's log.
+fn archived_log_lines(archive: &Path, work: &Path) -> Vec<String> {
+    let out = work.join("archived-container.log");
+    let mut cmd = std::process::Command::new("tar");
+    cmd.arg("-xOf").arg(archive).arg("container.log");
+    let r = run_bounded(
+        &mut cmd,
+        "tar -xOf container.log",
+        work,
+        Duration::from_secs(60),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    fs::write(&out, &r.stdout).unwrap();
+    cri_log_lines(&out)
 }
 
 /// The image's rootfs: busybox, `fakegpu` and its shared libraries; a tar of it.
@@ -182,6 +212,131 @@ fn pod(node: &Node, name: &str) -> PodSpec {
     }
 }
 
+/// A restore on node B from checkpoint image `image` is refused: `StartContainer` fails, the
+/// container's CRIU restore log has gpusnap's one-line refusal naming each of `needles`, CRIU
+/// created no process, the stand-in driver restored nothing, and nothing of the job runs on B.
+/// The failed container is removed.
+fn refused_on_b(
+    b: &mut Node,
+    pod_id: &str,
+    pod: &PodSpec,
+    image: &str,
+    what: &str,
+    needles: &[&str],
+) {
+    // A log of its own: containerd writes the checkpoint's container log there, even for a
+    // restore that fails.
+    let mut config = container_config(JOB, image, &[]);
+    config.log_path = format!("{JOB}-refused-{}.log", what.replace(' ', "-"));
+    let id = b
+        .cri()
+        .create_container(pod_id, pod, config)
+        .unwrap_or_else(|e| panic!("{what}: {e}\n{}", b.log()));
+    let started = b.cri().start_container(&id);
+    let log = b.restore_log(&id);
+    let describe = || {
+        format!(
+            "--- restore.log ---\n{log}\n--- containerd B ---\n{}",
+            b.log()
+        )
+    };
+    assert!(
+        started.is_err(),
+        "{what}: node B restored the job\n{}",
+        describe()
+    );
+    let line = log
+        .lines()
+        .find(|l| l.contains("restore refused: this node cannot take the image"))
+        .unwrap_or_else(|| panic!("{what}: no refusal in the restore log\n{}", describe()));
+    for n in needles {
+        assert!(
+            line.contains(n),
+            "{what}: the refusal does not name {n:?}: {line}"
+        );
+    }
+    assert!(
+        line.contains("before CRIU restored any process"),
+        "{what}: {line}"
+    );
+    assert!(
+        !log.contains("Forking task"),
+        "{what}: CRIU forked a task\n{}",
+        describe()
+    );
+    let restores: Vec<String> = fs::read_dir(&b.fakecuda)
+        .map(|d| d.flatten().map(|e| e.path()).collect::<Vec<_>>())
+        .unwrap_or_default()
+        .iter()
+        .filter_map(|p| fs::read_to_string(p).ok())
+        .flat_map(|t| t.lines().map(str::to_owned).collect::<Vec<_>>())
+        .filter(|l| l.starts_with("restore "))
+        .collect();
+    assert!(
+        restores.is_empty(),
+        "{what}: the driver restored: {restores:?}"
+    );
+    let left = fakegpu_pids(&b.dir);
+    assert!(
+        left.is_empty(),
+        "{what}: job processes {left:?} were left on node B\n{}",
+        describe()
+    );
+    let (status, _) = b
+        .cri()
+        .container_status(&id)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_ne!(status.state, 1, "{what}: the container runs");
+    eprintln!("criu-tests: cri refusal ({what}): {line}");
+    b.cri()
+        .remove_container(&id)
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    cri_tests::node::unmount_checkpoint_views(&b.dir);
+}
+
+/// A `GPU-…` UUID as gpusnap and the stand-in driver print it: 32 hex digits.
+fn hex(uuid: &str) -> String {
+    uuid.trim_start_matches("GPU-").replace('-', "")
+}
+
+/// Every process named `fakegpu` started by a node whose directory is `dir` (one of its
+/// ancestors, the shim, names `dir` in its command line), sorted.
+fn fakegpu_pids(dir: &Path) -> Vec<i32> {
+    let dir = dir.display().to_string();
+    let of_node = |mut p: i32| {
+        for _ in 0..32 {
+            let cmdline = fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default();
+            if String::from_utf8_lossy(&cmdline).contains(&dir) {
+                return true;
+            }
+            let stat = fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default();
+            // `pid (comm) state ppid ...`: the comm may hold spaces, not `)`.
+            match stat
+                .rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<i32>().ok())
+            {
+                Some(pp) if pp > 1 => p = pp,
+                _ => return false,
+            }
+        }
+        false
+    };
+    let mut out: Vec<i32> = fs::read_dir("/proc")
+        .map(|d| {
+            d.flatten()
+                .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+                .filter(|&p| {
+                    fs::read_to_string(format!("/proc/{p}/comm"))
+                        .is_ok_and(|c| c.trim() == "fakegpu")
+                        && of_node(p)
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    out.sort_unstable();
+    out
+}
+
 #[test]
 fn cri_checkpoint_to_an_image_restored_on_another_node() {
     let Some(h) = harness(TEST) else { return };
@@ -234,8 +389,13 @@ fn cri_checkpoint_to_an_image_restored_on_another_node() {
         nodes: Vec::new(),
         _registry: registry,
     };
-    for name in ["a", "b"] {
-        let n = Node::start(name, &work.join(name), &containerd, &criu, &pause_ref)
+    // Node A: one stand-in GPU. Node B: two others of the same model (other UUIDs), and a
+    // gpusnap.conf whose device_map puts A's GPU on B's second one (another index).
+    let gpus_a = NodeGpus::new(1, 0, KERNEL_DRIVER);
+    let mut gpus_b = NodeGpus::new(2, 0x0b, KERNEL_DRIVER);
+    gpus_b.config = format!("device_map = \"{}={}\"\n", gpus_a.uuid(0), gpus_b.uuid(1));
+    for (name, gpus) in [("a", &gpus_a), ("b", &gpus_b)] {
+        let n = Node::start(name, &work.join(name), &containerd, &criu, gpus, &pause_ref)
             .unwrap_or_else(|e| panic!("{e}"));
         s.nodes.push(n);
     }
@@ -283,7 +443,7 @@ fn cri_checkpoint_to_an_image_restored_on_another_node() {
         .start_container(&ca)
         .unwrap_or_else(|e| panic!("{e}\n{}", a.log()));
     let log_a = pod_a.log_directory.join(format!("{JOB}.log"));
-    wait_ticks(&log_a, 10, "node A's job");
+    wait_ticks(&log_a, 0, 10, "node A's job");
     let pid_a = a.cri().container_pid(&ca).unwrap();
     assert!(pid_a > 0, "node A's job has no pid");
 
@@ -322,7 +482,12 @@ fn cri_checkpoint_to_an_image_restored_on_another_node() {
         fake_a.log_text(pid_a)
     );
     // The job runs on on node A.
-    wait_ticks(&log_a, at_return + 3, "node A's job after its checkpoint");
+    wait_ticks(
+        &log_a,
+        0,
+        at_return + 3,
+        "node A's job after its checkpoint",
+    );
     assert_eq!(a.cri().container_pid(&ca).unwrap(), pid_a);
 
     // The archive carries gpusnap's files: `gpusnap inspect --json` reads it as it is.
@@ -385,6 +550,62 @@ fn cri_checkpoint_to_an_image_restored_on_another_node() {
         .run_pod(&pod_b)
         .unwrap_or_else(|e| panic!("{e}\n{}", b.log()));
     b.pods.push((pb.clone(), Vec::new()));
+
+    // A node B that cannot take the image is refused at CRIU's first restore hook, before any
+    // process is created (one CRIU version is enough: the check is gpusnap's).
+    if v < (4, 2, 0) {
+        let mut other_kernel = gpus_b.clone();
+        other_kernel.kernel_driver = OTHER_KERNEL_DRIVER.into();
+        let mut other_model = NodeGpus::new(2, 0x0b, OTHER_KERNEL_DRIVER);
+        other_model.model = Some("Other GPU".into());
+        let cases: [(&str, &NodeGpus, &[&str]); 2] = [
+            (
+                "another kernel driver",
+                &other_kernel,
+                &[
+                    KERNEL_DRIVER,
+                    OTHER_KERNEL_DRIVER,
+                    "allow_other_kernel_driver",
+                ],
+            ),
+            (
+                "another kernel driver and another GPU model",
+                &other_model,
+                &[
+                    "(1) ",
+                    OTHER_KERNEL_DRIVER,
+                    "(2) ",
+                    &hex(&gpus_a.uuid(0)),
+                    "Fake GPU",
+                    "is not on this host",
+                ],
+            ),
+        ];
+        for (what, gpus, needles) in cases {
+            let b = &mut s.nodes[1];
+            b.set_gpus(gpus).unwrap_or_else(|e| panic!("{e}"));
+            refused_on_b(b, &pb, &pod_b, &ck_name, what, needles);
+            let a = &mut s.nodes[0];
+            assert_eq!(a.cri().container_pid(&ca).unwrap(), pid_a);
+            assert_eq!(fakegpu_pids(&a.dir), [pid_a], "node A's job, and it alone");
+            let last = cri_log_lines(&log_a)
+                .iter()
+                .filter_map(|l| parse_tick(l))
+                .map(|t| t.n)
+                .max()
+                .unwrap_or(0);
+            wait_ticks(
+                &log_a,
+                0,
+                last + 2,
+                "node A's job after a refusal on node B",
+            );
+        }
+        s.nodes[1]
+            .set_gpus(&gpus_b)
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+    let b = &mut s.nodes[1];
     let t0 = Instant::now();
     let cb = b
         .cri()
@@ -393,22 +614,26 @@ fn cri_checkpoint_to_an_image_restored_on_another_node() {
     b.pods[0].1.push(cb.clone());
     let create_s = t0.elapsed().as_secs_f64();
     b.cri().start_container(&cb).unwrap_or_else(|e| {
-        let restore_log = b.dir.join(format!(
-            "state/io.containerd.runtime.v2.task/k8s.io/{cb}/restore.log"
-        ));
         panic!(
             "{e}\n--- restore.log ---\n{}\n--- containerd B ---\n{}",
-            fs::read_to_string(&restore_log).unwrap_or_default(),
+            b.restore_log(&cb),
             b.log()
         )
     });
     let restore_s = t0.elapsed().as_secs_f64();
     let pid_b = b.cri().container_pid(&cb).unwrap();
 
-    // The job goes on from the checkpoint, exactly.
+    // The job goes on from the checkpoint, exactly. containerd may have put the archive's
+    // container log (node A's output up to the checkpoint) at the head of node B's.
     let log_b = pod_b.log_directory.join(format!("{JOB}.log"));
+    let archived = archived_log_lines(&archive, &work);
+    let skip_b = if cri_log_lines(&log_b).starts_with(&archived) {
+        archived.len()
+    } else {
+        0
+    };
     let first_b = {
-        let lines = wait_ticks(&log_b, 1, "node B's restored job");
+        let lines = wait_ticks(&log_b, skip_b, 1, "node B's restored job");
         let first = parse_tick(&lines[0]).unwrap_or_else(|| {
             panic!(
                 "node B's job did not resume: its log starts with {:?}",
@@ -421,7 +646,7 @@ fn cri_checkpoint_to_an_image_restored_on_another_node() {
         first_b > 10 && first_b <= at_return + 1,
         "node B's job resumed at tick {first_b}; node A's job was at {at_return} when the checkpoint returned"
     );
-    let lines_b = wait_ticks(&log_b, first_b + 5, "node B's restored job");
+    let lines_b = wait_ticks(&log_b, skip_b, first_b + 5, "node B's restored job");
     let lines_a = cri_log_lines(&log_a);
     let merged = work.join("merged.log");
     let mut text = format!("{}\n", lines_a[0]);
@@ -455,6 +680,18 @@ fn cri_checkpoint_to_an_image_restored_on_another_node() {
         fake_b.log_text(pid_b)
     );
     assert_eq!(ops[0].before.as_deref(), Some("checkpointed"));
+    // Onto node B's second GPU, as its device_map says.
+    assert_eq!(
+        ops[0].fields.get("gpu_pairs").map(String::as_str),
+        Some(format!("{}={}", hex(&gpus_a.uuid(0)), hex(&gpus_b.uuid(1))).as_str()),
+        "node B's restore did not map node A's GPU to node B's GPU 1\n{}",
+        fake_b.log_text(pid_b)
+    );
+    let restore_log = b.restore_log(&cb);
+    assert!(
+        restore_log.contains(&format!("is restored onto GPU {}", hex(&gpus_b.uuid(1)))),
+        "node B's restore log does not say where the GPU went:\n{restore_log}"
+    );
 
     eprintln!(
         "criu-tests: cri route: checkpoint {checkpoint_s:.2} s (archive {} KiB), image build + \

@@ -110,7 +110,8 @@ impl Report {
                 }
                 ImageFileKind::ManifestTmp { .. }
                 | ImageFileKind::StatsTmp
-                | ImageFileKind::Failed { .. } => true,
+                | ImageFileKind::Failed { .. }
+                | ImageFileKind::Pending { .. } => true,
                 ImageFileKind::Manifest { .. } | ImageFileKind::Stats => false,
             })
             .map(|(_, n)| n.clone())

@@ -113,10 +113,14 @@ pub fn run(args: &[String]) -> ExitCode {
     for (nspid, file) in unfinished.iter().cloned() {
         bad += 1;
         let manifest = gpusnap_image::manifest_file_name(nspid);
-        let e = ImageError::UnfinishedDump {
-            file,
-            nspid,
-            manifest,
+        let e = if let Some(ImageFileKind::Pending { .. }) = gpusnap_image::parse_file_name(&file) {
+            ImageError::PendingDump { file, nspid }
+        } else {
+            ImageError::UnfinishedDump {
+                file,
+                nspid,
+                manifest,
+            }
         };
         println!("FAIL  process {nspid}: {e}");
     }

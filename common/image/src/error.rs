@@ -113,6 +113,11 @@ pub enum ImageError {
         nspid: u32,
         manifest: String,
     },
+    /// An asynchronous `-R` is still writing this process's data (its PENDING marker is there).
+    #[error(
+        "{file}: process {nspid}'s GPU data is still being written after an asynchronous `criu dump -R` (image pending, not yet a checkpoint; `gpusnap wait` waits for it)"
+    )]
+    PendingDump { file: String, nspid: u32 },
     /// A data file does not start with `GPUSNAPD`.
     #[error("{file}: not a gpusnap data file (bad magic) ({DAMAGED})")]
     DataHeaderMagic { file: String },
@@ -353,6 +358,7 @@ impl ImageError {
                 | ImageError::BufferSize { .. }
                 | ImageError::BadChunk { .. }
                 | ImageError::WriterFailed { .. }
+                | ImageError::PendingDump { .. }
         )
     }
 }

@@ -77,8 +77,9 @@ pub use manifest::{
 };
 pub use names::{
     ImageFileKind, STATS_FILE_NAME, data_file_name, failed_marker_name, list_image_files,
-    list_manifests, manifest_file_name, manifest_tmp_name, parse_file_name, read_manifests,
-    remove_data_file, remove_process_files, unfinished_dumps,
+    list_manifests, manifest_file_name, manifest_tmp_name, parse_file_name, pending_marker_name,
+    pending_owner, pending_text, read_manifests, remove_data_file, remove_process_files,
+    unfinished_dumps,
 };
 pub use reader::{DataFileReader, DataFileScan, VerifyReport, scan_data_file, verify_image};
 pub use reserve::{CHUNK_OVERHEAD, Reservation, ReserveError};

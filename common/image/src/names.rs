@@ -35,6 +35,30 @@ pub fn failed_marker_name(nspid: u32) -> String {
     format!("gpusnap-{nspid}-NOT-A-CHECKPOINT.txt")
 }
 
+/// `gpusnap-<nspid>-PENDING.txt`: an asynchronous `criu dump -R` (`async_leave_running`) let
+/// CRIU return before this process's GPU data was in the image; a process gpusnap left behind
+/// writes it and removes this file only after the manifest is in place (or replaces it with the
+/// NOT-A-CHECKPOINT marker). While it exists every tool refuses the directory as unfinished,
+/// naming it, even next to a manifest; `gpusnap wait` waits for it to go.
+pub fn pending_marker_name(nspid: u32) -> String {
+    format!("gpusnap-{nspid}-PENDING.txt")
+}
+
+/// The text of a PENDING marker: who writes the data (the process `pid` that started at
+/// `start`, in clock ticks since boot, `/proc/<pid>/stat` field 22), then words for people.
+/// `gpusnap wait` reads the owner back ([`pending_owner`]): a marker whose owner is gone will
+/// never be removed, and the image is then a failed one.
+pub fn pending_text(pid: i32, start: u64, words: &str) -> String {
+    format!("owner: {pid} {start}\n{words}\n")
+}
+
+/// The owner a PENDING marker names ([`pending_text`]): `(pid, start time)`.
+pub fn pending_owner(text: &str) -> Option<(i32, u64)> {
+    let line = text.lines().next()?.strip_prefix("owner: ")?;
+    let (pid, start) = line.split_once(' ')?;
+    Some((pid.parse().ok()?, start.parse().ok()?))
+}
+
 /// What a gpusnap file name denotes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum ImageFileKind {
@@ -57,6 +81,10 @@ pub enum ImageFileKind {
     Failed {
         nspid: u32,
     },
+    /// [`pending_marker_name`]: this process's data is still being written after CRIU returned.
+    Pending {
+        nspid: u32,
+    },
     Stats,
     StatsTmp,
 }
@@ -69,7 +97,8 @@ impl ImageFileKind {
             | ImageFileKind::ManifestTmp { nspid }
             | ImageFileKind::Data { nspid, .. }
             | ImageFileKind::Kfd { nspid }
-            | ImageFileKind::Failed { nspid } => Some(nspid),
+            | ImageFileKind::Failed { nspid }
+            | ImageFileKind::Pending { nspid } => Some(nspid),
             ImageFileKind::Stats | ImageFileKind::StatsTmp => None,
         }
     }
@@ -99,6 +128,7 @@ pub fn parse_file_name(name: &str) -> Option<ImageFileKind> {
         "manifest.img.tmp" => Some(ImageFileKind::ManifestTmp { nspid }),
         "kfd.img" => Some(ImageFileKind::Kfd { nspid }),
         "NOT-A-CHECKPOINT.txt" => Some(ImageFileKind::Failed { nspid }),
+        "PENDING.txt" => Some(ImageFileKind::Pending { nspid }),
         _ => {
             let index = canonical_u32(rest.strip_prefix("data-")?.strip_suffix(".img")?)?;
             Some(ImageFileKind::Data { nspid, index })
@@ -131,7 +161,9 @@ pub fn list_manifests(dir: BorrowedFd<'_>) -> Result<Vec<u32>, ImageError> {
 /// The processes that have gpusnap files but no manifest (their dump did not finish: data files
 /// written before the manifest, or a manifest left under its temporary name), ascending, each
 /// with the first such file's name. A temporary manifest next to a manifest is not one of them:
-/// that is a rewrite of a complete manifest that did not finish, and the manifest stands.
+/// that is a rewrite of a complete manifest that did not finish, and the manifest stands. A
+/// PENDING marker counts whatever else is there (the manifest may already be in place while the
+/// marker is not yet removed), and is the name given for its process.
 pub fn unfinished_dumps(dir: BorrowedFd<'_>) -> Result<Vec<(u32, String)>, ImageError> {
     let files = list_image_files(dir)?;
     let finished: Vec<u32> = files
@@ -141,7 +173,13 @@ pub fn unfinished_dumps(dir: BorrowedFd<'_>) -> Result<Vec<(u32, String)>, Image
             _ => None,
         })
         .collect();
-    let mut out: Vec<(u32, String)> = Vec::new();
+    let mut out: Vec<(u32, String)> = files
+        .iter()
+        .filter_map(|(k, name)| match k {
+            ImageFileKind::Pending { nspid } => Some((*nspid, name.clone())),
+            _ => None,
+        })
+        .collect();
     for (kind, name) in files {
         let nspid = match kind {
             ImageFileKind::ManifestTmp { nspid }
@@ -166,6 +204,9 @@ pub fn read_manifests(
     dir: BorrowedFd<'_>,
 ) -> Result<std::collections::BTreeMap<u32, crate::Manifest>, ImageError> {
     if let Some((nspid, file)) = unfinished_dumps(dir)?.into_iter().next() {
+        if let Some(ImageFileKind::Pending { .. }) = parse_file_name(&file) {
+            return Err(ImageError::PendingDump { file, nspid });
+        }
         return Err(ImageError::UnfinishedDump {
             file,
             nspid,

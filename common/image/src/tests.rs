@@ -1044,6 +1044,35 @@ fn names_and_listing() {
 }
 
 #[test]
+fn a_pending_marker_refuses_the_directory_even_next_to_its_manifest() {
+    let t = TempDir::new("image-test");
+    let img = make_image(t.fd());
+    std::fs::write(t.file(pending_marker_name(NSPID)), b"pending").unwrap();
+    assert_eq!(
+        unfinished_dumps(t.fd()).unwrap(),
+        vec![(NSPID, pending_marker_name(NSPID))]
+    );
+    let e = read_manifests(t.fd()).unwrap_err();
+    assert!(
+        matches!(&e, ImageError::PendingDump { nspid, .. } if *nspid == NSPID),
+        "{e:?}"
+    );
+    assert!(e.to_string().contains("PENDING.txt"), "{e}");
+    assert!(!e.is_damage());
+    std::fs::remove_file(t.file(pending_marker_name(NSPID))).unwrap();
+    assert_eq!(read_manifests(t.fd()).unwrap()[&NSPID], img.m);
+    assert_eq!(
+        parse_file_name("gpusnap-7-PENDING.txt"),
+        Some(ImageFileKind::Pending { nspid: 7 })
+    );
+    assert_eq!(
+        pending_owner(&pending_text(42, 123456, "written by a test")),
+        Some((42, 123456))
+    );
+    assert_eq!(pending_owner("owner: x 1\n"), None);
+}
+
+#[test]
 fn processes_with_files_but_no_manifest_are_unfinished_and_refuse_the_directory() {
     let t = TempDir::new("image-test");
     let img = make_image(t.fd());

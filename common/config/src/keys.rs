@@ -129,6 +129,20 @@ pub(crate) const KEYS: &[Key] = &[
         },
     },
     Key {
+        name: "async_leave_running",
+        set: |c, r, o| {
+            c.async_leave_running = boolean(r, o)?;
+            Ok(())
+        },
+    },
+    Key {
+        name: "async_snapshot_share",
+        set: |c, r, o| {
+            c.async_snapshot_share = int(r, o, 1, 90, "an integer in 1..=90 (percent)")?;
+            Ok(())
+        },
+    },
+    Key {
         name: "keeper",
         set: |c, r, o| {
             let path = string(r, o, "an absolute path to gpusnap-keeper, or \"\"")?;

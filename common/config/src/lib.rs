@@ -200,6 +200,14 @@ pub struct Config {
     /// Split path: hand the device memory over to the keeper across the driver checkpoint and
     /// drain it while CRIU dumps the host side (false: copy it out first, on the job's pause).
     pub handover: bool,
+    /// `criu dump -R` with the hand-over: the keeper copies the lent memory device to device
+    /// into a snapshot of its own, CRIU returns without waiting for the drain, and the keeper's
+    /// drainer writes the image afterwards (pending until then: `gpusnap wait`). Off under
+    /// container runtimes (CRIU as `swrk`/`service`), which archive the directory at once.
+    pub async_leave_running: bool,
+    /// The most of a GPU's free memory (percent) an asynchronous `-R` snapshot may take; a
+    /// process whose lent memory does not fit is drained on the pause as without the route.
+    pub async_snapshot_share: u32,
     /// The `gpusnap-keeper` binary; empty: next to the plugin, else
     /// `/usr/libexec/gpusnap/gpusnap-keeper`.
     pub keeper: String,
@@ -231,6 +239,8 @@ impl Default for Config {
             incremental: true,
             durable: false,
             handover: true,
+            async_leave_running: false,
+            async_snapshot_share: 50,
             keeper: String::new(),
             agent_timeout_ms: 30_000,
             lock_timeout_ms: 0,
@@ -300,7 +310,7 @@ impl Config {
         let mut s = format!(
             "mode={} writer_threads={} reader_threads={} staging_slot_mib={} staging_slots={} \
              copy_streams={} compress={} verify_before_restore={} incremental={} durable={} \
-             handover={} keeper={} agent_timeout_ms={} lock_timeout_ms={}",
+             handover={} async_leave_running={} async_snapshot_share={} keeper={} agent_timeout_ms={} lock_timeout_ms={}",
             self.mode.as_str(),
             threads(self.writer_threads, self.effective_writer_threads()),
             threads(self.reader_threads, self.effective_reader_threads()),
@@ -312,6 +322,8 @@ impl Config {
             self.incremental,
             self.durable,
             self.handover,
+            self.async_leave_running,
+            self.async_snapshot_share,
             if self.keeper.is_empty() {
                 "auto"
             } else {

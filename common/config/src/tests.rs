@@ -117,6 +117,8 @@ verify_before_restore = false
 incremental = false
 durable = true
 handover = false
+async_leave_running = true
+async_snapshot_share = 90
 keeper = "/opt/gpusnap/gpusnap-keeper"
 agent_timeout_ms = 100
 lock_timeout_ms = 3600000
@@ -138,6 +140,8 @@ log_level = "debug"
         incremental: false,
         durable: true,
         handover: false,
+        async_leave_running: true,
+        async_snapshot_share: 90,
         keeper: "/opt/gpusnap/gpusnap-keeper".to_owned(),
         agent_timeout_ms: 100,
         lock_timeout_ms: 3_600_000,

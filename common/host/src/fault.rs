@@ -73,12 +73,25 @@ pub const PARENT_POINTS: &[&str] = &[
                            // damaged: the full copy again from the keeper's memory not yet begun
 ];
 
+/// The points of an asynchronous `criu dump -R` (`async_leave_running`), reached only with it
+/// (`criu-tests/tests/async_leave_running.rs` kills there). The first kills CRIU; the others
+/// fire in the drainer, the process gpusnap leaves behind after CRIU returns: one kills the
+/// keeper under it mid-drain, the other the drainer itself before the manifest.
+pub const ASYNC_POINTS: &[&str] = &[
+    "dump-snapshot-copied", // the keeper holds a snapshot of the lent memory, the job not yet
+    // released; CRIU has not returned
+    "async-drain-started", // in the drainer, after CRIU returned: the keeper is killed
+    "async-before-manifest", // in the drainer: every chunk written, the drainer is killed
+                           // before the manifest
+];
+
 fn known(v: &str) -> Option<&'static str> {
     POINTS
         .iter()
         .chain(AMD_POINTS)
         .chain(IPC_POINTS)
         .chain(PARENT_POINTS)
+        .chain(ASYNC_POINTS)
         .copied()
         .find(|p| *p == v)
 }
@@ -92,11 +105,12 @@ fn armed() -> Option<&'static str> {
 #[derive(Debug, thiserror::Error)]
 pub enum UnknownPoint {
     #[error(
-        "{ENV}={value:?} names no fault point (known: {}, {}, {}, {})",
+        "{ENV}={value:?} names no fault point (known: {}, {}, {}, {}, {})",
         POINTS.join(", "),
         AMD_POINTS.join(", "),
         IPC_POINTS.join(", "),
-        PARENT_POINTS.join(", ")
+        PARENT_POINTS.join(", "),
+        ASYNC_POINTS.join(", ")
     )]
     Point { value: String },
     #[error("{FAIL_SYNC_ENV}={value:?}: only 1 is a setting")]
@@ -138,6 +152,13 @@ pub fn kill_criu_beside_at(point: &'static str) {
         std::thread::sleep(std::time::Duration::from_millis(2));
     }
     kill_criu_at(point);
+}
+
+/// Whether `point` is the armed one (for points whose fault is not CRIU's death: the
+/// asynchronous drainer kills its keeper or itself).
+pub fn armed_at(point: &'static str) -> bool {
+    debug_assert!(known(point).is_some(), "unknown fault point {point}");
+    armed() == Some(point)
 }
 
 /// Kills this CRIU if `point` is armed.

@@ -150,7 +150,7 @@ pub fn tell_user(msg: &str) {
 /// containerd start it, or `criu service`): its stdio then is not a user's terminal. runc gives
 /// a checkpoint's CRIU none (`/dev/null`) and a restore's the container's own, where gpusnap's
 /// words must never land; the runtime shows CRIU's log and the image directory's marker instead.
-fn rpc_mode() -> bool {
+pub fn rpc_mode() -> bool {
     std::fs::read("/proc/self/cmdline").is_ok_and(|c| {
         c.split(|b| *b == 0)
             .nth(1)

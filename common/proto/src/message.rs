@@ -209,6 +209,15 @@ pub enum Request {
         /// Bytes.
         size: u64,
     },
+    /// To the keeper, after every `Adopt` of an asynchronous `criu dump -R`: copy each adopted
+    /// allocation device to device into fresh memory of the keeper's own and let go of the
+    /// import, so that the job may run on its own memory while the snapshot is drained. All or
+    /// nothing: refused (nothing changed) when the snapshot would take more than
+    /// `share_percent` of any GPU's free memory.
+    Snapshot {
+        /// The most of a GPU's free memory the snapshot may take, percent (1..=90).
+        share_percent: u32,
+    },
     /// The job's agent (its threads held): map every released allocation again from the
     /// descriptors kept at `LendBegin`, at its old address; no data moves.
     Reclaim,
@@ -495,6 +504,22 @@ pub enum Reply {
         /// Their bytes.
         bytes: u64,
     },
+    /// The keeper holds a snapshot of every adopted allocation, and no import of the job's.
+    Snapshotted {
+        /// Allocations copied.
+        count: u32,
+        /// Their bytes.
+        bytes: u64,
+    },
+    /// The snapshot was not made (nothing changed): it would not fit.
+    SnapshotRefused {
+        /// Bytes the snapshot needs on the GPU that lacked room.
+        needed: u64,
+        /// What the share allowed there.
+        allowed: u64,
+        /// The keeper's ordinal of that GPU.
+        device: u32,
+    },
     /// The keeper mapped allocation `id` at the job's address.
     Adopted {
         /// Allocation id.
@@ -623,6 +648,7 @@ mod kind {
     pub const REQ_SHARE_FDS: u16 = 0x0014;
     pub const REQ_REIMPORT: u16 = 0x0015;
     pub const REQ_SHAREABLE_SOURCE: u16 = 0x0016;
+    pub const REQ_SNAPSHOT: u16 = 0x0017;
 
     pub const REP_HELLO: u16 = 0x0101;
     pub const REP_ALLOCATION: u16 = 0x0102;
@@ -651,6 +677,8 @@ mod kind {
     pub const REP_SHARE_FD_END: u16 = 0x0119;
     pub const REP_REIMPORTED: u16 = 0x011A;
     pub const REP_SOURCE_NOTED: u16 = 0x011B;
+    pub const REP_SNAPSHOTTED: u16 = 0x011C;
+    pub const REP_SNAPSHOT_REFUSED: u16 = 0x011D;
 }
 
 /// An optional u64: a presence byte (0/1), then the value (0 when absent).
@@ -806,6 +834,10 @@ impl Request {
                 w.u64(*addr);
                 w.u64(*size);
             }
+            Request::Snapshot { share_percent } => {
+                header(&mut w, kind::REQ_SNAPSHOT);
+                w.u32(*share_percent);
+            }
             Request::Reclaim => header(&mut w, kind::REQ_RECLAIM),
             Request::Expect {
                 id,
@@ -904,6 +936,9 @@ impl Request {
                 device: r.u32()?,
                 addr: r.u64()?,
                 size: r.u64()?,
+            },
+            kind::REQ_SNAPSHOT => Request::Snapshot {
+                share_percent: r.u32()?,
             },
             kind::REQ_RECLAIM => Request::Reclaim,
             kind::REQ_EXPECT => Request::Expect {
@@ -1079,6 +1114,21 @@ impl Reply {
                 w.u32(*count);
                 w.u64(*bytes);
             }
+            Reply::Snapshotted { count, bytes } => {
+                header(&mut w, kind::REP_SNAPSHOTTED);
+                w.u32(*count);
+                w.u64(*bytes);
+            }
+            Reply::SnapshotRefused {
+                needed,
+                allowed,
+                device,
+            } => {
+                header(&mut w, kind::REP_SNAPSHOT_REFUSED);
+                w.u64(*needed);
+                w.u64(*allowed);
+                w.u32(*device);
+            }
             Reply::Adopted { id } => {
                 header(&mut w, kind::REP_ADOPTED);
                 w.u64(*id);
@@ -1249,6 +1299,15 @@ impl Reply {
                 bytes: r.u64()?,
             },
             kind::REP_ADOPTED => Reply::Adopted { id: r.u64()? },
+            kind::REP_SNAPSHOTTED => Reply::Snapshotted {
+                count: r.u32()?,
+                bytes: r.u64()?,
+            },
+            kind::REP_SNAPSHOT_REFUSED => Reply::SnapshotRefused {
+                needed: r.u64()?,
+                allowed: r.u64()?,
+                device: r.u32()?,
+            },
             kind::REP_EXPECTED => Reply::Expected {
                 id: r.u64()?,
                 device: r.u32()?,

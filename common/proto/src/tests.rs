@@ -94,6 +94,7 @@ fn all_requests() -> Vec<Request> {
             size: 2 << 20,
         },
         Request::Reclaim,
+        Request::Snapshot { share_percent: 50 },
         Request::KnownChunk {
             addr: 0x7f00_0000_0000,
             len: 32 << 20,
@@ -219,6 +220,15 @@ fn all_replies() -> Vec<Reply> {
             bytes: 2 << 20,
         },
         Reply::Adopted { id: 9 },
+        Reply::Snapshotted {
+            count: 3,
+            bytes: 6 << 20,
+        },
+        Reply::SnapshotRefused {
+            needed: 1 << 30,
+            allowed: 1 << 29,
+            device: 1,
+        },
         Reply::Expected { id: 9, device: 2 },
         Reply::Taken { id: 9 },
         Reply::TakenAll {

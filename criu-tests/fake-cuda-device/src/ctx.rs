@@ -266,9 +266,18 @@ pub unsafe extern "C" fn mem_get_info(free: *mut usize, total: *mut usize) -> CU
     call::run("cuMemGetInfo_v2", || {
         need_context()?;
         let used = USED.load(Ordering::Acquire);
+        // `FAKECUDA_FREE_MIB`: a device with at most that much free (a test of what does not
+        // fit, such as an asynchronous -R's snapshot).
+        let cap = std::env::var("FAKECUDA_FREE_MIB")
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+            .map_or(u64::MAX, |m| m << 20);
         // SAFETY: the caller's out pointers, checked for null by put.
         unsafe {
-            put(free, DEVICE_TOTAL_MEM.saturating_sub(used) as usize)?;
+            put(
+                free,
+                DEVICE_TOTAL_MEM.saturating_sub(used).min(cap) as usize,
+            )?;
             put(total, DEVICE_TOTAL_MEM as usize)
         }
     })

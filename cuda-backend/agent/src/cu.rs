@@ -670,6 +670,26 @@ impl Driver {
 }
 
 impl Driver {
+    /// `len` bytes from device address `src` to device address `dst`, in the current context;
+    /// complete when it returns (the keeper's snapshot of an asynchronous `-R`).
+    pub fn copy_dtod(&self, dst: CUdeviceptr, src: CUdeviceptr, len: u64) -> Result<(), CuError> {
+        // SAFETY: both ranges are device memory of ours, mapped with read-write access (the
+        // keeper's adoption and its fresh snapshot memory); no host pointer is involved.
+        self.check(
+            unsafe { (self.memcpy_dtod)(dst, src, len as usize) },
+            || format!("cuMemcpyDtoD({src:#x} -> {dst:#x}, {len} bytes)"),
+        )
+    }
+
+    /// `(free, total)` device memory of the current context's GPU, in bytes.
+    pub fn mem_info(&self) -> Result<(u64, u64), CuError> {
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: two valid out pointers.
+        let rc = unsafe { (self.mem_get_info)(&mut free, &mut total) };
+        self.check(rc, || "cuMemGetInfo".to_owned())?;
+        Ok((free as u64, total as u64))
+    }
+
     /// `len` bytes of `value` at `dst`, on stream `s`.
     pub fn memset_async(
         &self,

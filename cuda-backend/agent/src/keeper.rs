@@ -204,6 +204,10 @@ fn serve(ch: &Channel, gpus: &[[u8; 16]]) -> Result<(), KeeperError> {
                     format!("adopting #{id} at {addr:#x}")
                 })?;
             }
+            (Request::Snapshot { share_percent }, None) => {
+                let made = snapshot(&mut gpu, share_percent);
+                answer(ch, made, || "making the snapshot".to_owned())?;
+            }
             (
                 Request::KnownChunk {
                     addr,
@@ -381,6 +385,112 @@ fn adopt(
         .insert_adopted(id, dev, (addr, at), size, handle);
     debug!("keeper: adopted #{id} at {addr:#x} (here {at:#x}, {size} bytes) on device {dev}");
     Ok(())
+}
+
+/// An adopted allocation as the snapshot finds it.
+struct Adopted {
+    addr: u64,
+    device: i32,
+    size: u64,
+    at: u64,
+    handle: cudarc::driver::sys::CUmemGenericAllocationHandle,
+}
+
+/// The snapshot of an asynchronous `criu dump -R`: every adopted allocation copied device to
+/// device into fresh memory of the keeper's own, then the import of the job's memory let go,
+/// so that the job can run on its own memory while the snapshot is drained. All or nothing:
+/// where the snapshot would take more than `share_percent` of a GPU's free memory, or a copy
+/// fails, the keeper's table is as before (the imports kept, no snapshot memory left).
+fn snapshot(gpu: &mut Gpu, share_percent: u32) -> Result<Reply, KeeperError> {
+    let drv = driver()?;
+    let entries: Vec<Adopted> = table::try_lock_for(AGENT_LOCK_WAIT)
+        .ok_or(KeeperError::TableLocked)?
+        .converted()
+        .filter_map(|c| match c.backing {
+            table::Backing::Mapped(handle) => Some(Adopted {
+                addr: c.addr,
+                device: c.device,
+                size: c.size,
+                at: c.mapped_at,
+                handle,
+            }),
+            table::Backing::Released => None,
+        })
+        .collect();
+    let mut per_device = std::collections::BTreeMap::<i32, u64>::new();
+    for e in &entries {
+        *per_device.entry(e.device).or_default() += e.size;
+    }
+    let share = u64::from(share_percent.clamp(1, 90));
+    for (&dev, &needed) in &per_device {
+        gpu.prepare(drv, dev, 1, 1)?;
+        let (free, _) = drv.mem_info()?;
+        let allowed = free / 100 * share;
+        if needed > allowed {
+            debug!("keeper: no snapshot: {needed} bytes on device {dev}, {allowed} allowed");
+            return Ok(Reply::SnapshotRefused {
+                needed,
+                allowed,
+                device: u32::try_from(dev).map_err(|_| KeeperError::Device(dev.into()))?,
+            });
+        }
+    }
+    let mut made: Vec<(usize, crate::vmm::VmmAlloc)> = Vec::with_capacity(entries.len());
+    let undo = |made: Vec<(usize, crate::vmm::VmmAlloc)>| {
+        for (_, a) in made {
+            let _ = crate::vmm::free(drv, a.addr, a.size, Some(a.handle));
+        }
+    };
+    for (i, e) in entries.iter().enumerate() {
+        let copied = gpu
+            .prepare(drv, e.device, 1, 1)
+            .map_err(KeeperError::from)
+            .and_then(|()| {
+                let a = crate::vmm::alloc(drv, e.device, e.size)?;
+                if let Err(err) = drv.copy_dtod(a.addr, e.at, e.size) {
+                    let _ = crate::vmm::free(drv, a.addr, a.size, Some(a.handle));
+                    return Err(err.into());
+                }
+                Ok(a)
+            });
+        match copied {
+            Ok(a) => made.push((i, a)),
+            Err(err) => {
+                undo(made);
+                return Err(err);
+            }
+        }
+    }
+    for &dev in per_device.keys() {
+        gpu.prepare(drv, dev, 1, 1)?;
+        if let Err(err) = drv.synchronize_current() {
+            undo(made);
+            return Err(err.into());
+        }
+    }
+    // Every copy is complete: the snapshot replaces the imports. The job keeps its memory
+    // through its own descriptors; from here the keeper maps none of it.
+    let mut t = table::try_lock_for(AGENT_LOCK_WAIT).ok_or(KeeperError::TableLocked)?;
+    let mut bytes = 0u64;
+    for (i, a) in &made {
+        let e = &entries[*i];
+        t.replace_adopted(e.addr, a.addr, a.handle);
+        bytes += e.size;
+        if let Err(err) = crate::vmm::free(drv, e.at, e.size, Some(e.handle)) {
+            // The import stays mapped here: harmless (the job's memory lives on through its
+            // descriptors either way), and it goes with the keeper.
+            debug!("keeper: letting go of the import at {:#x}: {err}", e.at);
+        }
+    }
+    drop(t);
+    debug!(
+        "keeper: snapshot of {} allocations, {bytes} bytes",
+        made.len()
+    );
+    Ok(Reply::Snapshotted {
+        count: u32::try_from(made.len()).unwrap_or(u32::MAX),
+        bytes,
+    })
 }
 
 /// Records the job's allocation `id` at `addr` (`size` bytes) on the GPU with UUID `uuid` for

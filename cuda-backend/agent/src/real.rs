@@ -164,6 +164,8 @@ crate::calls::hooked_calls!(driver_table! {
         memcpy_dtoh_async = "cuMemcpyDtoHAsync_v2"(*mut c_void, CUdeviceptr, usize, CUstream);
         memcpy_htod_async = "cuMemcpyHtoDAsync_v2"(CUdeviceptr, *const c_void, usize, CUstream);
         memset_d8_async = "cuMemsetD8Async"(CUdeviceptr, u8, usize, CUstream);
+        memcpy_dtod = "cuMemcpyDtoD_v2"(CUdeviceptr, CUdeviceptr, usize);
+        mem_get_info = "cuMemGetInfo_v2"(*mut usize, *mut usize);
         module_load_data = "cuModuleLoadData"(*mut CUmodule, *const c_void);
         module_get_function = "cuModuleGetFunction"(*mut CUfunction, CUmodule, *const c_char);
         launch_kernel = "cuLaunchKernel"(

@@ -230,6 +230,15 @@ impl Table {
         self.insert_for_job(id, device, at, size, Backing::Mapped(handle), false);
     }
 
+    /// In a keeper: the adopted allocation of the job at `addr` is now the snapshot mapped at
+    /// `mapped_at` here, held by `handle` (the import it replaces is let go by the caller).
+    pub fn replace_adopted(&mut self, addr: u64, mapped_at: u64, handle: Handle) {
+        if let Some(c) = self.converted.get_mut(&addr) {
+            c.mapped_at = mapped_at;
+            c.backing = Backing::Mapped(handle);
+        }
+    }
+
     /// In a keeper at a restore: the job's allocation `id` at `addr` (`at` is `(addr,
     /// mapped_at)`), to be re-created here
     /// at `mapped_at` (its reservation, made) by the load that follows (state Released until

@@ -32,6 +32,9 @@ pub struct CudaBackend {
     /// too). Hooks that run in a restored task fetch that task's own ([`criu::image_dir`]).
     image_dir: Option<BorrowedFd<'static>>,
     run: Run,
+    /// A dump with `mode = off`: a process with CUDA state fails the dump rather than being
+    /// saved without its GPU state ([`refuse_unsaved_gpu_state`]).
+    off_guard: bool,
 }
 
 impl CudaBackend {
@@ -42,6 +45,7 @@ impl CudaBackend {
         image_dir: Option<BorrowedFd<'static>>,
     ) -> Result<CudaBackend, Refused> {
         let device_files = cfg.mode != Mode::Off;
+        let off_guard = cfg.mode == Mode::Off && stage == Stage::Dump;
         let durable = cfg.durable;
         let run = match stage {
             Stage::PreDump => {
@@ -61,6 +65,7 @@ impl CudaBackend {
             durable,
             image_dir,
             run,
+            off_guard,
         })
     }
 
@@ -72,6 +77,7 @@ impl CudaBackend {
             durable: false,
             image_dir: None,
             run: Run::Disabled(why.into()),
+            off_guard: false,
         }
     }
 
@@ -143,6 +149,7 @@ impl Backend for CudaBackend {
     fn pause_devices(&mut self, pid: i32) -> Answer {
         match &mut self.run {
             Run::Dump(d) => Answer::of(d.pause_devices(pid)),
+            Run::Disabled(_) if self.off_guard => refuse_unsaved_gpu_state(pid),
             _ => Answer::NotMine,
         }
     }
@@ -184,6 +191,48 @@ impl Backend for CudaBackend {
     }
 }
 
+/// PAUSE_DEVICES of a dump with `mode = off`: never a CPU-only checkpoint of a GPU job. A
+/// process with CUDA state fails the dump, naming the cause, unless CRIU's own CUDA plugin is
+/// loaded in this CRIU (it is then offered the hook next and checkpoints the GPU state: a
+/// refusal here would stop CRIU from asking it). Without an NVIDIA driver on this host no
+/// process can have CUDA state, and nothing is loaded to ask.
+fn refuse_unsaved_gpu_state(pid: i32) -> Answer {
+    if let Some(path) = criu_cuda_plugin_loaded() {
+        log::info!("pid {pid}: gpusnap is off (mode = off); GPU state is left to {path}");
+        return Answer::NotMine;
+    }
+    if crate::context::driver_absent_reason().is_some() {
+        return Answer::NotMine;
+    }
+    let Ok(api) = crate::driver::api() else {
+        return Answer::NotMine;
+    };
+    if api.restore_thread_id(pid).is_err() {
+        return Answer::NotMine;
+    }
+    gpusnap_host::logger::tell_user(&format!(
+        "pid {pid} has CUDA state, but gpusnap is disabled (mode = off) and no other CRIU plugin \
+         saves GPU state: the dump is refused rather than writing a checkpoint without the \
+         process's GPU memory, which could never be restored. Set mode = auto (or unset \
+         GPUSNAP_MODE=off), or stop the process's GPU work before the dump"
+    ));
+    Answer::Failed
+}
+
+/// The path of CRIU's own CUDA plugin (`cuda_plugin.so`) if it is loaded in this process (CRIU
+/// loads every plugin of its plugin directory before the first hook); as the AMD side finds
+/// `amdgpu_plugin.so`.
+fn criu_cuda_plugin_loaded() -> Option<String> {
+    cuda_plugin_in_maps(&std::fs::read_to_string("/proc/self/maps").ok()?)
+}
+
+fn cuda_plugin_in_maps(maps: &str) -> Option<String> {
+    maps.lines()
+        .filter_map(|l| l.split_whitespace().nth(5))
+        .find(|p| p.rsplit('/').next() == Some("cuda_plugin.so"))
+        .map(str::to_owned)
+}
+
 /// After CHECKPOINT_DEVICES of `pid` (CRIU calls it for every process of the tree, and the
 /// first call has stopped again every agent thread it let run): `pid`'s agent door, if it has
 /// one, is sealed until CRIU has dumped its descriptors (`gpusnap_proto::seal_door`), so that no
@@ -196,5 +245,24 @@ fn seal_agent_door(pid: i32) {
         ),
         Ok(_) => {}
         Err(e) => log::warn!("pid {pid}: cannot seal the agent's door for the dump: {e}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cuda_plugin_in_maps;
+
+    #[test]
+    fn criu_cuda_plugin_is_found_in_maps() {
+        let maps = "7f00-7f01 r-xp 00000000 08:01 42 /usr/lib/criu/cuda_plugin.so\n\
+                    7f02-7f03 r-xp 00000000 08:01 43 /usr/lib/criu/gpusnap.so\n";
+        assert_eq!(
+            cuda_plugin_in_maps(maps).as_deref(),
+            Some("/usr/lib/criu/cuda_plugin.so")
+        );
+        assert_eq!(
+            cuda_plugin_in_maps("7f02-7f03 r-xp 00000000 08:01 43 /x/not_cuda_plugin.so\n"),
+            None
+        );
     }
 }

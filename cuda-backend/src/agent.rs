@@ -302,6 +302,10 @@ pub struct AgentSession {
 /// How often a wait for a watched peer's reply looks whether the peer is stopped.
 const PEER_CHECK: Duration = Duration::from_millis(100);
 
+/// The keeper's answer to `Snapshot`: `(count, bytes)` copied, or `(needed, allowed, device)`
+/// where it would not fit.
+pub type SnapshotAnswer = Result<(u32, u64), (u64, u64, u32)>;
+
 impl Drop for AgentSession {
     fn drop(&mut self) {
         if self.answered.load(std::sync::atomic::Ordering::Relaxed) {
@@ -1049,6 +1053,23 @@ impl AgentSession {
 
     /// `Release` to a keeper: it drops its imports and answers, and stays until the session is
     /// dropped (its exit while CRIU works on the tasks would fail the dump).
+    /// `Snapshot` to the keeper (an asynchronous `-R`): `Ok(Ok((count, bytes)))` once it
+    /// holds a device-to-device copy of every adopted allocation and no import of the job's;
+    /// `Ok(Err((needed, allowed, device)))` when it would not fit in `share_percent` of a
+    /// GPU's free memory (nothing changed). The copies take the device's time, not the link's.
+    pub fn snapshot(&self, share_percent: u32) -> Result<SnapshotAnswer, AgentError> {
+        self.send(&Request::Snapshot { share_percent }, None)?;
+        match self.recv(self.timeout)? {
+            Reply::Snapshotted { count, bytes } => Ok(Ok((count, bytes))),
+            Reply::SnapshotRefused {
+                needed,
+                allowed,
+                device,
+            } => Ok(Err((needed, allowed, device))),
+            got => Err(self.unexpected("Snapshotted", got)),
+        }
+    }
+
     pub fn release_keeper(&self) -> Result<(u32, u64), AgentError> {
         self.send(&Request::Release, None)?;
         match self.recv(self.timeout)? {

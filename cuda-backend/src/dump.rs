@@ -874,6 +874,7 @@ fn hand_over(ctx: &Ctx, t: &mut Tracked, release: &Mutex<Option<Hold>>) -> Resul
         times.adopt_wait_s,
     );
     crate::fault::kill_criu_at("dump-lent");
+    let background = asynchronous(ctx, t, &drain_session, &routes)?;
 
     let dir = ctx.image_dir();
     let (codec, why) = crate::context::codec_for(&ctx.cfg, dir);
@@ -987,6 +988,7 @@ fn hand_over(ctx: &Ctx, t: &mut Tracked, release: &Mutex<Option<Hold>>) -> Resul
             routes,
             copy_first: has_copy_first.then(|| Box::new(provisional)),
             copied,
+            background: None,
         })),
     })?;
     let t0 = Instant::now();
@@ -994,21 +996,108 @@ fn hand_over(ctx: &Ctx, t: &mut Tracked, release: &Mutex<Option<Hold>>) -> Resul
     t.time("release", t0.elapsed().as_secs_f64());
     log::debug!("pid {pid}: agent released {n} allocations ({bytes} bytes), descriptors kept");
     crate::fault::kill_criu_at("dump-released");
-    // The job no longer maps the memory; the keeper drains it from here on, beside the
-    // driver's control checkpoint and CRIU's own dump (joined in `exit`).
-    let drain = crate::handover::Drain::start(drain_session, job)
-        .map_err(|err| DumpError::DrainStart { pid, err })?;
-    if let Some(lent) = t.phase.moved_mut().and_then(|m| m.lent.as_deref_mut()) {
-        lent.drain = Some(drain);
+    if background {
+        // The keeper holds a snapshot: the drain runs once CRIU is done, in a process of its
+        // own (`exit`), while the job runs on its own memory.
+        if let Some(lent) = t.phase.moved_mut().and_then(|m| m.lent.as_deref_mut()) {
+            lent.background = Some(Box::new(crate::handover::Background {
+                session: drain_session,
+                job,
+            }));
+        }
+    } else {
+        // The job no longer maps the memory; the keeper drains it from here on, beside the
+        // driver's control checkpoint and CRIU's own dump (joined in `exit`).
+        let drain = crate::handover::Drain::start(drain_session, job)
+            .map_err(|err| DumpError::DrainStart { pid, err })?;
+        if let Some(lent) = t.phase.moved_mut().and_then(|m| m.lent.as_deref_mut()) {
+            lent.drain = Some(drain);
+        }
+        log::info!(
+            "pid {pid}: drain started {:.3} s after the hand-over; CRIU dumps the host side meanwhile",
+            since.elapsed().as_secs_f64()
+        );
     }
-    log::info!(
-        "pid {pid}: drain started {:.3} s after the hand-over; CRIU dumps the host side meanwhile",
-        since.elapsed().as_secs_f64()
-    );
     lock(ctx, t, "relock")?;
     *release.lock().unwrap_or_else(|e| e.into_inner()) = t.hold.take();
     crate::fault::kill_criu_at("dump-relocked");
     Ok(())
+}
+
+/// Why an asynchronous `-R` is not taken, if it is not: the key, `-R`, CRIU as a service.
+fn async_refused(cfg: &gpusnap_config::Config) -> Option<&'static str> {
+    if !cfg.async_leave_running {
+        return Some("async_leave_running is off");
+    }
+    if !crate::criu::leave_running() {
+        return Some("not `criu dump -R`");
+    }
+    if crate::logger::rpc_mode() {
+        return Some(
+            "CRIU runs as a service (a container runtime archives the directory as soon as CRIU returns)",
+        );
+    }
+    None
+}
+
+/// The asynchronous `-R` (`async_leave_running`): asks the keeper for a device-to-device
+/// snapshot of everything it adopted; `true` when it holds one (the PENDING marker is then
+/// written, before CRIU can return), `false` when the drain runs on the pause as without the
+/// key, each allocation's route and the reason logged.
+fn asynchronous(
+    ctx: &Ctx,
+    t: &Tracked,
+    keeper: &AgentSession,
+    routes: &crate::route::Routes,
+) -> Result<bool, DumpError> {
+    let pid = t.pid;
+    let lent: Vec<String> = routes
+        .0
+        .iter()
+        .filter(|(a, r)| a.moved && *r == crate::route::AllocRoute::Lend)
+        .map(|(a, _)| format!("#{} ({} bytes)", a.id, a.size))
+        .collect();
+    if let Some(why) = async_refused(&ctx.cfg) {
+        if ctx.cfg.async_leave_running {
+            log::info!(
+                "pid {pid}: asynchronous -R not taken ({why}): {} drained on the pause",
+                lent.join(", ")
+            );
+        }
+        return Ok(false);
+    }
+    let t0 = Instant::now();
+    let made = keeper
+        .snapshot(ctx.cfg.async_snapshot_share)
+        .map_err(|e| DumpError::HandOver(crate::handover::HandOverError::KeeperSession(e)))?;
+    match made {
+        Ok((n, bytes)) => {
+            let words = format!(
+                "The GPU data of pid {pid} is still being written into this directory after an asynchronous `criu dump -R`; it is not a checkpoint until this file is gone (`gpusnap wait DIR`)."
+            );
+            crate::handover::write_pending(ctx.image_dir(), t.nspid.get(), &words).map_err(
+                |e| DumpError::HandOver(crate::handover::HandOverError::Pending(e.to_string())),
+            )?;
+            log::info!(
+                "pid {pid}: asynchronous -R: {n} allocations ({:.2} GiB) copied device to device into the keeper's snapshot in {:.3} s, drained after CRIU returns: {}",
+                gib(bytes),
+                t0.elapsed().as_secs_f64(),
+                lent.join(", ")
+            );
+            crate::fault::kill_criu_at("dump-snapshot-copied");
+            Ok(true)
+        }
+        Err((needed, allowed, device)) => {
+            log::info!(
+                "pid {pid}: asynchronous -R not taken: the snapshot needs {:.2} GiB on GPU {device}, async_snapshot_share = {}% of its free memory allows {:.2} GiB: {} drained on the pause",
+                gib(needed),
+                ctx.cfg.async_snapshot_share,
+                gib(allowed),
+                lent.join(", ")
+            );
+            Ok(false)
+        }
+    }
 }
 
 /// The bytes a drain of the lent allocations writes at most: their data, and for each chunk
@@ -1736,15 +1825,31 @@ impl DumpRun {
         order.sort_by_key(|(i, _)| self.tracked[*i].shares.iter().any(|s| s.import));
         for (i, drained) in order {
             let t = &mut self.tracked[i];
-            let failed = drained.is_err();
-            let cause = drained.as_ref().err().map(ToString::to_string);
+            let mut failed = drained.is_err();
+            let mut cause = drained.as_ref().err().map(ToString::to_string);
+            let background = ret == 0 && !failed && has_background(t);
+            if background {
+                // Before the rollback, which takes the job's memory back: the drainer reads
+                // only the keeper's snapshot, and the job runs on while it writes.
+                match spawn_drainer(ctx, t) {
+                    Ok(drainer) => log::info!(
+                        "pid {}: CRIU returns now; drainer pid {drainer} writes the image from the keeper's snapshot, then the manifest, then removes {}",
+                        t.pid,
+                        gpusnap_image::pending_marker_name(t.nspid.get())
+                    ),
+                    Err(e) => {
+                        failed = true;
+                        cause = Some(e.to_string());
+                    }
+                }
+            }
             if let Some(e) = &cause {
                 log::error!(
                     "pid {}: {e}; this process's image is incomplete and its gpusnap files are removed: restore will refuse it",
                     t.pid
                 );
             }
-            if ret == 0 && !failed {
+            if ret == 0 && !failed && !background {
                 let m = manifest_for(ctx, t);
                 if let Err(e) = gpusnap_image::write_manifest(ctx.image_dir(), &m) {
                     log::error!(
@@ -1807,32 +1912,238 @@ fn mark_not_a_checkpoint(ctx: &Ctx, t: &Tracked, cause: &str) {
         t.pid,
         t.nspid.get()
     );
-    let written = std::ffi::CString::new(name.as_str())
-        .map_err(std::io::Error::other)
-        .and_then(|c| {
-            // SAFETY: openat on the image dir's descriptor with a NUL-terminated name;
-            // O_EXCL|O_NOFOLLOW never follows or reuses a file planted there.
-            let fd = unsafe {
-                libc::openat(
-                    std::os::fd::AsRawFd::as_raw_fd(&ctx.image_dir()),
-                    c.as_ptr(),
-                    libc::O_WRONLY
-                        | libc::O_CREAT
-                        | libc::O_EXCL
-                        | libc::O_NOFOLLOW
-                        | libc::O_CLOEXEC,
-                    0o600,
-                )
-            };
-            if fd < 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            // SAFETY: fd was just opened and is owned by the File from here on.
-            let mut f = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
-            std::io::Write::write_all(&mut f, text.as_bytes())
-        });
+    let written = crate::handover::write_new_marker(ctx.image_dir(), &name, &text);
     if let Err(e) = written {
         log::error!("pid {}: writing {name}: {e}", t.pid);
+    }
+}
+
+/// Whether the process's drain waits for a drainer (an asynchronous `-R`).
+fn has_background(t: &mut Tracked) -> bool {
+    t.phase
+        .moved_mut()
+        .and_then(|m| m.lent.as_deref_mut())
+        .is_some_and(|l| l.background.is_some())
+}
+
+/// Starts the drainer of an asynchronous `-R`: a process that outlives CRIU (forked from it
+/// twice, in its own session, so that it is not CRIU's child) and drains the keeper's snapshot
+/// into the image, writes the manifest, then removes the PENDING marker; or, failing,
+/// leaves the NOT-A-CHECKPOINT marker with the cause. The keeper goes with it: this process
+/// forgets both (the rollback that follows must not kill the keeper). Returns the drainer's
+/// pid.
+fn spawn_drainer(ctx: &Ctx, t: &mut Tracked) -> Result<i32, DumpError> {
+    let pid = t.pid;
+    let lent = t
+        .phase
+        .moved_mut()
+        .and_then(|m| m.lent.as_deref_mut())
+        .ok_or(DumpError::HandOver(
+            crate::handover::HandOverError::NoKeeper,
+        ))?;
+    let (Some(background), Some(keeper)) = (lent.background.take(), lent.keeper.take()) else {
+        return Err(DumpError::HandOver(
+            crate::handover::HandOverError::NoKeeper,
+        ));
+    };
+    let allocations = lent.routes.records();
+    let copied = lent.copied.take();
+    // A pipe tells the grandchild's pid (the drainer's) to this process.
+    let mut fds = [0i32; 2];
+    // SAFETY: pipe2 fills two descriptors of a valid array.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(DumpError::DrainStart {
+            pid,
+            err: std::io::Error::last_os_error(),
+        });
+    }
+    // SAFETY: fork from CRIU's main thread in `exit`: no thread of ours holds a lock (the
+    // drain threads of this dump have not started), and the child only forks again; the
+    // grandchild runs the drain with threads of its own (glibc's allocator is fork-safe).
+    let child = unsafe { libc::fork() };
+    if child < 0 {
+        let err = std::io::Error::last_os_error();
+        // SAFETY: closing the pipe made above.
+        unsafe {
+            libc::close(fds[0]);
+            libc::close(fds[1]);
+        }
+        keeper.kill();
+        return Err(DumpError::DrainStart { pid, err });
+    }
+    if child == 0 {
+        // SAFETY: setsid and fork in the child of a fork; _exit ends the intermediate at once.
+        unsafe {
+            libc::close(fds[0]);
+            libc::setsid();
+            let grandchild = libc::fork();
+            if grandchild != 0 {
+                libc::_exit(i32::from(grandchild < 0));
+            }
+        }
+        // The drainer.
+        let me = std::process::id() as i32;
+        // SAFETY: writing 4 bytes of a local to the pipe's write end.
+        unsafe {
+            libc::write(fds[1], (&me as *const i32).cast(), 4);
+            libc::close(fds[1]);
+        }
+        let status = run_drainer(ctx, t, *background, keeper, allocations, copied);
+        crate::logger::print_deferred();
+        // SAFETY: _exit: no destructor of CRIU's copied state may run here.
+        unsafe { libc::_exit(status) };
+    }
+    // SAFETY: closing our copy of the write end; reaping the intermediate child.
+    unsafe {
+        libc::close(fds[1]);
+        let mut st = 0;
+        libc::waitpid(child, &mut st, 0);
+    }
+    let mut drainer = 0i32;
+    // SAFETY: reading 4 bytes into a local from the pipe's read end, then closing it.
+    let n = unsafe {
+        let n = libc::read(fds[0], (&mut drainer as *mut i32).cast(), 4);
+        libc::close(fds[0]);
+        n
+    };
+    // The keeper and its session are the drainer's now: neither is killed nor closed-and-
+    // waited-for here (dropping the session only closes this process's copy of it).
+    drop(background);
+    std::mem::forget(keeper);
+    if n != 4 {
+        return Err(DumpError::DrainStart {
+            pid,
+            err: std::io::Error::other("the drainer did not start"),
+        });
+    }
+    Ok(drainer)
+}
+
+/// The drainer's whole life (in the grandchild of [`spawn_drainer`]). Returns its exit status.
+fn run_drainer(
+    ctx: &Ctx,
+    t: &mut Tracked,
+    background: crate::handover::Background,
+    keeper: crate::keeper::Keeper,
+    allocations: Vec<AllocationRecord>,
+    copied: Option<Box<datapath::DumpData>>,
+) -> i32 {
+    detach_stdio();
+    let pid = t.pid;
+    let nspid = t.nspid.get();
+    let dir = ctx.image_dir();
+    let pending = gpusnap_image::pending_marker_name(nspid);
+    let words = format!(
+        "The GPU data of pid {pid} is being written into this directory after an asynchronous `criu dump -R`; it is not a checkpoint until this file is gone (`gpusnap wait DIR`)."
+    );
+    if let Err(e) = crate::handover::write_pending(dir, nspid, &words) {
+        log::warn!("pid {pid}: drainer: {pending} not taken over: {e}");
+    }
+    let t0 = Instant::now();
+    let crate::handover::Background { session, job } = background;
+    let outcome = crate::handover::Drain::start(session, job)
+        .map_err(|err| DumpError::DrainStart { pid, err })
+        .and_then(|drain| {
+            if crate::fault::armed_at("async-drain-started") {
+                crate::logger::print_now("test fault async-drain-started: killing the keeper");
+                keeper.kill();
+            }
+            let mut done = drain.join();
+            drop(done.session.take());
+            done.data.map_err(|err| DumpError::Drain { pid, err })
+        });
+    drop(keeper);
+    let written = outcome.and_then(|data| {
+        log_data(pid, &allocations, &data);
+        let data = match copied {
+            Some(c) => c.merged(data),
+            None => data,
+        };
+        let manifest = new_manifest(ctx, t, CheckpointPath::Split, allocations, &data);
+        if crate::fault::armed_at("async-before-manifest") {
+            crate::logger::print_now("test fault async-before-manifest: killing the drainer");
+            // SAFETY: kill(2) of this very process.
+            unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+        }
+        gpusnap_image::write_manifest(dir, &manifest).map_err(DumpError::Manifest)?;
+        if ctx.cfg.durable {
+            crate::fault::sync_dir(dir).map_err(DumpError::Manifest)?;
+        }
+        Ok(())
+    });
+    match written {
+        Ok(()) => {
+            if let Err(e) = crate::handover::unlink_at(dir, &pending) {
+                log::error!("pid {pid}: drainer: removing {pending}: {e}");
+                return 1;
+            }
+            if ctx.cfg.durable {
+                let _ = crate::fault::sync_dir(dir);
+            }
+            log::info!(
+                "pid {pid}: asynchronous -R: the image is complete {:.3} s after CRIU returned ({pending} removed)",
+                t0.elapsed().as_secs_f64()
+            );
+            0
+        }
+        Err(e) => {
+            let cause = e.to_string();
+            log::error!(
+                "pid {pid}: asynchronous -R failed after CRIU returned: {cause}; the job runs on, the image is marked NOT-A-CHECKPOINT"
+            );
+            // The marker first, then what the drain wrote (manifest first), PENDING last: a
+            // reader never sees the process without one of the two markers.
+            mark_not_a_checkpoint(ctx, t, &cause);
+            if let Ok(files) = gpusnap_image::list_image_files(dir) {
+                for (kind, name) in files {
+                    let drop_it = kind.nspid() == Some(nspid)
+                        && !matches!(
+                            kind,
+                            gpusnap_image::ImageFileKind::Failed { .. }
+                                | gpusnap_image::ImageFileKind::Pending { .. }
+                        );
+                    if drop_it && let Err(e) = crate::handover::unlink_at(dir, &name) {
+                        log::warn!("pid {pid}: drainer: removing {name}: {e}");
+                    }
+                }
+            }
+            let _ = crate::handover::unlink_at(dir, &pending);
+            2
+        }
+    }
+}
+
+/// The drainer's standard streams go to `/dev/null`, and every pipe it inherited from CRIU is
+/// closed: whoever waits for CRIU's output to end (a shell, a test) must not wait for the
+/// drainer. Sockets (the keeper's connection) and files stay.
+fn detach_stdio() {
+    // SAFETY: open, dup2, fstat and close on descriptor numbers of this process only.
+    unsafe {
+        let null = libc::open(c"/dev/null".as_ptr(), libc::O_RDWR | libc::O_CLOEXEC);
+        if null >= 0 {
+            for fd in 0..3 {
+                libc::dup2(null, fd);
+            }
+            libc::close(null);
+        }
+        libc::signal(libc::SIGCHLD, libc::SIG_DFL);
+        libc::signal(libc::SIGPIPE, libc::SIG_IGN);
+    }
+    let Ok(entries) = std::fs::read_dir("/proc/self/fd") else {
+        return;
+    };
+    let fds: Vec<i32> = entries
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .filter(|&fd| fd > 2)
+        .collect();
+    for fd in fds {
+        // SAFETY: a zeroed stat that fstat fills; close of a pipe this process inherited.
+        unsafe {
+            let mut st: libc::stat = std::mem::zeroed();
+            if libc::fstat(fd, &mut st) == 0 && (st.st_mode & libc::S_IFMT) == libc::S_IFIFO {
+                libc::close(fd);
+            }
+        }
     }
 }
 
@@ -1845,6 +2156,10 @@ fn finish_drain(ctx: &Ctx, t: &mut Tracked, ret: i32) -> Result<(), DumpError> {
     };
     if ret != 0 {
         crate::handover::abandon(lent);
+        return Ok(());
+    }
+    if lent.background.is_some() {
+        // An asynchronous -R: the drainer takes it (`spawn_drainer`, in `exit`'s loop).
         return Ok(());
     }
     let Some(drain) = lent.drain.take() else {

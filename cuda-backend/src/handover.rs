@@ -37,6 +37,8 @@ pub enum HandOverError {
         "the agent lent allocations {lent:?}, the routes say {planned:?}: refusing a hand-over other than planned"
     )]
     NotAsPlanned { lent: Vec<u64>, planned: Vec<u64> },
+    #[error("the PENDING marker of an asynchronous -R could not be written: {0}")]
+    Pending(String),
     #[error("no allocation of the process is lendable now")]
     NothingToLend,
     #[error(
@@ -67,6 +69,16 @@ pub struct Lent {
     pub copy_first: Option<Box<gpusnap_image::Manifest>>,
     /// What that copy-first part wrote, merged with the drain's at the end.
     pub copied: Option<Box<DumpData>>,
+    /// An asynchronous `-R`: the keeper holds a snapshot, and the drain waits for CRIU's end,
+    /// where a process of its own runs it ([`crate::dump`]'s drainer).
+    pub background: Option<Box<Background>>,
+}
+
+/// The drain of an asynchronous `-R`, deferred until CRIU's own part is over: the keeper's
+/// session (its memory is the snapshot, not the job's) and what the drain needs.
+pub struct Background {
+    pub session: AgentSession,
+    pub job: DrainJob,
 }
 
 impl Lent {
@@ -81,6 +93,7 @@ impl Lent {
             routes: Default::default(),
             copy_first: copy_first.map(Box::new),
             copied: None,
+            background: None,
         }
     }
 }
@@ -440,6 +453,63 @@ fn recopy_fresh(
     Ok(data)
 }
 
+/// Creates `name` in `dir` with `text`, never following or reusing a file planted there
+/// (`O_EXCL|O_NOFOLLOW`): the NOT-A-CHECKPOINT marker, from the plugin and from the drainer.
+pub fn write_new_marker(dir: BorrowedFd<'_>, name: &str, text: &str) -> std::io::Result<()> {
+    let c = std::ffi::CString::new(name).map_err(std::io::Error::other)?;
+    // SAFETY: openat on the image dir's descriptor with a NUL-terminated name;
+    // O_EXCL|O_NOFOLLOW never follows or reuses a file planted there.
+    let fd = unsafe {
+        libc::openat(
+            std::os::fd::AsRawFd::as_raw_fd(&dir),
+            c.as_ptr(),
+            libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+            0o600,
+        )
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: fd was just opened and is owned by the File from here on.
+    let mut f = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    std::io::Write::write_all(&mut f, text.as_bytes())
+}
+
+/// Writes (or replaces, atomically) the PENDING marker of process `nspid`, naming this
+/// process as the one that writes the data ([`gpusnap_image::pending_text`]).
+pub fn write_pending(dir: BorrowedFd<'_>, nspid: u32, words: &str) -> std::io::Result<()> {
+    // SAFETY: getpid has no preconditions.
+    let me = unsafe { libc::getpid() };
+    let start = std::fs::read_to_string(format!("/proc/{me}/stat"))
+        .ok()
+        .and_then(|s| crate::procfs::Stat::parse(&s).and_then(|s| s.start_time()))
+        .unwrap_or(0);
+    let name = gpusnap_image::pending_marker_name(nspid);
+    let tmp = format!("{name}.tmp");
+    let _ = unlink_at(dir, &tmp);
+    write_new_marker(dir, &tmp, &gpusnap_image::pending_text(me, start, words))?;
+    let (a, b) = (
+        std::ffi::CString::new(tmp).map_err(std::io::Error::other)?,
+        std::ffi::CString::new(name).map_err(std::io::Error::other)?,
+    );
+    let raw = std::os::fd::AsRawFd::as_raw_fd(&dir);
+    // SAFETY: renameat within the image directory with NUL-terminated names.
+    if unsafe { libc::renameat(raw, a.as_ptr(), raw, b.as_ptr()) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Removes `name` from `dir` (a marker).
+pub fn unlink_at(dir: BorrowedFd<'_>, name: &str) -> std::io::Result<()> {
+    let c = std::ffi::CString::new(name).map_err(std::io::Error::other)?;
+    // SAFETY: unlinkat on the image dir's descriptor with a NUL-terminated name.
+    if unsafe { libc::unlinkat(std::os::fd::AsRawFd::as_raw_fd(&dir), c.as_ptr(), 0) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// Stops a drain that must not finish (the dump failed): ends the keeper (its connection goes,
 /// so the drain's reads fail at once) and joins the thread.
 pub fn abandon(lent: &mut Lent) {
@@ -450,6 +520,7 @@ pub fn abandon(lent: &mut Lent) {
     if let Some(d) = lent.drain.take() {
         let _ = d.join();
     }
+    lent.background.take();
     lent.keeper.take();
 }
 

@@ -5,18 +5,20 @@
 //! - `check`: is this host ready for GPU checkpoints (CRIU, plugin, driver, agent, ptrace)?
 //! - `recover PID [--images DIR]`: bring a process back after a dump that was cut short;
 //! - `precopy PID --images DIR [--parent PATH]`: copy a running process's device data ahead of
-//!   its dump, so the dump copies only what changed.
+//!   its dump, so the dump copies only what changed;
+//! - `wait DIR [--timeout S]`: wait until an asynchronous `criu dump -R`'s images are complete.
 //!
 //! One module each: `inspect`, `verify`, `check` (with its `amd`, `cdi` and `containers`
-//! parts), `recover`, `precopy`; `util` holds the exit codes and the shared helpers; `archive`
+//! parts), `recover`, `precopy`, `wait`; `util` holds the exit codes and the shared helpers; `archive`
 //! unpacks a checkpoint archive given to `inspect` or `verify`, as untrusted input.
 //!
 //! Image bytes are parsed only by the `gpusnap-image` crate; this binary formats what it returns.
 //! `gpusnap SUB --help` and `gpusnap help SUB` describe a subcommand. Exit codes ([`util::EXITS`],
 //! `docs/cli.md`): 0 ok, 1 a problem found (damage, a failed check, a failed recover), 2 usage
 //! error, 3 nothing found to act on (no gpusnap image in DIR, no such DIR), 4 an environment or
-//! driver problem kept the command from its work (configuration, driver, permissions). `check`
-//! reports such problems as findings: a `fail` line, exit 1, never 4.
+//! driver problem kept the command from its work (configuration, driver, permissions), 5 `wait`
+//! timed out with an image still pending. `check` reports such problems as findings: a `fail`
+//! line, exit 1, never 4.
 
 mod archive;
 mod check;
@@ -25,6 +27,7 @@ mod precopy;
 mod recover;
 mod util;
 mod verify;
+mod wait;
 
 use std::process::ExitCode;
 
@@ -96,6 +99,18 @@ const COMMANDS: &[Command] = &[
                Exit: 0 saved, 1 the round failed (the process runs on; DIR keeps nothing of it),\n\
                2 usage, 4 configuration or driver problem.",
         run: precopy::run,
+    },
+    Command {
+        name: "wait",
+        args: "DIR [--timeout SECONDS]",
+        about: "wait until the images of an asynchronous `criu dump -R` are complete",
+        help: "With async_leave_running, `criu dump -R` returns before the GPU data is in DIR; a\n\
+               process gpusnap leaves behind writes it, and DIR holds gpusnap-<pid>-PENDING.txt\n\
+               until then (every tool refuses DIR meanwhile). Waits for every process's image.\n\
+               Exit: 0 complete, 1 failed (NOT-A-CHECKPOINT, its cause printed, or a PENDING\n\
+               marker whose writer is gone), 2 usage, 3 no gpusnap image in DIR (or no such\n\
+               DIR), 4 DIR unreadable, 5 still pending at --timeout (default: no limit).",
+        run: wait::run,
     },
 ];
 

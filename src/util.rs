@@ -14,9 +14,11 @@ pub const EXIT_NOTHING: u8 = 3;
 /// The environment kept the command from its work: the configuration, the driver, permissions.
 /// `check`, whose work is to find such problems, reports them as [`EXIT_PROBLEM`].
 pub const EXIT_ENVIRONMENT: u8 = 4;
+/// `wait` timed out: an image is still being written (an asynchronous `criu dump -R`).
+pub const EXIT_PENDING: u8 = 5;
 
 /// Every exit status, with what it means (for `--help` and `docs/cli.md`).
-pub const EXITS: [(u8, &str); 5] = [
+pub const EXITS: [(u8, &str); 6] = [
     (0, "ok: intact, ready, done (or nothing needed doing)"),
     (
         EXIT_PROBLEM,
@@ -30,6 +32,10 @@ pub const EXITS: [(u8, &str); 5] = [
     (
         EXIT_ENVIRONMENT,
         "configuration, driver or permissions stopped the command (`check` reports them: 1)",
+    ),
+    (
+        EXIT_PENDING,
+        "`wait` timed out: an image is still pending (being written after `criu dump -R`)",
     ),
 ];
 

@@ -792,9 +792,9 @@ fn early_gpu_check_in(
     let none = HashMap::new();
     if manifests
         .values()
-        .any(|m| gpumap::planned_by_the_driver(&m.gpus, device_map))
+        .any(|m| gpumap::planned_by_the_driver(&m.gpus, &[]))
     {
-        log::debug!("GPU plan left to the driver (MIG instances or device_map)");
+        log::debug!("GPU plan left to the driver (MIG instances)");
         return Ok(none);
     }
     let host = match crate::host_gpus::list(dir) {
@@ -805,6 +805,18 @@ fn early_gpu_check_in(
             return Ok(none);
         }
     };
+    // A device_map whose targets are all physical GPUs of the kernel's listing is checked now
+    // (models included), before CRIU creates any process; one naming anything else (a MIG
+    // instance) is the driver's to plan, after CRIU's restore.
+    if device_map
+        .iter()
+        .any(|(_, new)| !host.iter().any(|h| h.uuid == *new))
+    {
+        log::debug!(
+            "GPU plan left to the driver (device_map names a GPU the kernel does not list)"
+        );
+        return Ok(none);
+    }
     let mut ms: Vec<&Manifest> = manifests.values().filter(|m| !m.gpus.is_empty()).collect();
     ms.sort_by_key(|m| m.nspid);
     let mut plan = HashMap::new();
@@ -1317,9 +1329,11 @@ mod tests {
     }
 
     #[test]
-    fn mig_instances_and_device_maps_are_left_to_the_driver() {
+    fn mig_instances_are_left_to_the_driver_and_device_maps_checked_first() {
         // A listing with one other GPU of another model: a plain image is refused against it,
-        // an image of MIG instances or one restored with a device_map is not judged by it.
+        // an image of MIG instances is not judged by it; a device_map onto that listed GPU is
+        // checked now (another model: refused before CRIU creates a process), one onto a GPU
+        // the kernel does not list (a MIG instance) is left to the driver.
         let dir = std::env::temp_dir().join(format!("gpusnap-early-check-{}", std::process::id()));
         let bus = dir.join("0000:10:00.0");
         std::fs::create_dir_all(&bus).unwrap();
@@ -1333,7 +1347,12 @@ mod tests {
         assert!(e.contains("is not on this host"), "{e}");
         assert!(early_gpu_check_in(&dir, &one("NVIDIA H100 80GB HBM3 MIG 1g.10gb"), &[]).is_ok());
         let map = [("a".repeat(32), "0".repeat(30) + "bb")];
-        assert!(early_gpu_check_in(&dir, &one("NVIDIA H200"), &map).is_ok());
+        let e = early_gpu_check_in(&dir, &one("NVIDIA H200"), &map).unwrap_err()[0].to_string();
+        assert!(e.contains("the GPU model must be the same"), "{e}");
+        let same = |name: &str| HashMap::from([(7, manifest(vec![gpu(&"a".repeat(32), name)]))]);
+        assert!(early_gpu_check_in(&dir, &same("NVIDIA A100"), &map).is_ok());
+        let unlisted = [("a".repeat(32), "c".repeat(32))];
+        assert!(early_gpu_check_in(&dir, &one("NVIDIA H200"), &unlisted).is_ok());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -384,7 +384,7 @@ fn keeper_for(
         &ctx.cfg.keeper,
         Some(libcuda.as_path()),
         gpus,
-        pid,
+        crate::keeper::JobPid::Host(HostPid(pid)),
         ctx.agent_timeout(),
     ) {
         Ok(k) => {

@@ -67,6 +67,34 @@ pub enum DetachError {
 /// How long the started process may take to fork the keeper and report it.
 const DETACH_WITHIN: Duration = Duration::from_secs(5);
 
+/// The job a keeper serves, as the caller knows it: a dump knows the job's host pid (CRIU's
+/// hooks get it), a restore's `init` only the namespace pid its image names (the process does
+/// not exist yet). Two kinds of number, never to be mixed: only messages use either.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum JobPid {
+    Host(crate::pid::HostPid),
+    Namespace(crate::pid::NsPid),
+}
+
+impl JobPid {
+    /// The number, for the session's messages.
+    fn number(self) -> i32 {
+        match self {
+            JobPid::Host(p) => p.0,
+            JobPid::Namespace(p) => i32::try_from(p.0).unwrap_or(i32::MAX),
+        }
+    }
+}
+
+impl std::fmt::Display for JobPid {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            JobPid::Host(p) => write!(f, "pid {p}"),
+            JobPid::Namespace(p) => write!(f, "namespace pid {p} (of the image)"),
+        }
+    }
+}
+
 /// A started keeper and the session to it.
 pub struct Keeper {
     pid: libc::pid_t,
@@ -77,14 +105,14 @@ pub struct Keeper {
 }
 
 impl Keeper {
-    /// Starts the keeper binary (`configured`, or found) for the job `job_pid`, loading
+    /// Starts the keeper binary (`configured`, or found) for the job `job`, loading
     /// `libcuda` (the job's driver library) if given; it makes its context on each of `gpus`
     /// (UUIDs) at once, beside whatever CRIU does meanwhile (a restore's plan is known then).
     pub fn spawn(
         configured: &str,
         libcuda: Option<&Path>,
         gpus: &[[u8; 16]],
-        job_pid: i32,
+        job: JobPid,
         timeout: Duration,
     ) -> Result<Self, KeeperError> {
         let path = locate(configured)?;
@@ -141,12 +169,12 @@ impl Keeper {
                 "keeper pid {pid} is a child of CRIU's process after all (CRIU reaps orphans here): CRIU would see its exit"
             );
         }
-        log::debug!("keeper {shown} started as pid {pid} for pid {job_pid}");
+        log::debug!("keeper {shown} started as pid {pid} for {job}");
         Ok(Keeper {
             pid,
             pidfd,
             // A stopped keeper is noticed within a tenth of a second, not the agent timeout.
-            session: Some(AgentSession::over(job_pid, ours, timeout).watching(pid)),
+            session: Some(AgentSession::over(job.number(), ours, timeout).watching(pid)),
         })
     }
 

@@ -191,7 +191,7 @@ impl Preload {
             &cfg.keeper,
             Some(libcuda.as_path()),
             gpus,
-            m.nspid as i32,
+            crate::keeper::JobPid::Namespace(crate::pid::NsPid(m.nspid)),
             Duration::from_millis(cfg.agent_timeout_ms),
         )?;
         Ok(Preload::Started(keeper))

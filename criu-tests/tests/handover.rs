@@ -414,12 +414,7 @@ fn dump_with_keeper_killed_at(s: &Split, moment: &str) -> CriuRun {
     ];
     let mut criu = s.w.spawn_criu(&args, &env, &log);
     let deadline = Instant::now() + common::WAIT;
-    let keeper_pid = |text: &str| {
-        text.lines()
-            .find_map(|l| l.split("keeper pid ").nth(1))
-            .and_then(|t| t.split_whitespace().next())
-            .and_then(|p| p.parse::<i32>().ok())
-    };
+    let keeper_pid = common::split::keeper_pid;
     let mut armed = None;
     loop {
         let text = criu.log_so_far();
@@ -535,12 +530,7 @@ fn the_keeper_is_not_criu_s_child() {
     let deadline = Instant::now() + common::WAIT;
     let keeper = loop {
         let text = criu.log_so_far();
-        if let Some(pid) = text
-            .lines()
-            .find_map(|l| l.split("keeper pid ").nth(1))
-            .and_then(|t| t.split_whitespace().next())
-            .and_then(|p| p.parse::<i32>().ok())
-        {
+        if let Some(pid) = common::split::keeper_pid(&text) {
             break pid;
         }
         assert!(
@@ -646,12 +636,7 @@ fn keeper_killed_during_the_restore_load(delay_ms: u64) {
     let deadline = Instant::now() + common::WAIT;
     let keeper = loop {
         let text = criu.log_so_far();
-        if let Some(pid) = text
-            .lines()
-            .find_map(|l| l.split("keeper pid ").nth(1))
-            .and_then(|t| t.split_whitespace().next())
-            .and_then(|p| p.parse::<i32>().ok())
-        {
+        if let Some(pid) = common::split::keeper_pid(&text) {
             std::fs::write(
                 s.state.join(format!("{pid}.dev-inject")),
                 "hang cuMemcpyHtoDAsync_v2 after 2\n",

@@ -272,13 +272,7 @@ fn a_stopped_keeper_is_given_up_at_once() {
     let mut criu = s.w.spawn_criu(&args, &env, &log);
     let keeper = loop {
         let text = criu.log_so_far();
-        if let Some(pid) = text
-            .lines()
-            .filter(|l| l.contains("hand-over planned"))
-            .find_map(|l| l.split("keeper pid ").nth(1))
-            .and_then(|t| t.split_whitespace().next())
-            .and_then(|p| p.parse::<i32>().ok())
-        {
+        if let Some(pid) = common::split::keeper_pid(&text) {
             break pid;
         }
         assert!(

@@ -129,11 +129,11 @@ pub const AGENT_DESCRIPTORS_NEEDED: u64 = 8;
 
 /// PAUSE_DEVICES: the process still runs. `Ok(None)`: not a CUDA process.
 pub fn pause(ctx: &Ctx, pid: i32) -> Result<Option<Tracked>, DumpError> {
+    let stopped =
+        procfs::state_and_start(pid).is_ok_and(|(state, _)| state == procfs::ProcState::Stopped);
     // Before any driver call: a process held by an interrupted dump is stopped, driver thread
     // included, and its memory is only in that dump's files.
-    if procfs::state_and_start(pid).is_ok_and(|(state, _)| state == procfs::ProcState::Stopped)
-        && crate::hold::recorded_running(pid).is_some()
-    {
+    if stopped && crate::hold::recorded_running(pid).is_some() {
         return Err(DumpError::Interrupted { pid });
     }
     let Ok(restore_tid) = ctx.api.restore_thread_id(pid) else {
@@ -144,7 +144,7 @@ pub fn pause(ctx: &Ctx, pid: i32) -> Result<Option<Tracked>, DumpError> {
     let job_lock = crate::joblock::JobLock::take(HostPid(pid))?;
     // Stopped by a signal (not by an interrupted dump: that has a hold record, above): the
     // driver's lock would wait for CRIU's timeout, so say what it is now.
-    if procfs::state_and_start(pid).is_ok_and(|(state, _)| state == procfs::ProcState::Stopped) {
+    if stopped {
         return Err(DumpError::Stopped { pid });
     }
     let initial = ctx

@@ -372,3 +372,12 @@ impl Split {
         }
     }
 }
+
+/// The keeper's pid in CRIU's log so far: the number after the first `keeper pid ` (the line
+/// that plans the hand-over, or a restore's keeper line).
+pub fn keeper_pid(log: &str) -> Option<i32> {
+    log.lines()
+        .find_map(|l| l.split("keeper pid ").nth(1))
+        .and_then(|t| t.split_whitespace().next())
+        .and_then(|p| p.parse::<i32>().ok())
+}

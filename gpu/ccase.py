@@ -35,9 +35,12 @@ class CaseConfig:
         self.archive_prefix = kw.get("archive_prefix", "e2e")
         # split: the hand-over (data drained beside CRIU's dump); split-copyfirst: the same
         # agent with handover = false (data copied out before the driver checkpoint).
+        # split-async: the hand-over with async_leave_running (-R only: CRIU returns once the
+        # keeper has a snapshot; a drainer writes the image after, `gpusnap wait` says when).
         self.modes = kw.get("modes", {"split": "auto", "split-copyfirst": "auto",
-                                      "transparent": "transparent"})
-        self.criu_env = kw.get("criu_env", {"split-copyfirst": {"GPUSNAP_HANDOVER": "0"}})
+                                      "split-async": "auto", "transparent": "transparent"})
+        self.criu_env = kw.get("criu_env", {"split-copyfirst": {"GPUSNAP_HANDOVER": "0"},
+                                            "split-async": {"GPUSNAP_ASYNC_LEAVE_RUNNING": "1"}})
         self.devices = kw.get("devices")  # workload --devices (e.g. "0,1"); None: its default
         self.restore_env = kw.get("restore_env", {})  # e.g. {"GPUSNAP_DEVICE_MAP": "..."}
         self.workload_args = kw.get("workload_args", [])  # e.g. ["--reserve-gib", "92"]
@@ -130,7 +133,7 @@ def run_c_case(cfg, log, path, gib, leave_running, tag="e2e"):
                           r"\(([0-9.]+) s after the hand-over\) it waited ([0-9.]+) s", l)
             if m:
                 rec["drain_s"], rec["criu_part_s"], rec["drain_wait_s"] = map(float, m.groups())
-        if path == "split" and not rec["handover"]:
+        if path in ("split", "split-async") and not rec["handover"]:
             rec["problems"].append("hand-over not taken (no 'lent to keeper' line in the dump log)")
 
         if not leave_running:
@@ -217,6 +220,8 @@ def run_c_case(cfg, log, path, gib, leave_running, tag="e2e"):
                                     after_index=n_dump, window=(dump["start"], dump["end"]))
             rec["pause_s"] = chk.get("pause_s")
             rec["max_gap_s"] = chk.get("gap_s")
+            if path == "split-async":
+                _wait_async_image(rec, log, imgdir, dump, gib)
             if popen.poll() is not None:
                 rec["problems"].append("workload exited (status %s) after criu dump -R" % popen.poll())
         rec["check"] = {k: v for k, v in chk.items() if k != "problems"}
@@ -267,6 +272,28 @@ def run_c_case(cfg, log, path, gib, leave_running, tag="e2e"):
     log("RESULT %s: %s%s" % (name, "PASS" if rec["pass"] else "FAIL",
                              "" if rec["pass"] else " (%s)" % "; ".join(rec["problems"][:4])))
     return rec
+
+
+def _wait_async_image(rec, log, imgdir, dump, gib):
+    """An asynchronous -R: the image is complete only when `gpusnap wait` says so; then verify."""
+    rec["async"] = any("drainer pid" in l for l in dump["gpusnap_lines"])
+    if not rec["async"]:
+        rec["problems"].append("asynchronous -R not taken (no 'drainer pid' line in the dump log)")
+    wrc, wout = criu.gpusnap_cli(["wait", imgdir, "--timeout", str(int(120 + 5 * float(gib)))],
+                                 log, timeout=int(180 + 5 * float(gib)))
+    rec["async_wait_rc"] = wrc
+    rec["async_complete_after_dump_s"] = round(time.time() - dump["end"], 3)
+    if wout.strip():
+        log.block("gpusnap wait", wout, max_lines=20)
+    if wrc != 0:
+        rec["problems"].append("gpusnap wait rc %s" % wrc)
+        return
+    vrc, vout = criu.gpusnap_cli(["verify", imgdir], log)
+    rec["verify_rc"] = vrc
+    if vout.strip():
+        log.block("gpusnap verify", vout, max_lines=40)
+    if vrc != 0:
+        rec["problems"].append("gpusnap verify rc %s after the asynchronous drain" % vrc)
 
 
 class CaseError(Exception):

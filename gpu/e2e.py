@@ -21,9 +21,11 @@ import ccase  # noqa: E402
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gib", type=float, nargs="+", default=[4, 16], help="sizes in GiB (default 4 16)")
-    ap.add_argument("--path", choices=["transparent", "split", "split-copyfirst", "both", "splits"],
+    ap.add_argument("--path", choices=["transparent", "split", "split-copyfirst", "split-async", "both",
+                             "splits"],
                     default="both",
                     help="split: the hand-over (default config); split-copyfirst: handover = false; "
+                         "split-async: the hand-over with async_leave_running (-R cases only); "
                          "both: transparent and split; splits: split and split-copyfirst")
     ap.add_argument("--images", default="/dev/shm/gpusnap-e2e", help="base dir of image dirs")
     ap.add_argument("--work", default="/tmp/gpusnap-work/e2e", help="workload logs")
@@ -65,6 +67,8 @@ def main():
         gib = int(gib) if float(gib).is_integer() else gib
         for path in paths:
             for leave in kinds:
+                if path == "split-async" and not leave:
+                    continue  # the asynchronous route is taken by criu dump -R alone
                 if a.budget_s and time.time() - t_start > a.budget_s:
                     log("budget of %.0f s spent: skipping %s %s GiB %s" % (
                         a.budget_s, path, gib, "leave" if leave else "dump"))

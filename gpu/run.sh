@@ -26,10 +26,11 @@
 #   warm-shm     [--gib 30] writes and removes that much of /dev/shm, so the VM's first touch
 #                of tmpfs pages lands on no measured case                           (40 s; ~15)
 #   warmup       [--gib 16] one copy-first dump + restore that nothing measures       (60 s)
-#   pair         [--gib 16] [--path splits] [--orders 1] [--leave-running yes]
+#   pair         [--gib 16] [--path splits] [--orders 1] [--leave-running yes] [--chunk-mib 1024]
 #                the hand-over against copy-first in one run (gpu/e2e.sh --path splits), dump +
 #                restore and -R each; --orders 2 then runs copy-first before the hand-over
-#                again; --path split: the hand-over alone                          (150 s; ~70)
+#                again; --path split: the hand-over alone; --path split-async: -R with
+#                async_leave_running, then `gpusnap wait` and verify                (150 s; ~70)
 #   paths        [--gib 16] [--name handover-h200] bench/run.sh: the hand-over, copy-first and
 #                transparent in one run                                                (180 s)
 #   kill-matrix  [--gib 16] [--paths split] [--points every one] [--name
@@ -84,7 +85,7 @@ die() { echo "gpu/run.sh: $*" >&2; exit 2; }
 
 # The options of each step (each takes a value).
 declare -A OPTS=(
-    [prepare]="" [warm-shm]="gib" [warmup]="gib" [pair]="gib path orders leave-running"
+    [prepare]="" [warm-shm]="gib" [warmup]="gib" [pair]="gib path orders leave-running chunk-mib"
     [paths]="gib name" [kill-matrix]="gib paths points name" [precopy]="gib name"
     [conformance]="suites run-timeout-s" [ipc]="" [ipc-probe]="configs"
     [ipc-pair]="cases alloc points name" [shareable]="modes" [torch]="cases paths name"
@@ -231,6 +232,7 @@ step_pair() {
     path=$(opt path splits)
     orders=$(opt orders 1)
     [[ $(opt leave-running yes) == yes ]] || lr=(--no-leave-running)
+    lr+=(--chunk-mib "$(opt chunk-mib 1024)")
     run 40 "$(budget 150)" gpu/e2e.sh --gib "$gib" --path "$path" --log-name "$label" \
         "${lr[@]}" "${mock[@]}"
     report "pair ($path, $gib GiB) rc $?: $(passed "$OUT/$label.jsonl")$(lend_times \

@@ -917,6 +917,7 @@ fn hand_over(ctx: &Ctx, t: &mut Tracked, release: &Mutex<Option<Hold>>) -> Resul
             staging.slot_size() as u64,
             ctx.cfg.effective_writer_threads(),
         ),
+        ctx.cfg.effective_writer_threads(),
     ) {
         Ok(r) => Some(r),
         Err(gpusnap_image::ReserveError::Unsupported(e)) => {

@@ -23,9 +23,12 @@ pub const CHUNK_OVERHEAD: u64 = 4096;
 /// Space held in the image directory's file system for data not yet written.
 #[derive(Debug)]
 pub struct Reservation {
-    file: File,
-    /// Bytes still held.
+    /// The pieces, each an unnamed file holding `held` bytes split as [`piece_lengths`] says.
+    files: Vec<File>,
+    /// Bytes still held, all pieces together.
     held: Mutex<u64>,
+    /// The bytes first held.
+    bytes: u64,
 }
 
 /// Why no space could be held.
@@ -42,43 +45,73 @@ pub enum ReserveError {
     Io(io::Error),
 }
 
+/// The least a piece holds: below this, one more thread costs more than it saves.
+const MIN_PIECE: u64 = 256 << 20;
+
+/// How `bytes` split into at most `pieces` pieces of whole pages, the first ones the largest.
+fn piece_lengths(bytes: u64, pieces: usize) -> Vec<u64> {
+    let pages = bytes.div_ceil(4096);
+    let n = (pieces.max(1) as u64)
+        .min(bytes.div_ceil(MIN_PIECE).max(1))
+        .min(pages.max(1));
+    (0..n)
+        .map(|i| (pages / n + u64::from(i < pages % n)) * 4096)
+        .collect()
+}
+
 impl Reservation {
-    /// Holds `bytes` bytes in the file system of `dir`.
-    pub fn take(dir: BorrowedFd<'_>, bytes: u64) -> Result<Reservation, ReserveError> {
-        let unsupported = |e: &io::Error| {
-            matches!(
-                e.raw_os_error(),
-                Some(libc::EOPNOTSUPP | libc::EISDIR | libc::EINVAL | libc::ENOSYS)
-            )
+    /// Holds `bytes` bytes in the file system of `dir`, allocated by up to `threads` threads at
+    /// once. On tmpfs (CRIU's images in `/dev/shm`) an allocation is a zeroed page each, about
+    /// 6 GiB/s for one thread: 16 GiB would add 2.7 s to the job's pause. Each piece is a file
+    /// of its own, so that the kernel's per-file lock does not put the threads in a line.
+    pub fn take(
+        dir: BorrowedFd<'_>,
+        bytes: u64,
+        threads: usize,
+    ) -> Result<Reservation, ReserveError> {
+        if bytes > libc::off_t::MAX as u64 {
+            return Err(ReserveError::NoSpace {
+                bytes,
+                err: io::Error::from_raw_os_error(libc::EFBIG),
+            });
+        }
+        let lengths = if bytes == 0 {
+            vec![0]
+        } else {
+            piece_lengths(bytes, threads)
         };
-        let file = sys::open_at(dir, ".", libc::O_TMPFILE | libc::O_RDWR, 0o600).map_err(|e| {
-            if unsupported(&e) {
-                ReserveError::Unsupported(e)
-            } else {
-                ReserveError::Io(e)
-            }
-        })?;
-        let len = libc::off_t::try_from(bytes).map_err(|_| ReserveError::NoSpace {
-            bytes,
-            err: io::Error::from_raw_os_error(libc::EFBIG),
-        })?;
-        if bytes > 0 {
-            // SAFETY: fallocate on a descriptor this function owns; no memory is passed.
-            let rc = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len) };
-            if rc != 0 {
-                let err = io::Error::last_os_error();
-                return Err(match err.raw_os_error() {
-                    Some(libc::ENOSPC | libc::EDQUOT | libc::EFBIG) => {
-                        ReserveError::NoSpace { bytes, err }
-                    }
-                    _ if unsupported(&err) => ReserveError::Unsupported(err),
-                    _ => ReserveError::Io(err),
-                });
-            }
+        let files = lengths
+            .iter()
+            .map(|_| open_piece(dir))
+            .collect::<Result<Vec<File>, ReserveError>>()?;
+        let results: Vec<Result<(), io::Error>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = files
+                .iter()
+                .zip(&lengths)
+                .skip(1)
+                .map(|(f, &len)| scope.spawn(move || allocate(f, len)))
+                .collect();
+            let mut results = vec![allocate(&files[0], lengths[0])];
+            results.extend(handles.into_iter().map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(io::Error::other("a reserving thread panicked")))
+            }));
+            results
+        });
+        if let Some(err) = results.into_iter().find_map(Result::err) {
+            // The files are dropped here, and with them what was allocated.
+            return Err(match err.raw_os_error() {
+                Some(libc::ENOSPC | libc::EDQUOT | libc::EFBIG) => {
+                    ReserveError::NoSpace { bytes, err }
+                }
+                _ if unsupported(&err) => ReserveError::Unsupported(err),
+                _ => ReserveError::Io(err),
+            });
         }
         Ok(Reservation {
-            file,
+            files,
             held: Mutex::new(bytes),
+            bytes,
         })
     }
 
@@ -90,9 +123,21 @@ impl Reservation {
             return;
         }
         *held = held.saturating_sub(bytes);
-        // Shrinking the file frees the blocks past its new end. A failure only keeps space
-        // held longer (until the reservation is dropped).
-        let _ = self.file.set_len(*held);
+        // The pieces are emptied from the last: each keeps what `held` still covers of it.
+        // Shrinking a file frees the blocks past its new end; a failure only keeps space held
+        // longer (until the reservation is dropped).
+        let mut left = *held;
+        for (f, len) in self
+            .files
+            .iter()
+            .zip(piece_lengths(self.bytes, self.files.len()))
+        {
+            let keep = left.min(len);
+            left -= keep;
+            if keep < len {
+                let _ = f.set_len(keep);
+            }
+        }
     }
 
     /// The bytes still held.
@@ -101,17 +146,51 @@ impl Reservation {
     }
 }
 
+fn unsupported(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EOPNOTSUPP | libc::EISDIR | libc::EINVAL | libc::ENOSYS)
+    )
+}
+
+/// An unnamed file in `dir`: nothing to leave behind, freed by the kernel with its last
+/// descriptor, whatever kills the process.
+fn open_piece(dir: BorrowedFd<'_>) -> Result<File, ReserveError> {
+    sys::open_at(dir, ".", libc::O_TMPFILE | libc::O_RDWR, 0o600).map_err(|e| {
+        if unsupported(&e) {
+            ReserveError::Unsupported(e)
+        } else {
+            ReserveError::Io(e)
+        }
+    })
+}
+
+/// Allocates `len` bytes of `file`'s blocks.
+fn allocate(file: &File, len: u64) -> Result<(), io::Error> {
+    if len == 0 {
+        return Ok(());
+    }
+    let len = libc::off_t::try_from(len).map_err(|_| io::Error::from_raw_os_error(libc::EFBIG))?;
+    // SAFETY: fallocate on a descriptor the caller's reservation owns; no memory is passed.
+    if unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::os::fd::AsFd;
 
-    fn free_bytes(dir: &File) -> u64 {
-        // SAFETY: fstatvfs into a zeroed statvfs of a live descriptor.
-        let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-        // SAFETY: as above.
-        assert_eq!(unsafe { libc::fstatvfs(dir.as_raw_fd(), &mut st) }, 0);
-        st.f_bavail as u64 * st.f_frsize as u64
+    /// The bytes each piece has allocated (its blocks, not its length): what it holds in the
+    /// file system, whatever else the machine writes meanwhile.
+    fn allocated(r: &Reservation) -> Vec<u64> {
+        use std::os::unix::fs::MetadataExt;
+        r.files
+            .iter()
+            .map(|f| f.metadata().unwrap().blocks() * 512)
+            .collect()
     }
 
     #[test]
@@ -119,8 +198,7 @@ mod tests {
         let path = std::env::temp_dir().join(format!("gpusnap-reserve-{}", std::process::id()));
         std::fs::create_dir_all(&path).unwrap();
         let dir = File::open(&path).unwrap();
-        let before = free_bytes(&dir);
-        let r = match Reservation::take(dir.as_fd(), 64 << 20) {
+        let r = match Reservation::take(dir.as_fd(), 64 << 20, 1) {
             Ok(r) => r,
             Err(ReserveError::Unsupported(e)) => {
                 eprintln!("image: SKIPPED space_is_held_and_handed_back: {e}");
@@ -128,13 +206,11 @@ mod tests {
             }
             Err(e) => panic!("{e}"),
         };
-        let held = free_bytes(&dir);
-        assert!(before - held >= 60 << 20, "{before} -> {held}");
+        assert!(allocated(&r)[0] >= 64 << 20, "{:?}", allocated(&r));
         r.release(32 << 20);
         assert_eq!(r.held(), 32 << 20);
-        assert!(free_bytes(&dir) > held + (28 << 20));
+        assert!(allocated(&r)[0] <= 33 << 20, "{:?}", allocated(&r));
         drop(r);
-        assert!(free_bytes(&dir) + (4 << 20) >= before);
         // Nothing named is left behind.
         assert_eq!(std::fs::read_dir(&path).unwrap().count(), 0);
         std::fs::remove_dir_all(&path).unwrap();
@@ -143,9 +219,64 @@ mod tests {
     #[test]
     fn more_than_the_disk_holds_is_no_space() {
         let dir = File::open(std::env::temp_dir()).unwrap();
-        match Reservation::take(dir.as_fd(), u64::MAX / 4) {
+        match Reservation::take(dir.as_fd(), u64::MAX / 4, 4) {
             Err(ReserveError::NoSpace { .. } | ReserveError::Unsupported(_)) => {}
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn pieces_cover_the_bytes_in_whole_pages() {
+        assert_eq!(piece_lengths(1, 16), vec![4096]);
+        assert_eq!(piece_lengths(MIN_PIECE, 16), vec![MIN_PIECE]);
+        let p = piece_lengths(16 << 30, 16);
+        assert_eq!(p.len(), 16);
+        assert!(p.iter().all(|&l| l == 1 << 30));
+        let odd = (3 << 30) + 4096 * 3 + 1;
+        let p = piece_lengths(odd, 5);
+        assert_eq!(p.len(), 5);
+        assert!(p.iter().sum::<u64>() >= odd && p.iter().sum::<u64>() < odd + 4096);
+        assert!(p.iter().all(|l| l % 4096 == 0));
+        assert!(p.windows(2).all(|w| w[0] >= w[1] && w[0] - w[1] <= 4096));
+    }
+
+    #[test]
+    fn pieces_are_held_in_parallel_and_handed_back_from_the_last() {
+        let path = std::env::temp_dir().join(format!("gpusnap-reserve-p-{}", std::process::id()));
+        std::fs::create_dir_all(&path).unwrap();
+        let dir = File::open(&path).unwrap();
+        let r = match Reservation::take(dir.as_fd(), 3 * MIN_PIECE, 8) {
+            Ok(r) => r,
+            Err(ReserveError::Unsupported(e)) => {
+                eprintln!("image: SKIPPED pieces_are_held_in_parallel: {e}");
+                return;
+            }
+            Err(e) => panic!("{e}"),
+        };
+        assert_eq!(r.files.len(), 3);
+        assert!(
+            allocated(&r).iter().all(|&b| b >= MIN_PIECE),
+            "{:?}",
+            allocated(&r)
+        );
+        // Half of the second piece and all of the third go back.
+        r.release(MIN_PIECE + MIN_PIECE / 2);
+        let sizes: Vec<u64> = r
+            .files
+            .iter()
+            .map(|f| f.metadata().unwrap().len())
+            .collect();
+        assert_eq!(sizes, vec![MIN_PIECE, MIN_PIECE / 2, 0]);
+        let a = allocated(&r);
+        assert!(
+            a[0] >= MIN_PIECE && a[1] <= MIN_PIECE / 2 + (1 << 20) && a[2] == 0,
+            "{a:?}"
+        );
+        r.release(u64::MAX);
+        assert_eq!(r.held(), 0);
+        assert!(allocated(&r).iter().all(|&b| b == 0));
+        drop(r);
+        assert_eq!(std::fs::read_dir(&path).unwrap().count(), 0);
+        std::fs::remove_dir_all(&path).unwrap();
     }
 }

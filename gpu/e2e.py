@@ -41,6 +41,8 @@ def main():
     ap.add_argument("--budget-s", type=float, default=0,
                     help="start no new case after this many seconds (0: no limit)")
     ap.add_argument("--log-name", default="e2e")
+    ap.add_argument("--criu-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="more of criu's environment, for every path (e.g. GPUSNAP_ASYNC_SNAPSHOT_SHARE=80)")
     a = ap.parse_args()
 
     t_start = time.time()
@@ -54,6 +56,10 @@ def main():
         workload_prefix=[sys.executable] if a.mock else [],
         plugdir=a.plugdir, images=a.images, work=a.work, alloc=a.alloc, chunk_mib=a.chunk_mib,
         interval_ms=a.interval_ms, keep_images=a.keep_images, archive_prefix=a.log_name)
+    for kv in a.criu_env:
+        k, _, v = kv.partition("=")
+        for p in ("transparent", "split", "split-copyfirst", "split-async"):
+            cfg.criu_env.setdefault(p, {})[k] = v
     paths = {"both": ["transparent", "split"], "splits": ["split", "split-copyfirst"]}.get(
         a.path, [a.path])
     kinds = []

@@ -385,6 +385,9 @@ def pair_env(agent, extra=None):
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("GPUSNAP_AGENT") and k not in ("LD_PRELOAD", "PYTORCH_CUDA_ALLOC_CONF")}
     env["PYTHONUNBUFFERED"] = "1"
+    # A fatal signal (the pair's SIGSEGV at start, seen twice on the H100) prints every
+    # thread's Python stack into pair.out.
+    env["PYTHONFAULTHANDLER"] = "1"
     if agent:
         env["LD_PRELOAD"] = agent
         env["GPUSNAP_AGENT_DEBUG"] = "1"

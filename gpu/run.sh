@@ -27,6 +27,8 @@
 #                of tmpfs pages lands on no measured case                           (40 s; ~15)
 #   warmup       [--gib 16] one copy-first dump + restore that nothing measures       (60 s)
 #   pair         [--gib 16] [--path splits] [--orders 1] [--leave-running yes] [--chunk-mib 1024]
+#                [--env KEY=VALUE,...] (more of criu's environment, e.g.
+#                GPUSNAP_ASYNC_SNAPSHOT_SHARE=80)
 #                the hand-over against copy-first in one run (gpu/e2e.sh --path splits), dump +
 #                restore and -R each; --orders 2 then runs copy-first before the hand-over
 #                again; --path split: the hand-over alone; --path split-async: -R with
@@ -50,6 +52,9 @@
 #   shareable    [--modes scm,pidfd] gpu/shareable_ckpt.py: the shareable-handle pair (100 s)
 #   torch        [--cases train-R,train-exp-R] [--paths split,split-copyfirst]
 #                [--name torch-handover-h200] gpu/torch_cases.sh                       (300 s)
+#   node-checks  [--gib 1] gpu/node_checks.py: an image refused by a node that cannot take it
+#                (device_map onto no such GPU, another kernel driver, another libcuda),
+#                inspect's fields from a real image, then the plain restore        (120 s)
 #   jax          [--paths split] gpu/jax_case.sh: JAX in its default configuration    (100 s)
 #   cycles       [--cycles 20] [--gib 4] [--path split] gpu/cycles.sh                  (140 s)
 #   ring-probe   [--gib 64] the floor: gpu/ring_probe.cu's ring write rate (after prepare) (60 s)
@@ -85,11 +90,11 @@ die() { echo "gpu/run.sh: $*" >&2; exit 2; }
 
 # The options of each step (each takes a value).
 declare -A OPTS=(
-    [prepare]="" [warm-shm]="gib" [warmup]="gib" [pair]="gib path orders leave-running chunk-mib"
+    [prepare]="" [warm-shm]="gib" [warmup]="gib" [pair]="gib path orders leave-running chunk-mib env"
     [paths]="gib name" [kill-matrix]="gib paths points name" [precopy]="gib name"
     [conformance]="suites run-timeout-s" [ipc]="" [ipc-probe]="configs"
     [ipc-pair]="cases alloc points name" [shareable]="modes" [torch]="cases paths name"
-    [jax]="paths" [cycles]="cycles gib path" [ring-probe]="gib" [cupy-texture]="runs"
+    [jax]="paths" [node-checks]="gib" [cycles]="cycles gib path" [ring-probe]="gib" [cupy-texture]="runs"
     [all]="gib"
 )
 
@@ -233,6 +238,8 @@ step_pair() {
     orders=$(opt orders 1)
     [[ $(opt leave-running yes) == yes ]] || lr=(--no-leave-running)
     lr+=(--chunk-mib "$(opt chunk-mib 1024)")
+    local kv
+    for kv in $(opt env "" | tr ',' ' '); do lr+=(--criu-env "$kv"); done
     run 40 "$(budget 150)" gpu/e2e.sh --gib "$gib" --path "$path" --log-name "$label" \
         "${lr[@]}" "${mock[@]}"
     report "pair ($path, $gib GiB) rc $?: $(passed "$OUT/$label.jsonl")$(lend_times \
@@ -337,6 +344,11 @@ step_torch() {
         --budget-s "$((t - 60))" "${cpu[@]}"
     report "torch rc $?: $(grep -ho 'of the lent are RDMA-capable' "$OUT"/*.log 2>/dev/null |
         wc -l) RDMA lines"
+}
+step_node-checks() {
+    no_mock && return
+    run 40 "$(budget 120)" python3 gpu/node_checks.py --gib "$(opt gib 1)"
+    report "node checks rc $?: $(passed "$OUT/node-checks.jsonl")"
 }
 step_jax() {
     local t

@@ -11,7 +11,7 @@ use std::collections::{HashMap, VecDeque};
 use std::os::fd::OwnedFd;
 use std::time::Instant;
 
-use gpusnap_proto::{Channel, ErrorCode, ProtoError, Reply, Request};
+use gpusnap_proto::{Channel, ProtoError, Reply, Request};
 
 use crate::devhash::{self, ChunkHash};
 use crate::gpu::Gpu;
@@ -150,7 +150,7 @@ fn dump(
             ) if crate::role::keeper() => {
                 if let Some(st) = staging.take() {
                     gpu.quiesce(need_driver()?);
-                    st.close().map_err(|e| Fail::Reply(ErrorCode::Staging, e))?;
+                    st.close()?;
                 }
                 let ring = Ring {
                     slot_size,
@@ -218,8 +218,7 @@ fn copy_phase(
     let drv = need_driver()?;
     let mut spans = spans_to_copy(&*table::try_lock_for(AGENT_LOCK_WAIT).ok_or_else(Fail::busy)?)?;
     spans.retain(|s| !skip.contains(&s.id));
-    let mut st = Staging::map(memfd, ring.slot_size, ring.slots)
-        .map_err(|e| Fail::Reply(ErrorCode::Staging, e))?;
+    let mut st = Staging::map(memfd, ring.slot_size, ring.slots)?;
     // With nothing to copy, the ring is not registered; a round then copies nothing either (its
     // second look must find the devices prepared here).
     if !spans.is_empty() {

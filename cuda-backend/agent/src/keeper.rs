@@ -80,8 +80,8 @@ pub fn main_with_fd(fd: i32, libcuda: Option<&str>, gpus: &[[u8; 16]]) -> i32 {
 /// Why the keeper stopped serving, or could not do what the plugin asked.
 #[derive(Debug)]
 pub enum KeeperError {
-    /// The driver library could not be loaded (the loader's words).
-    Load(String),
+    /// The driver library could not be loaded.
+    Load(crate::real::LoadError),
     /// A driver call failed.
     Cuda(CuError),
     /// The connection to the plugin failed.
@@ -123,6 +123,7 @@ impl std::error::Error for KeeperError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             Self::Channel { err, .. } => Some(err),
+            Self::Load(e) => Some(e),
             _ => None,
         }
     }

@@ -35,10 +35,27 @@ pub struct KnownChunks(HashMap<(u64, u64), u64>);
 /// Most `KnownChunk`s one connection may send (a million chunks: 32 TiB at 32 MiB).
 const MAX_KNOWN: usize = 1 << 20;
 
+/// A connection sent more `KnownChunk`s than [`MAX_KNOWN`]: the list is refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TooManyKnownChunks;
+
+impl std::fmt::Display for TooManyKnownChunks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "more than {MAX_KNOWN} KnownChunk requests")
+    }
+}
+
+impl std::error::Error for TooManyKnownChunks {}
+
 impl KnownChunks {
-    pub fn insert(&mut self, addr: u64, len: u64, device_hash: u64) -> Result<(), String> {
+    pub fn insert(
+        &mut self,
+        addr: u64,
+        len: u64,
+        device_hash: u64,
+    ) -> Result<(), TooManyKnownChunks> {
         if self.0.len() >= MAX_KNOWN {
-            return Err(format!("more than {MAX_KNOWN} KnownChunk requests"));
+            return Err(TooManyKnownChunks);
         }
         self.0.insert((addr, len), device_hash);
         Ok(())

@@ -95,8 +95,8 @@ pub enum KeeperError {
     NoGpu([u8; 16]),
     /// The keeper's table stayed locked longer than `AGENT_LOCK_WAIT`.
     TableLocked,
-    /// The plugin's list of the parent image's chunks was refused (the list's words).
-    KnownChunks(String),
+    /// The plugin's list of the parent image's chunks was refused.
+    KnownChunks(crate::dump::TooManyKnownChunks),
     /// RDMA-capable memory on a device without POSIX-fd handles: it could not be handed over.
     NotExportable { id: u64 },
 }
@@ -124,6 +124,7 @@ impl std::error::Error for KeeperError {
         match self {
             Self::Channel { err, .. } => Some(err),
             Self::Load(e) => Some(e),
+            Self::KnownChunks(e) => Some(e),
             _ => None,
         }
     }

@@ -428,14 +428,34 @@ fn check_libcuda() -> Vec<Finding> {
     }
 }
 
+/// Why [`probe_library`] could not load a library.
+#[derive(Debug)]
+enum LoadError {
+    /// The name holds a NUL byte (`GPUSNAP_LIBCUDA` as set).
+    NulInName,
+    /// `dlopen` failed; `dlerror`'s text.
+    Dlopen(String),
+}
+
+impl std::fmt::Display for LoadError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LoadError::NulInName => f.write_str("name contains NUL"),
+            LoadError::Dlopen(why) => f.write_str(why),
+        }
+    }
+}
+
+impl std::error::Error for LoadError {}
+
 /// `dlopen`s `lib` and returns which of `symbols` it lacks.
-fn probe_library(lib: &str, symbols: &[&str]) -> Result<Vec<String>, String> {
-    let name = CString::new(lib).map_err(|_| "name contains NUL".to_owned())?;
+fn probe_library(lib: &str, symbols: &[&str]) -> Result<Vec<String>, LoadError> {
+    let name = CString::new(lib).map_err(|_| LoadError::NulInName)?;
     // SAFETY: `name` is NUL-terminated. Loading the driver library runs its initialisers, which
     // is what any CUDA program does; no CUDA function is called.
     let handle = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
     if handle.is_null() {
-        return Err(dl_error());
+        return Err(LoadError::Dlopen(dl_error()));
     }
     let mut missing = Vec::new();
     for s in symbols {

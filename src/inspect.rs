@@ -6,7 +6,8 @@ use std::os::fd::{AsFd, BorrowedFd};
 use std::process::ExitCode;
 
 use gpusnap_image::{
-    AllocationRecord, CheckpointPath, FileEntry, GpuRecord, ImageFileKind, Manifest, Requirements,
+    AllocationRecord, CheckpointPath, FileEntry, GpuRecord, ImageError, ImageFileKind, Manifest,
+    Requirements,
 };
 use serde::Serialize;
 use serde::ser::{SerializeStruct, Serializer};
@@ -75,17 +76,17 @@ pub fn run(args: &[String]) -> ExitCode {
 /// Everything `inspect` shows about one directory.
 struct Report {
     dir: String,
-    processes: Vec<(u32, Result<Manifest, String>)>,
+    processes: Vec<(u32, Result<Manifest, ImageError>)>,
     /// gpusnap files that belong to no manifest (an interrupted dump) or are temporaries.
     leftovers: Vec<String>,
-    stats: Result<Option<Value>, String>,
+    stats: Result<Option<Value>, ImageError>,
     /// What the container's saved spec needs of the node, when the image is a container's.
     container: Option<util::ContainerNeeds>,
 }
 
 impl Report {
-    fn gather(dir: &str, fd: BorrowedFd<'_>) -> Result<Report, String> {
-        let files = gpusnap_image::list_image_files(fd).map_err(|e| e.to_string())?;
+    fn gather(dir: &str, fd: BorrowedFd<'_>) -> Result<Report, ImageError> {
+        let files = gpusnap_image::list_image_files(fd)?;
         let with_manifest: BTreeSet<u32> = files
             .iter()
             .filter_map(|(k, _)| match k {
@@ -95,12 +96,7 @@ impl Report {
             .collect();
         let processes = with_manifest
             .iter()
-            .map(|&n| {
-                (
-                    n,
-                    gpusnap_image::read_manifest(fd, n).map_err(|e| e.to_string()),
-                )
-            })
+            .map(|&n| (n, gpusnap_image::read_manifest(fd, n)))
             .collect();
         let leftovers = files
             .iter()
@@ -116,7 +112,7 @@ impl Report {
             })
             .map(|(_, n)| n.clone())
             .collect();
-        let stats = gpusnap_image::read_stats(fd).map_err(|e| e.to_string());
+        let stats = gpusnap_image::read_stats(fd);
         Ok(Report {
             dir: dir.to_owned(),
             processes,
@@ -142,7 +138,7 @@ impl Report {
     fn json(&self) -> ReportJson<'_> {
         let (stats, stats_error) = match &self.stats {
             Ok(v) => (v.as_ref(), None),
-            Err(e) => (None, Some(e.as_str())),
+            Err(e) => (None, Some(Message(e))),
         };
         let manifests: Vec<&Manifest> = self
             .processes
@@ -166,7 +162,7 @@ impl Report {
                     Err(e) => ProcessJson::Unreadable {
                         nspid: *nspid,
                         structure_ok: false,
-                        error: e,
+                        error: Message(e),
                     },
                 })
                 .collect(),
@@ -247,7 +243,16 @@ struct ReportJson<'a> {
     processes: Vec<ProcessJson<'a>>,
     leftover_files: &'a [String],
     stats: Option<&'a Value>,
-    stats_error: Option<&'a str>,
+    stats_error: Option<Message<'a>>,
+}
+
+/// An error in the JSON report: its message, as a string.
+struct Message<'a>(&'a ImageError);
+
+impl Serialize for Message<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self.0)
+    }
 }
 
 #[derive(Serialize)]
@@ -257,7 +262,7 @@ enum ProcessJson<'a> {
     Unreadable {
         nspid: u32,
         structure_ok: bool,
-        error: &'a str,
+        error: Message<'a>,
     },
 }
 

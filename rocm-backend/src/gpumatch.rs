@@ -40,8 +40,58 @@ impl WantedGpu {
     }
 }
 
+/// Why no local GPU can take the place of a dumped one.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NoStandIn {
+    /// No local GPU is of the wanted model; `here` is every GPU of this host.
+    #[error(
+        "{}: no GPU of that model here (this host has {})",
+        wanted.describe(),
+        describe_host(here)
+    )]
+    NoSuchModel { wanted: WantedGpu, here: Vec<Gpu> },
+    /// Every local GPU of the model (`same_model`) has too little VRAM or stands in for an
+    /// earlier one.
+    #[error(
+        "{}: every GPU of that model here is too small or already taken: {}",
+        wanted.describe(),
+        describe_sizes(same_model)
+    )]
+    AllTaken {
+        wanted: WantedGpu,
+        same_model: Vec<Gpu>,
+    },
+}
+
+/// `gpu_id 1 1002:740f gfx target 90010, ...`, or `no AMD GPU`.
+fn describe_host(here: &[Gpu]) -> String {
+    if here.is_empty() {
+        return "no AMD GPU".to_owned();
+    }
+    here.iter()
+        .map(|g| {
+            format!(
+                "gpu_id {} {:04x}:{:04x} gfx target {}",
+                g.gpu_id,
+                g.vendor_id,
+                g.device_id,
+                g.gfx_target_version.unwrap_or(0)
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// `gpu_id 1 with 65536 MiB, ...`.
+fn describe_sizes(gpus: &[Gpu]) -> String {
+    gpus.iter()
+        .map(|g| format!("gpu_id {} with {} MiB", g.gpu_id, g.local_mem_bytes >> 20))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// For each wanted GPU (same order), the local GPU that takes its place; or why none can.
-pub fn match_gpus(wanted: &[WantedGpu], local: &[Gpu]) -> Result<Vec<Gpu>, String> {
+pub fn match_gpus(wanted: &[WantedGpu], local: &[Gpu]) -> Result<Vec<Gpu>, NoStandIn> {
     let mut used = vec![false; local.len()];
     let mut out = Vec::with_capacity(wanted.len());
     for w in wanted {
@@ -52,39 +102,22 @@ pub fn match_gpus(wanted: &[WantedGpu], local: &[Gpu]) -> Result<Vec<Gpu>, Strin
             .filter(|&i| !used[i])
             .or_else(|| (0..local.len()).find(|&i| !used[i] && fits(&local[i])));
         let Some(i) = pick else {
-            let same_model: Vec<String> = local
+            let same_model: Vec<Gpu> = local
                 .iter()
                 .filter(|g| w.model_matches(g))
-                .map(|g| format!("gpu_id {} with {} MiB", g.gpu_id, g.local_mem_bytes >> 20))
+                .cloned()
                 .collect();
-            let why = if same_model.is_empty() {
-                format!(
-                    "no GPU of that model here (this host has {})",
-                    if local.is_empty() {
-                        "no AMD GPU".to_owned()
-                    } else {
-                        local
-                            .iter()
-                            .map(|g| {
-                                format!(
-                                    "gpu_id {} {:04x}:{:04x} gfx target {}",
-                                    g.gpu_id,
-                                    g.vendor_id,
-                                    g.device_id,
-                                    g.gfx_target_version.unwrap_or(0)
-                                )
-                            })
-                            .collect::<Vec<_>>()
-                            .join(", ")
-                    }
-                )
+            return Err(if same_model.is_empty() {
+                NoStandIn::NoSuchModel {
+                    wanted: w.clone(),
+                    here: local.to_vec(),
+                }
             } else {
-                format!(
-                    "every GPU of that model here is too small or already taken: {}",
-                    same_model.join(", ")
-                )
-            };
-            return Err(format!("{}: {why}", w.describe()));
+                NoStandIn::AllTaken {
+                    wanted: w.clone(),
+                    same_model,
+                }
+            });
         };
         used[i] = true;
         out.push(local[i].clone());
@@ -138,12 +171,12 @@ mod tests {
     fn refusals_say_why() {
         let local = [gpu(10, 0x740f, 64)];
         let e = match_gpus(&[want(10, 0x744c, 1)], &local).unwrap_err();
-        assert!(e.contains("no GPU of that model"), "{e}");
+        assert!(e.to_string().contains("no GPU of that model"), "{e}");
         let e = match_gpus(&[want(10, 0x740f, 128)], &local).unwrap_err();
-        assert!(e.contains("too small or already taken"), "{e}");
+        assert!(e.to_string().contains("too small or already taken"), "{e}");
         let e = match_gpus(&[want(10, 0x740f, 1), want(11, 0x740f, 1)], &local).unwrap_err();
-        assert!(e.contains("gpu_id 11"), "{e}");
+        assert!(e.to_string().contains("gpu_id 11"), "{e}");
         let e = match_gpus(&[want(10, 0x740f, 1)], &[]).unwrap_err();
-        assert!(e.contains("no AMD GPU"), "{e}");
+        assert!(e.to_string().contains("no AMD GPU"), "{e}");
     }
 }

@@ -3,9 +3,9 @@
 
 use std::path::{Path, PathBuf};
 
-use gpusnap_rocm::kfd::KfdVersion;
 use gpusnap_rocm::kfd::device::KfdDevice;
-use gpusnap_rocm::topology::{self, Gpu};
+use gpusnap_rocm::kfd::{KfdError, KfdVersion};
+use gpusnap_rocm::topology::{self, Gpu, TopologyError};
 
 use super::{DEFAULT_PLUGIN_DIR, Finding, env_path};
 
@@ -15,8 +15,8 @@ const AMDGPU_PLUGIN: &str = "amdgpu_plugin.so";
 /// What was found of the KFD, before judging it.
 struct Probe {
     device: String,
-    version: Result<KfdVersion, String>,
-    gpus: Result<Vec<Gpu>, String>,
+    version: Result<KfdVersion, KfdError>,
+    gpus: Result<Vec<Gpu>, TopologyError>,
 }
 
 pub(super) fn check_amd() -> Vec<Finding> {
@@ -33,9 +33,8 @@ pub(super) fn check_amd() -> Vec<Finding> {
     };
     let version = dev
         .open_kfd()
-        .and_then(|fd| dev.version(std::os::fd::AsFd::as_fd(&fd)))
-        .map_err(|e| e.to_string());
-    let gpus = topology::read_gpus(&dev.topology_dir()).map_err(|e| e.to_string());
+        .and_then(|fd| dev.version(std::os::fd::AsFd::as_fd(&fd)));
+    let gpus = topology::read_gpus(&dev.topology_dir());
     let plugin_dir = env_path("CRIU_LIBS_DIR").unwrap_or_else(|| PathBuf::from(DEFAULT_PLUGIN_DIR));
     judge(
         &Probe {
@@ -103,7 +102,10 @@ mod tests {
     use super::*;
     use crate::check::Level;
 
-    fn probe(version: Result<KfdVersion, String>, gpus: Result<Vec<Gpu>, String>) -> Probe {
+    fn probe(
+        version: Result<KfdVersion, KfdError>,
+        gpus: Result<Vec<Gpu>, TopologyError>,
+    ) -> Probe {
         Probe {
             device: "/dev/kfd".into(),
             version,
@@ -143,7 +145,15 @@ mod tests {
         assert!(f[0].what.contains("no usable CRIU support"));
         assert_eq!(f[1].level, Level::Warn);
         let f = judge(
-            &probe(Err("EACCES".into()), Err("no topology".into())),
+            &probe(
+                Err(KfdError::Ioctl {
+                    op: "GET_VERSION",
+                    source: std::io::Error::from_raw_os_error(libc::EACCES),
+                }),
+                Err(TopologyError::Missing {
+                    path: "/nonexistent".into(),
+                }),
+            ),
             Path::new("/"),
         );
         assert_eq!((f[0].level, f[1].level), (Level::Fail, Level::Fail));

@@ -3,6 +3,8 @@
 use std::fmt;
 use std::path::PathBuf;
 
+use crate::device_map::DeviceMapError;
+
 /// Where a value came from: a key in a configuration file, or an environment variable.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Origin {
@@ -17,6 +19,24 @@ impl fmt::Display for Origin {
         match self {
             Origin::File { path, key } => write!(f, "key `{key}` in {}", path.display()),
             Origin::Env { var } => write!(f, "environment variable {var}"),
+        }
+    }
+}
+
+/// What a value must be, as [`ConfigError::Invalid`] says it after `expected`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Expected {
+    /// A key's rule in words (`1..=64`, `one of "off", "zstd", "auto"`).
+    Rule(String),
+    /// The rule of `device_map`, with what its parser found wrong in the value.
+    DeviceMap(DeviceMapError),
+}
+
+impl fmt::Display for Expected {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Expected::Rule(rule) => f.write_str(rule),
+            Expected::DeviceMap(e) => write!(f, "{e}"),
         }
     }
 }
@@ -76,7 +96,7 @@ pub enum ConfigError {
     Invalid {
         origin: Origin,
         value: String,
-        allowed: String,
+        allowed: Expected,
     },
 
     /// More than one of the above, all found in one pass (never nested, never fewer than two).

@@ -1,7 +1,7 @@
 //! The table of configuration keys: one entry per key, each with the setter that validates a raw
 //! value (from the file or from the environment) into [`Config`].
 
-use crate::error::{ConfigError, Origin};
+use crate::error::{ConfigError, Expected, Origin};
 use crate::{Compress, Config, LogLevel, Mode, Verify, device_map};
 
 /// A value before validation.
@@ -181,7 +181,11 @@ pub(crate) const KEYS: &[Key] = &[
                 o,
                 "a string of OLD=NEW GPU UUID pairs separated by commas",
             )?;
-            c.device_map = device_map::parse(text).map_err(|allowed| invalid(r, o, &allowed))?;
+            c.device_map = device_map::parse(text).map_err(|why| ConfigError::Invalid {
+                origin: o.clone(),
+                value: r.shown(),
+                allowed: Expected::DeviceMap(why),
+            })?;
             Ok(())
         },
     },
@@ -227,7 +231,7 @@ fn invalid(raw: Raw<'_>, origin: &Origin, allowed: &str) -> ConfigError {
     ConfigError::Invalid {
         origin: origin.clone(),
         value: raw.shown(),
-        allowed: allowed.to_owned(),
+        allowed: Expected::Rule(allowed.to_owned()),
     }
 }
 

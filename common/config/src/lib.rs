@@ -33,8 +33,8 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-pub use device_map::normalise_uuid;
-pub use error::{ConfigError, Origin};
+pub use device_map::{BadUuid, DeviceMapError, normalise_uuid};
+pub use error::{ConfigError, Expected, Origin};
 pub use file::MAX_FILE_BYTES;
 
 /// The configuration file read when `GPUSNAP_CONFIG` is not set.

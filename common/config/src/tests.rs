@@ -525,7 +525,7 @@ fn normalise_uuid_takes_only_the_two_written_forms() {
         " 0a1b2c3d000011112222333344445555",
     ] {
         let e = normalise_uuid(bad).unwrap_err();
-        assert!(e.contains(&format!("`{bad}`")), "{e}");
+        assert!(e.to_string().contains(&format!("`{bad}`")), "{e}");
     }
 }
 

@@ -1,10 +1,11 @@
-//! The one error type of the image crate. Every message names the file it is about.
+//! The one error type of the image crate, with the chunk details two of its variants hold.
+//! Every [`ImageError`] message names the file it is about.
 
 use std::io;
 
 use crate::{
-    DATA_FORMAT_VERSION, KFD_FORMAT_VERSION, KFD_FORMAT_VERSION_MIN, MAX_CHUNK_LEN,
-    MAX_MANIFEST_BODY, READ_MANIFEST_VERSIONS,
+    DATA_FORMAT_VERSION, KFD_FORMAT_VERSION, KFD_FORMAT_VERSION_MIN, MAX_CHAIN_DEPTH,
+    MAX_CHUNK_LEN, MAX_MANIFEST_BODY, READ_MANIFEST_VERSIONS,
 };
 
 /// Appended to messages that mean the bytes on disk are not what was written.
@@ -147,7 +148,17 @@ pub enum ImageError {
     ChunkLength {
         file: String,
         chunk: usize,
-        detail: String,
+        #[source]
+        detail: ChunkLengthError,
+    },
+    /// A chunk of the manifest has a field its format version does not have, or lacks one it
+    /// must have.
+    #[error("{file}: invalid manifest: chunk {chunk}: {why}")]
+    ChunkFields {
+        file: String,
+        chunk: usize,
+        #[source]
+        why: ChunkFieldError,
     },
     /// A chunk (with its record header) does not lie inside the data area of its file.
     #[error(
@@ -279,6 +290,60 @@ pub enum ImageError {
     /// The stats file is larger than any stats file gpusnap writes.
     #[error("{file}: {len} bytes exceeds the stats size limit")]
     StatsTooLarge { file: String, len: u64 },
+}
+
+/// Why a chunk's `len`, `stored_len` and `codec` do not go together ([`ImageError::ChunkLength`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ChunkLengthError {
+    /// `len` is 0 or more than [`MAX_CHUNK_LEN`].
+    #[error("length {0} is not in 1..={MAX_CHUNK_LEN}")]
+    Len(u64),
+    /// A zero chunk that stores bytes.
+    #[error("zero chunk stores {0} bytes")]
+    ZeroStores(u64),
+    /// `stored_len` is 0 or more than [`MAX_CHUNK_LEN`].
+    #[error("stored length {0} is not in 1..={MAX_CHUNK_LEN}")]
+    StoredLen(u64),
+    /// A raw or raw_sum64 chunk that does not store exactly its length.
+    #[error("raw chunk stores {stored_len} bytes for {len} bytes of data")]
+    RawMismatch { len: u64, stored_len: u64 },
+    /// A zstd chunk that stores more than its length.
+    #[error("zstd chunk stores {stored_len} bytes for {len} bytes of data (larger than raw)")]
+    ZstdLarger { len: u64, stored_len: u64 },
+}
+
+/// A chunk field that the manifest's format version does not have, or one it must have and
+/// lacks ([`ImageError::ChunkFields`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ChunkFieldError {
+    #[error("device_hash is not a version-{version} field")]
+    DeviceHashTooEarly { version: u32 },
+    /// The GPU hashes whole 8-byte words only.
+    #[error("a device hash or zero chunk of {len} bytes, not a multiple of 8")]
+    NotWords { len: u64 },
+    #[error("codec raw_sum64 is not a version-{version} codec")]
+    RawSum64TooEarly { version: u32 },
+    #[error("a raw_sum64 chunk's checksum is its device hash, and it has no content hash")]
+    RawSum64Hashes,
+    #[error("parent_depth {depth} exceeds the limit of {MAX_CHAIN_DEPTH}")]
+    TooDeep { depth: u32 },
+    #[error("codec zero is not a version-{version} codec")]
+    ZeroTooEarly { version: u32 },
+    #[error("a zero chunk has a file, offset, stored length, checksum, content hash or parent")]
+    ZeroStored,
+    #[error("a zero chunk has no device_hash")]
+    ZeroNoDeviceHash,
+    #[error("content_xxh128 is not a version-1 field")]
+    ContentHashInV1,
+    #[error("parent_depth is not a version-1 field")]
+    ParentInV1,
+    #[error("content_xxh128 is missing")]
+    NoContentHash,
+    /// The hash as found.
+    #[error("content_xxh128 {0:?} is not 32 lowercase hex digits")]
+    BadContentHash(String),
 }
 
 /// The system call an [`ImageError::Io`] is about: callers match on it (a failed `Fsync` means

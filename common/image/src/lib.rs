@@ -61,7 +61,7 @@ pub use devfile::{
     is_nvidia_device_path, read_dev_file, write_dev_file,
 };
 pub use durable::{IMAGE_DIR, sync_dir};
-pub use error::{ImageError, IoOp, versions_read};
+pub use error::{ChunkFieldError, ChunkLengthError, ImageError, IoOp, versions_read};
 pub use header::{DATA_HEADER_LEN, DATA_MAGIC, RECORD_LEN, RECORD_MAGIC};
 pub use kfd::{
     KFD_FILE_MAGIC, KFD_FORMAT_VERSION, KFD_FORMAT_VERSION_MIN, KFD_STATE_MAGIC, KfdBoRecord,

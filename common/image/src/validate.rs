@@ -7,9 +7,9 @@ use std::os::unix::fs::FileExt;
 
 use crate::header::check_data_header;
 use crate::{
-    CheckpointPath, ChunkEntry, Codec, DATA_HEADER_LEN, ImageError, IoOp, MAX_CHAIN_DEPTH,
-    MAX_CHUNK_LEN, Manifest, READ_MANIFEST_VERSIONS, RECORD_LEN, data_file_name,
-    manifest_file_name, sys,
+    CheckpointPath, ChunkEntry, ChunkFieldError, ChunkLengthError, Codec, DATA_HEADER_LEN,
+    ImageError, IoOp, MAX_CHAIN_DEPTH, MAX_CHUNK_LEN, Manifest, READ_MANIFEST_VERSIONS, RECORD_LEN,
+    data_file_name, manifest_file_name, sys,
 };
 
 /// Longest string field (GPU name, gpusnap version, timing name) a manifest may carry.
@@ -125,8 +125,11 @@ pub(crate) fn validate_structure(m: &Manifest, mf: &str) -> Result<(), ImageErro
     // its file and bounds are checked against that ancestor (`chain::open_ancestors`).
     let mut covered = vec![0u64; m.allocations.len()];
     for (i, c) in m.chunks.iter().enumerate() {
-        check_version_fields(m.format_version, c)
-            .map_err(|detail| invalid(format!("chunk {i}: {detail}")))?;
+        check_version_fields(m.format_version, c).map_err(|why| ImageError::ChunkFields {
+            file: mf.to_owned(),
+            chunk: i,
+            why,
+        })?;
         check_chunk_lengths(c.len, c.stored_len, c.codec).map_err(|detail| {
             ImageError::ChunkLength {
                 file: mf.to_owned(),
@@ -271,39 +274,32 @@ fn addr_overlap(m: &Manifest, mf: &str) -> ImageError {
 /// zero chunks (`Codec::Zero`: no file, offset, stored bytes, checksum, content hash or
 /// reference, and a device hash); version 4 has `raw_sum64` chunks (checksum = device hash,
 /// no content hash).
-fn check_version_fields(version: u32, c: &ChunkEntry) -> Result<(), String> {
+fn check_version_fields(version: u32, c: &ChunkEntry) -> Result<(), ChunkFieldError> {
     if version < 3 && c.device_hash.is_some() {
-        return Err(format!("device_hash is not a version-{version} field"));
+        return Err(ChunkFieldError::DeviceHashTooEarly { version });
     }
     // The GPU hashes whole 8-byte words only; a hash or zero chunk of another length is no
     // chunk the agent made.
     if (c.device_hash.is_some() || c.codec == Codec::Zero) && !c.len.is_multiple_of(8) {
-        return Err(format!(
-            "a device hash or zero chunk of {} bytes, not a multiple of 8",
-            c.len
-        ));
+        return Err(ChunkFieldError::NotWords { len: c.len });
     }
     if c.codec == Codec::RawSum64 {
         if version < 4 {
-            return Err(format!("codec raw_sum64 is not a version-{version} codec"));
+            return Err(ChunkFieldError::RawSum64TooEarly { version });
         }
         if c.device_hash != Some(c.checksum) || c.content_xxh128.is_some() {
-            return Err(
-                "a raw_sum64 chunk's checksum is its device hash, and it has no content hash"
-                    .into(),
-            );
+            return Err(ChunkFieldError::RawSum64Hashes);
         }
         if c.parent_depth > MAX_CHAIN_DEPTH {
-            return Err(format!(
-                "parent_depth {} exceeds the limit of {MAX_CHAIN_DEPTH}",
-                c.parent_depth
-            ));
+            return Err(ChunkFieldError::TooDeep {
+                depth: c.parent_depth,
+            });
         }
         return Ok(());
     }
     if c.codec == Codec::Zero {
         if version < 3 {
-            return Err(format!("codec zero is not a version-{version} codec"));
+            return Err(ChunkFieldError::ZeroTooEarly { version });
         }
         if c.file != 0
             || c.file_offset != 0
@@ -312,35 +308,25 @@ fn check_version_fields(version: u32, c: &ChunkEntry) -> Result<(), String> {
             || c.content_xxh128.is_some()
             || c.parent_depth != 0
         {
-            return Err(
-                "a zero chunk has a file, offset, stored length, checksum, content hash or parent"
-                    .into(),
-            );
+            return Err(ChunkFieldError::ZeroStored);
         }
         if c.device_hash.is_none() {
-            return Err("a zero chunk has no device_hash".into());
+            return Err(ChunkFieldError::ZeroNoDeviceHash);
         }
         return Ok(());
     }
     match (version, &c.content_xxh128) {
-        (1, Some(_)) => return Err("content_xxh128 is not a version-1 field".into()),
-        (1, None) if c.parent_depth != 0 => {
-            return Err("parent_depth is not a version-1 field".into());
-        }
+        (1, Some(_)) => return Err(ChunkFieldError::ContentHashInV1),
+        (1, None) if c.parent_depth != 0 => return Err(ChunkFieldError::ParentInV1),
         (1, None) => return Ok(()),
-        (_, None) => return Err("content_xxh128 is missing".into()),
-        (_, Some(h)) if !is_hex128(h) => {
-            return Err(format!(
-                "content_xxh128 {h:?} is not 32 lowercase hex digits"
-            ));
-        }
+        (_, None) => return Err(ChunkFieldError::NoContentHash),
+        (_, Some(h)) if !is_hex128(h) => return Err(ChunkFieldError::BadContentHash(h.clone())),
         _ => {}
     }
     if c.parent_depth > MAX_CHAIN_DEPTH {
-        return Err(format!(
-            "parent_depth {} exceeds the limit of {MAX_CHAIN_DEPTH}",
-            c.parent_depth
-        ));
+        return Err(ChunkFieldError::TooDeep {
+            depth: c.parent_depth,
+        });
     }
     Ok(())
 }
@@ -351,28 +337,28 @@ fn is_hex128(s: &str) -> bool {
 
 /// `len` and `stored_len` in 1..=1 GiB; Raw and RawSum64 store exactly `len`, Zstd at most
 /// `len`, Zero nothing.
-pub(crate) fn check_chunk_lengths(len: u64, stored_len: u64, codec: Codec) -> Result<(), String> {
+pub(crate) fn check_chunk_lengths(
+    len: u64,
+    stored_len: u64,
+    codec: Codec,
+) -> Result<(), ChunkLengthError> {
     if len == 0 || len > MAX_CHUNK_LEN {
-        return Err(format!("length {len} is not in 1..={MAX_CHUNK_LEN}"));
+        return Err(ChunkLengthError::Len(len));
     }
     if codec == Codec::Zero {
         return match stored_len {
             0 => Ok(()),
-            n => Err(format!("zero chunk stores {n} bytes")),
+            n => Err(ChunkLengthError::ZeroStores(n)),
         };
     }
     if stored_len == 0 || stored_len > MAX_CHUNK_LEN {
-        return Err(format!(
-            "stored length {stored_len} is not in 1..={MAX_CHUNK_LEN}"
-        ));
+        return Err(ChunkLengthError::StoredLen(stored_len));
     }
     match codec {
-        Codec::Raw | Codec::RawSum64 if stored_len != len => Err(format!(
-            "raw chunk stores {stored_len} bytes for {len} bytes of data"
-        )),
-        Codec::Zstd if stored_len > len => Err(format!(
-            "zstd chunk stores {stored_len} bytes for {len} bytes of data (larger than raw)"
-        )),
+        Codec::Raw | Codec::RawSum64 if stored_len != len => {
+            Err(ChunkLengthError::RawMismatch { len, stored_len })
+        }
+        Codec::Zstd if stored_len > len => Err(ChunkLengthError::ZstdLarger { len, stored_len }),
         _ => Ok(()),
     }
 }

@@ -222,6 +222,8 @@ impl fmt::Display for CuError {
     }
 }
 
+impl std::error::Error for CuError {}
+
 /// `CU_STREAM_NON_BLOCKING`.
 const STREAM_NON_BLOCKING: u32 = 1;
 /// `CU_EVENT_DISABLE_TIMING`.

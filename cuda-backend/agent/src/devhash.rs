@@ -86,12 +86,10 @@ impl Passes {
     pub fn prepare(gpu: &mut Gpu, drv: &Driver, counts: &[(i32, usize)]) -> Passes {
         let mut v = Vec::new();
         for &(dev, capacity) in counts {
-            let made = (|| -> Result<Pass, String> {
+            let made = (|| -> Result<Pass, CuError> {
                 let func = gpu.hasher(drv, dev, load)?;
-                let stream = gpu.activate(drv, dev).map_err(|e| e.to_string())?.streams[0];
-                let buf = drv
-                    .alloc_plain(16 * capacity as u64)
-                    .map_err(|e| e.to_string())?;
+                let stream = gpu.activate(drv, dev)?.streams[0];
+                let buf = drv.alloc_plain(16 * capacity as u64)?;
                 Ok(Pass {
                     dev,
                     func,

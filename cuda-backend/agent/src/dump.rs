@@ -11,7 +11,7 @@ use std::collections::{HashMap, VecDeque};
 use std::os::fd::OwnedFd;
 use std::time::Instant;
 
-use gpusnap_proto::{Channel, ErrorCode, ProtoError, Reply, Request};
+use gpusnap_proto::{Channel, ProtoError, Reply, Request};
 
 use crate::devhash::{self, ChunkHash};
 use crate::gpu::Gpu;
@@ -35,10 +35,27 @@ pub struct KnownChunks(HashMap<(u64, u64), u64>);
 /// Most `KnownChunk`s one connection may send (a million chunks: 32 TiB at 32 MiB).
 const MAX_KNOWN: usize = 1 << 20;
 
+/// A connection sent more `KnownChunk`s than [`MAX_KNOWN`]: the list is refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TooManyKnownChunks;
+
+impl std::fmt::Display for TooManyKnownChunks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "more than {MAX_KNOWN} KnownChunk requests")
+    }
+}
+
+impl std::error::Error for TooManyKnownChunks {}
+
 impl KnownChunks {
-    pub fn insert(&mut self, addr: u64, len: u64, device_hash: u64) -> Result<(), String> {
+    pub fn insert(
+        &mut self,
+        addr: u64,
+        len: u64,
+        device_hash: u64,
+    ) -> Result<(), TooManyKnownChunks> {
         if self.0.len() >= MAX_KNOWN {
-            return Err(format!("more than {MAX_KNOWN} KnownChunk requests"));
+            return Err(TooManyKnownChunks);
         }
         self.0.insert((addr, len), device_hash);
         Ok(())
@@ -150,7 +167,7 @@ fn dump(
             ) if crate::role::keeper() => {
                 if let Some(st) = staging.take() {
                     gpu.quiesce(need_driver()?);
-                    st.close().map_err(|e| Fail::Reply(ErrorCode::Staging, e))?;
+                    st.close()?;
                 }
                 let ring = Ring {
                     slot_size,
@@ -218,8 +235,7 @@ fn copy_phase(
     let drv = need_driver()?;
     let mut spans = spans_to_copy(&*table::try_lock_for(AGENT_LOCK_WAIT).ok_or_else(Fail::busy)?)?;
     spans.retain(|s| !skip.contains(&s.id));
-    let mut st = Staging::map(memfd, ring.slot_size, ring.slots)
-        .map_err(|e| Fail::Reply(ErrorCode::Staging, e))?;
+    let mut st = Staging::map(memfd, ring.slot_size, ring.slots)?;
     // With nothing to copy, the ring is not registered; a round then copies nothing either (its
     // second look must find the devices prepared here).
     if !spans.is_empty() {

@@ -80,7 +80,7 @@ pub struct DeviceRes {
     pub streams: OwnedList<CUstream>,
     pub events: OwnedList<CUevent>,
     /// The device-hash kernel once loaded, or why it cannot be (tried once per device).
-    hasher: Option<Result<CUfunction, String>>,
+    hasher: Option<Result<CUfunction, CuError>>,
     /// The retain of `ctx` (by device), released last.
     _retained: Owned<CUdevice>,
 }
@@ -165,12 +165,12 @@ impl Gpu {
         drv: &Driver,
         ordinal: i32,
         load: impl FnOnce(&Driver) -> Result<CUfunction, CuError>,
-    ) -> Result<CUfunction, String> {
-        self.activate(drv, ordinal).map_err(|e| e.to_string())?;
-        let i = self.index(ordinal).map_err(|e| e.to_string())?;
+    ) -> Result<CUfunction, CuError> {
+        self.activate(drv, ordinal)?;
+        let i = self.index(ordinal)?;
         let d = &mut self.devs[i];
         if d.hasher.is_none() {
-            let loaded = load(drv).map_err(|e| e.to_string());
+            let loaded = load(drv);
             if let Err(e) = &loaded {
                 crate::log::debug!("device {ordinal}: no device hashes: {e}");
             }

@@ -7,24 +7,51 @@
 //! can connect: root or the owner) would free memory under it or overwrite live data, so such a
 //! request is refused, whoever sends it.
 
-use std::io;
+use std::{fmt, io};
+
+/// Why the process does not count as held by a tracer.
+#[derive(Debug)]
+pub enum NotHeld {
+    /// `/proc/self/task` could not be read.
+    ListThreads(io::Error),
+    /// These threads (other than the caller) are neither in a ptrace stop nor exited.
+    Running(Vec<i32>),
+}
+
+impl fmt::Display for NotHeld {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::ListThreads(e) => write!(f, "cannot list this process's threads: {e}"),
+            Self::Running(tids) => write!(
+                f,
+                "{} threads of this process run (tids {tids:?}): memory is released or loaded only while a checkpoint holds the application's threads stopped",
+                tids.len()
+            ),
+        }
+    }
+}
+
+impl std::error::Error for NotHeld {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::ListThreads(e) => Some(e),
+            Self::Running(_) => None,
+        }
+    }
+}
 
 /// `Ok` when every thread of this process but the caller and at most one other is in a ptrace
 /// stop (state `t`), exited threads aside; else what runs.
-pub fn by_a_tracer() -> Result<(), String> {
+pub fn by_a_tracer() -> Result<(), NotHeld> {
     if crate::role::keeper() {
         // A keeper runs no application: its memory is the job's, lent to it.
         return Ok(());
     }
-    let running =
-        running_threads().map_err(|e| format!("cannot list this process's threads: {e}"))?;
+    let running = running_threads().map_err(NotHeld::ListThreads)?;
     if running.len() <= 1 {
         return Ok(());
     }
-    Err(format!(
-        "{} threads of this process run (tids {running:?}): memory is released or loaded only while a checkpoint holds the application's threads stopped",
-        running.len()
-    ))
+    Err(NotHeld::Running(running))
 }
 
 /// The threads of this process, other than the caller, that are neither in a ptrace stop nor
@@ -86,7 +113,7 @@ mod tests {
         for t in threads {
             t.join().unwrap();
         }
-        let e = r.unwrap_err();
+        let e = r.unwrap_err().to_string();
         assert!(e.contains("threads of this process run"), "{e}");
     }
 }

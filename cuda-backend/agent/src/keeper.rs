@@ -80,8 +80,8 @@ pub fn main_with_fd(fd: i32, libcuda: Option<&str>, gpus: &[[u8; 16]]) -> i32 {
 /// Why the keeper stopped serving, or could not do what the plugin asked.
 #[derive(Debug)]
 pub enum KeeperError {
-    /// The driver library could not be loaded (the loader's words).
-    Load(String),
+    /// The driver library could not be loaded.
+    Load(crate::real::LoadError),
     /// A driver call failed.
     Cuda(CuError),
     /// The connection to the plugin failed.
@@ -95,8 +95,8 @@ pub enum KeeperError {
     NoGpu([u8; 16]),
     /// The keeper's table stayed locked longer than `AGENT_LOCK_WAIT`.
     TableLocked,
-    /// The plugin's list of the parent image's chunks was refused (the list's words).
-    KnownChunks(String),
+    /// The plugin's list of the parent image's chunks was refused.
+    KnownChunks(crate::dump::TooManyKnownChunks),
     /// RDMA-capable memory on a device without POSIX-fd handles: it could not be handed over.
     NotExportable { id: u64 },
 }
@@ -123,6 +123,8 @@ impl std::error::Error for KeeperError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             Self::Channel { err, .. } => Some(err),
+            Self::Load(e) => Some(e),
+            Self::KnownChunks(e) => Some(e),
             _ => None,
         }
     }

@@ -1,6 +1,8 @@
 //! Pure planning of data moves: the spans to move, their cut into staging-slot-sized chunks,
 //! the containing-span check for `ChunkLoad`, and the validation of ring parameters.
 
+use std::fmt;
+
 /// One converted allocation as a data move sees it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Span {
@@ -43,20 +45,41 @@ pub const MAX_STREAMS: u32 = 32;
 /// Slot sizes are whole pages.
 pub const SLOT_ALIGN: u64 = 4096;
 
+/// A `DumpBegin` / `RestoreBegin` ring parameter out of bounds (the value asked for).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RingError {
+    SlotSize(u64),
+    Slots(u32),
+    Streams(u32),
+}
+
+impl fmt::Display for RingError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::SlotSize(slot_size) => write!(
+                f,
+                "slot_size {slot_size} must be a non-zero multiple of {SLOT_ALIGN} of at most {MAX_SLOT_SIZE}"
+            ),
+            Self::Slots(slots) => write!(f, "slots {slots} must be between 1 and {MAX_SLOTS}"),
+            Self::Streams(streams) => {
+                write!(f, "streams {streams} must be between 1 and {MAX_STREAMS}")
+            }
+        }
+    }
+}
+
+impl std::error::Error for RingError {}
+
 /// Checks `DumpBegin` / `RestoreBegin` ring parameters.
-pub fn validate_ring(slot_size: u64, slots: u32, streams: u32) -> Result<(), String> {
+pub fn validate_ring(slot_size: u64, slots: u32, streams: u32) -> Result<(), RingError> {
     if slot_size == 0 || !slot_size.is_multiple_of(SLOT_ALIGN) || slot_size > MAX_SLOT_SIZE {
-        return Err(format!(
-            "slot_size {slot_size} must be a non-zero multiple of {SLOT_ALIGN} of at most {MAX_SLOT_SIZE}"
-        ));
+        return Err(RingError::SlotSize(slot_size));
     }
     if slots == 0 || slots > MAX_SLOTS {
-        return Err(format!("slots {slots} must be between 1 and {MAX_SLOTS}"));
+        return Err(RingError::Slots(slots));
     }
     if streams == 0 || streams > MAX_STREAMS {
-        return Err(format!(
-            "streams {streams} must be between 1 and {MAX_STREAMS}"
-        ));
+        return Err(RingError::Streams(streams));
     }
     Ok(())
 }
@@ -94,6 +117,35 @@ pub fn containing(sorted: &[Span], addr: u64, len: u64) -> Option<&Span> {
     (end <= s.addr.checked_add(s.size)?).then_some(s)
 }
 
+/// Why a `ChunkLoad` is refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChunkLoadError {
+    /// The slot is not one of the ring's `slots`.
+    Slot { slot: u32, slots: u32 },
+    /// The length is zero or larger than a slot.
+    Length { len: u64, slot_size: u64 },
+    /// `[addr, addr+len)` does not lie inside one converted allocation.
+    Outside { addr: u64, len: u64 },
+}
+
+impl fmt::Display for ChunkLoadError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Slot { slot, slots } => write!(f, "slot {slot} out of range (ring has {slots})"),
+            Self::Length { len, slot_size } => write!(
+                f,
+                "length {len} must be between 1 and the slot size {slot_size}"
+            ),
+            Self::Outside { addr, len } => write!(
+                f,
+                "[{addr:#x}, +{len}) is not inside one converted allocation"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for ChunkLoadError {}
+
 /// A `ChunkLoad` against the ring and the spans: the slot exists, the length fits a slot and
 /// is non-zero, and the destination lies inside one span.
 pub fn check_chunk_load(
@@ -103,17 +155,14 @@ pub fn check_chunk_load(
     len: u64,
     slots: u32,
     slot_size: u64,
-) -> Result<&Span, String> {
+) -> Result<&Span, ChunkLoadError> {
     if slot >= slots {
-        return Err(format!("slot {slot} out of range (ring has {slots})"));
+        return Err(ChunkLoadError::Slot { slot, slots });
     }
     if len == 0 || len > slot_size {
-        return Err(format!(
-            "length {len} must be between 1 and the slot size {slot_size}"
-        ));
+        return Err(ChunkLoadError::Length { len, slot_size });
     }
-    containing(sorted, addr, len)
-        .ok_or_else(|| format!("[{addr:#x}, +{len}) is not inside one converted allocation"))
+    containing(sorted, addr, len).ok_or(ChunkLoadError::Outside { addr, len })
 }
 
 #[cfg(test)]

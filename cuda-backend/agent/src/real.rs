@@ -8,6 +8,7 @@
 
 use std::cell::Cell;
 use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
+use std::fmt;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 
@@ -30,6 +31,32 @@ pub const CUDA_ERROR_NOT_READY: CuRes = 600;
 pub const CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED: CuRes = 704;
 pub const CUDA_ERROR_NOT_SUPPORTED: CuRes = 801;
 pub const CUDA_ERROR_UNKNOWN: CuRes = 999;
+
+/// Why the driver table could not be loaded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LoadError {
+    /// A `dlsym` made while this thread loads the table (libcuda's own start-up, hooked).
+    Reentered,
+    /// glibc's `dlsym` was not found with `dlvsym` (not glibc, or an unknown version).
+    NoDlsym,
+    /// `dlopen` of `library` failed; `why` is `dlerror`'s text.
+    Dlopen { library: String, why: String },
+    /// A required entry point is not exported by the loaded libcuda (too old a driver).
+    Missing { symbol: &'static str },
+}
+
+impl fmt::Display for LoadError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Reentered => write!(f, "libcuda is being loaded by this thread"),
+            Self::NoDlsym => write!(f, "glibc's dlsym not found with dlvsym"),
+            Self::Dlopen { library, why } => write!(f, "{library} could not be loaded: {why}"),
+            Self::Missing { symbol } => write!(f, "{symbol} not found in libcuda.so.1"),
+        }
+    }
+}
+
+impl std::error::Error for LoadError {}
 
 /// `dlsym`'s C signature.
 pub type DlsymFn = unsafe extern "C" fn(*mut c_void, *const c_char) -> *mut c_void;
@@ -81,7 +108,7 @@ macro_rules! resolve_entry {
     (required $f:ty, $p:expr, $name:expr) => {{
         let p = $p;
         if p.is_null() {
-            return Err(format!("{} not found in libcuda.so.1", $name));
+            return Err(LoadError::Missing { symbol: $name });
         }
         // SAFETY: p is libcuda's exported function of this name, whose C signature (CUDA 13
         // cuda.h) is the one declared in this table.
@@ -112,7 +139,7 @@ macro_rules! driver_table {
         }
 
         impl Driver {
-            fn resolve(handle: *mut c_void, dlsym: DlsymFn) -> Result<Self, String> {
+            fn resolve(handle: *mut c_void, dlsym: DlsymFn) -> Result<Self, LoadError> {
                 Ok(Driver {
                     $( $field: resolve_entry!(
                         required unsafe extern "C" fn($($arg),*) -> CuRes,
@@ -177,7 +204,7 @@ crate::calls::hooked_calls!(driver_table! {
 #[cfg(test)]
 impl Driver {
     /// A table resolved through a stand-in `dlsym`, for tests of the code that calls the driver.
-    pub(crate) fn resolve_with(dlsym: DlsymFn) -> Result<Self, String> {
+    pub(crate) fn resolve_with(dlsym: DlsymFn) -> Result<Self, LoadError> {
         Self::resolve(std::ptr::null_mut(), dlsym)
     }
 }
@@ -193,12 +220,12 @@ thread_local! {
 
 /// The driver table, loaded on first use. A failure is not remembered: a process may load
 /// libcuda later (e.g. Python importing torch), so a later call tries again.
-pub fn driver() -> Result<&'static Driver, String> {
+pub fn driver() -> Result<&'static Driver, LoadError> {
     if let Some(d) = DRIVER.get() {
         return Ok(d);
     }
     if LOADING.with(Cell::get) {
-        return Err("libcuda is being loaded by this thread".into());
+        return Err(LoadError::Reentered);
     }
     let _guard = DRIVER_INIT.lock().unwrap_or_else(|e| e.into_inner());
     if let Some(d) = DRIVER.get() {
@@ -216,18 +243,17 @@ pub fn driver_if_loaded() -> Option<&'static Driver> {
     DRIVER.get()
 }
 
-fn load() -> Result<Driver, String> {
-    let dlsym = real_dlsym().ok_or("glibc's dlsym not found with dlvsym")?;
+fn load() -> Result<Driver, LoadError> {
+    let dlsym = real_dlsym().ok_or(LoadError::NoDlsym)?;
     // A keeper loads the very library its job uses (found in the job's mappings).
     if let Some(path) = crate::role::libcuda() {
         // SAFETY: dlopen with a valid C string, the path the plugin named.
         let handle = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
         if handle.is_null() {
-            return Err(format!(
-                "{} could not be loaded: {}",
-                path.to_string_lossy(),
-                dlerror_text()
-            ));
+            return Err(LoadError::Dlopen {
+                library: path.to_string_lossy().into_owned(),
+                why: dlerror_text(),
+            });
         }
         return Driver::resolve(handle, dlsym);
     }
@@ -240,10 +266,10 @@ fn load() -> Result<Driver, String> {
             unsafe { libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
     }
     if handle.is_null() {
-        return Err(format!(
-            "libcuda.so.1 could not be loaded: {}",
-            dlerror_text()
-        ));
+        return Err(LoadError::Dlopen {
+            library: "libcuda.so.1".to_owned(),
+            why: dlerror_text(),
+        });
     }
     // The handle is kept for the life of the process: the table points into libcuda.
     Driver::resolve(handle, dlsym)
@@ -382,6 +408,6 @@ mod tests {
         let err = Driver::resolve(std::ptr::null_mut(), finds_nothing)
             .err()
             .expect("a driver without cuInit");
-        assert_eq!(err, "cuInit not found in libcuda.so.1");
+        assert_eq!(err.to_string(), "cuInit not found in libcuda.so.1");
     }
 }

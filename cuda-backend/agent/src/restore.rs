@@ -63,8 +63,7 @@ fn restore(
         spans.len()
     );
 
-    let mut st = Staging::map(memfd, ring.slot_size, ring.slots)
-        .map_err(|e| Fail::Reply(ErrorCode::Staging, e))?;
+    let mut st = Staging::map(memfd, ring.slot_size, ring.slots)?;
     if !spans.is_empty() {
         st.register(drv)?;
     }

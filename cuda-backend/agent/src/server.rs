@@ -601,7 +601,7 @@ impl Agent {
                     None,
                 ) => {
                     if let Err(e) = known.insert(addr, len, device_hash) {
-                        reply(ch, ErrorCode::BadRequest, e);
+                        reply(ch, ErrorCode::BadRequest, e.to_string());
                         return;
                     }
                 }

@@ -2,6 +2,7 @@
 //! table snapshot, and the one way out of an operation ([`conclude`]): wait for our copies,
 //! unpin and unmap the staging, then send the final reply, then close.
 
+use std::fmt;
 use std::os::fd::OwnedFd;
 use std::time::Duration;
 
@@ -12,7 +13,7 @@ use crate::gpu::Gpu;
 use crate::log::debug;
 use crate::plan::Span;
 use crate::real::Driver;
-use crate::staging::Staging;
+use crate::staging::{Staging, StagingError};
 use crate::table::{self, AGENT_LOCK_WAIT, Backing};
 
 /// How long the agent waits for the plugin when it cannot go on without it (no free slot).
@@ -38,11 +39,13 @@ pub enum Fail {
 }
 
 impl Fail {
-    pub fn bad_request(msg: impl Into<String>) -> Self {
-        Fail::Reply(ErrorCode::BadRequest, msg.into())
+    /// Reply `BadRequest`, `why` (a message or an error) written out for the plugin's log.
+    pub fn bad_request(why: impl fmt::Display) -> Self {
+        Fail::Reply(ErrorCode::BadRequest, why.to_string())
     }
-    pub fn bad_state(msg: impl Into<String>) -> Self {
-        Fail::Reply(ErrorCode::BadState, msg.into())
+    /// Reply `BadState`, `why` written out as for [`Fail::bad_request`].
+    pub fn bad_state(why: impl fmt::Display) -> Self {
+        Fail::Reply(ErrorCode::BadState, why.to_string())
     }
     pub fn unexpected(req: &Request, phase: &str) -> Self {
         Fail::bad_state(format!("{req:?} is not expected {phase}"))
@@ -71,6 +74,12 @@ pub fn busy_reply() -> Reply {
 impl From<CuError> for Fail {
     fn from(e: CuError) -> Self {
         Fail::Reply(ErrorCode::Cuda, e.to_string())
+    }
+}
+
+impl From<StagingError> for Fail {
+    fn from(e: StagingError) -> Self {
+        Fail::Reply(ErrorCode::Staging, e.to_string())
     }
 }
 
@@ -153,7 +162,7 @@ pub fn conclude(
             debug!("{e}");
             let _ = ch.send_reply(&Reply::Error {
                 code: ErrorCode::Staging,
-                message: e,
+                message: e.to_string(),
             });
             return;
         }

@@ -4,11 +4,69 @@
 //! itself is closed as soon as it is mapped, for the same reason.
 
 use std::ffi::c_void;
+use std::fmt;
 use std::os::fd::{AsRawFd, OwnedFd};
 
 use crate::cu::CuError;
 use crate::log::debug;
 use crate::real::Driver;
+
+/// Why the staging ring could not be mapped or unmapped.
+#[derive(Debug)]
+pub enum StagingError {
+    /// `slot_size * slots` does not fit the address space.
+    Overflow,
+    /// The descriptor could not be examined.
+    Fstat(std::io::Error),
+    /// The descriptor is not a memfd (nor a regular file): `st_mode` as found.
+    NotAFile { mode: libc::mode_t },
+    /// The memfd's size is not the ring's.
+    Size {
+        actual: libc::off_t,
+        slot_size: u64,
+        slots: u32,
+        expected: usize,
+    },
+    /// The memfd could not be mapped.
+    Mmap { len: usize, err: std::io::Error },
+    /// The ring could not be unmapped: it is still mapped.
+    Munmap(std::io::Error),
+}
+
+impl fmt::Display for StagingError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Overflow => write!(f, "staging size overflows"),
+            Self::Fstat(e) => write!(f, "fstat of the staging fd failed: {e}"),
+            Self::NotAFile { mode } => write!(
+                f,
+                "the staging fd is not a memfd or regular file (mode {mode:o})"
+            ),
+            Self::Size {
+                actual,
+                slot_size,
+                slots,
+                expected,
+            } => write!(
+                f,
+                "the staging memfd has {actual} bytes, expected slot_size {slot_size} x {slots} slots = {expected}"
+            ),
+            Self::Mmap { len, err } => {
+                write!(f, "mmap of the staging memfd ({len} bytes) failed: {err}")
+            }
+            Self::Munmap(e) => write!(f, "munmap of the staging failed: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for StagingError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Fstat(e) | Self::Munmap(e) | Self::Mmap { err: e, .. } => Some(e),
+            Self::Overflow | Self::NotAFile { .. } | Self::Size { .. } => None,
+        }
+    }
+}
 
 /// A mapped (and possibly registered) staging ring.
 #[derive(Debug)]
@@ -21,31 +79,27 @@ pub struct Staging {
 
 impl Staging {
     /// Checks the memfd's type and size against the ring and maps it read-write, shared.
-    pub fn map(fd: OwnedFd, slot_size: u64, slots: u32) -> Result<Staging, String> {
+    pub fn map(fd: OwnedFd, slot_size: u64, slots: u32) -> Result<Staging, StagingError> {
         let want = slot_size
             .checked_mul(u64::from(slots))
             .and_then(|n| usize::try_from(n).ok())
-            .ok_or("staging size overflows")?;
+            .ok_or(StagingError::Overflow)?;
         // SAFETY: stat is plain old data; all-zero is valid; fstat fills it.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
         // SAFETY: fd is an open descriptor; st is writable.
         if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
-            return Err(format!(
-                "fstat of the staging fd failed: {}",
-                std::io::Error::last_os_error()
-            ));
+            return Err(StagingError::Fstat(std::io::Error::last_os_error()));
         }
         if st.st_mode & libc::S_IFMT != libc::S_IFREG {
-            return Err(format!(
-                "the staging fd is not a memfd or regular file (mode {:o})",
-                st.st_mode
-            ));
+            return Err(StagingError::NotAFile { mode: st.st_mode });
         }
         if u64::try_from(st.st_size).ok() != Some(want as u64) {
-            return Err(format!(
-                "the staging memfd has {} bytes, expected slot_size {slot_size} x {slots} slots = {want}",
-                st.st_size
-            ));
+            return Err(StagingError::Size {
+                actual: st.st_size,
+                slot_size,
+                slots,
+                expected: want,
+            });
         }
         // SAFETY: mapping `want` bytes of a file that has exactly that size; no fixed address.
         let ptr = unsafe {
@@ -59,10 +113,10 @@ impl Staging {
             )
         };
         if ptr == libc::MAP_FAILED {
-            return Err(format!(
-                "mmap of the staging memfd ({want} bytes) failed: {}",
-                std::io::Error::last_os_error()
-            ));
+            return Err(StagingError::Mmap {
+                len: want,
+                err: std::io::Error::last_os_error(),
+            });
         }
         drop(fd);
         Ok(Staging {
@@ -90,11 +144,11 @@ impl Staging {
 
     /// Unpins and unmaps. An unpin failure is only logged (the mapping still goes); the error
     /// returned means the ring is still mapped.
-    pub fn close(mut self) -> Result<(), String> {
+    pub fn close(mut self) -> Result<(), StagingError> {
         self.teardown()
     }
 
-    fn teardown(&mut self) -> Result<(), String> {
+    fn teardown(&mut self) -> Result<(), StagingError> {
         if self.registered {
             self.registered = false;
             match crate::real::driver_if_loaded() {
@@ -113,10 +167,7 @@ impl Staging {
         }
         // SAFETY: ptr..ptr+len is our mapping, no longer used by any copy (callers quiesce first).
         if unsafe { libc::munmap(self.ptr, self.len) } != 0 {
-            return Err(format!(
-                "munmap of the staging failed: {}",
-                std::io::Error::last_os_error()
-            ));
+            return Err(StagingError::Munmap(std::io::Error::last_os_error()));
         }
         self.ptr = std::ptr::null_mut();
         Ok(())
@@ -161,12 +212,14 @@ mod tests {
         assert!(
             Staging::map(memfd(4096), 8192, 4)
                 .unwrap_err()
+                .to_string()
                 .contains("expected")
         );
         let (a, _b) = gpusnap_proto::seqpacket_pair().unwrap();
         assert!(
             Staging::map(a, 4096, 1)
                 .unwrap_err()
+                .to_string()
                 .contains("not a memfd")
         );
     }

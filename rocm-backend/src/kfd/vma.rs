@@ -117,9 +117,29 @@ pub fn describe_kfd_offset(offset: u64) -> String {
     }
 }
 
+/// Why a device mapping is no BO gpusnap can map again.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum VmaError {
+    #[error("the mapping {start:#x}-{end:#x} is empty")]
+    Empty { start: u64, end: u64 },
+    #[error("render node minor {minor} is not the render node of a GPU this process uses")]
+    NotOurGpu { minor: u32 },
+    /// Nothing the process mapped through `/dev/kfd` (doorbells, MMIO remap) lies there; the
+    /// offset's kind is named ([`describe_kfd_offset`]).
+    #[error(
+        "no doorbell or MMIO-remap buffer object of the process lies at /dev/kfd offset {offset:#x} ({}, {len:#x} bytes)",
+        describe_kfd_offset(*offset)
+    )]
+    NoKfdBo { offset: u64, len: u64 },
+    #[error(
+        "no VRAM or GTT buffer object of the process lies at offset {offset:#x} ({len:#x} bytes) of render node {minor}"
+    )]
+    NoRenderBo { offset: u64, len: u64, minor: u32 },
+}
+
 /// The BO (index into `bos`) that the mapping `[start, end)` of `node` at `offset` shows.
 /// `gpu_of_minor` gives the user gpu_id of a render node's minor (`None`: not a GPU of the
-/// process). Errors say, in words, why the mapping is no BO gpusnap can map again.
+/// process). Errors say why the mapping is no BO gpusnap can map again.
 pub fn identify(
     node: VmaNode,
     start: u64,
@@ -127,17 +147,17 @@ pub fn identify(
     offset: u64,
     bos: &[BoView],
     gpu_of_minor: impl Fn(u32) -> Option<u32>,
-) -> Result<usize, String> {
+) -> Result<usize, VmaError> {
     let len = end
         .checked_sub(start)
         .filter(|l| *l > 0)
-        .ok_or_else(|| format!("the mapping {start:#x}-{end:#x} is empty"))?;
+        .ok_or(VmaError::Empty { start, end })?;
     let through_kfd = matches!(node, VmaNode::Kfd);
     let gpu = match node {
         VmaNode::Kfd => None,
-        VmaNode::Render { minor } => Some(gpu_of_minor(minor).ok_or_else(|| {
-            format!("render node minor {minor} is not the render node of a GPU this process uses")
-        })?),
+        VmaNode::Render { minor } => {
+            Some(gpu_of_minor(minor).ok_or(VmaError::NotOurGpu { minor })?)
+        }
     };
     let hit = bos.iter().position(|b| {
         mapped_through_kfd(b.alloc_flags) == Some(through_kfd)
@@ -147,14 +167,9 @@ pub fn identify(
                 .checked_add(len)
                 .is_some_and(|e| e <= b.size)
     });
-    hit.ok_or_else(|| match node {
-        VmaNode::Kfd => format!(
-            "no doorbell or MMIO-remap buffer object of the process lies at /dev/kfd offset {offset:#x} ({}, {len:#x} bytes)",
-            describe_kfd_offset(offset)
-        ),
-        VmaNode::Render { minor } => format!(
-            "no VRAM or GTT buffer object of the process lies at offset {offset:#x} ({len:#x} bytes) of render node {minor}"
-        ),
+    hit.ok_or(match node {
+        VmaNode::Kfd => VmaError::NoKfdBo { offset, len },
+        VmaNode::Render { minor } => VmaError::NoRenderBo { offset, len, minor },
     })
 }
 
@@ -235,16 +250,16 @@ mod tests {
         assert!(identify(r(128), 0x1000, 0x3000, db, &b, minor).is_err());
         // A VRAM BO is not mapped through /dev/kfd.
         let e = identify(VmaNode::Kfd, 0x1000, 0x2000, 0x10_0000, &b, minor).unwrap_err();
-        assert!(e.contains("no doorbell or MMIO-remap"), "{e}");
+        assert!(e.to_string().contains("no doorbell or MMIO-remap"), "{e}");
         // Past the end of a BO, before it, an unknown render node, an empty mapping.
         assert!(identify(r(128), 0x1000, 0x3000, 0x2f_f000, &b, minor).is_err());
         assert!(identify(r(128), 0x1000, 0x2000, 0x0f_f000, &b, minor).is_err());
         let e = identify(r(130), 0x1000, 0x2000, 0x10_0000, &b, minor).unwrap_err();
-        assert!(e.contains("minor 130"), "{e}");
+        assert!(e.to_string().contains("minor 130"), "{e}");
         assert!(identify(r(128), 0x1000, 0x1000, 0x10_0000, &b, minor).is_err());
         // The events page of an APU is no BO: refused, and named.
         let e = identify(VmaNode::Kfd, 0x1000, 0x2000, 2 << 62, &b, minor).unwrap_err();
-        assert!(e.contains("events page"), "{e}");
+        assert!(e.to_string().contains("events page"), "{e}");
     }
 
     #[test]

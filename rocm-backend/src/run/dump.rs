@@ -73,7 +73,8 @@ pub enum DumpError {
         end: u64,
         path: String,
         offset: u64,
-        why: String,
+        #[source]
+        why: crate::kfd::vma::VmaError,
     },
     #[error(
         "BO {index} at {addr:#x} ({size} bytes, flags {flags:#x}): CHECKPOINT returned no dma-buf for it"

@@ -61,7 +61,8 @@ pub enum Refused {
     #[error("nspid {nspid}: no GPU here can take the place of {why} ({device})")]
     NoGpu {
         nspid: u32,
-        why: String,
+        #[source]
+        why: crate::gpumatch::NoStandIn,
         device: String,
     },
     #[error(

@@ -2,7 +2,8 @@
 //! checkpointed job's device memory and drains it, so that the data moves while CRIU dumps the
 //! job's host side instead of before (`docs/design-notes.md`, "Hand-over").
 //!
-//! It speaks the agent's protocol on the one connection the plugin gave it.
+//! It serves [`KeeperRequest`]s on the one connection the plugin gave it: the requests it shares
+//! with the job's agent ([`CommonRequest`]), and its own (`Adopt`, `Snapshot`, `Expect`).
 //! - **Dump**: `Adopt` (with the job's exported descriptor attached) imports an allocation and
 //!   maps it at the job's own address where the keeper has it free, else anywhere (the table
 //!   entry keeps the job's address as its identity and `mapped_at` for the driver's calls), so
@@ -20,7 +21,9 @@
 use std::fmt;
 use std::os::fd::{AsFd, FromRawFd, OwnedFd};
 
-use gpusnap_proto::{Channel, ErrorCode, PROTOCOL_VERSION, ProtoError, Reply, Request};
+use gpusnap_proto::{
+    Channel, CommonRequest, ErrorCode, KeeperRequest, PROTOCOL_VERSION, ProtoError, Reply,
+};
 
 use crate::cu::CuError;
 use crate::gpu::Gpu;
@@ -167,7 +170,7 @@ fn serve(ch: &Channel, gpus: &[[u8; 16]]) -> Result<(), KeeperError> {
         // that takes, and the keeper must not exit before (where it is CRIU's child, CRIU takes
         // a child's exit then for a failure of its own). The plugin closing its end, or dying,
         // ends the wait.
-        let (req, fd) = match ch.recv_request(None) {
+        let (req, fd) = match ch.recv_request::<KeeperRequest>(None) {
             Ok(m) => m,
             Err(ProtoError::Interrupted) => continue,
             Err(ProtoError::Closed) => return Ok(()),
@@ -179,7 +182,7 @@ fn serve(ch: &Channel, gpus: &[[u8; 16]]) -> Result<(), KeeperError> {
             }
         };
         match (req, fd) {
-            (Request::Hello { version }, None) => {
+            (KeeperRequest::Common(CommonRequest::Hello { version }), None) => {
                 let reply = if version == PROTOCOL_VERSION {
                     hello()
                 } else {
@@ -191,7 +194,7 @@ fn serve(ch: &Channel, gpus: &[[u8; 16]]) -> Result<(), KeeperError> {
                 reply_to(ch, &reply)?;
             }
             (
-                Request::Adopt {
+                KeeperRequest::Adopt {
                     id,
                     device,
                     addr,
@@ -204,26 +207,26 @@ fn serve(ch: &Channel, gpus: &[[u8; 16]]) -> Result<(), KeeperError> {
                     format!("adopting #{id} at {addr:#x}")
                 })?;
             }
-            (Request::Snapshot { share_percent }, None) => {
+            (KeeperRequest::Snapshot { share_percent }, None) => {
                 let made = snapshot(&mut gpu, share_percent);
                 answer(ch, made, || "making the snapshot".to_owned())?;
             }
             (
-                Request::KnownChunk {
+                KeeperRequest::Common(CommonRequest::KnownChunk {
                     addr,
                     len,
                     device_hash,
-                },
+                }),
                 None,
             ) => known
                 .insert(addr, len, device_hash)
                 .map_err(KeeperError::KnownChunks)?,
             (
-                Request::DumpBegin {
+                KeeperRequest::Common(CommonRequest::DumpBegin {
                     slot_size,
                     slots,
                     streams,
-                },
+                }),
                 Some(memfd),
             ) => {
                 let ring = Ring {
@@ -231,7 +234,7 @@ fn serve(ch: &Channel, gpus: &[[u8; 16]]) -> Result<(), KeeperError> {
                     slots,
                     streams,
                 };
-                crate::dump::run(
+                crate::dump::run::<KeeperRequest>(
                     &mut gpu,
                     ch,
                     ring,
@@ -250,7 +253,7 @@ fn serve(ch: &Channel, gpus: &[[u8; 16]]) -> Result<(), KeeperError> {
                 return Ok(());
             }
             (
-                Request::Expect {
+                KeeperRequest::Expect {
                     id,
                     gpu: uuid,
                     addr,
@@ -268,11 +271,11 @@ fn serve(ch: &Channel, gpus: &[[u8; 16]]) -> Result<(), KeeperError> {
                 )?;
             }
             (
-                Request::RestoreBegin {
+                KeeperRequest::Common(CommonRequest::RestoreBegin {
                     slot_size,
                     slots,
                     streams,
-                },
+                }),
                 Some(memfd),
             ) => {
                 let ring = Ring {
@@ -280,20 +283,48 @@ fn serve(ch: &Channel, gpus: &[[u8; 16]]) -> Result<(), KeeperError> {
                     slots,
                     streams,
                 };
-                crate::restore::run(&mut gpu, ch, ring, memfd);
+                crate::restore::run::<KeeperRequest>(&mut gpu, ch, ring, memfd);
             }
-            (Request::LendBegin, None) => {
-                crate::lend::run(ch, &mut gpu, crate::dump::no_imports);
+            (KeeperRequest::Common(CommonRequest::LendBegin), None) => {
+                crate::lend::run::<KeeperRequest>(ch, &mut gpu, crate::dump::no_imports);
                 // The restored job holds the memory now (or the restore failed and the job is
                 // killed): nothing is left to do but let the plugin close.
                 wait_for_close(ch, OVER);
                 return Ok(());
             }
-            (Request::Abort, _) => {
+            (KeeperRequest::Common(CommonRequest::Abort), _) => {
                 let _ = ch.send_reply(&Reply::Aborted);
                 return Ok(());
             }
-            (other, _) => {
+            // A request with a descriptor it never carries, or without the one it needs; a
+            // step of an operation outside one.
+            (
+                other @ (KeeperRequest::Common(
+                    CommonRequest::Hello { .. }
+                    | CommonRequest::KnownChunk { .. }
+                    | CommonRequest::LendBegin,
+                )
+                | KeeperRequest::Snapshot { .. }
+                | KeeperRequest::Expect { .. }),
+                Some(_),
+            )
+            | (
+                other @ (KeeperRequest::Common(
+                    CommonRequest::DumpBegin { .. } | CommonRequest::RestoreBegin { .. },
+                )
+                | KeeperRequest::Adopt { .. }),
+                None,
+            )
+            | (
+                other @ KeeperRequest::Common(
+                    CommonRequest::SlotFree { .. }
+                    | CommonRequest::Release
+                    | CommonRequest::ChunkLoad { .. }
+                    | CommonRequest::ChunkZero { .. }
+                    | CommonRequest::RestoreDataDone,
+                ),
+                _,
+            ) => {
                 let _ = ch.send_reply(&Reply::Error {
                     code: ErrorCode::BadRequest,
                     message: format!("a keeper does not take {other:?} (or its descriptor)"),
@@ -323,7 +354,7 @@ const OVER: &str = "the keeper's operation is over";
 /// error saying `why` (the operation is over, or the keeper failed).
 fn wait_for_close(ch: &Channel, why: &str) {
     loop {
-        match ch.recv_request(None) {
+        match ch.recv_request::<KeeperRequest>(None) {
             Ok(_) => {
                 let _ = ch.send_reply(&Reply::Error {
                     code: ErrorCode::BadState,

@@ -85,7 +85,7 @@ pub fn no_imports(_: &Driver, _: &mut Gpu) -> Result<(u32, u64), Fail> {
 
 /// Runs a whole dump or pre-copy round on this connection, whose requests are `R` (the job's
 /// agent's or the keeper's); the connection is to be closed afterwards; `also` is what a
-/// `Release` does besides (see [`release`]).
+/// `Release` does besides (see `release`).
 #[allow(clippy::too_many_arguments)]
 pub fn run<R: Request>(
     gpu: &mut Gpu,

@@ -15,7 +15,9 @@ use common::{MORE_TICKS, Vmm, libcuda_dir};
 use gpusnap_cuda::agent::{AgentSession, RingShape, Transfer, agent_thread};
 use gpusnap_cuda::staging::Staging;
 use gpusnap_host::ptrace::{RunningThread, SeizedProcess};
-use gpusnap_proto::{AgentRequest, CommonRequest, MAX_MESSAGE, PROTOCOL_VERSION, Reply};
+use gpusnap_proto::{
+    AgentRequest, CommonRequest, KeeperRequest, MAX_MESSAGE, PROTOCOL_VERSION, Reply,
+};
 
 const WAIT: Duration = Duration::from_secs(5);
 const SLOT: u64 = 256 << 10;
@@ -194,6 +196,27 @@ fn sends() -> Vec<Send> {
     let mut unknown_kind = hello.clone();
     unknown_kind[6] = 0x7f;
     v.push(Send::Frame("unknown kind", unknown_kind));
+    // A keeper's own requests, whole and well formed: no kind the agent takes.
+    for r in [
+        KeeperRequest::Adopt {
+            id: 1,
+            device: 0,
+            addr: 0x1000,
+            size: 4096,
+        },
+        KeeperRequest::Snapshot { share_percent: 50 },
+        KeeperRequest::Expect {
+            id: 1,
+            gpu: [0; 16],
+            addr: 0x1000,
+            size: 4096,
+            rdma_capable: false,
+        },
+    ] {
+        let mut buf = [0u8; MAX_MESSAGE];
+        let n = r.encode(&mut buf);
+        v.push(Send::Frame("a keeper's request", buf[..n].to_vec()));
+    }
     let mut oversize = hello.clone();
     oversize.resize(MAX_MESSAGE + 100, 0xaa);
     v.push(Send::Frame("oversize", oversize));

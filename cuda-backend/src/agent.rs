@@ -1,6 +1,9 @@
 //! The plugin's side of the conversation with the in-process agent: one [`AgentSession`] per
 //! connection, with one method per step of the protocol (`docs/design-notes.md`). The data
-//! pumps of [`crate::datapath`] use its channel for the per-chunk messages.
+//! pumps of [`crate::datapath`] use its channel for the per-chunk messages. A keeper is spoken
+//! to the same way, through a [`KeeperSession`]: both are a [`Session`] over the requests their
+//! server takes ([`gpusnap_proto::AgentRequest`], [`gpusnap_proto::KeeperRequest`]), and what
+//! only one serves is a method of its type alone.
 //!
 //! The agent has no socket name: the session copies the client end of the agent's door out of
 //! the target with `pidfd_getfd` and knocks (`gpusnap_proto`'s `door`), which works across pid

@@ -15,7 +15,9 @@ use common::{MORE_TICKS, Vmm, libcuda_dir};
 use gpusnap_cuda::agent::{AgentSession, RingShape, Transfer, agent_thread};
 use gpusnap_cuda::staging::Staging;
 use gpusnap_host::ptrace::{RunningThread, SeizedProcess};
-use gpusnap_proto::{MAX_MESSAGE, PROTOCOL_VERSION, Reply, Request};
+use gpusnap_proto::{
+    AgentRequest, CommonRequest, KeeperRequest, MAX_MESSAGE, PROTOCOL_VERSION, Reply,
+};
 
 const WAIT: Duration = Duration::from_secs(5);
 const SLOT: u64 = 256 << 10;
@@ -64,12 +66,12 @@ enum Phase {
 /// What a case sends.
 #[derive(Clone, Debug)]
 enum Send {
-    Req(Request, bool),
+    Req(AgentRequest, bool),
     /// Raw bytes, a frame the protocol does not allow.
     Frame(&'static str, Vec<u8>),
 }
 
-fn encoded(r: &Request) -> Vec<u8> {
+fn encoded(r: &AgentRequest) -> Vec<u8> {
     let mut buf = [0u8; MAX_MESSAGE];
     let n = r.encode(&mut buf);
     buf[..n].to_vec()
@@ -78,16 +80,16 @@ fn encoded(r: &Request) -> Vec<u8> {
 fn sends() -> Vec<Send> {
     let ring = |slot_size, slots| (slot_size, slots, 1);
     let mut v = vec![Send::Req(
-        Request::Hello {
+        AgentRequest::Common(CommonRequest::Hello {
             version: PROTOCOL_VERSION,
-        },
+        }),
         false,
     )];
-    v.push(Send::Req(Request::ListAllocations, false));
+    v.push(Send::Req(AgentRequest::ListAllocations, false));
     // An import this workload does not have: refused in every phase, with or without an fd.
     for with_fd in [false, true] {
         v.push(Send::Req(
-            Request::ShareableSource {
+            AgentRequest::ShareableSource {
                 import: 9,
                 exporter_pid: 1,
                 id: 1,
@@ -99,23 +101,23 @@ fn sends() -> Vec<Send> {
     for with_fd in [false, true] {
         let (slot_size, slots, streams) = ring(SLOT, SLOTS);
         v.push(Send::Req(
-            Request::DumpBegin {
+            AgentRequest::Common(CommonRequest::DumpBegin {
                 slot_size,
                 slots,
                 streams,
-            },
+            }),
             with_fd,
         ));
         v.push(Send::Req(
-            Request::RestoreBegin {
+            AgentRequest::Common(CommonRequest::RestoreBegin {
                 slot_size,
                 slots,
                 streams,
-            },
+            }),
             with_fd,
         ));
         v.push(Send::Req(
-            Request::PreCopyBegin {
+            AgentRequest::PreCopyBegin {
                 slot_size,
                 slots,
                 streams,
@@ -123,54 +125,66 @@ fn sends() -> Vec<Send> {
             with_fd,
         ));
     }
-    v.push(Send::Req(Request::SlotFree { slot: SLOTS + 7 }, false));
-    v.push(Send::Req(Request::SlotFree { slot: 0 }, false));
-    v.push(Send::Req(Request::Release, false));
-    v.push(Send::Req(Request::Abort, false));
     v.push(Send::Req(
-        Request::ChunkLoad {
+        AgentRequest::Common(CommonRequest::SlotFree { slot: SLOTS + 7 }),
+        false,
+    ));
+    v.push(Send::Req(
+        AgentRequest::Common(CommonRequest::SlotFree { slot: 0 }),
+        false,
+    ));
+    v.push(Send::Req(
+        AgentRequest::Common(CommonRequest::Release),
+        false,
+    ));
+    v.push(Send::Req(AgentRequest::Common(CommonRequest::Abort), false));
+    v.push(Send::Req(
+        AgentRequest::Common(CommonRequest::ChunkLoad {
             slot: SLOTS,
             addr: 0x1000,
             len: 16,
             device_hash: None,
-        },
+        }),
         false,
     ));
     v.push(Send::Req(
-        Request::ChunkZero {
+        AgentRequest::Common(CommonRequest::ChunkZero {
             addr: 0x1000,
             len: 16,
             device_hash: Some(1),
-        },
+        }),
         false,
     ));
-    v.push(Send::Req(Request::RestoreDataDone, false));
     v.push(Send::Req(
-        Request::KnownChunk {
+        AgentRequest::Common(CommonRequest::RestoreDataDone),
+        false,
+    ));
+    v.push(Send::Req(
+        AgentRequest::Common(CommonRequest::KnownChunk {
             addr: 0x1000,
             len: 16,
             device_hash: 3,
-        },
+        }),
         false,
     ));
     v.push(Send::Req(
-        Request::Hello {
+        AgentRequest::Common(CommonRequest::Hello {
             version: PROTOCOL_VERSION + 1,
-        },
+        }),
         false,
     ));
-    let hello = encoded(&Request::Hello {
+    let hello = encoded(&AgentRequest::Common(CommonRequest::Hello {
         version: PROTOCOL_VERSION,
-    });
+    }));
     v.push(Send::Frame("truncated header", hello[..5].to_vec()));
     v.push(Send::Frame(
         "truncated body",
-        encoded(&Request::ChunkLoad {
+        encoded(&AgentRequest::Common(CommonRequest::ChunkLoad {
             slot: 0,
             addr: 0,
             len: 1,
             device_hash: None,
-        })[..12]
+        }))[..12]
             .to_vec(),
     ));
     let mut bad_magic = hello.clone();
@@ -182,6 +196,27 @@ fn sends() -> Vec<Send> {
     let mut unknown_kind = hello.clone();
     unknown_kind[6] = 0x7f;
     v.push(Send::Frame("unknown kind", unknown_kind));
+    // A keeper's own requests, whole and well formed: no kind the agent takes.
+    for r in [
+        KeeperRequest::Adopt {
+            id: 1,
+            device: 0,
+            addr: 0x1000,
+            size: 4096,
+        },
+        KeeperRequest::Snapshot { share_percent: 50 },
+        KeeperRequest::Expect {
+            id: 1,
+            gpu: [0; 16],
+            addr: 0x1000,
+            size: 4096,
+            rdma_capable: false,
+        },
+    ] {
+        let mut buf = [0u8; MAX_MESSAGE];
+        let n = r.encode(&mut buf);
+        v.push(Send::Frame("a keeper's request", buf[..n].to_vec()));
+    }
     let mut oversize = hello.clone();
     oversize.resize(MAX_MESSAGE + 100, 0xaa);
     v.push(Send::Frame("oversize", oversize));
@@ -214,7 +249,9 @@ fn send(a: &AgentSession, s: &Send, ring: &Staging, held: Option<u32>) {
         Send::Req(r, with_fd) => {
             // A good SlotFree frees the slot the plugin holds.
             let r = match (r, held) {
-                (Request::SlotFree { slot: 0 }, Some(h)) => Request::SlotFree { slot: h },
+                (AgentRequest::Common(CommonRequest::SlotFree { slot: 0 }), Some(h)) => {
+                    AgentRequest::Common(CommonRequest::SlotFree { slot: h })
+                }
                 _ => r.clone(),
             };
             let attach = with_fd.then(|| ring.fd().as_fd());
@@ -258,7 +295,9 @@ fn allowed(phase: Phase, s: &Send, got: &[Reply], closed: bool) -> Result<(), St
         return Ok(());
     }
     // Before a dump, a parent's chunk is taken in silence (it changes nothing by itself).
-    if let (Phase::Idle, Send::Req(Request::KnownChunk { .. }, false)) = (phase, s) {
+    if let (Phase::Idle, Send::Req(AgentRequest::Common(CommonRequest::KnownChunk { .. }), false)) =
+        (phase, s)
+    {
         return if got.is_empty() && !closed {
             Ok(())
         } else {
@@ -285,26 +324,35 @@ fn allowed(phase: Phase, s: &Send, got: &[Reply], closed: bool) -> Result<(), St
     }
     let ok = match (phase, s) {
         (_, Send::Frame(..)) => is_error(first),
-        (Phase::Idle, Send::Req(Request::Hello { version }, _)) => {
+        (Phase::Idle, Send::Req(AgentRequest::Common(CommonRequest::Hello { version }), _)) => {
             if *version == PROTOCOL_VERSION {
                 matches!(first, Reply::Hello { .. })
             } else {
                 is_error(first)
             }
         }
-        (Phase::Idle, Send::Req(Request::ListAllocations, _)) => {
+        (Phase::Idle, Send::Req(AgentRequest::ListAllocations, _)) => {
             matches!(first, Reply::Allocation { .. })
                 && matches!(got.last(), Some(Reply::AllocationsEnd { .. }))
         }
-        (Phase::Idle, Send::Req(Request::Abort, _)) => matches!(first, Reply::Aborted),
+        (Phase::Idle, Send::Req(AgentRequest::Common(CommonRequest::Abort), _)) => {
+            matches!(first, Reply::Aborted)
+        }
         // A whole copy out is harmless, and so is a pre-copy round (it copies while the
         // workload runs, and never releases).
         (
             Phase::Idle,
-            Send::Req(Request::DumpBegin { .. } | Request::PreCopyBegin { .. }, true),
+            Send::Req(
+                AgentRequest::Common(CommonRequest::DumpBegin { .. })
+                | AgentRequest::PreCopyBegin { .. },
+                true,
+            ),
         ) => matches!(first, Reply::Ready),
         // Good SlotFree in a dump: the copy goes on.
-        (Phase::Dumping, Send::Req(Request::SlotFree { slot: 0 }, false)) => {
+        (
+            Phase::Dumping,
+            Send::Req(AgentRequest::Common(CommonRequest::SlotFree { slot: 0 }), false),
+        ) => {
             got.iter().all(|r| {
                 matches!(
                     r,
@@ -312,7 +360,10 @@ fn allowed(phase: Phase, s: &Send, got: &[Reply], closed: bool) -> Result<(), St
                 )
             }) && !is_error(first)
         }
-        (Phase::Dumping | Phase::AfterDumpDataDone, Send::Req(Request::Abort, _)) => {
+        (
+            Phase::Dumping | Phase::AfterDumpDataDone,
+            Send::Req(AgentRequest::Common(CommonRequest::Abort), _),
+        ) => {
             matches!(first, Reply::Aborted)
         }
         _ => is_error(first),
@@ -476,7 +527,7 @@ fn the_agent_answers_or_refuses_every_request_in_every_phase() {
     a.chunk_load(0, *first, data.len() as u64, wrong)
         .expect("ChunkLoad");
     a.channel()
-        .send_request(&Request::RestoreDataDone, None)
+        .send_request(&AgentRequest::Common(CommonRequest::RestoreDataDone), None)
         .expect("RestoreDataDone");
     let (got, _) = replies(&a);
     assert!(
@@ -494,7 +545,10 @@ fn the_agent_answers_or_refuses_every_request_in_every_phase() {
         "after a mismatch the memory is still to be loaded"
     );
     // Inside a restore, a request of another phase ends it with an Error.
-    for r in [Request::Release, Request::ListAllocations] {
+    for r in [
+        AgentRequest::Common(CommonRequest::Release),
+        AgentRequest::ListAllocations,
+    ] {
         let a = AgentSession::connect_expected(pid, WAIT).expect("connect");
         a.begin(Transfer::In, ring.fd().as_fd(), shape())
             .expect("RestoreBegin");
@@ -527,7 +581,7 @@ fn the_agent_answers_or_refuses_every_request_in_every_phase() {
             .expect("ChunkLoad");
     }
     a.channel()
-        .send_request(&Request::RestoreDataDone, None)
+        .send_request(&AgentRequest::Common(CommonRequest::RestoreDataDone), None)
         .expect("RestoreDataDone");
     loop {
         match a.recv(WAIT).expect("Restored") {

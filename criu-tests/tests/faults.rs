@@ -24,7 +24,7 @@ use gpusnap_image::{
     AllocationRecord, CheckpointPath, Codec, DataFileWriter, GpuRecord, Manifest, data_file_name,
     encode_manifest_unchecked, manifest_file_name, write_manifest,
 };
-use gpusnap_proto::{Channel, PROTOCOL_VERSION, Reply, Request, connect_agent};
+use gpusnap_proto::{AgentRequest, Channel, CommonRequest, PROTOCOL_VERSION, Reply, connect_agent};
 
 const COUNTER: &str = env!("CARGO_BIN_EXE_counter");
 const BALLAST: &str = env!("CARGO_BIN_EXE_ballast");
@@ -434,9 +434,9 @@ fn agent_hello(pid: i32, what: &str) -> Reply {
     );
     let ch = Channel::new(fd.unwrap());
     ch.send_request(
-        &Request::Hello {
+        &AgentRequest::Common(CommonRequest::Hello {
             version: PROTOCOL_VERSION,
-        },
+        }),
         None,
     )
     .unwrap_or_else(|e| panic!("{what}: sending Hello: {e}"));

@@ -33,7 +33,7 @@ use common::pair::read_log;
 use common::split::Split;
 use common::{VmmLog, built, libcuda_dir, vmm_bin};
 use criu_tests::CriuRun;
-use gpusnap_proto::{Channel, Door, PROTOCOL_VERSION, Reply, Request};
+use gpusnap_proto::{AgentRequest, Channel, CommonRequest, Door, PROTOCOL_VERSION, Reply};
 
 /// The job's workload: two 4 MiB allocations, copied out first.
 const ARGS: &[&str] = &["--seed", "23", "--allocs", "2", "--mib", "4"];
@@ -129,7 +129,7 @@ impl VictimLogs {
 /// key).
 fn victim_export(pid: i32) -> (u64, u64, [u8; 16]) {
     let ch = Channel::new(gpusnap_proto::connect_agent(pid).expect("the victim's agent"));
-    ch.send_request(&Request::ListSharing, None)
+    ch.send_request(&AgentRequest::ListSharing, None)
         .expect("ListSharing");
     let mut found = None;
     loop {
@@ -149,9 +149,9 @@ fn victim_export(pid: i32) -> (u64, u64, [u8; 16]) {
         }
     }
     let _ = ch.send_request(
-        &Request::Hello {
+        &AgentRequest::Common(CommonRequest::Hello {
             version: PROTOCOL_VERSION,
-        },
+        }),
         None,
     );
     found.expect("the victim's agent lists its export")

@@ -271,12 +271,14 @@ fn another_user_is_refused() {
 
 /// The agent's `Hello` from process `pid`: its hazard bits.
 fn hazards_of(pid: i32) -> u32 {
-    use gpusnap_proto::{Channel, PROTOCOL_VERSION, Reply, Request, connect_agent};
+    use gpusnap_proto::{
+        AgentRequest, Channel, CommonRequest, PROTOCOL_VERSION, Reply, connect_agent,
+    };
     let ch = Channel::new(connect_agent(pid).expect("connect to the agent"));
     ch.send_request(
-        &Request::Hello {
+        &AgentRequest::Common(CommonRequest::Hello {
             version: PROTOCOL_VERSION,
-        },
+        }),
         None,
     )
     .expect("send Hello");

@@ -1,6 +1,9 @@
 //! The plugin's side of the conversation with the in-process agent: one [`AgentSession`] per
 //! connection, with one method per step of the protocol (`docs/design-notes.md`). The data
-//! pumps of [`crate::datapath`] use its channel for the per-chunk messages.
+//! pumps of [`crate::datapath`] use its channel for the per-chunk messages. A keeper is spoken
+//! to the same way, through a [`KeeperSession`]: both are a [`Session`] over the requests their
+//! server takes ([`gpusnap_proto::AgentRequest`], [`gpusnap_proto::KeeperRequest`]), and what
+//! only one serves is a method of its type alone.
 //!
 //! The agent has no socket name: the session copies the client end of the agent's door out of
 //! the target with `pidfd_getfd` and knocks (`gpusnap_proto`'s `door`), which works across pid
@@ -11,8 +14,12 @@
 use crate::pid::{HostPid, NsPid};
 use crate::procfs;
 use gpusnap_image::AllocationRecord;
-use gpusnap_proto::{AllocKind, Channel, PROTOCOL_VERSION, ProtoError, Reply, Request};
+use gpusnap_proto::{
+    AgentRequest, AllocKind, Channel, CommonRequest, KeeperRequest, PROTOCOL_VERSION, ProtoError,
+    Reply, Request,
+};
 use std::io;
+use std::marker::PhantomData;
 use std::os::fd::BorrowedFd;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -264,15 +271,15 @@ pub struct SharedMemory {
 /// Most shares one agent may list (and descriptors it may send): a bound on untrusted input.
 const MAX_SHARES: usize = 1 << 16;
 
-/// Which way a data transfer goes, as the agent is asked to begin it.
+/// Which way a data transfer goes, as the agent or keeper is asked to begin it
+/// ([`Session::begin`]). A pre-copy round, device to ring while the application runs, is the
+/// job's agent's alone: [`AgentSession::begin_live`].
 #[derive(Clone, Copy, Debug)]
 pub enum Transfer {
     /// Device to ring (`DumpBegin`).
     Out,
     /// Ring to device (`RestoreBegin`: the agent re-creates its memory first).
     In,
-    /// Device to ring while the application runs (`PreCopyBegin`, a pre-copy round).
-    OutLive,
 }
 
 /// The staging ring as the agent is told about it.
@@ -283,8 +290,10 @@ pub struct RingShape {
     pub streams: u32,
 }
 
-/// One connection to the agent of one process.
-pub struct AgentSession {
+/// One connection to a server of the protocol, whose requests are `R`: a job's agent
+/// ([`AgentSession`]) or a keeper ([`KeeperSession`]). What both serve is here; what only one
+/// does is on its type alone, so a request the other serves cannot be sent to it.
+pub struct Session<R> {
     pid: i32,
     chan: Channel,
     timeout: Duration,
@@ -297,7 +306,15 @@ pub struct AgentSession {
     /// A peer process of our own making (a keeper) whose state is looked at while a reply is
     /// awaited, so that a stopped one is noticed within [`PEER_CHECK`], not the timeout.
     peer: Option<i32>,
+    /// The requests this connection's server takes.
+    requests: PhantomData<fn(&R)>,
 }
+
+/// One connection to the agent of one process.
+pub type AgentSession = Session<AgentRequest>;
+
+/// The connection to a keeper (`crate::keeper::Keeper`'s).
+pub type KeeperSession = Session<KeeperRequest>;
 
 /// How often a wait for a watched peer's reply looks whether the peer is stopped.
 const PEER_CHECK: Duration = Duration::from_millis(100);
@@ -306,7 +323,7 @@ const PEER_CHECK: Duration = Duration::from_millis(100);
 /// where it would not fit.
 pub type SnapshotAnswer = Result<(u32, u64), (u64, u64, u32)>;
 
-impl Drop for AgentSession {
+impl<R> Drop for Session<R> {
     fn drop(&mut self) {
         if self.answered.load(std::sync::atomic::Ordering::Relaxed) {
             return;
@@ -327,34 +344,7 @@ impl Drop for AgentSession {
     }
 }
 
-impl AgentSession {
-    /// Connects to the agent of host pid `pid`. `Ok(None)`: no agent listens there (the process
-    /// goes the driver path). `timeout` bounds every wait for an answer.
-    pub fn connect(pid: i32, timeout: Duration) -> Result<Option<Self>, AgentError> {
-        let connect_err = |err| AgentError::Connect { pid, err };
-        let Some(door) = gpusnap_proto::Door::open(pid).map_err(connect_err)? else {
-            return Ok(None);
-        };
-        let fd = door.knock().map_err(connect_err)?;
-        Ok(Some(Self {
-            pid,
-            chan: Channel::new(fd),
-            timeout,
-            door: Some(door),
-            answered: std::sync::atomic::AtomicBool::new(false),
-            said: Box::default(),
-            peer: None,
-        }))
-    }
-
-    /// Like [`Self::connect`], for a process known to run the agent.
-    pub fn connect_expected(pid: i32, timeout: Duration) -> Result<Self, AgentError> {
-        Self::connect(pid, timeout)?.ok_or(AgentError::Connect {
-            pid,
-            err: io::Error::new(io::ErrorKind::NotFound, "the agent's socket is gone"),
-        })
-    }
-
+impl<R: Request> Session<R> {
     /// A session over a connection of our own making (the keeper's socket pair); `pid` names
     /// the peer in messages. No door, so no identity check: the plugin made both ends.
     pub fn over(pid: i32, chan: Channel, timeout: Duration) -> Self {
@@ -366,6 +356,7 @@ impl AgentSession {
             answered: std::sync::atomic::AtomicBool::new(false),
             said: Box::default(),
             peer: None,
+            requests: PhantomData,
         }
     }
 
@@ -431,8 +422,13 @@ impl AgentSession {
         |err| AgentError::Proto { pid: self.pid, err }
     }
 
-    fn send(&self, r: &Request, fd: Option<BorrowedFd<'_>>) -> Result<(), AgentError> {
+    fn send(&self, r: &R, fd: Option<BorrowedFd<'_>>) -> Result<(), AgentError> {
         self.chan.send_request(r, fd).map_err(self.proto())
+    }
+
+    /// [`Self::send`] of a request both servers take.
+    fn send_common(&self, c: CommonRequest, fd: Option<BorrowedFd<'_>>) -> Result<(), AgentError> {
+        self.send(&R::from(c), fd)
     }
 
     /// The next reply; an agent's `Error` becomes [`AgentError::Refused`].
@@ -537,8 +533,8 @@ impl AgentSession {
 
     /// `Hello`: who the agent is and what it holds.
     pub fn hello(&self) -> Result<AgentHello, AgentError> {
-        self.send(
-            &Request::Hello {
+        self.send_common(
+            CommonRequest::Hello {
                 version: PROTOCOL_VERSION,
             },
             None,
@@ -599,75 +595,6 @@ impl AgentSession {
         Ok(h)
     }
 
-    /// `ListAllocations`: every allocation the agent tracks.
-    pub fn list(&self) -> Result<Vec<AllocationRecord>, AgentError> {
-        Ok(self.list_kinds()?.into_iter().map(|(a, _)| a).collect())
-    }
-
-    /// `ListAllocations`, with how the agent holds each (what its route depends on).
-    ///
-    /// Bounded (issue 32, items 4 and 6): at most the `Hello`'s count plus [`LIST_SLACK`]
-    /// allocations (without a `Hello` on this connection, [`MAX_ALLOCATIONS`]), all within
-    /// `agent_timeout + LIST_ALLOWANCE × that many`; ids unique, the moved allocations apart
-    /// and no more than [`MAX_LISTED_BYTES`] together, and the end's count right. The moved
-    /// ones bound the chunks of a copy-out on this connection ([`Self::moved`]).
-    pub fn list_kinds(&self) -> Result<Vec<(AllocationRecord, AllocKind)>, AgentError> {
-        let (limit, bound) = match self.said().hello_allocations {
-            Some(n) => (
-                (n as usize).saturating_add(LIST_SLACK).min(MAX_ALLOCATIONS),
-                "its Hello's count plus the slack for a running job",
-            ),
-            None => (MAX_ALLOCATIONS, "the most any agent may list"),
-        };
-        self.send(&Request::ListAllocations, None)?;
-        let deadline = Deadline::new(self.timeout, LIST_ALLOWANCE, limit, "its listing");
-        let mut out = Vec::new();
-        loop {
-            match self.recv_within(&deadline)? {
-                Reply::Allocation { .. } if out.len() >= limit => {
-                    return Err(AgentError::TooMany {
-                        pid: self.pid,
-                        what: "allocations",
-                        limit,
-                        bound,
-                    });
-                }
-                Reply::Allocation {
-                    id,
-                    device,
-                    addr,
-                    size,
-                    kind,
-                    rdma_capable,
-                } => out.push((
-                    AllocationRecord {
-                        id,
-                        device,
-                        addr,
-                        size,
-                        moved: kind.moved(),
-                        lent: false,
-                        rdma_capable,
-                    },
-                    kind,
-                )),
-                Reply::AllocationsEnd { count } => {
-                    if count as usize != out.len() {
-                        return Err(self.bad_listing(ListingFault::CountMismatch {
-                            sent: out.len(),
-                            said: count,
-                        }));
-                    }
-                    let moved = check_listing(&out).map_err(|f| self.bad_listing(f))?;
-                    let lendable = out.iter().filter(|(_, k)| k.lendable()).count();
-                    self.said().listed = Some((moved, lendable));
-                    return Ok(out);
-                }
-                got => return Err(self.unexpected("Allocation", got)),
-            }
-        }
-    }
-
     /// `DumpBegin` / `RestoreBegin` with the ring's memfd attached; returns once the agent has
     /// mapped and pinned it (and, for a restore, re-created its memory).
     pub fn begin(
@@ -682,23 +609,24 @@ impl AgentSession {
             streams,
         } = shape;
         let req = match way {
-            Transfer::Out => Request::DumpBegin {
+            Transfer::Out => CommonRequest::DumpBegin {
                 slot_size,
                 slots,
                 streams,
             },
-            Transfer::In => Request::RestoreBegin {
-                slot_size,
-                slots,
-                streams,
-            },
-            Transfer::OutLive => Request::PreCopyBegin {
+            Transfer::In => CommonRequest::RestoreBegin {
                 slot_size,
                 slots,
                 streams,
             },
         };
-        self.send(&req, Some(ring))?;
+        self.begin_with(&R::from(req), ring)
+    }
+
+    /// Sends `req`, which begins a transfer, with the ring's memfd attached, and waits for
+    /// `Ready`.
+    fn begin_with(&self, req: &R, ring: BorrowedFd<'_>) -> Result<(), AgentError> {
+        self.send(req, Some(ring))?;
         match self.recv(self.timeout)? {
             Reply::Ready => Ok(()),
             got => Err(self.unexpected("Ready", got)),
@@ -742,7 +670,7 @@ impl AgentSession {
                 (None, _) => (MAX_ALLOCATIONS, "the most any agent may list"),
             }
         };
-        self.send(&Request::LendBegin, None)?;
+        self.send_common(CommonRequest::LendBegin, None)?;
         let mut deadline = Deadline::new(self.timeout, LEND_ALLOWANCE, limit, "its lend");
         let mut count = 0usize;
         let mut failed: Option<E> = None;
@@ -801,45 +729,220 @@ impl AgentSession {
         }
     }
 
-    /// `Adopt` (to a keeper): import `lent`'s descriptor and map it at the job's address.
-    pub fn adopt(&self, lent: &LentAllocation) -> Result<(), AgentError> {
-        self.send_adopt(lent)?;
-        self.adopted(Moved {
-            id: lent.id,
-            addr: lent.addr,
-            size: lent.size,
+    /// `SlotFree`: a dump's slot was written and may be filled again.
+    pub fn slot_free(&self, slot: u32) -> Result<(), AgentError> {
+        self.send_common(CommonRequest::SlotFree { slot }, None)
+    }
+
+    /// `ChunkLoad`: a restore's slot holds `len` bytes for device address `addr`, whose device
+    /// hash the agent checks after the load if the image recorded one.
+    pub fn chunk_load(
+        &self,
+        slot: u32,
+        addr: u64,
+        len: u64,
+        device_hash: Option<u64>,
+    ) -> Result<(), AgentError> {
+        let req = CommonRequest::ChunkLoad {
+            slot,
+            addr,
+            len,
+            device_hash,
+        };
+        self.send_common(req, None)
+    }
+
+    /// `KnownChunk` (before `begin(Transfer::Out)`): the parent image holds this chunk with this
+    /// device hash; the dump announces it `ChunkUnchanged` instead of copying it if it is.
+    pub fn known_chunk(&self, addr: u64, len: u64, device_hash: u64) -> Result<(), AgentError> {
+        let req = CommonRequest::KnownChunk {
+            addr,
+            len,
+            device_hash,
+        };
+        self.send_common(req, None)
+    }
+
+    /// `ChunkZero`: a restore's chunk recorded as all zeros; the agent fills it on the device.
+    pub fn chunk_zero(
+        &self,
+        addr: u64,
+        len: u64,
+        device_hash: Option<u64>,
+    ) -> Result<(), AgentError> {
+        let req = CommonRequest::ChunkZero {
+            addr,
+            len,
+            device_hash,
+        };
+        self.send_common(req, None)
+    }
+
+    /// `Abort`: the agent stops and keeps its memory. Best effort, bounded; true when the agent
+    /// confirmed (it has unmapped the ring then).
+    pub fn abort(&self) -> bool {
+        if self.send_common(CommonRequest::Abort, None).is_err() {
+            return false;
+        }
+        let deadline = std::time::Instant::now() + self.timeout.min(Duration::from_secs(10));
+        while std::time::Instant::now() < deadline {
+            match self.chan.recv_reply(Some(Duration::from_millis(200))) {
+                Ok(Reply::Aborted) | Ok(Reply::Error { .. }) | Err(ProtoError::Closed) => {
+                    return true;
+                }
+                Ok(_) | Err(ProtoError::Timeout) | Err(ProtoError::Interrupted) => continue,
+                Err(_) => return false,
+            }
+        }
+        false
+    }
+
+    /// `RestoreDataDone` after the last `ChunkLoad`: the agent synchronises, checks the device
+    /// hashes it was given on the GPU, and answers with the bytes it loaded and the chunks it
+    /// checked (a job's agent then closes the connection: [`Self::closed`]; a keeper stays).
+    pub fn finish_restore(&self) -> Result<(u64, u64), AgentError> {
+        self.send_common(CommonRequest::RestoreDataDone, None)?;
+        match self.recv(self.timeout)? {
+            Reply::Restored {
+                bytes, verified, ..
+            } => Ok((bytes, verified)),
+            got => Err(self.unexpected("Restored", got)),
+        }
+    }
+
+    /// Waits for the agent to close the connection (after an operation that ends it).
+    pub fn closed(self) -> Result<(), AgentError> {
+        self.wait_closed()
+    }
+
+    fn wait_closed(&self) -> Result<(), AgentError> {
+        match self.chan.recv_reply(Some(self.timeout)) {
+            Err(ProtoError::Closed) => Ok(()),
+            Err(err) => Err(AgentError::Proto { pid: self.pid, err }),
+            Ok(got) => Err(self.unexpected("end of connection", got)),
+        }
+    }
+}
+
+/// What only a job's agent serves.
+impl Session<AgentRequest> {
+    /// Connects to the agent of host pid `pid`. `Ok(None)`: no agent listens there (the process
+    /// goes the driver path). `timeout` bounds every wait for an answer.
+    pub fn connect(pid: i32, timeout: Duration) -> Result<Option<Self>, AgentError> {
+        let connect_err = |err| AgentError::Connect { pid, err };
+        let Some(door) = gpusnap_proto::Door::open(pid).map_err(connect_err)? else {
+            return Ok(None);
+        };
+        let fd = door.knock().map_err(connect_err)?;
+        Ok(Some(Self {
+            pid,
+            chan: Channel::new(fd),
+            timeout,
+            door: Some(door),
+            answered: std::sync::atomic::AtomicBool::new(false),
+            said: Box::default(),
+            peer: None,
+            requests: PhantomData,
+        }))
+    }
+
+    /// Like [`Self::connect`], for a process known to run the agent.
+    pub fn connect_expected(pid: i32, timeout: Duration) -> Result<Self, AgentError> {
+        Self::connect(pid, timeout)?.ok_or(AgentError::Connect {
+            pid,
+            err: io::Error::new(io::ErrorKind::NotFound, "the agent's socket is gone"),
         })
     }
 
-    /// The `Adopt` of [`Self::adopt`] alone: its `Adopted` is read by [`Self::adopted`], in
-    /// the order sent (the keeper answers one request after the other), so that several may
-    /// be in flight.
-    pub fn send_adopt(&self, lent: &LentAllocation) -> Result<(), AgentError> {
-        use std::os::fd::AsFd;
-        let req = Request::Adopt {
-            id: lent.id,
-            device: lent.device,
-            addr: lent.addr,
-            size: lent.size,
-        };
-        self.send(&req, Some(lent.fd.as_fd()))
+    /// `ListAllocations`: every allocation the agent tracks.
+    pub fn list(&self) -> Result<Vec<AllocationRecord>, AgentError> {
+        Ok(self.list_kinds()?.into_iter().map(|(a, _)| a).collect())
     }
 
-    /// The keeper's answer to the oldest `Adopt` still unanswered, which was for `sent`.
-    pub fn adopted(&self, sent: Moved) -> Result<(), AgentError> {
-        match self.recv(self.timeout)? {
-            Reply::Adopted { id } if id == sent.id => {
-                self.said().adopted.push(sent);
-                Ok(())
+    /// `ListAllocations`, with how the agent holds each (what its route depends on).
+    ///
+    /// Bounded (issue 32, items 4 and 6): at most the `Hello`'s count plus [`LIST_SLACK`]
+    /// allocations (without a `Hello` on this connection, [`MAX_ALLOCATIONS`]), all within
+    /// `agent_timeout + LIST_ALLOWANCE × that many`; ids unique, the moved allocations apart
+    /// and no more than [`MAX_LISTED_BYTES`] together, and the end's count right. The moved
+    /// ones bound the chunks of a copy-out on this connection ([`Self::moved`]).
+    pub fn list_kinds(&self) -> Result<Vec<(AllocationRecord, AllocKind)>, AgentError> {
+        let (limit, bound) = match self.said().hello_allocations {
+            Some(n) => (
+                (n as usize).saturating_add(LIST_SLACK).min(MAX_ALLOCATIONS),
+                "its Hello's count plus the slack for a running job",
+            ),
+            None => (MAX_ALLOCATIONS, "the most any agent may list"),
+        };
+        self.send(&AgentRequest::ListAllocations, None)?;
+        let deadline = Deadline::new(self.timeout, LIST_ALLOWANCE, limit, "its listing");
+        let mut out = Vec::new();
+        loop {
+            match self.recv_within(&deadline)? {
+                Reply::Allocation { .. } if out.len() >= limit => {
+                    return Err(AgentError::TooMany {
+                        pid: self.pid,
+                        what: "allocations",
+                        limit,
+                        bound,
+                    });
+                }
+                Reply::Allocation {
+                    id,
+                    device,
+                    addr,
+                    size,
+                    kind,
+                    rdma_capable,
+                } => out.push((
+                    AllocationRecord {
+                        id,
+                        device,
+                        addr,
+                        size,
+                        moved: kind.moved(),
+                        lent: false,
+                        rdma_capable,
+                    },
+                    kind,
+                )),
+                Reply::AllocationsEnd { count } => {
+                    if count as usize != out.len() {
+                        return Err(self.bad_listing(ListingFault::CountMismatch {
+                            sent: out.len(),
+                            said: count,
+                        }));
+                    }
+                    let moved = check_listing(&out).map_err(|f| self.bad_listing(f))?;
+                    let lendable = out.iter().filter(|(_, k)| k.lendable()).count();
+                    self.said().listed = Some((moved, lendable));
+                    return Ok(out);
+                }
+                got => return Err(self.unexpected("Allocation", got)),
             }
-            got => Err(self.unexpected("Adopted", got)),
         }
+    }
+
+    /// `PreCopyBegin` with the ring's memfd attached (a pre-copy round: device to ring while
+    /// the application runs); returns once the agent has mapped and pinned it.
+    pub fn begin_live(&self, ring: BorrowedFd<'_>, shape: RingShape) -> Result<(), AgentError> {
+        let RingShape {
+            slot_size,
+            slots,
+            streams,
+        } = shape;
+        let req = AgentRequest::PreCopyBegin {
+            slot_size,
+            slots,
+            streams,
+        };
+        self.begin_with(&req, ring)
     }
 
     /// `Reclaim`: the job's agent maps its released memory again from the descriptors it kept
     /// at the hand-over, and closes the connection. Returns (allocations, bytes).
     pub fn reclaim(self) -> Result<(u32, u64), AgentError> {
-        self.send(&Request::Reclaim, None)?;
+        self.send(&AgentRequest::Reclaim, None)?;
         let r = match self.recv(self.timeout)? {
             Reply::Reclaimed {
                 allocations, bytes, ..
@@ -853,7 +956,7 @@ impl AgentSession {
     /// `ListSharing`: the process's CUDA IPC shares through its agent (at most
     /// [`MAX_SHARES`], within `agent_timeout + LIST_ALLOWANCE × MAX_SHARES`).
     pub fn list_sharing(&self) -> Result<Vec<Share>, AgentError> {
-        self.send(&Request::ListSharing, None)?;
+        self.send(&AgentRequest::ListSharing, None)?;
         let deadline = Deadline::new(self.timeout, LIST_ALLOWANCE, MAX_SHARES, "its shares");
         let mut out = Vec::new();
         loop {
@@ -892,7 +995,7 @@ impl AgentSession {
     /// `ShareFds`: a descriptor of the current memory of each allocation the process exported
     /// (at most [`MAX_SHARES`], within `agent_timeout + LEND_ALLOWANCE × MAX_SHARES`).
     pub fn share_fds(&self) -> Result<Vec<SharedMemory>, AgentError> {
-        self.send(&Request::ShareFds, None)?;
+        self.send(&AgentRequest::ShareFds, None)?;
         let deadline = Deadline::new(
             self.timeout,
             LEND_ALLOWANCE,
@@ -935,7 +1038,7 @@ impl AgentSession {
     /// `Reimport`: map `mem` (exporter `exporter_pid`'s) again where the process imported it.
     pub fn reimport(&self, exporter_pid: u32, mem: &SharedMemory) -> Result<u64, AgentError> {
         use std::os::fd::AsFd;
-        let req = Request::Reimport {
+        let req = AgentRequest::Reimport {
             exporter_pid,
             id: mem.id,
         };
@@ -955,7 +1058,7 @@ impl AgentSession {
         id: u64,
         key: [u8; 16],
     ) -> Result<(), AgentError> {
-        let req = Request::ShareableSource {
+        let req = AgentRequest::ShareableSource {
             import,
             exporter_pid,
             id,
@@ -968,79 +1071,11 @@ impl AgentSession {
         }
     }
 
-    /// `SlotFree`: a dump's slot was written and may be filled again.
-    pub fn slot_free(&self, slot: u32) -> Result<(), AgentError> {
-        self.send(&Request::SlotFree { slot }, None)
-    }
-
-    /// `ChunkLoad`: a restore's slot holds `len` bytes for device address `addr`, whose device
-    /// hash the agent checks after the load if the image recorded one.
-    pub fn chunk_load(
-        &self,
-        slot: u32,
-        addr: u64,
-        len: u64,
-        device_hash: Option<u64>,
-    ) -> Result<(), AgentError> {
-        let req = Request::ChunkLoad {
-            slot,
-            addr,
-            len,
-            device_hash,
-        };
-        self.send(&req, None)
-    }
-
-    /// `KnownChunk` (before `begin(Transfer::Out)`): the parent image holds this chunk with this
-    /// device hash; the dump announces it `ChunkUnchanged` instead of copying it if it is.
-    pub fn known_chunk(&self, addr: u64, len: u64, device_hash: u64) -> Result<(), AgentError> {
-        let req = Request::KnownChunk {
-            addr,
-            len,
-            device_hash,
-        };
-        self.send(&req, None)
-    }
-
-    /// `ChunkZero`: a restore's chunk recorded as all zeros; the agent fills it on the device.
-    pub fn chunk_zero(
-        &self,
-        addr: u64,
-        len: u64,
-        device_hash: Option<u64>,
-    ) -> Result<(), AgentError> {
-        let req = Request::ChunkZero {
-            addr,
-            len,
-            device_hash,
-        };
-        self.send(&req, None)
-    }
-
-    /// `Abort`: the agent stops and keeps its memory. Best effort, bounded; true when the agent
-    /// confirmed (it has unmapped the ring then).
-    pub fn abort(&self) -> bool {
-        if self.send(&Request::Abort, None).is_err() {
-            return false;
-        }
-        let deadline = std::time::Instant::now() + self.timeout.min(Duration::from_secs(10));
-        while std::time::Instant::now() < deadline {
-            match self.chan.recv_reply(Some(Duration::from_millis(200))) {
-                Ok(Reply::Aborted) | Ok(Reply::Error { .. }) | Err(ProtoError::Closed) => {
-                    return true;
-                }
-                Ok(_) | Err(ProtoError::Timeout) | Err(ProtoError::Interrupted) => continue,
-                Err(_) => return false,
-            }
-        }
-        false
-    }
-
     /// `Release`: the agent releases its physical memory (address reservations kept), replies
     /// and closes the connection; this waits for the close, so that the process holds no
     /// socket to CRIU when its files are dumped. Returns (allocations, bytes) released.
     pub fn release(self) -> Result<(u32, u64), AgentError> {
-        self.send(&Request::Release, None)?;
+        self.send_common(CommonRequest::Release, None)?;
         let r = match self.recv(self.timeout)? {
             Reply::Released {
                 allocations, bytes, ..
@@ -1051,76 +1086,10 @@ impl AgentSession {
         Ok(r)
     }
 
-    /// `Release` to a keeper: it drops its imports and answers, and stays until the session is
-    /// dropped (its exit while CRIU works on the tasks would fail the dump).
-    /// `Snapshot` to the keeper (an asynchronous `-R`): `Ok(Ok((count, bytes)))` once it
-    /// holds a device-to-device copy of every adopted allocation and no import of the job's;
-    /// `Ok(Err((needed, allowed, device)))` when it would not fit in `share_percent` of a
-    /// GPU's free memory (nothing changed). The copies take the device's time, not the link's.
-    pub fn snapshot(&self, share_percent: u32) -> Result<SnapshotAnswer, AgentError> {
-        self.send(&Request::Snapshot { share_percent }, None)?;
-        match self.recv(self.timeout)? {
-            Reply::Snapshotted { count, bytes } => Ok(Ok((count, bytes))),
-            Reply::SnapshotRefused {
-                needed,
-                allowed,
-                device,
-            } => Ok(Err((needed, allowed, device))),
-            got => Err(self.unexpected("Snapshotted", got)),
-        }
-    }
-
-    pub fn release_keeper(&self) -> Result<(u32, u64), AgentError> {
-        self.send(&Request::Release, None)?;
-        match self.recv(self.timeout)? {
-            Reply::Released {
-                allocations, bytes, ..
-            } => Ok((allocations, bytes)),
-            got => Err(self.unexpected("Released", got)),
-        }
-    }
-
-    /// `RestoreDataDone` after the last `ChunkLoad`: the agent synchronises, checks the device
-    /// hashes it was given on the GPU, and answers with the bytes it loaded and the chunks it
-    /// checked (a job's agent then closes the connection: [`Self::closed`]; a keeper stays).
-    pub fn finish_restore(&self) -> Result<(u64, u64), AgentError> {
-        self.send(&Request::RestoreDataDone, None)?;
-        match self.recv(self.timeout)? {
-            Reply::Restored {
-                bytes, verified, ..
-            } => Ok((bytes, verified)),
-            got => Err(self.unexpected("Restored", got)),
-        }
-    }
-
-    /// `Expect` (to a keeper at a restore): allocation `a` of the job goes at its address on
-    /// the GPU `gpu`, made RDMA-capable where the image says it was. Returns the keeper's
-    /// ordinal of that GPU.
-    pub fn expect(&self, a: &AllocationRecord, gpu: [u8; 16]) -> Result<u32, AgentError> {
-        let id = a.id;
-        self.send(
-            &Request::Expect {
-                id,
-                gpu,
-                addr: a.addr,
-                size: a.size,
-                rdma_capable: a.rdma_capable,
-            },
-            None,
-        )?;
-        match self.recv(self.timeout)? {
-            Reply::Expected { id: got, device } if got == id => {
-                self.said().expected += 1;
-                Ok(device)
-            }
-            got => Err(self.unexpected("Expected", got)),
-        }
-    }
-
     /// `Take` (to a restored job's agent): map `lent`'s memory at its address.
     pub fn take(&self, lent: &LentAllocation) -> Result<(), AgentError> {
         use std::os::fd::AsFd;
-        let req = Request::Take {
+        let req = AgentRequest::Take {
             id: lent.id,
             addr: lent.addr,
             size: lent.size,
@@ -1136,7 +1105,7 @@ impl AgentSession {
     /// `TakeEnd`: every allocation was handed over; the agent checks that none is missing,
     /// answers and closes the connection. Returns (allocations, bytes, microseconds).
     pub fn take_end(self) -> Result<(u32, u64, u64), AgentError> {
-        self.send(&Request::TakeEnd, None)?;
+        self.send(&AgentRequest::TakeEnd, None)?;
         let r = match self.recv(self.timeout)? {
             Reply::TakenAll {
                 allocations,
@@ -1148,17 +1117,95 @@ impl AgentSession {
         self.wait_closed()?;
         Ok(r)
     }
+}
 
-    /// Waits for the agent to close the connection (after an operation that ends it).
-    pub fn closed(self) -> Result<(), AgentError> {
-        self.wait_closed()
+/// What only a keeper serves.
+impl Session<KeeperRequest> {
+    /// `Adopt` (to a keeper): import `lent`'s descriptor and map it at the job's address.
+    pub fn adopt(&self, lent: &LentAllocation) -> Result<(), AgentError> {
+        self.send_adopt(lent)?;
+        self.adopted(Moved {
+            id: lent.id,
+            addr: lent.addr,
+            size: lent.size,
+        })
     }
 
-    fn wait_closed(&self) -> Result<(), AgentError> {
-        match self.chan.recv_reply(Some(self.timeout)) {
-            Err(ProtoError::Closed) => Ok(()),
-            Err(err) => Err(AgentError::Proto { pid: self.pid, err }),
-            Ok(got) => Err(self.unexpected("end of connection", got)),
+    /// The `Adopt` of [`Self::adopt`] alone: its `Adopted` is read by [`Self::adopted`], in
+    /// the order sent (the keeper answers one request after the other), so that several may
+    /// be in flight.
+    pub fn send_adopt(&self, lent: &LentAllocation) -> Result<(), AgentError> {
+        use std::os::fd::AsFd;
+        let req = KeeperRequest::Adopt {
+            id: lent.id,
+            device: lent.device,
+            addr: lent.addr,
+            size: lent.size,
+        };
+        self.send(&req, Some(lent.fd.as_fd()))
+    }
+
+    /// The keeper's answer to the oldest `Adopt` still unanswered, which was for `sent`.
+    pub fn adopted(&self, sent: Moved) -> Result<(), AgentError> {
+        match self.recv(self.timeout)? {
+            Reply::Adopted { id } if id == sent.id => {
+                self.said().adopted.push(sent);
+                Ok(())
+            }
+            got => Err(self.unexpected("Adopted", got)),
+        }
+    }
+
+    /// `Snapshot` to the keeper (an asynchronous `-R`): `Ok(Ok((count, bytes)))` once it
+    /// holds a device-to-device copy of every adopted allocation and no import of the job's;
+    /// `Ok(Err((needed, allowed, device)))` when it would not fit in `share_percent` of a
+    /// GPU's free memory (nothing changed). The copies take the device's time, not the link's.
+    pub fn snapshot(&self, share_percent: u32) -> Result<SnapshotAnswer, AgentError> {
+        self.send(&KeeperRequest::Snapshot { share_percent }, None)?;
+        match self.recv(self.timeout)? {
+            Reply::Snapshotted { count, bytes } => Ok(Ok((count, bytes))),
+            Reply::SnapshotRefused {
+                needed,
+                allowed,
+                device,
+            } => Ok(Err((needed, allowed, device))),
+            got => Err(self.unexpected("Snapshotted", got)),
+        }
+    }
+
+    /// `Release` to a keeper: it drops its imports and answers, and stays until the session is
+    /// dropped (its exit while CRIU works on the tasks would fail the dump).
+    pub fn release_keeper(&self) -> Result<(u32, u64), AgentError> {
+        self.send_common(CommonRequest::Release, None)?;
+        match self.recv(self.timeout)? {
+            Reply::Released {
+                allocations, bytes, ..
+            } => Ok((allocations, bytes)),
+            got => Err(self.unexpected("Released", got)),
+        }
+    }
+
+    /// `Expect` (to a keeper at a restore): allocation `a` of the job goes at its address on
+    /// the GPU `gpu`, made RDMA-capable where the image says it was. Returns the keeper's
+    /// ordinal of that GPU.
+    pub fn expect(&self, a: &AllocationRecord, gpu: [u8; 16]) -> Result<u32, AgentError> {
+        let id = a.id;
+        self.send(
+            &KeeperRequest::Expect {
+                id,
+                gpu,
+                addr: a.addr,
+                size: a.size,
+                rdma_capable: a.rdma_capable,
+            },
+            None,
+        )?;
+        match self.recv(self.timeout)? {
+            Reply::Expected { id: got, device } if got == id => {
+                self.said().expected += 1;
+                Ok(device)
+            }
+            got => Err(self.unexpected("Expected", got)),
         }
     }
 }
@@ -1261,10 +1308,16 @@ mod tests {
             answered: std::sync::atomic::AtomicBool::new(false),
             said: Box::default(),
             peer: None,
+            requests: PhantomData,
         };
         let agent = std::thread::spawn(move || {
-            let (r, _) = theirs.recv_request(Some(Duration::from_secs(5))).unwrap();
-            assert!(matches!(r, Request::Hello { .. }));
+            let (r, _) = theirs
+                .recv_request::<AgentRequest>(Some(Duration::from_secs(5)))
+                .unwrap();
+            assert!(matches!(
+                r,
+                AgentRequest::Common(CommonRequest::Hello { .. })
+            ));
             theirs
                 .send_reply(&Reply::Hello {
                     version: PROTOCOL_VERSION,
@@ -1278,8 +1331,10 @@ mod tests {
                     kept: 0,
                 })
                 .unwrap();
-            let (r, _) = theirs.recv_request(Some(Duration::from_secs(5))).unwrap();
-            assert!(matches!(r, Request::ListAllocations));
+            let (r, _) = theirs
+                .recv_request::<AgentRequest>(Some(Duration::from_secs(5)))
+                .unwrap();
+            assert!(matches!(r, AgentRequest::ListAllocations));
             theirs
                 .send_reply(&Reply::Allocation {
                     id: 3,
@@ -1339,11 +1394,18 @@ mod tests {
         let (ours, theirs) = Channel::pair().unwrap();
         let s = AgentSession::over(1, ours, timeout);
         let agent = std::thread::spawn(move || {
-            let (r, _) = theirs.recv_request(Some(Duration::from_secs(5))).unwrap();
-            assert!(matches!(r, Request::Hello { .. }));
+            let (r, _) = theirs
+                .recv_request::<AgentRequest>(Some(Duration::from_secs(5)))
+                .unwrap();
+            assert!(matches!(
+                r,
+                AgentRequest::Common(CommonRequest::Hello { .. })
+            ));
             theirs.send_reply(&hello_reply(allocations)).unwrap();
-            let (r, _) = theirs.recv_request(Some(Duration::from_secs(5))).unwrap();
-            assert!(matches!(r, Request::ListAllocations));
+            let (r, _) = theirs
+                .recv_request::<AgentRequest>(Some(Duration::from_secs(5)))
+                .unwrap();
+            assert!(matches!(r, AgentRequest::ListAllocations));
             play(&theirs);
         });
         s.hello().unwrap();
@@ -1479,8 +1541,10 @@ mod tests {
         let (ours, theirs) = Channel::pair().unwrap();
         let s = AgentSession::over(1, ours, Duration::from_secs(5));
         let agent = std::thread::spawn(move || {
-            let (r, _) = theirs.recv_request(Some(Duration::from_secs(5))).unwrap();
-            assert!(matches!(r, Request::ListAllocations));
+            let (r, _) = theirs
+                .recv_request::<AgentRequest>(Some(Duration::from_secs(5)))
+                .unwrap();
+            assert!(matches!(r, AgentRequest::ListAllocations));
             theirs.send_reply(&allocation(4, 1 << 30, 8192)).unwrap();
             theirs
                 .send_reply(&Reply::Allocation {
@@ -1495,8 +1559,10 @@ mod tests {
             theirs
                 .send_reply(&Reply::AllocationsEnd { count: 2 })
                 .unwrap();
-            let (r, _) = theirs.recv_request(Some(Duration::from_secs(5))).unwrap();
-            assert!(matches!(r, Request::LendBegin));
+            let (r, _) = theirs
+                .recv_request::<AgentRequest>(Some(Duration::from_secs(5)))
+                .unwrap();
+            assert!(matches!(r, AgentRequest::Common(CommonRequest::LendBegin)));
             for id in 0..3 {
                 let f = std::fs::File::open("/dev/null").unwrap();
                 let lent = Reply::Lent {

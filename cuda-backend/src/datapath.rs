@@ -9,13 +9,13 @@
 //! Every thread here blocks all signals (CRIU's SIGALRM must reach its main thread) and is
 //! joined before the function returns.
 
-use crate::agent::{AgentError, AgentSession, Moved, RingShape, Transfer};
+use crate::agent::{AgentError, AgentSession, Moved, RingShape, Session, Transfer};
 use crate::staging::{RingError, Staging};
 use crossbeam_channel::{Receiver, Sender, bounded, unbounded};
 use gpusnap_image::{
     ChunkEntry, ChunkSources, Codec, DataFileWriter, DedupIndex, FileEntry, Manifest, hash_chunk,
 };
-use gpusnap_proto::{ProtoError, Reply};
+use gpusnap_proto::{ProtoError, Reply, Request};
 use std::collections::{HashMap, HashSet};
 use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -383,14 +383,19 @@ impl Deadline {
     }
 }
 
-/// Tells the agent about the ring (its memfd attached) and waits until it is mapped and pinned.
-/// The ring is checked as we made it (size and seals) before and after: the job holds it from
-/// here on.
-fn hand_over_ring(
-    agent: &AgentSession,
+/// How a transfer begins on its session, the ring's memfd and shape given: [`Session::begin`]
+/// one way or the other, or a pre-copy round's [`AgentSession::begin_live`] (the job's agent's
+/// alone, so only a copy-out on an [`AgentSession`] may be one).
+type Begin<R> = fn(&Session<R>, BorrowedFd<'_>, RingShape) -> Result<(), AgentError>;
+
+/// Tells the agent about the ring (its memfd attached) with `begin` and waits until it is
+/// mapped and pinned. The ring is checked as we made it (size and seals) before and after: the
+/// job holds it from here on.
+fn hand_over_ring<R: Request>(
+    agent: &Session<R>,
     staging: &Staging,
     limits: Limits,
-    way: Transfer,
+    begin: Begin<R>,
 ) -> Result<(), DataError> {
     let intact = || {
         staging
@@ -406,7 +411,7 @@ fn hand_over_ring(
         slots: staging.slots() as u32,
         streams: limits.streams,
     };
-    agent.begin(way, staging.fd().as_fd(), shape)?;
+    begin(agent, staging.fd().as_fd(), shape)?;
     intact()
 }
 
@@ -430,17 +435,32 @@ pub fn copy_out(
     round: Round,
 ) -> Result<DumpData, DataError> {
     let first_file = 0;
-    copy_out_into(
-        agent, staging, dir, nspid, first_file, writers, codec, parent, limits, durable, round,
+    let begin: Begin<_> = match round {
+        Round::Paused => |a, fd, shape| a.begin(Transfer::Out, fd, shape),
+        Round::Live => AgentSession::begin_live,
+    };
+    copy_out_round(
+        agent,
+        staging,
+        dir,
+        nspid,
+        first_file,
+        writers,
+        codec,
+        parent,
+        limits,
+        durable,
+        (round, begin),
         None,
     )
 }
 
-/// [`copy_out`] into data files numbered from `first_file` on (a hand-over's drain after a
-/// copy-first part of the same process, which took the numbers below it).
+/// [`copy_out`] of a paused process's memory on any session (a keeper's: a hand-over's drain),
+/// into data files numbered from `first_file` on (after a copy-first part of the same process,
+/// which took the numbers below it).
 #[allow(clippy::too_many_arguments)]
-pub fn copy_out_into(
-    agent: &AgentSession,
+pub fn copy_out_into<R: Request>(
+    agent: &Session<R>,
     staging: &Staging,
     dir: BorrowedFd<'_>,
     nspid: u32,
@@ -450,7 +470,40 @@ pub fn copy_out_into(
     parent: Option<&DedupIndex>,
     limits: Limits,
     durable: bool,
-    round: Round,
+    reserved: Option<&gpusnap_image::Reservation>,
+) -> Result<DumpData, DataError> {
+    let begin: Begin<R> = |a, fd, shape| a.begin(Transfer::Out, fd, shape);
+    copy_out_round(
+        agent,
+        staging,
+        dir,
+        nspid,
+        first_file,
+        writers,
+        codec,
+        parent,
+        limits,
+        durable,
+        (Round::Paused, begin),
+        reserved,
+    )
+}
+
+/// The copy-out of [`copy_out`] and [`copy_out_into`]: `round`, begun on the session with
+/// `begin`.
+#[allow(clippy::too_many_arguments)]
+fn copy_out_round<R: Request>(
+    agent: &Session<R>,
+    staging: &Staging,
+    dir: BorrowedFd<'_>,
+    nspid: u32,
+    first_file: u32,
+    writers: usize,
+    codec: Codec,
+    parent: Option<&DedupIndex>,
+    limits: Limits,
+    durable: bool,
+    (round, begin): (Round, Begin<R>),
     reserved: Option<&gpusnap_image::Reservation>,
 ) -> Result<DumpData, DataError> {
     let t0 = Instant::now();
@@ -463,17 +516,13 @@ pub fn copy_out_into(
             agent.known_chunk(addr, len, hash)?;
         }
     }
-    let way = match round {
-        Round::Paused => Transfer::Out,
-        Round::Live => Transfer::OutLive,
-    };
     let mut admission = Admission::new(
         agent.pid(),
         agent.moved(),
         staging.slot_size() as u64,
         staging.slots() as u32,
     );
-    hand_over_ring(agent, staging, limits, way)?;
+    hand_over_ring(agent, staging, limits, begin)?;
     let deadline = admission.deadline(limits.stall);
 
     let (work_tx, work_rx) = bounded::<Work>(staging.slots());
@@ -575,8 +624,8 @@ struct Bounds<'a> {
 /// Main-thread side of a dump: route `ChunkReady` to writers until `DumpDataDone`; record each
 /// `ChunkZero` and `ChunkUnchanged` (nothing to write) in `unwritten`. Every announcement is
 /// admitted first ([`Admission`]), and the whole ends by the deadline.
-fn pump_dump_replies(
-    agent: &AgentSession,
+fn pump_dump_replies<R: Request>(
+    agent: &Session<R>,
     work: &Sender<Work>,
     errors: &Receiver<DataError>,
     bounds: Bounds<'_>,
@@ -688,11 +737,11 @@ struct Written {
 }
 
 /// One writer thread.
-fn writer(
+fn writer<R: Request>(
     index: u32,
     work: Receiver<Work>,
     errors: Sender<DataError>,
-    agent: &AgentSession,
+    agent: &Session<R>,
     staging: &Staging,
     out: Out<'_>,
 ) -> Option<Written> {
@@ -791,8 +840,8 @@ fn writer(
 
 /// A wait for the agent's next message ended without one: fine while it shows progress within
 /// `stall`, else the agent counts as hung.
-fn waiting(
-    agent: &AgentSession,
+fn waiting<R: Request>(
+    agent: &Session<R>,
     e: AgentError,
     last: Instant,
     stall: Duration,
@@ -814,7 +863,7 @@ fn waiting(
     }
 }
 
-fn unexpected(agent: &AgentSession, expected: &'static str, got: Reply) -> DataError {
+fn unexpected<R: Request>(agent: &Session<R>, expected: &'static str, got: Reply) -> DataError {
     AgentError::Unexpected {
         pid: agent.pid(),
         expected,
@@ -841,8 +890,8 @@ pub struct LoadStats {
 /// for chunks an incremental dump referenced, from its ancestors through `parent` links; they
 /// are opened and checked before the agent is asked to re-create anything).
 #[allow(clippy::too_many_arguments)]
-pub fn copy_in(
-    agent: &AgentSession,
+pub fn copy_in<R: Request>(
+    agent: &Session<R>,
     staging: &Staging,
     dir: BorrowedFd<'_>,
     manifest: &Manifest,
@@ -853,7 +902,9 @@ pub fn copy_in(
 ) -> Result<LoadStats, DataError> {
     let t0 = Instant::now();
     let sources = ChunkSources::open(dir, manifest)?;
-    hand_over_ring(agent, staging, limits, Transfer::In)?;
+    hand_over_ring(agent, staging, limits, |a, fd, shape| {
+        a.begin(Transfer::In, fd, shape)
+    })?;
     let bytes = manifest
         .chunks
         .iter()
@@ -965,10 +1016,10 @@ struct LoadRing<'a> {
     lent: &'a [AtomicBool],
 }
 
-fn read_files(
+fn read_files<R: Request>(
     files: impl Iterator<Item = (u32, u32)>,
     free: &Receiver<u32>,
-    agent: &AgentSession,
+    agent: &Session<R>,
     ring: LoadRing<'_>,
     sources: &ChunkSources<'_>,
     checks: ReadChecks,
@@ -1000,8 +1051,8 @@ fn read_files(
 
 /// Main-thread side of a load: every `SlotFree` (of a slot the agent holds) goes back to the
 /// readers until all `total` chunks are loaded, by the deadline.
-fn pump_load_replies(
-    agent: &AgentSession,
+fn pump_load_replies<R: Request>(
+    agent: &Session<R>,
     free: &Sender<u32>,
     errors: &Receiver<DataError>,
     total: usize,

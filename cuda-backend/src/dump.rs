@@ -3,7 +3,7 @@
 //! which `gpusnap recover` shares. Each step moves the process's [`Phase`] on; the rollback
 //! undoes one phase after the other.
 
-use crate::agent::{self, AgentError, AgentHello, AgentSession};
+use crate::agent::{self, AgentError, AgentHello, AgentSession, KeeperSession};
 use crate::context::Ctx;
 use crate::datapath::{self, DataError};
 use crate::hold::Hold;
@@ -1048,7 +1048,7 @@ fn async_refused(cfg: &gpusnap_config::Config) -> Option<&'static str> {
 fn asynchronous(
     ctx: &Ctx,
     t: &Tracked,
-    keeper: &AgentSession,
+    keeper: &KeeperSession,
     routes: &crate::route::Routes,
 ) -> Result<bool, DumpError> {
     let pid = t.pid;

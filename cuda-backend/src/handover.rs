@@ -13,7 +13,7 @@
 //! writer) the job is recoverable without any file: `-R`, a rollback and `gpusnap recover` map
 //! its memory back from those descriptors (`Reclaim`).
 
-use crate::agent::{AgentError, AgentSession, LentAllocation};
+use crate::agent::{AgentError, AgentSession, KeeperSession, LentAllocation};
 use crate::datapath::{self, DataError, DumpData};
 use crate::keeper::{Keeper, KeeperError};
 use crate::staging::Staging;
@@ -77,7 +77,7 @@ pub struct Lent {
 /// The drain of an asynchronous `-R`, deferred until CRIU's own part is over: the keeper's
 /// session (its memory is the snapshot, not the job's) and what the drain needs.
 pub struct Background {
-    pub session: AgentSession,
+    pub session: KeeperSession,
     pub job: DrainJob,
 }
 
@@ -303,7 +303,7 @@ pub struct DrainJob {
 
 /// The keeper's copy-out with the plugin's writers, on a thread of its own.
 pub struct Drain {
-    handle: std::thread::JoinHandle<(Result<DumpData, DataError>, AgentSession)>,
+    handle: std::thread::JoinHandle<(Result<DumpData, DataError>, KeeperSession)>,
     started: Instant,
 }
 
@@ -312,7 +312,7 @@ pub struct Drained {
     pub data: Result<DumpData, DataError>,
     /// The keeper's session, given back: dropping it lets the keeper exit (only once CRIU's
     /// own part is over).
-    pub session: Option<AgentSession>,
+    pub session: Option<KeeperSession>,
     pub ran_s: f64,
     /// How long the join waited (time CRIU's own dump did not cover).
     pub waited_s: f64,
@@ -320,7 +320,7 @@ pub struct Drained {
 
 impl Drain {
     /// Starts draining through `session` (the keeper's), which the thread releases at the end.
-    pub fn start(session: AgentSession, job: DrainJob) -> std::io::Result<Drain> {
+    pub fn start(session: KeeperSession, job: DrainJob) -> std::io::Result<Drain> {
         let started = Instant::now();
         let handle = std::thread::Builder::new()
             .name("gpusnap-drain".into())
@@ -361,7 +361,6 @@ impl Drain {
                         parent,
                         limits,
                         durable,
-                        datapath::Round::Paused,
                         reserved.as_ref(),
                     )
                 };

@@ -13,7 +13,7 @@
 //! keeper exits when the plugin closes its end; [`Keeper`]'s `Drop` waits on the pidfd for that
 //! (killing it through the pidfd after a grace period).
 
-use crate::agent::AgentSession;
+use crate::agent::KeeperSession;
 use gpusnap_proto::Channel;
 use std::ffi::{CString, c_char};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
@@ -101,7 +101,7 @@ pub struct Keeper {
     /// A pidfd of the keeper: it is not our child, so this is how we see it exit and kill it
     /// without ever signalling a pid that was reused.
     pidfd: OwnedFd,
-    session: Option<AgentSession>,
+    session: Option<KeeperSession>,
 }
 
 impl Keeper {
@@ -174,7 +174,7 @@ impl Keeper {
             pid,
             pidfd,
             // A stopped keeper is noticed within a tenth of a second, not the agent timeout.
-            session: Some(AgentSession::over(job.number(), ours, timeout).watching(pid)),
+            session: Some(KeeperSession::over(job.number(), ours, timeout).watching(pid)),
         })
     }
 
@@ -196,7 +196,7 @@ impl Keeper {
     }
 
     /// The session to the keeper (until [`Self::take_session`]).
-    pub fn session(&self) -> Option<&AgentSession> {
+    pub fn session(&self) -> Option<&KeeperSession> {
         self.session.as_ref()
     }
 
@@ -215,7 +215,7 @@ impl Keeper {
     }
 
     /// Takes the session (its `release` consumes it).
-    pub fn take_session(&mut self) -> Option<AgentSession> {
+    pub fn take_session(&mut self) -> Option<KeeperSession> {
         self.session.take()
     }
 }

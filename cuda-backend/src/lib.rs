@@ -23,7 +23,8 @@
 //! - `stall`: a driver call that waits on a stopped thread of its process.
 //!
 //! The split path (the in-process agent moves the device data):
-//! - `agent`: the conversation with the agent ([`agent::AgentSession`]);
+//! - `agent`: the conversation with the agent ([`agent::AgentSession`]) and with a keeper
+//!   ([`agent::KeeperSession`]), each sending only the requests its server takes;
 //! - `datapath` / `staging` / `load`: device data through the shared ring into image files and
 //!   back; `parent`: a pre-copy chain's parent image, checked before it is referenced;
 //! - `keeper` / `handover` / `preload`: the keeper process, the hand-over of the job's memory to

@@ -71,11 +71,12 @@ impl Channel {
         self.fd.as_fd()
     }
 
-    /// Sends a request, with `attach` passed as SCM_RIGHTS if given. EINTR is
-    /// [`ProtoError::Interrupted`] (nothing was sent; the caller may retry).
-    pub fn send_request(
+    /// Sends a request (of the type the peer serves: [`crate::AgentRequest`] to a job's agent,
+    /// [`crate::KeeperRequest`] to a keeper), with `attach` passed as SCM_RIGHTS if given.
+    /// EINTR is [`ProtoError::Interrupted`] (nothing was sent; the caller may retry).
+    pub fn send_request<R: Request>(
         &self,
-        r: &Request,
+        r: &R,
         attach: Option<BorrowedFd<'_>>,
     ) -> Result<(), ProtoError> {
         let mut buf = [0u8; MAX_MESSAGE];
@@ -119,15 +120,16 @@ impl Channel {
         Ok((Reply::decode(&m.buf[..m.len])?, m.fd))
     }
 
-    /// Waits at most `timeout` (None = forever) for a request. EINTR returns
+    /// Waits at most `timeout` (None = forever) for a request of the type this end serves
+    /// (another type's is [`ProtoError::UnknownKind`]). EINTR returns
     /// [`ProtoError::Interrupted`]; a closed peer [`ProtoError::Closed`]. Returns the attached
     /// descriptor, if any (at most one is accepted).
-    pub fn recv_request(
+    pub fn recv_request<R: Request>(
         &self,
         timeout: Option<Duration>,
-    ) -> Result<(Request, Option<OwnedFd>), ProtoError> {
+    ) -> Result<(R, Option<OwnedFd>), ProtoError> {
         let m = self.recv_wait(timeout)?;
-        Ok((Request::decode(&m.buf[..m.len])?, m.fd))
+        Ok((R::decode(&m.buf[..m.len])?, m.fd))
     }
 
     /// Waits at most `timeout` (None = forever) for a reply; as [`Channel::recv_request`], and a
@@ -137,11 +139,11 @@ impl Channel {
         Self::reply_of(m)
     }
 
-    /// A request if one is queued now (`MSG_DONTWAIT`).
-    pub fn try_recv_request(&self) -> Result<Option<(Request, Option<OwnedFd>)>, ProtoError> {
+    /// A request if one is queued now (`MSG_DONTWAIT`), as [`Channel::recv_request`].
+    pub fn try_recv_request<R: Request>(&self) -> Result<Option<(R, Option<OwnedFd>)>, ProtoError> {
         match self.recv_once(libc::MSG_DONTWAIT)? {
             None => Ok(None),
-            Some(m) => Ok(Some((Request::decode(&m.buf[..m.len])?, m.fd))),
+            Some(m) => Ok(Some((R::decode(&m.buf[..m.len])?, m.fd))),
         }
     }
 

@@ -1,11 +1,16 @@
-//! gpusnap-proto: the control protocol between the CRIU plugin and the in-process agent.
+//! gpusnap-proto: the control protocol between the CRIU plugin and its two servers, the
+//! in-process agent and the keeper.
 //!
 //! Boundaries: this crate knows the messages, their byte layout, and the sockets they travel
-//! on. It knows nothing of CUDA, CRIU or images; both the agent (`gpusnap-agent`) and the plugin
-//! use it, and it is the only place that parses protocol bytes.
+//! on. It knows nothing of CUDA, CRIU or images; the agent (`gpusnap-agent`), the keeper
+//! (`gpusnap-keeper`) and the plugin use it, and it is the only place that parses protocol
+//! bytes.
 //!
 //! Modules:
-//! - `message`: [`Request`] / [`Reply`] and their encoding; decoding checks untrusted bytes exactly.
+//! - `message`: the requests, one type per server ([`AgentRequest`] for the job's agent,
+//!   [`KeeperRequest`] for the keeper, both carrying the [`CommonRequest`]s they share, both a
+//!   [`Request`]), and [`Reply`]; their encoding; decoding checks untrusted bytes exactly, and
+//!   each server's decoder refuses the other's requests.
 //! - `wire`: the bounds-checked little-endian reader and writer the messages are built from.
 //! - `socket`: `SOCK_SEQPACKET` pairs, `SO_PEERCRED`.
 //! - `door`: how a client reaches a process's agent (no socket name; `pidfd_getfd`).
@@ -34,7 +39,8 @@ pub use door::{
 };
 pub use error::ProtoError;
 pub use message::{
-    AllocKind, ErrorCode, HEADER_LEN, MAGIC, MAX_ERROR_MESSAGE, Reply, Request, hazard,
+    AgentRequest, AllocKind, CommonRequest, ErrorCode, HEADER_LEN, KeeperRequest, MAGIC,
+    MAX_ERROR_MESSAGE, Reply, Request, hazard,
 };
 pub use socket::{peer_cred, seqpacket_pair};
 

@@ -1,10 +1,26 @@
-//! The messages: [`Request`] (plugin → agent) and [`Reply`] (agent → plugin), their wire
-//! encoding, and decoding of untrusted bytes.
+//! The messages: the requests (plugin → agent or keeper) and [`Reply`] (agent or keeper →
+//! plugin), their wire encoding, and decoding of untrusted bytes.
+//!
+//! Two servers take requests, each its own type: [`AgentRequest`] (the job's in-process agent,
+//! `agent`) and [`KeeperRequest`] (the keeper, `keeper`). The requests both take are one
+//! [`CommonRequest`] (`common`), a variant of each, encoded and decoded in one place. Each
+//! type's decoder refuses the other's own kinds ([`ProtoError::UnknownKind`]), as it refuses
+//! a reply's.
 //!
 //! Layout: header `magic u32 | version u16 | kind u16` (little-endian), then the variant's fixed
 //! fields in declaration order; strings are `u16 length + UTF-8`, booleans one byte (0/1), enums
-//! their numeric value (`AllocKind` u8, `ErrorCode` u16). Request kinds are `0x00xx`, reply kinds
-//! `0x01xx`, so a message decoded with the wrong decoder is an [`ProtoError::UnknownKind`].
+//! their numeric value (`AllocKind` u8, `ErrorCode` u16). Request kinds are `0x00xx` (one
+//! number space for both request types, so a kind names one request whichever server gets it),
+//! reply kinds `0x01xx`, so a message decoded with the wrong decoder is an
+//! [`ProtoError::UnknownKind`].
+
+mod agent;
+mod common;
+mod keeper;
+
+pub use agent::AgentRequest;
+pub use common::{CommonRequest, Request};
+pub use keeper::KeeperRequest;
 
 use crate::wire::{Reader, Writer};
 use crate::{MAX_MESSAGE, PROTOCOL_VERSION, ProtoError};
@@ -104,184 +120,6 @@ impl ErrorCode {
     }
 }
 
-/// Plugin → agent.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Request {
-    /// First message of a connection.
-    Hello {
-        /// The sender's [`PROTOCOL_VERSION`].
-        version: u16,
-    },
-    /// Answered by one [`Reply::Allocation`] per entry, then [`Reply::AllocationsEnd`].
-    ListAllocations,
-    /// A staging memfd of `slot_size * slots` bytes is attached (SCM_RIGHTS).
-    DumpBegin {
-        /// Bytes per slot (a multiple of 4096).
-        slot_size: u64,
-        /// Number of slots in the staging ring.
-        slots: u32,
-        /// Number of copy streams to use.
-        streams: u32,
-    },
-    /// A pre-copy round (the staging memfd attached, as for `DumpBegin`): copy every
-    /// allocation out while the application runs on, then end with `DumpDataDone` (no
-    /// `Release`). Chunks are announced as in a dump, but a copied chunk's `ChunkReady` carries
-    /// no device hash: the bytes copied from memory the application may be writing are not the
-    /// bytes the GPU hashed, so the plugin hashes what it received.
-    PreCopyBegin {
-        /// Bytes per slot (a multiple of 4096).
-        slot_size: u64,
-        /// Number of slots in the staging ring.
-        slots: u32,
-        /// Number of copy streams to use.
-        streams: u32,
-    },
-    /// The plugin has finished with a slot's data (dump) — the agent may reuse it.
-    SlotFree {
-        /// Slot index.
-        slot: u32,
-    },
-    /// Unmap and release every converted allocation's physical memory (reservations kept).
-    Release,
-    /// Stop the current operation; memory stays mapped.
-    Abort,
-    /// A staging memfd is attached. The agent re-creates physical memory for every released allocation.
-    RestoreBegin {
-        /// Bytes per slot (a multiple of 4096).
-        slot_size: u64,
-        /// Number of slots in the staging ring.
-        slots: u32,
-        /// Number of copy streams to use.
-        streams: u32,
-    },
-    /// Copy `len` bytes from staging slot `slot` to device address `addr`.
-    ChunkLoad {
-        /// Slot index.
-        slot: u32,
-        /// Destination device address.
-        addr: u64,
-        /// Bytes to copy (at most the slot size).
-        len: u64,
-        /// The chunk's recorded device hash (`crate::devhash`), checked on the device after
-        /// the last chunk is loaded and before `Restored`.
-        device_hash: Option<u64>,
-    },
-    /// Fill `len` bytes at device address `addr` with zeros (a chunk recorded as all zero;
-    /// no slot is used and no reply is sent).
-    ChunkZero {
-        /// Destination device address.
-        addr: u64,
-        /// Bytes to fill.
-        len: u64,
-        /// As for `ChunkLoad`.
-        device_hash: Option<u64>,
-    },
-    /// No more chunks: finish the copies and report.
-    RestoreDataDone,
-    /// Before a `DumpBegin` on this connection (no reply): the parent image holds the chunk at
-    /// `addr` of `len` bytes with this device hash. The dump that follows announces such a chunk
-    /// as [`Reply::ChunkUnchanged`] instead of copying it if its device hash is still the same.
-    KnownChunk {
-        /// Device address of the chunk's first byte.
-        addr: u64,
-        /// Bytes.
-        len: u64,
-        /// Its device hash in the parent image.
-        device_hash: u64,
-    },
-    /// Hand-over (the job's agent, its threads held): export every lendable allocation
-    /// ([`AllocKind::Converted`]) and send one [`Reply::Lent`] per allocation with a copy of
-    /// the exported descriptor attached, then [`Reply::LentEnd`]. The agent keeps its own
-    /// copies. `Release` (the memory then lives on in the kept descriptors and in whoever
-    /// imported them) or `Abort` (the copies are closed, nothing changed) follows; or, where
-    /// some moved allocations are not lendable, `KnownChunk`s and a `DumpBegin` on the same
-    /// connection first, which copies out only those (not the lent ones), then `Release` of all.
-    LendBegin,
-    /// To the keeper: import the attached exported descriptor and map it at `addr`, the
-    /// address the job uses, so the data can be copied out while the job is checkpointed.
-    Adopt {
-        /// The job's allocation id.
-        id: u64,
-        /// Device ordinal.
-        device: u32,
-        /// Device address in the job (the keeper maps at the same one).
-        addr: u64,
-        /// Bytes.
-        size: u64,
-    },
-    /// To the keeper, after every `Adopt` of an asynchronous `criu dump -R`: copy each adopted
-    /// allocation device to device into fresh memory of the keeper's own and let go of the
-    /// import, so that the job may run on its own memory while the snapshot is drained. All or
-    /// nothing: refused (nothing changed) when the snapshot would take more than
-    /// `share_percent` of any GPU's free memory.
-    Snapshot {
-        /// The most of a GPU's free memory the snapshot may take, percent (1..=90).
-        share_percent: u32,
-    },
-    /// The job's agent (its threads held): map every released allocation again from the
-    /// descriptors kept at `LendBegin`, at its old address; no data moves.
-    Reclaim,
-    /// To the keeper at a restore: the job's allocation `id` is to be re-created at `addr`
-    /// (exportable) on the GPU with UUID `gpu`; the `RestoreBegin` that follows loads it.
-    Expect {
-        /// The job's allocation id.
-        id: u64,
-        /// The UUID of the GPU it goes on (after the restore's GPU plan).
-        gpu: [u8; 16],
-        /// Device address in the job.
-        addr: u64,
-        /// Bytes.
-        size: u64,
-        /// Created `gpuDirectRDMACapable`, as the job's memory was (the image's record).
-        rdma_capable: bool,
-    },
-    /// To a restored job's agent (its threads held): map the attached exported memory, which
-    /// the keeper loaded from the image and checked, at `addr` as allocation `id`.
-    Take {
-        /// The job's allocation id.
-        id: u64,
-        /// Device address.
-        addr: u64,
-        /// Bytes.
-        size: u64,
-        /// The keeper made the memory `gpuDirectRDMACapable` (its [`Reply::Lent`]): the job's
-        /// agent refuses memory other than its program asked for.
-        rdma_capable: bool,
-    },
-    /// Every allocation was handed over with `Take`: the memory is whole if none is missing.
-    TakeEnd,
-    /// What this process shares through the agent's CUDA IPC: one [`Reply::Shared`] per export
-    /// (and importer) and per import, then [`Reply::SharedEnd`].
-    ListSharing,
-    /// To an exporter: a descriptor of the current memory of every allocation it exported, one
-    /// [`Reply::ShareFd`] each (descriptor attached), then [`Reply::ShareFdEnd`]. Read-only.
-    ShareFds,
-    /// To an importer (its threads held): map the attached memory at the address where the
-    /// import of exporter `exporter_pid`'s allocation `id` was mapped before a release unmapped
-    /// it.
-    Reimport {
-        /// The exporter's pid (as the importer's token names it).
-        exporter_pid: u32,
-        /// The exporter's allocation id.
-        id: u64,
-    },
-    /// To an importer of memory another process exported with `cuMemExportToShareableHandle`
-    /// (its threads held): the plugin found (with `kcmp`) that its import `import` is exporter
-    /// `exporter_pid`'s allocation `id`. The agent records it (what a later [`Request::Reimport`]
-    /// names) and closes the descriptor it kept to identify the import.
-    ShareableSource {
-        /// The importer's own import id ([`Reply::Shared`] of an unresolved import).
-        import: u64,
-        /// The exporter's pid in the importer's pid namespace.
-        exporter_pid: u32,
-        /// The exporter's allocation id.
-        id: u64,
-        /// The exporter's key (its [`Reply::Shared::key`]), so that a later process with the
-        /// same pid is never taken for it.
-        key: [u8; 16],
-    },
-}
-
 /// Bits of [`Reply::Hello::hazards`]: what the process did that the driver's checkpoint cannot
 /// take, so the plugin refuses the dump (naming the cause) before touching the process.
 pub mod hazard {
@@ -364,10 +202,10 @@ pub mod hazard {
     }
 }
 
-/// Agent → plugin.
+/// Agent or keeper → plugin (one type: both answer in the same words).
 #[derive(Clone, Debug, PartialEq)]
 pub enum Reply {
-    /// Answer to [`Request::Hello`].
+    /// Answer to [`CommonRequest::Hello`].
     Hello {
         /// The agent's [`PROTOCOL_VERSION`].
         version: u16,
@@ -388,7 +226,7 @@ pub enum Reply {
         /// ([`hazard::IPC_EVENT_IMPORT`]: held now).
         hazards: u32,
         /// Released allocations whose memory the agent still holds through descriptors it kept
-        /// at a hand-over ([`Request::Reclaim`] maps them again without any file).
+        /// at a hand-over ([`AgentRequest::Reclaim`] maps them again without any file).
         kept: u32,
     },
     /// One tracked allocation.
@@ -439,7 +277,7 @@ pub enum Reply {
         /// As for `ChunkReady` (always known: zeros are only found by hashing).
         device_hash: u64,
     },
-    /// The chunk at `addr` hashes on the device as the [`Request::KnownChunk`] said: it was not
+    /// The chunk at `addr` hashes on the device as the [`CommonRequest::KnownChunk`] said: it was not
     /// copied and uses no slot.
     ChunkUnchanged {
         /// Allocation id.
@@ -483,7 +321,7 @@ pub enum Reply {
         /// Chunks whose device hash was checked on the device after the load (all matched).
         verified: u64,
     },
-    /// Answer to [`Request::LendBegin`], one per converted allocation, with a copy of its
+    /// Answer to [`CommonRequest::LendBegin`], one per converted allocation, with a copy of its
     /// exported descriptor attached.
     Lent {
         /// Allocation id.
@@ -546,7 +384,7 @@ pub enum Reply {
         /// Time since the first `Take`.
         micros: u64,
     },
-    /// One share ([`Request::ListSharing`]). `import`: another process's allocation `id` (of
+    /// One share ([`AgentRequest::ListSharing`]). `import`: another process's allocation `id` (of
     /// exporter `pid`) mapped here at `addr`, `mapped` false while a release has it unmapped.
     /// Else an allocation of this process's, exported, that process `pid` fetched (0: nobody
     /// fetched it yet); `mapped` is whether this process maps it.
@@ -557,7 +395,7 @@ pub enum Reply {
     /// descriptor the program got, `app_fd` that descriptor's number while it is still the same
     /// open file (else -1). Import not yet resolved: `pid` 0, `id` the importer's own import id,
     /// `agent_fd` the agent's duplicate of the descriptor imported; once resolved (told by
-    /// [`Request::ShareableSource`]) `pid` and `id` name the exporter's allocation and `agent_fd`
+    /// [`AgentRequest::ShareableSource`]) `pid` and `id` name the exporter's allocation and `agent_fd`
     /// is -1. `app_fd` is -1 for an import (the plugin looks at every descriptor itself).
     /// `own_fd`: for an export, the descriptor a hand-over left the agent as the allocation's own
     /// (the same open file as `agent_fd` once a restore or rollback handed it out), else -1.
@@ -596,7 +434,7 @@ pub enum Reply {
     },
     /// The import is mapped again at `addr`.
     Reimported { addr: u64 },
-    /// [`Request::ShareableSource`] is recorded.
+    /// [`AgentRequest::ShareableSource`] is recorded.
     SourceNoted,
     /// The first message of a keeper started detached: it runs as `pid`, and a pidfd of it is
     /// attached. The process the plugin started has exited by then, so the keeper is not a
@@ -740,238 +578,6 @@ pub(crate) fn truncate_utf8(s: &str, max: usize) -> &str {
         end -= 1;
     }
     &s[..end]
-}
-
-impl Request {
-    /// Writes the message into `buf`; returns its length.
-    pub fn encode(&self, buf: &mut [u8; MAX_MESSAGE]) -> usize {
-        let mut w = Writer::new(buf);
-        match self {
-            Request::Hello { version } => {
-                header(&mut w, kind::REQ_HELLO);
-                w.u16(*version);
-            }
-            Request::ListAllocations => header(&mut w, kind::REQ_LIST),
-            Request::DumpBegin {
-                slot_size,
-                slots,
-                streams,
-            } => {
-                header(&mut w, kind::REQ_DUMP_BEGIN);
-                w.u64(*slot_size);
-                w.u32(*slots);
-                w.u32(*streams);
-            }
-            Request::PreCopyBegin {
-                slot_size,
-                slots,
-                streams,
-            } => {
-                header(&mut w, kind::REQ_PRECOPY_BEGIN);
-                w.u64(*slot_size);
-                w.u32(*slots);
-                w.u32(*streams);
-            }
-            Request::SlotFree { slot } => {
-                header(&mut w, kind::REQ_SLOT_FREE);
-                w.u32(*slot);
-            }
-            Request::Release => header(&mut w, kind::REQ_RELEASE),
-            Request::Abort => header(&mut w, kind::REQ_ABORT),
-            Request::RestoreBegin {
-                slot_size,
-                slots,
-                streams,
-            } => {
-                header(&mut w, kind::REQ_RESTORE_BEGIN);
-                w.u64(*slot_size);
-                w.u32(*slots);
-                w.u32(*streams);
-            }
-            Request::ChunkLoad {
-                slot,
-                addr,
-                len,
-                device_hash,
-            } => {
-                header(&mut w, kind::REQ_CHUNK_LOAD);
-                w.u32(*slot);
-                w.u64(*addr);
-                w.u64(*len);
-                opt_u64(&mut w, *device_hash);
-            }
-            Request::ChunkZero {
-                addr,
-                len,
-                device_hash,
-            } => {
-                header(&mut w, kind::REQ_CHUNK_ZERO);
-                w.u64(*addr);
-                w.u64(*len);
-                opt_u64(&mut w, *device_hash);
-            }
-            Request::RestoreDataDone => header(&mut w, kind::REQ_RESTORE_DONE),
-            Request::KnownChunk {
-                addr,
-                len,
-                device_hash,
-            } => {
-                header(&mut w, kind::REQ_KNOWN_CHUNK);
-                w.u64(*addr);
-                w.u64(*len);
-                w.u64(*device_hash);
-            }
-            Request::LendBegin => header(&mut w, kind::REQ_LEND_BEGIN),
-            Request::Adopt {
-                id,
-                device,
-                addr,
-                size,
-            } => {
-                header(&mut w, kind::REQ_ADOPT);
-                w.u64(*id);
-                w.u32(*device);
-                w.u64(*addr);
-                w.u64(*size);
-            }
-            Request::Snapshot { share_percent } => {
-                header(&mut w, kind::REQ_SNAPSHOT);
-                w.u32(*share_percent);
-            }
-            Request::Reclaim => header(&mut w, kind::REQ_RECLAIM),
-            Request::Expect {
-                id,
-                gpu,
-                addr,
-                size,
-                rdma_capable,
-            } => {
-                header(&mut w, kind::REQ_EXPECT);
-                w.u64(*id);
-                w.bytes16(gpu);
-                w.u64(*addr);
-                w.u64(*size);
-                w.bool(*rdma_capable);
-            }
-            Request::Take {
-                id,
-                addr,
-                size,
-                rdma_capable,
-            } => {
-                header(&mut w, kind::REQ_TAKE);
-                w.u64(*id);
-                w.u64(*addr);
-                w.u64(*size);
-                w.bool(*rdma_capable);
-            }
-            Request::TakeEnd => header(&mut w, kind::REQ_TAKE_END),
-            Request::ListSharing => header(&mut w, kind::REQ_LIST_SHARING),
-            Request::ShareFds => header(&mut w, kind::REQ_SHARE_FDS),
-            Request::Reimport { exporter_pid, id } => {
-                header(&mut w, kind::REQ_REIMPORT);
-                w.u32(*exporter_pid);
-                w.u64(*id);
-            }
-            Request::ShareableSource {
-                import,
-                exporter_pid,
-                id,
-                key,
-            } => {
-                header(&mut w, kind::REQ_SHAREABLE_SOURCE);
-                w.u64(*import);
-                w.u32(*exporter_pid);
-                w.u64(*id);
-                w.bytes16(key);
-            }
-        }
-        w.len()
-    }
-
-    /// Parses one received message. Never panics; trailing bytes are an error.
-    pub fn decode(b: &[u8]) -> Result<Self, ProtoError> {
-        let (k, mut r) = open(b)?;
-        let req = match k {
-            kind::REQ_HELLO => Request::Hello { version: r.u16()? },
-            kind::REQ_LIST => Request::ListAllocations,
-            kind::REQ_DUMP_BEGIN => Request::DumpBegin {
-                slot_size: r.u64()?,
-                slots: r.u32()?,
-                streams: r.u32()?,
-            },
-            kind::REQ_PRECOPY_BEGIN => Request::PreCopyBegin {
-                slot_size: r.u64()?,
-                slots: r.u32()?,
-                streams: r.u32()?,
-            },
-            kind::REQ_SLOT_FREE => Request::SlotFree { slot: r.u32()? },
-            kind::REQ_RELEASE => Request::Release,
-            kind::REQ_ABORT => Request::Abort,
-            kind::REQ_RESTORE_BEGIN => Request::RestoreBegin {
-                slot_size: r.u64()?,
-                slots: r.u32()?,
-                streams: r.u32()?,
-            },
-            kind::REQ_CHUNK_LOAD => Request::ChunkLoad {
-                slot: r.u32()?,
-                addr: r.u64()?,
-                len: r.u64()?,
-                device_hash: read_opt_u64(&mut r)?,
-            },
-            kind::REQ_CHUNK_ZERO => Request::ChunkZero {
-                addr: r.u64()?,
-                len: r.u64()?,
-                device_hash: read_opt_u64(&mut r)?,
-            },
-            kind::REQ_RESTORE_DONE => Request::RestoreDataDone,
-            kind::REQ_KNOWN_CHUNK => Request::KnownChunk {
-                addr: r.u64()?,
-                len: r.u64()?,
-                device_hash: r.u64()?,
-            },
-            kind::REQ_LEND_BEGIN => Request::LendBegin,
-            kind::REQ_ADOPT => Request::Adopt {
-                id: r.u64()?,
-                device: r.u32()?,
-                addr: r.u64()?,
-                size: r.u64()?,
-            },
-            kind::REQ_SNAPSHOT => Request::Snapshot {
-                share_percent: r.u32()?,
-            },
-            kind::REQ_RECLAIM => Request::Reclaim,
-            kind::REQ_EXPECT => Request::Expect {
-                id: r.u64()?,
-                gpu: r.bytes16()?,
-                addr: r.u64()?,
-                size: r.u64()?,
-                rdma_capable: r.bool()?,
-            },
-            kind::REQ_TAKE => Request::Take {
-                id: r.u64()?,
-                addr: r.u64()?,
-                size: r.u64()?,
-                rdma_capable: r.bool()?,
-            },
-            kind::REQ_TAKE_END => Request::TakeEnd,
-            kind::REQ_LIST_SHARING => Request::ListSharing,
-            kind::REQ_SHARE_FDS => Request::ShareFds,
-            kind::REQ_REIMPORT => Request::Reimport {
-                exporter_pid: r.u32()?,
-                id: r.u64()?,
-            },
-            kind::REQ_SHAREABLE_SOURCE => Request::ShareableSource {
-                import: r.u64()?,
-                exporter_pid: r.u32()?,
-                id: r.u64()?,
-                key: r.bytes16()?,
-            },
-            other => return Err(ProtoError::UnknownKind(other)),
-        };
-        r.finish()?;
-        Ok(req)
-    }
 }
 
 impl Reply {

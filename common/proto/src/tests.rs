@@ -6,101 +6,132 @@ use std::time::{Duration, Instant};
 
 use crate::*;
 
-fn all_requests() -> Vec<Request> {
+/// The requests both servers take, as in the two lists below.
+fn all_common_requests() -> Vec<CommonRequest> {
     vec![
-        Request::Hello {
+        CommonRequest::Hello {
             version: PROTOCOL_VERSION,
         },
-        Request::ListAllocations,
-        Request::DumpBegin {
+        CommonRequest::DumpBegin {
             slot_size: 64 << 20,
             slots: 16,
             streams: 4,
         },
-        Request::PreCopyBegin {
-            slot_size: 32 << 20,
-            slots: 8,
-            streams: 2,
-        },
-        Request::SlotFree { slot: 15 },
-        Request::Release,
-        Request::Abort,
-        Request::RestoreBegin {
+        CommonRequest::SlotFree { slot: 15 },
+        CommonRequest::Release,
+        CommonRequest::Abort,
+        CommonRequest::RestoreBegin {
             slot_size: u64::MAX,
             slots: u32::MAX,
             streams: 0,
         },
-        Request::ChunkLoad {
+        CommonRequest::ChunkLoad {
             slot: 3,
             addr: 0x7f00_0000_0000,
             len: 4096,
             device_hash: Some(u64::MAX),
         },
-        Request::ChunkLoad {
+        CommonRequest::ChunkLoad {
             slot: 0,
             addr: 1,
             len: 2,
             device_hash: None,
         },
-        Request::ChunkZero {
+        CommonRequest::ChunkZero {
             addr: 0x7f00_0020_0000,
             len: 32 << 20,
             device_hash: Some(0),
         },
-        Request::ChunkZero {
+        CommonRequest::ChunkZero {
             addr: 0,
             len: 0,
             device_hash: None,
         },
-        Request::RestoreDataDone,
-        Request::LendBegin,
-        Request::Expect {
+        CommonRequest::RestoreDataDone,
+        CommonRequest::LendBegin,
+        CommonRequest::KnownChunk {
+            addr: 0x7f00_0000_0000,
+            len: 32 << 20,
+            device_hash: u64::MAX,
+        },
+    ]
+}
+
+/// The job's agent's own requests (no keeper takes them).
+fn agent_only_requests() -> Vec<AgentRequest> {
+    vec![
+        AgentRequest::ListAllocations,
+        AgentRequest::PreCopyBegin {
+            slot_size: 32 << 20,
+            slots: 8,
+            streams: 2,
+        },
+        AgentRequest::Take {
+            id: 4,
+            addr: 0x7000_0040_0000,
+            size: 4 << 20,
+            rdma_capable: true,
+        },
+        AgentRequest::TakeEnd,
+        AgentRequest::ListSharing,
+        AgentRequest::ShareFds,
+        AgentRequest::Reimport {
+            exporter_pid: 77,
+            id: 9,
+        },
+        AgentRequest::ShareableSource {
+            import: 2,
+            exporter_pid: 77,
+            id: 9,
+            key: [0xc3; 16],
+        },
+        AgentRequest::Reclaim,
+    ]
+}
+
+/// The keeper's own requests (no job's agent takes them).
+fn keeper_only_requests() -> Vec<KeeperRequest> {
+    vec![
+        KeeperRequest::Expect {
             id: 4,
             gpu: [0xa5; 16],
             addr: 0x7000_0040_0000,
             size: 4 << 20,
             rdma_capable: false,
         },
-        Request::Expect {
+        KeeperRequest::Expect {
             id: 5,
             gpu: [0x5a; 16],
             addr: 0x7000_0080_0000,
             size: 2 << 20,
             rdma_capable: true,
         },
-        Request::Take {
-            id: 4,
-            addr: 0x7000_0040_0000,
-            size: 4 << 20,
-            rdma_capable: true,
-        },
-        Request::TakeEnd,
-        Request::ListSharing,
-        Request::ShareFds,
-        Request::Reimport {
-            exporter_pid: 77,
-            id: 9,
-        },
-        Request::ShareableSource {
-            import: 2,
-            exporter_pid: 77,
-            id: 9,
-            key: [0xc3; 16],
-        },
-        Request::Adopt {
+        KeeperRequest::Adopt {
             id: 3,
             device: 1,
             addr: 0x7000_0020_0000,
             size: 2 << 20,
         },
-        Request::Reclaim,
-        Request::Snapshot { share_percent: 50 },
-        Request::KnownChunk {
-            addr: 0x7f00_0000_0000,
-            len: 32 << 20,
-            device_hash: u64::MAX,
-        },
+        KeeperRequest::Snapshot { share_percent: 50 },
     ]
+}
+
+/// Every request a job's agent takes.
+fn all_agent_requests() -> Vec<AgentRequest> {
+    all_common_requests()
+        .into_iter()
+        .map(AgentRequest::from)
+        .chain(agent_only_requests())
+        .collect()
+}
+
+/// Every request a keeper takes.
+fn all_keeper_requests() -> Vec<KeeperRequest> {
+    all_common_requests()
+        .into_iter()
+        .map(KeeperRequest::from)
+        .chain(keeper_only_requests())
+        .collect()
 }
 
 fn all_replies() -> Vec<Reply> {
@@ -309,7 +340,7 @@ fn all_replies() -> Vec<Reply> {
     ]
 }
 
-fn enc_req(r: &Request) -> Vec<u8> {
+fn enc_req<R: Request>(r: &R) -> Vec<u8> {
     let mut buf = [0u8; MAX_MESSAGE];
     let n = r.encode(&mut buf);
     buf[..n].to_vec()
@@ -321,13 +352,18 @@ fn enc_rep(r: &Reply) -> Vec<u8> {
     buf[..n].to_vec()
 }
 
-#[test]
-fn every_request_round_trips() {
-    for r in all_requests() {
+fn requests_round_trip<R: Request>(all: Vec<R>) {
+    for r in all {
         let b = enc_req(&r);
         assert_eq!(&b[..4], b"GSNP");
-        assert_eq!(Request::decode(&b).unwrap(), r);
+        assert_eq!(R::decode(&b).unwrap(), r);
     }
+}
+
+#[test]
+fn every_request_round_trips() {
+    requests_round_trip(all_agent_requests());
+    requests_round_trip(all_keeper_requests());
 }
 
 #[test]
@@ -366,20 +402,25 @@ fn error_message_is_truncated_on_a_char_boundary() {
     }
 }
 
-#[test]
-fn every_truncation_and_extension_is_rejected() {
-    for r in all_requests() {
+fn request_truncations_and_extensions_are_rejected<R: Request>(all: Vec<R>) {
+    for r in all {
         let b = enc_req(&r);
         for cut in 0..b.len() {
-            assert!(Request::decode(&b[..cut]).is_err(), "{r:?} cut at {cut}");
+            assert!(R::decode(&b[..cut]).is_err(), "{r:?} cut at {cut}");
         }
         let mut longer = b.clone();
         longer.push(0);
         assert!(
-            matches!(Request::decode(&longer), Err(ProtoError::Malformed(_))),
+            matches!(R::decode(&longer), Err(ProtoError::Malformed(_))),
             "{r:?}"
         );
     }
+}
+
+#[test]
+fn every_truncation_and_extension_is_rejected() {
+    request_truncations_and_extensions_are_rejected(all_agent_requests());
+    request_truncations_and_extensions_are_rejected(all_keeper_requests());
     for r in all_replies() {
         let b = enc_rep(&r);
         for cut in 0..b.len() {
@@ -394,39 +435,157 @@ fn every_truncation_and_extension_is_rejected() {
     }
 }
 
-#[test]
-fn header_errors_are_typed() {
-    let mut b = enc_req(&Request::Release);
+fn request_header_errors_are_typed<R: Request>() {
+    let release = R::from(CommonRequest::Release);
+    let mut b = enc_req(&release);
     b[0] ^= 1;
-    assert!(matches!(Request::decode(&b), Err(ProtoError::BadMagic)));
-    let mut b = enc_req(&Request::Release);
+    assert!(matches!(R::decode(&b), Err(ProtoError::BadMagic)));
+    let mut b = enc_req(&release);
     b[4] = 10;
     assert!(matches!(
-        Request::decode(&b),
+        R::decode(&b),
         Err(ProtoError::VersionMismatch {
             ours: 9,
             theirs: 10
         })
     ));
-    let mut b = enc_req(&Request::Release);
+    let mut b = enc_req(&release);
     b[6] = 0x77;
     assert!(matches!(
-        Request::decode(&b),
+        R::decode(&b),
         Err(ProtoError::UnknownKind(0x0077))
     ));
     // A reply fed to the request decoder and the reverse.
     assert!(matches!(
-        Request::decode(&enc_rep(&Reply::Ready)),
+        R::decode(&enc_rep(&Reply::Ready)),
         Err(ProtoError::UnknownKind(_))
     ));
     assert!(matches!(
-        Reply::decode(&enc_req(&Request::Abort)),
+        Reply::decode(&enc_req(&R::from(CommonRequest::Abort))),
         Err(ProtoError::UnknownKind(_))
     ));
+}
+
+#[test]
+fn header_errors_are_typed() {
+    request_header_errors_are_typed::<AgentRequest>();
+    request_header_errors_are_typed::<KeeperRequest>();
     assert!(matches!(
         Reply::decode(&[0u8; MAX_MESSAGE + 1]),
         Err(ProtoError::TooLong)
     ));
+}
+
+/// Refusals name requests by their `Debug` text: a shared request prints as itself in both
+/// types, and each type's own ones as a derived `Debug` would.
+#[test]
+fn requests_print_as_their_variant() {
+    for c in all_common_requests() {
+        assert_eq!(
+            format!("{:?}", AgentRequest::from(c.clone())),
+            format!("{c:?}")
+        );
+        assert_eq!(
+            format!("{:?}", KeeperRequest::from(c.clone())),
+            format!("{c:?}")
+        );
+    }
+    assert_eq!(format!("{:?}", CommonRequest::Release), "Release");
+    assert_eq!(
+        format!("{:?}", AgentRequest::ListAllocations),
+        "ListAllocations"
+    );
+    assert_eq!(
+        format!(
+            "{:?}",
+            AgentRequest::Reimport {
+                exporter_pid: 7,
+                id: 9
+            }
+        ),
+        "Reimport { exporter_pid: 7, id: 9 }"
+    );
+    assert_eq!(
+        format!("{:?}", KeeperRequest::Snapshot { share_percent: 50 }),
+        "Snapshot { share_percent: 50 }"
+    );
+}
+
+/// A bare header of kind `k`.
+fn header_of(k: u16) -> Vec<u8> {
+    let mut b = Vec::with_capacity(HEADER_LEN);
+    b.extend_from_slice(&MAGIC.to_le_bytes());
+    b.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+    b.extend_from_slice(&k.to_le_bytes());
+    b
+}
+
+/// The kind a request is sent as.
+fn kind_of<R: Request>(r: &R) -> u16 {
+    let b = enc_req(r);
+    u16::from_le_bytes([b[6], b[7]])
+}
+
+#[test]
+fn each_server_refuses_the_others_requests() {
+    // Whole, valid messages of one server's own requests are an unknown kind to the other.
+    for r in agent_only_requests() {
+        let k = kind_of(&r);
+        assert!(
+            matches!(KeeperRequest::decode(&enc_req(&r)), Err(ProtoError::UnknownKind(x)) if x == k),
+            "the keeper took {r:?}"
+        );
+    }
+    for r in keeper_only_requests() {
+        let k = kind_of(&r);
+        assert!(
+            matches!(AgentRequest::decode(&enc_req(&r)), Err(ProtoError::UnknownKind(x)) if x == k),
+            "the agent took {r:?}"
+        );
+    }
+    // The shared ones are the same bytes to both, and read back as the same request.
+    for c in all_common_requests() {
+        let b = enc_req(&AgentRequest::from(c.clone()));
+        assert_eq!(b, enc_req(&KeeperRequest::from(c.clone())), "{c:?}");
+        assert_eq!(
+            AgentRequest::decode(&b).unwrap(),
+            AgentRequest::Common(c.clone())
+        );
+        assert_eq!(KeeperRequest::decode(&b).unwrap(), KeeperRequest::Common(c));
+    }
+    // Every request kind there is (and a few beyond): each decoder finds exactly the other's
+    // own kinds unknown, whatever follows the header; the two own sets and the shared one
+    // cover every request kind, once.
+    let agent_own: Vec<u16> = agent_only_requests().iter().map(kind_of).collect();
+    let keeper_own: Vec<u16> = keeper_only_requests().iter().map(kind_of).collect();
+    let common: Vec<u16> = all_common_requests()
+        .into_iter()
+        .map(|c| kind_of(&AgentRequest::from(c)))
+        .collect();
+    for k in 0x0000..=0x0020u16 {
+        let known = |own: &[u16]| own.contains(&k) || common.contains(&k);
+        let unknown =
+            |r: Result<(), ProtoError>| matches!(r, Err(ProtoError::UnknownKind(x)) if x == k);
+        let b = header_of(k);
+        assert_eq!(
+            unknown(AgentRequest::decode(&b).map(drop)),
+            !known(&agent_own),
+            "kind {k:#06x} to the agent"
+        );
+        assert_eq!(
+            unknown(KeeperRequest::decode(&b).map(drop)),
+            !known(&keeper_own),
+            "kind {k:#06x} to the keeper"
+        );
+        let owners = [&agent_own, &keeper_own, &common]
+            .iter()
+            .filter(|own| own.contains(&k))
+            .count();
+        assert!(owners <= 1, "kind {k:#06x} belongs to {owners} sets");
+        if (0x0001..=0x0017).contains(&k) {
+            assert_eq!(owners, 1, "kind {k:#06x} is nobody's");
+        }
+    }
 }
 
 #[test]
@@ -450,7 +609,7 @@ fn bad_field_values_are_rejected() {
     b[n - 1] = 2;
     assert!(matches!(Reply::decode(&b), Err(ProtoError::Malformed(_))));
     // Expect's RDMA flag is its last byte.
-    let mut b = enc_req(&Request::Expect {
+    let mut b = enc_req(&KeeperRequest::Expect {
         id: 1,
         gpu: [0; 16],
         addr: 0,
@@ -459,7 +618,10 @@ fn bad_field_values_are_rejected() {
     });
     assert_eq!(b.len(), HEADER_LEN + 8 + 16 + 8 + 8 + 1);
     *b.last_mut().unwrap() = 2;
-    assert!(matches!(Request::decode(&b), Err(ProtoError::Malformed(_))));
+    assert!(matches!(
+        KeeperRequest::decode(&b),
+        Err(ProtoError::Malformed(_))
+    ));
     // Boolean 2.
     let mut b = enc_rep(&Reply::Hello {
         version: 1,
@@ -515,9 +677,10 @@ impl Rng {
 #[test]
 fn random_bytes_never_panic_and_decodes_re_encode_identically() {
     let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
-    let valid: Vec<Vec<u8>> = all_requests()
+    let valid: Vec<Vec<u8>> = all_agent_requests()
         .iter()
         .map(enc_req)
+        .chain(keeper_only_requests().iter().map(enc_req))
         .chain(all_replies().iter().map(enc_rep))
         .collect();
     for i in 0..200_000 {
@@ -541,7 +704,10 @@ fn random_bytes_never_panic_and_decodes_re_encode_identically() {
             }
             v
         };
-        if let Ok(r) = Request::decode(&b) {
+        if let Ok(r) = AgentRequest::decode(&b) {
+            assert_eq!(enc_req(&r), b, "request decode is not canonical");
+        }
+        if let Ok(r) = KeeperRequest::decode(&b) {
             assert_eq!(enc_req(&r), b, "request decode is not canonical");
         }
         if let Ok(r) = Reply::decode(&b) {
@@ -564,21 +730,32 @@ fn largest_message_fits() {
 #[test]
 fn an_absent_optional_value_must_be_zero() {
     let mut buf = [0u8; MAX_MESSAGE];
-    let n = Request::ChunkLoad {
+    let n = AgentRequest::from(CommonRequest::ChunkLoad {
         slot: 1,
         addr: 2,
         len: 3,
         device_hash: None,
-    }
+    })
     .encode(&mut buf);
     // The last 8 bytes are the value; its presence byte says absent.
     buf[n - 1] = 1;
     assert!(matches!(
-        Request::decode(&buf[..n]),
+        AgentRequest::decode(&buf[..n]),
+        Err(ProtoError::Malformed(_))
+    ));
+    assert!(matches!(
+        KeeperRequest::decode(&buf[..n]),
         Err(ProtoError::Malformed(_))
     ));
     buf[n - 9] = 2;
-    assert!(Request::decode(&buf[..n]).is_err(), "a presence byte of 2");
+    assert!(
+        AgentRequest::decode(&buf[..n]).is_err(),
+        "a presence byte of 2"
+    );
+    assert!(
+        KeeperRequest::decode(&buf[..n]).is_err(),
+        "a presence byte of 2"
+    );
 }
 
 #[test]
@@ -618,13 +795,15 @@ fn memfd_with(content: &[u8]) -> std::fs::File {
 fn pair_passes_messages_and_one_fd() {
     let (a, b) = Channel::pair().unwrap();
     let file = memfd_with(b"staging");
-    let req = Request::DumpBegin {
+    let req = KeeperRequest::from(CommonRequest::DumpBegin {
         slot_size: 4096,
         slots: 2,
         streams: 1,
-    };
+    });
     a.send_request(&req, Some(file.as_fd())).unwrap();
-    let (got, fd) = b.recv_request(Some(Duration::from_secs(5))).unwrap();
+    let (got, fd) = b
+        .recv_request::<KeeperRequest>(Some(Duration::from_secs(5)))
+        .unwrap();
     assert_eq!(got, req);
     let fd = fd.expect("fd attached");
     assert_ne!(fd.as_raw_fd(), file.as_raw_fd());
@@ -640,11 +819,14 @@ fn pair_passes_messages_and_one_fd() {
     b.send_reply(&Reply::Ready).unwrap();
     assert_eq!(a.recv_reply(None).unwrap(), Reply::Ready);
     assert!(a.try_recv_reply().unwrap().is_none());
-    assert!(b.try_recv_request().unwrap().is_none());
-    a.send_request(&Request::Abort, None).unwrap();
+    assert!(b.try_recv_request::<AgentRequest>().unwrap().is_none());
+    a.send_request(&AgentRequest::Common(CommonRequest::Abort), None)
+        .unwrap();
     assert_eq!(
-        b.try_recv_request().unwrap().map(|(r, _)| r),
-        Some(Request::Abort)
+        b.try_recv_request::<AgentRequest>()
+            .unwrap()
+            .map(|(r, _)| r),
+        Some(AgentRequest::Common(CommonRequest::Abort))
     );
 }
 
@@ -653,7 +835,7 @@ fn timeout_closed_and_misuse_are_reported() {
     let (a, b) = Channel::pair().unwrap();
     let t0 = Instant::now();
     assert!(matches!(
-        b.recv_request(Some(Duration::from_millis(50))),
+        b.recv_request::<AgentRequest>(Some(Duration::from_millis(50))),
         Err(ProtoError::Timeout)
     ));
     assert!(t0.elapsed() >= Duration::from_millis(50));
@@ -662,7 +844,10 @@ fn timeout_closed_and_misuse_are_reported() {
     send_raw_with_fds(&a, &enc_rep(&Reply::Ready), &[file.as_raw_fd()]);
     assert!(matches!(b.recv_reply(None), Err(ProtoError::UnexpectedFd)));
     drop(a);
-    assert!(matches!(b.recv_request(None), Err(ProtoError::Closed)));
+    assert!(matches!(
+        b.recv_request::<KeeperRequest>(None),
+        Err(ProtoError::Closed)
+    ));
     assert!(matches!(
         b.send_reply(&Reply::Ready),
         Err(ProtoError::Closed)
@@ -718,17 +903,17 @@ fn extra_fds_are_refused_and_closed() {
     let (a, b) = Channel::pair().unwrap();
     let f1 = memfd_with(b"1");
     let f2 = memfd_with(b"2");
-    let bytes = enc_req(&Request::Release);
+    let bytes = enc_req(&AgentRequest::Common(CommonRequest::Release));
     let (before1, before2) = (fds_referring_to(&f1), fds_referring_to(&f2));
     send_raw_with_fds(&a, &bytes, &[f1.as_raw_fd(), f2.as_raw_fd()]);
     assert!(matches!(
-        b.recv_request(None),
+        b.recv_request::<AgentRequest>(None),
         Err(ProtoError::TooManyFds(2))
     ));
     // Way more than the control buffer holds: truncated, still refused, nothing leaks.
     let many: Vec<i32> = (0..20).map(|_| f1.as_raw_fd()).collect();
     send_raw_with_fds(&a, &bytes, &many);
-    let got = b.recv_request(None);
+    let got = b.recv_request::<KeeperRequest>(None);
     assert!(
         matches!(
             got,
@@ -744,12 +929,19 @@ fn extra_fds_are_refused_and_closed() {
     // A too-long record.
     let long = vec![0u8; MAX_MESSAGE + 10];
     send_raw_with_fds(&a, &long, &[]);
-    assert!(matches!(b.recv_request(None), Err(ProtoError::TooLong)));
+    assert!(matches!(
+        b.recv_request::<AgentRequest>(None),
+        Err(ProtoError::TooLong)
+    ));
     // Garbage is an error, and the channel still works after it.
     send_raw_with_fds(&a, b"garbage!", &[]);
-    assert!(b.recv_request(None).is_err());
-    a.send_request(&Request::ListAllocations, None).unwrap();
-    assert_eq!(b.recv_request(None).unwrap().0, Request::ListAllocations);
+    assert!(b.recv_request::<KeeperRequest>(None).is_err());
+    a.send_request(&AgentRequest::ListAllocations, None)
+        .unwrap();
+    assert_eq!(
+        b.recv_request::<AgentRequest>(None).unwrap().0,
+        AgentRequest::ListAllocations
+    );
 }
 
 #[test]
@@ -806,17 +998,20 @@ fn door_knock_take_and_withdraw() {
     assert_eq!(cred.uid, unsafe { libc::geteuid() });
     let served = Channel::new(conn);
     ours.send_request(
-        &Request::Hello {
+        &AgentRequest::Common(CommonRequest::Hello {
             version: PROTOCOL_VERSION,
-        },
+        }),
         None,
     )
     .unwrap();
     assert_eq!(
-        served.recv_request(Some(Duration::from_secs(5))).unwrap().0,
-        Request::Hello {
+        served
+            .recv_request::<AgentRequest>(Some(Duration::from_secs(5)))
+            .unwrap()
+            .0,
+        AgentRequest::Common(CommonRequest::Hello {
             version: PROTOCOL_VERSION
-        }
+        })
     );
     served.send_reply(&Reply::Aborted).unwrap();
     assert_eq!(

@@ -315,7 +315,7 @@ impl Driver {
         Ok(ctx)
     }
 
-    pub fn set_current(&self, ctx: CUcontext) -> Result<(), CuError> {
+    pub(crate) fn set_current(&self, ctx: CUcontext) -> Result<(), CuError> {
         // SAFETY: ctx is a context handle from cuDevicePrimaryCtxRetain.
         self.check(unsafe { (self.ctx_set_current)(ctx) }, || {
             "cuCtxSetCurrent".into()
@@ -577,7 +577,7 @@ impl Driver {
         Ok(s)
     }
 
-    pub fn sync_stream(&self, s: CUstream) -> Result<(), CuError> {
+    pub(crate) fn sync_stream(&self, s: CUstream) -> Result<(), CuError> {
         // SAFETY: s is a live stream handle.
         self.check(unsafe { (self.stream_synchronize)(s) }, || {
             "cuStreamSynchronize".into()
@@ -592,14 +592,14 @@ impl Driver {
         Ok(e)
     }
 
-    pub fn record(&self, e: CUevent, s: CUstream) -> Result<(), CuError> {
+    pub(crate) fn record(&self, e: CUevent, s: CUstream) -> Result<(), CuError> {
         // SAFETY: e and s are live handles of the current context.
         self.check(unsafe { (self.event_record)(e, s) }, || {
             "cuEventRecord".into()
         })
     }
 
-    pub fn wait_event(&self, e: CUevent) -> Result<(), CuError> {
+    pub(crate) fn wait_event(&self, e: CUevent) -> Result<(), CuError> {
         // SAFETY: e is a live event handle.
         self.check(unsafe { (self.event_synchronize)(e) }, || {
             "cuEventSynchronize".into()
@@ -607,7 +607,7 @@ impl Driver {
     }
 
     /// Ok(true) when the work before the event is done, Ok(false) while it runs.
-    pub fn event_done(&self, e: CUevent) -> Result<bool, CuError> {
+    pub(crate) fn event_done(&self, e: CUevent) -> Result<bool, CuError> {
         // SAFETY: e is a live event handle.
         let rc = unsafe { (self.event_query)(e) };
         if rc == CUDA_ERROR_NOT_READY {
@@ -693,7 +693,7 @@ impl Driver {
     }
 
     /// `len` bytes of `value` at `dst`, on stream `s`.
-    pub fn memset_async(
+    pub(crate) fn memset_async(
         &self,
         dst: CUdeviceptr,
         value: u8,

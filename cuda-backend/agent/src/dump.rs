@@ -11,7 +11,7 @@ use std::collections::{HashMap, VecDeque};
 use std::os::fd::OwnedFd;
 use std::time::Instant;
 
-use gpusnap_proto::{Channel, ProtoError, Reply, Request};
+use gpusnap_proto::{Channel, CommonRequest, ProtoError, Reply, Request};
 
 use crate::devhash::{self, ChunkHash};
 use crate::gpu::Gpu;
@@ -100,10 +100,11 @@ pub fn no_imports(_: &Driver, _: &mut Gpu) -> Result<(u32, u64), Fail> {
     Ok((0, 0))
 }
 
-/// Runs a whole dump or pre-copy round on this connection; the connection is to be closed
-/// afterwards; `also` is what a `Release` does besides (see [`release`]).
+/// Runs a whole dump or pre-copy round on this connection, whose requests are `R` (the job's
+/// agent's or the keeper's); the connection is to be closed afterwards; `also` is what a
+/// `Release` does besides (see `release`).
 #[allow(clippy::too_many_arguments)]
-pub fn run(
+pub fn run<R: Request>(
     gpu: &mut Gpu,
     ch: &Channel,
     ring: Ring,
@@ -113,7 +114,7 @@ pub fn run(
     also: ReleaseAlso,
 ) {
     let mut staging = None;
-    let result = dump(gpu, ch, ring, memfd, &mut staging, known, mode, also);
+    let result = dump::<R>(gpu, ch, ring, memfd, &mut staging, known, mode, also);
     session::conclude(ch, gpu, staging, result);
 }
 
@@ -130,7 +131,7 @@ fn spans_to_copy(t: &table::Table) -> Result<Vec<Span>, Fail> {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn dump(
+fn dump<R: Request>(
     gpu: &mut Gpu,
     ch: &Channel,
     ring: Ring,
@@ -141,24 +142,26 @@ fn dump(
     also: ReleaseAlso,
 ) -> Result<Reply, Fail> {
     let none = std::collections::HashSet::new();
-    let (spans, done) = copy_phase(gpu, ch, ring, memfd, staging, known, mode, &none)?;
+    let (spans, done) = copy_phase::<R>(gpu, ch, ring, memfd, staging, known, mode, &none)?;
     if mode == Mode::Live {
         // The round is over; `conclude` sends this once the ring is let go.
         return Ok(done);
     }
     ch.send_reply(&done)?;
 
+    const PHASE: &str = "after DumpDataDone (Release, Abort, or a keeper's copy again)";
     loop {
-        match ch.recv_request(None)? {
-            (Request::Release, None) => {
+        let (req, fd) = ch.recv_request::<R>(None)?;
+        match (session::common(req, PHASE)?, fd) {
+            (CommonRequest::Release, None) => {
                 crate::held::by_a_tracer().map_err(Fail::bad_state)?;
                 break;
             }
-            (Request::Abort, None) => return Err(Fail::Aborted),
+            (CommonRequest::Abort, None) => return Err(Fail::Aborted),
             // A keeper's drain whose parent image was found damaged after the copy compared
             // against it: everything again, compared with nothing, from the memory still held.
             (
-                Request::DumpBegin {
+                CommonRequest::DumpBegin {
                     slot_size,
                     slots,
                     streams,
@@ -175,15 +178,11 @@ fn dump(
                     streams,
                 };
                 let nothing = KnownChunks::default();
-                let (_, done) = copy_phase(gpu, ch, ring, memfd, staging, &nothing, mode, &none)?;
+                let (_, done) =
+                    copy_phase::<R>(gpu, ch, ring, memfd, staging, &nothing, mode, &none)?;
                 ch.send_reply(&done)?;
             }
-            (other, _) => {
-                return Err(Fail::unexpected(
-                    &other,
-                    "after DumpDataDone (Release, Abort, or a keeper's copy again)",
-                ));
-            }
+            (other, _) => return Err(Fail::unexpected(&other, PHASE)),
         }
     }
     let drv = need_driver()?;
@@ -202,7 +201,7 @@ fn dump(
 /// lend's connection after `LentEnd`, the application's threads held: every other converted
 /// allocation goes through the ring as in a dump, and `DumpDataDone` is sent. The `Release`
 /// that follows (all of them, lent ones included) is the lend's.
-pub(crate) fn copy_unlent(
+pub(crate) fn copy_unlent<R: Request>(
     gpu: &mut Gpu,
     ch: &Channel,
     ring: Ring,
@@ -211,7 +210,7 @@ pub(crate) fn copy_unlent(
     known: &KnownChunks,
     lent: &std::collections::HashSet<u64>,
 ) -> Result<(), Fail> {
-    let (spans, done) = copy_phase(gpu, ch, ring, memfd, staging, known, Mode::Stopped, lent)?;
+    let (spans, done) = copy_phase::<R>(gpu, ch, ring, memfd, staging, known, Mode::Stopped, lent)?;
     debug!("hand-over: {} allocations copied out first", spans.len());
     ch.send_reply(&done)?;
     Ok(())
@@ -220,7 +219,7 @@ pub(crate) fn copy_unlent(
 /// The copy of a dump or a pre-copy round, up to its `DumpDataDone` (returned, not sent), of
 /// every converted allocation but those in `skip`; returns the spans copied.
 #[allow(clippy::too_many_arguments)]
-fn copy_phase(
+fn copy_phase<R: Request>(
     gpu: &mut Gpu,
     ch: &Channel,
     ring: Ring,
@@ -307,8 +306,8 @@ fn copy_phase(
         known,
     };
     let bytes = match mode {
-        Mode::Stopped => copy_out(gpu, job)?,
-        Mode::Live => copy_out_live(gpu, job, &handles)?,
+        Mode::Stopped => copy_out::<R>(gpu, job)?,
+        Mode::Live => copy_out_live::<R>(gpu, job, &handles)?,
     };
     let micros = t0.elapsed().as_micros() as u64;
     debug!("dump: {bytes} bytes in {micros} us ({mode:?})");
@@ -320,19 +319,22 @@ fn copy_phase(
     Ok((spans, done))
 }
 
-/// Slots the plugin holds (announced, not yet freed) and slots free for the next copy.
-struct Slots {
+/// Slots the plugin holds (announced, not yet freed) and slots free for the next copy, on a
+/// connection whose requests are `R`.
+struct Slots<R> {
     free: VecDeque<u32>,
     held: Vec<bool>,
     held_count: usize,
+    requests: std::marker::PhantomData<R>,
 }
 
-impl Slots {
+impl<R: Request> Slots<R> {
     fn new(n: u32) -> Self {
         Slots {
             free: (0..n).collect(),
             held: vec![false; n as usize],
             held_count: 0,
+            requests: std::marker::PhantomData,
         }
     }
 
@@ -342,10 +344,11 @@ impl Slots {
     }
 
     /// A request during the copy loop: `SlotFree` of a held slot, or `Abort`.
-    fn on_request(&mut self, req: Request, fd: Option<OwnedFd>) -> Result<(), Fail> {
+    fn on_request(&mut self, req: R, fd: Option<OwnedFd>) -> Result<(), Fail> {
+        const PHASE: &str = "while data is copied out";
         no_fd(fd)?;
-        match req {
-            Request::SlotFree { slot } => {
+        match session::common(req, PHASE)? {
+            CommonRequest::SlotFree { slot } => {
                 match self.held.get_mut(slot as usize) {
                     Some(h) if *h => *h = false,
                     _ => {
@@ -358,8 +361,8 @@ impl Slots {
                 self.free.push_back(slot);
                 Ok(())
             }
-            Request::Abort => Err(Fail::Aborted),
-            other => Err(Fail::unexpected(&other, "while data is copied out")),
+            CommonRequest::Abort => Err(Fail::Aborted),
+            other => Err(Fail::unexpected(&other, PHASE)),
         }
     }
 
@@ -389,7 +392,7 @@ struct CopyJob<'a> {
 /// The copy-out loop; returns the bytes sent. A chunk its hash found all zero is announced
 /// (`ChunkZero`), and one the parent image holds with the same hash (`ChunkUnchanged`),
 /// instead of copied.
-fn copy_out(gpu: &mut Gpu, job: CopyJob<'_>) -> Result<u64, Fail> {
+fn copy_out<R: Request>(gpu: &mut Gpu, job: CopyJob<'_>) -> Result<u64, Fail> {
     let CopyJob {
         drv,
         ch,
@@ -399,7 +402,7 @@ fn copy_out(gpu: &mut Gpu, job: CopyJob<'_>) -> Result<u64, Fail> {
         hashes,
         known,
     } = job;
-    let mut slots = Slots::new(ring.slots);
+    let mut slots = Slots::<R>::new(ring.slots);
     let mut inflight: VecDeque<(u32, usize)> = VecDeque::new();
     let mut next = 0usize;
     let mut bytes = 0u64;
@@ -454,14 +457,14 @@ fn copy_out(gpu: &mut Gpu, job: CopyJob<'_>) -> Result<u64, Fail> {
 /// that its allocation is still mapped, so the application cannot free or unmap it under the
 /// copy. An allocation gone since the round began fails the round (nothing is lost: the
 /// application's memory is untouched, and the round can be run again).
-fn copy_out_live(
+fn copy_out_live<R: Request>(
     gpu: &mut Gpu,
     job: CopyJob<'_>,
     handles: &HashMap<u64, Option<Handle>>,
 ) -> Result<u64, Fail> {
     let (drv, ch, st) = (job.drv, job.ch, job.st);
     let (chunks, hashes, known) = (job.chunks, job.hashes, job.known);
-    let mut slots = Slots::new(job.ring.slots);
+    let mut slots = Slots::<R>::new(job.ring.slots);
     let mut bytes = 0u64;
     for (i, c) in chunks.iter().enumerate() {
         if let Some(announcement) = not_copied(c, hashes[i], known) {

@@ -54,7 +54,7 @@ impl<T: Copy> OwnedList<T> {
         OwnedList(Vec::new())
     }
 
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.0.len()
     }
 

@@ -18,7 +18,7 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use cudarc::driver::sys::CUmemGenericAllocationHandle as Handle;
-use gpusnap_proto::{Channel, Reply, Request};
+use gpusnap_proto::{Channel, CommonRequest, Reply, Request};
 
 use crate::gpu::Gpu;
 use crate::log::debug;
@@ -60,15 +60,16 @@ pub fn forget() {
     }
 }
 
-/// `LendBegin` .. `Release`/`Abort` on this connection; the connection is closed afterwards.
-/// `imports` unmaps the process's CUDA IPC imports at the release.
-pub fn run(ch: &Channel, gpu: &mut Gpu, imports: crate::dump::ImportRelease) {
+/// `LendBegin` .. `Release`/`Abort` on this connection, whose requests are `R` (the job's
+/// agent's or the keeper's); the connection is closed afterwards. `imports` unmaps the
+/// process's CUDA IPC imports at the release.
+pub fn run<R: Request>(ch: &Channel, gpu: &mut Gpu, imports: crate::dump::ImportRelease) {
     let mut staging = None;
-    let result = lend(ch, gpu, &mut staging, imports);
+    let result = lend::<R>(ch, gpu, &mut staging, imports);
     session::conclude(ch, gpu, staging, result);
 }
 
-fn lend(
+fn lend<R: Request>(
     ch: &Channel,
     gpu: &mut Gpu,
     staging: &mut Option<crate::staging::Staging>,
@@ -157,17 +158,18 @@ fn lend(
     let lent_ids: std::collections::HashSet<u64> = lent.iter().map(|k| k.id).collect();
     let mut known = crate::dump::KnownChunks::default();
     let mut copied = false;
+    const PHASE: &str = "after LentEnd (Release, Abort, or the copy of what is not lent)";
     loop {
-        let (req, fd) = ch.recv_request(Some(PEER_WAIT))?;
-        match (req, fd) {
-            (Request::Release, None) => {
+        let (req, fd) = ch.recv_request::<R>(Some(PEER_WAIT))?;
+        match (session::common(req, PHASE)?, fd) {
+            (CommonRequest::Release, None) => {
                 crate::held::by_a_tracer().map_err(Fail::bad_state)?;
                 break;
             }
             // The copies are closed with `lent`: the memory is the job's alone again.
-            (Request::Abort, None) => return Err(Fail::Aborted),
+            (CommonRequest::Abort, None) => return Err(Fail::Aborted),
             (
-                Request::KnownChunk {
+                CommonRequest::KnownChunk {
                     addr,
                     len,
                     device_hash,
@@ -178,7 +180,7 @@ fn lend(
                 .map_err(Fail::bad_request)?,
             // What is not lent is copied out first, on this connection, before the release.
             (
-                Request::DumpBegin {
+                CommonRequest::DumpBegin {
                     slot_size,
                     slots,
                     streams,
@@ -191,15 +193,10 @@ fn lend(
                     slots,
                     streams,
                 };
-                crate::dump::copy_unlent(gpu, ch, ring, memfd, staging, &known, &lent_ids)?;
+                crate::dump::copy_unlent::<R>(gpu, ch, ring, memfd, staging, &known, &lent_ids)?;
                 copied = true;
             }
-            (other, _) => {
-                return Err(Fail::unexpected(
-                    &other,
-                    "after LentEnd (Release, Abort, or the copy of what is not lent)",
-                ));
-            }
+            (other, _) => return Err(Fail::unexpected(&other, PHASE)),
         }
     }
     let t0 = Instant::now();

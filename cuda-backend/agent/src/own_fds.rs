@@ -140,9 +140,9 @@ pub fn forget_at(addr: u64) {
     forget_in(&mut own(), addr);
 }
 
-/// [`forget_at`] from the agent's thread (a release): bounded; a descriptor left is never lent
+/// `forget_at` from the agent's thread (a release): bounded; a descriptor left is never lent
 /// again (its handle is no longer mapped) and goes when the application frees the allocation.
-pub(crate) fn forget_released(addr: u64, handle: Handle) {
+pub fn forget_released(addr: u64, handle: Handle) {
     match own_within() {
         Some(mut g) => {
             forget_in(&mut g, addr);

@@ -9,7 +9,7 @@
 use std::os::fd::OwnedFd;
 use std::time::Instant;
 
-use gpusnap_proto::{Channel, ErrorCode, ProtoError, Reply, Request};
+use gpusnap_proto::{Channel, CommonRequest, ErrorCode, ProtoError, Reply, Request};
 
 use crate::gpu::Gpu;
 use crate::log::debug;
@@ -20,14 +20,15 @@ use crate::staging::Staging;
 use crate::table::{self, AGENT_LOCK_WAIT};
 use crate::vmm;
 
-/// Runs a whole restore on this connection; the connection is to be closed afterwards.
-pub fn run(gpu: &mut Gpu, ch: &Channel, ring: Ring, memfd: OwnedFd) {
+/// Runs a whole restore on this connection, whose requests are `R` (the job's agent's or the
+/// keeper's); the connection is to be closed afterwards.
+pub fn run<R: Request>(gpu: &mut Gpu, ch: &Channel, ring: Ring, memfd: OwnedFd) {
     let mut staging = None;
-    let result = restore(gpu, ch, ring, memfd, &mut staging);
+    let result = restore::<R>(gpu, ch, ring, memfd, &mut staging);
     session::conclude(ch, gpu, staging, result);
 }
 
-fn restore(
+fn restore<R: Request>(
     gpu: &mut Gpu,
     ch: &Channel,
     ring: Ring,
@@ -70,7 +71,7 @@ fn restore(
     let st = staging.insert(st);
     ch.send_reply(&Reply::Ready)?;
 
-    let loaded = copy_in(gpu, drv, ch, st, ring, &spans)?;
+    let loaded = copy_in::<R>(gpu, drv, ch, st, ring, &spans)?;
     // Every allocation re-created here must have been filled whole: an image that lists less
     // (a dump cut short, whose other allocations were lent and never drained) leaves the
     // memory counted as released, never taken for whole.
@@ -234,7 +235,7 @@ fn check_on_device(gpu: &mut Gpu, drv: &Driver, expected: &[(Chunk, u64)]) -> Re
 }
 
 /// The copy-in loop.
-fn copy_in(
+fn copy_in<R: Request>(
     gpu: &mut Gpu,
     drv: &Driver,
     ch: &Channel,
@@ -242,6 +243,7 @@ fn copy_in(
     ring: Ring,
     spans: &[Span],
 ) -> Result<Loaded, Fail> {
+    const PHASE: &str = "while data is copied in";
     let mut expected = Vec::new();
     let mut ranges = Vec::new();
     let mut busy = vec![false; ring.slots as usize];
@@ -263,7 +265,7 @@ fn copy_in(
                 i += 1;
             }
         }
-        let (req, fd) = match ch.try_recv_request()? {
+        let (req, fd) = match ch.try_recv_request::<R>()? {
             Some(m) => m,
             None if !inflight.is_empty() => {
                 // Nothing to read: finish the oldest copy rather than block on the socket.
@@ -281,8 +283,8 @@ fn copy_in(
             },
         };
         no_fd(fd)?;
-        match req {
-            Request::ChunkLoad {
+        match session::common(req, PHASE)? {
+            CommonRequest::ChunkLoad {
                 slot,
                 addr,
                 len,
@@ -314,7 +316,7 @@ fn copy_in(
                 bytes += len;
                 ranges.push((addr, len));
             }
-            Request::ChunkZero {
+            CommonRequest::ChunkZero {
                 addr,
                 len,
                 device_hash,
@@ -337,7 +339,7 @@ fn copy_in(
                 issued += 1;
                 ranges.push((addr, len));
             }
-            Request::RestoreDataDone => {
+            CommonRequest::RestoreDataDone => {
                 for (slot, dev) in std::mem::take(&mut inflight) {
                     let d = gpu.activate(drv, dev)?;
                     drv.wait_event(d.events[slot as usize])?;
@@ -351,8 +353,8 @@ fn copy_in(
                     expected,
                 });
             }
-            Request::Abort => return Err(Fail::Aborted),
-            other => return Err(Fail::unexpected(&other, "while data is copied in")),
+            CommonRequest::Abort => return Err(Fail::Aborted),
+            other => return Err(Fail::unexpected(&other, PHASE)),
         }
     }
 }

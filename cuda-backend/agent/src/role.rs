@@ -1,7 +1,9 @@
 //! What this process is: an application the agent was preloaded into (the default), or a keeper
-//! (`gpusnap-keeper`, see [`crate::keeper`]), which runs no application and loads the driver
-//! library its job uses. Set once by the keeper's `main`, read by the layers below it (the
-//! driver loader, the tracer check), which therefore never import the keeper.
+//! (`gpusnap-keeper`), which runs no application and loads the driver library its job uses. Set
+//! once by the keeper's `main` (its crate links this one as a library), read by what the two
+//! share here: the driver loader (which library), the tracer check (no application's threads
+//! to hold), the dump (a keeper's drain may copy again) and the restore (a keeper makes the
+//! memory as the job's record says). The keeper's own logic is in its crate, not here.
 
 use std::ffi::{CStr, CString};
 use std::sync::OnceLock;

@@ -19,8 +19,8 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 
 use gpusnap_proto::{
-    AllocKind, Channel, DoorInside, ErrorCode, Knock, PROTOCOL_VERSION, ProtoError, Reply, Request,
-    door_sealed, peer_cred, renew_door, take_knock_from,
+    AgentRequest, AllocKind, Channel, CommonRequest, DoorInside, ErrorCode, Knock,
+    PROTOCOL_VERSION, ProtoError, Reply, door_sealed, peer_cred, renew_door, take_knock_from,
 };
 
 use crate::gpu::Gpu;
@@ -178,7 +178,7 @@ struct Taken {
 }
 
 /// A connection's first request, already read.
-type First = (Request, Option<OwnedFd>);
+type First = (AgentRequest, Option<OwnedFd>);
 
 /// The next connection to serve and its first request: every knock at the door is taken (while
 /// a dump holds the process, only the dumper's, [`DUMPER`]) and its connection served only once
@@ -503,25 +503,25 @@ impl Agent {
                     return;
                 }
             };
-            if !matches!(req, Request::KnownChunk { .. }) {
+            if !matches!(req, AgentRequest::Common(CommonRequest::KnownChunk { .. })) {
                 debug!("request {req:?}");
             }
             let mode = match req {
-                Request::PreCopyBegin { .. } => dump::Mode::Live,
+                AgentRequest::PreCopyBegin { .. } => dump::Mode::Live,
                 _ => dump::Mode::Stopped,
             };
             let (req, fd) = match crate::take::Take::from_message((req, fd)) {
                 Ok(first) => return crate::take::run(ch, &mut self.gpu, first),
                 Err(other) => other,
             };
-            match (req, fd) {
+            let sent = match (req, fd) {
                 (
-                    Request::DumpBegin {
+                    AgentRequest::Common(CommonRequest::DumpBegin {
                         slot_size,
                         slots,
                         streams,
-                    }
-                    | Request::PreCopyBegin {
+                    })
+                    | AgentRequest::PreCopyBegin {
                         slot_size,
                         slots,
                         streams,
@@ -536,7 +536,7 @@ impl Agent {
                     if matches!(mode, dump::Mode::Stopped) {
                         dump_begins(ch);
                     }
-                    return dump::run(
+                    return dump::run::<AgentRequest>(
                         &mut self.gpu,
                         ch,
                         ring,
@@ -550,14 +550,14 @@ impl Agent {
                     );
                 }
                 (
-                    Request::RestoreBegin {
+                    AgentRequest::Common(CommonRequest::RestoreBegin {
                         slot_size,
                         slots,
                         streams,
-                    },
+                    }),
                     Some(memfd),
                 ) => {
-                    return restore::run(
+                    return restore::run::<AgentRequest>(
                         &mut self.gpu,
                         ch,
                         Ring {
@@ -569,9 +569,10 @@ impl Agent {
                     );
                 }
                 (
-                    r @ (Request::DumpBegin { .. }
-                    | Request::PreCopyBegin { .. }
-                    | Request::RestoreBegin { .. }),
+                    r @ (AgentRequest::Common(
+                        CommonRequest::DumpBegin { .. } | CommonRequest::RestoreBegin { .. },
+                    )
+                    | AgentRequest::PreCopyBegin { .. }),
                     None,
                 ) => {
                     reply(
@@ -581,8 +582,9 @@ impl Agent {
                     );
                     return;
                 }
-                (Request::Reimport { exporter_pid, id }, Some(fd)) => {
-                    reimport(ch, &mut self.gpu, exporter_pid, id, fd)
+                (AgentRequest::Reimport { exporter_pid, id }, Some(fd)) => {
+                    reimport(ch, &mut self.gpu, exporter_pid, id, fd);
+                    Ok(())
                 }
                 (r, Some(_)) => {
                     reply(
@@ -593,62 +595,80 @@ impl Agent {
                     return;
                 }
                 (
-                    Request::KnownChunk {
+                    AgentRequest::Common(CommonRequest::KnownChunk {
                         addr,
                         len,
                         device_hash,
-                    },
+                    }),
                     None,
                 ) => {
                     if let Err(e) = known.insert(addr, len, device_hash) {
                         reply(ch, ErrorCode::BadRequest, e.to_string());
                         return;
                     }
+                    Ok(())
                 }
-                (Request::LendBegin, None) => {
+                (AgentRequest::Common(CommonRequest::LendBegin), None) => {
                     dump_begins(ch);
-                    return crate::lend::run(ch, &mut self.gpu, release_imports);
+                    return crate::lend::run::<AgentRequest>(ch, &mut self.gpu, release_imports);
                 }
 
-                (Request::Reclaim, None) => {
+                (AgentRequest::Reclaim, None) => {
                     crate::lend::reclaim(ch, &mut self.gpu);
                     return;
                 }
-                (r, None) => {
-                    if !self.simple(ch, r) {
-                        return;
-                    }
+                // Answered at once, outside an operation.
+                (AgentRequest::Common(CommonRequest::Hello { version }), None)
+                    if version != PROTOCOL_VERSION =>
+                {
+                    ch.send_reply(&Reply::Error {
+                        code: ErrorCode::VersionMismatch,
+                        message: format!(
+                            "agent speaks protocol {PROTOCOL_VERSION}, plugin {version}"
+                        ),
+                    })
                 }
+                (AgentRequest::Common(CommonRequest::Hello { .. }), None) => {
+                    ch.send_reply(&hello())
+                }
+                (AgentRequest::ListAllocations, None) => list(ch),
+                (AgentRequest::ListSharing, None) => list_sharing(ch),
+                (AgentRequest::ShareFds, None) => share_fds(ch),
+                (
+                    AgentRequest::ShareableSource {
+                        import,
+                        exporter_pid,
+                        id,
+                        key,
+                    },
+                    None,
+                ) => shareable_source(ch, import, exporter_pid, id, key),
+                (AgentRequest::Common(CommonRequest::Abort), None) => {
+                    ch.send_reply(&Reply::Aborted)
+                }
+                // The steps of an operation, outside one; a `Take` or `Reimport` without the
+                // memory it maps.
+                (
+                    other @ (AgentRequest::Common(
+                        CommonRequest::SlotFree { .. }
+                        | CommonRequest::Release
+                        | CommonRequest::ChunkLoad { .. }
+                        | CommonRequest::ChunkZero { .. }
+                        | CommonRequest::RestoreDataDone,
+                    )
+                    | AgentRequest::Take { .. }
+                    | AgentRequest::TakeEnd
+                    | AgentRequest::Reimport { .. }),
+                    None,
+                ) => ch.send_reply(&Reply::Error {
+                    code: ErrorCode::BadState,
+                    message: format!("{other:?} without a DumpBegin or RestoreBegin in progress"),
+                }),
+            };
+            if sent.is_err() {
+                return;
             }
         }
-    }
-
-    /// Requests answered outside an operation; false when the connection is to be closed.
-    fn simple(&mut self, ch: &Channel, req: Request) -> bool {
-        let sent = match req {
-            Request::Hello { version } if version != PROTOCOL_VERSION => {
-                ch.send_reply(&Reply::Error {
-                    code: ErrorCode::VersionMismatch,
-                    message: format!("agent speaks protocol {PROTOCOL_VERSION}, plugin {version}"),
-                })
-            }
-            Request::Hello { .. } => ch.send_reply(&hello()),
-            Request::ListAllocations => list(ch),
-            Request::ListSharing => list_sharing(ch),
-            Request::ShareFds => share_fds(ch),
-            Request::ShareableSource {
-                import,
-                exporter_pid,
-                id,
-                key,
-            } => shareable_source(ch, import, exporter_pid, id, key),
-            Request::Abort => ch.send_reply(&Reply::Aborted),
-            other => ch.send_reply(&Reply::Error {
-                code: ErrorCode::BadState,
-                message: format!("{other:?} without a DumpBegin or RestoreBegin in progress"),
-            }),
-        };
-        sent.is_ok()
     }
 }
 

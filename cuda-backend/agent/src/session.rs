@@ -6,7 +6,7 @@ use std::fmt;
 use std::os::fd::OwnedFd;
 use std::time::Duration;
 
-use gpusnap_proto::{Channel, ErrorCode, ProtoError, Reply, Request};
+use gpusnap_proto::{Channel, CommonRequest, ErrorCode, ProtoError, Reply, Request};
 
 use crate::cu::CuError;
 use crate::gpu::Gpu;
@@ -47,7 +47,7 @@ impl Fail {
     pub fn bad_state(why: impl fmt::Display) -> Self {
         Fail::Reply(ErrorCode::BadState, why.to_string())
     }
-    pub fn unexpected(req: &Request, phase: &str) -> Self {
+    pub fn unexpected(req: &impl std::fmt::Debug, phase: &str) -> Self {
         Fail::bad_state(format!("{req:?} is not expected {phase}"))
     }
     pub fn busy() -> Self {
@@ -103,6 +103,14 @@ impl From<ProtoError> for Fail {
 pub fn need_driver() -> Result<&'static Driver, Fail> {
     crate::real::driver()
         .map_err(|e| Fail::Reply(ErrorCode::Cuda, format!("CUDA driver unavailable: {e}")))
+}
+
+/// `req` (a request of this server's type, the job's agent's or the keeper's) as one of the
+/// requests both take, which are all an operation takes on its connection; one of this
+/// server's own fails the operation as not expected `phase`.
+pub fn common<R: Request>(req: R, phase: &str) -> Result<CommonRequest, Fail> {
+    req.into_common()
+        .map_err(|own| Fail::unexpected(&own, phase))
 }
 
 /// Messages in a data phase never carry a descriptor.

@@ -444,7 +444,7 @@ impl Table {
     }
 
     /// A value of the application-handle range that no handle of this table will take (for
-    /// the imports of [`crate::shareable`]).
+    /// the imports of `shareable`).
     pub fn reserve_virtual(&mut self) -> Handle {
         let v = self.next_virtual;
         self.next_virtual += 1;

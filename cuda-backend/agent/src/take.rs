@@ -10,7 +10,7 @@
 use std::os::fd::{AsFd, OwnedFd};
 use std::time::Instant;
 
-use gpusnap_proto::{Channel, Reply, Request};
+use gpusnap_proto::{AgentRequest, Channel, CommonRequest, Reply};
 
 use crate::gpu::Gpu;
 use crate::log::debug;
@@ -31,11 +31,11 @@ impl Take {
     /// The message `(request, descriptor)` as a `Take` with its descriptor; any other message
     /// is given back unchanged. The one place that reads a `Take` off the wire.
     pub fn from_message(
-        msg: (Request, Option<OwnedFd>),
-    ) -> Result<Take, (Request, Option<OwnedFd>)> {
+        msg: (AgentRequest, Option<OwnedFd>),
+    ) -> Result<Take, (AgentRequest, Option<OwnedFd>)> {
         match msg {
             (
-                Request::Take {
+                AgentRequest::Take {
                     id,
                     addr,
                     size,
@@ -85,8 +85,8 @@ fn take_all(ch: &Channel, gpu: &mut Gpu, first: Take) -> Result<Reply, Fail> {
             Some(t) => t,
             None => match Take::from_message(ch.recv_request(Some(PEER_WAIT))?) {
                 Ok(t) => t,
-                Err((Request::TakeEnd, None)) => break,
-                Err((Request::Abort, _)) => return Err(Fail::Aborted),
+                Err((AgentRequest::TakeEnd, None)) => break,
+                Err((AgentRequest::Common(CommonRequest::Abort), _)) => return Err(Fail::Aborted),
                 Err((other, _)) => {
                     return Err(Fail::unexpected(
                         &other,

@@ -1,7 +1,7 @@
 //! VMM building blocks with undo: reserve + create + map + set access (the conversion of a
 //! `cuMemAlloc`), back / unback a reservation (release and restore), and the size arithmetic.
 //! Every composite undoes what it did when a later step fails: its steps are made through
-//! [`Steps`], whose owners undo them when dropped.
+//! `Steps`, whose owners undo them when dropped.
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};

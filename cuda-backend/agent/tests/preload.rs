@@ -9,7 +9,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use gpusnap_proto::{
-    Channel, Door, ErrorCode, PROTOCOL_VERSION, ProtoError, Reply, Request, connect_agent,
+    AgentRequest, Channel, CommonRequest, Door, ErrorCode, PROTOCOL_VERSION, ProtoError, Reply,
+    connect_agent,
 };
 
 /// The cdylib cargo built next to this test binary (target/<profile>/deps or target/<profile>).
@@ -171,9 +172,9 @@ fn eager_agent_answers_without_a_gpu() {
     let ch = child.connect();
 
     ch.send_request(
-        &Request::Hello {
+        &AgentRequest::Common(CommonRequest::Hello {
             version: PROTOCOL_VERSION,
-        },
+        }),
         None,
     )
     .unwrap();
@@ -225,16 +226,17 @@ fn eager_agent_answers_without_a_gpu() {
     let unblockable = (1u64 << (libc::SIGKILL - 1)) | (1 << (libc::SIGSTOP - 1)) | (3 << 31);
     assert_eq!(mask | unblockable, u64::MAX, "SigBlk {blk}");
 
-    ch.send_request(&Request::ListAllocations, None).unwrap();
+    ch.send_request(&AgentRequest::ListAllocations, None)
+        .unwrap();
     assert_eq!(
         ch.recv_reply(WAIT).unwrap(),
         Reply::AllocationsEnd { count: 0 }
     );
 
     ch.send_request(
-        &Request::Hello {
+        &AgentRequest::Common(CommonRequest::Hello {
             version: PROTOCOL_VERSION + 1,
-        },
+        }),
         None,
     )
     .unwrap();
@@ -248,9 +250,9 @@ fn eager_agent_answers_without_a_gpu() {
 
     // Data-phase requests outside an operation are refused, the connection stays.
     for r in [
-        Request::SlotFree { slot: 0 },
-        Request::Release,
-        Request::RestoreDataDone,
+        AgentRequest::Common(CommonRequest::SlotFree { slot: 0 }),
+        AgentRequest::Common(CommonRequest::Release),
+        AgentRequest::Common(CommonRequest::RestoreDataDone),
     ] {
         ch.send_request(&r, None).unwrap();
         assert!(
@@ -264,13 +266,14 @@ fn eager_agent_answers_without_a_gpu() {
             "{r:?}"
         );
     }
-    ch.send_request(&Request::Abort, None).unwrap();
+    ch.send_request(&AgentRequest::Common(CommonRequest::Abort), None)
+        .unwrap();
     assert_eq!(ch.recv_reply(WAIT).unwrap(), Reply::Aborted);
 
     // A descriptor where none belongs, and a DumpBegin without one: refused, and each ends its
     // connection (anything malformed does).
     let fd = memfd(4096);
-    ch.send_request(&Request::ListAllocations, Some(fd.as_fd()))
+    ch.send_request(&AgentRequest::ListAllocations, Some(fd.as_fd()))
         .unwrap();
     assert!(matches!(
         ch.recv_reply(WAIT).unwrap(),
@@ -282,11 +285,11 @@ fn eager_agent_answers_without_a_gpu() {
     assert!(matches!(ch.recv_reply(WAIT), Err(ProtoError::Closed)));
     let ch = child.connect();
     ch.send_request(
-        &Request::DumpBegin {
+        &AgentRequest::Common(CommonRequest::DumpBegin {
             slot_size: 4096,
             slots: 1,
             streams: 1,
-        },
+        }),
         None,
     )
     .unwrap();
@@ -302,11 +305,11 @@ fn eager_agent_answers_without_a_gpu() {
     // Bad ring parameters: refused before any CUDA call, then the connection is closed.
     let ch = child.connect();
     ch.send_request(
-        &Request::DumpBegin {
+        &AgentRequest::Common(CommonRequest::DumpBegin {
             slot_size: 1000,
             slots: 1,
             streams: 1,
-        },
+        }),
         Some(fd.as_fd()),
     )
     .unwrap();
@@ -321,16 +324,16 @@ fn eager_agent_answers_without_a_gpu() {
 
     // A valid DumpBegin and RestoreBegin need libcuda, which a CPU-only machine lacks.
     for begin in [
-        Request::DumpBegin {
+        AgentRequest::Common(CommonRequest::DumpBegin {
             slot_size: 4096,
             slots: 1,
             streams: 1,
-        },
-        Request::RestoreBegin {
+        }),
+        AgentRequest::Common(CommonRequest::RestoreBegin {
             slot_size: 4096,
             slots: 1,
             streams: 1,
-        },
+        }),
     ] {
         let ch = child.connect();
         ch.send_request(&begin, Some(fd.as_fd())).unwrap();
@@ -349,9 +352,9 @@ fn eager_agent_answers_without_a_gpu() {
     // Still serving after all that.
     let ch = child.connect();
     ch.send_request(
-        &Request::Hello {
+        &AgentRequest::Common(CommonRequest::Hello {
             version: PROTOCOL_VERSION,
-        },
+        }),
         None,
     )
     .unwrap();
@@ -387,7 +390,8 @@ fn garbage_on_the_socket_ends_the_connection_not_the_agent() {
     ));
     assert!(matches!(ch.recv_reply(WAIT), Err(ProtoError::Closed)));
     let ch = child.connect();
-    ch.send_request(&Request::ListAllocations, None).unwrap();
+    ch.send_request(&AgentRequest::ListAllocations, None)
+        .unwrap();
     assert_eq!(
         ch.recv_reply(WAIT).unwrap(),
         Reply::AllocationsEnd { count: 0 }
@@ -451,9 +455,9 @@ fn other_users_are_refused() {
     let served = as_nobody(|| {
         let Ok(fd) = door.knock() else { return 3 };
         let ch = Channel::new(fd);
-        let hello = Request::Hello {
+        let hello = AgentRequest::Common(CommonRequest::Hello {
             version: PROTOCOL_VERSION,
-        };
+        });
         if ch.send_request(&hello, None).is_err() {
             return 0; // closed before we could even ask
         }
@@ -470,9 +474,9 @@ fn other_users_are_refused() {
     // Root is still served.
     let ch = child.connect();
     ch.send_request(
-        &Request::Hello {
+        &AgentRequest::Common(CommonRequest::Hello {
             version: PROTOCOL_VERSION,
-        },
+        }),
         None,
     )
     .unwrap();
@@ -519,9 +523,9 @@ fn forked_child_inherits_no_agent() {
         }
     };
     ch.send_request(
-        &Request::Hello {
+        &AgentRequest::Common(CommonRequest::Hello {
             version: PROTOCOL_VERSION,
-        },
+        }),
         None,
     )
     .unwrap();
@@ -569,9 +573,9 @@ fn idle_knocks_do_not_hold_up_the_next_client() {
     let t0 = Instant::now();
     let ch = child.connect();
     ch.send_request(
-        &Request::Hello {
+        &AgentRequest::Common(CommonRequest::Hello {
             version: PROTOCOL_VERSION,
-        },
+        }),
         None,
     )
     .unwrap();

@@ -1,8 +1,14 @@
 //! `gpusnap-keeper --fd N [--libcuda PATH] [--gpu UUID]... [--detach]`: started by the gpusnap plugin during a
 //! dump or a restore, never by hand. It holds a checkpointed job's device memory (imported from
 //! descriptors the job exported, or loaded from the image) and serves the plugin beside CRIU's
-//! own dump or restore. Everything it does is the agent's code (`gpusnap_agent::keeper`); this
-//! is only its process, and `--detach`, which makes it a process CRIU does not own.
+//! own dump or restore.
+//!
+//! Modules: this file is its process (the arguments, and `--detach`, which makes it a process
+//! CRIU does not own); `serve` is what it does, its request loop over
+//! [`gpusnap_proto::KeeperRequest`]s, on the agent's code linked as a library (`gpusnap_agent`:
+//! one driver table, the agent's, and the agent's operations).
+
+mod serve;
 
 use gpusnap_proto::{Channel, ErrorCode, Reply};
 use std::os::fd::{AsFd, FromRawFd, OwnedFd};
@@ -61,7 +67,7 @@ fn main() {
     if args.detach {
         detach(args.fd);
     }
-    std::process::exit(gpusnap_agent::keeper::main_with_fd(
+    std::process::exit(serve::main_with_fd(
         args.fd,
         args.libcuda.as_deref(),
         &args.gpus,

@@ -1,16 +1,22 @@
-//! The keeper: a process of its own (`gpusnap-keeper`, started by the plugin) that holds a
-//! checkpointed job's device memory and drains it, so that the data moves while CRIU dumps the
-//! job's host side instead of before (`docs/design-notes.md`, "Hand-over").
+//! What the keeper does: it holds a checkpointed job's device memory and drains it, so that the
+//! data moves while CRIU dumps the job's host side instead of before (`docs/design-notes.md`,
+//! "Hand-over").
 //!
-//! It speaks the agent's protocol on the one connection the plugin gave it.
+//! It serves [`KeeperRequest`]s on the one connection the plugin gave it: the requests it shares
+//! with the job's agent ([`CommonRequest`]), and its own (`Adopt`, `Snapshot`, `Expect`). What
+//! it runs on its memory is the agent's own code, linked as a library (`gpusnap_agent`: its
+//! driver table, allocation table and operations); the request loop and the keeper's own
+//! requests are here.
 //! - **Dump**: `Adopt` (with the job's exported descriptor attached) imports an allocation and
 //!   maps it at the job's own address where the keeper has it free, else anywhere (the table
 //!   entry keeps the job's address as its identity and `mapped_at` for the driver's calls), so
-//!   the agent's copy-out ([`crate::dump`]) runs here and the image names the job's addresses; then `DumpBegin` .. `Release` as in the job, where `Release` drops the keeper's
+//!   the agent's copy-out ([`gpusnap_agent::dump`]) runs here and the image names the job's
+//!   addresses; then `DumpBegin` .. `Release` as in the job, where `Release` drops the keeper's
 //!   imports (the job keeps its descriptors, so the memory lives on).
 //! - **Restore**: `Expect` records each of the job's allocations at its address on the planned
-//!   GPU (reserved at that address here where it is free, else anywhere, as at `Adopt`); `RestoreBegin` .. `RestoreDataDone` is the agent's own load ([`crate::restore`]: fresh
-//!   exportable memory, the chunks copied in, the GPU check), beside CRIU's restore; then
+//!   GPU (reserved at that address here where it is free, else anywhere, as at `Adopt`);
+//!   `RestoreBegin` .. `RestoreDataDone` is the agent's own load ([`gpusnap_agent::restore`]:
+//!   fresh exportable memory, the chunks copied in, the GPU check), beside CRIU's restore; then
 //!   `LendBegin` exports it for the restored job to map (`Take`), and `Release` drops the
 //!   keeper's handles once the job holds the memory.
 //!
@@ -20,23 +26,23 @@
 use std::fmt;
 use std::os::fd::{AsFd, FromRawFd, OwnedFd};
 
-use gpusnap_proto::{Channel, ErrorCode, PROTOCOL_VERSION, ProtoError, Reply, Request};
+use gpusnap_proto::{
+    Channel, CommonRequest, ErrorCode, KeeperRequest, PROTOCOL_VERSION, ProtoError, Reply,
+};
 
-use crate::cu::CuError;
-use crate::gpu::Gpu;
-use crate::log::debug;
-use crate::session::Ring;
-use crate::table::{self, AGENT_LOCK_WAIT};
+use gpusnap_agent::cu::CuError;
+use gpusnap_agent::gpu::Gpu;
+use gpusnap_agent::session::Ring;
+use gpusnap_agent::table::{self, AGENT_LOCK_WAIT};
 
-/// The driver library a keeper loads, if its plugin named one (the job's own).
-pub fn libcuda() -> Option<&'static std::ffi::CStr> {
-    crate::role::libcuda()
-}
-
-/// Whether this process is a keeper: it runs no application, so the checks that an
-/// application's threads are held do not apply.
-pub fn active() -> bool {
-    crate::role::keeper()
+/// A line of the agent's debug log (`GPUSNAP_AGENT_DEBUG=1`; the arguments are not evaluated
+/// otherwise), as the agent's own `debug!` writes it.
+macro_rules! debug {
+    ($($arg:tt)*) => {
+        if gpusnap_agent::debugging() {
+            gpusnap_agent::write_line(format_args!($($arg)*));
+        }
+    };
 }
 
 /// The keeper's `main`: serves the connection on descriptor `fd` (inherited from the plugin),
@@ -45,13 +51,13 @@ pub fn main_with_fd(fd: i32, libcuda: Option<&str>, gpus: &[[u8; 16]]) -> i32 {
     let libcuda = match libcuda.map(std::ffi::CString::new).transpose() {
         Ok(c) => c,
         Err(_) => {
-            crate::role::become_keeper(None);
+            gpusnap_agent::role::become_keeper(None);
             eprintln!("gpusnap-keeper: --libcuda holds a NUL byte");
             return 2;
         }
     };
-    crate::role::become_keeper(libcuda);
-    crate::install_quiet_panic_hook();
+    gpusnap_agent::role::become_keeper(libcuda);
+    gpusnap_agent::install_quiet_panic_hook();
     // SAFETY: fcntl(F_GETFD) only checks that the number is open.
     if fd < 0 || unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
         eprintln!(
@@ -81,7 +87,7 @@ pub fn main_with_fd(fd: i32, libcuda: Option<&str>, gpus: &[[u8; 16]]) -> i32 {
 #[derive(Debug)]
 pub enum KeeperError {
     /// The driver library could not be loaded.
-    Load(crate::real::LoadError),
+    Load(gpusnap_agent::real::LoadError),
     /// A driver call failed.
     Cuda(CuError),
     /// The connection to the plugin failed.
@@ -96,7 +102,7 @@ pub enum KeeperError {
     /// The keeper's table stayed locked longer than `AGENT_LOCK_WAIT`.
     TableLocked,
     /// The plugin's list of the parent image's chunks was refused.
-    KnownChunks(crate::dump::TooManyKnownChunks),
+    KnownChunks(gpusnap_agent::dump::TooManyKnownChunks),
     /// RDMA-capable memory on a device without POSIX-fd handles: it could not be handed over.
     NotExportable { id: u64 },
 }
@@ -136,8 +142,8 @@ impl From<CuError> for KeeperError {
     }
 }
 
-fn driver() -> Result<&'static crate::real::Driver, KeeperError> {
-    crate::real::driver().map_err(KeeperError::Load)
+fn driver() -> Result<&'static gpusnap_agent::real::Driver, KeeperError> {
+    gpusnap_agent::real::driver().map_err(KeeperError::Load)
 }
 
 fn reply_to(ch: &Channel, reply: &Reply) -> Result<(), KeeperError> {
@@ -163,13 +169,13 @@ fn serve(ch: &Channel, gpus: &[[u8; 16]]) -> Result<(), KeeperError> {
             Err(e) => debug!("keeper: GPU {}: {e}", hex(uuid)),
         }
     }
-    let mut known = crate::dump::KnownChunks::default();
+    let mut known = gpusnap_agent::dump::KnownChunks::default();
     loop {
         // No time limit: a restore's requests come once CRIU has forked the tree, however long
         // that takes, and the keeper must not exit before (where it is CRIU's child, CRIU takes
         // a child's exit then for a failure of its own). The plugin closing its end, or dying,
         // ends the wait.
-        let (req, fd) = match ch.recv_request(None) {
+        let (req, fd) = match ch.recv_request::<KeeperRequest>(None) {
             Ok(m) => m,
             Err(ProtoError::Interrupted) => continue,
             Err(ProtoError::Closed) => return Ok(()),
@@ -181,7 +187,7 @@ fn serve(ch: &Channel, gpus: &[[u8; 16]]) -> Result<(), KeeperError> {
             }
         };
         match (req, fd) {
-            (Request::Hello { version }, None) => {
+            (KeeperRequest::Common(CommonRequest::Hello { version }), None) => {
                 let reply = if version == PROTOCOL_VERSION {
                     hello()
                 } else {
@@ -193,7 +199,7 @@ fn serve(ch: &Channel, gpus: &[[u8; 16]]) -> Result<(), KeeperError> {
                 reply_to(ch, &reply)?;
             }
             (
-                Request::Adopt {
+                KeeperRequest::Adopt {
                     id,
                     device,
                     addr,
@@ -206,26 +212,26 @@ fn serve(ch: &Channel, gpus: &[[u8; 16]]) -> Result<(), KeeperError> {
                     format!("adopting #{id} at {addr:#x}")
                 })?;
             }
-            (Request::Snapshot { share_percent }, None) => {
+            (KeeperRequest::Snapshot { share_percent }, None) => {
                 let made = snapshot(&mut gpu, share_percent);
                 answer(ch, made, || "making the snapshot".to_owned())?;
             }
             (
-                Request::KnownChunk {
+                KeeperRequest::Common(CommonRequest::KnownChunk {
                     addr,
                     len,
                     device_hash,
-                },
+                }),
                 None,
             ) => known
                 .insert(addr, len, device_hash)
                 .map_err(KeeperError::KnownChunks)?,
             (
-                Request::DumpBegin {
+                KeeperRequest::Common(CommonRequest::DumpBegin {
                     slot_size,
                     slots,
                     streams,
-                },
+                }),
                 Some(memfd),
             ) => {
                 let ring = Ring {
@@ -233,16 +239,16 @@ fn serve(ch: &Channel, gpus: &[[u8; 16]]) -> Result<(), KeeperError> {
                     slots,
                     streams,
                 };
-                crate::dump::run(
+                gpusnap_agent::dump::run::<KeeperRequest>(
                     &mut gpu,
                     ch,
                     ring,
                     memfd,
                     &known,
-                    crate::dump::Mode::Stopped,
-                    crate::dump::ReleaseAlso {
-                        released: crate::own_fds::forget_released,
-                        imports: crate::dump::no_imports,
+                    gpusnap_agent::dump::Mode::Stopped,
+                    gpusnap_agent::dump::ReleaseAlso {
+                        released: gpusnap_agent::forget_released,
+                        imports: gpusnap_agent::dump::no_imports,
                     },
                 );
                 // Stay until the plugin lets go (in `exit`, after CRIU's part): the plugin
@@ -252,7 +258,7 @@ fn serve(ch: &Channel, gpus: &[[u8; 16]]) -> Result<(), KeeperError> {
                 return Ok(());
             }
             (
-                Request::Expect {
+                KeeperRequest::Expect {
                     id,
                     gpu: uuid,
                     addr,
@@ -261,7 +267,7 @@ fn serve(ch: &Channel, gpus: &[[u8; 16]]) -> Result<(), KeeperError> {
                 },
                 None,
             ) => {
-                let made = crate::cu::KeeperMemory { rdma_capable };
+                let made = gpusnap_agent::cu::KeeperMemory { rdma_capable };
                 let expected = expect(&mut gpu, id, &uuid, (addr, size), made);
                 answer(
                     ch,
@@ -270,11 +276,11 @@ fn serve(ch: &Channel, gpus: &[[u8; 16]]) -> Result<(), KeeperError> {
                 )?;
             }
             (
-                Request::RestoreBegin {
+                KeeperRequest::Common(CommonRequest::RestoreBegin {
                     slot_size,
                     slots,
                     streams,
-                },
+                }),
                 Some(memfd),
             ) => {
                 let ring = Ring {
@@ -282,20 +288,52 @@ fn serve(ch: &Channel, gpus: &[[u8; 16]]) -> Result<(), KeeperError> {
                     slots,
                     streams,
                 };
-                crate::restore::run(&mut gpu, ch, ring, memfd);
+                gpusnap_agent::restore::run::<KeeperRequest>(&mut gpu, ch, ring, memfd);
             }
-            (Request::LendBegin, None) => {
-                crate::lend::run(ch, &mut gpu, crate::dump::no_imports);
+            (KeeperRequest::Common(CommonRequest::LendBegin), None) => {
+                gpusnap_agent::lend::run::<KeeperRequest>(
+                    ch,
+                    &mut gpu,
+                    gpusnap_agent::dump::no_imports,
+                );
                 // The restored job holds the memory now (or the restore failed and the job is
                 // killed): nothing is left to do but let the plugin close.
                 wait_for_close(ch, OVER);
                 return Ok(());
             }
-            (Request::Abort, _) => {
+            (KeeperRequest::Common(CommonRequest::Abort), _) => {
                 let _ = ch.send_reply(&Reply::Aborted);
                 return Ok(());
             }
-            (other, _) => {
+            // A request with a descriptor it never carries, or without the one it needs; a
+            // step of an operation outside one.
+            (
+                other @ (KeeperRequest::Common(
+                    CommonRequest::Hello { .. }
+                    | CommonRequest::KnownChunk { .. }
+                    | CommonRequest::LendBegin,
+                )
+                | KeeperRequest::Snapshot { .. }
+                | KeeperRequest::Expect { .. }),
+                Some(_),
+            )
+            | (
+                other @ (KeeperRequest::Common(
+                    CommonRequest::DumpBegin { .. } | CommonRequest::RestoreBegin { .. },
+                )
+                | KeeperRequest::Adopt { .. }),
+                None,
+            )
+            | (
+                other @ KeeperRequest::Common(
+                    CommonRequest::SlotFree { .. }
+                    | CommonRequest::Release
+                    | CommonRequest::ChunkLoad { .. }
+                    | CommonRequest::ChunkZero { .. }
+                    | CommonRequest::RestoreDataDone,
+                ),
+                _,
+            ) => {
                 let _ = ch.send_reply(&Reply::Error {
                     code: ErrorCode::BadRequest,
                     message: format!("a keeper does not take {other:?} (or its descriptor)"),
@@ -325,7 +363,7 @@ const OVER: &str = "the keeper's operation is over";
 /// error saying `why` (the operation is over, or the keeper failed).
 fn wait_for_close(ch: &Channel, why: &str) {
     loop {
-        match ch.recv_request(None) {
+        match ch.recv_request::<KeeperRequest>(None) {
             Ok(_) => {
                 let _ = ch.send_reply(&Reply::Error {
                     code: ErrorCode::BadState,
@@ -343,7 +381,11 @@ fn wait_for_close(ch: &Channel, why: &str) {
 /// hold the job's address: the H200 found PyTorch's 2 MiB allocations in the job's high mmap
 /// area taken). Returns where: the entry keeps the job's address as its identity, and every
 /// driver call that touches the memory here goes to the returned one.
-fn reserve_for_job(drv: &crate::real::Driver, addr: u64, size: u64) -> Result<u64, KeeperError> {
+fn reserve_for_job(
+    drv: &gpusnap_agent::real::Driver,
+    addr: u64,
+    size: u64,
+) -> Result<u64, KeeperError> {
     match drv.reserve_at(addr, size) {
         Ok(()) => Ok(addr),
         Err(e) => {
@@ -377,7 +419,7 @@ fn adopt(
     };
     // The import holds the memory now; the descriptor is the job's business.
     drop(fd);
-    if let Err(e) = crate::vmm::map_handle(drv, dev, at, size, handle) {
+    if let Err(e) = gpusnap_agent::vmm::map_handle(drv, dev, at, size, handle) {
         let _ = drv.release(at, handle);
         let _ = drv.free_reservation(at, size);
         return Err(e.into());
@@ -437,10 +479,10 @@ fn snapshot(gpu: &mut Gpu, share_percent: u32) -> Result<Reply, KeeperError> {
             });
         }
     }
-    let mut made: Vec<(usize, crate::vmm::VmmAlloc)> = Vec::with_capacity(entries.len());
-    let undo = |made: Vec<(usize, crate::vmm::VmmAlloc)>| {
+    let mut made: Vec<(usize, gpusnap_agent::vmm::VmmAlloc)> = Vec::with_capacity(entries.len());
+    let undo = |made: Vec<(usize, gpusnap_agent::vmm::VmmAlloc)>| {
         for (_, a) in made {
-            let _ = crate::vmm::free(drv, a.addr, a.size, Some(a.handle));
+            let _ = gpusnap_agent::vmm::free(drv, a.addr, a.size, Some(a.handle));
         }
     };
     for (i, e) in entries.iter().enumerate() {
@@ -448,9 +490,9 @@ fn snapshot(gpu: &mut Gpu, share_percent: u32) -> Result<Reply, KeeperError> {
             .prepare(drv, e.device, 1, 1)
             .map_err(KeeperError::from)
             .and_then(|()| {
-                let a = crate::vmm::alloc(drv, e.device, e.size)?;
+                let a = gpusnap_agent::vmm::alloc(drv, e.device, e.size)?;
                 if let Err(err) = drv.copy_dtod(a.addr, e.at, e.size) {
-                    let _ = crate::vmm::free(drv, a.addr, a.size, Some(a.handle));
+                    let _ = gpusnap_agent::vmm::free(drv, a.addr, a.size, Some(a.handle));
                     return Err(err.into());
                 }
                 Ok(a)
@@ -478,7 +520,7 @@ fn snapshot(gpu: &mut Gpu, share_percent: u32) -> Result<Reply, KeeperError> {
         let e = &entries[*i];
         t.replace_adopted(e.addr, a.addr, a.handle);
         bytes += e.size;
-        if let Err(err) = crate::vmm::free(drv, e.at, e.size, Some(e.handle)) {
+        if let Err(err) = gpusnap_agent::vmm::free(drv, e.at, e.size, Some(e.handle)) {
             // The import stays mapped here: harmless (the job's memory lives on through its
             // descriptors either way), and it goes with the keeper.
             debug!("keeper: letting go of the import at {:#x}: {err}", e.at);
@@ -504,7 +546,7 @@ fn expect(
     id: u64,
     uuid: &[u8; 16],
     (addr, size): (u64, u64),
-    made: crate::cu::KeeperMemory,
+    made: gpusnap_agent::cu::KeeperMemory,
 ) -> Result<u32, KeeperError> {
     let drv = driver()?;
     let dev = drv.ordinal_of(uuid)?.ok_or(KeeperError::NoGpu(*uuid))?;

@@ -55,6 +55,8 @@
 #   node-checks  [--gib 1] gpu/node_checks.py: an image refused by a node that cannot take it
 #                (device_map onto no such GPU, another kernel driver, another libcuda),
 #                inspect's fields from a real image, then the plain restore        (120 s)
+#   async-kills  [--gib 4] [--points all three] gpu/async_kills.py: the asynchronous -R
+#                killed at its points; the job runs on, the image refused     (150 s)
 #   jax          [--paths split] gpu/jax_case.sh: JAX in its default configuration    (100 s)
 #   cycles       [--cycles 20] [--gib 4] [--path split] gpu/cycles.sh                  (140 s)
 #   ring-probe   [--gib 64] the floor: gpu/ring_probe.cu's ring write rate (after prepare) (60 s)
@@ -94,7 +96,7 @@ declare -A OPTS=(
     [paths]="gib name" [kill-matrix]="gib paths points name" [precopy]="gib name"
     [conformance]="suites run-timeout-s" [ipc]="" [ipc-probe]="configs"
     [ipc-pair]="cases alloc points name" [shareable]="modes" [torch]="cases paths name"
-    [jax]="paths" [node-checks]="gib" [cycles]="cycles gib path" [ring-probe]="gib" [cupy-texture]="runs"
+    [jax]="paths" [node-checks]="gib" [async-kills]="gib points" [cycles]="cycles gib path" [ring-probe]="gib" [cupy-texture]="runs"
     [all]="gib"
 )
 
@@ -349,6 +351,12 @@ step_node-checks() {
     no_mock && return
     run 40 "$(budget 120)" python3 gpu/node_checks.py --gib "$(opt gib 1)"
     report "node checks rc $?: $(passed "$OUT/node-checks.jsonl")"
+}
+step_async-kills() {
+    no_mock && return
+    run 40 "$(budget 150)" python3 gpu/async_kills.py --gib "$(opt gib 4)" \
+        --points "$(opt points dump-snapshot-copied,async-drain-started,async-before-manifest)"
+    report "async kill points rc $?: $(passed "$OUT/async-kills.jsonl")"
 }
 step_jax() {
     local t

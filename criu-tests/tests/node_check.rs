@@ -8,6 +8,9 @@
 //! - another kernel driver version, another driver library at the job's path
 //!   (`GPUSNAP_TEST_DRIVER_ROOT`), another GPU model, and all three at once: refused, CRIU forks
 //!   no task, the driver restores nothing, the job ticks on;
+//! - `device_map` onto a GPU the node lacks, on a node whose capability tree shows no MIG
+//!   instance (`capabilities/gpu0/mig/` empty beside the listing): refused the same way, naming
+//!   that UUID and the node's GPUs;
 //! - other GPUs of the same model (`FAKECUDA_UUID_SALT`) on a node with another kernel driver
 //!   and `allow_other_kernel_driver = true`: restored, bit-exact.
 //!
@@ -33,6 +36,20 @@ fn version_file(dir: &Path, name: &str, version: &str) -> String {
     )
     .expect("write version file");
     path.to_str().expect("utf-8 path").to_owned()
+}
+
+/// 32 hex digits as `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`, as `nvidia-smi -L` and the
+/// kernel driver's `information` files write a UUID.
+fn dashed(hex: &str) -> String {
+    assert_eq!(hex.len(), 32, "not a UUID: {hex}");
+    format!(
+        "GPU-{}-{}-{}-{}-{}",
+        &hex[0..8],
+        &hex[8..12],
+        &hex[12..16],
+        &hex[16..20],
+        &hex[20..32]
+    )
 }
 
 impl Split {
@@ -174,6 +191,46 @@ fn a_node_that_cannot_take_the_image_is_refused_before_any_process_is_created() 
             "is not on this node",
             "(3) ",
             "is not on this host",
+        ],
+    );
+
+    // device_map onto a GPU this node does not have, on a node that lists the dump's own GPU and
+    // has no MIG instance (laid out like /proc/driver/nvidia: the listing, and beside it the
+    // capability tree as the driver makes it with MIG off, `gpu0/mig/` with no `gi*`): the
+    // target cannot be a MIG instance, so it is refused here, named, with the node's GPUs.
+    let dumped = p["gpus"][0]["uuid"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{out}"))
+        .to_owned();
+    let node = dir.join("node-no-mig");
+    let listing = node.join("gpus");
+    let bus = listing.join("0000:10:00.0");
+    fs::create_dir_all(&bus).expect("mkdir bus");
+    fs::create_dir_all(node.join("capabilities/gpu0/mig")).expect("mkdir capabilities");
+    fs::write(
+        bus.join("information"),
+        format!("Model: \t\t Fake GPU\nGPU UUID: \t {}\n", dashed(&dumped)),
+    )
+    .expect("write information");
+    let listing_env = listing.to_str().expect("utf-8 path").to_owned();
+    let absent = "GPU-deadbeef-0000-4000-8000-00000000dead";
+    let map = format!("{}={absent}", dashed(&dumped));
+    let run = s.restore_in(
+        "restore-device-map.log",
+        &[
+            ("GPUSNAP_TEST_NVIDIA_VERSION", &at_dump),
+            ("GPUSNAP_TEST_NVIDIA_PROC", &listing_env),
+            ("GPUSNAP_DEVICE_MAP", &map),
+        ],
+    );
+    s.assert_refused_early(
+        restores,
+        &run,
+        &[
+            &format!("device_map target {absent} is not on this host"),
+            "no MIG instances",
+            &format!("{} (Fake GPU)", dashed(&dumped)),
+            "Fix device_map",
         ],
     );
 

@@ -30,6 +30,13 @@ pub struct Pair {
     pub new: String,
 }
 
+/// `uuid` (32 hex digits) as `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`, the form `nvidia-smi -L`
+/// prints and a `device_map` is most often written in; as given when it is no UUID.
+pub fn dashed(uuid: &str) -> String {
+    uuid.parse::<crate::GpuUuid>()
+        .map_or_else(|_| uuid.to_owned(), |u| u.to_nvml_string())
+}
+
 fn gib(b: u64) -> f64 {
     b as f64 / (1u64 << 30) as f64
 }
@@ -41,6 +48,13 @@ pub enum PlanError {
     MapSourceAbsent { old: String, image_gpus: String },
     #[error("device_map target GPU {new} is not on this host")]
     MapTargetAbsent { new: String },
+    /// Found in `init`: a `device_map` target that the kernel driver does not list, on a host
+    /// without MIG instances (so it cannot be one). UUIDs as `nvidia-smi -L` writes them.
+    #[error(
+        "device_map target {new} is not on this host, which has no MIG instances it could name; \
+         this host's GPUs: {host_gpus}. Fix device_map to name one of them"
+    )]
+    MapTargetUnknown { new: String, host_gpus: String },
     #[error(
         "GPU {uuid} ({name}) of the image is not on this host and no free {name} with {need_gib:.2} GiB free is left to take its place; \
          set device_map to choose one"

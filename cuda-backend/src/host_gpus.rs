@@ -5,6 +5,9 @@
 //! driver library must not be loaded yet (it may start threads). Reading these files lets
 //! gpusnap refuse a restore onto absent or other-model GPUs there, before CRIU restores any
 //! process; free memory is checked later, with the driver loaded.
+//!
+//! MIG instances have UUIDs of their own that this listing (physical GPUs) lacks, so a
+//! `device_map` target it does not show is refused only where [`mig_instances`] finds none.
 
 use crate::gpumap::HostGpu;
 use std::path::{Path, PathBuf};
@@ -64,6 +67,69 @@ pub fn list(dir: &Path) -> std::io::Result<Vec<HostGpu>> {
         .collect()
 }
 
+/// Whether this host has MIG instances, as the kernel driver's capability tree beside the listing
+/// shows them ([`mig_instances`]).
+#[derive(Debug)]
+pub enum MigInstances {
+    /// The tree is there and no GPU has a GPU instance: every GPU CUDA can use is in the listing.
+    Absent,
+    /// A GPU instance's directory (the first found; there may be more).
+    Present(PathBuf),
+    /// The tree cannot be read, or is not there (a container may hide it): cannot tell.
+    Unknown(std::io::Error),
+}
+
+/// The driver's capability tree beside the listing `gpus_dir`: `capabilities` in the directory
+/// above it (`/proc/driver/nvidia/capabilities` for `/proc/driver/nvidia/gpus`).
+pub fn capabilities_dir(gpus_dir: &Path) -> Option<PathBuf> {
+    Some(gpus_dir.parent()?.join("capabilities"))
+}
+
+/// Looks for MIG GPU instances in the capability tree beside the listing `gpus_dir`. The NVIDIA
+/// driver creates `capabilities/gpu<N>/mig/` for every GPU it attaches (MIG on or off) and one
+/// `gi<M>/` in it per GPU instance, with its `access` file and a `ci<K>/` per compute instance
+/// (NVIDIA's MIG user guide, "Device Nodes and Capabilities"). No `gi*` anywhere: no MIG instance.
+pub fn mig_instances(gpus_dir: &Path) -> MigInstances {
+    let Some(caps) = capabilities_dir(gpus_dir) else {
+        return MigInstances::Unknown(std::io::Error::new(
+            std::io::ErrorKind::NotFound,
+            format!("{}: no directory above it", gpus_dir.display()),
+        ));
+    };
+    let named = |path: &Path| {
+        let path = path.display().to_string();
+        move |e: std::io::Error| std::io::Error::new(e.kind(), format!("{path}: {e}"))
+    };
+    let gpus = match std::fs::read_dir(&caps) {
+        Ok(d) => d,
+        Err(e) => return MigInstances::Unknown(named(&caps)(e)),
+    };
+    let mut gpu_dirs: Vec<PathBuf> = gpus
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("gpu"))
+        .map(|e| e.path().join("mig"))
+        .collect();
+    gpu_dirs.sort();
+    for mig in gpu_dirs {
+        let entries = match std::fs::read_dir(&mig) {
+            Ok(d) => d,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return MigInstances::Unknown(named(&mig)(e)),
+        };
+        let mut gis: Vec<PathBuf> = entries
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with("gi"))
+            .map(|e| e.path())
+            .filter(|p| p.is_dir())
+            .collect();
+        gis.sort();
+        if let Some(gi) = gis.into_iter().next() {
+            return MigInstances::Present(gi);
+        }
+    }
+    MigInstances::Absent
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -113,5 +179,35 @@ mod tests {
         assert!(list(&dir).is_err());
         std::fs::remove_dir_all(&dir).unwrap();
         assert!(list(&dir).is_err());
+    }
+
+    #[test]
+    fn mig_instances_are_read_from_the_capability_tree_beside_the_listing() {
+        let root = std::env::temp_dir().join(format!("gpusnap-mig-caps-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let gpus = root.join("gpus");
+        std::fs::create_dir_all(&gpus).unwrap();
+        // No capability tree at all (hidden, as in some containers): cannot tell.
+        assert!(matches!(mig_instances(&gpus), MigInstances::Unknown(_)));
+        // The tree as the driver lays it out with MIG off: gpu<N>/mig/ and nothing in it.
+        let caps = root.join("capabilities");
+        std::fs::create_dir_all(caps.join("gpu0/mig")).unwrap();
+        std::fs::create_dir_all(caps.join("gpu1/mig")).unwrap();
+        std::fs::create_dir_all(caps.join("mig")).unwrap();
+        std::fs::write(caps.join("mig/config"), "").unwrap();
+        assert!(matches!(mig_instances(&gpus), MigInstances::Absent));
+        // One GPU instance with a compute instance, on the second GPU.
+        let gi = caps.join("gpu1/mig/gi1");
+        std::fs::create_dir_all(gi.join("ci0")).unwrap();
+        std::fs::write(
+            gi.join("access"),
+            "DeviceFileMinor: 12\nDeviceFileMode: 292\n",
+        )
+        .unwrap();
+        match mig_instances(&gpus) {
+            MigInstances::Present(p) => assert_eq!(p, gi),
+            other => panic!("{other:?}"),
+        }
+        std::fs::remove_dir_all(&root).unwrap();
     }
 }

@@ -773,9 +773,10 @@ pub fn node_check(
 /// memory is checked later, by [`gpu_plan`]), in `init`, before CRIU restores any process. Where
 /// the list cannot be read, or cannot speak for the image's GPUs, the check is left to
 /// [`gpu_plan`] and `Ok` is returned: MIG instances (CUDA names them `... MIG ...` and gives them
-/// their own UUIDs, while the list holds the physical GPUs) and a configured `device_map` (whose
-/// targets may be such instances).
-/// Every process's problem is returned (one per process).
+/// their own UUIDs, while the list holds the physical GPUs), and a `device_map` target the list
+/// lacks on a host that has MIG instances or cannot tell ([`crate::host_gpus::mig_instances`]).
+/// On a host without MIG instances such a target is refused here, naming the host's GPUs.
+/// Every process's problem is returned (one per process; one per unlisted target).
 pub fn early_gpu_check(
     manifests: &HashMap<u32, Manifest>,
     device_map: &[(String, String)],
@@ -806,15 +807,46 @@ fn early_gpu_check_in(
         }
     };
     // A device_map whose targets are all physical GPUs of the kernel's listing is checked now
-    // (models included), before CRIU creates any process; one naming anything else (a MIG
-    // instance) is the driver's to plan, after CRIU's restore.
-    if device_map
+    // (models included), before CRIU creates any process. A target the listing lacks is a MIG
+    // instance (the driver's to plan, after CRIU's restore) or no GPU of this host: refused now
+    // where the host has no MIG instance it could be.
+    let unlisted: Vec<&str> = device_map
         .iter()
-        .any(|(_, new)| !host.iter().any(|h| h.uuid == *new))
-    {
-        log::debug!(
-            "GPU plan left to the driver (device_map names a GPU the kernel does not list)"
-        );
+        .map(|(_, new)| new.as_str())
+        .filter(|new| !host.iter().any(|h| h.uuid == *new))
+        .collect();
+    if !unlisted.is_empty() {
+        let named = unlisted
+            .iter()
+            .map(|u| gpumap::dashed(u))
+            .collect::<Vec<_>>()
+            .join(", ");
+        match crate::host_gpus::mig_instances(dir) {
+            crate::host_gpus::MigInstances::Absent => {
+                let host_gpus = host
+                    .iter()
+                    .map(|h| format!("{} ({})", gpumap::dashed(&h.uuid), h.name))
+                    .collect::<Vec<_>>()
+                    .join(", ");
+                return Err(unlisted
+                    .iter()
+                    .map(|new| RestoreError::GpuPlan {
+                        nspid: None,
+                        err: gpumap::PlanError::MapTargetUnknown {
+                            new: gpumap::dashed(new),
+                            host_gpus: host_gpus.clone(),
+                        },
+                    })
+                    .collect());
+            }
+            crate::host_gpus::MigInstances::Present(gi) => log::info!(
+                "GPU plan left to the driver: device_map names {named}, which the kernel does not list as a GPU, and this host has MIG instances ({}) it may be",
+                gi.display()
+            ),
+            crate::host_gpus::MigInstances::Unknown(e) => log::info!(
+                "GPU plan left to the driver: device_map names {named}, which the kernel does not list as a GPU, and whether this host has MIG instances it may be cannot be told ({e})"
+            ),
+        }
         return Ok(none);
     }
     let mut ms: Vec<&Manifest> = manifests.values().filter(|m| !m.gpus.is_empty()).collect();
@@ -1333,8 +1365,15 @@ mod tests {
         // A listing with one other GPU of another model: a plain image is refused against it,
         // an image of MIG instances is not judged by it; a device_map onto that listed GPU is
         // checked now (another model: refused before CRIU creates a process), one onto a GPU
-        // the kernel does not list (a MIG instance) is left to the driver.
-        let dir = std::env::temp_dir().join(format!("gpusnap-early-check-{}", std::process::id()));
+        // the kernel does not list is refused too where the host has no MIG instance it could
+        // be, and left to the driver where it has one.
+        // Laid out like /proc/driver/nvidia: the listing, and the capability tree beside it as
+        // the driver makes it with MIG off (gpu0/mig/ with no GPU instance in it).
+        let root = std::env::temp_dir().join(format!("gpusnap-early-check-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let dir = root.join("gpus");
+        let mig = root.join("capabilities/gpu0/mig");
+        std::fs::create_dir_all(&mig).unwrap();
         let bus = dir.join("0000:10:00.0");
         std::fs::create_dir_all(&bus).unwrap();
         std::fs::write(
@@ -1352,8 +1391,29 @@ mod tests {
         let same = |name: &str| HashMap::from([(7, manifest(vec![gpu(&"a".repeat(32), name)]))]);
         assert!(early_gpu_check_in(&dir, &same("NVIDIA A100"), &map).is_ok());
         let unlisted = [("a".repeat(32), "c".repeat(32))];
+        // No MIG instance on this host: the unlisted target is no GPU of it, refused now, named
+        // as nvidia-smi writes it, with the GPUs the host has.
+        let e = early_gpu_check_in(&dir, &one("NVIDIA H200"), &unlisted).unwrap_err();
+        assert_eq!(e.len(), 1, "{e:?}");
+        let e = e[0].to_string();
+        assert!(
+            e.contains(
+                "device_map target GPU-cccccccc-cccc-cccc-cccc-cccccccccccc is not on this host"
+            ),
+            "{e}"
+        );
+        assert!(
+            e.contains("GPU-00000000-0000-0000-0000-0000000000bb (NVIDIA A100)"),
+            "{e}"
+        );
+        assert!(e.contains("Fix device_map"), "{e}");
+        // With a GPU instance it may be one: left to the driver, as when the tree is hidden.
+        std::fs::create_dir_all(mig.join("gi1/ci0")).unwrap();
+        std::fs::write(mig.join("gi1/access"), "DeviceFileMinor: 12\n").unwrap();
         assert!(early_gpu_check_in(&dir, &one("NVIDIA H200"), &unlisted).is_ok());
-        std::fs::remove_dir_all(&dir).unwrap();
+        std::fs::remove_dir_all(root.join("capabilities")).unwrap();
+        assert!(early_gpu_check_in(&dir, &one("NVIDIA H200"), &unlisted).is_ok());
+        std::fs::remove_dir_all(&root).unwrap();
     }
 
     #[test]

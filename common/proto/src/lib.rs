@@ -17,6 +17,8 @@
 //! - `channel`: [`Channel`], one connection; whole messages, at most one fd attached, timeouts.
 //! - `error`: [`ProtoError`].
 //! - `devhash`: the device hash's definition, which the agent's GPU kernel and the host agree on.
+//! - `pid`: [`pid::HostPid`] and [`pid::NsPid`], the two kinds of process id, as two types (the
+//!   host services re-export them as `gpusnap_host::pid`).
 //! - `hostile` (cargo feature `hostile`, test builds only): the agent turned adversary, for CI.
 
 mod channel;
@@ -26,6 +28,7 @@ mod error;
 #[cfg(feature = "hostile")]
 pub mod hostile;
 mod message;
+pub mod pid;
 mod socket;
 mod wire;
 

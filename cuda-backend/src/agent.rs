@@ -16,7 +16,7 @@ use crate::procfs;
 use gpusnap_image::AllocationRecord;
 use gpusnap_proto::{
     AgentRequest, AllocKind, Channel, CommonRequest, KeeperRequest, PROTOCOL_VERSION, ProtoError,
-    Reply, Request,
+    Reply, Request, Share,
 };
 use std::io;
 use std::marker::PhantomData;
@@ -219,9 +219,6 @@ pub struct LentAllocation {
     pub fd: std::os::fd::OwnedFd,
 }
 
-/// One share of a process, as its agent lists it (`ListSharing`): the protocol's own type.
-pub use gpusnap_proto::Share;
-
 /// A share as [`AgentSession::list_sharing`] returns it: the agent's [`Share`] (its fields read
 /// through `Deref`), and whether it is a shareable handle's as a field of its own.
 ///
@@ -237,11 +234,6 @@ pub struct Listed {
 }
 
 impl Listed {
-    /// The share as the agent listed it.
-    pub fn share(&self) -> &Share {
-        &self.share
-    }
-
     /// [`Share::resolve`]: the plugin resolved this shareable import to its exporter's
     /// allocation.
     pub fn resolve(&mut self, exporter: NsPid, id: u64, key: [u8; 16]) {

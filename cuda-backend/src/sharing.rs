@@ -23,10 +23,10 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use crate::agent::{self, AgentError, AgentSession, Listed, Share};
+use crate::agent::{self, AgentError, AgentSession, Listed};
 use crate::pid::NsPid;
 use crate::ptrace::{self, PtraceError};
-use gpusnap_proto::{ForeignFd, ShareKind};
+use gpusnap_proto::{ForeignFd, Share, ShareKind};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SharingError {

@@ -33,7 +33,7 @@ use common::pair::read_log;
 use common::split::Split;
 use common::{VmmLog, built, libcuda_dir, vmm_bin};
 use criu_tests::CriuRun;
-use gpusnap_proto::{AgentRequest, Channel, CommonRequest, Door, PROTOCOL_VERSION, Reply};
+use gpusnap_proto::{AgentRequest, Channel, CommonRequest, Door, PROTOCOL_VERSION, Reply, Share};
 
 /// The job's workload: two 4 MiB allocations, copied out first.
 const ARGS: &[&str] = &["--seed", "23", "--allocs", "2", "--mib", "4"];
@@ -137,13 +137,13 @@ fn victim_export(pid: i32) -> (u64, u64, [u8; 16]) {
             .recv_reply(Some(Duration::from_secs(10)))
             .expect("a ListSharing reply")
         {
-            Reply::Shared {
+            Reply::Shared(Share {
                 import: false,
                 id,
                 size,
                 key,
                 ..
-            } => found = Some((id, size, key)),
+            }) => found = Some((id, size, key)),
             Reply::SharedEnd { .. } => break,
             _ => {}
         }

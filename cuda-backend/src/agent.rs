@@ -16,7 +16,7 @@ use crate::procfs;
 use gpusnap_image::AllocationRecord;
 use gpusnap_proto::{
     AgentRequest, AllocKind, Channel, CommonRequest, KeeperRequest, PROTOCOL_VERSION, ProtoError,
-    Reply, Request,
+    Reply, Request, Share,
 };
 use std::io;
 use std::marker::PhantomData;
@@ -219,41 +219,42 @@ pub struct LentAllocation {
     pub fd: std::os::fd::OwnedFd,
 }
 
-/// One CUDA IPC share of a process, as its agent lists it (`ListSharing`).
+/// A share as [`AgentSession::list_sharing`] returns it: the agent's [`Share`] (its fields read
+/// through `Deref`), and whether it is a shareable handle's as a field of its own.
+///
+/// A conversion kept on this side of a boundary: `dump.rs` (edited elsewhere at the time) reads
+/// `s.shareable` as a field. Once it calls [`Share::is_shareable`] instead, `list_sharing`
+/// returns `Vec<Share>`, `Tracked::shares` and [`crate::sharing`] hold those, and this type
+/// goes. No `DerefMut`: the flag could then disagree with the share's kind.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Share {
-    /// Another process's allocation mapped here (else one of this process's, exported).
-    pub import: bool,
-    /// Import: the exporter's pid. Export: a process that fetched it (0: none yet). Pids as the
-    /// processes' own namespace numbers them.
-    pub pid: u32,
-    /// The exporter's allocation id.
-    pub id: u64,
-    pub addr: u64,
-    pub size: u64,
-    /// Import: mapped now (a release unmaps it until a reimport). Shareable export: memory the
-    /// agent moves (else not carried).
-    pub mapped: bool,
-    /// Made by the program itself with `cuMemExportToShareableHandle` /
-    /// `cuMemImportFromShareableHandle` (see `Reply::Shared`).
+pub struct Listed {
+    /// [`Share::is_shareable`] of the share (its kind never changes: nothing writes this).
     pub shareable: bool,
-    /// Shareable: the agent's own descriptor of the export (exporter: its duplicate; importer:
-    /// its duplicate of the fd imported, until resolved), -1 if none.
-    pub agent_fd: i32,
-    /// Shareable export: the program's descriptor of it, while it is still that file (-1).
-    pub app_fd: i32,
-    /// Export: the agent's own descriptor of the allocation a hand-over left (-1).
-    pub own_fd: i32,
-    /// The exporter's key: its own for an export, the source's for an import (zeros: an
-    /// unresolved shareable import). An import is carried only with an export of the same pid,
-    /// allocation *and* key.
-    pub key: [u8; 16],
+    share: Share,
 }
 
-impl Share {
-    /// A shareable import the plugin has not resolved to its exporter yet.
-    pub fn unresolved(&self) -> bool {
-        self.shareable && self.import && self.pid == 0
+impl Listed {
+    /// [`Share::resolve`]: the plugin resolved this shareable import to its exporter's
+    /// allocation.
+    pub fn resolve(&mut self, exporter: NsPid, id: u64, key: [u8; 16]) {
+        self.share.resolve(exporter, id, key);
+    }
+}
+
+impl From<Share> for Listed {
+    fn from(share: Share) -> Listed {
+        Listed {
+            shareable: share.is_shareable(),
+            share,
+        }
+    }
+}
+
+impl std::ops::Deref for Listed {
+    type Target = Share;
+
+    fn deref(&self) -> &Share {
+        &self.share
     }
 }
 
@@ -955,37 +956,13 @@ impl Session<AgentRequest> {
 
     /// `ListSharing`: the process's CUDA IPC shares through its agent (at most
     /// [`MAX_SHARES`], within `agent_timeout + LIST_ALLOWANCE × MAX_SHARES`).
-    pub fn list_sharing(&self) -> Result<Vec<Share>, AgentError> {
+    pub fn list_sharing(&self) -> Result<Vec<Listed>, AgentError> {
         self.send(&AgentRequest::ListSharing, None)?;
         let deadline = Deadline::new(self.timeout, LIST_ALLOWANCE, MAX_SHARES, "its shares");
         let mut out = Vec::new();
         loop {
             match self.recv_within(&deadline)? {
-                Reply::Shared {
-                    import,
-                    pid,
-                    id,
-                    addr,
-                    size,
-                    mapped,
-                    shareable,
-                    agent_fd,
-                    app_fd,
-                    own_fd,
-                    key,
-                } if out.len() < MAX_SHARES => out.push(Share {
-                    import,
-                    pid,
-                    id,
-                    addr,
-                    size,
-                    mapped,
-                    shareable,
-                    agent_fd,
-                    app_fd,
-                    own_fd,
-                    key,
-                }),
+                Reply::Shared(share) if out.len() < MAX_SHARES => out.push(share.into()),
                 Reply::SharedEnd { count } if count as usize == out.len() => return Ok(out),
                 got => return Err(self.unexpected("Shared, or SharedEnd with their count", got)),
             }
@@ -1036,10 +1013,10 @@ impl Session<AgentRequest> {
     }
 
     /// `Reimport`: map `mem` (exporter `exporter_pid`'s) again where the process imported it.
-    pub fn reimport(&self, exporter_pid: u32, mem: &SharedMemory) -> Result<u64, AgentError> {
+    pub fn reimport(&self, exporter_pid: NsPid, mem: &SharedMemory) -> Result<u64, AgentError> {
         use std::os::fd::AsFd;
         let req = AgentRequest::Reimport {
-            exporter_pid,
+            exporter_pid: exporter_pid.get(),
             id: mem.id,
         };
         self.send(&req, Some(mem.fd.as_fd()))?;
@@ -1054,13 +1031,13 @@ impl Session<AgentRequest> {
     pub fn shareable_source(
         &self,
         import: u64,
-        exporter_pid: u32,
+        exporter_pid: NsPid,
         id: u64,
         key: [u8; 16],
     ) -> Result<(), AgentError> {
         let req = AgentRequest::ShareableSource {
             import,
-            exporter_pid,
+            exporter_pid: exporter_pid.get(),
             id,
             key,
         };

@@ -23,8 +23,10 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use crate::agent::{self, AgentError, AgentSession, Share};
+use crate::agent::{self, AgentError, AgentSession, Listed};
+use crate::pid::NsPid;
 use crate::ptrace::{self, PtraceError};
+use gpusnap_proto::{ForeignFd, Share, ShareKind};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SharingError {
@@ -75,7 +77,11 @@ pub enum SharingError {
     #[error(
         "pid {pid} holds fd {fd}, a descriptor of device memory pid {exporter} exported (cuMemExportToShareableHandle): gpusnap makes only the exporter's own descriptors name the memory again after a restore, so this one is not carried (close it once imported)"
     )]
-    ExportFdHeld { pid: i32, fd: i32, exporter: u32 },
+    ExportFdHeld {
+        pid: i32,
+        fd: ForeignFd,
+        exporter: u32,
+    },
     #[error("comparing descriptors of pid {pid1} and pid {pid2} (kcmp): {source}")]
     Kcmp {
         pid1: i32,
@@ -128,10 +134,14 @@ fn same_owner(a: Option<(u32, u32)>, b: Option<(u32, u32)>) -> bool {
 /// Whether the exporter's own listing (`exports`) says that `importer` (its namespace pid)
 /// fetched the allocation the import `s` names, with the exporter's key (the agent's CUDA IPC
 /// records every pid it handed an allocation to; shareable exports record none).
-fn confirmed_by_exporter(exports: &[Share], s: &Share, importer: u32) -> bool {
+fn confirmed_by_exporter(exports: &[Listed], s: &Share, importer: u32) -> bool {
     importer != 0
         && exports.iter().any(|x| {
-            !x.import && !x.shareable && x.id == s.id && x.key == s.key && x.pid == importer
+            !x.import
+                && !x.is_shareable()
+                && x.id == s.id
+                && x.key == s.key
+                && x.pid == NsPid(importer)
         })
 }
 
@@ -143,7 +153,7 @@ pub struct Member<'a> {
     /// Dumped on the split path (the only one that carries shares).
     pub split: bool,
     /// What its agent listed at PAUSE.
-    pub shares: &'a [Share],
+    pub shares: &'a [Listed],
 }
 
 /// The dump-time rule: every importer's exporter and every exporter's importer is in the dump,
@@ -160,7 +170,7 @@ fn check_with(
     gone: impl Fn(u32) -> bool,
     owner_of: impl Fn(i32) -> Option<(u32, u32)>,
 ) -> Result<(), SharingError> {
-    let inside: BTreeSet<u32> = members.iter().map(|m| m.nspid).collect();
+    let inside: BTreeSet<NsPid> = members.iter().map(|m| NsPid(m.nspid)).collect();
     for m in members.iter().filter(|m| !m.shares.is_empty()) {
         if !m.split {
             return Err(SharingError::NotSplit { pid: m.nspid });
@@ -169,17 +179,17 @@ fn check_with(
             if s.import && !inside.contains(&s.pid) {
                 return Err(SharingError::ExporterOutside {
                     importer: m.nspid,
-                    exporter: s.pid,
+                    exporter: s.pid.get(),
                 });
             }
             if s.import {
                 exported_by(members, m.nspid, s)?;
                 may_reach(members, m, s, &owner_of)?;
             }
-            if !s.import && s.pid != 0 && !inside.contains(&s.pid) && !gone(s.pid) {
+            if !s.import && s.pid != NsPid(0) && !inside.contains(&s.pid) && !gone(s.pid.get()) {
                 return Err(SharingError::ImporterOutside {
                     exporter: m.nspid,
-                    importer: s.pid,
+                    importer: s.pid.get(),
                 });
             }
         }
@@ -192,7 +202,7 @@ fn check_with(
 /// another process after the exporter exited has other keys; its memory must never be mapped
 /// in place of what the import held.
 fn exported_by(members: &[Member<'_>], importer: u32, s: &Share) -> Result<(), SharingError> {
-    let Some(e) = members.iter().find(|e| e.nspid == s.pid) else {
+    let Some(e) = members.iter().find(|e| NsPid(e.nspid) == s.pid) else {
         return Ok(()); // outside the dump: refused by the caller
     };
     let exports = || e.shares.iter().filter(|x| !x.import && x.id == s.id);
@@ -202,12 +212,12 @@ fn exported_by(members: &[Member<'_>], importer: u32, s: &Share) -> Result<(), S
     Err(if exports().next().is_some() {
         SharingError::ExporterReplaced {
             importer,
-            exporter: s.pid,
+            exporter: s.pid.get(),
         }
     } else {
         SharingError::NoSuchExport {
             importer,
-            exporter: s.pid,
+            exporter: s.pid.get(),
             id: s.id,
         }
     })
@@ -221,7 +231,7 @@ fn may_reach(
     s: &Share,
     owner_of: &impl Fn(i32) -> Option<(u32, u32)>,
 ) -> Result<(), SharingError> {
-    let Some(e) = members.iter().find(|e| e.nspid == s.pid) else {
+    let Some(e) = members.iter().find(|e| NsPid(e.nspid) == s.pid) else {
         return Ok(()); // outside the dump: refused by the caller
     };
     let (mine, theirs) = (owner_of(m.pid), owner_of(e.pid));
@@ -230,7 +240,7 @@ fn may_reach(
     }
     let refused = SharingError::ForeignShare {
         importer: m.nspid,
-        exporter: s.pid,
+        exporter: s.pid.get(),
         id: s.id,
         importer_uids: mine,
         exporter_uids: theirs,
@@ -253,7 +263,7 @@ fn export_of(
 ) -> Result<usize, SharingError> {
     let same = |m: &crate::agent::SharedMemory| {
         m.id == w.id
-            && if w.shareable {
+            && if w.is_shareable() {
                 w.size <= m.size
             } else {
                 m.size == w.size
@@ -276,10 +286,15 @@ fn export_of(
 /// Whether fd `fd1` of `pid1` and fd `fd2` of `pid2` are one open file (`kcmp(KCMP_FILE)`:
 /// what `SCM_RIGHTS`, `dup` and `pidfd_getfd` share; nothing in the descriptor itself names
 /// the export). A closed number is `Ok(false)`.
-pub fn same_file(pid1: i32, fd1: i32, pid2: i32, fd2: i32) -> Result<bool, SharingError> {
+pub fn same_file(
+    pid1: i32,
+    fd1: ForeignFd,
+    pid2: i32,
+    fd2: ForeignFd,
+) -> Result<bool, SharingError> {
     const KCMP_FILE: libc::c_long = 0;
     // SAFETY: kcmp only compares kernel objects of the two processes; no memory is passed.
-    let rc = unsafe { libc::syscall(libc::SYS_kcmp, pid1, pid2, KCMP_FILE, fd1, fd2) };
+    let rc = unsafe { libc::syscall(libc::SYS_kcmp, pid1, pid2, KCMP_FILE, fd1.get(), fd2.get()) };
     match rc {
         0 => Ok(true),
         1..=3 => Ok(false),
@@ -302,7 +317,7 @@ pub struct Sharer<'a> {
     /// Host pid (what `kcmp` takes).
     pub pid: i32,
     pub nspid: u32,
-    pub shares: &'a mut Vec<Share>,
+    pub shares: &'a mut Vec<Listed>,
 }
 
 /// A shareable import resolved at a dump: tell `importer` (host pid) that its import `import`
@@ -328,44 +343,80 @@ pub struct Resolved {
 pub fn resolve_shareable(
     members: &mut [Sharer<'_>],
     others: &[i32],
-    outside: impl Fn(i32, i32) -> Option<i32>,
+    outside: impl Fn(i32, ForeignFd) -> Option<i32>,
 ) -> Result<Vec<Resolved>, SharingError> {
-    // (exporter host pid, exporter nspid, allocation id, the agent's fd, the exporter's key)
-    let mut exports: Vec<(i32, u32, u64, i32, [u8; 16])> = Vec::new();
+    /// A shareable export of the dump.
+    struct Export {
+        /// The exporter's host pid and namespace pid.
+        pid: i32,
+        nspid: u32,
+        /// The allocation.
+        id: u64,
+        /// The exporter's agent's duplicate of the program's descriptor.
+        agent_fd: Option<ForeignFd>,
+        /// The exporter's key.
+        key: [u8; 16],
+    }
+    let mut exports: Vec<Export> = Vec::new();
     for m in members.iter() {
-        for s in m.shares.iter().filter(|s| s.shareable && !s.import) {
+        for s in m.shares.iter().filter(|s| !s.import) {
+            let ShareKind::Shareable { agent_fd, .. } = s.kind else {
+                continue;
+            };
             if !s.mapped {
                 return Err(SharingError::ShareableNotMoved { exporter: m.nspid });
             }
-            exports.push((m.pid, m.nspid, s.id, s.agent_fd, s.key));
+            exports.push(Export {
+                pid: m.pid,
+                nspid: m.nspid,
+                id: s.id,
+                agent_fd,
+                key: s.key,
+            });
         }
     }
     // The agents' own descriptors (the importers' until they are told), and the exporters'
     // programs' (made to name the memory again).
-    let own: BTreeSet<(i32, i32)> = members
+    let own: BTreeSet<(i32, ForeignFd)> = members
         .iter()
         .flat_map(|m| {
-            m.shares
-                .iter()
-                .filter(|s| s.shareable)
-                .flat_map(move |s| [(m.pid, s.agent_fd), (m.pid, s.app_fd), (m.pid, s.own_fd)])
+            m.shares.iter().flat_map(move |s| {
+                match s.kind {
+                    ShareKind::Shareable {
+                        agent_fd,
+                        app_fd,
+                        own_fd,
+                    } => [agent_fd, app_fd, own_fd],
+                    ShareKind::Ipc => [None; 3],
+                }
+                .into_iter()
+                .flatten()
+                .map(move |fd| (m.pid, fd))
+            })
         })
-        .filter(|&(_, fd)| fd >= 0)
         .collect();
     let mut resolved = Vec::new();
     for m in members.iter_mut() {
         let (pid, nspid) = (m.pid, m.nspid);
         for s in m.shares.iter_mut().filter(|s| s.unresolved()) {
-            let (import, fd) = (s.id, s.agent_fd);
+            let import = s.id;
+            let fd = match s.kind {
+                ShareKind::Shareable { agent_fd, .. } => agent_fd,
+                ShareKind::Ipc => None,
+            };
             let mut found = None;
-            for &(epid, ens, id, efd, key) in &exports {
-                if fd >= 0 && same_file(pid, fd, epid, efd)? {
-                    found = Some((ens, id, key));
-                    break;
+            if let Some(fd) = fd {
+                for e in &exports {
+                    if let Some(efd) = e.agent_fd
+                        && same_file(pid, fd, e.pid, efd)?
+                    {
+                        found = Some((e.nspid, e.id, e.key));
+                        break;
+                    }
                 }
             }
             let Some((exporter, id, key)) = found else {
-                return Err(match (fd >= 0).then(|| outside(pid, fd)).flatten() {
+                return Err(match fd.and_then(|fd| outside(pid, fd)) {
                     Some(exporter) => SharingError::ShareableExporterOutside {
                         importer: nspid,
                         exporter,
@@ -373,10 +424,7 @@ pub fn resolve_shareable(
                     None => SharingError::ShareableNoExporter { importer: nspid },
                 });
             };
-            s.pid = exporter;
-            s.id = id;
-            s.key = key;
-            s.agent_fd = -1;
+            s.resolve(NsPid(exporter), id, key);
             resolved.push(Resolved {
                 importer: pid,
                 import,
@@ -387,30 +435,33 @@ pub fn resolve_shareable(
         }
     }
     // Every export is imported in the dump (an importer outside it cannot be seen).
-    for &(_, ens, id, _, _) in &exports {
+    for e in &exports {
         let imported = members.iter().any(|m| {
             m.shares
                 .iter()
-                .any(|s| s.shareable && s.import && s.pid == ens && s.id == id)
+                .any(|s| s.is_shareable() && s.import && s.pid == NsPid(e.nspid) && s.id == e.id)
         });
         if !imported {
-            return Err(SharingError::ShareableNoImporter { exporter: ens });
+            return Err(SharingError::ShareableNoImporter { exporter: e.nspid });
         }
     }
     // Descriptors of an export held by anyone but the exporter's program and the agents.
     if !exports.is_empty() {
         let pids = members.iter().map(|m| m.pid).chain(others.iter().copied());
         for pid in pids {
-            for fd in crate::procfs::fd_numbers(pid).unwrap_or_default() {
+            let fds = crate::procfs::fd_numbers(pid).unwrap_or_default();
+            for fd in fds.into_iter().filter_map(ForeignFd::new) {
                 if own.contains(&(pid, fd)) || !maybe_exported(pid, fd) {
                     continue;
                 }
-                for &(epid, ens, _, efd, _) in &exports {
-                    if same_file(pid, fd, epid, efd)? {
+                for e in &exports {
+                    if let Some(efd) = e.agent_fd
+                        && same_file(pid, fd, e.pid, efd)?
+                    {
                         return Err(SharingError::ExportFdHeld {
                             pid,
                             fd,
-                            exporter: ens,
+                            exporter: e.nspid,
                         });
                     }
                 }
@@ -422,8 +473,8 @@ pub fn resolve_shareable(
 
 /// Whether `pid`'s fd `fd` may be exported device memory: an NVIDIA control device (the
 /// driver's export) or a memfd (the stand-in's). Others are not compared.
-fn maybe_exported(pid: i32, fd: i32) -> bool {
-    crate::procfs::fd_target(pid, fd).is_ok_and(|p| {
+fn maybe_exported(pid: i32, fd: ForeignFd) -> bool {
+    crate::procfs::fd_target(pid, fd.get()).is_ok_and(|p| {
         let p = p.to_string_lossy();
         p.starts_with("/memfd:") || p == "/dev/nvidiactl"
     })
@@ -432,7 +483,7 @@ fn maybe_exported(pid: i32, fd: i32) -> bool {
 /// A process outside `inside` (host pids) that holds the same open file as `pid`'s `fd`: the
 /// exporter of an import whose exporter is not in the dump (a scan of `/proc`, only on that
 /// refusal). Its pid as `/proc` numbers it.
-pub fn holder_outside(inside: &[i32], pid: i32, fd: i32) -> Option<i32> {
+pub fn holder_outside(inside: &[i32], pid: i32, fd: ForeignFd) -> Option<i32> {
     let dir = std::fs::read_dir("/proc").ok()?;
     for e in dir.flatten() {
         let Some(other) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
@@ -441,7 +492,8 @@ pub fn holder_outside(inside: &[i32], pid: i32, fd: i32) -> Option<i32> {
         if other == pid || inside.contains(&other) {
             continue;
         }
-        for ofd in crate::procfs::fd_numbers(other).unwrap_or_default() {
+        let fds = crate::procfs::fd_numbers(other).unwrap_or_default();
+        for ofd in fds.into_iter().filter_map(ForeignFd::new) {
             if maybe_exported(other, ofd) && same_file(pid, fd, other, ofd).unwrap_or(false) {
                 return Some(other);
             }
@@ -460,7 +512,7 @@ pub fn announce(resolved: &[Resolved], timeout: Duration) -> Result<(), SharingE
     for (pid, rs) in by_pid {
         with_agent(pid, timeout, |s| {
             for r in &rs {
-                s.shareable_source(r.import, r.exporter, r.id, r.key)?;
+                s.shareable_source(r.import, NsPid(r.exporter), r.id, r.key)?;
             }
             Ok(())
         })?;
@@ -481,7 +533,10 @@ pub fn repoint(
         return Ok(());
     }
     with_agent(p.pid, timeout, |s| {
-        let exports = s.list_sharing()?.iter().any(|x| x.shareable && !x.import);
+        let exports = s
+            .list_sharing()?
+            .iter()
+            .any(|x| x.is_shareable() && !x.import);
         if exports {
             if let Some(point) = fault_point {
                 crate::fault::kill_criu_at(point);
@@ -520,24 +575,24 @@ pub struct Running {
 }
 
 impl Exporters for Running {
-    fn host_pid(&self, exporter: u32) -> Result<i32, SharingError> {
+    fn host_pid(&self, exporter: NsPid) -> Result<i32, SharingError> {
         if !self.same_ns {
             return Err(SharingError::NoExporter {
                 importer: 0,
-                exporter,
+                exporter: exporter.get(),
             });
         }
-        Ok(exporter as i32)
+        Ok(exporter.get() as i32)
     }
 
-    fn shares(&self, exporter: u32) -> Result<Vec<Share>, SharingError> {
+    fn shares(&self, exporter: NsPid) -> Result<Vec<Listed>, SharingError> {
         let pid = self.host_pid(exporter)?;
         let s =
             AgentSession::connect(pid, self.timeout)?.ok_or(SharingError::NoAgentThread { pid })?;
         Ok(s.list_sharing()?)
     }
 
-    fn memory(&self, exporter: u32) -> Result<Vec<crate::agent::SharedMemory>, SharingError> {
+    fn memory(&self, exporter: NsPid) -> Result<Vec<crate::agent::SharedMemory>, SharingError> {
         let pid = self.host_pid(exporter)?;
         let s =
             AgentSession::connect(pid, self.timeout)?.ok_or(SharingError::NoAgentThread { pid })?;
@@ -576,11 +631,11 @@ fn with_agent<R>(
 /// name: [`from_traced`] (a rollback, a restore) or [`from_running`] (`gpusnap recover`).
 pub trait Exporters {
     /// The exporter's host pid (whose owner is compared with the importer's).
-    fn host_pid(&self, exporter: u32) -> Result<i32, SharingError>;
+    fn host_pid(&self, exporter: NsPid) -> Result<i32, SharingError>;
     /// What the exporter's agent lists (`ListSharing`): which pids fetched its exports.
-    fn shares(&self, exporter: u32) -> Result<Vec<Share>, SharingError>;
+    fn shares(&self, exporter: NsPid) -> Result<Vec<Listed>, SharingError>;
     /// The current memory of its exports (`ShareFds`).
-    fn memory(&self, exporter: u32) -> Result<Vec<crate::agent::SharedMemory>, SharingError>;
+    fn memory(&self, exporter: NsPid) -> Result<Vec<crate::agent::SharedMemory>, SharingError>;
 }
 
 /// What [`reimport`] takes its exporters from.
@@ -599,24 +654,24 @@ pub struct Traced<'a> {
 }
 
 impl Exporters for Traced<'_> {
-    fn host_pid(&self, exporter: u32) -> Result<i32, SharingError> {
+    fn host_pid(&self, exporter: NsPid) -> Result<i32, SharingError> {
         self.processes
             .iter()
-            .find(|p| p.nspid == exporter)
+            .find(|p| NsPid(p.nspid) == exporter)
             .map(|p| p.pid)
             .ok_or(SharingError::NoExporter {
                 importer: 0,
-                exporter,
+                exporter: exporter.get(),
             })
     }
 
-    fn shares(&self, exporter: u32) -> Result<Vec<Share>, SharingError> {
+    fn shares(&self, exporter: NsPid) -> Result<Vec<Listed>, SharingError> {
         with_agent(self.host_pid(exporter)?, self.timeout, |s| {
             Ok(s.list_sharing()?)
         })
     }
 
-    fn memory(&self, exporter: u32) -> Result<Vec<crate::agent::SharedMemory>, SharingError> {
+    fn memory(&self, exporter: NsPid) -> Result<Vec<crate::agent::SharedMemory>, SharingError> {
         with_agent(self.host_pid(exporter)?, self.timeout, |s| {
             Ok(s.share_fds()?)
         })
@@ -637,7 +692,7 @@ pub fn reimport(
         // No agent thread, no share of the agent's: it starts its thread at the first open.
         return Ok(0);
     }
-    let unmapped: Vec<Share> = with_agent(importer.pid, timeout, |s| Ok(s.list_sharing()?))?
+    let unmapped: Vec<Listed> = with_agent(importer.pid, timeout, |s| Ok(s.list_sharing()?))?
         .into_iter()
         .filter(|s| s.import && !s.mapped)
         .collect();
@@ -647,7 +702,7 @@ pub fn reimport(
     if let Some(point) = fault_point {
         crate::fault::kill_criu_at(point);
     }
-    let mut by_exporter: BTreeMap<u32, Vec<&Share>> = BTreeMap::new();
+    let mut by_exporter: BTreeMap<NsPid, Vec<&Share>> = BTreeMap::new();
     for s in &unmapped {
         let wanted = by_exporter.entry(s.pid).or_default();
         // Several imports of one allocation (shareable handles imported twice) take one fd.
@@ -685,7 +740,7 @@ pub fn reimport(
             }
             let e = SharingError::ForeignShare {
                 importer: me,
-                exporter,
+                exporter: exporter.get(),
                 id: w.id,
                 importer_uids: mine,
                 exporter_uids: theirs,
@@ -698,7 +753,7 @@ pub fn reimport(
         }
         let mut fds = fetch.memory(exporter).map_err(in_place)?;
         for w in allowed {
-            let i = export_of(&fds, w, me, exporter)?;
+            let i = export_of(&fds, w, me, exporter.get())?;
             memory.push((exporter, fds.swap_remove(i)));
         }
     }
@@ -737,26 +792,35 @@ mod tests {
     fn share(import: bool, pid: u32, id: u64) -> Share {
         Share {
             import,
-            pid,
+            pid: NsPid(pid),
             id,
             addr: 0x7000_0000_0000 + id * (2 << 20),
             size: 2 << 20,
             mapped: true,
-            shareable: false,
-            agent_fd: -1,
-            app_fd: -1,
-            own_fd: -1,
             key: KEY,
+            kind: ShareKind::Ipc,
         }
     }
+
+    /// The shares as [`AgentSession::list_sharing`] returns them.
+    fn listed<const N: usize>(shares: [Share; N]) -> [Listed; N] {
+        shares.map(Listed::from)
+    }
+
+    /// A shareable handle's share with no descriptors.
+    const SHAREABLE: ShareKind = ShareKind::Shareable {
+        agent_fd: None,
+        app_fd: None,
+        own_fd: None,
+    };
 
     /// The exporter's key in these tests.
     const KEY: [u8; 16] = [0x4b; 16];
 
     #[test]
     fn a_tree_that_holds_both_sides_passes() {
-        let exp = [share(false, 11, 1)];
-        let imp = [share(true, 10, 1)];
+        let exp = listed([share(false, 11, 1)]);
+        let imp = listed([share(true, 10, 1)]);
         let members = [
             Member {
                 pid: std::process::id() as i32,
@@ -780,7 +844,7 @@ mod tests {
     /// released.
     #[test]
     fn an_import_whose_exporter_is_another_process_now_is_refused() {
-        let imp = [share(true, 10, 1)];
+        let imp = listed([share(true, 10, 1)]);
         let tree = |exp| {
             [
                 Member {
@@ -797,8 +861,9 @@ mod tests {
                 },
             ]
         };
-        let mut replaced = [share(false, 11, 1)];
-        replaced[0].key = [0x77; 16];
+        let mut replaced = share(false, 11, 1);
+        replaced.key = [0x77; 16];
+        let replaced = listed([replaced]);
         let e = check(&tree(&replaced), |_| false).unwrap_err();
         assert!(
             matches!(
@@ -813,7 +878,7 @@ mod tests {
         assert!(e.to_string().contains("its pid was used again"), "{e}");
         // No export of that allocation at all.
         assert!(matches!(
-            check(&tree(&[share(false, 11, 2)]), |_| false),
+            check(&tree(&listed([share(false, 11, 2)])), |_| false),
             Err(SharingError::NoSuchExport {
                 importer: 11,
                 exporter: 10,
@@ -850,7 +915,7 @@ mod tests {
 
     #[test]
     fn an_exporter_outside_the_dump_is_named() {
-        let imp = [share(true, 10, 1)];
+        let imp = listed([share(true, 10, 1)]);
         let members = [Member {
             pid: std::process::id() as i32,
             nspid: 11,
@@ -870,7 +935,7 @@ mod tests {
 
     #[test]
     fn an_importer_outside_the_dump_is_named_unless_it_is_gone() {
-        let exp = [share(false, 12, 1), share(false, 0, 2)];
+        let exp = listed([share(false, 12, 1), share(false, 0, 2)]);
         let members = [Member {
             pid: std::process::id() as i32,
             nspid: 10,
@@ -889,7 +954,7 @@ mod tests {
 
     /// A victim (nspid 10, uid 1001) and a job (nspid 11, uid 65534): `exp` is what the victim
     /// lists, `imp` what the job lists.
-    fn victim_and_job<'a>(exp: &'a [Share], imp: &'a [Share]) -> [Member<'a>; 2] {
+    fn victim_and_job<'a>(exp: &'a [Listed], imp: &'a [Listed]) -> [Member<'a>; 2] {
         [
             Member {
                 pid: 1001,
@@ -914,8 +979,8 @@ mod tests {
         let owner_of = |pid: i32| Some((pid as u32, pid as u32));
         // The job lists the victim's allocation #1 with its right key; the victim's export was
         // fetched by nspid 12 only (gone by now, as far as the rule cares).
-        let exp = [share(false, 12, 1)];
-        let imp = [share(true, 10, 1)];
+        let exp = listed([share(false, 12, 1)]);
+        let imp = listed([share(true, 10, 1)]);
         let e = check_with(&victim_and_job(&exp, &imp), |pid| pid == 12, owner_of).unwrap_err();
         assert!(
             matches!(
@@ -944,18 +1009,18 @@ mod tests {
         .unwrap();
         assert!(check_with(&victim_and_job(&exp, &imp), |pid| pid == 12, |_| None).is_err());
         // The exporter's agent names the importer as having fetched it: carried.
-        let fetched = [share(false, 11, 1)];
+        let fetched = listed([share(false, 11, 1)]);
         check_with(&victim_and_job(&fetched, &imp), |_| false, owner_of).unwrap();
         // ... but not another allocation, nor with another key.
-        let other = [share(false, 11, 2), share(false, 12, 1)];
+        let other = listed([share(false, 11, 2), share(false, 12, 1)]);
         assert!(check_with(&victim_and_job(&other, &imp), |_| true, owner_of).is_err());
         let mut rekeyed = share(false, 11, 1);
         rekeyed.key = [1; 16];
-        assert!(!confirmed_by_exporter(&[rekeyed], &imp[0], 11));
+        assert!(!confirmed_by_exporter(&listed([rekeyed]), &imp[0], 11));
         // A shareable export names nobody that fetched it: only the same owner carries it.
         let mut sh = share(false, 11, 1);
-        sh.shareable = true;
-        assert!(!confirmed_by_exporter(&[sh], &imp[0], 11));
+        sh.kind = SHAREABLE;
+        assert!(!confirmed_by_exporter(&listed([sh]), &imp[0], 11));
     }
 
     /// The size check holds for every kind of share: the agent's IPC maps the whole allocation,
@@ -973,7 +1038,7 @@ mod tests {
         assert!(export_of(&[mem(4 << 20)], &ipc, 11, 10).is_err());
         assert_eq!(export_of(&[mem(2 << 20)], &ipc, 11, 10).unwrap(), 0);
         let mut part = share(true, 10, 1);
-        part.shareable = true;
+        part.kind = SHAREABLE;
         assert_eq!(export_of(&[mem(4 << 20)], &part, 11, 10).unwrap(), 0);
         part.size = 8 << 20;
         assert!(export_of(&[mem(4 << 20)], &part, 11, 10).is_err());
@@ -997,25 +1062,37 @@ mod tests {
         unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) }
     }
 
-    fn shareable(import: bool, id: u64, agent_fd: i32, app_fd: i32, mapped: bool) -> Share {
-        Share {
+    fn shareable(import: bool, id: u64, agent_fd: i32, app_fd: i32, mapped: bool) -> Listed {
+        Listed::from(Share {
             import,
-            pid: 0,
+            pid: NsPid(0),
             id,
             addr: 0x7000_0000_0000,
             size: 2 << 20,
             mapped,
-            shareable: true,
-            agent_fd,
-            app_fd,
-            own_fd: -1,
             // An export says its exporter's key; an unresolved import knows none yet.
             key: if import { [0; 16] } else { KEY },
+            kind: ShareKind::Shareable {
+                agent_fd: ForeignFd::new(agent_fd),
+                app_fd: ForeignFd::new(app_fd),
+                own_fd: None,
+            },
+        })
+    }
+
+    /// A shareable share's `agent_fd` as the wire says it (-1: none).
+    fn agent_fd(s: &Share) -> i32 {
+        match s.kind {
+            ShareKind::Shareable { agent_fd, .. } => agent_fd.map_or(-1, ForeignFd::get),
+            ShareKind::Ipc => panic!("not a shareable handle's: {s:?}"),
         }
     }
 
     /// Both "processes" are this one (kcmp of a process with itself compares its own fds).
-    fn resolve(exp: &mut Vec<Share>, imp: &mut Vec<Share>) -> Result<Vec<Resolved>, SharingError> {
+    fn resolve(
+        exp: &mut Vec<Listed>,
+        imp: &mut Vec<Listed>,
+    ) -> Result<Vec<Resolved>, SharingError> {
         let me = std::process::id() as i32;
         let mut members = [
             Sharer {
@@ -1058,7 +1135,10 @@ mod tests {
                 key: KEY,
             }]
         );
-        assert_eq!((imp[0].pid, imp[0].id, imp[0].agent_fd), (10, 7, -1));
+        assert_eq!(
+            (imp[0].pid.get(), imp[0].id, agent_fd(&imp[0])),
+            (10, 7, -1)
+        );
         assert_eq!(imp[0].key, KEY, "the import records its exporter's key");
         // Then the usual rule sees an import of a process inside the dump.
         let members = [
@@ -1145,7 +1225,7 @@ mod tests {
         let e = resolve(&mut exp, &mut imp).unwrap_err();
         match e {
             SharingError::ExportFdHeld { fd, exporter, .. } => {
-                assert_eq!((fd, exporter), (stray.as_raw_fd(), 10));
+                assert_eq!((fd.get(), exporter), (stray.as_raw_fd(), 10));
             }
             other => panic!("{other}"),
         }
@@ -1163,7 +1243,7 @@ mod tests {
 
     #[test]
     fn shares_on_the_transparent_path_are_refused() {
-        let exp = [share(false, 0, 1)];
+        let exp = listed([share(false, 0, 1)]);
         let members = [Member {
             pid: std::process::id() as i32,
             nspid: 10,
@@ -1175,7 +1255,7 @@ mod tests {
             Err(SharingError::NotSplit { pid: 10 })
         ));
         // A process that shares nothing may take either path.
-        let none: [Share; 0] = [];
+        let none: [Listed; 0] = [];
         let members = [Member {
             pid: std::process::id() as i32,
             nspid: 10,

@@ -38,7 +38,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::time::{Duration, Instant};
 
 use crate::channel::RawRecord;
-use crate::{Channel, ProtoError};
+use crate::{Channel, ForeignFd, ProtoError};
 
 /// Name prefix of the door's label memfd (as `memfd_create` is given it).
 pub const DOOR_LABEL_PREFIX: &str = "gpusnap-agent-door:";
@@ -265,7 +265,8 @@ pub struct Door {
     pid: i32,
     pidfd: OwnedFd,
     client: Channel,
-    agent_end: RawFd,
+    /// The agent's end of the door, as the target numbers it.
+    agent_end: ForeignFd,
     /// Inode of the socket this door's last knock carried (0: none), so that [`Door::withdraw`]
     /// takes back its own knock and leaves other clients' queued.
     knocked: std::sync::atomic::AtomicU64,
@@ -410,7 +411,9 @@ pub fn connect_agent(pid: i32) -> io::Result<OwnedFd> {
     }
 }
 
-/// The two numbers of a label's readlink text (`/memfd:gpusnap-agent-door:<c>:<a> (deleted)`).
+/// The two numbers of a label's readlink text (`/memfd:gpusnap-agent-door:<c>:<a> (deleted)`):
+/// the client end's and the agent end's descriptor numbers in the process that holds the label
+/// (its numbering, not ours: its door is found as [`ForeignFd`]s).
 pub fn parse_label(link: &str) -> Option<(RawFd, RawFd)> {
     let rest = link
         .strip_prefix("/memfd:")?
@@ -425,15 +428,16 @@ pub fn parse_label(link: &str) -> Option<(RawFd, RawFd)> {
     Some((num(c)?, num(a)?))
 }
 
-/// The door label of `pid`, if it has exactly one; two labels (which the agent never makes)
-/// are refused rather than guessed between.
-fn find_label(pid: i32) -> io::Result<Option<(RawFd, RawFd)>> {
+/// The door label of `pid`, if it has exactly one: the numbers of its client end and agent end
+/// in `pid`. Two labels (which the agent never makes) are refused rather than guessed between.
+fn find_label(pid: i32) -> io::Result<Option<(ForeignFd, ForeignFd)>> {
     let mut found = None;
     for entry in std::fs::read_dir(format!("/proc/{pid}/fd"))? {
         let Ok(link) = std::fs::read_link(entry?.path()) else {
             continue; // closed while we looked
         };
-        if let Some(ends) = link.to_str().and_then(parse_label)
+        let ends = link.to_str().and_then(parse_label);
+        if let Some(ends) = ends.and_then(|(c, a)| Some((ForeignFd::new(c)?, ForeignFd::new(a)?)))
             && found.replace(ends).is_some()
         {
             return Err(io::Error::new(
@@ -458,10 +462,10 @@ pub fn pidfd_open(pid: i32) -> io::Result<OwnedFd> {
 
 /// `pidfd_getfd(2)`: a copy (close-on-exec) of descriptor `target_fd` of the process
 /// `pidfd` names; needs ptrace rights over it.
-pub fn pidfd_getfd(pidfd: BorrowedFd<'_>, target_fd: RawFd) -> io::Result<OwnedFd> {
+pub fn pidfd_getfd(pidfd: BorrowedFd<'_>, target_fd: ForeignFd) -> io::Result<OwnedFd> {
     // SAFETY: pidfd is an open pidfd; the call copies a descriptor of that process into ours
     // (CLOEXEC) or returns -1.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), target_fd, 0) };
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), target_fd.get(), 0) };
     if fd < 0 {
         return Err(io::Error::last_os_error());
     }

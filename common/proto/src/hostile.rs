@@ -181,21 +181,18 @@ pub(crate) fn send(
                 }
             }
             ch.send_raw_reply(
-                &Reply::Shared {
+                &Reply::Shared(crate::Share {
                     import: true,
-                    pid: arg_u64(&a, 1, 0) as u32,
+                    pid: crate::pid::NsPid(arg_u64(&a, 1, 0) as u32),
                     id: arg_u64(&a, 2, 0),
                     addr: arg_u64(&a, 4, 0),
                     size: arg_u64(&a, 5, 0),
                     // Unmapped, as a release leaves an import: what a rollback, a restore and
                     // `gpusnap recover` map again.
                     mapped: false,
-                    shareable: false,
-                    agent_fd: -1,
-                    app_fd: -1,
-                    own_fd: -1,
                     key,
-                },
+                    kind: crate::ShareKind::Ipc,
+                }),
                 None,
             )?;
             return ch.send_raw_reply(&Reply::SharedEnd { count: count + 1 }, None);

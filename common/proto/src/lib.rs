@@ -17,15 +17,23 @@
 //! - `channel`: [`Channel`], one connection; whole messages, at most one fd attached, timeouts.
 //! - `error`: [`ProtoError`].
 //! - `devhash`: the device hash's definition, which the agent's GPU kernel and the host agree on.
+//! - `share`: [`Share`], one share of device memory as a job's agent lists it (its
+//!   [`ShareKind`]: the agent's CUDA IPC, or a shareable handle with its descriptors).
+//! - `fd`: [`ForeignFd`], another process's descriptor number (the job's), never one of ours.
+//! - `pid`: [`pid::HostPid`] and [`pid::NsPid`], the two kinds of process id, as two types (the
+//!   host services re-export them as `gpusnap_host::pid`).
 //! - `hostile` (cargo feature `hostile`, test builds only): the agent turned adversary, for CI.
 
 mod channel;
 pub mod devhash;
 mod door;
 mod error;
+mod fd;
 #[cfg(feature = "hostile")]
 pub mod hostile;
 mod message;
+pub mod pid;
+mod share;
 mod socket;
 mod wire;
 
@@ -38,10 +46,12 @@ pub use door::{
     parse_label, pidfd_getfd, pidfd_open, renew_door, seal_door, take_knock, take_knock_from,
 };
 pub use error::ProtoError;
+pub use fd::ForeignFd;
 pub use message::{
     AgentRequest, AllocKind, CommonRequest, ErrorCode, HEADER_LEN, KeeperRequest, MAGIC,
     MAX_ERROR_MESSAGE, Reply, Request, hazard,
 };
+pub use share::{Share, ShareKind};
 pub use socket::{peer_cred, seqpacket_pair};
 
 /// Version carried in every message header and in `Hello`.

@@ -22,8 +22,9 @@ pub use agent::AgentRequest;
 pub use common::{CommonRequest, Request};
 pub use keeper::KeeperRequest;
 
+use crate::pid::NsPid;
 use crate::wire::{Reader, Writer};
-use crate::{MAX_MESSAGE, PROTOCOL_VERSION, ProtoError};
+use crate::{MAX_MESSAGE, PROTOCOL_VERSION, ProtoError, Share, ShareKind};
 
 /// "GSNP" read as a little-endian u32.
 pub const MAGIC: u32 = 0x504E_5347;
@@ -384,43 +385,15 @@ pub enum Reply {
         /// Time since the first `Take`.
         micros: u64,
     },
-    /// One share ([`AgentRequest::ListSharing`]). `import`: another process's allocation `id` (of
-    /// exporter `pid`) mapped here at `addr`, `mapped` false while a release has it unmapped.
-    /// Else an allocation of this process's, exported, that process `pid` fetched (0: nobody
-    /// fetched it yet); `mapped` is whether this process maps it.
-    ///
-    /// `shareable`: a share the program made itself with `cuMemExportToShareableHandle` /
-    /// `cuMemImportFromShareableHandle`. Export: `pid` 0, `id` the allocation (0 and `mapped`
-    /// false: not memory the agent moves, not carried), `agent_fd` the agent's duplicate of the
-    /// descriptor the program got, `app_fd` that descriptor's number while it is still the same
-    /// open file (else -1). Import not yet resolved: `pid` 0, `id` the importer's own import id,
-    /// `agent_fd` the agent's duplicate of the descriptor imported; once resolved (told by
-    /// [`AgentRequest::ShareableSource`]) `pid` and `id` name the exporter's allocation and `agent_fd`
-    /// is -1. `app_fd` is -1 for an import (the plugin looks at every descriptor itself).
-    /// `own_fd`: for an export, the descriptor a hand-over left the agent as the allocation's own
-    /// (the same open file as `agent_fd` once a restore or rollback handed it out), else -1.
-    Shared {
-        import: bool,
-        pid: u32,
-        id: u64,
-        addr: u64,
-        size: u64,
-        mapped: bool,
-        shareable: bool,
-        agent_fd: i32,
-        app_fd: i32,
-        own_fd: i32,
-        /// The exporter's key (`identity`: random per process, kept across its restore): an
-        /// export says its own, an import its source's (zeros: an unresolved shareable import).
-        key: [u8; 16],
-    },
+    /// One share ([`AgentRequest::ListSharing`]): what it is, and how it is shared ([`Share`]).
+    Shared(Share),
     /// Every share was listed.
     SharedEnd {
         /// Number of [`Reply::Shared`] sent.
         count: u32,
     },
     /// The current memory of exported allocation `id` (descriptor attached), and the exporter's
-    /// key ([`Reply::Shared::key`]): an importer maps it again only if it is its source's.
+    /// key ([`Share::key`]): an importer maps it again only if it is its source's.
     ShareFd {
         id: u64,
         addr: u64,
@@ -762,30 +735,35 @@ impl Reply {
                 header(&mut w, kind::REP_DETACHED);
                 w.u32(*pid);
             }
-            Reply::Shared {
+            Reply::Shared(Share {
                 import,
                 pid,
                 id,
                 addr,
                 size,
                 mapped,
-                shareable,
-                agent_fd,
-                app_fd,
-                own_fd,
                 key,
-            } => {
+                kind: how,
+            }) => {
                 header(&mut w, kind::REP_SHARED);
+                let (shareable, [agent_fd, app_fd, own_fd]) = match *how {
+                    ShareKind::Ipc => (false, [None; 3]),
+                    ShareKind::Shareable {
+                        agent_fd,
+                        app_fd,
+                        own_fd,
+                    } => (true, [agent_fd, app_fd, own_fd]),
+                };
                 w.bool(*import);
-                w.u32(*pid);
+                w.u32(pid.get());
                 w.u64(*id);
                 w.u64(*addr);
                 w.u64(*size);
                 w.bool(*mapped);
-                w.bool(*shareable);
-                w.i32(*agent_fd);
-                w.i32(*app_fd);
-                w.i32(*own_fd);
+                w.bool(shareable);
+                w.fd(agent_fd);
+                w.fd(app_fd);
+                w.fd(own_fd);
                 w.bytes16(key);
             }
             Reply::SharedEnd { count } => {
@@ -925,19 +903,39 @@ impl Reply {
                 micros: r.u64()?,
             },
             kind::REP_DETACHED => Reply::Detached { pid: r.u32()? },
-            kind::REP_SHARED => Reply::Shared {
-                import: r.bool()?,
-                pid: r.u32()?,
-                id: r.u64()?,
-                addr: r.u64()?,
-                size: r.u64()?,
-                mapped: r.bool()?,
-                shareable: r.bool()?,
-                agent_fd: r.i32()?,
-                app_fd: r.i32()?,
-                own_fd: r.i32()?,
-                key: r.bytes16()?,
-            },
+            kind::REP_SHARED => {
+                let import = r.bool()?;
+                let pid = NsPid(r.u32()?);
+                let id = r.u64()?;
+                let addr = r.u64()?;
+                let size = r.u64()?;
+                let mapped = r.bool()?;
+                let shareable = r.bool()?;
+                let (agent_fd, app_fd, own_fd) = (r.fd()?, r.fd()?, r.fd()?);
+                let how = if shareable {
+                    ShareKind::Shareable {
+                        agent_fd,
+                        app_fd,
+                        own_fd,
+                    }
+                } else if agent_fd.is_none() && app_fd.is_none() && own_fd.is_none() {
+                    ShareKind::Ipc
+                } else {
+                    return Err(ProtoError::Malformed(
+                        "a CUDA IPC share with a descriptor (only shareable handles have them)",
+                    ));
+                };
+                Reply::Shared(Share {
+                    import,
+                    pid,
+                    id,
+                    addr,
+                    size,
+                    mapped,
+                    key: r.bytes16()?,
+                    kind: how,
+                })
+            }
             kind::REP_SHARED_END => Reply::SharedEnd { count: r.u32()? },
             kind::REP_SHARE_FD => Reply::ShareFd {
                 id: r.u64()?,

@@ -4,6 +4,7 @@ use std::io::{Seek, Write};
 use std::os::fd::{AsFd, AsRawFd};
 use std::time::{Duration, Instant};
 
+use crate::pid::NsPid;
 use crate::*;
 
 /// The requests both servers take, as in the two lists below.
@@ -268,45 +269,55 @@ fn all_replies() -> Vec<Reply> {
             micros: 5,
         },
         Reply::Detached { pid: 4242 },
-        Reply::Shared {
+        Reply::Shared(Share {
             import: true,
-            pid: 77,
+            pid: NsPid(77),
             id: 9,
             addr: 0x7000_0020_0000,
             size: 2 << 20,
             mapped: false,
-            shareable: false,
-            agent_fd: -1,
-            app_fd: -1,
-            own_fd: -1,
             key: [0x5e; 16],
-        },
-        Reply::Shared {
+            kind: ShareKind::Ipc,
+        }),
+        Reply::Shared(Share {
             import: true,
-            pid: 0,
+            pid: NsPid(0),
             id: 2,
             addr: 0x7000_0080_0000,
             size: 2 << 20,
             mapped: true,
-            shareable: true,
-            agent_fd: 41,
-            app_fd: 7,
-            own_fd: 43,
             key: [0; 16],
-        },
-        Reply::Shared {
+            kind: ShareKind::Shareable {
+                agent_fd: ForeignFd::new(41),
+                app_fd: ForeignFd::new(7),
+                own_fd: ForeignFd::new(43),
+            },
+        }),
+        Reply::Shared(Share {
             import: false,
-            pid: 0,
+            pid: NsPid(0),
             id: 3,
             addr: 0x7000_0040_0000,
             size: 4 << 20,
             mapped: true,
-            shareable: false,
-            agent_fd: -1,
-            app_fd: -1,
-            own_fd: -1,
             key: [0x5e; 16],
-        },
+            kind: ShareKind::Ipc,
+        }),
+        // A shareable export whose program closed its descriptor: none on the wire is -1.
+        Reply::Shared(Share {
+            import: false,
+            pid: NsPid(0),
+            id: 4,
+            addr: 0x7000_00c0_0000,
+            size: 2 << 20,
+            mapped: true,
+            key: [0x5e; 16],
+            kind: ShareKind::Shareable {
+                agent_fd: ForeignFd::new(40),
+                app_fd: None,
+                own_fd: None,
+            },
+        }),
         Reply::SharedEnd { count: 3 },
         Reply::ShareFd {
             id: 3,
@@ -661,6 +672,87 @@ fn bad_field_values_are_rejected() {
     });
     b[HEADER_LEN + 2] = 3;
     assert!(matches!(Reply::decode(&b), Err(ProtoError::Malformed(_))));
+}
+
+/// A share's bytes, field by field, as the wire has always had them: import, pid, id, addr,
+/// size, mapped, shareable, agent_fd, app_fd, own_fd (-1: none), key.
+#[test]
+fn a_share_keeps_its_wire_layout() {
+    let body = |share: Share| enc_rep(&Reply::Shared(share))[HEADER_LEN..].to_vec();
+    let layout = |shareable: bool, fds: [i32; 3]| {
+        let mut v = vec![1u8];
+        v.extend(77u32.to_le_bytes());
+        v.extend(9u64.to_le_bytes());
+        v.extend(0x7000_0020_0000u64.to_le_bytes());
+        v.extend((2u64 << 20).to_le_bytes());
+        v.push(0);
+        v.push(u8::from(shareable));
+        for fd in fds {
+            v.extend(fd.to_le_bytes());
+        }
+        v.extend([0x5e; 16]);
+        v
+    };
+    let ipc = Share {
+        import: true,
+        pid: NsPid(77),
+        id: 9,
+        addr: 0x7000_0020_0000,
+        size: 2 << 20,
+        mapped: false,
+        key: [0x5e; 16],
+        kind: ShareKind::Ipc,
+    };
+    assert_eq!(body(ipc.clone()), layout(false, [-1, -1, -1]));
+    let shareable = Share {
+        kind: ShareKind::Shareable {
+            agent_fd: ForeignFd::new(41),
+            app_fd: None,
+            own_fd: ForeignFd::new(0),
+        },
+        ..ipc
+    };
+    assert_eq!(body(shareable), layout(true, [41, -1, 0]));
+}
+
+/// A share's descriptor fields hold -1 or a descriptor number; and only a shareable handle's
+/// have any (the agent's IPC has none), so that every decode encodes to the same bytes.
+#[test]
+fn a_share_s_descriptors_are_checked() {
+    let b = enc_rep(&Reply::Shared(Share {
+        import: false,
+        pid: NsPid(0),
+        id: 3,
+        addr: 0x7000_0040_0000,
+        size: 4 << 20,
+        mapped: true,
+        key: [0x5e; 16],
+        kind: ShareKind::Ipc,
+    }));
+    // The three descriptors sit just before the 16-byte key; the shareable flag before them.
+    let fds = b.len() - 16 - 12;
+    for (at, v) in [(fds, 5i32), (fds + 4, 0), (fds + 8, 7)] {
+        let mut b = b.clone();
+        b[at..at + 4].copy_from_slice(&v.to_le_bytes());
+        assert!(
+            matches!(Reply::decode(&b), Err(ProtoError::Malformed(_))),
+            "an IPC share with descriptor {v} at {at}"
+        );
+        b[fds - 1] = 1;
+        assert!(
+            Reply::decode(&b).is_ok(),
+            "a shareable handle's, {v} at {at}"
+        );
+    }
+    for v in [-2i32, i32::MIN] {
+        let mut b = b.clone();
+        b[fds - 1] = 1;
+        b[fds..fds + 4].copy_from_slice(&v.to_le_bytes());
+        assert!(
+            matches!(Reply::decode(&b), Err(ProtoError::Malformed(_))),
+            "descriptor {v}"
+        );
+    }
 }
 
 /// xorshift64*: deterministic, no dependency.

@@ -3,7 +3,7 @@
 //! The reader is fed untrusted bytes: every read checks the remaining length and returns
 //! [`ProtoError::Malformed`] instead of panicking; [`Reader::finish`] rejects trailing bytes.
 
-use crate::{MAX_MESSAGE, ProtoError};
+use crate::{ForeignFd, MAX_MESSAGE, ProtoError};
 
 /// Writes fields into a fixed message buffer. Every message of this protocol fits in
 /// [`MAX_MESSAGE`] bytes by construction (strings are truncated before they are written), so the
@@ -47,6 +47,10 @@ impl<'a> Writer<'a> {
     }
     pub(crate) fn bytes16(&mut self, v: &[u8; 16]) {
         self.put(v);
+    }
+    /// Another process's descriptor number as an `i32`, -1 for none.
+    pub(crate) fn fd(&mut self, v: Option<ForeignFd>) {
+        self.i32(v.map_or(-1, ForeignFd::get));
     }
     /// u16 length + UTF-8 bytes; the caller has already bounded the length.
     pub(crate) fn str(&mut self, s: &str) {
@@ -95,6 +99,16 @@ impl<'a> Reader<'a> {
     }
     pub(crate) fn bytes16(&mut self) -> Result<[u8; 16], ProtoError> {
         self.take()
+    }
+    /// Another process's descriptor number: -1 is none, any other negative number is refused
+    /// (so that every decode encodes to the same bytes).
+    pub(crate) fn fd(&mut self) -> Result<Option<ForeignFd>, ProtoError> {
+        match self.i32()? {
+            -1 => Ok(None),
+            n => ForeignFd::new(n)
+                .map(Some)
+                .ok_or(ProtoError::Malformed("descriptor number below -1")),
+        }
     }
     pub(crate) fn bool(&mut self) -> Result<bool, ProtoError> {
         match self.u8()? {

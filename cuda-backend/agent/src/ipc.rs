@@ -45,7 +45,8 @@ use std::sync::{Mutex, MutexGuard, Once, TryLockError};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::CUdeviceptr;
-use gpusnap_proto::hazard;
+use gpusnap_proto::pid::NsPid;
+use gpusnap_proto::{Share, ShareKind, hazard};
 
 use crate::cu::CuError;
 use crate::log::debug;
@@ -844,38 +845,24 @@ pub fn close_mem_handle(drv: &Driver, ptr: CUdeviceptr) -> Option<CuRes> {
 // ---------------------------------------------------------------------------------------------
 // Checkpointing shares (the agent's thread; the application's threads held)
 
-/// One share of this process ([`sharing`]), as `ListSharing` reports it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Share {
-    /// An import (another process's memory mapped here) or an export (this process's).
-    pub import: bool,
-    /// The exporter (import), or a process that fetched the export (0: none yet).
-    pub pid: u32,
-    /// The exporter's allocation id.
-    pub id: u64,
-    /// Where it is mapped here (import: the base of the mapping; export: the allocation's).
-    pub addr: u64,
-    pub size: u64,
-    /// Import: mapped now (false between a release and a reimport). Export: always true.
-    pub mapped: bool,
-    /// The exporter's key ([`crate::identity`]): the import's source, or this process's.
-    pub key: [u8; 16],
-}
-
-/// The shares of this process: every import, and every export once per process that fetched
-/// it. `None` when the state's lock is held (by a stopped application thread).
+/// The shares of this process through the agent's CUDA IPC ([`ShareKind::Ipc`]), as
+/// `ListSharing` reports them: every import (another process's memory mapped here: its base
+/// and size, mapped or not between a release and a reimport, its source's key), and every export
+/// (this process's allocation) once per process that fetched it (0: none yet). `None` when the
+/// state's lock is held (by a stopped application thread).
 pub fn sharing() -> Option<Vec<Share>> {
     let st = try_state_for(LOCK_WAIT)?;
     let mut v = Vec::new();
     for (&base, m) in &st.imports {
         v.push(Share {
             import: true,
-            pid: m.source.0,
+            pid: NsPid(m.source.0),
             id: m.source.2,
             addr: base,
             size: m.size,
             mapped: m.mapped,
             key: m.source.1,
+            kind: ShareKind::Ipc,
         });
     }
     let own_key = st.service.as_ref().map_or([0; 16], |s| s.key);
@@ -888,12 +875,13 @@ pub fn sharing() -> Option<Vec<Share>> {
         for pid in pids {
             v.push(Share {
                 import: false,
-                pid,
+                pid: NsPid(pid),
                 id: e.id,
                 addr: base,
                 size: e.size,
                 mapped: true,
                 key: own_key,
+                kind: ShareKind::Ipc,
             });
         }
     }

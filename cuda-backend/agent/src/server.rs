@@ -19,8 +19,9 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 
 use gpusnap_proto::{
-    AgentRequest, AllocKind, Channel, CommonRequest, DoorInside, ErrorCode, Knock,
-    PROTOCOL_VERSION, ProtoError, Reply, door_sealed, peer_cred, renew_door, take_knock_from,
+    AgentRequest, AllocKind, Channel, CommonRequest, DoorInside, ErrorCode, ForeignFd, Knock,
+    PROTOCOL_VERSION, ProtoError, Reply, ShareKind, door_sealed, peer_cred, renew_door,
+    take_knock_from,
 };
 
 use crate::gpu::Gpu;
@@ -700,42 +701,20 @@ fn list_sharing(ch: &Channel) -> Result<(), ProtoError> {
     else {
         return ch.send_reply(&busy_reply());
     };
-    for s in &shares {
-        ch.send_reply(&Reply::Shared {
-            import: s.import,
-            pid: s.pid,
-            id: s.id,
-            addr: s.addr,
-            size: s.size,
-            mapped: s.mapped,
-            shareable: false,
-            agent_fd: -1,
-            app_fd: -1,
-            own_fd: -1,
-            key: s.key,
-        })?;
+    let count = shares.len() + shareable.len();
+    for s in shares {
+        ch.send_reply(&Reply::Shared(s))?;
     }
-    for s in &shareable {
-        ch.send_reply(&Reply::Shared {
-            import: s.import,
-            pid: s.pid,
-            id: s.id,
-            addr: s.addr,
-            size: s.size,
-            mapped: s.mapped,
-            shareable: true,
-            agent_fd: s.agent_fd,
-            app_fd: s.app_fd,
-            own_fd: if s.import {
-                -1
-            } else {
-                crate::own_fds::number_at(s.addr).unwrap_or(-1)
-            },
-            key: s.key,
-        })?;
+    for mut s in shareable {
+        // An export's own descriptor, which a hand-over left the agent (the plugin must not
+        // take it for a program's copy).
+        if let (false, ShareKind::Shareable { own_fd, .. }) = (s.import, &mut s.kind) {
+            *own_fd = crate::own_fds::number_at(s.addr).and_then(ForeignFd::new);
+        }
+        ch.send_reply(&Reply::Shared(s))?;
     }
     ch.send_reply(&Reply::SharedEnd {
-        count: u32::try_from(shares.len() + shareable.len()).unwrap_or(u32::MAX),
+        count: u32::try_from(count).unwrap_or(u32::MAX),
     })
 }
 

@@ -27,6 +27,8 @@ use std::sync::{Mutex, MutexGuard, TryLockError};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::CUmemGenericAllocationHandle as Handle;
+use gpusnap_proto::pid::NsPid;
+use gpusnap_proto::{ForeignFd, Share, ShareKind};
 
 use crate::cu::CuError;
 use crate::log::debug;
@@ -353,23 +355,9 @@ pub fn retained(real: Handle, addr: u64) -> Option<(Handle, bool)> {
 // ---------------------------------------------------------------------------------------------
 // The agent's thread (the application's threads held, or read-only)
 
-/// One share as `ListSharing` reports it (see `Reply::Shared`).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Share {
-    pub import: bool,
-    pub pid: u32,
-    pub id: u64,
-    pub addr: u64,
-    pub size: u64,
-    pub mapped: bool,
-    pub agent_fd: i32,
-    pub app_fd: i32,
-    /// The exporter's key: this process's for an export, the resolved source's for an import
-    /// (zeros until resolved).
-    pub key: [u8; 16],
-}
-
-/// This process's shareable exports and imports; `None` when a lock is held.
+/// This process's shareable exports and imports ([`ShareKind::Shareable`]), as `ListSharing`
+/// reports them (their descriptors are this process's own, numbers the plugin sees as the
+/// job's); `None` when a lock is held.
 pub fn sharing() -> Option<Vec<Share>> {
     if import_call_in_flight() {
         return None;
@@ -391,14 +379,18 @@ pub fn sharing() -> Option<Vec<Share>> {
             };
             v.push(Share {
                 import: false,
-                pid: 0,
+                pid: NsPid(0),
                 id: moved.map_or(0, |c| c.id),
                 addr: moved.map_or(0, |c| c.addr),
                 size: moved.map_or(0, |c| c.size),
                 mapped: moved.is_some(),
-                agent_fd: e.dup.as_raw_fd(),
-                app_fd,
                 key: own_key,
+                kind: ShareKind::Shareable {
+                    agent_fd: ForeignFd::new(e.dup.as_raw_fd()),
+                    app_fd: ForeignFd::new(app_fd),
+                    // The server's to say (`own_fds`).
+                    own_fd: None,
+                },
             });
         }
     }
@@ -412,14 +404,17 @@ pub fn sharing() -> Option<Vec<Share>> {
         };
         v.push(Share {
             import: true,
-            pid,
+            pid: NsPid(pid),
             id,
             addr: first.map_or(0, |x| x.addr),
             size: first.map_or(0, |x| x.size),
             mapped: m.whole(),
-            agent_fd,
-            app_fd: -1,
             key: m.source_key,
+            kind: ShareKind::Shareable {
+                agent_fd: ForeignFd::new(agent_fd),
+                app_fd: None,
+                own_fd: None,
+            },
         });
     }
     Some(v)
@@ -807,8 +802,11 @@ mod tests {
         mapped(v, 0x4000_0000, 2 << 20, 0);
         let listed = sharing().unwrap();
         let s = listed.iter().find(|s| s.import).unwrap();
-        assert_eq!((s.pid, s.addr, s.mapped), (0, 0x4000_0000, true));
-        let dup = s.agent_fd;
+        assert_eq!((s.pid.get(), s.addr, s.mapped), (0, 0x4000_0000, true));
+        let ShareKind::Shareable { agent_fd, .. } = s.kind else {
+            panic!("a shareable handle's share: {s:?}");
+        };
+        let dup = agent_fd.map_or(-1, ForeignFd::get);
         assert!(
             dup >= 0 && same_file_here(dup, a.as_raw_fd()),
             "one duplicate kept"

@@ -10,7 +10,7 @@ use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use crate::kfd::KfdError;
 use crate::kfd::criu;
 use crate::kfd::device::{DeviceFile, KfdDevice};
-use gpusnap_proto::{pidfd_getfd, pidfd_open};
+use gpusnap_proto::{ForeignFd, pidfd_getfd, pidfd_open};
 
 use crate::procfs;
 use crate::ptrace::SeizedProcess;
@@ -33,7 +33,7 @@ pub enum RecoverError {
     #[error("copying KFD file {fd} out of pid {pid}: {source}")]
     GetFd {
         pid: i32,
-        fd: i32,
+        fd: ForeignFd,
         #[source]
         source: io::Error,
     },
@@ -55,9 +55,10 @@ pub enum Recovered {
 }
 
 /// The descriptor number of a KFD file `pid` holds, if any.
-pub fn kfd_fd_of(dev: &dyn KfdDevice, pid: i32) -> Result<Option<i32>, RecoverError> {
+pub fn kfd_fd_of(dev: &dyn KfdDevice, pid: i32) -> Result<Option<ForeignFd>, RecoverError> {
     let fds = procfs::fd_numbers(pid).map_err(|source| RecoverError::Proc { pid, source })?;
-    Ok(fds.into_iter().find(|&n| {
+    Ok(fds.into_iter().filter_map(ForeignFd::new).find(|&fd| {
+        let n = fd.get();
         let Ok(meta) = procfs::fd_metadata(pid, n) else {
             return false;
         };

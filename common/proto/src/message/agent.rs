@@ -74,7 +74,7 @@ pub enum AgentRequest {
         exporter_pid: u32,
         /// The exporter's allocation id.
         id: u64,
-        /// The exporter's key (its [`crate::Reply::Shared::key`]), so that a later process
+        /// The exporter's key (its [`crate::Share::key`]), so that a later process
         /// with the same pid is never taken for it.
         key: [u8; 16],
     },

@@ -8,12 +8,15 @@
 //!   stand-in driver);
 //! - [`oci`]: OCI images (image layouts, manifests, configs) written by the test;
 //! - [`registry`]: a read-only OCI distribution registry on 127.0.0.1, serving those images
-//!   (containerd pulls the base image of a checkpoint at restore even when it has it).
+//!   (containerd pulls the base image of a checkpoint at restore even when it has it);
+//! - [`route`]: what the route tests share (CRI logs, root file systems, pods, the checkpoint
+//!   image, the clean-up).
 
 pub mod cri;
 pub mod node;
 pub mod oci;
 pub mod registry;
+pub mod route;
 
 use std::path::PathBuf;
 

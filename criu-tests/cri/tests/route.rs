@@ -216,6 +216,8 @@ fn cri_checkpoint_to_an_image_restored_on_another_node() {
         plugin_so: h.plugin_so.clone(),
         keeper: h.keeper.clone(),
         fakecuda_so: fakecuda_so.clone(),
+        agent: None,
+        keeper_libcuda: None,
     };
     let containerd = cri_tests::containerd_root(&h.repo);
     let mut s = Setup {

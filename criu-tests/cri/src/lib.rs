@@ -2,6 +2,8 @@
 //! spoken to over CRI as the kubelet speaks to them, a registry and OCI images made by the
 //! test, and a checkpoint image built from a CRI checkpoint archive (`tests/route.rs`).
 //!
+//! - [`checkpointctl`]: Debian's `checkpointctl` (`scripts/install-checkpointctl.sh`), reading
+//!   the CRI checkpoint archives;
 //! - [`cri`]: a blocking CRI client (the `k8s-cri` protobufs over tonic, on a unix socket);
 //! - [`node`]: one containerd instance with its own root, state, sockets, configuration, and
 //!   `criu` wrapper (the harness's CRIU root, the gpusnap plugin from a private directory, the
@@ -12,6 +14,7 @@
 //! - [`route`]: what the route tests share (CRI logs, root file systems, pods, the checkpoint
 //!   image, the clean-up).
 
+pub mod checkpointctl;
 pub mod cri;
 pub mod node;
 pub mod oci;

@@ -5,7 +5,9 @@
 //!    node A, writing its counter log to its stdout (the pod's CRI log);
 //! 2. CRI `CheckpointContainer` writes the archive, as the kubelet's checkpoint endpoint has
 //!    the runtime do; the job keeps running on A; the archive carries gpusnap's files
-//!    (`gpusnap inspect --json` of the archive reads them);
+//!    (`gpusnap inspect --json` of the archive reads them), and `checkpointctl inspect`
+//!    (Debian's, `scripts/install-checkpointctl.sh`) reads the archive, gpusnap's files counted
+//!    in its checkpoint size;
 //! 3. the archive becomes a checkpoint image: an OCI image layout written by the test (one
 //!    layer = the archive; annotations `org.criu.checkpoint.container.name`, its CRI-O
 //!    spelling, and `gpusnap.*` fields from `gpusnap inspect --json`), imported on node B with
@@ -37,8 +39,8 @@ use cri_tests::node::{CriuSetup, Node, NodeGpus};
 use cri_tests::oci;
 use cri_tests::registry::Registry;
 use cri_tests::route::{
-    Setup, archived_log_lines, cri_log_lines, hex, import_checkpoint_image, job_pids, pod,
-    rootfs_layer,
+    Setup, archive_files, archived_log_lines, cri_log_lines, hex, import_checkpoint_image,
+    job_pids, pod, rootfs_layer,
 };
 use criu_tests::counter_log::Tick;
 use criu_tests::fake_driver::{FakeDriver, shorts};
@@ -339,6 +341,18 @@ fn cri_checkpoint_to_an_image_restored_on_another_node() {
     inspect.assert_ok();
     let inspect_json: serde_json::Value = serde_json::from_str(&inspect.stdout)
         .unwrap_or_else(|e| panic!("gpusnap inspect --json: {e}\n{inspect}"));
+    // So does Debian's checkpointctl, gpusnap's files among what it counts.
+    match cri_tests::checkpointctl::find(&h.repo) {
+        Err(why) => skipped(&format!("{TEST} checkpointctl inspect"), &why),
+        Ok(ck) => {
+            let files = archive_files(&archive, &work);
+            let report = ck
+                .assert_reads(&archive, JOB, &files, &work)
+                .unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(report.command, "fakegpu", "checkpointctl's process tree");
+            eprintln!("criu-tests: checkpointctl inspect: {}", report.summary);
+        }
+    }
 
     // 3. The checkpoint image: the archive as its one layer, and the annotations.
     let t0 = Instant::now();

@@ -14,7 +14,9 @@
 //! 3. CRI `CheckpointContainer` while it runs: the dump took the split path (CRIU's `dump.log`
 //!    in the archive: the agent moved the device data into gpusnap's files, the job's memory
 //!    lent to the keeper and mapped back), the job runs on on node A with every tick good, the
-//!    archive holds gpusnap's manifest and data files;
+//!    archive holds gpusnap's manifest and data files, and `checkpointctl inspect` (Debian's,
+//!    from `scripts/install-checkpointctl.sh`) reads the archive: the job's process, gpusnap's
+//!    files counted in its checkpoint size, the CDI mount (node A's copy) in its mounts;
 //! 4. the checkpoint image (as in `tests/route.rs`) is restored in a new pod on node B, whose
 //!    `CreateContainer` names the same CDI device, which node B resolves against its own spec
 //!    (the agent mounted from node B's copy): the restore loaded the data through the split
@@ -39,6 +41,7 @@ use std::fs;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use cri_tests::checkpointctl;
 use cri_tests::cri::{ContainerConfig, container_config, with_cdi_device};
 use cri_tests::node::{AGENT_IN_CONTAINER, CDI_DEVICE, CriuSetup, Node, NodeGpus};
 use cri_tests::oci;
@@ -387,6 +390,32 @@ fn cri_split_path_through_cdi() {
     inspect.assert_ok();
     let inspect_json: serde_json::Value = serde_json::from_str(&inspect.stdout)
         .unwrap_or_else(|e| panic!("gpusnap inspect --json: {e}\n{inspect}"));
+
+    // checkpointctl reads the archive as it is, gpusnap's files among what it counts.
+    match checkpointctl::find(&h.repo) {
+        Err(why) => skipped(&format!("{TEST} checkpointctl inspect"), &why),
+        Ok(ck) => {
+            let report = ck
+                .assert_reads(&archive, JOB, &files, &work)
+                .unwrap_or_else(|e| panic!("{e}"));
+            let agent_mount = report.mounts.iter().find(|m| m.0 == AGENT_IN_CONTAINER);
+            assert!(
+                agent_mount.is_some_and(|m| m.1
+                    == s.nodes[0]
+                        .dir
+                        .join("agent/libgpusnap_agent.so")
+                        .display()
+                        .to_string()),
+                "checkpointctl's mounts have no {AGENT_IN_CONTAINER} from node A's copy: {:?}",
+                report.mounts
+            );
+            assert_eq!(
+                report.command, "fakegpu-vmm",
+                "checkpointctl's process tree"
+            );
+            eprintln!("criu-tests: checkpointctl inspect: {}", report.summary);
+        }
+    }
 
     // 3. The checkpoint image, imported on node B.
     let t0 = Instant::now();

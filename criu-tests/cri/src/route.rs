@@ -39,18 +39,23 @@ pub fn archived_log_lines(archive: &Path, work: &Path) -> Vec<String> {
     cri_log_lines(&out)
 }
 
-/// The text of file `member` of the tar `archive` (empty when it has none).
+/// The text of file `member` of the tar `archive` (bytes that are not UTF-8 replaced; empty
+/// when it has no such file).
 pub fn archive_member(archive: &Path, member: &str, work: &Path) -> String {
+    let dir = work.join("archive-members");
+    fs::create_dir_all(&dir).unwrap();
     let mut cmd = std::process::Command::new("tar");
-    cmd.arg("-xOf").arg(archive).arg(member);
-    let r = run_bounded(
+    cmd.arg("-C").arg(&dir).arg("-xf").arg(archive).arg(member);
+    run_bounded(
         &mut cmd,
-        &format!("tar -xOf {member}"),
+        &format!("tar -xf {member}"),
         work,
         Duration::from_secs(60),
     )
     .unwrap_or_else(|e| panic!("{e}"));
-    r.stdout
+    let bytes = fs::read(dir.join(member)).unwrap_or_default();
+    let _ = fs::remove_dir_all(&dir);
+    String::from_utf8_lossy(&bytes).into_owned()
 }
 
 /// The regular files of the tar `archive`: (path, size), in archive order.

@@ -94,7 +94,8 @@ pub fn container_config(name: &str, image: &str, command: &[&str]) -> cri::Conta
 
 /// `config` with the CDI device `name` (`vendor.com/class=device`) in its `cdi_devices`, the
 /// CRI field the kubelet fills from what a device plugin or DRA driver allocated (containerd
-/// 2.1 also reads `cdi.k8s.io/*` annotations, which it calls deprecated).
+/// 2.1 also reads `cdi.k8s.io/*` annotations, which it calls deprecated, but drops them when
+/// it restores a checkpoint).
 pub fn with_cdi_device(mut config: cri::ContainerConfig, name: &str) -> cri::ContainerConfig {
     config
         .cdi_devices

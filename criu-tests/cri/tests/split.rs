@@ -17,7 +17,10 @@
 //!    archive holds gpusnap's manifest and data files, and `checkpointctl inspect` (Debian's,
 //!    from `scripts/install-checkpointctl.sh`) reads the archive: the job's process, gpusnap's
 //!    files counted in its checkpoint size, the CDI mount (node A's copy) in its mounts;
-//! 4. the checkpoint image (as in `tests/route.rs`) is restored in a new pod on node B, whose
+//! 4. on node B, a restore that names the device only as a `cdi.k8s.io/*` annotation fails
+//!    (containerd 2.1 drops those annotations at a restore, the archive's and the request's:
+//!    the new container has no agent mount, which CRIU's image needs), leaving nothing running;
+//! 5. the checkpoint image (as in `tests/route.rs`) is restored in a new pod on node B, whose
 //!    `CreateContainer` names the same CDI device, which node B resolves against its own spec
 //!    (the agent mounted from node B's copy): the restore loaded the data through the split
 //!    path (`restore.log`), and the job goes on from the checkpointed tick with its device memory
@@ -48,7 +51,7 @@ use cri_tests::oci;
 use cri_tests::registry::Registry;
 use cri_tests::route::{
     Setup, archive_files, archive_member, archived_log_lines, cri_log_lines,
-    import_checkpoint_image, pod, rootfs_layer,
+    import_checkpoint_image, job_pids, pod, rootfs_layer,
 };
 use criu_tests::harness::{harness, skipped};
 use criu_tests::packages;
@@ -436,6 +439,48 @@ fn cri_split_path_through_cdi() {
         .run_pod(&pod_b)
         .unwrap_or_else(|e| panic!("{e}\n{}", b.log()));
     b.pods.push((pb.clone(), Vec::new()));
+
+    // containerd drops `cdi.k8s.io/*` annotations at a restore (the archive's and the
+    // request's alike): a restore that names the device only so gets no agent, and fails.
+    let mut config = job_config(&ck_name, &[]);
+    config.cdi_devices.clear();
+    config
+        .annotations
+        .insert("cdi.k8s.io/gpusnap".into(), CDI_DEVICE.into());
+    config.log_path = format!("{JOB}-annotation-only.log");
+    let id = b
+        .cri()
+        .create_container(&pb, &pod_b, config)
+        .unwrap_or_else(|e| panic!("{e}\n{}", b.log()));
+    let started = b.cri().start_container(&id);
+    let log = b.restore_log(&id);
+    assert!(
+        started.is_err(),
+        "node B restored the job without the agent's CDI device\n--- restore.log ---\n{log}"
+    );
+    // CRIU finds no mount in the new container for the agent's bind mount in the image.
+    assert!(
+        log.contains(AGENT_IN_CONTAINER.trim_start_matches('/'))
+            && log.contains("No mapping for")
+            && !log.contains("restored (Split path)"),
+        "the restore without the agent's CDI device failed elsewhere than at the agent\n\
+         --- restore.log ---\n{log}\n--- containerd B ---\n{}",
+        b.log()
+    );
+    let left = job_pids(&b.dir, "fakegpu-vmm");
+    assert!(left.is_empty(), "job processes {left:?} left on node B");
+    let why = log
+        .lines()
+        .find(|l| l.contains("No mapping for"))
+        .unwrap_or_default()
+        .to_owned();
+    eprintln!("criu-tests: cri split: the restore with the device as an annotation only: {why}");
+    b.cri()
+        .remove_container(&id)
+        .unwrap_or_else(|e| panic!("{e}"));
+    cri_tests::node::unmount_checkpoint_views(&b.dir);
+
+    // With the device in `cdi_devices`, as a kubelet passes what it allocated on node B.
     let t0 = Instant::now();
     let cb = b
         .cri()

@@ -4,7 +4,8 @@
 #     scripts/test.sh [extra `cargo test` arguments, e.g. -- --nocapture]
 #
 # 1. builds the private CRIU 4.1.1 and 4.2 roots (scripts/install-criu.sh; fast when present)
-#    and unpacks containerd 2.x for the CRI test (scripts/install-containerd.sh),
+#    and unpacks containerd 2.x and checkpointctl for the CRI tests
+#    (scripts/install-containerd.sh, scripts/install-checkpointctl.sh),
 # 2. cargo fmt --all -- --check
 # 3. the structure check, python3 scripts/structure.py (the crates' layers, import cycles and
 #    module maps against scripts/layers.toml; its unit tests, scripts/test_*.py, first); skipped
@@ -24,7 +25,8 @@
 # Tools the full run needs (.ci/run installs the missing ones on Debian 12): cargo with rustfmt
 # and clippy, gcc and libc6-dev, apt/dpkg/flock and debian-archive-keyring (the CRIU roots,
 # from the network the first time), python3 (the GPU harness's unit tests), podman, runc,
-# busybox-static and tar (the Podman test). What cannot run is SKIPPED, never passed: every
+# busybox-static and tar (the Podman test), protoc, curl and xz (the CRI tests' containerd and
+# checkpointctl, unpacked from Debian's archive). What cannot run is SKIPPED, never passed: every
 # skipped test or step is listed, with the reason, in the summary at the end (also when a later
 # step fails), which then says "passed, except what was SKIPPED". A test says it was skipped
 # with a line "<crate>: SKIPPED <test>: <why>" on stderr (criu-tests::harness::skipped); tests
@@ -101,6 +103,10 @@ else
     # The CRI test's containerd 2.x (fast when present). Without it that test says SKIPPED.
     step "scripts/install-containerd.sh"
     scripts/install-containerd.sh || skip "containerd 2.x for the CRI test: scripts/install-containerd.sh failed (above)"
+    # checkpointctl for the CRI tests (after the CRIU roots: it runs on their glibc). Without
+    # it their checkpointctl checks say SKIPPED.
+    step "scripts/install-checkpointctl.sh"
+    scripts/install-checkpointctl.sh || skip "checkpointctl for the CRI tests: scripts/install-checkpointctl.sh failed (above)"
 fi
 
 step "cargo fmt --all -- --check"

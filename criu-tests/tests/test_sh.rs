@@ -1,7 +1,8 @@
 //! `scripts/test.sh` never reports what did not run as passed.
 //!
 //! The script runs here on a copy of itself in a scratch "repository" whose
-//! `scripts/install-criu.sh` and `scripts/install-containerd.sh` do nothing, with a `PATH` of stand-ins only: a `cargo` that
+//! `scripts/install-criu.sh`, `scripts/install-containerd.sh` and
+//! `scripts/install-checkpointctl.sh` do nothing, with a `PATH` of stand-ins only: a `cargo` that
 //! prints the test output each case gives it and exits with its status, an `id` that says root,
 //! and (where the case has one) a `python3` that prints unittest's output, plus the few real
 //! tools the script uses. Each case checks the summary and the exit status: a test's
@@ -69,10 +70,9 @@ fn run(case: &Case) -> Ran {
     }
     fs::copy(repo().join("scripts/test.sh"), scripts.join("test.sh")).unwrap();
     script(&scripts.join("install-criu.sh"), "#!/bin/sh\nexit 0\n");
-    script(
-        &scripts.join("install-containerd.sh"),
-        "#!/bin/sh\nexit 0\n",
-    );
+    for stub in ["install-containerd.sh", "install-checkpointctl.sh"] {
+        script(&scripts.join(stub), "#!/bin/sh\nexit 0\n");
+    }
     for tool in TOOLS {
         let real = criu_tests::podman::which(tool).unwrap_or_else(|| panic!("no {tool} on PATH"));
         std::os::unix::fs::symlink(real, bin.join(tool)).unwrap();

@@ -8,6 +8,8 @@ use k8s_cri::v1::runtime_service_client::RuntimeServiceClient;
 use k8s_cri::v1::{self as cri, NamespaceMode};
 use tonic::transport::{Channel, Endpoint, Uri};
 
+pub use k8s_cri::v1::ContainerConfig;
+
 /// How long one CRI call may take (the kubelet's default runtime request timeout is 2 min).
 pub const CALL_LIMIT: Duration = Duration::from_secs(120);
 
@@ -88,6 +90,17 @@ pub fn container_config(name: &str, image: &str, command: &[&str]) -> cri::Conta
         }),
         ..Default::default()
     }
+}
+
+/// `config` with the CDI device `name` (`vendor.com/class=device`) in its `cdi_devices`, the
+/// CRI field the kubelet fills from what a device plugin or DRA driver allocated (containerd
+/// 2.1 also reads `cdi.k8s.io/*` annotations, which it calls deprecated, but drops them when
+/// it restores a checkpoint).
+pub fn with_cdi_device(mut config: cri::ContainerConfig, name: &str) -> cri::ContainerConfig {
+    config
+        .cdi_devices
+        .push(cri::CdiDevice { name: name.into() });
+    config
 }
 
 impl Cri {

@@ -2,18 +2,24 @@
 //! spoken to over CRI as the kubelet speaks to them, a registry and OCI images made by the
 //! test, and a checkpoint image built from a CRI checkpoint archive (`tests/route.rs`).
 //!
+//! - [`checkpointctl`]: Debian's `checkpointctl` (`scripts/install-checkpointctl.sh`), reading
+//!   the CRI checkpoint archives;
 //! - [`cri`]: a blocking CRI client (the `k8s-cri` protobufs over tonic, on a unix socket);
 //! - [`node`]: one containerd instance with its own root, state, sockets, configuration, and
 //!   `criu` wrapper (the harness's CRIU root, the gpusnap plugin from a private directory, the
 //!   stand-in driver);
 //! - [`oci`]: OCI images (image layouts, manifests, configs) written by the test;
 //! - [`registry`]: a read-only OCI distribution registry on 127.0.0.1, serving those images
-//!   (containerd pulls the base image of a checkpoint at restore even when it has it).
+//!   (containerd pulls the base image of a checkpoint at restore even when it has it);
+//! - [`route`]: what the route tests share (CRI logs, root file systems, pods, the checkpoint
+//!   image, the clean-up).
 
+pub mod checkpointctl;
 pub mod cri;
 pub mod node;
 pub mod oci;
 pub mod registry;
+pub mod route;
 
 use std::path::PathBuf;
 

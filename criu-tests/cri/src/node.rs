@@ -6,6 +6,11 @@
 //! `CRIU_LIBS_DIR` to the node's private plugin directory (the gpusnap plugin and its keeper),
 //! the stand-in driver's variables (`GPUSNAP_LIBCUDA`, `FAKECUDA_DIR`), and runs the harness's
 //! CRIU root (`GPUSNAP_CRIU_ROOT`, 4.1.1 or 4.2.x). Nothing is installed into the system.
+//!
+//! Each node reads CDI specs (Container Device Interface) from its own directory (`cdi/`,
+//! containerd's `cdi_spec_dirs`) only. Given the agent, a node's spec there is the package's
+//! `/etc/cdi/gpusnap.json` with the node's own copy of the agent: device [`CDI_DEVICE`]
+//! bind-mounts it read-only at [`AGENT_IN_CONTAINER`] and sets `LD_PRELOAD` to it.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -112,6 +117,13 @@ fn write_criu_wrapper(
         Some(m) => format!("FAKECUDA_DEVICE_NAME='{m}'\nexport FAKECUDA_DEVICE_NAME\n"),
         None => String::new(),
     };
+    let keeper = match &criu.keeper_libcuda {
+        Some(l) => format!(
+            "GPUSNAP_TEST_KEEPER_LIBCUDA='{}'\nexport GPUSNAP_TEST_KEEPER_LIBCUDA\n",
+            l.display()
+        ),
+        None => String::new(),
+    };
     let salt = match gpus.uuid_salt {
         0 => String::new(),
         s => format!("FAKECUDA_UUID_SALT={s}\nexport FAKECUDA_UUID_SALT\n"),
@@ -131,7 +143,7 @@ fn write_criu_wrapper(
          FAKECUDA_DEVICES={devices}\n\
          export CRIU_LIBS_DIR GPUSNAP_CRIU_ROOT GPUSNAP_CONFIG GPUSNAP_LIBCUDA \\\n\
          \x20 GPUSNAP_TEST_NVIDIA_PROC GPUSNAP_TEST_NVIDIA_VERSION FAKECUDA_DIR FAKECUDA_DEVICES\n\
-         {model}{salt}\
+         {model}{salt}{keeper}\
          # A failed restore's bundle goes with its task, restore.log with it: keep copies.\n\
          '{criu}' \"$@\"\n\
          rc=$?\n\
@@ -158,6 +170,34 @@ fn write_criu_wrapper(
     use std::os::unix::fs::PermissionsExt;
     fs::set_permissions(&tmp, fs::Permissions::from_mode(0o755)).map_err(err(&tmp))?;
     fs::rename(&tmp, &w).map_err(err(&w))
+}
+
+/// The CDI device that gives a container the agent (the package's name for it).
+pub const CDI_DEVICE: &str = "gpusnap.dev/agent=split";
+/// Where the CDI device puts the agent in the container (as the package's spec does).
+pub const AGENT_IN_CONTAINER: &str = "/usr/lib/gpusnap/libgpusnap_agent.so";
+
+/// The node's CDI spec: [`CDI_DEVICE`], mounting `agent` (a host path) at
+/// [`AGENT_IN_CONTAINER`] read-only and preloading it. cdiVersion 0.3.0 (env and mounts only), as
+/// `scripts/build-deb.sh` writes it.
+fn cdi_spec(agent: &Path) -> String {
+    let (kind, name) = CDI_DEVICE.split_once('=').expect("kind=name");
+    serde_json::to_string_pretty(&serde_json::json!({
+        "cdiVersion": "0.3.0",
+        "kind": kind,
+        "devices": [{
+            "name": name,
+            "containerEdits": {
+                "env": [format!("LD_PRELOAD={AGENT_IN_CONTAINER}")],
+                "mounts": [{
+                    "hostPath": agent.display().to_string(),
+                    "containerPath": AGENT_IN_CONTAINER,
+                    "options": ["ro", "nosuid", "nodev", "bind"],
+                }],
+            },
+        }],
+    }))
+    .expect("serialize the CDI spec")
 }
 
 /// Where containerd keeps its tasks' bundles, below a node's directory.
@@ -192,6 +232,12 @@ pub struct CriuSetup {
     pub keeper: PathBuf,
     /// The stand-in driver (`libfakecuda.so`).
     pub fakecuda_so: PathBuf,
+    /// The split path: the agent (`libgpusnap_agent.so`), copied into the node and given to
+    /// containers by its CDI spec ([`CDI_DEVICE`]).
+    pub agent: Option<PathBuf>,
+    /// The split path: the driver library a keeper loads (`GPUSNAP_TEST_KEEPER_LIBCUDA`; the
+    /// device stand-in, which the jobs load as their `libcuda.so.1`).
+    pub keeper_libcuda: Option<PathBuf>,
 }
 
 impl Node {
@@ -206,7 +252,9 @@ impl Node {
         pause: &str,
     ) -> Result<Node, String> {
         let mk = |p: &Path| fs::create_dir_all(p).map_err(|e| format!("{}: {e}", p.display()));
-        for sub in ["bin", "plugins", "fakecuda", "logs", "cni-bin", "cni-conf"] {
+        for sub in [
+            "bin", "plugins", "fakecuda", "logs", "cni-bin", "cni-conf", "cdi", "agent",
+        ] {
             mk(&dir.join(sub))?;
         }
         let copy = |from: &Path, to: PathBuf| {
@@ -216,6 +264,12 @@ impl Node {
         };
         copy(&criu.plugin_so, dir.join("plugins/gpusnap.so"))?;
         copy(&criu.keeper, dir.join("plugins/gpusnap-keeper"))?;
+        if let Some(agent) = &criu.agent {
+            let copy_at = dir.join("agent/libgpusnap_agent.so");
+            copy(agent, copy_at.clone())?;
+            let spec = dir.join("cdi/gpusnap.json");
+            fs::write(&spec, cdi_spec(&copy_at)).map_err(|e| format!("{}: {e}", spec.display()))?;
+        }
         write_criu_wrapper(name, dir, criu, gpus)?;
         let sock = dir.join("containerd.sock");
         let d = dir.display();
@@ -229,7 +283,9 @@ impl Node {
              [plugins]\n\
              [plugins.'io.containerd.cri.v1.images']\n  snapshotter = 'overlayfs'\n\
              [plugins.'io.containerd.cri.v1.images'.pinned_images]\n  sandbox = '{pause}'\n\
-             [plugins.'io.containerd.cri.v1.runtime']\n  enable_cdi = false\n\
+             [plugins.'io.containerd.cri.v1.runtime']\n\
+             \x20 # CDI devices from this node's directory only (not /etc/cdi, /var/run/cdi).\n\
+             \x20 enable_cdi = true\n  cdi_spec_dirs = ['{d}/cdi']\n\
              \x20 # runc cannot give the pause container -998 without CAP_SYS_RESOURCE.\n\
              \x20 restrict_oom_score_adj = true\n\
              [plugins.'io.containerd.cri.v1.runtime'.containerd]\n  default_runtime_name = 'runc'\n\

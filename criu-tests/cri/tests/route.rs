@@ -5,7 +5,9 @@
 //!    node A, writing its counter log to its stdout (the pod's CRI log);
 //! 2. CRI `CheckpointContainer` writes the archive, as the kubelet's checkpoint endpoint has
 //!    the runtime do; the job keeps running on A; the archive carries gpusnap's files
-//!    (`gpusnap inspect --json` of the archive reads them);
+//!    (`gpusnap inspect --json` of the archive reads them), and `checkpointctl inspect`
+//!    (Debian's, `scripts/install-checkpointctl.sh`) reads the archive, gpusnap's files counted
+//!    in its checkpoint size;
 //! 3. the archive becomes a checkpoint image: an OCI image layout written by the test (one
 //!    layer = the archive; annotations `org.criu.checkpoint.container.name`, its CRI-O
 //!    spelling, and `gpusnap.*` fields from `gpusnap inspect --json`), imported on node B with
@@ -29,17 +31,21 @@
 
 use std::collections::BTreeMap;
 use std::fs;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use cri_tests::cri::{PodSpec, container_config};
 use cri_tests::node::{CriuSetup, Node, NodeGpus};
 use cri_tests::oci;
 use cri_tests::registry::Registry;
+use cri_tests::route::{
+    Setup, archive_files, archived_log_lines, cri_log_lines, hex, import_checkpoint_image,
+    job_pids, pod, rootfs_layer,
+};
 use criu_tests::counter_log::Tick;
 use criu_tests::fake_driver::{FakeDriver, shorts};
 use criu_tests::harness::{harness, skipped};
-use criu_tests::podman::{run_bounded, shared_libraries};
+use criu_tests::podman::run_bounded;
 use criu_tests::{CounterLog, packages};
 
 const TEST: &str = "cri";
@@ -51,22 +57,6 @@ const PROMPTLY: Duration = Duration::from_secs(20);
 /// Both nodes' kernel driver, and another one.
 const KERNEL_DRIVER: &str = "580.95.05";
 const OTHER_KERNEL_DRIVER: &str = "575.57.08";
-
-/// The job's counter log from its CRI log (`<time> stdout F <line>`): the lines, in order.
-fn cri_log_lines(path: &Path) -> Vec<String> {
-    let text = fs::read_to_string(path).unwrap_or_default();
-    let mut out = Vec::new();
-    let mut partial = String::new();
-    for l in text.lines() {
-        let mut f = l.splitn(4, ' ');
-        let (_, _, tag, rest) = (f.next(), f.next(), f.next(), f.next().unwrap_or(""));
-        partial.push_str(rest);
-        if tag != Some("P") {
-            out.push(std::mem::take(&mut partial));
-        }
-    }
-    out
-}
 
 fn parse_tick(line: &str) -> Option<Tick> {
     let f: Vec<&str> = line.split_whitespace().collect();
@@ -98,117 +88,6 @@ fn wait_ticks(path: &Path, skip: usize, min: u64, what: &str) -> Vec<String> {
             lines.iter().rev().take(5).collect::<Vec<_>>()
         );
         std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-/// The lines of the container log a CRI checkpoint archive carries (`container.log`): the
-/// job's output up to the checkpoint, which containerd may write at the head of the restored
-/// container's log.
-fn archived_log_lines(archive: &Path, work: &Path) -> Vec<String> {
-    let out = work.join("archived-container.log");
-    let mut cmd = std::process::Command::new("tar");
-    cmd.arg("-xOf").arg(archive).arg("container.log");
-    let r = run_bounded(
-        &mut cmd,
-        "tar -xOf container.log",
-        work,
-        Duration::from_secs(60),
-    )
-    .unwrap_or_else(|e| panic!("{e}"));
-    fs::write(&out, &r.stdout).unwrap();
-    cri_log_lines(&out)
-}
-
-/// The image's rootfs: busybox, `fakegpu` and its shared libraries; a tar of it.
-fn rootfs_layer(work: &Path, fakegpu: &Path) -> Vec<u8> {
-    let rootfs = work.join("rootfs");
-    let put = |src: &Path, dst: &str| {
-        let to = rootfs.join(dst.trim_start_matches('/'));
-        fs::create_dir_all(to.parent().unwrap()).unwrap();
-        fs::copy(src, &to).unwrap_or_else(|e| panic!("{} -> {}: {e}", src.display(), to.display()));
-    };
-    for (bin, at) in [
-        (Path::new("/bin/busybox"), "/bin/busybox"),
-        (fakegpu, "/usr/local/bin/fakegpu"),
-    ] {
-        put(bin, at);
-        for lib in shared_libraries(bin).unwrap_or_else(|e| panic!("{e}")) {
-            put(&lib, &lib.display().to_string());
-        }
-    }
-    for tool in ["sh", "sleep", "cat"] {
-        std::os::unix::fs::symlink("busybox", rootfs.join("bin").join(tool)).unwrap();
-    }
-    for d in ["tmp", "dev", "proc", "sys", "etc"] {
-        fs::create_dir_all(rootfs.join(d)).unwrap();
-    }
-    let tar = work.join("rootfs.tar");
-    let mut cmd = std::process::Command::new("tar");
-    cmd.arg("-C").arg(&rootfs).arg("-cf").arg(&tar).arg(".");
-    run_bounded(&mut cmd, "tar", work, Duration::from_secs(60))
-        .unwrap()
-        .assert_ok();
-    fs::read(&tar).unwrap()
-}
-
-/// Everything the test started; dropping it shuts both nodes down and stops the registry.
-struct Setup {
-    work: PathBuf,
-    nodes: Vec<Node>,
-    _registry: Registry,
-}
-
-impl Drop for Setup {
-    fn drop(&mut self) {
-        for n in &mut self.nodes {
-            n.shut_down();
-        }
-        cri_tests::node::unmount_under(&self.work);
-        remove_cgroups();
-        if std::thread::panicking() {
-            eprintln!("criu-tests: keeping {} for inspection", self.work.display());
-        } else {
-            let _ = fs::remove_dir_all(&self.work);
-        }
-    }
-}
-
-/// Removes the pods' cgroup parent (and what runc left in it) in every hierarchy.
-fn remove_cgroups() {
-    fn rmdir_tree(d: &Path) {
-        if let Ok(entries) = fs::read_dir(d) {
-            for e in entries.flatten() {
-                if e.file_type().is_ok_and(|t| t.is_dir()) {
-                    rmdir_tree(&e.path());
-                }
-            }
-        }
-        let _ = fs::remove_dir(d);
-    }
-    let parent = cgroup_parent();
-    let name = parent.trim_start_matches('/');
-    let mut roots = vec![PathBuf::from("/sys/fs/cgroup")];
-    if let Ok(entries) = fs::read_dir("/sys/fs/cgroup") {
-        roots.extend(entries.flatten().map(|e| e.path()));
-    }
-    for r in roots {
-        let d = r.join(name);
-        if d.is_dir() {
-            rmdir_tree(&d);
-        }
-    }
-}
-
-fn cgroup_parent() -> String {
-    format!("/gpusnap-cri-{}", std::process::id())
-}
-
-fn pod(node: &Node, name: &str) -> PodSpec {
-    PodSpec {
-        name: name.into(),
-        uid: format!("uid-{name}-{}", std::process::id()),
-        log_directory: node.logs.join(name),
-        cgroup_parent: cgroup_parent(),
     }
 }
 
@@ -276,7 +155,7 @@ fn refused_on_b(
         restores.is_empty(),
         "{what}: the driver restored: {restores:?}"
     );
-    let left = fakegpu_pids(&b.dir);
+    let left = job_pids(&b.dir, "fakegpu");
     assert!(
         left.is_empty(),
         "{what}: job processes {left:?} were left on node B\n{}",
@@ -292,49 +171,6 @@ fn refused_on_b(
         .remove_container(&id)
         .unwrap_or_else(|e| panic!("{what}: {e}"));
     cri_tests::node::unmount_checkpoint_views(&b.dir);
-}
-
-/// A `GPU-…` UUID as gpusnap and the stand-in driver print it: 32 hex digits.
-fn hex(uuid: &str) -> String {
-    uuid.trim_start_matches("GPU-").replace('-', "")
-}
-
-/// Every process named `fakegpu` started by a node whose directory is `dir` (one of its
-/// ancestors, the shim, names `dir` in its command line), sorted.
-fn fakegpu_pids(dir: &Path) -> Vec<i32> {
-    let dir = dir.display().to_string();
-    let of_node = |mut p: i32| {
-        for _ in 0..32 {
-            let cmdline = fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default();
-            if String::from_utf8_lossy(&cmdline).contains(&dir) {
-                return true;
-            }
-            let stat = fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default();
-            // `pid (comm) state ppid ...`: the comm may hold spaces, not `)`.
-            match stat
-                .rsplit_once(')')
-                .and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<i32>().ok())
-            {
-                Some(pp) if pp > 1 => p = pp,
-                _ => return false,
-            }
-        }
-        false
-    };
-    let mut out: Vec<i32> = fs::read_dir("/proc")
-        .map(|d| {
-            d.flatten()
-                .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-                .filter(|&p| {
-                    fs::read_to_string(format!("/proc/{p}/comm"))
-                        .is_ok_and(|c| c.trim() == "fakegpu")
-                        && of_node(p)
-                })
-                .collect()
-        })
-        .unwrap_or_default();
-    out.sort_unstable();
-    out
 }
 
 #[test]
@@ -361,7 +197,7 @@ fn cri_checkpoint_to_an_image_restored_on_another_node() {
 
     // The images: the job's and the pause image, one layer, served by the test's registry.
     let registry = Registry::start().unwrap_or_else(|e| panic!("{e}"));
-    let layer = rootfs_layer(&work, &fakegpu);
+    let layer = rootfs_layer(&work, &[(&fakegpu, "/usr/local/bin/fakegpu")], &[]);
     let env = serde_json::json!(["PATH=/usr/local/bin:/bin"]);
     let job_image = oci::image(
         layer.clone(),
@@ -382,12 +218,14 @@ fn cri_checkpoint_to_an_image_restored_on_another_node() {
         plugin_so: h.plugin_so.clone(),
         keeper: h.keeper.clone(),
         fakecuda_so: fakecuda_so.clone(),
+        agent: None,
+        keeper_libcuda: None,
     };
     let containerd = cri_tests::containerd_root(&h.repo);
     let mut s = Setup {
         work: work.clone(),
         nodes: Vec::new(),
-        _registry: registry,
+        registry,
     };
     // Node A: one stand-in GPU. Node B: two others of the same model (other UUIDs), and a
     // gpusnap.conf whose device_map puts A's GPU on B's second one (another index).
@@ -503,44 +341,30 @@ fn cri_checkpoint_to_an_image_restored_on_another_node() {
     inspect.assert_ok();
     let inspect_json: serde_json::Value = serde_json::from_str(&inspect.stdout)
         .unwrap_or_else(|e| panic!("gpusnap inspect --json: {e}\n{inspect}"));
+    // So does Debian's checkpointctl, gpusnap's files among what it counts.
+    match cri_tests::checkpointctl::find(&h.repo) {
+        Err(why) => skipped(&format!("{TEST} checkpointctl inspect"), &why),
+        Ok(ck) => {
+            let files = archive_files(&archive, &work);
+            let report = ck
+                .assert_reads(&archive, JOB, &files, &work)
+                .unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(report.command, "fakegpu", "checkpointctl's process tree");
+            eprintln!("criu-tests: checkpointctl inspect: {}", report.summary);
+        }
+    }
 
     // 3. The checkpoint image: the archive as its one layer, and the annotations.
     let t0 = Instant::now();
-    let mut annotations = oci::gpusnap_annotations(&inspect_json);
+    let annotations = oci::gpusnap_annotations(&inspect_json);
     assert!(
         annotations.keys().any(|k| k.starts_with("gpusnap.")),
         "no gpusnap.* annotation from {inspect_json}"
     );
     eprintln!("criu-tests: checkpoint image annotations: {annotations:?}");
-    annotations.insert("org.criu.checkpoint.container.name".into(), JOB.into());
-    annotations.insert(
-        "io.kubernetes.cri-o.annotations.checkpoint.name".into(),
-        JOB.into(),
-    );
-    let ck_image = oci::image(
-        fs::read(&archive).unwrap(),
-        serde_json::json!({}),
-        &annotations,
-    );
-    let layout = work.join("checkpoint-image");
     let ck_name = format!("localhost/gpusnap-cri-checkpoint:{}", std::process::id());
-    ck_image
-        .write_layout(&layout, &ck_name)
-        .unwrap_or_else(|e| panic!("{e}"));
-    let layout_tar = work.join("checkpoint-image.tar");
-    let mut cmd = std::process::Command::new("tar");
-    cmd.arg("-C")
-        .arg(&layout)
-        .arg("-cf")
-        .arg(&layout_tar)
-        .arg(".");
-    run_bounded(&mut cmd, "tar", &work, Duration::from_secs(60))
-        .unwrap()
-        .assert_ok();
     let b = &mut s.nodes[1];
-    b.ctr(&["images", "import", &layout_tar.display().to_string()])
-        .unwrap_or_else(|e| panic!("{e}"))
-        .assert_ok();
+    import_checkpoint_image(b, &archive, JOB, annotations, &ck_name, &work);
     let image_s = t0.elapsed().as_secs_f64();
 
     // 4. Node B: a new pod, the container created from the checkpoint image.
@@ -587,7 +411,11 @@ fn cri_checkpoint_to_an_image_restored_on_another_node() {
             refused_on_b(b, &pb, &pod_b, &ck_name, what, needles);
             let a = &mut s.nodes[0];
             assert_eq!(a.cri().container_pid(&ca).unwrap(), pid_a);
-            assert_eq!(fakegpu_pids(&a.dir), [pid_a], "node A's job, and it alone");
+            assert_eq!(
+                job_pids(&a.dir, "fakegpu"),
+                [pid_a],
+                "node A's job, and it alone"
+            );
             let last = cri_log_lines(&log_a)
                 .iter()
                 .filter_map(|l| parse_tick(l))

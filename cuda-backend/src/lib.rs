@@ -25,7 +25,8 @@
 //! The split path (the in-process agent moves the device data):
 //! - `agent`: the conversation with the agent ([`agent::AgentSession`]);
 //! - `datapath` / `staging` / `load`: device data through the shared ring into image files and
-//!   back; `parent`: a pre-copy chain's parent image, checked before it is referenced;
+//!   back; `parent`: a pre-copy chain's parent image, checked before it is referenced; `space`:
+//!   the disk space a hand-over's drain will write, held from PAUSE on;
 //! - `keeper` / `handover` / `preload`: the keeper process, the hand-over of the job's memory to
 //!   it at a dump, and its load at a restore;
 //! - `sharing`: CUDA IPC shares between processes of one dump or restore.
@@ -54,6 +55,7 @@ pub mod recover;
 pub mod restore;
 pub mod route;
 pub mod sharing;
+pub mod space;
 pub mod staging;
 pub mod stall;
 pub mod uuid;

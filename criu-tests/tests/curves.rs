@@ -179,7 +179,7 @@ fn pre_copy_final_pause_against_a_full_dump() {
 }
 
 /// The drain's write rate with the image directory on tmpfs (`/dev/shm`, where a GPU host's
-/// CRIU images often go): a `criu dump -R` of 4 allocations of 1 to 4 GiB in all, its pause
+/// CRIU images often go): a `criu dump -R` of 4 allocations of 256 MiB to 1 GiB in all, its pause
 /// (seize to thaw), the data line the drain logs (its bytes, seconds and rate), and how long
 /// the hand-over waited for the drain's space to be held (`null` where that line is not
 /// logged). On tmpfs holding space allocates and zeroes pages, and a write into a page not yet
@@ -187,7 +187,7 @@ fn pre_copy_final_pause_against_a_full_dump() {
 #[test]
 #[ignore = "a measurement: bench/standin-curves.sh runs it"]
 fn drain_write_rate_with_images_in_dev_shm() {
-    for mib in [1024u64, 4096] {
+    for mib in [256u64, 1024] {
         let per = (mib / 4).to_string();
         let Some(s) = Split::launch(
             "curves-shm",

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Curves on the stand-in drivers (issue 36, item 4): the lend time against the allocation
 # count, and the pre-copy final `-R` pause against a full `-R` dump's (with the drain beside
-# each), at stand-in sizes 64 MiB to 1 GiB, through real CRIU. The stand-in's device memory is
+# each), at stand-in sizes 64 MiB to 1 GiB, and the drain's write rate with the images on
+# /dev/shm (256 MiB and 1 GiB), through real CRIU. The stand-in's device memory is
 # host memory and its driver calls are function calls: the figures show structure (what grows
 # with what), not a GPU's speed.
 #

@@ -177,3 +177,65 @@ fn pre_copy_final_pause_against_a_full_dump() {
         }
     }
 }
+
+/// The drain's write rate with the image directory on tmpfs (`/dev/shm`, where a GPU host's
+/// CRIU images often go): a `criu dump -R` of 4 allocations of 256 MiB to 1 GiB in all, its pause
+/// (seize to thaw), the data line the drain logs (its bytes, seconds and rate), and how long
+/// the hand-over waited for the drain's space to be held (`null` where that line is not
+/// logged). On tmpfs holding space allocates and zeroes pages, and a write into a page not yet
+/// allocated does the same.
+#[test]
+#[ignore = "a measurement: bench/standin-curves.sh runs it"]
+fn drain_write_rate_with_images_in_dev_shm() {
+    for mib in [256u64, 1024] {
+        let per = (mib / 4).to_string();
+        let Some(s) = Split::launch(
+            "curves-shm",
+            1,
+            &["--seed", "13", "--allocs", "4", "--mib", &per],
+            &[],
+        ) else {
+            return;
+        };
+        s.vmm.wait_for_tick(2);
+        let dir = std::path::PathBuf::from(format!(
+            "/dev/shm/gpusnap-curves-{}-{mib}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("mkdir in /dev/shm");
+        let pid = s.vmm.pid().to_string();
+        let dump = s.criu_at(&dir, "dump", "shm.log", &["-t", &pid, "-R"], &[]);
+        s.assert_ok(&dump);
+        let data = line_with(&dump, "GiB/s) into");
+        let drain = line_with(&dump, "the drain ran");
+        let held = dump
+            .gpusnap_lines()
+            .into_iter()
+            .find(|l| l.contains("space for the drain held"))
+            .and_then(|l| number_after(l, "the hand-over waited "))
+            .map_or("null".to_owned(), |v| format!("{v}"));
+        let f = |l: &str, k: &str| {
+            number_after(l, k)
+                .map(|v| format!("{v}"))
+                .unwrap_or_else(|| "null".into())
+        };
+        emit(
+            "shm_drain",
+            &[
+                ("mib", mib.to_string()),
+                ("pause_s", format!("{:.3}", pause_s(&dump))),
+                ("drain_s", f(drain, "the drain ran ")),
+                ("drain_wait_s", f(drain, "it waited ")),
+                ("data_s", f(data, " GiB in ")),
+                ("data_gib_per_s", f(data, " s (")),
+                ("reserve_wait_s", held),
+            ],
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+        for &p in &s.vmm.pids {
+            // SAFETY: kill(2) of the test's own workload.
+            unsafe { libc::kill(p, libc::SIGKILL) };
+        }
+    }
+}

@@ -342,3 +342,68 @@ fn a_disk_without_room_for_the_gpu_data_fails_the_dump() {
     let last = s.vmm.last_ticks();
     s.assert_runs_on(&last, &dump);
 }
+
+/// The drain's space is held from PAUSE on (beside the keeper's start, the lock and the lend,
+/// not on the job's pause) and the drain writes its data files into it, on a tmpfs as
+/// `/dev/shm` is: the hand-over says how long it waited for the space, the image verifies
+/// (each data file whole, at the size the manifest gives), and no unfinished name is left.
+/// With 2 writers and a reservation of one piece, the second writer's file takes its space from
+/// the first one's piece, and every write stays inside what was held.
+#[test]
+fn the_drains_space_is_held_from_pause_on_and_written_into() {
+    let Some(s) = Split::launch(
+        "overlap-held",
+        1,
+        &["--seed", "29", "--allocs", "4", "--mib", "32"],
+        &[("GPUSNAP_WRITER_THREADS", "2")],
+    ) else {
+        return;
+    };
+    s.vmm.wait_for_tick(2);
+    let dir = s.w.path.join("shm");
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    let mounted = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=2g", "gpusnap-test-held"])
+        .arg(&dir)
+        .status()
+        .expect("mount");
+    assert!(mounted.success(), "mount tmpfs");
+    let _umount = Tmpfs(dir.clone());
+    let pid = s.vmm.pid().to_string();
+    let dump = s.criu_at(
+        &dir,
+        "dump",
+        "dump-held.log",
+        &["-t", pid.as_str(), "--leave-running"],
+        &[],
+    );
+    s.assert_ok(&dump);
+    s.assert_line(
+        &dump,
+        &["space for the drain held", "taken from PAUSE on", "waited"],
+    );
+    // Every write stayed inside what was held.
+    assert!(
+        dump.gpusnap_lines_with("past the space held").is_empty(),
+        "{}",
+        s.describe(&dump)
+    );
+    let (ok, text) = s.run_cli(&["verify", dir.to_str().unwrap()]);
+    assert!(ok, "gpusnap verify: {text}\n{}", s.describe(&dump));
+    let names: Vec<String> = std::fs::read_dir(&dir)
+        .expect("read the image dir")
+        .map(|e| e.expect("entry").file_name().into_string().expect("utf-8"))
+        .filter(|n| n.starts_with("gpusnap-"))
+        .collect();
+    let data = names.iter().filter(|n| n.contains("-data-")).count();
+    assert!((1..=2).contains(&data), "{names:?}");
+    assert!(
+        names.iter().any(|n| n.ends_with("-manifest.img"))
+            && !names.iter().any(|n| n.ends_with(".tmp")
+                || n.contains("PENDING")
+                || n.contains("NOT-A-CHECKPOINT")),
+        "{names:?}"
+    );
+    let last = s.vmm.last_ticks();
+    s.assert_runs_on(&last, &dump);
+}

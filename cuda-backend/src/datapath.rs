@@ -562,10 +562,11 @@ fn copy_out_round<R: Request>(
             &mut data.copied_bytes,
         );
         drop(work_tx);
+        let mut files = Vec::new();
         for h in handles {
             match h.join() {
                 Ok(Some(w)) => {
-                    data.files.extend(w.file);
+                    files.extend(w.file);
                     data.chunks.extend(w.chunks);
                     data.writers.add(w.times, w.hash_outside, w.waited);
                 }
@@ -577,6 +578,7 @@ fn copy_out_round<R: Request>(
         if let Ok(e) = err_rx.try_recv() {
             return Err(e);
         }
+        data.files = finish_files(dir, files)?;
         Ok(data)
     });
     let mut data = match result {
@@ -720,15 +722,16 @@ struct Out<'a> {
     /// fsync each file when it is finished.
     durable: bool,
     round: Round,
-    /// Space held for this copy (a drain's), handed back chunk by chunk before each write.
+    /// Space held for this copy (a drain's): each writer's data file is written into a piece
+    /// of it, and named once every writer is done ([`finish_files`]).
     reserved: Option<&'a gpusnap_image::Reservation>,
 }
 
-/// What one writer thread made: its file (created with the first chunk it writes; a thread
-/// whose chunks were all references leaves none), every chunk entry it made, references
-/// included, and where its time went.
+/// What one writer thread made: its file, not yet ended (created with the first chunk it
+/// writes; a thread whose chunks were all references leaves none), every chunk entry it made,
+/// references included, and where its time went.
 struct Written {
-    file: Option<FileEntry>,
+    file: Option<DataFileWriter>,
     chunks: Vec<ChunkEntry>,
     times: gpusnap_image::WriterTimes,
     /// Hashing done before the file writer saw the chunk (incremental or compressed dumps).
@@ -785,14 +788,14 @@ fn writer<R: Request>(
                 {
                     return Ok(r);
                 }
-                // The space held for this chunk goes back to the file system just before it
-                // is written (the record header is small beside it).
-                if let Some(r) = out.reserved {
-                    r.release(w.len.saturating_add(gpusnap_image::CHUNK_OVERHEAD));
-                }
                 if file.is_none() {
-                    let mut f = DataFileWriter::create(out.dir, out.nspid, index)
-                        .map_err(DataError::from)?;
+                    // Into the space held for the drain, where there is some: the file's
+                    // writes stay inside it, and it is named only once whole.
+                    let mut f = match out.reserved {
+                        Some(r) => DataFileWriter::create_in(r, out.nspid, index),
+                        None => DataFileWriter::create(out.dir, out.nspid, index),
+                    }
+                    .map_err(DataError::from)?;
                     f.set_sync(out.durable);
                     file = Some(f);
                 }
@@ -822,20 +825,66 @@ fn writer<R: Request>(
         return None;
     }
     let times = file.as_ref().map(DataFileWriter::times).unwrap_or_default();
-    // Only the fsync can fail here: a failed write stopped the loop's work above.
-    match file.map(DataFileWriter::finish).transpose() {
-        Ok(entry) => Some(Written {
-            file: entry,
-            chunks,
-            times,
-            hash_outside,
-            waited,
-        }),
-        Err(e) => {
-            let _ = errors.send(DataError::Sync(e));
-            None
+    Some(Written {
+        file,
+        chunks,
+        times,
+        hash_outside,
+        waited,
+    })
+}
+
+/// Ends the writers' files once every writer is done and the copy succeeded: each is sealed
+/// (a file written into held space cut to its bytes, which frees the rest of its piece; with
+/// `durable`, each fsynced), on threads of their own where there are several, and only then
+/// are they named, so that a copy that fails leaves none of its held files named. A failed
+/// fsync is [`DataError::Sync`]; should a name fail, the names given before it are removed.
+fn finish_files(
+    dir: BorrowedFd<'_>,
+    files: Vec<DataFileWriter>,
+) -> Result<Vec<FileEntry>, DataError> {
+    let seal = |f: DataFileWriter| {
+        f.seal().map_err(|e| match e {
+            e @ gpusnap_image::ImageError::Io {
+                op: gpusnap_image::IoOp::Fsync,
+                ..
+            } => DataError::Sync(e),
+            e => DataError::Image(e),
+        })
+    };
+    let sealed: Vec<Result<gpusnap_image::SealedDataFile, DataError>> = if files.len() > 1 {
+        std::thread::scope(|s| {
+            let handles: Vec<_> = files
+                .into_iter()
+                .map(|f| {
+                    s.spawn(move || {
+                        crate::signals::block_all();
+                        seal(f)
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or(Err(DataError::WriterPanicked)))
+                .collect()
+        })
+    } else {
+        files.into_iter().map(seal).collect()
+    };
+    let sealed = sealed.into_iter().collect::<Result<Vec<_>, DataError>>()?;
+    let mut entries: Vec<FileEntry> = Vec::with_capacity(sealed.len());
+    for f in sealed {
+        match f.publish() {
+            Ok(e) => entries.push(e),
+            Err(err) => {
+                for e in &entries {
+                    let _ = gpusnap_image::remove_data_file(dir, &e.name);
+                }
+                return Err(err.into());
+            }
         }
     }
+    Ok(entries)
 }
 
 /// A wait for the agent's next message ended without one: fine while it shows progress within

@@ -221,6 +221,7 @@ pub fn pause(ctx: &Ctx, pid: i32) -> Result<Option<Tracked>, DumpError> {
                 });
                 let listed = listed.unwrap_or_default();
                 split.early_ring = early_ring(ctx, pid, &listed);
+                let early_space = early_space(ctx, pid, &listed, split.early_ring.as_ref());
                 // A keeper only for a process with something to lend; each allocation's route
                 // and its reason are logged once, here.
                 let unavailable = if listed.iter().any(|(_, k)| k.lendable()) {
@@ -235,6 +236,8 @@ pub fn pause(ctx: &Ctx, pid: i32) -> Result<Option<Tracked>, DumpError> {
                     None
                 };
                 split.routes = crate::route::Routes::decide(&listed, unavailable);
+                // No keeper, no drain: the space goes back (stopped, if not all held yet).
+                split.early_space = early_space.filter(|_| split.keeper.is_some());
                 log::info!("pid {pid}: {}", split.routes.summary());
                 t.route = Route::Split(split);
             }
@@ -441,6 +444,7 @@ fn split_candidate(pid: i32, hello: AgentHello) -> Result<Option<SplitPlan>, Dum
         allocations_at_pause: hello.allocations,
         converted_bytes_at_pause: hello.converted_bytes,
         early_ring: None,
+        early_space: None,
         keeper: None,
         routes: Default::default(),
     }))
@@ -472,6 +476,36 @@ fn early_ring(
         .map_err(|e| log::debug!("pid {pid}: no early ring: {e}"))
         .ok()?;
     Some((shape, staging))
+}
+
+/// The drain's space for what the agent lists now, held from now on beside the rest of the
+/// dump's work ([`crate::space`]): the keeper's start, the lock, CRIU's seizing and the lend
+/// then cover it, instead of the job's pause. `None` without a hand-over to plan or anything
+/// to lend.
+fn early_space(
+    ctx: &Ctx,
+    pid: i32,
+    listed: &[(AllocationRecord, gpusnap_proto::AllocKind)],
+    ring: Option<&(RingShape, Staging)>,
+) -> Option<Box<crate::space::EarlySpace>> {
+    if !ctx.cfg.handover || !listed.iter().any(|(_, k)| k.lendable()) {
+        return None;
+    }
+    let slot = match ring {
+        Some((shape, _)) => shape.slot_size,
+        None => {
+            let allocations: Vec<AllocationRecord> =
+                listed.iter().map(|(a, _)| a.clone()).collect();
+            ring_shape(ctx, &allocations).slot_size
+        }
+    };
+    let writers = ctx.cfg.effective_writer_threads();
+    let bytes = drain_reservation(
+        &crate::route::Routes::decide(listed, None),
+        slot as u64,
+        writers,
+    );
+    crate::space::EarlySpace::start(pid, ctx.criu_image_dir()?, bytes, writers)
 }
 
 /// CHECKPOINT_DEVICES for every tracked process at once (CRIU calls the hook per pid, but all
@@ -745,6 +779,8 @@ fn checkpoint_one(
                 // A copy-first part may have written files already.
                 remove_partial_files(ctx, t);
                 if let Route::Split(plan) = &mut t.route {
+                    // The drain's space goes back before the copy-first route writes.
+                    plan.early_space = None;
                     plan.routes = plan
                         .routes
                         .all_copy_first(crate::route::CopyFirst::HandOverFailed);
@@ -909,9 +945,15 @@ fn hand_over(ctx: &Ctx, t: &mut Tracked, release: &Mutex<Option<Hold>>) -> Resul
     };
 
     // The drain writes after CRIU has decided its part succeeded, when a full disk can no
-    // longer fail the dump: the space is held now, while it still can.
-    let reserved = match gpusnap_image::Reservation::take(
+    // longer fail the dump: the space is held by now (taken from PAUSE on), while it still can.
+    let early = match &mut t.route {
+        Route::Split(plan) => plan.early_space.take(),
+        Route::Transparent => None,
+    };
+    let reserved = match crate::space::hold(
+        pid,
         dir,
+        early,
         drain_reservation(
             &routes,
             staging.slot_size() as u64,

@@ -26,7 +26,8 @@
 //! - `agent`: the conversation with the agent ([`agent::AgentSession`]) and with a keeper
 //!   ([`agent::KeeperSession`]), each sending only the requests its server takes;
 //! - `datapath` / `staging` / `load`: device data through the shared ring into image files and
-//!   back; `parent`: a pre-copy chain's parent image, checked before it is referenced;
+//!   back; `parent`: a pre-copy chain's parent image, checked before it is referenced; `space`:
+//!   the disk space a hand-over's drain will write, held from PAUSE on;
 //! - `keeper` / `handover` / `preload`: the keeper process, the hand-over of the job's memory to
 //!   it at a dump, and its load at a restore;
 //! - `sharing`: CUDA IPC shares between processes of one dump or restore.
@@ -55,6 +56,7 @@ pub mod recover;
 pub mod restore;
 pub mod route;
 pub mod sharing;
+pub mod space;
 pub mod staging;
 pub mod stall;
 pub mod uuid;

@@ -221,6 +221,9 @@ pub struct SplitPlan {
     /// The staging ring, made while the process still ran (populating it is not free), for
     /// the allocations the agent listed then; used if they are the same at the checkpoint.
     pub early_ring: Option<(crate::staging::RingShape, crate::staging::Staging)>,
+    /// The space the drain of a hand-over will write, being held since PAUSE
+    /// ([`crate::space`]); joined at the checkpoint, before anything is released.
+    pub early_space: Option<Box<crate::space::EarlySpace>>,
     /// The keeper started at PAUSE for a hand-over (`None`: the data is copied out first, on
     /// the job's pause; the reason is in the log).
     pub keeper: Option<crate::keeper::Keeper>,

@@ -4,15 +4,20 @@
 //!
 //! Usage: cargo run --release -p gpusnap-image --example datapath_bench -- \
 //!            [--gib 2] [--chunk-mib 32] [--threads N] [--dir /dev/shm/gpusnap-datapath-bench]
-//!            [--durable]
-//! Prints one line per phase with GiB/s. The directory is removed at the end. `--durable` does
+//!            [--durable] [--reserve]
+//! Prints one line per phase with GiB/s. The directory is removed at the end. `--reserve` first
+//! writes the same bytes as a hand-over's drain does, with its space held first
+//! (`Reservation::take`, timed on its own): handed back chunk by chunk before each write into
+//! a file of its own (the drain before gpusnap wrote into the held space), then written into
+//! the held pieces (`DataFileWriter::create_in`); each chunk stored as `raw_sum64` (the GPU
+//! hashed it), so the lines time the file system's work only. `--durable` does
 //! what the plugin does with `durable = true`: each writer fsyncs its file when it finishes
 //! (inside the write times), and the image directory is fsynced after the manifest's rename
 //! (timed on its own line).
 
 use gpusnap_image::{
-    CheckpointPath, ChunkEntry, Codec, DataFileReader, DataFileWriter, FORMAT_VERSION, Manifest,
-    hash_chunk, verify_image, write_manifest,
+    CHUNK_OVERHEAD, CheckpointPath, ChunkEntry, Codec, DataFileReader, DataFileWriter,
+    FORMAT_VERSION, Manifest, Reservation, hash_chunk, verify_image, write_manifest,
 };
 use std::os::fd::{AsFd, OwnedFd};
 use std::time::Instant;
@@ -66,6 +71,65 @@ fn write_files(
     })
 }
 
+/// How a `--reserve` run's writers use the held space.
+#[derive(Clone, Copy, PartialEq)]
+enum Held {
+    /// Handed back before each chunk, written into a named file (the drain until now).
+    HandedBack,
+    /// Written into (`create_in`).
+    WrittenInto,
+}
+
+/// Holds the space of `threads * per_thread` chunks as the plugin does, then writes them
+/// (`raw_sum64`, no host hashing) the `how` way; returns the seconds of each part.
+fn write_held(
+    dir: &OwnedFd,
+    threads: usize,
+    per_thread: usize,
+    chunk: usize,
+    how: Held,
+) -> (f64, f64) {
+    let bytes = (threads * per_thread) as u64 * (chunk as u64 + CHUNK_OVERHEAD)
+        + threads as u64 * CHUNK_OVERHEAD;
+    let t0 = Instant::now();
+    let reserved = Reservation::take(dir.as_fd(), bytes, threads).expect("reserve");
+    let take_s = t0.elapsed().as_secs_f64();
+    let t0 = Instant::now();
+    std::thread::scope(|s| {
+        for t in 0..threads {
+            let (dir, reserved) = (dir.as_fd(), &reserved);
+            s.spawn(move || {
+                let mut data = vec![0u8; chunk];
+                for (i, b) in data.iter_mut().enumerate() {
+                    *b = (i.wrapping_mul(2654435761) >> 13) as u8 ^ t as u8;
+                }
+                let mut w = match how {
+                    Held::HandedBack => DataFileWriter::create(dir, 1, t as u32),
+                    Held::WrittenInto => DataFileWriter::create_in(reserved, 1, t as u32),
+                }
+                .expect("create");
+                for c in 0..per_thread {
+                    if how == Held::HandedBack {
+                        reserved.release(chunk as u64 + CHUNK_OVERHEAD);
+                    }
+                    let addr = ((t * per_thread + c) * chunk) as u64 + (1 << 32);
+                    w.append_raw_sum64(addr, &data, c as u64).expect("append");
+                }
+                w.finish().expect("finish");
+            });
+        }
+    });
+    let write_s = t0.elapsed().as_secs_f64();
+    drop(reserved);
+    for t in 0..threads {
+        let _ = gpusnap_image::remove_data_file(
+            dir.as_fd(),
+            &gpusnap_image::data_file_name(1, t as u32),
+        );
+    }
+    (take_s, write_s)
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let gib: f64 = arg(&args, "--gib").map_or(2.0, |v| v.parse().expect("--gib"));
@@ -91,6 +155,23 @@ fn main() {
         bytes / (1u64 << 30) as f64,
         if durable { ", durable" } else { "" }
     );
+
+    if args.iter().any(|a| a == "--reserve") {
+        for (how, words) in [
+            (Held::HandedBack, "held, handed back before each chunk"),
+            (Held::WrittenInto, "written into the held space"),
+        ] {
+            let (take_s, write_s) = write_held(&dir, threads, per_thread, chunk, how);
+            println!(
+                "reserve {take_s:7.3} s  {:6.2} GiB/s  (Reservation::take, {threads} pieces)",
+                gibs(take_s)
+            );
+            println!(
+                "write   {write_s:7.3} s  {:6.2} GiB/s  ({words}; raw_sum64)",
+                gibs(write_s)
+            );
+        }
+    }
 
     // Write: one file per thread, like the plugin's writers; first hashing each chunk and then
     // appending it (an incremental dump), then hashing each piece as it is written (a full dump;

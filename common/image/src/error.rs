@@ -360,6 +360,10 @@ pub enum IoOp {
     Readdir,
     Unlink,
     Rename,
+    /// Cutting a file to its length (`ftruncate`).
+    Truncate,
+    /// Naming an unnamed file (`linkat`).
+    Link,
 }
 
 impl std::fmt::Display for IoOp {
@@ -374,6 +378,8 @@ impl std::fmt::Display for IoOp {
             IoOp::Readdir => "readdir",
             IoOp::Unlink => "unlink",
             IoOp::Rename => "rename",
+            IoOp::Truncate => "truncate",
+            IoOp::Link => "link",
         })
     }
 }

@@ -85,7 +85,7 @@ pub use reader::{DataFileReader, DataFileScan, VerifyReport, scan_data_file, ver
 pub use reserve::{CHUNK_OVERHEAD, Reservation, ReserveError};
 pub use stats::{MAX_STATS_LEN, read_stats, write_stats};
 pub use validate::validate_manifest_structure;
-pub use writer::{ChunkHashes, DataFileWriter, WriterTimes, hash_chunk};
+pub use writer::{ChunkHashes, DataFileWriter, SealedDataFile, WriterTimes, hash_chunk};
 
 /// Which build of gpusnap this is: `<version>+<commit>`, where `<commit>` is the short git hash
 /// of the source, with `-dirty` if it had uncommitted changes, or `unknown` if it was not built

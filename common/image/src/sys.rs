@@ -129,6 +129,47 @@ pub(crate) fn unlink_at(dir: BorrowedFd<'_>, name: &str, missing_ok: bool) -> io
     }
 }
 
+/// Gives the unnamed file `file` (`O_TMPFILE`, opened without `O_EXCL`) the name `name` in
+/// `dir`: `linkat(fd, "", dir, name, AT_EMPTY_PATH)`, which needs `CAP_DAC_READ_SEARCH`; without
+/// it (`ENOENT` or `EPERM`), through the file's `/proc/self/fd` link (`AT_SYMLINK_FOLLOW`).
+pub(crate) fn link_unnamed(file: &File, dir: BorrowedFd<'_>, name: &str) -> io::Result<()> {
+    let c = c_name(name)?;
+    let empty = c"";
+    let r = retry(|| {
+        // SAFETY: both names are NUL-terminated and outlive the call; `file` and `dir` are open
+        // descriptors borrowed for the call.
+        unsafe {
+            libc::linkat(
+                file.as_raw_fd(),
+                empty.as_ptr(),
+                dir.as_raw_fd(),
+                c.as_ptr(),
+                libc::AT_EMPTY_PATH,
+            )
+        }
+    });
+    match r {
+        Ok(_) => Ok(()),
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::EPERM)) => {
+            let link = c_name(&format!("/proc/self/fd/{}", file.as_raw_fd()))?;
+            retry(|| {
+                // SAFETY: as above; AT_FDCWD with an absolute path.
+                unsafe {
+                    libc::linkat(
+                        libc::AT_FDCWD,
+                        link.as_ptr(),
+                        dir.as_raw_fd(),
+                        c.as_ptr(),
+                        libc::AT_SYMLINK_FOLLOW,
+                    )
+                }
+            })?;
+            Ok(())
+        }
+        Err(e) => Err(e),
+    }
+}
+
 /// `renameat(dir, from, dir, to)`: atomically replaces `to`.
 pub(crate) fn rename_at(dir: BorrowedFd<'_>, from: &str, to: &str) -> io::Result<()> {
     let (f, t) = (c_name(from)?, c_name(to)?);

@@ -3,10 +3,12 @@
 use std::fs::File;
 use std::os::fd::BorrowedFd;
 use std::os::unix::fs::FileExt;
+use std::sync::Arc;
 
 use xxhash_rust::xxh3::{Xxh3Default, xxh3_64};
 
 use crate::header::{Record, encode_data_header, encode_record};
+use crate::reserve::{HeldFile, Reservation};
 use crate::{
     ChunkEntry, Codec, DATA_HEADER_LEN, FileEntry, ImageError, IoOp, MAX_CHUNK_LEN, RECORD_LEN,
     data_file_name, sys,
@@ -45,8 +47,14 @@ pub fn hash_chunk(data: &[u8]) -> ChunkHashes {
 
 /// Writes `gpusnap-<nspid>-data-<index>.img`: the header at creation, then one record per
 /// [`append_chunk`](Self::append_chunk). `Send`, so it can move to its writer thread.
+///
+/// Made by [`create`](Self::create), the file has its name from the start; made by
+/// [`create_in`](Self::create_in), it is written into space a [`Reservation`] held, and
+/// gets its name only once it is whole ([`SealedDataFile::publish`]).
 pub struct DataFileWriter {
-    file: File,
+    file: Arc<File>,
+    /// The held piece the file is written into, if it is one.
+    held: Option<HeldFile>,
     name: String,
     index: u32,
     /// Bytes written so far, which is where the next record goes.
@@ -99,9 +107,35 @@ impl DataFileWriter {
         let name = data_file_name(nspid, index);
         let file =
             sys::create_fresh(dir, &name).map_err(|e| ImageError::io(&name, IoOp::Create, e))?;
+        DataFileWriter::with_header(Arc::new(file), None, name, nspid, index)
+    }
+
+    /// The data file of `nspid` and `index`, written into a piece of `reserved`, space held
+    /// in the image directory (`Reservation::claim`): it has no name until it is whole
+    /// ([`Self::seal`], then [`SealedDataFile::publish`]). Past the piece's share, each chunk
+    /// first hands back as much of the space held elsewhere (`reserve`'s rule), so the drain's
+    /// writes stay inside what was held. Dropped unpublished, the file is gone.
+    pub fn create_in(reserved: &Reservation, nspid: u32, index: u32) -> Result<Self, ImageError> {
+        let name = data_file_name(nspid, index);
+        let piece = reserved
+            .claim()
+            .map_err(|e| ImageError::io(&name, IoOp::Create, e))?;
+        let file = piece.file().clone();
+        piece.room(DATA_HEADER_LEN);
+        DataFileWriter::with_header(file, Some(piece), name, nspid, index)
+    }
+
+    fn with_header(
+        file: Arc<File>,
+        held: Option<HeldFile>,
+        name: String,
+        nspid: u32,
+        index: u32,
+    ) -> Result<Self, ImageError> {
         write_all_at(&file, &name, &encode_data_header(nspid, index), 0)?;
         Ok(DataFileWriter {
             file,
+            held,
             name,
             index,
             offset: DATA_HEADER_LEN,
@@ -170,6 +204,7 @@ impl DataFileWriter {
                 None => (data, Codec::Raw),
             },
         };
+        self.room(stored.len() as u64);
         let record = Record {
             seq: self.seq,
             codec,
@@ -201,6 +236,7 @@ impl DataFileWriter {
         data: &[u8],
     ) -> Result<(ChunkEntry, ChunkHashes), ImageError> {
         self.check_append(addr, data.len() as u64)?;
+        self.room(data.len() as u64);
         let mut hasher = Xxh3Default::new();
         let base = self.offset + RECORD_LEN;
         let mut result = Ok(());
@@ -257,6 +293,7 @@ impl DataFileWriter {
             });
         }
         let t0 = std::time::Instant::now();
+        self.room(data.len() as u64);
         let record = Record {
             seq: self.seq,
             codec: Codec::RawSum64,
@@ -277,6 +314,14 @@ impl DataFileWriter {
         let mut entry = self.committed(&record, None);
         entry.device_hash = Some(device_hash);
         Ok(entry)
+    }
+
+    /// Makes room for a record of `stored` bytes at the end of a file written into held space
+    /// ([`HeldFile::room`]); nothing for a named file.
+    fn room(&self, stored: u64) {
+        if let Some(h) = &self.held {
+            h.room(self.offset + RECORD_LEN + stored);
+        }
     }
 
     /// Refuses an append after a failed write, and chunks of no or too many bytes.
@@ -319,19 +364,64 @@ impl DataFileWriter {
     }
 
     /// Ends the file (with `fsync` if [`set_sync`](Self::set_sync) asked for it) and returns
-    /// its manifest entry. A failed `fsync` is an error naming the file.
+    /// its manifest entry: [`seal`](Self::seal), then [`SealedDataFile::publish`]. A failed
+    /// `fsync` is an error naming the file.
     pub fn finish(self) -> Result<FileEntry, ImageError> {
+        self.seal()?.publish()
+    }
+
+    /// Ends the file without naming it yet: a file written into held space is cut to the
+    /// bytes written (the rest of its piece goes back to the file system: seal only once every
+    /// writer of the reservation is done), then, as every file, synced if
+    /// [`set_sync`](Self::set_sync) asked for it.
+    pub fn seal(self) -> Result<SealedDataFile, ImageError> {
         if self.failed {
             return Err(ImageError::WriterFailed { file: self.name });
+        }
+        if let Some(h) = &self.held {
+            h.seal(self.offset)
+                .map_err(|e| ImageError::io(&self.name, IoOp::Truncate, e))?;
         }
         if self.sync {
             self.file
                 .sync_all()
                 .map_err(|e| ImageError::io(&self.name, IoOp::Fsync, e))?;
         }
-        Ok(FileEntry {
+        Ok(SealedDataFile {
+            held: self.held,
             name: self.name,
             size: self.offset,
+        })
+    }
+}
+
+/// A data file whole and synced as asked ([`DataFileWriter::seal`]), not yet named if it was
+/// written into held space.
+#[derive(Debug)]
+pub struct SealedDataFile {
+    held: Option<HeldFile>,
+    name: String,
+    size: u64,
+}
+
+impl SealedDataFile {
+    /// The data file's name (what [`publish`](Self::publish) gives it).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Names the file (a file written into held space: `linkat`, a stale file of that name
+    /// replaced; a file made by [`DataFileWriter::create`] has its name already) and returns
+    /// its manifest entry. Its name is durable once the directory is synced
+    /// ([`crate::sync_dir`]).
+    pub fn publish(self) -> Result<FileEntry, ImageError> {
+        if let Some(h) = &self.held {
+            h.link(&self.name)
+                .map_err(|e| ImageError::io(&self.name, IoOp::Link, e))?;
+        }
+        Ok(FileEntry {
+            name: self.name,
+            size: self.size,
         })
     }
 }

@@ -82,6 +82,8 @@ pub enum DumpError {
         "pid {pid} is stopped (state T, e.g. by SIGSTOP or a debugger): the driver cannot lock the GPU state of a stopped process; continue it (`kill -CONT {pid}`) and dump again"
     )]
     Stopped { pid: i32 },
+    #[error(transparent)]
+    Frozen(#[from] crate::freezer::PauseRefused),
     #[error("holding the threads of pid {pid} before its memory is released: {err}")]
     Hold { pid: i32, err: std::io::Error },
     #[error("hand-over: {0}")]
@@ -139,6 +141,8 @@ pub fn pause(ctx: &Ctx, pid: i32) -> Result<Option<Tracked>, DumpError> {
     let Ok(restore_tid) = ctx.api.restore_thread_id(pid) else {
         return Ok(None);
     };
+    // Frozen by its container engine, under a CRIU that thaws it only after this hook.
+    crate::freezer::refuse_frozen(HostPid(pid))?;
     // One dump, recover or pre-copy at a time per job, taken before any call that changes
     // the driver state: a second CRIU is refused here, touching nothing.
     let job_lock = crate::joblock::JobLock::take(HostPid(pid))?;

@@ -32,8 +32,9 @@
 //!   it at a dump, and its load at a restore;
 //! - `sharing`: CUDA IPC shares between processes of one dump or restore.
 //!
-//! Host services (CRIU's ABI and log, `/proc`, ptrace, holds, pids, fault points) come from
-//! `gpusnap-host`, re-exported under their names so that each module reads `crate::procfs` etc.
+//! Host services (CRIU's ABI and log, `/proc`, ptrace, holds, pids, fault points, the cgroup
+//! freezer) come from `gpusnap-host`, re-exported under their names so that each module reads
+//! `crate::procfs` etc.
 
 pub mod agent;
 pub mod backend;
@@ -61,7 +62,9 @@ pub mod staging;
 pub mod stall;
 pub mod uuid;
 
-pub use gpusnap_host::{criu, fault, hold, joblock, logger, pid, procfs, ptrace, reap, signals};
+pub use gpusnap_host::{
+    criu, fault, freezer, hold, joblock, logger, pid, procfs, ptrace, reap, signals,
+};
 
 /// An empty split-path manifest of nspid 1, for tests to fill in what they look at.
 #[cfg(test)]

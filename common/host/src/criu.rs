@@ -176,6 +176,27 @@ pub fn has_post_forking() -> bool {
     !sym(c"found_uprobes_vma").is_null()
 }
 
+/// Does this CRIU thaw a cgroup frozen before the dump ahead of its `PAUSE_DEVICES` hook? CRIU
+/// 4.1.x runs `PAUSE_DEVICES` for the dump's first process before it thaws the cgroup that
+/// `--freeze-cgroup` names (`collect_pstree` in `criu/seize.c`), the other processes' after; 4.2
+/// thaws first (CRIU commit fddca67cc, "seize: fix pause devices for frozen containers"). Told
+/// by 4.2's exports, as [`has_post_forking`].
+pub fn thaws_before_pause_devices() -> bool {
+    has_post_forking()
+}
+
+/// CRIU's release series, as far as its exports tell (CRIU exports no version string), for
+/// messages: "4.2 or later", "4.1" or "older than 4.1".
+pub fn series() -> &'static str {
+    if has_post_forking() {
+        "4.2 or later"
+    } else if is_4_1_or_newer() {
+        "4.1"
+    } else {
+        "older than 4.1"
+    }
+}
+
 /// Fields of CRIU's `struct cr_options` that are stable from 4.0 to criu-dev (x86_64).
 const OPTS_FINAL_STATE: usize = 0;
 const OPTS_TIMEOUT: usize = 352;
@@ -249,5 +270,7 @@ mod tests {
         assert_eq!(timeout_s(), None);
         assert!(!alarm_timeouted());
         assert!(!set_compel_interrupt_only_mode());
+        assert!(!thaws_before_pause_devices());
+        assert_eq!(series(), "older than 4.1");
     }
 }

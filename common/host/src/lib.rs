@@ -15,12 +15,15 @@
 //! - `signals`: every thread gpusnap starts blocks CRIU's signals;
 //! - `fault`: the test fault points (CRIU killed at a named moment);
 //! - `joblock`: one dump, `recover` or pre-copy at a time per job;
+//! - `freezer`: whether a process's cgroup is frozen (a container engine's pause), and the
+//!   refusal of a dump that CRIU starts on a frozen process before it thaws it;
 //! - `codec`: how data chunks are stored (`compress`).
 
 pub mod backend;
 pub mod codec;
 pub mod criu;
 pub mod fault;
+pub mod freezer;
 pub mod hold;
 pub mod joblock;
 pub mod logger;

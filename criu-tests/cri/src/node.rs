@@ -366,6 +366,13 @@ impl Node {
             .unwrap_or_default()
     }
 
+    /// CRIU's log of a checkpoint of container `id` that failed: runc's `criu-dump.log` in the
+    /// task's bundle, which runc's error names (a checkpoint that succeeds has its log in the
+    /// archive, `dump.log`); empty when there is none.
+    pub fn failed_dump_log(&self, id: &str) -> String {
+        fs::read_to_string(self.dir.join(TASKS).join(id).join("criu-dump.log")).unwrap_or_default()
+    }
+
     pub fn cri(&mut self) -> &mut Cri {
         self.cri.as_mut().expect("connected")
     }

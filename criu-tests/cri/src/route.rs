@@ -1,11 +1,13 @@
 //! What the route tests share (`tests/route.rs`, the transparent path; `tests/split.rs`, the
 //! split path through CDI): the jobs' CRI logs, the images' root file systems, the pods, the
-//! checkpoint image, and the clean-up of everything a test started.
+//! checkpoint image, the refusal of a checkpoint under CRIU 4.1, and the clean-up of everything
+//! a test started.
 
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use criu_tests::fake_driver::{FakeDriver, shorts};
 use criu_tests::podman::{run_bounded, shared_libraries};
 
 use crate::cri::PodSpec;
@@ -175,6 +177,62 @@ pub fn pod(node: &Node, name: &str) -> PodSpec {
         log_directory: node.logs.join(name),
         cgroup_parent: cgroup_parent(),
     }
+}
+
+/// A CRI checkpoint under CRIU 4.1, refused at once: containerd freezes the container before
+/// it checkpoints, and CRIU 4.1 calls PAUSE_DEVICES before it thaws it, so gpusnap refuses the
+/// dump there (the agent could not answer, nor the driver lock frozen threads: either would
+/// wait for CRIU's timeout). Checks that `checkpointed` (what `CheckpointContainer` answered
+/// for container `id` on `node`) is a failure, that CRIU's log has gpusnap's refusal naming
+/// CRIU 4.2 and no wait for CRIU's timeout, and that the stand-in driver (`fake`) was asked
+/// nothing that changes job `pid`'s state. Returns the refusal line.
+pub fn assert_refused_frozen(
+    node: &Node,
+    id: &str,
+    checkpointed: Result<(), String>,
+    fake: &FakeDriver,
+    pid: i32,
+) -> String {
+    let log = node.failed_dump_log(id);
+    assert!(
+        checkpointed.is_err(),
+        "CRI CheckpointContainer of a frozen container succeeded on CRIU 4.1\n--- dump.log ---\n{log}"
+    );
+    let line = log
+        .lines()
+        .find(|l| {
+            l.contains("gpusnap:")
+                && l.contains("its cgroup is frozen")
+                && l.contains("calls PAUSE_DEVICES before it thaws it")
+                && l.contains("Use CRIU 4.2 or later")
+        })
+        .unwrap_or_else(|| {
+            panic!(
+                "no refusal of the frozen container in CRIU's log ({:?})\n--- dump.log ---\n{log}\n--- containerd {} ---\n{}",
+                checkpointed.err(),
+                node.name,
+                node.log()
+            )
+        })
+        .to_owned();
+    for stall in [
+        "interrupted by a signal",
+        "Timeout reached",
+        "agent is there but unusable",
+    ] {
+        assert!(
+            !log.contains(stall),
+            "CRIU's log of the refused checkpoint has {stall:?}\n--- dump.log ---\n{log}"
+        );
+    }
+    let ops = fake.ops(pid);
+    assert!(
+        ops.is_empty(),
+        "the stand-in driver was asked to change the frozen job's state: {:?}\n{}",
+        shorts(&ops),
+        fake.log_text(pid)
+    );
+    line
 }
 
 /// A `GPU-…` UUID as gpusnap and the stand-in driver print it: 32 hex digits.

@@ -18,11 +18,17 @@
 //!
 //! Node B really differs from node A: two stand-in GPUs of the same model with other UUIDs
 //! (A has one), and its own `gpusnap.conf` whose `device_map` puts A's GPU on B's second GPU
-//! (index 1): the driver's restore gets that pair. Before that, on one CRIU version (4.1), node B
-//! is given another kernel driver, then another kernel driver and another GPU model: each
-//! restore is refused at CRIU's first restore hook with one message naming every mismatch (read
-//! from the container's CRIU `restore.log`), CRIU forks nothing, no job process is left on B,
-//! and node A's job ticks on.
+//! (index 1): the driver's restore gets that pair. Before that, node B is given another kernel
+//! driver, then another kernel driver and another GPU model: each restore is refused at CRIU's
+//! first restore hook with one message naming every mismatch (read from the container's CRIU
+//! `restore.log`), CRIU forks nothing, no job process is left on B, and node A's job ticks on.
+//!
+//! All of that needs CRIU 4.2. containerd freezes the container before it checkpoints, and
+//! CRIU 4.1 calls PAUSE_DEVICES before it thaws it (4.2 thaws first), where a real driver's
+//! lock of the frozen job waits for CRIU's timeout: gpusnap refuses that dump at once. On CRIU
+//! 4.1 the test checks the refusal (`cri_tests::route::assert_refused_frozen`: the CRI call
+//! fails, CRIU's log names CRIU 4.2, no wait for a timeout, no driver call that changes the
+//! job) and that the job runs on on node A untouched, its memory and chain intact.
 //!
 //! Images come from a registry the test serves on 127.0.0.1 (containerd pulls the base image
 //! of a checkpoint at restore, even when it has it). Each node has its own `criu` wrapper,
@@ -39,8 +45,8 @@ use cri_tests::node::{CriuSetup, Node, NodeGpus};
 use cri_tests::oci;
 use cri_tests::registry::Registry;
 use cri_tests::route::{
-    Setup, archive_files, archived_log_lines, cri_log_lines, hex, import_checkpoint_image,
-    job_pids, pod, rootfs_layer,
+    Setup, archive_files, archived_log_lines, assert_refused_frozen, cri_log_lines, hex,
+    import_checkpoint_image, job_pids, pod, rootfs_layer,
 };
 use criu_tests::counter_log::Tick;
 use criu_tests::fake_driver::{FakeDriver, shorts};
@@ -288,19 +294,7 @@ fn cri_checkpoint_to_an_image_restored_on_another_node() {
     // 2. CRI CheckpointContainer, as the kubelet's checkpoint endpoint has it done.
     let archive = work.join("checkpoint.tar");
     let t0 = Instant::now();
-    a.cri()
-        .checkpoint_container(&ca, &archive)
-        .unwrap_or_else(|e| {
-            panic!(
-                "{e}\n--- containerd A ---\n{}\n--- fake driver ---\n{}",
-                a.log(),
-                FakeDriver {
-                    so: fakecuda_so.clone(),
-                    dir: a.fakecuda.clone()
-                }
-                .log_text(pid_a)
-            )
-        });
+    let checkpointed = a.cri().checkpoint_container(&ca, &archive);
     let checkpoint_s = t0.elapsed().as_secs_f64();
     let at_return = cri_log_lines(&log_a)
         .iter()
@@ -312,6 +306,45 @@ fn cri_checkpoint_to_an_image_restored_on_another_node() {
         so: fakecuda_so.clone(),
         dir: a.fakecuda.clone(),
     };
+    if v < (4, 2, 0) {
+        // CRIU 4.1: refused at PAUSE_DEVICES, the container still frozen; nothing to restore.
+        let line = assert_refused_frozen(a, &ca, checkpointed, &fake_a, pid_a);
+        wait_ticks(
+            &log_a,
+            0,
+            at_return + 3,
+            "node A's job after the refused checkpoint",
+        );
+        assert_eq!(a.cri().container_pid(&ca).unwrap(), pid_a);
+        assert_eq!(
+            job_pids(&a.dir, "fakegpu"),
+            [pid_a],
+            "node A's job, and it alone"
+        );
+        // Its memory and in-memory chain intact, every tick.
+        let own = work.join("node-a.log");
+        fs::write(&own, cri_log_lines(&log_a).join("\n") + "\n").unwrap();
+        let log = CounterLog::read(&own).unwrap().unwrap();
+        log.verify().unwrap_or_else(|e| {
+            panic!("node A's job after the refused checkpoint is damaged: {e}")
+        });
+        eprintln!(
+            "criu-tests: cri route (CRIU {}.{}.{}): the checkpoint of the frozen container \
+             refused in {checkpoint_s:.2} s, the job untouched ({} ticks verified): {line}",
+            v.0,
+            v.1,
+            v.2,
+            log.ticks.len()
+        );
+        return;
+    }
+    checkpointed.unwrap_or_else(|e| {
+        panic!(
+            "{e}\n--- containerd A ---\n{}\n--- fake driver ---\n{}",
+            a.log(),
+            fake_a.log_text(pid_a)
+        )
+    });
     let ops = fake_a.ops(pid_a);
     assert_eq!(
         shorts(&ops),
@@ -376,8 +409,8 @@ fn cri_checkpoint_to_an_image_restored_on_another_node() {
     b.pods.push((pb.clone(), Vec::new()));
 
     // A node B that cannot take the image is refused at CRIU's first restore hook, before any
-    // process is created (one CRIU version is enough: the check is gpusnap's).
-    if v < (4, 2, 0) {
+    // process is created (the check is gpusnap's, whatever the CRIU version).
+    {
         let mut other_kernel = gpus_b.clone();
         other_kernel.kernel_driver = OTHER_KERNEL_DRIVER.into();
         let mut other_model = NodeGpus::new(2, 0x0b, OTHER_KERNEL_DRIVER);

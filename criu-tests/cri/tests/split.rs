@@ -26,13 +26,16 @@
 //!    path (`restore.log`), and the job goes on from the checkpointed tick with its device memory
 //!    and counter exact.
 //!
-//! With CRIU 4.1 the dump cannot take the split path: containerd pauses the container (cgroup
-//! freezer) before it checkpoints, and CRIU 4.1 runs its PAUSE_DEVICES hook before it thaws the
+//! With CRIU 4.1 there is no checkpoint: containerd pauses the container (cgroup freezer)
+//! before it checkpoints, and CRIU 4.1 runs its PAUSE_DEVICES hook before it thaws the
 //! container for the plugins that ask it to (gpusnap does; CRIU 4.2 thaws first: CRIU commit
-//! "seize: fix pause devices for frozen containers"), so the agent, frozen, never answers.
-//! gpusnap waits until CRIU's timeout (`SIGALRM` after 10 s) and takes the driver path; the
-//! test checks that on CRIU 4.1 (the dump log says so, the restore is not a split one, the job
-//! goes on exactly), and the split path on CRIU 4.2.
+//! "seize: fix pause devices for frozen containers"), so the agent, frozen, could not answer
+//! (it used to be waited for until CRIU's timeout, 10 s, and the driver path taken). gpusnap
+//! refuses the dump at that hook at once, before it asks the agent or the driver anything: on
+//! CRIU 4.1 the test checks that `CheckpointContainer` fails, that CRIU's log has the refusal
+//! naming CRIU 4.2 and no wait for a timeout, that the stand-in driver was asked nothing that
+//! changes the job, and that the job runs on on node A untouched, every tick good. The rest of
+//! step 3, and steps 4 and 5, run on CRIU 4.2.
 //!
 //! Node B has two stand-in GPUs to node A's one. The device stand-in has no other UUIDs (no
 //! `FAKECUDA_UUID_SALT`), so A's GPU is also B's GPU 0: the GPU remap through CRI is
@@ -50,9 +53,10 @@ use cri_tests::node::{AGENT_IN_CONTAINER, CDI_DEVICE, CriuSetup, Node, NodeGpus}
 use cri_tests::oci;
 use cri_tests::registry::Registry;
 use cri_tests::route::{
-    Setup, archive_files, archive_member, archived_log_lines, cri_log_lines,
+    Setup, archive_files, archive_member, archived_log_lines, assert_refused_frozen, cri_log_lines,
     import_checkpoint_image, job_pids, pod, rootfs_layer,
 };
+use criu_tests::fake_driver::FakeDriver;
 use criu_tests::harness::{harness, skipped};
 use criu_tests::packages;
 use criu_tests::podman::run_bounded;
@@ -186,8 +190,8 @@ fn cri_split_path_through_cdi() {
         return;
     }
     let v = h.criu_version;
-    // Whether the dump can reach the agent: see the module's doc.
-    let split = v >= (4, 2, 0);
+    // Whether containerd's checkpoint can be taken at all: see the module's doc.
+    let thawed_first = v >= (4, 2, 0);
     let fakecuda_so = criu_tests::fake_driver::fakecuda_so(h)
         .unwrap_or_else(|e| panic!("building the fake driver: {e}"))
         .to_owned();
@@ -310,46 +314,69 @@ fn cri_split_path_through_cdi() {
     // 2. CRI CheckpointContainer while it runs.
     let archive = work.join("checkpoint.tar");
     let t0 = Instant::now();
-    a.cri()
-        .checkpoint_container(&ca, &archive)
-        .unwrap_or_else(|e| panic!("{e}\n--- containerd A ---\n{}", a.log()));
+    let checkpointed = a.cri().checkpoint_container(&ca, &archive);
     let checkpoint_s = t0.elapsed().as_secs_f64();
+    if !thawed_first {
+        // CRIU 4.1: refused at PAUSE_DEVICES, the container still frozen; nothing to restore.
+        let fake_a = FakeDriver {
+            so: fakecuda_so.clone(),
+            dir: a.fakecuda.clone(),
+        };
+        let line = assert_refused_frozen(a, &ca, checkpointed, &fake_a, pid_a);
+        let at_return = ticks(&cri_log_lines(&log_a))
+            .iter()
+            .map(|t| t.n)
+            .max()
+            .unwrap_or(0);
+        let lines_a = wait_ticks(
+            &log_a,
+            0,
+            at_return + 5,
+            "node A's job after the refused checkpoint",
+        );
+        check_ticks(
+            &ticks(&lines_a),
+            1,
+            "node A's job after the refused checkpoint",
+        );
+        assert_eq!(a.cri().container_pid(&ca).unwrap(), pid_a);
+        assert_eq!(
+            job_pids(&a.dir, "fakegpu-vmm"),
+            [pid_a],
+            "node A's job, and it alone"
+        );
+        eprintln!(
+            "criu-tests: cri split (CRIU {}.{}.{}): the checkpoint of the frozen container refused \
+             in {checkpoint_s:.2} s, the job untouched: {line}",
+            v.0, v.1, v.2
+        );
+        return;
+    }
+    checkpointed.unwrap_or_else(|e| panic!("{e}\n--- containerd A ---\n{}", a.log()));
     let at_return = ticks(&cri_log_lines(&log_a))
         .iter()
         .map(|t| t.n)
         .max()
         .unwrap_or(0);
     let dump_log = archive_member(&archive, "dump.log", &work);
-    let expected: &[&[&str]] = if split {
-        &[
-            &["(nspid 1)", "path split"],
-            &["data", "into", "files"],
-            &["lent to keeper"],
-            &["device memory mapped back", "no file read"],
-        ]
-    } else {
-        // CRIU 4.1 runs PAUSE_DEVICES while the container is still frozen (containerd pauses
-        // it before the checkpoint; CRIU thaws it only afterwards, fixed in 4.2): the agent
-        // cannot answer, gpusnap waits until CRIU's timeout (10 s) and takes the driver path.
-        &[
-            &["agent is there but unusable", "interrupted by a signal"],
-            &["(nspid 1)", "path transparent"],
-        ]
-    };
+    let expected: &[&[&str]] = &[
+        &["(nspid 1)", "path split"],
+        &["data", "into", "files"],
+        &["lent to keeper"],
+        &["device memory mapped back", "no file read"],
+    ];
     for parts in expected {
         assert_line(&dump_log, parts, "the CRI checkpoint (dump.log)");
     }
-    if split {
-        // The device memory went through the agent into gpusnap's files. (CRIU dumps the
-        // stand-in's device memory too: with the hand-over, a leave-running dump keeps the
-        // exported descriptors in the job to map the memory back, and the stand-in's are
-        // memfds, which CRIU dumps with their contents.)
-        let memfds = archive_member(&archive, "checkpoint/memfd.img", &work);
-        assert!(
-            memfds.contains("gpusnap-agent-door") && !memfds.contains("gpusnap-staging"),
-            "CRIU dumped the staging ring, or checkpoint/memfd.img lacks the agent's door"
-        );
-    }
+    // The device memory went through the agent into gpusnap's files. (CRIU dumps the stand-in's
+    // device memory too: with the hand-over, a leave-running dump keeps the exported
+    // descriptors in the job to map the memory back, and the stand-in's are memfds, which CRIU
+    // dumps with their contents.)
+    let memfds = archive_member(&archive, "checkpoint/memfd.img", &work);
+    assert!(
+        memfds.contains("gpusnap-agent-door") && !memfds.contains("gpusnap-staging"),
+        "CRIU dumped the staging ring, or checkpoint/memfd.img lacks the agent's door"
+    );
     // The job runs on on node A, every tick good.
     let lines_a = wait_ticks(
         &log_a,
@@ -370,10 +397,9 @@ fn cri_split_path_through_cdi() {
         gpusnap
             .iter()
             .any(|(f, _)| f == "checkpoint/gpusnap-1-manifest.img")
-            && (!split
-                || gpusnap
-                    .iter()
-                    .any(|(f, _)| f.starts_with("checkpoint/gpusnap-1-data-"))),
+            && gpusnap
+                .iter()
+                .any(|(f, _)| f.starts_with("checkpoint/gpusnap-1-data-")),
         "no gpusnap manifest or data files in the archive: {files:?}"
     );
     let mut cmd = std::process::Command::new(&cli);
@@ -499,18 +525,11 @@ fn cri_split_path_through_cdi() {
     assert!(pid_b > 0, "node B's job has no pid");
     assert_agent_from(pid_b, b, "node B's restored job");
     let restore_log = b.restore_log(&cb);
-    if split {
-        assert_line(
-            &restore_log,
-            &["restored (Split path)", "data"],
-            "node B's restore (restore.log)",
-        );
-    } else {
-        assert!(
-            !restore_log.contains("(Split path)"),
-            "node B's restore took the split path of a transparent image:\n{restore_log}"
-        );
-    }
+    assert_line(
+        &restore_log,
+        &["restored (Split path)", "data"],
+        "node B's restore (restore.log)",
+    );
 
     // The job goes on from the checkpoint, exactly. containerd may have put the archive's
     // container log (node A's output up to the checkpoint) at the head of node B's.
@@ -541,14 +560,9 @@ fn cri_split_path_through_cdi() {
     check_ticks(&merged, 1, "the job across the two nodes");
 
     eprintln!(
-        "criu-tests: cri split route ({}): checkpoint {checkpoint_s:.2} s (archive {} KiB, gpusnap's \
-         files {} KiB), image build + import {image_s:.2} s, restore {restore_s:.2} s; job \
-         resumed at tick {first_b}, {} ticks verified",
-        if split {
-            "split path"
-        } else {
-            "CRIU 4.1: the driver path, the agent frozen"
-        },
+        "criu-tests: cri split route (split path): checkpoint {checkpoint_s:.2} s (archive {} KiB, \
+         gpusnap's files {} KiB), image build + import {image_s:.2} s, restore {restore_s:.2} s; \
+         job resumed at tick {first_b}, {} ticks verified",
         fs::metadata(&archive).map(|m| m.len() / 1024).unwrap_or(0),
         gpusnap.iter().map(|f| f.1).sum::<u64>() / 1024,
         merged.len()

@@ -5,6 +5,9 @@
 //! behind (the drainer) writes the image from the snapshot, the manifest last, then removes the
 //! PENDING marker. `gpusnap wait` waits for it; until then every reader refuses the directory.
 //!
+//! The image restores: the job left running is killed and restored from it, and goes on from
+//! the dump with its device memory as it was then.
+//!
 //! The fail-closed cells (`fault::ASYNC_POINTS`): CRIU killed after the snapshot (the job runs
 //! on, the image stays PENDING and is refused, `wait` fails); the keeper killed during the
 //! background drain (the job runs on, the image is marked NOT-A-CHECKPOINT with the cause); the
@@ -14,8 +17,10 @@
 
 mod common;
 
+use common::MORE_TICKS;
 use common::split::Split;
 use criu_tests::CriuRun;
+use std::fs;
 
 const ASYNC: (&str, &str) = ("GPUSNAP_ASYNC_LEAVE_RUNNING", "1");
 
@@ -43,11 +48,50 @@ fn assert_job_runs_on(s: &mut Split, run: &CriuRun) {
     s.assert_runs_on(&last, run);
 }
 
+/// The job a `-R` left running is killed and the image restored. The restored job goes on from
+/// the dump: its first tick follows the one the dump caught (after `before`, at most one past
+/// the last the job wrote before it was killed), and every tick is `ok 1` with the device
+/// counter equal to it, so the device memory restored is the memory at the dump, bit for bit
+/// as the job checks it (its patterns and its counter), whichever part each allocation was in.
+fn kill_and_restore(s: &mut Split, before: u64) {
+    let pid = s.vmm.pid();
+    for &p in &s.vmm.pids {
+        // SAFETY: kill(2) of the test's own workload.
+        unsafe { libc::kill(p, libc::SIGKILL) };
+    }
+    let last = s.reap_dumped()[0];
+    // The driver state the stand-in keeps in a file plays the one inside the process image,
+    // which the dump caught checkpointed (the rollback of `-R` made the file say running).
+    fs::write(s.state.join(format!("{pid}.state")), "checkpointed\n").expect("driver state");
+    // The tick log keeps its header: the restored job appends its ticks from the dump on.
+    let log = &s.vmm.logs[0];
+    let text = fs::read_to_string(log).expect("tick log");
+    let header = text.lines().next().expect("the log's header");
+    fs::write(log, format!("{header}\n")).expect("rewrite the tick log");
+    let restore = s.restore();
+    s.assert_ok(&restore);
+    let first = s.vmm.wait_for_tick(before + 1)[0].ticks[0].tick;
+    assert!(
+        before < first && first <= last + 1,
+        "the restored job's first tick {first}: the dump was after tick {before}, the job ran to {last}\n{}",
+        s.describe(&restore)
+    );
+    let logs = s.vmm.wait_for_tick(first + MORE_TICKS);
+    for (i, t) in logs[0].ticks.iter().enumerate() {
+        assert!(
+            t.tick == first + i as u64 && t.ok && t.counter == t.tick,
+            "after the restore, tick {i} from {first}: {t:?}\n{}",
+            s.describe(&restore)
+        );
+    }
+}
+
 #[test]
-fn an_asynchronous_leave_running_is_pending_then_complete() {
+fn an_asynchronous_leave_running_is_pending_then_complete_and_restores() {
     let Some(mut s) = start("async-R") else {
         return;
     };
+    let before = s.vmm.last_ticks()[0];
     let dump = s.dump_with(true, &[ASYNC]);
     s.assert_ok(&dump);
     s.assert_line(
@@ -69,6 +113,7 @@ fn an_asynchronous_leave_running_is_pending_then_complete() {
     assert!(ok, "gpusnap verify after wait: {text}");
     // The job ran on meanwhile, its memory intact.
     assert_job_runs_on(&mut s, &dump);
+    kill_and_restore(&mut s, before);
 }
 
 #[test]

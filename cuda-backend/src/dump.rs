@@ -1111,7 +1111,7 @@ fn asynchronous(
     }
     let t0 = Instant::now();
     let made = keeper
-        .snapshot(ctx.cfg.async_snapshot_share)
+        .snapshot(ctx.cfg.async_snapshot_share, &routes.lend_ids())
         .map_err(|e| DumpError::HandOver(crate::handover::HandOverError::KeeperSession(e)))?;
     match made {
         Ok((n, bytes)) => {

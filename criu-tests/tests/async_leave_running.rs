@@ -169,6 +169,34 @@ fn a_snapshot_that_fits_in_part_takes_what_fits_and_the_pause_drains_the_rest() 
     kill_and_restore(&mut s, before);
 }
 
+/// Each GPU has a budget of its own. Two stand-in GPUs, each with 13 MiB free (6.5 MiB
+/// allowed): GPU 0 holds 4 and 4 MiB and the 2 MiB counter, GPU 1 holds 4 and 6 MiB. The
+/// snapshot takes one 4 MiB allocation and the counter on GPU 0 and the 6 MiB one on GPU 1;
+/// the other two are drained on the pause. The image restores on both GPUs.
+#[test]
+fn each_gpu_has_its_own_share() {
+    let Some(mut s) = Split::two_gpus("async-R-two-gpus") else {
+        return;
+    };
+    let before = s.vmm.last_ticks()[0];
+    let dump = s.dump_with(true, &[ASYNC, ("FAKECUDA_FREE_MIB", "13")]);
+    s.assert_ok(&dump);
+    s.assert_line(
+        &dump,
+        &[
+            "3 into the keeper's snapshot (12.00 MiB)",
+            "2 drained on the pause (8.00 MiB)",
+            "GPU 0: 13.00 MiB free, 6.50 MiB allowed, 6.00 MiB taken; GPU 1: 13.00 MiB free, 6.50 MiB allowed, 6.00 MiB taken",
+        ],
+    );
+    assert_job_runs_on(&mut s, &dump);
+    let (ok, text) = s.run_cli(&["wait", &images(&s), "--timeout", "120"]);
+    assert!(ok, "gpusnap wait: {text}\n{}", s.describe(&dump));
+    let (ok, text) = s.run_cli(&["verify", &images(&s)]);
+    assert!(ok, "gpusnap verify after wait: {text}");
+    kill_and_restore(&mut s, before);
+}
+
 #[test]
 fn a_snapshot_of_which_nothing_fits_is_drained_on_the_pause() {
     let Some(mut s) = start("async-R-no-room") else {

@@ -277,6 +277,9 @@ def run_c_case(cfg, log, path, gib, leave_running, tag="e2e"):
 def _wait_async_image(rec, log, imgdir, dump, gib):
     """An asynchronous -R: the image is complete only when `gpusnap wait` says so; then verify."""
     rec["async"] = any("drainer pid" in l for l in dump["gpusnap_lines"])
+    # The per-allocation choice: how much went into the snapshot, how much on the pause, and why.
+    rec["async_plan"] = next((l for l in dump["gpusnap_lines"]
+                              if "asynchronous -R per allocation" in l), None)
     if not rec["async"]:
         rec["problems"].append("asynchronous -R not taken (no 'drainer pid' line in the dump log)")
     wrc, wout = criu.gpusnap_cli(["wait", imgdir, "--timeout", str(int(120 + 5 * float(gib)))],

@@ -204,7 +204,15 @@ fn sends() -> Vec<Send> {
             addr: 0x1000,
             size: 4096,
         },
-        KeeperRequest::Snapshot { share_percent: 50 },
+        KeeperRequest::Snapshot {
+            share_percent: 50,
+            count: 1,
+        },
+        KeeperRequest::SnapshotIds { ids: vec![1] },
+        KeeperRequest::SnapshotRoom {
+            device: 0,
+            share_percent: 50,
+        },
         KeeperRequest::Expect {
             id: 1,
             gpu: [0; 16],

@@ -152,6 +152,9 @@ struct Said {
     listed: Option<(Vec<Moved>, usize)>,
     /// Allocations a keeper adopted (its drain moves them).
     adopted: Vec<Moved>,
+    /// Those of them in a keeper's snapshot set aside: its next drain moves the others
+    /// (`adopted`), the one after it these ([`Session::release_keeper`] swaps them in).
+    set_aside: Vec<Moved>,
     /// `Expect`s a keeper answered (a restore's: what its lend gives back).
     expected: usize,
 }
@@ -1133,14 +1136,62 @@ impl Session<KeeperRequest> {
         }
     }
 
-    /// `Snapshot` to the keeper (an asynchronous `-R`): `Ok(Ok((count, bytes)))` once it
-    /// holds a device-to-device copy of every adopted allocation and no import of the job's;
-    /// `Ok(Err((needed, allowed, device)))` when it would not fit in `share_percent` of a
-    /// GPU's free memory (nothing changed). The copies take the device's time, not the link's.
-    pub fn snapshot(&self, share_percent: u32) -> Result<SnapshotAnswer, AgentError> {
-        self.send(&KeeperRequest::Snapshot { share_percent }, None)?;
+    /// `SnapshotRoom` to the keeper (an asynchronous `-R`): `(free, allowed)`, GPU `device`'s
+    /// free memory and what `share_percent` of it allows a snapshot to take there.
+    pub fn snapshot_room(&self, device: u32, share_percent: u32) -> Result<(u64, u64), AgentError> {
+        self.send(
+            &KeeperRequest::SnapshotRoom {
+                device,
+                share_percent,
+            },
+            None,
+        )?;
         match self.recv(self.timeout)? {
-            Reply::Snapshotted { count, bytes } => Ok(Ok((count, bytes))),
+            Reply::SnapshotRoom {
+                device: d,
+                free,
+                allowed,
+            } if d == device => Ok((free, allowed)),
+            got => Err(self.unexpected("SnapshotRoom", got)),
+        }
+    }
+
+    /// `SnapshotIds` .. `Snapshot` to the keeper (an asynchronous `-R`): `Ok(Ok((count,
+    /// bytes)))` once it holds a device-to-device copy of every adopted allocation in `ids`
+    /// and no import of the job's of them; `Ok(Err((needed, allowed, device)))` when they
+    /// would not fit in `share_percent` of a GPU's free memory (nothing changed). The copies
+    /// take the device's time, not the link's. Where `ids` leaves some adopted allocations
+    /// out, the keeper sets the snapshot aside: its next drain moves those others, and the one
+    /// after it the snapshot ([`Self::release_keeper`]).
+    pub fn snapshot(
+        &self,
+        share_percent: u32,
+        ids: &std::collections::BTreeSet<u64>,
+    ) -> Result<SnapshotAnswer, AgentError> {
+        let list: Vec<u64> = ids.iter().copied().collect();
+        for part in list.chunks(gpusnap_proto::MAX_SNAPSHOT_IDS) {
+            self.send(&KeeperRequest::SnapshotIds { ids: part.to_vec() }, None)?;
+        }
+        let count = u32::try_from(list.len()).unwrap_or(u32::MAX);
+        self.send(
+            &KeeperRequest::Snapshot {
+                share_percent,
+                count,
+            },
+            None,
+        )?;
+        match self.recv(self.timeout)? {
+            Reply::Snapshotted { count, bytes } => {
+                let mut said = self.said();
+                if said.adopted.iter().any(|m| !ids.contains(&m.id)) {
+                    let (snapshot, rest) = std::mem::take(&mut said.adopted)
+                        .into_iter()
+                        .partition(|m| ids.contains(&m.id));
+                    said.adopted = rest;
+                    said.set_aside = snapshot;
+                }
+                Ok(Ok((count, bytes)))
+            }
             Reply::SnapshotRefused {
                 needed,
                 allowed,
@@ -1151,13 +1202,20 @@ impl Session<KeeperRequest> {
     }
 
     /// `Release` to a keeper: it drops its imports and answers, and stays until the session is
-    /// dropped (its exit while CRIU works on the tasks would fail the dump).
+    /// dropped (its exit while CRIU works on the tasks would fail the dump). A snapshot it set
+    /// aside is what its next drain moves.
     pub fn release_keeper(&self) -> Result<(u32, u64), AgentError> {
         self.send_common(CommonRequest::Release, None)?;
         match self.recv(self.timeout)? {
             Reply::Released {
                 allocations, bytes, ..
-            } => Ok((allocations, bytes)),
+            } => {
+                let mut said = self.said();
+                if !said.set_aside.is_empty() {
+                    said.adopted = std::mem::take(&mut said.set_aside);
+                }
+                Ok((allocations, bytes))
+            }
             got => Err(self.unexpected("Released", got)),
         }
     }

@@ -914,7 +914,7 @@ fn hand_over(ctx: &Ctx, t: &mut Tracked, release: &Mutex<Option<Hold>>) -> Resul
         times.adopt_wait_s,
     );
     crate::fault::kill_criu_at("dump-lent");
-    let background = asynchronous(ctx, t, &drain_session, &routes)?;
+    let snapshot = asynchronous(ctx, t, &drain_session, &routes)?;
 
     let dir = ctx.image_dir();
     let (codec, why) = crate::context::codec_for(&ctx.cfg, dir);
@@ -964,7 +964,9 @@ fn hand_over(ctx: &Ctx, t: &mut Tracked, release: &Mutex<Option<Hold>>) -> Resul
             ctx.cfg.effective_writer_threads(),
         ),
         ctx.cfg.effective_writer_threads(),
-    ) {
+    )
+    .and_then(|r| split_for_snapshot(pid, r, snapshot.as_ref(), &routes, &staging, ctx))
+    {
         Ok(r) => Some(r),
         Err(gpusnap_image::ReserveError::Unsupported(e)) => {
             log::info!(
@@ -987,6 +989,10 @@ fn hand_over(ctx: &Ctx, t: &mut Tracked, release: &Mutex<Option<Hold>>) -> Resul
         crate::hold::Hold::place(pid, &[t.restore_tid, agent_tid])
             .map_err(|err| DumpError::Hold { pid, err })?,
     );
+    let (reserved, snapshot_reserved) = match reserved {
+        Some((pause, snap)) => (Some(pause), snap),
+        None => (None, None),
+    };
     let job = crate::handover::DrainJob {
         staging,
         dir: ctx.criu_image_dir().ok_or(DumpError::NoImageDir)?,
@@ -1036,6 +1042,7 @@ fn hand_over(ctx: &Ctx, t: &mut Tracked, release: &Mutex<Option<Hold>>) -> Resul
             copy_first: has_copy_first.then(|| Box::new(provisional)),
             copied,
             background: None,
+            deferred: None,
         })),
     })?;
     let t0 = Instant::now();
@@ -1043,27 +1050,45 @@ fn hand_over(ctx: &Ctx, t: &mut Tracked, release: &Mutex<Option<Hold>>) -> Resul
     t.time("release", t0.elapsed().as_secs_f64());
     log::debug!("pid {pid}: agent released {n} allocations ({bytes} bytes), descriptors kept");
     crate::fault::kill_criu_at("dump-released");
-    if background {
-        // The keeper holds a snapshot: the drain runs once CRIU is done, in a process of its
-        // own (`exit`), while the job runs on its own memory.
-        if let Some(lent) = t.phase.moved_mut().and_then(|m| m.lent.as_deref_mut()) {
-            lent.background = Some(Box::new(crate::handover::Background {
-                session: drain_session,
-                job,
-            }));
+    match snapshot {
+        Some(plan) if plan.whole() => {
+            // The keeper holds a snapshot of all of it: the drain runs once CRIU is done, in a
+            // process of its own (`exit`), while the job runs on its own memory.
+            if let Some(lent) = t.phase.moved_mut().and_then(|m| m.lent.as_deref_mut()) {
+                lent.background = Some(Box::new(crate::handover::Background {
+                    session: drain_session,
+                    job,
+                }));
+            }
         }
-    } else {
-        // The job no longer maps the memory; the keeper drains it from here on, beside the
-        // driver's control checkpoint and CRIU's own dump (joined in `exit`).
-        let drain = crate::handover::Drain::start(drain_session, job)
-            .map_err(|err| DumpError::DrainStart { pid, err })?;
-        if let Some(lent) = t.phase.moved_mut().and_then(|m| m.lent.as_deref_mut()) {
-            lent.drain = Some(drain);
+        snapshot => {
+            // The job no longer maps the memory; the keeper drains it from here on (what it
+            // still imports, where part is in a snapshot set aside), beside the driver's
+            // control checkpoint and CRIU's own dump (joined in `exit`).
+            let drain = crate::handover::Drain::start(drain_session, job)
+                .map_err(|err| DumpError::DrainStart { pid, err })?;
+            let part = snapshot.map(|plan| {
+                Box::new(crate::handover::Deferred {
+                    ids: plan.snapshot,
+                    reserved: snapshot_reserved,
+                })
+            });
+            let after = match &part {
+                Some(p) => format!(
+                    "; the snapshot's {} allocations are drained after CRIU returns",
+                    p.ids.len()
+                ),
+                None => String::new(),
+            };
+            if let Some(lent) = t.phase.moved_mut().and_then(|m| m.lent.as_deref_mut()) {
+                lent.drain = Some(drain);
+                lent.deferred = part;
+            }
+            log::info!(
+                "pid {pid}: drain started {:.3} s after the hand-over; CRIU dumps the host side meanwhile{after}",
+                since.elapsed().as_secs_f64()
+            );
         }
-        log::info!(
-            "pid {pid}: drain started {:.3} s after the hand-over; CRIU dumps the host side meanwhile",
-            since.elapsed().as_secs_f64()
-        );
     }
     lock(ctx, t, "relock")?;
     *release.lock().unwrap_or_else(|e| e.into_inner()) = t.hold.take();
@@ -1087,36 +1112,57 @@ fn async_refused(cfg: &gpusnap_config::Config) -> Option<&'static str> {
     None
 }
 
-/// The asynchronous `-R` (`async_leave_running`): asks the keeper for a device-to-device
-/// snapshot of everything it adopted; `true` when it holds one (the PENDING marker is then
-/// written, before CRIU can return), `false` when the drain runs on the pause as without the
-/// key, each allocation's route and the reason logged.
+/// The asynchronous `-R` (`async_leave_running`): chooses per lent allocation whether the
+/// keeper's snapshot takes it ([`crate::route::SnapshotPlan`]: largest first, within
+/// `async_snapshot_share` percent of each GPU's free memory, as the keeper measures it) or
+/// the pause drains it, logs the choice, and asks the keeper for a device-to-device snapshot of
+/// the chosen ones. `Some(plan)` when the keeper holds that snapshot (the PENDING marker is
+/// then written, before CRIU can return); `None` when everything is drained on the pause as
+/// without the key (nothing fits, or the keeper refused: the reason logged).
 fn asynchronous(
     ctx: &Ctx,
     t: &Tracked,
     keeper: &KeeperSession,
     routes: &crate::route::Routes,
-) -> Result<bool, DumpError> {
+) -> Result<Option<crate::route::SnapshotPlan>, DumpError> {
+    use crate::route::{SnapshotPlan, size_words};
     let pid = t.pid;
-    let lent: Vec<String> = routes
-        .0
-        .iter()
-        .filter(|(a, r)| a.moved && *r == crate::route::AllocRoute::Lend)
-        .map(|(a, _)| format!("#{} ({} bytes)", a.id, a.size))
-        .collect();
+    let keeper_failed = |e| DumpError::HandOver(crate::handover::HandOverError::KeeperSession(e));
     if let Some(why) = async_refused(&ctx.cfg) {
         if ctx.cfg.async_leave_running {
+            let lent: Vec<String> = routes
+                .0
+                .iter()
+                .filter(|(a, r)| a.moved && *r == crate::route::AllocRoute::Lend)
+                .map(|(a, _)| format!("#{} ({} bytes)", a.id, a.size))
+                .collect();
             log::info!(
                 "pid {pid}: asynchronous -R not taken ({why}): {} drained on the pause",
                 lent.join(", ")
             );
         }
-        return Ok(false);
+        return Ok(None);
+    }
+    let share = ctx.cfg.async_snapshot_share;
+    let mut room = std::collections::BTreeMap::new();
+    for device in SnapshotPlan::devices(routes) {
+        room.insert(
+            device,
+            keeper.snapshot_room(device, share).map_err(keeper_failed)?,
+        );
+    }
+    let plan = SnapshotPlan::choose(routes, &room);
+    log::info!("pid {pid}: {}", plan.summary(share));
+    if plan.snapshot.is_empty() {
+        log::info!(
+            "pid {pid}: asynchronous -R not taken: no lent allocation fits async_snapshot_share = {share}% of its GPU's free memory: all drained on the pause"
+        );
+        return Ok(None);
     }
     let t0 = Instant::now();
     let made = keeper
-        .snapshot(ctx.cfg.async_snapshot_share)
-        .map_err(|e| DumpError::HandOver(crate::handover::HandOverError::KeeperSession(e)))?;
+        .snapshot(share, &plan.snapshot)
+        .map_err(keeper_failed)?;
     match made {
         Ok((n, bytes)) => {
             let words = format!(
@@ -1125,25 +1171,68 @@ fn asynchronous(
             crate::handover::write_pending(ctx.image_dir(), t.nspid.get(), &words).map_err(
                 |e| DumpError::HandOver(crate::handover::HandOverError::Pending(e.to_string())),
             )?;
+            let (paused, paused_bytes) = plan.part(false);
             log::info!(
-                "pid {pid}: asynchronous -R: {n} allocations ({:.2} GiB) copied device to device into the keeper's snapshot in {:.3} s, drained after CRIU returns: {}",
-                gib(bytes),
+                "pid {pid}: asynchronous -R: {n} allocations ({}) copied device to device into the keeper's snapshot in {:.3} s, drained after CRIU returns; {}",
+                size_words(bytes),
                 t0.elapsed().as_secs_f64(),
-                lent.join(", ")
+                if paused == 0 {
+                    "nothing drained on the pause".to_owned()
+                } else {
+                    format!(
+                        "{paused} allocations ({}) drained on the pause first",
+                        size_words(paused_bytes)
+                    )
+                }
             );
             crate::fault::kill_criu_at("dump-snapshot-copied");
-            Ok(true)
+            Ok(Some(plan))
         }
         Err((needed, allowed, device)) => {
             log::info!(
-                "pid {pid}: asynchronous -R not taken: the snapshot needs {:.2} GiB on GPU {device}, async_snapshot_share = {}% of its free memory allows {:.2} GiB: {} drained on the pause",
-                gib(needed),
-                ctx.cfg.async_snapshot_share,
-                gib(allowed),
-                lent.join(", ")
+                "pid {pid}: asynchronous -R not taken: the snapshot needs {} on GPU {device}, async_snapshot_share = {share}% of its free memory allows {} now (less than when it was asked): all drained on the pause",
+                size_words(needed),
+                size_words(allowed),
             );
-            Ok(false)
+            Ok(None)
         }
+    }
+}
+
+/// Where an asynchronous `-R`'s snapshot took part of the lent memory: the space held for the
+/// drain, split in two, the pause's part and the snapshot's (its drain runs after the pause's,
+/// in another process). Otherwise all of it for the one drain.
+fn split_for_snapshot(
+    pid: impl std::fmt::Display,
+    mut held: gpusnap_image::Reservation,
+    snapshot: Option<&crate::route::SnapshotPlan>,
+    routes: &crate::route::Routes,
+    staging: &Staging,
+    ctx: &Ctx,
+) -> Result<
+    (
+        gpusnap_image::Reservation,
+        Option<gpusnap_image::Reservation>,
+    ),
+    gpusnap_image::ReserveError,
+> {
+    match snapshot {
+        Some(plan) if !plan.whole() => {
+            let bytes = drain_reservation_of(
+                routes,
+                staging.slot_size() as u64,
+                ctx.cfg.effective_writer_threads(),
+                |id| plan.snapshot.contains(&id),
+            );
+            let snap = held.split_off(bytes)?;
+            log::info!(
+                "pid {pid}: of the space held, {} for the drain on the pause, {} for the snapshot's after CRIU returns",
+                crate::route::size_words(held.bytes()),
+                crate::route::size_words(snap.bytes()),
+            );
+            Ok((held, Some(snap)))
+        }
+        _ => Ok((held, None)),
     }
 }
 
@@ -1151,11 +1240,21 @@ fn asynchronous(
 /// (one staging slot at most) and each data file a page of headers and rounding
 /// ([`gpusnap_image::CHUNK_OVERHEAD`]).
 fn drain_reservation(routes: &crate::route::Routes, slot: u64, writers: usize) -> u64 {
+    drain_reservation_of(routes, slot, writers, |_| true)
+}
+
+/// [`drain_reservation`] of the lent allocations whose id `part` takes.
+fn drain_reservation_of(
+    routes: &crate::route::Routes,
+    slot: u64,
+    writers: usize,
+    part: impl Fn(u64) -> bool,
+) -> u64 {
     let overhead = gpusnap_image::CHUNK_OVERHEAD;
     let lent = routes
         .0
         .iter()
-        .filter(|(a, r)| a.moved && *r == crate::route::AllocRoute::Lend)
+        .filter(|(a, r)| a.moved && *r == crate::route::AllocRoute::Lend && part(a.id))
         .map(|(a, _)| {
             a.size
                 .saturating_add(a.size.div_ceil(slot.max(1)).saturating_mul(overhead))
@@ -2221,9 +2320,18 @@ fn finish_drain(ctx: &Ctx, t: &mut Tracked, ret: i32) -> Result<(), DumpError> {
     let allocations = lent.routes.records();
     let copied = lent.copied.take();
     let mut done = drain.join();
-    // The keeper has released its imports (or died): let it go and reap it.
-    drop(done.session.take());
-    lent.keeper.take();
+    // An asynchronous -R's snapshot of the rest: its drain takes the keeper's session and the
+    // ring over from this one.
+    let deferred = lent
+        .deferred
+        .take()
+        .filter(|_| done.data.is_ok())
+        .map(|part| (part, done.session.take(), done.job.take()));
+    if deferred.is_none() {
+        // The keeper has released its imports (or died): let it go and reap it.
+        drop(done.session.take());
+        lent.keeper.take();
+    }
     log::info!(
         "pid {pid}: the drain ran {:.3} s beside CRIU's dump; at CRIU's end ({since:.3} s after the hand-over) it waited {:.3} s more for it",
         done.ran_s,
@@ -2237,6 +2345,9 @@ fn finish_drain(ctx: &Ctx, t: &mut Tracked, ret: i32) -> Result<(), DumpError> {
         Some(c) => c.merged(data),
         None => data,
     };
+    if let Some((part, session, job)) = deferred {
+        return defer_snapshot(t, *part, data, session.zip(job));
+    }
     log::info!(
         "pid {pid}: the image holds {} lent and {} copied-first allocations",
         allocations.iter().filter(|a| a.lent).count(),
@@ -2249,6 +2360,55 @@ fn finish_drain(ctx: &Ctx, t: &mut Tracked, ret: i32) -> Result<(), DumpError> {
     }
     crate::fault::kill_criu_at("dump-before-manifest");
     Ok(())
+}
+
+/// An asynchronous `-R` whose snapshot took part of the lent memory, at CRIU's end: the part
+/// drained on the pause is written (`data`, merged with a copy-first part's); the snapshot's
+/// drain ([`crate::handover::Background`], the drainer's) takes over the keeper, and the
+/// session and the job (its ring) the pause's drain `handed` back, and writes the manifest, of
+/// both parts, once it has drained the snapshot. Nothing is written here.
+fn defer_snapshot(
+    t: &mut Tracked,
+    part: crate::handover::Deferred,
+    data: datapath::DumpData,
+    handed: Option<(KeeperSession, crate::handover::DrainJob)>,
+) -> Result<(), DumpError> {
+    let pid = t.pid;
+    let no_keeper = || DumpError::HandOver(crate::handover::HandOverError::NoKeeper);
+    let lent = t
+        .phase
+        .moved_mut()
+        .and_then(|m| m.lent.as_deref_mut())
+        .ok_or_else(no_keeper)?;
+    let (session, mut job) = handed.ok_or_else(no_keeper)?;
+    // The snapshot's files are numbered after every file of this process so far.
+    job.first_file = next_data_file(&data.files).max(
+        job.first_file
+            .saturating_add(u32::try_from(job.writers).unwrap_or(u32::MAX / 2)),
+    );
+    job.reserved = part.reserved;
+    log::info!(
+        "pid {pid}: {} allocations drained on the pause are written ({} data files); the keeper's snapshot of {} allocations is drained after CRIU returns, into data files from {} on",
+        lent.routes.lent() - part.ids.len(),
+        data.files.len(),
+        part.ids.len(),
+        job.first_file,
+    );
+    lent.copied = Some(Box::new(data));
+    lent.background = Some(Box::new(crate::handover::Background { session, job }));
+    Ok(())
+}
+
+/// The number after the highest data file number in `files` (0 without any).
+fn next_data_file(files: &[gpusnap_image::FileEntry]) -> u32 {
+    files
+        .iter()
+        .filter_map(|f| match gpusnap_image::parse_file_name(&f.name) {
+            Some(gpusnap_image::ImageFileKind::Data { index, .. }) => Some(index),
+            _ => None,
+        })
+        .max()
+        .map_or(0, |n| n.saturating_add(1))
 }
 
 /// One process's entry in `gpusnap-stats.json`.

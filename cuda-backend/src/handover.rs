@@ -72,6 +72,19 @@ pub struct Lent {
     /// An asynchronous `-R`: the keeper holds a snapshot, and the drain waits for CRIU's end,
     /// where a process of its own runs it ([`crate::dump`]'s drainer).
     pub background: Option<Box<Background>>,
+    /// An asynchronous `-R` whose snapshot took part of the lent memory: the rest is drained
+    /// on the pause (`drain`), and once that is joined at CRIU's end, the snapshot's drain
+    /// ([`Background`]) is made of it and this.
+    pub deferred: Option<Box<Deferred>>,
+}
+
+/// The snapshot's part of an asynchronous `-R` that took part of the lent memory, while the
+/// rest is drained on the pause: what its drain needs that the pause's drain does not give back.
+pub struct Deferred {
+    /// The allocations in the snapshot, by id.
+    pub ids: std::collections::BTreeSet<u64>,
+    /// Space held for the snapshot's drain (split off the hand-over's at the checkpoint).
+    pub reserved: Option<gpusnap_image::Reservation>,
 }
 
 /// The drain of an asynchronous `-R`, deferred until CRIU's own part is over: the keeper's
@@ -94,6 +107,7 @@ impl Lent {
             copy_first: copy_first.map(Box::new),
             copied: None,
             background: None,
+            deferred: None,
         }
     }
 }
@@ -301,9 +315,13 @@ pub struct DrainJob {
     pub reserved: Option<gpusnap_image::Reservation>,
 }
 
+/// What a drain thread gives back: what it wrote, the keeper's session, and its job (the
+/// ring, for a drain that follows on the same keeper).
+type DrainEnd = (Result<DumpData, DataError>, KeeperSession, DrainJob);
+
 /// The keeper's copy-out with the plugin's writers, on a thread of its own.
 pub struct Drain {
-    handle: std::thread::JoinHandle<(Result<DumpData, DataError>, KeeperSession)>,
+    handle: std::thread::JoinHandle<DrainEnd>,
     started: Instant,
 }
 
@@ -313,6 +331,8 @@ pub struct Drained {
     /// The keeper's session, given back: dropping it lets the keeper exit (only once CRIU's
     /// own part is over).
     pub session: Option<KeeperSession>,
+    /// The drain's job, given back (its ring serves the snapshot's drain that may follow).
+    pub job: Option<DrainJob>,
     pub ran_s: f64,
     /// How long the join waited (time CRIU's own dump did not cover).
     pub waited_s: f64,
@@ -329,30 +349,30 @@ impl Drain {
                 // CRIU's main thread logs meanwhile, through one unlocked buffer.
                 crate::logger::defer_this_thread();
                 let DrainJob {
-                    staging,
+                    ref staging,
                     dir,
                     pid,
                     nspid,
                     writers,
                     readers,
                     codec,
-                    allocations,
+                    ref allocations,
                     incremental,
                     limits,
                     durable,
                     first_file,
-                    reserved,
+                    ref reserved,
                 } = job;
                 // The parent image is checked beside the copy, not before it (issue 36, item
                 // 2): the copy compares against the parent's chunks at once, and nothing of
                 // the parent reaches the image unless the check passes. A parent found damaged
                 // is replaced by a second, full copy from the memory the keeper still holds.
                 let candidate =
-                    crate::parent::parent_candidate(dir, pid, nspid, &allocations, incremental);
+                    crate::parent::parent_candidate(dir, pid, nspid, allocations, incremental);
                 let copy = |parent: Option<&gpusnap_image::DedupIndex>, first_file: u32| {
                     datapath::copy_out_into(
                         &session,
-                        &staging,
+                        staging,
                         dir,
                         nspid,
                         first_file,
@@ -390,7 +410,7 @@ impl Drain {
                     session.release_keeper().map_err(DataError::from)?;
                     Ok(data)
                 });
-                (data, session)
+                (data, session, job)
             })?;
         Ok(Drain { handle, started })
     }
@@ -402,13 +422,14 @@ impl Drain {
     /// Waits for the drain.
     pub fn join(self) -> Drained {
         let t0 = Instant::now();
-        let (data, session) = match self.handle.join() {
-            Ok((data, session)) => (data, Some(session)),
-            Err(_) => (Err(DataError::Panicked("the drain thread")), None),
+        let (data, session, job) = match self.handle.join() {
+            Ok((data, session, job)) => (data, Some(session), Some(job)),
+            Err(_) => (Err(DataError::Panicked("the drain thread")), None, None),
         };
         Drained {
             data,
             session,
+            job,
             ran_s: self.started.elapsed().as_secs_f64(),
             waited_s: t0.elapsed().as_secs_f64(),
         }
@@ -520,6 +541,7 @@ pub fn abandon(lent: &mut Lent) {
         let _ = d.join();
     }
     lent.background.take();
+    lent.deferred.take();
     lent.keeper.take();
 }
 

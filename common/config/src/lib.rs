@@ -205,8 +205,9 @@ pub struct Config {
     /// drainer writes the image afterwards (pending until then: `gpusnap wait`). Off under
     /// container runtimes (CRIU as `swrk`/`service`), which archive the directory at once.
     pub async_leave_running: bool,
-    /// The most of a GPU's free memory (percent) an asynchronous `-R` snapshot may take; a
-    /// process whose lent memory does not fit is drained on the pause as without the route.
+    /// The most of a GPU's free memory (percent) an asynchronous `-R` snapshot may take; chosen
+    /// per allocation, the largest first: what does not fit is drained on the pause as without
+    /// the route.
     pub async_snapshot_share: u32,
     /// The `gpusnap-keeper` binary; empty: next to the plugin, else
     /// `/usr/libexec/gpusnap/gpusnap-keeper`.

@@ -245,6 +245,79 @@ impl Reservation {
         self.bytes = self.bytes.saturating_add(other.bytes);
     }
 
+    /// Splits off `bytes` of the held space into a reservation of its own, for a drain that
+    /// runs after this one's (an asynchronous `-R`'s snapshot, drained after the part drained
+    /// on the pause): the two then hold what this one held, `bytes` the new one. Whole pieces
+    /// no writer has claimed move, the last first, as far as they fit in `bytes`; the remainder
+    /// is evened out with the one piece that would overshoot: whichever of the shortfall or
+    /// the overshoot is smaller is handed back on one side and taken fresh on the other (so at
+    /// most half a piece is allocated again, the hand-back first). Before any writer has
+    /// claimed a piece; a failure to take the fresh part is the file system's answer, as for
+    /// [`take`](Self::take).
+    pub fn split_off(&mut self, bytes: u64) -> Result<Reservation, ReserveError> {
+        let mut moved: Vec<Slot> = Vec::new();
+        let mut got = 0u64;
+        {
+            let mut slots = self.files.lock();
+            for s in slots.iter_mut().rev() {
+                if s.claimed || s.file.is_none() || got.saturating_add(s.held) > bytes {
+                    continue;
+                }
+                got += s.held;
+                moved.push(Slot {
+                    file: s.file.take(),
+                    held: std::mem::take(&mut s.held),
+                    used: 0,
+                    claimed: false,
+                });
+            }
+            let short = bytes - got;
+            // The unclaimed piece that overshoots the least: moved whole where its overshoot
+            // is less than the shortfall.
+            let next = slots
+                .iter_mut()
+                .filter(|s| !s.claimed && s.file.is_some())
+                .min_by_key(|s| s.held);
+            if let Some(s) = next
+                && short > 0
+                && s.held.saturating_sub(short) < short
+            {
+                got += s.held;
+                moved.push(Slot {
+                    file: s.file.take(),
+                    held: std::mem::take(&mut s.held),
+                    used: 0,
+                    claimed: false,
+                });
+            }
+        }
+        // Slots a piece moved out of stay (empty), so that the index of a claimed piece never
+        // changes.
+        let mut theirs = Reservation {
+            files: Arc::new(Pieces {
+                dir: self.files.dir.try_clone().map_err(ReserveError::Io)?,
+                slots: Mutex::new(moved),
+                unguarded: AtomicBool::new(false),
+            }),
+            bytes: got,
+        };
+        self.bytes = self.bytes.saturating_sub(got);
+        if got > bytes {
+            let over = got - bytes;
+            theirs.release(over);
+            theirs.bytes = bytes;
+            let fresh = Reservation::take(self.files.dir.as_fd(), over, 1)?;
+            self.merge(fresh);
+        } else if got < bytes {
+            let short = bytes - got;
+            self.release(short);
+            self.bytes = self.bytes.saturating_sub(short);
+            let fresh = Reservation::take(self.files.dir.as_fd(), short, 1)?;
+            theirs.merge(fresh);
+        }
+        Ok(theirs)
+    }
+
     /// A piece for one data file ([`DataFileWriter::create_in`](crate::DataFileWriter::create_in)
     /// claims it):
     /// the unclaimed piece that holds the most, or, where every piece has its writer, a fresh
@@ -666,6 +739,48 @@ mod tests {
         assert_eq!(scanned(&dir, 0), (end, 5));
         drop(r);
         assert_eq!(names(&path), vec![entry.name]);
+        std::fs::remove_dir_all(&path).unwrap();
+    }
+
+    #[test]
+    fn a_reservation_splits_in_two_that_hold_what_it_held() {
+        let (path, dir) = temp("reserve-split");
+        // (split, pieces here, pieces there)
+        for (split, here, there) in [
+            // One whole piece and the next whole, its overshoot (28 KiB) taken fresh here.
+            (100 * K, 2, 2),
+            // No whole piece fits: the next one moves, its overshoot (24 KiB) fresh here.
+            (40 * K, 3, 1),
+            // Less than half a piece: handed back here, taken fresh there.
+            (20 * K, 3, 1),
+            // Exactly two pieces.
+            (128 * K, 1, 2),
+        ] {
+            let Some(mut r) = small(&dir, &[64 * K, 64 * K, 64 * K], "a_reservation_splits") else {
+                return;
+            };
+            let theirs = r.split_off(split).unwrap();
+            assert_eq!((theirs.bytes(), theirs.held()), (split, split), "{split}");
+            assert_eq!(r.bytes() + theirs.bytes(), 192 * K, "{split}");
+            assert_eq!(r.held(), 192 * K - split, "{split}");
+            // Never much more allocated than was held before.
+            let total: u64 = allocated(&r).iter().chain(&allocated(&theirs)).sum();
+            assert!(total <= 192 * K + 2 * PAGE, "{split}: {total} allocated");
+            assert_eq!(
+                (r.files.iter().count(), theirs.files.iter().count()),
+                (here, there),
+                "{split}"
+            );
+            // Each side's writers write into its own pieces.
+            let mut w = DataFileWriter::create_in(&theirs, 7, 1).unwrap();
+            write_chunks(&mut w, 0, 1, 5000);
+            w.finish().unwrap();
+            assert_eq!(r.held(), 192 * K - split, "{split}");
+            drop((r, theirs));
+            for n in names(&path) {
+                std::fs::remove_file(path.join(n)).unwrap();
+            }
+        }
         std::fs::remove_dir_all(&path).unwrap();
     }
 

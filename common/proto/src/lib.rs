@@ -49,7 +49,7 @@ pub use error::ProtoError;
 pub use fd::ForeignFd;
 pub use message::{
     AgentRequest, AllocKind, CommonRequest, ErrorCode, HEADER_LEN, KeeperRequest, MAGIC,
-    MAX_ERROR_MESSAGE, Reply, Request, hazard,
+    MAX_ERROR_MESSAGE, MAX_SNAPSHOT_IDS, Reply, Request, hazard,
 };
 pub use share::{Share, ShareKind};
 pub use socket::{peer_cred, seqpacket_pair};

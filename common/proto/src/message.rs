@@ -20,7 +20,7 @@ mod keeper;
 
 pub use agent::AgentRequest;
 pub use common::{CommonRequest, Request};
-pub use keeper::KeeperRequest;
+pub use keeper::{KeeperRequest, MAX_SNAPSHOT_IDS};
 
 use crate::pid::NsPid;
 use crate::wire::{Reader, Writer};
@@ -343,7 +343,17 @@ pub enum Reply {
         /// Their bytes.
         bytes: u64,
     },
-    /// The keeper holds a snapshot of every adopted allocation, and no import of the job's.
+    /// What a snapshot may take of one GPU's free memory (`SnapshotRoom`).
+    SnapshotRoom {
+        /// The keeper's ordinal of the GPU.
+        device: u32,
+        /// Its free memory now, bytes.
+        free: u64,
+        /// What the share allows of it, bytes: what a `Snapshot` may take there.
+        allowed: u64,
+    },
+    /// The keeper holds a snapshot of every allocation the `Snapshot` listed, and no import of
+    /// the job's of them.
     Snapshotted {
         /// Allocations copied.
         count: u32,
@@ -460,6 +470,8 @@ mod kind {
     pub const REQ_REIMPORT: u16 = 0x0015;
     pub const REQ_SHAREABLE_SOURCE: u16 = 0x0016;
     pub const REQ_SNAPSHOT: u16 = 0x0017;
+    pub const REQ_SNAPSHOT_ROOM: u16 = 0x0018;
+    pub const REQ_SNAPSHOT_IDS: u16 = 0x0019;
 
     pub const REP_HELLO: u16 = 0x0101;
     pub const REP_ALLOCATION: u16 = 0x0102;
@@ -490,6 +502,7 @@ mod kind {
     pub const REP_SOURCE_NOTED: u16 = 0x011B;
     pub const REP_SNAPSHOTTED: u16 = 0x011C;
     pub const REP_SNAPSHOT_REFUSED: u16 = 0x011D;
+    pub const REP_SNAPSHOT_ROOM: u16 = 0x011E;
 }
 
 /// An optional u64: a presence byte (0/1), then the value (0 when absent).
@@ -698,6 +711,16 @@ impl Reply {
                 w.u32(*count);
                 w.u64(*bytes);
             }
+            Reply::SnapshotRoom {
+                device,
+                free,
+                allowed,
+            } => {
+                header(&mut w, kind::REP_SNAPSHOT_ROOM);
+                w.u32(*device);
+                w.u64(*free);
+                w.u64(*allowed);
+            }
             Reply::SnapshotRefused {
                 needed,
                 allowed,
@@ -886,6 +909,11 @@ impl Reply {
             kind::REP_SNAPSHOTTED => Reply::Snapshotted {
                 count: r.u32()?,
                 bytes: r.u64()?,
+            },
+            kind::REP_SNAPSHOT_ROOM => Reply::SnapshotRoom {
+                device: r.u32()?,
+                free: r.u64()?,
+                allowed: r.u64()?,
             },
             kind::REP_SNAPSHOT_REFUSED => Reply::SnapshotRefused {
                 needed: r.u64()?,

@@ -113,7 +113,18 @@ fn keeper_only_requests() -> Vec<KeeperRequest> {
             addr: 0x7000_0020_0000,
             size: 2 << 20,
         },
-        KeeperRequest::Snapshot { share_percent: 50 },
+        KeeperRequest::SnapshotRoom {
+            device: 1,
+            share_percent: 50,
+        },
+        KeeperRequest::SnapshotIds { ids: vec![7] },
+        KeeperRequest::SnapshotIds {
+            ids: (1..=MAX_SNAPSHOT_IDS as u64).map(|i| i << 40).collect(),
+        },
+        KeeperRequest::Snapshot {
+            share_percent: 50,
+            count: 61,
+        },
     ]
 }
 
@@ -252,6 +263,11 @@ fn all_replies() -> Vec<Reply> {
             bytes: 2 << 20,
         },
         Reply::Adopted { id: 9 },
+        Reply::SnapshotRoom {
+            device: 1,
+            free: 80 << 30,
+            allowed: 40 << 30,
+        },
         Reply::Snapshotted {
             count: 3,
             bytes: 6 << 20,
@@ -517,8 +533,18 @@ fn requests_print_as_their_variant() {
         "Reimport { exporter_pid: 7, id: 9 }"
     );
     assert_eq!(
-        format!("{:?}", KeeperRequest::Snapshot { share_percent: 50 }),
-        "Snapshot { share_percent: 50 }"
+        format!(
+            "{:?}",
+            KeeperRequest::Snapshot {
+                share_percent: 50,
+                count: 2
+            }
+        ),
+        "Snapshot { share_percent: 50, count: 2 }"
+    );
+    assert_eq!(
+        format!("{:?}", KeeperRequest::SnapshotIds { ids: vec![3, 4] }),
+        "SnapshotIds { ids: [3, 4] }"
     );
 }
 
@@ -806,6 +832,49 @@ fn random_bytes_never_panic_and_decodes_re_encode_identically() {
             assert_eq!(enc_rep(&r), b, "reply decode is not canonical");
         }
         b.clear();
+    }
+}
+
+/// A `SnapshotIds` carries 1 to [`MAX_SNAPSHOT_IDS`] ids, as many as its count says: the list
+/// is bounded on the wire, whatever the keeper bounds besides.
+#[test]
+fn a_snapshot_list_is_bounded() {
+    let full = enc_req(&KeeperRequest::SnapshotIds {
+        ids: vec![9; MAX_SNAPSHOT_IDS],
+    });
+    assert_eq!(full.len(), HEADER_LEN + 2 + 8 * MAX_SNAPSHOT_IDS);
+    assert!(full.len() <= MAX_MESSAGE);
+    // An encoder given more sends one message's worth, and says so.
+    let more = enc_req(&KeeperRequest::SnapshotIds {
+        ids: vec![9; MAX_SNAPSHOT_IDS + 5],
+    });
+    assert_eq!(more, full);
+    let with_count = |n: u16, ids: usize| {
+        let mut b = header_of(kind_of(&KeeperRequest::SnapshotIds { ids: vec![1] }));
+        b.extend_from_slice(&n.to_le_bytes());
+        for i in 0..ids {
+            b.extend_from_slice(&(i as u64).to_le_bytes());
+        }
+        b
+    };
+    assert!(matches!(
+        KeeperRequest::decode(&with_count(2, 2)),
+        Ok(KeeperRequest::SnapshotIds { ids }) if ids == [0, 1]
+    ));
+    // None, more than a message holds, fewer than counted, more than counted.
+    for (n, ids) in [
+        (0, 0),
+        (MAX_SNAPSHOT_IDS as u16 + 1, MAX_SNAPSHOT_IDS + 1),
+        (3, 2),
+        (2, 3),
+    ] {
+        assert!(
+            matches!(
+                KeeperRequest::decode(&with_count(n, ids)),
+                Err(ProtoError::Malformed(_))
+            ),
+            "{n} counted, {ids} sent"
+        );
     }
 }
 

@@ -73,7 +73,14 @@ impl Vmm {
     ) -> Vmm {
         let log = dir.join(format!("{name}.log"));
         let out = dir.join(format!("{name}.out"));
-        let f = fs::File::create(&out).expect("create workload output");
+        // Empty, then open for appending only: CRIU records no size for a file open
+        // `O_WRONLY|O_APPEND` (a log), so a restore does not refuse the output for having grown
+        // since the dump (a job left running by `dump -R`, then restored from that image).
+        fs::File::create(&out).expect("create workload output");
+        let f = fs::OpenOptions::new()
+            .append(true)
+            .open(&out)
+            .expect("open workload output");
         let mut cmd = Command::new(vmm_bin());
         for v in [
             "GPUSNAP_TEST_PLUGIN_SO",

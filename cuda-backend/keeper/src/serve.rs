@@ -105,6 +105,43 @@ pub enum KeeperError {
     KnownChunks(gpusnap_agent::dump::TooManyKnownChunks),
     /// RDMA-capable memory on a device without POSIX-fd handles: it could not be handed over.
     NotExportable { id: u64 },
+    /// A `Snapshot`'s list is not allocations the keeper holds of the job's.
+    SnapshotList(SnapshotListError),
+}
+
+/// What is wrong with the list of allocations a `Snapshot` is to take.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SnapshotListError {
+    /// No id was listed.
+    Empty,
+    /// More ids than [`MAX_SNAPSHOT_LIST`] were listed (the rest were not kept).
+    TooMany,
+    /// The `Snapshot` counts another number of ids than the `SnapshotIds` carried.
+    Count { said: u32, got: usize },
+    /// An id listed twice.
+    Twice(u64),
+    /// An id the keeper holds no import of (never adopted, or already in a snapshot).
+    NotAdopted(u64),
+    /// A snapshot is set aside already (a second `Snapshot` before its dump).
+    SetAside,
+}
+
+impl fmt::Display for SnapshotListError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Empty => write!(f, "a snapshot of no allocation"),
+            Self::TooMany => write!(f, "more than {MAX_SNAPSHOT_LIST} allocations listed"),
+            Self::Count { said, got } => {
+                write!(
+                    f,
+                    "the Snapshot counts {said} allocations, {got} were listed"
+                )
+            }
+            Self::Twice(id) => write!(f, "#{id} listed twice"),
+            Self::NotAdopted(id) => write!(f, "#{id} is not an allocation the keeper holds"),
+            Self::SetAside => write!(f, "a snapshot is set aside already"),
+        }
+    }
 }
 
 impl fmt::Display for KeeperError {
@@ -121,6 +158,7 @@ impl fmt::Display for KeeperError {
                 f,
                 "#{id}: RDMA-capable memory on a device without POSIX-fd handles cannot be handed over"
             ),
+            Self::SnapshotList(why) => write!(f, "the snapshot's list: {why}"),
         }
     }
 }
@@ -170,6 +208,10 @@ fn serve(ch: &Channel, gpus: &[[u8; 16]]) -> Result<(), KeeperError> {
         }
     }
     let mut known = gpusnap_agent::dump::KnownChunks::default();
+    // An asynchronous -R's: the ids its `SnapshotIds` listed so far, and a snapshot set aside
+    // while the imports the keeper still holds are drained first.
+    let mut listed = SnapshotList::default();
+    let mut aside: Vec<SetAside> = Vec::new();
     loop {
         // No time limit: a restore's requests come once CRIU has forked the tree, however long
         // that takes, and the keeper must not exit before (where it is CRIU's child, CRIU takes
@@ -212,8 +254,35 @@ fn serve(ch: &Channel, gpus: &[[u8; 16]]) -> Result<(), KeeperError> {
                     format!("adopting #{id} at {addr:#x}")
                 })?;
             }
-            (KeeperRequest::Snapshot { share_percent }, None) => {
-                let made = snapshot(&mut gpu, share_percent);
+            (
+                KeeperRequest::SnapshotRoom {
+                    device,
+                    share_percent,
+                },
+                None,
+            ) => {
+                let room = snapshot_room(&mut gpu, device, share_percent).map(|(free, allowed)| {
+                    Reply::SnapshotRoom {
+                        device,
+                        free,
+                        allowed,
+                    }
+                });
+                answer(ch, room, || format!("the free memory of GPU {device}"))?;
+            }
+            (KeeperRequest::SnapshotIds { ids }, None) => listed.add(&ids),
+            (
+                KeeperRequest::Snapshot {
+                    share_percent,
+                    count,
+                },
+                None,
+            ) => {
+                let list = std::mem::take(&mut listed);
+                let made = list
+                    .ids(count)
+                    .map_err(KeeperError::SnapshotList)
+                    .and_then(|ids| snapshot(&mut gpu, share_percent, &ids, &mut aside));
                 answer(ch, made, || "making the snapshot".to_owned())?;
             }
             (
@@ -251,6 +320,11 @@ fn serve(ch: &Channel, gpus: &[[u8; 16]]) -> Result<(), KeeperError> {
                         imports: gpusnap_agent::dump::no_imports,
                     },
                 );
+                // A snapshot set aside: the dump that just ended drained the imports; once
+                // it released them, the snapshot is what the next dump drains.
+                if !aside.is_empty() && take_aside(&mut aside) {
+                    continue;
+                }
                 // Stay until the plugin lets go (in `exit`, after CRIU's part): the plugin
                 // decides when the keeper's memory may go, and where CRIU reaps orphans the
                 // keeper is its child, whose exit it would take for a failure of its own.
@@ -313,6 +387,8 @@ fn serve(ch: &Channel, gpus: &[[u8; 16]]) -> Result<(), KeeperError> {
                     | CommonRequest::KnownChunk { .. }
                     | CommonRequest::LendBegin,
                 )
+                | KeeperRequest::SnapshotRoom { .. }
+                | KeeperRequest::SnapshotIds { .. }
                 | KeeperRequest::Snapshot { .. }
                 | KeeperRequest::Expect { .. }),
                 Some(_),
@@ -431,8 +507,72 @@ fn adopt(
     Ok(())
 }
 
+/// Most allocations one `Snapshot` may list: as many as a listing may hold
+/// (`gpusnap_cuda::agent::MAX_ALLOCATIONS`); the keeper also takes no more than it adopted.
+pub const MAX_SNAPSHOT_LIST: usize = 1 << 18;
+
+/// The ids the `SnapshotIds` since the last `Snapshot` listed, bounded: past
+/// [`MAX_SNAPSHOT_LIST`] nothing more is kept and the `Snapshot` is refused.
+#[derive(Debug, Default)]
+struct SnapshotList {
+    ids: Vec<u64>,
+    too_many: bool,
+}
+
+impl SnapshotList {
+    fn add(&mut self, ids: &[u64]) {
+        if self.too_many || self.ids.len() + ids.len() > MAX_SNAPSHOT_LIST {
+            self.too_many = true;
+            return;
+        }
+        self.ids.extend_from_slice(ids);
+    }
+
+    /// The listed ids, if the `Snapshot`'s `count` says as many and none is there twice.
+    fn ids(self, count: u32) -> Result<std::collections::BTreeSet<u64>, SnapshotListError> {
+        if self.too_many {
+            return Err(SnapshotListError::TooMany);
+        }
+        if usize::try_from(count).ok() != Some(self.ids.len()) {
+            return Err(SnapshotListError::Count {
+                said: count,
+                got: self.ids.len(),
+            });
+        }
+        if self.ids.is_empty() {
+            return Err(SnapshotListError::Empty);
+        }
+        let mut set = std::collections::BTreeSet::new();
+        for id in self.ids {
+            if !set.insert(id) {
+                return Err(SnapshotListError::Twice(id));
+            }
+        }
+        Ok(set)
+    }
+}
+
+/// What a snapshot may take of GPU `device`'s free memory: `(free, allowed)`.
+fn snapshot_room(
+    gpu: &mut Gpu,
+    device: u32,
+    share_percent: u32,
+) -> Result<(u64, u64), KeeperError> {
+    let drv = driver()?;
+    let dev = i32::try_from(device).map_err(|_| KeeperError::Device(device.into()))?;
+    gpu.prepare(drv, dev, 1, 1)?;
+    let (free, _) = drv.mem_info()?;
+    Ok((free, allowance(free, share_percent)))
+}
+
+/// `share_percent` (1..=90) of `free` bytes.
+fn allowance(free: u64, share_percent: u32) -> u64 {
+    free / 100 * u64::from(share_percent.clamp(1, 90))
+}
+
 /// An adopted allocation as the snapshot finds it.
 struct Adopted {
+    id: u64,
     addr: u64,
     device: i32,
     size: u64,
@@ -440,18 +580,41 @@ struct Adopted {
     handle: cudarc::driver::sys::CUmemGenericAllocationHandle,
 }
 
-/// The snapshot of an asynchronous `criu dump -R`: every adopted allocation copied device to
-/// device into fresh memory of the keeper's own, then the import of the job's memory let go,
-/// so that the job can run on its own memory while the snapshot is drained. All or nothing:
-/// where the snapshot would take more than `share_percent` of a GPU's free memory, or a copy
-/// fails, the keeper's table is as before (the imports kept, no snapshot memory left).
-fn snapshot(gpu: &mut Gpu, share_percent: u32) -> Result<Reply, KeeperError> {
+/// A snapshot set aside (out of the table) while the imports the keeper still holds are
+/// drained first: each allocation's copy, as the table will hold it.
+struct SetAside {
+    id: u64,
+    device: i32,
+    addr: u64,
+    size: u64,
+    at: u64,
+    handle: cudarc::driver::sys::CUmemGenericAllocationHandle,
+}
+
+/// The snapshot of an asynchronous `criu dump -R`: each adopted allocation `ids` lists copied
+/// device to device into fresh memory of the keeper's own, then its import of the job's memory
+/// let go, so that the job can run on its own memory while the snapshot is drained. All or
+/// nothing for the listed ones: where they would take more than `share_percent` of a GPU's
+/// free memory, or a copy fails, the keeper's table is as before (the imports kept, no
+/// snapshot memory left). Where every adopted allocation is listed, the table's entries now
+/// hold the snapshot; else the snapshot is set aside in `aside`, and the table keeps the
+/// imports of the others, which the next dump drains ([`take_aside`]).
+fn snapshot(
+    gpu: &mut Gpu,
+    share_percent: u32,
+    ids: &std::collections::BTreeSet<u64>,
+    aside: &mut Vec<SetAside>,
+) -> Result<Reply, KeeperError> {
     let drv = driver()?;
-    let entries: Vec<Adopted> = table::try_lock_for(AGENT_LOCK_WAIT)
+    if !aside.is_empty() {
+        return Err(KeeperError::SnapshotList(SnapshotListError::SetAside));
+    }
+    let adopted: Vec<Adopted> = table::try_lock_for(AGENT_LOCK_WAIT)
         .ok_or(KeeperError::TableLocked)?
         .converted()
         .filter_map(|c| match c.backing {
             table::Backing::Mapped(handle) => Some(Adopted {
+                id: c.id,
                 addr: c.addr,
                 device: c.device,
                 size: c.size,
@@ -461,15 +624,19 @@ fn snapshot(gpu: &mut Gpu, share_percent: u32) -> Result<Reply, KeeperError> {
             table::Backing::Released => None,
         })
         .collect();
+    if let Some(&id) = ids.iter().find(|id| !adopted.iter().any(|e| e.id == **id)) {
+        return Err(KeeperError::SnapshotList(SnapshotListError::NotAdopted(id)));
+    }
+    let whole = ids.len() == adopted.len();
+    let entries: Vec<&Adopted> = adopted.iter().filter(|e| ids.contains(&e.id)).collect();
     let mut per_device = std::collections::BTreeMap::<i32, u64>::new();
     for e in &entries {
         *per_device.entry(e.device).or_default() += e.size;
     }
-    let share = u64::from(share_percent.clamp(1, 90));
     for (&dev, &needed) in &per_device {
         gpu.prepare(drv, dev, 1, 1)?;
         let (free, _) = drv.mem_info()?;
-        let allowed = free / 100 * share;
+        let allowed = allowance(free, share_percent);
         if needed > allowed {
             debug!("keeper: no snapshot: {needed} bytes on device {dev}, {allowed} allowed");
             return Ok(Reply::SnapshotRefused {
@@ -517,8 +684,21 @@ fn snapshot(gpu: &mut Gpu, share_percent: u32) -> Result<Reply, KeeperError> {
     let mut t = table::try_lock_for(AGENT_LOCK_WAIT).ok_or(KeeperError::TableLocked)?;
     let mut bytes = 0u64;
     for (i, a) in &made {
-        let e = &entries[*i];
-        t.replace_adopted(e.addr, a.addr, a.handle);
+        let e = entries[*i];
+        if whole {
+            t.replace_adopted(e.addr, a.addr, a.handle);
+        } else {
+            // Out of the table until the imports left there are drained.
+            t.remove_converted(e.addr);
+            aside.push(SetAside {
+                id: e.id,
+                device: e.device,
+                addr: e.addr,
+                size: e.size,
+                at: a.addr,
+                handle: a.handle,
+            });
+        }
         bytes += e.size;
         if let Err(err) = gpusnap_agent::vmm::free(drv, e.at, e.size, Some(e.handle)) {
             // The import stays mapped here: harmless (the job's memory lives on through its
@@ -528,13 +708,56 @@ fn snapshot(gpu: &mut Gpu, share_percent: u32) -> Result<Reply, KeeperError> {
     }
     drop(t);
     debug!(
-        "keeper: snapshot of {} allocations, {bytes} bytes",
-        made.len()
+        "keeper: snapshot of {} allocations, {bytes} bytes{}",
+        made.len(),
+        if whole {
+            String::new()
+        } else {
+            format!(
+                ", set aside: the other {} imports are drained first",
+                adopted.len() - made.len()
+            )
+        }
     );
     Ok(Reply::Snapshotted {
         count: u32::try_from(made.len()).unwrap_or(u32::MAX),
         bytes,
     })
+}
+
+/// After a dump of the imports a set-aside snapshot waited for: where that dump ended with
+/// its `Release` (every entry of the table released), the released entries leave the table
+/// (their address ranges freed) and the snapshot takes their place, for the next dump; `true`
+/// then. Otherwise (the dump failed or was aborted) nothing changes and the snapshot goes
+/// with the keeper.
+fn take_aside(aside: &mut Vec<SetAside>) -> bool {
+    let Ok(drv) = driver() else {
+        return false;
+    };
+    let Some(mut t) = table::try_lock_for(AGENT_LOCK_WAIT) else {
+        return false;
+    };
+    let released: Vec<(u64, u64, u64)> = t
+        .converted()
+        .filter(|c| c.backing == table::Backing::Released)
+        .map(|c| (c.addr, c.mapped_at, c.size))
+        .collect();
+    if released.len() != t.converted().count() {
+        debug!("keeper: the dump before the snapshot's did not release every import");
+        return false;
+    }
+    for (addr, at, size) in released {
+        t.remove_converted(addr);
+        if let Err(e) = drv.free_reservation(at, size) {
+            debug!("keeper: freeing the range at {at:#x}: {e}");
+        }
+    }
+    let n = aside.len();
+    for a in aside.drain(..) {
+        t.insert_adopted(a.id, a.device, (a.addr, a.at), a.size, a.handle);
+    }
+    debug!("keeper: the imports are drained; the snapshot of {n} allocations is next");
+    true
 }
 
 /// Records the job's allocation `id` at `addr` (`size` bytes) on the GPU with UUID `uuid` for
@@ -598,5 +821,53 @@ fn hello() -> Reply {
         released: false,
         hazards: 0,
         kept: 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_snapshot_list_is_what_its_count_says_each_id_once() {
+        let mut l = SnapshotList::default();
+        l.add(&[3, 1]);
+        l.add(&[2]);
+        assert_eq!(l.ids(3).unwrap().into_iter().collect::<Vec<_>>(), [1, 2, 3]);
+        let mut l = SnapshotList::default();
+        l.add(&[3, 1]);
+        assert_eq!(
+            l.ids(3).unwrap_err(),
+            SnapshotListError::Count { said: 3, got: 2 }
+        );
+        let mut l = SnapshotList::default();
+        l.add(&[3, 1, 3]);
+        assert_eq!(l.ids(3).unwrap_err(), SnapshotListError::Twice(3));
+        assert_eq!(
+            SnapshotList::default().ids(0).unwrap_err(),
+            SnapshotListError::Empty
+        );
+    }
+
+    #[test]
+    fn a_snapshot_list_is_bounded() {
+        let mut l = SnapshotList::default();
+        let chunk: Vec<u64> = (0..60).collect();
+        for _ in 0..MAX_SNAPSHOT_LIST / 60 {
+            l.add(&chunk);
+        }
+        assert!(!l.too_many);
+        // Past the bound nothing more is kept, and the snapshot is refused.
+        l.add(&chunk);
+        assert!(l.too_many && l.ids.len() <= MAX_SNAPSHOT_LIST);
+        let n = l.ids.len() as u32;
+        assert_eq!(l.ids(n).unwrap_err(), SnapshotListError::TooMany);
+    }
+
+    #[test]
+    fn the_share_is_of_the_free_memory_within_1_to_90_percent() {
+        assert_eq!(allowance(10 << 20, 50), 5_242_850);
+        assert_eq!(allowance(100, 0), 1);
+        assert_eq!(allowance(100, 100), 90);
     }
 }

@@ -7,6 +7,10 @@ use super::{CommonRequest, Request, header, kind, open};
 use crate::wire::Writer;
 use crate::{MAX_MESSAGE, ProtoError};
 
+/// Most allocation ids one `SnapshotIds` carries: what fits in one message after the header
+/// and the count.
+pub const MAX_SNAPSHOT_IDS: usize = 60;
+
 /// Plugin → the keeper: the requests both servers take, and the keeper's own.
 #[derive(Clone, PartialEq)]
 pub enum KeeperRequest {
@@ -24,14 +28,35 @@ pub enum KeeperRequest {
         /// Bytes.
         size: u64,
     },
-    /// After every `Adopt` of an asynchronous `criu dump -R`: copy each adopted allocation
-    /// device to device into fresh memory of the keeper's own and let go of the import, so
-    /// that the job may run on its own memory while the snapshot is drained. All or nothing:
-    /// refused (nothing changed) when the snapshot would take more than `share_percent` of any
-    /// GPU's free memory.
+    /// Before an asynchronous `criu dump -R` chooses what its snapshot takes: how much of the
+    /// free memory of GPU `device` (the keeper's ordinal, the job's) a snapshot may take.
+    /// Answered with [`Reply::SnapshotRoom`](crate::Reply::SnapshotRoom).
+    SnapshotRoom {
+        /// The GPU.
+        device: u32,
+        /// The most of its free memory the snapshot may take, percent (1..=90).
+        share_percent: u32,
+    },
+    /// Part of the list of allocations the next `Snapshot` takes: up to [`MAX_SNAPSHOT_IDS`]
+    /// of the job's allocation ids, at least one. No reply; the keeper takes at most as many
+    /// as it adopted, each once.
+    SnapshotIds {
+        /// Allocation ids.
+        ids: Vec<u64>,
+    },
+    /// After every `Adopt` of an asynchronous `criu dump -R`: copy each allocation the
+    /// `SnapshotIds` since the last `Snapshot` listed (`count` of them) device to device into
+    /// fresh memory of the keeper's own and let go of its import, so that the job may run on
+    /// its own memory while the snapshot is drained. All or nothing for the listed ones:
+    /// refused (nothing changed) when they would take more than `share_percent` of any GPU's
+    /// free memory. Where some adopted allocations are not listed, the snapshot is set aside:
+    /// the keeper's next dump (`DumpBegin` .. `Release`) drains the imports it still holds,
+    /// and the dump after it drains the snapshot.
     Snapshot {
         /// The most of a GPU's free memory the snapshot may take, percent (1..=90).
         share_percent: u32,
+        /// How many ids the `SnapshotIds` listed.
+        count: u32,
     },
     /// At a restore: the job's allocation `id` is to be re-created at `addr` (exportable) on
     /// the GPU with UUID `gpu`; the `RestoreBegin` that follows loads it.
@@ -67,9 +92,31 @@ impl KeeperRequest {
                 w.u64(*addr);
                 w.u64(*size);
             }
-            KeeperRequest::Snapshot { share_percent } => {
+            KeeperRequest::SnapshotRoom {
+                device,
+                share_percent,
+            } => {
+                header(&mut w, kind::REQ_SNAPSHOT_ROOM);
+                w.u32(*device);
+                w.u32(*share_percent);
+            }
+            KeeperRequest::SnapshotIds { ids } => {
+                header(&mut w, kind::REQ_SNAPSHOT_IDS);
+                // A longer list is the caller's error: only what one message holds is sent,
+                // and the count below says so (the keeper then finds the ids short).
+                let ids = &ids[..ids.len().min(MAX_SNAPSHOT_IDS)];
+                w.u16(ids.len() as u16);
+                for id in ids {
+                    w.u64(*id);
+                }
+            }
+            KeeperRequest::Snapshot {
+                share_percent,
+                count,
+            } => {
                 header(&mut w, kind::REQ_SNAPSHOT);
                 w.u32(*share_percent);
+                w.u32(*count);
             }
             KeeperRequest::Expect {
                 id,
@@ -101,8 +148,23 @@ impl KeeperRequest {
                 addr: r.u64()?,
                 size: r.u64()?,
             },
+            kind::REQ_SNAPSHOT_ROOM => KeeperRequest::SnapshotRoom {
+                device: r.u32()?,
+                share_percent: r.u32()?,
+            },
+            kind::REQ_SNAPSHOT_IDS => {
+                let n = usize::from(r.u16()?);
+                if n == 0 || n > MAX_SNAPSHOT_IDS {
+                    return Err(ProtoError::Malformed(
+                        "a SnapshotIds holds 1 to MAX_SNAPSHOT_IDS ids",
+                    ));
+                }
+                let ids = (0..n).map(|_| r.u64()).collect::<Result<Vec<u64>, _>>()?;
+                KeeperRequest::SnapshotIds { ids }
+            }
             kind::REQ_SNAPSHOT => KeeperRequest::Snapshot {
                 share_percent: r.u32()?,
+                count: r.u32()?,
             },
             kind::REQ_EXPECT => KeeperRequest::Expect {
                 id: r.u64()?,
@@ -159,9 +221,24 @@ impl fmt::Debug for KeeperRequest {
                 .field("addr", addr)
                 .field("size", size)
                 .finish(),
-            KeeperRequest::Snapshot { share_percent } => f
+            KeeperRequest::SnapshotRoom {
+                device,
+                share_percent,
+            } => f
+                .debug_struct("SnapshotRoom")
+                .field("device", device)
+                .field("share_percent", share_percent)
+                .finish(),
+            KeeperRequest::SnapshotIds { ids } => {
+                f.debug_struct("SnapshotIds").field("ids", ids).finish()
+            }
+            KeeperRequest::Snapshot {
+                share_percent,
+                count,
+            } => f
                 .debug_struct("Snapshot")
                 .field("share_percent", share_percent)
+                .field("count", count)
                 .finish(),
             KeeperRequest::Expect {
                 id,

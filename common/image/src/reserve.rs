@@ -455,12 +455,41 @@ impl Drop for HeldFile {
 }
 
 /// Holds pieces of `lengths` bytes in `dir`, each allocated by a thread of its own.
+/// The bytes `dir`'s file system can still give this process (root may use the blocks kept
+/// for it), if it says.
+fn free_bytes(dir: BorrowedFd<'_>) -> Option<u64> {
+    // SAFETY: a zeroed statvfs is a valid value to be overwritten.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: fstatvfs on a borrowed (so open) descriptor, into a statvfs this frame owns.
+    if unsafe { libc::fstatvfs(dir.as_raw_fd(), &mut st) } != 0 {
+        return None;
+    }
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let blocks = if unsafe { libc::geteuid() } == 0 {
+        st.f_bfree
+    } else {
+        st.f_bavail
+    };
+    Some((blocks as u64).saturating_mul(st.f_frsize as u64))
+}
+
 fn take_pieces(
     dir: BorrowedFd<'_>,
     lengths: &[u64],
     stop: &AtomicBool,
 ) -> Result<Reservation, ReserveError> {
     let own = dir.try_clone_to_owned().map_err(ReserveError::Io)?;
+    // More than the file system has free is refused before anything is allocated: allocating
+    // up to the failure would fill the disk for a moment, under every other writer on it.
+    let bytes: u64 = lengths.iter().sum();
+    if let Some(free) = free_bytes(dir)
+        && bytes > free
+    {
+        return Err(ReserveError::NoSpace {
+            bytes,
+            err: io::Error::from_raw_os_error(libc::ENOSPC),
+        });
+    }
     let files = lengths
         .iter()
         .map(|_| open_piece(dir))
@@ -486,7 +515,6 @@ fn take_pieces(
         }));
         results
     });
-    let bytes: u64 = lengths.iter().sum();
     if let Some(err) = results.into_iter().find_map(Result::err) {
         // The files are dropped here, and with them what was allocated.
         return Err(match err.raw_os_error() {

@@ -91,7 +91,7 @@ fn sends() -> Vec<Send> {
         v.push(Send::Req(
             AgentRequest::ShareableSource {
                 import: 9,
-                exporter_pid: 1,
+                exporter_pid: gpusnap_proto::pid::NsPid(1),
                 id: 1,
                 key: [1; 16],
             },

@@ -424,13 +424,13 @@ fn agent_hello(pid: i32, what: &str) -> Reply {
     let baseline = procs::socket_fds(pid);
     let mut fd = None;
     let connected = wait_until(Duration::from_secs(5), || {
-        fd = connect_agent(pid).ok();
+        fd = connect_agent(gpusnap_proto::pid::HostPid(pid)).ok();
         fd.is_some()
     });
     assert!(
         connected,
         "{what}: cannot reach the agent of pid {pid} through its door: {}",
-        connect_agent(pid).unwrap_err()
+        connect_agent(gpusnap_proto::pid::HostPid(pid)).unwrap_err()
     );
     let ch = Channel::new(fd.unwrap());
     ch.send_request(
@@ -463,7 +463,11 @@ fn assert_agent_answers(pid: i32, what: &str) {
             ..
         } => {
             assert_eq!(version, PROTOCOL_VERSION, "{what}");
-            assert_eq!(agent_pid, pid, "{what}: the agent reports another pid");
+            assert_eq!(
+                agent_pid.get() as i32,
+                pid,
+                "{what}: the agent reports another pid"
+            );
             assert_eq!(allocations, 0, "{what}: allocations without a GPU");
             assert!(!released, "{what}");
         }

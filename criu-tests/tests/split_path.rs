@@ -524,7 +524,8 @@ fn an_idle_client_of_the_agent_does_not_break_a_dump() {
     let Some(mut s) = Split::start("split-idle-client") else {
         return;
     };
-    let idle = gpusnap_proto::connect_agent(s.vmm.pid()).expect("connect as an idle client");
+    let idle = gpusnap_proto::connect_agent(gpusnap_proto::pid::HostPid(s.vmm.pid()))
+        .expect("connect as an idle client");
     let dump = s.dump(false);
     s.assert_ok(&dump);
     s.assert_split_dump(&dump);

@@ -11,7 +11,7 @@
 //! `Hello` must name the target's namespace pid. A knock the agent never answered is withdrawn
 //! when the session ends, so CRIU never finds it queued in the process.
 
-use crate::pid::{HostPid, NsPid};
+use crate::pid::{HostPid, NsPid, NsTid};
 use crate::procfs;
 use gpusnap_image::AllocationRecord;
 use gpusnap_proto::{
@@ -35,11 +35,13 @@ pub enum AgentError {
     #[error("connecting to the agent of pid {pid}: {err}")]
     Connect { pid: i32, err: io::Error },
     #[error(
-        "the agent behind the door of pid {pid} says it is namespace pid {claimed} (the target is {expected}), or its thread is not the target's gpusnap-agent thread: refusing to talk to it"
+        "the agent behind the door of pid {pid} says it is namespace pid {claimed} (the target is {expected}), or its thread is not the target's gpusnap-agent thread: refusing to talk to it",
+        // Shown as the wire's i32 said it (a negative claim too).
+        claimed = .claimed.get() as i32
     )]
     Impostor {
         pid: i32,
-        claimed: i32,
+        claimed: NsPid,
         expected: NsPid,
     },
     #[error("agent of pid {pid}: {err}")]
@@ -54,7 +56,7 @@ pub enum AgentError {
     #[error("agent of pid {pid} reports: {message:?}")]
     Refused { pid: i32, message: String },
     #[error("agent thread (namespace tid {ns_tid}) of pid {pid} not found in /proc/{pid}/task")]
-    NoThread { pid: i32, ns_tid: i32 },
+    NoThread { pid: i32, ns_tid: NsTid },
     #[error(
         "the agent of pid {pid} reports its memory as released (an earlier dump did not finish?)"
     )]
@@ -193,8 +195,8 @@ impl Deadline {
 /// What the agent said about itself.
 #[derive(Clone, Debug)]
 pub struct AgentHello {
-    pub ns_pid: i32,
-    pub ns_tid: i32,
+    pub ns_pid: NsPid,
+    pub ns_tid: NsTid,
     pub allocations: u32,
     pub converted_bytes: u64,
     pub devices: u32,
@@ -558,9 +560,10 @@ impl<R: Request> Session<R> {
                     // And the thread that answers is the target's agent thread (a child that
                     // inherited the door without fork's handlers could share the pid number in
                     // a pid namespace of its own).
-                    let answering = procfs::host_tid(self.pid, tid).ok().flatten();
-                    // The agent's claim is its getpid(), an i32 on the wire.
-                    if u32::try_from(ns_pid).map(NsPid) != Ok(expected)
+                    let answering = procfs::host_tid(self.pid, tid.get()).ok().flatten();
+                    // The agent's claim is its getpid(), an i32 on the wire (a negative one
+                    // is no namespace pid: never the expected one).
+                    if ns_pid != expected
                         || answering.is_none()
                         || answering != agent_thread(self.pid)
                     {
@@ -831,7 +834,7 @@ impl Session<AgentRequest> {
     /// goes the driver path). `timeout` bounds every wait for an answer.
     pub fn connect(pid: i32, timeout: Duration) -> Result<Option<Self>, AgentError> {
         let connect_err = |err| AgentError::Connect { pid, err };
-        let Some(door) = gpusnap_proto::Door::open(pid).map_err(connect_err)? else {
+        let Some(door) = gpusnap_proto::Door::open(HostPid(pid)).map_err(connect_err)? else {
             return Ok(None);
         };
         let fd = door.knock().map_err(connect_err)?;
@@ -1016,7 +1019,7 @@ impl Session<AgentRequest> {
     pub fn reimport(&self, exporter_pid: NsPid, mem: &SharedMemory) -> Result<u64, AgentError> {
         use std::os::fd::AsFd;
         let req = AgentRequest::Reimport {
-            exporter_pid: exporter_pid.get(),
+            exporter_pid,
             id: mem.id,
         };
         self.send(&req, Some(mem.fd.as_fd()))?;
@@ -1037,7 +1040,7 @@ impl Session<AgentRequest> {
     ) -> Result<(), AgentError> {
         let req = AgentRequest::ShareableSource {
             import,
-            exporter_pid: exporter_pid.get(),
+            exporter_pid,
             id,
             key,
         };
@@ -1244,8 +1247,8 @@ fn check_listing(listed: &[(AllocationRecord, AllocKind)]) -> Result<Vec<Moved>,
 }
 
 /// Host tid of the agent thread of `pid` whose tid in the process's namespace is `ns_tid`.
-pub fn host_tid(pid: i32, ns_tid: i32) -> Result<i32, AgentError> {
-    procfs::host_tid(pid, ns_tid)
+pub fn host_tid(pid: i32, ns_tid: NsTid) -> Result<i32, AgentError> {
+    procfs::host_tid(pid, ns_tid.get())
         .map_err(|err| AgentError::Proc { pid, err })?
         .ok_or(AgentError::NoThread { pid, ns_tid })
 }
@@ -1269,7 +1272,10 @@ mod tests {
                 .unwrap()
                 .is_none()
         );
-        assert!(matches!(host_tid(me, -5), Err(AgentError::NoThread { .. })));
+        assert!(matches!(
+            host_tid(me, NsTid(-5)),
+            Err(AgentError::NoThread { .. })
+        ));
         assert_eq!(agent_thread(me), None);
     }
 
@@ -1298,8 +1304,8 @@ mod tests {
             theirs
                 .send_reply(&Reply::Hello {
                     version: PROTOCOL_VERSION,
-                    pid: 7,
-                    tid: 8,
+                    pid: NsPid(7),
+                    tid: NsTid(8),
                     allocations: 1,
                     converted_bytes: 4096,
                     devices: 1,
@@ -1350,8 +1356,8 @@ mod tests {
     fn hello_reply(allocations: u32) -> Reply {
         Reply::Hello {
             version: PROTOCOL_VERSION,
-            pid: 7,
-            tid: 8,
+            pid: NsPid(7),
+            tid: NsTid(8),
             allocations,
             converted_bytes: 0,
             devices: 1,

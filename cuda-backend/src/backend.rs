@@ -4,6 +4,7 @@
 
 use crate::criu::{self, Reopened, Stage};
 use crate::dump::DumpRun;
+use crate::pid::HostPid;
 use crate::restore::{RestoreInit, RestoreRun};
 use gpusnap_config::{Config, Mode};
 use gpusnap_host::{Answer, Backend};
@@ -239,7 +240,7 @@ fn cuda_plugin_in_maps(maps: &str) -> Option<String> {
 /// other client's knock is in flight there, where CRIU cannot dump it. The agent opens a new
 /// door once its thread runs again.
 fn seal_agent_door(pid: i32) {
-    match gpusnap_proto::seal_door(pid) {
+    match gpusnap_proto::seal_door(HostPid(pid)) {
         Ok(Some(n)) if n > 0 => log::info!(
             "pid {pid}: the agent's door sealed for the dump; {n} knocks of other clients taken out of it"
         ),

@@ -7,7 +7,7 @@ use crate::agent::{self, AgentError, AgentHello, AgentSession, KeeperSession};
 use crate::context::Ctx;
 use crate::datapath::{self, DataError};
 use crate::hold::Hold;
-use crate::pid::HostPid;
+use crate::pid::{HostPid, NsTid};
 use crate::process::{ImpossibleMove, MovedData, Phase, Route, SplitPlan, Tracked};
 use crate::procfs::{self, Stat};
 use crate::ptrace::{self, PtraceError, RunningThread};
@@ -1337,7 +1337,7 @@ fn session_agent_tid(t: &Tracked) -> Result<i32, DumpError> {
         Route::Split(s) => Ok(agent::host_tid(t.pid, s.agent_ns_tid)?),
         Route::Transparent => Err(AgentError::NoThread {
             pid: t.pid,
-            ns_tid: -1,
+            ns_tid: NsTid(-1),
         }
         .into()),
     }
@@ -1407,7 +1407,10 @@ pub fn rollback(
         initial: t.initial,
         agent_tid: &|| match agent_ns_tid {
             Some(ns_tid) => agent::host_tid(pid, ns_tid),
-            None => Err(AgentError::NoThread { pid, ns_tid: -1 }),
+            None => Err(AgentError::NoThread {
+                pid,
+                ns_tid: NsTid(-1),
+            }),
         },
         before_running: &|| {
             if repoint {
@@ -2287,7 +2290,7 @@ fn stats_of(t: &Tracked) -> serde_json::Value {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pid::NsPid;
+    use crate::pid::{NsPid, NsTid};
     use gpusnap_image::{ChunkEntry, Codec};
 
     /// Access set by the program is the driver's path's to keep, unless the process imports
@@ -2296,8 +2299,8 @@ mod tests {
     fn access_set_by_the_program_refuses_only_an_importer() {
         let me = std::process::id() as i32;
         let hello = |hazards| AgentHello {
-            ns_pid: me,
-            ns_tid: me,
+            ns_pid: NsPid(me as u32),
+            ns_tid: NsTid(me),
             allocations: 1,
             converted_bytes: 2 << 20,
             devices: 1,

@@ -154,7 +154,7 @@ impl Keeper {
             return Err(detach_err(why));
         }
         let (pid, pidfd) = match ours.recv_reply_with_fd(Some(DETACH_WITHIN)) {
-            Ok((gpusnap_proto::Reply::Detached { pid }, Some(fd))) => (pid as libc::pid_t, fd),
+            Ok((gpusnap_proto::Reply::Detached { pid }, Some(fd))) => (pid.get(), fd),
             Ok((gpusnap_proto::Reply::Error { message, .. }, _)) => {
                 return Err(detach_err(DetachError::Refused(message)));
             }

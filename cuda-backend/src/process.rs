@@ -17,7 +17,7 @@
 
 use crate::ProcessState;
 use crate::datapath::DumpData;
-use crate::pid::NsPid;
+use crate::pid::{NsPid, NsTid};
 use gpusnap_image::Manifest;
 
 /// Device data that lives only in gpusnap's image files while the process's memory is released:
@@ -212,10 +212,10 @@ pub enum Route {
 }
 
 /// What the agent said while the process still ran.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct SplitPlan {
     /// The agent's control thread, as the process itself numbers it.
-    pub agent_ns_tid: i32,
+    pub agent_ns_tid: NsTid,
     pub allocations_at_pause: u32,
     pub converted_bytes_at_pause: u64,
     /// The staging ring, made while the process still ran (populating it is not free), for

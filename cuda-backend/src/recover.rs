@@ -9,7 +9,7 @@ use crate::agent::{self, AgentError, AgentSession};
 use crate::context::{self, Ctx, ImageDir};
 use crate::dump::{self, DumpError, Target};
 use crate::hold;
-use crate::pid::{HostPid, NsPid};
+use crate::pid::{HostPid, NsPid, NsTid};
 use crate::process::{MovedData, Phase};
 use crate::procfs;
 use crate::ptrace::{self, PtraceError, SeizedProcess};
@@ -227,7 +227,12 @@ pub fn recover(pid: i32, images: Option<&Path>) -> Result<String, RecoverError> 
         restore_tid,
         // Whatever it was before the dump, it ran: it runs again.
         initial: ProcessState::Running,
-        agent_tid: &|| agent_tid.ok_or(AgentError::NoThread { pid, ns_tid: -1 }),
+        agent_tid: &|| {
+            agent_tid.ok_or(AgentError::NoThread {
+                pid,
+                ns_tid: NsTid(-1),
+            })
+        },
         before_running: &|| Ok(()),
     };
     let mut hold = None;

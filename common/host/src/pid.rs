@@ -7,4 +7,4 @@
 //! import only the protocol crate) can carry them; re-exported here for the host services and
 //! the backends.
 
-pub use gpusnap_proto::pid::{HostPid, NsPid};
+pub use gpusnap_proto::pid::{HostPid, HostTid, NsPid, NsTid};

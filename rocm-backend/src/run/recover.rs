@@ -12,6 +12,7 @@ use crate::kfd::criu;
 use crate::kfd::device::{DeviceFile, KfdDevice};
 use gpusnap_proto::{ForeignFd, pidfd_getfd, pidfd_open};
 
+use crate::pid::HostPid;
 use crate::procfs;
 use crate::ptrace::SeizedProcess;
 
@@ -81,7 +82,7 @@ pub fn recover(pid: i32) -> Result<Option<Recovered>, RecoverError> {
         return Ok(None);
     };
     let seized = SeizedProcess::seize(pid).map_err(|source| RecoverError::Seize { pid, source })?;
-    let pidfd = pidfd_open(pid).map_err(|source| RecoverError::Proc { pid, source })?;
+    let pidfd = pidfd_open(HostPid(pid)).map_err(|source| RecoverError::Proc { pid, source })?;
     let kfd =
         pidfd_getfd(pidfd.as_fd(), fd).map_err(|source| RecoverError::GetFd { pid, fd, source })?;
     let r = match criu::unpause(dev.as_ref(), kfd.as_fd()) {

@@ -639,7 +639,7 @@ fn the_agent_releases_and_loads_only_while_the_process_is_held() {
     let Some(s) = Split::start("split-agent-outside") else {
         return;
     };
-    let pid = s.vmm.pid();
+    let pid = gpusnap_proto::pid::HostPid(s.vmm.pid());
     let wait = Duration::from_secs(10);
     let ring = gpusnap_cuda::staging::Staging::new(1 << 20, 4).expect("ring");
     let shape = RingShape {

@@ -11,7 +11,7 @@
 //! `Hello` must name the target's namespace pid. A knock the agent never answered is withdrawn
 //! when the session ends, so CRIU never finds it queued in the process.
 
-use crate::pid::{HostPid, NsPid, NsTid};
+use crate::pid::{HostPid, HostTid, NsPid, NsTid};
 use crate::procfs;
 use gpusnap_image::AllocationRecord;
 use gpusnap_proto::{
@@ -31,49 +31,53 @@ pub const AGENT_THREAD_COMM: &str = "gpusnap-agent";
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
     #[error("pid {pid}: {err}")]
-    Proc { pid: i32, err: io::Error },
+    Proc { pid: HostPid, err: io::Error },
     #[error("connecting to the agent of pid {pid}: {err}")]
-    Connect { pid: i32, err: io::Error },
+    Connect { pid: HostPid, err: io::Error },
     #[error(
         "the agent behind the door of pid {pid} says it is namespace pid {claimed} (the target is {expected}), or its thread is not the target's gpusnap-agent thread: refusing to talk to it",
         // Shown as the wire's i32 said it (a negative claim too).
         claimed = .claimed.get() as i32
     )]
     Impostor {
-        pid: i32,
+        pid: HostPid,
         claimed: NsPid,
         expected: NsPid,
     },
     #[error("agent of pid {pid}: {err}")]
-    Proto { pid: i32, err: ProtoError },
+    Proto { pid: HostPid, err: ProtoError },
     #[error("agent of pid {pid} answered {got} where {expected} was expected")]
     Unexpected {
-        pid: i32,
+        pid: HostPid,
         expected: &'static str,
         got: String,
     },
     /// `message` is the job's text: shown quoted and escaped.
     #[error("agent of pid {pid} reports: {message:?}")]
-    Refused { pid: i32, message: String },
+    Refused { pid: HostPid, message: String },
     #[error("agent thread (namespace tid {ns_tid}) of pid {pid} not found in /proc/{pid}/task")]
-    NoThread { pid: i32, ns_tid: NsTid },
+    NoThread { pid: HostPid, ns_tid: NsTid },
     #[error(
         "the agent of pid {pid} reports its memory as released (an earlier dump did not finish?)"
     )]
-    AlreadyReleased { pid: i32 },
+    AlreadyReleased { pid: HostPid },
     #[error("the agent of pid {pid} made no progress for {stall:?} (hung?)")]
-    Stalled { pid: i32, stall: Duration },
+    Stalled { pid: HostPid, stall: Duration },
     /// The peer process (a keeper) is stopped (SIGSTOP, a debugger): it cannot answer, so
     /// waiting out the agent timeout would only hold the job longer.
     #[error(
         "the keeper (pid {peer}) serving pid {pid} is stopped (state {state}) and cannot answer: given up on at once"
     )]
-    PeerStopped { pid: i32, peer: i32, state: char },
+    PeerStopped {
+        pid: HostPid,
+        peer: HostPid,
+        state: char,
+    },
     /// More replies of a kind than the agent may send (issue 32, item 4): what it sends is
     /// kept in root's memory, so it is bounded by what it said it holds.
     #[error("the agent of pid {pid} sent more than {limit} {what} ({bound}): refused")]
     TooMany {
-        pid: i32,
+        pid: HostPid,
         what: &'static str,
         limit: usize,
         bound: &'static str,
@@ -83,14 +87,14 @@ pub enum AgentError {
         "the agent of pid {pid}: {what} did not end within {limit:?} (the agent timeout plus {per:?} for each of at most {count} replies): refused as hung"
     )]
     Overdue {
-        pid: i32,
+        pid: HostPid,
         what: &'static str,
         limit: Duration,
         per: Duration,
         count: usize,
     },
     #[error("the agent of pid {pid} listed {fault}: refused")]
-    BadListing { pid: i32, fault: ListingFault },
+    BadListing { pid: HostPid, fault: ListingFault },
 }
 
 /// What is wrong with a listing (`ListAllocations`).
@@ -181,7 +185,7 @@ impl Deadline {
         }
     }
 
-    fn overdue(&self, pid: i32) -> AgentError {
+    fn overdue(&self, pid: HostPid) -> AgentError {
         AgentError::Overdue {
             pid,
             what: self.what,
@@ -297,7 +301,7 @@ pub struct RingShape {
 /// ([`AgentSession`]) or a keeper ([`KeeperSession`]). What both serve is here; what only one
 /// does is on its type alone, so a request the other serves cannot be sent to it.
 pub struct Session<R> {
-    pid: i32,
+    pid: HostPid,
     chan: Channel,
     timeout: Duration,
     /// The door knocked at; `None` in unit tests that play the agent over a plain pair.
@@ -308,7 +312,7 @@ pub struct Session<R> {
     said: Box<Mutex<Said>>,
     /// A peer process of our own making (a keeper) whose state is looked at while a reply is
     /// awaited, so that a stopped one is noticed within [`PEER_CHECK`], not the timeout.
-    peer: Option<i32>,
+    peer: Option<HostPid>,
     /// The requests this connection's server takes.
     requests: PhantomData<fn(&R)>,
 }
@@ -350,7 +354,7 @@ impl<R> Drop for Session<R> {
 impl<R: Request> Session<R> {
     /// A session over a connection of our own making (the keeper's socket pair); `pid` names
     /// the peer in messages. No door, so no identity check: the plugin made both ends.
-    pub fn over(pid: i32, chan: Channel, timeout: Duration) -> Self {
+    pub fn over(pid: HostPid, chan: Channel, timeout: Duration) -> Self {
         Self {
             pid,
             chan,
@@ -365,13 +369,13 @@ impl<R: Request> Session<R> {
 
     /// Watches `peer` (the keeper's pid) while replies are awaited: a stopped peer fails the
     /// wait within [`PEER_CHECK`] ([`AgentError::PeerStopped`]).
-    pub fn watching(mut self, peer: i32) -> Self {
+    pub fn watching(mut self, peer: HostPid) -> Self {
         self.peer = Some(peer);
         self
     }
 
     /// The watched peer's state, if it is stopped (`T`, or `t`: traced and stopped).
-    fn peer_stopped(&self) -> Option<(i32, char)> {
+    fn peer_stopped(&self) -> Option<(HostPid, char)> {
         let peer = self.peer?;
         let (state, _) = crate::procfs::state_and_start(peer).ok()?;
         matches!(
@@ -412,7 +416,7 @@ impl<R: Request> Session<R> {
         }
     }
 
-    pub fn pid(&self) -> i32 {
+    pub fn pid(&self) -> HostPid {
         self.pid
     }
 
@@ -555,12 +559,12 @@ impl<R: Request> Session<R> {
                 kept,
             } => {
                 if self.door.is_some() {
-                    let expected = procfs::ns_pid(HostPid(self.pid))
+                    let expected = procfs::ns_pid(self.pid)
                         .map_err(|err| AgentError::Proc { pid: self.pid, err })?;
                     // And the thread that answers is the target's agent thread (a child that
                     // inherited the door without fork's handlers could share the pid number in
                     // a pid namespace of its own).
-                    let answering = procfs::host_tid(self.pid, tid.get()).ok().flatten();
+                    let answering = procfs::host_tid(self.pid, tid).ok().flatten();
                     // The agent's claim is its getpid(), an i32 on the wire (a negative one
                     // is no namespace pid: never the expected one).
                     if ns_pid != expected
@@ -832,9 +836,9 @@ impl<R: Request> Session<R> {
 impl Session<AgentRequest> {
     /// Connects to the agent of host pid `pid`. `Ok(None)`: no agent listens there (the process
     /// goes the driver path). `timeout` bounds every wait for an answer.
-    pub fn connect(pid: i32, timeout: Duration) -> Result<Option<Self>, AgentError> {
+    pub fn connect(pid: HostPid, timeout: Duration) -> Result<Option<Self>, AgentError> {
         let connect_err = |err| AgentError::Connect { pid, err };
-        let Some(door) = gpusnap_proto::Door::open(HostPid(pid)).map_err(connect_err)? else {
+        let Some(door) = gpusnap_proto::Door::open(pid).map_err(connect_err)? else {
             return Ok(None);
         };
         let fd = door.knock().map_err(connect_err)?;
@@ -851,7 +855,7 @@ impl Session<AgentRequest> {
     }
 
     /// Like [`Self::connect`], for a process known to run the agent.
-    pub fn connect_expected(pid: i32, timeout: Duration) -> Result<Self, AgentError> {
+    pub fn connect_expected(pid: HostPid, timeout: Duration) -> Result<Self, AgentError> {
         Self::connect(pid, timeout)?.ok_or(AgentError::Connect {
             pid,
             err: io::Error::new(io::ErrorKind::NotFound, "the agent's socket is gone"),
@@ -1247,14 +1251,14 @@ fn check_listing(listed: &[(AllocationRecord, AllocKind)]) -> Result<Vec<Moved>,
 }
 
 /// Host tid of the agent thread of `pid` whose tid in the process's namespace is `ns_tid`.
-pub fn host_tid(pid: i32, ns_tid: NsTid) -> Result<i32, AgentError> {
-    procfs::host_tid(pid, ns_tid.get())
+pub fn host_tid(pid: HostPid, ns_tid: NsTid) -> Result<HostTid, AgentError> {
+    procfs::host_tid(pid, ns_tid)
         .map_err(|err| AgentError::Proc { pid, err })?
         .ok_or(AgentError::NoThread { pid, ns_tid })
 }
 
 /// Host tid of the agent's thread of `pid`, found by its name, if there is one.
-pub fn agent_thread(pid: i32) -> Option<i32> {
+pub fn agent_thread(pid: HostPid) -> Option<HostTid> {
     procfs::thread_named(pid, AGENT_THREAD_COMM).ok().flatten()
 }
 
@@ -1266,7 +1270,7 @@ mod tests {
     #[test]
     fn no_agent_means_none() {
         // Our own test process runs no agent.
-        let me = std::process::id() as i32;
+        let me = HostPid(std::process::id() as i32);
         assert!(
             AgentSession::connect(me, Duration::from_secs(1))
                 .unwrap()
@@ -1284,7 +1288,7 @@ mod tests {
         // The other end plays the agent for one hello and one list.
         let (ours, theirs) = Channel::pair().unwrap();
         let s = AgentSession {
-            pid: 1,
+            pid: HostPid(1),
             chan: ours,
             timeout: Duration::from_secs(5),
             door: None,
@@ -1334,7 +1338,7 @@ mod tests {
         });
         assert!(matches!(
             s.hello_intact(),
-            Err(AgentError::AlreadyReleased { pid: 1 })
+            Err(AgentError::AlreadyReleased { pid: HostPid(1) })
         ));
         let list = s.list().unwrap();
         assert_eq!(list.len(), 1);
@@ -1375,7 +1379,7 @@ mod tests {
         play: impl FnOnce(&Channel) + Send + 'static,
     ) -> (Result<Vec<AllocationRecord>, AgentError>, Duration) {
         let (ours, theirs) = Channel::pair().unwrap();
-        let s = AgentSession::over(1, ours, timeout);
+        let s = AgentSession::over(HostPid(1), ours, timeout);
         let agent = std::thread::spawn(move || {
             let (r, _) = theirs
                 .recv_request::<AgentRequest>(Some(Duration::from_secs(5)))
@@ -1522,7 +1526,7 @@ mod tests {
     #[test]
     fn a_lend_is_bounded_by_the_listing() {
         let (ours, theirs) = Channel::pair().unwrap();
-        let s = AgentSession::over(1, ours, Duration::from_secs(5));
+        let s = AgentSession::over(HostPid(1), ours, Duration::from_secs(5));
         let agent = std::thread::spawn(move || {
             let (r, _) = theirs
                 .recv_request::<AgentRequest>(Some(Duration::from_secs(5)))

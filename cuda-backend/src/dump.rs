@@ -7,7 +7,7 @@ use crate::agent::{self, AgentError, AgentHello, AgentSession, KeeperSession};
 use crate::context::Ctx;
 use crate::datapath::{self, DataError};
 use crate::hold::Hold;
-use crate::pid::{HostPid, NsTid};
+use crate::pid::{HostPid, HostTid, NsPid, NsTid};
 use crate::process::{ImpossibleMove, MovedData, Phase, Route, SplitPlan, Tracked};
 use crate::procfs::{self, Stat};
 use crate::ptrace::{self, PtraceError, RunningThread};
@@ -45,7 +45,7 @@ pub enum DumpError {
          or gpusnap's lock_timeout_ms"
     )]
     Lock {
-        pid: i32,
+        pid: HostPid,
         err: DriverError,
         timeout_ms: u32,
     },
@@ -57,23 +57,23 @@ pub enum DumpError {
     #[error("durable = true: {0}; the dump is refused, as gpusnap's files may not be on the disk")]
     Durable(std::sync::Arc<ImageError>),
     #[error("the worker thread of pid {pid} panicked")]
-    WorkerPanicked { pid: i32 },
+    WorkerPanicked { pid: HostPid },
     #[error("internal: {0}")]
     Phase(#[from] ImpossibleMove),
     #[error(
         "pid {pid} was left by an interrupted dump: its GPU memory is released (it is held, not running) and lives only in that dump's image. \
          Nothing was done; bring it back with `gpusnap recover {pid} --images <that dump's image dir>`, then dump it again"
     )]
-    Interrupted { pid: i32 },
+    Interrupted { pid: HostPid },
     #[error(transparent)]
     Busy(#[from] crate::joblock::JobLockError),
     #[error("pid {pid}: {why}")]
-    NoSpace { pid: i32, why: String },
+    NoSpace { pid: HostPid, why: String },
     #[error(
         "pid {pid} has {open} descriptors open and its soft RLIMIT_NOFILE (open files) is {limit}: a GPU checkpoint of a process with the gpusnap agent needs {needed} free there (the agent's connection, the staging ring, a reload); nothing was moved. Start the job with a higher limit (ulimit -n, or the container's nofile) and dump again"
     )]
     DescriptorLimit {
-        pid: i32,
+        pid: HostPid,
         open: u64,
         limit: u64,
         needed: u64,
@@ -81,9 +81,9 @@ pub enum DumpError {
     #[error(
         "pid {pid} is stopped (state T, e.g. by SIGSTOP or a debugger): the driver cannot lock the GPU state of a stopped process; continue it (`kill -CONT {pid}`) and dump again"
     )]
-    Stopped { pid: i32 },
+    Stopped { pid: HostPid },
     #[error("holding the threads of pid {pid} before its memory is released: {err}")]
-    Hold { pid: i32, err: std::io::Error },
+    Hold { pid: HostPid, err: std::io::Error },
     #[error("hand-over: {0}")]
     HandOver(#[from] crate::handover::HandOverError),
     #[error("CUDA IPC shares: {0}")]
@@ -91,13 +91,13 @@ pub enum DumpError {
     #[error("CRIU gave no image directory")]
     NoImageDir,
     #[error("the drain of pid {pid} into the image failed: {err}")]
-    Drain { pid: i32, err: DataError },
+    Drain { pid: HostPid, err: DataError },
     #[error("starting the drain thread of pid {pid}: {err}")]
-    DrainStart { pid: i32, err: std::io::Error },
+    DrainStart { pid: HostPid, err: std::io::Error },
     #[error(
         "pid {pid}: its lent memory is mapped back, but what was copied out first is still released and no manifest of that part is at hand (give the dump's image directory: --images DIR); it stays held"
     )]
-    CopyFirstPartMissing { pid: i32 },
+    CopyFirstPartMissing { pid: HostPid },
 }
 
 impl DumpError {
@@ -128,7 +128,7 @@ fn driver(what: &'static str) -> impl FnOnce(DriverError) -> DumpError {
 pub const AGENT_DESCRIPTORS_NEEDED: u64 = 8;
 
 /// PAUSE_DEVICES: the process still runs. `Ok(None)`: not a CUDA process.
-pub fn pause(ctx: &Ctx, pid: i32) -> Result<Option<Tracked>, DumpError> {
+pub fn pause(ctx: &Ctx, pid: HostPid) -> Result<Option<Tracked>, DumpError> {
     let stopped =
         procfs::state_and_start(pid).is_ok_and(|(state, _)| state == procfs::ProcState::Stopped);
     // Before any driver call: a process held by an interrupted dump is stopped, driver thread
@@ -141,7 +141,7 @@ pub fn pause(ctx: &Ctx, pid: i32) -> Result<Option<Tracked>, DumpError> {
     };
     // One dump, recover or pre-copy at a time per job, taken before any call that changes
     // the driver state: a second CRIU is refused here, touching nothing.
-    let job_lock = crate::joblock::JobLock::take(HostPid(pid))?;
+    let job_lock = crate::joblock::JobLock::take(pid)?;
     // Stopped by a signal (not by an interrupted dump: that has a hold record, above): the
     // driver's lock would wait for CRIU's timeout, so say what it is now.
     if stopped {
@@ -151,7 +151,7 @@ pub fn pause(ctx: &Ctx, pid: i32) -> Result<Option<Tracked>, DumpError> {
         .api
         .process_state(pid)
         .map_err(driver("reading the driver state"))?;
-    let nspid = procfs::ns_pid(HostPid(pid)).map_err(|err| AgentError::Proc { pid, err })?;
+    let nspid = procfs::ns_pid(pid).map_err(|err| AgentError::Proc { pid, err })?;
     let mut t = Tracked {
         pid,
         nspid,
@@ -287,7 +287,7 @@ pub fn pause(ctx: &Ctx, pid: i32) -> Result<Option<Tracked>, DumpError> {
 /// State the driver cannot checkpoint, named, or `None`. The agent records managed memory,
 /// CUDA IPC and peer access as they happen; an MPS daemon of the process's user makes its CUDA
 /// processes MPS clients.
-fn unsupported_state(pid: i32, hello: Option<&AgentHello>) -> Option<String> {
+fn unsupported_state(pid: HostPid, hello: Option<&AgentHello>) -> Option<String> {
     if let Some((daemon, daemon_pid)) = mps_daemon_of_user(pid) {
         return Some(format!(
             "CUDA MPS ({daemon}, pid {daemon_pid}, runs for its user)"
@@ -306,7 +306,7 @@ fn unsupported_state(pid: i32, hello: Option<&AgentHello>) -> Option<String> {
 }
 
 /// A live MPS process (control daemon or server) with the uid of `pid`: its name and pid.
-fn mps_daemon_of_user(pid: i32) -> Option<(String, i32)> {
+fn mps_daemon_of_user(pid: HostPid) -> Option<(String, HostPid)> {
     let uid = procfs::uid_of(pid).ok()?;
     procfs::processes().ok()?.into_iter().find_map(|p| {
         if procfs::uid_of(p).ok()? != uid {
@@ -359,7 +359,7 @@ fn lending_gpus(
 /// in the log, when the data is to be copied out first instead.
 fn keeper_for(
     ctx: &Ctx,
-    pid: i32,
+    pid: HostPid,
     gpus: &[[u8; 16]],
 ) -> Result<crate::keeper::Keeper, crate::route::CopyFirst> {
     if !ctx.cfg.handover {
@@ -387,7 +387,7 @@ fn keeper_for(
         &ctx.cfg.keeper,
         Some(libcuda.as_path()),
         gpus,
-        crate::keeper::JobPid::Host(HostPid(pid)),
+        crate::keeper::JobPid::Host(pid),
         ctx.agent_timeout(),
     ) {
         Ok(k) => {
@@ -420,7 +420,7 @@ fn keeper_for(
 }
 
 /// Whether the agent's answer makes the process a split-path candidate.
-fn split_candidate(pid: i32, hello: AgentHello) -> Result<Option<SplitPlan>, DumpError> {
+fn split_candidate(pid: HostPid, hello: AgentHello) -> Result<Option<SplitPlan>, DumpError> {
     if hello.released {
         return Err(AgentError::AlreadyReleased { pid }.into());
     }
@@ -464,7 +464,7 @@ fn ring_shape(ctx: &Ctx, allocations: &[AllocationRecord]) -> RingShape {
 /// (the checkpoint makes one) if the agent cannot list them or the memory cannot be had.
 fn early_ring(
     ctx: &Ctx,
-    pid: i32,
+    pid: HostPid,
     listed: &[(AllocationRecord, gpusnap_proto::AllocKind)],
 ) -> Option<(RingShape, Staging)> {
     if listed.is_empty() {
@@ -484,7 +484,7 @@ fn early_ring(
 /// to lend.
 fn early_space(
     ctx: &Ctx,
-    pid: i32,
+    pid: HostPid,
     listed: &[(AllocationRecord, gpusnap_proto::AllocKind)],
     ring: Option<&(RingShape, Staging)>,
 ) -> Option<Box<crate::space::EarlySpace>> {
@@ -515,8 +515,8 @@ fn early_space(
 pub fn checkpoint_all(
     ctx: &Ctx,
     procs: &mut [Tracked],
-    others: &[i32],
-) -> Vec<(i32, Result<(), DumpError>)> {
+    others: &[HostPid],
+) -> Vec<(HostPid, Result<(), DumpError>)> {
     let t0 = Instant::now();
     if let Some(warning) = ipc_blind_spot(procs) {
         log::warn!("{warning}");
@@ -582,7 +582,7 @@ pub fn checkpoint_all(
             })
             .collect();
         let leftovers = stall::watch(|| handles.iter().all(|(_, h)| h.is_finished()), &watched);
-        let outcomes: Vec<(i32, Result<(), DumpError>)> = handles
+        let outcomes: Vec<(HostPid, Result<(), DumpError>)> = handles
             .into_iter()
             .map(|(pid, h)| {
                 (
@@ -620,7 +620,11 @@ pub fn checkpoint_all(
 /// `durable`, the image directory is then fsynced (each data file was at its finish, each
 /// manifest before its rename); a failure fails every process. `exit` rewrites the manifests
 /// with the final timings; should that not finish, these stand.
-fn commit_manifests(ctx: &Ctx, procs: &[Tracked], results: &mut [(i32, Result<(), DumpError>)]) {
+fn commit_manifests(
+    ctx: &Ctx,
+    procs: &[Tracked],
+    results: &mut [(HostPid, Result<(), DumpError>)],
+) {
     let t0 = Instant::now();
     let mut written = 0;
     for (pid, r) in results.iter_mut().filter(|(_, r)| r.is_ok()) {
@@ -659,12 +663,12 @@ fn commit_manifests(ctx: &Ctx, procs: &[Tracked], results: &mut [(i32, Result<()
 fn shareable_resolved(
     ctx: &Ctx,
     procs: &mut [Tracked],
-    others: &[i32],
+    others: &[HostPid],
 ) -> Result<(), crate::sharing::SharingError> {
     if !procs.iter().any(|t| t.shares.iter().any(|s| s.shareable)) {
         return Ok(());
     }
-    let inside: Vec<i32> = procs
+    let inside: Vec<HostPid> = procs
         .iter()
         .map(|t| t.pid)
         .chain(others.iter().copied())
@@ -673,7 +677,7 @@ fn shareable_resolved(
         .iter_mut()
         .map(|t| crate::sharing::Sharer {
             pid: t.pid,
-            nspid: t.nspid.get(),
+            nspid: t.nspid,
             shares: &mut t.shares,
         })
         .collect();
@@ -698,12 +702,13 @@ fn shares_are_whole(procs: &[Tracked]) -> Result<(), crate::sharing::SharingErro
         .iter()
         .map(|t| crate::sharing::Member {
             pid: t.pid,
-            nspid: t.nspid.get(),
+            nspid: t.nspid,
             split: t.is_split(),
             shares: &t.shares,
         })
         .collect();
-    let same_ns = procs.iter().all(|t| t.nspid.get() as i32 == t.pid);
+    // Namespace pids are host pids: the job's pid namespace is ours.
+    let same_ns = procs.iter().all(|t| t.nspid.get() as i32 == t.pid.get());
     crate::sharing::check(&members, |pid| {
         same_ns && !std::path::Path::new(&format!("/proc/{pid}")).exists()
     })?;
@@ -987,7 +992,7 @@ fn hand_over(ctx: &Ctx, t: &mut Tracked, release: &Mutex<Option<Hold>>) -> Resul
         staging,
         dir: ctx.criu_image_dir().ok_or(DumpError::NoImageDir)?,
         pid,
-        nspid: t.nspid.get(),
+        nspid: t.nspid,
         writers: ctx.cfg.effective_writer_threads(),
         readers: ctx.cfg.effective_reader_threads(),
         codec,
@@ -1213,7 +1218,7 @@ fn copy_out_paused(
     let parent = crate::parent::parent_index(
         dir,
         t.pid,
-        t.nspid.get(),
+        t.nspid,
         allocations,
         ctx.cfg.incremental,
         ctx.cfg.effective_reader_threads(),
@@ -1222,7 +1227,7 @@ fn copy_out_paused(
         session,
         staging,
         dir,
-        t.nspid.get(),
+        t.nspid,
         ctx.cfg.effective_writer_threads(),
         codec,
         parent.as_ref(),
@@ -1291,7 +1296,7 @@ fn move_data_out(
 
 /// What a data phase moved, for the log: bytes and rate, chunks hashed on the GPU and found
 /// zero, the writers' time, and per GPU where there are several.
-fn log_data(pid: i32, allocations: &[AllocationRecord], data: &datapath::DumpData) {
+fn log_data(pid: HostPid, allocations: &[AllocationRecord], data: &datapath::DumpData) {
     log::info!(
         "pid {pid}: data {:.2} GiB in {:.3} s ({:.1} GiB/s) into {} files, {} chunks, written {} bytes ({:.2} GiB), referenced {} bytes unchanged in {} chunks",
         gib(data.bytes),
@@ -1332,7 +1337,7 @@ fn log_data(pid: i32, allocations: &[AllocationRecord], data: &datapath::DumpDat
 }
 
 /// The host tid of the agent thread of a split-path process.
-fn session_agent_tid(t: &Tracked) -> Result<i32, DumpError> {
+fn session_agent_tid(t: &Tracked) -> Result<HostTid, DumpError> {
     match &t.route {
         Route::Split(s) => Ok(agent::host_tid(t.pid, s.agent_ns_tid)?),
         Route::Transparent => Err(AgentError::NoThread {
@@ -1395,7 +1400,7 @@ pub fn rollback(
     };
     let me = crate::sharing::Process {
         pid,
-        nspid: t.nspid.get(),
+        nspid: t.nspid,
     };
     let imports = t.shares.iter().any(|s| s.import);
     // The program's own descriptors of its shareable exports (and the agent's) name the
@@ -1445,13 +1450,13 @@ pub fn rollback(
 
 /// The process a rollback works on.
 pub struct Target<'a> {
-    pub pid: i32,
+    pub pid: HostPid,
     /// The driver's restore thread (it runs for the driver calls; a hold leaves it out).
-    pub restore_tid: i32,
+    pub restore_tid: HostTid,
     /// The driver state to return it to.
     pub initial: ProcessState,
     /// Finds the agent's thread (for a reload).
-    pub agent_tid: &'a dyn Fn() -> Result<i32, AgentError>,
+    pub agent_tid: &'a dyn Fn() -> Result<HostTid, AgentError>,
     /// What must be whole too, once the memory is back, before the threads may run (an
     /// importer's CUDA IPC shares, mapped again).
     pub before_running: &'a dyn Fn() -> Result<(), DumpError>,
@@ -1474,7 +1479,7 @@ pub fn undo(
     let mut steps = Vec::new();
     if phase.memory_released() && hold.is_none() {
         let agent = (target.agent_tid)().ok();
-        let running: Vec<i32> = std::iter::once(target.restore_tid).chain(agent).collect();
+        let running: Vec<HostTid> = std::iter::once(target.restore_tid).chain(agent).collect();
         *hold = Some(
             crate::hold::Hold::place(pid, &running).map_err(|err| DumpError::Hold { pid, err })?,
         );
@@ -1634,8 +1639,8 @@ fn reload(ctx: &Ctx, target: &Target<'_>, moved: &MovedData) -> Result<(), DumpE
 /// Runs only the agent thread and streams `manifest`'s data into re-created memory.
 pub fn load_through_agent(
     ctx: &Ctx,
-    pid: i32,
-    agent_tid: i32,
+    pid: HostPid,
+    agent_tid: HostTid,
     dir: BorrowedFd<'_>,
     manifest: &Manifest,
     fault_point: &'static str,
@@ -1683,7 +1688,7 @@ fn new_manifest(
         timings_s: t.timings.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
         requires: Some(requires),
         ..manifest_of(
-            t.nspid.get(),
+            t.nspid,
             path,
             (ctx.driver_version, &ctx.gpus),
             allocations,
@@ -1695,7 +1700,7 @@ fn new_manifest(
 /// A manifest of process `nspid` from what a data phase wrote, on this host's driver and GPUs
 /// (`driver`: the driver's version and its GPUs); no timings.
 pub fn manifest_of(
-    nspid: u32,
+    nspid: NsPid,
     path: CheckpointPath,
     driver: (i32, &[crate::driver::GpuInfo]),
     allocations: Vec<AllocationRecord>,
@@ -1704,7 +1709,7 @@ pub fn manifest_of(
     let (driver_version, gpus) = driver;
     Manifest {
         format_version: gpusnap_image::FORMAT_VERSION,
-        nspid,
+        nspid: nspid.get(),
         path,
         created_unix_s: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -1760,8 +1765,8 @@ pub struct DumpRun {
     ctx: Option<Ctx>,
     tracked: Vec<Tracked>,
     /// The dumped processes without CUDA (their descriptors are looked at for exported memory).
-    others: Vec<i32>,
-    checkpointed: Option<Vec<(i32, Result<(), DumpError>)>>,
+    others: Vec<HostPid>,
+    checkpointed: Option<Vec<(HostPid, Result<(), DumpError>)>>,
 }
 
 impl DumpRun {
@@ -1778,7 +1783,7 @@ impl DumpRun {
 
     /// PAUSE_DEVICES: `Some(true)` when `pid` is a CUDA process gpusnap now tracks (locked),
     /// `None` when it is not a CUDA process, `Some(false)` when the dump must fail.
-    pub fn pause_devices(&mut self, pid: i32) -> Option<bool> {
+    pub fn pause_devices(&mut self, pid: HostPid) -> Option<bool> {
         if self.ctx.is_none() {
             match Ctx::open(&self.cfg, self.dir) {
                 Ok(c) => self.ctx = Some(c),
@@ -1807,7 +1812,7 @@ impl DumpRun {
 
     /// CHECKPOINT_DEVICES: the first call checkpoints every tracked process, in parallel; every
     /// call answers for its pid. `None`: not one of ours.
-    pub fn checkpoint_devices(&mut self, pid: i32) -> Option<bool> {
+    pub fn checkpoint_devices(&mut self, pid: HostPid) -> Option<bool> {
         let ctx = self.ctx.as_ref()?;
         if !self.tracked.iter().any(|t| t.pid == pid) {
             return None;
@@ -1862,7 +1867,7 @@ impl DumpRun {
             .iter()
             .map(|t| crate::sharing::Process {
                 pid: t.pid,
-                nspid: t.nspid.get(),
+                nspid: t.nspid,
             })
             .collect();
         // Exporters are rolled back before importers, which map their memory again.
@@ -2309,20 +2314,23 @@ mod tests {
             kept: 0,
         };
         assert_eq!(
-            unsupported_state(me, Some(&hello(hazard::ACCESS_SET))),
+            unsupported_state(HostPid(me), Some(&hello(hazard::ACCESS_SET))),
             None
         );
         let refused = unsupported_state(
-            me,
+            HostPid(me),
             Some(&hello(hazard::ACCESS_SET | hazard::SHAREABLE_IMPORT)),
         )
         .expect("an importer with access of its own is refused");
         assert!(refused.contains("cuMemSetAccess"), "{refused}");
         assert!(matches!(
-            split_candidate(me, hello(hazard::ACCESS_SET)),
+            split_candidate(HostPid(me), hello(hazard::ACCESS_SET)),
             Ok(None)
         ));
-        assert!(matches!(split_candidate(me, hello(0)), Ok(Some(_))));
+        assert!(matches!(
+            split_candidate(HostPid(me), hello(0)),
+            Ok(Some(_))
+        ));
     }
 
     #[test]
@@ -2356,10 +2364,10 @@ mod tests {
 
     #[test]
     fn several_processes_without_the_agent_get_the_ipc_warning() {
-        let tracked = |pid, agent| Tracked {
-            pid,
+        let tracked = |pid: i32, agent| Tracked {
+            pid: HostPid(pid),
             nspid: NsPid(pid as u32),
-            restore_tid: pid + 1,
+            restore_tid: HostTid(pid + 1),
             initial: ProcessState::Running,
             phase: Phase::Untouched,
             route: Route::Transparent,

@@ -16,6 +16,7 @@
 use crate::agent::{AgentError, AgentSession, KeeperSession, LentAllocation};
 use crate::datapath::{self, DataError, DumpData};
 use crate::keeper::{Keeper, KeeperError};
+use crate::pid::{HostPid, NsPid};
 use crate::staging::Staging;
 use gpusnap_image::{AllocationRecord, Codec};
 use std::os::fd::BorrowedFd;
@@ -283,8 +284,8 @@ fn as_listed(lent: &[LentAllocation], routes: &crate::route::Routes) -> Result<(
 pub struct DrainJob {
     pub staging: Staging,
     pub dir: BorrowedFd<'static>,
-    pub pid: i32,
-    pub nspid: u32,
+    pub pid: HostPid,
+    pub nspid: NsPid,
     pub writers: usize,
     /// Threads that read the parent image back before anything of it is referenced.
     pub readers: usize,
@@ -421,7 +422,7 @@ impl Drain {
 /// copy's. Nothing the first copy wrote reaches the manifest.
 fn recopy_fresh(
     dir: BorrowedFd<'_>,
-    pid: i32,
+    pid: HostPid,
     first: DumpData,
     copy: impl FnOnce(u32) -> Result<DumpData, DataError>,
 ) -> Result<DumpData, DataError> {

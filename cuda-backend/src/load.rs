@@ -4,6 +4,7 @@
 use crate::agent::AgentSession;
 use crate::context::Ctx;
 use crate::datapath::{self, DataError};
+use crate::pid::HostPid;
 use crate::staging::{RingMaker, RingShape, Staging};
 use gpusnap_image::Manifest;
 use std::os::fd::BorrowedFd;
@@ -23,7 +24,7 @@ pub fn ring_shape(staging_slots: usize, manifest: &Manifest) -> RingShape {
 /// `fault_point` is where a test may kill CRIU once the first chunk is in ([`crate::fault`]).
 pub fn with_agent_running(
     ctx: &Ctx,
-    pid: i32,
+    pid: HostPid,
     dir: BorrowedFd<'_>,
     manifest: &Manifest,
     fault_point: &'static str,

@@ -7,6 +7,7 @@ use std::sync::{Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
+use crate::pid::{HostPid, NsPid};
 use gpusnap_image::{AllocationRecord, ImageError, VerifyReport};
 
 /// One process's parent image, read back and checked: the outcome, and how long it took.
@@ -125,8 +126,8 @@ pub fn finish_checks() {
 /// its copy instead of before it.)
 pub fn parent_index(
     dir: BorrowedFd<'_>,
-    pid: i32,
-    nspid: u32,
+    pid: HostPid,
+    nspid: NsPid,
     allocations: &[AllocationRecord],
     incremental: bool,
     threads: usize,
@@ -140,13 +141,13 @@ pub fn parent_index(
 /// full dump, the reason logged) without a usable parent or with `incremental` off.
 pub fn parent_candidate(
     dir: BorrowedFd<'_>,
-    pid: i32,
-    nspid: u32,
+    pid: HostPid,
+    nspid: NsPid,
     allocations: &[AllocationRecord],
     incremental: bool,
 ) -> Option<gpusnap_image::DedupIndex> {
     use gpusnap_image::ParentImage;
-    let found = gpusnap_image::parent_for_dedup(dir, nspid, allocations);
+    let found = gpusnap_image::parent_for_dedup(dir, nspid.get(), allocations);
     let index = match found {
         ParentImage::None => return None,
         _ if !incremental => {
@@ -180,15 +181,15 @@ pub fn parent_candidate(
 /// Whether `nspid`'s parent image read back whole: the check started at `init`
 /// ([`start_checks`], waited for) or, if none was, one made now with `threads` readers.
 /// Logs the outcome; false (damaged, or gone) means nothing of the parent may be referenced.
-pub fn parent_checked(dir: BorrowedFd<'_>, pid: i32, nspid: u32, threads: usize) -> bool {
+pub fn parent_checked(dir: BorrowedFd<'_>, pid: HostPid, nspid: NsPid, threads: usize) -> bool {
     let t0 = Instant::now();
-    let (checked, when) = match take_checked(nspid) {
+    let (checked, when) = match take_checked(nspid.get()) {
         Some(((r, secs), waited)) => (
             r,
             format!("{secs:.3} s, from the dump's start; waited {waited:.3} s for it"),
         ),
         None => {
-            let r = gpusnap_image::verify_parent(dir, nspid, threads);
+            let r = gpusnap_image::verify_parent(dir, nspid.get(), threads);
             (r, format!("{:.3} s", t0.elapsed().as_secs_f64()))
         }
     };

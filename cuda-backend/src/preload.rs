@@ -24,6 +24,7 @@ use crate::agent::{AgentError, AgentSession, LentAllocation};
 use crate::datapath::{self, DataError, LoadStats};
 use crate::gpumap;
 use crate::keeper::{Keeper, KeeperError, KeeperKiller};
+use crate::pid::HostPid;
 use crate::staging::Staging;
 use gpusnap_config::Config;
 use gpusnap_image::{CheckpointPath, Manifest};
@@ -243,7 +244,7 @@ impl Preload {
     /// `Err`: the hand-over began and failed; the job must be killed.
     pub fn finish(
         self,
-        pid: i32,
+        pid: HostPid,
         m: &Manifest,
         targets: &BTreeMap<u32, [u8; 16]>,
         timeout: Duration,
@@ -328,7 +329,7 @@ fn load_into(keeper: &Keeper, job: &LoadJob) -> Result<(LoadStats, KeeperPhases)
 /// handed over.
 fn hand_over(
     keeper: &Keeper,
-    pid: i32,
+    pid: HostPid,
     m: &Manifest,
     timeout: Duration,
 ) -> Result<u32, PreloadError> {

@@ -17,7 +17,7 @@
 
 use crate::ProcessState;
 use crate::datapath::DumpData;
-use crate::pid::{NsPid, NsTid};
+use crate::pid::{HostPid, HostTid, NsPid, NsTid};
 use gpusnap_image::Manifest;
 
 /// Device data that lives only in gpusnap's image files while the process's memory is released:
@@ -236,10 +236,10 @@ pub struct SplitPlan {
 #[derive(Debug)]
 pub struct Tracked {
     /// Host pid (what hooks get).
-    pub pid: i32,
+    pub pid: HostPid,
     /// Pid inside the process's own pid namespace (what image names use).
     pub nspid: NsPid,
-    pub restore_tid: i32,
+    pub restore_tid: HostTid,
     /// Driver state found at PAUSE; a rollback returns the process to it.
     pub initial: ProcessState,
     pub phase: Phase,

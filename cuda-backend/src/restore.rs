@@ -35,7 +35,7 @@ pub enum RestoreError {
     #[error("the other threads of the process: {0}")]
     Stall(#[from] StallError),
     #[error("no gpusnap-agent thread in /proc/{pid}/task")]
-    NoAgentThread { pid: i32 },
+    NoAgentThread { pid: HostPid },
     #[error("{}{err}", nspid.map(|n| format!("nspid {n}: ")).unwrap_or_default())]
     GpuPlan {
         nspid: Option<u32>,
@@ -50,7 +50,7 @@ pub enum RestoreError {
     #[error(transparent)]
     Ctx(#[from] CtxError),
     #[error("the worker thread of pid {pid} panicked")]
-    WorkerPanicked { pid: i32 },
+    WorkerPanicked { pid: HostPid },
     #[error("the checksum pass panicked")]
     VerifyPanicked,
     #[error("the image failed its checksum pass; no GPU was touched")]
@@ -60,7 +60,7 @@ pub enum RestoreError {
          The manifest was changed after the dump or belongs to another dump; refused before anything was restored"
     )]
     ImageAgentMismatch {
-        pid: i32,
+        pid: HostPid,
         nspid: u32,
         image: &'static str,
         agent: &'static str,
@@ -179,7 +179,7 @@ impl RestoredProcess {
 }
 
 /// The outcome per host pid.
-pub type Restored = Vec<(i32, Result<RestoredProcess, RestoreError>)>;
+pub type Restored = Vec<(HostPid, Result<RestoredProcess, RestoreError>)>;
 
 /// Reads and checks every gpusnap manifest of the image dir: structure, sizes, headers, names;
 /// gpusnap files of a process without a manifest (a dump that did not finish) refuse them all.
@@ -554,7 +554,7 @@ impl RestoreRun {
 
     /// RESUME_DEVICES_LATE: the first call restores every GPU process of the image, in
     /// parallel; every call answers for its pid. `None`: not one of ours.
-    pub fn resume_devices_late(&mut self, pid: i32) -> Option<bool> {
+    pub fn resume_devices_late(&mut self, pid: HostPid) -> Option<bool> {
         if self.restored.is_none() {
             self.restored = Some(self.restore_all(pid));
             // Now, while CRIU's image directory is open (CRIU closes it before `exit`).
@@ -567,7 +567,7 @@ impl RestoreRun {
             .map(|(_, r)| r.is_ok())
     }
 
-    fn restore_all(&mut self, any_pid: i32) -> Restored {
+    fn restore_all(&mut self, any_pid: HostPid) -> Restored {
         // CRIU without POST_FORKING: the keepers' loads begin now, beside the control restores.
         self.start_loads();
         // Still before any GPU is touched.
@@ -577,14 +577,14 @@ impl RestoreRun {
             );
             self.drop_preloads();
             let nspids: Vec<NsPid> = self.manifests.keys().map(|&n| NsPid(n)).collect();
-            let found = find_restored(HostPid(any_pid), &nspids);
+            let found = find_restored(any_pid, &nspids);
             for (nspid, host) in &found {
                 kill(*host, *nspid);
             }
             // Answer -1 for every restored process of ours (and the pid asked about).
             let mut out: Restored = found
                 .into_values()
-                .map(|p| (p.get(), Err(RestoreError::DamagedImage)))
+                .map(|p| (p, Err(RestoreError::DamagedImage)))
                 .collect();
             if !out.iter().any(|(p, _)| *p == any_pid) {
                 out.push((any_pid, Err(e)));
@@ -597,11 +597,11 @@ impl RestoreRun {
             return vec![(any_pid, Err(e.into()))];
         }
         let nspids: Vec<NsPid> = self.manifests.keys().map(|&n| NsPid(n)).collect();
-        let found = find_restored(HostPid(any_pid), &nspids);
+        let found = find_restored(any_pid, &nspids);
         let mut items = Vec::new();
         for (nspid, m) in &self.manifests {
             match found.get(&NsPid(*nspid)) {
-                Some(host) => items.push((host.get(), m.clone())),
+                Some(&host) => items.push((host, m.clone())),
                 None => log::error!(
                     "no restored process has nspid {nspid}; its GPU state is not restored"
                 ),
@@ -631,8 +631,7 @@ impl RestoreRun {
                 log::error!(
                     "pid {p}: GPU restore failed: {e}. The process is killed rather than left running without its GPU state; the image is unchanged: fix the cause and restore again.{hint}"
                 );
-                let host = HostPid(*p);
-                kill(host, procfs::ns_pid(host).unwrap_or(NsPid(0)));
+                kill(*p, procfs::ns_pid(*p).unwrap_or(NsPid(0)));
             }
         }
         restored
@@ -701,7 +700,7 @@ fn every_chunk_device_hashed(m: &Manifest) -> bool {
 /// Kills a restored process whose GPU state cannot be brought back (CRIU holds it stopped),
 /// and reaps its threads ([`crate::reap`] says why: a container's PID 1 would hang CRIU).
 fn kill(pid: HostPid, nspid: NsPid) {
-    if let Err(e) = crate::reap::kill_and_reap(pid.get()) {
+    if let Err(e) = crate::reap::kill_and_reap(pid) {
         log::error!("pid {pid} (nspid {nspid}): {e}; it must not run: kill it by hand");
     }
 }
@@ -943,7 +942,7 @@ fn uuid_pairs(pairs: &[gpumap::Pair]) -> Result<Vec<(GpuUuid, GpuUuid)>, ParseGp
 /// Host pids of the restored processes our manifests describe. All restored tasks live in the
 /// pid namespace of `any_pid` (a pid CRIU handed us) and are stopped at this point.
 pub fn find_restored(any_pid: HostPid, nspids: &[NsPid]) -> HashMap<NsPid, HostPid> {
-    let want_ns = procfs::namespace(any_pid.get(), "pid").ok();
+    let want_ns = procfs::namespace(any_pid, "pid").ok();
     let mut out = HashMap::new();
     let Ok(pids) = procfs::processes() else {
         return out;
@@ -952,7 +951,6 @@ pub fn find_restored(any_pid: HostPid, nspids: &[NsPid]) -> HashMap<NsPid, HostP
         if procfs::namespace(pid, "pid").ok() != want_ns {
             continue;
         }
-        let pid = HostPid(pid);
         if let Ok(nspid) = procfs::ns_pid(pid)
             && nspids.contains(&nspid)
         {
@@ -965,7 +963,7 @@ pub fn find_restored(any_pid: HostPid, nspids: &[NsPid]) -> HashMap<NsPid, HostP
 /// One restored GPU process: its host pid, its manifest, and its hand-over if the keeper
 /// loads its data.
 pub struct RestoreItem {
-    pub pid: i32,
+    pub pid: HostPid,
     pub manifest: Manifest,
     pub preload: Option<Preload>,
 }
@@ -1044,7 +1042,7 @@ pub fn resume_all(ctx: &Ctx, items: &mut [RestoreItem], checks: datapath::ReadCh
         {
             let me = crate::sharing::Process {
                 pid,
-                nspid: m.nspid,
+                nspid: NsPid(m.nspid),
             };
             split.push(me);
             if p.ipc_imports {
@@ -1097,7 +1095,7 @@ fn has_data(m: &Manifest) -> bool {
 }
 
 /// Resumes the driver's restore thread (and the agent's).
-fn prepare(ctx: &Ctx, pid: i32, m: &Manifest) -> Result<Vec<RunningThread>, RestoreError> {
+fn prepare(ctx: &Ctx, pid: HostPid, m: &Manifest) -> Result<Vec<RunningThread>, RestoreError> {
     let restore_tid = ctx
         .api
         .restore_thread_id(pid)
@@ -1124,7 +1122,7 @@ fn prepare(ctx: &Ctx, pid: i32, m: &Manifest) -> Result<Vec<RunningThread>, Rest
 /// no data would let a process whose dump released its memory run without it. The agent, part
 /// of the restored process, knows whether its memory was released. Returns the agent's
 /// sharing hazard bits (`hazard::SHARING`, from the same `Hello`).
-fn image_matches_agent(ctx: &Ctx, pid: i32, m: &Manifest) -> Result<u32, RestoreError> {
+fn image_matches_agent(ctx: &Ctx, pid: HostPid, m: &Manifest) -> Result<u32, RestoreError> {
     // An image without data may come from a dump whose agent hung (it fell back to the driver
     // path), and such an agent may hang still: ask briefly.
     let wait = if has_data(m) {
@@ -1172,7 +1170,7 @@ fn image_matches_agent(ctx: &Ctx, pid: i32, m: &Manifest) -> Result<u32, Restore
 /// watches ([`stall::watch`]); any thread it let run is stopped again before the unlock.
 fn resume_one(
     ctx: &Ctx,
-    pid: i32,
+    pid: HostPid,
     m: &Manifest,
     pairs: &[gpumap::Pair],
     call: &DriverCall,

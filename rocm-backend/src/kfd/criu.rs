@@ -16,6 +16,7 @@ use super::sys::{
     KfdCriuDeviceBucket, KfdCriuOp, KfdIoctlCriuArgs,
 };
 use super::{KfdError, ProcessInfo, op_name};
+use crate::pid::HostPid;
 
 /// Most buffer objects, devices and private bytes accepted from a PROCESS_INFO (a guard
 /// against a wild answer, far above real processes).
@@ -189,10 +190,11 @@ pub fn restore(
 }
 
 /// RESUME: starts the queues of the restored KFD process `pid` (the caller's pid namespace).
-pub fn resume(dev: &dyn KfdDevice, kfd: BorrowedFd<'_>, pid: u32) -> Result<(), KfdError> {
+pub fn resume(dev: &dyn KfdDevice, kfd: BorrowedFd<'_>, pid: HostPid) -> Result<(), KfdError> {
     let mut args = KfdIoctlCriuArgs {
         op: KfdCriuOp::Resume as u32,
-        pid,
+        // The ioctl's u32: the same bits as the pid_t.
+        pid: pid.get() as u32,
         ..Default::default()
     };
     // SAFETY: no user pointers.
@@ -237,7 +239,7 @@ mod tests {
         let err = checkpoint(&RealKfd, f.as_fd(), &info).unwrap_err();
         assert!(err.to_string().contains("CHECKPOINT"), "{err}");
         assert!(unpause(&RealKfd, f.as_fd()).is_err());
-        assert!(resume(&RealKfd, f.as_fd(), 1).is_err());
+        assert!(resume(&RealKfd, f.as_fd(), HostPid(1)).is_err());
         let err = restore(&RealKfd, f.as_fd(), vec![], vec![], vec![], 0).unwrap_err();
         assert!(err.to_string().contains("RESTORE"), "{err}");
     }

@@ -34,6 +34,7 @@ use super::data::{self, BoSource, DataError, Written};
 use super::phase::{DumpPhase, ImpossibleMove};
 use crate::pid::{HostPid, NsPid};
 use crate::procfs;
+use gpusnap_proto::ForeignFd;
 
 /// Why one AMD process could not be checkpointed.
 #[derive(Debug, thiserror::Error)]
@@ -120,7 +121,7 @@ impl DumpError {
 struct Tracked {
     nspid: u32,
     /// The process's pid as this CRIU sees it (found by its open KFD file), for kills.
-    host_pid: Option<i32>,
+    host_pid: Option<HostPid>,
     phase: DumpPhase,
 }
 
@@ -142,11 +143,12 @@ pub struct AmdDump {
 /// The pid of the process (other than this one, and of namespace pid `nspid` when given) whose
 /// fd refers to the same open file as `fd`: found with `kcmp(KCMP_FILE)` over the fds that
 /// link to the same path.
-fn holder_of(fd: BorrowedFd<'_>, nspid: Option<u32>) -> Option<i32> {
-    let me = std::process::id() as i32;
-    let path = procfs::fd_target(me, fd.as_raw_fd()).ok()?;
+fn holder_of(fd: BorrowedFd<'_>, nspid: Option<u32>) -> Option<HostPid> {
+    let me = HostPid(std::process::id() as i32);
+    // Our own descriptor, as `/proc` names it.
+    let path = std::fs::read_link(format!("/proc/{me}/fd/{}", fd.as_raw_fd())).ok()?;
     for pid in procfs::processes().ok()? {
-        if pid == me || nspid.is_some_and(|n| procfs::ns_pid(HostPid(pid)).ok() != Some(NsPid(n))) {
+        if pid == me || nspid.is_some_and(|n| procfs::ns_pid(pid).ok() != Some(NsPid(n))) {
             continue;
         }
         let Ok(fds) = procfs::fd_numbers(pid) else {
@@ -160,11 +162,11 @@ fn holder_of(fd: BorrowedFd<'_>, nspid: Option<u32>) -> Option<i32> {
             let same = unsafe {
                 libc::syscall(
                     libc::SYS_kcmp,
-                    me,
-                    pid,
+                    me.get(),
+                    pid.get(),
                     0, // KCMP_FILE
                     fd.as_raw_fd() as libc::c_ulong,
-                    n as libc::c_ulong,
+                    n.get() as libc::c_ulong,
                 )
             } == 0;
             if same {
@@ -309,7 +311,7 @@ impl AmdDump {
     /// the first mapping gpusnap could not map again at restore.
     fn record_vmas(
         &self,
-        pid: i32,
+        pid: HostPid,
         ckpt: &KfdCheckpoint,
         gpus: &[KfdGpuRecord],
     ) -> Result<Vec<KfdVmaRecord>, DumpError> {
@@ -422,8 +424,8 @@ impl AmdDump {
         f.max(0) & (libc::O_ACCMODE | libc::O_NONBLOCK)
     }
 
-    fn nspid_of(host: Option<i32>) -> u32 {
-        host.and_then(|p| procfs::ns_pid(HostPid(p)).ok())
+    fn nspid_of(host: Option<HostPid>) -> u32 {
+        host.and_then(|p| procfs::ns_pid(p).ok())
             .map_or(0, NsPid::get)
     }
 
@@ -577,7 +579,7 @@ impl AmdDump {
             .map_err(DumpError::Proc)?
             .into_iter()
             .max()
-            .unwrap_or(0)
+            .map_or(0, ForeignFd::get)
             .max(0) as u32;
         // Map every content BO through its dma-buf.
         let mut maps: Vec<(usize, BoMapping)> = Vec::new();

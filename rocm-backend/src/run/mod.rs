@@ -136,7 +136,7 @@ impl AmdSide {
     }
 
     /// `RESUME_DEVICES_LATE`: `None` when `pid` is not a restored AMD process.
-    pub fn resume_devices_late(&mut self, pid: i32) -> Option<i32> {
+    pub fn resume_devices_late(&mut self, pid: crate::pid::HostPid) -> Option<i32> {
         let AmdSide::Restore(r) = self else {
             return None;
         };
@@ -182,7 +182,7 @@ impl gpusnap_host::Backend for AmdSide {
         AmdSide::update_vma_map(self, path, addr, old)
     }
 
-    fn resume_devices_late(&mut self, pid: i32) -> gpusnap_host::Answer {
+    fn resume_devices_late(&mut self, pid: crate::pid::HostPid) -> gpusnap_host::Answer {
         AmdSide::resume_devices_late(self, pid)
             .map_or(gpusnap_host::Answer::NotMine, gpusnap_host::Answer::of_rc)
     }

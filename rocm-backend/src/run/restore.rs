@@ -78,7 +78,7 @@ pub enum RestoreError {
     NoState(u32),
     #[error("RESTORE_EXT_FILE ran in pid {pid} (namespace pid {found:?}), not in process {nspid}")]
     WrongTask {
-        pid: i32,
+        pid: HostPid,
         found: Option<NsPid>,
         nspid: u32,
     },
@@ -197,7 +197,7 @@ struct Translated {
 struct TaskFiles {
     nspid: u32,
     /// The task that opened them (`getpid()`).
-    pid: i32,
+    pid: HostPid,
     /// Lowest fd number used.
     base: i32,
     kfd: Option<OwnedFd>,
@@ -336,7 +336,7 @@ impl AmdRestore {
     /// The task's files (made on first use in this task).
     fn task_files(&mut self, nspid: u32) -> &mut TaskFiles {
         // SAFETY: getpid has no preconditions.
-        let me = unsafe { libc::getpid() };
+        let me = HostPid(unsafe { libc::getpid() });
         if self.task.as_ref().is_none_or(|t| t.pid != me) {
             let max_fd = self.plans.get(&nspid).map_or(0, |p| p.state.max_fd);
             // A version 1 image does not say; 1024 is above what most processes hold.
@@ -455,8 +455,8 @@ impl AmdRestore {
             return Err(RestoreError::NoState(nspid));
         }
         // SAFETY: getpid has no preconditions.
-        let me = unsafe { libc::getpid() };
-        match crate::procfs::ns_pid(HostPid(me)) {
+        let me = HostPid(unsafe { libc::getpid() });
+        match crate::procfs::ns_pid(me) {
             Ok(n) if n == NsPid(nspid) => {}
             other => {
                 return Err(RestoreError::WrongTask {
@@ -618,7 +618,7 @@ impl AmdRestore {
     ) -> Option<Result<(u64, OwnedFd), MapError>> {
         self.classify_path(path)?;
         // SAFETY: getpid has no preconditions.
-        let me = unsafe { libc::getpid() };
+        let me = HostPid(unsafe { libc::getpid() });
         let named = |why: MapWhy| MapError {
             addr,
             path: path.to_owned(),
@@ -665,8 +665,8 @@ impl AmdRestore {
     /// `RESUME_DEVICES_LATE`: `None` when `pid` is not a restored AMD process. The process is
     /// made to die with CRIU first; a RESUME that fails kills and reaps it (CRIU 4.1 and 4.2
     /// go on with the restore whatever this hook answers).
-    pub fn resume_devices_late(&mut self, pid: i32) -> Option<i32> {
-        let nspid = crate::procfs::ns_pid(HostPid(pid)).ok()?.get();
+    pub fn resume_devices_late(&mut self, pid: HostPid) -> Option<i32> {
+        let nspid = crate::procfs::ns_pid(pid).ok()?.get();
         if !self.plans.contains_key(&nspid) {
             return None;
         }
@@ -696,7 +696,7 @@ impl AmdRestore {
         }
     }
 
-    fn resume(&mut self, pid: i32, nspid: u32) -> Result<(), ResumeError> {
+    fn resume(&mut self, pid: HostPid, nspid: u32) -> Result<(), ResumeError> {
         crate::hold::kill_if_criu_dies(pid, &[])?;
         crate::fault::kill_criu_at("amd-restore-resume");
         let kfd = match &self.resume_kfd {
@@ -705,7 +705,7 @@ impl AmdRestore {
                 .resume_kfd
                 .insert(self.dev.open_kfd().map_err(ResumeError::OpenKfd)?),
         };
-        criu::resume(self.dev.as_ref(), kfd.as_fd(), pid as u32).map_err(ResumeError::Resume)?;
+        criu::resume(self.dev.as_ref(), kfd.as_fd(), pid).map_err(ResumeError::Resume)?;
         if let Some(p) = self.plans.get_mut(&nspid) {
             p.phase.resumed()?;
         }

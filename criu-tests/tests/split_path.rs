@@ -116,8 +116,11 @@ impl Split {
     /// The dump's manifest of the (first) workload process.
     fn manifest(&self) -> gpusnap_image::Manifest {
         let dir = fs::File::open(&self.w.images).expect("open image dir");
-        gpusnap_image::read_manifest(std::os::fd::AsFd::as_fd(&dir), self.vmm.pid() as u32)
-            .expect("the dump's manifest")
+        gpusnap_image::read_manifest(
+            std::os::fd::AsFd::as_fd(&dir),
+            gpusnap_proto::pid::NsPid(self.vmm.pid() as u32),
+        )
+        .expect("the dump's manifest")
     }
 
     /// Writes `m` as its process's manifest, sealed again with a valid checksum but without the

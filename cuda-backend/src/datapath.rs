@@ -797,8 +797,8 @@ fn writer<R: Request>(
                     // Into the space held for the drain, where there is some: the file's
                     // writes stay inside it, and it is named only once whole.
                     let mut f = match out.reserved {
-                        Some(r) => DataFileWriter::create_in(r, out.nspid.get(), index),
-                        None => DataFileWriter::create(out.dir, out.nspid.get(), index),
+                        Some(r) => DataFileWriter::create_in(r, out.nspid, index),
+                        None => DataFileWriter::create(out.dir, out.nspid, index),
                     }
                     .map_err(DataError::from)?;
                     f.set_sync(out.durable);

@@ -1123,9 +1123,9 @@ fn asynchronous(
             let words = format!(
                 "The GPU data of pid {pid} is still being written into this directory after an asynchronous `criu dump -R`; it is not a checkpoint until this file is gone (`gpusnap wait DIR`)."
             );
-            crate::handover::write_pending(ctx.image_dir(), t.nspid.get(), &words).map_err(
-                |e| DumpError::HandOver(crate::handover::HandOverError::Pending(e.to_string())),
-            )?;
+            crate::handover::write_pending(ctx.image_dir(), t.nspid, &words).map_err(|e| {
+                DumpError::HandOver(crate::handover::HandOverError::Pending(e.to_string()))
+            })?;
             log::info!(
                 "pid {pid}: asynchronous -R: {n} allocations ({:.2} GiB) copied device to device into the keeper's snapshot in {:.3} s, drained after CRIU returns: {}",
                 gib(bytes),
@@ -1350,7 +1350,7 @@ fn session_agent_tid(t: &Tracked) -> Result<HostTid, DumpError> {
 
 /// Removes this process's gpusnap files (a split attempt that was abandoned, or a failed dump).
 pub fn remove_partial_files(ctx: &Ctx, t: &Tracked) {
-    if let Err(e) = gpusnap_image::remove_process_files(ctx.image_dir(), t.nspid.get()) {
+    if let Err(e) = gpusnap_image::remove_process_files(ctx.image_dir(), t.nspid) {
         log::warn!("pid {}: removing partial image files: {e}", t.pid);
     }
 }
@@ -1709,7 +1709,7 @@ pub fn manifest_of(
     let (driver_version, gpus) = driver;
     Manifest {
         format_version: gpusnap_image::FORMAT_VERSION,
-        nspid: nspid.get(),
+        nspid,
         path,
         created_unix_s: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -1886,7 +1886,7 @@ impl DumpRun {
                     Ok(drainer) => log::info!(
                         "pid {}: CRIU returns now; drainer pid {drainer} writes the image from the keeper's snapshot, then the manifest, then removes {}",
                         t.pid,
-                        gpusnap_image::pending_marker_name(t.nspid.get())
+                        gpusnap_image::pending_marker_name(t.nspid)
                     ),
                     Err(e) => {
                         failed = true;
@@ -1957,11 +1957,10 @@ pub const NOT_A_CHECKPOINT: &str = "NOT A CHECKPOINT";
 /// gpusnap files were: `criu restore`, `gpusnap verify` and `inspect` then refuse the
 /// directory as an unfinished dump, naming that file.
 fn mark_not_a_checkpoint(ctx: &Ctx, t: &Tracked, cause: &str) {
-    let name = gpusnap_image::failed_marker_name(t.nspid.get());
+    let name = gpusnap_image::failed_marker_name(t.nspid);
     let text = format!(
         "This directory is NOT a usable checkpoint: the GPU data of pid {} (namespace pid {}) could not be written after CRIU's own part had succeeded, so CRIU reported success.\nCause: {cause}\nDump the job again.\n",
-        t.pid,
-        t.nspid.get()
+        t.pid, t.nspid
     );
     let written = crate::handover::write_new_marker(ctx.image_dir(), &name, &text);
     if let Err(e) = written {
@@ -2081,7 +2080,7 @@ fn run_drainer(
 ) -> i32 {
     detach_stdio();
     let pid = t.pid;
-    let nspid = t.nspid.get();
+    let nspid = t.nspid;
     let dir = ctx.image_dir();
     let pending = gpusnap_image::pending_marker_name(nspid);
     let words = format!(

@@ -477,9 +477,9 @@ pub fn write_new_marker(dir: BorrowedFd<'_>, name: &str, text: &str) -> std::io:
 
 /// Writes (or replaces, atomically) the PENDING marker of process `nspid`, naming this
 /// process as the one that writes the data ([`gpusnap_image::pending_text`]).
-pub fn write_pending(dir: BorrowedFd<'_>, nspid: u32, words: &str) -> std::io::Result<()> {
+pub fn write_pending(dir: BorrowedFd<'_>, nspid: NsPid, words: &str) -> std::io::Result<()> {
     // SAFETY: getpid has no preconditions.
-    let me = unsafe { libc::getpid() };
+    let me = HostPid(unsafe { libc::getpid() });
     let start = std::fs::read_to_string(format!("/proc/{me}/stat"))
         .ok()
         .and_then(|s| crate::procfs::Stat::parse(&s).and_then(|s| s.start_time()))

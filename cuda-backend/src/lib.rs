@@ -68,7 +68,7 @@ pub use gpusnap_host::{criu, fault, hold, joblock, logger, pid, procfs, ptrace, 
 pub(crate) fn test_manifest() -> gpusnap_image::Manifest {
     gpusnap_image::Manifest {
         format_version: 1,
-        nspid: 1,
+        nspid: gpusnap_host::pid::NsPid(1),
         path: gpusnap_image::CheckpointPath::Split,
         created_unix_s: 0,
         gpusnap_version: String::new(),

@@ -22,8 +22,8 @@ type Checked = (Result<Option<VerifyReport>, ImageError>, f64);
 #[derive(Default)]
 struct Checks {
     /// Processes whose parent the thread has still to check.
-    pending: BTreeSet<u32>,
-    results: HashMap<u32, Checked>,
+    pending: BTreeSet<NsPid>,
+    results: HashMap<NsPid, Checked>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -74,7 +74,7 @@ pub fn start_checks(dir: BorrowedFd<'_>, incremental: bool, threads: usize) {
     }
 }
 
-fn check_all(dir: &OwnedFd, nspids: &[u32], threads: usize) {
+fn check_all(dir: &OwnedFd, nspids: &[NsPid], threads: usize) {
     crate::signals::block_all();
     crate::logger::defer_this_thread();
     for &nspid in nspids {
@@ -91,7 +91,7 @@ fn check_all(dir: &OwnedFd, nspids: &[u32], threads: usize) {
 
 /// `nspid`'s result of [`start_checks`] (waiting for it if need be), taken once; None when none
 /// were started or they hold none for it.
-fn take_checked(nspid: u32) -> Option<(Checked, f64)> {
+fn take_checked(nspid: NsPid) -> Option<(Checked, f64)> {
     let t0 = Instant::now();
     let mut g = checks();
     // Bounded by the thread's life: one that stopped without publishing (a panic) leaves the
@@ -147,7 +147,7 @@ pub fn parent_candidate(
     incremental: bool,
 ) -> Option<gpusnap_image::DedupIndex> {
     use gpusnap_image::ParentImage;
-    let found = gpusnap_image::parent_for_dedup(dir, nspid.get(), allocations);
+    let found = gpusnap_image::parent_for_dedup(dir, nspid, allocations);
     let index = match found {
         ParentImage::None => return None,
         _ if !incremental => {
@@ -183,13 +183,13 @@ pub fn parent_candidate(
 /// Logs the outcome; false (damaged, or gone) means nothing of the parent may be referenced.
 pub fn parent_checked(dir: BorrowedFd<'_>, pid: HostPid, nspid: NsPid, threads: usize) -> bool {
     let t0 = Instant::now();
-    let (checked, when) = match take_checked(nspid.get()) {
+    let (checked, when) = match take_checked(nspid) {
         Some(((r, secs), waited)) => (
             r,
             format!("{secs:.3} s, from the dump's start; waited {waited:.3} s for it"),
         ),
         None => {
-            let r = gpusnap_image::verify_parent(dir, nspid.get(), threads);
+            let r = gpusnap_image::verify_parent(dir, nspid, threads);
             (r, format!("{:.3} s", t0.elapsed().as_secs_f64()))
         }
     };

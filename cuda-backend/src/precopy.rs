@@ -137,13 +137,13 @@ pub fn precopy(
         AgentSession::connect(pid, cfg.agent_timeout())?.ok_or(PreCopyError::NoAgent { pid })?;
     session.hello_intact()?;
     let before = session.list()?;
-    let (index, parent_unused) =
-        match gpusnap_image::parent_for_dedup(dir.as_fd(), nspid.get(), &before) {
-            gpusnap_image::ParentImage::None => (None, None),
-            _ if !cfg.incremental => (None, Some("incremental = false".to_owned())),
-            gpusnap_image::ParentImage::Usable(i) => (Some(i), None),
-            gpusnap_image::ParentImage::Unusable(why) => (None, Some(why)),
-        };
+    let (index, parent_unused) = match gpusnap_image::parent_for_dedup(dir.as_fd(), nspid, &before)
+    {
+        gpusnap_image::ParentImage::None => (None, None),
+        _ if !cfg.incremental => (None, Some("incremental = false".to_owned())),
+        gpusnap_image::ParentImage::Usable(i) => (Some(i), None),
+        gpusnap_image::ParentImage::Unusable(why) => (None, Some(why)),
+    };
     let ring = RingShape::for_dump(
         cfg.staging_slot_bytes(),
         cfg.staging_slots as usize,
@@ -210,7 +210,7 @@ pub fn precopy(
     let (data, allocations) = match written {
         Ok(w) => w,
         Err(e) => {
-            if let Err(r) = gpusnap_image::remove_process_files(dir.as_fd(), nspid.get()) {
+            if let Err(r) = gpusnap_image::remove_process_files(dir.as_fd(), nspid) {
                 log::warn!("removing the round's partial files: {r}");
             }
             return Err(e);
@@ -251,7 +251,7 @@ fn open_round_dir(
             err,
         })?
         .iter()
-        .any(|(kind, _)| kind.nspid() == Some(nspid.get()));
+        .any(|(kind, _)| kind.nspid() == Some(nspid));
     if ours {
         return Err(PreCopyError::NotEmpty {
             dir: images.to_owned(),

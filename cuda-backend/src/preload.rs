@@ -192,7 +192,7 @@ impl Preload {
             &cfg.keeper,
             Some(libcuda.as_path()),
             gpus,
-            crate::keeper::JobPid::Namespace(crate::pid::NsPid(m.nspid)),
+            crate::keeper::JobPid::Namespace(m.nspid),
             Duration::from_millis(cfg.agent_timeout_ms),
         )?;
         Ok(Preload::Started(keeper))
@@ -382,7 +382,7 @@ mod tests {
 
     fn manifest() -> Manifest {
         Manifest {
-            nspid: 7,
+            nspid: crate::pid::NsPid(7),
             path: CheckpointPath::Split,
             gpus: vec![GpuRecord {
                 ordinal: 0,

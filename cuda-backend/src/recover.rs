@@ -203,15 +203,13 @@ pub fn recover(pid: HostPid, images: Option<&Path>) -> Result<String, RecoverErr
             // reloaded once the lent memory is mapped back.
             lent: Some(Box::new(crate::handover::Lent::found_kept(
                 images
-                    .and_then(|_| {
-                        gpusnap_image::read_manifest(ctx.image_dir(), nspid().ok()?.get()).ok()
-                    })
+                    .and_then(|_| gpusnap_image::read_manifest(ctx.image_dir(), nspid().ok()?).ok())
                     .filter(|m| m.allocations.iter().any(|a| a.moved)),
             ))),
         })
     } else if released {
         let nspid = nspid()?;
-        let manifest = gpusnap_image::read_manifest(ctx.image_dir(), nspid.get())
+        let manifest = gpusnap_image::read_manifest(ctx.image_dir(), nspid)
             .map_err(|err| RecoverError::Manifest { nspid, err })?;
         Some(MovedData {
             manifest: Box::new(manifest),

@@ -38,7 +38,7 @@ pub enum RestoreError {
     NoAgentThread { pid: HostPid },
     #[error("{}{err}", nspid.map(|n| format!("nspid {n}: ")).unwrap_or_default())]
     GpuPlan {
-        nspid: Option<u32>,
+        nspid: Option<NsPid>,
         err: gpumap::PlanError,
     },
     #[error("cannot restore onto the planned GPUs: {0}")]
@@ -61,7 +61,7 @@ pub enum RestoreError {
     )]
     ImageAgentMismatch {
         pid: HostPid,
-        nspid: u32,
+        nspid: NsPid,
         image: &'static str,
         agent: &'static str,
     },
@@ -120,7 +120,7 @@ pub enum RestorePhase {
 /// One restored process's timings, for the log and `gpusnap-stats.json`.
 #[derive(Debug)]
 pub struct RestoredProcess {
-    pub nspid: u32,
+    pub nspid: NsPid,
     pub path: CheckpointPath,
     pub gpu_pairs: Vec<gpumap::Pair>,
     pub control_s: f64,
@@ -156,7 +156,7 @@ impl RestoredProcess {
         }
         timings["total"] = serde_json::json!(self.total_s);
         let mut v = serde_json::json!({
-            "nspid": self.nspid,
+            "nspid": self.nspid.get(),
             "path": if self.path == CheckpointPath::Split { "split" } else { "transparent" },
             "gpu_pairs": self.gpu_pairs.iter().map(|p| format!("{}={}", p.old, p.new)).collect::<Vec<_>>(),
             "timings_s": timings,
@@ -184,7 +184,7 @@ pub type Restored = Vec<(HostPid, Result<RestoredProcess, RestoreError>)>;
 /// Reads and checks every gpusnap manifest of the image dir: structure, sizes, headers, names;
 /// gpusnap files of a process without a manifest (a dump that did not finish) refuse them all.
 /// Runs in `init`, so a truncated or foreign image fails the restore before anything is created.
-pub fn read_manifests(dir: BorrowedFd<'_>) -> Result<HashMap<u32, Manifest>, ImageError> {
+pub fn read_manifests(dir: BorrowedFd<'_>) -> Result<HashMap<NsPid, Manifest>, ImageError> {
     // AMD (kfd-path) processes are restored by the ROCm backend.
     Ok(gpusnap_image::read_manifests(dir)?
         .into_iter()
@@ -264,7 +264,7 @@ enum Checksums {
 pub struct RestoreRun {
     cfg: Config,
     dir: BorrowedFd<'static>,
-    manifests: HashMap<u32, Manifest>,
+    manifests: HashMap<NsPid, Manifest>,
     checksums: Checksums,
     /// `cuInit` started in POST_FORKING (4.2+) so that it overlaps the rest of CRIU's restore;
     /// joined before the first driver call needs it, or in `exit`.
@@ -272,10 +272,10 @@ pub struct RestoreRun {
     ctx: Option<Ctx>,
     /// Processes whose data the keeper loads beside CRIU's restore, by nspid
     /// ([`crate::preload`]); taken by the first RESUME_DEVICES_LATE.
-    preloads: HashMap<u32, Preload>,
+    preloads: HashMap<NsPid, Preload>,
     /// The GPU plan `init` made from the kernel driver's listing, by nspid (what the keepers
     /// load onto; checked against the final plan before any hand-over).
-    early_plan: HashMap<u32, Vec<gpumap::Pair>>,
+    early_plan: HashMap<NsPid, Vec<gpumap::Pair>>,
     /// Filled by the first RESUME_DEVICES_LATE, which restores every process.
     restored: Option<Restored>,
 }
@@ -417,7 +417,7 @@ impl RestoreRun {
     /// `init`: a keeper for each process whose image can be handed over (only processes are
     /// started here: no thread may live while CRIU forks).
     fn start_keepers(&mut self) {
-        let mut nspids: Vec<u32> = self.manifests.keys().copied().collect();
+        let mut nspids: Vec<NsPid> = self.manifests.keys().copied().collect();
         nspids.sort_unstable();
         for nspid in nspids {
             let m = &self.manifests[&nspid];
@@ -576,7 +576,7 @@ impl RestoreRun {
                 "restore refused: {e}; no GPU was touched. The restored processes are killed rather than left without their GPU state"
             );
             self.drop_preloads();
-            let nspids: Vec<NsPid> = self.manifests.keys().map(|&n| NsPid(n)).collect();
+            let nspids: Vec<NsPid> = self.manifests.keys().copied().collect();
             let found = find_restored(any_pid, &nspids);
             for (nspid, host) in &found {
                 kill(*host, *nspid);
@@ -596,11 +596,11 @@ impl RestoreRun {
             self.drop_preloads();
             return vec![(any_pid, Err(e.into()))];
         }
-        let nspids: Vec<NsPid> = self.manifests.keys().map(|&n| NsPid(n)).collect();
+        let nspids: Vec<NsPid> = self.manifests.keys().copied().collect();
         let found = find_restored(any_pid, &nspids);
         let mut items = Vec::new();
         for (nspid, m) in &self.manifests {
-            match found.get(&NsPid(*nspid)) {
+            match found.get(nspid) {
                 Some(&host) => items.push((host, m.clone())),
                 None => log::error!(
                     "no restored process has nspid {nspid}; its GPU state is not restored"
@@ -743,9 +743,9 @@ fn numbered(v: &[NodeMismatch]) -> String {
 /// library) and the GPUs ([`early_gpu_check`]: models, UUIDs, `device_map`). On success, the
 /// early GPU plan.
 pub fn node_check(
-    manifests: &HashMap<u32, Manifest>,
+    manifests: &HashMap<NsPid, Manifest>,
     cfg: &Config,
-) -> Result<HashMap<u32, Vec<gpumap::Pair>>, NodeRefusal> {
+) -> Result<HashMap<NsPid, Vec<gpumap::Pair>>, NodeRefusal> {
     let mut ms: Vec<&Manifest> = manifests.values().collect();
     ms.sort_by_key(|m| m.nspid);
     let node_kernel = crate::driver::stack::kernel_driver_version();
@@ -777,18 +777,18 @@ pub fn node_check(
 /// On a host without MIG instances such a target is refused here, naming the host's GPUs.
 /// Every process's problem is returned (one per process; one per unlisted target).
 pub fn early_gpu_check(
-    manifests: &HashMap<u32, Manifest>,
+    manifests: &HashMap<NsPid, Manifest>,
     device_map: &[(String, String)],
-) -> Result<HashMap<u32, Vec<gpumap::Pair>>, Vec<RestoreError>> {
+) -> Result<HashMap<NsPid, Vec<gpumap::Pair>>, Vec<RestoreError>> {
     early_gpu_check_in(&crate::host_gpus::proc_dir(), manifests, device_map)
 }
 
 /// [`early_gpu_check`] against the listing in `dir`.
 fn early_gpu_check_in(
     dir: &std::path::Path,
-    manifests: &HashMap<u32, Manifest>,
+    manifests: &HashMap<NsPid, Manifest>,
     device_map: &[(String, String)],
-) -> Result<HashMap<u32, Vec<gpumap::Pair>>, Vec<RestoreError>> {
+) -> Result<HashMap<NsPid, Vec<gpumap::Pair>>, Vec<RestoreError>> {
     let none = HashMap::new();
     if manifests
         .values()
@@ -1042,7 +1042,7 @@ pub fn resume_all(ctx: &Ctx, items: &mut [RestoreItem], checks: datapath::ReadCh
         {
             let me = crate::sharing::Process {
                 pid,
-                nspid: NsPid(m.nspid),
+                nspid: m.nspid,
             };
             split.push(me);
             if p.ipc_imports {
@@ -1335,7 +1335,7 @@ mod tests {
 
     fn manifest(gpus: Vec<GpuRecord>) -> Manifest {
         Manifest {
-            nspid: 7,
+            nspid: NsPid(7),
             gpus,
             ..crate::test_manifest()
         }
@@ -1379,14 +1379,16 @@ mod tests {
             "Model: NVIDIA A100\nGPU UUID: GPU-00000000-0000-0000-0000-0000000000bb\n",
         )
         .unwrap();
-        let one = |name: &str| HashMap::from([(7, manifest(vec![gpu(&"a".repeat(32), name)]))]);
+        let one =
+            |name: &str| HashMap::from([(NsPid(7), manifest(vec![gpu(&"a".repeat(32), name)]))]);
         let e = early_gpu_check_in(&dir, &one("NVIDIA H200"), &[]).unwrap_err()[0].to_string();
         assert!(e.contains("is not on this host"), "{e}");
         assert!(early_gpu_check_in(&dir, &one("NVIDIA H100 80GB HBM3 MIG 1g.10gb"), &[]).is_ok());
         let map = [("a".repeat(32), "0".repeat(30) + "bb")];
         let e = early_gpu_check_in(&dir, &one("NVIDIA H200"), &map).unwrap_err()[0].to_string();
         assert!(e.contains("the GPU model must be the same"), "{e}");
-        let same = |name: &str| HashMap::from([(7, manifest(vec![gpu(&"a".repeat(32), name)]))]);
+        let same =
+            |name: &str| HashMap::from([(NsPid(7), manifest(vec![gpu(&"a".repeat(32), name)]))]);
         assert!(early_gpu_check_in(&dir, &same("NVIDIA A100"), &map).is_ok());
         let unlisted = [("a".repeat(32), "c".repeat(32))];
         // No MIG instance on this host: the unlisted target is no GPU of it, refused now, named

@@ -60,7 +60,7 @@ impl From<HostPid> for HostTid {
 }
 
 impl NsPid {
-    /// The number, as the image crate's functions and records take it.
+    /// The number, for a file name, a record or the wire (where it is stored bare).
     pub fn get(self) -> u32 {
         self.0
     }

@@ -310,7 +310,7 @@ mod tests {
         let two = [
             m.clone(),
             Manifest {
-                nspid: 8,
+                nspid: crate::pid::NsPid(8),
                 ..m.clone()
             },
         ];

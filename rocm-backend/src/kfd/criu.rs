@@ -16,7 +16,7 @@ use super::sys::{
     KfdCriuDeviceBucket, KfdCriuOp, KfdIoctlCriuArgs,
 };
 use super::{KfdError, ProcessInfo, op_name};
-use crate::pid::HostPid;
+use crate::pid::{HostPid, NsPid};
 
 /// Most buffer objects, devices and private bytes accepted from a PROCESS_INFO (a guard
 /// against a wild answer, far above real processes).
@@ -47,7 +47,7 @@ pub fn process_info(dev: &dyn KfdDevice, kfd: BorrowedFd<'_>) -> Result<ProcessI
     // SAFETY: no user pointers (all null); PROCESS_INFO dereferences none.
     unsafe { dev.criu_op(kfd, &mut args) }.map_err(ioctl_error(KfdCriuOp::ProcessInfo))?;
     Ok(ProcessInfo {
-        pid: args.pid,
+        pid: NsPid(args.pid),
         num_devices: args.num_devices,
         num_bos: args.num_bos,
         num_objects: args.num_objects,
@@ -230,7 +230,7 @@ mod tests {
         assert!(err.to_string().contains("PROCESS_INFO"), "{err}");
         assert!(err.to_string().contains("not a KFD device"), "{err}");
         let info = ProcessInfo {
-            pid: 1,
+            pid: NsPid(1),
             num_devices: 1,
             num_bos: 2,
             num_objects: 0,
@@ -248,7 +248,7 @@ mod tests {
     fn wild_sizes_are_refused_before_any_call() {
         let f = std::fs::File::open("/dev/null").unwrap();
         let info = ProcessInfo {
-            pid: 1,
+            pid: NsPid(1),
             num_devices: 1,
             num_bos: u32::MAX,
             num_objects: 0,

@@ -119,7 +119,7 @@ impl DumpError {
 }
 
 struct Tracked {
-    nspid: u32,
+    nspid: NsPid,
     /// The process's pid as this CRIU sees it (found by its open KFD file), for kills.
     host_pid: Option<HostPid>,
     phase: DumpPhase,
@@ -143,12 +143,12 @@ pub struct AmdDump {
 /// The pid of the process (other than this one, and of namespace pid `nspid` when given) whose
 /// fd refers to the same open file as `fd`: found with `kcmp(KCMP_FILE)` over the fds that
 /// link to the same path.
-fn holder_of(fd: BorrowedFd<'_>, nspid: Option<u32>) -> Option<HostPid> {
+fn holder_of(fd: BorrowedFd<'_>, nspid: Option<NsPid>) -> Option<HostPid> {
     let me = HostPid(std::process::id() as i32);
     // Our own descriptor, as `/proc` names it.
     let path = std::fs::read_link(format!("/proc/{me}/fd/{}", fd.as_raw_fd())).ok()?;
     for pid in procfs::processes().ok()? {
-        if pid == me || nspid.is_some_and(|n| procfs::ns_pid(pid).ok() != Some(NsPid(n))) {
+        if pid == me || nspid.is_some_and(|n| procfs::ns_pid(pid).ok() != Some(n)) {
             continue;
         }
         let Ok(fds) = procfs::fd_numbers(pid) else {
@@ -195,7 +195,12 @@ impl Checkpointed<'_> {
     }
 
     /// The manifest of the process: every content BO an allocation, every chunk written.
-    fn manifest(&self, nspid: u32, written: &Written, timings: BTreeMap<String, f64>) -> Manifest {
+    fn manifest(
+        &self,
+        nspid: NsPid,
+        written: &Written,
+        timings: BTreeMap<String, f64>,
+    ) -> Manifest {
         let v = self.version;
         let mut m = Manifest::begin(
             nspid,
@@ -236,7 +241,7 @@ impl Checkpointed<'_> {
     }
 
     /// The KFD state file of the process.
-    fn state(&self, nspid: u32, vmas: Vec<KfdVmaRecord>, max_fd: u32) -> KfdState {
+    fn state(&self, nspid: NsPid, vmas: Vec<KfdVmaRecord>, max_fd: u32) -> KfdState {
         KfdState {
             format_version: gpusnap_image::KFD_FORMAT_VERSION,
             nspid,
@@ -424,9 +429,9 @@ impl AmdDump {
         f.max(0) & (libc::O_ACCMODE | libc::O_NONBLOCK)
     }
 
-    fn nspid_of(host: Option<HostPid>) -> u32 {
+    fn nspid_of(host: Option<HostPid>) -> NsPid {
         host.and_then(|p| procfs::ns_pid(p).ok())
-            .map_or(0, NsPid::get)
+            .unwrap_or(NsPid(0))
     }
 
     fn dump_render(
@@ -470,7 +475,7 @@ impl AmdDump {
 
     fn dump_kfd(&mut self, dir: BorrowedFd<'_>, fd: BorrowedFd<'_>, id: u32) -> i32 {
         let mut t = Tracked {
-            nspid: 0,
+            nspid: NsPid(0),
             host_pid: None,
             phase: DumpPhase::Untouched,
         };

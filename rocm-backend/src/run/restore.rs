@@ -60,7 +60,7 @@ pub enum Refused {
     },
     #[error("nspid {nspid}: no GPU here can take the place of {why} ({device})")]
     NoGpu {
-        nspid: u32,
+        nspid: NsPid,
         #[source]
         why: crate::gpumatch::NoStandIn,
         device: String,
@@ -75,12 +75,12 @@ pub enum Refused {
 #[derive(Debug, thiserror::Error)]
 pub enum RestoreError {
     #[error("the image has no KFD state for process {0}")]
-    NoState(u32),
+    NoState(NsPid),
     #[error("RESTORE_EXT_FILE ran in pid {pid} (namespace pid {found:?}), not in process {nspid}")]
     WrongTask {
         pid: HostPid,
         found: Option<NsPid>,
-        nspid: u32,
+        nspid: NsPid,
     },
     #[error(transparent)]
     Kfd(#[from] KfdError),
@@ -128,7 +128,7 @@ pub enum MapWhy {
     #[error(
         "the image of nspid {0} records no such mapping (written by a gpusnap that did not record device mappings, or damaged)"
     )]
-    NotRecorded(u32),
+    NotRecorded(NsPid),
     #[error("RESTORE gave its {0} an offset that does not fit the mapping")]
     Offset(String),
     #[error("its file is no longer open in this task")]
@@ -195,7 +195,7 @@ struct Translated {
 /// they are closed once every recorded mapping of the task was handed out. CRIU 4.1/4.2 take
 /// ownership of the fd `UPDATE_VMA_MAP` returns, so each answer is a fresh dup.
 struct TaskFiles {
-    nspid: u32,
+    nspid: NsPid,
     /// The task that opened them (`getpid()`).
     pid: HostPid,
     /// Lowest fd number used.
@@ -229,7 +229,7 @@ pub(super) fn end_restored_task() -> ! {
 pub struct AmdRestore {
     dev: Box<dyn KfdDevice>,
     cfg: Config,
-    plans: BTreeMap<u32, Plan>,
+    plans: BTreeMap<NsPid, Plan>,
     /// A KFD file of CRIU's own, for RESUME (which names its process by pid).
     resume_kfd: Option<OwnedFd>,
     /// In a restored task: its files for device mappings.
@@ -334,7 +334,7 @@ impl AmdRestore {
     }
 
     /// The task's files (made on first use in this task).
-    fn task_files(&mut self, nspid: u32) -> &mut TaskFiles {
+    fn task_files(&mut self, nspid: NsPid) -> &mut TaskFiles {
         // SAFETY: getpid has no preconditions.
         let me = HostPid(unsafe { libc::getpid() });
         if self.task.as_ref().is_none_or(|t| t.pid != me) {
@@ -358,7 +358,7 @@ impl AmdRestore {
     }
 
     /// The task's render-node file of local minor `minor`, opened once.
-    fn render_file(&mut self, nspid: u32, minor: u32) -> Result<BorrowedFd<'_>, RestoreError> {
+    fn render_file(&mut self, nspid: NsPid, minor: u32) -> Result<BorrowedFd<'_>, RestoreError> {
         let path = self.dev.render_path(minor);
         let t = self.task_files(nspid);
         if !t.renders.contains_key(&minor) {
@@ -373,7 +373,7 @@ impl AmdRestore {
     }
 
     /// The local GPU standing in for user gpu_id `gpu_id` of process `nspid`.
-    fn local_gpu(&self, nspid: u32, gpu_id: u32) -> Option<&Gpu> {
+    fn local_gpu(&self, nspid: NsPid, gpu_id: u32) -> Option<&Gpu> {
         let p = self.plans.get(&nspid)?;
         let i = p.state.gpu_index(gpu_id)?;
         p.local.get(i)
@@ -448,7 +448,7 @@ impl AmdRestore {
     fn restore_process(
         &mut self,
         dir: BorrowedFd<'_>,
-        nspid: u32,
+        nspid: NsPid,
     ) -> Result<OwnedFd, RestoreError> {
         let t0 = Instant::now();
         if !self.plans.contains_key(&nspid) {
@@ -457,7 +457,7 @@ impl AmdRestore {
         // SAFETY: getpid has no preconditions.
         let me = HostPid(unsafe { libc::getpid() });
         match crate::procfs::ns_pid(me) {
-            Ok(n) if n == NsPid(nspid) => {}
+            Ok(n) if n == nspid => {}
             other => {
                 return Err(RestoreError::WrongTask {
                     pid: me,
@@ -666,7 +666,7 @@ impl AmdRestore {
     /// made to die with CRIU first; a RESUME that fails kills and reaps it (CRIU 4.1 and 4.2
     /// go on with the restore whatever this hook answers).
     pub fn resume_devices_late(&mut self, pid: HostPid) -> Option<i32> {
-        let nspid = crate::procfs::ns_pid(pid).ok()?.get();
+        let nspid = crate::procfs::ns_pid(pid).ok()?;
         if !self.plans.contains_key(&nspid) {
             return None;
         }
@@ -696,7 +696,7 @@ impl AmdRestore {
         }
     }
 
-    fn resume(&mut self, pid: HostPid, nspid: u32) -> Result<(), ResumeError> {
+    fn resume(&mut self, pid: HostPid, nspid: NsPid) -> Result<(), ResumeError> {
         crate::hold::kill_if_criu_dies(pid, &[])?;
         crate::fault::kill_criu_at("amd-restore-resume");
         let kfd = match &self.resume_kfd {

@@ -225,45 +225,6 @@ pub struct LentAllocation {
     pub fd: std::os::fd::OwnedFd,
 }
 
-/// A share as [`AgentSession::list_sharing`] returns it: the agent's [`Share`] (its fields read
-/// through `Deref`), and whether it is a shareable handle's as a field of its own.
-///
-/// A conversion kept on this side of a boundary: `dump.rs` (edited elsewhere at the time) reads
-/// `s.shareable` as a field. Once it calls [`Share::is_shareable`] instead, `list_sharing`
-/// returns `Vec<Share>`, `Tracked::shares` and [`crate::sharing`] hold those, and this type
-/// goes. No `DerefMut`: the flag could then disagree with the share's kind.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Listed {
-    /// [`Share::is_shareable`] of the share (its kind never changes: nothing writes this).
-    pub shareable: bool,
-    share: Share,
-}
-
-impl Listed {
-    /// [`Share::resolve`]: the plugin resolved this shareable import to its exporter's
-    /// allocation.
-    pub fn resolve(&mut self, exporter: NsPid, id: u64, key: [u8; 16]) {
-        self.share.resolve(exporter, id, key);
-    }
-}
-
-impl From<Share> for Listed {
-    fn from(share: Share) -> Listed {
-        Listed {
-            shareable: share.is_shareable(),
-            share,
-        }
-    }
-}
-
-impl std::ops::Deref for Listed {
-    type Target = Share;
-
-    fn deref(&self) -> &Share {
-        &self.share
-    }
-}
-
 /// The current memory of one exported allocation (`ShareFds`), to map in its importers.
 #[derive(Debug)]
 pub struct SharedMemory {
@@ -963,13 +924,13 @@ impl Session<AgentRequest> {
 
     /// `ListSharing`: the process's CUDA IPC shares through its agent (at most
     /// [`MAX_SHARES`], within `agent_timeout + LIST_ALLOWANCE × MAX_SHARES`).
-    pub fn list_sharing(&self) -> Result<Vec<Listed>, AgentError> {
+    pub fn list_sharing(&self) -> Result<Vec<Share>, AgentError> {
         self.send(&AgentRequest::ListSharing, None)?;
         let deadline = Deadline::new(self.timeout, LIST_ALLOWANCE, MAX_SHARES, "its shares");
         let mut out = Vec::new();
         loop {
             match self.recv_within(&deadline)? {
-                Reply::Shared(share) if out.len() < MAX_SHARES => out.push(share.into()),
+                Reply::Shared(share) if out.len() < MAX_SHARES => out.push(share),
                 Reply::SharedEnd { count } if count as usize == out.len() => return Ok(out),
                 got => return Err(self.unexpected("Shared, or SharedEnd with their count", got)),
             }

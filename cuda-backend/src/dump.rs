@@ -665,7 +665,10 @@ fn shareable_resolved(
     procs: &mut [Tracked],
     others: &[HostPid],
 ) -> Result<(), crate::sharing::SharingError> {
-    if !procs.iter().any(|t| t.shares.iter().any(|s| s.shareable)) {
+    if !procs
+        .iter()
+        .any(|t| t.shares.iter().any(|s| s.is_shareable()))
+    {
         return Ok(());
     }
     let inside: Vec<HostPid> = procs
@@ -1405,7 +1408,7 @@ pub fn rollback(
     let imports = t.shares.iter().any(|s| s.import);
     // The program's own descriptors of its shareable exports (and the agent's) name the
     // memory brought back.
-    let repoint = t.shares.iter().any(|s| s.shareable && !s.import);
+    let repoint = t.shares.iter().any(|s| s.is_shareable() && !s.import);
     let target = Target {
         pid,
         restore_tid: t.restore_tid,

@@ -253,7 +253,7 @@ pub struct Tracked {
     /// Phase name and seconds, in order.
     pub timings: Vec<(&'static str, f64)>,
     /// Its CUDA IPC shares through the agent, as listed at PAUSE (`crate::sharing`).
-    pub shares: Vec<crate::agent::Listed>,
+    pub shares: Vec<gpusnap_proto::Share>,
     /// This dump's claim on the process ([`crate::joblock`]), held until the dump ends.
     pub job_lock: Option<crate::joblock::JobLock>,
 }

@@ -23,7 +23,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use crate::agent::{self, AgentError, AgentSession, Listed};
+use crate::agent::{self, AgentError, AgentSession};
 use crate::pid::{HostPid, NsPid};
 use crate::ptrace::{self, PtraceError};
 use gpusnap_proto::{ForeignFd, Share, ShareKind};
@@ -139,7 +139,7 @@ fn same_owner(a: Option<(u32, u32)>, b: Option<(u32, u32)>) -> bool {
 /// Whether the exporter's own listing (`exports`) says that `importer` (its namespace pid)
 /// fetched the allocation the import `s` names, with the exporter's key (the agent's CUDA IPC
 /// records every pid it handed an allocation to; shareable exports record none).
-fn confirmed_by_exporter(exports: &[Listed], s: &Share, importer: NsPid) -> bool {
+fn confirmed_by_exporter(exports: &[Share], s: &Share, importer: NsPid) -> bool {
     importer != NsPid(0)
         && exports.iter().any(|x| {
             !x.import && !x.is_shareable() && x.id == s.id && x.key == s.key && x.pid == importer
@@ -154,7 +154,7 @@ pub struct Member<'a> {
     /// Dumped on the split path (the only one that carries shares).
     pub split: bool,
     /// What its agent listed at PAUSE.
-    pub shares: &'a [Listed],
+    pub shares: &'a [Share],
 }
 
 /// The dump-time rule: every importer's exporter and every exporter's importer is in the dump,
@@ -327,7 +327,7 @@ pub struct Sharer<'a> {
     /// Host pid (what `kcmp` takes).
     pub pid: HostPid,
     pub nspid: NsPid,
-    pub shares: &'a mut Vec<Listed>,
+    pub shares: &'a mut Vec<Share>,
 }
 
 /// A shareable import resolved at a dump: tell `importer` (host pid) that its import `import`
@@ -597,7 +597,7 @@ impl Exporters for Running {
         Ok(HostPid(exporter.get() as i32))
     }
 
-    fn shares(&self, exporter: NsPid) -> Result<Vec<Listed>, SharingError> {
+    fn shares(&self, exporter: NsPid) -> Result<Vec<Share>, SharingError> {
         let pid = self.host_pid(exporter)?;
         let s =
             AgentSession::connect(pid, self.timeout)?.ok_or(SharingError::NoAgentThread { pid })?;
@@ -645,7 +645,7 @@ pub trait Exporters {
     /// The exporter's host pid (whose owner is compared with the importer's).
     fn host_pid(&self, exporter: NsPid) -> Result<HostPid, SharingError>;
     /// What the exporter's agent lists (`ListSharing`): which pids fetched its exports.
-    fn shares(&self, exporter: NsPid) -> Result<Vec<Listed>, SharingError>;
+    fn shares(&self, exporter: NsPid) -> Result<Vec<Share>, SharingError>;
     /// The current memory of its exports (`ShareFds`).
     fn memory(&self, exporter: NsPid) -> Result<Vec<crate::agent::SharedMemory>, SharingError>;
 }
@@ -677,7 +677,7 @@ impl Exporters for Traced<'_> {
             })
     }
 
-    fn shares(&self, exporter: NsPid) -> Result<Vec<Listed>, SharingError> {
+    fn shares(&self, exporter: NsPid) -> Result<Vec<Share>, SharingError> {
         with_agent(self.host_pid(exporter)?, self.timeout, |s| {
             Ok(s.list_sharing()?)
         })
@@ -704,7 +704,7 @@ pub fn reimport(
         // No agent thread, no share of the agent's: it starts its thread at the first open.
         return Ok(0);
     }
-    let unmapped: Vec<Listed> = with_agent(importer.pid, timeout, |s| Ok(s.list_sharing()?))?
+    let unmapped: Vec<Share> = with_agent(importer.pid, timeout, |s| Ok(s.list_sharing()?))?
         .into_iter()
         .filter(|s| s.import && !s.mapped)
         .collect();
@@ -814,11 +814,6 @@ mod tests {
         }
     }
 
-    /// The shares as [`AgentSession::list_sharing`] returns them.
-    fn listed<const N: usize>(shares: [Share; N]) -> [Listed; N] {
-        shares.map(Listed::from)
-    }
-
     /// A shareable handle's share with no descriptors.
     const SHAREABLE: ShareKind = ShareKind::Shareable {
         agent_fd: None,
@@ -831,8 +826,8 @@ mod tests {
 
     #[test]
     fn a_tree_that_holds_both_sides_passes() {
-        let exp = listed([share(false, 11, 1)]);
-        let imp = listed([share(true, 10, 1)]);
+        let exp = [share(false, 11, 1)];
+        let imp = [share(true, 10, 1)];
         let members = [
             Member {
                 pid: HostPid(std::process::id() as i32),
@@ -856,7 +851,7 @@ mod tests {
     /// released.
     #[test]
     fn an_import_whose_exporter_is_another_process_now_is_refused() {
-        let imp = listed([share(true, 10, 1)]);
+        let imp = [share(true, 10, 1)];
         let tree = |exp| {
             [
                 Member {
@@ -875,7 +870,7 @@ mod tests {
         };
         let mut replaced = share(false, 11, 1);
         replaced.key = [0x77; 16];
-        let replaced = listed([replaced]);
+        let replaced = [replaced];
         let e = check(&tree(&replaced), |_| false).unwrap_err();
         assert!(
             matches!(
@@ -890,7 +885,7 @@ mod tests {
         assert!(e.to_string().contains("its pid was used again"), "{e}");
         // No export of that allocation at all.
         assert!(matches!(
-            check(&tree(&listed([share(false, 11, 2)])), |_| false),
+            check(&tree(&[share(false, 11, 2)]), |_| false),
             Err(SharingError::NoSuchExport {
                 importer: NsPid(11),
                 exporter: NsPid(10),
@@ -930,7 +925,7 @@ mod tests {
 
     #[test]
     fn an_exporter_outside_the_dump_is_named() {
-        let imp = listed([share(true, 10, 1)]);
+        let imp = [share(true, 10, 1)];
         let members = [Member {
             pid: HostPid(std::process::id() as i32),
             nspid: NsPid(11),
@@ -950,7 +945,7 @@ mod tests {
 
     #[test]
     fn an_importer_outside_the_dump_is_named_unless_it_is_gone() {
-        let exp = listed([share(false, 12, 1), share(false, 0, 2)]);
+        let exp = [share(false, 12, 1), share(false, 0, 2)];
         let members = [Member {
             pid: HostPid(std::process::id() as i32),
             nspid: NsPid(10),
@@ -969,7 +964,7 @@ mod tests {
 
     /// A victim (nspid 10, uid 1001) and a job (nspid 11, uid 65534): `exp` is what the victim
     /// lists, `imp` what the job lists.
-    fn victim_and_job<'a>(exp: &'a [Listed], imp: &'a [Listed]) -> [Member<'a>; 2] {
+    fn victim_and_job<'a>(exp: &'a [Share], imp: &'a [Share]) -> [Member<'a>; 2] {
         [
             Member {
                 pid: HostPid(1001),
@@ -994,8 +989,8 @@ mod tests {
         let owner_of = |pid: HostPid| Some((pid.get() as u32, pid.get() as u32));
         // The job lists the victim's allocation #1 with its right key; the victim's export was
         // fetched by nspid 12 only (gone by now, as far as the rule cares).
-        let exp = listed([share(false, 12, 1)]);
-        let imp = listed([share(true, 10, 1)]);
+        let exp = [share(false, 12, 1)];
+        let imp = [share(true, 10, 1)];
         let e = check_with(
             &victim_and_job(&exp, &imp),
             |pid| pid == NsPid(12),
@@ -1036,22 +1031,18 @@ mod tests {
             .is_err()
         );
         // The exporter's agent names the importer as having fetched it: carried.
-        let fetched = listed([share(false, 11, 1)]);
+        let fetched = [share(false, 11, 1)];
         check_with(&victim_and_job(&fetched, &imp), |_| false, owner_of).unwrap();
         // ... but not another allocation, nor with another key.
-        let other = listed([share(false, 11, 2), share(false, 12, 1)]);
+        let other = [share(false, 11, 2), share(false, 12, 1)];
         assert!(check_with(&victim_and_job(&other, &imp), |_| true, owner_of).is_err());
         let mut rekeyed = share(false, 11, 1);
         rekeyed.key = [1; 16];
-        assert!(!confirmed_by_exporter(
-            &listed([rekeyed]),
-            &imp[0],
-            NsPid(11)
-        ));
+        assert!(!confirmed_by_exporter(&[rekeyed], &imp[0], NsPid(11)));
         // A shareable export names nobody that fetched it: only the same owner carries it.
         let mut sh = share(false, 11, 1);
         sh.kind = SHAREABLE;
-        assert!(!confirmed_by_exporter(&listed([sh]), &imp[0], NsPid(11)));
+        assert!(!confirmed_by_exporter(&[sh], &imp[0], NsPid(11)));
     }
 
     /// The size check holds for every kind of share: the agent's IPC maps the whole allocation,
@@ -1099,8 +1090,8 @@ mod tests {
         unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) }
     }
 
-    fn shareable(import: bool, id: u64, agent_fd: i32, app_fd: i32, mapped: bool) -> Listed {
-        Listed::from(Share {
+    fn shareable(import: bool, id: u64, agent_fd: i32, app_fd: i32, mapped: bool) -> Share {
+        Share {
             import,
             pid: NsPid(0),
             id,
@@ -1114,7 +1105,7 @@ mod tests {
                 app_fd: ForeignFd::new(app_fd),
                 own_fd: None,
             },
-        })
+        }
     }
 
     /// A shareable share's `agent_fd` as the wire says it (-1: none).
@@ -1126,10 +1117,7 @@ mod tests {
     }
 
     /// Both "processes" are this one (kcmp of a process with itself compares its own fds).
-    fn resolve(
-        exp: &mut Vec<Listed>,
-        imp: &mut Vec<Listed>,
-    ) -> Result<Vec<Resolved>, SharingError> {
+    fn resolve(exp: &mut Vec<Share>, imp: &mut Vec<Share>) -> Result<Vec<Resolved>, SharingError> {
         let me = HostPid(std::process::id() as i32);
         let mut members = [
             Sharer {
@@ -1284,7 +1272,7 @@ mod tests {
 
     #[test]
     fn shares_on_the_transparent_path_are_refused() {
-        let exp = listed([share(false, 0, 1)]);
+        let exp = [share(false, 0, 1)];
         let members = [Member {
             pid: HostPid(std::process::id() as i32),
             nspid: NsPid(10),
@@ -1296,7 +1284,7 @@ mod tests {
             Err(SharingError::NotSplit { pid: NsPid(10) })
         ));
         // A process that shares nothing may take either path.
-        let none: [Listed; 0] = [];
+        let none: [Share; 0] = [];
         let members = [Member {
             pid: HostPid(std::process::id() as i32),
             nspid: NsPid(10),

@@ -11,8 +11,8 @@
 //! `Hello` must name the target's namespace pid. A knock the agent never answered is withdrawn
 //! when the session ends, so CRIU never finds it queued in the process.
 
-use crate::pid::{HostPid, HostTid, NsPid, NsTid};
-use crate::procfs;
+use gpusnap_host::pid::{HostPid, HostTid, NsPid, NsTid};
+use gpusnap_host::procfs;
 use gpusnap_image::AllocationRecord;
 use gpusnap_proto::{
     AgentRequest, AllocKind, Channel, CommonRequest, KeeperRequest, PROTOCOL_VERSION, ProtoError,
@@ -338,10 +338,10 @@ impl<R: Request> Session<R> {
     /// The watched peer's state, if it is stopped (`T`, or `t`: traced and stopped).
     fn peer_stopped(&self) -> Option<(HostPid, char)> {
         let peer = self.peer?;
-        let (state, _) = crate::procfs::state_and_start(peer).ok()?;
+        let (state, _) = gpusnap_host::procfs::state_and_start(peer).ok()?;
         matches!(
             state,
-            crate::procfs::ProcState::Stopped | crate::procfs::ProcState::TracingStop
+            gpusnap_host::procfs::ProcState::Stopped | gpusnap_host::procfs::ProcState::TracingStop
         )
         .then(|| (peer, state.letter()))
     }

@@ -2,11 +2,11 @@
 //! files that hold no CUDA state, and dispatches the GPU hooks to the run of its stage ([`Run`]):
 //! a [`DumpRun`], a [`RestoreRun`], or nothing, with the reason.
 
-use crate::criu::{self, Reopened, Stage};
 use crate::dump::DumpRun;
-use crate::pid::HostPid;
 use crate::restore::{RestoreInit, RestoreRun};
 use gpusnap_config::{Config, Mode};
+use gpusnap_host::criu::{self, Reopened, Stage};
+use gpusnap_host::pid::HostPid;
 use gpusnap_host::{Answer, Backend};
 use std::os::fd::BorrowedFd;
 

@@ -10,9 +10,9 @@
 //! joined before the function returns.
 
 use crate::agent::{AgentError, AgentSession, Moved, RingShape, Session, Transfer};
-use crate::pid::{HostPid, NsPid};
 use crate::staging::{RingError, Staging};
 use crossbeam_channel::{Receiver, Sender, bounded, unbounded};
+use gpusnap_host::pid::{HostPid, NsPid};
 use gpusnap_image::{
     ChunkEntry, ChunkSources, Codec, DataFileWriter, DedupIndex, FileEntry, Manifest, hash_chunk,
 };
@@ -665,7 +665,7 @@ fn pump_dump_replies<R: Request>(
                 last = Instant::now();
                 admission.admit(ChunkKind::Ready, Some(slot), alloc_id, addr, len)?;
                 if sent == 1 {
-                    crate::fault::kill_criu_at("dump-data-out");
+                    gpusnap_host::fault::kill_criu_at("dump-data-out");
                 }
                 sent += 1;
                 *copied += len;
@@ -753,7 +753,7 @@ fn writer<R: Request>(
     staging: &Staging,
     out: Out<'_>,
 ) -> Option<Written> {
-    crate::signals::block_all();
+    gpusnap_host::signals::block_all();
     let mut file: Option<DataFileWriter> = None;
     let mut chunks = Vec::new();
     let mut failed = false;
@@ -863,7 +863,7 @@ fn finish_files(
                 .into_iter()
                 .map(|f| {
                     s.spawn(move || {
-                        crate::signals::block_all();
+                        gpusnap_host::signals::block_all();
                         seal(f)
                     })
                 })
@@ -994,7 +994,7 @@ pub fn copy_in<R: Request>(
             let err_tx = err_tx.clone();
             let (files, sources, lent) = (&files, &sources, &lent);
             s.spawn(move || {
-                crate::signals::block_all();
+                gpusnap_host::signals::block_all();
                 let mine = files.iter().copied().skip(r).step_by(readers);
                 let ring = LoadRing { staging, lent };
                 if let Err(e) = read_files(mine, &free_rx, agent, ring, sources, checks) {
@@ -1031,7 +1031,7 @@ pub fn copy_in<R: Request>(
         // Some chunks went unchecked on both sides: check what the files hold now, on the
         // host (the loaded bytes came from them), before any thread may run.
         let t1 = Instant::now();
-        crate::fault::kill_criu_at("restore-host-check");
+        gpusnap_host::fault::kill_criu_at("restore-host-check");
         gpusnap_image::verify_image(dir, manifest, readers)?;
         log::warn!(
             "pid {pid}: the GPU checked only {verified_on_device} of the {device_hashed} chunks with device hashes after loading (its kernel could not run here); the image was checked on the host instead, in {:.3} s",
@@ -1135,7 +1135,7 @@ fn pump_load_replies<R: Request>(
                 }
                 done += 1;
                 if done == 1 {
-                    crate::fault::kill_criu_at(fault_point);
+                    gpusnap_host::fault::kill_criu_at(fault_point);
                 }
                 last = Instant::now();
                 let _ = free.send(slot);

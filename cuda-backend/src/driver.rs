@@ -17,11 +17,11 @@
 pub mod stack;
 
 use crate::GpuUuid;
-use crate::pid::{HostPid, HostTid};
 use cudarc::driver::sys::{
     CUcheckpointCheckpointArgs, CUcheckpointGpuPair, CUcheckpointLockArgs, CUcheckpointRestoreArgs,
     CUcheckpointUnlockArgs, CUdevice, CUprocessState, CUresult, CUuuid,
 };
+use gpusnap_host::pid::{HostPid, HostTid};
 use std::ffi::{CStr, c_char, c_int, c_uint};
 use std::sync::OnceLock;
 

@@ -6,15 +6,15 @@
 use crate::agent::{self, AgentError, AgentHello, AgentSession, KeeperSession};
 use crate::context::Ctx;
 use crate::datapath::{self, DataError};
-use crate::hold::Hold;
-use crate::pid::{HostPid, HostTid, NsPid, NsTid};
 use crate::process::{ImpossibleMove, MovedData, Phase, Route, SplitPlan, Tracked};
-use crate::procfs::{self, Stat};
-use crate::ptrace::{self, PtraceError, RunningThread};
 use crate::staging::{RingShape, Staging};
 use crate::stall::{self, DriverCall, StallError, Watched};
 use crate::{DriverError, ProcessState};
 use gpusnap_config::Mode;
+use gpusnap_host::hold::Hold;
+use gpusnap_host::pid::{HostPid, HostTid, NsPid, NsTid};
+use gpusnap_host::procfs::{self, Stat};
+use gpusnap_host::ptrace::{self, PtraceError, RunningThread};
 use gpusnap_image::{AllocationRecord, CheckpointPath, ImageError, IoOp, Manifest};
 use gpusnap_proto::hazard;
 use std::os::fd::BorrowedFd;
@@ -66,7 +66,7 @@ pub enum DumpError {
     )]
     Interrupted { pid: HostPid },
     #[error(transparent)]
-    Busy(#[from] crate::joblock::JobLockError),
+    Busy(#[from] gpusnap_host::joblock::JobLockError),
     #[error("pid {pid}: {why}")]
     NoSpace { pid: HostPid, why: String },
     #[error(
@@ -133,7 +133,7 @@ pub fn pause(ctx: &Ctx, pid: HostPid) -> Result<Option<Tracked>, DumpError> {
         procfs::state_and_start(pid).is_ok_and(|(state, _)| state == procfs::ProcState::Stopped);
     // Before any driver call: a process held by an interrupted dump is stopped, driver thread
     // included, and its memory is only in that dump's files.
-    if stopped && crate::hold::recorded_running(pid).is_some() {
+    if stopped && gpusnap_host::hold::recorded_running(pid).is_some() {
         return Err(DumpError::Interrupted { pid });
     }
     let Ok(restore_tid) = ctx.api.restore_thread_id(pid) else {
@@ -141,7 +141,7 @@ pub fn pause(ctx: &Ctx, pid: HostPid) -> Result<Option<Tracked>, DumpError> {
     };
     // One dump, recover or pre-copy at a time per job, taken before any call that changes
     // the driver state: a second CRIU is refused here, touching nothing.
-    let job_lock = crate::joblock::JobLock::take(pid)?;
+    let job_lock = gpusnap_host::joblock::JobLock::take(pid)?;
     // Stopped by a signal (not by an interrupted dump: that has a hold record, above): the
     // driver's lock would wait for CRIU's timeout, so say what it is now.
     if stopped {
@@ -249,7 +249,7 @@ pub fn pause(ctx: &Ctx, pid: HostPid) -> Result<Option<Tracked>, DumpError> {
     if initial == ProcessState::Running {
         let t0 = Instant::now();
         if let Err(err) = ctx.api.lock(pid, ctx.lock_timeout_ms) {
-            if crate::criu::alarm_timeouted() {
+            if gpusnap_host::criu::alarm_timeouted() {
                 log::error!("pid {pid}: CRIU's timeout fired while locking the GPU state");
             }
             // A lock that reported failure but took effect must not stay (the process still
@@ -267,7 +267,7 @@ pub fn pause(ctx: &Ctx, pid: HostPid) -> Result<Option<Tracked>, DumpError> {
         }
         t.phase.locked()?;
         t.time("lock", t0.elapsed().as_secs_f64());
-        crate::fault::kill_criu_at("dump-locked");
+        gpusnap_host::fault::kill_criu_at("dump-locked");
     }
     let path = match &t.route {
         Route::Split(s) => format!(
@@ -575,7 +575,7 @@ pub fn checkpoint_all(
             .map(|(((t, _), call), release)| {
                 let pid = t.pid;
                 let h = s.spawn(move || {
-                    crate::signals::block_all();
+                    gpusnap_host::signals::block_all();
                     checkpoint_one(ctx, t, call, release)
                 });
                 (pid, h)
@@ -643,7 +643,7 @@ fn commit_manifests(
     if written == 0 || !ctx.cfg.durable {
         return;
     }
-    match crate::fault::sync_dir(ctx.image_dir()) {
+    match gpusnap_host::fault::sync_dir(ctx.image_dir()) {
         Ok(()) => log::info!(
             "durable: {written} manifest(s) written and the image directory fsynced in {:.3} s",
             t0.elapsed().as_secs_f64()
@@ -827,7 +827,7 @@ fn checkpoint_one(
         ))?;
     t.phase.checkpointed()?;
     refrozen?;
-    crate::fault::kill_criu_at("dump-checkpointed");
+    gpusnap_host::fault::kill_criu_at("dump-checkpointed");
     let phase = if t.is_split() {
         "control"
     } else {
@@ -917,7 +917,7 @@ fn hand_over(ctx: &Ctx, t: &mut Tracked, release: &Mutex<Option<Hold>>) -> Resul
         times.round_trip_s,
         times.adopt_wait_s,
     );
-    crate::fault::kill_criu_at("dump-lent");
+    gpusnap_host::fault::kill_criu_at("dump-lent");
     let background = asynchronous(ctx, t, &drain_session, &routes)?;
 
     let dir = ctx.image_dir();
@@ -977,7 +977,7 @@ fn hand_over(ctx: &Ctx, t: &mut Tracked, release: &Mutex<Option<Hold>>) -> Resul
             None
         }
         Err(e) => {
-            crate::logger::tell_user(&format!(
+            gpusnap_host::logger::tell_user(&format!(
                 "pid {pid}: {e}; the dump fails, nothing was released"
             ));
             return Err(DumpError::NoSpace {
@@ -988,7 +988,7 @@ fn hand_over(ctx: &Ctx, t: &mut Tracked, release: &Mutex<Option<Hold>>) -> Resul
     };
     let agent_tid = session_agent_tid(t)?;
     t.hold = Some(
-        crate::hold::Hold::place(pid, &[t.restore_tid, agent_tid])
+        gpusnap_host::hold::Hold::place(pid, &[t.restore_tid, agent_tid])
             .map_err(|err| DumpError::Hold { pid, err })?,
     );
     let job = crate::handover::DrainJob {
@@ -1046,7 +1046,7 @@ fn hand_over(ctx: &Ctx, t: &mut Tracked, release: &Mutex<Option<Hold>>) -> Resul
     let (n, bytes) = session.release()?;
     t.time("release", t0.elapsed().as_secs_f64());
     log::debug!("pid {pid}: agent released {n} allocations ({bytes} bytes), descriptors kept");
-    crate::fault::kill_criu_at("dump-released");
+    gpusnap_host::fault::kill_criu_at("dump-released");
     if background {
         // The keeper holds a snapshot: the drain runs once CRIU is done, in a process of its
         // own (`exit`), while the job runs on its own memory.
@@ -1071,7 +1071,7 @@ fn hand_over(ctx: &Ctx, t: &mut Tracked, release: &Mutex<Option<Hold>>) -> Resul
     }
     lock(ctx, t, "relock")?;
     *release.lock().unwrap_or_else(|e| e.into_inner()) = t.hold.take();
-    crate::fault::kill_criu_at("dump-relocked");
+    gpusnap_host::fault::kill_criu_at("dump-relocked");
     Ok(())
 }
 
@@ -1080,10 +1080,10 @@ fn async_refused(cfg: &gpusnap_config::Config) -> Option<&'static str> {
     if !cfg.async_leave_running {
         return Some("async_leave_running is off");
     }
-    if !crate::criu::leave_running() {
+    if !gpusnap_host::criu::leave_running() {
         return Some("not `criu dump -R`");
     }
-    if crate::logger::rpc_mode() {
+    if gpusnap_host::logger::rpc_mode() {
         return Some(
             "CRIU runs as a service (a container runtime archives the directory as soon as CRIU returns)",
         );
@@ -1135,7 +1135,7 @@ fn asynchronous(
                 t0.elapsed().as_secs_f64(),
                 lent.join(", ")
             );
-            crate::fault::kill_criu_at("dump-snapshot-copied");
+            gpusnap_host::fault::kill_criu_at("dump-snapshot-copied");
             Ok(true)
         }
         Err((needed, allowed, device)) => {
@@ -1275,7 +1275,7 @@ fn move_data_out(
     // must not run: hold them first (the driver's restore thread and the agent's run on).
     let agent_tid = session_agent_tid(t)?;
     t.hold = Some(
-        crate::hold::Hold::place(pid, &[t.restore_tid, agent_tid])
+        gpusnap_host::hold::Hold::place(pid, &[t.restore_tid, agent_tid])
             .map_err(|err| DumpError::Hold { pid, err })?,
     );
     // From the moment Release is sent, some memory may be gone even if the agent then fails
@@ -1290,10 +1290,10 @@ fn move_data_out(
     let (n, bytes) = session.release()?;
     t.time("release", t0.elapsed().as_secs_f64());
     log::debug!("pid {pid}: agent released {n} allocations ({bytes} bytes)");
-    crate::fault::kill_criu_at("dump-released");
+    gpusnap_host::fault::kill_criu_at("dump-released");
     lock(ctx, t, "relock")?;
     *release.lock().unwrap_or_else(|e| e.into_inner()) = t.hold.take();
-    crate::fault::kill_criu_at("dump-relocked");
+    gpusnap_host::fault::kill_criu_at("dump-relocked");
     Ok(())
 }
 
@@ -1476,7 +1476,7 @@ pub fn undo(
     ctx: &Ctx,
     target: &Target<'_>,
     phase: &mut Phase,
-    hold: &mut Option<crate::hold::Hold>,
+    hold: &mut Option<gpusnap_host::hold::Hold>,
 ) -> Result<Vec<&'static str>, DumpError> {
     let pid = target.pid;
     let mut steps = Vec::new();
@@ -1484,7 +1484,8 @@ pub fn undo(
         let agent = (target.agent_tid)().ok();
         let running: Vec<HostTid> = std::iter::once(target.restore_tid).chain(agent).collect();
         *hold = Some(
-            crate::hold::Hold::place(pid, &running).map_err(|err| DumpError::Hold { pid, err })?,
+            gpusnap_host::hold::Hold::place(pid, &running)
+                .map_err(|err| DumpError::Hold { pid, err })?,
         );
     }
     loop {
@@ -1496,7 +1497,7 @@ pub fn undo(
                     return Err(driver("rollback: driver restore")(e));
                 }
                 steps.push("driver restore");
-                crate::fault::kill_criu_at("rollback-restored");
+                gpusnap_host::fault::kill_criu_at("rollback-restored");
                 match moved {
                     Some(d) => Phase::Relocked(d),
                     // Locked by someone else before the dump: it stays locked.
@@ -1583,7 +1584,7 @@ fn bring_back(
         .stop()
         .map_err(PtraceError::on(tid, "stopping the agent thread"))?;
     let ((n, bytes), still_released) = reclaimed?;
-    crate::fault::kill_criu_at("rollback-reclaimed");
+    gpusnap_host::fault::kill_criu_at("rollback-reclaimed");
     log::info!(
         "pid {}: device memory mapped back from the descriptors it kept ({n} allocations, {:.2} GiB) in {:.3} s, no file read",
         target.pid,
@@ -1837,24 +1838,24 @@ impl DumpRun {
     /// `exit(DUMP, ret)`: on success the final manifests and `gpusnap-stats.json`; on `-R` or
     /// failure every process is rolled back (a failed dump's files are removed).
     pub fn exit(&mut self, ret: i32) {
-        crate::fault::criu_part_over();
+        gpusnap_host::fault::criu_part_over();
         let Some(ctx) = self.ctx.as_ref() else { return };
-        let mut leave_running = crate::criu::leave_running();
+        let mut leave_running = gpusnap_host::criu::leave_running();
         // Drains ran beside CRIU's dump: join them before anything is decided.
         let drained: Vec<Result<(), DumpError>> = self
             .tracked
             .iter_mut()
             .map(|t| finish_drain(ctx, t, ret))
             .collect();
-        crate::logger::print_deferred();
+        gpusnap_host::logger::print_deferred();
         let drain_failed = drained.iter().any(Result::is_err);
         if ret == 0 && drain_failed {
             // CRIU's part succeeded and it would now kill the job, whose data is not in the
             // image: it must go on running (its memory is its own, lent descriptors kept).
-            let kept = leave_running || crate::criu::keep_tasks_alive();
+            let kept = leave_running || gpusnap_host::criu::keep_tasks_alive();
             // CRIU reports success whatever this hook does: one fixed line on CRIU's stderr
             // that a script can match, and a marker in the directory that every tool refuses.
-            crate::logger::tell_user(&format!(
+            gpusnap_host::logger::tell_user(&format!(
                 "{NOT_A_CHECKPOINT}: the GPU data of this dump could not be written into the image, although CRIU reports success; {}",
                 if kept {
                     "the job runs on (rolled back); the image directory is marked NOT-A-CHECKPOINT and no restore takes it"
@@ -1935,7 +1936,7 @@ impl DumpRun {
                             Phase::Untouched | Phase::DataOut => "its GPU memory is in place",
                         };
                         // On CRIU's stderr too: CRIU reports the dump itself a success.
-                        crate::logger::tell_user(&format!(
+                        gpusnap_host::logger::tell_user(&format!(
                             "pid {}: ROLLBACK FAILED: {e}. {held}. CRIU's own dump succeeded, but the job does not run: bring it back with `gpusnap recover {} --images <this image dir>`",
                             t.pid, t.pid
                         ));
@@ -2042,7 +2043,7 @@ fn spawn_drainer(ctx: &Ctx, t: &mut Tracked) -> Result<i32, DumpError> {
             libc::close(fds[1]);
         }
         let status = run_drainer(ctx, t, *background, keeper, allocations, copied);
-        crate::logger::print_deferred();
+        gpusnap_host::logger::print_deferred();
         // SAFETY: _exit: no destructor of CRIU's copied state may run here.
         unsafe { libc::_exit(status) };
     }
@@ -2097,8 +2098,10 @@ fn run_drainer(
     let outcome = crate::handover::Drain::start(session, job)
         .map_err(|err| DumpError::DrainStart { pid, err })
         .and_then(|drain| {
-            if crate::fault::armed_at("async-drain-started") {
-                crate::logger::print_now("test fault async-drain-started: killing the keeper");
+            if gpusnap_host::fault::armed_at("async-drain-started") {
+                gpusnap_host::logger::print_now(
+                    "test fault async-drain-started: killing the keeper",
+                );
                 keeper.kill();
             }
             let mut done = drain.join();
@@ -2113,14 +2116,16 @@ fn run_drainer(
             None => data,
         };
         let manifest = new_manifest(ctx, t, CheckpointPath::Split, allocations, &data);
-        if crate::fault::armed_at("async-before-manifest") {
-            crate::logger::print_now("test fault async-before-manifest: killing the drainer");
+        if gpusnap_host::fault::armed_at("async-before-manifest") {
+            gpusnap_host::logger::print_now(
+                "test fault async-before-manifest: killing the drainer",
+            );
             // SAFETY: kill(2) of this very process.
             unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
         }
         gpusnap_image::write_manifest(dir, &manifest).map_err(DumpError::Manifest)?;
         if ctx.cfg.durable {
-            crate::fault::sync_dir(dir).map_err(DumpError::Manifest)?;
+            gpusnap_host::fault::sync_dir(dir).map_err(DumpError::Manifest)?;
         }
         Ok(())
     });
@@ -2131,7 +2136,7 @@ fn run_drainer(
                 return 1;
             }
             if ctx.cfg.durable {
-                let _ = crate::fault::sync_dir(dir);
+                let _ = gpusnap_host::fault::sync_dir(dir);
             }
             log::info!(
                 "pid {pid}: asynchronous -R: the image is complete {:.3} s after CRIU returned ({pending} removed)",
@@ -2253,7 +2258,7 @@ fn finish_drain(ctx: &Ctx, t: &mut Tracked, ret: i32) -> Result<(), DumpError> {
         *m.manifest = manifest;
         m.stats = Some(Box::new(data));
     }
-    crate::fault::kill_criu_at("dump-before-manifest");
+    gpusnap_host::fault::kill_criu_at("dump-before-manifest");
     Ok(())
 }
 
@@ -2297,7 +2302,7 @@ fn stats_of(t: &Tracked) -> serde_json::Value {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pid::{NsPid, NsTid};
+    use gpusnap_host::pid::{NsPid, NsTid};
     use gpusnap_image::{ChunkEntry, Codec};
 
     /// Access set by the program is the driver's path's to keep, unless the process imports

@@ -14,7 +14,7 @@
 //! (killing it through the pidfd after a grace period).
 
 use crate::agent::KeeperSession;
-use crate::pid::{HostPid, NsPid};
+use gpusnap_host::pid::{HostPid, NsPid};
 use gpusnap_proto::Channel;
 use std::ffi::{CString, c_char};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
@@ -165,7 +165,7 @@ impl Keeper {
             }
             Err(e) => return Err(detach_err(DetachError::Report(e))),
         };
-        if crate::procfs::parent_of(pid).ok() == Some(HostPid(std::process::id() as i32)) {
+        if gpusnap_host::procfs::parent_of(pid).ok() == Some(HostPid(std::process::id() as i32)) {
             // CRIU is a child subreaper here, so the orphan came back to it.
             log::warn!(
                 "keeper pid {pid} is a child of CRIU's process after all (CRIU reaps orphans here): CRIU would see its exit"
@@ -255,7 +255,7 @@ impl Drop for Keeper {
                 self.pid
             );
             signal(fd, libc::SIGKILL);
-            if !exited_within(fd, crate::reap::REAP_WITHIN) {
+            if !exited_within(fd, gpusnap_host::reap::REAP_WITHIN) {
                 log::warn!("keeper pid {} still there after SIGKILL", self.pid);
             }
         }
@@ -298,7 +298,7 @@ fn reap_starter(pid: HostPid, within: Duration) -> Result<(), DetachError> {
             return Err(DetachError::Wait(e));
         }
         if Instant::now() >= deadline {
-            let _ = crate::reap::kill_and_reap(pid);
+            let _ = gpusnap_host::reap::kill_and_reap(pid);
             return Err(DetachError::TooSlow(within));
         }
         std::thread::sleep(Duration::from_millis(1));
@@ -469,7 +469,7 @@ pub fn host_library_for(pid: HostPid, host: &str) -> Result<PathBuf, LibraryRefu
         err,
     })?;
     private_to_root(&host, &md)?;
-    let maps = crate::procfs::maps(pid).map_err(LibraryRefused::Maps)?;
+    let maps = gpusnap_host::procfs::maps(pid).map_err(LibraryRefused::Maps)?;
     use std::os::unix::fs::MetadataExt;
     job_maps_only(
         &maps,

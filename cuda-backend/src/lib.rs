@@ -33,7 +33,7 @@
 //! - `sharing`: CUDA IPC shares between processes of one dump or restore.
 //!
 //! Host services (CRIU's ABI and log, `/proc`, ptrace, holds, pids, fault points) come from
-//! `gpusnap-host`, re-exported under their names so that each module reads `crate::procfs` etc.
+//! `gpusnap-host`; each module names them by that crate (`gpusnap_host::procfs` etc.).
 
 pub mod agent;
 pub mod backend;
@@ -60,8 +60,6 @@ pub mod space;
 pub mod staging;
 pub mod stall;
 pub mod uuid;
-
-pub use gpusnap_host::{criu, fault, hold, joblock, logger, pid, procfs, ptrace, reap, signals};
 
 /// An empty split-path manifest of nspid 1, for tests to fill in what they look at.
 #[cfg(test)]

@@ -7,7 +7,7 @@ use std::sync::{Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use crate::pid::{HostPid, NsPid};
+use gpusnap_host::pid::{HostPid, NsPid};
 use gpusnap_image::{AllocationRecord, ImageError, VerifyReport};
 
 /// One process's parent image, read back and checked: the outcome, and how long it took.
@@ -75,8 +75,8 @@ pub fn start_checks(dir: BorrowedFd<'_>, incremental: bool, threads: usize) {
 }
 
 fn check_all(dir: &OwnedFd, nspids: &[NsPid], threads: usize) {
-    crate::signals::block_all();
-    crate::logger::defer_this_thread();
+    gpusnap_host::signals::block_all();
+    gpusnap_host::logger::defer_this_thread();
     for &nspid in nspids {
         let t0 = Instant::now();
         let r = gpusnap_image::verify_parent(dir.as_fd(), nspid, threads);

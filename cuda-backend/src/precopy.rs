@@ -17,9 +17,9 @@
 use crate::agent::{AgentError, AgentSession};
 use crate::context::{codec_for, limits_of};
 use crate::datapath::{self, DataError, DumpData, Round};
-use crate::pid::{HostPid, NsPid};
-use crate::procfs;
 use crate::staging::{RingShape, Staging};
+use gpusnap_host::pid::{HostPid, NsPid};
+use gpusnap_host::procfs;
 use gpusnap_image::{AllocationRecord, CheckpointPath, ChunkEntry, ImageError, PARENT_LINK};
 use std::fs;
 use std::os::fd::{AsFd, OwnedFd};
@@ -29,7 +29,7 @@ use std::time::Instant;
 #[derive(Debug, thiserror::Error)]
 pub enum PreCopyError {
     #[error(transparent)]
-    JobBusy(#[from] crate::joblock::JobLockError),
+    JobBusy(#[from] gpusnap_host::joblock::JobLockError),
     #[error("configuration: {0}")]
     Config(#[from] gpusnap_config::ConfigError),
     #[error("pid {pid}: {err}")]
@@ -125,8 +125,8 @@ pub fn precopy(
 ) -> Result<PreCopyReport, PreCopyError> {
     let t0 = Instant::now();
     let cfg = gpusnap_config::load()?;
-    // Never beside a dump or `recover` of the same job (crate::joblock).
-    let _job_lock = crate::joblock::JobLock::take(pid)?;
+    // Never beside a dump or `recover` of the same job (gpusnap_host::joblock).
+    let _job_lock = gpusnap_host::joblock::JobLock::take(pid)?;
     let nspid = procfs::ns_pid(pid).map_err(|err| PreCopyError::Proc { pid, err })?;
     let api = crate::driver::api()?;
     api.init()?;

@@ -17,7 +17,7 @@
 
 use crate::ProcessState;
 use crate::datapath::DumpData;
-use crate::pid::{HostPid, HostTid, NsPid, NsTid};
+use gpusnap_host::pid::{HostPid, HostTid, NsPid, NsTid};
 use gpusnap_image::Manifest;
 
 /// Device data that lives only in gpusnap's image files while the process's memory is released:
@@ -249,13 +249,13 @@ pub struct Tracked {
     /// Its application threads, held should CRIU die while its memory is released (placed
     /// before the release, released by the tracer once the driver lock holds the process or
     /// the memory is back).
-    pub hold: Option<crate::hold::Hold>,
+    pub hold: Option<gpusnap_host::hold::Hold>,
     /// Phase name and seconds, in order.
     pub timings: Vec<(&'static str, f64)>,
     /// Its CUDA IPC shares through the agent, as listed at PAUSE (`crate::sharing`).
     pub shares: Vec<gpusnap_proto::Share>,
-    /// This dump's claim on the process ([`crate::joblock`]), held until the dump ends.
-    pub job_lock: Option<crate::joblock::JobLock>,
+    /// This dump's claim on the process ([`gpusnap_host::joblock`]), held until the dump ends.
+    pub job_lock: Option<gpusnap_host::joblock::JobLock>,
 }
 
 impl Tracked {

@@ -8,19 +8,19 @@
 use crate::agent::{self, AgentError, AgentSession};
 use crate::context::{self, Ctx, ImageDir};
 use crate::dump::{self, DumpError, Target};
-use crate::hold;
-use crate::pid::{HostPid, NsPid, NsTid};
 use crate::process::{MovedData, Phase};
-use crate::procfs;
-use crate::ptrace::{self, PtraceError, SeizedProcess};
 use crate::{DriverError, ProcessState};
+use gpusnap_host::hold;
+use gpusnap_host::pid::{HostPid, NsPid, NsTid};
+use gpusnap_host::procfs;
+use gpusnap_host::ptrace::{self, PtraceError, SeizedProcess};
 use gpusnap_image::ImageError;
 use std::path::{Path, PathBuf};
 
 #[derive(Debug, thiserror::Error)]
 pub enum RecoverError {
     #[error(transparent)]
-    JobBusy(#[from] crate::joblock::JobLockError),
+    JobBusy(#[from] gpusnap_host::joblock::JobLockError),
     #[error(transparent)]
     Driver(#[from] DriverError),
     #[error("configuration: {0}")]
@@ -108,9 +108,9 @@ fn stopped_without_record(pid: HostPid) -> Result<(), RecoverError> {
 
 /// Returns what was done, or what went wrong and what to do about it.
 pub fn recover(pid: HostPid, images: Option<&Path>) -> Result<String, RecoverError> {
-    // Never beside a dump or pre-copy of the same job (crate::joblock): a live dump's
+    // Never beside a dump or pre-copy of the same job (gpusnap_host::joblock): a live dump's
     // rollback and this recovery would undo the same phases twice.
-    let _job_lock = crate::joblock::JobLock::take(pid)?;
+    let _job_lock = gpusnap_host::joblock::JobLock::take(pid)?;
     let api = crate::driver::api()?;
     api.init()?;
     // A hold of a dump whose CRIU died leaves the process in a group stop, where the driver
@@ -258,7 +258,7 @@ pub fn recover(pid: HostPid, images: Option<&Path>) -> Result<String, RecoverErr
                 // Held by the lock, its CUDA calls wait; without it, it stays stopped when we
                 // let go, never running on the unmapped imports.
                 if let Err(lock) = api.lock(pid, ctx.lock_timeout_ms) {
-                    crate::hold::stop_again(pid).map_err(PtraceError::on(
+                    gpusnap_host::hold::stop_again(pid).map_err(PtraceError::on(
                         pid.into(),
                         "stopping the process again (SIGSTOP)",
                     ))?;
@@ -298,7 +298,7 @@ mod tests {
     #[test]
     fn a_lost_hold_record_does_not_point_at_the_interrupted_dumps_image() {
         let text = RecoverError::StoppedReleased {
-            pid: crate::pid::HostPid(7),
+            pid: gpusnap_host::pid::HostPid(7),
         }
         .to_string();
         assert!(!text.contains("restore it from its image"), "{text}");

@@ -7,14 +7,14 @@ use crate::agent::{self, AgentError};
 use crate::context::{Ctx, CtxError};
 use crate::datapath::{self, DataError};
 use crate::gpumap;
-use crate::pid::{HostPid, NsPid};
 use crate::preload::Preload;
-use crate::procfs;
-use crate::ptrace::{self, PtraceError, RunningThread};
 use crate::staging::RingMaker;
 use crate::stall::{self, DriverCall, StallError, Watched};
 use crate::{DriverError, GpuUuid, ParseGpuUuidError};
 use gpusnap_config::{Config, Mode, Verify};
+use gpusnap_host::pid::{HostPid, NsPid};
+use gpusnap_host::procfs;
+use gpusnap_host::ptrace::{self, PtraceError, RunningThread};
 use gpusnap_image::{CheckpointPath, ImageError, Manifest};
 use std::collections::HashMap;
 use std::os::fd::BorrowedFd;
@@ -213,7 +213,7 @@ impl Verification {
         let handle = std::thread::Builder::new()
             .name("gpusnap-verify".into())
             .spawn(move || {
-                crate::signals::block_all();
+                gpusnap_host::signals::block_all();
                 let t0 = Instant::now();
                 let mut bytes = 0;
                 for m in manifests.iter().filter(|m| !m.chunks.is_empty()) {
@@ -293,7 +293,9 @@ impl RestoreRun {
     /// `init(RESTORE)`: checks every manifest and the GPUs, before CRIU restores any process.
     pub fn init(cfg: Config, dir: Option<BorrowedFd<'static>>) -> RestoreInit {
         // `None`: CRIU 4.0 keeps no plugin list; go by our manifests alone.
-        if crate::criu::check_and_remove_inventory_plugin(crate::criu::PLUGIN_NAME) == Some(false) {
+        if gpusnap_host::criu::check_and_remove_inventory_plugin(gpusnap_host::criu::PLUGIN_NAME)
+            == Some(false)
+        {
             log::debug!("the image holds no GPU state; nothing to do");
             return RestoreInit::NothingToDo("no GPU state in this image".into());
         }
@@ -379,7 +381,9 @@ impl RestoreRun {
         // No thread may live while CRIU forks the process tree: on CRIU 4.2+ the checksum pass
         // starts in POST_FORKING (after the forks) and overlaps the rest of CRIU's restore; on
         // older CRIU it runs here.
-        if matches!(run.checksums, Checksums::AfterFork(_)) && !crate::criu::has_post_forking() {
+        if matches!(run.checksums, Checksums::AfterFork(_))
+            && !gpusnap_host::criu::has_post_forking()
+        {
             match run.verify_now() {
                 Ok(secs) => run.checksums = Checksums::Passed(secs),
                 Err(e) => {
@@ -514,7 +518,7 @@ impl RestoreRun {
             self.driver_warmup = std::thread::Builder::new()
                 .name("gpusnap-cuinit".into())
                 .spawn(|| {
-                    crate::signals::block_all();
+                    gpusnap_host::signals::block_all();
                     if let Ok(api) = crate::driver::api()
                         && let Err(e) = api.init()
                     {
@@ -698,9 +702,9 @@ fn every_chunk_device_hashed(m: &Manifest) -> bool {
 }
 
 /// Kills a restored process whose GPU state cannot be brought back (CRIU holds it stopped),
-/// and reaps its threads ([`crate::reap`] says why: a container's PID 1 would hang CRIU).
+/// and reaps its threads ([`gpusnap_host::reap`] says why: a container's PID 1 would hang CRIU).
 fn kill(pid: HostPid, nspid: NsPid) {
-    if let Err(e) = crate::reap::kill_and_reap(pid) {
+    if let Err(e) = gpusnap_host::reap::kill_and_reap(pid) {
         log::error!("pid {pid} (nspid {nspid}): {e}; it must not run: kill it by hand");
     }
 }
@@ -1015,7 +1019,7 @@ pub fn resume_all(ctx: &Ctx, items: &mut [RestoreItem], checks: datapath::ReadCh
             .map(|(((pid, m, pairs, _, _), call), preload)| {
                 let (pid, m) = (*pid, *m);
                 s.spawn(move || {
-                    crate::signals::block_all();
+                    gpusnap_host::signals::block_all();
                     resume_one(ctx, pid, m, pairs, call, checks, preload)
                 })
             })
@@ -1105,7 +1109,7 @@ fn prepare(ctx: &Ctx, pid: HostPid, m: &Manifest) -> Result<Vec<RunningThread>, 
         })?;
     // From here until the restore is complete, a CRIU that dies takes the process with it
     // (its image is intact): it must never run half-restored.
-    crate::hold::kill_if_criu_dies(pid, &[])?;
+    gpusnap_host::hold::kill_if_criu_dies(pid, &[])?;
     let mut threads = vec![ptrace::resume(restore_tid, "driver restore thread")?];
     // The agent runs whenever the process has one: it loads the data, and before anything is
     // restored it says whether the memory is released (`image_matches_agent`).
@@ -1212,14 +1216,14 @@ fn resume_one(
                 restored.map_err(driver(DriverStep::Restore))?;
                 refrozen?;
                 out.control_s = t0.elapsed().as_secs_f64();
-                crate::fault::kill_criu_at("restore-control");
+                gpusnap_host::fault::kill_criu_at("restore-control");
                 RestorePhase::ControlRestored
             }
             RestorePhase::ControlRestored => {
                 let t1 = Instant::now();
                 ctx.api.unlock(pid).map_err(driver(DriverStep::Unlock))?;
                 out.unlock_s = t1.elapsed().as_secs_f64();
-                crate::fault::kill_criu_at("restore-unlocked");
+                gpusnap_host::fault::kill_criu_at("restore-unlocked");
                 RestorePhase::Unlocked
             }
             RestorePhase::Unlocked => {

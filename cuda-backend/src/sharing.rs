@@ -24,8 +24,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use crate::agent::{self, AgentError, AgentSession};
-use crate::pid::{HostPid, NsPid};
-use crate::ptrace::{self, PtraceError};
+use gpusnap_host::pid::{HostPid, NsPid};
+use gpusnap_host::ptrace::{self, PtraceError};
 use gpusnap_proto::{ForeignFd, Share, ShareKind};
 
 #[derive(Debug, thiserror::Error)]
@@ -459,7 +459,7 @@ pub fn resolve_shareable(
     if !exports.is_empty() {
         let pids = members.iter().map(|m| m.pid).chain(others.iter().copied());
         for pid in pids {
-            let fds = crate::procfs::fd_numbers(pid).unwrap_or_default();
+            let fds = gpusnap_host::procfs::fd_numbers(pid).unwrap_or_default();
             for fd in fds {
                 if own.contains(&(pid, fd)) || !maybe_exported(pid, fd) {
                     continue;
@@ -484,7 +484,7 @@ pub fn resolve_shareable(
 /// Whether `pid`'s fd `fd` may be exported device memory: an NVIDIA control device (the
 /// driver's export) or a memfd (the stand-in's). Others are not compared.
 fn maybe_exported(pid: HostPid, fd: ForeignFd) -> bool {
-    crate::procfs::fd_target(pid, fd).is_ok_and(|p| {
+    gpusnap_host::procfs::fd_target(pid, fd).is_ok_and(|p| {
         let p = p.to_string_lossy();
         p.starts_with("/memfd:") || p == "/dev/nvidiactl"
     })
@@ -503,7 +503,7 @@ pub fn holder_outside(inside: &[HostPid], pid: HostPid, fd: ForeignFd) -> Option
         if other == pid || inside.contains(&other) {
             continue;
         }
-        let fds = crate::procfs::fd_numbers(other).unwrap_or_default();
+        let fds = gpusnap_host::procfs::fd_numbers(other).unwrap_or_default();
         for ofd in fds {
             if maybe_exported(other, ofd) && same_file(pid, fd, other, ofd).unwrap_or(false) {
                 return Some(other);
@@ -550,7 +550,7 @@ pub fn repoint(
             .any(|x| x.is_shareable() && !x.import);
         if exports {
             if let Some(point) = fault_point {
-                crate::fault::kill_criu_at(point);
+                gpusnap_host::fault::kill_criu_at(point);
             }
             let n = s.share_fds()?.len();
             log::info!(
@@ -712,7 +712,7 @@ pub fn reimport(
         return Ok(0);
     }
     if let Some(point) = fault_point {
-        crate::fault::kill_criu_at(point);
+        gpusnap_host::fault::kill_criu_at(point);
     }
     let mut by_exporter: BTreeMap<NsPid, Vec<&Share>> = BTreeMap::new();
     for s in &unmapped {

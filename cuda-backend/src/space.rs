@@ -5,7 +5,7 @@
 //! released, so that a disk without room still fails the dump with the job intact, as when the
 //! space was taken there.
 
-use crate::pid::HostPid;
+use gpusnap_host::pid::HostPid;
 use gpusnap_image::{Reservation, ReserveError};
 use std::os::fd::BorrowedFd;
 use std::sync::Arc;
@@ -51,7 +51,7 @@ impl EarlySpace {
             .name("gpusnap-space".into())
             .spawn(move || {
                 // Its allocating threads inherit this mask: CRIU's signals stay CRIU's.
-                crate::signals::block_all();
+                gpusnap_host::signals::block_all();
                 let t0 = Instant::now();
                 let result = Reservation::take_until(dir, bytes, threads, &stopped);
                 Taken {

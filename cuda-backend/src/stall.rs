@@ -20,9 +20,9 @@
 //! call in [`DriverCall::run`], which waits until the watcher on CRIU's main thread ([`watch`])
 //! has stopped them.
 
-use crate::pid::{HostPid, HostTid};
-use crate::procfs::{self, ProcState, Stat};
-use crate::ptrace::RunningThread;
+use gpusnap_host::pid::{HostPid, HostTid};
+use gpusnap_host::procfs::{self, ProcState, Stat};
+use gpusnap_host::ptrace::RunningThread;
 use std::collections::BTreeSet;
 use std::io;
 use std::sync::{Condvar, Mutex, MutexGuard};
@@ -116,7 +116,7 @@ pub enum StallError {
 
 impl StallError {
     /// Maps the failure of releasing the hold on `pid`.
-    fn release(pid: HostPid) -> impl FnOnce(crate::ptrace::PtraceError) -> Self {
+    fn release(pid: HostPid) -> impl FnOnce(gpusnap_host::ptrace::PtraceError) -> Self {
         move |e| Self::Release {
             pid,
             tid: e.tid,
@@ -238,7 +238,7 @@ impl Unfrozen {
         for &tid in &before.threads {
             // A thread held for a released memory (a queued SIGSTOP) is not let run: it would
             // stop on the signal, and its tracer would have to drain it first.
-            if running.contains(&tid) || crate::hold::is_held(pid, tid) {
+            if running.contains(&tid) || gpusnap_host::hold::is_held(pid, tid) {
                 continue;
             }
             match RunningThread::resume(tid) {
@@ -343,7 +343,7 @@ pub struct Watched<'a> {
     pub pid: HostPid,
     pub running: Vec<HostTid>,
     pub call: &'a DriverCall,
-    pub release: &'a Mutex<Option<crate::hold::Hold>>,
+    pub release: &'a Mutex<Option<gpusnap_host::hold::Hold>>,
 }
 
 /// Runs on CRIU's main thread (the tracer) until `done()`: a process whose driver call shows no
@@ -448,7 +448,7 @@ mod tests {
             listed.to_string(),
             format!("listing the threads of pid 4: {}", io::ErrorKind::NotFound)
         );
-        let released = StallError::release(HostPid(4))(crate::ptrace::PtraceError {
+        let released = StallError::release(HostPid(4))(gpusnap_host::ptrace::PtraceError {
             tid: HostTid(5),
             what: "draining the SIGSTOP",
             err: io::Error::from_raw_os_error(libc::ESRCH),

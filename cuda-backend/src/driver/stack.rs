@@ -6,7 +6,7 @@
 //! namespace calls it); the restore reads the file at the same path on this node, as CRIU will
 //! map it for the restored process.
 
-use crate::pid::HostPid;
+use gpusnap_host::pid::HostPid;
 use gpusnap_image::{AllocationRecord, LibraryDigest, Manifest, Requirements};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -310,7 +310,7 @@ mod tests {
         let two = [
             m.clone(),
             Manifest {
-                nspid: crate::pid::NsPid(8),
+                nspid: gpusnap_host::pid::NsPid(8),
                 ..m.clone()
             },
         ];

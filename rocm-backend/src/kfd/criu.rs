@@ -16,7 +16,7 @@ use super::sys::{
     KfdCriuDeviceBucket, KfdCriuOp, KfdIoctlCriuArgs,
 };
 use super::{KfdError, ProcessInfo, op_name};
-use crate::pid::{HostPid, NsPid};
+use gpusnap_host::pid::{HostPid, NsPid};
 
 /// Most buffer objects, devices and private bytes accepted from a PROCESS_INFO (a guard
 /// against a wild answer, far above real processes).

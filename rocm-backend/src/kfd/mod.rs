@@ -28,7 +28,7 @@ use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
-use crate::pid::NsPid;
+use gpusnap_host::pid::NsPid;
 use sys::KfdCriuOp;
 
 /// Errors of the KFD calls, each with what the errno most likely means for that call.

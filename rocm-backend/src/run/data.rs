@@ -4,7 +4,7 @@
 //! turn, so every GPU has chunks in flight at once; at restore, one reader thread per data file
 //! checks each chunk and writes it straight into its BO's mapping (`reader_threads`, likewise).
 
-use crate::pid::NsPid;
+use gpusnap_host::pid::NsPid;
 use std::collections::BTreeMap;
 use std::os::fd::BorrowedFd;
 use std::time::Instant;
@@ -110,7 +110,7 @@ pub fn write_bos(
                 let rx = rx.clone();
                 s.spawn(
                     move || -> Result<(Option<FileEntry>, Vec<ChunkEntry>), DataError> {
-                        crate::signals::block_all();
+                        gpusnap_host::signals::block_all();
                         let mut w: Option<DataFileWriter> = None;
                         let mut chunks = Vec::new();
                         for item in rx {
@@ -193,7 +193,7 @@ pub fn read_bos(
             .map(|_| {
                 let rx = rx.clone();
                 s.spawn(move || -> Result<u64, DataError> {
-                    crate::signals::block_all();
+                    gpusnap_host::signals::block_all();
                     let mut bytes = 0;
                     let mut scratch = Vec::new();
                     for f in rx {

@@ -7,7 +7,7 @@
 //! [`DumpPhase`]: a failure inside the hook UNPAUSEs at once and removes the process's files;
 //! `exit` UNPAUSEs every checkpointed process after `criu dump -R` or a failed dump (and removes
 //! the files of a failed one). An UNPAUSE that fails leaves a process whose GPU queues stay
-//! stopped, so it is killed and reaped ([`crate::reap`]), and the log says so (fail closed).
+//! stopped, so it is killed and reaped ([`gpusnap_host::reap`]), and the log says so (fail closed).
 //!
 //! Should CRIU die while a process is paused or checkpointed, the process runs on the CPU with
 //! its GPU queues stopped and its device memory in place (an AMD dump never releases memory):
@@ -32,8 +32,8 @@ use gpusnap_image::{
 use super::coexist;
 use super::data::{self, BoSource, DataError, Written};
 use super::phase::{DumpPhase, ImpossibleMove};
-use crate::pid::{HostPid, NsPid};
-use crate::procfs;
+use gpusnap_host::pid::{HostPid, NsPid};
+use gpusnap_host::procfs;
 use gpusnap_proto::ForeignFd;
 
 /// Why one AMD process could not be checkpointed.
@@ -496,7 +496,7 @@ impl AmdDump {
                 if let Err(e) = gpusnap_image::remove_process_files(dir, t.nspid) {
                     log::warn!("amd: nspid {}: removing its partial image: {e}", t.nspid);
                 }
-                let _ = crate::fault::sync_dir(dir);
+                let _ = gpusnap_host::fault::sync_dir(dir);
                 self.undo(&mut t, "the dump failed");
                 -1
             }
@@ -526,7 +526,7 @@ impl AmdDump {
         })?;
         t.nspid = info.pid;
         t.phase.paused(kfd, info)?;
-        crate::fault::kill_criu_at("amd-dump-paused");
+        gpusnap_host::fault::kill_criu_at("amd-dump-paused");
         let t_info = t0.elapsed().as_secs_f64();
         t.host_pid = holder_of(fd, Some(info.pid));
         log::info!(
@@ -545,7 +545,7 @@ impl AmdDump {
         })?;
         let n_vmas = self.save(dir, kfd, version, id, t, t0, t_info)?;
         t.phase.checkpointed()?;
-        crate::fault::kill_criu_at("amd-dump-checkpointed");
+        gpusnap_host::fault::kill_criu_at("amd-dump-checkpointed");
         Ok(n_vmas)
     }
 
@@ -640,7 +640,7 @@ impl AmdDump {
         };
         gpusnap_image::write_kfd_file(dir, id, &rec)?;
         if self.cfg.durable {
-            crate::fault::sync_dir(dir)?;
+            gpusnap_host::fault::sync_dir(dir)?;
         }
         log::info!(
             "amd: nspid {nspid}: checkpointed: {} GPUs, {} BOs ({} with contents, {} bytes in {} chunks, {} data files), {} device mappings; timings: process_info {:.3} s, checkpoint {:.3} s, data {:.3} s, total {:.3} s",
@@ -679,7 +679,7 @@ impl AmdDump {
                     log::error!(
                         "amd: nspid {nspid}: {why}, and {e}: killing pid {p} so that it cannot run with its GPU queues stopped (fail closed)"
                     );
-                    match crate::reap::kill_and_reap(p) {
+                    match gpusnap_host::reap::kill_and_reap(p) {
                         Ok(_) => {
                             let _ = t.phase.killed();
                         }
@@ -704,7 +704,7 @@ impl AmdDump {
                 self.vmas_recorded
             );
         }
-        let leave_running = crate::criu::leave_running();
+        let leave_running = gpusnap_host::criu::leave_running();
         let dir = self.dir;
         let mut processes = std::mem::take(&mut self.processes);
         for t in &mut processes {
@@ -718,10 +718,10 @@ impl AmdDump {
                 {
                     log::warn!("amd: nspid {nspid}: removing the image of a failed dump: {e}");
                 }
-                crate::fault::kill_criu_at("amd-rollback");
+                gpusnap_host::fault::kill_criu_at("amd-rollback");
                 self.undo(t, "CRIU's dump failed");
             } else if leave_running {
-                crate::fault::kill_criu_at("amd-rollback");
+                gpusnap_host::fault::kill_criu_at("amd-rollback");
                 self.undo(t, "criu dump -R (leave running)");
             } else {
                 let bos = t.phase.info().map_or(0, |i| i.num_bos);

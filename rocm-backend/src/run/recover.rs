@@ -12,9 +12,9 @@ use crate::kfd::criu;
 use crate::kfd::device::{DeviceFile, KfdDevice};
 use gpusnap_proto::{ForeignFd, pidfd_getfd, pidfd_open};
 
-use crate::pid::HostPid;
-use crate::procfs;
-use crate::ptrace::SeizedProcess;
+use gpusnap_host::pid::HostPid;
+use gpusnap_host::procfs;
+use gpusnap_host::ptrace::SeizedProcess;
 
 /// Why an AMD process could not be recovered.
 #[derive(Debug, thiserror::Error)]

@@ -18,7 +18,7 @@
 //! - `RESUME_DEVICES_LATE`, in CRIU: the process is made to die with CRIU (`PTRACE_O_EXITKILL`),
 //!   then RESUME starts its queues before it runs. CRIU 4.1 and 4.2 go on with the restore
 //!   whatever this hook answers, so on a failure gpusnap kills and reaps the process itself
-//!   ([`crate::reap`]) and answers -1.
+//!   ([`gpusnap_host::reap`]) and answers -1.
 //!
 //! Each process's progress is its [`RestorePhase`] (CRIU's copy of the plugin sees `Planned`
 //! until RESUME; the restored task's copy sees RESTORE and the contents written back).
@@ -40,8 +40,8 @@ use gpusnap_image::{CheckpointPath, ImageError, KfdFileKind, KfdState, KfdVmaNod
 
 use super::data::{self, BoTarget, DataError};
 use super::phase::{ImpossibleMove, RestorePhase};
-use crate::criu::Reopened;
-use crate::pid::{HostPid, NsPid};
+use gpusnap_host::criu::Reopened;
+use gpusnap_host::pid::{HostPid, NsPid};
 
 /// Why a restore with AMD GPU processes is refused at init, before CRIU forks anything.
 #[derive(Debug, thiserror::Error)]
@@ -143,7 +143,7 @@ pub enum ResumeError {
     #[error("cannot open the KFD for RESUME: {0}")]
     OpenKfd(#[source] KfdError),
     #[error("cannot make it die with CRIU: {0}")]
-    ExitKill(#[from] crate::ptrace::PtraceError),
+    ExitKill(#[from] gpusnap_host::ptrace::PtraceError),
     #[error(transparent)]
     Resume(KfdError),
     #[error("internal: {0}")]
@@ -456,7 +456,7 @@ impl AmdRestore {
         }
         // SAFETY: getpid has no preconditions.
         let me = HostPid(unsafe { libc::getpid() });
-        match crate::procfs::ns_pid(me) {
+        match gpusnap_host::procfs::ns_pid(me) {
             Ok(n) if n == nspid => {}
             other => {
                 return Err(RestoreError::WrongTask {
@@ -515,7 +515,7 @@ impl AmdRestore {
             plan.state.num_objects,
         )?;
         plan.phase.state_restored()?;
-        crate::fault::kill_criu_at("amd-restore-state");
+        gpusnap_host::fault::kill_criu_at("amd-restore-state");
         let plan = &self.plans[&nspid];
         let t_restore = t0.elapsed().as_secs_f64();
         let mut maps = Vec::new();
@@ -666,7 +666,7 @@ impl AmdRestore {
     /// made to die with CRIU first; a RESUME that fails kills and reaps it (CRIU 4.1 and 4.2
     /// go on with the restore whatever this hook answers).
     pub fn resume_devices_late(&mut self, pid: HostPid) -> Option<i32> {
-        let nspid = crate::procfs::ns_pid(pid).ok()?;
+        let nspid = gpusnap_host::procfs::ns_pid(pid).ok()?;
         if !self.plans.contains_key(&nspid) {
             return None;
         }
@@ -680,7 +680,7 @@ impl AmdRestore {
                 Some(0)
             }
             Err(e) => {
-                match crate::reap::kill_and_reap(pid) {
+                match gpusnap_host::reap::kill_and_reap(pid) {
                     Ok(_) => log::error!(
                         "amd: pid {pid} (nspid {nspid}): {e}; the process was killed rather than left running with its GPU queues stopped; the image is unchanged: restore again"
                     ),
@@ -697,8 +697,8 @@ impl AmdRestore {
     }
 
     fn resume(&mut self, pid: HostPid, nspid: NsPid) -> Result<(), ResumeError> {
-        crate::hold::kill_if_criu_dies(pid, &[])?;
-        crate::fault::kill_criu_at("amd-restore-resume");
+        gpusnap_host::hold::kill_if_criu_dies(pid, &[])?;
+        gpusnap_host::fault::kill_criu_at("amd-restore-resume");
         let kfd = match &self.resume_kfd {
             Some(k) => k,
             None => self

@@ -5,6 +5,7 @@ use std::io::{self, BufWriter, Write};
 use std::os::fd::{AsFd, BorrowedFd};
 use std::process::ExitCode;
 
+use gpusnap_host::pid::NsPid;
 use gpusnap_image::{
     AllocationRecord, CheckpointPath, FileEntry, GpuRecord, ImageError, ImageFileKind, Manifest,
     Requirements,
@@ -76,7 +77,7 @@ pub fn run(args: &[String]) -> ExitCode {
 /// Everything `inspect` shows about one directory.
 struct Report {
     dir: String,
-    processes: Vec<(u32, Result<Manifest, ImageError>)>,
+    processes: Vec<(NsPid, Result<Manifest, ImageError>)>,
     /// gpusnap files that belong to no manifest (an interrupted dump) or are temporaries.
     leftovers: Vec<String>,
     stats: Result<Option<Value>, ImageError>,
@@ -87,7 +88,7 @@ struct Report {
 impl Report {
     fn gather(dir: &str, fd: BorrowedFd<'_>) -> Result<Report, ImageError> {
         let files = gpusnap_image::list_image_files(fd)?;
-        let with_manifest: BTreeSet<u32> = files
+        let with_manifest: BTreeSet<NsPid> = files
             .iter()
             .filter_map(|(k, _)| match k {
                 ImageFileKind::Manifest { nspid } => Some(*nspid),
@@ -160,7 +161,7 @@ impl Report {
                 .map(|(nspid, r)| match r {
                     Ok(m) => ProcessJson::Read(Box::new(process_json(m))),
                     Err(e) => ProcessJson::Unreadable {
-                        nspid: *nspid,
+                        nspid: nspid.get(),
                         structure_ok: false,
                         error: Message(e),
                     },
@@ -432,7 +433,7 @@ fn path_name(p: &CheckpointPath) -> &'static str {
 fn process_json(m: &Manifest) -> ManifestJson<'_> {
     let t = totals(m);
     ManifestJson {
-        nspid: m.nspid,
+        nspid: m.nspid.get(),
         structure_ok: true,
         checksums: CHECKSUMS_NOT_CHECKED,
         path: path_name(&m.path),

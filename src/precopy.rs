@@ -7,6 +7,7 @@ use std::path::Path;
 use std::process::ExitCode;
 
 use crate::util::{self, EXIT_ENVIRONMENT, EXIT_PROBLEM};
+use gpusnap_host::pid::HostPid;
 
 const SYNOPSIS: &str = "PID --images DIR [--parent PATH] [--json]";
 
@@ -33,7 +34,7 @@ pub fn run(args: &[String]) -> ExitCode {
                 return util::usage_error("precopy", SYNOPSIS, &format!("unknown option {s}"));
             }
             s if pid.is_none() => match s.parse::<i32>() {
-                Ok(p) if p > 0 => pid = Some(p),
+                Ok(p) if p > 0 => pid = Some(HostPid(p)),
                 _ => return util::usage_error("precopy", SYNOPSIS, &format!("bad pid {s:?}")),
             },
             s => return util::usage_error("precopy", SYNOPSIS, &format!("unexpected {s:?}")),
@@ -52,8 +53,8 @@ pub fn run(args: &[String]) -> ExitCode {
             let d = &r.data;
             if as_json {
                 let v = serde_json::json!({
-                    "pid": r.pid,
-                    "nspid": r.nspid,
+                    "pid": r.pid.get(),
+                    "nspid": r.nspid.get(),
                     "seconds": r.seconds,
                     "data_seconds": d.seconds,
                     "device_bytes": d.bytes,

@@ -7,6 +7,7 @@ use std::path::Path;
 use std::process::ExitCode;
 
 use crate::util::{self, EXIT_ENVIRONMENT, EXIT_PROBLEM};
+use gpusnap_host::pid::HostPid;
 
 const SYNOPSIS: &str = "PID [--images DIR]";
 
@@ -26,7 +27,7 @@ pub fn run(args: &[String]) -> ExitCode {
                 return util::usage_error("recover", SYNOPSIS, &format!("unknown option {s}"));
             }
             s if pid.is_none() => match s.parse::<i32>() {
-                Ok(p) if p > 0 => pid = Some(p),
+                Ok(p) if p > 0 => pid = Some(HostPid(p)),
                 _ => return util::usage_error("recover", SYNOPSIS, &format!("bad pid {s:?}")),
             },
             s => return util::usage_error("recover", SYNOPSIS, &format!("unexpected {s:?}")),

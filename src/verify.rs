@@ -4,6 +4,7 @@ use std::collections::BTreeSet;
 use std::os::fd::AsFd;
 use std::process::ExitCode;
 
+use gpusnap_host::pid::NsPid;
 use gpusnap_image::{ImageError, ImageFileKind};
 
 use crate::util::{self, EXIT_NOTHING, EXIT_PROBLEM};
@@ -47,7 +48,7 @@ pub fn run(args: &[String]) -> ExitCode {
             return ExitCode::from(EXIT_PROBLEM);
         }
     };
-    let manifests: BTreeSet<u32> = files
+    let manifests: BTreeSet<NsPid> = files
         .iter()
         .filter_map(|(k, _)| match k {
             ImageFileKind::Manifest { nspid } => Some(*nspid),

@@ -11,6 +11,7 @@ use std::os::fd::AsFd;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
+use gpusnap_host::pid::{HostPid, NsPid};
 use gpusnap_image::ImageFileKind;
 
 use crate::util::{self, EXIT_NOTHING, EXIT_PENDING, EXIT_PROBLEM};
@@ -26,11 +27,11 @@ enum State {
     /// No gpusnap file at all.
     Nothing,
     /// Every process has a manifest and no marker.
-    Complete(Vec<u32>),
+    Complete(Vec<NsPid>),
     /// A process's image failed: its name, and why.
-    Failed { nspid: u32, why: String },
+    Failed { nspid: NsPid, why: String },
     /// Still being written (the first pending process).
-    Pending { nspid: u32, owner: (i32, u64) },
+    Pending { nspid: NsPid, owner: (HostPid, u64) },
 }
 
 pub fn run(args: &[String]) -> ExitCode {
@@ -159,7 +160,7 @@ fn look(dir: std::os::fd::BorrowedFd<'_>) -> Result<State, gpusnap_image::ImageE
         // unreadable one names no owner that could be alive, so it is looked at again.
         let owner = read_small(dir, name)
             .and_then(|t| gpusnap_image::pending_owner(&t))
-            .unwrap_or((0, 0));
+            .unwrap_or((HostPid(0), 0));
         return Ok(State::Pending { nspid, owner });
     }
     if let Some((nspid, file)) = gpusnap_image::unfinished_dumps(dir)?.into_iter().next() {
@@ -176,8 +177,8 @@ fn look(dir: std::os::fd::BorrowedFd<'_>) -> Result<State, gpusnap_image::ImageE
 }
 
 /// Whether the process `pid` that started at `start` still runs.
-fn alive((pid, start): (i32, u64)) -> bool {
-    if pid <= 0 {
+fn alive((pid, start): (HostPid, u64)) -> bool {
+    if pid.get() <= 0 {
         // An unreadable marker: taken for alive once; the second look decides.
         return true;
     }
@@ -238,8 +239,8 @@ mod tests {
         }
     }
 
-    fn me() -> (i32, u64) {
-        let pid = std::process::id() as i32;
+    fn me() -> (HostPid, u64) {
+        let pid = HostPid(std::process::id() as i32);
         let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
         let start = gpusnap_host::procfs::Stat::parse(&s)
             .unwrap()
@@ -253,15 +254,15 @@ mod tests {
         let (d, f) = dir();
         assert_eq!(look(f.as_fd()).unwrap(), State::Nothing);
         let (pid, start) = me();
-        let pending = d.0.join(gpusnap_image::pending_marker_name(7));
+        let pending = d.0.join(gpusnap_image::pending_marker_name(NsPid(7)));
         std::fs::write(&pending, gpusnap_image::pending_text(pid, start, "test")).unwrap();
         // A manifest beside it does not make it complete.
-        std::fs::write(d.0.join(gpusnap_image::manifest_file_name(7)), b"x").unwrap();
+        std::fs::write(d.0.join(gpusnap_image::manifest_file_name(NsPid(7))), b"x").unwrap();
         let s = look(f.as_fd()).unwrap();
         assert_eq!(
             s,
             State::Pending {
-                nspid: 7,
+                nspid: NsPid(7),
                 owner: (pid, start)
             }
         );
@@ -269,15 +270,18 @@ mod tests {
         // The same pid with another start time is another process: gone.
         assert!(!alive((pid, start + 1)));
         std::fs::remove_file(&pending).unwrap();
-        assert_eq!(look(f.as_fd()).unwrap(), State::Complete(vec![7]));
-        std::fs::remove_file(d.0.join(gpusnap_image::manifest_file_name(7))).unwrap();
+        assert_eq!(look(f.as_fd()).unwrap(), State::Complete(vec![NsPid(7)]));
+        std::fs::remove_file(d.0.join(gpusnap_image::manifest_file_name(NsPid(7)))).unwrap();
         std::fs::write(
-            d.0.join(gpusnap_image::failed_marker_name(7)),
+            d.0.join(gpusnap_image::failed_marker_name(NsPid(7))),
             "This directory is NOT a usable checkpoint.\nCause: the keeper died\n",
         )
         .unwrap();
         match look(f.as_fd()).unwrap() {
-            State::Failed { nspid: 7, why } => assert!(why.contains("the keeper died"), "{why}"),
+            State::Failed {
+                nspid: NsPid(7),
+                why,
+            } => assert!(why.contains("the keeper died"), "{why}"),
             other => panic!("{other:?}"),
         }
     }

@@ -52,7 +52,11 @@ fn container_checkpoint(root: &Path) {
     std::fs::write(ck.join("inventory.img"), b"criu's own").unwrap();
     std::fs::write(root.join("spec.dump"), SPEC).unwrap();
     std::fs::write(root.join("config.dump"), b"{}").unwrap();
-    let mut m = Manifest::begin(1, CheckpointPath::Transparent, 13000);
+    let mut m = Manifest::begin(
+        gpusnap_host::pid::NsPid(1),
+        CheckpointPath::Transparent,
+        13000,
+    );
     m.gpus = vec![GpuRecord {
         ordinal: 0,
         uuid: "0123456789abcdef0123456789abcdef".into(),

@@ -1,5 +1,6 @@
 //! Drives the `gpusnap` binary as a user would, on images made with the image crate.
 
+use gpusnap_host::pid::NsPid;
 use std::collections::BTreeMap;
 use std::fs::OpenOptions;
 use std::os::fd::BorrowedFd;
@@ -24,6 +25,7 @@ fn stdout(o: &Output) -> String {
 /// A split-path image of process `nspid`: 2 files, 3 chunks (one zstd), one driver-saved
 /// allocation. Returns the manifest.
 fn make_image(dir: BorrowedFd<'_>, nspid: u32) -> Manifest {
+    let nspid = NsPid(nspid);
     let base = 0x7f00_0000_0000u64;
     let a: Vec<u8> = (0..65536u32).map(|i| (i * 7 % 251) as u8).collect();
     let zeros = vec![0u8; 65536];
@@ -79,6 +81,7 @@ fn make_image(dir: BorrowedFd<'_>, nspid: u32) -> Manifest {
 /// A kfd-path (AMD) image of process `nspid`: one VRAM buffer object of 64 KiB in one data
 /// file, its KFD state, and the manifest.
 fn make_amd_image(dir: BorrowedFd<'_>, nspid: u32) -> Manifest {
+    let nspid = NsPid(nspid);
     let addr = 0x7f00_0000_0000u64;
     let data: Vec<u8> = (0..65536u32).map(|i| (i % 253) as u8).collect();
     let mut w = DataFileWriter::create(dir, nspid, 0).unwrap();
@@ -257,7 +260,7 @@ fn verify_flipped_byte_names_file_and_chunk() {
     let m = make_image(t.fd(), 43);
     let c = &m.chunks[2];
     flip(
-        &t.file(data_file_name(43, c.file)),
+        &t.file(data_file_name(NsPid(43), c.file)),
         c.file_offset + c.stored_len / 2,
     );
     let o = gpusnap(&["verify", t.path_str(), "--threads", "2"]);
@@ -296,7 +299,7 @@ fn verify_flipped_byte_names_file_and_chunk() {
 fn verify_and_inspect_report_a_damaged_manifest() {
     let t = TempDir::new("cli-test");
     make_image(t.fd(), 42);
-    flip(&t.file(manifest_file_name(42)), 100);
+    flip(&t.file(manifest_file_name(NsPid(42))), 100);
     let o = gpusnap(&["verify", t.path_str()]);
     assert_eq!(o.status.code(), Some(1), "{o:?}");
     assert!(stdout(&o).contains("manifest checksum mismatch"));
@@ -317,7 +320,7 @@ fn verify_and_inspect_report_a_damaged_manifest() {
 #[test]
 fn verify_reports_an_unfinished_dump() {
     let t = TempDir::new("cli-test");
-    let w = DataFileWriter::create(t.fd(), 7, 0).unwrap();
+    let w = DataFileWriter::create(t.fd(), NsPid(7), 0).unwrap();
     w.finish().unwrap();
     let o = gpusnap(&["verify", t.path_str()]);
     assert_eq!(o.status.code(), Some(1), "{o:?}");
@@ -329,8 +332,8 @@ fn verify_reports_an_unfinished_dump() {
         "{o:?}"
     );
     // A manifest that never got its own name is no manifest either.
-    std::fs::remove_file(t.file(data_file_name(7, 0))).unwrap();
-    std::fs::write(t.file(manifest_tmp_name(7)), b"GPUSNAP-MANIFEST 2").unwrap();
+    std::fs::remove_file(t.file(data_file_name(NsPid(7), 0))).unwrap();
+    std::fs::write(t.file(manifest_tmp_name(NsPid(7))), b"GPUSNAP-MANIFEST 2").unwrap();
     let o = gpusnap(&["verify", t.path_str()]);
     assert_eq!(o.status.code(), Some(1), "{o:?}");
     assert!(
@@ -345,7 +348,7 @@ fn verify_reports_an_unfinished_dump() {
 fn verify_reports_a_data_file_cut_short() {
     let t = TempDir::new("cli-test");
     make_image(t.fd(), 42);
-    let data = t.file(data_file_name(42, 0));
+    let data = t.file(data_file_name(NsPid(42), 0));
     let len = std::fs::metadata(&data).unwrap().len();
     OpenOptions::new()
         .write(true)

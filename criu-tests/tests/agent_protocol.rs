@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use common::{MORE_TICKS, Vmm, libcuda_dir};
 use gpusnap_cuda::agent::{AgentSession, RingShape, Transfer, agent_thread};
 use gpusnap_cuda::staging::Staging;
+use gpusnap_host::pid::HostPid;
 use gpusnap_host::ptrace::{RunningThread, SeizedProcess};
 use gpusnap_proto::{
     AgentRequest, CommonRequest, KeeperRequest, MAX_MESSAGE, PROTOCOL_VERSION, Reply,
@@ -91,7 +92,7 @@ fn sends() -> Vec<Send> {
         v.push(Send::Req(
             AgentRequest::ShareableSource {
                 import: 9,
-                exporter_pid: 1,
+                exporter_pid: gpusnap_proto::pid::NsPid(1),
                 id: 1,
                 key: [1; 16],
             },
@@ -233,7 +234,7 @@ fn sends() -> Vec<Send> {
 }
 
 /// Brings a fresh connection to `phase`; returns it with the slot it holds (if any).
-fn enter(pid: i32, ring: &Staging, phase: Phase) -> (AgentSession, Option<u32>) {
+fn enter(pid: HostPid, ring: &Staging, phase: Phase) -> (AgentSession, Option<u32>) {
     let a = AgentSession::connect_expected(pid, WAIT).expect("connect");
     if phase == Phase::Idle {
         return (a, None);
@@ -379,7 +380,7 @@ fn allowed(phase: Phase, s: &Send, got: &[Reply], closed: bool) -> Result<(), St
     if ok { Ok(()) } else { Err(format!("{got:?}")) }
 }
 
-fn assert_alive_and_whole(vmm: &Vmm, pid: i32, state: &str) {
+fn assert_alive_and_whole(vmm: &Vmm, pid: HostPid, state: &str) {
     let a = AgentSession::connect_expected(pid, WAIT)
         .unwrap_or_else(|e| panic!("{state}: connect after the case: {e}\n{}", vmm.describe()));
     let h = a
@@ -388,7 +389,7 @@ fn assert_alive_and_whole(vmm: &Vmm, pid: i32, state: &str) {
     assert!(!h.released, "{state}: the agent says released: {h:?}");
 }
 
-fn hold(pid: i32) -> (SeizedProcess, RunningThread) {
+fn hold(pid: HostPid) -> (SeizedProcess, RunningThread) {
     let tid = agent_thread(pid).expect("a gpusnap-agent thread");
     let seized = SeizedProcess::seize(pid).expect("seize");
     let agent = RunningThread::resume(tid).expect("resume the agent thread");
@@ -401,7 +402,7 @@ fn hold(pid: i32) -> (SeizedProcess, RunningThread) {
 fn the_agent_answers_or_refuses_every_request_in_every_phase() {
     let started = Instant::now();
     let (vmm, _dir) = start();
-    let pid = vmm.pid();
+    let pid = HostPid(vmm.pid());
     let ring = Staging::new(SLOT as usize, SLOTS as usize).expect("ring");
     let mut failures = Vec::new();
     let mut cases = 0;

@@ -236,7 +236,8 @@ fn dump_restore_and_check(c: &mut Case) -> (CriuRun, CriuRun) {
     // The image reads back whole through the image crate (what `gpusnap verify` does).
     let dir = std::fs::File::open(&c.w.images).unwrap();
     use std::os::fd::AsFd;
-    let m = gpusnap_image::read_manifest(dir.as_fd(), pid as u32).unwrap();
+    let m =
+        gpusnap_image::read_manifest(dir.as_fd(), gpusnap_proto::pid::NsPid(pid as u32)).unwrap();
     assert_eq!(m.path, gpusnap_image::CheckpointPath::Kfd);
     gpusnap_image::verify_image(dir.as_fd(), &m, 2).unwrap();
     // The daemon freed the dumped process.
@@ -739,7 +740,8 @@ fn amd_untranslatable_mapping_fails_the_restore() {
     let pid = c.app.root();
     let dir = std::fs::File::open(&c.w.images).unwrap();
     use std::os::fd::AsFd;
-    let mut st = gpusnap_image::read_kfd_state(dir.as_fd(), pid as u32).unwrap();
+    let mut st =
+        gpusnap_image::read_kfd_state(dir.as_fd(), gpusnap_proto::pid::NsPid(pid as u32)).unwrap();
     assert_eq!(st.vmas.len(), 2);
     let dropped = st.vmas.remove(0);
     std::fs::write(

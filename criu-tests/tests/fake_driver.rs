@@ -190,7 +190,7 @@ fn dump_and_restore_drive_the_driver() {
     assert_gpusnap_line(&dump, "dump phases");
 
     // The image: a manifest of the transparent path, and gpusnap in the inventory.
-    let manifest = gpusnap_image::manifest_file_name(pid as u32);
+    let manifest = gpusnap_image::manifest_file_name(gpusnap_proto::pid::NsPid(pid as u32));
     assert!(
         w.image_files().contains(&manifest),
         "no {manifest} in {:?}",
@@ -551,7 +551,7 @@ fn tree_of_gpu_processes_is_checkpointed_and_restored_in_parallel() {
         overlap("checkpoint"),
         "the checkpoints did not overlap\n{ctx}"
     );
-    for m in kids.map(|k| gpusnap_image::manifest_file_name(k as u32)) {
+    for m in kids.map(|k| gpusnap_image::manifest_file_name(gpusnap_proto::pid::NsPid(k as u32))) {
         assert!(w.image_files().contains(&m), "no {m}");
     }
 

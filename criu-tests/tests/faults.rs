@@ -24,6 +24,7 @@ use gpusnap_image::{
     AllocationRecord, CheckpointPath, Codec, DataFileWriter, GpuRecord, Manifest, data_file_name,
     encode_manifest_unchecked, manifest_file_name, write_manifest,
 };
+use gpusnap_proto::pid::NsPid;
 use gpusnap_proto::{AgentRequest, Channel, CommonRequest, PROTOCOL_VERSION, Reply, connect_agent};
 
 const COUNTER: &str = env!("CARGO_BIN_EXE_counter");
@@ -220,7 +221,7 @@ fn storage_full_during_dump_leaves_workload_intact() {
 
 /// Fake GPU state of process `nspid` in `dir`: two data files (indexes 0 and 2) of two 64 KiB
 /// chunks each, covering one moved 256 KiB allocation, and a valid manifest.
-fn write_fake_gpu_state(dir: &Path, nspid: u32) -> Manifest {
+fn write_fake_gpu_state(dir: &Path, nspid: NsPid) -> Manifest {
     const CHUNK: usize = 64 << 10;
     const BASE: u64 = 0x7f12_3400_0000;
     let d = fs::File::open(dir).unwrap();
@@ -288,7 +289,7 @@ fn damaged_gpusnap_image_refused_before_restore() {
     let w = h.workdir("damaged-image");
     let mut wl = w.spawn_counter(COUNTER, 103, &[]);
     let pid = wl.root();
-    let nspid = pid as u32;
+    let nspid = NsPid(pid as u32);
     w.dump(pid, false).assert_ok();
     wl.reap_dumped();
     let criu_files: Vec<String> = w
@@ -302,7 +303,7 @@ fn damaged_gpusnap_image_refused_before_restore() {
     let data0 = data_file_name(nspid, 0);
     let data2 = data_file_name(nspid, 2);
     let manifest = manifest_file_name(nspid);
-    type Damage = fn(&Path, &Manifest, u32);
+    type Damage = fn(&Path, &Manifest, NsPid);
     let cases: Vec<(&str, Damage, String)> = vec![
         ("intact", |_, _, _| {}, String::new()),
         (
@@ -424,13 +425,13 @@ fn agent_hello(pid: i32, what: &str) -> Reply {
     let baseline = procs::socket_fds(pid);
     let mut fd = None;
     let connected = wait_until(Duration::from_secs(5), || {
-        fd = connect_agent(pid).ok();
+        fd = connect_agent(gpusnap_proto::pid::HostPid(pid)).ok();
         fd.is_some()
     });
     assert!(
         connected,
         "{what}: cannot reach the agent of pid {pid} through its door: {}",
-        connect_agent(pid).unwrap_err()
+        connect_agent(gpusnap_proto::pid::HostPid(pid)).unwrap_err()
     );
     let ch = Channel::new(fd.unwrap());
     ch.send_request(
@@ -463,7 +464,11 @@ fn assert_agent_answers(pid: i32, what: &str) {
             ..
         } => {
             assert_eq!(version, PROTOCOL_VERSION, "{what}");
-            assert_eq!(agent_pid, pid, "{what}: the agent reports another pid");
+            assert_eq!(
+                agent_pid.get() as i32,
+                pid,
+                "{what}: the agent reports another pid"
+            );
             assert_eq!(allocations, 0, "{what}: allocations without a GPU");
             assert!(!released, "{what}");
         }

@@ -286,8 +286,11 @@ fn handover_leave_running_maps_the_memory_back() {
     s.assert_runs_on(&last, &dump);
     // The manifest was written before the memory was mapped back: the image is whole.
     let dir = std::fs::File::open(&s.w.images).expect("open image dir");
-    let m = gpusnap_image::read_manifest(std::os::fd::AsFd::as_fd(&dir), s.vmm.pid() as u32)
-        .expect("the dump's manifest");
+    let m = gpusnap_image::read_manifest(
+        std::os::fd::AsFd::as_fd(&dir),
+        gpusnap_proto::pid::NsPid(s.vmm.pid() as u32),
+    )
+    .expect("the dump's manifest");
     assert!(!m.chunks.is_empty(), "{m:?}");
 }
 

@@ -33,6 +33,7 @@ use common::pair::read_log;
 use common::split::Split;
 use common::{VmmLog, built, libcuda_dir, vmm_bin};
 use criu_tests::CriuRun;
+use gpusnap_proto::pid::HostPid;
 use gpusnap_proto::{AgentRequest, Channel, CommonRequest, Door, PROTOCOL_VERSION, Reply, Share};
 
 /// The job's workload: two 4 MiB allocations, copied out first.
@@ -128,7 +129,7 @@ impl VictimLogs {
 /// What the victim's agent says about its export (as root may ask): (allocation id, size,
 /// key).
 fn victim_export(pid: i32) -> (u64, u64, [u8; 16]) {
-    let ch = Channel::new(gpusnap_proto::connect_agent(pid).expect("the victim's agent"));
+    let ch = Channel::new(gpusnap_proto::connect_agent(HostPid(pid)).expect("the victim's agent"));
     ch.send_request(&AgentRequest::ListSharing, None)
         .expect("ListSharing");
     let mut found = None;
@@ -472,7 +473,7 @@ fn ten_garbage_connections_neither_slow_nor_fail_a_dump() {
     let Some(mut s) = Split::launch("hostile-share-ten-knocks", 1, ARGS, ENV) else {
         return;
     };
-    let door = Door::open(s.vmm.pid())
+    let door = Door::open(HostPid(s.vmm.pid()))
         .expect("the job's door")
         .expect("the job runs the agent");
     let held: Vec<OwnedFd> = (0..10)
@@ -503,7 +504,7 @@ fn a_knocker_throughout_a_dump_neither_slows_nor_fails_it() {
     let knocker = {
         let (stop, knocks) = (stop.clone(), knocks.clone());
         std::thread::spawn(move || {
-            let mut door = Door::open(pid).ok().flatten();
+            let mut door = Door::open(HostPid(pid)).ok().flatten();
             let mut held = VecDeque::new();
             while !stop.load(Ordering::Relaxed) {
                 match door.as_ref().map(knock_with_garbage) {
@@ -515,7 +516,7 @@ fn a_knocker_throughout_a_dump_neither_slows_nor_fails_it() {
                         }
                     }
                     // Sealed, or gone: copy the door again.
-                    _ => door = Door::open(pid).ok().flatten(),
+                    _ => door = Door::open(HostPid(pid)).ok().flatten(),
                 }
                 std::thread::sleep(Duration::from_millis(2));
             }

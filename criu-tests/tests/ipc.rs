@@ -274,7 +274,9 @@ fn hazards_of(pid: i32) -> u32 {
     use gpusnap_proto::{
         AgentRequest, Channel, CommonRequest, PROTOCOL_VERSION, Reply, connect_agent,
     };
-    let ch = Channel::new(connect_agent(pid).expect("connect to the agent"));
+    let ch = Channel::new(
+        connect_agent(gpusnap_proto::pid::HostPid(pid)).expect("connect to the agent"),
+    );
     ch.send_request(
         &AgentRequest::Common(CommonRequest::Hello {
             version: PROTOCOL_VERSION,

@@ -466,7 +466,7 @@ fn dump_and_restore(s: &mut Setup, name: &str, job: &str, child: bool) -> u64 {
     assert_eq!(shorts(&ops), ["lock:0", "checkpoint:0"], "{ctx}");
     assert_protocol(&ops, &ctx);
     let images = PathBuf::from(s.podman.inspect(name, "{{.State.CheckpointPath}}"));
-    let manifest = gpusnap_image::manifest_file_name(nspid as u32);
+    let manifest = gpusnap_image::manifest_file_name(gpusnap_proto::pid::NsPid(nspid as u32));
     assert!(
         images.join(&manifest).is_file(),
         "{name}: no {manifest} in {}\n{ctx}",
@@ -632,7 +632,7 @@ fn podman_checkpoint_restore_with_the_package() {
         String::from_utf8_lossy(&verify.stdout)
     );
     let listing = s.podman_tar_listing(&archive);
-    let manifest = gpusnap_image::manifest_file_name(1);
+    let manifest = gpusnap_image::manifest_file_name(gpusnap_proto::pid::NsPid(1));
     assert!(
         listing.iter().any(|f| f.ends_with(&manifest)),
         "the export archive has no {manifest}: {listing:?}"

@@ -112,8 +112,11 @@ fn assert_mixed(s: &Split, dump: &CriuRun) {
 
 fn manifest(s: &Split) -> gpusnap_image::Manifest {
     let dir = std::fs::File::open(&s.w.images).expect("open image dir");
-    gpusnap_image::read_manifest(std::os::fd::AsFd::as_fd(&dir), s.vmm.pid() as u32)
-        .expect("the dump's manifest")
+    gpusnap_image::read_manifest(
+        std::os::fd::AsFd::as_fd(&dir),
+        gpusnap_proto::pid::NsPid(s.vmm.pid() as u32),
+    )
+    .expect("the dump's manifest")
 }
 
 /// The image records each allocation's route.

@@ -116,8 +116,11 @@ impl Split {
     /// The dump's manifest of the (first) workload process.
     fn manifest(&self) -> gpusnap_image::Manifest {
         let dir = fs::File::open(&self.w.images).expect("open image dir");
-        gpusnap_image::read_manifest(std::os::fd::AsFd::as_fd(&dir), self.vmm.pid() as u32)
-            .expect("the dump's manifest")
+        gpusnap_image::read_manifest(
+            std::os::fd::AsFd::as_fd(&dir),
+            gpusnap_proto::pid::NsPid(self.vmm.pid() as u32),
+        )
+        .expect("the dump's manifest")
     }
 
     /// Writes `m` as its process's manifest, sealed again with a valid checksum but without the
@@ -524,7 +527,8 @@ fn an_idle_client_of_the_agent_does_not_break_a_dump() {
     let Some(mut s) = Split::start("split-idle-client") else {
         return;
     };
-    let idle = gpusnap_proto::connect_agent(s.vmm.pid()).expect("connect as an idle client");
+    let idle = gpusnap_proto::connect_agent(gpusnap_proto::pid::HostPid(s.vmm.pid()))
+        .expect("connect as an idle client");
     let dump = s.dump(false);
     s.assert_ok(&dump);
     s.assert_split_dump(&dump);
@@ -638,7 +642,7 @@ fn the_agent_releases_and_loads_only_while_the_process_is_held() {
     let Some(s) = Split::start("split-agent-outside") else {
         return;
     };
-    let pid = s.vmm.pid();
+    let pid = gpusnap_proto::pid::HostPid(s.vmm.pid());
     let wait = Duration::from_secs(10);
     let ring = gpusnap_cuda::staging::Staging::new(1 << 20, 4).expect("ring");
     let shape = RingShape {

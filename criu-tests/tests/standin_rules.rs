@@ -82,7 +82,7 @@ fn the_stand_in_enforces_the_kernels_rules() {
     let e = criu::process_info(&dev, mine.as_fd()).unwrap_err();
     assert_eq!(errno(&e), Some(libc::EINVAL), "{e}");
     // RESUME of a pid with no restored KFD process.
-    let e = criu::resume(&dev, mine.as_fd(), 999_999).unwrap_err();
+    let e = criu::resume(&dev, mine.as_fd(), gpusnap_host::pid::HostPid(999_999)).unwrap_err();
     assert_eq!(errno(&e), Some(libc::ESRCH), "{e}");
     // RESTORE needs the caller's render node of the GPU as drm_fd: an ordinary fd is refused.
     let null = std::fs::File::open("/dev/null").unwrap();

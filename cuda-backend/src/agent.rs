@@ -11,8 +11,8 @@
 //! `Hello` must name the target's namespace pid. A knock the agent never answered is withdrawn
 //! when the session ends, so CRIU never finds it queued in the process.
 
-use crate::pid::{HostPid, NsPid};
-use crate::procfs;
+use gpusnap_host::pid::{HostPid, HostTid, NsPid, NsTid};
+use gpusnap_host::procfs;
 use gpusnap_image::AllocationRecord;
 use gpusnap_proto::{
     AgentRequest, AllocKind, Channel, CommonRequest, KeeperRequest, PROTOCOL_VERSION, ProtoError,
@@ -31,47 +31,53 @@ pub const AGENT_THREAD_COMM: &str = "gpusnap-agent";
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
     #[error("pid {pid}: {err}")]
-    Proc { pid: i32, err: io::Error },
+    Proc { pid: HostPid, err: io::Error },
     #[error("connecting to the agent of pid {pid}: {err}")]
-    Connect { pid: i32, err: io::Error },
+    Connect { pid: HostPid, err: io::Error },
     #[error(
-        "the agent behind the door of pid {pid} says it is namespace pid {claimed} (the target is {expected}), or its thread is not the target's gpusnap-agent thread: refusing to talk to it"
+        "the agent behind the door of pid {pid} says it is namespace pid {claimed} (the target is {expected}), or its thread is not the target's gpusnap-agent thread: refusing to talk to it",
+        // Shown as the wire's i32 said it (a negative claim too).
+        claimed = .claimed.get() as i32
     )]
     Impostor {
-        pid: i32,
-        claimed: i32,
+        pid: HostPid,
+        claimed: NsPid,
         expected: NsPid,
     },
     #[error("agent of pid {pid}: {err}")]
-    Proto { pid: i32, err: ProtoError },
+    Proto { pid: HostPid, err: ProtoError },
     #[error("agent of pid {pid} answered {got} where {expected} was expected")]
     Unexpected {
-        pid: i32,
+        pid: HostPid,
         expected: &'static str,
         got: String,
     },
     /// `message` is the job's text: shown quoted and escaped.
     #[error("agent of pid {pid} reports: {message:?}")]
-    Refused { pid: i32, message: String },
+    Refused { pid: HostPid, message: String },
     #[error("agent thread (namespace tid {ns_tid}) of pid {pid} not found in /proc/{pid}/task")]
-    NoThread { pid: i32, ns_tid: i32 },
+    NoThread { pid: HostPid, ns_tid: NsTid },
     #[error(
         "the agent of pid {pid} reports its memory as released (an earlier dump did not finish?)"
     )]
-    AlreadyReleased { pid: i32 },
+    AlreadyReleased { pid: HostPid },
     #[error("the agent of pid {pid} made no progress for {stall:?} (hung?)")]
-    Stalled { pid: i32, stall: Duration },
+    Stalled { pid: HostPid, stall: Duration },
     /// The peer process (a keeper) is stopped (SIGSTOP, a debugger): it cannot answer, so
     /// waiting out the agent timeout would only hold the job longer.
     #[error(
         "the keeper (pid {peer}) serving pid {pid} is stopped (state {state}) and cannot answer: given up on at once"
     )]
-    PeerStopped { pid: i32, peer: i32, state: char },
+    PeerStopped {
+        pid: HostPid,
+        peer: HostPid,
+        state: char,
+    },
     /// More replies of a kind than the agent may send (issue 32, item 4): what it sends is
     /// kept in root's memory, so it is bounded by what it said it holds.
     #[error("the agent of pid {pid} sent more than {limit} {what} ({bound}): refused")]
     TooMany {
-        pid: i32,
+        pid: HostPid,
         what: &'static str,
         limit: usize,
         bound: &'static str,
@@ -81,14 +87,14 @@ pub enum AgentError {
         "the agent of pid {pid}: {what} did not end within {limit:?} (the agent timeout plus {per:?} for each of at most {count} replies): refused as hung"
     )]
     Overdue {
-        pid: i32,
+        pid: HostPid,
         what: &'static str,
         limit: Duration,
         per: Duration,
         count: usize,
     },
     #[error("the agent of pid {pid} listed {fault}: refused")]
-    BadListing { pid: i32, fault: ListingFault },
+    BadListing { pid: HostPid, fault: ListingFault },
 }
 
 /// What is wrong with a listing (`ListAllocations`).
@@ -182,7 +188,7 @@ impl Deadline {
         }
     }
 
-    fn overdue(&self, pid: i32) -> AgentError {
+    fn overdue(&self, pid: HostPid) -> AgentError {
         AgentError::Overdue {
             pid,
             what: self.what,
@@ -196,8 +202,8 @@ impl Deadline {
 /// What the agent said about itself.
 #[derive(Clone, Debug)]
 pub struct AgentHello {
-    pub ns_pid: i32,
-    pub ns_tid: i32,
+    pub ns_pid: NsPid,
+    pub ns_tid: NsTid,
     pub allocations: u32,
     pub converted_bytes: u64,
     pub devices: u32,
@@ -220,45 +226,6 @@ pub struct LentAllocation {
     /// The lender made it `gpuDirectRDMACapable`.
     pub rdma_capable: bool,
     pub fd: std::os::fd::OwnedFd,
-}
-
-/// A share as [`AgentSession::list_sharing`] returns it: the agent's [`Share`] (its fields read
-/// through `Deref`), and whether it is a shareable handle's as a field of its own.
-///
-/// A conversion kept on this side of a boundary: `dump.rs` (edited elsewhere at the time) reads
-/// `s.shareable` as a field. Once it calls [`Share::is_shareable`] instead, `list_sharing`
-/// returns `Vec<Share>`, `Tracked::shares` and [`crate::sharing`] hold those, and this type
-/// goes. No `DerefMut`: the flag could then disagree with the share's kind.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Listed {
-    /// [`Share::is_shareable`] of the share (its kind never changes: nothing writes this).
-    pub shareable: bool,
-    share: Share,
-}
-
-impl Listed {
-    /// [`Share::resolve`]: the plugin resolved this shareable import to its exporter's
-    /// allocation.
-    pub fn resolve(&mut self, exporter: NsPid, id: u64, key: [u8; 16]) {
-        self.share.resolve(exporter, id, key);
-    }
-}
-
-impl From<Share> for Listed {
-    fn from(share: Share) -> Listed {
-        Listed {
-            shareable: share.is_shareable(),
-            share,
-        }
-    }
-}
-
-impl std::ops::Deref for Listed {
-    type Target = Share;
-
-    fn deref(&self) -> &Share {
-        &self.share
-    }
 }
 
 /// The current memory of one exported allocation (`ShareFds`), to map in its importers.
@@ -298,7 +265,7 @@ pub struct RingShape {
 /// ([`AgentSession`]) or a keeper ([`KeeperSession`]). What both serve is here; what only one
 /// does is on its type alone, so a request the other serves cannot be sent to it.
 pub struct Session<R> {
-    pid: i32,
+    pid: HostPid,
     chan: Channel,
     timeout: Duration,
     /// The door knocked at; `None` in unit tests that play the agent over a plain pair.
@@ -309,7 +276,7 @@ pub struct Session<R> {
     said: Box<Mutex<Said>>,
     /// A peer process of our own making (a keeper) whose state is looked at while a reply is
     /// awaited, so that a stopped one is noticed within [`PEER_CHECK`], not the timeout.
-    peer: Option<i32>,
+    peer: Option<HostPid>,
     /// The requests this connection's server takes.
     requests: PhantomData<fn(&R)>,
 }
@@ -351,7 +318,7 @@ impl<R> Drop for Session<R> {
 impl<R: Request> Session<R> {
     /// A session over a connection of our own making (the keeper's socket pair); `pid` names
     /// the peer in messages. No door, so no identity check: the plugin made both ends.
-    pub fn over(pid: i32, chan: Channel, timeout: Duration) -> Self {
+    pub fn over(pid: HostPid, chan: Channel, timeout: Duration) -> Self {
         Self {
             pid,
             chan,
@@ -366,18 +333,18 @@ impl<R: Request> Session<R> {
 
     /// Watches `peer` (the keeper's pid) while replies are awaited: a stopped peer fails the
     /// wait within [`PEER_CHECK`] ([`AgentError::PeerStopped`]).
-    pub fn watching(mut self, peer: i32) -> Self {
+    pub fn watching(mut self, peer: HostPid) -> Self {
         self.peer = Some(peer);
         self
     }
 
     /// The watched peer's state, if it is stopped (`T`, or `t`: traced and stopped).
-    fn peer_stopped(&self) -> Option<(i32, char)> {
+    fn peer_stopped(&self) -> Option<(HostPid, char)> {
         let peer = self.peer?;
-        let (state, _) = crate::procfs::state_and_start(peer).ok()?;
+        let (state, _) = gpusnap_host::procfs::state_and_start(peer).ok()?;
         matches!(
             state,
-            crate::procfs::ProcState::Stopped | crate::procfs::ProcState::TracingStop
+            gpusnap_host::procfs::ProcState::Stopped | gpusnap_host::procfs::ProcState::TracingStop
         )
         .then(|| (peer, state.letter()))
     }
@@ -413,7 +380,7 @@ impl<R: Request> Session<R> {
         }
     }
 
-    pub fn pid(&self) -> i32 {
+    pub fn pid(&self) -> HostPid {
         self.pid
     }
 
@@ -556,14 +523,15 @@ impl<R: Request> Session<R> {
                 kept,
             } => {
                 if self.door.is_some() {
-                    let expected = procfs::ns_pid(HostPid(self.pid))
+                    let expected = procfs::ns_pid(self.pid)
                         .map_err(|err| AgentError::Proc { pid: self.pid, err })?;
                     // And the thread that answers is the target's agent thread (a child that
                     // inherited the door without fork's handlers could share the pid number in
                     // a pid namespace of its own).
                     let answering = procfs::host_tid(self.pid, tid).ok().flatten();
-                    // The agent's claim is its getpid(), an i32 on the wire.
-                    if u32::try_from(ns_pid).map(NsPid) != Ok(expected)
+                    // The agent's claim is its getpid(), an i32 on the wire (a negative one
+                    // is no namespace pid: never the expected one).
+                    if ns_pid != expected
                         || answering.is_none()
                         || answering != agent_thread(self.pid)
                     {
@@ -832,7 +800,7 @@ impl<R: Request> Session<R> {
 impl Session<AgentRequest> {
     /// Connects to the agent of host pid `pid`. `Ok(None)`: no agent listens there (the process
     /// goes the driver path). `timeout` bounds every wait for an answer.
-    pub fn connect(pid: i32, timeout: Duration) -> Result<Option<Self>, AgentError> {
+    pub fn connect(pid: HostPid, timeout: Duration) -> Result<Option<Self>, AgentError> {
         let connect_err = |err| AgentError::Connect { pid, err };
         let Some(door) = gpusnap_proto::Door::open(pid).map_err(connect_err)? else {
             return Ok(None);
@@ -851,7 +819,7 @@ impl Session<AgentRequest> {
     }
 
     /// Like [`Self::connect`], for a process known to run the agent.
-    pub fn connect_expected(pid: i32, timeout: Duration) -> Result<Self, AgentError> {
+    pub fn connect_expected(pid: HostPid, timeout: Duration) -> Result<Self, AgentError> {
         Self::connect(pid, timeout)?.ok_or(AgentError::Connect {
             pid,
             err: io::Error::new(io::ErrorKind::NotFound, "the agent's socket is gone"),
@@ -959,13 +927,13 @@ impl Session<AgentRequest> {
 
     /// `ListSharing`: the process's CUDA IPC shares through its agent (at most
     /// [`MAX_SHARES`], within `agent_timeout + LIST_ALLOWANCE × MAX_SHARES`).
-    pub fn list_sharing(&self) -> Result<Vec<Listed>, AgentError> {
+    pub fn list_sharing(&self) -> Result<Vec<Share>, AgentError> {
         self.send(&AgentRequest::ListSharing, None)?;
         let deadline = Deadline::new(self.timeout, LIST_ALLOWANCE, MAX_SHARES, "its shares");
         let mut out = Vec::new();
         loop {
             match self.recv_within(&deadline)? {
-                Reply::Shared(share) if out.len() < MAX_SHARES => out.push(share.into()),
+                Reply::Shared(share) if out.len() < MAX_SHARES => out.push(share),
                 Reply::SharedEnd { count } if count as usize == out.len() => return Ok(out),
                 got => return Err(self.unexpected("Shared, or SharedEnd with their count", got)),
             }
@@ -1019,7 +987,7 @@ impl Session<AgentRequest> {
     pub fn reimport(&self, exporter_pid: NsPid, mem: &SharedMemory) -> Result<u64, AgentError> {
         use std::os::fd::AsFd;
         let req = AgentRequest::Reimport {
-            exporter_pid: exporter_pid.get(),
+            exporter_pid,
             id: mem.id,
         };
         self.send(&req, Some(mem.fd.as_fd()))?;
@@ -1040,7 +1008,7 @@ impl Session<AgentRequest> {
     ) -> Result<(), AgentError> {
         let req = AgentRequest::ShareableSource {
             import,
-            exporter_pid: exporter_pid.get(),
+            exporter_pid,
             id,
             key,
         };
@@ -1302,14 +1270,14 @@ fn check_listing(listed: &[(AllocationRecord, AllocKind)]) -> Result<Vec<Moved>,
 }
 
 /// Host tid of the agent thread of `pid` whose tid in the process's namespace is `ns_tid`.
-pub fn host_tid(pid: i32, ns_tid: i32) -> Result<i32, AgentError> {
+pub fn host_tid(pid: HostPid, ns_tid: NsTid) -> Result<HostTid, AgentError> {
     procfs::host_tid(pid, ns_tid)
         .map_err(|err| AgentError::Proc { pid, err })?
         .ok_or(AgentError::NoThread { pid, ns_tid })
 }
 
 /// Host tid of the agent's thread of `pid`, found by its name, if there is one.
-pub fn agent_thread(pid: i32) -> Option<i32> {
+pub fn agent_thread(pid: HostPid) -> Option<HostTid> {
     procfs::thread_named(pid, AGENT_THREAD_COMM).ok().flatten()
 }
 
@@ -1321,13 +1289,16 @@ mod tests {
     #[test]
     fn no_agent_means_none() {
         // Our own test process runs no agent.
-        let me = std::process::id() as i32;
+        let me = HostPid(std::process::id() as i32);
         assert!(
             AgentSession::connect(me, Duration::from_secs(1))
                 .unwrap()
                 .is_none()
         );
-        assert!(matches!(host_tid(me, -5), Err(AgentError::NoThread { .. })));
+        assert!(matches!(
+            host_tid(me, NsTid(-5)),
+            Err(AgentError::NoThread { .. })
+        ));
         assert_eq!(agent_thread(me), None);
     }
 
@@ -1336,7 +1307,7 @@ mod tests {
         // The other end plays the agent for one hello and one list.
         let (ours, theirs) = Channel::pair().unwrap();
         let s = AgentSession {
-            pid: 1,
+            pid: HostPid(1),
             chan: ours,
             timeout: Duration::from_secs(5),
             door: None,
@@ -1356,8 +1327,8 @@ mod tests {
             theirs
                 .send_reply(&Reply::Hello {
                     version: PROTOCOL_VERSION,
-                    pid: 7,
-                    tid: 8,
+                    pid: NsPid(7),
+                    tid: NsTid(8),
                     allocations: 1,
                     converted_bytes: 4096,
                     devices: 1,
@@ -1386,7 +1357,7 @@ mod tests {
         });
         assert!(matches!(
             s.hello_intact(),
-            Err(AgentError::AlreadyReleased { pid: 1 })
+            Err(AgentError::AlreadyReleased { pid: HostPid(1) })
         ));
         let list = s.list().unwrap();
         assert_eq!(list.len(), 1);
@@ -1408,8 +1379,8 @@ mod tests {
     fn hello_reply(allocations: u32) -> Reply {
         Reply::Hello {
             version: PROTOCOL_VERSION,
-            pid: 7,
-            tid: 8,
+            pid: NsPid(7),
+            tid: NsTid(8),
             allocations,
             converted_bytes: 0,
             devices: 1,
@@ -1427,7 +1398,7 @@ mod tests {
         play: impl FnOnce(&Channel) + Send + 'static,
     ) -> (Result<Vec<AllocationRecord>, AgentError>, Duration) {
         let (ours, theirs) = Channel::pair().unwrap();
-        let s = AgentSession::over(1, ours, timeout);
+        let s = AgentSession::over(HostPid(1), ours, timeout);
         let agent = std::thread::spawn(move || {
             let (r, _) = theirs
                 .recv_request::<AgentRequest>(Some(Duration::from_secs(5)))
@@ -1574,7 +1545,7 @@ mod tests {
     #[test]
     fn a_lend_is_bounded_by_the_listing() {
         let (ours, theirs) = Channel::pair().unwrap();
-        let s = AgentSession::over(1, ours, Duration::from_secs(5));
+        let s = AgentSession::over(HostPid(1), ours, Duration::from_secs(5));
         let agent = std::thread::spawn(move || {
             let (r, _) = theirs
                 .recv_request::<AgentRequest>(Some(Duration::from_secs(5)))

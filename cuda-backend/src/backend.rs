@@ -2,10 +2,11 @@
 //! files that hold no CUDA state, and dispatches the GPU hooks to the run of its stage ([`Run`]):
 //! a [`DumpRun`], a [`RestoreRun`], or nothing, with the reason.
 
-use crate::criu::{self, Reopened, Stage};
 use crate::dump::DumpRun;
 use crate::restore::{RestoreInit, RestoreRun};
 use gpusnap_config::{Config, Mode};
+use gpusnap_host::criu::{self, Reopened, Stage};
+use gpusnap_host::pid::HostPid;
 use gpusnap_host::{Answer, Backend};
 use std::os::fd::BorrowedFd;
 
@@ -146,7 +147,7 @@ impl Backend for CudaBackend {
         }
     }
 
-    fn pause_devices(&mut self, pid: i32) -> Answer {
+    fn pause_devices(&mut self, pid: HostPid) -> Answer {
         match &mut self.run {
             Run::Dump(d) => Answer::of(d.pause_devices(pid)),
             Run::Disabled(_) if self.off_guard => refuse_unsaved_gpu_state(pid),
@@ -154,7 +155,7 @@ impl Backend for CudaBackend {
         }
     }
 
-    fn checkpoint_devices(&mut self, pid: i32) -> Answer {
+    fn checkpoint_devices(&mut self, pid: HostPid) -> Answer {
         match &mut self.run {
             Run::Dump(d) => {
                 let answer = Answer::of(d.checkpoint_devices(pid));
@@ -165,7 +166,7 @@ impl Backend for CudaBackend {
         }
     }
 
-    fn resume_devices_late(&mut self, pid: i32) -> Answer {
+    fn resume_devices_late(&mut self, pid: HostPid) -> Answer {
         match &mut self.run {
             Run::Restore(r) => Answer::of(r.resume_devices_late(pid)),
             _ => Answer::NotMine,
@@ -196,7 +197,7 @@ impl Backend for CudaBackend {
 /// loaded in this CRIU (it is then offered the hook next and checkpoints the GPU state: a
 /// refusal here would stop CRIU from asking it). Without an NVIDIA driver on this host no
 /// process can have CUDA state, and nothing is loaded to ask.
-fn refuse_unsaved_gpu_state(pid: i32) -> Answer {
+fn refuse_unsaved_gpu_state(pid: HostPid) -> Answer {
     if let Some(path) = criu_cuda_plugin_loaded() {
         log::info!("pid {pid}: gpusnap is off (mode = off); GPU state is left to {path}");
         return Answer::NotMine;
@@ -238,7 +239,7 @@ fn cuda_plugin_in_maps(maps: &str) -> Option<String> {
 /// one, is sealed until CRIU has dumped its descriptors (`gpusnap_proto::seal_door`), so that no
 /// other client's knock is in flight there, where CRIU cannot dump it. The agent opens a new
 /// door once its thread runs again.
-fn seal_agent_door(pid: i32) {
+fn seal_agent_door(pid: HostPid) {
     match gpusnap_proto::seal_door(pid) {
         Ok(Some(n)) if n > 0 => log::info!(
             "pid {pid}: the agent's door sealed for the dump; {n} knocks of other clients taken out of it"

@@ -54,7 +54,7 @@ impl Ctx {
         let driver_version = api.driver_version().unwrap_or(0);
         let gpus = api.gpus()?;
         let dir = dir.ok_or(CtxError::NoImageDir)?;
-        let lock_timeout_ms = lock_timeout_ms(cfg.lock_timeout_ms, crate::criu::timeout_s());
+        let lock_timeout_ms = lock_timeout_ms(cfg.lock_timeout_ms, gpusnap_host::criu::timeout_s());
         log::info!(
             "driver API {driver_version}, {} GPU(s), lock timeout {lock_timeout_ms} ms",
             gpus.len()

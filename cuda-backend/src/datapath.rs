@@ -12,6 +12,7 @@
 use crate::agent::{AgentError, AgentSession, Moved, RingShape, Session, Transfer};
 use crate::staging::{RingError, Staging};
 use crossbeam_channel::{Receiver, Sender, bounded, unbounded};
+use gpusnap_host::pid::{HostPid, NsPid};
 use gpusnap_image::{
     ChunkEntry, ChunkSources, Codec, DataFileWriter, DedupIndex, FileEntry, Manifest, hash_chunk,
 };
@@ -108,7 +109,7 @@ pub enum DataError {
         "pid {pid}: the agent announced {kind} [{addr:#x}, +{len}) of allocation #{id}, {fault}: refused"
     )]
     Chunk {
-        pid: i32,
+        pid: HostPid,
         kind: ChunkKind,
         id: u64,
         addr: u64,
@@ -118,20 +119,24 @@ pub enum DataError {
     #[error(
         "pid {pid}: the agent handed back slot {slot}, which it does not hold (the ring has {slots}): refused"
     )]
-    SlotNotLent { pid: i32, slot: u32, slots: usize },
+    SlotNotLent {
+        pid: HostPid,
+        slot: u32,
+        slots: usize,
+    },
     /// The phase's overall deadline ([`phase_limit`]) passed.
     #[error(
         "pid {pid}: the agent did not finish moving {bytes} bytes in {chunks} chunks within {limit:?} (the agent timeout {timeout:?} + the bytes at 16 MiB/s + 1 ms a chunk): refused as hung"
     )]
     Overdue {
-        pid: i32,
+        pid: HostPid,
         bytes: u64,
         chunks: u64,
         timeout: Duration,
         limit: Duration,
     },
     #[error("pid {pid}: {err}")]
-    RingChanged { pid: i32, err: RingError },
+    RingChanged { pid: HostPid, err: RingError },
 }
 
 /// How a load checks the chunks it reads.
@@ -251,7 +256,7 @@ struct Work {
 /// most one entry per listed chunk and writes at most the listed bytes, and anything else fails
 /// the phase at once, naming the allocation and the range.
 struct Admission {
-    pid: i32,
+    pid: HostPid,
     slot_size: u64,
     slots: u32,
     by_id: HashMap<u64, Moved>,
@@ -263,7 +268,7 @@ struct Admission {
 }
 
 impl Admission {
-    fn new(pid: i32, moved: Vec<Moved>, slot_size: u64, slots: u32) -> Admission {
+    fn new(pid: HostPid, moved: Vec<Moved>, slot_size: u64, slots: u32) -> Admission {
         let slot_size = slot_size.max(1);
         let listed_bytes = moved.iter().fold(0u64, |b, m| b.saturating_add(m.size));
         let listed_chunks = moved
@@ -348,7 +353,7 @@ impl Admission {
 /// A data phase's overall deadline ([`phase_limit`]).
 #[derive(Clone, Copy, Debug)]
 struct Deadline {
-    pid: i32,
+    pid: HostPid,
     at: Instant,
     timeout: Duration,
     limit: Duration,
@@ -357,7 +362,7 @@ struct Deadline {
 }
 
 impl Deadline {
-    fn new(pid: i32, timeout: Duration, bytes: u64, chunks: u64) -> Deadline {
+    fn new(pid: HostPid, timeout: Duration, bytes: u64, chunks: u64) -> Deadline {
         let limit = phase_limit(timeout, bytes, chunks);
         Deadline {
             pid,
@@ -426,7 +431,7 @@ pub fn copy_out(
     agent: &AgentSession,
     staging: &Staging,
     dir: BorrowedFd<'_>,
-    nspid: u32,
+    nspid: NsPid,
     writers: usize,
     codec: Codec,
     parent: Option<&DedupIndex>,
@@ -463,7 +468,7 @@ pub fn copy_out_into<R: Request>(
     agent: &Session<R>,
     staging: &Staging,
     dir: BorrowedFd<'_>,
-    nspid: u32,
+    nspid: NsPid,
     first_file: u32,
     writers: usize,
     codec: Codec,
@@ -496,7 +501,7 @@ fn copy_out_round<R: Request>(
     agent: &Session<R>,
     staging: &Staging,
     dir: BorrowedFd<'_>,
-    nspid: u32,
+    nspid: NsPid,
     first_file: u32,
     writers: usize,
     codec: Codec,
@@ -660,7 +665,7 @@ fn pump_dump_replies<R: Request>(
                 last = Instant::now();
                 admission.admit(ChunkKind::Ready, Some(slot), alloc_id, addr, len)?;
                 if sent == 1 {
-                    crate::fault::kill_criu_at("dump-data-out");
+                    gpusnap_host::fault::kill_criu_at("dump-data-out");
                 }
                 sent += 1;
                 *copied += len;
@@ -716,7 +721,7 @@ fn pump_dump_replies<R: Request>(
 #[derive(Clone, Copy)]
 struct Out<'a> {
     dir: BorrowedFd<'a>,
-    nspid: u32,
+    nspid: NsPid,
     codec: Codec,
     parent: Option<&'a DedupIndex>,
     /// fsync each file when it is finished.
@@ -748,7 +753,7 @@ fn writer<R: Request>(
     staging: &Staging,
     out: Out<'_>,
 ) -> Option<Written> {
-    crate::signals::block_all();
+    gpusnap_host::signals::block_all();
     let mut file: Option<DataFileWriter> = None;
     let mut chunks = Vec::new();
     let mut failed = false;
@@ -858,7 +863,7 @@ fn finish_files(
                 .into_iter()
                 .map(|f| {
                     s.spawn(move || {
-                        crate::signals::block_all();
+                        gpusnap_host::signals::block_all();
                         seal(f)
                     })
                 })
@@ -989,7 +994,7 @@ pub fn copy_in<R: Request>(
             let err_tx = err_tx.clone();
             let (files, sources, lent) = (&files, &sources, &lent);
             s.spawn(move || {
-                crate::signals::block_all();
+                gpusnap_host::signals::block_all();
                 let mine = files.iter().copied().skip(r).step_by(readers);
                 let ring = LoadRing { staging, lent };
                 if let Err(e) = read_files(mine, &free_rx, agent, ring, sources, checks) {
@@ -1026,7 +1031,7 @@ pub fn copy_in<R: Request>(
         // Some chunks went unchecked on both sides: check what the files hold now, on the
         // host (the loaded bytes came from them), before any thread may run.
         let t1 = Instant::now();
-        crate::fault::kill_criu_at("restore-host-check");
+        gpusnap_host::fault::kill_criu_at("restore-host-check");
         gpusnap_image::verify_image(dir, manifest, readers)?;
         log::warn!(
             "pid {pid}: the GPU checked only {verified_on_device} of the {device_hashed} chunks with device hashes after loading (its kernel could not run here); the image was checked on the host instead, in {:.3} s",
@@ -1130,7 +1135,7 @@ fn pump_load_replies<R: Request>(
                 }
                 done += 1;
                 if done == 1 {
-                    crate::fault::kill_criu_at(fault_point);
+                    gpusnap_host::fault::kill_criu_at(fault_point);
                 }
                 last = Instant::now();
                 let _ = free.send(slot);
@@ -1198,7 +1203,7 @@ mod tests {
             size: 10 * 4096 + 100,
         };
         let slot = 4 * 4096;
-        let mut adm = Admission::new(1, vec![a], slot, 2);
+        let mut adm = Admission::new(HostPid(1), vec![a], slot, 2);
         assert_eq!((adm.listed_chunks, adm.listed_bytes), (3, a.size));
         let base = a.addr;
         use ChunkKind::*;
@@ -1245,7 +1250,7 @@ mod tests {
         );
         assert_eq!(adm.admitted_bytes, a.size);
         // Nothing listed: nothing admitted.
-        let mut none = Admission::new(1, Vec::new(), slot, 2);
+        let mut none = Admission::new(HostPid(1), Vec::new(), slot, 2);
         assert_eq!(
             fault(none.admit(Zero, None, 7, base, slot)),
             Some(ChunkFault::NotListed)

@@ -46,7 +46,7 @@ pub fn dump(
     };
     gpusnap_image::write_dev_file(dir, id, &rec)?;
     if durable {
-        crate::fault::sync_dir(dir)?;
+        gpusnap_host::fault::sync_dir(dir)?;
     }
     log::info!(
         "file {id}: {} held open without CUDA state; recorded, it is opened again at restore",

@@ -21,6 +21,7 @@ use cudarc::driver::sys::{
     CUcheckpointCheckpointArgs, CUcheckpointGpuPair, CUcheckpointLockArgs, CUcheckpointRestoreArgs,
     CUcheckpointUnlockArgs, CUdevice, CUprocessState, CUresult, CUuuid,
 };
+use gpusnap_host::pid::{HostPid, HostTid};
 use std::ffi::{CStr, c_char, c_int, c_uint};
 use std::sync::OnceLock;
 
@@ -254,44 +255,44 @@ impl CheckpointApi {
 
     /// The tid of the driver's checkpoint helper thread inside `pid`. An error here means, in
     /// practice, that `pid` has no CUDA state.
-    pub fn restore_thread_id(&self, pid: i32) -> Result<i32, DriverError> {
+    pub fn restore_thread_id(&self, pid: HostPid) -> Result<HostTid, DriverError> {
         let mut tid: c_int = 0;
         // SAFETY: `tid` is a valid out-pointer; the driver only reads `pid`.
-        let code = unsafe { (self.get_restore_tid)(pid, &mut tid) };
+        let code = unsafe { (self.get_restore_tid)(pid.get(), &mut tid) };
         self.check(code, "cuCheckpointProcessGetRestoreThreadId")?;
-        Ok(tid)
+        Ok(HostTid(tid))
     }
 
-    pub fn process_state(&self, pid: i32) -> Result<ProcessState, DriverError> {
+    pub fn process_state(&self, pid: HostPid) -> Result<ProcessState, DriverError> {
         let mut s: RawProcessState = 0;
         // SAFETY: `s` is a valid out-pointer to a 32-bit integer, the size of CUprocessState.
-        let code = unsafe { (self.get_state)(pid, &mut s) };
+        let code = unsafe { (self.get_state)(pid.get(), &mut s) };
         self.check(code, "cuCheckpointProcessGetState")?;
         Ok(ProcessState::from_raw(s))
     }
 
     /// RUNNING -> LOCKED. `timeout_ms == 0` waits forever; on timeout the process stays running.
-    pub fn lock(&self, pid: i32, timeout_ms: u32) -> Result<(), DriverError> {
+    pub fn lock(&self, pid: HostPid, timeout_ms: u32) -> Result<(), DriverError> {
         // SAFETY: the argument structs are plain C data; all-zero is their documented default.
         let mut a: CUcheckpointLockArgs = unsafe { std::mem::zeroed() };
         a.timeoutMs = timeout_ms;
         // SAFETY: `a` is a valid, zero-initialised argument struct.
-        let code = unsafe { (self.lock)(pid, &mut a) };
+        let code = unsafe { (self.lock)(pid.get(), &mut a) };
         self.check(code, "cuCheckpointProcessLock")
     }
 
     /// LOCKED -> CHECKPOINTED: device memory still mapped goes to host memory of the target.
-    pub fn checkpoint(&self, pid: i32) -> Result<(), DriverError> {
+    pub fn checkpoint(&self, pid: HostPid) -> Result<(), DriverError> {
         // SAFETY: zeroed C argument struct, as documented.
         let mut a: CUcheckpointCheckpointArgs = unsafe { std::mem::zeroed() };
         // SAFETY: `a` is a valid argument struct.
-        let code = unsafe { (self.checkpoint)(pid, &mut a) };
+        let code = unsafe { (self.checkpoint)(pid.get(), &mut a) };
         self.check(code, "cuCheckpointProcessCheckpoint")
     }
 
     /// CHECKPOINTED -> LOCKED, optionally onto other GPUs: `pairs` are (checkpointed GPU, GPU
     /// it is restored onto) and must then list every checkpointed GPU.
-    pub fn restore(&self, pid: i32, pairs: &[(GpuUuid, GpuUuid)]) -> Result<(), DriverError> {
+    pub fn restore(&self, pid: HostPid, pairs: &[(GpuUuid, GpuUuid)]) -> Result<(), DriverError> {
         let mut raw = gpu_pairs(pairs);
         // SAFETY: zeroed C argument struct, as documented.
         let mut a: CUcheckpointRestoreArgs = unsafe { std::mem::zeroed() };
@@ -300,16 +301,16 @@ impl CheckpointApi {
             a.gpuPairsCount = raw.len() as c_uint;
         }
         // SAFETY: `a` is valid; `gpuPairs` points to `raw`, which outlives the call.
-        let code = unsafe { (self.restore)(pid, &mut a) };
+        let code = unsafe { (self.restore)(pid.get(), &mut a) };
         self.check(code, "cuCheckpointProcessRestore")
     }
 
     /// LOCKED -> RUNNING.
-    pub fn unlock(&self, pid: i32) -> Result<(), DriverError> {
+    pub fn unlock(&self, pid: HostPid) -> Result<(), DriverError> {
         // SAFETY: zeroed C argument struct, as documented.
         let mut a: CUcheckpointUnlockArgs = unsafe { std::mem::zeroed() };
         // SAFETY: `a` is a valid argument struct.
-        let code = unsafe { (self.unlock)(pid, &mut a) };
+        let code = unsafe { (self.unlock)(pid.get(), &mut a) };
         self.check(code, "cuCheckpointProcessUnlock")
     }
 

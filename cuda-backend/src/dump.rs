@@ -6,15 +6,15 @@
 use crate::agent::{self, AgentError, AgentHello, AgentSession, KeeperSession};
 use crate::context::Ctx;
 use crate::datapath::{self, DataError};
-use crate::hold::Hold;
-use crate::pid::HostPid;
 use crate::process::{ImpossibleMove, MovedData, Phase, Route, SplitPlan, Tracked};
-use crate::procfs::{self, Stat};
-use crate::ptrace::{self, PtraceError, RunningThread};
 use crate::staging::{RingShape, Staging};
 use crate::stall::{self, DriverCall, StallError, Watched};
 use crate::{DriverError, ProcessState};
 use gpusnap_config::Mode;
+use gpusnap_host::hold::Hold;
+use gpusnap_host::pid::{HostPid, HostTid, NsPid, NsTid};
+use gpusnap_host::procfs::{self, Stat};
+use gpusnap_host::ptrace::{self, PtraceError, RunningThread};
 use gpusnap_image::{AllocationRecord, CheckpointPath, ImageError, IoOp, Manifest};
 use gpusnap_proto::hazard;
 use std::os::fd::BorrowedFd;
@@ -45,7 +45,7 @@ pub enum DumpError {
          or gpusnap's lock_timeout_ms"
     )]
     Lock {
-        pid: i32,
+        pid: HostPid,
         err: DriverError,
         timeout_ms: u32,
     },
@@ -57,23 +57,23 @@ pub enum DumpError {
     #[error("durable = true: {0}; the dump is refused, as gpusnap's files may not be on the disk")]
     Durable(std::sync::Arc<ImageError>),
     #[error("the worker thread of pid {pid} panicked")]
-    WorkerPanicked { pid: i32 },
+    WorkerPanicked { pid: HostPid },
     #[error("internal: {0}")]
     Phase(#[from] ImpossibleMove),
     #[error(
         "pid {pid} was left by an interrupted dump: its GPU memory is released (it is held, not running) and lives only in that dump's image. \
          Nothing was done; bring it back with `gpusnap recover {pid} --images <that dump's image dir>`, then dump it again"
     )]
-    Interrupted { pid: i32 },
+    Interrupted { pid: HostPid },
     #[error(transparent)]
-    Busy(#[from] crate::joblock::JobLockError),
+    Busy(#[from] gpusnap_host::joblock::JobLockError),
     #[error("pid {pid}: {why}")]
-    NoSpace { pid: i32, why: String },
+    NoSpace { pid: HostPid, why: String },
     #[error(
         "pid {pid} has {open} descriptors open and its soft RLIMIT_NOFILE (open files) is {limit}: a GPU checkpoint of a process with the gpusnap agent needs {needed} free there (the agent's connection, the staging ring, a reload); nothing was moved. Start the job with a higher limit (ulimit -n, or the container's nofile) and dump again"
     )]
     DescriptorLimit {
-        pid: i32,
+        pid: HostPid,
         open: u64,
         limit: u64,
         needed: u64,
@@ -81,11 +81,11 @@ pub enum DumpError {
     #[error(
         "pid {pid} is stopped (state T, e.g. by SIGSTOP or a debugger): the driver cannot lock the GPU state of a stopped process; continue it (`kill -CONT {pid}`) and dump again"
     )]
-    Stopped { pid: i32 },
+    Stopped { pid: HostPid },
     #[error(transparent)]
-    Frozen(#[from] crate::freezer::PauseRefused),
+    Frozen(#[from] gpusnap_host::freezer::PauseRefused),
     #[error("holding the threads of pid {pid} before its memory is released: {err}")]
-    Hold { pid: i32, err: std::io::Error },
+    Hold { pid: HostPid, err: std::io::Error },
     #[error("hand-over: {0}")]
     HandOver(#[from] crate::handover::HandOverError),
     #[error("CUDA IPC shares: {0}")]
@@ -93,13 +93,13 @@ pub enum DumpError {
     #[error("CRIU gave no image directory")]
     NoImageDir,
     #[error("the drain of pid {pid} into the image failed: {err}")]
-    Drain { pid: i32, err: DataError },
+    Drain { pid: HostPid, err: DataError },
     #[error("starting the drain thread of pid {pid}: {err}")]
-    DrainStart { pid: i32, err: std::io::Error },
+    DrainStart { pid: HostPid, err: std::io::Error },
     #[error(
         "pid {pid}: its lent memory is mapped back, but what was copied out first is still released and no manifest of that part is at hand (give the dump's image directory: --images DIR); it stays held"
     )]
-    CopyFirstPartMissing { pid: i32 },
+    CopyFirstPartMissing { pid: HostPid },
 }
 
 impl DumpError {
@@ -130,22 +130,22 @@ fn driver(what: &'static str) -> impl FnOnce(DriverError) -> DumpError {
 pub const AGENT_DESCRIPTORS_NEEDED: u64 = 8;
 
 /// PAUSE_DEVICES: the process still runs. `Ok(None)`: not a CUDA process.
-pub fn pause(ctx: &Ctx, pid: i32) -> Result<Option<Tracked>, DumpError> {
+pub fn pause(ctx: &Ctx, pid: HostPid) -> Result<Option<Tracked>, DumpError> {
     let stopped =
         procfs::state_and_start(pid).is_ok_and(|(state, _)| state == procfs::ProcState::Stopped);
     // Before any driver call: a process held by an interrupted dump is stopped, driver thread
     // included, and its memory is only in that dump's files.
-    if stopped && crate::hold::recorded_running(pid).is_some() {
+    if stopped && gpusnap_host::hold::recorded_running(pid).is_some() {
         return Err(DumpError::Interrupted { pid });
     }
     let Ok(restore_tid) = ctx.api.restore_thread_id(pid) else {
         return Ok(None);
     };
     // Frozen by its container engine, under a CRIU that thaws it only after this hook.
-    crate::freezer::refuse_frozen(HostPid(pid))?;
+    gpusnap_host::freezer::refuse_frozen(pid)?;
     // One dump, recover or pre-copy at a time per job, taken before any call that changes
     // the driver state: a second CRIU is refused here, touching nothing.
-    let job_lock = crate::joblock::JobLock::take(HostPid(pid))?;
+    let job_lock = gpusnap_host::joblock::JobLock::take(pid)?;
     // Stopped by a signal (not by an interrupted dump: that has a hold record, above): the
     // driver's lock would wait for CRIU's timeout, so say what it is now.
     if stopped {
@@ -155,7 +155,7 @@ pub fn pause(ctx: &Ctx, pid: i32) -> Result<Option<Tracked>, DumpError> {
         .api
         .process_state(pid)
         .map_err(driver("reading the driver state"))?;
-    let nspid = procfs::ns_pid(HostPid(pid)).map_err(|err| AgentError::Proc { pid, err })?;
+    let nspid = procfs::ns_pid(pid).map_err(|err| AgentError::Proc { pid, err })?;
     let mut t = Tracked {
         pid,
         nspid,
@@ -253,7 +253,7 @@ pub fn pause(ctx: &Ctx, pid: i32) -> Result<Option<Tracked>, DumpError> {
     if initial == ProcessState::Running {
         let t0 = Instant::now();
         if let Err(err) = ctx.api.lock(pid, ctx.lock_timeout_ms) {
-            if crate::criu::alarm_timeouted() {
+            if gpusnap_host::criu::alarm_timeouted() {
                 log::error!("pid {pid}: CRIU's timeout fired while locking the GPU state");
             }
             // A lock that reported failure but took effect must not stay (the process still
@@ -271,7 +271,7 @@ pub fn pause(ctx: &Ctx, pid: i32) -> Result<Option<Tracked>, DumpError> {
         }
         t.phase.locked()?;
         t.time("lock", t0.elapsed().as_secs_f64());
-        crate::fault::kill_criu_at("dump-locked");
+        gpusnap_host::fault::kill_criu_at("dump-locked");
     }
     let path = match &t.route {
         Route::Split(s) => format!(
@@ -291,7 +291,7 @@ pub fn pause(ctx: &Ctx, pid: i32) -> Result<Option<Tracked>, DumpError> {
 /// State the driver cannot checkpoint, named, or `None`. The agent records managed memory,
 /// CUDA IPC and peer access as they happen; an MPS daemon of the process's user makes its CUDA
 /// processes MPS clients.
-fn unsupported_state(pid: i32, hello: Option<&AgentHello>) -> Option<String> {
+fn unsupported_state(pid: HostPid, hello: Option<&AgentHello>) -> Option<String> {
     if let Some((daemon, daemon_pid)) = mps_daemon_of_user(pid) {
         return Some(format!(
             "CUDA MPS ({daemon}, pid {daemon_pid}, runs for its user)"
@@ -310,7 +310,7 @@ fn unsupported_state(pid: i32, hello: Option<&AgentHello>) -> Option<String> {
 }
 
 /// A live MPS process (control daemon or server) with the uid of `pid`: its name and pid.
-fn mps_daemon_of_user(pid: i32) -> Option<(String, i32)> {
+fn mps_daemon_of_user(pid: HostPid) -> Option<(String, HostPid)> {
     let uid = procfs::uid_of(pid).ok()?;
     procfs::processes().ok()?.into_iter().find_map(|p| {
         if procfs::uid_of(p).ok()? != uid {
@@ -363,7 +363,7 @@ fn lending_gpus(
 /// in the log, when the data is to be copied out first instead.
 fn keeper_for(
     ctx: &Ctx,
-    pid: i32,
+    pid: HostPid,
     gpus: &[[u8; 16]],
 ) -> Result<crate::keeper::Keeper, crate::route::CopyFirst> {
     if !ctx.cfg.handover {
@@ -391,7 +391,7 @@ fn keeper_for(
         &ctx.cfg.keeper,
         Some(libcuda.as_path()),
         gpus,
-        crate::keeper::JobPid::Host(HostPid(pid)),
+        crate::keeper::JobPid::Host(pid),
         ctx.agent_timeout(),
     ) {
         Ok(k) => {
@@ -424,7 +424,7 @@ fn keeper_for(
 }
 
 /// Whether the agent's answer makes the process a split-path candidate.
-fn split_candidate(pid: i32, hello: AgentHello) -> Result<Option<SplitPlan>, DumpError> {
+fn split_candidate(pid: HostPid, hello: AgentHello) -> Result<Option<SplitPlan>, DumpError> {
     if hello.released {
         return Err(AgentError::AlreadyReleased { pid }.into());
     }
@@ -468,7 +468,7 @@ fn ring_shape(ctx: &Ctx, allocations: &[AllocationRecord]) -> RingShape {
 /// (the checkpoint makes one) if the agent cannot list them or the memory cannot be had.
 fn early_ring(
     ctx: &Ctx,
-    pid: i32,
+    pid: HostPid,
     listed: &[(AllocationRecord, gpusnap_proto::AllocKind)],
 ) -> Option<(RingShape, Staging)> {
     if listed.is_empty() {
@@ -488,7 +488,7 @@ fn early_ring(
 /// to lend.
 fn early_space(
     ctx: &Ctx,
-    pid: i32,
+    pid: HostPid,
     listed: &[(AllocationRecord, gpusnap_proto::AllocKind)],
     ring: Option<&(RingShape, Staging)>,
 ) -> Option<Box<crate::space::EarlySpace>> {
@@ -519,8 +519,8 @@ fn early_space(
 pub fn checkpoint_all(
     ctx: &Ctx,
     procs: &mut [Tracked],
-    others: &[i32],
-) -> Vec<(i32, Result<(), DumpError>)> {
+    others: &[HostPid],
+) -> Vec<(HostPid, Result<(), DumpError>)> {
     let t0 = Instant::now();
     if let Some(warning) = ipc_blind_spot(procs) {
         log::warn!("{warning}");
@@ -579,14 +579,14 @@ pub fn checkpoint_all(
             .map(|(((t, _), call), release)| {
                 let pid = t.pid;
                 let h = s.spawn(move || {
-                    crate::signals::block_all();
+                    gpusnap_host::signals::block_all();
                     checkpoint_one(ctx, t, call, release)
                 });
                 (pid, h)
             })
             .collect();
         let leftovers = stall::watch(|| handles.iter().all(|(_, h)| h.is_finished()), &watched);
-        let outcomes: Vec<(i32, Result<(), DumpError>)> = handles
+        let outcomes: Vec<(HostPid, Result<(), DumpError>)> = handles
             .into_iter()
             .map(|(pid, h)| {
                 (
@@ -624,7 +624,11 @@ pub fn checkpoint_all(
 /// `durable`, the image directory is then fsynced (each data file was at its finish, each
 /// manifest before its rename); a failure fails every process. `exit` rewrites the manifests
 /// with the final timings; should that not finish, these stand.
-fn commit_manifests(ctx: &Ctx, procs: &[Tracked], results: &mut [(i32, Result<(), DumpError>)]) {
+fn commit_manifests(
+    ctx: &Ctx,
+    procs: &[Tracked],
+    results: &mut [(HostPid, Result<(), DumpError>)],
+) {
     let t0 = Instant::now();
     let mut written = 0;
     for (pid, r) in results.iter_mut().filter(|(_, r)| r.is_ok()) {
@@ -643,7 +647,7 @@ fn commit_manifests(ctx: &Ctx, procs: &[Tracked], results: &mut [(i32, Result<()
     if written == 0 || !ctx.cfg.durable {
         return;
     }
-    match crate::fault::sync_dir(ctx.image_dir()) {
+    match gpusnap_host::fault::sync_dir(ctx.image_dir()) {
         Ok(()) => log::info!(
             "durable: {written} manifest(s) written and the image directory fsynced in {:.3} s",
             t0.elapsed().as_secs_f64()
@@ -663,12 +667,15 @@ fn commit_manifests(ctx: &Ctx, procs: &[Tracked], results: &mut [(i32, Result<()
 fn shareable_resolved(
     ctx: &Ctx,
     procs: &mut [Tracked],
-    others: &[i32],
+    others: &[HostPid],
 ) -> Result<(), crate::sharing::SharingError> {
-    if !procs.iter().any(|t| t.shares.iter().any(|s| s.shareable)) {
+    if !procs
+        .iter()
+        .any(|t| t.shares.iter().any(|s| s.is_shareable()))
+    {
         return Ok(());
     }
-    let inside: Vec<i32> = procs
+    let inside: Vec<HostPid> = procs
         .iter()
         .map(|t| t.pid)
         .chain(others.iter().copied())
@@ -677,7 +684,7 @@ fn shareable_resolved(
         .iter_mut()
         .map(|t| crate::sharing::Sharer {
             pid: t.pid,
-            nspid: t.nspid.get(),
+            nspid: t.nspid,
             shares: &mut t.shares,
         })
         .collect();
@@ -702,12 +709,13 @@ fn shares_are_whole(procs: &[Tracked]) -> Result<(), crate::sharing::SharingErro
         .iter()
         .map(|t| crate::sharing::Member {
             pid: t.pid,
-            nspid: t.nspid.get(),
+            nspid: t.nspid,
             split: t.is_split(),
             shares: &t.shares,
         })
         .collect();
-    let same_ns = procs.iter().all(|t| t.nspid.get() as i32 == t.pid);
+    // Namespace pids are host pids: the job's pid namespace is ours.
+    let same_ns = procs.iter().all(|t| t.nspid.get() as i32 == t.pid.get());
     crate::sharing::check(&members, |pid| {
         same_ns && !std::path::Path::new(&format!("/proc/{pid}")).exists()
     })?;
@@ -823,7 +831,7 @@ fn checkpoint_one(
         ))?;
     t.phase.checkpointed()?;
     refrozen?;
-    crate::fault::kill_criu_at("dump-checkpointed");
+    gpusnap_host::fault::kill_criu_at("dump-checkpointed");
     let phase = if t.is_split() {
         "control"
     } else {
@@ -913,7 +921,7 @@ fn hand_over(ctx: &Ctx, t: &mut Tracked, release: &Mutex<Option<Hold>>) -> Resul
         times.round_trip_s,
         times.adopt_wait_s,
     );
-    crate::fault::kill_criu_at("dump-lent");
+    gpusnap_host::fault::kill_criu_at("dump-lent");
     let snapshot = asynchronous(ctx, t, &drain_session, &routes)?;
 
     let dir = ctx.image_dir();
@@ -975,7 +983,7 @@ fn hand_over(ctx: &Ctx, t: &mut Tracked, release: &Mutex<Option<Hold>>) -> Resul
             None
         }
         Err(e) => {
-            crate::logger::tell_user(&format!(
+            gpusnap_host::logger::tell_user(&format!(
                 "pid {pid}: {e}; the dump fails, nothing was released"
             ));
             return Err(DumpError::NoSpace {
@@ -986,7 +994,7 @@ fn hand_over(ctx: &Ctx, t: &mut Tracked, release: &Mutex<Option<Hold>>) -> Resul
     };
     let agent_tid = session_agent_tid(t)?;
     t.hold = Some(
-        crate::hold::Hold::place(pid, &[t.restore_tid, agent_tid])
+        gpusnap_host::hold::Hold::place(pid, &[t.restore_tid, agent_tid])
             .map_err(|err| DumpError::Hold { pid, err })?,
     );
     let (reserved, snapshot_reserved) = match reserved {
@@ -997,7 +1005,7 @@ fn hand_over(ctx: &Ctx, t: &mut Tracked, release: &Mutex<Option<Hold>>) -> Resul
         staging,
         dir: ctx.criu_image_dir().ok_or(DumpError::NoImageDir)?,
         pid,
-        nspid: t.nspid.get(),
+        nspid: t.nspid,
         writers: ctx.cfg.effective_writer_threads(),
         readers: ctx.cfg.effective_reader_threads(),
         codec,
@@ -1049,7 +1057,7 @@ fn hand_over(ctx: &Ctx, t: &mut Tracked, release: &Mutex<Option<Hold>>) -> Resul
     let (n, bytes) = session.release()?;
     t.time("release", t0.elapsed().as_secs_f64());
     log::debug!("pid {pid}: agent released {n} allocations ({bytes} bytes), descriptors kept");
-    crate::fault::kill_criu_at("dump-released");
+    gpusnap_host::fault::kill_criu_at("dump-released");
     match snapshot {
         Some(plan) if plan.whole() => {
             // The keeper holds a snapshot of all of it: the drain runs once CRIU is done, in a
@@ -1092,7 +1100,7 @@ fn hand_over(ctx: &Ctx, t: &mut Tracked, release: &Mutex<Option<Hold>>) -> Resul
     }
     lock(ctx, t, "relock")?;
     *release.lock().unwrap_or_else(|e| e.into_inner()) = t.hold.take();
-    crate::fault::kill_criu_at("dump-relocked");
+    gpusnap_host::fault::kill_criu_at("dump-relocked");
     Ok(())
 }
 
@@ -1101,10 +1109,10 @@ fn async_refused(cfg: &gpusnap_config::Config) -> Option<&'static str> {
     if !cfg.async_leave_running {
         return Some("async_leave_running is off");
     }
-    if !crate::criu::leave_running() {
+    if !gpusnap_host::criu::leave_running() {
         return Some("not `criu dump -R`");
     }
-    if crate::logger::rpc_mode() {
+    if gpusnap_host::logger::rpc_mode() {
         return Some(
             "CRIU runs as a service (a container runtime archives the directory as soon as CRIU returns)",
         );
@@ -1168,9 +1176,9 @@ fn asynchronous(
             let words = format!(
                 "The GPU data of pid {pid} is still being written into this directory after an asynchronous `criu dump -R`; it is not a checkpoint until this file is gone (`gpusnap wait DIR`)."
             );
-            crate::handover::write_pending(ctx.image_dir(), t.nspid.get(), &words).map_err(
-                |e| DumpError::HandOver(crate::handover::HandOverError::Pending(e.to_string())),
-            )?;
+            crate::handover::write_pending(ctx.image_dir(), t.nspid, &words).map_err(|e| {
+                DumpError::HandOver(crate::handover::HandOverError::Pending(e.to_string()))
+            })?;
             let (paused, paused_bytes) = plan.part(false);
             log::info!(
                 "pid {pid}: asynchronous -R: {n} allocations ({}) copied device to device into the keeper's snapshot in {:.3} s, drained after CRIU returns; {}",
@@ -1185,7 +1193,7 @@ fn asynchronous(
                     )
                 }
             );
-            crate::fault::kill_criu_at("dump-snapshot-copied");
+            gpusnap_host::fault::kill_criu_at("dump-snapshot-copied");
             Ok(Some(plan))
         }
         Err((needed, allowed, device)) => {
@@ -1316,7 +1324,7 @@ fn copy_out_paused(
     let parent = crate::parent::parent_index(
         dir,
         t.pid,
-        t.nspid.get(),
+        t.nspid,
         allocations,
         ctx.cfg.incremental,
         ctx.cfg.effective_reader_threads(),
@@ -1325,7 +1333,7 @@ fn copy_out_paused(
         session,
         staging,
         dir,
-        t.nspid.get(),
+        t.nspid,
         ctx.cfg.effective_writer_threads(),
         codec,
         parent.as_ref(),
@@ -1370,7 +1378,7 @@ fn move_data_out(
     // must not run: hold them first (the driver's restore thread and the agent's run on).
     let agent_tid = session_agent_tid(t)?;
     t.hold = Some(
-        crate::hold::Hold::place(pid, &[t.restore_tid, agent_tid])
+        gpusnap_host::hold::Hold::place(pid, &[t.restore_tid, agent_tid])
             .map_err(|err| DumpError::Hold { pid, err })?,
     );
     // From the moment Release is sent, some memory may be gone even if the agent then fails
@@ -1385,16 +1393,16 @@ fn move_data_out(
     let (n, bytes) = session.release()?;
     t.time("release", t0.elapsed().as_secs_f64());
     log::debug!("pid {pid}: agent released {n} allocations ({bytes} bytes)");
-    crate::fault::kill_criu_at("dump-released");
+    gpusnap_host::fault::kill_criu_at("dump-released");
     lock(ctx, t, "relock")?;
     *release.lock().unwrap_or_else(|e| e.into_inner()) = t.hold.take();
-    crate::fault::kill_criu_at("dump-relocked");
+    gpusnap_host::fault::kill_criu_at("dump-relocked");
     Ok(())
 }
 
 /// What a data phase moved, for the log: bytes and rate, chunks hashed on the GPU and found
 /// zero, the writers' time, and per GPU where there are several.
-fn log_data(pid: i32, allocations: &[AllocationRecord], data: &datapath::DumpData) {
+fn log_data(pid: HostPid, allocations: &[AllocationRecord], data: &datapath::DumpData) {
     log::info!(
         "pid {pid}: data {:.2} GiB in {:.3} s ({:.1} GiB/s) into {} files, {} chunks, written {} bytes ({:.2} GiB), referenced {} bytes unchanged in {} chunks",
         gib(data.bytes),
@@ -1435,12 +1443,12 @@ fn log_data(pid: i32, allocations: &[AllocationRecord], data: &datapath::DumpDat
 }
 
 /// The host tid of the agent thread of a split-path process.
-fn session_agent_tid(t: &Tracked) -> Result<i32, DumpError> {
+fn session_agent_tid(t: &Tracked) -> Result<HostTid, DumpError> {
     match &t.route {
         Route::Split(s) => Ok(agent::host_tid(t.pid, s.agent_ns_tid)?),
         Route::Transparent => Err(AgentError::NoThread {
             pid: t.pid,
-            ns_tid: -1,
+            ns_tid: NsTid(-1),
         }
         .into()),
     }
@@ -1448,7 +1456,7 @@ fn session_agent_tid(t: &Tracked) -> Result<i32, DumpError> {
 
 /// Removes this process's gpusnap files (a split attempt that was abandoned, or a failed dump).
 pub fn remove_partial_files(ctx: &Ctx, t: &Tracked) {
-    if let Err(e) = gpusnap_image::remove_process_files(ctx.image_dir(), t.nspid.get()) {
+    if let Err(e) = gpusnap_image::remove_process_files(ctx.image_dir(), t.nspid) {
         log::warn!("pid {}: removing partial image files: {e}", t.pid);
     }
 }
@@ -1498,19 +1506,22 @@ pub fn rollback(
     };
     let me = crate::sharing::Process {
         pid,
-        nspid: t.nspid.get(),
+        nspid: t.nspid,
     };
     let imports = t.shares.iter().any(|s| s.import);
     // The program's own descriptors of its shareable exports (and the agent's) name the
     // memory brought back.
-    let repoint = t.shares.iter().any(|s| s.shareable && !s.import);
+    let repoint = t.shares.iter().any(|s| s.is_shareable() && !s.import);
     let target = Target {
         pid,
         restore_tid: t.restore_tid,
         initial: t.initial,
         agent_tid: &|| match agent_ns_tid {
             Some(ns_tid) => agent::host_tid(pid, ns_tid),
-            None => Err(AgentError::NoThread { pid, ns_tid: -1 }),
+            None => Err(AgentError::NoThread {
+                pid,
+                ns_tid: NsTid(-1),
+            }),
         },
         before_running: &|| {
             if repoint {
@@ -1545,13 +1556,13 @@ pub fn rollback(
 
 /// The process a rollback works on.
 pub struct Target<'a> {
-    pub pid: i32,
+    pub pid: HostPid,
     /// The driver's restore thread (it runs for the driver calls; a hold leaves it out).
-    pub restore_tid: i32,
+    pub restore_tid: HostTid,
     /// The driver state to return it to.
     pub initial: ProcessState,
     /// Finds the agent's thread (for a reload).
-    pub agent_tid: &'a dyn Fn() -> Result<i32, AgentError>,
+    pub agent_tid: &'a dyn Fn() -> Result<HostTid, AgentError>,
     /// What must be whole too, once the memory is back, before the threads may run (an
     /// importer's CUDA IPC shares, mapped again).
     pub before_running: &'a dyn Fn() -> Result<(), DumpError>,
@@ -1568,15 +1579,16 @@ pub fn undo(
     ctx: &Ctx,
     target: &Target<'_>,
     phase: &mut Phase,
-    hold: &mut Option<crate::hold::Hold>,
+    hold: &mut Option<gpusnap_host::hold::Hold>,
 ) -> Result<Vec<&'static str>, DumpError> {
     let pid = target.pid;
     let mut steps = Vec::new();
     if phase.memory_released() && hold.is_none() {
         let agent = (target.agent_tid)().ok();
-        let running: Vec<i32> = std::iter::once(target.restore_tid).chain(agent).collect();
+        let running: Vec<HostTid> = std::iter::once(target.restore_tid).chain(agent).collect();
         *hold = Some(
-            crate::hold::Hold::place(pid, &running).map_err(|err| DumpError::Hold { pid, err })?,
+            gpusnap_host::hold::Hold::place(pid, &running)
+                .map_err(|err| DumpError::Hold { pid, err })?,
         );
     }
     loop {
@@ -1588,7 +1600,7 @@ pub fn undo(
                     return Err(driver("rollback: driver restore")(e));
                 }
                 steps.push("driver restore");
-                crate::fault::kill_criu_at("rollback-restored");
+                gpusnap_host::fault::kill_criu_at("rollback-restored");
                 match moved {
                     Some(d) => Phase::Relocked(d),
                     // Locked by someone else before the dump: it stays locked.
@@ -1675,7 +1687,7 @@ fn bring_back(
         .stop()
         .map_err(PtraceError::on(tid, "stopping the agent thread"))?;
     let ((n, bytes), still_released) = reclaimed?;
-    crate::fault::kill_criu_at("rollback-reclaimed");
+    gpusnap_host::fault::kill_criu_at("rollback-reclaimed");
     log::info!(
         "pid {}: device memory mapped back from the descriptors it kept ({n} allocations, {:.2} GiB) in {:.3} s, no file read",
         target.pid,
@@ -1734,8 +1746,8 @@ fn reload(ctx: &Ctx, target: &Target<'_>, moved: &MovedData) -> Result<(), DumpE
 /// Runs only the agent thread and streams `manifest`'s data into re-created memory.
 pub fn load_through_agent(
     ctx: &Ctx,
-    pid: i32,
-    agent_tid: i32,
+    pid: HostPid,
+    agent_tid: HostTid,
     dir: BorrowedFd<'_>,
     manifest: &Manifest,
     fault_point: &'static str,
@@ -1783,7 +1795,7 @@ fn new_manifest(
         timings_s: t.timings.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
         requires: Some(requires),
         ..manifest_of(
-            t.nspid.get(),
+            t.nspid,
             path,
             (ctx.driver_version, &ctx.gpus),
             allocations,
@@ -1795,7 +1807,7 @@ fn new_manifest(
 /// A manifest of process `nspid` from what a data phase wrote, on this host's driver and GPUs
 /// (`driver`: the driver's version and its GPUs); no timings.
 pub fn manifest_of(
-    nspid: u32,
+    nspid: NsPid,
     path: CheckpointPath,
     driver: (i32, &[crate::driver::GpuInfo]),
     allocations: Vec<AllocationRecord>,
@@ -1860,8 +1872,8 @@ pub struct DumpRun {
     ctx: Option<Ctx>,
     tracked: Vec<Tracked>,
     /// The dumped processes without CUDA (their descriptors are looked at for exported memory).
-    others: Vec<i32>,
-    checkpointed: Option<Vec<(i32, Result<(), DumpError>)>>,
+    others: Vec<HostPid>,
+    checkpointed: Option<Vec<(HostPid, Result<(), DumpError>)>>,
 }
 
 impl DumpRun {
@@ -1878,7 +1890,7 @@ impl DumpRun {
 
     /// PAUSE_DEVICES: `Some(true)` when `pid` is a CUDA process gpusnap now tracks (locked),
     /// `None` when it is not a CUDA process, `Some(false)` when the dump must fail.
-    pub fn pause_devices(&mut self, pid: i32) -> Option<bool> {
+    pub fn pause_devices(&mut self, pid: HostPid) -> Option<bool> {
         if self.ctx.is_none() {
             match Ctx::open(&self.cfg, self.dir) {
                 Ok(c) => self.ctx = Some(c),
@@ -1907,7 +1919,7 @@ impl DumpRun {
 
     /// CHECKPOINT_DEVICES: the first call checkpoints every tracked process, in parallel; every
     /// call answers for its pid. `None`: not one of ours.
-    pub fn checkpoint_devices(&mut self, pid: i32) -> Option<bool> {
+    pub fn checkpoint_devices(&mut self, pid: HostPid) -> Option<bool> {
         let ctx = self.ctx.as_ref()?;
         if !self.tracked.iter().any(|t| t.pid == pid) {
             return None;
@@ -1929,24 +1941,24 @@ impl DumpRun {
     /// `exit(DUMP, ret)`: on success the final manifests and `gpusnap-stats.json`; on `-R` or
     /// failure every process is rolled back (a failed dump's files are removed).
     pub fn exit(&mut self, ret: i32) {
-        crate::fault::criu_part_over();
+        gpusnap_host::fault::criu_part_over();
         let Some(ctx) = self.ctx.as_ref() else { return };
-        let mut leave_running = crate::criu::leave_running();
+        let mut leave_running = gpusnap_host::criu::leave_running();
         // Drains ran beside CRIU's dump: join them before anything is decided.
         let drained: Vec<Result<(), DumpError>> = self
             .tracked
             .iter_mut()
             .map(|t| finish_drain(ctx, t, ret))
             .collect();
-        crate::logger::print_deferred();
+        gpusnap_host::logger::print_deferred();
         let drain_failed = drained.iter().any(Result::is_err);
         if ret == 0 && drain_failed {
             // CRIU's part succeeded and it would now kill the job, whose data is not in the
             // image: it must go on running (its memory is its own, lent descriptors kept).
-            let kept = leave_running || crate::criu::keep_tasks_alive();
+            let kept = leave_running || gpusnap_host::criu::keep_tasks_alive();
             // CRIU reports success whatever this hook does: one fixed line on CRIU's stderr
             // that a script can match, and a marker in the directory that every tool refuses.
-            crate::logger::tell_user(&format!(
+            gpusnap_host::logger::tell_user(&format!(
                 "{NOT_A_CHECKPOINT}: the GPU data of this dump could not be written into the image, although CRIU reports success; {}",
                 if kept {
                     "the job runs on (rolled back); the image directory is marked NOT-A-CHECKPOINT and no restore takes it"
@@ -1962,7 +1974,7 @@ impl DumpRun {
             .iter()
             .map(|t| crate::sharing::Process {
                 pid: t.pid,
-                nspid: t.nspid.get(),
+                nspid: t.nspid,
             })
             .collect();
         // Exporters are rolled back before importers, which map their memory again.
@@ -1981,7 +1993,7 @@ impl DumpRun {
                     Ok(drainer) => log::info!(
                         "pid {}: CRIU returns now; drainer pid {drainer} writes the image from the keeper's snapshot, then the manifest, then removes {}",
                         t.pid,
-                        gpusnap_image::pending_marker_name(t.nspid.get())
+                        gpusnap_image::pending_marker_name(t.nspid)
                     ),
                     Err(e) => {
                         failed = true;
@@ -2027,7 +2039,7 @@ impl DumpRun {
                             Phase::Untouched | Phase::DataOut => "its GPU memory is in place",
                         };
                         // On CRIU's stderr too: CRIU reports the dump itself a success.
-                        crate::logger::tell_user(&format!(
+                        gpusnap_host::logger::tell_user(&format!(
                             "pid {}: ROLLBACK FAILED: {e}. {held}. CRIU's own dump succeeded, but the job does not run: bring it back with `gpusnap recover {} --images <this image dir>`",
                             t.pid, t.pid
                         ));
@@ -2052,11 +2064,10 @@ pub const NOT_A_CHECKPOINT: &str = "NOT A CHECKPOINT";
 /// gpusnap files were: `criu restore`, `gpusnap verify` and `inspect` then refuse the
 /// directory as an unfinished dump, naming that file.
 fn mark_not_a_checkpoint(ctx: &Ctx, t: &Tracked, cause: &str) {
-    let name = gpusnap_image::failed_marker_name(t.nspid.get());
+    let name = gpusnap_image::failed_marker_name(t.nspid);
     let text = format!(
         "This directory is NOT a usable checkpoint: the GPU data of pid {} (namespace pid {}) could not be written after CRIU's own part had succeeded, so CRIU reported success.\nCause: {cause}\nDump the job again.\n",
-        t.pid,
-        t.nspid.get()
+        t.pid, t.nspid
     );
     let written = crate::handover::write_new_marker(ctx.image_dir(), &name, &text);
     if let Err(e) = written {
@@ -2135,7 +2146,7 @@ fn spawn_drainer(ctx: &Ctx, t: &mut Tracked) -> Result<i32, DumpError> {
             libc::close(fds[1]);
         }
         let status = run_drainer(ctx, t, *background, keeper, allocations, copied);
-        crate::logger::print_deferred();
+        gpusnap_host::logger::print_deferred();
         // SAFETY: _exit: no destructor of CRIU's copied state may run here.
         unsafe { libc::_exit(status) };
     }
@@ -2176,7 +2187,7 @@ fn run_drainer(
 ) -> i32 {
     detach_stdio();
     let pid = t.pid;
-    let nspid = t.nspid.get();
+    let nspid = t.nspid;
     let dir = ctx.image_dir();
     let pending = gpusnap_image::pending_marker_name(nspid);
     let words = format!(
@@ -2190,8 +2201,10 @@ fn run_drainer(
     let outcome = crate::handover::Drain::start(session, job)
         .map_err(|err| DumpError::DrainStart { pid, err })
         .and_then(|drain| {
-            if crate::fault::armed_at("async-drain-started") {
-                crate::logger::print_now("test fault async-drain-started: killing the keeper");
+            if gpusnap_host::fault::armed_at("async-drain-started") {
+                gpusnap_host::logger::print_now(
+                    "test fault async-drain-started: killing the keeper",
+                );
                 keeper.kill();
             }
             let mut done = drain.join();
@@ -2206,14 +2219,16 @@ fn run_drainer(
             None => data,
         };
         let manifest = new_manifest(ctx, t, CheckpointPath::Split, allocations, &data);
-        if crate::fault::armed_at("async-before-manifest") {
-            crate::logger::print_now("test fault async-before-manifest: killing the drainer");
+        if gpusnap_host::fault::armed_at("async-before-manifest") {
+            gpusnap_host::logger::print_now(
+                "test fault async-before-manifest: killing the drainer",
+            );
             // SAFETY: kill(2) of this very process.
             unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
         }
         gpusnap_image::write_manifest(dir, &manifest).map_err(DumpError::Manifest)?;
         if ctx.cfg.durable {
-            crate::fault::sync_dir(dir).map_err(DumpError::Manifest)?;
+            gpusnap_host::fault::sync_dir(dir).map_err(DumpError::Manifest)?;
         }
         Ok(())
     });
@@ -2224,7 +2239,7 @@ fn run_drainer(
                 return 1;
             }
             if ctx.cfg.durable {
-                let _ = crate::fault::sync_dir(dir);
+                let _ = gpusnap_host::fault::sync_dir(dir);
             }
             log::info!(
                 "pid {pid}: asynchronous -R: the image is complete {:.3} s after CRIU returned ({pending} removed)",
@@ -2358,7 +2373,7 @@ fn finish_drain(ctx: &Ctx, t: &mut Tracked, ret: i32) -> Result<(), DumpError> {
         *m.manifest = manifest;
         m.stats = Some(Box::new(data));
     }
-    crate::fault::kill_criu_at("dump-before-manifest");
+    gpusnap_host::fault::kill_criu_at("dump-before-manifest");
     Ok(())
 }
 
@@ -2451,7 +2466,7 @@ fn stats_of(t: &Tracked) -> serde_json::Value {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pid::NsPid;
+    use gpusnap_host::pid::{NsPid, NsTid};
     use gpusnap_image::{ChunkEntry, Codec};
 
     /// Access set by the program is the driver's path's to keep, unless the process imports
@@ -2460,8 +2475,8 @@ mod tests {
     fn access_set_by_the_program_refuses_only_an_importer() {
         let me = std::process::id() as i32;
         let hello = |hazards| AgentHello {
-            ns_pid: me,
-            ns_tid: me,
+            ns_pid: NsPid(me as u32),
+            ns_tid: NsTid(me),
             allocations: 1,
             converted_bytes: 2 << 20,
             devices: 1,
@@ -2470,20 +2485,23 @@ mod tests {
             kept: 0,
         };
         assert_eq!(
-            unsupported_state(me, Some(&hello(hazard::ACCESS_SET))),
+            unsupported_state(HostPid(me), Some(&hello(hazard::ACCESS_SET))),
             None
         );
         let refused = unsupported_state(
-            me,
+            HostPid(me),
             Some(&hello(hazard::ACCESS_SET | hazard::SHAREABLE_IMPORT)),
         )
         .expect("an importer with access of its own is refused");
         assert!(refused.contains("cuMemSetAccess"), "{refused}");
         assert!(matches!(
-            split_candidate(me, hello(hazard::ACCESS_SET)),
+            split_candidate(HostPid(me), hello(hazard::ACCESS_SET)),
             Ok(None)
         ));
-        assert!(matches!(split_candidate(me, hello(0)), Ok(Some(_))));
+        assert!(matches!(
+            split_candidate(HostPid(me), hello(0)),
+            Ok(Some(_))
+        ));
     }
 
     #[test]
@@ -2517,10 +2535,10 @@ mod tests {
 
     #[test]
     fn several_processes_without_the_agent_get_the_ipc_warning() {
-        let tracked = |pid, agent| Tracked {
-            pid,
+        let tracked = |pid: i32, agent| Tracked {
+            pid: HostPid(pid),
             nspid: NsPid(pid as u32),
-            restore_tid: pid + 1,
+            restore_tid: HostTid(pid + 1),
             initial: ProcessState::Running,
             phase: Phase::Untouched,
             route: Route::Transparent,

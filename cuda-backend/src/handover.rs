@@ -17,6 +17,7 @@ use crate::agent::{AgentError, AgentSession, KeeperSession, LentAllocation};
 use crate::datapath::{self, DataError, DumpData};
 use crate::keeper::{Keeper, KeeperError};
 use crate::staging::Staging;
+use gpusnap_host::pid::{HostPid, NsPid};
 use gpusnap_image::{AllocationRecord, Codec};
 use std::os::fd::BorrowedFd;
 use std::time::Instant;
@@ -297,8 +298,8 @@ fn as_listed(lent: &[LentAllocation], routes: &crate::route::Routes) -> Result<(
 pub struct DrainJob {
     pub staging: Staging,
     pub dir: BorrowedFd<'static>,
-    pub pid: i32,
-    pub nspid: u32,
+    pub pid: HostPid,
+    pub nspid: NsPid,
     pub writers: usize,
     /// Threads that read the parent image back before anything of it is referenced.
     pub readers: usize,
@@ -345,9 +346,9 @@ impl Drain {
         let handle = std::thread::Builder::new()
             .name("gpusnap-drain".into())
             .spawn(move || {
-                crate::signals::block_all();
+                gpusnap_host::signals::block_all();
                 // CRIU's main thread logs meanwhile, through one unlocked buffer.
-                crate::logger::defer_this_thread();
+                gpusnap_host::logger::defer_this_thread();
                 let DrainJob {
                     ref staging,
                     dir,
@@ -388,8 +389,8 @@ impl Drain {
                     None => copy(None, first_file),
                     Some(index) => std::thread::scope(|s| {
                         let check = s.spawn(|| {
-                            crate::signals::block_all();
-                            crate::logger::defer_this_thread();
+                            gpusnap_host::signals::block_all();
+                            gpusnap_host::logger::defer_this_thread();
                             crate::parent::parent_checked(dir, pid, nspid, readers)
                         });
                         let data = copy(Some(index), first_file);
@@ -397,7 +398,7 @@ impl Drain {
                         let whole = check.join().unwrap_or(false);
                         match data {
                             Ok(d) if !whole && d.referenced_chunks > 0 => {
-                                crate::fault::kill_criu_beside_at("dump-parent-damaged");
+                                gpusnap_host::fault::kill_criu_beside_at("dump-parent-damaged");
                                 recopy_fresh(dir, pid, d, |next| copy(None, next))
                             }
                             other => other,
@@ -405,7 +406,7 @@ impl Drain {
                     }),
                 };
                 let data = data.and_then(|data| {
-                    crate::fault::kill_criu_beside_at("dump-drained");
+                    gpusnap_host::fault::kill_criu_beside_at("dump-drained");
                     // The keeper drops its imports; the job still holds the memory.
                     session.release_keeper().map_err(DataError::from)?;
                     Ok(data)
@@ -442,7 +443,7 @@ impl Drain {
 /// copy's. Nothing the first copy wrote reaches the manifest.
 fn recopy_fresh(
     dir: BorrowedFd<'_>,
-    pid: i32,
+    pid: HostPid,
     first: DumpData,
     copy: impl FnOnce(u32) -> Result<DumpData, DataError>,
 ) -> Result<DumpData, DataError> {
@@ -497,12 +498,12 @@ pub fn write_new_marker(dir: BorrowedFd<'_>, name: &str, text: &str) -> std::io:
 
 /// Writes (or replaces, atomically) the PENDING marker of process `nspid`, naming this
 /// process as the one that writes the data ([`gpusnap_image::pending_text`]).
-pub fn write_pending(dir: BorrowedFd<'_>, nspid: u32, words: &str) -> std::io::Result<()> {
+pub fn write_pending(dir: BorrowedFd<'_>, nspid: NsPid, words: &str) -> std::io::Result<()> {
     // SAFETY: getpid has no preconditions.
-    let me = unsafe { libc::getpid() };
+    let me = HostPid(unsafe { libc::getpid() });
     let start = std::fs::read_to_string(format!("/proc/{me}/stat"))
         .ok()
-        .and_then(|s| crate::procfs::Stat::parse(&s).and_then(|s| s.start_time()))
+        .and_then(|s| gpusnap_host::procfs::Stat::parse(&s).and_then(|s| s.start_time()))
         .unwrap_or(0);
     let name = gpusnap_image::pending_marker_name(nspid);
     let tmp = format!("{name}.tmp");

@@ -14,6 +14,7 @@
 //! (killing it through the pidfd after a grace period).
 
 use crate::agent::KeeperSession;
+use gpusnap_host::pid::{HostPid, NsPid};
 use gpusnap_proto::Channel;
 use std::ffi::{CString, c_char};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
@@ -40,11 +41,11 @@ pub enum KeeperError {
     Detach { path: String, why: DetachError },
     #[error("keeper pid {pid} did not become ready: {err}")]
     NotReady {
-        pid: libc::pid_t,
+        pid: HostPid,
         err: crate::agent::AgentError,
     },
     #[error("keeper pid {pid}: its connection was already taken")]
-    NoSession { pid: libc::pid_t },
+    NoSession { pid: HostPid },
 }
 
 /// Why the process that starts the keeper did not hand it over.
@@ -72,16 +73,17 @@ const DETACH_WITHIN: Duration = Duration::from_secs(5);
 /// not exist yet). Two kinds of number, never to be mixed: only messages use either.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum JobPid {
-    Host(crate::pid::HostPid),
-    Namespace(crate::pid::NsPid),
+    Host(HostPid),
+    Namespace(NsPid),
 }
 
 impl JobPid {
-    /// The number, for the session's messages.
-    fn number(self) -> i32 {
+    /// The number, for the session's messages (the only use of a session's pid that a
+    /// keeper's session has: it has no door, so nothing looks the number up in `/proc`).
+    fn number(self) -> HostPid {
         match self {
-            JobPid::Host(p) => p.0,
-            JobPid::Namespace(p) => i32::try_from(p.0).unwrap_or(i32::MAX),
+            JobPid::Host(p) => p,
+            JobPid::Namespace(p) => HostPid(i32::try_from(p.get()).unwrap_or(i32::MAX)),
         }
     }
 }
@@ -97,7 +99,7 @@ impl std::fmt::Display for JobPid {
 
 /// A started keeper and the session to it.
 pub struct Keeper {
-    pid: libc::pid_t,
+    pid: HostPid,
     /// A pidfd of the keeper: it is not our child, so this is how we see it exit and kill it
     /// without ever signalling a pid that was reused.
     pidfd: OwnedFd,
@@ -154,7 +156,7 @@ impl Keeper {
             return Err(detach_err(why));
         }
         let (pid, pidfd) = match ours.recv_reply_with_fd(Some(DETACH_WITHIN)) {
-            Ok((gpusnap_proto::Reply::Detached { pid }, Some(fd))) => (pid as libc::pid_t, fd),
+            Ok((gpusnap_proto::Reply::Detached { pid }, Some(fd))) => (pid, fd),
             Ok((gpusnap_proto::Reply::Error { message, .. }, _)) => {
                 return Err(detach_err(DetachError::Refused(message)));
             }
@@ -163,7 +165,7 @@ impl Keeper {
             }
             Err(e) => return Err(detach_err(DetachError::Report(e))),
         };
-        if crate::procfs::parent_of(pid).ok() == Some(std::process::id() as i32) {
+        if gpusnap_host::procfs::parent_of(pid).ok() == Some(HostPid(std::process::id() as i32)) {
             // CRIU is a child subreaper here, so the orphan came back to it.
             log::warn!(
                 "keeper pid {pid} is a child of CRIU's process after all (CRIU reaps orphans here): CRIU would see its exit"
@@ -191,7 +193,7 @@ impl Keeper {
         })
     }
 
-    pub fn pid(&self) -> i32 {
+    pub fn pid(&self) -> HostPid {
         self.pid
     }
 
@@ -222,12 +224,12 @@ impl Keeper {
 
 /// Kills one keeper through a pidfd of it: never another process that took its pid.
 pub struct KeeperKiller {
-    pid: libc::pid_t,
+    pid: HostPid,
     pidfd: OwnedFd,
 }
 
 impl KeeperKiller {
-    pub fn pid(&self) -> i32 {
+    pub fn pid(&self) -> HostPid {
         self.pid
     }
 
@@ -253,7 +255,7 @@ impl Drop for Keeper {
                 self.pid
             );
             signal(fd, libc::SIGKILL);
-            if !exited_within(fd, crate::reap::REAP_WITHIN) {
+            if !exited_within(fd, gpusnap_host::reap::REAP_WITHIN) {
                 log::warn!("keeper pid {} still there after SIGKILL", self.pid);
             }
         }
@@ -276,13 +278,13 @@ impl Drop for Keeper {
 
 /// Reaps the process that started the keeper (our child, which exits as soon as it has forked
 /// the keeper and reported it). Killed and reaped if it takes longer than `within`.
-fn reap_starter(pid: libc::pid_t, within: Duration) -> Result<(), DetachError> {
+fn reap_starter(pid: HostPid, within: Duration) -> Result<(), DetachError> {
     let deadline = Instant::now() + within;
     loop {
         let mut status = 0;
         // SAFETY: waitpid on our own child with a valid status pointer; WNOHANG never blocks.
-        let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
-        if r == pid {
+        let r = unsafe { libc::waitpid(pid.get(), &mut status, libc::WNOHANG) };
+        if r == pid.get() {
             return match (libc::WIFEXITED(status), libc::WEXITSTATUS(status)) {
                 (true, 0) => Ok(()),
                 _ => Err(DetachError::Status(status)),
@@ -296,7 +298,7 @@ fn reap_starter(pid: libc::pid_t, within: Duration) -> Result<(), DetachError> {
             return Err(DetachError::Wait(e));
         }
         if Instant::now() >= deadline {
-            let _ = crate::reap::kill_and_reap(pid);
+            let _ = gpusnap_host::reap::kill_and_reap(pid);
             return Err(DetachError::TooSlow(within));
         }
         std::thread::sleep(Duration::from_millis(1));
@@ -459,7 +461,7 @@ struct MappedFile {
 /// and every `libcuda.so*` file the job maps is that same file (device and inode, read from
 /// `/proc/<pid>/maps`: no path inside the job's root is ever opened). A job whose driver
 /// library is another file (its container's own) gets the copy-first route.
-pub fn host_library_for(pid: i32, host: &str) -> Result<PathBuf, LibraryRefused> {
+pub fn host_library_for(pid: HostPid, host: &str) -> Result<PathBuf, LibraryRefused> {
     let host = resolve_host_library(host)?;
     let shown = host.display().to_string();
     let md = std::fs::metadata(&host).map_err(|err| LibraryRefused::Stat {
@@ -467,7 +469,7 @@ pub fn host_library_for(pid: i32, host: &str) -> Result<PathBuf, LibraryRefused>
         err,
     })?;
     private_to_root(&host, &md)?;
-    let maps = crate::procfs::maps(pid).map_err(LibraryRefused::Maps)?;
+    let maps = gpusnap_host::procfs::maps(pid).map_err(LibraryRefused::Maps)?;
     use std::os::unix::fs::MetadataExt;
     job_maps_only(
         &maps,
@@ -606,7 +608,7 @@ fn mapped_file(line: &str) -> Option<MappedFile> {
 
 /// `posix_spawn` of `path` with `args`, the connection `conn` as descriptor [`KEEPER_FD`], in a
 /// new session, every signal unblocked and at its default. The environment is ours (CRIU's).
-fn spawn(path: &Path, args: &[std::ffi::OsString], conn: i32) -> std::io::Result<libc::pid_t> {
+fn spawn(path: &Path, args: &[std::ffi::OsString], conn: i32) -> std::io::Result<HostPid> {
     use std::os::unix::ffi::OsStrExt;
     let cstr = |s: &std::ffi::OsStr| {
         CString::new(s.as_bytes()).map_err(|_| std::io::Error::other("a NUL byte in an argument"))
@@ -660,7 +662,7 @@ fn spawn(path: &Path, args: &[std::ffi::OsString], conn: i32) -> std::io::Result
             if rc != 0 {
                 return Err(err(rc));
             }
-            Ok(pid)
+            Ok(HostPid(pid))
         })();
         libc::posix_spawn_file_actions_destroy(&mut actions);
         libc::posix_spawnattr_destroy(&mut attr);

@@ -33,8 +33,8 @@
 //! - `sharing`: CUDA IPC shares between processes of one dump or restore.
 //!
 //! Host services (CRIU's ABI and log, `/proc`, ptrace, holds, pids, fault points, the cgroup
-//! freezer) come from `gpusnap-host`, re-exported under their names so that each module reads
-//! `crate::procfs` etc.
+//! freezer) come from `gpusnap-host`; each module names them by that crate
+//! (`gpusnap_host::procfs` etc.).
 
 pub mod agent;
 pub mod backend;
@@ -62,16 +62,12 @@ pub mod staging;
 pub mod stall;
 pub mod uuid;
 
-pub use gpusnap_host::{
-    criu, fault, freezer, hold, joblock, logger, pid, procfs, ptrace, reap, signals,
-};
-
 /// An empty split-path manifest of nspid 1, for tests to fill in what they look at.
 #[cfg(test)]
 pub(crate) fn test_manifest() -> gpusnap_image::Manifest {
     gpusnap_image::Manifest {
         format_version: 1,
-        nspid: 1,
+        nspid: gpusnap_host::pid::NsPid(1),
         path: gpusnap_image::CheckpointPath::Split,
         created_unix_s: 0,
         gpusnap_version: String::new(),

@@ -5,6 +5,7 @@ use crate::agent::AgentSession;
 use crate::context::Ctx;
 use crate::datapath::{self, DataError};
 use crate::staging::{RingMaker, RingShape, Staging};
+use gpusnap_host::pid::HostPid;
 use gpusnap_image::Manifest;
 use std::os::fd::BorrowedFd;
 
@@ -20,10 +21,10 @@ pub fn ring_shape(staging_slots: usize, manifest: &Manifest) -> RingShape {
 }
 
 /// Streams `manifest`'s data into re-created memory; the agent thread already runs.
-/// `fault_point` is where a test may kill CRIU once the first chunk is in ([`crate::fault`]).
+/// `fault_point` is where a test may kill CRIU once the first chunk is in ([`gpusnap_host::fault`]).
 pub fn with_agent_running(
     ctx: &Ctx,
-    pid: i32,
+    pid: HostPid,
     dir: BorrowedFd<'_>,
     manifest: &Manifest,
     fault_point: &'static str,

@@ -7,6 +7,7 @@ use std::sync::{Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
+use gpusnap_host::pid::{HostPid, NsPid};
 use gpusnap_image::{AllocationRecord, ImageError, VerifyReport};
 
 /// One process's parent image, read back and checked: the outcome, and how long it took.
@@ -21,8 +22,8 @@ type Checked = (Result<Option<VerifyReport>, ImageError>, f64);
 #[derive(Default)]
 struct Checks {
     /// Processes whose parent the thread has still to check.
-    pending: BTreeSet<u32>,
-    results: HashMap<u32, Checked>,
+    pending: BTreeSet<NsPid>,
+    results: HashMap<NsPid, Checked>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -73,9 +74,9 @@ pub fn start_checks(dir: BorrowedFd<'_>, incremental: bool, threads: usize) {
     }
 }
 
-fn check_all(dir: &OwnedFd, nspids: &[u32], threads: usize) {
-    crate::signals::block_all();
-    crate::logger::defer_this_thread();
+fn check_all(dir: &OwnedFd, nspids: &[NsPid], threads: usize) {
+    gpusnap_host::signals::block_all();
+    gpusnap_host::logger::defer_this_thread();
     for &nspid in nspids {
         let t0 = Instant::now();
         let r = gpusnap_image::verify_parent(dir.as_fd(), nspid, threads);
@@ -90,7 +91,7 @@ fn check_all(dir: &OwnedFd, nspids: &[u32], threads: usize) {
 
 /// `nspid`'s result of [`start_checks`] (waiting for it if need be), taken once; None when none
 /// were started or they hold none for it.
-fn take_checked(nspid: u32) -> Option<(Checked, f64)> {
+fn take_checked(nspid: NsPid) -> Option<(Checked, f64)> {
     let t0 = Instant::now();
     let mut g = checks();
     // Bounded by the thread's life: one that stopped without publishing (a panic) leaves the
@@ -125,8 +126,8 @@ pub fn finish_checks() {
 /// its copy instead of before it.)
 pub fn parent_index(
     dir: BorrowedFd<'_>,
-    pid: i32,
-    nspid: u32,
+    pid: HostPid,
+    nspid: NsPid,
     allocations: &[AllocationRecord],
     incremental: bool,
     threads: usize,
@@ -140,8 +141,8 @@ pub fn parent_index(
 /// full dump, the reason logged) without a usable parent or with `incremental` off.
 pub fn parent_candidate(
     dir: BorrowedFd<'_>,
-    pid: i32,
-    nspid: u32,
+    pid: HostPid,
+    nspid: NsPid,
     allocations: &[AllocationRecord],
     incremental: bool,
 ) -> Option<gpusnap_image::DedupIndex> {
@@ -180,7 +181,7 @@ pub fn parent_candidate(
 /// Whether `nspid`'s parent image read back whole: the check started at `init`
 /// ([`start_checks`], waited for) or, if none was, one made now with `threads` readers.
 /// Logs the outcome; false (damaged, or gone) means nothing of the parent may be referenced.
-pub fn parent_checked(dir: BorrowedFd<'_>, pid: i32, nspid: u32, threads: usize) -> bool {
+pub fn parent_checked(dir: BorrowedFd<'_>, pid: HostPid, nspid: NsPid, threads: usize) -> bool {
     let t0 = Instant::now();
     let (checked, when) = match take_checked(nspid) {
         Some(((r, secs), waited)) => (

@@ -17,9 +17,9 @@
 use crate::agent::{AgentError, AgentSession};
 use crate::context::{codec_for, limits_of};
 use crate::datapath::{self, DataError, DumpData, Round};
-use crate::pid::HostPid;
-use crate::procfs;
 use crate::staging::{RingShape, Staging};
+use gpusnap_host::pid::{HostPid, NsPid};
+use gpusnap_host::procfs;
 use gpusnap_image::{AllocationRecord, CheckpointPath, ChunkEntry, ImageError, PARENT_LINK};
 use std::fs;
 use std::os::fd::{AsFd, OwnedFd};
@@ -29,15 +29,15 @@ use std::time::Instant;
 #[derive(Debug, thiserror::Error)]
 pub enum PreCopyError {
     #[error(transparent)]
-    JobBusy(#[from] crate::joblock::JobLockError),
+    JobBusy(#[from] gpusnap_host::joblock::JobLockError),
     #[error("configuration: {0}")]
     Config(#[from] gpusnap_config::ConfigError),
     #[error("pid {pid}: {err}")]
-    Proc { pid: i32, err: std::io::Error },
+    Proc { pid: HostPid, err: std::io::Error },
     #[error(
         "pid {pid} has no gpusnap agent (start it with LD_PRELOAD of libgpusnap_agent.so): a pre-copy round needs the split path"
     )]
-    NoAgent { pid: i32 },
+    NoAgent { pid: HostPid },
     #[error(transparent)]
     Agent(#[from] AgentError),
     #[error("{0}")]
@@ -51,12 +51,15 @@ pub enum PreCopyError {
         dir.display(),
         holder.map_or("its pid is not known".to_owned(), |p| format!("pid {p}"))
     )]
-    Busy { dir: PathBuf, holder: Option<i32> },
+    Busy {
+        dir: PathBuf,
+        holder: Option<HostPid>,
+    },
     #[error(
         "{} already holds a gpusnap image of nspid {nspid}: a pre-copy round writes into a directory of its own (it may be the parent of other images)",
         dir.display()
     )]
-    NotEmpty { dir: PathBuf, nspid: u32 },
+    NotEmpty { dir: PathBuf, nspid: NsPid },
     #[error(
         "{}: its `parent` link leads to {}, not to {}",
         dir.display(),
@@ -99,8 +102,8 @@ pub enum Spoilt {
 /// What a round saved.
 #[derive(Debug)]
 pub struct PreCopyReport {
-    pub pid: i32,
-    pub nspid: u32,
+    pub pid: HostPid,
+    pub nspid: NsPid,
     pub data: DumpData,
     /// Allocations whose data the round holds, and those it left to the final dump (the
     /// application's own mappings that are not movable, memory allocated during the round).
@@ -116,17 +119,15 @@ pub struct PreCopyReport {
 /// given (the `parent` link is made as `criu dump --prev-images-dir` makes it: relative paths
 /// are taken from `images`).
 pub fn precopy(
-    pid: i32,
+    pid: HostPid,
     images: &Path,
     parent: Option<&Path>,
 ) -> Result<PreCopyReport, PreCopyError> {
     let t0 = Instant::now();
     let cfg = gpusnap_config::load()?;
-    // Never beside a dump or `recover` of the same job (crate::joblock).
-    let _job_lock = crate::joblock::JobLock::take(HostPid(pid))?;
-    let nspid = procfs::ns_pid(HostPid(pid))
-        .map_err(|err| PreCopyError::Proc { pid, err })?
-        .get();
+    // Never beside a dump or `recover` of the same job (gpusnap_host::joblock).
+    let _job_lock = gpusnap_host::joblock::JobLock::take(pid)?;
+    let nspid = procfs::ns_pid(pid).map_err(|err| PreCopyError::Proc { pid, err })?;
     let api = crate::driver::api()?;
     api.init()?;
     let driver = (api.driver_version().unwrap_or(0), api.gpus()?);
@@ -234,7 +235,7 @@ pub fn precopy(
 /// `parent` link.
 fn open_round_dir(
     images: &Path,
-    nspid: u32,
+    nspid: NsPid,
     parent: Option<&Path>,
 ) -> Result<OwnedFd, PreCopyError> {
     let at = |err| PreCopyError::ImageDir {
@@ -404,12 +405,16 @@ mod tests {
     fn a_second_round_into_one_directory_is_refused() {
         let d = std::env::temp_dir().join(format!("gpusnap-precopy-lock-{}", std::process::id()));
         let _ = fs::remove_dir_all(&d);
-        let first = open_round_dir(&d, 7, None).unwrap();
-        let e = open_round_dir(&d, 8, None).unwrap_err();
+        let first = open_round_dir(&d, NsPid(7), None).unwrap();
+        let e = open_round_dir(&d, NsPid(8), None).unwrap_err();
         match &e {
             PreCopyError::Busy { dir, holder } => {
                 assert_eq!(dir, &d);
-                assert_eq!(*holder, Some(std::process::id() as i32), "{e}");
+                assert_eq!(
+                    holder.map(HostPid::get),
+                    Some(std::process::id() as i32),
+                    "{e}"
+                );
             }
             other => panic!("not refused as busy: {other}"),
         }
@@ -418,7 +423,7 @@ mod tests {
             "{e}"
         );
         drop(first);
-        drop(open_round_dir(&d, 8, None).unwrap());
+        drop(open_round_dir(&d, NsPid(8), None).unwrap());
         let _ = fs::remove_dir_all(&d);
     }
 }

@@ -26,6 +26,7 @@ use crate::gpumap;
 use crate::keeper::{Keeper, KeeperError, KeeperKiller};
 use crate::staging::Staging;
 use gpusnap_config::Config;
+use gpusnap_host::pid::HostPid;
 use gpusnap_image::{CheckpointPath, Manifest};
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::fd::BorrowedFd;
@@ -191,7 +192,7 @@ impl Preload {
             &cfg.keeper,
             Some(libcuda.as_path()),
             gpus,
-            crate::keeper::JobPid::Namespace(crate::pid::NsPid(m.nspid)),
+            crate::keeper::JobPid::Namespace(m.nspid),
             Duration::from_millis(cfg.agent_timeout_ms),
         )?;
         Ok(Preload::Started(keeper))
@@ -209,9 +210,9 @@ impl Preload {
         let spawned = std::thread::Builder::new()
             .name("gpusnap-preload".into())
             .spawn(move || {
-                crate::signals::block_all();
+                gpusnap_host::signals::block_all();
                 // CRIU's main thread logs meanwhile, through one unlocked buffer.
-                crate::logger::defer_this_thread();
+                gpusnap_host::logger::defer_this_thread();
                 let started = Instant::now();
                 let result = load_into(&keeper, &job);
                 Loaded {
@@ -243,7 +244,7 @@ impl Preload {
     /// `Err`: the hand-over began and failed; the job must be killed.
     pub fn finish(
         self,
-        pid: i32,
+        pid: HostPid,
         m: &Manifest,
         targets: &BTreeMap<u32, [u8; 16]>,
         timeout: Duration,
@@ -272,7 +273,7 @@ impl Preload {
             Ok(done) => done,
             Err(e) => return Ok(Handed::Fallback(e)),
         };
-        crate::fault::kill_criu_at("restore-keeper-loaded");
+        gpusnap_host::fault::kill_criu_at("restore-keeper-loaded");
         let t1 = Instant::now();
         let allocations = hand_over(&keeper, pid, m, timeout)?;
         // `keeper` is dropped here: it exits (harmless from RESUME_DEVICES_LATE on) and is
@@ -328,7 +329,7 @@ fn load_into(keeper: &Keeper, job: &LoadJob) -> Result<(LoadStats, KeeperPhases)
 /// handed over.
 fn hand_over(
     keeper: &Keeper,
-    pid: i32,
+    pid: HostPid,
     m: &Manifest,
     timeout: Duration,
 ) -> Result<u32, PreloadError> {
@@ -349,7 +350,7 @@ fn hand_over(
     for (i, l) in lent.iter().enumerate() {
         job.take(l).map_err(PreloadError::Job)?;
         if i == 0 {
-            crate::fault::kill_criu_at("restore-handing-over");
+            gpusnap_host::fault::kill_criu_at("restore-handing-over");
         }
     }
     let (allocations, bytes, micros) = job.take_end().map_err(PreloadError::Job)?;
@@ -381,7 +382,7 @@ mod tests {
 
     fn manifest() -> Manifest {
         Manifest {
-            nspid: 7,
+            nspid: gpusnap_host::pid::NsPid(7),
             path: CheckpointPath::Split,
             gpus: vec![GpuRecord {
                 ordinal: 0,

@@ -17,7 +17,7 @@
 
 use crate::ProcessState;
 use crate::datapath::DumpData;
-use crate::pid::NsPid;
+use gpusnap_host::pid::{HostPid, HostTid, NsPid, NsTid};
 use gpusnap_image::Manifest;
 
 /// Device data that lives only in gpusnap's image files while the process's memory is released:
@@ -212,10 +212,10 @@ pub enum Route {
 }
 
 /// What the agent said while the process still ran.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct SplitPlan {
     /// The agent's control thread, as the process itself numbers it.
-    pub agent_ns_tid: i32,
+    pub agent_ns_tid: NsTid,
     pub allocations_at_pause: u32,
     pub converted_bytes_at_pause: u64,
     /// The staging ring, made while the process still ran (populating it is not free), for
@@ -236,10 +236,10 @@ pub struct SplitPlan {
 #[derive(Debug)]
 pub struct Tracked {
     /// Host pid (what hooks get).
-    pub pid: i32,
+    pub pid: HostPid,
     /// Pid inside the process's own pid namespace (what image names use).
     pub nspid: NsPid,
-    pub restore_tid: i32,
+    pub restore_tid: HostTid,
     /// Driver state found at PAUSE; a rollback returns the process to it.
     pub initial: ProcessState,
     pub phase: Phase,
@@ -249,13 +249,13 @@ pub struct Tracked {
     /// Its application threads, held should CRIU die while its memory is released (placed
     /// before the release, released by the tracer once the driver lock holds the process or
     /// the memory is back).
-    pub hold: Option<crate::hold::Hold>,
+    pub hold: Option<gpusnap_host::hold::Hold>,
     /// Phase name and seconds, in order.
     pub timings: Vec<(&'static str, f64)>,
     /// Its CUDA IPC shares through the agent, as listed at PAUSE (`crate::sharing`).
-    pub shares: Vec<crate::agent::Listed>,
-    /// This dump's claim on the process ([`crate::joblock`]), held until the dump ends.
-    pub job_lock: Option<crate::joblock::JobLock>,
+    pub shares: Vec<gpusnap_proto::Share>,
+    /// This dump's claim on the process ([`gpusnap_host::joblock`]), held until the dump ends.
+    pub job_lock: Option<gpusnap_host::joblock::JobLock>,
 }
 
 impl Tracked {

@@ -8,25 +8,25 @@
 use crate::agent::{self, AgentError, AgentSession};
 use crate::context::{self, Ctx, ImageDir};
 use crate::dump::{self, DumpError, Target};
-use crate::hold;
-use crate::pid::{HostPid, NsPid};
 use crate::process::{MovedData, Phase};
-use crate::procfs;
-use crate::ptrace::{self, PtraceError, SeizedProcess};
 use crate::{DriverError, ProcessState};
+use gpusnap_host::hold;
+use gpusnap_host::pid::{HostPid, NsPid, NsTid};
+use gpusnap_host::procfs;
+use gpusnap_host::ptrace::{self, PtraceError, SeizedProcess};
 use gpusnap_image::ImageError;
 use std::path::{Path, PathBuf};
 
 #[derive(Debug, thiserror::Error)]
 pub enum RecoverError {
     #[error(transparent)]
-    JobBusy(#[from] crate::joblock::JobLockError),
+    JobBusy(#[from] gpusnap_host::joblock::JobLockError),
     #[error(transparent)]
     Driver(#[from] DriverError),
     #[error("configuration: {0}")]
     Config(#[from] gpusnap_config::ConfigError),
     #[error("cannot seize pid {pid} ({err}); is another tracer (CRIU?) still attached?")]
-    Seize { pid: i32, err: std::io::Error },
+    Seize { pid: HostPid, err: std::io::Error },
     #[error(transparent)]
     Ptrace(#[from] PtraceError),
     #[error(transparent)]
@@ -47,7 +47,7 @@ pub enum RecoverError {
         "pid {pid} maps {unmapped} CUDA IPC shares of other processes' memory that the dump unmapped, and they could not be mapped again ({why}): it is held locked by the driver (its CUDA calls wait). Recover the exporting process first and run recover again, or restore the process tree from its image (criu restore), or kill it"
     )]
     ImportsUnmapped {
-        pid: i32,
+        pid: HostPid,
         unmapped: usize,
         why: String,
     },
@@ -55,7 +55,7 @@ pub enum RecoverError {
         "pid {pid} maps {unmapped} CUDA IPC shares of other processes' memory that the dump unmapped, and they could not be mapped again ({why}); the driver lock failed too ({lock}), so it is left stopped (SIGSTOP): do not continue it. Recover the exporting process first and run recover again, or restore the process tree from its image (criu restore), or kill it"
     )]
     ImportsUnmappedStopped {
-        pid: i32,
+        pid: HostPid,
         unmapped: usize,
         why: String,
         lock: String,
@@ -64,20 +64,20 @@ pub enum RecoverError {
         "pid {pid} is stopped with its GPU memory released (its agent says so), and the record of gpusnap's hold in {} is lost, so its threads cannot be told apart: it is left stopped. Do not continue it (it would run without its GPU memory). The interrupted dump left no usable image: restore an earlier complete checkpoint of the job if there is one (criu restore), or kill it",
         hold::RECORD_DIR
     )]
-    StoppedReleased { pid: i32 },
+    StoppedReleased { pid: HostPid },
     #[error(
         "pid {pid} runs with its GPU memory released and unlocked: it ran on after its memory went away, so an image of before would be reloaded under a job that moved on; its results since are not to be trusted: restore it from its image (criu restore), or kill it"
     )]
-    MovedOn { pid: i32 },
+    MovedOn { pid: HostPid },
     #[error("ending the group stop of pid {pid} (SIGCONT) failed: {err}")]
-    Continue { pid: i32, err: std::io::Error },
+    Continue { pid: HostPid, err: std::io::Error },
 }
 
 /// A stopped process without a hold record: asks its agent (the one thread found by name)
 /// whether its memory is released. Released: every thread is stopped again (it stays as it was
 /// found) and the answer is [`RecoverError::StoppedReleased`]. In place (or no agent, so
 /// gpusnap never released it): the group stop ends and the process is let go, `Ok`.
-fn stopped_without_record(pid: i32) -> Result<(), RecoverError> {
+fn stopped_without_record(pid: HostPid) -> Result<(), RecoverError> {
     let cfg = gpusnap_config::load()?;
     let s = SeizedProcess::seize(pid).map_err(|err| RecoverError::Seize { pid, err })?;
     s.end_group_stop()
@@ -107,10 +107,10 @@ fn stopped_without_record(pid: i32) -> Result<(), RecoverError> {
 }
 
 /// Returns what was done, or what went wrong and what to do about it.
-pub fn recover(pid: i32, images: Option<&Path>) -> Result<String, RecoverError> {
-    // Never beside a dump or pre-copy of the same job (crate::joblock): a live dump's
+pub fn recover(pid: HostPid, images: Option<&Path>) -> Result<String, RecoverError> {
+    // Never beside a dump or pre-copy of the same job (gpusnap_host::joblock): a live dump's
     // rollback and this recovery would undo the same phases twice.
-    let _job_lock = crate::joblock::JobLock::take(crate::pid::HostPid(pid))?;
+    let _job_lock = gpusnap_host::joblock::JobLock::take(pid)?;
     let api = crate::driver::api()?;
     api.init()?;
     // A hold of a dump whose CRIU died leaves the process in a group stop, where the driver
@@ -188,11 +188,11 @@ pub fn recover(pid: i32, images: Option<&Path>) -> Result<String, RecoverError> 
         driver_version: api.driver_version().unwrap_or(0),
         gpus: Vec::new(),
     };
-    let nspid = || procfs::ns_pid(HostPid(pid)).map_err(|err| AgentError::Proc { pid, err });
+    let nspid = || procfs::ns_pid(pid).map_err(|err| AgentError::Proc { pid, err });
     let moved = if released && kept {
         Some(MovedData {
             manifest: Box::new(dump::manifest_of(
-                nspid()?.get(),
+                nspid()?,
                 gpusnap_image::CheckpointPath::Split,
                 (0, &[]),
                 Vec::new(),
@@ -203,15 +203,13 @@ pub fn recover(pid: i32, images: Option<&Path>) -> Result<String, RecoverError> 
             // reloaded once the lent memory is mapped back.
             lent: Some(Box::new(crate::handover::Lent::found_kept(
                 images
-                    .and_then(|_| {
-                        gpusnap_image::read_manifest(ctx.image_dir(), nspid().ok()?.get()).ok()
-                    })
+                    .and_then(|_| gpusnap_image::read_manifest(ctx.image_dir(), nspid().ok()?).ok())
                     .filter(|m| m.allocations.iter().any(|a| a.moved)),
             ))),
         })
     } else if released {
         let nspid = nspid()?;
-        let manifest = gpusnap_image::read_manifest(ctx.image_dir(), nspid.get())
+        let manifest = gpusnap_image::read_manifest(ctx.image_dir(), nspid)
             .map_err(|err| RecoverError::Manifest { nspid, err })?;
         Some(MovedData {
             manifest: Box::new(manifest),
@@ -227,7 +225,12 @@ pub fn recover(pid: i32, images: Option<&Path>) -> Result<String, RecoverError> 
         restore_tid,
         // Whatever it was before the dump, it ran: it runs again.
         initial: ProcessState::Running,
-        agent_tid: &|| agent_tid.ok_or(AgentError::NoThread { pid, ns_tid: -1 }),
+        agent_tid: &|| {
+            agent_tid.ok_or(AgentError::NoThread {
+                pid,
+                ns_tid: NsTid(-1),
+            })
+        },
         before_running: &|| Ok(()),
     };
     let mut hold = None;
@@ -236,7 +239,7 @@ pub fn recover(pid: i32, images: Option<&Path>) -> Result<String, RecoverError> 
     // name its memory as it is now (new, if it was brought back).
     let me = crate::sharing::Process {
         pid,
-        nspid: nspid()?.get(),
+        nspid: nspid()?,
     };
     crate::sharing::repoint(me, ctx.agent_timeout(), None).map_err(DumpError::from)?;
     // Its own memory is back; shares of other processes' memory that the dump unmapped are
@@ -246,15 +249,19 @@ pub fn recover(pid: i32, images: Option<&Path>) -> Result<String, RecoverError> 
         crate::sharing::unmapped_imports(pid, ctx.agent_timeout()).map_err(DumpError::from)?;
     let mut done = done;
     if unmapped > 0 {
-        let fetch = crate::sharing::from_running(me.nspid as i32 == pid, ctx.agent_timeout());
+        // Its namespace pid is its host pid: its pid namespace is ours.
+        let same_ns = me.nspid.get() as i32 == pid.get();
+        let fetch = crate::sharing::from_running(same_ns, ctx.agent_timeout());
         match crate::sharing::reimport(me, &fetch, ctx.agent_timeout(), None) {
             Ok(_) => done.push("CUDA IPC shares mapped again"),
             Err(e) => {
                 // Held by the lock, its CUDA calls wait; without it, it stays stopped when we
                 // let go, never running on the unmapped imports.
                 if let Err(lock) = api.lock(pid, ctx.lock_timeout_ms) {
-                    crate::hold::stop_again(pid)
-                        .map_err(PtraceError::on(pid, "stopping the process again (SIGSTOP)"))?;
+                    gpusnap_host::hold::stop_again(pid).map_err(PtraceError::on(
+                        pid.into(),
+                        "stopping the process again (SIGSTOP)",
+                    ))?;
                     return Err(RecoverError::ImportsUnmappedStopped {
                         pid,
                         unmapped,
@@ -290,7 +297,10 @@ mod tests {
     /// must not send the user to it (it once said "restore it from its image").
     #[test]
     fn a_lost_hold_record_does_not_point_at_the_interrupted_dumps_image() {
-        let text = RecoverError::StoppedReleased { pid: 7 }.to_string();
+        let text = RecoverError::StoppedReleased {
+            pid: gpusnap_host::pid::HostPid(7),
+        }
+        .to_string();
         assert!(!text.contains("restore it from its image"), "{text}");
         assert!(text.contains("no usable image"), "{text}");
         assert!(text.contains("Do not continue it"), "{text}");

@@ -7,14 +7,14 @@ use crate::agent::{self, AgentError};
 use crate::context::{Ctx, CtxError};
 use crate::datapath::{self, DataError};
 use crate::gpumap;
-use crate::pid::{HostPid, NsPid};
 use crate::preload::Preload;
-use crate::procfs;
-use crate::ptrace::{self, PtraceError, RunningThread};
 use crate::staging::RingMaker;
 use crate::stall::{self, DriverCall, StallError, Watched};
 use crate::{DriverError, GpuUuid, ParseGpuUuidError};
 use gpusnap_config::{Config, Mode, Verify};
+use gpusnap_host::pid::{HostPid, NsPid};
+use gpusnap_host::procfs;
+use gpusnap_host::ptrace::{self, PtraceError, RunningThread};
 use gpusnap_image::{CheckpointPath, ImageError, Manifest};
 use std::collections::HashMap;
 use std::os::fd::BorrowedFd;
@@ -35,10 +35,10 @@ pub enum RestoreError {
     #[error("the other threads of the process: {0}")]
     Stall(#[from] StallError),
     #[error("no gpusnap-agent thread in /proc/{pid}/task")]
-    NoAgentThread { pid: i32 },
+    NoAgentThread { pid: HostPid },
     #[error("{}{err}", nspid.map(|n| format!("nspid {n}: ")).unwrap_or_default())]
     GpuPlan {
-        nspid: Option<u32>,
+        nspid: Option<NsPid>,
         err: gpumap::PlanError,
     },
     #[error("cannot restore onto the planned GPUs: {0}")]
@@ -50,7 +50,7 @@ pub enum RestoreError {
     #[error(transparent)]
     Ctx(#[from] CtxError),
     #[error("the worker thread of pid {pid} panicked")]
-    WorkerPanicked { pid: i32 },
+    WorkerPanicked { pid: HostPid },
     #[error("the checksum pass panicked")]
     VerifyPanicked,
     #[error("the image failed its checksum pass; no GPU was touched")]
@@ -60,8 +60,8 @@ pub enum RestoreError {
          The manifest was changed after the dump or belongs to another dump; refused before anything was restored"
     )]
     ImageAgentMismatch {
-        pid: i32,
-        nspid: u32,
+        pid: HostPid,
+        nspid: NsPid,
         image: &'static str,
         agent: &'static str,
     },
@@ -120,7 +120,7 @@ pub enum RestorePhase {
 /// One restored process's timings, for the log and `gpusnap-stats.json`.
 #[derive(Debug)]
 pub struct RestoredProcess {
-    pub nspid: u32,
+    pub nspid: NsPid,
     pub path: CheckpointPath,
     pub gpu_pairs: Vec<gpumap::Pair>,
     pub control_s: f64,
@@ -156,7 +156,7 @@ impl RestoredProcess {
         }
         timings["total"] = serde_json::json!(self.total_s);
         let mut v = serde_json::json!({
-            "nspid": self.nspid,
+            "nspid": self.nspid.get(),
             "path": if self.path == CheckpointPath::Split { "split" } else { "transparent" },
             "gpu_pairs": self.gpu_pairs.iter().map(|p| format!("{}={}", p.old, p.new)).collect::<Vec<_>>(),
             "timings_s": timings,
@@ -179,12 +179,12 @@ impl RestoredProcess {
 }
 
 /// The outcome per host pid.
-pub type Restored = Vec<(i32, Result<RestoredProcess, RestoreError>)>;
+pub type Restored = Vec<(HostPid, Result<RestoredProcess, RestoreError>)>;
 
 /// Reads and checks every gpusnap manifest of the image dir: structure, sizes, headers, names;
 /// gpusnap files of a process without a manifest (a dump that did not finish) refuse them all.
 /// Runs in `init`, so a truncated or foreign image fails the restore before anything is created.
-pub fn read_manifests(dir: BorrowedFd<'_>) -> Result<HashMap<u32, Manifest>, ImageError> {
+pub fn read_manifests(dir: BorrowedFd<'_>) -> Result<HashMap<NsPid, Manifest>, ImageError> {
     // AMD (kfd-path) processes are restored by the ROCm backend.
     Ok(gpusnap_image::read_manifests(dir)?
         .into_iter()
@@ -213,7 +213,7 @@ impl Verification {
         let handle = std::thread::Builder::new()
             .name("gpusnap-verify".into())
             .spawn(move || {
-                crate::signals::block_all();
+                gpusnap_host::signals::block_all();
                 let t0 = Instant::now();
                 let mut bytes = 0;
                 for m in manifests.iter().filter(|m| !m.chunks.is_empty()) {
@@ -264,7 +264,7 @@ enum Checksums {
 pub struct RestoreRun {
     cfg: Config,
     dir: BorrowedFd<'static>,
-    manifests: HashMap<u32, Manifest>,
+    manifests: HashMap<NsPid, Manifest>,
     checksums: Checksums,
     /// `cuInit` started in POST_FORKING (4.2+) so that it overlaps the rest of CRIU's restore;
     /// joined before the first driver call needs it, or in `exit`.
@@ -272,10 +272,10 @@ pub struct RestoreRun {
     ctx: Option<Ctx>,
     /// Processes whose data the keeper loads beside CRIU's restore, by nspid
     /// ([`crate::preload`]); taken by the first RESUME_DEVICES_LATE.
-    preloads: HashMap<u32, Preload>,
+    preloads: HashMap<NsPid, Preload>,
     /// The GPU plan `init` made from the kernel driver's listing, by nspid (what the keepers
     /// load onto; checked against the final plan before any hand-over).
-    early_plan: HashMap<u32, Vec<gpumap::Pair>>,
+    early_plan: HashMap<NsPid, Vec<gpumap::Pair>>,
     /// Filled by the first RESUME_DEVICES_LATE, which restores every process.
     restored: Option<Restored>,
 }
@@ -293,7 +293,9 @@ impl RestoreRun {
     /// `init(RESTORE)`: checks every manifest and the GPUs, before CRIU restores any process.
     pub fn init(cfg: Config, dir: Option<BorrowedFd<'static>>) -> RestoreInit {
         // `None`: CRIU 4.0 keeps no plugin list; go by our manifests alone.
-        if crate::criu::check_and_remove_inventory_plugin(crate::criu::PLUGIN_NAME) == Some(false) {
+        if gpusnap_host::criu::check_and_remove_inventory_plugin(gpusnap_host::criu::PLUGIN_NAME)
+            == Some(false)
+        {
             log::debug!("the image holds no GPU state; nothing to do");
             return RestoreInit::NothingToDo("no GPU state in this image".into());
         }
@@ -379,7 +381,9 @@ impl RestoreRun {
         // No thread may live while CRIU forks the process tree: on CRIU 4.2+ the checksum pass
         // starts in POST_FORKING (after the forks) and overlaps the rest of CRIU's restore; on
         // older CRIU it runs here.
-        if matches!(run.checksums, Checksums::AfterFork(_)) && !crate::criu::has_post_forking() {
+        if matches!(run.checksums, Checksums::AfterFork(_))
+            && !gpusnap_host::criu::has_post_forking()
+        {
             match run.verify_now() {
                 Ok(secs) => run.checksums = Checksums::Passed(secs),
                 Err(e) => {
@@ -417,7 +421,7 @@ impl RestoreRun {
     /// `init`: a keeper for each process whose image can be handed over (only processes are
     /// started here: no thread may live while CRIU forks).
     fn start_keepers(&mut self) {
-        let mut nspids: Vec<u32> = self.manifests.keys().copied().collect();
+        let mut nspids: Vec<NsPid> = self.manifests.keys().copied().collect();
         nspids.sort_unstable();
         for nspid in nspids {
             let m = &self.manifests[&nspid];
@@ -514,7 +518,7 @@ impl RestoreRun {
             self.driver_warmup = std::thread::Builder::new()
                 .name("gpusnap-cuinit".into())
                 .spawn(|| {
-                    crate::signals::block_all();
+                    gpusnap_host::signals::block_all();
                     if let Ok(api) = crate::driver::api()
                         && let Err(e) = api.init()
                     {
@@ -554,7 +558,7 @@ impl RestoreRun {
 
     /// RESUME_DEVICES_LATE: the first call restores every GPU process of the image, in
     /// parallel; every call answers for its pid. `None`: not one of ours.
-    pub fn resume_devices_late(&mut self, pid: i32) -> Option<bool> {
+    pub fn resume_devices_late(&mut self, pid: HostPid) -> Option<bool> {
         if self.restored.is_none() {
             self.restored = Some(self.restore_all(pid));
             // Now, while CRIU's image directory is open (CRIU closes it before `exit`).
@@ -567,7 +571,7 @@ impl RestoreRun {
             .map(|(_, r)| r.is_ok())
     }
 
-    fn restore_all(&mut self, any_pid: i32) -> Restored {
+    fn restore_all(&mut self, any_pid: HostPid) -> Restored {
         // CRIU without POST_FORKING: the keepers' loads begin now, beside the control restores.
         self.start_loads();
         // Still before any GPU is touched.
@@ -576,15 +580,15 @@ impl RestoreRun {
                 "restore refused: {e}; no GPU was touched. The restored processes are killed rather than left without their GPU state"
             );
             self.drop_preloads();
-            let nspids: Vec<NsPid> = self.manifests.keys().map(|&n| NsPid(n)).collect();
-            let found = find_restored(HostPid(any_pid), &nspids);
+            let nspids: Vec<NsPid> = self.manifests.keys().copied().collect();
+            let found = find_restored(any_pid, &nspids);
             for (nspid, host) in &found {
                 kill(*host, *nspid);
             }
             // Answer -1 for every restored process of ours (and the pid asked about).
             let mut out: Restored = found
                 .into_values()
-                .map(|p| (p.get(), Err(RestoreError::DamagedImage)))
+                .map(|p| (p, Err(RestoreError::DamagedImage)))
                 .collect();
             if !out.iter().any(|(p, _)| *p == any_pid) {
                 out.push((any_pid, Err(e)));
@@ -596,12 +600,12 @@ impl RestoreRun {
             self.drop_preloads();
             return vec![(any_pid, Err(e.into()))];
         }
-        let nspids: Vec<NsPid> = self.manifests.keys().map(|&n| NsPid(n)).collect();
-        let found = find_restored(HostPid(any_pid), &nspids);
+        let nspids: Vec<NsPid> = self.manifests.keys().copied().collect();
+        let found = find_restored(any_pid, &nspids);
         let mut items = Vec::new();
         for (nspid, m) in &self.manifests {
-            match found.get(&NsPid(*nspid)) {
-                Some(host) => items.push((host.get(), m.clone())),
+            match found.get(nspid) {
+                Some(&host) => items.push((host, m.clone())),
                 None => log::error!(
                     "no restored process has nspid {nspid}; its GPU state is not restored"
                 ),
@@ -631,8 +635,7 @@ impl RestoreRun {
                 log::error!(
                     "pid {p}: GPU restore failed: {e}. The process is killed rather than left running without its GPU state; the image is unchanged: fix the cause and restore again.{hint}"
                 );
-                let host = HostPid(*p);
-                kill(host, procfs::ns_pid(host).unwrap_or(NsPid(0)));
+                kill(*p, procfs::ns_pid(*p).unwrap_or(NsPid(0)));
             }
         }
         restored
@@ -699,9 +702,9 @@ fn every_chunk_device_hashed(m: &Manifest) -> bool {
 }
 
 /// Kills a restored process whose GPU state cannot be brought back (CRIU holds it stopped),
-/// and reaps its threads ([`crate::reap`] says why: a container's PID 1 would hang CRIU).
+/// and reaps its threads ([`gpusnap_host::reap`] says why: a container's PID 1 would hang CRIU).
 fn kill(pid: HostPid, nspid: NsPid) {
-    if let Err(e) = crate::reap::kill_and_reap(pid.get()) {
+    if let Err(e) = gpusnap_host::reap::kill_and_reap(pid) {
         log::error!("pid {pid} (nspid {nspid}): {e}; it must not run: kill it by hand");
     }
 }
@@ -744,9 +747,9 @@ fn numbered(v: &[NodeMismatch]) -> String {
 /// library) and the GPUs ([`early_gpu_check`]: models, UUIDs, `device_map`). On success, the
 /// early GPU plan.
 pub fn node_check(
-    manifests: &HashMap<u32, Manifest>,
+    manifests: &HashMap<NsPid, Manifest>,
     cfg: &Config,
-) -> Result<HashMap<u32, Vec<gpumap::Pair>>, NodeRefusal> {
+) -> Result<HashMap<NsPid, Vec<gpumap::Pair>>, NodeRefusal> {
     let mut ms: Vec<&Manifest> = manifests.values().collect();
     ms.sort_by_key(|m| m.nspid);
     let node_kernel = crate::driver::stack::kernel_driver_version();
@@ -778,18 +781,18 @@ pub fn node_check(
 /// On a host without MIG instances such a target is refused here, naming the host's GPUs.
 /// Every process's problem is returned (one per process; one per unlisted target).
 pub fn early_gpu_check(
-    manifests: &HashMap<u32, Manifest>,
+    manifests: &HashMap<NsPid, Manifest>,
     device_map: &[(String, String)],
-) -> Result<HashMap<u32, Vec<gpumap::Pair>>, Vec<RestoreError>> {
+) -> Result<HashMap<NsPid, Vec<gpumap::Pair>>, Vec<RestoreError>> {
     early_gpu_check_in(&crate::host_gpus::proc_dir(), manifests, device_map)
 }
 
 /// [`early_gpu_check`] against the listing in `dir`.
 fn early_gpu_check_in(
     dir: &std::path::Path,
-    manifests: &HashMap<u32, Manifest>,
+    manifests: &HashMap<NsPid, Manifest>,
     device_map: &[(String, String)],
-) -> Result<HashMap<u32, Vec<gpumap::Pair>>, Vec<RestoreError>> {
+) -> Result<HashMap<NsPid, Vec<gpumap::Pair>>, Vec<RestoreError>> {
     let none = HashMap::new();
     if manifests
         .values()
@@ -943,7 +946,7 @@ fn uuid_pairs(pairs: &[gpumap::Pair]) -> Result<Vec<(GpuUuid, GpuUuid)>, ParseGp
 /// Host pids of the restored processes our manifests describe. All restored tasks live in the
 /// pid namespace of `any_pid` (a pid CRIU handed us) and are stopped at this point.
 pub fn find_restored(any_pid: HostPid, nspids: &[NsPid]) -> HashMap<NsPid, HostPid> {
-    let want_ns = procfs::namespace(any_pid.get(), "pid").ok();
+    let want_ns = procfs::namespace(any_pid, "pid").ok();
     let mut out = HashMap::new();
     let Ok(pids) = procfs::processes() else {
         return out;
@@ -952,7 +955,6 @@ pub fn find_restored(any_pid: HostPid, nspids: &[NsPid]) -> HashMap<NsPid, HostP
         if procfs::namespace(pid, "pid").ok() != want_ns {
             continue;
         }
-        let pid = HostPid(pid);
         if let Ok(nspid) = procfs::ns_pid(pid)
             && nspids.contains(&nspid)
         {
@@ -965,7 +967,7 @@ pub fn find_restored(any_pid: HostPid, nspids: &[NsPid]) -> HashMap<NsPid, HostP
 /// One restored GPU process: its host pid, its manifest, and its hand-over if the keeper
 /// loads its data.
 pub struct RestoreItem {
-    pub pid: i32,
+    pub pid: HostPid,
     pub manifest: Manifest,
     pub preload: Option<Preload>,
 }
@@ -1017,7 +1019,7 @@ pub fn resume_all(ctx: &Ctx, items: &mut [RestoreItem], checks: datapath::ReadCh
             .map(|(((pid, m, pairs, _, _), call), preload)| {
                 let (pid, m) = (*pid, *m);
                 s.spawn(move || {
-                    crate::signals::block_all();
+                    gpusnap_host::signals::block_all();
                     resume_one(ctx, pid, m, pairs, call, checks, preload)
                 })
             })
@@ -1097,7 +1099,7 @@ fn has_data(m: &Manifest) -> bool {
 }
 
 /// Resumes the driver's restore thread (and the agent's).
-fn prepare(ctx: &Ctx, pid: i32, m: &Manifest) -> Result<Vec<RunningThread>, RestoreError> {
+fn prepare(ctx: &Ctx, pid: HostPid, m: &Manifest) -> Result<Vec<RunningThread>, RestoreError> {
     let restore_tid = ctx
         .api
         .restore_thread_id(pid)
@@ -1107,7 +1109,7 @@ fn prepare(ctx: &Ctx, pid: i32, m: &Manifest) -> Result<Vec<RunningThread>, Rest
         })?;
     // From here until the restore is complete, a CRIU that dies takes the process with it
     // (its image is intact): it must never run half-restored.
-    crate::hold::kill_if_criu_dies(pid, &[])?;
+    gpusnap_host::hold::kill_if_criu_dies(pid, &[])?;
     let mut threads = vec![ptrace::resume(restore_tid, "driver restore thread")?];
     // The agent runs whenever the process has one: it loads the data, and before anything is
     // restored it says whether the memory is released (`image_matches_agent`).
@@ -1124,7 +1126,7 @@ fn prepare(ctx: &Ctx, pid: i32, m: &Manifest) -> Result<Vec<RunningThread>, Rest
 /// no data would let a process whose dump released its memory run without it. The agent, part
 /// of the restored process, knows whether its memory was released. Returns the agent's
 /// sharing hazard bits (`hazard::SHARING`, from the same `Hello`).
-fn image_matches_agent(ctx: &Ctx, pid: i32, m: &Manifest) -> Result<u32, RestoreError> {
+fn image_matches_agent(ctx: &Ctx, pid: HostPid, m: &Manifest) -> Result<u32, RestoreError> {
     // An image without data may come from a dump whose agent hung (it fell back to the driver
     // path), and such an agent may hang still: ask briefly.
     let wait = if has_data(m) {
@@ -1172,7 +1174,7 @@ fn image_matches_agent(ctx: &Ctx, pid: i32, m: &Manifest) -> Result<u32, Restore
 /// watches ([`stall::watch`]); any thread it let run is stopped again before the unlock.
 fn resume_one(
     ctx: &Ctx,
-    pid: i32,
+    pid: HostPid,
     m: &Manifest,
     pairs: &[gpumap::Pair],
     call: &DriverCall,
@@ -1214,14 +1216,14 @@ fn resume_one(
                 restored.map_err(driver(DriverStep::Restore))?;
                 refrozen?;
                 out.control_s = t0.elapsed().as_secs_f64();
-                crate::fault::kill_criu_at("restore-control");
+                gpusnap_host::fault::kill_criu_at("restore-control");
                 RestorePhase::ControlRestored
             }
             RestorePhase::ControlRestored => {
                 let t1 = Instant::now();
                 ctx.api.unlock(pid).map_err(driver(DriverStep::Unlock))?;
                 out.unlock_s = t1.elapsed().as_secs_f64();
-                crate::fault::kill_criu_at("restore-unlocked");
+                gpusnap_host::fault::kill_criu_at("restore-unlocked");
                 RestorePhase::Unlocked
             }
             RestorePhase::Unlocked => {
@@ -1337,7 +1339,7 @@ mod tests {
 
     fn manifest(gpus: Vec<GpuRecord>) -> Manifest {
         Manifest {
-            nspid: 7,
+            nspid: NsPid(7),
             gpus,
             ..crate::test_manifest()
         }
@@ -1381,14 +1383,16 @@ mod tests {
             "Model: NVIDIA A100\nGPU UUID: GPU-00000000-0000-0000-0000-0000000000bb\n",
         )
         .unwrap();
-        let one = |name: &str| HashMap::from([(7, manifest(vec![gpu(&"a".repeat(32), name)]))]);
+        let one =
+            |name: &str| HashMap::from([(NsPid(7), manifest(vec![gpu(&"a".repeat(32), name)]))]);
         let e = early_gpu_check_in(&dir, &one("NVIDIA H200"), &[]).unwrap_err()[0].to_string();
         assert!(e.contains("is not on this host"), "{e}");
         assert!(early_gpu_check_in(&dir, &one("NVIDIA H100 80GB HBM3 MIG 1g.10gb"), &[]).is_ok());
         let map = [("a".repeat(32), "0".repeat(30) + "bb")];
         let e = early_gpu_check_in(&dir, &one("NVIDIA H200"), &map).unwrap_err()[0].to_string();
         assert!(e.contains("the GPU model must be the same"), "{e}");
-        let same = |name: &str| HashMap::from([(7, manifest(vec![gpu(&"a".repeat(32), name)]))]);
+        let same =
+            |name: &str| HashMap::from([(NsPid(7), manifest(vec![gpu(&"a".repeat(32), name)]))]);
         assert!(early_gpu_check_in(&dir, &same("NVIDIA A100"), &map).is_ok());
         let unlisted = [("a".repeat(32), "c".repeat(32))];
         // No MIG instance on this host: the unlisted target is no GPU of it, refused now, named

@@ -23,9 +23,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use crate::agent::{self, AgentError, AgentSession, Listed};
-use crate::pid::NsPid;
-use crate::ptrace::{self, PtraceError};
+use crate::agent::{self, AgentError, AgentSession};
+use gpusnap_host::pid::{HostPid, NsPid};
+use gpusnap_host::ptrace::{self, PtraceError};
 use gpusnap_proto::{ForeignFd, Share, ShareKind};
 
 #[derive(Debug, thiserror::Error)]
@@ -33,59 +33,59 @@ pub enum SharingError {
     #[error(
         "pid {importer} maps device memory of pid {exporter} (CUDA IPC), and pid {exporter} is not in this dump: dump a process tree that holds both"
     )]
-    ExporterOutside { importer: u32, exporter: u32 },
+    ExporterOutside { importer: NsPid, exporter: NsPid },
     #[error(
         "device memory of pid {exporter} is mapped by pid {importer} (CUDA IPC), and pid {importer} is not in this dump: dump a process tree that holds both"
     )]
-    ImporterOutside { exporter: u32, importer: u32 },
+    ImporterOutside { exporter: NsPid, importer: NsPid },
     #[error(
         "pid {pid} shares device memory through the agent's CUDA IPC but is not dumped on the split path (gpusnap carries such shares only there)"
     )]
-    NotSplit { pid: u32 },
+    NotSplit { pid: NsPid },
     #[error("pid {importer}: its exporter pid {exporter} is not among the restored processes")]
-    NoExporter { importer: u32, exporter: u32 },
+    NoExporter { importer: NsPid, exporter: NsPid },
     #[error(
         "pid {importer} maps device memory that pid {exporter} exported, but pid {exporter} is another process now (the exporter exited and its pid was used again): not carried"
     )]
-    ExporterReplaced { importer: u32, exporter: u32 },
+    ExporterReplaced { importer: NsPid, exporter: NsPid },
     #[error("pid {importer}: exporter pid {exporter} no longer exports allocation #{id}")]
     NoSuchExport {
-        importer: u32,
-        exporter: u32,
+        importer: NsPid,
+        exporter: NsPid,
         id: u64,
     },
     #[error("pid {pid}: {left} CUDA IPC imports are still not mapped")]
-    Incomplete { pid: u32, left: usize },
+    Incomplete { pid: NsPid, left: usize },
     #[error("pid {pid}: no agent thread found")]
-    NoAgentThread { pid: i32 },
+    NoAgentThread { pid: HostPid },
     #[error(
         "pid {importer} imported device memory (cuMemImportFromShareableHandle) that pid {exporter} exported, and pid {exporter} is not in this dump: dump a process tree that holds both"
     )]
-    ShareableExporterOutside { importer: u32, exporter: i32 },
+    ShareableExporterOutside { importer: NsPid, exporter: HostPid },
     #[error(
         "pid {importer} imported device memory (cuMemImportFromShareableHandle) that no process of this dump exported through the agent (its exporter has let go of it, or runs without the agent): not carried"
     )]
-    ShareableNoExporter { importer: u32 },
+    ShareableNoExporter { importer: NsPid },
     #[error(
         "pid {exporter} exported device memory (cuMemExportToShareableHandle) that no process of this dump imported: an importer outside the dump cannot be seen, so it is not carried (dump the process tree that holds its importers; an export nobody imports any more is refused until the handle is released)"
     )]
-    ShareableNoImporter { exporter: u32 },
+    ShareableNoImporter { exporter: NsPid },
     #[error(
         "pid {exporter} exported device memory (cuMemExportToShareableHandle) that the agent does not move (a handle not mapped once, whole, or no longer mapped): not carried"
     )]
-    ShareableNotMoved { exporter: u32 },
+    ShareableNotMoved { exporter: NsPid },
     #[error(
         "pid {pid} holds fd {fd}, a descriptor of device memory pid {exporter} exported (cuMemExportToShareableHandle): gpusnap makes only the exporter's own descriptors name the memory again after a restore, so this one is not carried (close it once imported)"
     )]
     ExportFdHeld {
-        pid: i32,
+        pid: HostPid,
         fd: ForeignFd,
-        exporter: u32,
+        exporter: NsPid,
     },
     #[error("comparing descriptors of pid {pid1} and pid {pid2} (kcmp): {source}")]
     Kcmp {
-        pid1: i32,
-        pid2: i32,
+        pid1: HostPid,
+        pid2: HostPid,
         #[source]
         source: std::io::Error,
     },
@@ -94,8 +94,8 @@ pub enum SharingError {
         owners(*importer, importer_uids, *exporter, exporter_uids)
     )]
     ForeignShare {
-        importer: u32,
-        exporter: u32,
+        importer: NsPid,
+        exporter: NsPid,
         id: u64,
         /// (real, effective) uid, `None` when unreadable.
         importer_uids: Option<(u32, u32)>,
@@ -108,8 +108,13 @@ pub enum SharingError {
 }
 
 /// How [`SharingError::ForeignShare`] names the two owners.
-fn owners(importer: u32, i: &Option<(u32, u32)>, exporter: u32, e: &Option<(u32, u32)>) -> String {
-    let one = |pid: u32, u: &Option<(u32, u32)>| match u {
+fn owners(
+    importer: NsPid,
+    i: &Option<(u32, u32)>,
+    exporter: NsPid,
+    e: &Option<(u32, u32)>,
+) -> String {
+    let one = |pid: NsPid, u: &Option<(u32, u32)>| match u {
         Some((r, e)) if r == e => format!("pid {pid} runs as uid {r}"),
         Some((r, e)) => format!("pid {pid} runs as uid {r} (effective {e})"),
         None => format!("the owner of pid {pid} cannot be read"),
@@ -119,7 +124,7 @@ fn owners(importer: u32, i: &Option<(u32, u32)>, exporter: u32, e: &Option<(u32,
 
 /// The real and effective uid of host pid `pid` (`/proc/<pid>/status`), `None` when unreadable
 /// (gone, or another pid namespace's number).
-pub fn owner(pid: i32) -> Option<(u32, u32)> {
+pub fn owner(pid: HostPid) -> Option<(u32, u32)> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     let uids = status.lines().find_map(|l| l.strip_prefix("Uid:"))?;
     let mut it = uids.split_whitespace().map(|v| v.parse::<u32>().ok());
@@ -134,43 +139,39 @@ fn same_owner(a: Option<(u32, u32)>, b: Option<(u32, u32)>) -> bool {
 /// Whether the exporter's own listing (`exports`) says that `importer` (its namespace pid)
 /// fetched the allocation the import `s` names, with the exporter's key (the agent's CUDA IPC
 /// records every pid it handed an allocation to; shareable exports record none).
-fn confirmed_by_exporter(exports: &[Listed], s: &Share, importer: u32) -> bool {
-    importer != 0
+fn confirmed_by_exporter(exports: &[Share], s: &Share, importer: NsPid) -> bool {
+    importer != NsPid(0)
         && exports.iter().any(|x| {
-            !x.import
-                && !x.is_shareable()
-                && x.id == s.id
-                && x.key == s.key
-                && x.pid == NsPid(importer)
+            !x.import && !x.is_shareable() && x.id == s.id && x.key == s.key && x.pid == importer
         })
 }
 
 /// One GPU process of a dump, as [`check`] sees it.
 pub struct Member<'a> {
     /// Host pid (whose owner [`check`] reads).
-    pub pid: i32,
-    pub nspid: u32,
+    pub pid: HostPid,
+    pub nspid: NsPid,
     /// Dumped on the split path (the only one that carries shares).
     pub split: bool,
     /// What its agent listed at PAUSE.
-    pub shares: &'a [Listed],
+    pub shares: &'a [Share],
 }
 
 /// The dump-time rule: every importer's exporter and every exporter's importer is in the dump,
 /// and on the split path, and every importer may reach its exporter's memory (the same owner,
 /// or the exporter's agent names it as having fetched it). `gone(pid)`: an importer outside the
 /// dump that has exited (it holds nothing any more).
-pub fn check(members: &[Member<'_>], gone: impl Fn(u32) -> bool) -> Result<(), SharingError> {
+pub fn check(members: &[Member<'_>], gone: impl Fn(NsPid) -> bool) -> Result<(), SharingError> {
     check_with(members, gone, owner)
 }
 
 /// [`check`] with the owners read by `owner_of(host pid)`.
 fn check_with(
     members: &[Member<'_>],
-    gone: impl Fn(u32) -> bool,
-    owner_of: impl Fn(i32) -> Option<(u32, u32)>,
+    gone: impl Fn(NsPid) -> bool,
+    owner_of: impl Fn(HostPid) -> Option<(u32, u32)>,
 ) -> Result<(), SharingError> {
-    let inside: BTreeSet<NsPid> = members.iter().map(|m| NsPid(m.nspid)).collect();
+    let inside: BTreeSet<NsPid> = members.iter().map(|m| m.nspid).collect();
     for m in members.iter().filter(|m| !m.shares.is_empty()) {
         if !m.split {
             return Err(SharingError::NotSplit { pid: m.nspid });
@@ -179,17 +180,17 @@ fn check_with(
             if s.import && !inside.contains(&s.pid) {
                 return Err(SharingError::ExporterOutside {
                     importer: m.nspid,
-                    exporter: s.pid.get(),
+                    exporter: s.pid,
                 });
             }
             if s.import {
                 exported_by(members, m.nspid, s)?;
                 may_reach(members, m, s, &owner_of)?;
             }
-            if !s.import && s.pid != NsPid(0) && !inside.contains(&s.pid) && !gone(s.pid.get()) {
+            if !s.import && s.pid != NsPid(0) && !inside.contains(&s.pid) && !gone(s.pid) {
                 return Err(SharingError::ImporterOutside {
                     exporter: m.nspid,
-                    importer: s.pid.get(),
+                    importer: s.pid,
                 });
             }
         }
@@ -201,8 +202,8 @@ fn check_with(
 /// the same allocation of the same process, told by the exporter's key. A pid used again by
 /// another process after the exporter exited has other keys; its memory must never be mapped
 /// in place of what the import held.
-fn exported_by(members: &[Member<'_>], importer: u32, s: &Share) -> Result<(), SharingError> {
-    let Some(e) = members.iter().find(|e| NsPid(e.nspid) == s.pid) else {
+fn exported_by(members: &[Member<'_>], importer: NsPid, s: &Share) -> Result<(), SharingError> {
+    let Some(e) = members.iter().find(|e| e.nspid == s.pid) else {
         return Ok(()); // outside the dump: refused by the caller
     };
     let exports = || e.shares.iter().filter(|x| !x.import && x.id == s.id);
@@ -212,12 +213,12 @@ fn exported_by(members: &[Member<'_>], importer: u32, s: &Share) -> Result<(), S
     Err(if exports().next().is_some() {
         SharingError::ExporterReplaced {
             importer,
-            exporter: s.pid.get(),
+            exporter: s.pid,
         }
     } else {
         SharingError::NoSuchExport {
             importer,
-            exporter: s.pid.get(),
+            exporter: s.pid,
             id: s.id,
         }
     })
@@ -229,9 +230,9 @@ fn may_reach(
     members: &[Member<'_>],
     m: &Member<'_>,
     s: &Share,
-    owner_of: &impl Fn(i32) -> Option<(u32, u32)>,
+    owner_of: &impl Fn(HostPid) -> Option<(u32, u32)>,
 ) -> Result<(), SharingError> {
-    let Some(e) = members.iter().find(|e| NsPid(e.nspid) == s.pid) else {
+    let Some(e) = members.iter().find(|e| e.nspid == s.pid) else {
         return Ok(()); // outside the dump: refused by the caller
     };
     let (mine, theirs) = (owner_of(m.pid), owner_of(e.pid));
@@ -240,7 +241,7 @@ fn may_reach(
     }
     let refused = SharingError::ForeignShare {
         importer: m.nspid,
-        exporter: s.pid.get(),
+        exporter: s.pid,
         id: s.id,
         importer_uids: mine,
         exporter_uids: theirs,
@@ -258,8 +259,8 @@ fn may_reach(
 fn export_of(
     fds: &[crate::agent::SharedMemory],
     w: &Share,
-    importer: u32,
-    exporter: u32,
+    importer: NsPid,
+    exporter: NsPid,
 ) -> Result<usize, SharingError> {
     let same = |m: &crate::agent::SharedMemory| {
         m.id == w.id
@@ -287,14 +288,23 @@ fn export_of(
 /// what `SCM_RIGHTS`, `dup` and `pidfd_getfd` share; nothing in the descriptor itself names
 /// the export). A closed number is `Ok(false)`.
 pub fn same_file(
-    pid1: i32,
+    pid1: HostPid,
     fd1: ForeignFd,
-    pid2: i32,
+    pid2: HostPid,
     fd2: ForeignFd,
 ) -> Result<bool, SharingError> {
     const KCMP_FILE: libc::c_long = 0;
     // SAFETY: kcmp only compares kernel objects of the two processes; no memory is passed.
-    let rc = unsafe { libc::syscall(libc::SYS_kcmp, pid1, pid2, KCMP_FILE, fd1.get(), fd2.get()) };
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_kcmp,
+            pid1.get(),
+            pid2.get(),
+            KCMP_FILE,
+            fd1.get(),
+            fd2.get(),
+        )
+    };
     match rc {
         0 => Ok(true),
         1..=3 => Ok(false),
@@ -315,18 +325,18 @@ pub fn same_file(
 /// One GPU process of a dump with its shares, as [`resolve_shareable`] sees it.
 pub struct Sharer<'a> {
     /// Host pid (what `kcmp` takes).
-    pub pid: i32,
-    pub nspid: u32,
-    pub shares: &'a mut Vec<Listed>,
+    pub pid: HostPid,
+    pub nspid: NsPid,
+    pub shares: &'a mut Vec<Share>,
 }
 
 /// A shareable import resolved at a dump: tell `importer` (host pid) that its import `import`
 /// is `exporter`'s (namespace pid) allocation `id` ([`AgentSession::shareable_source`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Resolved {
-    pub importer: i32,
+    pub importer: HostPid,
     pub import: u64,
-    pub exporter: u32,
+    pub exporter: NsPid,
     pub id: u64,
     /// The exporter's key, which the importer records with its source.
     pub key: [u8; 16],
@@ -342,14 +352,14 @@ pub struct Resolved {
 /// outside the dump holding the same open file as `(pid, fd)`, to name it.
 pub fn resolve_shareable(
     members: &mut [Sharer<'_>],
-    others: &[i32],
-    outside: impl Fn(i32, ForeignFd) -> Option<i32>,
+    others: &[HostPid],
+    outside: impl Fn(HostPid, ForeignFd) -> Option<HostPid>,
 ) -> Result<Vec<Resolved>, SharingError> {
     /// A shareable export of the dump.
     struct Export {
         /// The exporter's host pid and namespace pid.
-        pid: i32,
-        nspid: u32,
+        pid: HostPid,
+        nspid: NsPid,
         /// The allocation.
         id: u64,
         /// The exporter's agent's duplicate of the program's descriptor.
@@ -377,7 +387,7 @@ pub fn resolve_shareable(
     }
     // The agents' own descriptors (the importers' until they are told), and the exporters'
     // programs' (made to name the memory again).
-    let own: BTreeSet<(i32, ForeignFd)> = members
+    let own: BTreeSet<(HostPid, ForeignFd)> = members
         .iter()
         .flat_map(|m| {
             m.shares.iter().flat_map(move |s| {
@@ -424,7 +434,7 @@ pub fn resolve_shareable(
                     None => SharingError::ShareableNoExporter { importer: nspid },
                 });
             };
-            s.resolve(NsPid(exporter), id, key);
+            s.resolve(exporter, id, key);
             resolved.push(Resolved {
                 importer: pid,
                 import,
@@ -439,7 +449,7 @@ pub fn resolve_shareable(
         let imported = members.iter().any(|m| {
             m.shares
                 .iter()
-                .any(|s| s.is_shareable() && s.import && s.pid == NsPid(e.nspid) && s.id == e.id)
+                .any(|s| s.is_shareable() && s.import && s.pid == e.nspid && s.id == e.id)
         });
         if !imported {
             return Err(SharingError::ShareableNoImporter { exporter: e.nspid });
@@ -449,8 +459,8 @@ pub fn resolve_shareable(
     if !exports.is_empty() {
         let pids = members.iter().map(|m| m.pid).chain(others.iter().copied());
         for pid in pids {
-            let fds = crate::procfs::fd_numbers(pid).unwrap_or_default();
-            for fd in fds.into_iter().filter_map(ForeignFd::new) {
+            let fds = gpusnap_host::procfs::fd_numbers(pid).unwrap_or_default();
+            for fd in fds {
                 if own.contains(&(pid, fd)) || !maybe_exported(pid, fd) {
                     continue;
                 }
@@ -473,8 +483,8 @@ pub fn resolve_shareable(
 
 /// Whether `pid`'s fd `fd` may be exported device memory: an NVIDIA control device (the
 /// driver's export) or a memfd (the stand-in's). Others are not compared.
-fn maybe_exported(pid: i32, fd: ForeignFd) -> bool {
-    crate::procfs::fd_target(pid, fd.get()).is_ok_and(|p| {
+fn maybe_exported(pid: HostPid, fd: ForeignFd) -> bool {
+    gpusnap_host::procfs::fd_target(pid, fd).is_ok_and(|p| {
         let p = p.to_string_lossy();
         p.starts_with("/memfd:") || p == "/dev/nvidiactl"
     })
@@ -483,17 +493,18 @@ fn maybe_exported(pid: i32, fd: ForeignFd) -> bool {
 /// A process outside `inside` (host pids) that holds the same open file as `pid`'s `fd`: the
 /// exporter of an import whose exporter is not in the dump (a scan of `/proc`, only on that
 /// refusal). Its pid as `/proc` numbers it.
-pub fn holder_outside(inside: &[i32], pid: i32, fd: ForeignFd) -> Option<i32> {
+pub fn holder_outside(inside: &[HostPid], pid: HostPid, fd: ForeignFd) -> Option<HostPid> {
     let dir = std::fs::read_dir("/proc").ok()?;
     for e in dir.flatten() {
         let Some(other) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
             continue;
         };
+        let other = HostPid(other);
         if other == pid || inside.contains(&other) {
             continue;
         }
-        let fds = crate::procfs::fd_numbers(other).unwrap_or_default();
-        for ofd in fds.into_iter().filter_map(ForeignFd::new) {
+        let fds = gpusnap_host::procfs::fd_numbers(other).unwrap_or_default();
+        for ofd in fds {
             if maybe_exported(other, ofd) && same_file(pid, fd, other, ofd).unwrap_or(false) {
                 return Some(other);
             }
@@ -505,14 +516,14 @@ pub fn holder_outside(inside: &[i32], pid: i32, fd: ForeignFd) -> Option<i32> {
 /// Tells each importer whose imports [`resolve_shareable`] resolved what they are (its agent
 /// thread let run alone; the caller traces the processes).
 pub fn announce(resolved: &[Resolved], timeout: Duration) -> Result<(), SharingError> {
-    let mut by_pid: BTreeMap<i32, Vec<&Resolved>> = BTreeMap::new();
+    let mut by_pid: BTreeMap<HostPid, Vec<&Resolved>> = BTreeMap::new();
     for r in resolved {
         by_pid.entry(r.importer).or_default().push(r);
     }
     for (pid, rs) in by_pid {
         with_agent(pid, timeout, |s| {
             for r in &rs {
-                s.shareable_source(r.import, NsPid(r.exporter), r.id, r.key)?;
+                s.shareable_source(r.import, r.exporter, r.id, r.key)?;
             }
             Ok(())
         })?;
@@ -539,7 +550,7 @@ pub fn repoint(
             .any(|x| x.is_shareable() && !x.import);
         if exports {
             if let Some(point) = fault_point {
-                crate::fault::kill_criu_at(point);
+                gpusnap_host::fault::kill_criu_at(point);
             }
             let n = s.share_fds()?.len();
             log::info!(
@@ -556,9 +567,9 @@ pub fn repoint(
 #[derive(Clone, Copy, Debug)]
 pub struct Process {
     /// Host pid.
-    pub pid: i32,
+    pub pid: HostPid,
     /// Its pid in its own namespace (what the shares name).
-    pub nspid: u32,
+    pub nspid: NsPid,
 }
 
 /// The exporters as running processes (`gpusnap recover`, outside CRIU): their memory is their
@@ -575,17 +586,18 @@ pub struct Running {
 }
 
 impl Exporters for Running {
-    fn host_pid(&self, exporter: NsPid) -> Result<i32, SharingError> {
+    fn host_pid(&self, exporter: NsPid) -> Result<HostPid, SharingError> {
         if !self.same_ns {
             return Err(SharingError::NoExporter {
-                importer: 0,
-                exporter: exporter.get(),
+                importer: NsPid(0),
+                exporter,
             });
         }
-        Ok(exporter.get() as i32)
+        // The importer's namespace is ours (`same_ns`): its numbers are host pids.
+        Ok(HostPid(exporter.get() as i32))
     }
 
-    fn shares(&self, exporter: NsPid) -> Result<Vec<Listed>, SharingError> {
+    fn shares(&self, exporter: NsPid) -> Result<Vec<Share>, SharingError> {
         let pid = self.host_pid(exporter)?;
         let s =
             AgentSession::connect(pid, self.timeout)?.ok_or(SharingError::NoAgentThread { pid })?;
@@ -602,7 +614,7 @@ impl Exporters for Running {
 
 /// How many CUDA IPC imports of `pid` a release unmapped and nothing mapped again (`gpusnap
 /// recover`: such a process must not run).
-pub fn unmapped_imports(pid: i32, timeout: Duration) -> Result<usize, SharingError> {
+pub fn unmapped_imports(pid: HostPid, timeout: Duration) -> Result<usize, SharingError> {
     if agent::agent_thread(pid).is_none() {
         return Ok(0);
     }
@@ -612,7 +624,7 @@ pub fn unmapped_imports(pid: i32, timeout: Duration) -> Result<usize, SharingErr
 
 /// Lets only `pid`'s agent thread run for `f` (the caller, CRIU's main thread, traces it).
 fn with_agent<R>(
-    pid: i32,
+    pid: HostPid,
     timeout: Duration,
     f: impl FnOnce(&AgentSession) -> Result<R, SharingError>,
 ) -> Result<R, SharingError> {
@@ -631,9 +643,9 @@ fn with_agent<R>(
 /// name: [`from_traced`] (a rollback, a restore) or [`from_running`] (`gpusnap recover`).
 pub trait Exporters {
     /// The exporter's host pid (whose owner is compared with the importer's).
-    fn host_pid(&self, exporter: NsPid) -> Result<i32, SharingError>;
+    fn host_pid(&self, exporter: NsPid) -> Result<HostPid, SharingError>;
     /// What the exporter's agent lists (`ListSharing`): which pids fetched its exports.
-    fn shares(&self, exporter: NsPid) -> Result<Vec<Listed>, SharingError>;
+    fn shares(&self, exporter: NsPid) -> Result<Vec<Share>, SharingError>;
     /// The current memory of its exports (`ShareFds`).
     fn memory(&self, exporter: NsPid) -> Result<Vec<crate::agent::SharedMemory>, SharingError>;
 }
@@ -654,18 +666,18 @@ pub struct Traced<'a> {
 }
 
 impl Exporters for Traced<'_> {
-    fn host_pid(&self, exporter: NsPid) -> Result<i32, SharingError> {
+    fn host_pid(&self, exporter: NsPid) -> Result<HostPid, SharingError> {
         self.processes
             .iter()
-            .find(|p| NsPid(p.nspid) == exporter)
+            .find(|p| p.nspid == exporter)
             .map(|p| p.pid)
             .ok_or(SharingError::NoExporter {
-                importer: 0,
-                exporter: exporter.get(),
+                importer: NsPid(0),
+                exporter,
             })
     }
 
-    fn shares(&self, exporter: NsPid) -> Result<Vec<Listed>, SharingError> {
+    fn shares(&self, exporter: NsPid) -> Result<Vec<Share>, SharingError> {
         with_agent(self.host_pid(exporter)?, self.timeout, |s| {
             Ok(s.list_sharing()?)
         })
@@ -692,7 +704,7 @@ pub fn reimport(
         // No agent thread, no share of the agent's: it starts its thread at the first open.
         return Ok(0);
     }
-    let unmapped: Vec<Listed> = with_agent(importer.pid, timeout, |s| Ok(s.list_sharing()?))?
+    let unmapped: Vec<Share> = with_agent(importer.pid, timeout, |s| Ok(s.list_sharing()?))?
         .into_iter()
         .filter(|s| s.import && !s.mapped)
         .collect();
@@ -700,7 +712,7 @@ pub fn reimport(
         return Ok(0);
     }
     if let Some(point) = fault_point {
-        crate::fault::kill_criu_at(point);
+        gpusnap_host::fault::kill_criu_at(point);
     }
     let mut by_exporter: BTreeMap<NsPid, Vec<&Share>> = BTreeMap::new();
     for s in &unmapped {
@@ -740,7 +752,7 @@ pub fn reimport(
             }
             let e = SharingError::ForeignShare {
                 importer: me,
-                exporter: exporter.get(),
+                exporter,
                 id: w.id,
                 importer_uids: mine,
                 exporter_uids: theirs,
@@ -753,7 +765,7 @@ pub fn reimport(
         }
         let mut fds = fetch.memory(exporter).map_err(in_place)?;
         for w in allowed {
-            let i = export_of(&fds, w, me, exporter.get())?;
+            let i = export_of(&fds, w, me, exporter)?;
             memory.push((exporter, fds.swap_remove(i)));
         }
     }
@@ -802,11 +814,6 @@ mod tests {
         }
     }
 
-    /// The shares as [`AgentSession::list_sharing`] returns them.
-    fn listed<const N: usize>(shares: [Share; N]) -> [Listed; N] {
-        shares.map(Listed::from)
-    }
-
     /// A shareable handle's share with no descriptors.
     const SHAREABLE: ShareKind = ShareKind::Shareable {
         agent_fd: None,
@@ -819,18 +826,18 @@ mod tests {
 
     #[test]
     fn a_tree_that_holds_both_sides_passes() {
-        let exp = listed([share(false, 11, 1)]);
-        let imp = listed([share(true, 10, 1)]);
+        let exp = [share(false, 11, 1)];
+        let imp = [share(true, 10, 1)];
         let members = [
             Member {
-                pid: std::process::id() as i32,
-                nspid: 10,
+                pid: HostPid(std::process::id() as i32),
+                nspid: NsPid(10),
                 split: true,
                 shares: &exp,
             },
             Member {
-                pid: std::process::id() as i32,
-                nspid: 11,
+                pid: HostPid(std::process::id() as i32),
+                nspid: NsPid(11),
                 split: true,
                 shares: &imp,
             },
@@ -844,18 +851,18 @@ mod tests {
     /// released.
     #[test]
     fn an_import_whose_exporter_is_another_process_now_is_refused() {
-        let imp = listed([share(true, 10, 1)]);
+        let imp = [share(true, 10, 1)];
         let tree = |exp| {
             [
                 Member {
-                    pid: std::process::id() as i32,
-                    nspid: 10,
+                    pid: HostPid(std::process::id() as i32),
+                    nspid: NsPid(10),
                     split: true,
                     shares: exp,
                 },
                 Member {
-                    pid: std::process::id() as i32,
-                    nspid: 11,
+                    pid: HostPid(std::process::id() as i32),
+                    nspid: NsPid(11),
                     split: true,
                     shares: &imp,
                 },
@@ -863,14 +870,14 @@ mod tests {
         };
         let mut replaced = share(false, 11, 1);
         replaced.key = [0x77; 16];
-        let replaced = listed([replaced]);
+        let replaced = [replaced];
         let e = check(&tree(&replaced), |_| false).unwrap_err();
         assert!(
             matches!(
                 e,
                 SharingError::ExporterReplaced {
-                    importer: 11,
-                    exporter: 10
+                    importer: NsPid(11),
+                    exporter: NsPid(10)
                 }
             ),
             "{e}"
@@ -878,10 +885,10 @@ mod tests {
         assert!(e.to_string().contains("its pid was used again"), "{e}");
         // No export of that allocation at all.
         assert!(matches!(
-            check(&tree(&listed([share(false, 11, 2)])), |_| false),
+            check(&tree(&[share(false, 11, 2)]), |_| false),
             Err(SharingError::NoSuchExport {
-                importer: 11,
-                exporter: 10,
+                importer: NsPid(11),
+                exporter: NsPid(10),
                 id: 1
             })
         ));
@@ -899,26 +906,29 @@ mod tests {
             fd: memfd(),
         };
         let w = share(true, 10, 1);
-        assert_eq!(export_of(&[mem([1; 16]), mem(KEY)], &w, 11, 10).unwrap(), 1);
+        assert_eq!(
+            export_of(&[mem([1; 16]), mem(KEY)], &w, NsPid(11), NsPid(10)).unwrap(),
+            1
+        );
         assert!(matches!(
-            export_of(&[mem([1; 16])], &w, 11, 10),
+            export_of(&[mem([1; 16])], &w, NsPid(11), NsPid(10)),
             Err(SharingError::ExporterReplaced {
-                importer: 11,
-                exporter: 10
+                importer: NsPid(11),
+                exporter: NsPid(10)
             })
         ));
         assert!(matches!(
-            export_of(&[], &w, 11, 10),
+            export_of(&[], &w, NsPid(11), NsPid(10)),
             Err(SharingError::NoSuchExport { id: 1, .. })
         ));
     }
 
     #[test]
     fn an_exporter_outside_the_dump_is_named() {
-        let imp = listed([share(true, 10, 1)]);
+        let imp = [share(true, 10, 1)];
         let members = [Member {
-            pid: std::process::id() as i32,
-            nspid: 11,
+            pid: HostPid(std::process::id() as i32),
+            nspid: NsPid(11),
             split: true,
             shares: &imp,
         }];
@@ -926,8 +936,8 @@ mod tests {
         assert!(matches!(
             e,
             SharingError::ExporterOutside {
-                importer: 11,
-                exporter: 10
+                importer: NsPid(11),
+                exporter: NsPid(10)
             }
         ));
         assert!(e.to_string().contains("pid 10 is not in this dump"), "{e}");
@@ -935,36 +945,36 @@ mod tests {
 
     #[test]
     fn an_importer_outside_the_dump_is_named_unless_it_is_gone() {
-        let exp = listed([share(false, 12, 1), share(false, 0, 2)]);
+        let exp = [share(false, 12, 1), share(false, 0, 2)];
         let members = [Member {
-            pid: std::process::id() as i32,
-            nspid: 10,
+            pid: HostPid(std::process::id() as i32),
+            nspid: NsPid(10),
             split: true,
             shares: &exp,
         }];
         assert!(matches!(
             check(&members, |_| false),
             Err(SharingError::ImporterOutside {
-                exporter: 10,
-                importer: 12
+                exporter: NsPid(10),
+                importer: NsPid(12)
             })
         ));
-        check(&members, |pid| pid == 12).unwrap();
+        check(&members, |pid| pid == NsPid(12)).unwrap();
     }
 
     /// A victim (nspid 10, uid 1001) and a job (nspid 11, uid 65534): `exp` is what the victim
     /// lists, `imp` what the job lists.
-    fn victim_and_job<'a>(exp: &'a [Listed], imp: &'a [Listed]) -> [Member<'a>; 2] {
+    fn victim_and_job<'a>(exp: &'a [Share], imp: &'a [Share]) -> [Member<'a>; 2] {
         [
             Member {
-                pid: 1001,
-                nspid: 10,
+                pid: HostPid(1001),
+                nspid: NsPid(10),
                 split: true,
                 shares: exp,
             },
             Member {
-                pid: 65534,
-                nspid: 11,
+                pid: HostPid(65534),
+                nspid: NsPid(11),
                 split: true,
                 shares: imp,
             },
@@ -976,18 +986,23 @@ mod tests {
     #[test]
     fn an_import_of_another_users_memory_is_refused_unless_the_exporter_confirms_it() {
         // Owners by host pid: here the pid is the uid.
-        let owner_of = |pid: i32| Some((pid as u32, pid as u32));
+        let owner_of = |pid: HostPid| Some((pid.get() as u32, pid.get() as u32));
         // The job lists the victim's allocation #1 with its right key; the victim's export was
         // fetched by nspid 12 only (gone by now, as far as the rule cares).
-        let exp = listed([share(false, 12, 1)]);
-        let imp = listed([share(true, 10, 1)]);
-        let e = check_with(&victim_and_job(&exp, &imp), |pid| pid == 12, owner_of).unwrap_err();
+        let exp = [share(false, 12, 1)];
+        let imp = [share(true, 10, 1)];
+        let e = check_with(
+            &victim_and_job(&exp, &imp),
+            |pid| pid == NsPid(12),
+            owner_of,
+        )
+        .unwrap_err();
         assert!(
             matches!(
                 e,
                 SharingError::ForeignShare {
-                    importer: 11,
-                    exporter: 10,
+                    importer: NsPid(11),
+                    exporter: NsPid(10),
                     id: 1,
                     importer_uids: Some((65534, 65534)),
                     exporter_uids: Some((1001, 1001)),
@@ -1003,24 +1018,31 @@ mod tests {
         // The same owner: carried. An owner that cannot be read is not the same owner.
         check_with(
             &victim_and_job(&exp, &imp),
-            |pid| pid == 12,
+            |pid| pid == NsPid(12),
             |_| Some((7, 7)),
         )
         .unwrap();
-        assert!(check_with(&victim_and_job(&exp, &imp), |pid| pid == 12, |_| None).is_err());
+        assert!(
+            check_with(
+                &victim_and_job(&exp, &imp),
+                |pid| pid == NsPid(12),
+                |_| None
+            )
+            .is_err()
+        );
         // The exporter's agent names the importer as having fetched it: carried.
-        let fetched = listed([share(false, 11, 1)]);
+        let fetched = [share(false, 11, 1)];
         check_with(&victim_and_job(&fetched, &imp), |_| false, owner_of).unwrap();
         // ... but not another allocation, nor with another key.
-        let other = listed([share(false, 11, 2), share(false, 12, 1)]);
+        let other = [share(false, 11, 2), share(false, 12, 1)];
         assert!(check_with(&victim_and_job(&other, &imp), |_| true, owner_of).is_err());
         let mut rekeyed = share(false, 11, 1);
         rekeyed.key = [1; 16];
-        assert!(!confirmed_by_exporter(&listed([rekeyed]), &imp[0], 11));
+        assert!(!confirmed_by_exporter(&[rekeyed], &imp[0], NsPid(11)));
         // A shareable export names nobody that fetched it: only the same owner carries it.
         let mut sh = share(false, 11, 1);
         sh.kind = SHAREABLE;
-        assert!(!confirmed_by_exporter(&listed([sh]), &imp[0], 11));
+        assert!(!confirmed_by_exporter(&[sh], &imp[0], NsPid(11)));
     }
 
     /// The size check holds for every kind of share: the agent's IPC maps the whole allocation,
@@ -1035,13 +1057,19 @@ mod tests {
             fd: memfd(),
         };
         let ipc = share(true, 10, 1);
-        assert!(export_of(&[mem(4 << 20)], &ipc, 11, 10).is_err());
-        assert_eq!(export_of(&[mem(2 << 20)], &ipc, 11, 10).unwrap(), 0);
+        assert!(export_of(&[mem(4 << 20)], &ipc, NsPid(11), NsPid(10)).is_err());
+        assert_eq!(
+            export_of(&[mem(2 << 20)], &ipc, NsPid(11), NsPid(10)).unwrap(),
+            0
+        );
         let mut part = share(true, 10, 1);
         part.kind = SHAREABLE;
-        assert_eq!(export_of(&[mem(4 << 20)], &part, 11, 10).unwrap(), 0);
+        assert_eq!(
+            export_of(&[mem(4 << 20)], &part, NsPid(11), NsPid(10)).unwrap(),
+            0
+        );
         part.size = 8 << 20;
-        assert!(export_of(&[mem(4 << 20)], &part, 11, 10).is_err());
+        assert!(export_of(&[mem(4 << 20)], &part, NsPid(11), NsPid(10)).is_err());
     }
 
     /// This process's owner, as `/proc` says it.
@@ -1049,8 +1077,8 @@ mod tests {
     fn the_owner_of_a_process_is_read() {
         // SAFETY: getuid and geteuid have no preconditions.
         let me = unsafe { (libc::getuid(), libc::geteuid()) };
-        assert_eq!(owner(std::process::id() as i32), Some(me));
-        assert_eq!(owner(-1), None);
+        assert_eq!(owner(HostPid(std::process::id() as i32)), Some(me));
+        assert_eq!(owner(HostPid(-1)), None);
     }
 
     fn memfd() -> std::os::fd::OwnedFd {
@@ -1062,8 +1090,8 @@ mod tests {
         unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) }
     }
 
-    fn shareable(import: bool, id: u64, agent_fd: i32, app_fd: i32, mapped: bool) -> Listed {
-        Listed::from(Share {
+    fn shareable(import: bool, id: u64, agent_fd: i32, app_fd: i32, mapped: bool) -> Share {
+        Share {
             import,
             pid: NsPid(0),
             id,
@@ -1077,7 +1105,7 @@ mod tests {
                 app_fd: ForeignFd::new(app_fd),
                 own_fd: None,
             },
-        })
+        }
     }
 
     /// A shareable share's `agent_fd` as the wire says it (-1: none).
@@ -1089,24 +1117,21 @@ mod tests {
     }
 
     /// Both "processes" are this one (kcmp of a process with itself compares its own fds).
-    fn resolve(
-        exp: &mut Vec<Listed>,
-        imp: &mut Vec<Listed>,
-    ) -> Result<Vec<Resolved>, SharingError> {
-        let me = std::process::id() as i32;
+    fn resolve(exp: &mut Vec<Share>, imp: &mut Vec<Share>) -> Result<Vec<Resolved>, SharingError> {
+        let me = HostPid(std::process::id() as i32);
         let mut members = [
             Sharer {
                 pid: me,
-                nspid: 10,
+                nspid: NsPid(10),
                 shares: exp,
             },
             Sharer {
                 pid: me,
-                nspid: 11,
+                nspid: NsPid(11),
                 shares: imp,
             },
         ];
-        resolve_shareable(&mut members, &[], |_, _| Some(4242))
+        resolve_shareable(&mut members, &[], |_, _| Some(HostPid(4242)))
     }
 
     #[test]
@@ -1128,9 +1153,9 @@ mod tests {
         assert_eq!(
             r,
             [Resolved {
-                importer: std::process::id() as i32,
+                importer: HostPid(std::process::id() as i32),
                 import: 1,
-                exporter: 10,
+                exporter: NsPid(10),
                 id: 7,
                 key: KEY,
             }]
@@ -1143,14 +1168,14 @@ mod tests {
         // Then the usual rule sees an import of a process inside the dump.
         let members = [
             Member {
-                pid: std::process::id() as i32,
-                nspid: 10,
+                pid: HostPid(std::process::id() as i32),
+                nspid: NsPid(10),
                 split: true,
                 shares: &exp,
             },
             Member {
-                pid: std::process::id() as i32,
-                nspid: 11,
+                pid: HostPid(std::process::id() as i32),
+                nspid: NsPid(11),
                 split: true,
                 shares: &imp,
             },
@@ -1171,8 +1196,8 @@ mod tests {
             matches!(
                 e,
                 SharingError::ShareableExporterOutside {
-                    importer: 11,
-                    exporter: 4242
+                    importer: NsPid(11),
+                    exporter: HostPid(4242)
                 }
             ),
             "{e}"
@@ -1198,12 +1223,16 @@ mod tests {
         let mut imp = Vec::new();
         assert!(matches!(
             resolve(&mut exp, &mut imp),
-            Err(SharingError::ShareableNoImporter { exporter: 10 })
+            Err(SharingError::ShareableNoImporter {
+                exporter: NsPid(10)
+            })
         ));
         let mut exp = vec![shareable(false, 0, agent.as_raw_fd(), -1, false)];
         assert!(matches!(
             resolve(&mut exp, &mut imp),
-            Err(SharingError::ShareableNotMoved { exporter: 10 })
+            Err(SharingError::ShareableNotMoved {
+                exporter: NsPid(10)
+            })
         ));
     }
 
@@ -1225,7 +1254,7 @@ mod tests {
         let e = resolve(&mut exp, &mut imp).unwrap_err();
         match e {
             SharingError::ExportFdHeld { fd, exporter, .. } => {
-                assert_eq!((fd.get(), exporter), (stray.as_raw_fd(), 10));
+                assert_eq!((fd.get(), exporter.get()), (stray.as_raw_fd(), 10));
             }
             other => panic!("{other}"),
         }
@@ -1243,22 +1272,22 @@ mod tests {
 
     #[test]
     fn shares_on_the_transparent_path_are_refused() {
-        let exp = listed([share(false, 0, 1)]);
+        let exp = [share(false, 0, 1)];
         let members = [Member {
-            pid: std::process::id() as i32,
-            nspid: 10,
+            pid: HostPid(std::process::id() as i32),
+            nspid: NsPid(10),
             split: false,
             shares: &exp,
         }];
         assert!(matches!(
             check(&members, |_| true),
-            Err(SharingError::NotSplit { pid: 10 })
+            Err(SharingError::NotSplit { pid: NsPid(10) })
         ));
         // A process that shares nothing may take either path.
-        let none: [Listed; 0] = [];
+        let none: [Share; 0] = [];
         let members = [Member {
-            pid: std::process::id() as i32,
-            nspid: 10,
+            pid: HostPid(std::process::id() as i32),
+            nspid: NsPid(10),
             split: false,
             shares: &none,
         }];

@@ -5,6 +5,7 @@
 //! released, so that a disk without room still fails the dump with the job intact, as when the
 //! space was taken there.
 
+use gpusnap_host::pid::HostPid;
 use gpusnap_image::{Reservation, ReserveError};
 use std::os::fd::BorrowedFd;
 use std::sync::Arc;
@@ -39,7 +40,7 @@ impl EarlySpace {
     /// Starts holding `bytes` in `dir` with up to `threads` threads; `None` (the hand-over takes
     /// the space itself) if no thread could be started. Boxed: it waits in the process's plan.
     pub fn start(
-        pid: i32,
+        pid: HostPid,
         dir: BorrowedFd<'static>,
         bytes: u64,
         threads: usize,
@@ -50,7 +51,7 @@ impl EarlySpace {
             .name("gpusnap-space".into())
             .spawn(move || {
                 // Its allocating threads inherit this mask: CRIU's signals stay CRIU's.
-                crate::signals::block_all();
+                gpusnap_host::signals::block_all();
                 let t0 = Instant::now();
                 let result = Reservation::take_until(dir, bytes, threads, &stopped);
                 Taken {
@@ -97,7 +98,7 @@ impl Drop for EarlySpace {
 /// any): what `early` held, trimmed to `bytes` or topped up to them, else taken now with up to
 /// `threads` threads. Logs how long the caller waited for it.
 pub fn hold(
-    pid: i32,
+    pid: HostPid,
     dir: BorrowedFd<'_>,
     early: Option<Box<EarlySpace>>,
     bytes: u64,

@@ -109,7 +109,7 @@ impl RingMaker {
         let thread = std::thread::Builder::new()
             .name("gpusnap-ring".into())
             .spawn(move || {
-                crate::signals::block_all();
+                gpusnap_host::signals::block_all();
                 Staging::new(shape.slot_size, shape.slots)
             })
             .ok();
@@ -226,7 +226,7 @@ impl Staging {
                 let len = per.min(total - start);
                 s.spawn(move || {
                     // CRIU's signals are for its main thread (a ring made at PAUSE is made there).
-                    crate::signals::block_all();
+                    gpusnap_host::signals::block_all();
                     let p = (base + start) as *mut libc::c_void;
                     // SAFETY: [p, p+len) lies inside our mapping; MADV_POPULATE_WRITE only
                     // faults pages in (Linux 5.14+).

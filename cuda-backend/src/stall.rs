@@ -20,8 +20,9 @@
 //! call in [`DriverCall::run`], which waits until the watcher on CRIU's main thread ([`watch`])
 //! has stopped them.
 
-use crate::procfs::{self, ProcState, Stat};
-use crate::ptrace::RunningThread;
+use gpusnap_host::pid::{HostPid, HostTid};
+use gpusnap_host::procfs::{self, ProcState, Stat};
+use gpusnap_host::ptrace::RunningThread;
 use std::collections::BTreeSet;
 use std::io;
 use std::sync::{Condvar, Mutex, MutexGuard};
@@ -40,7 +41,7 @@ pub struct Progress {
 }
 
 impl Progress {
-    pub fn sample(pid: i32) -> Option<Self> {
+    pub fn sample(pid: HostPid) -> Option<Self> {
         let stat = procfs::stat_text(pid, None).ok()?;
         Some(Self {
             rss_kib: procfs::vm_rss_kib(pid).ok()?,
@@ -87,15 +88,15 @@ impl std::error::Error for OsError {}
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum StallError {
     #[error("listing the threads of pid {pid}: {err}")]
-    List { pid: i32, err: OsError },
+    List { pid: HostPid, err: OsError },
     #[error("resuming thread {tid}: {err}")]
-    Resume { tid: i32, err: OsError },
+    Resume { tid: HostTid, err: OsError },
     #[error("stopping thread {tid} again: {err}")]
-    Stop { tid: i32, err: OsError },
+    Stop { tid: HostTid, err: OsError },
     #[error("releasing the hold on pid {pid}: ptrace on thread {tid} ({what}): {err}")]
     Release {
-        pid: i32,
-        tid: i32,
+        pid: HostPid,
+        tid: HostTid,
         what: &'static str,
         err: OsError,
     },
@@ -105,17 +106,17 @@ pub enum StallError {
          dump is abandoned (run it again)"
     )]
     Changed {
-        pid: i32,
-        threads_before: BTreeSet<i32>,
-        threads_after: BTreeSet<i32>,
-        children_before: BTreeSet<i32>,
-        children_after: BTreeSet<i32>,
+        pid: HostPid,
+        threads_before: BTreeSet<HostTid>,
+        threads_after: BTreeSet<HostTid>,
+        children_before: BTreeSet<HostPid>,
+        children_after: BTreeSet<HostPid>,
     },
 }
 
 impl StallError {
     /// Maps the failure of releasing the hold on `pid`.
-    fn release(pid: i32) -> impl FnOnce(crate::ptrace::PtraceError) -> Self {
+    fn release(pid: HostPid) -> impl FnOnce(gpusnap_host::ptrace::PtraceError) -> Self {
         move |e| Self::Release {
             pid,
             tid: e.tid,
@@ -128,13 +129,13 @@ impl StallError {
 /// Watches one process's driver call from CRIU's main thread.
 #[derive(Debug)]
 pub struct Watch {
-    pid: i32,
+    pid: HostPid,
     last: Option<Progress>,
     since: Instant,
 }
 
 impl Watch {
-    pub fn new(pid: i32) -> Self {
+    pub fn new(pid: HostPid) -> Self {
         Self {
             pid,
             last: Progress::sample(pid),
@@ -161,12 +162,12 @@ impl Watch {
 /// Threads and child processes of a process, as `/proc` lists them.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Family {
-    pub threads: BTreeSet<i32>,
-    pub children: BTreeSet<i32>,
+    pub threads: BTreeSet<HostTid>,
+    pub children: BTreeSet<HostPid>,
 }
 
 impl Family {
-    pub fn of(pid: i32) -> io::Result<Self> {
+    pub fn of(pid: HostPid) -> io::Result<Self> {
         let mut f = Self::default();
         for tid in procfs::thread_ids(pid)? {
             f.threads.insert(tid);
@@ -181,7 +182,7 @@ impl Family {
 }
 
 /// `tid name state wchan` of every thread of `pid` that is not in a ptrace stop, for the log.
-pub fn describe_running(pid: i32) -> String {
+pub fn describe_running(pid: HostPid) -> String {
     let Ok(tids) = procfs::thread_ids(pid) else {
         return String::from("(cannot list threads)");
     };
@@ -208,7 +209,7 @@ const SYS_FUTEX: u64 = 202;
 
 /// For the log of a stall: where a blocked thread's code is and, for a futex wait, which
 /// mapping the futex is in and the word after it (a glibc mutex keeps its owner's tid there).
-fn describe_wait(pid: i32, w: &procfs::BlockedSyscall) -> String {
+fn describe_wait(pid: HostPid, w: &procfs::BlockedSyscall) -> String {
     let maps = procfs::maps(pid).unwrap_or_default();
     let place = |a: u64| procfs::mapping_of(&maps, a).unwrap_or_else(|| "?".into());
     let mut s = format!(" syscall {} pc {:#x} in {}", w.nr, w.pc, place(w.pc));
@@ -224,20 +225,20 @@ fn describe_wait(pid: i32, w: &procfs::BlockedSyscall) -> String {
 /// The other threads of a stalled process, let run until the driver call returns.
 #[derive(Debug)]
 pub struct Unfrozen {
-    pid: i32,
+    pid: HostPid,
     before: Family,
     threads: Vec<RunningThread>,
 }
 
 impl Unfrozen {
     /// Resumes every thread of `pid` but those in `running` (already resumed by us).
-    pub fn start(pid: i32, running: &[i32]) -> Result<Self, StallError> {
+    pub fn start(pid: HostPid, running: &[HostTid]) -> Result<Self, StallError> {
         let before = Family::of(pid).map_err(|e| StallError::List { pid, err: e.into() })?;
         let mut threads = Vec::new();
         for &tid in &before.threads {
             // A thread held for a released memory (a queued SIGSTOP) is not let run: it would
             // stop on the signal, and its tracer would have to drain it first.
-            if running.contains(&tid) || crate::hold::is_held(pid, tid) {
+            if running.contains(&tid) || gpusnap_host::hold::is_held(pid, tid) {
                 continue;
             }
             match RunningThread::resume(tid) {
@@ -339,10 +340,10 @@ impl DriverCall {
 /// (restore thread, agent thread) and the call. A worker hands over in `release` a hold it no
 /// longer needs (ptrace work only the watcher, the tracer, may do).
 pub struct Watched<'a> {
-    pub pid: i32,
-    pub running: Vec<i32>,
+    pub pid: HostPid,
+    pub running: Vec<HostTid>,
     pub call: &'a DriverCall,
-    pub release: &'a Mutex<Option<crate::hold::Hold>>,
+    pub release: &'a Mutex<Option<gpusnap_host::hold::Hold>>,
 }
 
 /// Runs on CRIU's main thread (the tracer) until `done()`: a process whose driver call shows no
@@ -424,13 +425,13 @@ mod tests {
     fn a_stall_error_keeps_the_os_error_as_values() {
         let gone = io::Error::from_raw_os_error(libc::ESRCH);
         let e = StallError::Stop {
-            tid: 9,
+            tid: HostTid(9),
             err: (&gone).into(),
         };
         assert_eq!(
             e,
             StallError::Stop {
-                tid: 9,
+                tid: HostTid(9),
                 err: OsError {
                     kind: gone.kind(),
                     errno: Some(libc::ESRCH)
@@ -440,15 +441,15 @@ mod tests {
         assert_eq!(e.to_string(), format!("stopping thread 9 again: {gone}"));
         // An error of our own (no errno) says its kind.
         let listed = StallError::List {
-            pid: 4,
+            pid: HostPid(4),
             err: io::Error::new(io::ErrorKind::NotFound, "/proc/4/task: gone").into(),
         };
         assert_eq!(
             listed.to_string(),
             format!("listing the threads of pid 4: {}", io::ErrorKind::NotFound)
         );
-        let released = StallError::release(4)(crate::ptrace::PtraceError {
-            tid: 5,
+        let released = StallError::release(HostPid(4))(gpusnap_host::ptrace::PtraceError {
+            tid: HostTid(5),
             what: "draining the SIGSTOP",
             err: io::Error::from_raw_os_error(libc::ESRCH),
         });
@@ -462,17 +463,17 @@ mod tests {
 
     #[test]
     fn own_process_makes_progress_samples() {
-        let me = std::process::id() as i32;
+        let me = HostPid(std::process::id() as i32);
         let p = Progress::sample(me).expect("own /proc");
         assert!(p.rss_kib > 0);
         let f = Family::of(me).unwrap();
-        assert!(f.threads.contains(&me));
+        assert!(f.threads.contains(&me.into()));
     }
 
     #[test]
     fn own_blocked_thread_is_described() {
         // A thread of ours sleeping in a futex wait (a condvar) is found in its syscall file.
-        let me = std::process::id() as i32;
+        let me = HostPid(std::process::id() as i32);
         let pair = std::sync::Arc::new((Mutex::new(false), Condvar::new()));
         let p2 = pair.clone();
         let th = std::thread::spawn(move || {
@@ -515,7 +516,7 @@ mod tests {
                 if matches!(*st, CallState::WaitingForStop) {
                     assert!(!worker.is_finished());
                     *st = CallState::Stopped(Err(StallError::Stop {
-                        tid: 9,
+                        tid: HostTid(9),
                         err: io::Error::from_raw_os_error(libc::ESRCH).into(),
                     }));
                     call.changed.notify_all();
@@ -526,7 +527,13 @@ mod tests {
             }
             let ((), refrozen) = worker.join().unwrap();
             assert!(
-                matches!(refrozen, Err(StallError::Stop { tid: 9, .. })),
+                matches!(
+                    refrozen,
+                    Err(StallError::Stop {
+                        tid: HostTid(9),
+                        ..
+                    })
+                ),
                 "{refrozen:?}"
             );
         });
@@ -539,7 +546,7 @@ mod tests {
             .arg("30")
             .spawn()
             .unwrap();
-        let pid = child.id() as i32;
+        let pid = HostPid(child.id() as i32);
         std::thread::sleep(Duration::from_millis(100));
         let mut w = Watch::new(pid);
         assert!(!w.stalled());

@@ -14,6 +14,7 @@
 //! Nothing may panic, hang or allocate beyond the input's own scale in any mode.
 #![no_main]
 
+use gpusnap_proto::pid::NsPid;
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
 use std::os::fd::{AsFd, BorrowedFd};
@@ -28,7 +29,7 @@ use libfuzzer_sys::fuzz_target;
 #[allow(dead_code)]
 mod archive;
 
-const NSPID: u32 = 1;
+const NSPID: NsPid = NsPid(1);
 
 struct Dir {
     path: PathBuf,

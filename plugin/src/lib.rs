@@ -11,6 +11,7 @@
 pub mod plugin;
 
 use gpusnap_host::criu::{self, HOOK_SLOTS, PluginDesc, hook};
+use gpusnap_host::pid::HostPid;
 use std::ffi::{c_int, c_void};
 use std::os::fd::{BorrowedFd, IntoRawFd};
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -56,19 +57,19 @@ unsafe extern "C" fn gpusnap_exit(_stage: c_int, ret: c_int) {
 
 unsafe extern "C" fn pause_devices(pid: c_int) -> c_int {
     guard(-1, || {
-        plugin::with(plugin::ENOTSUP, |p| p.pause_devices(pid))
+        plugin::with(plugin::ENOTSUP, |p| p.pause_devices(HostPid(pid)))
     })
 }
 
 unsafe extern "C" fn checkpoint_devices(pid: c_int) -> c_int {
     guard(-1, || {
-        plugin::with(plugin::ENOTSUP, |p| p.checkpoint_devices(pid))
+        plugin::with(plugin::ENOTSUP, |p| p.checkpoint_devices(HostPid(pid)))
     })
 }
 
 unsafe extern "C" fn resume_devices_late(pid: c_int) -> c_int {
     guard(-1, || {
-        plugin::with(plugin::ENOTSUP, |p| p.resume_devices_late(pid))
+        plugin::with(plugin::ENOTSUP, |p| p.resume_devices_late(HostPid(pid)))
     })
 }
 

@@ -8,6 +8,7 @@
 
 use gpusnap_cuda::backend::CudaBackend;
 use gpusnap_host::criu::{self, Reopened, Stage};
+use gpusnap_host::pid::HostPid;
 use gpusnap_host::{Answer, Backend};
 use gpusnap_rocm::run::AmdSide;
 use std::os::fd::{BorrowedFd, OwnedFd};
@@ -192,15 +193,15 @@ impl Plugin {
         ENOTSUP
     }
 
-    pub fn pause_devices(&mut self, pid: i32) -> i32 {
+    pub fn pause_devices(&mut self, pid: HostPid) -> i32 {
         self.first(true, |b| b.pause_devices(pid))
     }
 
-    pub fn checkpoint_devices(&mut self, pid: i32) -> i32 {
+    pub fn checkpoint_devices(&mut self, pid: HostPid) -> i32 {
         self.first(false, |b| b.checkpoint_devices(pid))
     }
 
-    pub fn resume_devices_late(&mut self, pid: i32) -> i32 {
+    pub fn resume_devices_late(&mut self, pid: HostPid) -> i32 {
         self.first(false, |b| b.resume_devices_late(pid))
     }
 

@@ -18,8 +18,8 @@
 //!   dump, restore and recover of AMD processes from CRIU's hooks, built on the above.
 //!
 //! Host services (CRIU's ABI and log, `/proc`, ptrace, holds, pids, fault points) come from
-//! `gpusnap-host`, re-exported under their names. What does not exist: an SDMA copy for VRAM
-//! that the CPU cannot map, the HIP split path.
+//! `gpusnap-host`, named by that crate (`gpusnap_host::procfs` etc.). What does not exist: an
+//! SDMA copy for VRAM that the CPU cannot map, the HIP split path.
 //!
 //! What was never run: every ioctl against a real KFD and the topology reader against a real
 //! sysfs tree. The build machine has no AMD GPU and no ROCm; the tests cover the layouts, the
@@ -31,8 +31,6 @@ pub mod gpumatch;
 pub mod kfd;
 pub mod run;
 pub mod topology;
-
-pub use gpusnap_host::{criu, fault, hold, logger, pid, procfs, ptrace, reap, signals};
 
 use std::path::Path;
 

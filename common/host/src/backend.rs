@@ -11,6 +11,7 @@
 use std::os::fd::{BorrowedFd, OwnedFd};
 
 use crate::criu::Reopened;
+use crate::pid::HostPid;
 
 /// A backend's answer to a hook about one object (a process, a file, a mapping).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -78,17 +79,17 @@ pub trait Backend: Send {
     }
 
     /// `PAUSE_DEVICES`: the process still runs; the backend takes its GPU state in hand.
-    fn pause_devices(&mut self, _pid: i32) -> Answer {
+    fn pause_devices(&mut self, _pid: HostPid) -> Answer {
         Answer::NotMine
     }
 
     /// `CHECKPOINT_DEVICES`: the process is seized; its GPU state goes into the image.
-    fn checkpoint_devices(&mut self, _pid: i32) -> Answer {
+    fn checkpoint_devices(&mut self, _pid: HostPid) -> Answer {
         Answer::NotMine
     }
 
     /// `RESUME_DEVICES_LATE`: a restored process's GPU state back before it runs.
-    fn resume_devices_late(&mut self, _pid: i32) -> Answer {
+    fn resume_devices_late(&mut self, _pid: HostPid) -> Answer {
         Answer::NotMine
     }
 

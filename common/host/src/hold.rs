@@ -21,6 +21,7 @@
 //! Both are set up by CRIU's main thread (the tracer) or, for queueing signals, any thread;
 //! neither depends on the agent or on gpusnap winning a race against the application.
 
+use crate::pid::{HostPid, HostTid};
 use crate::procfs;
 use crate::ptrace::{self, PtraceError};
 use std::io;
@@ -32,32 +33,32 @@ use std::path::PathBuf;
 /// threads apart. Root-only, in memory, gone at reboot with the processes it names.
 pub const RECORD_DIR: &str = "/run/gpusnap";
 
-fn record_path(pid: i32) -> PathBuf {
+fn record_path(pid: HostPid) -> PathBuf {
     PathBuf::from(RECORD_DIR).join(format!("held-{pid}"))
 }
 
 /// Writes `<start time> <tid>...` for `pid`.
-fn write_record(pid: i32, running: &[i32]) -> io::Result<()> {
+fn write_record(pid: HostPid, running: &[HostTid]) -> io::Result<()> {
     use std::os::unix::fs::DirBuilderExt;
     std::fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
         .create(RECORD_DIR)?;
     let (_, start) = procfs::state_and_start(pid)?;
-    let tids: Vec<String> = running.iter().map(i32::to_string).collect();
+    let tids: Vec<String> = running.iter().map(HostTid::to_string).collect();
     std::fs::write(record_path(pid), format!("{start} {}\n", tids.join(" ")))
 }
 
 /// The threads a hold of `pid` left to run, if a hold of this very process (same start time)
 /// is recorded.
-pub fn recorded_running(pid: i32) -> Option<Vec<i32>> {
+pub fn recorded_running(pid: HostPid) -> Option<Vec<HostTid>> {
     let text = std::fs::read_to_string(record_path(pid)).ok()?;
     let mut words = text.split_whitespace();
     let start: u64 = words.next()?.parse().ok()?;
     if procfs::state_and_start(pid).ok()?.1 != start {
         return None; // another process that got the pid
     }
-    words.map(|w| w.parse().ok()).collect()
+    words.map(|w| w.parse().ok().map(HostTid)).collect()
 }
 
 /// Removes the records of processes that are gone (or whose pid another process now has):
@@ -76,7 +77,7 @@ fn sweep_dead_records_in(dir: &std::path::Path) -> usize {
         let Some(pid) = name
             .to_str()
             .and_then(|n| n.strip_prefix("held-"))
-            .and_then(|p| p.parse::<i32>().ok())
+            .and_then(|p| p.parse::<i32>().ok().map(HostPid))
         else {
             continue;
         };
@@ -98,10 +99,10 @@ fn sweep_dead_records_in(dir: &std::path::Path) -> usize {
 /// Queues a `SIGSTOP` to every thread of `pid` again, without a record: the threads (in our
 /// ptrace stops) go back to a group stop once detached. For a process whose memory is released
 /// but that `gpusnap recover` cannot bring back: it stays as it was found.
-pub fn stop_again(pid: i32) -> io::Result<()> {
+pub fn stop_again(pid: HostPid) -> io::Result<()> {
     for tid in procfs::thread_ids(pid)? {
         // SAFETY: tgkill takes no pointers; it queues SIGSTOP to thread `tid` of `pid` only.
-        if unsafe { libc::syscall(libc::SYS_tgkill, pid, tid, libc::SIGSTOP) } != 0 {
+        if unsafe { libc::syscall(libc::SYS_tgkill, pid.get(), tid.get(), libc::SIGSTOP) } != 0 {
             let e = io::Error::last_os_error();
             if e.raw_os_error() != Some(libc::ESRCH) {
                 return Err(e);
@@ -111,7 +112,7 @@ pub fn stop_again(pid: i32) -> io::Result<()> {
     Ok(())
 }
 
-fn remove_record(pid: i32) {
+fn remove_record(pid: HostPid) {
     if let Err(e) = std::fs::remove_file(record_path(pid))
         && e.kind() != io::ErrorKind::NotFound
     {
@@ -123,14 +124,14 @@ fn remove_record(pid: i32) {
 #[derive(Debug)]
 #[must_use = "a hold is released by the tracer, or kept on purpose with Hold::keep"]
 pub struct Hold {
-    pid: i32,
-    tids: Vec<i32>,
+    pid: HostPid,
+    tids: Vec<HostTid>,
 }
 
 impl Hold {
     /// Queues a `SIGSTOP` to every thread of `pid` except `running` (the threads gpusnap lets
     /// run: the driver's restore thread, the agent's). The threads must be in a ptrace stop.
-    pub fn place(pid: i32, running: &[i32]) -> io::Result<Self> {
+    pub fn place(pid: HostPid, running: &[HostTid]) -> io::Result<Self> {
         let mut hold = Self {
             pid,
             tids: Vec::new(),
@@ -147,7 +148,8 @@ impl Hold {
             }
             // SAFETY: tgkill takes no pointers; it queues SIGSTOP to thread `tid` of `pid`
             // only (a tid reused by another process meanwhile is refused by the tgid check).
-            if unsafe { libc::syscall(libc::SYS_tgkill, pid, tid, libc::SIGSTOP) } != 0 {
+            if unsafe { libc::syscall(libc::SYS_tgkill, pid.get(), tid.get(), libc::SIGSTOP) } != 0
+            {
                 let e = io::Error::last_os_error();
                 if e.raw_os_error() == Some(libc::ESRCH) {
                     continue; // exited meanwhile
@@ -212,20 +214,20 @@ impl Drop for Hold {
 }
 
 /// Whether thread `tid` of `pid` is held (a `SIGSTOP` is queued to it).
-pub fn is_held(pid: i32, tid: i32) -> bool {
+pub fn is_held(pid: HostPid, tid: HostTid) -> bool {
     sigstop_pending(pid, tid)
 }
 
 /// Whether `SIGSTOP` is queued to thread `tid` of `pid` (its `SigPnd` mask).
-fn sigstop_pending(pid: i32, tid: i32) -> bool {
+fn sigstop_pending(pid: HostPid, tid: HostTid) -> bool {
     procfs::pending_signals(pid, tid).is_ok_and(|mask| mask & (1 << (libc::SIGSTOP - 1)) != 0)
 }
 
 /// Makes the kernel kill `pid` should CRIU (the tracer of its threads) die: `PTRACE_O_EXITKILL`
 /// on each of its threads but `running` (threads that gpusnap resumes get their options reset;
 /// one tracee killed takes the whole process with it). Only the tracer may call this.
-pub fn kill_if_criu_dies(pid: i32, running: &[i32]) -> Result<(), PtraceError> {
-    let tids = procfs::thread_ids(pid).map_err(PtraceError::on(pid, "listing threads"))?;
+pub fn kill_if_criu_dies(pid: HostPid, running: &[HostTid]) -> Result<(), PtraceError> {
+    let tids = procfs::thread_ids(pid).map_err(PtraceError::on(pid.into(), "listing threads"))?;
     for tid in tids.into_iter().filter(|t| !running.contains(t)) {
         ptrace::set_exit_kill(tid)?;
     }
@@ -244,13 +246,13 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let mut child = std::process::Command::new("true").spawn().unwrap();
-        let dead = child.id() as i32;
+        let dead = HostPid(child.id() as i32);
         child.wait().unwrap();
-        let me = std::process::id() as i32;
+        let me = HostPid(std::process::id() as i32);
         let (_, start) = procfs::state_and_start(me).unwrap();
         std::fs::write(dir.join(format!("held-{dead}")), "12345 1 2\n").unwrap();
         std::fs::write(dir.join(format!("held-{me}")), format!("{start} 1\n")).unwrap();
-        let parent = std::os::unix::process::parent_id() as i32;
+        let parent = HostPid(std::os::unix::process::parent_id() as i32);
         std::fs::write(dir.join(format!("held-{parent}")), "1 1\n").unwrap();
         std::fs::write(dir.join("unrelated"), "x").unwrap();
         assert_eq!(sweep_dead_records_in(&dir), 2);
@@ -267,13 +269,13 @@ mod tests {
     use crate::ptrace::SeizedProcess;
     use std::time::{Duration, Instant};
 
-    fn state(pid: i32) -> Option<ProcState> {
+    fn state(pid: HostPid) -> Option<ProcState> {
         let text = procfs::stat_text(pid, None).unwrap_or_default();
         procfs::Stat::parse(&text).and_then(|s| s.state())
     }
 
     /// Waits until `pid` is in `want` (a stat state letter), or a second passes.
-    fn settles_in(pid: i32, want: ProcState) -> bool {
+    fn settles_in(pid: HostPid, want: ProcState) -> bool {
         let deadline = Instant::now() + Duration::from_secs(1);
         while Instant::now() < deadline {
             if state(pid) == Some(want) {
@@ -293,7 +295,7 @@ mod tests {
 
     /// Seizes `pid` on a thread of its own, runs `f` there and lets the thread (the tracer) end
     /// without detaching, as a dying CRIU would.
-    fn tracer_dies_after(pid: i32, f: impl FnOnce() + Send) {
+    fn tracer_dies_after(pid: HostPid, f: impl FnOnce() + Send) {
         std::thread::scope(|s| {
             s.spawn(|| {
                 let seized = SeizedProcess::seize(pid).expect("seize (root or parent)");
@@ -306,11 +308,17 @@ mod tests {
     #[test]
     fn a_held_process_stays_stopped_when_its_tracer_dies() {
         let mut child = sleeper();
-        let pid = child.id() as i32;
-        tracer_dies_after(pid, || Hold::place(pid, &[4242]).expect("hold").keep());
+        let pid = HostPid(child.id() as i32);
+        tracer_dies_after(pid, || {
+            Hold::place(pid, &[HostTid(4242)]).expect("hold").keep()
+        });
         let stopped = settles_in(pid, ProcState::Stopped);
         let seen = state(pid);
-        assert_eq!(recorded_running(pid), Some(vec![4242]), "the hold's record");
+        assert_eq!(
+            recorded_running(pid),
+            Some(vec![HostTid(4242)]),
+            "the hold's record"
+        );
         remove_record(pid);
         child.kill().unwrap();
         child.wait().unwrap();
@@ -324,7 +332,7 @@ mod tests {
     fn without_a_hold_the_tracers_death_lets_it_run() {
         // The control: what a dying CRIU does today to a process it holds.
         let mut child = sleeper();
-        let pid = child.id() as i32;
+        let pid = HostPid(child.id() as i32);
         tracer_dies_after(pid, || {});
         let runs = settles_in(pid, ProcState::Sleeping);
         child.kill().unwrap();
@@ -335,13 +343,13 @@ mod tests {
     #[test]
     fn a_released_hold_leaves_nothing_behind() {
         let mut child = sleeper();
-        let pid = child.id() as i32;
+        let pid = HostPid(child.id() as i32);
         tracer_dies_after(pid, || {
             let hold = Hold::place(pid, &[]).expect("hold");
-            assert!(sigstop_pending(pid, pid), "SIGSTOP queued");
+            assert!(sigstop_pending(pid, pid.into()), "SIGSTOP queued");
             assert_eq!(recorded_running(pid), Some(vec![]));
             hold.release().expect("drain the SIGSTOP");
-            assert!(!sigstop_pending(pid, pid), "SIGSTOP taken back");
+            assert!(!sigstop_pending(pid, pid.into()), "SIGSTOP taken back");
             assert_eq!(recorded_running(pid), None, "record removed");
             assert_eq!(
                 state(pid),
@@ -365,7 +373,7 @@ mod tests {
         // stopped), end the group stop with every thread kept in a ptrace stop, let one thread
         // run, stop it again, and let go: it runs on.
         let mut child = sleeper();
-        let pid = child.id() as i32;
+        let pid = HostPid(child.id() as i32);
         tracer_dies_after(pid, || Hold::place(pid, &[]).expect("hold").keep());
         assert!(settles_in(pid, ProcState::Stopped), "held");
         remove_record(pid);
@@ -381,7 +389,8 @@ mod tests {
                         state(pid)
                     ));
                 }
-                let th = crate::ptrace::RunningThread::resume(pid).map_err(|e| e.to_string())?;
+                let th =
+                    crate::ptrace::RunningThread::resume(pid.into()).map_err(|e| e.to_string())?;
                 let ran = settles_in(pid, ProcState::Sleeping);
                 th.stop().map_err(|e| e.to_string())?;
                 if !ran {
@@ -410,7 +419,7 @@ mod tests {
     #[test]
     fn exit_kill_takes_the_process_with_its_tracer() {
         let mut child = sleeper();
-        let pid = child.id() as i32;
+        let pid = HostPid(child.id() as i32);
         tracer_dies_after(pid, || kill_if_criu_dies(pid, &[]).expect("set EXITKILL"));
         let deadline = Instant::now() + Duration::from_secs(2);
         let status = loop {

@@ -44,7 +44,7 @@ impl JobLock {
 
     fn take_in(dir: &std::path::Path, pid: HostPid) -> Result<JobLock, JobLockError> {
         let (_, start) =
-            crate::procfs::state_and_start(pid.0).map_err(|err| JobLockError::Proc { pid, err })?;
+            crate::procfs::state_and_start(pid).map_err(|err| JobLockError::Proc { pid, err })?;
         let io = |path: &std::path::Path| {
             let path = path.display().to_string();
             move |err| JobLockError::Io { path, err }
@@ -54,7 +54,7 @@ impl JobLock {
             .mode(0o700)
             .create(dir)
             .map_err(io(dir))?;
-        let path = dir.join(format!("{}-{start}.lock", pid.0));
+        let path = dir.join(format!("{pid}-{start}.lock"));
         // The file is unlinked by the holder that drops it; one opened just before that is
         // another file than the one at the path now, so whoever locked it tries again.
         loop {

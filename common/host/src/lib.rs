@@ -7,7 +7,7 @@
 //! - `criu`: CRIU's plugin ABI and exports, resolved at run time;
 //! - `logger`: `log` into CRIU's own log, with the `gpusnap:` prefix;
 //! - `backend`: [`Backend`], one vendor's answers to CRIU's hooks;
-//! - `procfs`: everything read from `/proc`; `pid`: host and namespace pids as two types
+//! - `procfs`: everything read from `/proc`; `pid`: host and namespace pids and tids as types
 //!   (`gpusnap_proto`'s, re-exported);
 //! - `ptrace`: running one seized thread while CRIU holds the others;
 //! - `hold`: keeping a process from running on absent device memory should CRIU die;

@@ -4,7 +4,8 @@
 //! Hooks get host pids; image names and the agent's socket use the pid a process has in its
 //! own pid namespace, so most of this is translating between the two.
 
-use crate::pid::{HostPid, NsPid};
+use crate::pid::{HostPid, HostTid, NsPid, NsTid};
+use gpusnap_proto::ForeignFd;
 use std::collections::BTreeSet;
 use std::io;
 use std::os::unix::fs::MetadataExt;
@@ -24,7 +25,7 @@ fn read(path: &str) -> io::Result<String> {
 
 /// The last id of the `NSpid:` line of a `status` text: the id as the process's own pid
 /// namespace numbers it.
-pub fn parse_ns_id(status: &str) -> Option<i32> {
+fn parse_ns_id(status: &str) -> Option<i32> {
     status
         .lines()
         .find_map(|l| l.strip_prefix("NSpid:"))?
@@ -161,9 +162,9 @@ impl<'a> Stat<'a> {
         Some(field(14)? + field(15)?)
     }
 
-    /// The parent's pid (field 4).
-    pub fn parent(&self) -> Option<i32> {
-        self.rest.get(4 - 3)?.parse().ok()
+    /// The parent's pid (field 4), in the reader's pid namespace.
+    pub fn parent(&self) -> Option<HostPid> {
+        self.rest.get(4 - 3)?.parse().ok().map(HostPid)
     }
 
     /// When the task started (field 22), in clock ticks since boot: with the pid, it names one
@@ -250,19 +251,21 @@ pub fn ns_pid(pid: HostPid) -> io::Result<NsPid> {
 }
 
 /// The tid of host thread `tid` of `pid` inside the process's pid namespace.
-pub fn ns_tid(pid: i32, tid: i32) -> io::Result<i32> {
+pub fn ns_tid(pid: HostPid, tid: HostTid) -> io::Result<NsTid> {
     let path = format!("/proc/{pid}/task/{tid}/status");
-    parse_ns_id(&read(&path)?).ok_or_else(|| invalid("NSpid line", &path))
+    parse_ns_id(&read(&path)?)
+        .map(NsTid)
+        .ok_or_else(|| invalid("NSpid line", &path))
 }
 
 /// The signals queued to thread `tid` of `pid` alone (not to the whole process).
-pub fn pending_signals(pid: i32, tid: i32) -> io::Result<u64> {
+pub fn pending_signals(pid: HostPid, tid: HostTid) -> io::Result<u64> {
     let path = format!("/proc/{pid}/task/{tid}/status");
     parse_sig_pending(&read(&path)?).ok_or_else(|| invalid("SigPnd line", &path))
 }
 
 /// The state and start time of `pid`.
-pub fn state_and_start(pid: i32) -> io::Result<(ProcState, u64)> {
+pub fn state_and_start(pid: HostPid) -> io::Result<(ProcState, u64)> {
     let text = stat_text(pid, None)?;
     let path = format!("/proc/{pid}/stat");
     let st = Stat::parse(&text).ok_or_else(|| invalid("command name", &path))?;
@@ -274,7 +277,7 @@ pub fn state_and_start(pid: i32) -> io::Result<(ProcState, u64)> {
 }
 
 /// The parent of `pid` (in our pid namespace).
-pub fn parent_of(pid: i32) -> io::Result<i32> {
+pub fn parent_of(pid: HostPid) -> io::Result<HostPid> {
     let path = format!("/proc/{pid}/stat");
     let text = read(&path)?;
     Stat::parse(&text)
@@ -283,13 +286,13 @@ pub fn parent_of(pid: i32) -> io::Result<i32> {
 }
 
 /// The resident memory of `pid`, in KiB.
-pub fn vm_rss_kib(pid: i32) -> io::Result<u64> {
+pub fn vm_rss_kib(pid: HostPid) -> io::Result<u64> {
     let path = format!("/proc/{pid}/status");
     parse_vm_rss_kib(&read(&path)?).ok_or_else(|| invalid("VmRSS line", &path))
 }
 
 /// The `stat` text of a process, or of one of its threads.
-pub fn stat_text(pid: i32, tid: Option<i32>) -> io::Result<String> {
+pub fn stat_text(pid: HostPid, tid: Option<HostTid>) -> io::Result<String> {
     match tid {
         Some(tid) => read(&format!("/proc/{pid}/task/{tid}/stat")),
         None => read(&format!("/proc/{pid}/stat")),
@@ -297,18 +300,18 @@ pub fn stat_text(pid: i32, tid: Option<i32>) -> io::Result<String> {
 }
 
 /// A file of one thread (`comm`, `wchan`, `syscall`, ...), trimmed.
-pub fn task_file(pid: i32, tid: i32, name: &str) -> io::Result<String> {
+pub fn task_file(pid: HostPid, tid: HostTid, name: &str) -> io::Result<String> {
     read(&format!("/proc/{pid}/task/{tid}/{name}")).map(|s| s.trim().to_owned())
 }
 
 /// The `maps` text of `pid`.
-pub fn maps(pid: i32) -> io::Result<String> {
+pub fn maps(pid: HostPid) -> io::Result<String> {
     read(&format!("/proc/{pid}/maps"))
 }
 
 /// `pid`'s open descriptors and its soft `RLIMIT_NOFILE` ("Max open files" in
 /// `/proc/<pid>/limits`); `None` for the limit when it is unlimited.
-pub fn descriptors(pid: i32) -> io::Result<(u64, Option<u64>)> {
+pub fn descriptors(pid: HostPid) -> io::Result<(u64, Option<u64>)> {
     let open = std::fs::read_dir(format!("/proc/{pid}/fd"))?.count() as u64;
     let limits = read(&format!("/proc/{pid}/limits"))?;
     Ok((open, parse_nofile_soft(&limits)))
@@ -323,7 +326,7 @@ fn parse_nofile_soft(limits: &str) -> Option<u64> {
 }
 
 /// The program name `pid` runs (from its command line; the stat name is cut at 15 characters).
-pub fn argv0(pid: i32) -> io::Result<String> {
+pub fn argv0(pid: HostPid) -> io::Result<String> {
     std::fs::read(format!("/proc/{pid}/cmdline")).map(|c| parse_argv0(&c))
 }
 
@@ -333,61 +336,70 @@ pub fn char_major(name: &str) -> io::Result<Option<u32>> {
 }
 
 /// The descriptor numbers `pid` holds now.
-pub fn fd_numbers(pid: i32) -> io::Result<Vec<i32>> {
-    numbered_entries(&format!("/proc/{pid}/fd"))
+pub fn fd_numbers(pid: HostPid) -> io::Result<Vec<ForeignFd>> {
+    Ok(numbered_entries(&format!("/proc/{pid}/fd"))?
+        .into_iter()
+        .filter_map(ForeignFd::new)
+        .collect())
 }
 
 /// What descriptor `fd` of `pid` names (its `/proc/<pid>/fd` link).
-pub fn fd_target(pid: i32, fd: i32) -> io::Result<std::path::PathBuf> {
+pub fn fd_target(pid: HostPid, fd: ForeignFd) -> io::Result<std::path::PathBuf> {
     let path = format!("/proc/{pid}/fd/{fd}");
     std::fs::read_link(&path).map_err(|e| io::Error::new(e.kind(), format!("{path}: {e}")))
 }
 
 /// The status of the file descriptor `fd` of `pid` names (for a device node: its `rdev`).
-pub fn fd_metadata(pid: i32, fd: i32) -> io::Result<std::fs::Metadata> {
+pub fn fd_metadata(pid: HostPid, fd: ForeignFd) -> io::Result<std::fs::Metadata> {
     let path = format!("/proc/{pid}/fd/{fd}");
     std::fs::metadata(&path).map_err(|e| io::Error::new(e.kind(), format!("{path}: {e}")))
 }
 
 /// The status of the file mapped at `start..end` in `pid` (`map_files`: the mapped file itself,
 /// even where its path is gone).
-pub fn mapped_file_metadata(pid: i32, start: u64, end: u64) -> io::Result<std::fs::Metadata> {
+pub fn mapped_file_metadata(pid: HostPid, start: u64, end: u64) -> io::Result<std::fs::Metadata> {
     let path = format!("/proc/{pid}/map_files/{start:x}-{end:x}");
     std::fs::metadata(&path).map_err(|e| io::Error::new(e.kind(), format!("{path}: {e}")))
 }
 
 /// The pid `/proc/locks` names as holding a `flock` on the file of device `dev` and inode
 /// `ino`, if one does.
-pub fn flock_holder(dev: u64, ino: u64) -> io::Result<Option<i32>> {
+pub fn flock_holder(dev: u64, ino: u64) -> io::Result<Option<HostPid>> {
     Ok(parse_flock_holder(&read("/proc/locks")?, dev, ino))
 }
 
 /// `N: FLOCK ADVISORY WRITE <pid> <major>:<minor>:<inode> 0 EOF` lines (major and minor in hex).
-pub fn parse_flock_holder(locks: &str, dev: u64, ino: u64) -> Option<i32> {
+pub fn parse_flock_holder(locks: &str, dev: u64, ino: u64) -> Option<HostPid> {
     let want = format!("{:02x}:{:02x}:{ino}", libc::major(dev), libc::minor(dev));
     locks.lines().find_map(|l| {
         let f: Vec<&str> = l.split_whitespace().collect();
         // A blocked waiter's line starts `N: ->`.
         let f = f.get(1..)?;
         (f.first() == Some(&"FLOCK") && f.get(4).is_some_and(|id| id.eq_ignore_ascii_case(&want)))
-            .then(|| f.get(3)?.parse().ok())
+            .then(|| f.get(3)?.parse().ok().map(HostPid))
             .flatten()
     })
 }
 
 /// The owner uid of `pid`.
-pub fn uid_of(pid: i32) -> io::Result<u32> {
+pub fn uid_of(pid: HostPid) -> io::Result<u32> {
     Ok(std::fs::metadata(format!("/proc/{pid}"))?.uid())
 }
 
 /// Every process (thread-group leader) `/proc` lists now.
-pub fn processes() -> io::Result<Vec<i32>> {
-    numbered_entries("/proc")
+pub fn processes() -> io::Result<Vec<HostPid>> {
+    Ok(numbered_entries("/proc")?
+        .into_iter()
+        .map(HostPid)
+        .collect())
 }
 
 /// The thread ids of `pid`, as `/proc/<pid>/task` lists them now.
-pub fn thread_ids(pid: i32) -> io::Result<Vec<i32>> {
-    numbered_entries(&format!("/proc/{pid}/task"))
+pub fn thread_ids(pid: HostPid) -> io::Result<Vec<HostTid>> {
+    Ok(numbered_entries(&format!("/proc/{pid}/task"))?
+        .into_iter()
+        .map(HostTid)
+        .collect())
 }
 
 fn numbered_entries(dir: &str) -> io::Result<Vec<i32>> {
@@ -399,29 +411,29 @@ fn numbered_entries(dir: &str) -> io::Result<Vec<i32>> {
 }
 
 /// The host tid of the thread of `pid` whose tid in the process's own namespace is `ns_tid`.
-pub fn host_tid(pid: i32, ns_tid: i32) -> io::Result<Option<i32>> {
+pub fn host_tid(pid: HostPid, ns_tid: NsTid) -> io::Result<Option<HostTid>> {
     Ok(thread_ids(pid)?
         .into_iter()
         .find(|&tid| self::ns_tid(pid, tid).ok() == Some(ns_tid)))
 }
 
 /// The host tid of the thread of `pid` that named itself `comm`.
-pub fn thread_named(pid: i32, comm: &str) -> io::Result<Option<i32>> {
+pub fn thread_named(pid: HostPid, comm: &str) -> io::Result<Option<HostTid>> {
     Ok(thread_ids(pid)?
         .into_iter()
         .find(|&tid| task_file(pid, tid, "comm").is_ok_and(|c| c == comm)))
 }
 
 /// The child processes started by thread `tid` of `pid`.
-pub fn children(pid: i32, tid: i32) -> io::Result<BTreeSet<i32>> {
+pub fn children(pid: HostPid, tid: HostTid) -> io::Result<BTreeSet<HostPid>> {
     Ok(read(&format!("/proc/{pid}/task/{tid}/children"))?
         .split_whitespace()
-        .filter_map(|s| s.parse().ok())
+        .filter_map(|s| s.parse().ok().map(HostPid))
         .collect())
 }
 
 /// A namespace of a process, as (device, inode): equal for processes in the same namespace.
-pub fn namespace(pid: i32, kind: &str) -> io::Result<(u64, u64)> {
+pub fn namespace(pid: HostPid, kind: &str) -> io::Result<(u64, u64)> {
     let path = format!("/proc/{pid}/ns/{kind}");
     let m =
         std::fs::metadata(&path).map_err(|e| io::Error::new(e.kind(), format!("{path}: {e}")))?;
@@ -429,7 +441,7 @@ pub fn namespace(pid: i32, kind: &str) -> io::Result<(u64, u64)> {
 }
 
 /// Reads 4 bytes of `pid`'s memory (a tracer may read `/proc/<pid>/mem`).
-pub fn read_u32(pid: i32, addr: u64) -> io::Result<u32> {
+pub fn read_u32(pid: HostPid, addr: u64) -> io::Result<u32> {
     use std::os::unix::fs::FileExt;
     let f = std::fs::File::open(format!("/proc/{pid}/mem"))?;
     let mut b = [0u8; 4];
@@ -469,7 +481,7 @@ mod tests {
         assert_eq!(st.comm, "a b) c)");
         assert_eq!(st.state(), Some(ProcState::Sleeping));
         assert_eq!(st.cpu_ticks(), Some(755));
-        assert_eq!(st.parent(), Some(1));
+        assert_eq!(st.parent().map(HostPid::get), Some(1));
         assert_eq!(st.start_time(), None, "the line ends before field 22");
         let full = "7 (x) S 1 7 7 0 -1 0 0 0 0 0 1 2 0 0 20 0 1 0 4242 0 0";
         assert_eq!(Stat::parse(full).unwrap().start_time(), Some(4242));
@@ -550,20 +562,24 @@ mod tests {
                      2: FLOCK  ADVISORY  WRITE 4242 08:01:1234 0 EOF\n\
                      2: -> FLOCK  ADVISORY  WRITE 77 08:01:1234 0 EOF\n";
         let dev = libc::makedev(8, 1);
-        assert_eq!(parse_flock_holder(locks, dev, 1234), Some(4242));
+        assert_eq!(
+            parse_flock_holder(locks, dev, 1234).map(HostPid::get),
+            Some(4242)
+        );
         assert_eq!(parse_flock_holder(locks, dev, 99), None, "a POSIX lock");
         assert_eq!(parse_flock_holder(locks, libc::makedev(8, 2), 1234), None);
     }
 
     #[test]
     fn own_descriptors_resolve() {
-        let me = std::process::id() as i32;
+        let me = HostPid(std::process::id() as i32);
         let f = std::fs::File::open("/proc/self/status").unwrap();
-        let n = std::os::fd::AsRawFd::as_raw_fd(&f);
+        let n = ForeignFd::new(std::os::fd::AsRawFd::as_raw_fd(&f)).unwrap();
         assert!(fd_numbers(me).unwrap().contains(&n));
         assert!(fd_target(me, n).unwrap().ends_with("status"));
         assert!(fd_metadata(me, n).unwrap().is_file());
-        assert!(fd_target(me, -1).is_err());
+        // -1 names no descriptor: no ForeignFd at all now.
+        assert!(ForeignFd::new(-1).is_none_or(|fd| fd_target(me, fd).is_err()));
     }
 
     #[test]
@@ -580,11 +596,12 @@ mod tests {
         let me = std::process::id() as i32;
         // The tests run in the pid namespace they were started in.
         assert_eq!(ns_pid(HostPid(me)).unwrap(), NsPid(std::process::id()));
-        assert_eq!(host_tid(me, me).unwrap(), Some(me));
-        assert_eq!(host_tid(me, -5).unwrap(), None);
-        assert!(thread_ids(me).unwrap().contains(&me));
-        assert!(vm_rss_kib(me).unwrap() > 0);
-        assert!(processes().unwrap().contains(&me));
+        let (host, tid) = (HostPid(me), HostTid(me));
+        assert_eq!(host_tid(host, NsTid(me)).unwrap(), Some(tid));
+        assert_eq!(host_tid(host, NsTid(-5)).unwrap(), None);
+        assert!(thread_ids(host).unwrap().contains(&tid));
+        assert!(vm_rss_kib(host).unwrap() > 0);
+        assert!(processes().unwrap().contains(&host));
         let e = ns_pid(HostPid(-1)).unwrap_err();
         assert!(e.to_string().contains("/proc/-1/status"), "{e}");
     }

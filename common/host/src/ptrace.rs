@@ -5,26 +5,27 @@
 //! of the application's runs in it but what it was doing) and stopped again with
 //! `PTRACE_INTERRUPT`. [`RunningThread`] re-stops on drop, so no error path leaves it running.
 
+use crate::pid::{HostPid, HostTid};
 use std::io;
 
 /// A ptrace request on one of the process's threads failed.
 #[derive(Debug, thiserror::Error)]
 #[error("ptrace on thread {tid} ({what}): {err}")]
 pub struct PtraceError {
-    pub tid: i32,
+    pub tid: HostTid,
     pub what: &'static str,
     pub err: io::Error,
 }
 
 impl PtraceError {
     /// Maps an `io::Error` of a request on `tid` (doing `what`).
-    pub fn on(tid: i32, what: &'static str) -> impl FnOnce(io::Error) -> Self {
+    pub fn on(tid: HostTid, what: &'static str) -> impl FnOnce(io::Error) -> Self {
         move |err| Self { tid, what, err }
     }
 }
 
 /// Resumes `tid` (doing `what`, for the error).
-pub fn resume(tid: i32, what: &'static str) -> Result<RunningThread, PtraceError> {
+pub fn resume(tid: HostTid, what: &'static str) -> Result<RunningThread, PtraceError> {
     RunningThread::resume(tid).map_err(PtraceError::on(tid, what))
 }
 
@@ -44,14 +45,14 @@ const CRIU_OPTIONS: libc::c_long =
     (libc::PTRACE_O_SUSPEND_SECCOMP | libc::PTRACE_O_TRACESYSGOOD) as _;
 
 /// A request whose `addr` and `data` are plain numbers (no pointer is passed to the kernel).
-fn ptrace(req: libc::c_uint, tid: i32, addr: usize, data: usize) -> io::Result<libc::c_long> {
+fn ptrace(req: libc::c_uint, tid: HostTid, addr: usize, data: usize) -> io::Result<libc::c_long> {
     debug_assert!(req != PTRACE_GETSIGMASK && req != PTRACE_SETSIGMASK);
     // SAFETY: for the requests passed here (SEIZE, INTERRUPT, CONT, DETACH, SETOPTIONS)
     // `addr` and `data` are numbers, not pointers; the kernel checks that we trace `tid`.
     let r = unsafe {
         libc::ptrace(
             req,
-            tid,
+            tid.get(),
             addr as *mut libc::c_void,
             data as *mut libc::c_void,
         )
@@ -63,14 +64,14 @@ fn ptrace(req: libc::c_uint, tid: i32, addr: usize, data: usize) -> io::Result<l
 }
 
 /// `PTRACE_GETSIGMASK` / `PTRACE_SETSIGMASK`: the kernel reads or writes the 8-byte `mask`.
-fn sigmask(req: libc::c_uint, tid: i32, mask: &mut u64) -> io::Result<()> {
+fn sigmask(req: libc::c_uint, tid: HostTid, mask: &mut u64) -> io::Result<()> {
     debug_assert!(req == PTRACE_GETSIGMASK || req == PTRACE_SETSIGMASK);
     // SAFETY: `mask` is a live, writable u64 and its size is passed as `addr`, as both requests
     // expect; the kernel checks that we trace `tid`.
     let r = unsafe {
         libc::ptrace(
             req,
-            tid,
+            tid.get(),
             std::mem::size_of::<u64>() as *mut libc::c_void,
             (mask as *mut u64).cast::<libc::c_void>(),
         )
@@ -84,14 +85,14 @@ fn sigmask(req: libc::c_uint, tid: i32, mask: &mut u64) -> io::Result<()> {
 /// A seized thread that we let run. Dropping it stops it again.
 #[derive(Debug)]
 pub struct RunningThread {
-    tid: i32,
+    tid: HostTid,
     saved_mask: u64,
     stopped: bool,
 }
 
 impl RunningThread {
     /// Resumes `tid`, which must be in a ptrace stop of ours.
-    pub fn resume(tid: i32) -> io::Result<Self> {
+    pub fn resume(tid: HostTid) -> io::Result<Self> {
         let mut saved: u64 = 0;
         sigmask(PTRACE_GETSIGMASK, tid, &mut saved)?;
         let mut only_trap: u64 = !(1u64 << (libc::SIGTRAP - 1));
@@ -114,7 +115,7 @@ impl RunningThread {
         })
     }
 
-    pub fn tid(&self) -> i32 {
+    pub fn tid(&self) -> HostTid {
         self.tid
     }
 
@@ -146,7 +147,7 @@ impl Drop for RunningThread {
 
 /// Makes the kernel kill `tid` (and so its process) should its tracer exit, keeping CRIU's
 /// options. Only the tracer may call this.
-pub fn set_exit_kill(tid: i32) -> Result<(), PtraceError> {
+pub fn set_exit_kill(tid: HostTid) -> Result<(), PtraceError> {
     let options = CRIU_OPTIONS | libc::PTRACE_O_EXITKILL as libc::c_long;
     ptrace(libc::PTRACE_SETOPTIONS, tid, 0, options as usize)
         .map(|_| ())
@@ -157,7 +158,7 @@ pub fn set_exit_kill(tid: i32) -> Result<(), PtraceError> {
 /// it run: with every other signal blocked, the thread is continued into the signal's delivery
 /// stop, the signal is dropped, and a pending interrupt traps it again before it returns to
 /// user space. `tid` must be in a ptrace stop of ours with `SIGSTOP` pending.
-pub fn drain_sigstop(tid: i32) -> Result<(), PtraceError> {
+pub fn drain_sigstop(tid: HostTid) -> Result<(), PtraceError> {
     let err = PtraceError::on(tid, "taking back a queued SIGSTOP");
     let mut saved: u64 = 0;
     sigmask(PTRACE_GETSIGMASK, tid, &mut saved).map_err(err)?;
@@ -178,7 +179,7 @@ pub fn drain_sigstop(tid: i32) -> Result<(), PtraceError> {
 
 /// Waits for the delivery stop of `sig`; an interrupt stop on the way (a trap that was
 /// pending) is continued.
-fn wait_for_signal_stop(tid: i32, sig: i32) -> io::Result<()> {
+fn wait_for_signal_stop(tid: HostTid, sig: i32) -> io::Result<()> {
     for _ in 0..16 {
         let status = wait_stopped(tid)?;
         if status >> 16 == 0 && libc::WSTOPSIG(status) == sig {
@@ -192,11 +193,11 @@ fn wait_for_signal_stop(tid: i32, sig: i32) -> io::Result<()> {
 }
 
 /// The status of the next stop of traced thread `tid` (EINTR retried).
-fn wait_stopped(tid: i32) -> io::Result<i32> {
+fn wait_stopped(tid: HostTid) -> io::Result<i32> {
     loop {
         let mut status: libc::c_int = 0;
         // SAFETY: waitpid on a traced thread with a valid status pointer.
-        let r = unsafe { libc::waitpid(tid, &mut status, libc::__WALL) };
+        let r = unsafe { libc::waitpid(tid.get(), &mut status, libc::__WALL) };
         if r < 0 {
             let e = io::Error::last_os_error();
             if e.kind() == io::ErrorKind::Interrupted {
@@ -217,7 +218,7 @@ fn wait_stopped(tid: i32) -> io::Result<i32> {
 
 /// Waits for the `PTRACE_EVENT_STOP` our interrupt causes. A signal-delivery stop on the way
 /// (only SIGTRAP can arrive: everything else is blocked) is passed on, and we keep waiting.
-fn wait_for_interrupt_stop(tid: i32) -> io::Result<()> {
+fn wait_for_interrupt_stop(tid: HostTid) -> io::Result<()> {
     loop {
         let status = wait_stopped(tid)?;
         if status >> 16 == libc::PTRACE_EVENT_STOP {
@@ -236,12 +237,12 @@ fn wait_for_interrupt_stop(tid: i32) -> io::Result<()> {
 /// Every thread of a process held in a ptrace stop by us (for `gpusnap recover`, which runs
 /// outside CRIU). Dropping it detaches, and the threads run on.
 pub struct SeizedProcess {
-    pid: i32,
-    tids: Vec<i32>,
+    pid: HostPid,
+    tids: Vec<HostTid>,
 }
 
 impl SeizedProcess {
-    pub fn seize(pid: i32) -> io::Result<Self> {
+    pub fn seize(pid: HostPid) -> io::Result<Self> {
         let mut me = Self {
             pid,
             tids: Vec::new(),
@@ -271,7 +272,7 @@ impl SeizedProcess {
     /// blocked, so none runs user code. Afterwards a resumed thread runs as usual.
     pub fn end_group_stop(&self) -> io::Result<()> {
         // SAFETY: kill(2) takes no pointers.
-        if unsafe { libc::kill(self.pid, libc::SIGCONT) } != 0 {
+        if unsafe { libc::kill(self.pid.get(), libc::SIGCONT) } != 0 {
             return Err(io::Error::last_os_error());
         }
         for &tid in &self.tids {
@@ -309,7 +310,7 @@ mod tests {
     #[test]
     fn resuming_an_untraced_thread_fails_cleanly() {
         // We trace nothing; the kernel refuses with ESRCH.
-        let me = std::process::id() as i32;
+        let me = HostTid(std::process::id() as i32);
         let e = RunningThread::resume(me).unwrap_err();
         assert_eq!(e.raw_os_error(), Some(libc::ESRCH));
     }

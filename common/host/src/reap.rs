@@ -7,6 +7,7 @@
 //! Podman). [`kill_and_reap`] is the one way the plugin kills a process: SIGKILL, then every
 //! thread reaped that is ours to reap.
 
+use crate::pid::{HostPid, HostTid};
 use std::io;
 use std::time::{Duration, Instant};
 
@@ -17,7 +18,7 @@ pub const REAP_WITHIN: Duration = Duration::from_secs(5);
 #[derive(Debug, thiserror::Error)]
 #[error("killing pid {pid} failed: {source}")]
 pub struct KillFailed {
-    pub pid: i32,
+    pub pid: HostPid,
     #[source]
     pub source: io::Error,
 }
@@ -26,15 +27,15 @@ pub struct KillFailed {
 /// after [`REAP_WITHIN`] (empty when every thread that was ours to reap is reaped).
 #[derive(Debug, PartialEq, Eq)]
 pub struct Killed {
-    pub left: Vec<i32>,
+    pub left: Vec<HostTid>,
 }
 
 /// SIGKILL to `pid`, then reaps its threads that this process traces (or its own child).
 /// Threads that are not ours to wait for (CRIU's own handler reaped them, say) count as reaped.
-pub fn kill_and_reap(pid: i32) -> Result<Killed, KillFailed> {
-    let tids = crate::procfs::thread_ids(pid).unwrap_or_else(|_| vec![pid]);
+pub fn kill_and_reap(pid: HostPid) -> Result<Killed, KillFailed> {
+    let tids = crate::procfs::thread_ids(pid).unwrap_or_else(|_| vec![pid.into()]);
     // SAFETY: kill(2) takes no pointers; `pid` is a process the caller found must not run.
-    if unsafe { libc::kill(pid, libc::SIGKILL) } != 0 {
+    if unsafe { libc::kill(pid.get(), libc::SIGKILL) } != 0 {
         return Err(KillFailed {
             pid,
             source: io::Error::last_os_error(),
@@ -48,14 +49,14 @@ pub fn kill_and_reap(pid: i32) -> Result<Killed, KillFailed> {
 }
 
 /// Reaps the threads `tids` once they have died; returns those still alive at `within`.
-fn reap(tids: &[i32], within: Duration) -> Vec<i32> {
+fn reap(tids: &[HostTid], within: Duration) -> Vec<HostTid> {
     let deadline = Instant::now() + within;
-    let mut left: Vec<i32> = tids.to_vec();
+    let mut left: Vec<HostTid> = tids.to_vec();
     while !left.is_empty() && Instant::now() < deadline {
         left.retain(|&tid| {
             let mut status = 0;
             // SAFETY: waitpid with a valid status pointer; WNOHANG never blocks.
-            let r = unsafe { libc::waitpid(tid, &mut status, libc::__WALL | libc::WNOHANG) };
+            let r = unsafe { libc::waitpid(tid.get(), &mut status, libc::__WALL | libc::WNOHANG) };
             match r {
                 0 => true,
                 // Not (or no longer) ours to wait for.
@@ -83,12 +84,12 @@ mod tests {
             .spawn()
             .unwrap();
         let pid = child.id() as i32;
-        let k = kill_and_reap(pid).unwrap();
-        assert_eq!(k.left, Vec::<i32>::new());
+        let k = kill_and_reap(HostPid(pid)).unwrap();
+        assert_eq!(k.left, Vec::<HostTid>::new());
         assert!(
             !std::path::Path::new(&format!("/proc/{pid}")).exists(),
             "pid {pid} is left as a zombie: {:?}",
-            crate::procfs::state_and_start(pid)
+            crate::procfs::state_and_start(HostPid(pid))
         );
         // Nothing is left to wait for.
         let mut status = 0;
@@ -100,8 +101,8 @@ mod tests {
 
     #[test]
     fn a_refused_kill_says_which_pid() {
-        let e = kill_and_reap(i32::MAX).unwrap_err();
-        assert_eq!(e.pid, i32::MAX);
+        let e = kill_and_reap(HostPid(i32::MAX)).unwrap_err();
+        assert_eq!(e.pid.get(), i32::MAX);
         assert!(e.to_string().contains(&i32::MAX.to_string()), "{e}");
     }
 }

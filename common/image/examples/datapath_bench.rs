@@ -19,6 +19,7 @@ use gpusnap_image::{
     CHUNK_OVERHEAD, CheckpointPath, ChunkEntry, Codec, DataFileReader, DataFileWriter,
     FORMAT_VERSION, Manifest, Reservation, hash_chunk, verify_image, write_manifest,
 };
+use gpusnap_proto::pid::NsPid;
 use std::os::fd::{AsFd, OwnedFd};
 use std::time::Instant;
 
@@ -45,7 +46,7 @@ fn write_files(
                     for (i, b) in data.iter_mut().enumerate() {
                         *b = (i.wrapping_mul(2654435761) >> 13) as u8 ^ t as u8;
                     }
-                    let mut w = DataFileWriter::create(dir, 1, t as u32).expect("create");
+                    let mut w = DataFileWriter::create(dir, NsPid(1), t as u32).expect("create");
                     w.set_sync(durable);
                     let mut entries = Vec::new();
                     for c in 0..per_thread {
@@ -104,8 +105,8 @@ fn write_held(
                     *b = (i.wrapping_mul(2654435761) >> 13) as u8 ^ t as u8;
                 }
                 let mut w = match how {
-                    Held::HandedBack => DataFileWriter::create(dir, 1, t as u32),
-                    Held::WrittenInto => DataFileWriter::create_in(reserved, 1, t as u32),
+                    Held::HandedBack => DataFileWriter::create(dir, NsPid(1), t as u32),
+                    Held::WrittenInto => DataFileWriter::create_in(reserved, NsPid(1), t as u32),
                 }
                 .expect("create");
                 for c in 0..per_thread {
@@ -124,7 +125,7 @@ fn write_held(
     for t in 0..threads {
         let _ = gpusnap_image::remove_data_file(
             dir.as_fd(),
-            &gpusnap_image::data_file_name(1, t as u32),
+            &gpusnap_image::data_file_name(NsPid(1), t as u32),
         );
     }
     (take_s, write_s)
@@ -201,7 +202,7 @@ fn main() {
     chunks.sort_by_key(|c| c.addr);
     let m = Manifest {
         format_version: FORMAT_VERSION,
-        nspid: 1,
+        nspid: NsPid(1),
         path: CheckpointPath::Split,
         created_unix_s: 0,
         gpusnap_version: "bench".into(),

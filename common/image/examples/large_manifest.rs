@@ -40,7 +40,7 @@ fn main() {
         .expect("usage: large_manifest DIR [--allocations N] [--moved N] [--nspid N]");
     let allocations = arg(&args, "--allocations", 3_600_000);
     let moved = arg(&args, "--moved", 100_000).min(allocations);
-    let nspid = arg(&args, "--nspid", 7) as u32;
+    let nspid = gpusnap_proto::pid::NsPid(arg(&args, "--nspid", 7) as u32);
 
     std::fs::create_dir(path).expect("create DIR (it must not exist)");
     let dir = OpenOptions::new()

@@ -2,6 +2,7 @@
 //! `cargo run --release -p gpusnap-image --example throughput [DIR] [CHUNK_MIB] [CHUNKS]`.
 //! The plugin runs one writer (or reader) like this per thread.
 
+use gpusnap_proto::pid::NsPid;
 use std::collections::BTreeMap;
 use std::fs::OpenOptions;
 use std::os::fd::AsFd;
@@ -43,9 +44,9 @@ fn main() {
         ("zstd (incompressible)", &noise, Codec::Zstd),
         ("zstd (sparse)", &sparse, Codec::Zstd),
     ] {
-        let _ = remove_process_files(fd, 1);
+        let _ = remove_process_files(fd, NsPid(1));
         let t = Instant::now();
-        let mut w = DataFileWriter::create(fd, 1, 0).unwrap();
+        let mut w = DataFileWriter::create(fd, NsPid(1), 0).unwrap();
         let entries: Vec<_> = (0..chunks)
             .map(|i| w.append_chunk((i * len) as u64, data, codec).unwrap())
             .collect();
@@ -54,7 +55,7 @@ fn main() {
         let total = (chunks * len) as f64;
         let m = Manifest {
             format_version: FORMAT_VERSION,
-            nspid: 1,
+            nspid: NsPid(1),
             path: CheckpointPath::Split,
             created_unix_s: 0,
             gpusnap_version: "bench".into(),
@@ -80,7 +81,7 @@ fn main() {
             requires: None,
         };
         write_manifest(fd, &m).unwrap();
-        let m = read_manifest(fd, 1).unwrap();
+        let m = read_manifest(fd, NsPid(1)).unwrap();
         let r = DataFileReader::open(fd, &m, 0).unwrap();
         let mut out = vec![0u8; len];
         let mut scratch = Vec::new();

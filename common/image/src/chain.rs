@@ -13,6 +13,7 @@
 //! checks an image's own), and every reference must match the ancestor's record of the chunk
 //! field for field, before any byte is trusted.
 
+use gpusnap_proto::pid::NsPid;
 use std::collections::{BTreeSet, HashMap};
 use std::fs::File;
 use std::os::fd::{AsFd, BorrowedFd};
@@ -362,7 +363,7 @@ fn moved_set(allocs: &[AllocationRecord]) -> Vec<(u64, u64, u32)> {
 /// the parent's bytes, so it must not trust a parent it has not read. `Ok(None)`: no parent.
 pub fn verify_parent(
     dir: BorrowedFd<'_>,
-    nspid: u32,
+    nspid: NsPid,
     threads: usize,
 ) -> Result<Option<crate::VerifyReport>, ImageError> {
     let Some(pdir) = open_parent_dir(dir, PARENT_LINK)? else {
@@ -382,7 +383,7 @@ pub fn verify_parent(
 /// allocations both hold alike (address, size, device) are offered, and at least one must be.
 pub fn parent_for_dedup(
     dir: BorrowedFd<'_>,
-    nspid: u32,
+    nspid: NsPid,
     allocations: &[AllocationRecord],
 ) -> ParentImage {
     let pdir = match open_parent_dir(dir, PARENT_LINK) {
@@ -484,7 +485,7 @@ pub fn parent_for_dedup(
 /// size and header, every chunk's bounds, overlaps, allocations and sums; and, if chunks
 /// reference ancestor images, the `parent` chain, each ancestor's manifest and data files as
 /// above, and that every reference matches the ancestor's own record of the chunk.
-pub fn read_manifest(dir: BorrowedFd<'_>, nspid: u32) -> Result<Manifest, ImageError> {
+pub fn read_manifest(dir: BorrowedFd<'_>, nspid: NsPid) -> Result<Manifest, ImageError> {
     let m = read_manifest_local(dir, nspid)?;
     open_ancestors(dir, &m)?;
     Ok(m)

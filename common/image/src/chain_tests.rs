@@ -9,8 +9,9 @@ use std::path::PathBuf;
 
 use crate::tests::{TempDir, append_sum64, flip, noise, plant};
 use crate::*;
+use gpusnap_proto::pid::NsPid;
 
-const NSPID: u32 = 12;
+const NSPID: NsPid = NsPid(12);
 const CHUNK: usize = 4096;
 const BASE: u64 = 0x7e00_0000_0000;
 
@@ -57,7 +58,7 @@ fn allocations(chunks: usize) -> Vec<AllocationRecord> {
     }]
 }
 
-fn manifest(nspid: u32, chunks: Vec<ChunkEntry>, files: Vec<FileEntry>) -> Manifest {
+fn manifest(nspid: NsPid, chunks: Vec<ChunkEntry>, files: Vec<FileEntry>) -> Manifest {
     let n = chunks.len();
     Manifest {
         format_version: FORMAT_VERSION,
@@ -83,7 +84,7 @@ fn manifest(nspid: u32, chunks: Vec<ChunkEntry>, files: Vec<FileEntry>) -> Manif
 /// Dumps one allocation of `data.len()` chunks into `dir` as the plugin's writers do: each
 /// chunk hashed, referenced when the parent holds the same bytes at the same range, written
 /// otherwise. Returns the manifest written and how many chunks were written.
-fn dump(dir: BorrowedFd<'_>, nspid: u32, data: &[Vec<u8>]) -> (Manifest, usize) {
+fn dump(dir: BorrowedFd<'_>, nspid: NsPid, data: &[Vec<u8>]) -> (Manifest, usize) {
     let index = match parent_for_dedup(dir, nspid, &allocations(data.len())) {
         ParentImage::Usable(i) => Some(i),
         ParentImage::None | ParentImage::Unusable(_) => None,
@@ -377,7 +378,7 @@ fn another_process_or_other_allocations_make_a_full_dump() {
     let imgs = Images::new();
     let v = data(7);
     let d1 = imgs.mkdir(1, None);
-    dump(d1.as_fd(), NSPID + 1, &v);
+    dump(d1.as_fd(), NsPid(NSPID.get() + 1), &v);
     let d2 = imgs.mkdir(2, Some(1));
     match parent_for_dedup(d2.as_fd(), NSPID, &allocations(4)) {
         ParentImage::Unusable(why) => {

@@ -16,15 +16,16 @@ use std::path::Path;
 
 use crate::tests::{TempDir, append_sum64, noise};
 use crate::*;
+use gpusnap_proto::pid::NsPid;
 
-const SPLIT: u32 = 12;
+const SPLIT: NsPid = NsPid(12);
 /// A second process with one small data file: one process cut short refuses the directory.
-const OTHER: u32 = 13;
+const OTHER: NsPid = NsPid(13);
 const BASE: u64 = 0x7f00_0000_0000;
 
 /// One chunk to write: the allocation it belongs to, its bytes, how it is written.
 struct Planned {
-    nspid: u32,
+    nspid: NsPid,
     file: u32,
     addr: u64,
     data: Vec<u8>,
@@ -79,7 +80,7 @@ fn plan() -> Vec<Planned> {
     ]
 }
 
-fn manifest(nspid: u32, files: Vec<FileEntry>, chunks: Vec<ChunkEntry>) -> Manifest {
+fn manifest(nspid: NsPid, files: Vec<FileEntry>, chunks: Vec<ChunkEntry>) -> Manifest {
     let mut allocations: Vec<AllocationRecord> = Vec::new();
     for c in &chunks {
         match allocations
@@ -120,7 +121,7 @@ fn manifest(nspid: u32, files: Vec<FileEntry>, chunks: Vec<ChunkEntry>) -> Manif
 }
 
 /// The device bytes of every chunk, per process, in manifest (address) order.
-type Contents = BTreeMap<u32, Vec<Vec<u8>>>;
+type Contents = BTreeMap<NsPid, Vec<Vec<u8>>>;
 
 /// What a restore gets from the directory: every manifest read and checked, every chunk
 /// verified (`verify_before_restore`), then every chunk's bytes through the readers the
@@ -227,7 +228,7 @@ fn assert_no_wrong_bytes(dir: BorrowedFd<'_>, m: &Manifest, want: &[Vec<u8>], na
 /// A complete image (both processes), written as the plugin writes one.
 struct Written {
     dir: TempDir,
-    manifests: BTreeMap<u32, Manifest>,
+    manifests: BTreeMap<NsPid, Manifest>,
     contents: Contents,
 }
 
@@ -255,8 +256,8 @@ enum Step {
 /// the process it was about.
 fn write_steps(
     dir: BorrowedFd<'_>,
-    seen: &mut dyn FnMut(Step, u32),
-) -> (BTreeMap<u32, Manifest>, Contents) {
+    seen: &mut dyn FnMut(Step, NsPid),
+) -> (BTreeMap<NsPid, Manifest>, Contents) {
     let planned = plan();
     let mut manifests = BTreeMap::new();
     let mut contents = Contents::new();

@@ -1,6 +1,7 @@
 //! The one error type of the image crate, with the chunk details two of its variants hold.
 //! Every [`ImageError`] message names the file it is about.
 
+use gpusnap_proto::pid::NsPid;
 use std::io;
 
 use crate::{
@@ -93,8 +94,8 @@ pub enum ImageError {
     #[error("{file}: manifest is for process {found}, expected {expected}")]
     NspidMismatch {
         file: String,
-        expected: u32,
-        found: u32,
+        expected: NsPid,
+        found: NsPid,
     },
     /// `files[index]` is not a data-file name of this process (e.g. contains `/` or `..`).
     #[error("{file}: files[{index}] is named {name:?}, expected {expected:?}")]
@@ -111,14 +112,14 @@ pub enum ImageError {
     )]
     UnfinishedDump {
         file: String,
-        nspid: u32,
+        nspid: NsPid,
         manifest: String,
     },
     /// An asynchronous `-R` is still writing this process's data (its PENDING marker is there).
     #[error(
         "{file}: process {nspid}'s GPU data is still being written after an asynchronous `criu dump -R` (image pending, not yet a checkpoint; `gpusnap wait` waits for it)"
     )]
-    PendingDump { file: String, nspid: u32 },
+    PendingDump { file: String, nspid: NsPid },
     /// A data file does not start with `GPUSNAPD`.
     #[error("{file}: not a gpusnap data file (bad magic) ({DAMAGED})")]
     DataHeaderMagic { file: String },

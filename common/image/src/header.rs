@@ -2,6 +2,7 @@
 //! in front of every chunk. All integers little-endian; each header ends with the xxh3-64 of its
 //! first 56 bytes.
 
+use gpusnap_proto::pid::NsPid;
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::{Codec, DATA_FORMAT_VERSION, ImageError};
@@ -50,12 +51,12 @@ fn sealed(b: &[u8; 64]) -> bool {
 /// The data-file header:
 /// `0 magic[8] | 8 version u32 | 12 header_len u32 | 16 nspid u32 | 20 index u32 |
 ///  24 reserved[32] = 0 | 56 xxh3_64(bytes 0..56) u64`.
-pub(crate) fn encode_data_header(nspid: u32, index: u32) -> [u8; 64] {
+pub(crate) fn encode_data_header(nspid: NsPid, index: u32) -> [u8; 64] {
     let mut b = [0u8; 64];
     b[..8].copy_from_slice(&DATA_MAGIC);
     put_u32(&mut b, 8, DATA_FORMAT_VERSION);
     put_u32(&mut b, 12, DATA_HEADER_LEN as u32);
-    put_u32(&mut b, 16, nspid);
+    put_u32(&mut b, 16, nspid.get());
     put_u32(&mut b, 20, index);
     seal(&mut b);
     b
@@ -65,7 +66,7 @@ pub(crate) fn encode_data_header(nspid: u32, index: u32) -> [u8; 64] {
 pub(crate) fn check_data_header(
     b: &[u8; 64],
     file: &str,
-    nspid: u32,
+    nspid: NsPid,
     index: u32,
 ) -> Result<(), ImageError> {
     let file = || file.to_owned();
@@ -96,8 +97,8 @@ pub(crate) fn check_data_header(
             header_len.into(),
         ));
     }
-    if get_u32(b, 16) != nspid {
-        return Err(mismatch("nspid", nspid.into(), get_u32(b, 16).into()));
+    if get_u32(b, 16) != nspid.get() {
+        return Err(mismatch("nspid", nspid.get().into(), get_u32(b, 16).into()));
     }
     if get_u32(b, 20) != index {
         return Err(mismatch("file index", index.into(), get_u32(b, 20).into()));

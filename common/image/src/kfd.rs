@@ -19,6 +19,7 @@
 //! are not here: they are chunks of the data files, listed by the manifest like any moved
 //! allocation (one allocation per VRAM/GTT buffer object).
 
+use gpusnap_proto::pid::NsPid;
 use std::io::Read;
 use std::os::fd::BorrowedFd;
 
@@ -119,7 +120,8 @@ pub struct KfdVmaRecord {
 #[serde(deny_unknown_fields)]
 pub struct KfdState {
     pub format_version: u32,
-    pub nspid: u32,
+    #[serde(with = "crate::manifest::nspid_number")]
+    pub nspid: NsPid,
     /// The KFD ioctl interface version at dump, `[major, minor]`.
     pub kfd_version: [u32; 2],
     /// GPUs, in the order of the CHECKPOINT device buckets; the manifest's GPU ordinal of a
@@ -175,7 +177,8 @@ pub struct KfdFileRecord {
     pub format_version: u32,
     pub kind: KfdFileKind,
     /// The process that held it (its pid in its own namespace).
-    pub nspid: u32,
+    #[serde(with = "crate::manifest::nspid_number")]
+    pub nspid: NsPid,
     /// `open(2)` flags: access mode and `O_NONBLOCK` only.
     pub flags: i32,
     /// Render node: the user gpu_id of its GPU (0 for `/dev/kfd`, or a render node of a GPU
@@ -186,7 +189,7 @@ pub struct KfdFileRecord {
 }
 
 /// `gpusnap-<nspid>-kfd.img`
-pub fn kfd_state_name(nspid: u32) -> String {
+pub fn kfd_state_name(nspid: NsPid) -> String {
     format!("gpusnap-{nspid}-kfd.img")
 }
 
@@ -501,7 +504,7 @@ pub fn write_kfd_state(dir: BorrowedFd<'_>, s: &KfdState) -> Result<(), ImageErr
 }
 
 /// Decodes and checks the bytes of `gpusnap-<nspid>-kfd.img`.
-pub fn decode_kfd_state(nspid: u32, b: &[u8]) -> Result<KfdState, ImageError> {
+pub fn decode_kfd_state(nspid: NsPid, b: &[u8]) -> Result<KfdState, ImageError> {
     let file = kfd_state_name(nspid);
     let (version, body) = unseal(KFD_STATE_MAGIC, b, &file, MAX_KFD_STATE_BODY)?;
     let s: KfdState = serde_json::from_slice(body).map_err(|source| ImageError::ManifestJson {
@@ -529,7 +532,7 @@ pub fn decode_kfd_state(nspid: u32, b: &[u8]) -> Result<KfdState, ImageError> {
 }
 
 /// Reads and checks `gpusnap-<nspid>-kfd.img`.
-pub fn read_kfd_state(dir: BorrowedFd<'_>, nspid: u32) -> Result<KfdState, ImageError> {
+pub fn read_kfd_state(dir: BorrowedFd<'_>, nspid: NsPid) -> Result<KfdState, ImageError> {
     let name = kfd_state_name(nspid);
     decode_kfd_state(nspid, &read_sealed(dir, &name, MAX_KFD_STATE_BODY)?)
 }
@@ -618,7 +621,7 @@ mod tests {
     fn state() -> KfdState {
         KfdState {
             format_version: 2,
-            nspid: 42,
+            nspid: NsPid(42),
             kfd_version: [1, 16],
             gpus: vec![KfdGpuRecord {
                 gpu_id: 4321,
@@ -706,24 +709,27 @@ mod tests {
     fn state_round_trip_and_every_damage_refused() {
         let s = state();
         let b = encode_kfd_state_unchecked(&s);
-        assert_eq!(decode_kfd_state(42, &b).unwrap(), s);
+        assert_eq!(decode_kfd_state(NsPid(42), &b).unwrap(), s);
         assert_eq!(s.priv_data_bytes(), b"\x00\x01\xfe\xff");
         for i in 0..b.len() {
             let mut d = b.clone();
             d[i] ^= 0x04;
-            assert!(decode_kfd_state(42, &d).is_err(), "flip at {i} accepted");
+            assert!(
+                decode_kfd_state(NsPid(42), &d).is_err(),
+                "flip at {i} accepted"
+            );
         }
         for n in 0..b.len() {
             assert!(
-                decode_kfd_state(42, &b[..n]).is_err(),
+                decode_kfd_state(NsPid(42), &b[..n]).is_err(),
                 "cut to {n} accepted"
             );
         }
         let mut longer = b.clone();
         longer.push(b' ');
-        assert!(decode_kfd_state(42, &longer).is_err());
+        assert!(decode_kfd_state(NsPid(42), &longer).is_err());
         assert!(matches!(
-            decode_kfd_state(43, &b),
+            decode_kfd_state(NsPid(43), &b),
             Err(ImageError::NspidMismatch { .. })
         ));
     }
@@ -773,7 +779,7 @@ mod tests {
         for (what, f) in cases {
             let mut s = state();
             f(&mut s);
-            let err = decode_kfd_state(42, &encode_kfd_state_unchecked(&s)).unwrap_err();
+            let err = decode_kfd_state(NsPid(42), &encode_kfd_state_unchecked(&s)).unwrap_err();
             assert!(
                 err.to_string().contains("gpusnap-42-kfd.img"),
                 "{what}: {err}"
@@ -792,7 +798,7 @@ mod tests {
         let body =
             std::str::from_utf8(&b[b.iter().position(|&c| c == b'\n').unwrap() + 1..]).unwrap();
         assert!(!body.contains("vmas") && !body.contains("max_fd"), "{body}");
-        assert_eq!(decode_kfd_state(42, &b).unwrap(), s);
+        assert_eq!(decode_kfd_state(NsPid(42), &b).unwrap(), s);
         let mut with_maps = state();
         with_maps.format_version = 1;
         assert!(validate_kfd_state(&with_maps).is_err());
@@ -800,10 +806,12 @@ mod tests {
         let mut v2 = state();
         v2.vmas.clear();
         let body = serde_json::to_vec(&v2).unwrap();
-        let err = decode_kfd_state(42, &seal_version(KFD_STATE_MAGIC, 1, &body)).unwrap_err();
+        let err =
+            decode_kfd_state(NsPid(42), &seal_version(KFD_STATE_MAGIC, 1, &body)).unwrap_err();
         assert!(err.to_string().contains("header says version 1"), "{err}");
         // A version from the future is refused by its number.
-        let err = decode_kfd_state(42, &seal_version(KFD_STATE_MAGIC, 3, &body)).unwrap_err();
+        let err =
+            decode_kfd_state(NsPid(42), &seal_version(KFD_STATE_MAGIC, 3, &body)).unwrap_err();
         assert!(
             matches!(err, ImageError::UnsupportedVersion { found: 3, .. }),
             "{err}"
@@ -812,7 +820,7 @@ mod tests {
         let r = KfdFileRecord {
             format_version: 1,
             kind: KfdFileKind::Kfd,
-            nspid: 42,
+            nspid: NsPid(42),
             flags: libc::O_RDWR,
             gpu_id: 0,
             render_minor: 0,
@@ -854,11 +862,14 @@ mod tests {
         use crate::{ImageFileKind, parse_file_name};
         assert_eq!(
             parse_file_name("gpusnap-42-kfd.img"),
-            Some(ImageFileKind::Kfd { nspid: 42 })
+            Some(ImageFileKind::Kfd { nspid: NsPid(42) })
         );
         assert_eq!(parse_file_name("gpusnap-042-kfd.img"), None);
         assert_eq!(parse_file_name("gpusnap-kfdfile-3.img"), None);
-        assert_eq!(ImageFileKind::Kfd { nspid: 42 }.nspid(), Some(42));
+        assert_eq!(
+            ImageFileKind::Kfd { nspid: NsPid(42) }.nspid(),
+            Some(NsPid(42))
+        );
         // A state without its manifest is an unfinished dump, and goes with the process.
         let dir = std::env::temp_dir().join(format!("gpusnap-kfd-names-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
@@ -868,12 +879,15 @@ mod tests {
         write_kfd_state(f.as_fd(), &state()).unwrap();
         assert_eq!(
             crate::unfinished_dumps(f.as_fd()).unwrap(),
-            vec![(42, "gpusnap-42-kfd.img".to_owned())]
+            vec![(NsPid(42), "gpusnap-42-kfd.img".to_owned())]
         );
-        assert_eq!(read_kfd_state(f.as_fd(), 42).unwrap(), state());
-        assert_eq!(crate::remove_process_files(f.as_fd(), 42).unwrap(), 1);
+        assert_eq!(read_kfd_state(f.as_fd(), NsPid(42)).unwrap(), state());
+        assert_eq!(
+            crate::remove_process_files(f.as_fd(), NsPid(42)).unwrap(),
+            1
+        );
         assert!(matches!(
-            read_kfd_state(f.as_fd(), 42),
+            read_kfd_state(f.as_fd(), NsPid(42)),
             Err(ImageError::MissingFile { .. })
         ));
         let _ = std::fs::remove_dir_all(&dir);
@@ -884,7 +898,7 @@ mod tests {
         let r = KfdFileRecord {
             format_version: 2,
             kind: KfdFileKind::Render,
-            nspid: 42,
+            nspid: NsPid(42),
             flags: libc::O_RDWR,
             gpu_id: 4321,
             render_minor: 129,

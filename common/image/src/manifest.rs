@@ -4,6 +4,7 @@
 //! then exactly `body_len` bytes of JSON. The checksum covers the body; the header line's own
 //! fields are each checked against the file, so a flipped byte anywhere is refused.
 
+use gpusnap_proto::pid::NsPid;
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::os::fd::BorrowedFd;
@@ -179,13 +180,30 @@ pub struct AllocationRecord {
     pub rdma_capable: bool,
 }
 
+/// How the image's documents store an [`NsPid`]: its bare number (`"nspid": 42`), as they
+/// always have. `#[serde(with = ...)]` of every `nspid` field; the number stays inside the
+/// format.
+pub(crate) mod nspid_number {
+    use gpusnap_proto::pid::NsPid;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(nspid: &NsPid, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u32(nspid.get())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<NsPid, D::Error> {
+        u32::deserialize(d).map(NsPid)
+    }
+}
+
 /// Everything about one checkpointed process. Written last; its presence means the dump of this
 /// process completed.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Manifest {
     pub format_version: u32,
-    pub nspid: u32,
+    #[serde(with = "nspid_number")]
+    pub nspid: NsPid,
     pub path: CheckpointPath,
     pub created_unix_s: u64,
     /// The build of gpusnap that wrote the image, [`crate::BUILD`] (`<version>+<commit>`).
@@ -352,7 +370,7 @@ impl Manifest {
     /// A manifest this gpusnap writes now for process `nspid`: the writer's fields filled in
     /// ([`FORMAT_VERSION`], the time, [`crate::BUILD`]), no GPUs, allocations, files, chunks or
     /// timings yet. Every writer of a manifest starts here.
-    pub fn begin(nspid: u32, path: CheckpointPath, driver_version: i32) -> Manifest {
+    pub fn begin(nspid: NsPid, path: CheckpointPath, driver_version: i32) -> Manifest {
         Manifest {
             format_version: FORMAT_VERSION,
             nspid,
@@ -430,7 +448,7 @@ pub fn encode_manifest_unchecked(m: &Manifest) -> Vec<u8> {
 /// Atomically replaces the manifest of `nspid` with `bytes`.
 pub(crate) fn write_manifest_bytes(
     dir: BorrowedFd<'_>,
-    nspid: u32,
+    nspid: NsPid,
     bytes: &[u8],
 ) -> Result<(), ImageError> {
     atomic_write(
@@ -533,7 +551,10 @@ fn parse_header_line(head: &[u8], file: &str) -> Result<HeaderLine, ImageError> 
 }
 
 /// [`crate::read_manifest`] without following references to ancestor images.
-pub(crate) fn read_manifest_local(dir: BorrowedFd<'_>, nspid: u32) -> Result<Manifest, ImageError> {
+pub(crate) fn read_manifest_local(
+    dir: BorrowedFd<'_>,
+    nspid: NsPid,
+) -> Result<Manifest, ImageError> {
     let name = manifest_file_name(nspid);
     let (file, size) = sys::open_regular(dir, &name)?;
 

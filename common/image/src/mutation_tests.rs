@@ -18,8 +18,9 @@ use std::time::Instant;
 
 use crate::tests::{TempDir, append_sum64, noise};
 use crate::*;
+use gpusnap_proto::pid::NsPid;
 
-const NSPID: u32 = 21;
+const NSPID: NsPid = NsPid(21);
 const DEVFILE_ID: u32 = 5;
 const BASE: u64 = 0x7f10_0000_0000;
 
@@ -388,7 +389,7 @@ fn manifest_edits(m: &Manifest) -> Vec<(&'static str, Manifest)> {
     edit("a file one byte longer", &|e| e.files[0].size += 1);
     edit("a file one byte shorter", &|e| e.files[1].size -= 1);
     edit("a file of another process", &|e| {
-        e.files[0].name = data_file_name(NSPID + 1, 0);
+        e.files[0].name = data_file_name(NsPid(NSPID.get() + 1), 0);
     });
     edit("a file outside the directory", &|e| {
         e.files[0].name = format!("../{}", e.files[0].name);
@@ -405,7 +406,9 @@ fn manifest_edits(m: &Manifest) -> Vec<(&'static str, Manifest)> {
     edit("an allocation on a GPU not listed", &|e| {
         e.allocations[0].device = 3;
     });
-    edit("another process's number", &|e| e.nspid = NSPID + 1);
+    edit("another process's number", &|e| {
+        e.nspid = NsPid(NSPID.get() + 1)
+    });
     edit("an unknown format version", &|e| e.format_version = 99);
     edit("no GPUs", &|e| e.gpus.clear());
     out

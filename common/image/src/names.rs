@@ -7,23 +7,24 @@ use std::os::fd::BorrowedFd;
 
 use crate::sys;
 use crate::{ImageError, IoOp};
+use gpusnap_proto::pid::{HostPid, NsPid};
 
 /// Name of the optional stats file that the plugin leaves next to the images.
 pub const STATS_FILE_NAME: &str = "gpusnap-stats.json";
 pub(crate) const STATS_TMP_NAME: &str = "gpusnap-stats.json.tmp";
 
 /// `gpusnap-<nspid>-data-<index>.img`
-pub fn data_file_name(nspid: u32, index: u32) -> String {
+pub fn data_file_name(nspid: NsPid, index: u32) -> String {
     format!("gpusnap-{nspid}-data-{index}.img")
 }
 
 /// `gpusnap-<nspid>-manifest.img`
-pub fn manifest_file_name(nspid: u32) -> String {
+pub fn manifest_file_name(nspid: NsPid) -> String {
     format!("gpusnap-{nspid}-manifest.img")
 }
 
 /// `gpusnap-<nspid>-manifest.img.tmp`: the manifest before its atomic rename.
-pub fn manifest_tmp_name(nspid: u32) -> String {
+pub fn manifest_tmp_name(nspid: NsPid) -> String {
     format!("gpusnap-{nspid}-manifest.img.tmp")
 }
 
@@ -31,7 +32,7 @@ pub fn manifest_tmp_name(nspid: u32) -> String {
 /// had decided its own part succeeded (CRIU then reports success); it says why, in words.
 /// Like any gpusnap file of a process without a manifest, it makes every tool refuse the
 /// directory as an unfinished dump.
-pub fn failed_marker_name(nspid: u32) -> String {
+pub fn failed_marker_name(nspid: NsPid) -> String {
     format!("gpusnap-{nspid}-NOT-A-CHECKPOINT.txt")
 }
 
@@ -40,7 +41,7 @@ pub fn failed_marker_name(nspid: u32) -> String {
 /// writes it and removes this file only after the manifest is in place (or replaces it with the
 /// NOT-A-CHECKPOINT marker). While it exists every tool refuses the directory as unfinished,
 /// naming it, even next to a manifest; `gpusnap wait` waits for it to go.
-pub fn pending_marker_name(nspid: u32) -> String {
+pub fn pending_marker_name(nspid: NsPid) -> String {
     format!("gpusnap-{nspid}-PENDING.txt")
 }
 
@@ -48,42 +49,42 @@ pub fn pending_marker_name(nspid: u32) -> String {
 /// `start`, in clock ticks since boot, `/proc/<pid>/stat` field 22), then words for people.
 /// `gpusnap wait` reads the owner back ([`pending_owner`]): a marker whose owner is gone will
 /// never be removed, and the image is then a failed one.
-pub fn pending_text(pid: i32, start: u64, words: &str) -> String {
+pub fn pending_text(pid: HostPid, start: u64, words: &str) -> String {
     format!("owner: {pid} {start}\n{words}\n")
 }
 
 /// The owner a PENDING marker names ([`pending_text`]): `(pid, start time)`.
-pub fn pending_owner(text: &str) -> Option<(i32, u64)> {
+pub fn pending_owner(text: &str) -> Option<(HostPid, u64)> {
     let line = text.lines().next()?.strip_prefix("owner: ")?;
     let (pid, start) = line.split_once(' ')?;
-    Some((pid.parse().ok()?, start.parse().ok()?))
+    Some((HostPid(pid.parse().ok()?), start.parse().ok()?))
 }
 
 /// What a gpusnap file name denotes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum ImageFileKind {
     Manifest {
-        nspid: u32,
+        nspid: NsPid,
     },
     /// A manifest whose write did not complete (the dump failed or was interrupted).
     ManifestTmp {
-        nspid: u32,
+        nspid: NsPid,
     },
     Data {
-        nspid: u32,
+        nspid: NsPid,
         index: u32,
     },
     /// The KFD state of an AMD process (`gpusnap-<nspid>-kfd.img`, [`crate::KfdState`]).
     Kfd {
-        nspid: u32,
+        nspid: NsPid,
     },
     /// [`failed_marker_name`]: this process's dump failed after CRIU's part.
     Failed {
-        nspid: u32,
+        nspid: NsPid,
     },
     /// [`pending_marker_name`]: this process's data is still being written after CRIU returned.
     Pending {
-        nspid: u32,
+        nspid: NsPid,
     },
     Stats,
     StatsTmp,
@@ -91,7 +92,7 @@ pub enum ImageFileKind {
 
 impl ImageFileKind {
     /// The process the file belongs to, if it belongs to one.
-    pub fn nspid(self) -> Option<u32> {
+    pub fn nspid(self) -> Option<NsPid> {
         match self {
             ImageFileKind::Manifest { nspid }
             | ImageFileKind::ManifestTmp { nspid }
@@ -122,7 +123,7 @@ pub fn parse_file_name(name: &str) -> Option<ImageFileKind> {
     }
     let rest = name.strip_prefix("gpusnap-")?;
     let (pid, rest) = rest.split_once('-')?;
-    let nspid = canonical_u32(pid)?;
+    let nspid = NsPid(canonical_u32(pid)?);
     match rest {
         "manifest.img" => Some(ImageFileKind::Manifest { nspid }),
         "manifest.img.tmp" => Some(ImageFileKind::ManifestTmp { nspid }),
@@ -148,7 +149,7 @@ pub fn list_image_files(dir: BorrowedFd<'_>) -> Result<Vec<(ImageFileKind, Strin
 }
 
 /// The processes (namespace pids) that have a manifest in `dir`, ascending.
-pub fn list_manifests(dir: BorrowedFd<'_>) -> Result<Vec<u32>, ImageError> {
+pub fn list_manifests(dir: BorrowedFd<'_>) -> Result<Vec<NsPid>, ImageError> {
     Ok(list_image_files(dir)?
         .into_iter()
         .filter_map(|(k, _)| match k {
@@ -164,16 +165,16 @@ pub fn list_manifests(dir: BorrowedFd<'_>) -> Result<Vec<u32>, ImageError> {
 /// that is a rewrite of a complete manifest that did not finish, and the manifest stands. A
 /// PENDING marker counts whatever else is there (the manifest may already be in place while the
 /// marker is not yet removed), and is the name given for its process.
-pub fn unfinished_dumps(dir: BorrowedFd<'_>) -> Result<Vec<(u32, String)>, ImageError> {
+pub fn unfinished_dumps(dir: BorrowedFd<'_>) -> Result<Vec<(NsPid, String)>, ImageError> {
     let files = list_image_files(dir)?;
-    let finished: Vec<u32> = files
+    let finished: Vec<NsPid> = files
         .iter()
         .filter_map(|(k, _)| match k {
             ImageFileKind::Manifest { nspid } => Some(*nspid),
             _ => None,
         })
         .collect();
-    let mut out: Vec<(u32, String)> = files
+    let mut out: Vec<(NsPid, String)> = files
         .iter()
         .filter_map(|(k, name)| match k {
             ImageFileKind::Pending { nspid } => Some((*nspid, name.clone())),
@@ -202,7 +203,7 @@ pub fn unfinished_dumps(dir: BorrowedFd<'_>) -> Result<Vec<(u32, String)>, Image
 /// refused, never restored in part. What a restore reads before it touches anything.
 pub fn read_manifests(
     dir: BorrowedFd<'_>,
-) -> Result<std::collections::BTreeMap<u32, crate::Manifest>, ImageError> {
+) -> Result<std::collections::BTreeMap<NsPid, crate::Manifest>, ImageError> {
     if let Some((nspid, file)) = unfinished_dumps(dir)?.into_iter().next() {
         if let Some(ImageFileKind::Pending { .. }) = parse_file_name(&file) {
             return Err(ImageError::PendingDump { file, nspid });
@@ -222,7 +223,7 @@ pub fn read_manifests(
 /// Removes every file of process `nspid` (manifest first, so that an interrupted removal never
 /// leaves a manifest pointing at missing data). Returns how many files were removed. For the
 /// plugin's rollback and for clearing a stale image before a new dump.
-pub fn remove_process_files(dir: BorrowedFd<'_>, nspid: u32) -> Result<usize, ImageError> {
+pub fn remove_process_files(dir: BorrowedFd<'_>, nspid: NsPid) -> Result<usize, ImageError> {
     let mut n = 0;
     for (kind, name) in list_image_files(dir)? {
         if kind.nspid() == Some(nspid) {

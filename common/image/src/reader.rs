@@ -1,6 +1,7 @@
 //! Reading chunks back: [`DataFileReader`] (pread-based, shared by threads), the full
 //! [`verify_image`] pass, and [`scan_data_file`] for walking a data file without its manifest.
 
+use gpusnap_proto::pid::NsPid;
 use std::fs::File;
 use std::os::fd::BorrowedFd;
 use std::os::unix::fs::FileExt;
@@ -528,7 +529,7 @@ pub struct DataFileScan {
 /// the file cannot be opened or its header is bad; damage further in ends the walk.
 pub fn scan_data_file(
     dir: BorrowedFd<'_>,
-    nspid: u32,
+    nspid: NsPid,
     index: u32,
 ) -> Result<DataFileScan, ImageError> {
     let name = data_file_name(nspid, index);

@@ -585,6 +585,7 @@ fn allocate(file: &File, len: u64, stop: &AtomicBool) -> Result<(), io::Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use gpusnap_proto::pid::NsPid;
     use std::os::fd::AsFd;
 
     /// The bytes each piece has allocated (its blocks, not its length): what it holds in the
@@ -729,7 +730,7 @@ mod tests {
 
     /// The chunks of a named data file, walked and checked record by record.
     fn scanned(dir: &File, index: u32) -> (u64, usize) {
-        let scan = scan_data_file(dir.as_fd(), 7, index).unwrap();
+        let scan = scan_data_file(dir.as_fd(), NsPid(7), index).unwrap();
         assert!(scan.stopped.is_none(), "{:?}", scan.stopped);
         assert_eq!(scan.end, scan.size);
         (scan.size, scan.chunks.len())
@@ -741,7 +742,7 @@ mod tests {
         let Some(r) = small(&dir, &[64 * K, 64 * K, 64 * K], "a_piece_written_past") else {
             return;
         };
-        let mut w = DataFileWriter::create_in(&r, 7, 0).unwrap();
+        let mut w = DataFileWriter::create_in(&r, NsPid(7), 0).unwrap();
         // 5 chunks of 20 KiB: 100 KiB and headers, more than the piece's 64 KiB.
         write_chunks(&mut w, 0, 5, 20 << 10);
         let end = w.bytes_written();
@@ -800,7 +801,7 @@ mod tests {
                 "{split}"
             );
             // Each side's writers write into its own pieces.
-            let mut w = DataFileWriter::create_in(&theirs, 7, 1).unwrap();
+            let mut w = DataFileWriter::create_in(&theirs, NsPid(7), 1).unwrap();
             write_chunks(&mut w, 0, 1, 5000);
             w.finish().unwrap();
             assert_eq!(r.held(), 192 * K - split, "{split}");
@@ -818,7 +819,7 @@ mod tests {
         let Some(r) = small(&dir, &[1024 * K], "a_piece_written_less") else {
             return;
         };
-        let mut w = DataFileWriter::create_in(&r, 7, 3).unwrap();
+        let mut w = DataFileWriter::create_in(&r, NsPid(7), 3).unwrap();
         write_chunks(&mut w, 0, 2, 5000);
         let end = w.bytes_written();
         assert!(allocated(&r)[0] >= 1024 * K);
@@ -846,8 +847,8 @@ mod tests {
         let Some(r) = small(&dir, &[64 * K, 64 * K], "a_writer_takes_slack") else {
             return;
         };
-        let mut a = DataFileWriter::create_in(&r, 7, 0).unwrap();
-        let mut b = DataFileWriter::create_in(&r, 7, 1).unwrap();
+        let mut a = DataFileWriter::create_in(&r, NsPid(7), 0).unwrap();
+        let mut b = DataFileWriter::create_in(&r, NsPid(7), 1).unwrap();
         write_chunks(&mut b, 100, 1, 8 << 10);
         let b_end = b.bytes_written();
         // `a` writes 100 KiB: no piece is unclaimed, so it takes what it needs of `b`'s slack
@@ -884,8 +885,8 @@ mod tests {
         let Some(r) = small(&dir, &[256 * K], "a_writer_without_a_piece") else {
             return;
         };
-        let mut a = DataFileWriter::create_in(&r, 7, 0).unwrap();
-        let mut b = DataFileWriter::create_in(&r, 7, 1).unwrap();
+        let mut a = DataFileWriter::create_in(&r, NsPid(7), 0).unwrap();
+        let mut b = DataFileWriter::create_in(&r, NsPid(7), 1).unwrap();
         assert_eq!(r.pieces(), 2);
         write_chunks(&mut b, 0, 3, 16 << 10);
         write_chunks(&mut a, 10, 1, 16 << 10);
@@ -905,8 +906,8 @@ mod tests {
         let Some(r) = small(&dir, &[64 * K, 64 * K], "nothing_named_is_left") else {
             return;
         };
-        let mut a = DataFileWriter::create_in(&r, 7, 0).unwrap();
-        let mut b = DataFileWriter::create_in(&r, 7, 1).unwrap();
+        let mut a = DataFileWriter::create_in(&r, NsPid(7), 0).unwrap();
+        let mut b = DataFileWriter::create_in(&r, NsPid(7), 1).unwrap();
         write_chunks(&mut a, 0, 2, 8 << 10);
         write_chunks(&mut b, 2, 2, 8 << 10);
         // One writer sealed, the other not: the drain failed before any was published.
@@ -933,7 +934,7 @@ mod tests {
             return;
         };
         std::fs::write(path.join("gpusnap-7-data-0.img"), b"stale").unwrap();
-        let mut w = DataFileWriter::create_in(&r, 7, 0).unwrap();
+        let mut w = DataFileWriter::create_in(&r, NsPid(7), 0).unwrap();
         write_chunks(&mut w, 0, 1, 4096);
         let e = w.finish().unwrap();
         assert_eq!(scanned(&dir, 0), (e.size, 1));

@@ -7,11 +7,12 @@ use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::Path;
 
 use crate::*;
+use gpusnap_proto::pid::{HostPid, NsPid};
 
 /// A fresh directory, removed on drop, with an open fd on it (shared by the crate's tests).
 pub(crate) use criu_tests::fixtures::TempDir;
 
-const NSPID: u32 = 12;
+const NSPID: NsPid = NsPid(12);
 const CHUNK: usize = 4096;
 const BASE: u64 = 0x7f00_0000_0000;
 
@@ -662,7 +663,7 @@ fn missing_data_file_is_refused() {
 fn missing_manifest_is_refused() {
     let t = TempDir::new("image-test");
     assert!(matches!(
-        read_manifest(t.fd(), 99),
+        read_manifest(t.fd(), NsPid(99)),
         Err(ImageError::MissingFile { .. })
     ));
 }
@@ -673,14 +674,14 @@ fn nspid_mismatch_is_refused() {
     make_image(t.fd());
     std::fs::rename(
         t.file(manifest_file_name(NSPID)),
-        t.file(manifest_file_name(13)),
+        t.file(manifest_file_name(NsPid(13))),
     )
     .unwrap();
     assert!(matches!(
-        read_manifest(t.fd(), 13),
+        read_manifest(t.fd(), NsPid(13)),
         Err(ImageError::NspidMismatch {
-            expected: 13,
-            found: 12,
+            expected: NsPid(13),
+            found: NsPid(12),
             ..
         })
     ));
@@ -843,7 +844,7 @@ fn transparent_manifest_round_trip() {
     let t = TempDir::new("image-test");
     let m = Manifest {
         format_version: FORMAT_VERSION,
-        nspid: 7,
+        nspid: NsPid(7),
         path: CheckpointPath::Transparent,
         created_unix_s: 1,
         gpusnap_version: "0.1.0".into(),
@@ -856,7 +857,7 @@ fn transparent_manifest_round_trip() {
         requires: None,
     };
     write_manifest(t.fd(), &m).unwrap();
-    assert_eq!(read_manifest(t.fd(), 7).unwrap(), m);
+    assert_eq!(read_manifest(t.fd(), NsPid(7)).unwrap(), m);
     assert_eq!(verify_image(t.fd(), &m, 8).unwrap().chunks, 0);
 }
 
@@ -950,7 +951,7 @@ fn read_chunk_checks_its_arguments() {
 #[test]
 fn writer_refuses_bad_chunks() {
     let t = TempDir::new("image-test");
-    let mut w = DataFileWriter::create(t.fd(), 1, 0).unwrap();
+    let mut w = DataFileWriter::create(t.fd(), NsPid(1), 0).unwrap();
     assert!(matches!(
         w.append_chunk(0, &[], Codec::Raw),
         Err(ImageError::BadChunk { .. })
@@ -1001,12 +1002,12 @@ fn scan_walks_records_without_a_manifest() {
 
 #[test]
 fn names_and_listing() {
-    assert_eq!(data_file_name(12, 3), "gpusnap-12-data-3.img");
-    assert_eq!(manifest_file_name(12), "gpusnap-12-manifest.img");
+    assert_eq!(data_file_name(NsPid(12), 3), "gpusnap-12-data-3.img");
+    assert_eq!(manifest_file_name(NsPid(12)), "gpusnap-12-manifest.img");
     assert_eq!(
         parse_file_name("gpusnap-12-data-3.img"),
         Some(ImageFileKind::Data {
-            nspid: 12,
+            nspid: NsPid(12),
             index: 3
         })
     );
@@ -1032,14 +1033,17 @@ fn names_and_listing() {
         std::fs::write(t.file(n), b"x").unwrap();
     }
     std::fs::create_dir(t.file("gpusnap-5-manifest.img")).unwrap();
-    assert_eq!(list_manifests(t.fd()).unwrap(), vec![3, 5, NSPID]);
+    assert_eq!(
+        list_manifests(t.fd()).unwrap(),
+        vec![NsPid(3), NsPid(5), NSPID]
+    );
     // The directory under a manifest name is refused, not followed.
     assert!(matches!(
-        read_manifest(t.fd(), 5),
+        read_manifest(t.fd(), NsPid(5)),
         Err(ImageError::NotRegularFile { .. })
     ));
     assert_eq!(remove_process_files(t.fd(), NSPID).unwrap(), 3);
-    assert_eq!(list_manifests(t.fd()).unwrap(), vec![3, 5]);
+    assert_eq!(list_manifests(t.fd()).unwrap(), vec![NsPid(3), NsPid(5)]);
     assert!(t.file("core-1.img").exists());
 }
 
@@ -1063,11 +1067,11 @@ fn a_pending_marker_refuses_the_directory_even_next_to_its_manifest() {
     assert_eq!(read_manifests(t.fd()).unwrap()[&NSPID], img.m);
     assert_eq!(
         parse_file_name("gpusnap-7-PENDING.txt"),
-        Some(ImageFileKind::Pending { nspid: 7 })
+        Some(ImageFileKind::Pending { nspid: NsPid(7) })
     );
     assert_eq!(
-        pending_owner(&pending_text(42, 123456, "written by a test")),
-        Some((42, 123456))
+        pending_owner(&pending_text(HostPid(42), 123456, "written by a test")),
+        Some((HostPid(42), 123456))
     );
     assert_eq!(pending_owner("owner: x 1\n"), None);
 }
@@ -1084,20 +1088,29 @@ fn processes_with_files_but_no_manifest_are_unfinished_and_refuse_the_directory(
     assert_eq!(read_manifests(t.fd()).unwrap().len(), 1);
     // Data files without a manifest, and a manifest still under its temporary name.
     for name in [
-        data_file_name(14, 2),
-        data_file_name(14, 0),
-        manifest_tmp_name(15),
+        data_file_name(NsPid(14), 2),
+        data_file_name(NsPid(14), 0),
+        manifest_tmp_name(NsPid(15)),
     ] {
         std::fs::write(t.file(&name), b"x").unwrap();
     }
     std::fs::write(t.file("gpusnap-16-data-01.img"), b"not a gpusnap name").unwrap();
     assert_eq!(
         unfinished_dumps(t.fd()).unwrap(),
-        vec![(14, data_file_name(14, 0)), (15, manifest_tmp_name(15))]
+        vec![
+            (NsPid(14), data_file_name(NsPid(14), 0)),
+            (NsPid(15), manifest_tmp_name(NsPid(15)))
+        ]
     );
     let e = read_manifests(t.fd()).unwrap_err();
     assert!(
-        matches!(&e, ImageError::UnfinishedDump { nspid: 14, .. }),
+        matches!(
+            &e,
+            ImageError::UnfinishedDump {
+                nspid: NsPid(14),
+                ..
+            }
+        ),
         "{e:?}"
     );
     assert_eq!(
@@ -1180,7 +1193,7 @@ fn stats_round_trip() {
 fn large_chunks_round_trip() {
     // A few MiB, to exercise short-read/short-write loops and buffer reuse on real sizes.
     let t = TempDir::new("image-test");
-    let mut w = DataFileWriter::create(t.fd(), 1, 0).unwrap();
+    let mut w = DataFileWriter::create(t.fd(), NsPid(1), 0).unwrap();
     let big = pattern(3 << 20, 1);
     let small = noise(1 << 20, 2);
     let chunks = vec![
@@ -1191,7 +1204,7 @@ fn large_chunks_round_trip() {
     let file = w.finish().unwrap();
     let m = Manifest {
         format_version: FORMAT_VERSION,
-        nspid: 1,
+        nspid: NsPid(1),
         path: CheckpointPath::Split,
         created_unix_s: 0,
         gpusnap_version: "t".into(),
@@ -1217,7 +1230,7 @@ fn large_chunks_round_trip() {
         requires: None,
     };
     write_manifest(t.fd(), &m).unwrap();
-    let m = read_manifest(t.fd(), 1).unwrap();
+    let m = read_manifest(t.fd(), NsPid(1)).unwrap();
     assert_eq!(m.chunks[0].codec, Codec::Zstd);
     assert_eq!(m.chunks[1].codec, Codec::Raw);
     assert_eq!(read_all(t.fd(), &m).unwrap(), vec![big, small]);

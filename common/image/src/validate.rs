@@ -1,6 +1,7 @@
 //! Checks a manifest before anyone trusts it: first its structure (no I/O), then its data files
 //! (existence, exact size, header). Chunk payloads are checked later, by checksum, as they are read.
 
+use gpusnap_proto::pid::NsPid;
 use std::collections::{HashMap, HashSet};
 use std::os::fd::BorrowedFd;
 use std::os::unix::fs::FileExt;
@@ -381,7 +382,7 @@ pub(crate) fn validate_files(
 /// and that its header is intact and its own.
 pub(crate) fn open_data_file(
     dir: BorrowedFd<'_>,
-    nspid: u32,
+    nspid: NsPid,
     index: u32,
     name: &str,
     size: u64,

@@ -1,5 +1,6 @@
 //! [`DataFileWriter`]: appends chunks to one data file. One writer per writer thread.
 
+use gpusnap_proto::pid::NsPid;
 use std::fs::File;
 use std::os::fd::BorrowedFd;
 use std::os::unix::fs::FileExt;
@@ -103,7 +104,7 @@ const PIECE: usize = 256 << 10;
 impl DataFileWriter {
     /// Creates the data file afresh (a stale file of the same name is replaced), mode 0600, and
     /// writes its header.
-    pub fn create(dir: BorrowedFd<'_>, nspid: u32, index: u32) -> Result<Self, ImageError> {
+    pub fn create(dir: BorrowedFd<'_>, nspid: NsPid, index: u32) -> Result<Self, ImageError> {
         let name = data_file_name(nspid, index);
         let file =
             sys::create_fresh(dir, &name).map_err(|e| ImageError::io(&name, IoOp::Create, e))?;
@@ -115,7 +116,7 @@ impl DataFileWriter {
     /// ([`Self::seal`], then [`SealedDataFile::publish`]). Past the piece's share, each chunk
     /// first hands back as much of the space held elsewhere (`reserve`'s rule), so the drain's
     /// writes stay inside what was held. Dropped unpublished, the file is gone.
-    pub fn create_in(reserved: &Reservation, nspid: u32, index: u32) -> Result<Self, ImageError> {
+    pub fn create_in(reserved: &Reservation, nspid: NsPid, index: u32) -> Result<Self, ImageError> {
         let name = data_file_name(nspid, index);
         let piece = reserved
             .claim()
@@ -129,7 +130,7 @@ impl DataFileWriter {
         file: Arc<File>,
         held: Option<HeldFile>,
         name: String,
-        nspid: u32,
+        nspid: NsPid,
         index: u32,
     ) -> Result<Self, ImageError> {
         write_all_at(&file, &name, &encode_data_header(nspid, index), 0)?;

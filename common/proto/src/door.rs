@@ -38,6 +38,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::time::{Duration, Instant};
 
 use crate::channel::RawRecord;
+use crate::pid::{HostPid, NsPid};
 use crate::{Channel, ForeignFd, ProtoError};
 
 /// Name prefix of the door's label memfd (as `memfd_create` is given it).
@@ -94,9 +95,9 @@ pub enum Knock {
     /// A record that is not a knock (its descriptors, if any, are closed).
     Malformed(&'static str),
     /// A record from a sender [`take_knock_from`] was told not to take: dropped without its
-    /// descriptor ever entering this process. The sender as the kernel names it (pid 0: not
-    /// visible in this pid namespace).
-    Refused { pid: i32, uid: u32 },
+    /// descriptor ever entering this process. The sender as the kernel names it in the
+    /// agent's (the job's) pid namespace (pid 0: not visible there).
+    Refused { pid: NsPid, uid: u32 },
 }
 
 /// Takes one knock from the agent's end, without waiting.
@@ -121,7 +122,7 @@ pub fn take_knock(agent_end: &Channel) -> Result<Knock, ProtoError> {
 /// was set says pid 0, uid `u32::MAX`. `Err(Closed)`: the door is shut and empty.
 pub fn take_knock_from(
     agent_end: &Channel,
-    accept: impl FnOnce(i32, u32) -> bool,
+    accept: impl FnOnce(NsPid, u32) -> bool,
 ) -> Result<Knock, ProtoError> {
     let Some((pid, uid)) = recv_sender(agent_end.fd(), libc::MSG_PEEK)? else {
         return Ok(Knock::Nothing);
@@ -141,7 +142,7 @@ pub fn take_knock_from(
 /// credentials and no descriptor: any descriptor attached is closed by the kernel, never
 /// installed here (`MSG_CTRUNC`). The sender's (pid, uid); `None` when nothing is queued;
 /// `Err(Closed)` when the end is shut down and empty.
-fn recv_sender(fd: BorrowedFd<'_>, flags: libc::c_int) -> Result<Option<(i32, u32)>, ProtoError> {
+fn recv_sender(fd: BorrowedFd<'_>, flags: libc::c_int) -> Result<Option<(NsPid, u32)>, ProtoError> {
     /// Exactly one `SCM_CREDENTIALS` header and its `ucred`, aligned for `cmsghdr`.
     #[repr(C, align(8))]
     struct CredBuf([u8; 32]);
@@ -194,7 +195,8 @@ fn recv_sender(fd: BorrowedFd<'_>, flags: libc::c_int) -> Result<Option<(i32, u3
             // SAFETY: the data area of this header holds one ucred written by the kernel.
             let c: libc::ucred =
                 unsafe { std::ptr::read_unaligned(libc::CMSG_DATA(cmsg).cast::<libc::ucred>()) };
-            sender = Some((c.pid, c.uid));
+            // The kernel's pid_t: never negative (0 for a sender it cannot name here).
+            sender = Some((NsPid(c.pid as u32), c.uid));
         }
         // SAFETY: msg and cmsg are valid as above.
         cmsg = unsafe { libc::CMSG_NXTHDR(&msg, cmsg) };
@@ -202,7 +204,7 @@ fn recv_sender(fd: BorrowedFd<'_>, flags: libc::c_int) -> Result<Option<(i32, u3
     match sender {
         Some(s) => Ok(Some(s)),
         // A record without credentials (sent before SO_PASSCRED was set) is still a record.
-        None if n > 0 || msg.msg_flags & libc::MSG_CTRUNC != 0 => Ok(Some((0, u32::MAX))),
+        None if n > 0 || msg.msg_flags & libc::MSG_CTRUNC != 0 => Ok(Some((NsPid(0), u32::MAX))),
         None => Err(ProtoError::Closed),
     }
 }
@@ -262,7 +264,7 @@ pub fn renew_door(agent_end: BorrowedFd<'_>, client_end: BorrowedFd<'_>) -> io::
 /// The client's side: the client end of a process's door, copied out of it.
 #[derive(Debug)]
 pub struct Door {
-    pid: i32,
+    pid: HostPid,
     pidfd: OwnedFd,
     client: Channel,
     /// The agent's end of the door, as the target numbers it.
@@ -276,7 +278,7 @@ impl Door {
     /// Finds the door of host pid `pid` and copies its client end. `Ok(None)`: the process has
     /// no door (it runs no agent). Errors: the process is gone, `/proc/<pid>/fd` is not ours to
     /// read, or `pidfd_getfd` is refused (no ptrace rights, or a kernel older than 5.6).
-    pub fn open(pid: i32) -> io::Result<Option<Door>> {
+    pub fn open(pid: HostPid) -> io::Result<Option<Door>> {
         // The pidfd first: a pid reused after this point makes pidfd_getfd fail (ESRCH) rather
         // than copy another process's descriptor.
         let pidfd = pidfd_open(pid)?;
@@ -376,7 +378,7 @@ fn drain(agent_end: &Channel, mine: u64) -> Result<(usize, usize), ProtoError> {
 /// flight in the process. The agent opens a new door when its thread runs again
 /// ([`renew_door`]; a rollback, a restore and `gpusnap recover` let it run before they
 /// connect). `Ok(None)`: the process has no door; else how many records were taken out.
-pub fn seal_door(pid: i32) -> io::Result<Option<usize>> {
+pub fn seal_door(pid: HostPid) -> io::Result<Option<usize>> {
     let pidfd = pidfd_open(pid)?;
     let Some((_, agent_fd)) = find_label(pid)? else {
         return Ok(None);
@@ -401,7 +403,7 @@ pub fn seal_door(pid: i32) -> io::Result<Option<usize>> {
 
 /// Opens the door of `pid` and knocks once: a connection to its agent. `NotFound` when the
 /// process has no door.
-pub fn connect_agent(pid: i32) -> io::Result<OwnedFd> {
+pub fn connect_agent(pid: HostPid) -> io::Result<OwnedFd> {
     match Door::open(pid)? {
         Some(d) => d.knock(),
         None => Err(io::Error::new(
@@ -430,7 +432,7 @@ pub fn parse_label(link: &str) -> Option<(RawFd, RawFd)> {
 
 /// The door label of `pid`, if it has exactly one: the numbers of its client end and agent end
 /// in `pid`. Two labels (which the agent never makes) are refused rather than guessed between.
-fn find_label(pid: i32) -> io::Result<Option<(ForeignFd, ForeignFd)>> {
+fn find_label(pid: HostPid) -> io::Result<Option<(ForeignFd, ForeignFd)>> {
     let mut found = None;
     for entry in std::fs::read_dir(format!("/proc/{pid}/fd"))? {
         let Ok(link) = std::fs::read_link(entry?.path()) else {
@@ -450,9 +452,9 @@ fn find_label(pid: i32) -> io::Result<Option<(ForeignFd, ForeignFd)>> {
 }
 
 /// `pidfd_open(2)`: a descriptor that names process `pid` for good (a reused pid is another).
-pub fn pidfd_open(pid: i32) -> io::Result<OwnedFd> {
+pub fn pidfd_open(pid: HostPid) -> io::Result<OwnedFd> {
     // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid.get(), 0) };
     if fd < 0 {
         return Err(io::Error::last_os_error());
     }
@@ -536,7 +538,7 @@ mod tests {
         set_passcred(agent_end.as_fd()).unwrap();
         let agent = Channel::new(agent_end);
         let client = Channel::new(client_end);
-        let me = std::process::id() as i32;
+        let me = NsPid(std::process::id());
 
         let (refused, ino) = knock_on(&client);
         let mut seen = None;

@@ -20,7 +20,8 @@
 //! - `share`: [`Share`], one share of device memory as a job's agent lists it (its
 //!   [`ShareKind`]: the agent's CUDA IPC, or a shareable handle with its descriptors).
 //! - `fd`: [`ForeignFd`], another process's descriptor number (the job's), never one of ours.
-//! - `pid`: [`pid::HostPid`] and [`pid::NsPid`], the two kinds of process id, as two types (the
+//! - `pid`: [`pid::HostPid`] and [`pid::NsPid`], the two kinds of process id, and
+//!   [`pid::HostTid`] and [`pid::NsTid`], the two of thread id, as types that do not mix (the
 //!   host services re-export them as `gpusnap_host::pid`).
 //! - `hostile` (cargo feature `hostile`, test builds only): the agent turned adversary, for CI.
 

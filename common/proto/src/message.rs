@@ -22,7 +22,7 @@ pub use agent::AgentRequest;
 pub use common::{CommonRequest, Request};
 pub use keeper::{KeeperRequest, MAX_SNAPSHOT_IDS};
 
-use crate::pid::NsPid;
+use crate::pid::{HostPid, NsPid, NsTid};
 use crate::wire::{Reader, Writer};
 use crate::{MAX_MESSAGE, PROTOCOL_VERSION, ProtoError, Share, ShareKind};
 
@@ -211,9 +211,9 @@ pub enum Reply {
         /// The agent's [`PROTOCOL_VERSION`].
         version: u16,
         /// The agent's pid in its own pid namespace.
-        pid: i32,
+        pid: NsPid,
         /// The agent thread's tid in its own pid namespace.
-        tid: i32,
+        tid: NsTid,
         /// Entries the agent tracks (converted and application VMM).
         allocations: u32,
         /// Bytes of converted allocations.
@@ -424,7 +424,7 @@ pub enum Reply {
     /// child of CRIU's: CRIU never sees its exit.
     Detached {
         /// The keeper's pid (in the plugin's pid namespace).
-        pid: u32,
+        pid: HostPid,
     },
     /// Every released allocation is mapped again from its kept descriptor.
     Reclaimed {
@@ -585,8 +585,9 @@ impl Reply {
             } => {
                 header(&mut w, kind::REP_HELLO);
                 w.u16(*version);
-                w.i32(*pid);
-                w.i32(*tid);
+                // The wire's i32: the same four bytes as the u32.
+                w.u32(pid.get());
+                w.i32(tid.get());
                 w.u32(*allocations);
                 w.u64(*converted_bytes);
                 w.u32(*devices);
@@ -756,7 +757,8 @@ impl Reply {
             }
             Reply::Detached { pid } => {
                 header(&mut w, kind::REP_DETACHED);
-                w.u32(*pid);
+                // The wire's u32: the same four bytes as the i32.
+                w.i32(pid.get());
             }
             Reply::Shared(Share {
                 import,
@@ -840,8 +842,8 @@ impl Reply {
         let rep = match k {
             kind::REP_HELLO => Reply::Hello {
                 version: r.u16()?,
-                pid: r.i32()?,
-                tid: r.i32()?,
+                pid: NsPid(r.u32()?),
+                tid: NsTid(r.i32()?),
                 allocations: r.u32()?,
                 converted_bytes: r.u64()?,
                 devices: r.u32()?,
@@ -930,7 +932,9 @@ impl Reply {
                 bytes: r.u64()?,
                 micros: r.u64()?,
             },
-            kind::REP_DETACHED => Reply::Detached { pid: r.u32()? },
+            kind::REP_DETACHED => Reply::Detached {
+                pid: HostPid(r.i32()?),
+            },
             kind::REP_SHARED => {
                 let import = r.bool()?;
                 let pid = NsPid(r.u32()?);

@@ -4,7 +4,7 @@ use std::io::{Seek, Write};
 use std::os::fd::{AsFd, AsRawFd};
 use std::time::{Duration, Instant};
 
-use crate::pid::NsPid;
+use crate::pid::{HostPid, NsPid, NsTid};
 use crate::*;
 
 /// The requests both servers take, as in the two lists below.
@@ -77,12 +77,12 @@ fn agent_only_requests() -> Vec<AgentRequest> {
         AgentRequest::ListSharing,
         AgentRequest::ShareFds,
         AgentRequest::Reimport {
-            exporter_pid: 77,
+            exporter_pid: NsPid(77),
             id: 9,
         },
         AgentRequest::ShareableSource {
             import: 2,
-            exporter_pid: 77,
+            exporter_pid: NsPid(77),
             id: 9,
             key: [0xc3; 16],
         },
@@ -150,8 +150,8 @@ fn all_replies() -> Vec<Reply> {
     vec![
         Reply::Hello {
             version: PROTOCOL_VERSION,
-            pid: 1234,
-            tid: -5,
+            pid: NsPid(1234),
+            tid: NsTid(-5),
             allocations: 7,
             converted_bytes: 1 << 40,
             devices: 2,
@@ -284,7 +284,7 @@ fn all_replies() -> Vec<Reply> {
             bytes: 2 << 20,
             micros: 5,
         },
-        Reply::Detached { pid: 4242 },
+        Reply::Detached { pid: HostPid(4242) },
         Reply::Shared(Share {
             import: true,
             pid: NsPid(77),
@@ -526,7 +526,7 @@ fn requests_print_as_their_variant() {
         format!(
             "{:?}",
             AgentRequest::Reimport {
-                exporter_pid: 7,
+                exporter_pid: NsPid(7),
                 id: 9
             }
         ),
@@ -662,8 +662,8 @@ fn bad_field_values_are_rejected() {
     // Boolean 2.
     let mut b = enc_rep(&Reply::Hello {
         version: 1,
-        pid: 1,
-        tid: 1,
+        pid: NsPid(1),
+        tid: NsTid(1),
         allocations: 0,
         converted_bytes: 0,
         devices: 0,
@@ -1143,12 +1143,17 @@ fn concurrent_senders_keep_messages_whole() {
 #[test]
 fn door_knock_take_and_withdraw() {
     let me = std::process::id() as i32;
-    assert!(Door::open(me).unwrap().is_none(), "no door before install");
+    assert!(
+        Door::open(HostPid(me)).unwrap().is_none(),
+        "no door before install"
+    );
     let inside = install_door().unwrap();
     let agent = Channel::new(inside.agent_end);
     assert!(matches!(take_knock(&agent).unwrap(), Knock::Nothing));
 
-    let door = Door::open(me).unwrap().expect("the label is found");
+    let door = Door::open(HostPid(me))
+        .unwrap()
+        .expect("the label is found");
     let ours = Channel::new(door.knock().unwrap());
     let Knock::Connection(conn) = take_knock(&agent).unwrap() else {
         panic!("no connection taken");
@@ -1183,7 +1188,7 @@ fn door_knock_take_and_withdraw() {
     // Two knocks nobody takes, ours and another client's: both are taken out and closed
     // (each connection sees the close), and the door is empty: nothing is left in flight for
     // CRIU to find. (Queued again, the other knock stayed there for the dump.)
-    let b = Channel::new(connect_agent(me).unwrap());
+    let b = Channel::new(connect_agent(HostPid(me)).unwrap());
     let a = Channel::new(door.knock().unwrap());
     assert_eq!(door.withdraw().unwrap(), 1, "ours");
     for c in [&a, &b] {
@@ -1206,10 +1211,13 @@ fn door_knock_take_and_withdraw() {
 
     // A second label is refused, not guessed between.
     let second = install_door().unwrap();
-    assert!(Door::open(me).is_err());
+    assert!(Door::open(HostPid(me)).is_err());
     drop(second);
     drop(inside.label);
-    assert!(Door::open(me).unwrap().is_none(), "no label, no door");
+    assert!(
+        Door::open(HostPid(me)).unwrap().is_none(),
+        "no label, no door"
+    );
 }
 
 #[test]

@@ -15,6 +15,7 @@
 
 use gpusnap_cuda::agent::{AgentSession, RingShape, Transfer};
 use gpusnap_cuda::staging::Staging;
+use gpusnap_host::pid::HostPid;
 use gpusnap_host::ptrace::{RunningThread, SeizedProcess};
 use gpusnap_proto::Reply;
 use std::collections::VecDeque;
@@ -29,7 +30,7 @@ type Res<T> = Result<T, String>;
 /// Chunks copied out: (device address, bytes).
 type Saved = Vec<(u64, Vec<u8>)>;
 
-fn connect(pid: i32) -> Res<AgentSession> {
+fn connect(pid: HostPid) -> Res<AgentSession> {
     AgentSession::connect_expected(pid, WAIT).map_err(|e| e.to_string())
 }
 
@@ -60,7 +61,7 @@ fn list(s: &AgentSession) -> Res<()> {
 }
 
 /// Dumps into memory; with `abort_after` = Some(n) aborts after n chunks.
-fn dump(pid: i32, ring: &Staging, streams: u32, abort_after: Option<usize>) -> Res<Saved> {
+fn dump(pid: HostPid, ring: &Staging, streams: u32, abort_after: Option<usize>) -> Res<Saved> {
     let s = connect(pid)?;
     hello(&s)?;
     list(&s)?;
@@ -142,7 +143,7 @@ impl Slots {
 /// Re-creates the agent's memory and loads `chunks` into it; `data` fills each slot (or, for
 /// `bench`, leaves whatever the ring holds).
 fn load(
-    pid: i32,
+    pid: HostPid,
     ring: &Staging,
     streams: u32,
     chunks: &[(u64, u64)],
@@ -180,7 +181,7 @@ fn load(
     Ok(secs)
 }
 
-fn restore(pid: i32, ring: &Staging, streams: u32, saved: &Saved) -> Res<()> {
+fn restore(pid: HostPid, ring: &Staging, streams: u32, saved: &Saved) -> Res<()> {
     let chunks: Vec<(u64, u64)> = saved.iter().map(|(a, d)| (*a, d.len() as u64)).collect();
     load(pid, ring, streams, &chunks, |i, slot| {
         slot.copy_from_slice(&saved[i].1)
@@ -236,7 +237,7 @@ fn load_file() -> Res<Saved> {
 /// The agent's own pace: a dump whose slots are freed at once (no copy on this side), then a
 /// restore of the same chunks from whatever the ring holds (the data is garbage afterwards:
 /// the application must rewrite it).
-fn bench(pid: i32, ring: &Staging, streams: u32) -> Res<()> {
+fn bench(pid: HostPid, ring: &Staging, streams: u32) -> Res<()> {
     let s = connect(pid)?;
     let t0 = Instant::now();
     s.begin(Transfer::Out, ring.fd().as_fd(), shape(ring, streams))
@@ -268,7 +269,7 @@ fn bench(pid: i32, ring: &Staging, streams: u32) -> Res<()> {
 }
 
 /// The driver's checkpoint calls on `pid`, in order, as the plugin makes them.
-fn driver(pid: i32, checkpoint: bool) -> Res<()> {
+fn driver(pid: HostPid, checkpoint: bool) -> Res<()> {
     let api = gpusnap_cuda::driver::api().map_err(|e| e.to_string())?;
     api.init().map_err(|e| e.to_string())?;
     let timed = |name: &str, r: Result<(), gpusnap_cuda::DriverError>, t0: Instant| {
@@ -296,7 +297,7 @@ fn driver(pid: i32, checkpoint: bool) -> Res<()> {
 /// Seizes every thread of `pid` and lets the agent's run. Dropping the pair stops the agent's
 /// thread first (a tuple drops its fields in order), then detaches every thread: a detach
 /// needs the thread stopped.
-fn hold(pid: i32) -> Res<(RunningThread, SeizedProcess)> {
+fn hold(pid: HostPid) -> Res<(RunningThread, SeizedProcess)> {
     let tid =
         gpusnap_cuda::agent::agent_thread(pid).ok_or("no gpusnap-agent thread in the target")?;
     let seized = SeizedProcess::seize(pid).map_err(|e| format!("seize {pid}: {e}"))?;
@@ -306,9 +307,10 @@ fn hold(pid: i32) -> Res<(RunningThread, SeizedProcess)> {
 
 fn run() -> Res<()> {
     let args: Vec<String> = std::env::args().collect();
-    let pid: i32 = args
+    let pid = args
         .get(1)
         .and_then(|a| a.parse().ok())
+        .map(HostPid)
         .ok_or("usage: agent_client <pid> <mode> ...")?;
     let mode = args.get(2).map(String::as_str).unwrap_or("hello");
     let slot_mib: usize = args.get(3).and_then(|a| a.parse().ok()).unwrap_or(64);

@@ -90,7 +90,7 @@ const REPLY_BYTES: usize = 24;
 /// allocation id (8), the service's name (16), zeros (8). Little-endian.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Token {
-    pub exporter_pid: u32,
+    pub exporter_pid: NsPid,
     pub key: [u8; 16],
     pub alloc_id: u64,
     /// The random part of the exporter's abstract socket name ([`service_name`]).
@@ -132,7 +132,7 @@ impl Token {
         let mut b = [0u8; HANDLE_BYTES];
         b[0..8].copy_from_slice(&TOKEN_MAGIC);
         b[8..12].copy_from_slice(&VERSION.to_le_bytes());
-        b[12..16].copy_from_slice(&self.exporter_pid.to_le_bytes());
+        b[12..16].copy_from_slice(&self.exporter_pid.get().to_le_bytes());
         b[16..32].copy_from_slice(&self.key);
         b[32..40].copy_from_slice(&self.alloc_id.to_le_bytes());
         b[40..56].copy_from_slice(&self.name);
@@ -151,8 +151,8 @@ impl Token {
         if b[56..].iter().any(|&x| x != 0) {
             return Err(TokenError::ReservedNotZero);
         }
-        let exporter_pid = u32_at(b, 12);
-        if exporter_pid == 0 {
+        let exporter_pid = NsPid(u32_at(b, 12));
+        if exporter_pid == NsPid(0) {
             return Err(TokenError::ZeroPid);
         }
         let mut key = [0u8; 16];
@@ -234,9 +234,15 @@ impl Reply {
 
 /// The abstract socket name of an exporter's service (without the leading NUL): its pid and
 /// the random bits of [`Token::name`], never its key (every user can list the name).
-pub fn service_name(pid: u32, name: &[u8; 16]) -> String {
+pub fn service_name(pid: NsPid, name: &[u8; 16]) -> String {
     let hex: String = name.iter().map(|b| format!("{b:02x}")).collect();
     format!("gpusnap-ipc:{pid}:{hex}")
+}
+
+/// A peer's pid as `SO_PEERCRED` gives it: in this process's (the job's) pid namespace, 0 for a
+/// peer outside it; the kernel's `pid_t` is never negative.
+fn peer_pid(cred: &libc::ucred) -> NsPid {
+    NsPid(cred.pid as u32)
 }
 
 /// 128 random bits (`getrandom`).
@@ -281,7 +287,7 @@ pub enum IpcError {
     /// The exporter could not be reached or talked to.
     Connect(io::Error),
     /// The peer is not the process the token names, or not a user allowed.
-    WrongPeer { pid: i32, uid: u32 },
+    WrongPeer { pid: NsPid, uid: u32 },
     /// The exporter refused (status), e.g. a freed allocation.
     Refused(CuRes),
     /// A malformed or unexpected message.
@@ -344,13 +350,13 @@ struct Export {
     /// The POSIX fd of its physical memory, handed to importers (dup'ed for each).
     fd: OwnedFd,
     /// The pids that fetched it (a dump must hold them all).
-    importers: BTreeSet<u32>,
+    importers: BTreeSet<NsPid>,
 }
 
 /// Another process's allocation mapped here.
 #[derive(Debug)]
 struct Import {
-    source: (u32, [u8; 16], u64),
+    source: (NsPid, [u8; 16], u64),
     size: u64,
     refs: u32,
     /// The device it is mapped for (the importer's context's, at the open).
@@ -507,7 +513,7 @@ fn export(
     }
     crate::hazards::record(hazard::SERVED_IPC_EXPORT);
     Ok(Token {
-        exporter_pid: std::process::id(),
+        exporter_pid: NsPid(std::process::id()),
         key,
         alloc_id: id,
         name,
@@ -564,7 +570,7 @@ fn ensure_service() -> Result<([u8; 16], [u8; 16]), IpcError> {
     }
     let key = crate::identity::key().map_err(IpcError::Service)?;
     let random = random_bits().map_err(IpcError::Service)?;
-    let name = service_name(std::process::id(), &random);
+    let name = service_name(NsPid(std::process::id()), &random);
     let listener = seqpacket_socket().map_err(IpcError::Service)?;
     let (addr, len) = abstract_addr(&name).map_err(IpcError::Service)?;
     // SAFETY: addr is a valid sockaddr_un of length len.
@@ -656,7 +662,7 @@ fn serve_one(conn: &OwnedFd) -> Result<(), IpcError> {
             cred.pid, cred.uid
         );
         return Err(IpcError::WrongPeer {
-            pid: cred.pid,
+            pid: peer_pid(&cred),
             uid: cred.uid,
         });
     }
@@ -714,7 +720,7 @@ fn serve_one(conn: &OwnedFd) -> Result<(), IpcError> {
         && let Some(e) = st.exports.values_mut().find(|e| e.id == req.alloc_id)
         && let Ok(pid) = u32::try_from(cred.pid)
     {
-        e.importers.insert(pid);
+        e.importers.insert(NsPid(pid));
     }
     Ok(())
 }
@@ -744,7 +750,7 @@ fn open(drv: &Driver, t: &Token, flags: u32) -> Result<CUdeviceptr, IpcError> {
     if flags & !LAZY_ENABLE_PEER_ACCESS != 0 {
         return Err(IpcError::Flags(flags));
     }
-    if t.exporter_pid == std::process::id() {
+    if t.exporter_pid == NsPid(std::process::id()) {
         return Err(IpcError::OwnHandle);
     }
     let source = (t.exporter_pid, t.key, t.alloc_id);
@@ -795,7 +801,7 @@ fn open(drv: &Driver, t: &Token, flags: u32) -> Result<CUdeviceptr, IpcError> {
 }
 
 /// One more open of an import already mapped here: its base.
-fn count_open(source: (u32, [u8; 16], u64)) -> Option<CUdeviceptr> {
+fn count_open(source: (NsPid, [u8; 16], u64)) -> Option<CUdeviceptr> {
     let mut st = state();
     let (&base, m) = st.imports.iter_mut().find(|(_, m)| m.source == source)?;
     m.refs += 1;
@@ -856,7 +862,7 @@ pub fn sharing() -> Option<Vec<Share>> {
     for (&base, m) in &st.imports {
         v.push(Share {
             import: true,
-            pid: NsPid(m.source.0),
+            pid: m.source.0,
             id: m.source.2,
             addr: base,
             size: m.size,
@@ -867,15 +873,15 @@ pub fn sharing() -> Option<Vec<Share>> {
     }
     let own_key = st.service.as_ref().map_or([0; 16], |s| s.key);
     for (&base, e) in &st.exports {
-        let pids: Vec<u32> = if e.importers.is_empty() {
-            vec![0]
+        let pids: Vec<NsPid> = if e.importers.is_empty() {
+            vec![NsPid(0)]
         } else {
             e.importers.iter().copied().collect()
         };
         for pid in pids {
             v.push(Share {
                 import: false,
-                pid: NsPid(pid),
+                pid,
                 id: e.id,
                 addr: base,
                 size: e.size,
@@ -955,7 +961,7 @@ pub fn import_devices() -> Option<BTreeSet<i32>> {
 }
 
 /// The device the import of exporter `exporter_pid`'s allocation `id` is mapped for.
-pub fn import_device(exporter_pid: u32, id: u64) -> Option<i32> {
+pub fn import_device(exporter_pid: NsPid, id: u64) -> Option<i32> {
     let st = try_state_for(LOCK_WAIT)?;
     st.imports
         .values()
@@ -967,7 +973,7 @@ pub fn import_device(exporter_pid: u32, id: u64) -> Option<i32> {
 /// process's import of it was mapped before a release. Returns that address.
 pub fn reimport(
     drv: &Driver,
-    exporter_pid: u32,
+    exporter_pid: NsPid,
     id: u64,
     fd: BorrowedFd<'_>,
 ) -> Result<u64, IpcError> {
@@ -1026,9 +1032,9 @@ fn fetch(t: &Token) -> Result<(OwnedFd, u64), IpcError> {
     // SAFETY: geteuid has no preconditions.
     let me = unsafe { libc::geteuid() };
     let user_ok = cred.uid == me || me == 0 || cred.uid == 0;
-    if u32::try_from(cred.pid).ok() != Some(t.exporter_pid) || !user_ok {
+    if u32::try_from(cred.pid).ok().map(NsPid) != Some(t.exporter_pid) || !user_ok {
         return Err(IpcError::WrongPeer {
-            pid: cred.pid,
+            pid: peer_pid(&cred),
             uid: cred.uid,
         });
     }
@@ -1195,7 +1201,7 @@ mod tests {
 
     fn token() -> Token {
         Token {
-            exporter_pid: 4242,
+            exporter_pid: NsPid(4242),
             key: [7; 16],
             alloc_id: 99,
             name: [9; 16],
@@ -1224,7 +1230,7 @@ mod tests {
         b[63] = 1;
         assert_eq!(Token::decode(&b), Err(TokenError::ReservedNotZero));
         let mut t = token();
-        t.exporter_pid = 0;
+        t.exporter_pid = NsPid(0);
         assert_eq!(Token::decode(&t.encode()), Err(TokenError::ZeroPid));
         for e in [
             IpcError::Token(TokenError::ZeroPid),
@@ -1268,7 +1274,7 @@ mod tests {
             "gpusnap-ipc:4242:09090909090909090909090909090909"
         );
         assert_eq!(Token::decode(&t.encode()).unwrap().unwrap().name, t.name);
-        let name = service_name(u32::MAX, &[0xff; 16]);
+        let name = service_name(NsPid(u32::MAX), &[0xff; 16]);
         assert_eq!(
             name,
             "gpusnap-ipc:4294967295:ffffffffffffffffffffffffffffffff"

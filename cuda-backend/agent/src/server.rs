@@ -29,6 +29,7 @@ use crate::log::debug;
 use crate::session::{Fail, Ring, busy_reply};
 use crate::table::{self, AGENT_LOCK_WAIT};
 use crate::{dump, restore};
+use gpusnap_proto::pid::{NsPid, NsTid};
 
 static STARTED: AtomicBool = AtomicBool::new(false);
 
@@ -273,7 +274,7 @@ fn take_knocks(door: &Door, waiting: &mut Vec<Taken>) -> Result<(), Gone> {
         Conn(Taken),
         Nothing,
         Malformed(&'static str),
-        Refused { pid: i32, uid: u32 },
+        Refused { pid: NsPid, uid: u32 },
     }
     loop {
         // While a dump holds the process, only its knocks are taken; any other's descriptor
@@ -286,22 +287,24 @@ fn take_knocks(door: &Door, waiting: &mut Vec<Taken>) -> Result<(), Gone> {
         }
         let fence = table::try_lock_for(AGENT_LOCK_WAIT);
         let found =
-            take_knock_from(&door.agent, |pid, _| dumper == 0 || pid == dumper).map(|k| match k {
-                Knock::Connection(fd) => {
-                    // A slot is free: at most WAITING_MAX wait, and none is being served.
-                    let slot = (FIRST_CONNECTION..AGENT_FDS.len())
-                        .find(|&i| AGENT_FDS[i].load(Ordering::Acquire) < 0)
-                        .unwrap_or(AGENT_FDS.len() - 1);
-                    AGENT_FDS[slot].store(fd.as_raw_fd(), Ordering::Release);
-                    Found::Conn(Taken {
-                        fd,
-                        slot,
-                        since: std::time::Instant::now(),
-                    })
+            take_knock_from(&door.agent, |pid, _| dumper == NsPid(0) || pid == dumper).map(|k| {
+                match k {
+                    Knock::Connection(fd) => {
+                        // A slot is free: at most WAITING_MAX wait, and none is being served.
+                        let slot = (FIRST_CONNECTION..AGENT_FDS.len())
+                            .find(|&i| AGENT_FDS[i].load(Ordering::Acquire) < 0)
+                            .unwrap_or(AGENT_FDS.len() - 1);
+                        AGENT_FDS[slot].store(fd.as_raw_fd(), Ordering::Release);
+                        Found::Conn(Taken {
+                            fd,
+                            slot,
+                            since: std::time::Instant::now(),
+                        })
+                    }
+                    Knock::Nothing => Found::Nothing,
+                    Knock::Malformed(why) => Found::Malformed(why),
+                    Knock::Refused { pid, uid } => Found::Refused { pid, uid },
                 }
-                Knock::Nothing => Found::Nothing,
-                Knock::Malformed(why) => Found::Malformed(why),
-                Knock::Refused { pid, uid } => Found::Refused { pid, uid },
             });
         drop(fence);
         match found {
@@ -399,9 +402,9 @@ const FIRST_REQUEST_LIMIT: std::time::Duration = std::time::Duration::from_milli
 /// Root, or the user the process runs as; during a dump by `dumper` (not 0), only a
 /// connection that dumper made (a knock taken just as the sealing plugin drained the door may
 /// be another's).
-fn peer_allowed(conn: &OwnedFd, dumper: i32) -> bool {
+fn peer_allowed(conn: &OwnedFd, dumper: NsPid) -> bool {
     match peer_cred(conn.as_fd()) {
-        Ok(c) if dumper != 0 && c.pid != dumper => {
+        Ok(c) if dumper != NsPid(0) && u32::try_from(c.pid).map(NsPid) != Ok(dumper) => {
             debug!(
                 "refusing a connection from pid {} while pid {dumper} dumps the process",
                 c.pid
@@ -428,18 +431,18 @@ static DUMPER: AtomicI32 = AtomicI32::new(0);
 
 /// [`DUMPER`], forgotten when that process is gone (CRIU killed before it sealed the door:
 /// `gpusnap recover` must get in). No file is opened for it.
-fn dumper() -> i32 {
+fn dumper() -> NsPid {
     let pid = DUMPER.load(Ordering::Acquire);
     if pid <= 0 {
-        return 0;
+        return NsPid(0);
     }
     // SAFETY: kill with signal 0 sends nothing; it only checks that the process exists.
     let rc = unsafe { libc::kill(pid, 0) };
     if rc != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH) {
         DUMPER.store(0, Ordering::Release);
-        return 0;
+        return NsPid(0);
     }
-    pid
+    NsPid(pid as u32)
 }
 
 /// The connection `ch` begins a dump: while a tracer holds the application (a checkpoint, not
@@ -722,7 +725,7 @@ fn list_sharing(ch: &Channel) -> Result<(), ProtoError> {
 fn shareable_source(
     ch: &Channel,
     import: u64,
-    exporter_pid: u32,
+    exporter_pid: NsPid,
     id: u64,
     key: [u8; 16],
 ) -> Result<(), ProtoError> {
@@ -781,7 +784,7 @@ fn share_fds(ch: &Channel) -> Result<(), ProtoError> {
 
 /// `Reimport`: map exporter `exporter_pid`'s allocation `id` again where this process's import
 /// of it was (only while a tracer holds the application's threads, as every load).
-fn reimport(ch: &Channel, gpu: &mut crate::gpu::Gpu, exporter_pid: u32, id: u64, fd: OwnedFd) {
+fn reimport(ch: &Channel, gpu: &mut crate::gpu::Gpu, exporter_pid: NsPid, id: u64, fd: OwnedFd) {
     let result = (|| -> Result<u64, Fail> {
         let drv = crate::session::need_driver()?;
         crate::held::by_a_tracer().map_err(Fail::bad_state)?;
@@ -844,8 +847,9 @@ fn hello() -> Reply {
     let (pid, tid) = unsafe { (libc::getpid(), libc::gettid()) };
     Reply::Hello {
         version: PROTOCOL_VERSION,
-        pid,
-        tid,
+        // This process's own namespace's numbers; getpid's pid_t is never negative.
+        pid: NsPid(pid as u32),
+        tid: NsTid(tid),
         allocations: s.entries,
         converted_bytes: s.converted_bytes,
         devices: s.devices,

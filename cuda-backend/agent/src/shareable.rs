@@ -73,7 +73,7 @@ struct Import {
     /// Duplicate of the imported fd, until the plugin resolved it (or a release).
     ident: Option<OwnedFd>,
     /// The exporter (its pid in this process's namespace) and its allocation id.
-    source: Option<(u32, u64)>,
+    source: Option<(NsPid, u64)>,
     /// The exporter's key ([`crate::identity`]), with `source`.
     source_key: [u8; 16],
     maps: Vec<ImportMap>,
@@ -399,12 +399,12 @@ pub fn sharing() -> Option<Vec<Share>> {
         let first = m.maps.first();
         let (pid, id, agent_fd) = match (m.source, &m.ident) {
             (Some((pid, id)), _) => (pid, id, -1),
-            (None, Some(fd)) => (0, m.id, fd.as_raw_fd()),
-            (None, None) => (0, m.id, -1),
+            (None, Some(fd)) => (NsPid(0), m.id, fd.as_raw_fd()),
+            (None, None) => (NsPid(0), m.id, -1),
         };
         v.push(Share {
             import: true,
-            pid: NsPid(pid),
+            pid,
             id,
             addr: first.map_or(0, |x| x.addr),
             size: first.map_or(0, |x| x.size),
@@ -429,7 +429,7 @@ pub enum ShareableError {
     /// A release of an import the plugin never resolved (it could not be mapped again).
     Unresolved(u64),
     NothingToReimport {
-        pid: u32,
+        pid: NsPid,
         id: u64,
     },
     /// The exported allocation's memory is not back.
@@ -474,7 +474,7 @@ impl From<CuError> for ShareableError {
 
 /// `ShareableSource`: import `import` is exporter `pid`'s allocation `id`, an exporter whose
 /// key is `key`; the duplicate kept to identify it is closed.
-pub fn note_source(import: u64, pid: u32, id: u64, key: [u8; 16]) -> Result<(), ShareableError> {
+pub fn note_source(import: u64, pid: NsPid, id: u64, key: [u8; 16]) -> Result<(), ShareableError> {
     let mut st = try_state().ok_or(ShareableError::Busy)?;
     let m = st
         .imports
@@ -544,7 +544,7 @@ pub fn import_device_at(ptr: u64) -> Option<i32> {
 }
 
 /// The device the import of exporter `pid`'s allocation `id` is used on.
-pub fn import_device(pid: u32, id: u64) -> Option<i32> {
+pub fn import_device(pid: NsPid, id: u64) -> Option<i32> {
     let st = try_state()?;
     st.imports
         .values()
@@ -556,7 +556,7 @@ pub fn import_device(pid: u32, id: u64) -> Option<i32> {
 /// import of it and maps it again where the program had mapped it. Returns the first address.
 pub fn reimport(
     drv: &Driver,
-    pid: u32,
+    pid: NsPid,
     id: u64,
     fd: BorrowedFd<'_>,
 ) -> Result<u64, ShareableError> {

@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use gpusnap_proto::pid::HostPid;
 use gpusnap_proto::{
     AgentRequest, Channel, CommonRequest, Door, ErrorCode, PROTOCOL_VERSION, ProtoError, Reply,
     connect_agent,
@@ -131,7 +132,7 @@ impl EagerChild {
     fn connect(&self) -> Channel {
         let t0 = Instant::now();
         loop {
-            match connect_agent(self.pid()) {
+            match connect_agent(HostPid(self.pid())) {
                 Ok(fd) => return Channel::new(fd),
                 Err(e) if t0.elapsed() < Duration::from_secs(10) => {
                     let _ = e;
@@ -191,8 +192,12 @@ fn eager_agent_answers_without_a_gpu() {
             kept,
         } => {
             assert_eq!(version, PROTOCOL_VERSION);
-            assert_eq!(pid, child.pid());
-            assert_ne!(tid, pid, "the agent is a thread of its own");
+            assert_eq!(pid.get() as i32, child.pid());
+            assert_ne!(
+                tid.get(),
+                pid.get() as i32,
+                "the agent is a thread of its own"
+            );
             assert_eq!(
                 (
                     allocations,
@@ -441,7 +446,7 @@ fn other_users_are_refused() {
     let child = EagerChild::start("30");
     drop(child.connect()); // wait until the door is open
     let pid = child.pid();
-    let opened = as_nobody(|| match Door::open(pid) {
+    let opened = as_nobody(|| match Door::open(HostPid(pid)) {
         Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => 0,
         Err(_) => 2,
         Ok(_) => 1,
@@ -451,7 +456,7 @@ fn other_users_are_refused() {
         "another user opened the agent's door (1) or failed oddly (2)"
     );
     // Root opens the door and hands it over; the other user makes the connection and knocks.
-    let door = Door::open(pid).unwrap().expect("the agent's door");
+    let door = Door::open(HostPid(pid)).unwrap().expect("the agent's door");
     let served = as_nobody(|| {
         let Ok(fd) = door.knock() else { return 3 };
         let ch = Channel::new(fd);
@@ -514,7 +519,7 @@ fn forked_child_inherits_no_agent() {
     // The parent's agent answers.
     let t0 = Instant::now();
     let ch = loop {
-        match connect_agent(parent.id() as i32) {
+        match connect_agent(HostPid(parent.id() as i32)) {
             Ok(fd) => break Channel::new(fd),
             Err(_) if t0.elapsed() < Duration::from_secs(10) => {
                 std::thread::sleep(Duration::from_millis(20))
@@ -531,7 +536,7 @@ fn forked_child_inherits_no_agent() {
     .unwrap();
     assert!(matches!(ch.recv_reply(WAIT).unwrap(), Reply::Hello { .. }));
     // The child has no agent thread, no socket, and closed the inherited door.
-    assert!(connect_agent(forked).is_err());
+    assert!(connect_agent(HostPid(forked)).is_err());
     let comms: Vec<String> = std::fs::read_dir(format!("/proc/{forked}/task"))
         .unwrap()
         .map(|t| std::fs::read_to_string(t.unwrap().path().join("comm")).unwrap())
@@ -568,7 +573,7 @@ fn idle_knocks_do_not_hold_up_the_next_client() {
     let child = EagerChild::start("30");
     drop(child.connect()); // the agent listens
     let idle: Vec<Channel> = (0..20)
-        .map(|_| Channel::new(connect_agent(child.pid()).unwrap()))
+        .map(|_| Channel::new(connect_agent(HostPid(child.pid())).unwrap()))
         .collect();
     let t0 = Instant::now();
     let ch = child.connect();

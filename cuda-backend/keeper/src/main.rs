@@ -10,6 +10,7 @@
 
 mod serve;
 
+use gpusnap_proto::pid::HostPid;
 use gpusnap_proto::{Channel, ErrorCode, Reply};
 use std::os::fd::{AsFd, FromRawFd, OwnedFd};
 
@@ -105,7 +106,12 @@ fn detach(fd: i32) {
     // SAFETY: pidfd_open returned a new descriptor that nothing else owns.
     let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd as i32) };
     let ch = connection(fd);
-    let sent = ch.send_reply_with(&Reply::Detached { pid: child as u32 }, pidfd.as_fd());
+    let sent = ch.send_reply_with(
+        &Reply::Detached {
+            pid: HostPid(child),
+        },
+        pidfd.as_fd(),
+    );
     // Our copy of the connection is not the keeper's: leaving it open or closed changes nothing.
     std::mem::forget(ch);
     // SAFETY: _exit ends this process without running anything of the child's.

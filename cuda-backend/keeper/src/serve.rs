@@ -34,6 +34,7 @@ use gpusnap_agent::cu::CuError;
 use gpusnap_agent::gpu::Gpu;
 use gpusnap_agent::session::Ring;
 use gpusnap_agent::table::{self, AGENT_LOCK_WAIT};
+use gpusnap_proto::pid::{NsPid, NsTid};
 
 /// A line of the agent's debug log (`GPUSNAP_AGENT_DEBUG=1`; the arguments are not evaluated
 /// otherwise), as the agent's own `debug!` writes it.
@@ -813,8 +814,9 @@ fn hello() -> Reply {
     let (pid, tid) = unsafe { (libc::getpid(), libc::gettid()) };
     Reply::Hello {
         version: PROTOCOL_VERSION,
-        pid,
-        tid,
+        // Its own pid namespace's numbers; getpid's pid_t is never negative.
+        pid: NsPid(pid as u32),
+        tid: NsTid(tid),
         allocations: s.as_ref().map_or(0, |s| s.entries),
         converted_bytes: s.as_ref().map_or(0, |s| s.converted_bytes),
         devices: s.as_ref().map_or(0, |s| s.devices),

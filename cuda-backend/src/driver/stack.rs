@@ -6,6 +6,7 @@
 //! namespace calls it); the restore reads the file at the same path on this node, as CRIU will
 //! map it for the restored process.
 
+use gpusnap_host::pid::HostPid;
 use gpusnap_image::{AllocationRecord, LibraryDigest, Manifest, Requirements};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -105,7 +106,7 @@ fn digest_of(path: &str, f: std::fs::File) -> std::io::Result<LibraryDigest> {
 /// The driver library process `pid` has mapped, read through `/proc/<pid>/map_files`; `None`
 /// if it maps none the dump knows (a stand-in, a library loaded another way) or it cannot be
 /// read (logged).
-pub fn mapped_driver_library(pid: i32) -> Option<LibraryDigest> {
+pub fn mapped_driver_library(pid: HostPid) -> Option<LibraryDigest> {
     let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
     let (range, path) = find_library_mapping(&maps)?;
     let opened = std::fs::File::open(format!("/proc/{pid}/map_files/{range}"))
@@ -123,7 +124,7 @@ pub fn mapped_driver_library(pid: i32) -> Option<LibraryDigest> {
 }
 
 /// Whether process `pid` sees the same root directory as this process (not a container's).
-fn same_root_as_ours(pid: i32) -> bool {
+fn same_root_as_ours(pid: HostPid) -> bool {
     use std::os::unix::fs::MetadataExt;
     let id = |p: &str| std::fs::metadata(p).map(|m| (m.dev(), m.ino())).ok();
     id(&format!("/proc/{pid}/root/")).is_some() && id(&format!("/proc/{pid}/root/")) == id("/")
@@ -131,7 +132,7 @@ fn same_root_as_ours(pid: i32) -> bool {
 
 /// What a restore of process `pid` needs of the node: the kernel driver's version, its driver
 /// library, and the device memory its tracked allocations take per GPU.
-pub fn requirements(pid: i32, allocations: &[AllocationRecord]) -> Requirements {
+pub fn requirements(pid: HostPid, allocations: &[AllocationRecord]) -> Requirements {
     let mut gpu_mem_used = BTreeMap::new();
     for a in allocations {
         *gpu_mem_used.entry(a.device).or_insert(0u64) += a.size;
@@ -309,7 +310,7 @@ mod tests {
         let two = [
             m.clone(),
             Manifest {
-                nspid: 8,
+                nspid: gpusnap_host::pid::NsPid(8),
                 ..m.clone()
             },
         ];

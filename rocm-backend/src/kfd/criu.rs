@@ -16,6 +16,7 @@ use super::sys::{
     KfdCriuDeviceBucket, KfdCriuOp, KfdIoctlCriuArgs,
 };
 use super::{KfdError, ProcessInfo, op_name};
+use gpusnap_host::pid::{HostPid, NsPid};
 
 /// Most buffer objects, devices and private bytes accepted from a PROCESS_INFO (a guard
 /// against a wild answer, far above real processes).
@@ -46,7 +47,7 @@ pub fn process_info(dev: &dyn KfdDevice, kfd: BorrowedFd<'_>) -> Result<ProcessI
     // SAFETY: no user pointers (all null); PROCESS_INFO dereferences none.
     unsafe { dev.criu_op(kfd, &mut args) }.map_err(ioctl_error(KfdCriuOp::ProcessInfo))?;
     Ok(ProcessInfo {
-        pid: args.pid,
+        pid: NsPid(args.pid),
         num_devices: args.num_devices,
         num_bos: args.num_bos,
         num_objects: args.num_objects,
@@ -189,10 +190,11 @@ pub fn restore(
 }
 
 /// RESUME: starts the queues of the restored KFD process `pid` (the caller's pid namespace).
-pub fn resume(dev: &dyn KfdDevice, kfd: BorrowedFd<'_>, pid: u32) -> Result<(), KfdError> {
+pub fn resume(dev: &dyn KfdDevice, kfd: BorrowedFd<'_>, pid: HostPid) -> Result<(), KfdError> {
     let mut args = KfdIoctlCriuArgs {
         op: KfdCriuOp::Resume as u32,
-        pid,
+        // The ioctl's u32: the same bits as the pid_t.
+        pid: pid.get() as u32,
         ..Default::default()
     };
     // SAFETY: no user pointers.
@@ -228,7 +230,7 @@ mod tests {
         assert!(err.to_string().contains("PROCESS_INFO"), "{err}");
         assert!(err.to_string().contains("not a KFD device"), "{err}");
         let info = ProcessInfo {
-            pid: 1,
+            pid: NsPid(1),
             num_devices: 1,
             num_bos: 2,
             num_objects: 0,
@@ -237,7 +239,7 @@ mod tests {
         let err = checkpoint(&RealKfd, f.as_fd(), &info).unwrap_err();
         assert!(err.to_string().contains("CHECKPOINT"), "{err}");
         assert!(unpause(&RealKfd, f.as_fd()).is_err());
-        assert!(resume(&RealKfd, f.as_fd(), 1).is_err());
+        assert!(resume(&RealKfd, f.as_fd(), HostPid(1)).is_err());
         let err = restore(&RealKfd, f.as_fd(), vec![], vec![], vec![], 0).unwrap_err();
         assert!(err.to_string().contains("RESTORE"), "{err}");
     }
@@ -246,7 +248,7 @@ mod tests {
     fn wild_sizes_are_refused_before_any_call() {
         let f = std::fs::File::open("/dev/null").unwrap();
         let info = ProcessInfo {
-            pid: 1,
+            pid: NsPid(1),
             num_devices: 1,
             num_bos: u32::MAX,
             num_objects: 0,

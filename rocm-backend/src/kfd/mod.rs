@@ -28,6 +28,7 @@ use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
+use gpusnap_host::pid::NsPid;
 use sys::KfdCriuOp;
 
 /// Errors of the KFD calls, each with what the errno most likely means for that call.
@@ -92,7 +93,7 @@ impl fmt::Display for KfdVersion {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ProcessInfo {
     /// The process's pid in its own pid namespace (which, in a container, is not CRIU's view).
-    pub pid: u32,
+    pub pid: NsPid,
     pub num_devices: u32,
     pub num_bos: u32,
     /// Queues, events and SVM ranges, opaque to user space.

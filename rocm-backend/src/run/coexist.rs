@@ -16,7 +16,8 @@ pub const AMDGPU_PLUGIN: &str = "amdgpu_plugin.so";
 
 /// The path of a loaded `amdgpu_plugin.so`, if one is mapped in this process.
 pub fn loaded_amdgpu_plugin() -> Option<String> {
-    let maps = crate::procfs::maps(std::process::id() as i32).ok()?;
+    let maps =
+        gpusnap_host::procfs::maps(gpusnap_host::pid::HostPid(std::process::id() as i32)).ok()?;
     find_in_maps(&maps)
 }
 

@@ -4,6 +4,7 @@
 //! turn, so every GPU has chunks in flight at once; at restore, one reader thread per data file
 //! checks each chunk and writes it straight into its BO's mapping (`reader_threads`, likewise).
 
+use gpusnap_host::pid::NsPid;
 use std::collections::BTreeMap;
 use std::os::fd::BorrowedFd;
 use std::time::Instant;
@@ -93,7 +94,7 @@ fn schedule(bos: &[BoSource<'_>]) -> Vec<Work> {
 /// threads as `cfg` says (never more than there are chunks), fsynced when `cfg.durable`.
 pub fn write_bos(
     dir: BorrowedFd<'_>,
-    nspid: u32,
+    nspid: NsPid,
     bos: &[BoSource<'_>],
     cfg: &Config,
     codec: Codec,
@@ -109,7 +110,7 @@ pub fn write_bos(
                 let rx = rx.clone();
                 s.spawn(
                     move || -> Result<(Option<FileEntry>, Vec<ChunkEntry>), DataError> {
-                        crate::signals::block_all();
+                        gpusnap_host::signals::block_all();
                         let mut w: Option<DataFileWriter> = None;
                         let mut chunks = Vec::new();
                         for item in rx {
@@ -192,7 +193,7 @@ pub fn read_bos(
             .map(|_| {
                 let rx = rx.clone();
                 s.spawn(move || -> Result<u64, DataError> {
-                    crate::signals::block_all();
+                    gpusnap_host::signals::block_all();
                     let mut bytes = 0;
                     let mut scratch = Vec::new();
                     for f in rx {
@@ -282,7 +283,7 @@ mod tests {
                 gpu: 0,
             })
             .collect();
-        let w = write_bos(d.as_fd(), 9, &bos, &cfg, Codec::Raw).unwrap();
+        let w = write_bos(d.as_fd(), NsPid(9), &bos, &cfg, Codec::Raw).unwrap();
         // As many writers as CPUs (each makes its file with its first chunk, so on a busy
         // machine one writer may take every chunk: the files are not counted).
         assert_eq!(w.writers, cfg.effective_writer_threads().min(16));
@@ -292,7 +293,7 @@ mod tests {
             w.files.len()
         );
         assert_eq!(w.bytes, 16 * 8192);
-        let mut m = gpusnap_image::Manifest::begin(9, gpusnap_image::CheckpointPath::Kfd, 0);
+        let mut m = gpusnap_image::Manifest::begin(NsPid(9), gpusnap_image::CheckpointPath::Kfd, 0);
         m.files = w.files;
         m.chunks = w.chunks;
         let back_fds: Vec<_> = (0..16).map(|_| memfd(8192)).collect();

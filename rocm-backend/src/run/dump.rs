@@ -7,7 +7,7 @@
 //! [`DumpPhase`]: a failure inside the hook UNPAUSEs at once and removes the process's files;
 //! `exit` UNPAUSEs every checkpointed process after `criu dump -R` or a failed dump (and removes
 //! the files of a failed one). An UNPAUSE that fails leaves a process whose GPU queues stay
-//! stopped, so it is killed and reaped ([`crate::reap`]), and the log says so (fail closed).
+//! stopped, so it is killed and reaped ([`gpusnap_host::reap`]), and the log says so (fail closed).
 //!
 //! Should CRIU die while a process is paused or checkpointed, the process runs on the CPU with
 //! its GPU queues stopped and its device memory in place (an AMD dump never releases memory):
@@ -32,8 +32,9 @@ use gpusnap_image::{
 use super::coexist;
 use super::data::{self, BoSource, DataError, Written};
 use super::phase::{DumpPhase, ImpossibleMove};
-use crate::pid::{HostPid, NsPid};
-use crate::procfs;
+use gpusnap_host::pid::{HostPid, NsPid};
+use gpusnap_host::procfs;
+use gpusnap_proto::ForeignFd;
 
 /// Why one AMD process could not be checkpointed.
 #[derive(Debug, thiserror::Error)]
@@ -118,9 +119,9 @@ impl DumpError {
 }
 
 struct Tracked {
-    nspid: u32,
+    nspid: NsPid,
     /// The process's pid as this CRIU sees it (found by its open KFD file), for kills.
-    host_pid: Option<i32>,
+    host_pid: Option<HostPid>,
     phase: DumpPhase,
 }
 
@@ -142,11 +143,12 @@ pub struct AmdDump {
 /// The pid of the process (other than this one, and of namespace pid `nspid` when given) whose
 /// fd refers to the same open file as `fd`: found with `kcmp(KCMP_FILE)` over the fds that
 /// link to the same path.
-fn holder_of(fd: BorrowedFd<'_>, nspid: Option<u32>) -> Option<i32> {
-    let me = std::process::id() as i32;
-    let path = procfs::fd_target(me, fd.as_raw_fd()).ok()?;
+fn holder_of(fd: BorrowedFd<'_>, nspid: Option<NsPid>) -> Option<HostPid> {
+    let me = HostPid(std::process::id() as i32);
+    // Our own descriptor, as `/proc` names it.
+    let path = std::fs::read_link(format!("/proc/{me}/fd/{}", fd.as_raw_fd())).ok()?;
     for pid in procfs::processes().ok()? {
-        if pid == me || nspid.is_some_and(|n| procfs::ns_pid(HostPid(pid)).ok() != Some(NsPid(n))) {
+        if pid == me || nspid.is_some_and(|n| procfs::ns_pid(pid).ok() != Some(n)) {
             continue;
         }
         let Ok(fds) = procfs::fd_numbers(pid) else {
@@ -160,11 +162,11 @@ fn holder_of(fd: BorrowedFd<'_>, nspid: Option<u32>) -> Option<i32> {
             let same = unsafe {
                 libc::syscall(
                     libc::SYS_kcmp,
-                    me,
-                    pid,
+                    me.get(),
+                    pid.get(),
                     0, // KCMP_FILE
                     fd.as_raw_fd() as libc::c_ulong,
-                    n as libc::c_ulong,
+                    n.get() as libc::c_ulong,
                 )
             } == 0;
             if same {
@@ -193,7 +195,12 @@ impl Checkpointed<'_> {
     }
 
     /// The manifest of the process: every content BO an allocation, every chunk written.
-    fn manifest(&self, nspid: u32, written: &Written, timings: BTreeMap<String, f64>) -> Manifest {
+    fn manifest(
+        &self,
+        nspid: NsPid,
+        written: &Written,
+        timings: BTreeMap<String, f64>,
+    ) -> Manifest {
         let v = self.version;
         let mut m = Manifest::begin(
             nspid,
@@ -234,7 +241,7 @@ impl Checkpointed<'_> {
     }
 
     /// The KFD state file of the process.
-    fn state(&self, nspid: u32, vmas: Vec<KfdVmaRecord>, max_fd: u32) -> KfdState {
+    fn state(&self, nspid: NsPid, vmas: Vec<KfdVmaRecord>, max_fd: u32) -> KfdState {
         KfdState {
             format_version: gpusnap_image::KFD_FORMAT_VERSION,
             nspid,
@@ -309,7 +316,7 @@ impl AmdDump {
     /// the first mapping gpusnap could not map again at restore.
     fn record_vmas(
         &self,
-        pid: i32,
+        pid: HostPid,
         ckpt: &KfdCheckpoint,
         gpus: &[KfdGpuRecord],
     ) -> Result<Vec<KfdVmaRecord>, DumpError> {
@@ -422,9 +429,9 @@ impl AmdDump {
         f.max(0) & (libc::O_ACCMODE | libc::O_NONBLOCK)
     }
 
-    fn nspid_of(host: Option<i32>) -> u32 {
-        host.and_then(|p| procfs::ns_pid(HostPid(p)).ok())
-            .map_or(0, NsPid::get)
+    fn nspid_of(host: Option<HostPid>) -> NsPid {
+        host.and_then(|p| procfs::ns_pid(p).ok())
+            .unwrap_or(NsPid(0))
     }
 
     fn dump_render(
@@ -468,7 +475,7 @@ impl AmdDump {
 
     fn dump_kfd(&mut self, dir: BorrowedFd<'_>, fd: BorrowedFd<'_>, id: u32) -> i32 {
         let mut t = Tracked {
-            nspid: 0,
+            nspid: NsPid(0),
             host_pid: None,
             phase: DumpPhase::Untouched,
         };
@@ -489,7 +496,7 @@ impl AmdDump {
                 if let Err(e) = gpusnap_image::remove_process_files(dir, t.nspid) {
                     log::warn!("amd: nspid {}: removing its partial image: {e}", t.nspid);
                 }
-                let _ = crate::fault::sync_dir(dir);
+                let _ = gpusnap_host::fault::sync_dir(dir);
                 self.undo(&mut t, "the dump failed");
                 -1
             }
@@ -519,7 +526,7 @@ impl AmdDump {
         })?;
         t.nspid = info.pid;
         t.phase.paused(kfd, info)?;
-        crate::fault::kill_criu_at("amd-dump-paused");
+        gpusnap_host::fault::kill_criu_at("amd-dump-paused");
         let t_info = t0.elapsed().as_secs_f64();
         t.host_pid = holder_of(fd, Some(info.pid));
         log::info!(
@@ -538,7 +545,7 @@ impl AmdDump {
         })?;
         let n_vmas = self.save(dir, kfd, version, id, t, t0, t_info)?;
         t.phase.checkpointed()?;
-        crate::fault::kill_criu_at("amd-dump-checkpointed");
+        gpusnap_host::fault::kill_criu_at("amd-dump-checkpointed");
         Ok(n_vmas)
     }
 
@@ -577,7 +584,7 @@ impl AmdDump {
             .map_err(DumpError::Proc)?
             .into_iter()
             .max()
-            .unwrap_or(0)
+            .map_or(0, ForeignFd::get)
             .max(0) as u32;
         // Map every content BO through its dma-buf.
         let mut maps: Vec<(usize, BoMapping)> = Vec::new();
@@ -633,7 +640,7 @@ impl AmdDump {
         };
         gpusnap_image::write_kfd_file(dir, id, &rec)?;
         if self.cfg.durable {
-            crate::fault::sync_dir(dir)?;
+            gpusnap_host::fault::sync_dir(dir)?;
         }
         log::info!(
             "amd: nspid {nspid}: checkpointed: {} GPUs, {} BOs ({} with contents, {} bytes in {} chunks, {} data files), {} device mappings; timings: process_info {:.3} s, checkpoint {:.3} s, data {:.3} s, total {:.3} s",
@@ -672,7 +679,7 @@ impl AmdDump {
                     log::error!(
                         "amd: nspid {nspid}: {why}, and {e}: killing pid {p} so that it cannot run with its GPU queues stopped (fail closed)"
                     );
-                    match crate::reap::kill_and_reap(p) {
+                    match gpusnap_host::reap::kill_and_reap(p) {
                         Ok(_) => {
                             let _ = t.phase.killed();
                         }
@@ -697,7 +704,7 @@ impl AmdDump {
                 self.vmas_recorded
             );
         }
-        let leave_running = crate::criu::leave_running();
+        let leave_running = gpusnap_host::criu::leave_running();
         let dir = self.dir;
         let mut processes = std::mem::take(&mut self.processes);
         for t in &mut processes {
@@ -711,10 +718,10 @@ impl AmdDump {
                 {
                     log::warn!("amd: nspid {nspid}: removing the image of a failed dump: {e}");
                 }
-                crate::fault::kill_criu_at("amd-rollback");
+                gpusnap_host::fault::kill_criu_at("amd-rollback");
                 self.undo(t, "CRIU's dump failed");
             } else if leave_running {
-                crate::fault::kill_criu_at("amd-rollback");
+                gpusnap_host::fault::kill_criu_at("amd-rollback");
                 self.undo(t, "criu dump -R (leave running)");
             } else {
                 let bos = t.phase.info().map_or(0, |i| i.num_bos);

@@ -33,7 +33,7 @@ use crate::kfd::device::{KfdDevice, RealKfd};
 use crate::kfd::standin::StandinKfd;
 use gpusnap_config::Config;
 
-use crate::criu::{Reopened, Stage};
+use gpusnap_host::criu::{Reopened, Stage};
 
 /// The KFD this run talks to, if there is one.
 pub fn kfd_device() -> Option<Box<dyn KfdDevice>> {
@@ -136,7 +136,7 @@ impl AmdSide {
     }
 
     /// `RESUME_DEVICES_LATE`: `None` when `pid` is not a restored AMD process.
-    pub fn resume_devices_late(&mut self, pid: i32) -> Option<i32> {
+    pub fn resume_devices_late(&mut self, pid: gpusnap_host::pid::HostPid) -> Option<i32> {
         let AmdSide::Restore(r) = self else {
             return None;
         };
@@ -182,7 +182,7 @@ impl gpusnap_host::Backend for AmdSide {
         AmdSide::update_vma_map(self, path, addr, old)
     }
 
-    fn resume_devices_late(&mut self, pid: i32) -> gpusnap_host::Answer {
+    fn resume_devices_late(&mut self, pid: gpusnap_host::pid::HostPid) -> gpusnap_host::Answer {
         AmdSide::resume_devices_late(self, pid)
             .map_or(gpusnap_host::Answer::NotMine, gpusnap_host::Answer::of_rc)
     }
@@ -197,7 +197,7 @@ const DRM_MAJOR: u32 = crate::kfd::device::DRM_MAJOR;
 
 /// The major of `/dev/kfd` on this host (allocated at driver load), from `/proc/devices`.
 fn kfd_major() -> Option<u32> {
-    crate::procfs::char_major("kfd").ok().flatten()
+    gpusnap_host::procfs::char_major("kfd").ok().flatten()
 }
 
 /// `HANDLE_DEVICE_VMA` of a mapping of an AMD device (`/dev/kfd` or a DRM node) that gpusnap

@@ -216,7 +216,7 @@ mod tests {
 
     fn info() -> ProcessInfo {
         ProcessInfo {
-            pid: 7,
+            pid: gpusnap_host::pid::NsPid(7),
             num_devices: 1,
             num_bos: 2,
             num_objects: 3,

@@ -12,34 +12,35 @@ use crate::kfd::criu;
 use crate::kfd::device::{DeviceFile, KfdDevice};
 use gpusnap_proto::{ForeignFd, pidfd_getfd, pidfd_open};
 
-use crate::procfs;
-use crate::ptrace::SeizedProcess;
+use gpusnap_host::pid::HostPid;
+use gpusnap_host::procfs;
+use gpusnap_host::ptrace::SeizedProcess;
 
 /// Why an AMD process could not be recovered.
 #[derive(Debug, thiserror::Error)]
 pub enum RecoverError {
     #[error("pid {pid}: {source}")]
     Proc {
-        pid: i32,
+        pid: HostPid,
         #[source]
         source: io::Error,
     },
     #[error("cannot seize pid {pid} ({source}); is another tracer (CRIU?) still attached?")]
     Seize {
-        pid: i32,
+        pid: HostPid,
         #[source]
         source: io::Error,
     },
     #[error("copying KFD file {fd} out of pid {pid}: {source}")]
     GetFd {
-        pid: i32,
+        pid: HostPid,
         fd: ForeignFd,
         #[source]
         source: io::Error,
     },
     #[error("pid {pid}: {source}; its GPU queues stay stopped")]
     Unpause {
-        pid: i32,
+        pid: HostPid,
         #[source]
         source: KfdError,
     },
@@ -55,25 +56,24 @@ pub enum Recovered {
 }
 
 /// The descriptor number of a KFD file `pid` holds, if any.
-pub fn kfd_fd_of(dev: &dyn KfdDevice, pid: i32) -> Result<Option<ForeignFd>, RecoverError> {
+pub fn kfd_fd_of(dev: &dyn KfdDevice, pid: HostPid) -> Result<Option<ForeignFd>, RecoverError> {
     let fds = procfs::fd_numbers(pid).map_err(|source| RecoverError::Proc { pid, source })?;
-    Ok(fds.into_iter().filter_map(ForeignFd::new).find(|&fd| {
-        let n = fd.get();
-        let Ok(meta) = procfs::fd_metadata(pid, n) else {
+    Ok(fds.into_iter().find(|&fd| {
+        let Ok(meta) = procfs::fd_metadata(pid, fd) else {
             return false;
         };
         let ft = meta.file_type();
         if !(ft.is_char_device() || (dev.block_nodes() && ft.is_block_device())) {
             return false;
         }
-        procfs::fd_target(pid, n)
+        procfs::fd_target(pid, fd)
             .is_ok_and(|path| dev.classify(&path, meta.rdev()) == Some(DeviceFile::Kfd))
     }))
 }
 
 /// UNPAUSEs the process `pid` if its queues are paused. `Ok(None)`: it holds no KFD file (not
 /// an AMD GPU process this host's KFD knows).
-pub fn recover(pid: i32) -> Result<Option<Recovered>, RecoverError> {
+pub fn recover(pid: HostPid) -> Result<Option<Recovered>, RecoverError> {
     let Some(dev) = super::kfd_device() else {
         return Ok(None);
     };

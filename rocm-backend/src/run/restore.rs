@@ -18,7 +18,7 @@
 //! - `RESUME_DEVICES_LATE`, in CRIU: the process is made to die with CRIU (`PTRACE_O_EXITKILL`),
 //!   then RESUME starts its queues before it runs. CRIU 4.1 and 4.2 go on with the restore
 //!   whatever this hook answers, so on a failure gpusnap kills and reaps the process itself
-//!   ([`crate::reap`]) and answers -1.
+//!   ([`gpusnap_host::reap`]) and answers -1.
 //!
 //! Each process's progress is its [`RestorePhase`] (CRIU's copy of the plugin sees `Planned`
 //! until RESUME; the restored task's copy sees RESTORE and the contents written back).
@@ -40,8 +40,8 @@ use gpusnap_image::{CheckpointPath, ImageError, KfdFileKind, KfdState, KfdVmaNod
 
 use super::data::{self, BoTarget, DataError};
 use super::phase::{ImpossibleMove, RestorePhase};
-use crate::criu::Reopened;
-use crate::pid::{HostPid, NsPid};
+use gpusnap_host::criu::Reopened;
+use gpusnap_host::pid::{HostPid, NsPid};
 
 /// Why a restore with AMD GPU processes is refused at init, before CRIU forks anything.
 #[derive(Debug, thiserror::Error)]
@@ -60,7 +60,7 @@ pub enum Refused {
     },
     #[error("nspid {nspid}: no GPU here can take the place of {why} ({device})")]
     NoGpu {
-        nspid: u32,
+        nspid: NsPid,
         #[source]
         why: crate::gpumatch::NoStandIn,
         device: String,
@@ -75,12 +75,12 @@ pub enum Refused {
 #[derive(Debug, thiserror::Error)]
 pub enum RestoreError {
     #[error("the image has no KFD state for process {0}")]
-    NoState(u32),
+    NoState(NsPid),
     #[error("RESTORE_EXT_FILE ran in pid {pid} (namespace pid {found:?}), not in process {nspid}")]
     WrongTask {
-        pid: i32,
+        pid: HostPid,
         found: Option<NsPid>,
-        nspid: u32,
+        nspid: NsPid,
     },
     #[error(transparent)]
     Kfd(#[from] KfdError),
@@ -128,7 +128,7 @@ pub enum MapWhy {
     #[error(
         "the image of nspid {0} records no such mapping (written by a gpusnap that did not record device mappings, or damaged)"
     )]
-    NotRecorded(u32),
+    NotRecorded(NsPid),
     #[error("RESTORE gave its {0} an offset that does not fit the mapping")]
     Offset(String),
     #[error("its file is no longer open in this task")]
@@ -143,7 +143,7 @@ pub enum ResumeError {
     #[error("cannot open the KFD for RESUME: {0}")]
     OpenKfd(#[source] KfdError),
     #[error("cannot make it die with CRIU: {0}")]
-    ExitKill(#[from] crate::ptrace::PtraceError),
+    ExitKill(#[from] gpusnap_host::ptrace::PtraceError),
     #[error(transparent)]
     Resume(KfdError),
     #[error("internal: {0}")]
@@ -195,9 +195,9 @@ struct Translated {
 /// they are closed once every recorded mapping of the task was handed out. CRIU 4.1/4.2 take
 /// ownership of the fd `UPDATE_VMA_MAP` returns, so each answer is a fresh dup.
 struct TaskFiles {
-    nspid: u32,
+    nspid: NsPid,
     /// The task that opened them (`getpid()`).
-    pid: i32,
+    pid: HostPid,
     /// Lowest fd number used.
     base: i32,
     kfd: Option<OwnedFd>,
@@ -229,7 +229,7 @@ pub(super) fn end_restored_task() -> ! {
 pub struct AmdRestore {
     dev: Box<dyn KfdDevice>,
     cfg: Config,
-    plans: BTreeMap<u32, Plan>,
+    plans: BTreeMap<NsPid, Plan>,
     /// A KFD file of CRIU's own, for RESUME (which names its process by pid).
     resume_kfd: Option<OwnedFd>,
     /// In a restored task: its files for device mappings.
@@ -334,9 +334,9 @@ impl AmdRestore {
     }
 
     /// The task's files (made on first use in this task).
-    fn task_files(&mut self, nspid: u32) -> &mut TaskFiles {
+    fn task_files(&mut self, nspid: NsPid) -> &mut TaskFiles {
         // SAFETY: getpid has no preconditions.
-        let me = unsafe { libc::getpid() };
+        let me = HostPid(unsafe { libc::getpid() });
         if self.task.as_ref().is_none_or(|t| t.pid != me) {
             let max_fd = self.plans.get(&nspid).map_or(0, |p| p.state.max_fd);
             // A version 1 image does not say; 1024 is above what most processes hold.
@@ -358,7 +358,7 @@ impl AmdRestore {
     }
 
     /// The task's render-node file of local minor `minor`, opened once.
-    fn render_file(&mut self, nspid: u32, minor: u32) -> Result<BorrowedFd<'_>, RestoreError> {
+    fn render_file(&mut self, nspid: NsPid, minor: u32) -> Result<BorrowedFd<'_>, RestoreError> {
         let path = self.dev.render_path(minor);
         let t = self.task_files(nspid);
         if !t.renders.contains_key(&minor) {
@@ -373,7 +373,7 @@ impl AmdRestore {
     }
 
     /// The local GPU standing in for user gpu_id `gpu_id` of process `nspid`.
-    fn local_gpu(&self, nspid: u32, gpu_id: u32) -> Option<&Gpu> {
+    fn local_gpu(&self, nspid: NsPid, gpu_id: u32) -> Option<&Gpu> {
         let p = self.plans.get(&nspid)?;
         let i = p.state.gpu_index(gpu_id)?;
         p.local.get(i)
@@ -448,16 +448,16 @@ impl AmdRestore {
     fn restore_process(
         &mut self,
         dir: BorrowedFd<'_>,
-        nspid: u32,
+        nspid: NsPid,
     ) -> Result<OwnedFd, RestoreError> {
         let t0 = Instant::now();
         if !self.plans.contains_key(&nspid) {
             return Err(RestoreError::NoState(nspid));
         }
         // SAFETY: getpid has no preconditions.
-        let me = unsafe { libc::getpid() };
-        match crate::procfs::ns_pid(HostPid(me)) {
-            Ok(n) if n == NsPid(nspid) => {}
+        let me = HostPid(unsafe { libc::getpid() });
+        match gpusnap_host::procfs::ns_pid(me) {
+            Ok(n) if n == nspid => {}
             other => {
                 return Err(RestoreError::WrongTask {
                     pid: me,
@@ -515,7 +515,7 @@ impl AmdRestore {
             plan.state.num_objects,
         )?;
         plan.phase.state_restored()?;
-        crate::fault::kill_criu_at("amd-restore-state");
+        gpusnap_host::fault::kill_criu_at("amd-restore-state");
         let plan = &self.plans[&nspid];
         let t_restore = t0.elapsed().as_secs_f64();
         let mut maps = Vec::new();
@@ -618,7 +618,7 @@ impl AmdRestore {
     ) -> Option<Result<(u64, OwnedFd), MapError>> {
         self.classify_path(path)?;
         // SAFETY: getpid has no preconditions.
-        let me = unsafe { libc::getpid() };
+        let me = HostPid(unsafe { libc::getpid() });
         let named = |why: MapWhy| MapError {
             addr,
             path: path.to_owned(),
@@ -665,8 +665,8 @@ impl AmdRestore {
     /// `RESUME_DEVICES_LATE`: `None` when `pid` is not a restored AMD process. The process is
     /// made to die with CRIU first; a RESUME that fails kills and reaps it (CRIU 4.1 and 4.2
     /// go on with the restore whatever this hook answers).
-    pub fn resume_devices_late(&mut self, pid: i32) -> Option<i32> {
-        let nspid = crate::procfs::ns_pid(HostPid(pid)).ok()?.get();
+    pub fn resume_devices_late(&mut self, pid: HostPid) -> Option<i32> {
+        let nspid = gpusnap_host::procfs::ns_pid(pid).ok()?;
         if !self.plans.contains_key(&nspid) {
             return None;
         }
@@ -680,7 +680,7 @@ impl AmdRestore {
                 Some(0)
             }
             Err(e) => {
-                match crate::reap::kill_and_reap(pid) {
+                match gpusnap_host::reap::kill_and_reap(pid) {
                     Ok(_) => log::error!(
                         "amd: pid {pid} (nspid {nspid}): {e}; the process was killed rather than left running with its GPU queues stopped; the image is unchanged: restore again"
                     ),
@@ -696,16 +696,16 @@ impl AmdRestore {
         }
     }
 
-    fn resume(&mut self, pid: i32, nspid: u32) -> Result<(), ResumeError> {
-        crate::hold::kill_if_criu_dies(pid, &[])?;
-        crate::fault::kill_criu_at("amd-restore-resume");
+    fn resume(&mut self, pid: HostPid, nspid: NsPid) -> Result<(), ResumeError> {
+        gpusnap_host::hold::kill_if_criu_dies(pid, &[])?;
+        gpusnap_host::fault::kill_criu_at("amd-restore-resume");
         let kfd = match &self.resume_kfd {
             Some(k) => k,
             None => self
                 .resume_kfd
                 .insert(self.dev.open_kfd().map_err(ResumeError::OpenKfd)?),
         };
-        criu::resume(self.dev.as_ref(), kfd.as_fd(), pid as u32).map_err(ResumeError::Resume)?;
+        criu::resume(self.dev.as_ref(), kfd.as_fd(), pid).map_err(ResumeError::Resume)?;
         if let Some(p) = self.plans.get_mut(&nspid) {
             p.phase.resumed()?;
         }

@@ -4,6 +4,7 @@ use std::fmt;
 
 use super::common::sealed::Sealed;
 use super::{CommonRequest, Request, header, kind, open};
+use crate::pid::NsPid;
 use crate::wire::Writer;
 use crate::{MAX_MESSAGE, ProtoError};
 
@@ -58,7 +59,7 @@ pub enum AgentRequest {
     /// it.
     Reimport {
         /// The exporter's pid (as the importer's token names it).
-        exporter_pid: u32,
+        exporter_pid: NsPid,
         /// The exporter's allocation id.
         id: u64,
     },
@@ -71,7 +72,7 @@ pub enum AgentRequest {
         /// The importer's own import id ([`crate::Reply::Shared`] of an unresolved import).
         import: u64,
         /// The exporter's pid in the importer's pid namespace.
-        exporter_pid: u32,
+        exporter_pid: NsPid,
         /// The exporter's allocation id.
         id: u64,
         /// The exporter's key (its [`crate::Share::key`]), so that a later process
@@ -115,7 +116,7 @@ impl AgentRequest {
             AgentRequest::ShareFds => header(&mut w, kind::REQ_SHARE_FDS),
             AgentRequest::Reimport { exporter_pid, id } => {
                 header(&mut w, kind::REQ_REIMPORT);
-                w.u32(*exporter_pid);
+                w.u32(exporter_pid.get());
                 w.u64(*id);
             }
             AgentRequest::ShareableSource {
@@ -126,7 +127,7 @@ impl AgentRequest {
             } => {
                 header(&mut w, kind::REQ_SHAREABLE_SOURCE);
                 w.u64(*import);
-                w.u32(*exporter_pid);
+                w.u32(exporter_pid.get());
                 w.u64(*id);
                 w.bytes16(key);
             }
@@ -156,12 +157,12 @@ impl AgentRequest {
             kind::REQ_LIST_SHARING => AgentRequest::ListSharing,
             kind::REQ_SHARE_FDS => AgentRequest::ShareFds,
             kind::REQ_REIMPORT => AgentRequest::Reimport {
-                exporter_pid: r.u32()?,
+                exporter_pid: NsPid(r.u32()?),
                 id: r.u64()?,
             },
             kind::REQ_SHAREABLE_SOURCE => AgentRequest::ShareableSource {
                 import: r.u64()?,
-                exporter_pid: r.u32()?,
+                exporter_pid: NsPid(r.u32()?),
                 id: r.u64()?,
                 key: r.bytes16()?,
             },

@@ -904,17 +904,9 @@ fn hand_over(ctx: &Ctx, t: &mut Tracked, release: &Mutex<Option<Hold>>) -> Resul
         .take_session()
         .ok_or(DumpError::HandOver(HandOverError::NoKeeper))?;
     t.time("lend", t0.elapsed().as_secs_f64());
-    let moved_bytes = |lend: bool| -> u64 {
-        routes
-            .0
-            .iter()
-            .filter(|(a, r)| a.moved && (*r == crate::route::AllocRoute::Lend) == lend)
-            .map(|(a, _)| a.size)
-            .sum()
-    };
     log::info!(
         "pid {pid}: {lent} allocations ({:.2} GiB) lent to keeper pid {}: exports and adoptions pipelined in {:.3} s (at most {} in flight; one keeper round trip {:.6} s; waited {:.3} s for the keeper's answers)",
-        gib(moved_bytes(true)),
+        gib(routes.moved_bytes(true)),
         keeper.pid(),
         times.total_s,
         times.most_in_flight,
@@ -929,78 +921,15 @@ fn hand_over(ctx: &Ctx, t: &mut Tracked, release: &Mutex<Option<Hold>>) -> Resul
     if ctx.cfg.compress == gpusnap_config::Compress::Auto {
         log::info!("pid {pid}: chunks stored as {codec:?}: {why}");
     }
-    // What cannot be lent is copied out first, through the job's agent on this connection, as
-    // the copy-first route does, before anything is released; its manifest is written now,
-    // so that `gpusnap recover` finds that part should CRIU die from here on.
-    let copy_first = if routes.copied_first() > 0 {
-        let t0 = Instant::now();
-        let data = copy_out_paused(ctx, t, &session, &staging, &allocations, codec)?;
-        log::info!(
-            "pid {pid}: {} allocations ({:.2} GiB) copied out first, before the driver checkpoint, in {:.3} s",
-            routes.copied_first(),
-            gib(moved_bytes(false)),
-            t0.elapsed().as_secs_f64()
-        );
-        log_data(pid, &allocations, &data);
-        t.time("data", data.seconds);
-        let manifest = new_manifest(
-            ctx,
-            t,
-            CheckpointPath::Split,
-            routes.copy_first_records(),
-            &data,
-        );
-        gpusnap_image::write_manifest(dir, &manifest).map_err(DumpError::Manifest)?;
-        Some((manifest, data))
-    } else {
-        None
-    };
+    let copy_first = copy_first_part(ctx, t, &session, &staging, &allocations, &routes, codec)?;
 
-    // The drain writes after CRIU has decided its part succeeded, when a full disk can no
-    // longer fail the dump: the space is held by now (taken from PAUSE on), while it still can.
-    let early = match &mut t.route {
-        Route::Split(plan) => plan.early_space.take(),
-        Route::Transparent => None,
-    };
-    let reserved = match crate::space::hold(
-        pid,
-        dir,
-        early,
-        drain_reservation(
-            &routes,
-            staging.slot_size() as u64,
-            ctx.cfg.effective_writer_threads(),
-        ),
-        ctx.cfg.effective_writer_threads(),
-    )
-    .and_then(|r| split_for_snapshot(pid, r, snapshot.as_ref(), &routes, &staging, ctx))
-    {
-        Ok(r) => Some(r),
-        Err(gpusnap_image::ReserveError::Unsupported(e)) => {
-            log::info!(
-                "pid {pid}: no space held for the drain (the file system cannot: {e}); a disk that fills up during it leaves the image marked NOT-A-CHECKPOINT"
-            );
-            None
-        }
-        Err(e) => {
-            gpusnap_host::logger::tell_user(&format!(
-                "pid {pid}: {e}; the dump fails, nothing was released"
-            ));
-            return Err(DumpError::NoSpace {
-                pid,
-                why: e.to_string(),
-            });
-        }
-    };
+    let (reserved, snapshot_reserved) =
+        hold_drain_space(ctx, t, &routes, &staging, snapshot.as_ref())?;
     let agent_tid = session_agent_tid(t)?;
     t.hold = Some(
         gpusnap_host::hold::Hold::place(pid, &[t.restore_tid, agent_tid])
             .map_err(|err| DumpError::Hold { pid, err })?,
     );
-    let (reserved, snapshot_reserved) = match reserved {
-        Some((pause, snap)) => (Some(pause), snap),
-        None => (None, None),
-    };
     let job = crate::handover::DrainJob {
         staging,
         dir: ctx.criu_image_dir().ok_or(DumpError::NoImageDir)?,
@@ -1058,6 +987,116 @@ fn hand_over(ctx: &Ctx, t: &mut Tracked, release: &Mutex<Option<Hold>>) -> Resul
     t.time("release", t0.elapsed().as_secs_f64());
     log::debug!("pid {pid}: agent released {n} allocations ({bytes} bytes), descriptors kept");
     gpusnap_host::fault::kill_criu_at("dump-released");
+    start_drain(t, drain_session, job, snapshot, snapshot_reserved, since)?;
+    lock(ctx, t, "relock")?;
+    *release.lock().unwrap_or_else(|e| e.into_inner()) = t.hold.take();
+    gpusnap_host::fault::kill_criu_at("dump-relocked");
+    Ok(())
+}
+
+/// What a hand-over cannot lend is copied out first, through the job's agent on this
+/// connection, as the copy-first route does, before anything is released; its manifest is
+/// written now, so that `gpusnap recover` finds that part should CRIU die from here on.
+fn copy_first_part(
+    ctx: &Ctx,
+    t: &mut Tracked,
+    session: &AgentSession,
+    staging: &Staging,
+    allocations: &[AllocationRecord],
+    routes: &crate::route::Routes,
+    codec: gpusnap_image::Codec,
+) -> Result<Option<(Manifest, datapath::DumpData)>, DumpError> {
+    if routes.copied_first() == 0 {
+        return Ok(None);
+    }
+    let pid = t.pid;
+    let t0 = Instant::now();
+    let data = copy_out_paused(ctx, t, session, staging, allocations, codec)?;
+    log::info!(
+        "pid {pid}: {} allocations ({:.2} GiB) copied out first, before the driver checkpoint, in {:.3} s",
+        routes.copied_first(),
+        gib(routes.moved_bytes(false)),
+        t0.elapsed().as_secs_f64()
+    );
+    log_data(pid, allocations, &data);
+    t.time("data", data.seconds);
+    let manifest = new_manifest(
+        ctx,
+        t,
+        CheckpointPath::Split,
+        routes.copy_first_records(),
+        &data,
+    );
+    gpusnap_image::write_manifest(ctx.image_dir(), &manifest).map_err(DumpError::Manifest)?;
+    Ok(Some((manifest, data)))
+}
+
+/// The space the drain will write, held by now (taken from PAUSE on), while a full disk can
+/// still fail the dump: the drain writes after CRIU has decided its part succeeded. Split in
+/// two where part of the memory is in an asynchronous snapshot (drained after CRIU returns).
+/// `(None, None)` where the file system cannot hold space this way.
+fn hold_drain_space(
+    ctx: &Ctx,
+    t: &mut Tracked,
+    routes: &crate::route::Routes,
+    staging: &Staging,
+    snapshot: Option<&crate::route::SnapshotPlan>,
+) -> Result<
+    (
+        Option<gpusnap_image::Reservation>,
+        Option<gpusnap_image::Reservation>,
+    ),
+    DumpError,
+> {
+    let pid = t.pid;
+    let early = match &mut t.route {
+        Route::Split(plan) => plan.early_space.take(),
+        Route::Transparent => None,
+    };
+    match crate::space::hold(
+        pid,
+        ctx.image_dir(),
+        early,
+        drain_reservation(
+            routes,
+            staging.slot_size() as u64,
+            ctx.cfg.effective_writer_threads(),
+        ),
+        ctx.cfg.effective_writer_threads(),
+    )
+    .and_then(|r| split_for_snapshot(pid, r, snapshot, routes, staging, ctx))
+    {
+        Ok((pause, snap)) => Ok((Some(pause), snap)),
+        Err(gpusnap_image::ReserveError::Unsupported(e)) => {
+            log::info!(
+                "pid {pid}: no space held for the drain (the file system cannot: {e}); a disk that fills up during it leaves the image marked NOT-A-CHECKPOINT"
+            );
+            Ok((None, None))
+        }
+        Err(e) => {
+            gpusnap_host::logger::tell_user(&format!(
+                "pid {pid}: {e}; the dump fails, nothing was released"
+            ));
+            Err(DumpError::NoSpace {
+                pid,
+                why: e.to_string(),
+            })
+        }
+    }
+}
+
+/// After the release: the keeper drains what it holds, beside the driver's control checkpoint
+/// and CRIU's own dump (joined in `exit`), or, where all of it is in an asynchronous snapshot,
+/// once CRIU is done, in a process of its own while the job runs on its own memory.
+fn start_drain(
+    t: &mut Tracked,
+    drain_session: KeeperSession,
+    job: crate::handover::DrainJob,
+    snapshot: Option<crate::route::SnapshotPlan>,
+    snapshot_reserved: Option<gpusnap_image::Reservation>,
+    since: Instant,
+) -> Result<(), DumpError> {
+    let pid = t.pid;
     match snapshot {
         Some(plan) if plan.whole() => {
             // The keeper holds a snapshot of all of it: the drain runs once CRIU is done, in a
@@ -1098,9 +1137,6 @@ fn hand_over(ctx: &Ctx, t: &mut Tracked, release: &Mutex<Option<Hold>>) -> Resul
             );
         }
     }
-    lock(ctx, t, "relock")?;
-    *release.lock().unwrap_or_else(|e| e.into_inner()) = t.hold.take();
-    gpusnap_host::fault::kill_criu_at("dump-relocked");
     Ok(())
 }
 

@@ -145,6 +145,15 @@ impl Routes {
         self.count(|r| matches!(r, AllocRoute::CopyFirst(_)))
     }
 
+    /// Bytes of the moved allocations that are lent (`lend`) or copied out first (`!lend`).
+    pub fn moved_bytes(&self, lend: bool) -> u64 {
+        self.0
+            .iter()
+            .filter(|(a, r)| a.moved && (*r == AllocRoute::Lend) == lend)
+            .map(|(a, _)| a.size)
+            .sum()
+    }
+
     /// Ids of the allocations to lend.
     pub fn lend_ids(&self) -> BTreeSet<u64> {
         self.0

@@ -36,6 +36,9 @@ pub struct CudaBackend {
     /// A dump with `mode = off`: a process with CUDA state fails the dump rather than being
     /// saved without its GPU state ([`refuse_unsaved_gpu_state`]).
     off_guard: bool,
+    /// A restore: where each recorded per-GPU device node is opened, made at `init` (the
+    /// restored tasks, forked from CRIU's process after it, have it too).
+    device_nodes: crate::devfile::NodePlan,
 }
 
 impl CudaBackend {
@@ -48,6 +51,8 @@ impl CudaBackend {
         let device_files = cfg.mode != Mode::Off;
         let off_guard = cfg.mode == Mode::Off && stage == Stage::Dump;
         let durable = cfg.durable;
+        let device_map = cfg.device_map.clone();
+        let mut device_nodes = crate::devfile::NodePlan::default();
         let run = match stage {
             Stage::PreDump => {
                 log::info!("pre-dump: GPU state is not pre-dumped (the final dump takes it)");
@@ -55,8 +60,29 @@ impl CudaBackend {
             }
             Stage::Dump => init_dump(cfg, image_dir),
             Stage::Restore => match RestoreRun::init(cfg, image_dir) {
-                RestoreInit::Run(r) => Run::Restore(r),
-                RestoreInit::NothingToDo(why) => Run::Disabled(why),
+                RestoreInit::Run(mut r) => {
+                    device_nodes = r.take_device_nodes();
+                    Run::Restore(r)
+                }
+                RestoreInit::NothingToDo(why) => {
+                    // No GPU process, but device files held without CUDA state may be (an NVML
+                    // user's `/dev/nvidia<N>`): they follow the GPUs of this host too.
+                    if device_files && let Some(dir) = image_dir {
+                        match crate::devfile::plan_at_init(dir, &device_map, &[], false) {
+                            Ok(n) => device_nodes = n,
+                            Err(e) => {
+                                let refusal = crate::restore::NodeRefusal(
+                                    e.into_iter().map(Into::into).collect(),
+                                );
+                                log::error!(
+                                    "restore refused: {refusal} (checked against /proc/driver/nvidia before CRIU restored any process); nothing was restored"
+                                );
+                                return Err(Refused);
+                            }
+                        }
+                    }
+                    Run::Disabled(why)
+                }
                 RestoreInit::Refused => return Err(Refused),
             },
         };
@@ -67,6 +93,7 @@ impl CudaBackend {
             image_dir,
             run,
             off_guard,
+            device_nodes,
         })
     }
 
@@ -79,6 +106,7 @@ impl CudaBackend {
             image_dir: None,
             run: Run::Disabled(why.into()),
             off_guard: false,
+            device_nodes: Default::default(),
         }
     }
 
@@ -137,7 +165,7 @@ impl Backend for CudaBackend {
         if self.stage != Stage::Restore || !self.device_files {
             return None;
         }
-        match crate::devfile::restore(dir, id) {
+        match crate::devfile::restore(dir, id, &self.device_nodes) {
             Ok(Some(fd)) => Some(Reopened::Fd(fd)),
             Ok(None) => None,
             Err(e) => {

@@ -21,14 +21,17 @@ pub fn proc_dir() -> PathBuf {
         .map_or_else(|| PathBuf::from("/proc/driver/nvidia/gpus"), PathBuf::from)
 }
 
+/// The value of the `key:` line of an `information` file (after the colon, trimmed).
+fn field<'a>(text: &'a str, key: &str) -> Option<&'a str> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(key)?.trim_start().strip_prefix(':'))
+        .map(str::trim)
+}
+
 /// One `information` file: `Model:` and `GPU UUID:` lines (values after the colon, trimmed).
 /// `None` if either is missing or the UUID is not one.
 pub fn parse_information(text: &str) -> Option<HostGpu> {
-    let field = |key: &str| {
-        text.lines()
-            .find_map(|l| l.strip_prefix(key)?.trim_start().strip_prefix(':'))
-            .map(str::trim)
-    };
+    let field = |key: &str| field(text, key);
     let name = field("Model")?;
     let uuid = gpusnap_config::normalise_uuid(field("GPU UUID")?).ok()?;
     (!name.is_empty()).then(|| HostGpu {
@@ -38,10 +41,67 @@ pub fn parse_information(text: &str) -> Option<HostGpu> {
     })
 }
 
+/// A GPU of the listing and the number of its device node (`/dev/nvidia<minor>`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GpuNode {
+    /// 32 lowercase hex digits.
+    pub uuid: String,
+    pub name: String,
+    /// The `Device Minor:` line: the driver makes `/dev/nvidia<minor>` for this GPU.
+    pub minor: u32,
+}
+
+impl GpuNode {
+    pub fn path(&self) -> String {
+        format!("/dev/nvidia{}", self.minor)
+    }
+}
+
+/// One `information` file with its `Device Minor:` line; `None` if a line is missing.
+pub fn parse_node(text: &str) -> Option<GpuNode> {
+    let gpu = parse_information(text)?;
+    let minor = field(text, "Device Minor")?.parse().ok()?;
+    Some(GpuNode {
+        uuid: gpu.uuid,
+        name: gpu.name,
+        minor,
+    })
+}
+
+/// Every GPU listed under `dir` with its device node, like [`list`]; `Err` also when an entry
+/// has no `Device Minor:` line.
+pub fn list_nodes(dir: &Path) -> std::io::Result<Vec<GpuNode>> {
+    read_listing(dir, parse_node)
+}
+
+/// The listing's GPUs as a message names them: `GPU-… (model) at /dev/nvidia<N>, …`.
+pub fn describe_nodes(nodes: &[GpuNode]) -> String {
+    if nodes.is_empty() {
+        return "none".into();
+    }
+    nodes
+        .iter()
+        .map(|n| {
+            format!(
+                "{} ({}) at {}",
+                crate::gpumap::dashed(&n.uuid),
+                n.name,
+                n.path()
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// Every GPU listed under `dir`, sorted by bus directory name. `Err` when the directory cannot
 /// be read or an entry cannot be parsed: the caller then skips the early check rather than
 /// judging from a partial list.
 pub fn list(dir: &Path) -> std::io::Result<Vec<HostGpu>> {
+    read_listing(dir, parse_information)
+}
+
+/// Each `information` file under `dir` (in bus order) through `parse`.
+fn read_listing<T>(dir: &Path, parse: fn(&str) -> Option<T>) -> std::io::Result<Vec<T>> {
     let named = |path: &Path| {
         let path = path.display().to_string();
         move |e: std::io::Error| std::io::Error::new(e.kind(), format!("{path}: {e}"))
@@ -57,10 +117,13 @@ pub fn list(dir: &Path) -> std::io::Result<Vec<HostGpu>> {
         .map(|p| {
             let info = p.join("information");
             let text = std::fs::read_to_string(&info).map_err(named(&info))?;
-            parse_information(&text).ok_or_else(|| {
+            parse(&text).ok_or_else(|| {
                 std::io::Error::new(
                     std::io::ErrorKind::InvalidData,
-                    format!("{}: no Model and GPU UUID lines", info.display()),
+                    format!(
+                        "{}: no Model, GPU UUID (or Device Minor) lines",
+                        info.display()
+                    ),
                 )
             })
         })
@@ -142,6 +205,22 @@ mod tests {
         assert_eq!(g.name, "NVIDIA H200");
         assert_eq!(g.uuid, "9e4a6df4768521b7ff265d07d01f4ca8");
         assert!(g.free.is_none());
+    }
+
+    #[test]
+    fn the_device_minor_names_the_node() {
+        let text = format!("{H200}Device Minor: \t 3\nBus Location: \t 0000:1b:00.0\n");
+        let n = parse_node(&text).expect("parsed");
+        assert_eq!(n.minor, 3);
+        assert_eq!(n.path(), "/dev/nvidia3");
+        assert_eq!(n.uuid, "9e4a6df4768521b7ff265d07d01f4ca8");
+        assert!(parse_node(H200).is_none());
+        assert!(parse_node(&format!("{H200}Device Minor: x\n")).is_none());
+        assert_eq!(
+            describe_nodes(&[n]),
+            "GPU-9e4a6df4-7685-21b7-ff26-5d07d01f4ca8 (NVIDIA H200) at /dev/nvidia3"
+        );
+        assert_eq!(describe_nodes(&[]), "none");
     }
 
     #[test]

@@ -276,6 +276,9 @@ pub struct RestoreRun {
     /// The GPU plan `init` made from the kernel driver's listing, by nspid (what the keepers
     /// load onto; checked against the final plan before any hand-over).
     early_plan: HashMap<NsPid, Vec<gpumap::Pair>>,
+    /// Where each recorded per-GPU device node is opened (made with the early plan), until the
+    /// backend takes it for `RESTORE_EXT_FILE`.
+    device_nodes: crate::devfile::NodePlan,
     /// Filled by the first RESUME_DEVICES_LATE, which restores every process.
     restored: Option<Restored>,
 }
@@ -346,6 +349,7 @@ impl RestoreRun {
             ctx: None,
             preloads: HashMap::new(),
             early_plan: HashMap::new(),
+            device_nodes: Default::default(),
             restored: None,
         };
         if run.cfg.mode == Mode::Off {
@@ -368,8 +372,11 @@ impl RestoreRun {
             );
             return RestoreInit::Refused;
         }
-        match node_check(&run.manifests, &run.cfg) {
-            Ok(plan) => run.early_plan = plan,
+        match node_check(dir, &run.manifests, &run.cfg) {
+            Ok((plan, nodes)) => {
+                run.early_plan = plan;
+                run.device_nodes = nodes;
+            }
             Err(e) => {
                 log::error!(
                     "restore refused: {e} (checked against /proc/driver/nvidia and the driver library before CRIU restored any process); nothing was restored and no GPU was touched"
@@ -395,6 +402,11 @@ impl RestoreRun {
             }
         }
         RestoreInit::Run(Box::new(run))
+    }
+
+    /// Where the recorded per-GPU device nodes are opened (`RESTORE_EXT_FILE`), made at `init`.
+    pub fn take_device_nodes(&mut self) -> crate::devfile::NodePlan {
+        std::mem::take(&mut self.device_nodes)
     }
 
     /// The full checksum pass, on this thread (its reader threads are joined before it returns).
@@ -729,6 +741,8 @@ pub enum NodeMismatch {
     DriverStack(#[from] crate::driver::stack::Mismatch),
     #[error(transparent)]
     Gpus(#[from] RestoreError),
+    #[error(transparent)]
+    DeviceFile(#[from] crate::devfile::NodeError),
 }
 
 fn numbered(v: &[NodeMismatch]) -> String {
@@ -744,12 +758,14 @@ fn numbered(v: &[NodeMismatch]) -> String {
 
 /// Everything `init` checks of this node before CRIU creates any process, every mismatch at
 /// once: the driver stack ([`crate::driver::stack::check_node`]: kernel driver version, driver
-/// library) and the GPUs ([`early_gpu_check`]: models, UUIDs, `device_map`). On success, the
-/// early GPU plan.
+/// library), the GPUs ([`early_gpu_check`]: models, UUIDs, `device_map`) and the per-GPU device
+/// nodes the image's processes held ([`crate::devfile::plan_at_init`]). On success, the early
+/// GPU plan and where each device node is opened.
 pub fn node_check(
+    dir: BorrowedFd<'_>,
     manifests: &HashMap<NsPid, Manifest>,
     cfg: &Config,
-) -> Result<HashMap<NsPid, Vec<gpumap::Pair>>, NodeRefusal> {
+) -> Result<(HashMap<NsPid, Vec<gpumap::Pair>>, crate::devfile::NodePlan), NodeRefusal> {
     let mut ms: Vec<&Manifest> = manifests.values().collect();
     ms.sort_by_key(|m| m.nspid);
     let node_kernel = crate::driver::stack::kernel_driver_version();
@@ -762,13 +778,33 @@ pub fn node_check(
     .map(NodeMismatch::from)
     .collect();
     let plan = early_gpu_check_in(&crate::host_gpus::proc_dir(), manifests, &cfg.device_map);
-    match plan {
-        Ok(plan) if problems.is_empty() => Ok(plan),
-        Ok(_) => Err(NodeRefusal(problems)),
+    let planned: Vec<gpumap::Pair> = ms
+        .iter()
+        .filter_map(|m| plan.as_ref().ok()?.get(&m.nspid))
+        .flatten()
+        .cloned()
+        .collect();
+    let mig = manifests
+        .values()
+        .any(|m| gpumap::planned_by_the_driver(&m.gpus, &[]));
+    let nodes = crate::devfile::plan_at_init(dir, &cfg.device_map, &planned, mig);
+    let plan = match plan {
+        Ok(p) => Some(p),
         Err(gpu) => {
             problems.extend(gpu.into_iter().map(NodeMismatch::from));
-            Err(NodeRefusal(problems))
+            None
         }
+    };
+    let nodes = match nodes {
+        Ok(n) => Some(n),
+        Err(n) => {
+            problems.extend(n.into_iter().map(NodeMismatch::from));
+            None
+        }
+    };
+    match (plan, nodes) {
+        (Some(plan), Some(nodes)) if problems.is_empty() => Ok((plan, nodes)),
+        _ => Err(NodeRefusal(problems)),
     }
 }
 

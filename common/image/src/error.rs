@@ -5,15 +5,16 @@ use gpusnap_proto::pid::NsPid;
 use std::io;
 
 use crate::{
-    DATA_FORMAT_VERSION, KFD_FORMAT_VERSION, KFD_FORMAT_VERSION_MIN, MAX_CHAIN_DEPTH,
-    MAX_CHUNK_LEN, MAX_MANIFEST_BODY, READ_MANIFEST_VERSIONS,
+    DATA_FORMAT_VERSION, DEVFILE_FORMAT_VERSION, DEVFILE_FORMAT_VERSION_MIN, KFD_FORMAT_VERSION,
+    KFD_FORMAT_VERSION_MIN, MAX_CHAIN_DEPTH, MAX_CHUNK_LEN, MAX_MANIFEST_BODY,
+    READ_MANIFEST_VERSIONS,
 };
 
 /// Appended to messages that mean the bytes on disk are not what was written.
 const DAMAGED: &str = "image damaged; do not restore from it";
 
 /// The versions this build reads, from the constants: `manifest versions 1 to 5, data file
-/// version 1, KFD file versions 1 to 2`.
+/// version 1, device-file record versions 1 to 2, KFD file versions 1 to 2`.
 pub fn versions_read() -> String {
     let span = |lo: u32, hi: u32| {
         if lo == hi {
@@ -27,9 +28,10 @@ pub fn versions_read() -> String {
         READ_MANIFEST_VERSIONS.iter().max().copied().unwrap_or(0),
     );
     format!(
-        "manifest {}, data file {}, KFD file {}",
+        "manifest {}, data file {}, device-file record {}, KFD file {}",
         span(lo, hi),
         span(DATA_FORMAT_VERSION, DATA_FORMAT_VERSION),
+        span(DEVFILE_FORMAT_VERSION_MIN, DEVFILE_FORMAT_VERSION),
         span(KFD_FORMAT_VERSION_MIN, KFD_FORMAT_VERSION)
     )
 }

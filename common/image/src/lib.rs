@@ -57,8 +57,9 @@ pub use chain::{
     open_parent_dir, parent_for_dedup, read_manifest, verify_parent, write_manifest,
 };
 pub use devfile::{
-    DEVFILE_MAGIC, DevFileRecord, decode_dev_file, devfile_name, encode_dev_file,
-    is_nvidia_device_path, read_dev_file, write_dev_file,
+    DEVFILE_FORMAT_VERSION, DEVFILE_FORMAT_VERSION_MIN, DEVFILE_MAGIC, DevFileRecord,
+    decode_dev_file, devfile_name, encode_dev_file, gpu_node_number, is_nvidia_device_path,
+    list_dev_files, read_dev_file, write_dev_file,
 };
 pub use durable::{IMAGE_DIR, sync_dir};
 pub use error::{ChunkFieldError, ChunkLengthError, ImageError, IoOp, versions_read};
@@ -107,8 +108,9 @@ pub const FORMAT_VERSION: u32 = 7;
 /// Manifest versions readers accept: 1 (no incremental fields), 2, 3, 4, 5, 6 and 7.
 pub const READ_MANIFEST_VERSIONS: [u32; 7] = [1, 2, 3, 4, 5, 6, 7];
 
-/// The version of the data-file header and of the device-file record. Their layout did not
-/// change with manifest version 2, so it is still 1, and readers accept only 1.
+/// The version of the data-file header. Its layout did not change with manifest version 2, so
+/// it is still 1, and readers accept only 1. (The device-file record has its own version,
+/// [`DEVFILE_FORMAT_VERSION`].)
 pub const DATA_FORMAT_VERSION: u32 = 1;
 
 /// Largest chunk (before and after compression) that writers produce and readers accept: 1 GiB.

@@ -147,8 +147,9 @@ fn build_image() -> Image {
     };
     write_manifest(fd, &manifest).unwrap();
     let devfile = DevFileRecord {
-        path: "/dev/nvidiactl".into(),
+        path: "/dev/nvidia0".into(),
         flags: libc::O_RDWR,
+        gpu: Some("0123456789abcdef0123456789abcdef".into()),
     };
     write_dev_file(fd, DEVFILE_ID, &devfile).unwrap();
     let mut names = vec![manifest_file_name(NSPID)];

@@ -106,7 +106,7 @@ impl ImageFileKind {
 }
 
 /// A canonical decimal u32: digits only, no leading zero unless the number is 0.
-fn canonical_u32(s: &str) -> Option<u32> {
+pub(crate) fn canonical_u32(s: &str) -> Option<u32> {
     if s.is_empty() || !s.bytes().all(|b| b.is_ascii_digit()) || (s.len() > 1 && s.starts_with('0'))
     {
         return None;

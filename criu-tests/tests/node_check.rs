@@ -13,6 +13,10 @@
 //!   that UUID and the node's GPUs;
 //! - other GPUs of the same model (`FAKECUDA_UUID_SALT`) on a node with another kernel driver
 //!   and `allow_other_kernel_driver = true`: restored, bit-exact.
+//! - the free memory of the listed GPUs is asked of NVML at `init`, in a child process that is
+//!   gone before CRIU forks the tree: with the dumped GPU listed (so the early check runs and asks)
+//!   the restore goes on, bit-exact. The stand-in has no NVML (the child answers that it cannot
+//!   tell), so a refusal for free memory is shown by the unit tests only.
 //!
 //! Root and CRIU are needed, as for `criu-tests`; `GPUSNAP_SKIP_CRIU_TESTS=1` skips.
 
@@ -250,5 +254,50 @@ fn a_node_that_cannot_take_the_image_is_refused_before_any_process_is_created() 
     );
     s.assert_ok(&run);
     s.assert_line(&run, &["is restored onto GPU"]);
+    s.assert_runs_on(&last, &run);
+}
+
+/// `init` asks NVML for free memory in a child process of CRIU's, which it reaps before it
+/// returns: CRIU then forks and restores the tree as ever (on 4.1 and 4.2).
+#[test]
+fn free_memory_is_asked_at_init_apart_from_criu() {
+    let test = "node-free-apart";
+    let Some(mut s) = Split::launch(
+        test,
+        1,
+        &["--seed", "6", "--allocs", "2", "--mib", "2"],
+        &[],
+    ) else {
+        return;
+    };
+    let dump = s.dump_with(false, &[]);
+    s.assert_ok(&dump);
+    let images = s.w.images.to_str().expect("utf-8 path").to_owned();
+    let (ok, out) = s.run_cli(&["inspect", "--json", &images]);
+    assert!(ok, "{out}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    let dumped = v["processes"][0]["gpus"][0]["uuid"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{out}"))
+        .to_owned();
+    let last = s.reap_dumped();
+    let listing = s.w.path.join("node-listing");
+    let bus = listing.join("0000:10:00.0");
+    fs::create_dir_all(&bus).expect("mkdir bus");
+    fs::write(
+        bus.join("information"),
+        format!("Model: \t\t Fake GPU\nGPU UUID: \t {}\n", dashed(&dumped)),
+    )
+    .expect("write information");
+    let listing_env = listing.to_str().expect("utf-8 path").to_owned();
+    let run = s.restore_in("restore.log", &[("GPUSNAP_TEST_NVIDIA_PROC", &listing_env)]);
+    s.assert_ok(&run);
+    s.assert_line(
+        &run,
+        &[
+            "free memory of 0 of 1 GPUs known before CRIU's restore",
+            "asked in a child process",
+        ],
+    );
     s.assert_runs_on(&last, &run);
 }

@@ -4,7 +4,9 @@
 //! At restore, `init` runs in CRIU's main process before it forks the process tree, where the
 //! driver library must not be loaded yet (it may start threads). Reading these files lets
 //! gpusnap refuse a restore onto absent or other-model GPUs there, before CRIU restores any
-//! process; free memory is checked later, with the driver loaded.
+//! process; free memory is asked of NVML in a child process there ([`crate::nvml`]), and checked
+//! again later, with the driver loaded. The `Device Minor` lines name each GPU's device node
+//! (`/dev/nvidia<minor>`), which [`crate::devfile`] maps to the restore's GPUs.
 //!
 //! MIG instances have UUIDs of their own that this listing (physical GPUs) lacks, so a
 //! `device_map` target it does not show is refused only where [`mig_instances`] finds none.

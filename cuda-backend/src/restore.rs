@@ -777,7 +777,12 @@ pub fn node_check(
     .into_iter()
     .map(NodeMismatch::from)
     .collect();
-    let plan = early_gpu_check_in(&crate::host_gpus::proc_dir(), manifests, &cfg.device_map);
+    let plan = early_gpu_check_with(
+        &crate::host_gpus::proc_dir(),
+        manifests,
+        &cfg.device_map,
+        &free_at_init,
+    );
     let planned: Vec<gpumap::Pair> = ms
         .iter()
         .filter_map(|m| plan.as_ref().ok()?.get(&m.nspid))
@@ -808,8 +813,9 @@ pub fn node_check(
     }
 }
 
-/// The GPU plan of every process against the GPUs the kernel driver lists (model and UUID; free
-/// memory is checked later, by [`gpu_plan`]), in `init`, before CRIU restores any process. Where
+/// The GPU plan of every process against the GPUs the kernel driver lists (model and UUID, and
+/// free memory where NVML tells it: `free_at_init`; [`gpu_plan`] checks it again once the
+/// driver is loaded), in `init`, before CRIU restores any process. Where
 /// the list cannot be read, or cannot speak for the image's GPUs, the check is left to
 /// [`gpu_plan`] and `Ok` is returned: MIG instances (CUDA names them `... MIG ...` and gives them
 /// their own UUIDs, while the list holds the physical GPUs), and a `device_map` target the list
@@ -820,14 +826,58 @@ pub fn early_gpu_check(
     manifests: &HashMap<NsPid, Manifest>,
     device_map: &[(String, String)],
 ) -> Result<HashMap<NsPid, Vec<gpumap::Pair>>, Vec<RestoreError>> {
-    early_gpu_check_in(&crate::host_gpus::proc_dir(), manifests, device_map)
+    early_gpu_check_with(
+        &crate::host_gpus::proc_dir(),
+        manifests,
+        device_map,
+        &free_at_init,
+    )
 }
 
-/// [`early_gpu_check`] against the listing in `dir`.
-fn early_gpu_check_in(
+/// How long `init` waits for NVML's answer on free memory before it leaves the check to
+/// RESUME_DEVICES_LATE (NVML may bring up each GPU without persistence mode: seconds).
+const FREE_AT_INIT_WITHIN: std::time::Duration = std::time::Duration::from_secs(15);
+
+/// Free memory of the listed GPUs `uuids` at `init`, asked of NVML in a child process
+/// ([`crate::nvml::free_memory_apart`]); what NVML cannot tell is absent, and not judged.
+fn free_at_init(uuids: &[String]) -> HashMap<String, u64> {
+    let t0 = Instant::now();
+    match crate::nvml::free_memory_apart(uuids, FREE_AT_INIT_WITHIN) {
+        Ok(free) => {
+            log::info!(
+                "free memory of {} of {} GPUs known before CRIU's restore (NVML, asked in a child process, {:.3} s)",
+                free.len(),
+                uuids.len(),
+                t0.elapsed().as_secs_f64()
+            );
+            free
+        }
+        Err(e) => {
+            log::info!(
+                "free memory not known before CRIU's restore (the NVML query: {e}); it is checked once the driver is loaded"
+            );
+            HashMap::new()
+        }
+    }
+}
+
+/// Device memory the image's process `m` needs on its GPU `ordinal`: what its tracked
+/// allocations took there (`requires.gpu_mem_used`), else (images before it) what gpusnap
+/// re-creates there.
+fn need_on(m: &Manifest, ordinal: u32) -> u64 {
+    m.requires
+        .as_ref()
+        .and_then(|r| r.gpu_mem_used.get(&ordinal).copied())
+        .unwrap_or_else(|| moved_bytes_on(m, ordinal))
+}
+
+/// [`early_gpu_check`] against the listing in `dir`, with `free_of` for the free memory of the
+/// listed GPUs (asked only when some GPU of the image needs memory).
+fn early_gpu_check_with(
     dir: &std::path::Path,
     manifests: &HashMap<NsPid, Manifest>,
     device_map: &[(String, String)],
+    free_of: &dyn Fn(&[String]) -> HashMap<String, u64>,
 ) -> Result<HashMap<NsPid, Vec<gpumap::Pair>>, Vec<RestoreError>> {
     let none = HashMap::new();
     if manifests
@@ -890,10 +940,31 @@ fn early_gpu_check_in(
     }
     let mut ms: Vec<&Manifest> = manifests.values().filter(|m| !m.gpus.is_empty()).collect();
     ms.sort_by_key(|m| m.nspid);
+    let needs: HashMap<NsPid, Vec<u64>> = ms
+        .iter()
+        .map(|m| {
+            (
+                m.nspid,
+                m.gpus.iter().map(|g| need_on(m, g.ordinal)).collect(),
+            )
+        })
+        .collect();
+    let host = if needs.values().flatten().any(|&n| n > 0) {
+        let uuids: Vec<String> = host.iter().map(|h| h.uuid.clone()).collect();
+        let free = free_of(&uuids);
+        host.into_iter()
+            .map(|h| gpumap::HostGpu {
+                free: free.get(&h.uuid).copied(),
+                ..h
+            })
+            .collect()
+    } else {
+        host
+    };
     let mut plan = HashMap::new();
     let mut problems = Vec::new();
-    for m in ms {
-        match plan_against_listing(m, &host, device_map) {
+    for m in &ms {
+        match plan_against_listing(m, &host, device_map, &needs[&m.nspid]) {
             Ok(pairs) => {
                 plan.insert(m.nspid, pairs);
             }
@@ -904,10 +975,54 @@ fn early_gpu_check_in(
         }
     }
     if problems.is_empty() {
+        problems.extend(shared_shortfalls(&ms, &plan, &needs, &host));
+    }
+    if problems.is_empty() {
         Ok(plan)
     } else {
         Err(problems)
     }
+}
+
+/// Each GPU of this host that several processes are planned onto and that has less free memory
+/// than they need together (each alone fits: [`gpumap::plan`] checked it).
+fn shared_shortfalls(
+    ms: &[&Manifest],
+    plan: &HashMap<NsPid, Vec<gpumap::Pair>>,
+    needs: &HashMap<NsPid, Vec<u64>>,
+    host: &[gpumap::HostGpu],
+) -> Vec<RestoreError> {
+    let mut on: std::collections::BTreeMap<&str, (u64, usize)> = Default::default();
+    for m in ms {
+        let pairs = plan.get(&m.nspid).map_or(&[][..], Vec::as_slice);
+        for (g, need) in m.gpus.iter().zip(&needs[&m.nspid]) {
+            let target = pairs
+                .iter()
+                .find(|p| p.old == g.uuid)
+                .map_or(g.uuid.as_str(), |p| p.new.as_str());
+            let e = on.entry(target).or_default();
+            e.0 += need;
+            e.1 += 1;
+        }
+    }
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    on.into_iter()
+        .filter(|(_, (_, n))| *n > 1)
+        .filter_map(|(target, (need, _))| {
+            let h = host.iter().find(|h| h.uuid == target)?;
+            let free = h.free.filter(|&f| f < need)?;
+            Some(RestoreError::GpuPlan {
+                nspid: None,
+                err: gpumap::PlanError::NotEnoughFree {
+                    target: target.to_owned(),
+                    target_name: h.name.clone(),
+                    free_gib: gib(free),
+                    need_gib: gib(need),
+                    short_gib: gib(need - free),
+                },
+            })
+        })
+        .collect()
 }
 
 /// [`gpumap::plan`] against the kernel driver's listing. A listed GPU with a UUID of the image is
@@ -917,6 +1032,7 @@ fn plan_against_listing(
     m: &Manifest,
     listed: &[gpumap::HostGpu],
     device_map: &[(String, String)],
+    need: &[u64],
 ) -> Result<Vec<gpumap::Pair>, gpumap::PlanError> {
     let host: Vec<gpumap::HostGpu> = listed
         .iter()
@@ -928,7 +1044,7 @@ fn plan_against_listing(
             None => h.clone(),
         })
         .collect();
-    gpumap::plan(&m.gpus, &[], &host, device_map)
+    gpumap::plan(&m.gpus, need, &host, device_map)
 }
 
 /// Where each GPU of the image goes, checked for model and free memory before anything is
@@ -1398,6 +1514,82 @@ mod tests {
         }
     }
 
+    /// [`early_gpu_check_with`] where NVML tells nothing.
+    fn early_gpu_check_in(
+        dir: &std::path::Path,
+        manifests: &HashMap<NsPid, Manifest>,
+        device_map: &[(String, String)],
+    ) -> Result<HashMap<NsPid, Vec<gpumap::Pair>>, Vec<RestoreError>> {
+        early_gpu_check_with(dir, manifests, device_map, &|_| HashMap::new())
+    }
+
+    /// A process of nspid `nspid` that used `gib` GiB on GPU `uuid` (an H200).
+    fn using(nspid: u32, uuid: &str, gib: u64) -> Manifest {
+        Manifest {
+            nspid: NsPid(nspid),
+            gpus: vec![gpu(uuid, "NVIDIA H200")],
+            requires: Some(gpusnap_image::Requirements {
+                kernel_driver: None,
+                driver_library: None,
+                gpu_mem_used: std::collections::BTreeMap::from([(0, gib << 30)]),
+            }),
+            ..crate::test_manifest()
+        }
+    }
+
+    #[test]
+    fn free_memory_is_checked_at_init_where_nvml_tells_it() {
+        let root = std::env::temp_dir().join(format!("gpusnap-early-free-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let dir = root.join("gpus");
+        let (a, b, c) = ("a".repeat(32), "b".repeat(32), "c".repeat(32));
+        for (bus, uuid) in [("0000:10:00.0", &b), ("0000:20:00.0", &c)] {
+            std::fs::create_dir_all(dir.join(bus)).unwrap();
+            std::fs::write(
+                dir.join(bus).join("information"),
+                format!("Model: NVIDIA H200\nGPU UUID: {}\n", gpumap::dashed(uuid)),
+            )
+            .unwrap();
+        }
+        // b has 10 GiB free, c 40 GiB; the image's GPU a is not here.
+        let free = |uuids: &[String]| -> HashMap<String, u64> {
+            assert_eq!(uuids.len(), 2);
+            HashMap::from([("b".repeat(32), 10 << 30), ("c".repeat(32), 40 << 30)])
+        };
+        let one = |gib| HashMap::from([(NsPid(7), using(7, &a, gib))]);
+        // 30 GiB: the replacement is the GPU with room, not the first of the model.
+        let plan = early_gpu_check_with(&dir, &one(30), &[], &free).unwrap();
+        assert_eq!(plan[&NsPid(7)][0].new, c);
+        // 50 GiB: no GPU of the model has room, refused naming the need.
+        let e = early_gpu_check_with(&dir, &one(50), &[], &free).unwrap_err();
+        let e = e[0].to_string();
+        assert!(e.contains("no free NVIDIA H200 with 50.00 GiB free"), "{e}");
+        // device_map onto b, which lacks room: refused naming the shortfall.
+        let map = [(a.clone(), b.clone())];
+        let e = early_gpu_check_with(&dir, &one(30), &map, &free).unwrap_err();
+        let e = e[0].to_string();
+        assert!(
+            e.contains("has 10.00 GiB free but the image needs 30.00 GiB on it"),
+            "{e}"
+        );
+        // Two processes on one GPU: each fits alone, not both together.
+        let two = HashMap::from([(NsPid(7), using(7, &c, 25)), (NsPid(8), using(8, &c, 25))]);
+        let e = early_gpu_check_with(&dir, &two, &[], &free).unwrap_err();
+        assert_eq!(e.len(), 1, "{e:?}");
+        let e = e[0].to_string();
+        assert!(
+            e.contains("has 40.00 GiB free but the image needs 50.00 GiB on it: free 10.00 GiB"),
+            "{e}"
+        );
+        // NVML cannot tell: nothing judged now (RESUME_DEVICES_LATE checks it).
+        assert!(early_gpu_check_in(&dir, &one(50), &[]).is_ok());
+        // Nothing needed: NVML is not asked.
+        let never = |_: &[String]| -> HashMap<String, u64> { panic!("asked") };
+        let none = HashMap::from([(NsPid(7), manifest(vec![gpu(&c, "NVIDIA H200")]))]);
+        assert!(early_gpu_check_with(&dir, &none, &[], &never).is_ok());
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
     #[test]
     fn mig_instances_are_left_to_the_driver_and_device_maps_checked_first() {
         // A listing with one other GPU of another model: a plain image is refused against it,
@@ -1459,7 +1651,7 @@ mod tests {
     #[test]
     fn the_dumped_gpu_is_never_refused_for_how_the_listing_spells_its_model() {
         let m = manifest(vec![gpu("aa", "NVIDIA H200")]);
-        let pairs = plan_against_listing(&m, &[listed("aa", "H200 (as /proc says)")], &[])
+        let pairs = plan_against_listing(&m, &[listed("aa", "H200 (as /proc says)")], &[], &[])
             .expect("same GPU");
         assert!(pairs.is_empty(), "{pairs:?}");
     }
@@ -1467,11 +1659,12 @@ mod tests {
     #[test]
     fn another_model_in_the_listing_is_refused_naming_the_gpu() {
         let m = manifest(vec![gpu("aa", "NVIDIA H200")]);
-        let e = plan_against_listing(&m, &[listed("bb", "NVIDIA A100")], &[])
+        let e = plan_against_listing(&m, &[listed("bb", "NVIDIA A100")], &[], &[])
             .unwrap_err()
             .to_string();
         assert!(e.contains("GPU aa (NVIDIA H200)"), "{e}");
-        let ok = plan_against_listing(&m, &[listed("bb", "NVIDIA H200")], &[]).expect("same model");
+        let ok =
+            plan_against_listing(&m, &[listed("bb", "NVIDIA H200")], &[], &[]).expect("same model");
         assert_eq!(ok.len(), 1);
         assert_eq!((ok[0].old.as_str(), ok[0].new.as_str()), ("aa", "bb"));
     }

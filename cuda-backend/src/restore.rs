@@ -629,6 +629,11 @@ impl RestoreRun {
             .map(|(pid, manifest)| RestoreItem {
                 pid,
                 preload: self.preloads.remove(&manifest.nspid),
+                early: self
+                    .early_plan
+                    .get(&manifest.nspid)
+                    .cloned()
+                    .unwrap_or_default(),
                 manifest,
             })
             .collect();
@@ -1048,11 +1053,15 @@ fn plan_against_listing(
 }
 
 /// Where each GPU of the image goes, checked for model and free memory before anything is
-/// touched.
+/// touched. A process whose keeper holds its memory keeps `init`'s plan (`early`: the GPUs the
+/// keeper loaded onto, chosen with their free memory), checked again: its memory is there
+/// already, so another GPU of the model is no better place (with no need counted, the first of
+/// the model would be taken, and the hand-over dropped).
 pub fn gpu_plan(
     ctx: &Ctx,
     m: &Manifest,
     held_by_keeper: bool,
+    early: &[gpumap::Pair],
 ) -> Result<Vec<gpumap::Pair>, gpumap::PlanError> {
     let need: Vec<u64> = m
         .gpus
@@ -1074,7 +1083,19 @@ pub fn gpu_plan(
             free: crate::nvml::free_memory(&g.uuid),
         })
         .collect();
-    let pairs = gpumap::plan(&m.gpus, &need, &host, &ctx.cfg.device_map)?;
+    // A keeper is started only without a device_map (`preload::eligible`), so init's pairs
+    // stand alone here.
+    let kept: Vec<(String, String)>;
+    let configured = if held_by_keeper && !early.is_empty() && ctx.cfg.device_map.is_empty() {
+        kept = early
+            .iter()
+            .map(|p| (p.old.clone(), p.new.clone()))
+            .collect();
+        &kept
+    } else {
+        &ctx.cfg.device_map
+    };
+    let pairs = gpumap::plan(&m.gpus, &need, &host, configured)?;
     for p in &pairs {
         log::info!(
             "nspid {}: GPU {} is restored onto GPU {}",
@@ -1122,6 +1143,8 @@ pub struct RestoreItem {
     pub pid: HostPid,
     pub manifest: Manifest,
     pub preload: Option<Preload>,
+    /// `init`'s plan for it (what its keeper loaded onto).
+    pub early: Vec<gpumap::Pair>,
 }
 
 /// RESUME_DEVICES_LATE for every GPU process of the image at once: threads are resumed here
@@ -1134,11 +1157,12 @@ pub fn resume_all(ctx: &Ctx, items: &mut [RestoreItem], checks: datapath::ReadCh
     for item in items.iter_mut() {
         let (pid, m) = (item.pid, &item.manifest);
         // Memory a keeper holds already needs no more room on the GPU.
-        let planned =
-            gpu_plan(ctx, m, item.preload.is_some()).map_err(|err| RestoreError::GpuPlan {
+        let planned = gpu_plan(ctx, m, item.preload.is_some(), &item.early).map_err(|err| {
+            RestoreError::GpuPlan {
                 nspid: Some(m.nspid),
                 err,
-            });
+            }
+        });
         match planned.and_then(|pairs| prepare(ctx, pid, m).map(|t| (pairs, t))) {
             Ok((pairs, threads)) => work.push((pid, m, pairs, threads, item.preload.take())),
             Err(e) => {

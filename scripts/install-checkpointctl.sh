@@ -61,73 +61,30 @@ if [[ ${GPUSNAP_CHECKPOINTCTL_FORCE:-0} != 1 ]] && root_works "$ROOT"; then
     exit 0
 fi
 
-[[ $(uname -m) == x86_64 ]] || die "only x86_64 is supported (this is $(uname -m))"
-for tool in dpkg-deb flock sha256sum xz; do
-    command -v "$tool" >/dev/null || die "'$tool' not found: this script needs a Debian/Ubuntu host (dpkg, util-linux, coreutils, xz-utils)"
-done
-if command -v curl >/dev/null; then
-    fetch() { curl -fsSL --retry 3 -o "$2" "$1"; }
-elif [[ -x /usr/lib/apt/apt-helper ]]; then
-    fetch() { /usr/lib/apt/apt-helper -q download-file "$1" "$2" >/dev/null; }
-else
-    die "neither curl nor apt's apt-helper found: install curl"
-fi
+# shellcheck source=scripts/pinned-deb.sh
+. "$repo/scripts/pinned-deb.sh"
+pinned_deb_tools
 glibc_dir=$CRIU_ROOT/usr/lib/x86_64-linux-gnu
 for f in ld-linux-x86-64.so.2 libc.so.6; do
     [[ -e $glibc_dir/$f ]] || die "no $glibc_dir/$f: checkpointctl runs on the CRIU root's glibc; run scripts/install-criu.sh first (or set GPUSNAP_CRIU_ROOT)"
 done
 
 mkdir -p -- "$(dirname -- "$ROOT")"
-# Serialize concurrent installers; the lock lives in /tmp so that nothing but the (gitignored)
-# root appears in the repository.
-exec 9>"${TMPDIR:-/tmp}/gpusnap-checkpointctl-root-$(printf %s "$ROOT" | md5sum | cut -c1-16).lock"
-flock 9
+pinned_deb_lock checkpointctl "$ROOT"
 if [[ ${GPUSNAP_CHECKPOINTCTL_FORCE:-0} != 1 ]] && root_works "$ROOT"; then
     say "checkpointctl $DEB_VERSION was installed in $ROOT by a concurrent run"
     exit 0
 fi
 
-if [[ -e $ROOT ]]; then
-    # Only ever delete something we created ourselves.
-    if [[ -f $ROOT/$STAMP || -f $ROOT/$STAMP.partial ]] || [[ -d $ROOT && -z $(ls -A -- "$ROOT") ]]; then
-        say "removing broken or outdated root $ROOT"
-        rm -rf -- "$ROOT"
-    else
-        die "$ROOT exists but was not created by this script (no $STAMP); move it away or set GPUSNAP_CHECKPOINTCTL_ROOT"
-    fi
-fi
+pinned_deb_clear "$ROOT" "$STAMP" GPUSNAP_CHECKPOINTCTL_ROOT
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/gpusnap-checkpointctl-build.XXXXXX")
 trap 'rm -rf -- "$work"' EXIT
 
-# What the archive offers now, for the message when the pinned package is gone or differs.
-what_moved() {
-    local suite out=""
-    for suite in trixie forky sid; do
-        if fetch "$MIRROR/dists/$suite/main/binary-amd64/Packages.xz" "$work/Packages-$suite.xz" 2>/dev/null; then
-            out+=$(xz -dc "$work/Packages-$suite.xz" | awk -v s="$suite" '
-                /^Package: checkpointctl$/ { p = 1 }
-                p && /^Version:/ { v = $2 }
-                p && /^SHA256:/ { h = $2 }
-                p && /^$/ { printf "    %s: checkpointctl %s (sha256 %s)\n", s, v, h; p = 0 }')$'\n'
-        else
-            out+="    $suite: could not read its package index"$'\n'
-        fi
-    done
-    printf '%s' "$out"
-}
-
 deb=checkpointctl_${DEB_VERSION}_amd64.deb
 url=$MIRROR/$POOL/$deb
-say "fetching $url"
-if ! fetch "$url" "$work/$deb"; then
-    die "the pinned checkpointctl $DEB_VERSION is no longer in $MIRROR's pool ($url); the archive now has:
-$(what_moved)
-  update DEB_VERSION and DEB_SHA256 at the top of $script"
-fi
-got=$(sha256sum "$work/$deb" | cut -d' ' -f1)
-[[ $got == "$DEB_SHA256" ]] || die "$deb has sha256 $got, expected $DEB_SHA256 (the file at $url changed); the archive now has:
-$(what_moved)"
+pinned_deb_fetch "$url" "$work/$deb" "$DEB_SHA256" checkpointctl "$DEB_VERSION" \
+    "update DEB_VERSION and DEB_SHA256 at the top of $script" trixie forky sid
 
 mkdir -p "$ROOT"
 echo "incomplete checkpointctl root being built by scripts/install-checkpointctl.sh" >"$ROOT/$STAMP.partial"

@@ -11,7 +11,7 @@ use criu_tests::fake_driver::{FakeDriver, shorts};
 use criu_tests::podman::{run_bounded, shared_libraries};
 
 use crate::cri::PodSpec;
-use crate::node::Node;
+use crate::node::{CriuSetup, Node, NodeGpus};
 use crate::oci;
 use crate::registry::Registry;
 
@@ -121,6 +121,46 @@ pub struct Setup {
     pub work: PathBuf,
     pub nodes: Vec<Node>,
     pub registry: Registry,
+}
+
+impl Setup {
+    /// Starts a node per `(name, gpus)` under `work`, says which CRIU (`v`) and containerd
+    /// run, and has every node pull `images`. `what` names the test in that line.
+    #[allow(clippy::too_many_arguments)]
+    pub fn start_nodes(
+        &mut self,
+        what: &str,
+        v: (u32, u32, u32),
+        containerd: &Path,
+        criu: &CriuSetup,
+        nodes: &[(&str, &NodeGpus)],
+        pause: &str,
+        images: &[&str],
+    ) {
+        for (name, gpus) in nodes {
+            let n = Node::start(name, &self.work.join(name), containerd, criu, gpus, pause)
+                .unwrap_or_else(|e| panic!("{e}"));
+            self.nodes.push(n);
+        }
+        eprintln!(
+            "criu-tests: {what} with CRIU {}.{}.{}, containerd {}",
+            v.0,
+            v.1,
+            v.2,
+            self.nodes[0]
+                .cri()
+                .version()
+                .map(|r| r.runtime_version)
+                .unwrap_or_default()
+        );
+        for n in &mut self.nodes {
+            for r in images {
+                n.cri()
+                    .pull_image(r)
+                    .unwrap_or_else(|e| panic!("node {}: {e}\n{}", n.name, n.log()));
+            }
+        }
+    }
 }
 
 impl Drop for Setup {

@@ -254,29 +254,15 @@ fn cri_split_path_through_cdi() {
     };
     let gpus_a = NodeGpus::new(1, 0, KERNEL_DRIVER);
     let gpus_b = NodeGpus::new(2, 0, KERNEL_DRIVER);
-    for (name, gpus) in [("a", &gpus_a), ("b", &gpus_b)] {
-        let n = Node::start(name, &work.join(name), &containerd, &criu, gpus, &pause_ref)
-            .unwrap_or_else(|e| panic!("{e}"));
-        s.nodes.push(n);
-    }
-    eprintln!(
-        "criu-tests: cri split test with CRIU {}.{}.{}, containerd {}",
-        v.0,
-        v.1,
-        v.2,
-        s.nodes[0]
-            .cri()
-            .version()
-            .map(|r| r.runtime_version)
-            .unwrap_or_default()
+    s.start_nodes(
+        "cri split test",
+        v,
+        &containerd,
+        &criu,
+        &[("a", &gpus_a), ("b", &gpus_b)],
+        &pause_ref,
+        &[&job_ref, &pause_ref],
     );
-    for n in &mut s.nodes {
-        for r in [&job_ref, &pause_ref] {
-            n.cri()
-                .pull_image(r)
-                .unwrap_or_else(|e| panic!("node {}: {e}\n{}", n.name, n.log()));
-        }
-    }
 
     // 1. The job in a pod on node A, the agent from node A's CDI device.
     let a = &mut s.nodes[0];
